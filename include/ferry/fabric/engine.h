@@ -1,0 +1,242 @@
+// TransferEngine: one-sided RDMA over libfabric.
+//
+// One worker thread owns each libfabric domain ("rail"): it alone posts operations and polls
+// the completion queue. Any thread may call the methods below; they validate the request,
+// split it into fabric operations and hand them to the rail workers through lock-free queues.
+// Completion is reported through a callback (run on a worker thread: keep it short) or an
+// OpHandle that can be waited on with a deadline.
+//
+// Completion at the target is signalled by writes carrying a 32-bit immediate: the target
+// counts arrivals per immediate value (wait_imm / on_imm). Writes are never ordered relative
+// to each other, so a target must count, not rely on the last write arriving last.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/types.h"
+
+namespace ferry {
+
+namespace detail {
+class EngineImpl;
+struct OpState;
+}  // namespace detail
+
+struct EngineConfig {
+    // "auto", "efa", "verbs" (verbs;ofi_rxm), "tcp" (tcp;ofi_rxm), "shm", or a full libfabric
+    // provider string. auto prefers efa > verbs > shm (when peers_on_same_host) > tcp.
+    std::string provider = "auto";
+    bool peers_on_same_host = false;
+    // Local address to bind for tcp and verbs providers.
+    std::string node = "127.0.0.1";
+    // Number of domains (NICs) to open. Large writes are striped across them.
+    int num_rails = 1;
+    // Writes larger than this are split into one piece per rail.
+    size_t stripe_threshold = 1 << 20;
+    // Longest write handed to the provider in one operation.
+    size_t max_write_size = 64ull << 20;
+    // An operation not completed by then fails with kTimeout: this is how a peer that died
+    // without closing its connection turns into errors instead of a hang.
+    Duration op_timeout = std::chrono::seconds(10);
+    // Control messages: largest payload, and receive buffers kept posted.
+    size_t max_message_size = 64 * 1024;
+    int message_recv_buffers = 64;
+    // Worker polling: spin for idle_spin after the last activity, then nap (woken at once by
+    // new submissions). busy_poll never naps: lowest latency, one core per rail.
+    bool busy_poll = false;
+    Duration idle_spin = std::chrono::microseconds(200);
+    Duration max_nap = std::chrono::microseconds(500);
+};
+
+using PeerId = uint32_t;
+using GroupId = uint32_t;
+using OpCallback = std::function<void(const Status&)>;
+
+// Waitable handle of one submitted operation.
+class OpHandle {
+  public:
+    OpHandle() = default;
+    explicit OpHandle(std::shared_ptr<detail::OpState> state) : state_(std::move(state)) {}
+
+    bool valid() const { return state_ != nullptr; }
+    bool done() const;
+    // Waits until the operation completed or the timeout passed; returns its final status,
+    // or kTimeout (the operation itself keeps its own deadline and fails on its own).
+    Status wait(Duration timeout = std::chrono::seconds(30)) const;
+    // Number of writes carrying the immediate that this operation put on the wire: what the
+    // target must count.
+    uint32_t imm_writes() const;
+
+  private:
+    std::shared_ptr<detail::OpState> state_;
+};
+
+class TransferEngine;
+
+// Registered local memory. Owned by the caller; deregisters when destroyed. Operations that
+// use it must complete first.
+class MemoryRegion {
+  public:
+    ~MemoryRegion();
+    MemoryRegion(const MemoryRegion&) = delete;
+    MemoryRegion& operator=(const MemoryRegion&) = delete;
+
+    void* data() const { return ptr_; }
+    size_t size() const { return len_; }
+    const MemoryDescriptor& descriptor() const { return desc_; }
+    // Provider descriptor for rail r (fi_mr_desc), null when the provider needs none.
+    void* local_desc(int rail) const { return local_descs_[rail]; }
+    uint32_t id() const { return id_; }
+
+  private:
+    friend class detail::EngineImpl;
+    MemoryRegion() = default;
+
+    std::shared_ptr<detail::EngineImpl> engine_;
+    uint32_t id_ = 0;
+    void* ptr_ = nullptr;
+    size_t len_ = 0;
+    MemoryDescriptor desc_;
+    std::vector<void*> local_descs_;
+};
+
+struct WriteOp {
+    PeerId peer = 0;
+    const MemoryRegion* src = nullptr;
+    uint64_t src_offset = 0;
+    const MemoryDescriptor* dst = nullptr;
+    uint64_t dst_offset = 0;
+    uint64_t length = 0;
+    std::optional<uint32_t> imm;  // write with immediate (remote CQ data)
+};
+
+// Pages (fixed-size chunks at index * stride) copied from src pages to dst pages; runs of
+// pages contiguous on both sides are coalesced into one write.
+struct PagedWriteOp {
+    PeerId peer = 0;
+    const MemoryRegion* src = nullptr;
+    const MemoryDescriptor* dst = nullptr;
+    uint64_t page_size = 0;
+    uint64_t src_stride = 0;  // 0 means page_size
+    uint64_t dst_stride = 0;
+    uint64_t src_offset = 0;  // byte offset of page 0
+    uint64_t dst_offset = 0;
+    std::span<const uint32_t> src_pages;
+    std::span<const uint32_t> dst_pages;
+    std::optional<uint32_t> imm;
+};
+
+// One-sided read of remote memory into a local region.
+struct ReadOp {
+    PeerId peer = 0;
+    const MemoryRegion* dst = nullptr;
+    uint64_t dst_offset = 0;
+    const MemoryDescriptor* src = nullptr;
+    uint64_t src_offset = 0;
+    uint64_t length = 0;
+};
+
+struct ScatterSlice {
+    uint32_t member = 0;  // index into the group's peers
+    uint64_t src_offset = 0;
+    uint64_t dst_offset = 0;
+    uint64_t length = 0;
+};
+
+struct ScatterOp {
+    GroupId group = 0;
+    const MemoryRegion* src = nullptr;
+    std::span<const ScatterSlice> slices;
+    std::optional<uint32_t> imm;
+};
+
+// A control message as delivered to the handler: the sender's engine id and the payload,
+// valid only during the call.
+using MessageHandler = std::function<void(uint64_t sender_engine_id, std::span<const uint8_t>)>;
+
+struct EngineStats {
+    uint64_t ops_posted = 0;       // fabric operations handed to the provider
+    uint64_t bytes_posted = 0;
+    uint64_t eagain = 0;           // times the provider pushed back
+    uint64_t op_errors = 0;
+    uint64_t op_timeouts = 0;
+    uint64_t imm_arrivals = 0;
+    uint64_t messages_received = 0;
+    uint64_t messages_dropped = 0;
+};
+
+class TransferEngine {
+  public:
+    static Result<std::unique_ptr<TransferEngine>> create(const EngineConfig& config);
+    ~TransferEngine();  // stops and joins every worker, frees every libfabric object
+
+    TransferEngine(const TransferEngine&) = delete;
+    TransferEngine& operator=(const TransferEngine&) = delete;
+
+    const EngineAddress& address() const;
+    uint64_t engine_id() const;
+    const std::string& provider() const;
+    int num_rails() const;
+    const EngineConfig& config() const;
+
+    // Memory. Host memory today; MemoryKind::kCuda is accepted where the provider reports
+    // FI_HMEM support and refused with a clear error otherwise.
+    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
+                                                          MemoryKind kind = MemoryKind::kHost,
+                                                          int device = -1);
+
+    // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
+    Result<PeerId> connect(const EngineAddress& peer);
+    // The peer id of an engine connected before, if any.
+    std::optional<PeerId> find_peer(uint64_t engine_id) const;
+    // A group of peers with one destination region each, for scatter and barrier.
+    Result<GroupId> create_group(std::span<const PeerId> peers,
+                                 std::span<const MemoryDescriptor> dsts);
+
+    // Operations. Errors found before posting (bad descriptor, out of range) come back through
+    // the handle and the callback like any other error.
+    OpHandle write(const WriteOp& op, OpCallback done = {});
+    OpHandle paged_write(const PagedWriteOp& op, OpCallback done = {});
+    OpHandle read(const ReadOp& op, OpCallback done = {});
+    OpHandle scatter(const ScatterOp& op, OpCallback done = {});
+    // Sends one immediate-only write to every member, then waits until as many writes with
+    // `imm` arrived here. Members call it with the same imm; consecutive rounds need no reset.
+    Status barrier(GroupId group, uint32_t imm, Duration timeout);
+    // Immediate-only write to one peer (a signal).
+    OpHandle signal(PeerId peer, uint32_t imm, OpCallback done = {});
+
+    // Target-side counters. Credit style: arrivals accumulate per immediate value; a waiter
+    // for n consumes n of them, so consecutive rounds need no reset, in any arrival order.
+    Status wait_imm(uint32_t imm, uint64_t count, Duration timeout);
+    // Calls done(ok) once `count` arrivals of imm are available (consuming them), or
+    // done(timeout) when the timeout passes first. Runs on a worker thread.
+    void on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done);
+    // Arrivals of imm not yet consumed.
+    uint64_t imm_available(uint32_t imm) const;
+
+    // Small two-sided control messages over rail 0, with receive buffers kept posted.
+    OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done = {});
+    // Messages received before a handler is set are held (up to message_recv_buffers * 16).
+    void set_message_handler(MessageHandler handler);
+
+    EngineStats stats() const;
+
+  private:
+    explicit TransferEngine(std::shared_ptr<detail::EngineImpl> impl);
+    std::shared_ptr<detail::EngineImpl> impl_;
+};
+
+// Resolves a provider name from the config ("tcp" -> "tcp;ofi_rxm", "auto" -> first available
+// in preference order).
+Result<std::string> resolve_provider(const EngineConfig& config);
+
+}  // namespace ferry

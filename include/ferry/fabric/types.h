@@ -1,0 +1,60 @@
+// Serializable identities of engines and memory: what one process hands another so that
+// the other can write into or read from it.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/common/status.h"
+
+namespace ferry {
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+
+// Which remote memory an operation targets: base address, length, one key per rail of the
+// owning engine. Versioned so that an engine refuses a blob from an incompatible build with a
+// clear error instead of writing to the wrong place.
+struct MemoryDescriptor {
+    static constexpr uint16_t kVersion = 1;
+
+    uint64_t engine_id = 0;  // the engine that registered the memory
+    uint64_t base = 0;       // address of byte 0 in the owner's address space
+    uint64_t length = 0;
+    MemoryKind kind = MemoryKind::kHost;
+    int32_t device = -1;     // CUDA device ordinal for kCuda
+    bool virt_addr = true;   // provider addresses remote memory by virtual address, else offset
+    std::vector<uint64_t> rail_keys;
+
+    // Remote address to put on the wire for byte `offset` of this region.
+    uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }
+
+    std::vector<uint8_t> serialize() const;
+    static Result<MemoryDescriptor> deserialize(std::span<const uint8_t> blob);
+    void encode(class ByteWriter& w) const;
+    static Result<MemoryDescriptor> decode(class ByteReader& r);
+};
+
+// Everything a peer needs to reach an engine: provider, one fabric address per rail, and the
+// small signal region that immediate-only writes (barriers, notifications) target.
+struct EngineAddress {
+    static constexpr uint16_t kVersion = 1;
+
+    uint64_t engine_id = 0;
+    std::string provider;   // libfabric provider name, e.g. "tcp;ofi_rxm"
+    std::string host_id;    // identifies the host, to pick same-host transports
+    std::vector<std::vector<uint8_t>> rail_addrs;
+    MemoryDescriptor signal;
+
+    std::vector<uint8_t> serialize() const;
+    static Result<EngineAddress> deserialize(std::span<const uint8_t> blob);
+    void encode(class ByteWriter& w) const;
+    static Result<EngineAddress> decode(class ByteReader& r);
+};
+
+// Hex text form of a blob, for passing addresses through text channels (HTTP, files).
+std::string to_hex(std::span<const uint8_t> bytes);
+Result<std::vector<uint8_t>> from_hex(std::string_view text);
+
+}  // namespace ferry

@@ -1,0 +1,15 @@
+#include "cli/commands.h"
+
+namespace ferry::cli {
+namespace {
+int g_exit_code = 0;
+}
+
+int exit_code() { return g_exit_code; }
+void set_exit_code(int code) { g_exit_code = code; }
+
+void register_commands(CLI::App& app, CLI::App& bench) {
+    register_bench_xfer(bench);
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,15 @@
+// Each subcommand registers itself here; main() only parses.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace ferry::cli {
+
+void register_commands(CLI::App& app, CLI::App& bench);
+void register_bench_xfer(CLI::App& bench);
+
+// Exit status set by the subcommand that ran.
+int exit_code();
+void set_exit_code(int code);
+
+}  // namespace ferry::cli

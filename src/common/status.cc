@@ -1,0 +1,49 @@
+#include "ferry/common/status.h"
+
+namespace ferry {
+
+std::string_view status_code_name(StatusCode code) {
+    switch (code) {
+        case StatusCode::kOk: return "ok";
+        case StatusCode::kInvalidArgument: return "invalid argument";
+        case StatusCode::kOutOfRange: return "out of range";
+        case StatusCode::kNotFound: return "not found";
+        case StatusCode::kTimeout: return "timeout";
+        case StatusCode::kUnavailable: return "unavailable";
+        case StatusCode::kCancelled: return "cancelled";
+        case StatusCode::kResourceExhausted: return "resource exhausted";
+        case StatusCode::kProtocol: return "protocol error";
+        case StatusCode::kProvider: return "provider error";
+        case StatusCode::kInternal: return "internal error";
+    }
+    return "unknown";
+}
+
+std::string Status::to_string() const {
+    if (ok()) return "ok";
+    std::string s(status_code_name(code_));
+    s += ": ";
+    s += message_;
+    return s;
+}
+
+Status Status::with_context(std::string_view context) const {
+    if (ok()) return *this;
+    std::string m(context);
+    m += ": ";
+    m += message_;
+    return Status(code_, std::move(m));
+}
+
+Status invalid_argument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+Status out_of_range(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
+Status not_found(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
+Status timeout_error(std::string m) { return {StatusCode::kTimeout, std::move(m)}; }
+Status unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
+Status cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
+Status resource_exhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
+Status protocol_error(std::string m) { return {StatusCode::kProtocol, std::move(m)}; }
+Status provider_error(std::string m) { return {StatusCode::kProvider, std::move(m)}; }
+Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+
+}  // namespace ferry
