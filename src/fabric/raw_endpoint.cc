@@ -8,6 +8,8 @@
 
 #include "fabric/provider.h"
 
+#include <thread>
+
 namespace ferry::detail {
 namespace {
 Status fi_fail(const char* what, long rc) {
@@ -90,6 +92,7 @@ Result<fi_addr_t> RawEndpoint::insert(std::span<const uint8_t> addr) {
 void RawEndpoint::progress() {
     fi_cq_data_entry e[16];
     ssize_t n = fi_cq_read(cq_, e, 16);
+    if (n == -FI_EAGAIN) std::this_thread::yield();
     if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
         fi_cq_readerr(cq_, &err, 0);
@@ -123,7 +126,11 @@ Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
             ++posted;
         }
         ssize_t n = fi_cq_read(cq_, entries, 64);
-        if (n > 0) {
+        if (n == -FI_EAGAIN) {
+            // Same courtesy as the engine's worker, so on a machine with fewer cores than
+            // busy threads the ceiling is not handicapped against the engine.
+            std::this_thread::yield();
+        } else if (n > 0) {
             for (ssize_t i = 0; i < n; ++i) {
                 free_ctx.push_back(static_cast<fi_context2*>(entries[i].op_context));
             }
