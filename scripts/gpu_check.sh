@@ -47,6 +47,14 @@ for t in $build/tests/*_tests; do
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
 done
 
+if [ -n "${FERRY_GPU_TESTS:-}" ]; then
+  log "tests: $FERRY_GPU_TESTS"
+  for t in $build/tests/*_tests; do
+    "$t" --gtest_filter="$FERRY_GPU_TESTS" > "$out/all_$(basename "$t").log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) " "$out/all_$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
+  done
+fi
+
 log "bench gpu"
 $build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -190,26 +191,37 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
 }  // namespace
 
 Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0) {
-        return unavailable(fmt::format("bench gpu needs a GPU: {}",
-                                       e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
-    }
-    int src_dev = c.src_device % n, dst_dev = n > 1 ? c.dst_device % n : src_dev;
-    GpuBenchReport rep;
-    cudaDeviceProp prop{};
-    cudaGetDeviceProperties(&prop, src_dev);
-    rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev, dst_dev);
+    // Fork before this process touches CUDA: a child of a CUDA-initialised process cannot use
+    // the GPU. The target picks its own device.
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return unavailable("socketpair failed");
+    std::fflush(stdout);
+    std::fflush(stderr);
     pid_t pid = fork();
+    if (pid < 0) return unavailable("fork failed");
     if (pid == 0) {
         ::close(sv[0]);
-        _exit(target_main(sv[1], c, dst_dev));
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(1);
+        _exit(target_main(sv[1], c, n > 1 ? c.dst_device % n : c.src_device % n));
     }
     ::close(sv[1]);
-    Status s = measure(c, src_dev, dst_dev, sv[0], &rep);
+    GpuBenchReport rep;
+    Status s = [&]() -> Status {
+        int n = 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess || n == 0) {
+            return unavailable(fmt::format("bench gpu needs a GPU: {}",
+                                           e == cudaSuccess ? "none visible"
+                                                            : cudaGetErrorString(e)));
+        }
+        int src_dev = c.src_device % n, dst_dev = n > 1 ? c.dst_device % n : src_dev;
+        cudaDeviceProp prop{};
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, src_dev));
+        rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev,
+                                  dst_dev);
+        return measure(c, src_dev, dst_dev, sv[0], &rep);
+    }();
     send_blob(sv[0], {1});
     ::close(sv[0]);
     int status = 0;
