@@ -63,7 +63,6 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
-            hooks.on_tick = [this](TimePoint now) { imm.expire(now); };
         }
         FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()],
                                                      config, std::move(hooks)));
@@ -79,9 +78,41 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         // the address of rail 0's is as good as any.
     }
     for (auto& r : rails) r->start();
+    watchdog_ = std::thread([this] { watchdog(); });
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s)", address.engine_id,
         provider, rails.size());
     return ok_status();
+}
+
+void EngineImpl::watchdog() {
+    std::unique_lock lk(watchdog_mu_);
+    while (!stopped_) {
+        watchdog_cv_.wait_for(lk, std::chrono::milliseconds(1));
+        TimePoint now = Clock::now();
+        imm.expire(now);
+        for (auto& r : rails) {
+            if (r->wedged() || !r->stuck_for(config.op_timeout, now)) continue;
+            r->mark_wedged();
+            Status why = unavailable(fmt::format(
+                "rail {} ({}) has been stuck inside one provider call for over {:.0f} ms, most "
+                "likely because a peer died while holding a lock in shared memory; its "
+                "operations are failed and it takes no new work: create a new engine",
+                r->index(), provider, to_ms(config.op_timeout)));
+            log(LogLevel::kError, "fabric", "{}", why.message());
+            fail_ops_on_rail(r->index(), why);
+        }
+    }
+}
+
+void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
+    std::vector<std::shared_ptr<OpState>> victims;
+    {
+        std::lock_guard lk(registry_->mu);
+        for (OpState* op : registry_->live) {
+            if (op->rail_mask & (uint64_t{1} << rail)) victims.push_back(op->shared_from_this());
+        }
+    }
+    for (auto& op : victims) op->fail_now(why);
 }
 
 Result<GpuTransport*> EngineImpl::gpu() {
@@ -104,14 +135,30 @@ void EngineImpl::shutdown() {
         }
         g.reset();
     }
+    {
+        std::lock_guard lk(watchdog_mu_);
+    }
+    watchdog_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
     for (auto& r : rails) r->stop(why);
     imm.cancel_all(why);
     {
         std::lock_guard lk(mr_mu_);
         for (auto& [id, mrs] : mrs_) {
-            for (fid_mr* mr : mrs) fi_close(&mr->fid);
+            for (size_t i = 0; i < mrs.size(); ++i) {
+                if (i < rails.size() && rails[i]->wedged()) continue;
+                fi_close(&mrs[i]->fid);
+            }
         }
         mrs_.clear();
+    }
+    for (auto& r : rails) {
+        // A wedged rail's worker may still be inside the provider: its objects stay alive.
+        if (r->wedged()) {
+            log(LogLevel::kWarn, "fabric", "leaving wedged rail {} behind at shutdown",
+                r->index());
+            (void)r.release();
+        }
     }
     rails.clear();
 }
@@ -190,6 +237,7 @@ void EngineImpl::deregister(uint32_t id) {
         mrs_.erase(it);
     }
     for (size_t i = 0; i < mrs.size() && i < rails.size(); ++i) {
+        if (rails[i]->wedged()) continue;  // its domain is never closed either
         fid_mr* m = mrs[i];
         Status s = rails[i]->run_on_worker(
             [m] {
@@ -347,6 +395,14 @@ OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool count
     }
     state->set_pieces(b.count);
     for (size_t r = 0; r < b.first.size(); ++r) {
+        if (b.first[r]) state->rail_mask |= uint64_t{1} << r;
+    }
+    state->registry = registry_;
+    {
+        std::lock_guard lk(registry_->mu);
+        registry_->live.insert(state.get());
+    }
+    for (size_t r = 0; r < b.first.size(); ++r) {
         for (FabricOp* op = b.first[r]; op;) {
             op->parent = state;
             if (op == b.last[r]) break;
@@ -362,7 +418,7 @@ OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool count
 Status EngineImpl::check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off,
                                 uint64_t len, const char* what) const {
     if (!d) return invalid_argument(fmt::format("{}: no remote descriptor given", what));
-    if (d->rail_keys.empty()) {
+    if (d->rail_keys.empty() && !d->has_ipc) {
         return invalid_argument(fmt::format("{}: remote descriptor has no rail keys", what));
     }
     if (d->engine_id != p.engine_id) {

@@ -5,7 +5,9 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <deque>
+#include <thread>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,7 +99,15 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                     std::vector<GpuCopy> copies, std::optional<uint32_t> imm);
     void deliver_message(std::span<const uint8_t> wire);
 
+    // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
+    void watchdog();
+    void fail_ops_on_rail(int rail, const Status& why);
+
     std::atomic<bool> stopped_{false};
+    std::shared_ptr<OpRegistry> registry_ = std::make_shared<OpRegistry>();
+    std::thread watchdog_;
+    std::mutex watchdog_mu_;
+    std::condition_variable watchdog_cv_;
     std::atomic<uint32_t> rr_{0};
 
     mutable std::mutex peers_mu_;
