@@ -3,7 +3,7 @@
 namespace ferry::detail {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
+constexpr int kWarpsPerBlock = 16;
 
 // One warp per chunk, chunks taken grid-stride. 16-byte vectors when both ends are aligned,
 // unrolled 4x so each lane keeps four loads in flight (NVLink latency is ~1 us).
