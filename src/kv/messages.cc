@@ -178,6 +178,7 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
 void encode_body(ByteWriter& w, const DoneMsg& m) {
     w.put(m.transfer_id);
     w.put(m.decode_rank);
+    w.put(m.decode_tp);
     w.put(static_cast<uint8_t>(m.ok));
 }
 
@@ -185,7 +186,9 @@ Status decode_body(ByteReader& r, DoneMsg* m) {
     uint8_t ok = 0;
     FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
     FERRY_RETURN_IF_ERROR(r.get(&ok, "ok"));
+    FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
     if (ok > 1) return protocol_error(fmt::format("field 'ok' = {} is not a boolean", ok));
     m->ok = ok != 0;
     return ok_status();

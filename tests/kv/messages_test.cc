@@ -50,7 +50,7 @@ std::vector<KvMessage> all_messages() {
             CancelMsg{1234, 3, 1},
             CancelAckMsg{1234, 3, 0},
             pull,
-            DoneMsg{99, 1, false}};
+            DoneMsg{99, 1, 2, false}};
 }
 
 TEST(KvMessages, EveryTypeRoundTrips) {

@@ -103,6 +103,7 @@ struct PullParamsMsg {
 struct DoneMsg {
     uint64_t transfer_id = 0;
     uint32_t decode_rank = 0;
+    uint32_t decode_tp = 1;  // tells prefill how many decode ranks will send DONE
     bool ok = true;
     bool operator==(const DoneMsg&) const = default;
 };
