@@ -44,6 +44,8 @@ const Topology kTopologies[] = {
      KvPlacement::kJoint},
 };
 
+void PrintTo(const Topology& t, std::ostream* os) { *os << t.name; }
+
 bool is_prefill(const Topology& t, const Exchange& ex) {
     return static_cast<uint32_t>(ex.rank()) < t.ptp;
 }
