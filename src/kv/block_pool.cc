@@ -37,7 +37,9 @@ Status BlockPool::free(std::span<const uint32_t> blocks) {
         }
         allocated_[b] = false;
     }
-    free_.insert(free_.end(), blocks.begin(), blocks.end());
+    // Reversed onto the stack, so that allocating the same count again returns these blocks
+    // in the same order (consecutive runs stay consecutive and coalesce).
+    free_.insert(free_.end(), blocks.rbegin(), blocks.rend());
     return ok_status();
 }
 
