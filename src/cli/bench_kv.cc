@@ -8,8 +8,9 @@ namespace ferry::cli {
 
 void register_bench_kv(CLI::App& bench) {
     auto* cmd = bench.add_subcommand(
-        "kv", "KV-cache transfer per request (push, pull, pull-inline) beside the provider's raw "
-              "write ceiling");
+        "kv",
+        "KV-cache transfer per request (push, pull, pull-inline) beside the provider's raw "
+        "write ceiling");
     auto c = std::make_shared<kv::KvBenchConfig>();
     auto json_path = std::make_shared<std::string>();
     cmd->add_option("--mode", c->mode, "push | pull | pull-inline")->capture_default_str();
@@ -29,9 +30,7 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("!--no-ceiling", c->measure_ceiling, "skip the raw fi_write measurement");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
-        c->progress = [](const std::string& line) {
-            std::fprintf(stderr, "  %s\n", line.c_str());
-        };
+        c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
         auto rep = kv::run_kv_bench(*c);
         if (!rep.ok()) {
             fail(rep.status());

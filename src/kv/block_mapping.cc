@@ -12,9 +12,9 @@ Status check_split(uint32_t total_heads, uint32_t producer_tp, uint32_t consumer
         return invalid_argument("TP sizes and the number of KV heads must be positive");
     }
     if (total_heads % producer_tp || total_heads % consumer_tp) {
-        return invalid_argument(fmt::format(
-            "{} KV heads do not split evenly over producer TP {} and consumer TP {}",
-            total_heads, producer_tp, consumer_tp));
+        return invalid_argument(
+            fmt::format("{} KV heads do not split evenly over producer TP {} and consumer TP {}",
+                        total_heads, producer_tp, consumer_tp));
     }
     return ok_status();
 }
@@ -32,7 +32,7 @@ std::vector<uint32_t> overlapping_ranks(uint32_t first, uint32_t count, uint32_t
 
 // Appends runs, extending the previous one when the new one continues it on both sides.
 class Coalescer {
-  public:
+   public:
     explicit Coalescer(TransferPlan* plan) : plan_(plan) {}
     void add(uint64_t src, uint64_t dst, uint64_t len) {
         plan_->bytes += len;
@@ -46,7 +46,7 @@ class Coalescer {
         plan_->runs.push_back({src, dst, len});
     }
 
-  private:
+   private:
     TransferPlan* plan_;
 };
 
@@ -62,9 +62,10 @@ Status check_blocks(std::span<const uint32_t> blocks, uint32_t needed, const KvL
     }
     for (uint32_t i = 0; i < needed; ++i) {
         if (blocks[i] >= layout.num_blocks) {
-            return out_of_range(fmt::format("{} block id {} (index {}) is outside the pool of {} "
-                                            "blocks",
-                                            side, blocks[i], i, layout.num_blocks));
+            return out_of_range(
+                fmt::format("{} block id {} (index {}) is outside the pool of {} "
+                            "blocks",
+                            side, blocks[i], i, layout.num_blocks));
         }
     }
     return ok_status();
@@ -72,28 +73,31 @@ Status check_blocks(std::span<const uint32_t> blocks, uint32_t needed, const KvL
 
 }  // namespace
 
-Result<std::vector<uint32_t>> producers_for_consumer(uint32_t total_heads, uint32_t producer_tp,
-                                                     uint32_t consumer_tp,
-                                                     uint32_t consumer_rank) {
-    FERRY_RETURN_IF_ERROR(check_split(total_heads, producer_tp, consumer_tp));
-    if (consumer_rank >= consumer_tp) {
+namespace {
+
+// Ranks of the other side overlapping rank `rank` of a TP group of size `own_tp`.
+Result<std::vector<uint32_t>> peers_of(uint32_t total_heads, uint32_t own_tp, uint32_t other_tp,
+                                       uint32_t rank, const char* role) {
+    if (rank >= own_tp) {
         return invalid_argument(
-            fmt::format("consumer rank {} is outside TP size {}", consumer_rank, consumer_tp));
+            fmt::format("{} rank {} is outside TP size {}", role, rank, own_tp));
     }
-    uint32_t per = total_heads / consumer_tp;
-    return overlapping_ranks(consumer_rank * per, per, total_heads, producer_tp);
+    uint32_t per = total_heads / own_tp;
+    return overlapping_ranks(rank * per, per, total_heads, other_tp);
+}
+
+}  // namespace
+
+Result<std::vector<uint32_t>> producers_for_consumer(uint32_t total_heads, uint32_t producer_tp,
+                                                     uint32_t consumer_tp, uint32_t consumer_rank) {
+    FERRY_RETURN_IF_ERROR(check_split(total_heads, producer_tp, consumer_tp));
+    return peers_of(total_heads, consumer_tp, producer_tp, consumer_rank, "consumer");
 }
 
 Result<std::vector<uint32_t>> consumers_for_producer(uint32_t total_heads, uint32_t producer_tp,
-                                                     uint32_t consumer_tp,
-                                                     uint32_t producer_rank) {
+                                                     uint32_t consumer_tp, uint32_t producer_rank) {
     FERRY_RETURN_IF_ERROR(check_split(total_heads, producer_tp, consumer_tp));
-    if (producer_rank >= producer_tp) {
-        return invalid_argument(
-            fmt::format("producer rank {} is outside TP size {}", producer_rank, producer_tp));
-    }
-    uint32_t per = total_heads / producer_tp;
-    return overlapping_ranks(producer_rank * per, per, total_heads, consumer_tp);
+    return peers_of(total_heads, producer_tp, consumer_tp, producer_rank, "producer");
 }
 
 Status check_compatible(const KvRank& src, const KvRank& dst) {
@@ -122,22 +126,20 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
     const KvLayout& dl = spec.dst.layout;
     FERRY_RETURN_IF_ERROR(check_compatible(spec.src, spec.dst));
     if (spec.first_token > spec.end_token) {
-        return invalid_argument(fmt::format("token range [{}, {}) is reversed", spec.first_token,
-                                            spec.end_token));
+        return invalid_argument(
+            fmt::format("token range [{}, {}) is reversed", spec.first_token, spec.end_token));
     }
     TransferPlan plan;
     if (spec.first_token == spec.end_token) return plan;
-    FERRY_RETURN_IF_ERROR(check_blocks(spec.src_blocks,
-                                       blocks_for_tokens(spec.end_token, sl.block_size), sl,
-                                       "producer"));
-    FERRY_RETURN_IF_ERROR(check_blocks(spec.dst_blocks,
-                                       blocks_for_tokens(spec.end_token, dl.block_size), dl,
-                                       "consumer"));
+    FERRY_RETURN_IF_ERROR(check_blocks(
+        spec.src_blocks, blocks_for_tokens(spec.end_token, sl.block_size), sl, "producer"));
+    FERRY_RETURN_IF_ERROR(check_blocks(
+        spec.dst_blocks, blocks_for_tokens(spec.end_token, dl.block_size), dl, "consumer"));
 
     // Heads both ranks hold, in each side's local numbering.
     uint32_t lo = std::max(spec.src.first_head(), spec.dst.first_head());
-    uint32_t hi = std::min(spec.src.first_head() + sl.num_kv_heads,
-                           spec.dst.first_head() + dl.num_kv_heads);
+    uint32_t hi =
+        std::min(spec.src.first_head() + sl.num_kv_heads, spec.dst.first_head() + dl.num_kv_heads);
     if (lo >= hi) return plan;
     uint32_t heads = hi - lo;
     uint32_t src_h0 = lo - spec.src.first_head();
@@ -150,8 +152,8 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
     for (uint32_t t = spec.first_token; t < spec.end_token;) {
         Span s{spec.src_blocks[t / sl.block_size], t % sl.block_size,
                spec.dst_blocks[t / dl.block_size], t % dl.block_size, 0};
-        s.tokens = std::min({sl.block_size - s.src_slot, dl.block_size - s.dst_slot,
-                             spec.end_token - t});
+        s.tokens =
+            std::min({sl.block_size - s.src_slot, dl.block_size - s.dst_slot, spec.end_token - t});
         spans.push_back(s);
         t += s.tokens;
     }

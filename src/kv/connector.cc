@@ -26,7 +26,7 @@ constexpr Duration kTick = std::chrono::milliseconds(5);
 // a completion that arrives after the connector is gone is dropped instead of touching freed
 // state.
 class Inbox {
-  public:
+   public:
     using Task = std::function<void()>;
 
     bool post(Task t) {
@@ -51,7 +51,7 @@ class Inbox {
         tasks_.clear();
     }
 
-  private:
+   private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;
@@ -95,8 +95,8 @@ Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
     }
     for (uint32_t b : blocks) {
         if (b >= layout.num_blocks) {
-            return out_of_range(fmt::format("block id {} is outside the pool of {} blocks", b,
-                                            layout.num_blocks));
+            return out_of_range(
+                fmt::format("block id {} is outside the pool of {} blocks", b, layout.num_blocks));
         }
     }
     return ok_status();
@@ -109,7 +109,7 @@ uint32_t to_ms_u32(Duration d) {
 }  // namespace
 
 class KvConnector::Impl {
-  public:
+   public:
     Impl(TransferEngine* engine, const MemoryRegion* pool, ConnectorConfig config,
          ConnectorCallbacks callbacks)
         : engine_(engine),
@@ -225,18 +225,18 @@ class KvConnector::Impl {
 
     const ConnectorConfig& config() const { return cfg_; }
 
-  private:
+   private:
     // ---- state, touched only on the connector thread ----
 
     // Prefill side: one decode rank of one attempt.
     struct SendJob {
         RegisterMsg reg;
         PeerId peer = 0;
-        bool started = false;    // writes posted
-        bool drained = false;    // every posted write completed
-        bool cancelled = false;  // by CANCEL or a newer attempt: no FINAL
-        bool ack_wanted = false; // CANCEL came while writes were in flight
-        bool resolved = false;   // nothing more will be sent for it
+        bool started = false;     // writes posted
+        bool drained = false;     // every posted write completed
+        bool cancelled = false;   // by CANCEL or a newer attempt: no FINAL
+        bool ack_wanted = false;  // CANCEL came while writes were in flight
+        bool resolved = false;    // nothing more will be sent for it
         uint32_t writes = 0;
         uint64_t bytes = 0;
         Status error;
@@ -353,13 +353,20 @@ class KvConnector::Impl {
         std::visit(
             [&](auto& m) {
                 using M = std::decay_t<decltype(m)>;
-                if constexpr (std::is_same_v<M, RegisterMsg>) on_register(std::move(m));
-                else if constexpr (std::is_same_v<M, FinalMsg>) on_final(m);
-                else if constexpr (std::is_same_v<M, FailMsg>) on_fail(m);
-                else if constexpr (std::is_same_v<M, CancelMsg>) on_cancel(sender, m);
-                else if constexpr (std::is_same_v<M, CancelAckMsg>) on_cancel_ack(m);
-                else if constexpr (std::is_same_v<M, DoneMsg>) on_done(m);
-                else stale("PULL_PARAMS travels through the router, not between engines");
+                if constexpr (std::is_same_v<M, RegisterMsg>)
+                    on_register(std::move(m));
+                else if constexpr (std::is_same_v<M, FinalMsg>)
+                    on_final(m);
+                else if constexpr (std::is_same_v<M, FailMsg>)
+                    on_fail(m);
+                else if constexpr (std::is_same_v<M, CancelMsg>)
+                    on_cancel(sender, m);
+                else if constexpr (std::is_same_v<M, CancelAckMsg>)
+                    on_cancel_ack(m);
+                else if constexpr (std::is_same_v<M, DoneMsg>)
+                    on_done(m);
+                else
+                    stale("PULL_PARAMS travels through the router, not between engines");
             },
             *msg);
     }
@@ -391,9 +398,9 @@ class KvConnector::Impl {
                                                 m.decode_tp, cfg_.self.tp_rank);
         if (!consumers.ok()) return refuse(consumers.status());
         if (std::find(consumers->begin(), consumers->end(), m.decode_rank) == consumers->end()) {
-            return refuse(invalid_argument(fmt::format(
-                "prefill rank {} holds no KV head of decode rank {}", cfg_.self.tp_rank,
-                m.decode_rank)));
+            return refuse(
+                invalid_argument(fmt::format("prefill rank {} holds no KV head of decode rank {}",
+                                             cfg_.self.tp_rank, m.decode_rank)));
         }
 
         auto [it, fresh] = producers_.try_emplace(m.transfer_id);
@@ -430,8 +437,9 @@ class KvConnector::Impl {
         auto [it, fresh] = producers_.try_emplace(id);
         Producer& p = it->second;
         if (p.have_prefill || p.tombstone || !p.failure.ok()) {
-            log(LogLevel::kWarn, kLog, "transfer {:x}: prefill_done called twice or after a "
-                                       "failure; ignored",
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: prefill_done called twice or after a "
+                "failure; ignored",
                 id);
             return;
         }
@@ -453,8 +461,9 @@ class KvConnector::Impl {
         auto [it, fresh] = producers_.try_emplace(id);
         Producer& p = it->second;
         if (p.have_prefill || p.tombstone) {
-            log(LogLevel::kWarn, kLog, "transfer {:x}: prefill_failed after prefill_done; "
-                                       "ignored",
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: prefill_failed after prefill_done; "
+                "ignored",
                 id);
             return;
         }
@@ -483,9 +492,9 @@ class KvConnector::Impl {
             return fail_now(invalid_argument(fmt::format(
                 "decode registered {} tokens, prefill computed {}", reg.num_tokens, p.tokens)));
         }
-        auto plan = plan_transfer({cfg_.self, p.blocks,
-                                   KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
-                                   0, p.tokens});
+        auto plan =
+            plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
+                           reg.blocks, 0, p.tokens});
         if (!plan.ok()) return fail_now(plan.status());
         auto flight = new_flight([this, id, key](Status s) { on_job_drained(id, key, s); });
         for (const ByteRun& run : plan->runs) {
@@ -529,8 +538,9 @@ class KvConnector::Impl {
         }
         if (!s.ok()) {
             job.error = s;
-            log(LogLevel::kWarn, kLog, "transfer {:x} attempt {}: writing to decode rank {} "
-                                       "failed: {}",
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x} attempt {}: writing to decode rank {} "
+                "failed: {}",
                 id, key.first, key.second, s.to_string());
             send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, s.code(),
                                    s.message().substr(0, kMaxReasonLength)});
@@ -630,8 +640,8 @@ class KvConnector::Impl {
         for (uint32_t rank : *producers) {
             auto peer = engine_->connect(reg.prefill_ranks[rank]);
             if (!peer.ok()) {
-                return report_now(peer.status().with_context(
-                    fmt::format("connecting to prefill rank {}", rank)));
+                return report_now(
+                    peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
             }
             Slot s;
             s.rank = rank;
@@ -767,9 +777,10 @@ class KvConnector::Impl {
         }
         TransferResult r{it->first.first, it->first.second, c.error, c.bytes, c.writes};
         if (r.status.ok() && c.cancelling) {
-            r.status = cancelled(fmt::format("transfer {:x} attempt {} was cancelled or "
-                                             "superseded",
-                                             r.transfer_id, r.attempt));
+            r.status =
+                cancelled(fmt::format("transfer {:x} attempt {} was cancelled or "
+                                      "superseded",
+                                      r.transfer_id, r.attempt));
         }
         complete_recv(it, r);
     }
@@ -816,17 +827,16 @@ class KvConnector::Impl {
     // Runs on the connector thread (background) or the caller's thread (inline); touches no
     // connector state, only the job, the engine and atomics.
     void start_pull(const std::shared_ptr<PullJob>& job) {
-        auto fail = [&](const Status& s) {
-            inbox_->post([this, job, s] { finish_pull(job, s); });
-        };
+        auto fail = [&](const Status& s) { inbox_->post([this, job, s] { finish_pull(job, s); }); };
         const PullParamsMsg& any = job->params.front();
         auto producers = producers_for_consumer(cfg_.self.total_heads(), any.producer_tp,
                                                 cfg_.self.tp_size, cfg_.self.tp_rank);
         if (!producers.ok()) return fail(producers.status());
         std::vector<std::pair<size_t, TransferPlan>> plans;
         for (uint32_t rank : *producers) {
-            auto pit = std::find_if(job->params.begin(), job->params.end(),
-                                    [&](const PullParamsMsg& p) { return p.producer_rank == rank; });
+            auto pit =
+                std::find_if(job->params.begin(), job->params.end(),
+                             [&](const PullParamsMsg& p) { return p.producer_rank == rank; });
             if (pit == job->params.end()) {
                 return fail(invalid_argument(
                     fmt::format("pull: no transfer parameters from prefill rank {}", rank)));
@@ -834,14 +844,14 @@ class KvConnector::Impl {
             size_t idx = static_cast<size_t>(pit - job->params.begin());
             auto peer = engine_->connect(pit->prefill_address);
             if (!peer.ok()) {
-                return fail(peer.status().with_context(
-                    fmt::format("connecting to prefill rank {}", rank)));
+                return fail(
+                    peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
             }
             job->sources.push_back({*peer, idx});
             if (pit->num_tokens != job->tokens) {
-                return fail(invalid_argument(fmt::format(
-                    "prefill rank {} offers {} tokens, decode expects {}", rank,
-                    pit->num_tokens, job->tokens)));
+                return fail(invalid_argument(
+                    fmt::format("prefill rank {} offers {} tokens, decode expects {}", rank,
+                                pit->num_tokens, job->tokens)));
             }
             auto plan = plan_transfer({KvRank{pit->layout, pit->producer_rank, pit->producer_tp},
                                        pit->blocks, cfg_.self, job->blocks, 0, job->tokens});
@@ -903,8 +913,9 @@ class KvConnector::Impl {
                 offers_.erase(it);
                 log(LogLevel::kWarn, kLog, "transfer {:x}: pull offer lease expired", id);
                 if (cb_.on_send_done) {
-                    cb_.on_send_done({id, 0, timeout_error("no DONE from decode within the "
-                                                           "lease; blocks released"),
+                    cb_.on_send_done({id, 0,
+                                      timeout_error("no DONE from decode within the "
+                                                    "lease; blocks released"),
                                       0, 0});
                 }
             }
@@ -934,8 +945,8 @@ class KvConnector::Impl {
         log(LogLevel::kWarn, kLog, "transfer {:x}: {}", it->first, why.message());
         for (auto& [key, job] : p.jobs) {
             if (job.resolved) continue;
-            send(job.peer, FailMsg{it->first, key.first, cfg_.self.tp_rank, why.code(),
-                                   why.message()});
+            send(job.peer,
+                 FailMsg{it->first, key.first, cfg_.self.tp_rank, why.code(), why.message()});
             job.resolved = true;
         }
         if (!p.have_prefill) {
@@ -959,8 +970,8 @@ class KvConnector::Impl {
             "prefill ranks {} did not complete transfer {:x} within the {:.0f} ms lease", missing,
             it->first.first, to_ms(cfg_.lease)));
         log(LogLevel::kWarn, kLog, "{}", why.message());
-        complete_recv(it, {it->first.first, it->first.second, c.error.ok() ? why : c.error,
-                           c.bytes, c.writes});
+        complete_recv(it, {it->first.first, it->first.second, c.error.ok() ? why : c.error, c.bytes,
+                           c.writes});
     }
 
     void begin_shutdown() {
@@ -1026,13 +1037,13 @@ Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
     if (!engine || !pool) return invalid_argument("KvConnector needs an engine and a pool");
     FERRY_RETURN_IF_ERROR(config.self.layout.validate());
     if (config.self.tp_size == 0 || config.self.tp_rank >= config.self.tp_size) {
-        return invalid_argument(fmt::format("TP rank {} is outside TP size {}",
-                                            config.self.tp_rank, config.self.tp_size));
+        return invalid_argument(fmt::format("TP rank {} is outside TP size {}", config.self.tp_rank,
+                                            config.self.tp_size));
     }
     if (pool->size() < config.self.layout.pool_bytes()) {
-        return invalid_argument(fmt::format(
-            "the registered pool has {} bytes, the layout {} needs {}", pool->size(),
-            config.self.layout.to_string(), config.self.layout.pool_bytes()));
+        return invalid_argument(
+            fmt::format("the registered pool has {} bytes, the layout {} needs {}", pool->size(),
+                        config.self.layout.to_string(), config.self.layout.pool_bytes()));
     }
     if (config.imm_count == 0) return invalid_argument("imm_count must be positive");
     if (config.lease <= Duration::zero()) return invalid_argument("the lease must be positive");

@@ -32,7 +32,7 @@ constexpr int kAcceptPollMs = 50;
 
 // Owns a socket descriptor.
 class Fd {
-  public:
+   public:
     Fd() = default;
     explicit Fd(int fd) : fd_(fd) {}
     Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
@@ -48,7 +48,7 @@ class Fd {
         fd_ = -1;
     }
 
-  private:
+   private:
     int fd_ = -1;
 };
 
@@ -102,8 +102,8 @@ Result<std::vector<uint8_t>> recv_frame(int fd, TimePoint deadline) {
     uint32_t len = 0;
     FERRY_RETURN_IF_ERROR(recv_all(fd, reinterpret_cast<uint8_t*>(&len), 4, deadline));
     if (len > kMaxFrame) {
-        return protocol_error(fmt::format("handshake frame of {} bytes exceeds {}", len,
-                                          kMaxFrame));
+        return protocol_error(
+            fmt::format("handshake frame of {} bytes exceeds {}", len, kMaxFrame));
     }
     std::vector<uint8_t> buf(len);
     FERRY_RETURN_IF_ERROR(recv_all(fd, buf.data(), len, deadline));
@@ -119,9 +119,10 @@ Status check_header(ByteReader& r, uint32_t magic, const char* what) {
     }
     FERRY_RETURN_IF_ERROR(r.get(&v, "version"));
     if (v != HandshakeInfo::kVersion) {
-        return protocol_error(fmt::format("field 'version' is {}, this build speaks {}; upgrade "
-                                          "both sides",
-                                          v, HandshakeInfo::kVersion));
+        return protocol_error(
+            fmt::format("field 'version' is {}, this build speaks {}; upgrade "
+                        "both sides",
+                        v, HandshakeInfo::kVersion));
     }
     return ok_status();
 }
@@ -134,8 +135,7 @@ Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline
     std::string service = std::to_string(port);
     int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
     if (rc != 0) {
-        return unavailable(fmt::format("handshake: cannot resolve {}: {}", host,
-                                       gai_strerror(rc)));
+        return unavailable(fmt::format("handshake: cannot resolve {}: {}", host, gai_strerror(rc)));
     }
     Status last = unavailable(fmt::format("handshake: no address for {}", host));
     for (addrinfo* ai = res; ai; ai = ai->ai_next) {
@@ -143,8 +143,8 @@ Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline
                        ai->ai_protocol));
         if (fd.get() < 0) continue;
         if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-            last = unavailable(fmt::format("handshake: connect to {}:{}: {}", host, port,
-                                           strerror(errno)));
+            last = unavailable(
+                fmt::format("handshake: connect to {}:{}: {}", host, port, strerror(errno)));
             continue;
         }
         Status s = wait_fd(fd.get(), POLLOUT, deadline, "connecting");
@@ -193,18 +193,18 @@ Result<HandshakeInfo> HandshakeInfo::deserialize(std::span<const uint8_t> blob) 
     FERRY_RETURN_IF_ERROR(r.get(&h.tp_rank, "tp_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&h.tp_size, "tp_size"));
     if (h.tp_size == 0 || h.tp_rank >= h.tp_size) {
-        return protocol_error(fmt::format("field 'tp_rank' = {} is not below 'tp_size' = {}",
-                                          h.tp_rank, h.tp_size));
+        return protocol_error(
+            fmt::format("field 'tp_rank' = {} is not below 'tp_size' = {}", h.tp_rank, h.tp_size));
     }
     if (r.remaining()) {
-        return protocol_error(fmt::format("{} trailing bytes after the handshake answer",
-                                          r.remaining()));
+        return protocol_error(
+            fmt::format("{} trailing bytes after the handshake answer", r.remaining()));
     }
     return h;
 }
 
 class HandshakeServer::Impl {
-  public:
+   public:
     Impl(Fd listener, uint16_t port, HandshakeInfo info)
         : listener_(std::move(listener)), port_(port), info_(std::move(info)) {}
 
@@ -220,7 +220,7 @@ class HandshakeServer::Impl {
     uint64_t epoch() const { return info_.epoch; }
     uint64_t served() const { return served_.load(); }
 
-  private:
+   private:
     void run() {
         while (!stop_.load()) {
             pollfd p{listener_.get(), POLLIN, 0};
@@ -248,10 +248,10 @@ class HandshakeServer::Impl {
             w.put_string(parsed.message());
         } else if (hash != info_.layout.compatibility_hash()) {
             w.put<uint8_t>(0);
-            w.put_string(fmt::format("incompatible KV layout: this rank holds {} (hash {:#x}), "
-                                     "the caller expects hash {:#x}",
-                                     info_.layout.to_string(),
-                                     info_.layout.compatibility_hash(), hash));
+            w.put_string(
+                fmt::format("incompatible KV layout: this rank holds {} (hash {:#x}), "
+                            "the caller expects hash {:#x}",
+                            info_.layout.to_string(), info_.layout.compatibility_hash(), hash));
         } else {
             w.put<uint8_t>(1);
             w.put_bytes(info_.serialize());
@@ -270,8 +270,7 @@ class HandshakeServer::Impl {
 };
 
 Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::string& host,
-                                                                uint16_t port,
-                                                                HandshakeInfo info) {
+                                                                uint16_t port, HandshakeInfo info) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -280,8 +279,8 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::strin
     std::string service = std::to_string(port);
     int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
     if (rc != 0) {
-        return invalid_argument(fmt::format("handshake server: cannot resolve '{}': {}", host,
-                                            gai_strerror(rc)));
+        return invalid_argument(
+            fmt::format("handshake server: cannot resolve '{}': {}", host, gai_strerror(rc)));
     }
     Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, res->ai_protocol));
     int one = 1;
@@ -290,8 +289,8 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::strin
                  ::listen(fd.get(), 64) == 0;
     ::freeaddrinfo(res);
     if (!bound) {
-        return unavailable(fmt::format("handshake server: cannot listen on {}:{}: {}", host,
-                                       port, strerror(errno)));
+        return unavailable(fmt::format("handshake server: cannot listen on {}:{}: {}", host, port,
+                                       strerror(errno)));
     }
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);

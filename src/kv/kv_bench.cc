@@ -22,7 +22,7 @@ const Duration kWait = std::chrono::seconds(120);
 
 // Completion times of transfers, by (side, id).
 class Completions {
-  public:
+   public:
     void add(bool send, const TransferResult& r) {
         {
             std::lock_guard lk(mu_);
@@ -46,7 +46,7 @@ class Completions {
         return last;
     }
 
-  private:
+   private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::map<std::pair<bool, uint64_t>, std::vector<std::pair<TimePoint, Status>>> done_;
@@ -73,7 +73,7 @@ double percentile(std::vector<double> v, double p) {
 }
 
 class Bench {
-  public:
+   public:
     explicit Bench(const KvBenchConfig& c) : c_(c) {}
 
     Status setup() {
@@ -95,8 +95,8 @@ class Bench {
             ec.op_timeout = std::chrono::seconds(60);
             FERRY_ASSIGN_OR_RETURN(rank->engine, TransferEngine::create(ec));
             rank->mem.assign(l.pool_bytes(), static_cast<uint8_t>(r + 1));
-            FERRY_ASSIGN_OR_RETURN(rank->mr, rank->engine->register_memory(rank->mem.data(),
-                                                                          rank->mem.size()));
+            FERRY_ASSIGN_OR_RETURN(
+                rank->mr, rank->engine->register_memory(rank->mem.data(), rank->mem.size()));
             rank->blocks = std::make_unique<BlockPool>(l.num_blocks);
             if (c_.random_blocks) {
                 FERRY_ASSIGN_OR_RETURN(auto all, rank->blocks->allocate(l.num_blocks));
@@ -111,8 +111,8 @@ class Bench {
             ConnectorCallbacks cb;
             cb.on_recv_done = [this](const TransferResult& t) { done_.add(false, t); };
             cb.on_send_done = [this](const TransferResult& t) { done_.add(true, t); };
-            FERRY_ASSIGN_OR_RETURN(rank->conn, KvConnector::create(rank->engine.get(),
-                                                                   rank->mr.get(), cc, cb));
+            FERRY_ASSIGN_OR_RETURN(rank->conn,
+                                   KvConnector::create(rank->engine.get(), rank->mr.get(), cc, cb));
             return rank;
         };
         for (uint32_t r = 0; r < c_.tp_prefill; ++r) {
@@ -148,27 +148,27 @@ class Bench {
         return row;
     }
 
-  private:
+   private:
     // Returns (latency ms, busiest rank's caller time µs).
     Result<std::pair<double, double>> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row) {
         std::vector<std::vector<uint32_t>> pblocks, dblocks;
         for (auto& p : prefill_) {
-            FERRY_ASSIGN_OR_RETURN(auto b, p->blocks->allocate(blocks_for_tokens(tokens,
-                                                                                 c_.block_size)));
+            FERRY_ASSIGN_OR_RETURN(auto b,
+                                   p->blocks->allocate(blocks_for_tokens(tokens, c_.block_size)));
             pblocks.push_back(std::move(b));
         }
         for (auto& d : decode_) {
-            FERRY_ASSIGN_OR_RETURN(auto b, d->blocks->allocate(blocks_for_tokens(tokens,
-                                                                                 c_.block_size)));
+            FERRY_ASSIGN_OR_RETURN(auto b,
+                                   d->blocks->allocate(blocks_for_tokens(tokens, c_.block_size)));
             dblocks.push_back(std::move(b));
         }
         row->bytes = 0;
         row->descriptors = 0;
         for (size_t p = 0; p < prefill_.size(); ++p) {
             for (size_t d = 0; d < decode_.size(); ++d) {
-                FERRY_ASSIGN_OR_RETURN(auto plan, plan_transfer({prefill_[p]->self, pblocks[p],
-                                                                 decode_[d]->self, dblocks[d], 0,
-                                                                 tokens}));
+                FERRY_ASSIGN_OR_RETURN(
+                    auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
+                                              dblocks[d], 0, tokens}));
                 row->bytes += plan.bytes;
                 row->descriptors += plan.descriptor_count();
             }
@@ -193,10 +193,9 @@ class Bench {
             // Push registers while prefill computes: let the REGISTERs land first.
             uint64_t expect = 0;
             for (size_t p = 0; p < prefill_.size(); ++p) {
-                FERRY_ASSIGN_OR_RETURN(auto readers,
-                                       consumers_for_producer(c_.kv_heads, c_.tp_prefill,
-                                                              c_.tp_decode,
-                                                              static_cast<uint32_t>(p)));
+                FERRY_ASSIGN_OR_RETURN(
+                    auto readers, consumers_for_producer(c_.kv_heads, c_.tp_prefill, c_.tp_decode,
+                                                         static_cast<uint32_t>(p)));
                 expect += readers.size();
             }
             TimePoint deadline = Clock::now() + kWait;
@@ -209,17 +208,15 @@ class Bench {
             }
             t0 = Clock::now();
             for (size_t p = 0; p < prefill_.size(); ++p) {
-                FERRY_RETURN_IF_ERROR(timed(p, [&] {
-                    return prefill_[p]->conn->prefill_done(id, pblocks[p], tokens);
-                }));
+                FERRY_RETURN_IF_ERROR(timed(
+                    p, [&] { return prefill_[p]->conn->prefill_done(id, pblocks[p], tokens); }));
             }
         } else {
             t0 = Clock::now();
             std::vector<PullParamsMsg> params;
             for (size_t p = 0; p < prefill_.size(); ++p) {
-                auto offer = timed(p, [&] {
-                    return prefill_[p]->conn->offer_pull(id, pblocks[p], tokens);
-                });
+                auto offer =
+                    timed(p, [&] { return prefill_[p]->conn->offer_pull(id, pblocks[p], tokens); });
                 if (!offer.ok()) return offer.status();
                 params.push_back(std::move(*offer));
             }
@@ -252,9 +249,10 @@ class Bench {
 
 Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
     if (c.mode != "push" && c.mode != "pull" && c.mode != "pull-inline") {
-        return invalid_argument(fmt::format("bench kv: unknown mode '{}' (push, pull, "
-                                            "pull-inline)",
-                                            c.mode));
+        return invalid_argument(
+            fmt::format("bench kv: unknown mode '{}' (push, pull, "
+                        "pull-inline)",
+                        c.mode));
     }
     if (c.tokens.empty() || c.iters < 1) {
         return invalid_argument("bench kv: give at least one token count and one iteration");
@@ -300,15 +298,15 @@ std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
         c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters);
     s += fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
     s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10}\n", "mode",
-                     "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil",
-                     "caller us", "caller p99");
+                     "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil", "caller us",
+                     "caller p99");
     for (const auto& row : r.rows) {
         s += fmt::format(
-            "{:<12} {:>7} {:>10.1f} {:>8} {:>9.2f} {:>9.2f} {:>7.2f} {:>7.2f} {:>10.1f} {:>10.1f}\n",
-            row.mode, row.tokens, static_cast<double>(row.bytes) / 1e6, row.descriptors,
-            row.p50_ms, row.p99_ms, row.gbps,
-            r.ceiling_gbps > 0 ? row.gbps / r.ceiling_gbps : 0.0, row.caller_us_p50,
-            row.caller_us_p99);
+            "{:<12} {:>7} {:>10.1f} {:>8} {:>9.2f} {:>9.2f} {:>7.2f} {:>7.2f} {:>10.1f} "
+            "{:>10.1f}\n",
+            row.mode, row.tokens, static_cast<double>(row.bytes) / 1e6, row.descriptors, row.p50_ms,
+            row.p99_ms, row.gbps, r.ceiling_gbps > 0 ? row.gbps / r.ceiling_gbps : 0.0,
+            row.caller_us_p50, row.caller_us_p99);
     }
     return s;
 }
@@ -326,18 +324,12 @@ nlohmann::json kv_report_json(const KvBenchConfig& c, const KvBenchReport& r) {
                         {"caller_us_p50", row.caller_us_p50},
                         {"caller_us_p99", row.caller_us_p99}});
     }
-    return {{"provider", r.provider},
-            {"ceiling_gbps", r.ceiling_gbps},
-            {"layers", c.layers},
-            {"kv_heads", c.kv_heads},
-            {"head_dim", c.head_dim},
-            {"elem_size", c.elem_size},
-            {"block_size", c.block_size},
-            {"tp_prefill", c.tp_prefill},
-            {"tp_decode", c.tp_decode},
-            {"random_blocks", c.random_blocks},
-            {"iters", c.iters},
-            {"rows", rows}};
+    return {{"provider", r.provider},     {"ceiling_gbps", r.ceiling_gbps},
+            {"layers", c.layers},         {"kv_heads", c.kv_heads},
+            {"head_dim", c.head_dim},     {"elem_size", c.elem_size},
+            {"block_size", c.block_size}, {"tp_prefill", c.tp_prefill},
+            {"tp_decode", c.tp_decode},   {"random_blocks", c.random_blocks},
+            {"iters", c.iters},           {"rows", rows}};
 }
 
 }  // namespace ferry::kv

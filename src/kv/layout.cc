@@ -90,14 +90,14 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     uint16_t version = 0;
     FERRY_RETURN_IF_ERROR(r.get(&magic, "layout.magic"));
     if (magic != kLayoutMagic) {
-        return protocol_error(fmt::format("field 'layout.magic' is {:#x}, expected {:#x}", magic,
-                                          kLayoutMagic));
+        return protocol_error(
+            fmt::format("field 'layout.magic' is {:#x}, expected {:#x}", magic, kLayoutMagic));
     }
     FERRY_RETURN_IF_ERROR(r.get(&version, "layout.version"));
     if (version != kVersion) {
-        return protocol_error(fmt::format(
-            "field 'layout.version' is {}, this build reads {}; upgrade both sides", version,
-            kVersion));
+        return protocol_error(
+            fmt::format("field 'layout.version' is {}, this build reads {}; upgrade both sides",
+                        version, kVersion));
     }
     KvLayout l;
     uint8_t placement = 0, order = 0;
@@ -110,8 +110,8 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
     FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
     if (placement > 1) {
-        return protocol_error(fmt::format("field 'layout.placement' has unknown value {}",
-                                          placement));
+        return protocol_error(
+            fmt::format("field 'layout.placement' has unknown value {}", placement));
     }
     if (order > 1) {
         return protocol_error(fmt::format("field 'layout.order' has unknown value {}", order));

@@ -7,27 +7,40 @@
 namespace ferry::kv {
 namespace {
 
-void put_blocks(ByteWriter& w, const std::vector<uint32_t>& blocks) { w.put_vector(blocks); }
-
-Status get_blocks(ByteReader& r, std::vector<uint32_t>* blocks, const KvLayout& layout) {
-    FERRY_RETURN_IF_ERROR(r.get_vector(blocks, "blocks", kMaxBlocksPerMessage));
-    for (size_t i = 0; i < blocks->size(); ++i) {
-        if ((*blocks)[i] >= layout.num_blocks) {
-            return protocol_error(fmt::format("field 'blocks[{}]' = {} is outside the pool of {} "
-                                              "blocks",
-                                              i, (*blocks)[i], layout.num_blocks));
-        }
-    }
-    return ok_status();
+// The part REGISTER and PULL_PARAMS share: where a rank's KV lives and how it is laid out.
+void encode_location(ByteWriter& w, const EngineAddress& address, const MemoryDescriptor& pool,
+                     const KvLayout& layout, const std::vector<uint32_t>& blocks) {
+    address.encode(w);
+    pool.encode(w);
+    layout.encode(w);
+    w.put_vector(blocks);
 }
 
-Status check_tokens_fit(uint32_t num_tokens, const std::vector<uint32_t>& blocks,
-                        const KvLayout& layout) {
-    uint64_t capacity = uint64_t{blocks.size()} * layout.block_size;
-    if (num_tokens > capacity) {
-        return protocol_error(fmt::format("field 'num_tokens' = {} does not fit in {} blocks of {} "
-                                          "tokens",
-                                          num_tokens, blocks.size(), layout.block_size));
+Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* address,
+                       MemoryDescriptor* pool, KvLayout* layout, std::vector<uint32_t>* blocks) {
+    FERRY_ASSIGN_OR_RETURN(*address, EngineAddress::decode(r));
+    FERRY_ASSIGN_OR_RETURN(*pool, MemoryDescriptor::decode(r));
+    FERRY_ASSIGN_OR_RETURN(*layout, KvLayout::decode(r));
+    FERRY_RETURN_IF_ERROR(r.get_vector(blocks, "blocks", kMaxBlocksPerMessage));
+    for (size_t i = 0; i < blocks->size(); ++i) {
+        if ((*blocks)[i] >= layout->num_blocks) {
+            return protocol_error(
+                fmt::format("field 'blocks[{}]' = {} is outside the pool of {} "
+                            "blocks",
+                            i, (*blocks)[i], layout->num_blocks));
+        }
+    }
+    if (num_tokens > uint64_t{blocks->size()} * layout->block_size) {
+        return protocol_error(
+            fmt::format("field 'num_tokens' = {} does not fit in {} blocks of {} "
+                        "tokens",
+                        num_tokens, blocks->size(), layout->block_size));
+    }
+    if (pool->length < layout->pool_bytes()) {
+        return protocol_error(
+            fmt::format("field 'pool.length' = {} is smaller than the layout's "
+                        "{} bytes",
+                        pool->length, layout->pool_bytes()));
     }
     return ok_status();
 }
@@ -35,8 +48,8 @@ Status check_tokens_fit(uint32_t num_tokens, const std::vector<uint32_t>& blocks
 Status check_rank(uint32_t rank, uint32_t tp, const char* rank_field, const char* tp_field) {
     if (tp == 0) return protocol_error(fmt::format("field '{}' is 0", tp_field));
     if (rank >= tp) {
-        return protocol_error(fmt::format("field '{}' = {} is not below '{}' = {}", rank_field,
-                                          rank, tp_field, tp));
+        return protocol_error(
+            fmt::format("field '{}' = {} is not below '{}' = {}", rank_field, rank, tp_field, tp));
     }
     return ok_status();
 }
@@ -49,10 +62,7 @@ void encode_body(ByteWriter& w, const RegisterMsg& m) {
     w.put(m.imm);
     w.put(m.num_tokens);
     w.put(m.lease_ms);
-    m.decode_address.encode(w);
-    m.pool.encode(w);
-    m.layout.encode(w);
-    put_blocks(w, m.blocks);
+    encode_location(w, m.decode_address, m.pool, m.layout, m.blocks);
 }
 
 Status decode_body(ByteReader& r, RegisterMsg* m) {
@@ -63,18 +73,8 @@ Status decode_body(ByteReader& r, RegisterMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->imm, "imm"));
     FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
-    FERRY_ASSIGN_OR_RETURN(m->decode_address, EngineAddress::decode(r));
-    FERRY_ASSIGN_OR_RETURN(m->pool, MemoryDescriptor::decode(r));
-    FERRY_ASSIGN_OR_RETURN(m->layout, KvLayout::decode(r));
-    FERRY_RETURN_IF_ERROR(get_blocks(r, &m->blocks, m->layout));
     FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
-    FERRY_RETURN_IF_ERROR(check_tokens_fit(m->num_tokens, m->blocks, m->layout));
-    if (m->pool.length < m->layout.pool_bytes()) {
-        return protocol_error(fmt::format("field 'pool.length' = {} is smaller than the layout's "
-                                          "{} bytes",
-                                          m->pool.length, m->layout.pool_bytes()));
-    }
-    return ok_status();
+    return decode_location(r, m->num_tokens, &m->decode_address, &m->pool, &m->layout, &m->blocks);
 }
 
 void encode_body(ByteWriter& w, const FinalMsg& m) {
@@ -148,10 +148,7 @@ void encode_body(ByteWriter& w, const PullParamsMsg& m) {
     w.put(m.producer_tp);
     w.put(m.num_tokens);
     w.put(m.lease_ms);
-    m.prefill_address.encode(w);
-    m.pool.encode(w);
-    m.layout.encode(w);
-    put_blocks(w, m.blocks);
+    encode_location(w, m.prefill_address, m.pool, m.layout, m.blocks);
 }
 
 Status decode_body(ByteReader& r, PullParamsMsg* m) {
@@ -160,19 +157,9 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->producer_tp, "producer_tp"));
     FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
-    FERRY_ASSIGN_OR_RETURN(m->prefill_address, EngineAddress::decode(r));
-    FERRY_ASSIGN_OR_RETURN(m->pool, MemoryDescriptor::decode(r));
-    FERRY_ASSIGN_OR_RETURN(m->layout, KvLayout::decode(r));
-    FERRY_RETURN_IF_ERROR(get_blocks(r, &m->blocks, m->layout));
     FERRY_RETURN_IF_ERROR(
         check_rank(m->producer_rank, m->producer_tp, "producer_rank", "producer_tp"));
-    FERRY_RETURN_IF_ERROR(check_tokens_fit(m->num_tokens, m->blocks, m->layout));
-    if (m->pool.length < m->layout.pool_bytes()) {
-        return protocol_error(fmt::format("field 'pool.length' = {} is smaller than the layout's "
-                                          "{} bytes",
-                                          m->pool.length, m->layout.pool_bytes()));
-    }
-    return ok_status();
+    return decode_location(r, m->num_tokens, &m->prefill_address, &m->pool, &m->layout, &m->blocks);
 }
 
 void encode_body(ByteWriter& w, const DoneMsg& m) {
@@ -199,8 +186,7 @@ Result<KvMessage> decode_as(ByteReader& r) {
     M m;
     FERRY_RETURN_IF_ERROR(decode_body(r, &m));
     if (r.remaining() != 0) {
-        return protocol_error(
-            fmt::format("{} trailing bytes after the message", r.remaining()));
+        return protocol_error(fmt::format("{} trailing bytes after the message", r.remaining()));
     }
     return KvMessage(std::move(m));
 }
@@ -224,26 +210,41 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
     uint8_t type = 0;
     FERRY_RETURN_IF_ERROR(r.get(&magic, "magic"));
     if (magic != kKvMagic) {
-        return protocol_error(
-            fmt::format("field 'magic' is {:#x}: not a ferry KV message", magic));
+        return protocol_error(fmt::format("field 'magic' is {:#x}: not a ferry KV message", magic));
     }
     FERRY_RETURN_IF_ERROR(r.get(&version, "version"));
     if (version != kKvProtocolVersion) {
-        return protocol_error(fmt::format("field 'version' is {}, this build speaks {}; upgrade "
-                                          "both sides",
-                                          version, kKvProtocolVersion));
+        return protocol_error(
+            fmt::format("field 'version' is {}, this build speaks {}; upgrade "
+                        "both sides",
+                        version, kKvProtocolVersion));
     }
     FERRY_RETURN_IF_ERROR(r.get(&type, "type"));
     Result<KvMessage> out = protocol_error("unset");
     switch (static_cast<MsgType>(type)) {
-        case MsgType::kRegister: out = decode_as<RegisterMsg>(r); break;
-        case MsgType::kFinal: out = decode_as<FinalMsg>(r); break;
-        case MsgType::kFail: out = decode_as<FailMsg>(r); break;
-        case MsgType::kCancel: out = decode_as<CancelMsg>(r); break;
-        case MsgType::kCancelAck: out = decode_as<CancelAckMsg>(r); break;
-        case MsgType::kPullParams: out = decode_as<PullParamsMsg>(r); break;
-        case MsgType::kDone: out = decode_as<DoneMsg>(r); break;
-        default: return protocol_error(fmt::format("field 'type' = {} is unknown", type));
+        case MsgType::kRegister:
+            out = decode_as<RegisterMsg>(r);
+            break;
+        case MsgType::kFinal:
+            out = decode_as<FinalMsg>(r);
+            break;
+        case MsgType::kFail:
+            out = decode_as<FailMsg>(r);
+            break;
+        case MsgType::kCancel:
+            out = decode_as<CancelMsg>(r);
+            break;
+        case MsgType::kCancelAck:
+            out = decode_as<CancelAckMsg>(r);
+            break;
+        case MsgType::kPullParams:
+            out = decode_as<PullParamsMsg>(r);
+            break;
+        case MsgType::kDone:
+            out = decode_as<DoneMsg>(r);
+            break;
+        default:
+            return protocol_error(fmt::format("field 'type' = {} is unknown", type));
     }
     if (!out.ok()) {
         return out.status().with_context(fmt::format("KV message type {}", type));

@@ -1,6 +1,8 @@
 // Byte-level reference model of the block mapping: fill producer pools with bytes derived
 // from (layer, K/V, token, global head, dim, byte), apply the planned runs with memcpy into
 // poisoned consumer pools, and check every consumer byte.
+#include "ferry/kv/block_mapping.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,7 +10,6 @@
 #include <numeric>
 #include <random>
 
-#include "ferry/kv/block_mapping.h"
 #include "support/multiproc.h"
 
 namespace ferry::kv {
@@ -93,8 +94,8 @@ size_t check_combo(const Combo& c, uint32_t tokens, std::mt19937_64& rng) {
     for (uint32_t r = 0; r < c.src_tp; ++r) {
         Side& s = producers[r];
         s.rank = {make_layout(c.src_block, c.src_tp, c.src_order, c.src_place), r, c.src_tp};
-        s.blocks = random_blocks(rng, s.rank.layout.num_blocks,
-                                 blocks_for_tokens(tokens, c.src_block));
+        s.blocks =
+            random_blocks(rng, s.rank.layout.num_blocks, blocks_for_tokens(tokens, c.src_block));
         s.pool.resize(s.rank.layout.pool_bytes());
         for (auto& b : s.pool) b = static_cast<uint8_t>(rng());  // garbage outside the request
         for_each_token_byte(s, tokens, [&](uint64_t off, uint8_t v) { s.pool[off] = v; });
@@ -103,8 +104,8 @@ size_t check_combo(const Combo& c, uint32_t tokens, std::mt19937_64& rng) {
     for (uint32_t r = 0; r < c.dst_tp; ++r) {
         Side& d = consumers[r];
         d.rank = {make_layout(c.dst_block, c.dst_tp, c.dst_order, c.dst_place), r, c.dst_tp};
-        d.blocks = random_blocks(rng, d.rank.layout.num_blocks,
-                                 blocks_for_tokens(tokens, c.dst_block));
+        d.blocks =
+            random_blocks(rng, d.rank.layout.num_blocks, blocks_for_tokens(tokens, c.dst_block));
         d.pool.assign(d.rank.layout.pool_bytes(), kPoison);
         auto writers = producers_for_consumer(kTotalHeads, c.src_tp, c.dst_tp, r);
         EXPECT_TRUE(writers.ok()) << writers.status().to_string();
@@ -155,8 +156,8 @@ size_t check_combo(const Combo& c, uint32_t tokens, std::mt19937_64& rng) {
 
 TEST(BlockMapping, EveryByteArrivesForAllBlockSizeTpAndLayoutCombos) {
     std::mt19937_64 rng(testing::test_seed("BlockMapping.EveryByteArrives"));
-    const std::pair<uint32_t, uint32_t> block_sizes[] = {{16, 16}, {16, 32}, {32, 16}, {16, 64},
-                                                         {64, 16}, {8, 24}};
+    const std::pair<uint32_t, uint32_t> block_sizes[] = {{16, 16}, {16, 32}, {32, 16},
+                                                         {16, 64}, {64, 16}, {8, 24}};
     const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}, {4, 1}};
     int cases = 0;
     for (auto [sb, db] : block_sizes) {
@@ -186,7 +187,13 @@ TEST(BlockMapping, EveryByteArrivesForAllBlockSizeTpAndLayoutCombos) {
 
 TEST(BlockMapping, SingleTokenAndSubrangeOfTokens) {
     std::mt19937_64 rng(testing::test_seed("BlockMapping.SingleToken"));
-    Combo c{16, 32, 2, 1, BlockOrder::kHND, BlockOrder::kNHD, KvPlacement::kJoint,
+    Combo c{16,
+            32,
+            2,
+            1,
+            BlockOrder::kHND,
+            BlockOrder::kNHD,
+            KvPlacement::kJoint,
             KvPlacement::kSeparate};
     check_combo(c, 1, rng);
 }

@@ -118,46 +118,50 @@ class HandshakePushTest : public ::testing::TestWithParam<std::string> {};
 // exchange carries just the port), then pushes and checks every byte.
 TEST_P(HandshakePushTest, PushWithAddressesFromTheSideChannel) {
     std::string provider = GetParam();
-    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
-        testing::NodeOptions opt;
-        opt.provider = provider;
-        KvRank self{testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kJoint, 32), 0, 1};
-        CHILD_ASSIGN_OK(auto node, testing::make_kv_node(ex, self, opt, 3,
-                                                         ex.rank() == 0 ? 0 : kPoison));
-        auto& n = *node;
-        std::unique_ptr<HandshakeServer> server;
-        ByteWriter w;
-        if (ex.rank() == 0) {
-            HandshakeInfo info{0, n.engine->address(), n.mr->descriptor(), self.layout, 0, 1};
-            CHILD_ASSIGN_OK(server, HandshakeServer::start("127.0.0.1", 0, info));
-            w.put<uint16_t>(server->port());
-        }
-        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
-        uint16_t port = 0;
-        std::memcpy(&port, all[0].data(), 2);
-        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(5));
-        const uint64_t id = 0x99;
-        if (ex.rank() == 1) {
-            HandshakeCache cache(self.layout.compatibility_hash());
-            CHILD_ASSIGN_OK(auto info, cache.get("127.0.0.1", port, kTimeout));
-            CHILD_CHECK(info.tp_size == 1 && info.layout == self.layout);
-            CHILD_CHECK_OK(n.conn->register_push({id, 1, {info.address}, blocks, 77}));
-            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, std::chrono::seconds(20)));
-            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-            std::vector<uint8_t> image(n.mem.size(), kPoison);
-            testing::expect_request(self, image, id, blocks, 77);
-            std::string diff = testing::compare_pool(n.mem, image);
-            CHILD_CHECK_MSG(diff.empty(), "{}", diff);
-        } else {
-            testing::fill_request(n, id, blocks, 77);
-            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 77));
-            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, std::chrono::seconds(20)));
-            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-        }
-        CHILD_CHECK_OK(n.blocks->free(blocks));
-        CHILD_CHECK_OK(ex.barrier());
-        return "";
-    }, std::chrono::seconds(60));
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            testing::NodeOptions opt;
+            opt.provider = provider;
+            KvRank self{testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kJoint, 32), 0,
+                        1};
+            CHILD_ASSIGN_OK(auto node,
+                            testing::make_kv_node(ex, self, opt, 3, ex.rank() == 0 ? 0 : kPoison));
+            auto& n = *node;
+            std::unique_ptr<HandshakeServer> server;
+            ByteWriter w;
+            if (ex.rank() == 0) {
+                HandshakeInfo info{0, n.engine->address(), n.mr->descriptor(), self.layout, 0, 1};
+                CHILD_ASSIGN_OK(server, HandshakeServer::start("127.0.0.1", 0, info));
+                w.put<uint16_t>(server->port());
+            }
+            CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+            uint16_t port = 0;
+            std::memcpy(&port, all[0].data(), 2);
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(5));
+            const uint64_t id = 0x99;
+            if (ex.rank() == 1) {
+                HandshakeCache cache(self.layout.compatibility_hash());
+                CHILD_ASSIGN_OK(auto info, cache.get("127.0.0.1", port, kTimeout));
+                CHILD_CHECK(info.tp_size == 1 && info.layout == self.layout);
+                CHILD_CHECK_OK(n.conn->register_push({id, 1, {info.address}, blocks, 77}));
+                CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, std::chrono::seconds(20)));
+                CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                std::vector<uint8_t> image(n.mem.size(), kPoison);
+                testing::expect_request(self, image, id, blocks, 77);
+                std::string diff = testing::compare_pool(n.mem, image);
+                CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+            } else {
+                testing::fill_request(n, id, blocks, 77);
+                CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 77));
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, std::chrono::seconds(20)));
+                CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            }
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            CHILD_CHECK_OK(ex.barrier());
+            return "";
+        },
+        std::chrono::seconds(60));
     EXPECT_EQ(::ferry::testing::describe_failures(results), "");
 }
 

@@ -2,22 +2,22 @@
 // connector per child process, and a byte-exact model of what each request's KV holds.
 #pragma once
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/kv/block_pool.h"
 #include "ferry/kv/connector.h"
-#include <fmt/format.h>
-
-#include <algorithm>
-#include <random>
-
-#include "ferry/common/bytes.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
 
@@ -27,14 +27,14 @@ inline constexpr uint8_t kPoison = 0xa5;
 
 // Results delivered by the connector callbacks, waited for with a deadline.
 class ResultLog {
-  public:
+   public:
     void add(bool send_side, const TransferResult& r);
     // The first result for (side, transfer id[, attempt]) not taken yet; kTimeout otherwise.
     Result<TransferResult> wait(bool send_side, uint64_t id, Duration timeout,
                                 int64_t attempt = -1);
     size_t size() const;
 
-  private:
+   private:
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::pair<bool, TransferResult>> items_;
@@ -62,8 +62,7 @@ struct NodeOptions {
 // Engine, pool (filled with `fill`), a block pool whose ids come out in a random order, the
 // connector, and every process's engine address.
 Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex, const KvRank& self,
-                                             const NodeOptions& opt, uint64_t seed,
-                                             uint8_t fill);
+                                             const NodeOptions& opt, uint64_t seed, uint8_t fill);
 
 // The value of every KV byte of a request: derived from (transfer id, layer, K/V, token,
 // global head, byte in head), so any misplaced byte is caught.
@@ -72,6 +71,11 @@ uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token, uint32
 
 // Writes the request's KV into a producer pool.
 void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks, uint32_t tokens);
+// Waits until the connector received at least `count` messages: lets a test put a REGISTER
+// before prefill_done for real, not just in the order of the calls.
+Status wait_messages(KvNode& n, uint64_t count, Duration timeout);
+// Pool accounting and connector state after a test: nothing held, nothing leaked.
+std::string check_no_leak(KvNode& n);
 // Writes the request's expected KV into an image of the consumer pool.
 void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
                     const std::vector<uint32_t>& blocks, uint32_t tokens);
@@ -83,7 +87,6 @@ KvLayout test_layout(uint32_t heads_per_rank, uint32_t block_size, BlockOrder or
 
 // ---- definitions (header only: the test glob builds *_test.cc files alone) ----
 
-
 inline void ResultLog::add(bool send_side, const TransferResult& r) {
     {
         std::lock_guard lk(mu_);
@@ -93,7 +96,7 @@ inline void ResultLog::add(bool send_side, const TransferResult& r) {
 }
 
 inline Result<TransferResult> ResultLog::wait(bool send_side, uint64_t id, Duration timeout,
-                                       int64_t attempt) {
+                                              int64_t attempt) {
     std::unique_lock lk(mu_);
     TimePoint deadline = Clock::now() + timeout;
     while (true) {
@@ -117,9 +120,9 @@ inline size_t ResultLog::size() const {
     return items_.size();
 }
 
-inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex, const KvRank& self,
-                                             const NodeOptions& opt, uint64_t seed,
-                                             uint8_t fill) {
+inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex,
+                                                    const KvRank& self, const NodeOptions& opt,
+                                                    uint64_t seed, uint8_t fill) {
     auto n = std::make_unique<KvNode>();
     n->self = self;
     EngineConfig ec = ::ferry::testing::test_engine_config(opt.provider);
@@ -155,7 +158,7 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
 }
 
 inline uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token, uint32_t ghead,
-                uint32_t byte) {
+                       uint32_t byte) {
     uint64_t x = id * 0x9e3779b97f4a7c15ull;
     x ^= (uint64_t{layer} << 52) ^ (uint64_t{static_cast<uint8_t>(part)} << 50) ^
          (uint64_t{token} << 24) ^ (uint64_t{ghead} << 12) ^ byte;
@@ -164,23 +167,8 @@ inline uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token,
     return static_cast<uint8_t>(x >> 56);
 }
 
-
-inline void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks, uint32_t tokens) {
-    const KvLayout& l = n.self.layout;
-    for (uint32_t layer = 0; layer < l.num_layers; ++layer)
-        for (KvPart part : {KvPart::kK, KvPart::kV})
-            for (uint32_t t = 0; t < tokens; ++t)
-                for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
-                    uint64_t off =
-                        l.offset(layer, part, blocks[t / l.block_size], t % l.block_size, h);
-                    for (uint32_t b = 0; b < l.head_bytes(); ++b) {
-                        n.mem[off + b] = kv_byte(id, layer, part, t, n.self.first_head() + h, b);
-                    }
-                }
-}
-
 inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
-                    const std::vector<uint32_t>& blocks, uint32_t tokens) {
+                           const std::vector<uint32_t>& blocks, uint32_t tokens) {
     const KvLayout& l = self.layout;
     for (uint32_t layer = 0; layer < l.num_layers; ++layer)
         for (KvPart part : {KvPart::kK, KvPart::kV})
@@ -192,6 +180,33 @@ inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint
                         image[off + b] = kv_byte(id, layer, part, t, self.first_head() + h, b);
                     }
                 }
+}
+
+inline void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks,
+                         uint32_t tokens) {
+    expect_request(n.self, n.mem, id, blocks, tokens);
+}
+
+inline Status wait_messages(KvNode& n, uint64_t count, Duration timeout) {
+    TimePoint deadline = Clock::now() + timeout;
+    while (n.conn->stats().messages_received < count) {
+        if (Clock::now() > deadline) {
+            return timeout_error(
+                fmt::format("{} of {} messages arrived", n.conn->stats().messages_received, count));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return ok_status();
+}
+
+inline std::string check_no_leak(KvNode& n) {
+    CHILD_CHECK_MSG(n.blocks->free_count() == n.blocks->num_blocks(), "{} blocks leaked",
+                    n.blocks->used_count());
+    ConnectorStats s = n.conn->stats();
+    CHILD_CHECK_MSG(s.active_send == 0 && s.active_recv == 0,
+                    "connector still holds {} send, {} recv transfers", s.active_send,
+                    s.active_recv);
+    return "";
 }
 
 inline std::string compare_pool(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
@@ -209,7 +224,7 @@ inline std::string compare_pool(const std::vector<uint8_t>& got, const std::vect
 }
 
 inline KvLayout test_layout(uint32_t heads_per_rank, uint32_t block_size, BlockOrder order,
-                     KvPlacement placement, uint32_t num_blocks) {
+                            KvPlacement placement, uint32_t num_blocks) {
     KvLayout l;
     l.num_layers = 3;
     l.num_kv_heads = heads_per_rank;

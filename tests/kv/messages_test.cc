@@ -1,7 +1,8 @@
+#include "ferry/kv/messages.h"
+
 #include <gtest/gtest.h>
 
 #include "ferry/common/bytes.h"
-#include "ferry/kv/messages.h"
 
 namespace ferry::kv {
 namespace {

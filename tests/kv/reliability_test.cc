@@ -14,8 +14,8 @@ namespace {
 
 using ::ferry::testing::Exchange;
 using ::ferry::testing::run_processes;
-using testing::KvNode;
 using testing::kPoison;
+using testing::KvNode;
 using testing::make_kv_node;
 using testing::NodeOptions;
 
@@ -24,47 +24,28 @@ const auto kWait = std::chrono::seconds(20);
 constexpr int kPrefill = 0;
 constexpr int kDecode = 1;
 
-Status wait_messages(KvNode& n, uint64_t count) {
-    TimePoint deadline = Clock::now() + kWait;
-    while (n.conn->stats().messages_received < count) {
-        if (Clock::now() > deadline) {
-            return timeout_error(fmt::format("{} of {} messages arrived",
-                                             n.conn->stats().messages_received, count));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return ok_status();
-}
-
-std::string check_no_leak(KvNode& n) {
-    CHILD_CHECK_MSG(n.blocks->free_count() == n.blocks->num_blocks(), "{} blocks leaked",
-                    n.blocks->used_count());
-    ConnectorStats s = n.conn->stats();
-    CHILD_CHECK_MSG(s.active_send == 0 && s.active_recv == 0,
-                    "connector still holds {} send, {} recv transfers", s.active_send,
-                    s.active_recv);
-    return "";
-}
-
 class KvReliabilityTest : public ::testing::TestWithParam<std::string> {
-  protected:
+   protected:
     // 1 prefill rank (process 0) and 1 decode rank (process 1) with the small test layout.
     std::vector<::ferry::testing::ChildResult> run_1p1d(
         Duration lease, const std::function<std::string(Exchange&, KvNode&)>& body,
         KvLayout layout = testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate,
                                                64)) {
         std::string provider = GetParam();
-        return run_processes(2, [&](Exchange& ex) -> std::string {
-            NodeOptions opt;
-            opt.provider = provider;
-            opt.lease = lease;
-            KvRank self{layout, 0, 1};
-            CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 42,
-                                                    ex.rank() == kPrefill ? 0 : kPoison));
-            std::string e = body(ex, *node);
-            if (!e.empty()) return e;
-            return check_no_leak(*node);
-        }, kRunTimeout);
+        return run_processes(
+            2,
+            [&](Exchange& ex) -> std::string {
+                NodeOptions opt;
+                opt.provider = provider;
+                opt.lease = lease;
+                KvRank self{layout, 0, 1};
+                CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 42,
+                                                        ex.rank() == kPrefill ? 0 : kPoison));
+                std::string e = body(ex, *node);
+                if (!e.empty()) return e;
+                return testing::check_no_leak(*node);
+            },
+            kRunTimeout);
     }
 };
 
@@ -84,8 +65,8 @@ TEST_P(KvReliabilityTest, UnregisteredTransferIsReleasedAfterTheLease) {
             CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
             CHILD_CHECK_MSG(r.status.message().find("registration") != std::string::npos, "{}",
                             r.status.message());
-            CHILD_CHECK_MSG(took >= lease && took < lease * 5, "released after {:.0f} ms",
-                            to_ms(took));
+            CHILD_CHECK_MSG(took >= lease && took < lease + std::chrono::seconds(3),
+                            "released after {:.0f} ms", to_ms(took));
             CHILD_CHECK(n.conn->stats().leases_expired == 1);
         }
         CHILD_CHECK_OK(ex.barrier());
@@ -95,8 +76,8 @@ TEST_P(KvReliabilityTest, UnregisteredTransferIsReleasedAfterTheLease) {
             CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
             CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
             CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
-            CHILD_CHECK(std::all_of(n.mem.begin(), n.mem.end(),
-                                    [](uint8_t b) { return b == kPoison; }));
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
         }
         CHILD_CHECK_OK(n.blocks->free(blocks));
         CHILD_CHECK_OK(ex.barrier());
@@ -115,12 +96,12 @@ TEST_P(KvReliabilityTest, FailedPrefillReachesDecodeAsFail) {
             CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
             CHILD_CHECK_MSG(r.status.code() == StatusCode::kResourceExhausted, "{}",
                             r.status.to_string());
-            CHILD_CHECK_MSG(r.status.message().find("prefill ran out of blocks") !=
-                                std::string::npos,
-                            "{}", r.status.message());
+            CHILD_CHECK_MSG(
+                r.status.message().find("prefill ran out of blocks") != std::string::npos, "{}",
+                r.status.message());
             CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(5));
         } else {
-            CHILD_CHECK_OK(wait_messages(n, 1));
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             CHILD_CHECK_OK(
                 n.conn->prefill_failed(id, resource_exhausted("prefill ran out of blocks")));
             CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
@@ -156,8 +137,8 @@ TEST_P(KvReliabilityTest, CancelBeforePrefillDoneIsAcknowledgedAndNothingLands) 
         }
         CHILD_CHECK_OK(ex.barrier());
         if (ex.rank() == kDecode) {
-            CHILD_CHECK(std::all_of(n.mem.begin(), n.mem.end(),
-                                    [](uint8_t b) { return b == kPoison; }));
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
         }
         return "";
     });
@@ -170,51 +151,56 @@ TEST_P(KvReliabilityTest, CancelWithWritesInFlightNeverTouchesReusedBlocks) {
     big.num_layers = 24;
     big.head_dim = 128;
     const uint32_t kTokens = 512;
-    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
-        for (uint64_t id = 0x100; id < 0x104; ++id) {
-            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
-            if (ex.rank() == kPrefill) {
-                testing::fill_request(n, id, blocks, kTokens);
-                CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kTokens));
-            }
-            CHILD_CHECK_OK(ex.barrier());
-            if (ex.rank() == kDecode) {
-                CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
-                std::this_thread::sleep_for(std::chrono::milliseconds(id % 4));
-                CHILD_CHECK_OK(n.conn->cancel(id));
-                CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
-                CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}",
-                                r.status.to_string());
-                // Reuse: the blocks now hold another request's data, which must survive.
-                for (uint32_t b : blocks) {
-                    uint64_t off = big.slab_offset(0, KvPart::kK, b);
-                    std::memset(n.mem.data() + off, 0x3c, big.slab_bytes());
+    auto results = run_1p1d(
+        std::chrono::seconds(10),
+        [&](Exchange& ex, KvNode& n) -> std::string {
+            for (uint64_t id = 0x100; id < 0x104; ++id) {
+                CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+                if (ex.rank() == kPrefill) {
+                    testing::fill_request(n, id, blocks, kTokens);
+                    CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kTokens));
                 }
-            }
-            if (ex.rank() == kPrefill) {
-                // Cancelled, or ok when every write had completed before the CANCEL came.
-                CHILD_ASSIGN_OK(auto done, n.results.wait(true, id, kWait));
-                CHILD_CHECK_MSG(done.status.ok() || done.status.code() == StatusCode::kCancelled,
-                                "{}", done.status.to_string());
-            }
-            CHILD_CHECK_OK(ex.barrier());  // prefill's writes for id are all complete now
-            if (ex.rank() == kDecode) {
-                std::this_thread::sleep_for(std::chrono::milliseconds(20));
-                for (uint32_t b : blocks) {
-                    uint64_t off = big.slab_offset(0, KvPart::kK, b);
-                    for (uint64_t i = 0; i < big.slab_bytes(); ++i) {
-                        CHILD_CHECK_MSG(n.mem[off + i] == 0x3c,
-                                        "a write landed in reused block {} after the cancel "
-                                        "was acknowledged",
-                                        b);
+                CHILD_CHECK_OK(ex.barrier());
+                if (ex.rank() == kDecode) {
+                    CHILD_CHECK_OK(
+                        n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
+                    std::this_thread::sleep_for(std::chrono::milliseconds(id % 4));
+                    CHILD_CHECK_OK(n.conn->cancel(id));
+                    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                    CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}",
+                                    r.status.to_string());
+                    // Reuse: the blocks now hold another request's data, which must survive.
+                    for (uint32_t b : blocks) {
+                        uint64_t off = big.slab_offset(0, KvPart::kK, b);
+                        std::memset(n.mem.data() + off, 0x3c, big.slab_bytes());
                     }
                 }
+                if (ex.rank() == kPrefill) {
+                    // Cancelled, or ok when every write had completed before the CANCEL came.
+                    CHILD_ASSIGN_OK(auto done, n.results.wait(true, id, kWait));
+                    CHILD_CHECK_MSG(
+                        done.status.ok() || done.status.code() == StatusCode::kCancelled, "{}",
+                        done.status.to_string());
+                }
+                CHILD_CHECK_OK(ex.barrier());  // prefill's writes for id are all complete now
+                if (ex.rank() == kDecode) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                    for (uint32_t b : blocks) {
+                        uint64_t off = big.slab_offset(0, KvPart::kK, b);
+                        for (uint64_t i = 0; i < big.slab_bytes(); ++i) {
+                            CHILD_CHECK_MSG(n.mem[off + i] == 0x3c,
+                                            "a write landed in reused block {} after the cancel "
+                                            "was acknowledged",
+                                            b);
+                        }
+                    }
+                }
+                CHILD_CHECK_OK(n.blocks->free(blocks));
             }
-            CHILD_CHECK_OK(n.blocks->free(blocks));
-        }
-        CHILD_CHECK_OK(ex.barrier());
-        return "";
-    }, big);
+            CHILD_CHECK_OK(ex.barrier());
+            return "";
+        },
+        big);
     EXPECT_ALL_OK(results);
 }
 
@@ -242,10 +228,10 @@ TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             CHILD_CHECK_OK(n.blocks->free(second));
         } else {
-            CHILD_CHECK_OK(wait_messages(n, 1));
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             CHILD_CHECK_OK(ex.barrier());
             // REGISTER attempt 2 and CANCEL attempt 1.
-            CHILD_CHECK_OK(wait_messages(n, 3));
+            CHILD_CHECK_OK(testing::wait_messages(n, 3, kWait));
             CHILD_CHECK_OK(ex.barrier());
             testing::fill_request(n, id, first, kTokens);
             CHILD_CHECK_OK(n.conn->prefill_done(id, first, kTokens));
@@ -263,18 +249,10 @@ TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
 
 TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
     const auto lease = std::chrono::milliseconds(800);
-    std::string provider = GetParam();
-    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
-        NodeOptions opt;
-        opt.provider = provider;
-        opt.lease = lease;
-        KvRank self{testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64), 0,
-                    1};
-        CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 7, kPoison));
-        KvNode& n = *node;
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
         CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
         if (ex.rank() == kPrefill) {
-            CHILD_CHECK_OK(wait_messages(n, 1));
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             raise(SIGKILL);
         }
         TimePoint t0 = Clock::now();
@@ -282,46 +260,39 @@ TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
         CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0x7b, kWait));
         Duration took = Clock::now() - t0;
         CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
-        CHILD_CHECK_MSG(took < lease * 4, "freed after {:.0f} ms", to_ms(took));
+        CHILD_CHECK_MSG(took < lease + std::chrono::seconds(4), "freed after {:.0f} ms",
+                        to_ms(took));
         CHILD_CHECK_OK(n.blocks->free(blocks));
-        return check_no_leak(n);
-    }, kRunTimeout);
+        return "";
+    });
     ASSERT_EQ(results.size(), 2u);
     EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
     EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
 }
 
 TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
-    const auto lease = std::chrono::milliseconds(800);
-    std::string provider = GetParam();
-    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
-        NodeOptions opt;
-        opt.provider = provider;
-        opt.lease = lease;
-        KvRank self{testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64), 0,
-                    1};
-        CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 8, kPoison));
-        KvNode& n = *node;
-        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(4));
-        if (ex.rank() == kDecode) {
-            CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
-            std::this_thread::sleep_for(std::chrono::milliseconds(200));
-            raise(SIGKILL);
-        }
-        CHILD_CHECK_OK(wait_messages(n, 1));
-        // Let the decode process die before prefill writes into it.
-        std::this_thread::sleep_for(std::chrono::milliseconds(400));
-        TimePoint t0 = Clock::now();
-        CHILD_CHECK_OK(n.conn->prefill_done(0x7c, blocks, 60));
-        CHILD_ASSIGN_OK(auto r, n.results.wait(true, 0x7c, kWait));
-        Duration took = Clock::now() - t0;
-        // Some providers complete writes to a dead peer's memory locally (the status may be
-        // ok); what matters is that prefill gets its blocks back in bounded time.
-        CHILD_CHECK_MSG(took < std::chrono::seconds(8), "released after {:.0f} ms: {}",
-                        to_ms(took), r.status.to_string());
-        CHILD_CHECK_OK(n.blocks->free(blocks));
-        return check_no_leak(n);
-    }, kRunTimeout);
+    auto results =
+        run_1p1d(std::chrono::milliseconds(800), [&](Exchange& ex, KvNode& n) -> std::string {
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(4));
+            if (ex.rank() == kDecode) {
+                CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
+                std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                raise(SIGKILL);
+            }
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            // Let the decode process die before prefill writes into it.
+            std::this_thread::sleep_for(std::chrono::milliseconds(400));
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->prefill_done(0x7c, blocks, 60));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, 0x7c, kWait));
+            Duration took = Clock::now() - t0;
+            // Some providers complete writes to a dead peer's memory locally (the status may be
+            // ok); what matters is that prefill gets its blocks back in bounded time.
+            CHILD_CHECK_MSG(took < std::chrono::seconds(8), "released after {:.0f} ms: {}",
+                            to_ms(took), r.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return "";
+        });
     ASSERT_EQ(results.size(), 2u);
     EXPECT_EQ(results[kDecode].term_signal, SIGKILL);
     EXPECT_TRUE(results[kPrefill].ok()) << results[kPrefill].error;
@@ -351,7 +322,7 @@ TEST_P(KvReliabilityTest, MalformedAndUnknownMessagesAreCountedAndDropped) {
             std::string diff = testing::compare_pool(n.mem, image);
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         } else {
-            CHILD_CHECK_OK(wait_messages(n, 1));
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             CHILD_CHECK_OK(ex.barrier());
             testing::fill_request(n, id, blocks, 20);
             CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 20));

@@ -27,11 +27,9 @@ struct KvRank {
 // own. Both sides call these, so producer and consumer agree on who writes where without
 // exchanging it. total_heads must be divisible by both TP sizes.
 Result<std::vector<uint32_t>> producers_for_consumer(uint32_t total_heads, uint32_t producer_tp,
-                                                     uint32_t consumer_tp,
-                                                     uint32_t consumer_rank);
+                                                     uint32_t consumer_tp, uint32_t consumer_rank);
 Result<std::vector<uint32_t>> consumers_for_producer(uint32_t total_heads, uint32_t producer_tp,
-                                                     uint32_t consumer_tp,
-                                                     uint32_t producer_rank);
+                                                     uint32_t consumer_tp, uint32_t producer_rank);
 
 // A contiguous copy: `length` bytes at src_offset of the producer pool go to dst_offset of the
 // consumer pool.

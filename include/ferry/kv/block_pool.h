@@ -12,7 +12,7 @@
 namespace ferry::kv {
 
 class BlockPool {
-  public:
+   public:
     explicit BlockPool(uint32_t num_blocks);
 
     // n free blocks, in an order that is not contiguous in general (freed blocks come back
@@ -26,7 +26,7 @@ class BlockPool {
     uint32_t free_count() const;
     uint32_t used_count() const { return num_blocks() - free_count(); }
 
-  private:
+   private:
     mutable std::mutex mu_;
     std::vector<uint32_t> free_;
     std::vector<bool> allocated_;

@@ -89,12 +89,12 @@ struct ConnectorStats {
     uint64_t transfers_failed = 0;    // either side, finished with an error or cancelled
     uint64_t ops_posted = 0;          // writes (push) and reads (pull) handed to the engine
     uint64_t bytes_posted = 0;
-    uint64_t active_send = 0;         // prefill-side transfers holding blocks now
-    uint64_t active_recv = 0;         // decode-side transfers holding blocks now
+    uint64_t active_send = 0;  // prefill-side transfers holding blocks now
+    uint64_t active_recv = 0;  // decode-side transfers holding blocks now
 };
 
 class KvConnector {
-  public:
+   public:
     // `pool` is this rank's KV pool, registered with `engine`, at least layout.pool_bytes()
     // long. Both must outlive the connector.
     static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
@@ -134,7 +134,7 @@ class KvConnector {
 
     class Impl;
 
-  private:
+   private:
     explicit KvConnector(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };

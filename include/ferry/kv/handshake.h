@@ -37,11 +37,11 @@ struct HandshakeInfo {
 };
 
 class HandshakeServer {
-  public:
+   public:
     // Listens on host:port (port 0 picks a free one; see port()). info.epoch is replaced by
     // a fresh random value.
-    static Result<std::unique_ptr<HandshakeServer>> start(const std::string& host,
-                                                          uint16_t port, HandshakeInfo info);
+    static Result<std::unique_ptr<HandshakeServer>> start(const std::string& host, uint16_t port,
+                                                          HandshakeInfo info);
     ~HandshakeServer();  // stops accepting and joins the thread
     HandshakeServer(const HandshakeServer&) = delete;
     HandshakeServer& operator=(const HandshakeServer&) = delete;
@@ -52,7 +52,7 @@ class HandshakeServer {
 
     class Impl;
 
-  private:
+   private:
     explicit HandshakeServer(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };
@@ -64,7 +64,7 @@ Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
-  public:
+   public:
     explicit HandshakeCache(uint64_t expected_compat_hash) : hash_(expected_compat_hash) {}
 
     // The cached answer, or a fresh handshake on a miss.
@@ -80,7 +80,7 @@ class HandshakeCache {
     void forget(const std::string& host, uint16_t port);
     size_t size() const;
 
-  private:
+   private:
     uint64_t hash_;
     mutable std::mutex mu_;
     std::map<std::string, HandshakeInfo> entries_;

@@ -7,9 +7,8 @@
 // measurement forks).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -41,8 +40,8 @@ struct KvBenchRow {
     uint64_t bytes = 0;        // KV bytes per request, all ranks together
     uint64_t descriptors = 0;  // writes or reads per request, all rank pairs together
     double p50_ms = 0, p99_ms = 0;
-    double gbps = 0;            // bytes / p50 latency
-    double caller_us_p50 = 0;   // time in the caller's thread per request (busiest rank)
+    double gbps = 0;           // bytes / p50 latency
+    double caller_us_p50 = 0;  // time in the caller's thread per request (busiest rank)
     double caller_us_p99 = 0;
 };
 

@@ -39,8 +39,8 @@ struct KvLayout {
     uint32_t num_layers = 0;
     uint32_t num_kv_heads = 0;  // KV heads held by this rank (global heads / TP size)
     uint32_t head_dim = 0;
-    uint32_t elem_size = 0;     // bytes per element: 2 for bf16/fp16, 1 for fp8
-    uint32_t block_size = 0;    // tokens per block
+    uint32_t elem_size = 0;   // bytes per element: 2 for bf16/fp16, 1 for fp8
+    uint32_t block_size = 0;  // tokens per block
     uint32_t num_blocks = 0;
     KvPlacement placement = KvPlacement::kSeparate;
     BlockOrder order = BlockOrder::kNHD;

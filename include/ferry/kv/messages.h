@@ -39,9 +39,9 @@ struct RegisterMsg {
     uint32_t attempt = 0;      // a larger attempt supersedes every smaller one
     uint32_t decode_rank = 0;  // TP rank and size of the sender
     uint32_t decode_tp = 1;
-    uint32_t imm = 0;          // immediate the producer puts on every write of this attempt
+    uint32_t imm = 0;  // immediate the producer puts on every write of this attempt
     uint32_t num_tokens = 0;
-    uint32_t lease_ms = 0;     // prefill gives up waiting for its own completion after this
+    uint32_t lease_ms = 0;  // prefill gives up waiting for its own completion after this
     EngineAddress decode_address;
     MemoryDescriptor pool;
     KvLayout layout;
@@ -108,8 +108,8 @@ struct DoneMsg {
     bool operator==(const DoneMsg&) const = default;
 };
 
-using KvMessage = std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg,
-                               PullParamsMsg, DoneMsg>;
+using KvMessage =
+    std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg, PullParamsMsg, DoneMsg>;
 
 std::vector<uint8_t> encode_message(const KvMessage& msg);
 Result<KvMessage> decode_message(std::span<const uint8_t> bytes);
