@@ -21,6 +21,9 @@ namespace {
 constexpr const char* kLog = "kv";
 // How often leases are checked when nothing else happens.
 constexpr Duration kTick = std::chrono::milliseconds(5);
+// Pages per paged write: bounds one operation's batch so that the rails start on the first
+// pages while later groups are still being built.
+constexpr size_t kPagesPerOp = 1024;
 
 // Hand-off queue into the connector thread. Engine callbacks hold it through a shared_ptr, so
 // a completion that arrives after the connector is gone is dropped instead of touching freed
@@ -60,7 +63,7 @@ class Inbox {
 
 // The operations of one job in flight: each completion decrements, the last one posts a
 // single task to the connector thread (one task per job, not per write).
-struct Flight {
+struct Flight : std::enable_shared_from_this<Flight> {
     explicit Flight(std::function<void(Status)> drained) : on_drained(std::move(drained)) {}
 
     void add() { outstanding.fetch_add(1, std::memory_order_relaxed); }
@@ -497,23 +500,64 @@ class KvConnector::Impl {
                            reg.blocks, 0, p.tokens});
         if (!plan.ok()) return fail_now(plan.status());
         auto flight = new_flight([this, id, key](Status s) { on_job_drained(id, key, s); });
-        for (const ByteRun& run : plan->runs) {
-            flight->add();
-            WriteOp op;
-            op.peer = job.peer;
-            op.src = pool_;
-            op.src_offset = run.src_offset;
-            op.dst = &job.reg.pool;
-            op.dst_offset = run.dst_offset;
-            op.length = run.length;
-            op.imm = reg.imm;
-            OpHandle h = engine_->write(op, [flight](const Status& s) { flight->done(s); });
-            job.writes += h.imm_writes();
-        }
+        post_writes(plan->runs, job, *flight);
         job.bytes = plan->bytes;
         ops_posted_.fetch_add(plan->runs.size());
         bytes_posted_.fetch_add(plan->bytes);
         flight->done(ok_status());
+    }
+
+    // Posts the runs as writes carrying the job's immediate. Short runs of one length (one block
+    // or one head slice each, the scattered-blocks case) go out as paged writes of up to
+    // kPagesPerOp pages: one engine operation and one completion per group instead of one per
+    // run. Long runs stay plain writes, which the engine stripes across rails.
+    void post_writes(const std::vector<ByteRun>& runs, SendJob& job, Flight& flight) {
+        auto cb = [f = flight.shared_from_this()](const Status& s) { f->done(s); };
+        std::vector<uint32_t> src_pages, dst_pages;
+        uint64_t page = 0;
+        auto flush = [&] {
+            if (src_pages.empty()) return;
+            flight.add();
+            PagedWriteOp op;
+            op.peer = job.peer;
+            op.src = pool_;
+            op.dst = &job.reg.pool;
+            op.page_size = page;
+            op.src_pages = src_pages;
+            op.dst_pages = dst_pages;
+            op.imm = job.reg.imm;
+            job.writes += engine_->paged_write(op, cb).imm_writes();
+            src_pages.clear();
+            dst_pages.clear();
+        };
+        auto pageable = [&](const ByteRun& r) {
+            return r.length < engine_->config().stripe_threshold && r.src_offset % r.length == 0 &&
+                   r.dst_offset % r.length == 0 && r.src_offset / r.length <= UINT32_MAX &&
+                   r.dst_offset / r.length <= UINT32_MAX;
+        };
+        for (const ByteRun& run : runs) {
+            if (!pageable(run)) {
+                flush();
+                flight.add();
+                WriteOp op;
+                op.peer = job.peer;
+                op.src = pool_;
+                op.src_offset = run.src_offset;
+                op.dst = &job.reg.pool;
+                op.dst_offset = run.dst_offset;
+                op.length = run.length;
+                op.imm = job.reg.imm;
+                job.writes += engine_->write(op, cb).imm_writes();
+                continue;
+            }
+            if (run.length != page || src_pages.size() == kPagesPerOp) {
+                flush();
+                page = run.length;
+            }
+            src_pages.push_back(static_cast<uint32_t>(run.src_offset / page));
+            dst_pages.push_back(static_cast<uint32_t>(run.dst_offset / page));
+        }
+        flush();
     }
 
     void on_job_drained(uint64_t id, JobKey key, const Status& s) {

@@ -1,6 +1,7 @@
 #include "ferry/kv/kv_bench.h"
 
 #include <fmt/format.h>
+#include <time.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -64,6 +65,12 @@ struct Rank {
         mr.reset();
     }
 };
+
+double thread_cpu_us() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
 
 double percentile(std::vector<double> v, double p) {
     if (v.empty()) return 0;
@@ -131,26 +138,32 @@ class Bench {
         KvBenchRow row;
         row.mode = c_.mode;
         row.tokens = tokens;
-        std::vector<double> lat_ms, caller_us;
+        std::vector<double> lat_ms, caller_us, caller_cpu;
         // One untimed warm-up: connections, first touches of the pools.
         for (int it = -1; it < c_.iters; ++it) {
             uint64_t id = next_id_++;
             FERRY_ASSIGN_OR_RETURN(auto sample, one_request(id, tokens, &row));
             if (it < 0) continue;
-            lat_ms.push_back(sample.first);
-            caller_us.push_back(sample.second);
+            lat_ms.push_back(sample.latency_ms);
+            caller_us.push_back(sample.caller_us);
+            caller_cpu.push_back(sample.caller_cpu_us);
         }
         row.p50_ms = percentile(lat_ms, 0.5);
         row.p99_ms = percentile(lat_ms, 0.99);
         row.gbps = row.p50_ms > 0 ? static_cast<double>(row.bytes) / (row.p50_ms * 1e6) : 0;
         row.caller_us_p50 = percentile(caller_us, 0.5);
         row.caller_us_p99 = percentile(caller_us, 0.99);
+        row.caller_cpu_us_p50 = percentile(caller_cpu, 0.5);
         return row;
     }
 
    private:
-    // Returns (latency ms, busiest rank's caller time µs).
-    Result<std::pair<double, double>> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row) {
+    struct Sample {
+        double latency_ms;
+        double caller_us;      // wall time in the busiest rank's calls
+        double caller_cpu_us;  // CPU time of those calls: the same without preemption
+    };
+    Result<Sample> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row) {
         std::vector<std::vector<uint32_t>> pblocks, dblocks;
         for (auto& p : prefill_) {
             FERRY_ASSIGN_OR_RETURN(auto b,
@@ -174,10 +187,13 @@ class Bench {
             }
         }
         std::vector<double> caller(prefill_.size() + decode_.size(), 0);
+        std::vector<double> caller_cpu(caller.size(), 0);
         auto timed = [&](size_t slot, auto&& fn) {
+            double cpu0 = thread_cpu_us();
             TimePoint t = Clock::now();
             auto r = fn();
             caller[slot] += to_us(Clock::now() - t);
+            caller_cpu[slot] += thread_cpu_us() - cpu0;
             return r;
         };
         TimePoint t0;
@@ -235,7 +251,8 @@ class Bench {
         for (size_t d = 0; d < decode_.size(); ++d) {
             FERRY_RETURN_IF_ERROR(decode_[d]->blocks->free(dblocks[d]));
         }
-        return std::make_pair(to_ms(t1 - t0), *std::max_element(caller.begin(), caller.end()));
+        return Sample{to_ms(t1 - t0), *std::max_element(caller.begin(), caller.end()),
+                      *std::max_element(caller_cpu.begin(), caller_cpu.end())};
     }
 
     KvBenchConfig c_;
@@ -297,16 +314,16 @@ std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
         r.provider, c.layers, c.kv_heads, c.head_dim, c.elem_size, c.block_size, c.tp_prefill,
         c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters);
     s += fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
-    s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10}\n", "mode",
-                     "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil", "caller us",
-                     "caller p99");
+    s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10} {:>10}\n",
+                     "mode", "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil",
+                     "caller us", "caller p99", "caller cpu");
     for (const auto& row : r.rows) {
         s += fmt::format(
             "{:<12} {:>7} {:>10.1f} {:>8} {:>9.2f} {:>9.2f} {:>7.2f} {:>7.2f} {:>10.1f} "
-            "{:>10.1f}\n",
+            "{:>10.1f} {:>10.1f}\n",
             row.mode, row.tokens, static_cast<double>(row.bytes) / 1e6, row.descriptors, row.p50_ms,
             row.p99_ms, row.gbps, r.ceiling_gbps > 0 ? row.gbps / r.ceiling_gbps : 0.0,
-            row.caller_us_p50, row.caller_us_p99);
+            row.caller_us_p50, row.caller_us_p99, row.caller_cpu_us_p50);
     }
     return s;
 }
@@ -322,7 +339,8 @@ nlohmann::json kv_report_json(const KvBenchConfig& c, const KvBenchReport& r) {
                         {"p99_ms", row.p99_ms},
                         {"gbps", row.gbps},
                         {"caller_us_p50", row.caller_us_p50},
-                        {"caller_us_p99", row.caller_us_p99}});
+                        {"caller_us_p99", row.caller_us_p99},
+                        {"caller_cpu_us_p50", row.caller_cpu_us_p50}});
     }
     return {{"provider", r.provider},     {"ceiling_gbps", r.ceiling_gbps},
             {"layers", c.layers},         {"kv_heads", c.kv_heads},

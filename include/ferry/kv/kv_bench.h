@@ -43,6 +43,7 @@ struct KvBenchRow {
     double gbps = 0;           // bytes / p50 latency
     double caller_us_p50 = 0;  // time in the caller's thread per request (busiest rank)
     double caller_us_p99 = 0;
+    double caller_cpu_us_p50 = 0;  // CPU time of those calls (excludes being preempted)
 };
 
 struct KvBenchReport {
