@@ -100,6 +100,7 @@ class Bench {
             ec.provider = c_.provider;
             ec.peers_on_same_host = true;
             ec.op_timeout = std::chrono::seconds(60);
+            if (c_.max_write_size) ec.max_write_size = c_.max_write_size;
             FERRY_ASSIGN_OR_RETURN(rank->engine, TransferEngine::create(ec));
             rank->mem.assign(l.pool_bytes(), static_cast<uint8_t>(r + 1));
             FERRY_ASSIGN_OR_RETURN(

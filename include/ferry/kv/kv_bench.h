@@ -31,6 +31,7 @@ struct KvBenchConfig {
     // Scattered block ids (a long-running server's pool) instead of consecutive ones.
     bool random_blocks = false;
     bool measure_ceiling = true;
+    size_t max_write_size = 0;  // engine's longest single write; 0 keeps the engine default
     std::function<void(const std::string&)> progress;
 };
 
