@@ -433,7 +433,10 @@ class KvConnector::Impl {
         SendJob& job = p.jobs[key];
         job.peer = *peer;
         job.reg = std::move(m);
-        if (p.have_prefill) start_job(it->first, p, key, job);
+        if (p.have_prefill) {
+            start_job(it->first, p, key, job);
+            maybe_finish(it);  // a job refused while planning is already served
+        }
     }
 
     void on_prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {

@@ -114,6 +114,52 @@ TEST_P(KvReliabilityTest, FailedPrefillReachesDecodeAsFail) {
     EXPECT_ALL_OK(results);
 }
 
+TEST_P(KvReliabilityTest, MismatchedRegistrationFailsBothSidesAtOnce) {
+    auto results = run_1p1d(std::chrono::seconds(30), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x7e;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        TimePoint t0 = Clock::now();
+        if (ex.rank() == kPrefill) {
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 30));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            // Decode believes the prompt has 40 tokens, prefill computed 30.
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+        }
+        CHILD_ASSIGN_OK(auto r, n.results.wait(ex.rank() == kPrefill, id, kWait));
+        CHILD_CHECK_MSG(r.status.code() == StatusCode::kInvalidArgument, "{}",
+                        r.status.to_string());
+        CHILD_CHECK_MSG(r.status.message().find("40 tokens") != std::string::npos, "{}",
+                        r.status.message());
+        // Well before the 30 s lease.
+        CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(10));
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, PullOfferWithoutDoneIsReleasedAfterTheLease) {
+    const auto lease = std::chrono::milliseconds(300);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        if (ex.rank() == kPrefill) {
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+            CHILD_ASSIGN_OK(auto params, n.conn->offer_pull(0x7f, blocks, 20));
+            CHILD_CHECK(params.blocks == blocks && params.num_tokens == 20);
+            // Decode never reads: the lease gives the blocks back.
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, 0x7f, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+            CHILD_CHECK(n.conn->stats().leases_expired == 1);
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
 TEST_P(KvReliabilityTest, CancelBeforePrefillDoneIsAcknowledgedAndNothingLands) {
     auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
         const uint64_t id = 0x79;
