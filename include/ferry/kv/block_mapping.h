@@ -1,0 +1,75 @@
+// From a producer's blocks to a consumer's blocks: the list of contiguous byte runs to copy
+// between the two pools. Block sizes, TP degrees, placements and block orders may differ on
+// the two sides; head dim, element size and layer count may not.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ferry/common/status.h"
+#include "ferry/kv/layout.h"
+
+namespace ferry::kv {
+
+// One rank of a tensor-parallel group and its pool layout. KV heads are split evenly and in
+// order: rank r holds global heads [r * heads_per_rank, (r + 1) * heads_per_rank).
+struct KvRank {
+    KvLayout layout;
+    uint32_t tp_rank = 0;
+    uint32_t tp_size = 1;
+
+    uint32_t first_head() const { return tp_rank * layout.num_kv_heads; }
+    uint32_t total_heads() const { return tp_size * layout.num_kv_heads; }
+};
+
+// Which ranks of the other side a rank exchanges KV with: those whose head ranges overlap its
+// own. Both sides call these, so producer and consumer agree on who writes where without
+// exchanging it. total_heads must be divisible by both TP sizes.
+Result<std::vector<uint32_t>> producers_for_consumer(uint32_t total_heads, uint32_t producer_tp,
+                                                     uint32_t consumer_tp, uint32_t consumer_rank);
+Result<std::vector<uint32_t>> consumers_for_producer(uint32_t total_heads, uint32_t producer_tp,
+                                                     uint32_t consumer_tp, uint32_t producer_rank);
+
+// A contiguous copy: `length` bytes at src_offset of the producer pool go to dst_offset of the
+// consumer pool.
+struct ByteRun {
+    uint64_t src_offset = 0;
+    uint64_t dst_offset = 0;
+    uint64_t length = 0;
+    bool operator==(const ByteRun&) const = default;
+};
+
+struct TransferPlan {
+    std::vector<ByteRun> runs;  // coalesced: no run continues where the previous one ends
+    uint64_t bytes = 0;         // sum of run lengths
+
+    // Descriptors (writes before any splitting by the engine) this transfer costs.
+    size_t descriptor_count() const { return runs.size(); }
+};
+
+// What to move: tokens [first_token, end_token) of one request. Block lists start at the
+// request's token 0 on both sides; only the blocks the range touches must be present.
+struct TransferSpec {
+    KvRank src;
+    std::span<const uint32_t> src_blocks;
+    KvRank dst;
+    std::span<const uint32_t> dst_blocks;
+    uint32_t first_token = 0;
+    uint32_t end_token = 0;
+};
+
+// The runs that copy the heads the two ranks share, for every layer, K and V, token of the
+// range. An empty plan when the ranks share no head. Errors name what does not fit
+// (incompatible layouts, too few blocks, block id out of the pool).
+Result<TransferPlan> plan_transfer(const TransferSpec& spec);
+
+// Checks that two layouts can exchange KV at all (same hash, same total heads).
+Status check_compatible(const KvRank& src, const KvRank& dst);
+
+// Blocks needed to hold `tokens` tokens with `block_size` tokens per block.
+inline uint32_t blocks_for_tokens(uint32_t tokens, uint32_t block_size) {
+    return (tokens + block_size - 1) / block_size;
+}
+
+}  // namespace ferry::kv

@@ -1,0 +1,142 @@
+// KV-cache transfer between a prefill rank and the decode ranks it feeds, on a TransferEngine.
+//
+// Push (the default product path): decode registers its destination blocks while prefill is
+// still computing; registration and prefill completion may come in either order and the
+// second one starts the transfer; prefill writes straight into decode's pool from the
+// connector's background thread; a FINAL message says how many writes (each carrying an
+// immediate) to count; decode reports the request ready once every producer rank is complete.
+//
+// Pull (the baseline): prefill offers its blocks under a lease, decode reads them and sends
+// DONE so prefill frees them. `inline` mode prepares and posts the reads in the caller's
+// thread, as engines that do it in their scheduling loop do.
+//
+// One connector per engine rank. It owns the engine's message handler (give other users of
+// messages their own engine). Every public call only validates and hands work to the
+// background thread; results come back through the callbacks, on that thread.
+// docs/PROTOCOL.md has the state machines and what each timeout frees.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/kv/block_mapping.h"
+#include "ferry/kv/messages.h"
+
+namespace ferry::kv {
+
+enum class PullMode : uint8_t {
+    kBackground = 0,  // plan and post reads on the connector thread
+    kInline = 1,      // plan and post reads in the caller's thread (classic baseline)
+};
+
+struct ConnectorConfig {
+    KvRank self;  // this rank's pool layout and TP position
+    // How long a side holds blocks for a transfer that does not progress: prefill waiting for
+    // a registration (or decode waiting for prefill) and decode waiting for every producer.
+    // Keep it above the engine's op_timeout so that a lease never frees blocks under a write
+    // the engine still considers alive.
+    Duration lease = std::chrono::seconds(30);
+    // Immediates [imm_base, imm_base + imm_count) are used by this connector; keep them apart
+    // from other users of the same engine. A fresh one per (transfer, attempt, producer rank)
+    // is what keeps an old attempt's writes from counting for a new one.
+    uint32_t imm_base = 0x4b000000;
+    uint32_t imm_count = 1u << 20;
+    PullMode pull_mode = PullMode::kBackground;
+};
+
+// What decode registers for one request (push).
+struct PushRegistration {
+    uint64_t transfer_id = 0;
+    // A larger attempt supersedes a smaller one (preemption, retry); the older attempt is
+    // cancelled and reported as such once its producers acknowledged.
+    uint32_t attempt = 0;
+    // The prefill instance: engine address of each TP rank, in rank order.
+    std::vector<EngineAddress> prefill_ranks;
+    std::vector<uint32_t> blocks;  // destination blocks on this rank, token order
+    uint32_t num_tokens = 0;
+};
+
+struct TransferResult {
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    // ok: every byte arrived (decode) or was written (prefill). Otherwise why not:
+    // kCancelled, kTimeout (lease), or the peer's FAIL reason.
+    Status status;
+    uint64_t bytes = 0;   // bytes this rank wrote or received
+    uint32_t writes = 0;  // writes (push) or reads (pull) this rank posted or counted
+};
+
+struct ConnectorCallbacks {
+    // Decode: no write or read of this transfer attempt is outstanding any more; the blocks
+    // belong to the engine again. status ok means the KV is complete and intact.
+    std::function<void(const TransferResult&)> on_recv_done;
+    // Prefill: the connector no longer uses this transfer's blocks; free them.
+    std::function<void(const TransferResult&)> on_send_done;
+};
+
+struct ConnectorStats {
+    uint64_t messages_received = 0;
+    uint64_t messages_malformed = 0;  // did not decode; logged and dropped
+    uint64_t messages_stale = 0;      // unknown transfer or superseded attempt; dropped
+    uint64_t leases_expired = 0;
+    uint64_t transfers_sent = 0;      // prefill side, finished ok
+    uint64_t transfers_received = 0;  // decode side, finished ok
+    uint64_t transfers_failed = 0;    // either side, finished with an error or cancelled
+    uint64_t ops_posted = 0;          // writes (push) and reads (pull) handed to the engine
+    uint64_t bytes_posted = 0;
+    uint64_t active_send = 0;  // prefill-side transfers holding blocks now
+    uint64_t active_recv = 0;  // decode-side transfers holding blocks now
+};
+
+class KvConnector {
+   public:
+    // `pool` is this rank's KV pool, registered with `engine`, at least layout.pool_bytes()
+    // long. Both must outlive the connector.
+    static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
+                                                       const MemoryRegion* pool,
+                                                       const ConnectorConfig& config,
+                                                       ConnectorCallbacks callbacks);
+    // Cancels what is still running, waits (bounded by the engine's op_timeout) for posted
+    // operations, reports every open transfer as cancelled, and joins the thread.
+    ~KvConnector();
+    KvConnector(const KvConnector&) = delete;
+    KvConnector& operator=(const KvConnector&) = delete;
+
+    // --- push, decode side ---
+    // Sends REGISTER to every prefill rank whose heads this rank holds.
+    Status register_push(PushRegistration registration);
+    // Stops the transfer; on_recv_done(kCancelled) comes once every producer acknowledged
+    // (or the lease passed), and only then may the blocks be reused.
+    Status cancel(uint64_t transfer_id);
+
+    // --- push, prefill side ---
+    // The KV of these blocks is computed; write it to whichever decode ranks registered.
+    Status prefill_done(uint64_t transfer_id, std::vector<uint32_t> blocks, uint32_t num_tokens);
+    // Prefill could not produce the KV: registered decode ranks get FAIL.
+    Status prefill_failed(uint64_t transfer_id, Status reason);
+
+    // --- pull ---
+    // Prefill: hold the blocks under the lease and return what decode needs to read them.
+    Result<PullParamsMsg> offer_pull(uint64_t transfer_id, std::vector<uint32_t> blocks,
+                                     uint32_t num_tokens);
+    // Decode: read from every prefill rank whose heads this rank holds (params from all
+    // prefill ranks, any order), then send DONE to each.
+    Status pull(uint64_t transfer_id, std::vector<PullParamsMsg> params,
+                std::vector<uint32_t> blocks, uint32_t num_tokens);
+
+    ConnectorStats stats() const;
+    const ConnectorConfig& config() const;
+
+    class Impl;
+
+   private:
+    explicit KvConnector(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry::kv

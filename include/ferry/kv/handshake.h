@@ -1,0 +1,89 @@
+// Side channel for KV transfers: a small TCP service per engine rank that tells a peer how to
+// reach it (engine address, pool descriptor, layout, TP position) before any transfer. The
+// caller checks the compatibility hash before use; results are cached per endpoint; the
+// epoch (random per server start) tells a restarted peer apart from the one cached.
+//
+// Handshakes run in the caller's thread, never on a connector thread, so a slow or dead peer
+// only delays the request that needed it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/types.h"
+#include "ferry/kv/layout.h"
+
+namespace ferry::kv {
+
+struct HandshakeInfo {
+    static constexpr uint16_t kVersion = 1;
+
+    uint64_t epoch = 0;  // changes whenever the serving process (re)starts its server
+    EngineAddress address;
+    MemoryDescriptor pool;
+    KvLayout layout;
+    uint32_t tp_rank = 0;
+    uint32_t tp_size = 1;
+
+    std::vector<uint8_t> serialize() const;
+    static Result<HandshakeInfo> deserialize(std::span<const uint8_t> blob);
+};
+
+class HandshakeServer {
+   public:
+    // Listens on host:port (port 0 picks a free one; see port()). info.epoch is replaced by
+    // a fresh random value.
+    static Result<std::unique_ptr<HandshakeServer>> start(const std::string& host, uint16_t port,
+                                                          HandshakeInfo info);
+    ~HandshakeServer();  // stops accepting and joins the thread
+    HandshakeServer(const HandshakeServer&) = delete;
+    HandshakeServer& operator=(const HandshakeServer&) = delete;
+
+    uint16_t port() const;
+    uint64_t epoch() const;
+    uint64_t requests_served() const;
+
+    class Impl;
+
+   private:
+    explicit HandshakeServer(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+// One handshake: connect, send the compatibility hash the caller expects, read the answer.
+// A peer whose layout hash differs answers with an error naming both layouts.
+Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
+                                      uint64_t expected_compat_hash, Duration timeout);
+
+// Handshake results by endpoint. Lookups of different endpoints never wait for each other.
+class HandshakeCache {
+   public:
+    explicit HandshakeCache(uint64_t expected_compat_hash) : hash_(expected_compat_hash) {}
+
+    // The cached answer, or a fresh handshake on a miss.
+    Result<HandshakeInfo> get(const std::string& host, uint16_t port, Duration timeout);
+
+    struct Refreshed {
+        HandshakeInfo info;
+        bool restarted = false;  // the epoch changed: connections and descriptors are stale
+    };
+    // Handshakes again (after a transfer to this peer failed) and replaces the cached entry.
+    Result<Refreshed> refresh(const std::string& host, uint16_t port, Duration timeout);
+
+    void forget(const std::string& host, uint16_t port);
+    size_t size() const;
+
+   private:
+    uint64_t hash_;
+    mutable std::mutex mu_;
+    std::map<std::string, HandshakeInfo> entries_;
+};
+
+}  // namespace ferry::kv

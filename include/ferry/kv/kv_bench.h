@@ -1,0 +1,60 @@
+// `ferry bench kv`: per-request KV transfer latency and bandwidth in push, pull (background) and
+// pull-inline modes, beside the provider's raw write ceiling measured in the same run.
+//
+// Every rank (prefill and decode, any TP) is an engine with its own pool and connector in this
+// process, each driven from its own calls; the transfers go through the provider exactly as
+// between processes. Call before this process opened any libfabric object (the ceiling
+// measurement forks).
+#pragma once
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ferry/common/status.h"
+
+namespace ferry::kv {
+
+struct KvBenchConfig {
+    std::string mode = "push";  // push | pull | pull-inline
+    std::vector<uint32_t> tokens = {1024, 4096, 16384};
+    uint32_t layers = 64;
+    uint32_t kv_heads = 8;  // in total, split over the TP ranks
+    uint32_t head_dim = 128;
+    uint32_t elem_size = 2;
+    uint32_t block_size = 16;
+    uint32_t tp_prefill = 1;
+    uint32_t tp_decode = 1;
+    std::string provider = "shm";
+    int iters = 5;
+    // Scattered block ids (a long-running server's pool) instead of consecutive ones.
+    bool random_blocks = false;
+    bool measure_ceiling = true;
+    size_t max_write_size = 0;  // engine's longest single write; 0 keeps the engine default
+    std::function<void(const std::string&)> progress;
+};
+
+struct KvBenchRow {
+    std::string mode;
+    uint32_t tokens = 0;
+    uint64_t bytes = 0;        // KV bytes per request, all ranks together
+    uint64_t descriptors = 0;  // writes or reads per request, all rank pairs together
+    double p50_ms = 0, p99_ms = 0;
+    double gbps = 0;           // bytes / p50 latency
+    double caller_us_p50 = 0;  // time in the caller's thread per request (busiest rank)
+    double caller_us_p99 = 0;
+    double caller_cpu_us_p50 = 0;  // CPU time of those calls (excludes being preempted)
+};
+
+struct KvBenchReport {
+    std::string provider;
+    double ceiling_gbps = 0;  // raw fi_write loop, 1 MiB writes, same provider, same run
+    std::vector<KvBenchRow> rows;
+};
+
+Result<KvBenchReport> run_kv_bench(const KvBenchConfig& config);
+std::string format_kv_table(const KvBenchConfig& config, const KvBenchReport& report);
+nlohmann::json kv_report_json(const KvBenchConfig& config, const KvBenchReport& report);
+
+}  // namespace ferry::kv

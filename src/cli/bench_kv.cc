@@ -1,0 +1,51 @@
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/util.h"
+#include "ferry/kv/kv_bench.h"
+
+namespace ferry::cli {
+
+void register_bench_kv(CLI::App& bench) {
+    auto* cmd = bench.add_subcommand(
+        "kv",
+        "KV-cache transfer per request (push, pull, pull-inline) beside the provider's raw "
+        "write ceiling");
+    auto c = std::make_shared<kv::KvBenchConfig>();
+    auto json_path = std::make_shared<std::string>();
+    cmd->add_option("--mode", c->mode, "push | pull | pull-inline")->capture_default_str();
+    cmd->add_option("--tokens", c->tokens, "tokens per request")->delimiter(',');
+    cmd->add_option("--layers", c->layers)->capture_default_str();
+    cmd->add_option("--kv-heads", c->kv_heads, "KV heads in total")->capture_default_str();
+    cmd->add_option("--head-dim", c->head_dim)->capture_default_str();
+    cmd->add_option("--elem-size", c->elem_size, "bytes per element")->capture_default_str();
+    cmd->add_option("--block-size", c->block_size, "tokens per block")->capture_default_str();
+    cmd->add_option("--tp-prefill", c->tp_prefill)->capture_default_str();
+    cmd->add_option("--tp-decode", c->tp_decode)->capture_default_str();
+    cmd->add_option("--provider", c->provider, "shm | tcp | efa | verbs | auto")
+        ->capture_default_str();
+    cmd->add_option("--iters", c->iters, "timed requests per token count")->capture_default_str();
+    cmd->add_option("--max-write", c->max_write_size,
+                    "longest single write the engine posts, bytes (0: engine default)");
+    cmd->add_flag("--random-blocks", c->random_blocks,
+                  "scattered block ids, as in a long-running server's pool");
+    cmd->add_flag("!--no-ceiling", c->measure_ceiling, "skip the raw fi_write measurement");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->callback([c, json_path] {
+        c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+        auto rep = kv::run_kv_bench(*c);
+        if (!rep.ok()) {
+            fail(rep.status());
+            return;
+        }
+        std::printf("%s", kv::format_kv_table(*c, *rep).c_str());
+        if (!json_path->empty()) {
+            auto j = kv::kv_report_json(*c, *rep);
+            j["command"] = "ferry bench kv";
+            Status s = write_json_file(*json_path, j);
+            if (!s.ok()) fail(s);
+        }
+    });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,1124 @@
+// KvConnector: one background thread per rank owns every transfer's state; the public calls,
+// engine completions and incoming messages only post tasks to it. That keeps the caller's
+// thread time to a validation and a queue push, and the state machines free of locks.
+#include "ferry/kv/connector.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "ferry/common/log.h"
+
+namespace ferry::kv {
+namespace {
+
+constexpr const char* kLog = "kv";
+// How often leases are checked when nothing else happens.
+constexpr Duration kTick = std::chrono::milliseconds(5);
+// Pages per paged write: bounds one operation's batch so that the rails start on the first
+// pages while later groups are still being built.
+constexpr size_t kPagesPerOp = 1024;
+
+// Hand-off queue into the connector thread. Engine callbacks hold it through a shared_ptr, so
+// a completion that arrives after the connector is gone is dropped instead of touching freed
+// state.
+class Inbox {
+   public:
+    using Task = std::function<void()>;
+
+    bool post(Task t) {
+        {
+            std::lock_guard lk(mu_);
+            if (closed_) return false;
+            tasks_.push_back(std::move(t));
+        }
+        cv_.notify_one();
+        return true;
+    }
+
+    std::deque<Task> take(TimePoint until) {
+        std::unique_lock lk(mu_);
+        cv_.wait_until(lk, until, [&] { return !tasks_.empty() || closed_; });
+        return std::exchange(tasks_, {});
+    }
+
+    void close() {
+        std::lock_guard lk(mu_);
+        closed_ = true;
+        tasks_.clear();
+    }
+
+   private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Task> tasks_;
+    bool closed_ = false;
+};
+
+// The operations of one job in flight: each completion decrements, the last one posts a
+// single task to the connector thread (one task per job, not per write).
+struct Flight : std::enable_shared_from_this<Flight> {
+    explicit Flight(std::function<void(Status)> drained) : on_drained(std::move(drained)) {}
+
+    void add() { outstanding.fetch_add(1, std::memory_order_relaxed); }
+    void done(const Status& s) {
+        if (!s.ok()) {
+            std::lock_guard lk(mu);
+            if (error.ok()) error = s;
+        }
+        if (outstanding.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            Status e;
+            {
+                std::lock_guard lk(mu);
+                e = error;
+            }
+            on_drained(std::move(e));
+        }
+    }
+
+    std::atomic<uint32_t> outstanding{1};  // the poster holds one until everything is posted
+    std::mutex mu;
+    Status error;
+    std::function<void(Status)> on_drained;
+};
+
+Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
+                    uint32_t num_tokens) {
+    if (num_tokens == 0) return invalid_argument("a KV transfer needs at least one token");
+    uint32_t need = blocks_for_tokens(num_tokens, layout.block_size);
+    if (blocks.size() < need) {
+        return invalid_argument(fmt::format("{} tokens need {} blocks of {}, {} given", num_tokens,
+                                            need, layout.block_size, blocks.size()));
+    }
+    for (uint32_t b : blocks) {
+        if (b >= layout.num_blocks) {
+            return out_of_range(
+                fmt::format("block id {} is outside the pool of {} blocks", b, layout.num_blocks));
+        }
+    }
+    return ok_status();
+}
+
+uint32_t to_ms_u32(Duration d) {
+    return static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count());
+}
+
+}  // namespace
+
+class KvConnector::Impl {
+   public:
+    Impl(TransferEngine* engine, const MemoryRegion* pool, ConnectorConfig config,
+         ConnectorCallbacks callbacks)
+        : engine_(engine),
+          pool_(pool),
+          cfg_(std::move(config)),
+          cb_(std::move(callbacks)),
+          inbox_(std::make_shared<Inbox>()) {}
+
+    void start() {
+        std::weak_ptr<Inbox> inbox = inbox_;
+        engine_->set_message_handler([this, inbox](uint64_t sender, std::span<const uint8_t> p) {
+            auto in = inbox.lock();
+            if (!in) return;
+            in->post([this, sender, bytes = std::vector<uint8_t>(p.begin(), p.end())] {
+                on_message(sender, bytes);
+            });
+        });
+        thread_ = std::thread([this] { run(); });
+    }
+
+    void stop() {
+        // A no-op handler, not an empty one: the engine holds messages while no handler is
+        // set, and they would be delivered to whoever sets one next.
+        engine_->set_message_handler([](uint64_t, std::span<const uint8_t>) {});
+        inbox_->post([this] { begin_shutdown(); });
+        if (thread_.joinable()) thread_.join();
+        inbox_->close();
+    }
+
+    // ---- public entry points (caller's thread) ----
+
+    Status register_push(PushRegistration reg) {
+        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, reg.blocks, reg.num_tokens));
+        if (reg.prefill_ranks.empty()) {
+            return invalid_argument("register_push: no prefill rank addresses given");
+        }
+        auto producers = producers_for_consumer(cfg_.self.total_heads(),
+                                                static_cast<uint32_t>(reg.prefill_ranks.size()),
+                                                cfg_.self.tp_size, cfg_.self.tp_rank);
+        if (!producers.ok()) return producers.status();
+        return post([this, r = std::move(reg)]() mutable { on_register_push(std::move(r)); });
+    }
+
+    Status cancel(uint64_t id) {
+        return post([this, id] { on_user_cancel(id); });
+    }
+
+    Status prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, tokens));
+        return post([this, id, b = std::move(blocks), tokens]() mutable {
+            on_prefill_done(id, std::move(b), tokens);
+        });
+    }
+
+    Status prefill_failed(uint64_t id, Status reason) {
+        if (reason.ok()) return invalid_argument("prefill_failed needs an error status");
+        return post([this, id, reason] { on_prefill_failed(id, reason); });
+    }
+
+    Result<PullParamsMsg> offer_pull(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, tokens));
+        PullParamsMsg m;
+        m.transfer_id = id;
+        m.producer_rank = cfg_.self.tp_rank;
+        m.producer_tp = cfg_.self.tp_size;
+        m.num_tokens = tokens;
+        m.lease_ms = to_ms_u32(cfg_.lease);
+        m.prefill_address = engine_->address();
+        m.pool = pool_->descriptor();
+        m.layout = cfg_.self.layout;
+        m.blocks = blocks;
+        FERRY_RETURN_IF_ERROR(post([this, id, b = std::move(blocks), tokens]() mutable {
+            on_offer(id, std::move(b), tokens);
+        }));
+        return m;
+    }
+
+    Status pull(uint64_t id, std::vector<PullParamsMsg> params, std::vector<uint32_t> blocks,
+                uint32_t tokens) {
+        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, tokens));
+        if (params.empty()) return invalid_argument("pull: no transfer parameters given");
+        auto job = std::make_shared<PullJob>();
+        job->id = id;
+        job->params = std::move(params);
+        job->blocks = std::move(blocks);
+        job->tokens = tokens;
+        if (cfg_.pull_mode == PullMode::kInline) {
+            active_recv_.fetch_add(1);
+            start_pull(job);
+            return ok_status();
+        }
+        return post([this, job] {
+            active_recv_.fetch_add(1);
+            start_pull(job);
+        });
+    }
+
+    ConnectorStats stats() const {
+        ConnectorStats s;
+        s.messages_received = messages_received_.load();
+        s.messages_malformed = messages_malformed_.load();
+        s.messages_stale = messages_stale_.load();
+        s.leases_expired = leases_expired_.load();
+        s.transfers_sent = transfers_sent_.load();
+        s.transfers_received = transfers_received_.load();
+        s.transfers_failed = transfers_failed_.load();
+        s.ops_posted = ops_posted_.load();
+        s.bytes_posted = bytes_posted_.load();
+        s.active_send = active_send_.load();
+        s.active_recv = active_recv_.load();
+        return s;
+    }
+
+    const ConnectorConfig& config() const { return cfg_; }
+
+   private:
+    // ---- state, touched only on the connector thread ----
+
+    // Prefill side: one decode rank of one attempt.
+    struct SendJob {
+        RegisterMsg reg;
+        PeerId peer = 0;
+        bool started = false;     // writes posted
+        bool drained = false;     // every posted write completed
+        bool cancelled = false;   // by CANCEL or a newer attempt: no FINAL
+        bool ack_wanted = false;  // CANCEL came while writes were in flight
+        bool resolved = false;    // nothing more will be sent for it
+        uint32_t writes = 0;
+        uint64_t bytes = 0;
+        Status error;
+    };
+    using JobKey = std::pair<uint32_t, uint32_t>;  // (attempt, decode rank)
+
+    struct Producer {
+        bool have_prefill = false;
+        std::vector<uint32_t> blocks;
+        uint32_t tokens = 0;
+        bool have_attempt = false;
+        uint32_t attempt = 0;
+        uint32_t decode_tp = 0;
+        std::map<JobKey, SendJob> jobs;
+        TimePoint deadline;
+        Status failure;          // prefill_failed: later registrations get FAIL
+        bool tombstone = false;  // already reported; kept only to answer late messages
+    };
+
+    // Decode side: one producer rank of a registration.
+    enum class SlotState { kWaiting, kCounting, kComplete, kFailed, kAcked };
+    struct Slot {
+        uint32_t rank = 0;
+        PeerId peer = 0;
+        uint32_t imm = 0;
+        SlotState state = SlotState::kWaiting;
+        uint32_t writes = 0;
+    };
+    struct Consumer {
+        std::vector<Slot> slots;
+        TimePoint deadline;
+        bool cancelling = false;
+        Status error;
+        uint64_t bytes = 0;
+        uint32_t writes = 0;
+    };
+    using ConsumerKey = std::pair<uint64_t, uint32_t>;  // (transfer id, attempt)
+
+    struct Offer {
+        TimePoint deadline;
+        std::vector<uint32_t> done_ranks;
+        bool all_ok = true;
+    };
+
+    struct PullSource {
+        PeerId peer = 0;
+        size_t param = 0;
+    };
+    struct PullJob {
+        uint64_t id = 0;
+        std::vector<PullParamsMsg> params;
+        std::vector<uint32_t> blocks;
+        uint32_t tokens = 0;
+        std::vector<PullSource> sources;
+        uint32_t reads = 0;
+        uint64_t bytes = 0;
+    };
+
+    static bool resolved(SlotState s) {
+        return s == SlotState::kComplete || s == SlotState::kFailed || s == SlotState::kAcked;
+    }
+
+    Status post(Inbox::Task t) {
+        if (!inbox_->post(std::move(t))) return cancelled("the KV connector is shut down");
+        return ok_status();
+    }
+
+    void run() {
+        while (true) {
+            for (auto& task : inbox_->take(Clock::now() + kTick)) task();
+            TimePoint now = Clock::now();
+            check_leases(now);
+            if (stopping_ && (flights_open_.load() == 0 || now > shutdown_deadline_)) break;
+        }
+        report_all_as_shut_down();
+    }
+
+    void send(PeerId peer, const KvMessage& msg) {
+        auto bytes = encode_message(msg);
+        const char* name = message_name(msg);
+        engine_->send_message(peer, bytes, [name, peer](const Status& s) {
+            if (!s.ok()) {
+                log(LogLevel::kWarn, kLog, "sending {} to peer {} failed: {}", name, peer,
+                    s.to_string());
+            }
+        });
+    }
+
+    // Starts a flight whose completion runs `drained` on this thread.
+    std::shared_ptr<Flight> new_flight(std::function<void(Status)> drained) {
+        flights_open_.fetch_add(1);
+        std::weak_ptr<Inbox> inbox = inbox_;
+        return std::make_shared<Flight>([inbox, d = std::move(drained), this](Status s) {
+            auto in = inbox.lock();
+            if (!in) return;
+            in->post([this, d, s] {
+                flights_open_.fetch_sub(1);
+                d(s);
+            });
+        });
+    }
+
+    // ---- messages ----
+
+    void on_message(uint64_t sender, const std::vector<uint8_t>& bytes) {
+        messages_received_.fetch_add(1);
+        auto msg = decode_message(bytes);
+        if (!msg.ok()) {
+            messages_malformed_.fetch_add(1);
+            log(LogLevel::kWarn, kLog, "dropped a malformed KV message of {} bytes from {:x}: {}",
+                bytes.size(), sender, msg.status().to_string());
+            return;
+        }
+        std::visit(
+            [&](auto& m) {
+                using M = std::decay_t<decltype(m)>;
+                if constexpr (std::is_same_v<M, RegisterMsg>)
+                    on_register(std::move(m));
+                else if constexpr (std::is_same_v<M, FinalMsg>)
+                    on_final(m);
+                else if constexpr (std::is_same_v<M, FailMsg>)
+                    on_fail(m);
+                else if constexpr (std::is_same_v<M, CancelMsg>)
+                    on_cancel(sender, m);
+                else if constexpr (std::is_same_v<M, CancelAckMsg>)
+                    on_cancel_ack(m);
+                else if constexpr (std::is_same_v<M, DoneMsg>)
+                    on_done(m);
+                else
+                    stale("PULL_PARAMS travels through the router, not between engines");
+            },
+            *msg);
+    }
+
+    void stale(std::string_view what) {
+        messages_stale_.fetch_add(1);
+        log(LogLevel::kDebug, kLog, "dropped a stale KV message: {}", what);
+    }
+
+    // ---- push, prefill side ----
+
+    void on_register(RegisterMsg m) {
+        auto peer = engine_->connect(m.decode_address);
+        if (!peer.ok()) {
+            log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}",
+                m.transfer_id, m.decode_rank, peer.status().to_string());
+            return;
+        }
+        auto refuse = [&](const Status& s) {
+            log(LogLevel::kWarn, kLog, "transfer {:x}: refusing REGISTER from decode rank {}: {}",
+                m.transfer_id, m.decode_rank, s.to_string());
+            send(*peer, FailMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank, s.code(),
+                                s.message().substr(0, kMaxReasonLength)});
+        };
+        KvRank dst{m.layout, m.decode_rank, m.decode_tp};
+        Status compat = check_compatible(cfg_.self, dst);
+        if (!compat.ok()) return refuse(compat);
+        auto consumers = consumers_for_producer(cfg_.self.total_heads(), cfg_.self.tp_size,
+                                                m.decode_tp, cfg_.self.tp_rank);
+        if (!consumers.ok()) return refuse(consumers.status());
+        if (std::find(consumers->begin(), consumers->end(), m.decode_rank) == consumers->end()) {
+            return refuse(
+                invalid_argument(fmt::format("prefill rank {} holds no KV head of decode rank {}",
+                                             cfg_.self.tp_rank, m.decode_rank)));
+        }
+
+        auto [it, fresh] = producers_.try_emplace(m.transfer_id);
+        Producer& p = it->second;
+        if (fresh) p.deadline = Clock::now() + cfg_.lease;
+        if (!p.failure.ok()) return refuse(p.failure);
+        if (p.tombstone) return refuse(cancelled("the transfer already finished on prefill"));
+        if (p.have_attempt && m.attempt < p.attempt) {
+            // The decode side moved on; acknowledging lets its old attempt finish at once.
+            send(*peer, CancelAckMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank});
+            return stale("REGISTER of a superseded attempt");
+        }
+        if (p.have_attempt && m.attempt > p.attempt) {
+            for (auto& [key, job] : p.jobs) {
+                if (key.first < m.attempt) job.cancelled = true;
+            }
+            std::erase_if(p.jobs, [&](const auto& kv) {
+                const SendJob& j = kv.second;
+                return kv.first.first < m.attempt && (!j.started || j.drained);
+            });
+        }
+        p.have_attempt = true;
+        p.attempt = m.attempt;
+        p.decode_tp = m.decode_tp;
+        JobKey key{m.attempt, m.decode_rank};
+        if (p.jobs.count(key)) return stale("duplicate REGISTER");
+        SendJob& job = p.jobs[key];
+        job.peer = *peer;
+        job.reg = std::move(m);
+        if (p.have_prefill) {
+            start_job(it->first, p, key, job);
+            maybe_finish(it);  // a job refused while planning is already served
+        }
+    }
+
+    void on_prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+        auto [it, fresh] = producers_.try_emplace(id);
+        Producer& p = it->second;
+        if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: prefill_done called twice or after a "
+                "failure; ignored",
+                id);
+            return;
+        }
+        p.have_prefill = true;
+        p.blocks = std::move(blocks);
+        p.tokens = tokens;
+        // The lease counts from when the blocks are held.
+        p.deadline = Clock::now() + cfg_.lease;
+        active_send_.fetch_add(1);
+        for (auto& [key, job] : p.jobs) {
+            if (key.first == p.attempt && !job.started && !job.cancelled) {
+                start_job(id, p, key, job);
+            }
+        }
+        maybe_finish(it);
+    }
+
+    void on_prefill_failed(uint64_t id, const Status& reason) {
+        auto [it, fresh] = producers_.try_emplace(id);
+        Producer& p = it->second;
+        if (p.have_prefill || p.tombstone) {
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: prefill_failed after prefill_done; "
+                "ignored",
+                id);
+            return;
+        }
+        p.failure = reason;
+        p.deadline = Clock::now() + cfg_.lease;
+        for (auto& [key, job] : p.jobs) {
+            if (job.resolved) continue;
+            send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, reason.code(),
+                                   reason.message().substr(0, kMaxReasonLength)});
+            job.resolved = true;
+        }
+        p.jobs.clear();
+        p.tombstone = true;
+        transfers_failed_.fetch_add(1);
+        if (cb_.on_send_done) cb_.on_send_done({id, p.attempt, reason, 0, 0});
+    }
+
+    void start_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+        job.started = true;
+        const RegisterMsg& reg = job.reg;
+        auto fail_now = [&](const Status& s) {
+            job.drained = true;
+            finish_job(id, key, s);
+        };
+        if (reg.num_tokens != p.tokens) {
+            return fail_now(invalid_argument(fmt::format(
+                "decode registered {} tokens, prefill computed {}", reg.num_tokens, p.tokens)));
+        }
+        auto plan =
+            plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
+                           reg.blocks, 0, p.tokens});
+        if (!plan.ok()) return fail_now(plan.status());
+        auto flight = new_flight([this, id, key](Status s) { on_job_drained(id, key, s); });
+        post_writes(plan->runs, job, *flight);
+        job.bytes = plan->bytes;
+        ops_posted_.fetch_add(plan->runs.size());
+        bytes_posted_.fetch_add(plan->bytes);
+        flight->done(ok_status());
+    }
+
+    // Posts the runs as writes carrying the job's immediate. Short runs of one length (one block
+    // or one head slice each, the scattered-blocks case) go out as paged writes of up to
+    // kPagesPerOp pages: one engine operation and one completion per group instead of one per
+    // run. Long runs stay plain writes, which the engine stripes across rails.
+    void post_writes(const std::vector<ByteRun>& runs, SendJob& job, Flight& flight) {
+        auto cb = [f = flight.shared_from_this()](const Status& s) { f->done(s); };
+        std::vector<uint32_t> src_pages, dst_pages;
+        uint64_t page = 0;
+        auto flush = [&] {
+            if (src_pages.empty()) return;
+            flight.add();
+            PagedWriteOp op;
+            op.peer = job.peer;
+            op.src = pool_;
+            op.dst = &job.reg.pool;
+            op.page_size = page;
+            op.src_pages = src_pages;
+            op.dst_pages = dst_pages;
+            op.imm = job.reg.imm;
+            job.writes += engine_->paged_write(op, cb).imm_writes();
+            src_pages.clear();
+            dst_pages.clear();
+        };
+        auto pageable = [&](const ByteRun& r) {
+            return r.length < engine_->config().stripe_threshold && r.src_offset % r.length == 0 &&
+                   r.dst_offset % r.length == 0 && r.src_offset / r.length <= UINT32_MAX &&
+                   r.dst_offset / r.length <= UINT32_MAX;
+        };
+        for (const ByteRun& run : runs) {
+            if (!pageable(run)) {
+                flush();
+                flight.add();
+                WriteOp op;
+                op.peer = job.peer;
+                op.src = pool_;
+                op.src_offset = run.src_offset;
+                op.dst = &job.reg.pool;
+                op.dst_offset = run.dst_offset;
+                op.length = run.length;
+                op.imm = job.reg.imm;
+                job.writes += engine_->write(op, cb).imm_writes();
+                continue;
+            }
+            if (run.length != page || src_pages.size() == kPagesPerOp) {
+                flush();
+                page = run.length;
+            }
+            src_pages.push_back(static_cast<uint32_t>(run.src_offset / page));
+            dst_pages.push_back(static_cast<uint32_t>(run.dst_offset / page));
+        }
+        flush();
+    }
+
+    void on_job_drained(uint64_t id, JobKey key, const Status& s) {
+        auto it = producers_.find(id);
+        if (it == producers_.end()) return;
+        auto jt = it->second.jobs.find(key);
+        if (jt == it->second.jobs.end()) return;
+        jt->second.drained = true;
+        finish_job(id, key, s);
+        maybe_finish(it);
+    }
+
+    // Sends what the decode rank must hear once a job's writes are all complete.
+    void finish_job(uint64_t id, JobKey key, const Status& s) {
+        Producer& p = producers_[id];
+        SendJob& job = p.jobs[key];
+        if (job.cancelled) {
+            if (job.ack_wanted) send(job.peer, CancelAckMsg{id, key.first, cfg_.self.tp_rank});
+            job.resolved = true;
+            if (key.first < p.attempt) p.jobs.erase(key);
+            return;
+        }
+        if (!s.ok()) {
+            job.error = s;
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x} attempt {}: writing to decode rank {} "
+                "failed: {}",
+                id, key.first, key.second, s.to_string());
+            send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, s.code(),
+                                   s.message().substr(0, kMaxReasonLength)});
+        } else {
+            send(job.peer, FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes});
+        }
+        job.resolved = true;
+    }
+
+    void on_cancel(uint64_t sender, const CancelMsg& m) {
+        auto ack_to_sender = [&] {
+            auto peer = engine_->find_peer(sender);
+            if (peer) send(*peer, CancelAckMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank});
+        };
+        auto it = producers_.find(m.transfer_id);
+        if (it == producers_.end()) return ack_to_sender();
+        Producer& p = it->second;
+        auto jt = p.jobs.find({m.attempt, m.decode_rank});
+        if (jt == p.jobs.end()) {
+            ack_to_sender();
+            if (m.attempt >= p.attempt && p.have_attempt) {
+                // Cancelled before this rank registered: remember it, so the transfer can
+                // finish without waiting for a registration that will not come.
+                SendJob& j = p.jobs[{m.attempt, m.decode_rank}];
+                j.cancelled = j.resolved = j.drained = true;
+            }
+            return maybe_finish(it);
+        }
+        SendJob& job = jt->second;
+        if (job.started && !job.drained) {
+            job.cancelled = true;
+            job.ack_wanted = true;  // acknowledged when the last write completed
+            return;
+        }
+        send(job.peer, CancelAckMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank});
+        if (!job.resolved || job.error.ok()) job.cancelled = true;
+        job.resolved = true;
+        if (m.attempt < p.attempt) p.jobs.erase(jt);
+        maybe_finish(it);
+    }
+
+    // A transfer is finished on prefill once every decode rank of the current attempt was
+    // served (FINAL, FAIL or cancelled) and no write of any attempt is in flight.
+    void maybe_finish(std::map<uint64_t, Producer>::iterator it) {
+        Producer& p = it->second;
+        if (!p.have_prefill || !p.have_attempt || p.tombstone) return;
+        auto consumers = consumers_for_producer(cfg_.self.total_heads(), cfg_.self.tp_size,
+                                                p.decode_tp, cfg_.self.tp_rank);
+        size_t expected = consumers.ok() ? consumers->size() : 0;
+        size_t served = 0;
+        for (const auto& [key, job] : p.jobs) {
+            if (job.started && !job.drained) return;
+            if (key.first == p.attempt && job.resolved) ++served;
+        }
+        if (served < expected) return;
+        TransferResult r{it->first, p.attempt, ok_status(), 0, 0};
+        for (const auto& [key, job] : p.jobs) {
+            if (key.first != p.attempt) continue;
+            r.bytes += job.bytes;
+            r.writes += job.writes;
+            if (r.status.ok() && !job.error.ok()) r.status = job.error;
+            if (r.status.ok() && job.cancelled) {
+                r.status = cancelled(fmt::format("decode rank {} cancelled", key.second));
+            }
+        }
+        complete_send(it, r);
+    }
+
+    void complete_send(std::map<uint64_t, Producer>::iterator it, const TransferResult& r) {
+        (r.status.ok() ? transfers_sent_ : transfers_failed_).fetch_add(1);
+        if (it->second.have_prefill) active_send_.fetch_sub(1);
+        producers_.erase(it);
+        if (cb_.on_send_done) cb_.on_send_done(r);
+    }
+
+    // ---- push, decode side ----
+
+    void on_register_push(PushRegistration reg) {
+        auto report_now = [&](const Status& s) {
+            transfers_failed_.fetch_add(1);
+            if (cb_.on_recv_done) cb_.on_recv_done({reg.transfer_id, reg.attempt, s, 0, 0});
+        };
+        for (auto& [key, c] : consumers_) {
+            if (key.first != reg.transfer_id) continue;
+            if (key.second >= reg.attempt) {
+                return report_now(invalid_argument(fmt::format(
+                    "transfer {:x}: attempt {} is not newer than the registered attempt {}",
+                    reg.transfer_id, reg.attempt, key.second)));
+            }
+            if (!c.cancelling) cancel_consumer(key, c);
+        }
+        uint32_t prefill_tp = static_cast<uint32_t>(reg.prefill_ranks.size());
+        auto producers = producers_for_consumer(cfg_.self.total_heads(), prefill_tp,
+                                                cfg_.self.tp_size, cfg_.self.tp_rank);
+        if (!producers.ok()) return report_now(producers.status());
+        Consumer c;
+        for (uint32_t rank : *producers) {
+            auto peer = engine_->connect(reg.prefill_ranks[rank]);
+            if (!peer.ok()) {
+                return report_now(
+                    peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
+            }
+            Slot s;
+            s.rank = rank;
+            s.peer = *peer;
+            s.imm = cfg_.imm_base + next_imm_++ % cfg_.imm_count;
+            c.slots.push_back(s);
+        }
+        c.deadline = Clock::now() + cfg_.lease;
+        for (const Slot& s : c.slots) {
+            RegisterMsg m;
+            m.transfer_id = reg.transfer_id;
+            m.attempt = reg.attempt;
+            m.decode_rank = cfg_.self.tp_rank;
+            m.decode_tp = cfg_.self.tp_size;
+            m.imm = s.imm;
+            m.num_tokens = reg.num_tokens;
+            m.lease_ms = to_ms_u32(cfg_.lease);
+            m.decode_address = engine_->address();
+            m.pool = pool_->descriptor();
+            m.layout = cfg_.self.layout;
+            m.blocks = reg.blocks;
+            send(s.peer, m);
+        }
+        active_recv_.fetch_add(1);
+        consumers_.emplace(ConsumerKey{reg.transfer_id, reg.attempt}, std::move(c));
+    }
+
+    void cancel_consumer(const ConsumerKey& key, Consumer& c) {
+        c.cancelling = true;
+        for (const Slot& s : c.slots) {
+            if (!resolved(s.state) || s.state == SlotState::kComplete) {
+                // Complete slots need no ack: their FINAL already said every write landed.
+                if (s.state == SlotState::kComplete) continue;
+                send(s.peer, CancelMsg{key.first, key.second, cfg_.self.tp_rank});
+            }
+        }
+    }
+
+    void on_user_cancel(uint64_t id) {
+        for (auto it = consumers_.begin(); it != consumers_.end(); ++it) {
+            if (it->first.first == id && !it->second.cancelling) {
+                cancel_consumer(it->first, it->second);
+                check_consumer(it);
+                return;
+            }
+        }
+        log(LogLevel::kDebug, kLog, "cancel: transfer {:x} is not registered here", id);
+    }
+
+    Slot* find_slot(const ConsumerKey& key, uint32_t producer_rank,
+                    std::map<ConsumerKey, Consumer>::iterator* out) {
+        auto it = consumers_.find(key);
+        if (it == consumers_.end()) return nullptr;
+        for (Slot& s : it->second.slots) {
+            if (s.rank == producer_rank) {
+                *out = it;
+                return &s;
+            }
+        }
+        return nullptr;
+    }
+
+    void on_final(const FinalMsg& m) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+        if (!s || resolved(s->state) || s->state == SlotState::kCounting) {
+            return stale("FINAL for an unknown, finished or superseded transfer");
+        }
+        Consumer& c = it->second;
+        c.bytes += m.bytes;
+        c.writes += m.writes;
+        s->writes = m.writes;
+        // FINAL is sent after every write completed at the producer, so even a cancelled
+        // transfer needs no acknowledgement for this rank any more.
+        if (m.writes == 0 || c.cancelling) {
+            s->state = SlotState::kComplete;
+            return check_consumer(it);
+        }
+        s->state = SlotState::kCounting;
+        Duration left = std::max<Duration>(c.deadline - Clock::now(), Duration::zero());
+        std::weak_ptr<Inbox> inbox = inbox_;
+        ConsumerKey key = it->first;
+        uint32_t rank = s->rank;
+        engine_->on_imm(s->imm, m.writes, left, [this, inbox, key, rank](const Status& st) {
+            auto in = inbox.lock();
+            if (in) in->post([this, key, rank, st] { on_counted(key, rank, st); });
+        });
+    }
+
+    void on_counted(const ConsumerKey& key, uint32_t rank, const Status& st) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot(key, rank, &it);
+        if (!s || s->state != SlotState::kCounting) return;
+        if (st.ok()) {
+            s->state = SlotState::kComplete;
+        } else {
+            s->state = SlotState::kFailed;
+            if (it->second.error.ok()) {
+                it->second.error = st.with_context(
+                    fmt::format("counting {} writes from prefill rank {}", s->writes, rank));
+            }
+        }
+        check_consumer(it);
+    }
+
+    void on_fail(const FailMsg& m) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot({m.transfer_id, m.attempt}, m.sender_rank, &it);
+        if (!s || resolved(s->state)) return stale("FAIL for an unknown or finished transfer");
+        s->state = SlotState::kFailed;
+        Consumer& c = it->second;
+        if (c.error.ok()) {
+            c.error = Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason));
+        }
+        // Other producers may still be writing into these blocks: stop them and wait for
+        // their acknowledgement before handing the blocks back.
+        if (!c.cancelling) cancel_consumer(it->first, c);
+        check_consumer(it);
+    }
+
+    void on_cancel_ack(const CancelAckMsg& m) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+        if (!s || resolved(s->state)) return stale("CANCEL_ACK for an unknown or finished slot");
+        s->state = SlotState::kAcked;
+        check_consumer(it);
+    }
+
+    void check_consumer(std::map<ConsumerKey, Consumer>::iterator it) {
+        Consumer& c = it->second;
+        for (const Slot& s : c.slots) {
+            if (!resolved(s.state)) return;
+        }
+        TransferResult r{it->first.first, it->first.second, c.error, c.bytes, c.writes};
+        if (r.status.ok() && c.cancelling) {
+            r.status =
+                cancelled(fmt::format("transfer {:x} attempt {} was cancelled or "
+                                      "superseded",
+                                      r.transfer_id, r.attempt));
+        }
+        complete_recv(it, r);
+    }
+
+    void complete_recv(std::map<ConsumerKey, Consumer>::iterator it, const TransferResult& r) {
+        (r.status.ok() ? transfers_received_ : transfers_failed_).fetch_add(1);
+        active_recv_.fetch_sub(1);
+        consumers_.erase(it);
+        if (cb_.on_recv_done) cb_.on_recv_done(r);
+    }
+
+    // ---- pull ----
+
+    void on_offer(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+        auto [it, fresh] = offers_.try_emplace(id);
+        if (!fresh) {
+            log(LogLevel::kWarn, kLog, "transfer {:x}: offered for pull twice; ignored", id);
+            return;
+        }
+        it->second.deadline = Clock::now() + cfg_.lease;
+        active_send_.fetch_add(1);
+    }
+
+    void on_done(const DoneMsg& m) {
+        auto it = offers_.find(m.transfer_id);
+        if (it == offers_.end()) return stale("DONE for an unknown or expired pull offer");
+        Offer& o = it->second;
+        if (std::find(o.done_ranks.begin(), o.done_ranks.end(), m.decode_rank) !=
+            o.done_ranks.end()) {
+            return stale("duplicate DONE");
+        }
+        o.done_ranks.push_back(m.decode_rank);
+        o.all_ok = o.all_ok && m.ok;
+        auto readers = consumers_for_producer(cfg_.self.total_heads(), cfg_.self.tp_size,
+                                              m.decode_tp, cfg_.self.tp_rank);
+        if (readers.ok() && o.done_ranks.size() < readers->size()) return;
+        Status s = o.all_ok ? ok_status() : cancelled("a decode rank gave up reading");
+        (s.ok() ? transfers_sent_ : transfers_failed_).fetch_add(1);
+        active_send_.fetch_sub(1);
+        offers_.erase(it);
+        if (cb_.on_send_done) cb_.on_send_done({m.transfer_id, 0, s, 0, 0});
+    }
+
+    // Runs on the connector thread (background) or the caller's thread (inline); touches no
+    // connector state, only the job, the engine and atomics.
+    void start_pull(const std::shared_ptr<PullJob>& job) {
+        auto fail = [&](const Status& s) { inbox_->post([this, job, s] { finish_pull(job, s); }); };
+        const PullParamsMsg& any = job->params.front();
+        auto producers = producers_for_consumer(cfg_.self.total_heads(), any.producer_tp,
+                                                cfg_.self.tp_size, cfg_.self.tp_rank);
+        if (!producers.ok()) return fail(producers.status());
+        std::vector<std::pair<size_t, TransferPlan>> plans;
+        for (uint32_t rank : *producers) {
+            auto pit =
+                std::find_if(job->params.begin(), job->params.end(),
+                             [&](const PullParamsMsg& p) { return p.producer_rank == rank; });
+            if (pit == job->params.end()) {
+                return fail(invalid_argument(
+                    fmt::format("pull: no transfer parameters from prefill rank {}", rank)));
+            }
+            size_t idx = static_cast<size_t>(pit - job->params.begin());
+            auto peer = engine_->connect(pit->prefill_address);
+            if (!peer.ok()) {
+                return fail(
+                    peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
+            }
+            job->sources.push_back({*peer, idx});
+            if (pit->num_tokens != job->tokens) {
+                return fail(invalid_argument(
+                    fmt::format("prefill rank {} offers {} tokens, decode expects {}", rank,
+                                pit->num_tokens, job->tokens)));
+            }
+            auto plan = plan_transfer({KvRank{pit->layout, pit->producer_rank, pit->producer_tp},
+                                       pit->blocks, cfg_.self, job->blocks, 0, job->tokens});
+            if (!plan.ok()) return fail(plan.status());
+            plans.emplace_back(idx, std::move(*plan));
+        }
+        auto flight = new_flight([this, job](Status s) { finish_pull(job, s); });
+        for (size_t i = 0; i < plans.size(); ++i) {
+            const auto& [idx, plan] = plans[i];
+            for (const ByteRun& run : plan.runs) {
+                flight->add();
+                ReadOp op;
+                op.peer = job->sources[i].peer;
+                op.dst = pool_;
+                op.dst_offset = run.dst_offset;
+                op.src = &job->params[idx].pool;
+                op.src_offset = run.src_offset;
+                op.length = run.length;
+                engine_->read(op, [flight](const Status& s) { flight->done(s); });
+            }
+            job->reads += static_cast<uint32_t>(plan.runs.size());
+            job->bytes += plan.bytes;
+            ops_posted_.fetch_add(plan.runs.size());
+            bytes_posted_.fetch_add(plan.bytes);
+        }
+        flight->done(ok_status());
+    }
+
+    void finish_pull(const std::shared_ptr<PullJob>& job, const Status& s) {
+        for (const PullSource& src : job->sources) {
+            send(src.peer, DoneMsg{job->id, cfg_.self.tp_rank, cfg_.self.tp_size, s.ok()});
+        }
+        (s.ok() ? transfers_received_ : transfers_failed_).fetch_add(1);
+        active_recv_.fetch_sub(1);
+        if (cb_.on_recv_done) cb_.on_recv_done({job->id, 0, s, job->bytes, job->reads});
+    }
+
+    // ---- leases and shutdown ----
+
+    void check_leases(TimePoint now) {
+        for (auto it = producers_.begin(); it != producers_.end();) {
+            auto next = std::next(it);
+            Producer& p = it->second;
+            if (now > p.deadline) expire_producer(it);
+            it = next;
+        }
+        for (auto it = consumers_.begin(); it != consumers_.end();) {
+            auto next = std::next(it);
+            if (now > it->second.deadline) expire_consumer(it);
+            it = next;
+        }
+        for (auto it = offers_.begin(); it != offers_.end();) {
+            auto next = std::next(it);
+            if (now > it->second.deadline) {
+                leases_expired_.fetch_add(1);
+                transfers_failed_.fetch_add(1);
+                active_send_.fetch_sub(1);
+                uint64_t id = it->first;
+                offers_.erase(it);
+                log(LogLevel::kWarn, kLog, "transfer {:x}: pull offer lease expired", id);
+                if (cb_.on_send_done) {
+                    cb_.on_send_done({id, 0,
+                                      timeout_error("no DONE from decode within the "
+                                                    "lease; blocks released"),
+                                      0, 0});
+                }
+            }
+            it = next;
+        }
+    }
+
+    void expire_producer(std::map<uint64_t, Producer>::iterator it) {
+        Producer& p = it->second;
+        if (p.tombstone) {
+            producers_.erase(it);
+            return;
+        }
+        for (const auto& [key, job] : p.jobs) {
+            // Writes in flight end by the engine's op_timeout; the drain finishes the job.
+            if (job.started && !job.drained) return;
+        }
+        leases_expired_.fetch_add(1);
+        Status why = p.have_prefill
+                         ? timeout_error(fmt::format(
+                               "no registration from every decode rank within the {:.0f} ms "
+                               "lease; blocks released",
+                               to_ms(cfg_.lease)))
+                         : timeout_error(fmt::format("prefill did not finish within the {:.0f} "
+                                                     "ms lease",
+                                                     to_ms(cfg_.lease)));
+        log(LogLevel::kWarn, kLog, "transfer {:x}: {}", it->first, why.message());
+        for (auto& [key, job] : p.jobs) {
+            if (job.resolved) continue;
+            send(job.peer,
+                 FailMsg{it->first, key.first, cfg_.self.tp_rank, why.code(), why.message()});
+            job.resolved = true;
+        }
+        if (!p.have_prefill) {
+            producers_.erase(it);  // no blocks of the engine's are held
+            return;
+        }
+        TransferResult r{it->first, p.attempt, why, 0, 0};
+        complete_send(it, r);
+    }
+
+    void expire_consumer(std::map<ConsumerKey, Consumer>::iterator it) {
+        Consumer& c = it->second;
+        leases_expired_.fetch_add(1);
+        std::string missing;
+        for (const Slot& s : c.slots) {
+            if (resolved(s.state)) continue;
+            missing += fmt::format("{}{}", missing.empty() ? "" : ",", s.rank);
+            send(s.peer, CancelMsg{it->first.first, it->first.second, cfg_.self.tp_rank});
+        }
+        Status why = timeout_error(fmt::format(
+            "prefill ranks {} did not complete transfer {:x} within the {:.0f} ms lease", missing,
+            it->first.first, to_ms(cfg_.lease)));
+        log(LogLevel::kWarn, kLog, "{}", why.message());
+        complete_recv(it, {it->first.first, it->first.second, c.error.ok() ? why : c.error, c.bytes,
+                           c.writes});
+    }
+
+    void begin_shutdown() {
+        stopping_ = true;
+        shutdown_deadline_ = Clock::now() + engine_->config().op_timeout + std::chrono::seconds(1);
+        for (auto& [id, p] : producers_) {
+            for (auto& [key, job] : p.jobs) job.cancelled = true;
+        }
+        for (auto& [key, c] : consumers_) {
+            if (!c.cancelling) cancel_consumer(key, c);
+        }
+    }
+
+    void report_all_as_shut_down() {
+        Status s = cancelled("the KV connector was shut down");
+        while (!producers_.empty()) {
+            auto it = producers_.begin();
+            if (!it->second.have_prefill || it->second.tombstone) {
+                producers_.erase(it);
+                continue;
+            }
+            complete_send(it, {it->first, it->second.attempt, s, 0, 0});
+        }
+        while (!consumers_.empty()) {
+            auto it = consumers_.begin();
+            complete_recv(it, {it->first.first, it->first.second, s, 0, 0});
+        }
+        while (!offers_.empty()) {
+            auto it = offers_.begin();
+            uint64_t id = it->first;
+            offers_.erase(it);
+            transfers_failed_.fetch_add(1);
+            active_send_.fetch_sub(1);
+            if (cb_.on_send_done) cb_.on_send_done({id, 0, s, 0, 0});
+        }
+    }
+
+    TransferEngine* engine_;
+    const MemoryRegion* pool_;
+    ConnectorConfig cfg_;
+    ConnectorCallbacks cb_;
+    std::shared_ptr<Inbox> inbox_;
+    std::thread thread_;
+
+    std::map<uint64_t, Producer> producers_;
+    std::map<ConsumerKey, Consumer> consumers_;
+    std::map<uint64_t, Offer> offers_;
+    uint32_t next_imm_ = 0;
+    bool stopping_ = false;
+    TimePoint shutdown_deadline_;
+
+    std::atomic<uint64_t> flights_open_{0};
+    std::atomic<uint64_t> messages_received_{0}, messages_malformed_{0}, messages_stale_{0};
+    std::atomic<uint64_t> leases_expired_{0}, transfers_sent_{0}, transfers_received_{0};
+    std::atomic<uint64_t> transfers_failed_{0}, ops_posted_{0}, bytes_posted_{0};
+    std::atomic<uint64_t> active_send_{0}, active_recv_{0};
+};
+
+Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
+                                                         const MemoryRegion* pool,
+                                                         const ConnectorConfig& config,
+                                                         ConnectorCallbacks callbacks) {
+    if (!engine || !pool) return invalid_argument("KvConnector needs an engine and a pool");
+    FERRY_RETURN_IF_ERROR(config.self.layout.validate());
+    if (config.self.tp_size == 0 || config.self.tp_rank >= config.self.tp_size) {
+        return invalid_argument(fmt::format("TP rank {} is outside TP size {}", config.self.tp_rank,
+                                            config.self.tp_size));
+    }
+    if (pool->size() < config.self.layout.pool_bytes()) {
+        return invalid_argument(
+            fmt::format("the registered pool has {} bytes, the layout {} needs {}", pool->size(),
+                        config.self.layout.to_string(), config.self.layout.pool_bytes()));
+    }
+    if (config.imm_count == 0) return invalid_argument("imm_count must be positive");
+    if (config.lease <= Duration::zero()) return invalid_argument("the lease must be positive");
+    auto impl = std::make_unique<Impl>(engine, pool, config, std::move(callbacks));
+    impl->start();
+    return std::unique_ptr<KvConnector>(new KvConnector(std::move(impl)));
+}
+
+KvConnector::KvConnector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+KvConnector::~KvConnector() { impl_->stop(); }
+
+Status KvConnector::register_push(PushRegistration r) { return impl_->register_push(std::move(r)); }
+Status KvConnector::cancel(uint64_t id) { return impl_->cancel(id); }
+Status KvConnector::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+    return impl_->prefill_done(id, std::move(blocks), tokens);
+}
+Status KvConnector::prefill_failed(uint64_t id, Status reason) {
+    return impl_->prefill_failed(id, std::move(reason));
+}
+Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t> blocks,
+                                              uint32_t tokens) {
+    return impl_->offer_pull(id, std::move(blocks), tokens);
+}
+Status KvConnector::pull(uint64_t id, std::vector<PullParamsMsg> params,
+                         std::vector<uint32_t> blocks, uint32_t tokens) {
+    return impl_->pull(id, std::move(params), std::move(blocks), tokens);
+}
+ConnectorStats KvConnector::stats() const { return impl_->stats(); }
+const ConnectorConfig& KvConnector::config() const { return impl_->config(); }
+
+}  // namespace ferry::kv

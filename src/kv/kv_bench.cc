@@ -1,0 +1,354 @@
+#include "ferry/kv/kv_bench.h"
+
+#include <fmt/format.h>
+#include <time.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "ferry/fabric/engine.h"
+#include "ferry/fabric/xfer_bench.h"
+#include "ferry/kv/block_pool.h"
+#include "ferry/kv/connector.h"
+
+namespace ferry::kv {
+namespace {
+
+const Duration kWait = std::chrono::seconds(120);
+
+// Completion times of transfers, by (side, id).
+class Completions {
+   public:
+    void add(bool send, const TransferResult& r) {
+        {
+            std::lock_guard lk(mu_);
+            done_[{send, r.transfer_id}].push_back({Clock::now(), r.status});
+        }
+        cv_.notify_all();
+    }
+    // Waits for n results of (side, id); returns the latest completion time.
+    Result<TimePoint> wait(bool send, uint64_t id, size_t n) {
+        std::unique_lock lk(mu_);
+        auto key = std::make_pair(send, id);
+        if (!cv_.wait_for(lk, kWait, [&] { return done_[key].size() >= n; })) {
+            return timeout_error(fmt::format("bench: transfer {} did not finish", id));
+        }
+        TimePoint last{};
+        for (const auto& [t, s] : done_[key]) {
+            if (!s.ok()) return s.with_context(fmt::format("bench transfer {}", id));
+            last = std::max(last, t);
+        }
+        done_.erase(key);
+        return last;
+    }
+
+   private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::map<std::pair<bool, uint64_t>, std::vector<std::pair<TimePoint, Status>>> done_;
+};
+
+struct Rank {
+    KvRank self;
+    std::unique_ptr<TransferEngine> engine;
+    std::vector<uint8_t> mem;
+    std::unique_ptr<MemoryRegion> mr;
+    std::unique_ptr<BlockPool> blocks;
+    std::unique_ptr<KvConnector> conn;
+    ~Rank() {
+        conn.reset();
+        mr.reset();
+    }
+};
+
+double thread_cpu_us() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
+double percentile(std::vector<double> v, double p) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    size_t i = static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+    return v[std::min(i, v.size() - 1)];
+}
+
+class Bench {
+   public:
+    explicit Bench(const KvBenchConfig& c) : c_(c) {}
+
+    Status setup() {
+        uint32_t max_tokens = *std::max_element(c_.tokens.begin(), c_.tokens.end());
+        auto make = [&](uint32_t tp, uint32_t r) -> Result<std::unique_ptr<Rank>> {
+            auto rank = std::make_unique<Rank>();
+            KvLayout l;
+            l.num_layers = c_.layers;
+            l.num_kv_heads = c_.kv_heads / tp;
+            l.head_dim = c_.head_dim;
+            l.elem_size = c_.elem_size;
+            l.block_size = c_.block_size;
+            // Room for one request of the largest size, plus slack for scattering.
+            l.num_blocks = blocks_for_tokens(max_tokens, c_.block_size) * 5 / 4 + 4;
+            rank->self = {l, r, tp};
+            EngineConfig ec;
+            ec.provider = c_.provider;
+            ec.peers_on_same_host = true;
+            ec.op_timeout = std::chrono::seconds(60);
+            if (c_.max_write_size) ec.max_write_size = c_.max_write_size;
+            FERRY_ASSIGN_OR_RETURN(rank->engine, TransferEngine::create(ec));
+            rank->mem.assign(l.pool_bytes(), static_cast<uint8_t>(r + 1));
+            FERRY_ASSIGN_OR_RETURN(
+                rank->mr, rank->engine->register_memory(rank->mem.data(), rank->mem.size()));
+            rank->blocks = std::make_unique<BlockPool>(l.num_blocks);
+            if (c_.random_blocks) {
+                FERRY_ASSIGN_OR_RETURN(auto all, rank->blocks->allocate(l.num_blocks));
+                std::mt19937_64 rng(r * 7919 + tp);
+                std::shuffle(all.begin(), all.end(), rng);
+                FERRY_RETURN_IF_ERROR(rank->blocks->free(all));
+            }
+            ConnectorConfig cc;
+            cc.self = rank->self;
+            cc.lease = std::chrono::seconds(120);
+            cc.pull_mode = c_.mode == "pull-inline" ? PullMode::kInline : PullMode::kBackground;
+            ConnectorCallbacks cb;
+            cb.on_recv_done = [this](const TransferResult& t) { done_.add(false, t); };
+            cb.on_send_done = [this](const TransferResult& t) { done_.add(true, t); };
+            FERRY_ASSIGN_OR_RETURN(rank->conn,
+                                   KvConnector::create(rank->engine.get(), rank->mr.get(), cc, cb));
+            return rank;
+        };
+        for (uint32_t r = 0; r < c_.tp_prefill; ++r) {
+            FERRY_ASSIGN_OR_RETURN(auto p, make(c_.tp_prefill, r));
+            prefill_.push_back(std::move(p));
+        }
+        for (uint32_t r = 0; r < c_.tp_decode; ++r) {
+            FERRY_ASSIGN_OR_RETURN(auto d, make(c_.tp_decode, r));
+            decode_.push_back(std::move(d));
+        }
+        for (auto& p : prefill_) prefill_addrs_.push_back(p->engine->address());
+        return ok_status();
+    }
+
+    Result<KvBenchRow> run_point(uint32_t tokens) {
+        KvBenchRow row;
+        row.mode = c_.mode;
+        row.tokens = tokens;
+        std::vector<double> lat_ms, caller_us, caller_cpu;
+        // One untimed warm-up: connections, first touches of the pools.
+        for (int it = -1; it < c_.iters; ++it) {
+            uint64_t id = next_id_++;
+            FERRY_ASSIGN_OR_RETURN(auto sample, one_request(id, tokens, &row));
+            if (it < 0) continue;
+            lat_ms.push_back(sample.latency_ms);
+            caller_us.push_back(sample.caller_us);
+            caller_cpu.push_back(sample.caller_cpu_us);
+        }
+        row.p50_ms = percentile(lat_ms, 0.5);
+        row.p99_ms = percentile(lat_ms, 0.99);
+        row.gbps = row.p50_ms > 0 ? static_cast<double>(row.bytes) / (row.p50_ms * 1e6) : 0;
+        row.caller_us_p50 = percentile(caller_us, 0.5);
+        row.caller_us_p99 = percentile(caller_us, 0.99);
+        row.caller_cpu_us_p50 = percentile(caller_cpu, 0.5);
+        return row;
+    }
+
+   private:
+    struct Sample {
+        double latency_ms;
+        double caller_us;      // wall time in the busiest rank's calls
+        double caller_cpu_us;  // CPU time of those calls: the same without preemption
+    };
+    Result<Sample> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row) {
+        std::vector<std::vector<uint32_t>> pblocks, dblocks;
+        for (auto& p : prefill_) {
+            FERRY_ASSIGN_OR_RETURN(auto b,
+                                   p->blocks->allocate(blocks_for_tokens(tokens, c_.block_size)));
+            pblocks.push_back(std::move(b));
+        }
+        for (auto& d : decode_) {
+            FERRY_ASSIGN_OR_RETURN(auto b,
+                                   d->blocks->allocate(blocks_for_tokens(tokens, c_.block_size)));
+            dblocks.push_back(std::move(b));
+        }
+        row->bytes = 0;
+        row->descriptors = 0;
+        for (size_t p = 0; p < prefill_.size(); ++p) {
+            for (size_t d = 0; d < decode_.size(); ++d) {
+                FERRY_ASSIGN_OR_RETURN(
+                    auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
+                                              dblocks[d], 0, tokens}));
+                row->bytes += plan.bytes;
+                row->descriptors += plan.descriptor_count();
+            }
+        }
+        std::vector<double> caller(prefill_.size() + decode_.size(), 0);
+        std::vector<double> caller_cpu(caller.size(), 0);
+        auto timed = [&](size_t slot, auto&& fn) {
+            double cpu0 = thread_cpu_us();
+            TimePoint t = Clock::now();
+            auto r = fn();
+            caller[slot] += to_us(Clock::now() - t);
+            caller_cpu[slot] += thread_cpu_us() - cpu0;
+            return r;
+        };
+        TimePoint t0;
+        if (c_.mode == "push") {
+            uint64_t regs_before = 0;
+            for (auto& p : prefill_) regs_before += p->conn->stats().messages_received;
+            for (size_t d = 0; d < decode_.size(); ++d) {
+                FERRY_RETURN_IF_ERROR(timed(prefill_.size() + d, [&] {
+                    return decode_[d]->conn->register_push(
+                        {id, 1, prefill_addrs_, dblocks[d], tokens});
+                }));
+            }
+            // Push registers while prefill computes: let the REGISTERs land first.
+            uint64_t expect = 0;
+            for (size_t p = 0; p < prefill_.size(); ++p) {
+                FERRY_ASSIGN_OR_RETURN(
+                    auto readers, consumers_for_producer(c_.kv_heads, c_.tp_prefill, c_.tp_decode,
+                                                         static_cast<uint32_t>(p)));
+                expect += readers.size();
+            }
+            TimePoint deadline = Clock::now() + kWait;
+            while (true) {
+                uint64_t got = 0;
+                for (auto& p : prefill_) got += p->conn->stats().messages_received;
+                if (got >= regs_before + expect) break;
+                if (Clock::now() > deadline) return timeout_error("bench: REGISTER never arrived");
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            }
+            t0 = Clock::now();
+            for (size_t p = 0; p < prefill_.size(); ++p) {
+                FERRY_RETURN_IF_ERROR(timed(
+                    p, [&] { return prefill_[p]->conn->prefill_done(id, pblocks[p], tokens); }));
+            }
+        } else {
+            t0 = Clock::now();
+            std::vector<PullParamsMsg> params;
+            for (size_t p = 0; p < prefill_.size(); ++p) {
+                auto offer =
+                    timed(p, [&] { return prefill_[p]->conn->offer_pull(id, pblocks[p], tokens); });
+                if (!offer.ok()) return offer.status();
+                params.push_back(std::move(*offer));
+            }
+            for (size_t d = 0; d < decode_.size(); ++d) {
+                FERRY_RETURN_IF_ERROR(timed(prefill_.size() + d, [&] {
+                    return decode_[d]->conn->pull(id, params, dblocks[d], tokens);
+                }));
+            }
+        }
+        FERRY_ASSIGN_OR_RETURN(TimePoint t1, done_.wait(false, id, decode_.size()));
+        FERRY_ASSIGN_OR_RETURN(TimePoint t2, done_.wait(true, id, prefill_.size()));
+        (void)t2;
+        for (size_t p = 0; p < prefill_.size(); ++p) {
+            FERRY_RETURN_IF_ERROR(prefill_[p]->blocks->free(pblocks[p]));
+        }
+        for (size_t d = 0; d < decode_.size(); ++d) {
+            FERRY_RETURN_IF_ERROR(decode_[d]->blocks->free(dblocks[d]));
+        }
+        return Sample{to_ms(t1 - t0), *std::max_element(caller.begin(), caller.end()),
+                      *std::max_element(caller_cpu.begin(), caller_cpu.end())};
+    }
+
+    KvBenchConfig c_;
+    Completions done_;
+    std::vector<std::unique_ptr<Rank>> prefill_, decode_;
+    std::vector<EngineAddress> prefill_addrs_;
+    uint64_t next_id_ = 1;
+};
+
+}  // namespace
+
+Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
+    if (c.mode != "push" && c.mode != "pull" && c.mode != "pull-inline") {
+        return invalid_argument(
+            fmt::format("bench kv: unknown mode '{}' (push, pull, "
+                        "pull-inline)",
+                        c.mode));
+    }
+    if (c.tokens.empty() || c.iters < 1) {
+        return invalid_argument("bench kv: give at least one token count and one iteration");
+    }
+    if (c.tp_prefill == 0 || c.tp_decode == 0 || c.kv_heads % c.tp_prefill ||
+        c.kv_heads % c.tp_decode) {
+        return invalid_argument(fmt::format("bench kv: {} KV heads do not split over TP {} and {}",
+                                            c.kv_heads, c.tp_prefill, c.tp_decode));
+    }
+    KvBenchReport rep;
+    EngineConfig ec;
+    ec.provider = c.provider;
+    ec.peers_on_same_host = true;
+    FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(ec));
+    if (c.measure_ceiling) {
+        XferBenchConfig xc;
+        xc.provider = c.provider;
+        xc.sizes = {1 << 20};
+        xc.pages = {};
+        xc.latency_iters = 200;
+        FERRY_ASSIGN_OR_RETURN(auto xr, run_xfer_bench(xc));
+        for (const auto& r : xr.rows) rep.ceiling_gbps = std::max(rep.ceiling_gbps, r.raw_gbps);
+        if (c.progress) c.progress(fmt::format("raw ceiling: {:.2f} GB/s", rep.ceiling_gbps));
+    }
+    Bench b(c);
+    FERRY_RETURN_IF_ERROR(b.setup());
+    for (uint32_t t : c.tokens) {
+        FERRY_ASSIGN_OR_RETURN(auto row, b.run_point(t));
+        if (c.progress) {
+            c.progress(fmt::format("{} {} tokens: p50 {:.2f} ms, {:.2f} GB/s, caller {:.1f} us",
+                                   row.mode, t, row.p50_ms, row.gbps, row.caller_us_p50));
+        }
+        rep.rows.push_back(row);
+    }
+    return rep;
+}
+
+std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
+    std::string s = fmt::format(
+        "ferry bench kv: provider {}, {} layers x {} KV heads x {} dim x {} B, block {}, "
+        "TP {}->{}, {} blocks, {} iterations\n",
+        r.provider, c.layers, c.kv_heads, c.head_dim, c.elem_size, c.block_size, c.tp_prefill,
+        c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters);
+    s += fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
+    s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10} {:>10}\n",
+                     "mode", "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil",
+                     "caller us", "caller p99", "caller cpu");
+    for (const auto& row : r.rows) {
+        s += fmt::format(
+            "{:<12} {:>7} {:>10.1f} {:>8} {:>9.2f} {:>9.2f} {:>7.2f} {:>7.2f} {:>10.1f} "
+            "{:>10.1f} {:>10.1f}\n",
+            row.mode, row.tokens, static_cast<double>(row.bytes) / 1e6, row.descriptors, row.p50_ms,
+            row.p99_ms, row.gbps, r.ceiling_gbps > 0 ? row.gbps / r.ceiling_gbps : 0.0,
+            row.caller_us_p50, row.caller_us_p99, row.caller_cpu_us_p50);
+    }
+    return s;
+}
+
+nlohmann::json kv_report_json(const KvBenchConfig& c, const KvBenchReport& r) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& row : r.rows) {
+        rows.push_back({{"mode", row.mode},
+                        {"tokens", row.tokens},
+                        {"bytes", row.bytes},
+                        {"descriptors", row.descriptors},
+                        {"p50_ms", row.p50_ms},
+                        {"p99_ms", row.p99_ms},
+                        {"gbps", row.gbps},
+                        {"caller_us_p50", row.caller_us_p50},
+                        {"caller_us_p99", row.caller_us_p99},
+                        {"caller_cpu_us_p50", row.caller_cpu_us_p50}});
+    }
+    return {{"provider", r.provider},     {"ceiling_gbps", r.ceiling_gbps},
+            {"layers", c.layers},         {"kv_heads", c.kv_heads},
+            {"head_dim", c.head_dim},     {"elem_size", c.elem_size},
+            {"block_size", c.block_size}, {"tp_prefill", c.tp_prefill},
+            {"tp_decode", c.tp_decode},   {"random_blocks", c.random_blocks},
+            {"iters", c.iters},           {"rows", rows}};
+}
+
+}  // namespace ferry::kv

@@ -1,0 +1,126 @@
+#include "ferry/kv/layout.h"
+
+#include <fmt/format.h>
+
+#include "ferry/common/bytes.h"
+
+namespace ferry::kv {
+namespace {
+
+constexpr uint32_t kLayoutMagic = 0x4b564c59;  // "KVLY"
+
+// FNV-1a over the fields, so that the hash is stable across builds and platforms
+// (std::hash is neither).
+uint64_t fnv1a(uint64_t h, uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+        h ^= (v >> (8 * i)) & 0xff;
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+}  // namespace
+
+uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) const {
+    uint64_t p = static_cast<uint64_t>(part);
+    if (placement == KvPlacement::kSeparate) {
+        return ((uint64_t{layer} * 2 + p) * num_blocks + block) * slab_bytes();
+    }
+    return ((uint64_t{layer} * num_blocks + block) * 2 + p) * slab_bytes();
+}
+
+uint64_t KvLayout::offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot,
+                          uint32_t head) const {
+    uint64_t inner = order == BlockOrder::kNHD
+                         ? (uint64_t{slot} * num_kv_heads + head) * head_bytes()
+                         : (uint64_t{head} * block_size + slot) * head_bytes();
+    return slab_offset(layer, part, block) + inner;
+}
+
+Status KvLayout::validate() const {
+    if (num_layers == 0 || num_kv_heads == 0 || head_dim == 0 || elem_size == 0 ||
+        block_size == 0 || num_blocks == 0) {
+        return invalid_argument(fmt::format("KV layout has a zero dimension: {}", to_string()));
+    }
+    if (static_cast<uint8_t>(placement) > 1 || static_cast<uint8_t>(order) > 1) {
+        return invalid_argument("KV layout has an unknown placement or block order");
+    }
+    // Every factor is below 2^32; check the running product stays below 2^63.
+    unsigned __int128 total = static_cast<unsigned __int128>(head_bytes()) * num_kv_heads;
+    total *= block_size;
+    total *= 2ull * num_blocks;
+    total *= num_layers;
+    if (total >> 63) {
+        return invalid_argument(fmt::format("KV layout pool size overflows: {}", to_string()));
+    }
+    return ok_status();
+}
+
+uint64_t KvLayout::compatibility_hash() const {
+    uint64_t h = 0xcbf29ce484222325ull;
+    h = fnv1a(h, kVersion);
+    h = fnv1a(h, num_layers);
+    h = fnv1a(h, head_dim);
+    h = fnv1a(h, elem_size);
+    return h;
+}
+
+std::string KvLayout::to_string() const {
+    return fmt::format("{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}}}",
+                       num_layers, num_kv_heads, head_dim, elem_size, block_size, num_blocks,
+                       placement == KvPlacement::kSeparate ? "separate" : "joint",
+                       order == BlockOrder::kNHD ? "NHD" : "HND");
+}
+
+void KvLayout::encode(ByteWriter& w) const {
+    w.put(kLayoutMagic);
+    w.put(kVersion);
+    w.put(num_layers);
+    w.put(num_kv_heads);
+    w.put(head_dim);
+    w.put(elem_size);
+    w.put(block_size);
+    w.put(num_blocks);
+    w.put(static_cast<uint8_t>(placement));
+    w.put(static_cast<uint8_t>(order));
+}
+
+Result<KvLayout> KvLayout::decode(ByteReader& r) {
+    uint32_t magic = 0;
+    uint16_t version = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&magic, "layout.magic"));
+    if (magic != kLayoutMagic) {
+        return protocol_error(
+            fmt::format("field 'layout.magic' is {:#x}, expected {:#x}", magic, kLayoutMagic));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&version, "layout.version"));
+    if (version != kVersion) {
+        return protocol_error(
+            fmt::format("field 'layout.version' is {}, this build reads {}; upgrade both sides",
+                        version, kVersion));
+    }
+    KvLayout l;
+    uint8_t placement = 0, order = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&l.num_layers, "layout.num_layers"));
+    FERRY_RETURN_IF_ERROR(r.get(&l.num_kv_heads, "layout.num_kv_heads"));
+    FERRY_RETURN_IF_ERROR(r.get(&l.head_dim, "layout.head_dim"));
+    FERRY_RETURN_IF_ERROR(r.get(&l.elem_size, "layout.elem_size"));
+    FERRY_RETURN_IF_ERROR(r.get(&l.block_size, "layout.block_size"));
+    FERRY_RETURN_IF_ERROR(r.get(&l.num_blocks, "layout.num_blocks"));
+    FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
+    FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
+    if (placement > 1) {
+        return protocol_error(
+            fmt::format("field 'layout.placement' has unknown value {}", placement));
+    }
+    if (order > 1) {
+        return protocol_error(fmt::format("field 'layout.order' has unknown value {}", order));
+    }
+    l.placement = static_cast<KvPlacement>(placement);
+    l.order = static_cast<BlockOrder>(order);
+    Status s = l.validate();
+    if (!s.ok()) return protocol_error(fmt::format("field 'layout': {}", s.message()));
+    return l;
+}
+
+}  // namespace ferry::kv

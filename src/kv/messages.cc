@@ -1,0 +1,261 @@
+#include "ferry/kv/messages.h"
+
+#include <fmt/format.h>
+
+#include "ferry/common/bytes.h"
+
+namespace ferry::kv {
+namespace {
+
+// The part REGISTER and PULL_PARAMS share: where a rank's KV lives and how it is laid out.
+void encode_location(ByteWriter& w, const EngineAddress& address, const MemoryDescriptor& pool,
+                     const KvLayout& layout, const std::vector<uint32_t>& blocks) {
+    address.encode(w);
+    pool.encode(w);
+    layout.encode(w);
+    w.put_vector(blocks);
+}
+
+Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* address,
+                       MemoryDescriptor* pool, KvLayout* layout, std::vector<uint32_t>* blocks) {
+    FERRY_ASSIGN_OR_RETURN(*address, EngineAddress::decode(r));
+    FERRY_ASSIGN_OR_RETURN(*pool, MemoryDescriptor::decode(r));
+    FERRY_ASSIGN_OR_RETURN(*layout, KvLayout::decode(r));
+    FERRY_RETURN_IF_ERROR(r.get_vector(blocks, "blocks", kMaxBlocksPerMessage));
+    for (size_t i = 0; i < blocks->size(); ++i) {
+        if ((*blocks)[i] >= layout->num_blocks) {
+            return protocol_error(
+                fmt::format("field 'blocks[{}]' = {} is outside the pool of {} "
+                            "blocks",
+                            i, (*blocks)[i], layout->num_blocks));
+        }
+    }
+    if (num_tokens > uint64_t{blocks->size()} * layout->block_size) {
+        return protocol_error(
+            fmt::format("field 'num_tokens' = {} does not fit in {} blocks of {} "
+                        "tokens",
+                        num_tokens, blocks->size(), layout->block_size));
+    }
+    if (pool->length < layout->pool_bytes()) {
+        return protocol_error(
+            fmt::format("field 'pool.length' = {} is smaller than the layout's "
+                        "{} bytes",
+                        pool->length, layout->pool_bytes()));
+    }
+    return ok_status();
+}
+
+Status check_rank(uint32_t rank, uint32_t tp, const char* rank_field, const char* tp_field) {
+    if (tp == 0) return protocol_error(fmt::format("field '{}' is 0", tp_field));
+    if (rank >= tp) {
+        return protocol_error(
+            fmt::format("field '{}' = {} is not below '{}' = {}", rank_field, rank, tp_field, tp));
+    }
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const RegisterMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.decode_rank);
+    w.put(m.decode_tp);
+    w.put(m.imm);
+    w.put(m.num_tokens);
+    w.put(m.lease_ms);
+    encode_location(w, m.decode_address, m.pool, m.layout, m.blocks);
+}
+
+Status decode_body(ByteReader& r, RegisterMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->imm, "imm"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
+    FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
+    return decode_location(r, m->num_tokens, &m->decode_address, &m->pool, &m->layout, &m->blocks);
+}
+
+void encode_body(ByteWriter& w, const FinalMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.producer_rank);
+    w.put(m.writes);
+    w.put(m.bytes);
+}
+
+Status decode_body(ByteReader& r, FinalMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->writes, "writes"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->bytes, "bytes"));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const FailMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.sender_rank);
+    w.put(static_cast<uint8_t>(m.code));
+    w.put_string(m.reason);
+}
+
+Status decode_body(ByteReader& r, FailMsg* m) {
+    uint8_t code = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->sender_rank, "sender_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&code, "code"));
+    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kInternal)) {
+        return protocol_error(fmt::format("field 'code' = {} is not an error code", code));
+    }
+    m->code = static_cast<StatusCode>(code);
+    FERRY_RETURN_IF_ERROR(r.get_string(&m->reason, "reason", kMaxReasonLength));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const CancelMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.decode_rank);
+}
+
+Status decode_body(ByteReader& r, CancelMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const CancelAckMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.producer_rank);
+}
+
+Status decode_body(ByteReader& r, CancelAckMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const PullParamsMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.producer_rank);
+    w.put(m.producer_tp);
+    w.put(m.num_tokens);
+    w.put(m.lease_ms);
+    encode_location(w, m.prefill_address, m.pool, m.layout, m.blocks);
+}
+
+Status decode_body(ByteReader& r, PullParamsMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_tp, "producer_tp"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
+    FERRY_RETURN_IF_ERROR(
+        check_rank(m->producer_rank, m->producer_tp, "producer_rank", "producer_tp"));
+    return decode_location(r, m->num_tokens, &m->prefill_address, &m->pool, &m->layout, &m->blocks);
+}
+
+void encode_body(ByteWriter& w, const DoneMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.decode_rank);
+    w.put(m.decode_tp);
+    w.put(static_cast<uint8_t>(m.ok));
+}
+
+Status decode_body(ByteReader& r, DoneMsg* m) {
+    uint8_t ok = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
+    FERRY_RETURN_IF_ERROR(r.get(&ok, "ok"));
+    FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
+    if (ok > 1) return protocol_error(fmt::format("field 'ok' = {} is not a boolean", ok));
+    m->ok = ok != 0;
+    return ok_status();
+}
+
+template <typename M>
+Result<KvMessage> decode_as(ByteReader& r) {
+    M m;
+    FERRY_RETURN_IF_ERROR(decode_body(r, &m));
+    if (r.remaining() != 0) {
+        return protocol_error(fmt::format("{} trailing bytes after the message", r.remaining()));
+    }
+    return KvMessage(std::move(m));
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_message(const KvMessage& msg) {
+    ByteWriter w;
+    w.put(kKvMagic);
+    w.put(kKvProtocolVersion);
+    // Variant alternatives are declared in MsgType order, starting at 1.
+    w.put(static_cast<uint8_t>(msg.index() + 1));
+    std::visit([&](const auto& m) { encode_body(w, m); }, msg);
+    return w.take();
+}
+
+Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
+    ByteReader r(bytes);
+    uint32_t magic = 0;
+    uint16_t version = 0;
+    uint8_t type = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&magic, "magic"));
+    if (magic != kKvMagic) {
+        return protocol_error(fmt::format("field 'magic' is {:#x}: not a ferry KV message", magic));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&version, "version"));
+    if (version != kKvProtocolVersion) {
+        return protocol_error(
+            fmt::format("field 'version' is {}, this build speaks {}; upgrade "
+                        "both sides",
+                        version, kKvProtocolVersion));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&type, "type"));
+    Result<KvMessage> out = protocol_error("unset");
+    switch (static_cast<MsgType>(type)) {
+        case MsgType::kRegister:
+            out = decode_as<RegisterMsg>(r);
+            break;
+        case MsgType::kFinal:
+            out = decode_as<FinalMsg>(r);
+            break;
+        case MsgType::kFail:
+            out = decode_as<FailMsg>(r);
+            break;
+        case MsgType::kCancel:
+            out = decode_as<CancelMsg>(r);
+            break;
+        case MsgType::kCancelAck:
+            out = decode_as<CancelAckMsg>(r);
+            break;
+        case MsgType::kPullParams:
+            out = decode_as<PullParamsMsg>(r);
+            break;
+        case MsgType::kDone:
+            out = decode_as<DoneMsg>(r);
+            break;
+        default:
+            return protocol_error(fmt::format("field 'type' = {} is unknown", type));
+    }
+    if (!out.ok()) {
+        return out.status().with_context(fmt::format("KV message type {}", type));
+    }
+    return out;
+}
+
+const char* message_name(const KvMessage& msg) {
+    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL", "CANCEL",
+                                             "CANCEL_ACK", "PULL_PARAMS", "DONE"};
+    return kNames[msg.index()];
+}
+
+}  // namespace ferry::kv

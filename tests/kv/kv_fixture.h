@@ -1,0 +1,240 @@
+// Shared pieces of the multi-process connector tests: one engine, KV pool, block pool and
+// connector per child process, and a byte-exact model of what each request's KV holds.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/common/bytes.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/kv/block_pool.h"
+#include "ferry/kv/connector.h"
+#include "support/engine_fixture.h"
+#include "support/multiproc.h"
+
+namespace ferry::kv::testing {
+
+inline constexpr uint8_t kPoison = 0xa5;
+
+// Results delivered by the connector callbacks, waited for with a deadline.
+class ResultLog {
+   public:
+    void add(bool send_side, const TransferResult& r);
+    // The first result for (side, transfer id[, attempt]) not taken yet; kTimeout otherwise.
+    Result<TransferResult> wait(bool send_side, uint64_t id, Duration timeout,
+                                int64_t attempt = -1);
+    size_t size() const;
+
+   private:
+    mutable std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::pair<bool, TransferResult>> items_;
+};
+
+struct KvNode {
+    KvRank self;
+    std::unique_ptr<TransferEngine> engine;
+    std::vector<uint8_t> mem;
+    std::unique_ptr<MemoryRegion> mr;
+    std::unique_ptr<BlockPool> blocks;
+    ResultLog results;
+    std::unique_ptr<KvConnector> conn;
+    std::vector<EngineAddress> addrs;  // every process's engine, by process rank
+
+    ~KvNode() { conn.reset(); }
+};
+
+struct NodeOptions {
+    std::string provider = "tcp";
+    Duration lease = std::chrono::seconds(10);
+    PullMode pull_mode = PullMode::kBackground;
+};
+
+// Engine, pool (filled with `fill`), a block pool whose ids come out in a random order, the
+// connector, and every process's engine address.
+Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex, const KvRank& self,
+                                             const NodeOptions& opt, uint64_t seed, uint8_t fill);
+
+// The value of every KV byte of a request: derived from (transfer id, layer, K/V, token,
+// global head, byte in head), so any misplaced byte is caught.
+uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token, uint32_t ghead,
+                uint32_t byte);
+
+// Writes the request's KV into a producer pool.
+void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks, uint32_t tokens);
+// Waits until the connector received at least `count` messages: lets a test put a REGISTER
+// before prefill_done for real, not just in the order of the calls.
+Status wait_messages(KvNode& n, uint64_t count, Duration timeout);
+// Pool accounting and connector state after a test: nothing held, nothing leaked.
+std::string check_no_leak(KvNode& n);
+// Writes the request's expected KV into an image of the consumer pool.
+void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
+                    const std::vector<uint32_t>& blocks, uint32_t tokens);
+// "" when equal, else a count and the first mismatches.
+std::string compare_pool(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want);
+
+KvLayout test_layout(uint32_t heads_per_rank, uint32_t block_size, BlockOrder order,
+                     KvPlacement placement, uint32_t num_blocks);
+
+// ---- definitions (header only: the test glob builds *_test.cc files alone) ----
+
+inline void ResultLog::add(bool send_side, const TransferResult& r) {
+    {
+        std::lock_guard lk(mu_);
+        items_.emplace_back(send_side, r);
+    }
+    cv_.notify_all();
+}
+
+inline Result<TransferResult> ResultLog::wait(bool send_side, uint64_t id, Duration timeout,
+                                              int64_t attempt) {
+    std::unique_lock lk(mu_);
+    TimePoint deadline = Clock::now() + timeout;
+    while (true) {
+        for (auto it = items_.begin(); it != items_.end(); ++it) {
+            if (it->first == send_side && it->second.transfer_id == id &&
+                (attempt < 0 || it->second.attempt == static_cast<uint32_t>(attempt))) {
+                TransferResult r = it->second;
+                items_.erase(it);
+                return r;
+            }
+        }
+        if (cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+            return timeout_error(fmt::format("no {} result for transfer {:x} after {:.0f} ms",
+                                             send_side ? "send" : "recv", id, to_ms(timeout)));
+        }
+    }
+}
+
+inline size_t ResultLog::size() const {
+    std::lock_guard lk(mu_);
+    return items_.size();
+}
+
+inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex,
+                                                    const KvRank& self, const NodeOptions& opt,
+                                                    uint64_t seed, uint8_t fill) {
+    auto n = std::make_unique<KvNode>();
+    n->self = self;
+    EngineConfig ec = ::ferry::testing::test_engine_config(opt.provider);
+    ec.op_timeout = std::chrono::seconds(3);
+    FERRY_ASSIGN_OR_RETURN(n->engine, TransferEngine::create(ec));
+    n->mem.assign(self.layout.pool_bytes(), fill);
+    FERRY_ASSIGN_OR_RETURN(n->mr, n->engine->register_memory(n->mem.data(), n->mem.size()));
+    n->blocks = std::make_unique<BlockPool>(self.layout.num_blocks);
+    {
+        // Scramble the free list so that requests get scattered, non-monotonic block ids.
+        auto all = n->blocks->allocate(self.layout.num_blocks);
+        if (!all.ok()) return all.status();
+        std::mt19937_64 rng(seed ^ (uint64_t{static_cast<uint32_t>(ex.rank())} << 40));
+        std::shuffle(all->begin(), all->end(), rng);
+        FERRY_RETURN_IF_ERROR(n->blocks->free(*all));
+    }
+    ConnectorConfig cc;
+    cc.self = self;
+    cc.lease = opt.lease;
+    cc.pull_mode = opt.pull_mode;
+    KvNode* raw = n.get();
+    ConnectorCallbacks cb;
+    cb.on_recv_done = [raw](const TransferResult& r) { raw->results.add(false, r); };
+    cb.on_send_done = [raw](const TransferResult& r) { raw->results.add(true, r); };
+    FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), n->mr.get(), cc, cb));
+    FERRY_ASSIGN_OR_RETURN(auto all, ex.allgather(n->engine->address().serialize()));
+    for (int r = 0; r < ex.size(); ++r) {
+        if (all[r].empty()) return unavailable(fmt::format("rank {} is gone", r));
+        FERRY_ASSIGN_OR_RETURN(auto a, EngineAddress::deserialize(all[r]));
+        n->addrs.push_back(std::move(a));
+    }
+    return n;
+}
+
+inline uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token, uint32_t ghead,
+                       uint32_t byte) {
+    uint64_t x = id * 0x9e3779b97f4a7c15ull;
+    x ^= (uint64_t{layer} << 52) ^ (uint64_t{static_cast<uint8_t>(part)} << 50) ^
+         (uint64_t{token} << 24) ^ (uint64_t{ghead} << 12) ^ byte;
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    return static_cast<uint8_t>(x >> 56);
+}
+
+inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
+                           const std::vector<uint32_t>& blocks, uint32_t tokens) {
+    const KvLayout& l = self.layout;
+    for (uint32_t layer = 0; layer < l.num_layers; ++layer)
+        for (KvPart part : {KvPart::kK, KvPart::kV})
+            for (uint32_t t = 0; t < tokens; ++t)
+                for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
+                    uint64_t off =
+                        l.offset(layer, part, blocks[t / l.block_size], t % l.block_size, h);
+                    for (uint32_t b = 0; b < l.head_bytes(); ++b) {
+                        image[off + b] = kv_byte(id, layer, part, t, self.first_head() + h, b);
+                    }
+                }
+}
+
+inline void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks,
+                         uint32_t tokens) {
+    expect_request(n.self, n.mem, id, blocks, tokens);
+}
+
+inline Status wait_messages(KvNode& n, uint64_t count, Duration timeout) {
+    TimePoint deadline = Clock::now() + timeout;
+    while (n.conn->stats().messages_received < count) {
+        if (Clock::now() > deadline) {
+            return timeout_error(
+                fmt::format("{} of {} messages arrived", n.conn->stats().messages_received, count));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return ok_status();
+}
+
+inline std::string check_no_leak(KvNode& n) {
+    CHILD_CHECK_MSG(n.blocks->free_count() == n.blocks->num_blocks(), "{} blocks leaked",
+                    n.blocks->used_count());
+    ConnectorStats s = n.conn->stats();
+    CHILD_CHECK_MSG(s.active_send == 0 && s.active_recv == 0,
+                    "connector still holds {} send, {} recv transfers", s.active_send,
+                    s.active_recv);
+    return "";
+}
+
+inline std::string compare_pool(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+    if (got.size() != want.size()) return "pool sizes differ";
+    size_t bad = 0;
+    std::string out;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (got[i] != want[i]) {
+            if (bad < 4) out += fmt::format("byte {}: got {:#x} want {:#x}; ", i, got[i], want[i]);
+            ++bad;
+        }
+    }
+    if (bad) out += fmt::format("{} of {} bytes wrong", bad, got.size());
+    return out;
+}
+
+inline KvLayout test_layout(uint32_t heads_per_rank, uint32_t block_size, BlockOrder order,
+                            KvPlacement placement, uint32_t num_blocks) {
+    KvLayout l;
+    l.num_layers = 3;
+    l.num_kv_heads = heads_per_rank;
+    l.head_dim = 16;
+    l.elem_size = 2;
+    l.block_size = block_size;
+    l.num_blocks = num_blocks;
+    l.order = order;
+    l.placement = placement;
+    return l;
+}
+
+}  // namespace ferry::kv::testing

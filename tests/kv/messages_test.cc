@@ -1,0 +1,187 @@
+#include "ferry/kv/messages.h"
+
+#include <gtest/gtest.h>
+
+#include "ferry/common/bytes.h"
+
+namespace ferry::kv {
+namespace {
+
+KvLayout test_layout() {
+    KvLayout l;
+    l.num_layers = 4;
+    l.num_kv_heads = 2;
+    l.head_dim = 64;
+    l.elem_size = 2;
+    l.block_size = 16;
+    l.num_blocks = 100;
+    l.placement = KvPlacement::kJoint;
+    l.order = BlockOrder::kHND;
+    return l;
+}
+
+MemoryDescriptor test_pool(const KvLayout& l) {
+    MemoryDescriptor d;
+    d.engine_id = 77;
+    d.base = 0x10000;
+    d.length = l.pool_bytes();
+    d.rail_keys = {5, 6};
+    return d;
+}
+
+EngineAddress test_address() {
+    EngineAddress a;
+    a.engine_id = 77;
+    a.provider = "tcp;ofi_rxm";
+    a.host_id = "h";
+    a.rail_addrs = {{1, 2, 3}};
+    a.signal.engine_id = 77;
+    a.signal.length = 64;
+    a.signal.rail_keys = {9};
+    return a;
+}
+
+std::vector<KvMessage> all_messages() {
+    KvLayout l = test_layout();
+    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 40, 5000, test_address(), test_pool(l), l, {7, 9, 99}};
+    PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), test_pool(l), l, {4, 5}};
+    return {reg,
+            FinalMsg{1234, 3, 1, 88, 1 << 20},
+            FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
+            CancelMsg{1234, 3, 1},
+            CancelAckMsg{1234, 3, 0},
+            pull,
+            DoneMsg{99, 1, 2, false}};
+}
+
+TEST(KvMessages, EveryTypeRoundTrips) {
+    for (const KvMessage& m : all_messages()) {
+        auto bytes = encode_message(m);
+        auto back = decode_message(bytes);
+        ASSERT_TRUE(back.ok()) << message_name(m) << ": " << back.status().to_string();
+        EXPECT_EQ(back->index(), m.index());
+        // Re-encoding what was decoded gives the same bytes: no field was lost or changed.
+        EXPECT_EQ(encode_message(*back), bytes) << message_name(m);
+    }
+}
+
+TEST(KvMessages, EveryTruncationAndTrailingByteIsRejected) {
+    for (const KvMessage& m : all_messages()) {
+        auto bytes = encode_message(m);
+        for (size_t cut = 0; cut < bytes.size(); ++cut) {
+            auto r = decode_message(std::span<const uint8_t>(bytes).first(cut));
+            ASSERT_FALSE(r.ok()) << message_name(m) << " cut at " << cut;
+            EXPECT_EQ(r.status().code(), StatusCode::kProtocol);
+            EXPECT_NE(r.status().message().find("field"), std::string::npos)
+                << r.status().message();
+        }
+        bytes.push_back(0);
+        auto r = decode_message(bytes);
+        ASSERT_FALSE(r.ok()) << message_name(m);
+        EXPECT_NE(r.status().message().find("trailing"), std::string::npos);
+    }
+}
+
+TEST(KvMessages, MalformedFieldsAreNamed) {
+    auto expect_error = [](const KvMessage& m, std::string_view needle) {
+        auto r = decode_message(encode_message(m));
+        ASSERT_FALSE(r.ok()) << message_name(m) << " should be refused (" << needle << ")";
+        EXPECT_EQ(r.status().code(), StatusCode::kProtocol);
+        EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+    };
+    auto msgs = all_messages();
+    {
+        auto back = decode_message(encode_message(msgs[0]));
+        ASSERT_TRUE(back.ok());
+        const auto& r = std::get<RegisterMsg>(*back);
+        EXPECT_EQ(r.blocks, (std::vector<uint32_t>{7, 9, 99}));
+        EXPECT_EQ(r.decode_address.provider, "tcp;ofi_rxm");
+        EXPECT_EQ(r.layout, test_layout());
+        EXPECT_EQ(r.imm, 0xabcu);
+    }
+    RegisterMsg reg = std::get<RegisterMsg>(msgs[0]);
+    RegisterMsg bad = reg;
+    bad.blocks[1] = 100;
+    expect_error(bad, "blocks[1]");
+    bad = reg;
+    bad.decode_rank = 2;
+    expect_error(bad, "decode_rank");
+    bad = reg;
+    bad.num_tokens = 49;  // 3 blocks of 16
+    expect_error(bad, "num_tokens");
+    bad = reg;
+    bad.pool.length -= 1;
+    expect_error(bad, "pool.length");
+    bad = reg;
+    bad.layout.head_dim = 0;
+    expect_error(bad, "layout");
+    PullParamsMsg pull = std::get<PullParamsMsg>(msgs[5]);
+    pull.producer_tp = 0;
+    expect_error(pull, "producer_tp");
+    FailMsg fail = std::get<FailMsg>(msgs[2]);
+    fail.code = StatusCode::kOk;
+    expect_error(fail, "code");
+
+    auto bytes = encode_message(CancelMsg{1, 1, 0});
+    bytes[6] = 42;  // type
+    auto r = decode_message(bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("'type' = 42"), std::string::npos);
+    bytes[4] = 9;  // version
+    r = decode_message(bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("'version'"), std::string::npos);
+    bytes[0] ^= 1;  // magic
+    r = decode_message(bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("'magic'"), std::string::npos);
+}
+
+TEST(KvLayout, RoundTripsAndHashIgnoresWhatTheMappingHandles) {
+    KvLayout l = test_layout();
+    ByteWriter w;
+    l.encode(w);
+    auto bytes = w.take();
+    ByteReader r(bytes);
+    auto back = KvLayout::decode(r);
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(*back, l);
+    for (size_t cut = 0; cut < bytes.size(); ++cut) {
+        ByteReader rc(std::span<const uint8_t>(bytes).first(cut));
+        EXPECT_FALSE(KvLayout::decode(rc).ok()) << cut;
+    }
+    KvLayout other = l;
+    other.block_size = 32;
+    other.num_kv_heads = 8;
+    other.order = BlockOrder::kNHD;
+    other.placement = KvPlacement::kSeparate;
+    EXPECT_EQ(other.compatibility_hash(), l.compatibility_hash());
+    other.elem_size = 1;
+    EXPECT_NE(other.compatibility_hash(), l.compatibility_hash());
+}
+
+TEST(KvLayout, OffsetsTileThePoolExactly) {
+    // Every element byte of the pool belongs to exactly one (layer, part, block, slot, head).
+    for (auto place : {KvPlacement::kSeparate, KvPlacement::kJoint}) {
+        for (auto order : {BlockOrder::kNHD, BlockOrder::kHND}) {
+            KvLayout l = test_layout();
+            l.num_blocks = 3;
+            l.head_dim = 4;
+            l.num_layers = 2;
+            l.placement = place;
+            l.order = order;
+            std::vector<int> hits(l.pool_bytes(), 0);
+            for (uint32_t layer = 0; layer < l.num_layers; ++layer)
+                for (KvPart p : {KvPart::kK, KvPart::kV})
+                    for (uint32_t b = 0; b < l.num_blocks; ++b)
+                        for (uint32_t s = 0; s < l.block_size; ++s)
+                            for (uint32_t h = 0; h < l.num_kv_heads; ++h)
+                                for (uint64_t i = 0; i < l.head_bytes(); ++i)
+                                    hits[l.offset(layer, p, b, s, h) + i]++;
+            for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << i;
+        }
+    }
+}
+
+}  // namespace
+}  // namespace ferry::kv

@@ -1,0 +1,396 @@
+// What happens when a transfer does not go as planned: a registration that never comes, a
+// failed prefill, cancellation (with and without writes in flight), re-registration with a
+// newer attempt, a killed peer, malformed messages. Each between real processes, on tcp and
+// shm, with block accounting checked at the end.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <thread>
+
+#include "kv/kv_fixture.h"
+
+namespace ferry::kv {
+namespace {
+
+using ::ferry::testing::Exchange;
+using ::ferry::testing::run_processes;
+using testing::kPoison;
+using testing::KvNode;
+using testing::make_kv_node;
+using testing::NodeOptions;
+
+const auto kRunTimeout = std::chrono::seconds(120);
+const auto kWait = std::chrono::seconds(20);
+constexpr int kPrefill = 0;
+constexpr int kDecode = 1;
+
+class KvReliabilityTest : public ::testing::TestWithParam<std::string> {
+   protected:
+    // 1 prefill rank (process 0) and 1 decode rank (process 1) with the small test layout.
+    std::vector<::ferry::testing::ChildResult> run_1p1d(
+        Duration lease, const std::function<std::string(Exchange&, KvNode&)>& body,
+        KvLayout layout = testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate,
+                                               64)) {
+        std::string provider = GetParam();
+        return run_processes(
+            2,
+            [&](Exchange& ex) -> std::string {
+                NodeOptions opt;
+                opt.provider = provider;
+                opt.lease = lease;
+                KvRank self{layout, 0, 1};
+                CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 42,
+                                                        ex.rank() == kPrefill ? 0 : kPoison));
+                std::string e = body(ex, *node);
+                if (!e.empty()) return e;
+                return testing::check_no_leak(*node);
+            },
+            kRunTimeout);
+    }
+};
+
+#define EXPECT_ALL_OK(results) EXPECT_EQ(::ferry::testing::describe_failures(results), "")
+
+TEST_P(KvReliabilityTest, UnregisteredTransferIsReleasedAfterTheLease) {
+    const auto lease = std::chrono::milliseconds(300);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x77;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        if (ex.rank() == kPrefill) {
+            testing::fill_request(n, id, blocks, 40);
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 40));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            Duration took = Clock::now() - t0;
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+            CHILD_CHECK_MSG(r.status.message().find("registration") != std::string::npos, "{}",
+                            r.status.message());
+            CHILD_CHECK_MSG(took >= lease && took < lease + std::chrono::seconds(3),
+                            "released after {:.0f} ms", to_ms(took));
+            CHILD_CHECK(n.conn->stats().leases_expired == 1);
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            // A registration after prefill gave up finds nothing to wait for and ends in an
+            // error, not a hang; the blocks come back.
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, FailedPrefillReachesDecodeAsFail) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x78;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+        if (ex.rank() == kDecode) {
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 20}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kResourceExhausted, "{}",
+                            r.status.to_string());
+            CHILD_CHECK_MSG(
+                r.status.message().find("prefill ran out of blocks") != std::string::npos, "{}",
+                r.status.message());
+            CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(
+                n.conn->prefill_failed(id, resource_exhausted("prefill ran out of blocks")));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK(r.status.code() == StatusCode::kResourceExhausted);
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, MismatchedRegistrationFailsBothSidesAtOnce) {
+    auto results = run_1p1d(std::chrono::seconds(30), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x7e;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        TimePoint t0 = Clock::now();
+        if (ex.rank() == kPrefill) {
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 30));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            // Decode believes the prompt has 40 tokens, prefill computed 30.
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+        }
+        CHILD_ASSIGN_OK(auto r, n.results.wait(ex.rank() == kPrefill, id, kWait));
+        CHILD_CHECK_MSG(r.status.code() == StatusCode::kInvalidArgument, "{}",
+                        r.status.to_string());
+        CHILD_CHECK_MSG(r.status.message().find("40 tokens") != std::string::npos, "{}",
+                        r.status.message());
+        // Well before the 30 s lease.
+        CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(10));
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, PullOfferWithoutDoneIsReleasedAfterTheLease) {
+    const auto lease = std::chrono::milliseconds(300);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        if (ex.rank() == kPrefill) {
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+            CHILD_ASSIGN_OK(auto params, n.conn->offer_pull(0x7f, blocks, 20));
+            CHILD_CHECK(params.blocks == blocks && params.num_tokens == 20);
+            // Decode never reads: the lease gives the blocks back.
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, 0x7f, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+            CHILD_CHECK(n.conn->stats().leases_expired == 1);
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, CancelBeforePrefillDoneIsAcknowledgedAndNothingLands) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x79;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(4));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 60}));
+            CHILD_CHECK_OK(n.conn->cancel(id));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kPrefill) {
+            // Prefill finishes after the cancel: nothing is written, the blocks come back.
+            testing::fill_request(n, id, blocks, 60);
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 60));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+            CHILD_CHECK(r.writes == 0);
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
+        }
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, CancelWithWritesInFlightNeverTouchesReusedBlocks) {
+    // Big enough (12 MiB per request) that the cancel usually finds writes in flight.
+    KvLayout big = testing::test_layout(4, 16, BlockOrder::kHND, KvPlacement::kSeparate, 64);
+    big.num_layers = 24;
+    big.head_dim = 128;
+    const uint32_t kTokens = 512;
+    auto results = run_1p1d(
+        std::chrono::seconds(10),
+        [&](Exchange& ex, KvNode& n) -> std::string {
+            for (uint64_t id = 0x100; id < 0x104; ++id) {
+                CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+                if (ex.rank() == kPrefill) {
+                    testing::fill_request(n, id, blocks, kTokens);
+                    CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kTokens));
+                }
+                CHILD_CHECK_OK(ex.barrier());
+                if (ex.rank() == kDecode) {
+                    CHILD_CHECK_OK(
+                        n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
+                    std::this_thread::sleep_for(std::chrono::milliseconds(id % 4));
+                    CHILD_CHECK_OK(n.conn->cancel(id));
+                    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                    CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}",
+                                    r.status.to_string());
+                    // Reuse: the blocks now hold another request's data, which must survive.
+                    for (uint32_t b : blocks) {
+                        uint64_t off = big.slab_offset(0, KvPart::kK, b);
+                        std::memset(n.mem.data() + off, 0x3c, big.slab_bytes());
+                    }
+                }
+                if (ex.rank() == kPrefill) {
+                    // Cancelled, or ok when every write had completed before the CANCEL came.
+                    CHILD_ASSIGN_OK(auto done, n.results.wait(true, id, kWait));
+                    CHILD_CHECK_MSG(
+                        done.status.ok() || done.status.code() == StatusCode::kCancelled, "{}",
+                        done.status.to_string());
+                }
+                CHILD_CHECK_OK(ex.barrier());  // prefill's writes for id are all complete now
+                if (ex.rank() == kDecode) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                    for (uint32_t b : blocks) {
+                        uint64_t off = big.slab_offset(0, KvPart::kK, b);
+                        for (uint64_t i = 0; i < big.slab_bytes(); ++i) {
+                            CHILD_CHECK_MSG(n.mem[off + i] == 0x3c,
+                                            "a write landed in reused block {} after the cancel "
+                                            "was acknowledged",
+                                            b);
+                        }
+                    }
+                }
+                CHILD_CHECK_OK(n.blocks->free(blocks));
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            return "";
+        },
+        big);
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x7a;
+        const uint32_t kTokens = 70;
+        CHILD_ASSIGN_OK(auto first, n.blocks->allocate(5));
+        CHILD_ASSIGN_OK(auto second, n.blocks->allocate(5));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, first, kTokens}));
+            CHILD_CHECK_OK(ex.barrier());  // prefill saw attempt 1
+            // Preempted and re-admitted with other blocks.
+            CHILD_CHECK_OK(n.conn->register_push({id, 2, {n.addrs[kPrefill]}, second, kTokens}));
+            CHILD_ASSIGN_OK(auto old, n.results.wait(false, id, kWait, 1));
+            CHILD_CHECK_MSG(old.status.code() == StatusCode::kCancelled, "{}",
+                            old.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(first));
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait, 2));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            testing::expect_request(n.self, image, id, second, kTokens);
+            std::string diff = testing::compare_pool(n.mem, image);
+            CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+            CHILD_CHECK_OK(n.blocks->free(second));
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(ex.barrier());
+            // REGISTER attempt 2 and CANCEL attempt 1.
+            CHILD_CHECK_OK(testing::wait_messages(n, 3, kWait));
+            CHILD_CHECK_OK(ex.barrier());
+            testing::fill_request(n, id, first, kTokens);
+            CHILD_CHECK_OK(n.conn->prefill_done(id, first, kTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.ok() && r.attempt == 2, "attempt {}: {}", r.attempt,
+                            r.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(first));
+            CHILD_CHECK_OK(n.blocks->free(second));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
+    const auto lease = std::chrono::milliseconds(800);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+        if (ex.rank() == kPrefill) {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            raise(SIGKILL);
+        }
+        TimePoint t0 = Clock::now();
+        CHILD_CHECK_OK(n.conn->register_push({0x7b, 1, {n.addrs[kPrefill]}, blocks, 30}));
+        CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0x7b, kWait));
+        Duration took = Clock::now() - t0;
+        CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+        CHILD_CHECK_MSG(took < lease + std::chrono::seconds(4), "freed after {:.0f} ms",
+                        to_ms(took));
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
+    EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
+}
+
+TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
+    auto results =
+        run_1p1d(std::chrono::milliseconds(800), [&](Exchange& ex, KvNode& n) -> std::string {
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(4));
+            if (ex.rank() == kDecode) {
+                CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
+                std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                raise(SIGKILL);
+            }
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            // Let the decode process die before prefill writes into it.
+            std::this_thread::sleep_for(std::chrono::milliseconds(400));
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->prefill_done(0x7c, blocks, 60));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, 0x7c, kWait));
+            Duration took = Clock::now() - t0;
+            // Some providers complete writes to a dead peer's memory locally (the status may be
+            // ok); what matters is that prefill gets its blocks back in bounded time.
+            CHILD_CHECK_MSG(took < std::chrono::seconds(8), "released after {:.0f} ms: {}",
+                            to_ms(took), r.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return "";
+        });
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_EQ(results[kDecode].term_signal, SIGKILL);
+    EXPECT_TRUE(results[kPrefill].ok()) << results[kPrefill].error;
+}
+
+TEST_P(KvReliabilityTest, MalformedAndUnknownMessagesAreCountedAndDropped) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x7d;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+        if (ex.rank() == kDecode) {
+            CHILD_ASSIGN_OK(PeerId p, n.engine->connect(n.addrs[kPrefill]));
+            std::vector<uint8_t> garbage = {1, 2, 3, 4, 5, 6, 7};
+            CHILD_CHECK_OK(n.engine->send_message(p, garbage).wait(kWait));
+            auto truncated = encode_message(CancelMsg{id, 1, 0});
+            truncated.pop_back();
+            CHILD_CHECK_OK(n.engine->send_message(p, truncated).wait(kWait));
+            // Well formed but for a transfer nobody knows.
+            auto unknown = encode_message(CancelAckMsg{0xdead, 1, 0});
+            CHILD_CHECK_OK(n.engine->send_message(p, unknown).wait(kWait));
+            CHILD_CHECK_OK(ex.barrier());
+            // The connector still works afterwards.
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 20}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            testing::expect_request(n.self, image, id, blocks, 20);
+            std::string diff = testing::compare_pool(n.mem, image);
+            CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(ex.barrier());
+            testing::fill_request(n, id, blocks, 20);
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 20));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK(r.status.ok());
+        }
+        ConnectorStats s = n.conn->stats();
+        if (ex.rank() == kPrefill) {
+            CHILD_CHECK_MSG(s.messages_malformed == 2, "{} malformed", s.messages_malformed);
+            CHILD_CHECK_MSG(s.messages_stale == 1, "{} stale", s.messages_stale);
+        } else {
+            CHILD_CHECK_MSG(s.messages_malformed == 0, "{} malformed", s.messages_malformed);
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, KvReliabilityTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry::kv
