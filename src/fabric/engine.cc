@@ -1,0 +1,108 @@
+// Public face of the TransferEngine; the work is in EngineImpl and Rail.
+#include "ferry/fabric/engine.h"
+
+#include <fmt/format.h>
+
+#include "fabric/engine_impl.h"
+
+namespace ferry {
+
+namespace detail {
+Result<std::string> resolve_provider_name(const EngineConfig& config);
+}
+
+Result<std::string> resolve_provider(const EngineConfig& config) {
+    return detail::resolve_provider_name(config);
+}
+
+bool OpHandle::done() const {
+    if (!state_) return false;
+    std::lock_guard lk(state_->mu);
+    return state_->done;
+}
+
+Status OpHandle::wait(Duration timeout) const {
+    if (!state_) return invalid_argument("waiting on an empty OpHandle");
+    std::unique_lock lk(state_->mu);
+    if (!state_->cv.wait_for(lk, timeout, [&] { return state_->done; })) {
+        return timeout_error(fmt::format("operation still running after {:.0f} ms",
+                                         to_ms(timeout)));
+    }
+    return state_->status;
+}
+
+uint32_t OpHandle::imm_writes() const { return state_ ? state_->imm_writes : 0; }
+
+MemoryRegion::~MemoryRegion() {
+    if (engine_) engine_->deregister(id_);
+}
+
+Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const EngineConfig& config) {
+    auto impl = std::make_shared<detail::EngineImpl>();
+    Status s = impl->init(config);
+    if (!s.ok()) {
+        impl->shutdown();
+        return s.with_context("creating the transfer engine");
+    }
+    return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+}
+
+TransferEngine::TransferEngine(std::shared_ptr<detail::EngineImpl> impl)
+    : impl_(std::move(impl)) {}
+
+TransferEngine::~TransferEngine() { impl_->shutdown(); }
+
+const EngineAddress& TransferEngine::address() const { return impl_->address; }
+uint64_t TransferEngine::engine_id() const { return impl_->address.engine_id; }
+const std::string& TransferEngine::provider() const { return impl_->provider; }
+int TransferEngine::num_rails() const { return static_cast<int>(impl_->address.rail_addrs.size()); }
+const EngineConfig& TransferEngine::config() const { return impl_->config; }
+
+Result<std::unique_ptr<MemoryRegion>> TransferEngine::register_memory(void* ptr, size_t len,
+                                                                      MemoryKind kind,
+                                                                      int device) {
+    return impl_->register_memory(ptr, len, kind, device);
+}
+Result<PeerId> TransferEngine::connect(const EngineAddress& peer) { return impl_->connect(peer); }
+std::optional<PeerId> TransferEngine::find_peer(uint64_t engine_id) const {
+    return impl_->find_peer(engine_id);
+}
+Result<GroupId> TransferEngine::create_group(std::span<const PeerId> peers,
+                                             std::span<const MemoryDescriptor> dsts) {
+    return impl_->create_group(peers, dsts);
+}
+OpHandle TransferEngine::write(const WriteOp& op, OpCallback done) {
+    return impl_->write(op, std::move(done));
+}
+OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
+    return impl_->paged_write(op, std::move(done));
+}
+OpHandle TransferEngine::read(const ReadOp& op, OpCallback done) {
+    return impl_->read(op, std::move(done));
+}
+OpHandle TransferEngine::scatter(const ScatterOp& op, OpCallback done) {
+    return impl_->scatter(op, std::move(done));
+}
+Status TransferEngine::barrier(GroupId group, uint32_t imm, Duration timeout) {
+    return impl_->barrier(group, imm, timeout);
+}
+OpHandle TransferEngine::signal(PeerId peer, uint32_t imm, OpCallback done) {
+    return impl_->signal(peer, imm, std::move(done));
+}
+Status TransferEngine::wait_imm(uint32_t imm, uint64_t count, Duration timeout) {
+    return impl_->imm.wait(imm, count, timeout);
+}
+void TransferEngine::on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done) {
+    impl_->imm.add_waiter(imm, count, deadline_after(timeout), std::move(done));
+}
+uint64_t TransferEngine::imm_available(uint32_t imm) const { return impl_->imm.available(imm); }
+OpHandle TransferEngine::send_message(PeerId peer, std::span<const uint8_t> payload,
+                                      OpCallback done) {
+    return impl_->send_message(peer, payload, std::move(done));
+}
+void TransferEngine::set_message_handler(MessageHandler handler) {
+    impl_->set_message_handler(std::move(handler));
+}
+EngineStats TransferEngine::stats() const { return impl_->stats(); }
+
+}  // namespace ferry

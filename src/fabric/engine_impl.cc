@@ -1,0 +1,658 @@
+#include "fabric/engine_impl.h"
+
+#include <fmt/format.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_errno.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "ferry/common/bytes.h"
+#include "ferry/common/log.h"
+
+namespace ferry::detail {
+namespace {
+
+constexpr uint32_t kMessageMagic = 0x46524d53;  // "FRMS"
+constexpr size_t kMessageHeader = sizeof(uint32_t) + sizeof(uint64_t);
+const Duration kControlTimeout = std::chrono::seconds(10);
+
+std::string read_host_id() {
+    std::string boot;
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::getline(f, boot);
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    return std::string(host) + "/" + boot;
+}
+
+uint64_t random_engine_id() {
+    std::random_device rd;
+    uint64_t id = (uint64_t{rd()} << 32) ^ rd() ^ (uint64_t(getpid()) << 16);
+    return id ? id : 1;
+}
+
+struct FiInfoDeleter {
+    void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using FiInfoPtr = std::unique_ptr<fi_info, FiInfoDeleter>;
+
+std::string full_provider_name(const std::string& p) {
+    if (p == "tcp") return "tcp;ofi_rxm";
+    if (p == "verbs") return "verbs;ofi_rxm";
+    return p;
+}
+
+Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& config) {
+    FiInfoPtr hints(fi_allocinfo());
+    if (!hints) return resource_exhausted("fi_allocinfo: out of memory");
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_MSG | FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE |
+                  FI_SEND | FI_RECV;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
+                                  FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->fabric_attr->prov_name = strdup(provider.c_str());
+    bool uses_node = provider.rfind("tcp", 0) == 0 || provider.rfind("verbs", 0) == 0;
+    fi_info* out = nullptr;
+    int rc = fi_getinfo(FI_VERSION(1, 17), uses_node ? config.node.c_str() : nullptr, nullptr,
+                        uses_node ? FI_SOURCE : 0, hints.get(), &out);
+    if (rc || !out) {
+        return unavailable(fmt::format("provider '{}' is not available here: {}", provider,
+                                       fi_strerror(-rc)));
+    }
+    return FiInfoPtr(out);
+}
+
+}  // namespace
+
+Result<std::string> resolve_provider_name(const EngineConfig& config) {
+    if (config.provider != "auto") return full_provider_name(config.provider);
+    std::vector<std::string> order = {"efa", "verbs;ofi_rxm"};
+    if (config.peers_on_same_host) order.push_back("shm");
+    order.push_back("tcp;ofi_rxm");
+    std::string tried;
+    for (const auto& p : order) {
+        auto infos = get_infos(p, config);
+        if (infos.ok()) return p;
+        tried += (tried.empty() ? "" : ", ") + p;
+    }
+    return unavailable("no usable libfabric provider found (tried " + tried + ")");
+}
+
+Status EngineImpl::init(const EngineConfig& cfg) {
+    config = cfg;
+    if (config.num_rails < 1 || config.num_rails > 32) {
+        return invalid_argument(fmt::format("num_rails must be 1..32, got {}", config.num_rails));
+    }
+    if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
+    FERRY_ASSIGN_OR_RETURN(provider, resolve_provider_name(config));
+    FERRY_ASSIGN_OR_RETURN(auto infos, get_infos(provider, config));
+    std::vector<const fi_info*> candidates;
+    for (const fi_info* i = infos.get(); i; i = i->next) {
+        if (provider == i->fabric_attr->prov_name) candidates.push_back(i);
+    }
+    if (candidates.empty()) candidates.push_back(infos.get());
+
+    peer_table_ = std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers);
+    address.engine_id = random_engine_id();
+    address.provider = provider;
+    address.host_id = read_host_id();
+    address.signal.engine_id = address.engine_id;
+    address.signal.length = 64;
+
+    for (int r = 0; r < config.num_rails; ++r) {
+        RailHooks hooks;
+        hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
+        if (r == 0) {
+            hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
+            hooks.on_tick = [this](TimePoint now) { imm.expire(now); };
+        }
+        FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()],
+                                                     config, std::move(hooks)));
+        address.rail_addrs.push_back(rail->name());
+        address.signal.rail_keys.push_back(rail->signal_key());
+        rails.push_back(std::move(rail));
+    }
+    // Immediate-only writes carry no bytes; the signal region is addressed by offset 0.
+    address.signal.virt_addr = rails[0]->virt_addr();
+    address.signal.base = reinterpret_cast<uint64_t>(rails[0]->signal_base());
+    if (rails.size() > 1) {
+        // Every rail has its own 64-byte signal buffer; zero-length writes never touch it, so
+        // the address of rail 0's is as good as any.
+    }
+    for (auto& r : rails) r->start();
+    log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s)", address.engine_id,
+        provider, rails.size());
+    return ok_status();
+}
+
+void EngineImpl::shutdown() {
+    if (stopped_.exchange(true)) return;
+    Status why = cancelled("the transfer engine was shut down");
+    for (auto& r : rails) r->stop(why);
+    imm.cancel_all(why);
+    {
+        std::lock_guard lk(mr_mu_);
+        for (auto& [id, mrs] : mrs_) {
+            for (fid_mr* mr : mrs) fi_close(&mr->fid);
+        }
+        mrs_.clear();
+    }
+    rails.clear();
+}
+
+EngineImpl::~EngineImpl() { shutdown(); }
+
+Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, size_t len,
+                                                                  MemoryKind kind, int device) {
+    if (stopped_) return cancelled("the transfer engine was shut down");
+    if (!ptr || len == 0) {
+        return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
+    }
+    if (kind != MemoryKind::kHost) {
+        return invalid_argument(fmt::format(
+            "provider {} was opened for host memory only; GPU memory needs FI_HMEM (efa, "
+            "verbs) or the CUDA IPC transport",
+            provider));
+    }
+    std::unique_ptr<MemoryRegion> region(new MemoryRegion());
+    region->engine_ = shared_from_this();
+    region->ptr_ = ptr;
+    region->len_ = len;
+    region->desc_.engine_id = address.engine_id;
+    region->desc_.base = reinterpret_cast<uint64_t>(ptr);
+    region->desc_.length = len;
+    region->desc_.kind = kind;
+    region->desc_.device = device;
+    region->desc_.virt_addr = rails[0]->virt_addr();
+    std::vector<fid_mr*> mrs;
+    uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    for (auto& rail : rails) {
+        fid_mr* mr = nullptr;
+        Rail* rp = rail.get();
+        Status s = rp->run_on_worker(
+            [&]() -> Status {
+                auto r = rp->register_mr(ptr, len, access);
+                if (!r.ok()) return r.status();
+                mr = *r;
+                return ok_status();
+            },
+            kControlTimeout);
+        if (!s.ok()) {
+            for (size_t i = 0; i < mrs.size(); ++i) {
+                Rail* prev = rails[i].get();
+                fid_mr* m = mrs[i];
+                (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
+                                          kControlTimeout);
+            }
+            region->engine_.reset();
+            return s.with_context(fmt::format("registering {} bytes", len));
+        }
+        mrs.push_back(mr);
+        region->desc_.rail_keys.push_back(fi_mr_key(mr));
+        region->local_descs_.push_back(fi_mr_desc(mr));
+    }
+    std::lock_guard lk(mr_mu_);
+    region->id_ = next_mr_id_++;
+    mrs_[region->id_] = std::move(mrs);
+    return region;
+}
+
+void EngineImpl::deregister(uint32_t id) {
+    std::vector<fid_mr*> mrs;
+    {
+        std::lock_guard lk(mr_mu_);
+        auto it = mrs_.find(id);
+        if (it == mrs_.end()) return;  // closed at shutdown already
+        mrs = std::move(it->second);
+        mrs_.erase(it);
+    }
+    for (size_t i = 0; i < mrs.size() && i < rails.size(); ++i) {
+        fid_mr* m = mrs[i];
+        Status s = rails[i]->run_on_worker(
+            [m] {
+                int rc = fi_close(&m->fid);
+                return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
+                          : ok_status();
+            },
+            kControlTimeout);
+        if (!s.ok()) log(LogLevel::kWarn, "fabric", "deregistering memory: {}", s.message());
+    }
+}
+
+Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
+    if (stopped_) return cancelled("the transfer engine was shut down");
+    if (a.provider != provider) {
+        return invalid_argument(fmt::format(
+            "peer engine {:x} uses provider '{}' but this engine uses '{}'; both sides must "
+            "open the same provider",
+            a.engine_id, a.provider, provider));
+    }
+    if (a.rail_addrs.empty()) return invalid_argument("peer address has no rails");
+    std::lock_guard lk(peers_mu_);
+    if (auto it = by_engine_.find(a.engine_id); it != by_engine_.end()) return it->second;
+    if (peers_owned_.size() >= kMaxPeers) {
+        return resource_exhausted(fmt::format("too many peers (limit {})", kMaxPeers));
+    }
+    auto p = std::make_unique<Peer>();
+    p->id = static_cast<PeerId>(peers_owned_.size());
+    p->engine_id = a.engine_id;
+    p->address = a;
+    for (auto& rail : rails) {
+        uint32_t rr = static_cast<uint32_t>(rail->index() % a.rail_addrs.size());
+        fi_addr_t fa = FI_ADDR_UNSPEC;
+        Rail* rp = rail.get();
+        Status s = rp->run_on_worker(
+            [&]() -> Status {
+                auto r = rp->insert_address(a.rail_addrs[rr]);
+                if (!r.ok()) return r.status();
+                fa = *r;
+                return ok_status();
+            },
+            kControlTimeout);
+        if (!s.ok()) return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
+        p->fi_addr.push_back(fa);
+        p->remote_rail.push_back(rr);
+    }
+    PeerId id = p->id;
+    peer_table_[id].store(p.get(), std::memory_order_release);
+    by_engine_[a.engine_id] = id;
+    peers_owned_.push_back(std::move(p));
+    return id;
+}
+
+std::optional<PeerId> EngineImpl::find_peer(uint64_t engine_id) const {
+    std::lock_guard lk(peers_mu_);
+    auto it = by_engine_.find(engine_id);
+    if (it == by_engine_.end()) return std::nullopt;
+    return it->second;
+}
+
+const Peer* EngineImpl::peer(PeerId id) const {
+    if (id >= kMaxPeers) return nullptr;
+    return peer_table_[id].load(std::memory_order_acquire);
+}
+
+Result<GroupId> EngineImpl::create_group(std::span<const PeerId> peers,
+                                         std::span<const MemoryDescriptor> dsts) {
+    if (peers.size() != dsts.size()) {
+        return invalid_argument(fmt::format("group of {} peers needs {} descriptors, got {}",
+                                            peers.size(), peers.size(), dsts.size()));
+    }
+    auto g = std::make_unique<Group>();
+    for (size_t i = 0; i < peers.size(); ++i) {
+        const Peer* p = peer(peers[i]);
+        if (!p) return not_found(fmt::format("group member {} is not a connected peer", peers[i]));
+        if (dsts[i].engine_id != p->engine_id) {
+            return invalid_argument(fmt::format(
+                "group member {}: descriptor belongs to engine {:x}, peer is engine {:x}", i,
+                dsts[i].engine_id, p->engine_id));
+        }
+        g->peers.push_back(peers[i]);
+        g->dsts.push_back(dsts[i]);
+    }
+    std::lock_guard lk(groups_mu_);
+    if (groups_.size() >= kMaxGroups) return resource_exhausted("too many peer groups");
+    groups_.push_back(std::move(g));
+    return static_cast<GroupId>(groups_.size() - 1);
+}
+
+int EngineImpl::next_rail() {
+    return static_cast<int>(rr_.fetch_add(1, std::memory_order_relaxed) % rails.size());
+}
+
+void EngineImpl::Batch::add(int rail, FabricOp* op) {
+    if (!first[rail]) first[rail] = op;
+    else last[rail]->mpsc_next.store(op, std::memory_order_relaxed);
+    last[rail] = op;
+    ++count;
+}
+
+FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
+                               const MemoryRegion& local, uint64_t local_off,
+                               const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                               std::optional<uint32_t> imm, TimePoint deadline) {
+    auto* op = new FabricOp();
+    op->type = type;
+    op->peer = p.id;
+    op->dest = p.fi_addr[rail];
+    op->local = static_cast<uint8_t*>(local.data()) + local_off;
+    op->len = len;
+    op->desc = local.local_desc(rail);
+    op->raddr = remote.wire_address(remote_off);
+    op->rkey = remote.rail_keys[p.remote_rail[rail] % remote.rail_keys.size()];
+    op->has_imm = imm.has_value();
+    op->imm = imm.value_or(0);
+    op->deadline = deadline;
+    return op;
+}
+
+void EngineImpl::add_rma(Batch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
+                         uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
+                         uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
+                         bool stripe) {
+    int nr = static_cast<int>(rails.size());
+    uint64_t chunk = config.max_write_size;
+    if (stripe && nr > 1 && len > config.stripe_threshold) {
+        // One piece per rail, 4 KiB aligned so pages stay whole.
+        uint64_t per = (len + nr - 1) / nr;
+        per = (per + 4095) & ~uint64_t{4095};
+        chunk = std::min<uint64_t>(chunk, per);
+    }
+    int rail = next_rail();
+    uint64_t done = 0;
+    do {
+        uint64_t n = std::min<uint64_t>(chunk, len - done);
+        b.add(rail, make_rma(type, p, rail, local, local_off + done, remote, remote_off + done, n,
+                             imm, deadline));
+        done += n;
+        rail = (rail + 1) % nr;
+    } while (done < len);
+}
+
+OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool counts_imm) {
+    if (counts_imm) state->imm_writes = b.count;
+    if (stopped_) {
+        for (size_t r = 0; r < b.first.size(); ++r) {
+            for (FabricOp* op = b.first[r]; op;) {
+                auto* next = static_cast<FabricOp*>(op->mpsc_next.load());
+                delete op;
+                op = op == b.last[r] ? nullptr : next;
+            }
+        }
+        state->fail_now(cancelled("the transfer engine was shut down"));
+        return OpHandle(state);
+    }
+    state->set_pieces(b.count);
+    for (size_t r = 0; r < b.first.size(); ++r) {
+        for (FabricOp* op = b.first[r]; op;) {
+            op->parent = state;
+            if (op == b.last[r]) break;
+            op = static_cast<FabricOp*>(op->mpsc_next.load(std::memory_order_relaxed));
+        }
+    }
+    for (size_t r = 0; r < b.first.size(); ++r) {
+        if (b.first[r]) rails[r]->submit(b.first[r], b.last[r]);
+    }
+    return OpHandle(state);
+}
+
+Status EngineImpl::check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off,
+                                uint64_t len, const char* what) const {
+    if (!d) return invalid_argument(fmt::format("{}: no remote descriptor given", what));
+    if (d->rail_keys.empty()) {
+        return invalid_argument(fmt::format("{}: remote descriptor has no rail keys", what));
+    }
+    if (d->engine_id != p.engine_id) {
+        return invalid_argument(fmt::format(
+            "{}: the descriptor belongs to engine {:x} but peer {} is engine {:x}; pass the "
+            "descriptor that peer registered",
+            what, d->engine_id, p.id, p.engine_id));
+    }
+    if (off > d->length || len > d->length - off) {
+        return out_of_range(fmt::format(
+            "{}: {} bytes at offset {} overrun the remote region of {} bytes (engine {:x}); "
+            "rejected before posting",
+            what, len, off, d->length, d->engine_id));
+    }
+    return ok_status();
+}
+
+Status EngineImpl::check_local(const MemoryRegion* r, uint64_t off, uint64_t len,
+                               const char* what) const {
+    if (!r) return invalid_argument(fmt::format("{}: no local region given", what));
+    if (r->engine_.get() != this) {
+        return invalid_argument(fmt::format("{}: the local region was registered with another "
+                                            "engine",
+                                            what));
+    }
+    if (off > r->size() || len > r->size() - off) {
+        return out_of_range(fmt::format("{}: {} bytes at offset {} overrun the local region of {} "
+                                        "bytes",
+                                        what, len, off, r->size()));
+    }
+    return ok_status();
+}
+
+#define FERRY_FAIL_OP(state, expr)         \
+    do {                                   \
+        Status s_ = (expr);                \
+        if (!s_.ok()) {                    \
+            (state)->fail_now(std::move(s_)); \
+            return OpHandle(state);        \
+        }                                  \
+    } while (0)
+
+namespace {
+Status no_peer(PeerId id, const char* what) {
+    return not_found(fmt::format("{}: peer {} is not connected", what, id));
+}
+}  // namespace
+
+OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write"));
+    if (w.length == 0 && !w.imm) FERRY_FAIL_OP(state, invalid_argument("write of 0 bytes"));
+    FERRY_FAIL_OP(state, check_local(w.src, w.src_offset, w.length, "write"));
+    FERRY_FAIL_OP(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
+    Batch b(rails.size());
+    add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
+            deadline_after(config.op_timeout), true);
+    return submit(b, state, w.imm.has_value());
+}
+
+OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "paged write"));
+    if (w.page_size == 0) FERRY_FAIL_OP(state, invalid_argument("paged write: page_size is 0"));
+    if (w.src_pages.size() != w.dst_pages.size()) {
+        FERRY_FAIL_OP(state, invalid_argument(fmt::format(
+                                 "paged write: {} source pages but {} destination pages",
+                                 w.src_pages.size(), w.dst_pages.size())));
+    }
+    if (w.src_pages.empty()) FERRY_FAIL_OP(state, invalid_argument("paged write: no pages"));
+    uint64_t ss = w.src_stride ? w.src_stride : w.page_size;
+    uint64_t ds = w.dst_stride ? w.dst_stride : w.page_size;
+    FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "paged write"));
+    FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "paged write"));
+    // Bounds of every page before anything is posted: a bad index loses nothing.
+    for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
+        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
+        Status s = check_local(w.src, so, w.page_size, "paged write");
+        if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
+        if (!s.ok()) FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
+                                                                      w.src_pages[i],
+                                                                      w.dst_pages[i])));
+    }
+    Batch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
+    size_t i = 0;
+    while (i < w.src_pages.size()) {
+        size_t j = i + 1;
+        if (src_dense && dst_dense) {
+            while (j < w.src_pages.size() && w.src_pages[j] == w.src_pages[j - 1] + 1 &&
+                   w.dst_pages[j] == w.dst_pages[j - 1] + 1) {
+                ++j;
+            }
+        }
+        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
+        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
+        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
+                deadline, false);
+        i = j;
+    }
+    return submit(b, state, w.imm.has_value());
+}
+
+OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(r.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read"));
+    if (r.length == 0) FERRY_FAIL_OP(state, invalid_argument("read of 0 bytes"));
+    FERRY_FAIL_OP(state, check_local(r.dst, r.dst_offset, r.length, "read"));
+    FERRY_FAIL_OP(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
+    Batch b(rails.size());
+    add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
+            std::nullopt, deadline_after(config.op_timeout), true);
+    return submit(b, state, false);
+}
+
+OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Group* g = nullptr;
+    {
+        std::lock_guard lk(groups_mu_);
+        if (sc.group < groups_.size()) g = groups_[sc.group].get();
+    }
+    if (!g) FERRY_FAIL_OP(state, not_found(fmt::format("scatter: no group {}", sc.group)));
+    if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
+    for (const auto& s : sc.slices) {
+        if (s.member >= g->peers.size()) {
+            FERRY_FAIL_OP(state, invalid_argument(fmt::format(
+                                     "scatter: slice for member {} but the group has {}",
+                                     s.member, g->peers.size())));
+        }
+        if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
+        FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
+        FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
+                                          s.dst_offset, s.length, "scatter"));
+    }
+    Batch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const auto& s : sc.slices) {
+        add_rma(b, FabricOp::kWrite, *peer(g->peers[s.member]), *sc.src, s.src_offset,
+                g->dsts[s.member], s.dst_offset, s.length, sc.imm, deadline, true);
+    }
+    return submit(b, state, sc.imm.has_value());
+}
+
+OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(id);
+    if (!p) FERRY_FAIL_OP(state, no_peer(id, "signal"));
+    Batch b(rails.size());
+    int rail = next_rail();
+    auto* op = new FabricOp();
+    op->type = FabricOp::kWrite;
+    op->peer = id;
+    op->dest = p->fi_addr[rail];
+    op->local = rails[rail]->signal_base();
+    op->len = 0;
+    op->raddr = p->address.signal.wire_address(0);
+    op->rkey = p->address.signal.rail_keys[p->remote_rail[rail] %
+                                           p->address.signal.rail_keys.size()];
+    op->has_imm = true;
+    op->imm = imm_value;
+    op->deadline = deadline_after(config.op_timeout);
+    b.add(rail, op);
+    return submit(b, state, true);
+}
+
+Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) {
+    std::vector<PeerId> members;
+    {
+        std::lock_guard lk(groups_mu_);
+        if (group >= groups_.size()) return not_found(fmt::format("barrier: no group {}", group));
+        members = groups_[group]->peers;
+    }
+    auto deadline = deadline_after(timeout);
+    std::vector<OpHandle> sent;
+    for (PeerId m : members) sent.push_back(signal(m, imm_value, {}));
+    Status arrived = imm.wait(imm_value, members.size(), timeout);
+    for (auto& h : sent) {
+        Status s = h.wait(std::max<Duration>(deadline - Clock::now(), Duration::zero()));
+        if (!s.ok()) return s.with_context("barrier");
+    }
+    return arrived.with_context(fmt::format("barrier over {} peers", members.size()));
+}
+
+OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(id);
+    if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
+    if (payload.size() > config.max_message_size) {
+        FERRY_FAIL_OP(state, invalid_argument(fmt::format(
+                                 "message of {} bytes exceeds max_message_size {}",
+                                 payload.size(), config.max_message_size)));
+    }
+    auto* op = new FabricOp();
+    op->type = FabricOp::kSend;
+    op->peer = id;
+    op->dest = p->fi_addr[0];
+    op->payload.resize(kMessageHeader + payload.size());
+    std::memcpy(op->payload.data(), &kMessageMagic, 4);
+    std::memcpy(op->payload.data() + 4, &address.engine_id, 8);
+    if (!payload.empty()) {
+        std::memcpy(op->payload.data() + kMessageHeader, payload.data(), payload.size());
+    }
+    op->deadline = deadline_after(config.op_timeout);
+    Batch b(rails.size());
+    b.add(0, op);
+    return submit(b, state, false);
+}
+
+void EngineImpl::deliver_message(std::span<const uint8_t> wire) {
+    uint32_t magic = 0;
+    if (wire.size() < kMessageHeader ||
+        (std::memcpy(&magic, wire.data(), 4), magic != kMessageMagic)) {
+        held_dropped_.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kWarn, "fabric", "dropped a malformed control message of {} bytes",
+            wire.size());
+        return;
+    }
+    uint64_t sender = 0;
+    std::memcpy(&sender, wire.data() + 4, 8);
+    auto payload = wire.subspan(kMessageHeader);
+    std::lock_guard lk(msg_mu_);
+    if (handler_) {
+        handler_(sender, payload);
+        return;
+    }
+    if (held_.size() >= static_cast<size_t>(config.message_recv_buffers) * 16) {
+        held_dropped_.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kWarn, "fabric", "no message handler set: dropped a message from {:x}",
+            sender);
+        return;
+    }
+    held_.emplace_back(wire.begin(), wire.end());
+}
+
+void EngineImpl::set_message_handler(MessageHandler handler) {
+    std::lock_guard lk(msg_mu_);
+    handler_ = std::move(handler);
+    if (!handler_) return;
+    while (!held_.empty()) {
+        auto m = std::move(held_.front());
+        held_.pop_front();
+        uint64_t sender = 0;
+        std::memcpy(&sender, m.data() + 4, 8);
+        handler_(sender, std::span<const uint8_t>(m).subspan(kMessageHeader));
+    }
+}
+
+EngineStats EngineImpl::stats() const {
+    EngineStats s;
+    for (const auto& r : rails) {
+        const RailStats& rs = r->stats();
+        s.ops_posted += rs.ops_posted;
+        s.bytes_posted += rs.bytes_posted;
+        s.eagain += rs.eagain;
+        s.op_errors += rs.op_errors;
+        s.op_timeouts += rs.op_timeouts;
+        s.imm_arrivals += rs.imm_arrivals;
+        s.messages_received += rs.messages_received;
+        s.messages_dropped += rs.messages_dropped;
+    }
+    s.messages_dropped += held_dropped_.load();
+    return s;
+}
+
+}  // namespace ferry::detail

@@ -1,0 +1,112 @@
+// Internals of TransferEngine: rails, peers, groups, registered memory, arrival counters.
+#pragma once
+
+#include <rdma/fabric.h>
+
+#include <array>
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "fabric/imm_table.h"
+#include "fabric/rail.h"
+#include "ferry/fabric/engine.h"
+
+namespace ferry::detail {
+
+struct Peer {
+    PeerId id = 0;
+    uint64_t engine_id = 0;
+    EngineAddress address;
+    std::vector<fi_addr_t> fi_addr;     // per local rail
+    std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
+};
+
+struct Group {
+    std::vector<PeerId> peers;
+    std::vector<MemoryDescriptor> dsts;
+};
+
+class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
+  public:
+    static constexpr size_t kMaxPeers = 1 << 14;
+    static constexpr size_t kMaxGroups = 1 << 12;
+
+    Status init(const EngineConfig& config);
+    void shutdown();
+    ~EngineImpl();
+
+    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
+                                                          MemoryKind kind, int device);
+    void deregister(uint32_t id);
+    Result<PeerId> connect(const EngineAddress& peer);
+    std::optional<PeerId> find_peer(uint64_t engine_id) const;
+    Result<GroupId> create_group(std::span<const PeerId> peers,
+                                 std::span<const MemoryDescriptor> dsts);
+
+    OpHandle write(const WriteOp& op, OpCallback done);
+    OpHandle paged_write(const PagedWriteOp& op, OpCallback done);
+    OpHandle read(const ReadOp& op, OpCallback done);
+    OpHandle scatter(const ScatterOp& op, OpCallback done);
+    OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);
+    Status barrier(GroupId group, uint32_t imm, Duration timeout);
+    OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done);
+    void set_message_handler(MessageHandler handler);
+    EngineStats stats() const;
+
+    EngineConfig config;
+    std::string provider;
+    EngineAddress address;
+    std::vector<std::unique_ptr<Rail>> rails;
+    ImmTable imm;
+
+  private:
+    // A batch of fabric ops per rail, submitted together once the piece count is final.
+    struct Batch {
+        explicit Batch(size_t rails) : first(rails, nullptr), last(rails, nullptr) {}
+        std::vector<FabricOp*> first, last;
+        uint32_t count = 0;
+        void add(int rail, FabricOp* op);
+    };
+    const Peer* peer(PeerId id) const;
+    FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
+                       uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
+                       uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);
+    // Splits [len] into pieces no larger than max_write_size, spread over rails from `rail`
+    // when striping applies.
+    void add_rma(Batch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
+                 uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
+                 uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe);
+    OpHandle submit(Batch& b, std::shared_ptr<OpState> state, bool counts_imm);
+    Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
+                        const char* what) const;
+    Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
+    int next_rail();
+    void deliver_message(std::span<const uint8_t> wire);
+
+    std::atomic<bool> stopped_{false};
+    std::atomic<uint32_t> rr_{0};
+
+    mutable std::mutex peers_mu_;
+    std::vector<std::unique_ptr<Peer>> peers_owned_;
+    std::unique_ptr<std::atomic<const Peer*>[]> peer_table_;
+    std::unordered_map<uint64_t, PeerId> by_engine_;
+
+    mutable std::mutex groups_mu_;
+    std::vector<std::unique_ptr<Group>> groups_;
+
+    std::mutex mr_mu_;
+    uint32_t next_mr_id_ = 1;
+    std::map<uint32_t, std::vector<fid_mr*>> mrs_;
+
+    std::mutex msg_mu_;
+    MessageHandler handler_;
+    std::deque<std::vector<uint8_t>> held_;
+    std::atomic<uint64_t> held_dropped_{0};
+};
+
+}  // namespace ferry::detail

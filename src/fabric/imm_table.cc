@@ -1,0 +1,111 @@
+#include "fabric/imm_table.h"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+
+namespace ferry::detail {
+
+void ImmTable::drain_locked(uint32_t imm, Entry& e, Fired& fired) {
+    while (!e.waiters.empty() && e.available >= e.waiters.front().count) {
+        e.available -= e.waiters.front().count;
+        fired.emplace_back(std::move(e.waiters.front().cb), ok_status());
+        e.waiters.pop_front();
+        --num_waiters_;
+    }
+}
+
+void ImmTable::arrive(uint32_t imm, uint64_t n) {
+    Fired fired;
+    {
+        std::lock_guard lk(mu_);
+        Entry& e = entries_[imm];
+        e.available += n;
+        if (!e.waiters.empty()) drain_locked(imm, e, fired);
+    }
+    for (auto& [cb, s] : fired) cb(s);
+}
+
+void ImmTable::add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCallback cb) {
+    Fired fired;
+    {
+        std::lock_guard lk(mu_);
+        Entry& e = entries_[imm];
+        e.waiters.push_back({count, deadline, std::move(cb)});
+        ++num_waiters_;
+        drain_locked(imm, e, fired);
+    }
+    for (auto& [c, s] : fired) c(s);
+}
+
+Status ImmTable::wait(uint32_t imm, uint64_t count, Duration timeout) {
+    struct Sync {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+        Status status;
+    };
+    auto sync = std::make_shared<Sync>();
+    add_waiter(imm, count, deadline_after(timeout), [sync](const Status& s) {
+        std::lock_guard lk(sync->mu);
+        sync->status = s;
+        sync->done = true;
+        sync->cv.notify_all();
+    });
+    std::unique_lock lk(sync->mu);
+    // The expiry sweep fires the timeout; the extra second only guards against a stopped
+    // engine, so this wait is bounded even then.
+    if (!sync->cv.wait_for(lk, timeout + std::chrono::seconds(1), [&] { return sync->done; })) {
+        return timeout_error(fmt::format(
+            "waiting for {} writes with immediate {:#x}: engine stopped sweeping", count, imm));
+    }
+    return sync->status;
+}
+
+void ImmTable::expire(TimePoint now) {
+    Fired fired;
+    {
+        std::lock_guard lk(mu_);
+        if (num_waiters_ == 0) return;
+        for (auto& [imm, e] : entries_) {
+            for (auto it = e.waiters.begin(); it != e.waiters.end();) {
+                if (it->deadline <= now) {
+                    fired.emplace_back(
+                        std::move(it->cb),
+                        timeout_error(fmt::format(
+                            "waiting for {} writes with immediate {:#x}: {} had arrived when "
+                            "the deadline passed",
+                            it->count, imm, e.available)));
+                    it = e.waiters.erase(it);
+                    --num_waiters_;
+                } else {
+                    ++it;
+                }
+            }
+            // A waiter that timed out at the front may have been holding back later ones.
+            drain_locked(imm, e, fired);
+        }
+    }
+    for (auto& [cb, s] : fired) cb(s);
+}
+
+uint64_t ImmTable::available(uint32_t imm) const {
+    std::lock_guard lk(mu_);
+    auto it = entries_.find(imm);
+    return it == entries_.end() ? 0 : it->second.available;
+}
+
+void ImmTable::cancel_all(const Status& why) {
+    Fired fired;
+    {
+        std::lock_guard lk(mu_);
+        for (auto& [imm, e] : entries_) {
+            for (auto& w : e.waiters) fired.emplace_back(std::move(w.cb), why);
+            e.waiters.clear();
+        }
+        num_waiters_ = 0;
+    }
+    for (auto& [cb, s] : fired) cb(s);
+}
+
+}  // namespace ferry::detail

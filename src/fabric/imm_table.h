@@ -1,0 +1,46 @@
+// Target-side arrival counters per immediate value, credit style: arrivals accumulate and
+// each waiter consumes the count it asked for, first come first served.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+
+#include "ferry/common/clock.h"
+#include "ferry/fabric/engine.h"
+
+namespace ferry::detail {
+
+class ImmTable {
+  public:
+    void arrive(uint32_t imm, uint64_t n = 1);
+    // Registers a waiter; it fires (consuming `count`) as soon as enough arrived, possibly
+    // right away on this thread, or with kTimeout at the deadline.
+    void add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCallback cb);
+    Status wait(uint32_t imm, uint64_t count, Duration timeout);
+    // Fires the waiters whose deadline passed. Called periodically by a worker.
+    void expire(TimePoint now);
+    uint64_t available(uint32_t imm) const;
+    // Fails every waiter (shutdown).
+    void cancel_all(const Status& why);
+
+  private:
+    struct Waiter {
+        uint64_t count;
+        TimePoint deadline;
+        OpCallback cb;
+    };
+    struct Entry {
+        uint64_t available = 0;
+        std::deque<Waiter> waiters;
+    };
+    using Fired = std::deque<std::pair<OpCallback, Status>>;
+    void drain_locked(uint32_t imm, Entry& e, Fired& fired);
+
+    mutable std::mutex mu_;
+    std::unordered_map<uint32_t, Entry> entries_;
+    size_t num_waiters_ = 0;
+};
+
+}  // namespace ferry::detail

@@ -1,0 +1,516 @@
+#include "fabric/rail.h"
+
+#include <fmt/format.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "ferry/common/log.h"
+
+namespace ferry::detail {
+namespace {
+
+constexpr size_t kCqBatch = 64;
+constexpr size_t kMessageHeader = 0;  // the engine frames messages itself
+const auto kTickPeriod = std::chrono::milliseconds(1);
+
+Status fi_status(const char* what, int rc) {
+    return provider_error(fmt::format("{} failed: {} ({})", what, fi_strerror(-rc), rc));
+}
+
+template <typename T>
+void close_fid(T*& obj) {
+    if (obj) {
+        int rc = fi_close(&obj->fid);
+        if (rc) log(LogLevel::kWarn, "fabric", "fi_close: {}", fi_strerror(-rc));
+        obj = nullptr;
+    }
+}
+
+bool is_peer_gone(int err) {
+    return err == FI_ECONNREFUSED || err == FI_ECONNRESET || err == FI_EHOSTUNREACH ||
+           err == FI_ENOTCONN || err == FI_ECONNABORTED || err == FI_ESHUTDOWN ||
+           err == EPIPE || err == FI_ETIMEDOUT || err == FI_EIO;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Rail>> Rail::open(int index, const fi_info* info,
+                                         const EngineConfig& config, RailHooks hooks) {
+    std::unique_ptr<Rail> rail(new Rail());
+    rail->hooks_ = std::move(hooks);
+    Status s = rail->init(index, info, config);
+    if (!s.ok()) {
+        rail->stop(s);
+        return s.with_context(fmt::format("opening rail {} ({})", index,
+                                          info->fabric_attr->prov_name));
+    }
+    return rail;
+}
+
+Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
+    index_ = index;
+    config_ = config;
+    info_ = fi_dupinfo(info);
+    if (!info_) return resource_exhausted("fi_dupinfo: out of memory");
+    int rc = fi_fabric(info_->fabric_attr, &fabric_, nullptr);
+    if (rc) return fi_status("fi_fabric", rc);
+    rc = fi_domain(fabric_, info_, &domain_, nullptr);
+    if (rc) return fi_status("fi_domain", rc);
+    mr_mode_ = info_->domain_attr->mr_mode;
+
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = std::max<size_t>(info_->tx_attr->size + info_->rx_attr->size, 1024);
+    rc = fi_cq_open(domain_, &cq_attr, &cq_, nullptr);
+    if (rc) return fi_status("fi_cq_open", rc);
+
+    fi_av_attr av_attr{};
+    av_attr.type = info_->domain_attr->av_type == FI_AV_UNSPEC ? FI_AV_TABLE
+                                                                : info_->domain_attr->av_type;
+    rc = fi_av_open(domain_, &av_attr, &av_, nullptr);
+    if (rc) return fi_status("fi_av_open", rc);
+
+    rc = fi_endpoint(domain_, info_, &ep_, nullptr);
+    if (rc) return fi_status("fi_endpoint", rc);
+    rc = fi_ep_bind(ep_, &av_->fid, 0);
+    if (rc) return fi_status("fi_ep_bind(av)", rc);
+    rc = fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (rc) return fi_status("fi_ep_bind(cq)", rc);
+    rc = fi_enable(ep_);
+    if (rc) return fi_status("fi_enable", rc);
+
+    size_t len = 0;
+    rc = fi_getname(&ep_->fid, nullptr, &len);
+    if (rc != -FI_ETOOSMALL && rc != 0) return fi_status("fi_getname(size)", rc);
+    name_.resize(len);
+    rc = fi_getname(&ep_->fid, name_.data(), &len);
+    if (rc) return fi_status("fi_getname", rc);
+    name_.resize(len);
+
+    // Queue depth from the provider, capped: above ~1k outstanding operations per rail tcp
+    // and shm gain nothing and completions get slower to drain.
+    tx_depth_ = std::clamp<size_t>(info_->tx_attr->size, 16, 1024);
+
+    signal_buf_ = std::make_unique<uint8_t[]>(64);
+    FERRY_ASSIGN_OR_RETURN(signal_mr_, register_mr(signal_buf_.get(), 64,
+                                                   FI_REMOTE_WRITE | FI_WRITE));
+    signal_key_ = fi_mr_key(signal_mr_);
+
+    slot_size_ = config.max_message_size + 16;
+    int nrecv = std::max(config.message_recv_buffers, 4);
+    recv_pool_.resize(slot_size_ * nrecv);
+    FERRY_ASSIGN_OR_RETURN(recv_mr_, register_mr(recv_pool_.data(), recv_pool_.size(), FI_RECV));
+    recv_ctx_.resize(nrecv);
+    for (int i = 0; i < nrecv; ++i) {
+        recv_ctx_[i].kind = FabricCtx::kRecv;
+        FERRY_RETURN_IF_ERROR(post_recv(i));
+    }
+    int nsend = std::max(config.message_recv_buffers / 2, 4);
+    send_pool_.resize(slot_size_ * nsend);
+    FERRY_ASSIGN_OR_RETURN(send_mr_, register_mr(send_pool_.data(), send_pool_.size(), FI_SEND));
+    for (int i = nsend - 1; i >= 0; --i) free_send_slots_.push_back(i);
+    return ok_status();
+}
+
+Result<fid_mr*> Rail::register_mr(void* ptr, size_t len, uint64_t access) {
+    uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_.fetch_add(1);
+    fid_mr* mr = nullptr;
+    int rc = fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr);
+    if (rc) return fi_status(fmt::format("fi_mr_reg of {} bytes", len).c_str(), rc);
+    if (mr_mode_ & FI_MR_ENDPOINT) {
+        rc = fi_mr_bind(mr, &ep_->fid, 0);
+        if (!rc) rc = fi_mr_enable(mr);
+        if (rc) {
+            fi_close(&mr->fid);
+            return fi_status("fi_mr_bind/enable", rc);
+        }
+    }
+    return mr;
+}
+
+Result<fi_addr_t> Rail::insert_address(const std::vector<uint8_t>& addr) {
+    fi_addr_t fa = FI_ADDR_UNSPEC;
+    int rc = fi_av_insert(av_, addr.data(), 1, &fa, 0, nullptr);
+    if (rc != 1) return fi_status("fi_av_insert", rc < 0 ? rc : -FI_EINVAL);
+    return fa;
+}
+
+Status Rail::post_recv(int slot) {
+    void* desc = recv_mr_ ? fi_mr_desc(recv_mr_) : nullptr;
+    while (true) {
+        ssize_t rc = fi_recv(ep_, recv_pool_.data() + slot * slot_size_, slot_size_, desc,
+                             FI_ADDR_UNSPEC, &recv_ctx_[slot].fi);
+        if (rc == 0) return ok_status();
+        if (rc != -FI_EAGAIN) return fi_status("fi_recv", static_cast<int>(rc));
+        // The receive queue is full only transiently; progress the CQ to drain it.
+        fi_cq_data_entry e;
+        fi_cq_read(cq_, &e, 0);
+    }
+}
+
+void Rail::start() {
+    running_ = true;
+    worker_ = std::thread([this] { run(); });
+}
+
+void Rail::submit(FabricOp* first, FabricOp* last) {
+    queue_.push_chain(first, last);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_relaxed)) {
+        std::lock_guard lk(nap_mu_);
+        wake_ = true;
+        nap_cv_.notify_one();
+    }
+}
+
+Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
+    auto state = std::make_shared<OpState>(OpCallback{});
+    state->set_pieces(1);
+    auto* op = new FabricOp();
+    op->type = FabricOp::kTask;
+    op->task = std::move(fn);
+    op->parent = state;
+    op->deadline = deadline_after(timeout);
+    submit(op);
+    OpHandle h(state);
+    return h.wait(timeout);
+}
+
+std::string Rail::describe(const FabricOp* op) const {
+    switch (op->type) {
+        case FabricOp::kWrite:
+            return op->has_imm ? fmt::format("write of {} bytes with immediate {:#x} to peer {} "
+                                              "on rail {}",
+                                              op->len, op->imm, op->peer, index_)
+                               : fmt::format("write of {} bytes to peer {} on rail {}", op->len,
+                                             op->peer, index_);
+        case FabricOp::kRead:
+            return fmt::format("read of {} bytes from peer {} on rail {}", op->len, op->peer,
+                               index_);
+        case FabricOp::kSend:
+            return fmt::format("message of {} bytes to peer {}", op->payload.size(), op->peer);
+        case FabricOp::kTask:
+            return "engine task";
+    }
+    return "operation";
+}
+
+void Rail::link_inflight(FabricOp* op) {
+    op->in_prev = in_tail_;
+    op->in_next = nullptr;
+    if (in_tail_) in_tail_->in_next = op;
+    else in_head_ = op;
+    in_tail_ = op;
+    ++inflight_;
+}
+
+void Rail::unlink_inflight(FabricOp* op) {
+    if (op->in_prev) op->in_prev->in_next = op->in_next;
+    else in_head_ = op->in_next;
+    if (op->in_next) op->in_next->in_prev = op->in_prev;
+    else in_tail_ = op->in_prev;
+    op->in_prev = op->in_next = nullptr;
+    --inflight_;
+}
+
+bool Rail::drain_submissions() {
+    bool any = false;
+    // Bounded so a flood of submissions cannot starve completion polling.
+    for (int i = 0; i < 4096; ++i) {
+        auto* op = static_cast<FabricOp*>(queue_.pop());
+        if (!op) break;
+        any = true;
+        if (op->type == FabricOp::kTask) {
+            Status s = op->task();
+            op->parent->piece_done(s);
+            delete op;
+            continue;
+        }
+        pending_.push_back(op);
+    }
+    return any;
+}
+
+int Rail::post_one(FabricOp* op) {
+    op->ctx.kind = FabricCtx::kOp;
+    iovec iov{op->local, op->len};
+    void* desc = op->desc;
+    fi_rma_iov rma{op->raddr, op->len, op->rkey};
+    switch (op->type) {
+        case FabricOp::kWrite: {
+            fi_msg_rma msg{};
+            msg.msg_iov = &iov;
+            msg.desc = &desc;
+            msg.iov_count = 1;
+            msg.addr = op->dest;
+            msg.rma_iov = &rma;
+            msg.rma_iov_count = 1;
+            msg.context = &op->ctx.fi;
+            msg.data = op->imm;
+            uint64_t flags = FI_COMPLETION | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
+            return static_cast<int>(fi_writemsg(ep_, &msg, flags));
+        }
+        case FabricOp::kRead: {
+            fi_msg_rma msg{};
+            msg.msg_iov = &iov;
+            msg.desc = &desc;
+            msg.iov_count = 1;
+            msg.addr = op->dest;
+            msg.rma_iov = &rma;
+            msg.rma_iov_count = 1;
+            msg.context = &op->ctx.fi;
+            return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION));
+        }
+        case FabricOp::kSend:
+            return static_cast<int>(fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_),
+                                            op->dest, &op->ctx.fi));
+        case FabricOp::kTask:
+            break;
+    }
+    return -FI_EINVAL;
+}
+
+bool Rail::post_pending() {
+    bool any = false;
+    while (!pending_.empty() && inflight_ < tx_depth_) {
+        FabricOp* op = pending_.front();
+        if (op->type == FabricOp::kSend && op->slot < 0) {
+            if (free_send_slots_.empty()) break;
+            op->slot = free_send_slots_.back();
+            free_send_slots_.pop_back();
+            uint8_t* dst = send_pool_.data() + op->slot * slot_size_;
+            std::memcpy(dst, op->payload.data(), op->payload.size());
+            op->local = dst;
+            op->len = op->payload.size();
+        }
+        int rc = post_one(op);
+        if (rc == -FI_EAGAIN) {
+            stats_.eagain.fetch_add(1, std::memory_order_relaxed);
+            break;
+        }
+        pending_.pop_front();
+        any = true;
+        if (rc != 0) {
+            stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+            if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+            op->parent->piece_done(provider_error(
+                fmt::format("posting {} failed: {}", describe(op), fi_strerror(-rc))));
+            delete op;
+            continue;
+        }
+        link_inflight(op);
+        stats_.ops_posted.fetch_add(1, std::memory_order_relaxed);
+        stats_.bytes_posted.fetch_add(op->len, std::memory_order_relaxed);
+    }
+    return any;
+}
+
+void Rail::finish_op(FabricOp* op, const Status& s) {
+    if (op->abandoned) {
+        // Timed out earlier and already reported; libfabric is done with it only now.
+        abandoned_.erase(op);
+        if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+        delete op;
+        return;
+    }
+    unlink_inflight(op);
+    if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+    if (!s.ok()) stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+    op->parent->piece_done(s);
+    delete op;
+}
+
+void Rail::handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data) {
+    if ((flags & FI_REMOTE_CQ_DATA) && (flags & FI_REMOTE_WRITE)) {
+        stats_.imm_arrivals.fetch_add(1, std::memory_order_relaxed);
+        if (hooks_.on_imm) hooks_.on_imm(static_cast<uint32_t>(data));
+        return;
+    }
+    if (!ctx) return;
+    if (ctx->kind == FabricCtx::kRecv) {
+        int slot = static_cast<int>(ctx - recv_ctx_.data());
+        stats_.messages_received.fetch_add(1, std::memory_order_relaxed);
+        if (hooks_.on_message) {
+            hooks_.on_message({recv_pool_.data() + slot * slot_size_ + kMessageHeader, len});
+        }
+        Status s = post_recv(slot);
+        if (!s.ok()) log(LogLevel::kError, "fabric", "reposting receive buffer: {}", s.message());
+        return;
+    }
+    finish_op(ctx->op, ok_status());
+}
+
+void Rail::handle_error(const fi_cq_err_entry& err) {
+    auto* ctx = static_cast<FabricCtx*>(err.op_context);
+    char prov[256] = {0};
+    const char* prov_text = fi_cq_strerror(cq_, err.prov_errno, err.err_data, prov, sizeof(prov));
+    if (!ctx) {
+        log(LogLevel::kWarn, "fabric", "rail {}: completion error without context: {} ({})",
+            index_, fi_strerror(err.err), prov_text ? prov_text : "");
+        return;
+    }
+    if (ctx->kind == FabricCtx::kRecv) {
+        if (err.err == FI_ECANCELED || !running_) return;
+        stats_.messages_dropped.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kWarn, "fabric", "rail {}: receive failed: {} ({}); buffer reposted",
+            index_, fi_strerror(err.err), prov_text ? prov_text : "");
+        int slot = static_cast<int>(ctx - recv_ctx_.data());
+        Status s = post_recv(slot);
+        if (!s.ok()) log(LogLevel::kError, "fabric", "reposting receive buffer: {}", s.message());
+        return;
+    }
+    FabricOp* op = ctx->op;
+    std::string text = fmt::format("{} failed: {} ({})", describe(op), fi_strerror(err.err),
+                                   prov_text ? prov_text : "no provider detail");
+    finish_op(op, is_peer_gone(err.err) ? unavailable(text + "; the peer is unreachable or died")
+                                        : provider_error(text));
+}
+
+bool Rail::poll_cq() {
+    fi_cq_data_entry entries[kCqBatch];
+    bool any = false;
+    for (int round = 0; round < 8; ++round) {
+        ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+        if (n > 0) {
+            any = true;
+            for (ssize_t i = 0; i < n; ++i) {
+                handle_completion(static_cast<FabricCtx*>(entries[i].op_context),
+                                  entries[i].flags, entries[i].len, entries[i].data);
+            }
+            if (static_cast<size_t>(n) < kCqBatch) break;
+        } else if (n == -FI_EAVAIL) {
+            any = true;
+            fi_cq_err_entry err{};
+            if (fi_cq_readerr(cq_, &err, 0) > 0) handle_error(err);
+        } else {
+            if (n != -FI_EAGAIN) {
+                log(LogLevel::kError, "fabric", "rail {}: fi_cq_read: {}", index_,
+                    fi_strerror(static_cast<int>(-n)));
+            }
+            break;
+        }
+    }
+    return any;
+}
+
+void Rail::sweep_timeouts(TimePoint now) {
+    while (in_head_ && in_head_->deadline <= now) {
+        FabricOp* op = in_head_;
+        unlink_inflight(op);
+        op->abandoned = true;
+        abandoned_.insert(op);
+        stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
+        auto parent = std::move(op->parent);
+        parent->piece_done(timeout_error(fmt::format(
+            "{} did not complete within {} ms; the peer may have died or the network is down",
+            describe(op), to_ms(config_.op_timeout))));
+    }
+    while (!pending_.empty() && pending_.front()->deadline <= now) {
+        FabricOp* op = pending_.front();
+        pending_.pop_front();
+        if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+        stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
+        op->parent->piece_done(timeout_error(fmt::format(
+            "{} could not be posted within {} ms: the provider kept pushing back (peer dead or "
+            "overloaded?)",
+            describe(op), to_ms(config_.op_timeout))));
+        delete op;
+    }
+}
+
+void Rail::run() {
+    TimePoint last_active = Clock::now();
+    TimePoint next_tick = last_active + kTickPeriod;
+    Duration nap_for = std::chrono::microseconds(20);
+    while (running_.load(std::memory_order_relaxed)) {
+        bool active = drain_submissions();
+        active |= post_pending();
+        active |= poll_cq();
+        TimePoint now = Clock::now();
+        if (now >= next_tick) {
+            sweep_timeouts(now);
+            if (hooks_.on_tick) hooks_.on_tick(now);
+            next_tick = now + kTickPeriod;
+        }
+        if (active) {
+            last_active = now;
+            nap_for = std::chrono::microseconds(20);
+            continue;
+        }
+        if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty()) {
+            continue;
+        }
+        // Idle: nap, woken at once by a submission. Arrivals wait at most one nap; naps grow
+        // to max_nap so an idle engine costs little CPU (tests run many engines on 2 cores).
+        sleeping_.store(true, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        if (auto* op = static_cast<FabricOp*>(queue_.pop())) {
+            sleeping_.store(false, std::memory_order_relaxed);
+            if (op->type == FabricOp::kTask) {
+                op->parent->piece_done(op->task());
+                delete op;
+            } else {
+                pending_.push_back(op);
+            }
+            continue;
+        }
+        Duration cap = inflight_ ? std::chrono::microseconds(50) : config_.max_nap;
+        {
+            std::unique_lock lk(nap_mu_);
+            nap_cv_.wait_for(lk, std::min(nap_for, cap), [&] { return wake_ || !running_; });
+            wake_ = false;
+        }
+        sleeping_.store(false, std::memory_order_relaxed);
+        nap_for = std::min<Duration>(nap_for * 2, config_.max_nap);
+    }
+}
+
+void Rail::stop(const Status& why) {
+    if (worker_.joinable()) {
+        {
+            std::lock_guard lk(nap_mu_);
+            running_ = false;
+            wake_ = true;
+        }
+        nap_cv_.notify_all();
+        worker_.join();
+    }
+    running_ = false;
+    // The worker is gone: this thread owns the rail now. Close the endpoint first so that
+    // libfabric lets go of every context, then fail what was still outstanding.
+    close_fid(ep_);
+    while (auto* op = static_cast<FabricOp*>(queue_.pop())) pending_.push_back(op);
+    for (FabricOp* op : pending_) {
+        op->parent->piece_done(why);
+        delete op;
+    }
+    pending_.clear();
+    while (in_head_) {
+        FabricOp* op = in_head_;
+        unlink_inflight(op);
+        op->parent->piece_done(why);
+        delete op;
+    }
+    for (FabricOp* op : abandoned_) delete op;
+    abandoned_.clear();
+}
+
+Rail::~Rail() {
+    stop(cancelled("engine shut down"));
+    close_fid(signal_mr_);
+    close_fid(recv_mr_);
+    close_fid(send_mr_);
+    close_fid(av_);
+    close_fid(cq_);
+    close_fid(domain_);
+    close_fid(fabric_);
+    if (info_) fi_freeinfo(info_);
+    info_ = nullptr;
+}
+
+}  // namespace ferry::detail

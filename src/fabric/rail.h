@@ -1,0 +1,174 @@
+// One rail: a libfabric domain with its endpoint, completion queue and address vector, owned
+// by one worker thread (FI_THREAD_DOMAIN). Other threads hand it work through a lock-free
+// queue; only the worker calls into libfabric after start().
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "fabric/mpsc_queue.h"
+#include "fabric/op_state.h"
+#include "ferry/common/clock.h"
+#include "ferry/fabric/engine.h"
+
+namespace ferry::detail {
+
+// Every libfabric context we hand out starts with this, so a completion can tell what it is.
+struct FabricOp;
+struct FabricCtx {
+    fi_context2 fi;  // first member: libfabric writes into it and returns its address
+    enum Kind : uint8_t { kOp = 1, kRecv = 2 } kind;
+    FabricOp* op;    // the owner, for kOp
+};
+
+// One fabric operation (or a task to run on the worker).
+struct FabricOp : MpscNode {
+    enum Type : uint8_t { kWrite, kRead, kSend, kTask };
+    FabricOp() { ctx.op = this; }
+
+    FabricCtx ctx{};
+    Type type = kWrite;
+    bool has_imm = false;
+    bool abandoned = false;
+    uint32_t imm = 0;
+    fi_addr_t dest = FI_ADDR_UNSPEC;
+    void* local = nullptr;
+    size_t len = 0;
+    void* desc = nullptr;
+    uint64_t raddr = 0;
+    uint64_t rkey = 0;
+    PeerId peer = 0;
+    TimePoint deadline{};
+    std::shared_ptr<OpState> parent;
+    std::vector<uint8_t> payload;         // kSend: message bytes until copied to a slot
+    int slot = -1;                        // kSend: registered send slot in use
+    std::function<Status()> task;         // kTask
+    FabricOp* in_prev = nullptr;          // in-flight list, in post order
+    FabricOp* in_next = nullptr;
+};
+
+struct RailStats {
+    std::atomic<uint64_t> ops_posted{0};
+    std::atomic<uint64_t> bytes_posted{0};
+    std::atomic<uint64_t> eagain{0};
+    std::atomic<uint64_t> op_errors{0};
+    std::atomic<uint64_t> op_timeouts{0};
+    std::atomic<uint64_t> imm_arrivals{0};
+    std::atomic<uint64_t> messages_received{0};
+    std::atomic<uint64_t> messages_dropped{0};
+};
+
+// Called by the worker for arrivals; set by the engine.
+struct RailHooks {
+    std::function<void(uint32_t imm)> on_imm;
+    std::function<void(std::span<const uint8_t>)> on_message;
+    std::function<void(TimePoint)> on_tick;  // periodic, ~1 ms
+};
+
+class Rail {
+  public:
+    static Result<std::unique_ptr<Rail>> open(int index, const fi_info* info,
+                                              const EngineConfig& config, RailHooks hooks);
+    ~Rail();
+
+    void start();
+    // Fails everything in flight or queued with `why`, joins the worker, closes all objects.
+    void stop(const Status& why);
+
+    int index() const { return index_; }
+    const std::vector<uint8_t>& name() const { return name_; }
+    uint64_t mr_mode() const { return mr_mode_; }
+    bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
+    bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
+    fid_domain* domain() const { return domain_; }
+    const RailStats& stats() const { return stats_; }
+
+    // Hands a linked batch of ops to the worker.
+    void submit(FabricOp* first, FabricOp* last);
+    void submit(FabricOp* op) { submit(op, op); }
+    // Runs fn on the worker thread and waits for its result.
+    Status run_on_worker(std::function<Status()> fn, Duration timeout);
+
+    // Worker-thread only (call from run_on_worker).
+    Result<fid_mr*> register_mr(void* ptr, size_t len, uint64_t access);
+    Result<fi_addr_t> insert_address(const std::vector<uint8_t>& addr);
+
+    // Signal region registration (done at open, before start).
+    uint64_t signal_key() const { return signal_key_; }
+    void* signal_base() const { return signal_buf_.get(); }
+
+  private:
+    Rail() = default;
+    Status init(int index, const fi_info* info, const EngineConfig& config);
+    void run();
+    bool drain_submissions();
+    bool post_pending();
+    int post_one(FabricOp* op);
+    bool poll_cq();
+    void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
+    void handle_error(const fi_cq_err_entry& err);
+    void finish_op(FabricOp* op, const Status& s);
+    void sweep_timeouts(TimePoint now);
+    void link_inflight(FabricOp* op);
+    void unlink_inflight(FabricOp* op);
+    Status post_recv(int slot);
+    std::string describe(const FabricOp* op) const;
+
+    int index_ = 0;
+    EngineConfig config_;
+    RailHooks hooks_;
+    fi_info* info_ = nullptr;
+    fid_fabric* fabric_ = nullptr;
+    fid_domain* domain_ = nullptr;
+    fid_ep* ep_ = nullptr;
+    fid_av* av_ = nullptr;
+    fid_cq* cq_ = nullptr;
+    uint64_t mr_mode_ = 0;
+    std::atomic<uint64_t> next_key_{1};
+    std::vector<uint8_t> name_;
+    size_t tx_depth_ = 0;
+
+    // Signal region: target of immediate-only writes.
+    std::unique_ptr<uint8_t[]> signal_buf_;
+    fid_mr* signal_mr_ = nullptr;
+    uint64_t signal_key_ = 0;
+
+    // Control messages: registered receive and send slots.
+    size_t slot_size_ = 0;
+    std::vector<uint8_t> recv_pool_;
+    fid_mr* recv_mr_ = nullptr;
+    std::vector<FabricCtx> recv_ctx_;
+    std::vector<uint8_t> send_pool_;
+    fid_mr* send_mr_ = nullptr;
+    std::vector<int> free_send_slots_;
+
+    MpscQueue queue_;
+    std::deque<FabricOp*> pending_;          // popped from the queue, not yet posted
+    FabricOp* in_head_ = nullptr;            // in flight, oldest first
+    FabricOp* in_tail_ = nullptr;
+    size_t inflight_ = 0;
+    std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
+
+    std::thread worker_;
+    std::atomic<bool> running_{false};
+    std::atomic<bool> sleeping_{false};
+    std::mutex nap_mu_;
+    std::condition_variable nap_cv_;
+    bool wake_ = false;
+    RailStats stats_;
+};
+
+}  // namespace ferry::detail
