@@ -151,7 +151,8 @@ Status CpuBackend::read_counts() {
     const uint64_t combine_slots = uint64_t{cfg_.max_tokens_per_rank} * cfg_.experts_per_token;
     for (uint32_t i = 0; i < w; ++i) {
         uint32_t s = (cfg_.rank + w - i) % w;
-        FERRY_RETURN_IF_ERROR(tr_->wait(Region::kCounts, s, 1, deadline));
+        FERRY_RETURN_IF_ERROR(
+            tr_->wait(Region::kCounts, s, tr_->arrivals_for(s, counts_.bytes), deadline));
         const auto* msg = reinterpret_cast<const uint32_t*>(recv + size_t{s} * counts_.bytes);
         if (msg[CountsFormat::kConfigHash] != hash32_)
             return invalid_argument(fmt::format(
@@ -213,18 +214,19 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
             rows, nl, out.x.size(), out.x_scale.size(), out.counts.size(), out.offsets.size(),
             out.sources.size()));
 
-    TimePoint deadline = deadline_after(timeout_);
-    // Two writes from every sender: its private slots and its overflow run (either may be
-    // empty, then it is a bare signal).
-    for (uint32_t i = 0; i < w; ++i) {
-        uint32_t s = (cfg_.rank + w - i) % w;
-        if (Status st = tr_->wait(Region::kDispatch, s, 2, deadline); !st.ok())
-            return fail(st.with_context("dispatch_recv"));
-    }
-
     std::vector<uint32_t> column(w);
     for (uint32_t s = 0; s < w; ++s) column[s] = rows_[size_t{s} * w + cfg_.rank];
     RecvLayout layout(cfg_, column);
+    TimePoint deadline = deadline_after(timeout_);
+    // Two puts from every sender: its private slots and its overflow run (either may be
+    // empty, then it is a bare signal).
+    for (uint32_t i = 0; i < w; ++i) {
+        uint32_t s = (cfg_.rank + w - i) % w;
+        uint64_t n = tr_->arrivals_for(s, uint64_t{layout.private_rows(s)} * row_.row_bytes) +
+                     tr_->arrivals_for(s, uint64_t{layout.overflow_rows(s)} * row_.row_bytes);
+        if (Status st = tr_->wait(Region::kDispatch, s, n, deadline); !st.ok())
+            return fail(st.with_context("dispatch_recv"));
+    }
     stage_begin_.assign(w + 1, 0);
     for (uint32_t s = 0; s < w; ++s) stage_begin_[s + 1] = stage_begin_[s] + hits_from_[s];
     out_to_stage_.assign(rows, -1);
@@ -317,7 +319,8 @@ Status CpuBackend::reduce(Sink sink) {
     TimePoint deadline = deadline_after(timeout_);
     for (uint32_t i = 0; i < w; ++i) {
         uint32_t d = (cfg_.rank + w - i) % w;
-        if (Status st = tr_->wait(Region::kCombine, d, 1, deadline); !st.ok())
+        uint64_t n = tr_->arrivals_for(d, uint64_t{plan_.hits_to[d]} * sizes_.combine_row_bytes);
+        if (Status st = tr_->wait(Region::kCombine, d, n, deadline); !st.ok())
             return fail(st.with_context("combine_recv"));
     }
     const uint8_t* recv = tr_->recv(Region::kCombine).data();

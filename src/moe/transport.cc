@@ -65,11 +65,12 @@ MappedTransport::MappedTransport(uint32_t rank, std::vector<MappedPeer> peers,
     }
 }
 
-Status MappedTransport::put(uint32_t peer, Region region, uint64_t dst_offset,
-                            uint64_t src_offset, uint64_t len) {
+Status MappedTransport::check_put(uint32_t peer, Region region, uint64_t dst_offset,
+                                  uint64_t src_offset, uint64_t len) const {
     int ri = static_cast<int>(region);
-    if (peer >= peers_.size() || !peers_[peer].mapped())
-        return invalid_argument(fmt::format("rank {} is not mapped into rank {}", peer, rank_));
+    if (peer >= peers_.size())
+        return invalid_argument(fmt::format("put to rank {} in a world of {}", peer,
+                                            peers_.size()));
     if (src_offset + len > stage_[ri].size())
         return out_of_range(fmt::format("{} put of {} bytes at staging offset {}: staging holds {}",
                                         region_name(region), len, src_offset,
@@ -80,6 +81,15 @@ Status MappedTransport::put(uint32_t peer, Region region, uint64_t dst_offset,
                                         "holds {}",
                                         region_name(region), len, dst_offset, peer,
                                         recv_[ri].size()));
+    return ok_status();
+}
+
+Status MappedTransport::put(uint32_t peer, Region region, uint64_t dst_offset,
+                            uint64_t src_offset, uint64_t len) {
+    FERRY_RETURN_IF_ERROR(check_put(peer, region, dst_offset, src_offset, len));
+    if (!peers_[peer].mapped())
+        return invalid_argument(fmt::format("rank {} is not mapped into rank {}", peer, rank_));
+    int ri = static_cast<int>(region);
     if (len) std::memcpy(peers_[peer].recv[ri] + dst_offset, stage_[ri].data() + src_offset, len);
     peers_[peer].arrivals.at(region, rank_).fetch_add(1, std::memory_order_release);
     return ok_status();
@@ -89,8 +99,19 @@ Status MappedTransport::wait(Region region, uint32_t from, uint64_t count, TimeP
     auto& counter = peers_[rank_].arrivals.at(region, from);
     uint64_t& consumed = consumed_[static_cast<size_t>(region) * peers_.size() + from];
     uint64_t target = consumed + count;
+    Status failed;
+    uint32_t polls = 0;
     bool ok = spin_until(
-        [&] { return counter.load(std::memory_order_acquire) >= target; }, deadline);
+        [&] {
+            if (counter.load(std::memory_order_acquire) >= target) return true;
+            if ((++polls & 1023) == 0) failed = health();
+            return !failed.ok();
+        },
+        deadline);
+    if (!failed.ok()) {
+        return failed.with_context(fmt::format("rank {} waiting for {} {} arrival(s) from rank {}",
+                                               rank_, count, region_name(region), from));
+    }
     if (!ok) {
         uint64_t got = counter.load(std::memory_order_acquire) - consumed;
         std::string where = fmt::format("rank {} waiting for {} {} arrival(s) from rank {}: {} "

@@ -28,7 +28,7 @@ struct Case {
     uint32_t alignment = 1;
     Routing routing = Routing::kUniform;
     double hole = 0.15;
-    std::vector<uint32_t> tokens;  // per rank; empty: random in [0, max_tokens]
+    std::vector<uint32_t> tokens = {};  // per rank; empty: random in [0, max_tokens]
     bool per_expert = false;
     int calls = 1;
 };

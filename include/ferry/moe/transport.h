@@ -41,6 +41,9 @@ class Transport {
     // flush() before rewriting the staging bytes.
     virtual Status put(uint32_t peer, Region region, uint64_t dst_offset, uint64_t src_offset,
                        uint64_t len) = 0;
+    // Arrivals that one put of len bytes from rank `from` counts here: 1 for mapped peers;
+    // fabric writes may be split into pieces that each carry the immediate.
+    virtual uint64_t arrivals_for(uint32_t from, uint64_t len) const { return 1; }
     // Waits until `count` arrivals of (region, from) are available here and consumes them.
     // Credits: arrivals of a later call that come early are kept for that call.
     virtual Status wait(Region region, uint32_t from, uint64_t count, TimePoint deadline) = 0;
@@ -100,6 +103,13 @@ class MappedTransport : public Transport {
                uint64_t len) override;
     Status wait(Region region, uint32_t from, uint64_t count, TimePoint deadline) override;
     Status flush(TimePoint) override { return ok_status(); }
+
+  protected:
+    Status check_put(uint32_t peer, Region region, uint64_t dst_offset, uint64_t src_offset,
+                     uint64_t len) const;
+    // Checked while waiting, so a failure elsewhere (a fabric write that failed) ends the
+    // wait at once instead of at the deadline.
+    virtual Status health() const { return ok_status(); }
 
   private:
     uint32_t rank_;
