@@ -1,10 +1,49 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+
 #include "cli/commands.h"
+#include "cli/util.h"
+#include "ferry/fabric/xfer_bench.h"
 
 namespace ferry::cli {
 
 void register_bench_xfer(CLI::App& bench) {
-    auto* cmd = bench.add_subcommand("xfer", "TransferEngine bandwidth and latency");
-    (void)cmd;
+    auto* cmd = bench.add_subcommand(
+        "xfer", "TransferEngine bandwidth and latency between two local processes, beside a "
+                "plain fi_write loop on the same provider");
+    auto c = std::make_shared<XferBenchConfig>();
+    auto json_path = std::make_shared<std::string>();
+    cmd->add_option("--provider", c->provider, "shm | tcp | efa | verbs | auto")
+        ->capture_default_str();
+    cmd->add_option("--sizes", c->sizes, "write sizes in bytes")->delimiter(',');
+    cmd->add_option("--pages", c->pages, "page sizes for paged writes")->delimiter(',');
+    cmd->add_option("--window", c->window, "writes in flight")->capture_default_str();
+    cmd->add_option("--pages-per-op", c->pages_per_op, "pages per paged write")
+        ->capture_default_str();
+    cmd->add_option("--seconds", c->seconds_per_point, "seconds per measurement")
+        ->capture_default_str();
+    cmd->add_option("--latency-iters", c->latency_iters)->capture_default_str();
+    cmd->add_option("--rails", c->rails, "domains to open")->capture_default_str();
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->callback([c, json_path] {
+        c->progress = [](const std::string& line) {
+            std::fprintf(stderr, "  %s\n", line.c_str());
+        };
+        auto rep = run_xfer_bench(*c);
+        if (!rep.ok()) {
+            fail(rep.status());
+            return;
+        }
+        std::printf("%s", format_xfer_table(*rep).c_str());
+        if (!json_path->empty()) {
+            auto j = xfer_report_json(*rep);
+            j["command"] = "ferry bench xfer";
+            Status s = write_json_file(*json_path, j);
+            if (!s.ok()) fail(s);
+        }
+    });
 }
 
 }  // namespace ferry::cli

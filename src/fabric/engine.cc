@@ -4,12 +4,10 @@
 #include <fmt/format.h>
 
 #include "fabric/engine_impl.h"
+#include "fabric/provider.h"
 
 namespace ferry {
 
-namespace detail {
-Result<std::string> resolve_provider_name(const EngineConfig& config);
-}
 
 Result<std::string> resolve_provider(const EngineConfig& config) {
     return detail::resolve_provider_name(config);

@@ -443,6 +443,10 @@ void Rail::run() {
             continue;
         }
         if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty()) {
+            // Polling with nothing to do: give the core to a runnable thread if there is one
+            // (the submitter, on a machine with fewer cores than busy threads). Costs well
+            // under a microsecond when nobody else wants the core.
+            std::this_thread::yield();
             continue;
         }
         // Idle: nap, woken at once by a submission. Arrivals wait at most one nap; naps grow

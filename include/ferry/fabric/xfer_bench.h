@@ -1,0 +1,53 @@
+// `ferry bench xfer`: TransferEngine bandwidth and latency between two local processes, with a
+// plain libfabric write loop on the same provider measured in the same run as the ceiling.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ferry/common/status.h"
+
+namespace ferry {
+
+struct XferBenchConfig {
+    std::string provider = "shm";
+    std::vector<size_t> sizes = {4096, 16384, 65536, 262144, 1048576, 4194304};
+    std::vector<size_t> pages = {4096, 16384, 65536};
+    int window = 64;              // fabric writes in flight
+    int pages_per_op = 32;        // pages in one paged write
+    double seconds_per_point = 0.5;
+    int latency_iters = 2000;
+    int rails = 1;
+    std::function<void(const std::string&)> progress;  // one line per finished point
+};
+
+struct XferRow {
+    std::string kind;  // "write", "paged write", "small write"
+    size_t size = 0;   // bytes per write or per page
+    double raw_gbps = 0;
+    double engine_gbps = 0;
+    double raw_ops = 0;     // operations (writes or pages) per second
+    double engine_ops = 0;
+    double ratio() const { return raw_gbps > 0 ? engine_gbps / raw_gbps : 0; }
+};
+
+struct XferReport {
+    std::string provider;
+    std::vector<XferRow> rows;
+    double latency_p50_us = 0;  // one-way, small write with immediate (half a round trip)
+    double latency_p99_us = 0;
+    double raw_latency_p50_us = 0;
+    int latency_iters = 0;
+};
+
+// Forks the target process, runs every point, and returns the report. Call before this
+// process has opened any libfabric object.
+Result<XferReport> run_xfer_bench(const XferBenchConfig& config);
+
+std::string format_xfer_table(const XferReport& report);
+nlohmann::json xfer_report_json(const XferReport& report);
+
+}  // namespace ferry
