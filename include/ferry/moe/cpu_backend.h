@@ -6,7 +6,7 @@
 // combine_recv. That order is also what makes buffer reuse safe without an extra barrier:
 // a peer can only start writing call N+1 into our buffers after it finished combine_recv of
 // call N, which needed our combine_send of call N, which comes after we finished reading
-// every buffer of call N. (See docs/PROTOCOL.md.)
+// every buffer of call N. (See docs/MOE.md.)
 #pragma once
 
 #include <cstdint>
