@@ -10,8 +10,9 @@ namespace ferry::cli {
 
 void register_bench_moe(CLI::App& bench) {
     auto* cmd = bench.add_subcommand(
-        "moe", "MoE dispatch/combine latency per phase (p50/p99) and bytes moved, every rank a "
-               "thread of this process");
+        "moe",
+        "MoE dispatch/combine latency per phase (p50/p99) and bytes moved, every rank a "
+        "thread of this process");
     auto c = std::make_shared<moe::MoeBenchConfig>();
     auto dtype = std::make_shared<std::string>("fp8");
     auto json_path = std::make_shared<std::string>();

@@ -1,10 +1,9 @@
 #include "ferry/moe/all_to_all.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <unistd.h>
-
-#include <fmt/format.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -42,9 +41,10 @@ class ShmSegment {
         if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
             int e = errno;
             ::close(fd);
-            return resource_exhausted(fmt::format("sizing shared memory {} to {} bytes failed: "
-                                                  "{} (is /dev/shm large enough?)",
-                                                  name, size, std::strerror(e)));
+            return resource_exhausted(
+                fmt::format("sizing shared memory {} to {} bytes failed: "
+                            "{} (is /dev/shm large enough?)",
+                            name, size, std::strerror(e)));
         }
         FERRY_RETURN_IF_ERROR(seg->map(fd, size));
         return seg;
@@ -54,9 +54,10 @@ class ShmSegment {
         auto seg = std::make_unique<ShmSegment>();
         int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
         if (fd < 0)
-            return unavailable(fmt::format("opening the shared memory {} of a same-node rank "
-                                           "failed: {}",
-                                           name, std::strerror(errno)));
+            return unavailable(
+                fmt::format("opening the shared memory {} of a same-node rank "
+                            "failed: {}",
+                            name, std::strerror(errno)));
         FERRY_RETURN_IF_ERROR(seg->map(fd, size));
         return seg;
     }
@@ -148,9 +149,10 @@ struct SetupBlob {
         uint32_t magic = 0;
         FERRY_RETURN_IF_ERROR(r.get(&magic, "moe setup magic"));
         if (magic != kSetupMagic)
-            return protocol_error(fmt::format("MoE setup blob has magic {:#x}, expected {:#x}: "
-                                              "a peer runs an incompatible ferry build",
-                                              magic, kSetupMagic));
+            return protocol_error(
+                fmt::format("MoE setup blob has magic {:#x}, expected {:#x}: "
+                            "a peer runs an incompatible ferry build",
+                            magic, kSetupMagic));
         FERRY_RETURN_IF_ERROR(r.get(&b.config_hash, "config hash"));
         FERRY_RETURN_IF_ERROR(r.get(&b.rank, "rank"));
         FERRY_RETURN_IF_ERROR(r.get(&b.num_rails, "num rails"));
@@ -218,8 +220,8 @@ Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& cfg,
     FERRY_ASSIGN_OR_RETURN(impl->own, ShmSegment::create(mine.shm_name, layout.shared_bytes));
     auto* stage = static_cast<uint8_t*>(std::aligned_alloc(4096, stage_bytes));
     if (!stage)
-        return resource_exhausted(fmt::format("cannot allocate {} bytes of MoE staging",
-                                              stage_bytes));
+        return resource_exhausted(
+            fmt::format("cannot allocate {} bytes of MoE staging", stage_bytes));
     impl->stage.reset(stage);
     std::memset(stage, 0, stage_bytes);
     FERRY_ASSIGN_OR_RETURN(impl->shared_mr,
@@ -235,9 +237,10 @@ Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& cfg,
     mine.shared = impl->shared_mr->descriptor();
     FERRY_ASSIGN_OR_RETURN(auto blobs, allgather(mine.encode()));
     if (blobs.size() != w)
-        return invalid_argument(fmt::format("AllToAll setup: the exchange returned {} blobs for "
-                                            "a world of {}",
-                                            blobs.size(), w));
+        return invalid_argument(
+            fmt::format("AllToAll setup: the exchange returned {} blobs for "
+                        "a world of {}",
+                        blobs.size(), w));
     std::vector<SetupBlob> all(w);
     std::vector<uint64_t> hashes(w);
     for (uint32_t r = 0; r < w; ++r) {
@@ -247,10 +250,11 @@ Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& cfg,
         all[r] = std::move(b).value();
         hashes[r] = all[r].config_hash;
         if (all[r].rank != r)
-            return invalid_argument(fmt::format("AllToAll setup: the blob at index {} comes from "
-                                                "a rank that calls itself {}; give every rank a "
-                                                "distinct rank in [0, {})",
-                                                r, all[r].rank, w));
+            return invalid_argument(
+                fmt::format("AllToAll setup: the blob at index {} comes from "
+                            "a rank that calls itself {}; give every rank a "
+                            "distinct rank in [0, {})",
+                            r, all[r].rank, w));
     }
     FERRY_RETURN_IF_ERROR(check_same_config(cfg, hashes));
 
@@ -272,8 +276,8 @@ Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& cfg,
                     "AllToAll setup: ranks_per_node {} puts ranks {} and {} on one node, but "
                     "they run on different hosts; set ranks_per_node to the ranks per host",
                     cfg.ranks_per_node, cfg.rank, r));
-            FERRY_ASSIGN_OR_RETURN(impl->mapped[r], ShmSegment::open(b.shm_name,
-                                                                     layout.shared_bytes));
+            FERRY_ASSIGN_OR_RETURN(impl->mapped[r],
+                                   ShmSegment::open(b.shm_name, layout.shared_bytes));
             peers[r] = layout.peer_view(impl->mapped[r]->data(), w);
             continue;
         }
@@ -311,16 +315,18 @@ Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& cfg,
     ps.stage = impl->stage_mr.get();
     ps.remote = remote;
     impl->proxy = std::make_unique<HostProxy>(std::move(ps));
-    impl->transport = std::make_unique<HybridTransport>(cfg.rank, std::move(peers), stage_spans,
-                                                        recv_spans, std::move(remote),
-                                                        impl->proxy.get(), engine);
+    impl->transport =
+        std::make_unique<HybridTransport>(cfg.rank, std::move(peers), stage_spans, recv_spans,
+                                          std::move(remote), impl->proxy.get(), engine);
     impl->backend = std::make_unique<CpuBackend>(cfg, impl->transport.get(), options.timeout);
     impl->proxy->start();
     return std::unique_ptr<AllToAll>(new AllToAll(std::move(impl)));
 }
 
 const AllToAllConfig& AllToAll::config() const { return impl_->cfg; }
-Status AllToAll::dispatch_send(const DispatchInput& in) { return impl_->backend->dispatch_send(in); }
+Status AllToAll::dispatch_send(const DispatchInput& in) {
+    return impl_->backend->dispatch_send(in);
+}
 Status AllToAll::dispatch_recv(const ExpertBatch& out) {
     return impl_->backend->dispatch_recv(out);
 }

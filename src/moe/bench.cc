@@ -38,9 +38,10 @@ class ThreadExchange {
             return result_;
         }
         if (!cv_.wait_for(lk, timeout, [&] { return gen_ != gen || !failed_.ok(); })) {
-            failed_ = timeout_error(fmt::format("bench: rank {} waited {} ms for the other ranks "
-                                                "at an exchange; {} of {} had arrived",
-                                                rank, to_ms(timeout), arrived_, n_));
+            failed_ =
+                timeout_error(fmt::format("bench: rank {} waited {} ms for the other ranks "
+                                          "at an exchange; {} of {} had arrived",
+                                          rank, to_ms(timeout), arrived_, n_));
         }
         if (!failed_.ok()) return failed_;
         return result_;
@@ -62,10 +63,17 @@ class ThreadExchange {
     Status failed_;
 };
 
-enum Phase { kDispatchSend, kDispatchRecv, kDispatch, kCombineSend, kCombineRecv, kCombine,
-             kNumPhases };
+enum Phase {
+    kDispatchSend,
+    kDispatchRecv,
+    kDispatch,
+    kCombineSend,
+    kCombineRecv,
+    kCombine,
+    kNumPhases
+};
 const char* kPhaseNames[kNumPhases] = {"dispatch_send", "dispatch_recv", "dispatch",
-                                       "combine_send", "combine_recv", "combine"};
+                                       "combine_send",  "combine_recv",  "combine"};
 
 struct RankResult {
     Status status;
@@ -78,7 +86,7 @@ struct RankResult {
 double percentile(std::vector<double> v, double p) {
     if (v.empty()) return 0;
     std::sort(v.begin(), v.end());
-    size_t i = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size()))) ;
+    size_t i = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
     return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
 }
 
@@ -184,8 +192,8 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     if (bc.backend == "cuda")
         return unavailable("bench moe: the cuda backend is not built yet; use --backend cpu");
     if (bc.backend != "cpu")
-        return invalid_argument(fmt::format("bench moe: unknown backend '{}' (cpu or cuda)",
-                                            bc.backend));
+        return invalid_argument(
+            fmt::format("bench moe: unknown backend '{}' (cpu or cuda)", bc.backend));
     if (bc.iters < 1 || bc.warmup < 0)
         return invalid_argument("bench moe: iters must be at least 1 and warmup at least 0");
     AllToAllConfig cfg;
@@ -245,16 +253,17 @@ std::string format_moe_table(const MoeBenchReport& rep) {
     std::string s = fmt::format(
         "bench moe: backend {}, {} ranks ({} per node, provider {}), {} tokens/rank, hidden {}, "
         "top-{} of {} experts, {} dispatch, {} iterations after {} warm-up\n",
-        c.backend, c.ranks, c.ranks_per_node, rep.provider, c.tokens, c.hidden, c.topk,
-        c.experts, dtype_name(c.dtype), c.iters, c.warmup);
+        c.backend, c.ranks, c.ranks_per_node, rep.provider, c.tokens, c.hidden, c.topk, c.experts,
+        dtype_name(c.dtype), c.iters, c.warmup);
     s += fmt::format("{:<14} {:>12} {:>12} {:>12}\n", "phase", "p50 us", "p99 us", "mean us");
     for (const auto& p : rep.phases)
         s += fmt::format("{:<14} {:>12.1f} {:>12.1f} {:>12.1f}\n", p.name, p.p50_us, p.p99_us,
                          p.mean_us);
-    s += fmt::format("bytes per call, all ranks: dispatch {} ({:.2f} MiB), combine {} ({:.2f} "
-                     "MiB)\n",
-                     rep.dispatch_bytes, rep.dispatch_bytes / 1048576.0, rep.combine_bytes,
-                     rep.combine_bytes / 1048576.0);
+    s += fmt::format(
+        "bytes per call, all ranks: dispatch {} ({:.2f} MiB), combine {} ({:.2f} "
+        "MiB)\n",
+        rep.dispatch_bytes, rep.dispatch_bytes / 1048576.0, rep.combine_bytes,
+        rep.combine_bytes / 1048576.0);
     s += fmt::format("combine check (identity experts): max relative error {:.2e} -> {}\n",
                      rep.max_rel_error, rep.verified ? "ok" : "FAILED");
     return s;

@@ -8,8 +8,10 @@ namespace ferry::moe {
 
 std::string_view dtype_name(DType dtype) {
     switch (dtype) {
-        case DType::kBf16: return "bf16";
-        case DType::kFp8E4M3: return "fp8_e4m3";
+        case DType::kBf16:
+            return "bf16";
+        case DType::kFp8E4M3:
+            return "fp8_e4m3";
     }
     return "unknown";
 }
@@ -35,26 +37,27 @@ Status AllToAllConfig::validate() const {
     if (rank >= world_size)
         return bad(fmt::format("rank {} must be below world_size {}", rank, world_size));
     if (ranks_per_node == 0 || world_size % ranks_per_node != 0)
-        return bad(fmt::format("ranks_per_node {} must divide world_size {}", ranks_per_node,
-                               world_size));
-    if (max_tokens_per_rank == 0)
-        return bad("max_tokens_per_rank must be at least 1");
+        return bad(
+            fmt::format("ranks_per_node {} must divide world_size {}", ranks_per_node, world_size));
+    if (max_tokens_per_rank == 0) return bad("max_tokens_per_rank must be at least 1");
     if (hidden == 0) return bad("hidden must be at least 1");
     if (dtype == DType::kFp8E4M3 && hidden % kScaleBlock != 0)
-        return bad(fmt::format("hidden {} must be a multiple of {} for fp8 (one scale per {} "
-                               "channels)",
-                               hidden, kScaleBlock, kScaleBlock));
+        return bad(
+            fmt::format("hidden {} must be a multiple of {} for fp8 (one scale per {} "
+                        "channels)",
+                        hidden, kScaleBlock, kScaleBlock));
     // 16-byte aligned rows keep every copy vectorisable; bf16 needs hidden % 8.
     if (payload_bytes() % 16 != 0)
-        return bad(fmt::format("hidden {} gives {}-byte rows; rows must be a multiple of 16 "
-                               "bytes (hidden % {} == 0)",
-                               hidden, payload_bytes(), 16 / elem_bytes()));
+        return bad(
+            fmt::format("hidden {} gives {}-byte rows; rows must be a multiple of 16 "
+                        "bytes (hidden % {} == 0)",
+                        hidden, payload_bytes(), 16 / elem_bytes()));
     if (num_experts == 0 || num_experts % world_size != 0)
         return bad(fmt::format("num_experts {} must be a positive multiple of world_size {}",
                                num_experts, world_size));
     if (num_local_experts() > kMaxLocalExperts)
-        return bad(fmt::format("{} experts per rank exceeds the limit of {}",
-                               num_local_experts(), kMaxLocalExperts));
+        return bad(fmt::format("{} experts per rank exceeds the limit of {}", num_local_experts(),
+                               kMaxLocalExperts));
     if (experts_per_token == 0 || experts_per_token > num_experts ||
         experts_per_token > kMaxExpertsPerToken)
         return bad(fmt::format("experts_per_token {} must be in [1, min(num_experts {}, {})]",

@@ -11,8 +11,8 @@ namespace ferry::moe {
 namespace {
 
 const char* phase_call(int phase) {
-    static const char* names[] = {"combine_recv (or nothing yet)", "dispatch_send",
-                                  "dispatch_recv", "combine_send", "a failed call"};
+    static const char* names[] = {"combine_recv (or nothing yet)", "dispatch_send", "dispatch_recv",
+                                  "combine_send", "a failed call"};
     return names[phase];
 }
 
@@ -34,10 +34,10 @@ Status CpuBackend::expect_phase(Phase want, const char* call) {
                         "unknown state; recreate the all-to-all",
                         call));
     if (phase_ != want)
-        return invalid_argument(fmt::format(
-            "{} called out of order: the last call was {}; the order per layer is "
-            "dispatch_send, dispatch_recv, combine_send, combine_recv",
-            call, phase_call(static_cast<int>(phase_))));
+        return invalid_argument(
+            fmt::format("{} called out of order: the last call was {}; the order per layer is "
+                        "dispatch_send, dispatch_recv, combine_send, combine_recv",
+                        call, phase_call(static_cast<int>(phase_))));
     return ok_status();
 }
 
@@ -51,15 +51,15 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
     FERRY_RETURN_IF_ERROR(expect_phase(Phase::kIdle, "dispatch_send"));
     const uint32_t n = in.num_tokens, k = cfg_.experts_per_token, w = cfg_.world_size;
     if (in.x.size() < size_t{n} * cfg_.payload_bytes())
-        return invalid_argument(fmt::format("dispatch_send: x holds {} bytes; {} tokens of {} "
-                                            "bytes need {}",
-                                            in.x.size(), n, cfg_.payload_bytes(),
-                                            size_t{n} * cfg_.payload_bytes()));
+        return invalid_argument(
+            fmt::format("dispatch_send: x holds {} bytes; {} tokens of {} "
+                        "bytes need {}",
+                        in.x.size(), n, cfg_.payload_bytes(), size_t{n} * cfg_.payload_bytes()));
     if (in.x_scale.size() < size_t{n} * cfg_.scales_per_token())
-        return invalid_argument(fmt::format("dispatch_send: x_scale holds {} floats; {} tokens "
-                                            "need {} (one per {} channels)",
-                                            in.x_scale.size(), n,
-                                            size_t{n} * cfg_.scales_per_token(), kScaleBlock));
+        return invalid_argument(
+            fmt::format("dispatch_send: x_scale holds {} floats; {} tokens "
+                        "need {} (one per {} channels)",
+                        in.x_scale.size(), n, size_t{n} * cfg_.scales_per_token(), kScaleBlock));
     if (in.weights.size() < size_t{n} * k)
         return invalid_argument(fmt::format("dispatch_send: weights hold {} floats; need {}",
                                             in.weights.size(), size_t{n} * k));
@@ -129,10 +129,10 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
         for (uint32_t s = 0; s < w; ++s) column[s] = rows_[size_t{s} * w + d];
         RecvLayout layout(cfg_, column);
         uint32_t rows = layout.overflow_rows(cfg_.rank);
-        Status s = tr_->put(d, Region::kDispatch, layout.overflow_row(cfg_.rank) * row_.row_bytes,
-                            uint64_t{plan_.row_begin[d] + layout.private_rows(cfg_.rank)} *
-                                row_.row_bytes,
-                            uint64_t{rows} * row_.row_bytes);
+        Status s =
+            tr_->put(d, Region::kDispatch, layout.overflow_row(cfg_.rank) * row_.row_bytes,
+                     uint64_t{plan_.row_begin[d] + layout.private_rows(cfg_.rank)} * row_.row_bytes,
+                     uint64_t{rows} * row_.row_bytes);
         if (!s.ok()) return fail(s.with_context("dispatch_send: overflow rows"));
     }
     bytes_.dispatch = uint64_t{staged} * row_.row_bytes;
@@ -160,16 +160,18 @@ Status CpuBackend::read_counts() {
                 "rank must use the same sizes, dtype, experts, world and slots",
                 s, msg[CountsFormat::kConfigHash], hash32_));
         if (msg[CountsFormat::kSeq] != seq_)
-            return protocol_error(fmt::format("counts from rank {} are for call {}, this rank "
-                                              "is at call {}",
-                                              s, msg[CountsFormat::kSeq], seq_));
+            return protocol_error(
+                fmt::format("counts from rank {} are for call {}, this rank "
+                            "is at call {}",
+                            s, msg[CountsFormat::kSeq], seq_));
         uint32_t hits = msg[CountsFormat::kHits], sum = 0;
         for (uint32_t d = 0; d < w; ++d) {
             uint32_t r = msg[CountsFormat::kRowsTo + d];
             if (r > cfg_.max_tokens_per_rank)
-                return protocol_error(fmt::format("rank {} claims {} rows for rank {}, above "
-                                                  "max_tokens_per_rank {}",
-                                                  s, r, d, cfg_.max_tokens_per_rank));
+                return protocol_error(
+                    fmt::format("rank {} claims {} rows for rank {}, above "
+                                "max_tokens_per_rank {}",
+                                s, r, d, cfg_.max_tokens_per_rank));
             rows_[size_t{s} * w + d] = r;
         }
         for (uint32_t e = 0; e < nl; ++e) {
@@ -177,8 +179,8 @@ Status CpuBackend::read_counts() {
             sum += msg[counts_.hits_per_expert + e];
         }
         uint32_t my_rows = rows_[size_t{s} * w + cfg_.rank];
-        if (sum != hits || hits < my_rows || uint64_t{msg[CountsFormat::kCombineBase]} + hits >
-                                                 combine_slots)
+        if (sum != hits || hits < my_rows ||
+            uint64_t{msg[CountsFormat::kCombineBase]} + hits > combine_slots)
             return protocol_error(fmt::format(
                 "inconsistent counts from rank {}: {} rows, {} hits, per-expert sum {}, "
                 "combine base {}",
@@ -193,9 +195,10 @@ Status CpuBackend::check_row_header(uint32_t s, uint32_t i, const uint8_t* row) 
     RowHeader h;
     std::memcpy(&h, row, sizeof(h));
     if (h.seq != seq_ || h.token >= cfg_.max_tokens_per_rank)
-        return protocol_error(fmt::format("row {} from rank {} has call {} token {}; expected "
-                                          "call {} and token below {}",
-                                          i, s, h.seq, h.token, seq_, cfg_.max_tokens_per_rank));
+        return protocol_error(
+            fmt::format("row {} from rank {} has call {} token {}; expected "
+                        "call {} and token below {}",
+                        i, s, h.seq, h.token, seq_, cfg_.max_tokens_per_rank));
     return ok_status();
 }
 
@@ -258,9 +261,10 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
             }
         }
         if (stage_pos != stage_begin_[s + 1])
-            return fail(protocol_error(fmt::format("rank {} announced {} hits but its rows "
-                                                   "carry {}",
-                                                   s, hits_from_[s], stage_pos - stage_begin_[s])));
+            return fail(
+                protocol_error(fmt::format("rank {} announced {} hits but its rows "
+                                           "carry {}",
+                                           s, hits_from_[s], stage_pos - stage_begin_[s])));
     }
     for (uint32_t e = 0; e < nl; ++e) {
         // Zero padding so a grouped GEMM over whole groups reads defined values.
@@ -289,10 +293,10 @@ Status CpuBackend::combine_send(std::span<const uint16_t> expert_out) {
     const uint32_t w = cfg_.world_size;
     const size_t h = cfg_.hidden, crow = sizes_.combine_row_bytes;
     if (expert_out.size() < size_t{out_rows_} * h)
-        return invalid_argument(fmt::format("combine_send: expert_out holds {} values; {} rows "
-                                            "of {} need {}",
-                                            expert_out.size(), out_rows_, h,
-                                            size_t{out_rows_} * h));
+        return invalid_argument(
+            fmt::format("combine_send: expert_out holds {} values; {} rows "
+                        "of {} need {}",
+                        expert_out.size(), out_rows_, h, size_t{out_rows_} * h));
     TimePoint deadline = deadline_after(timeout_);
     if (Status s = tr_->flush(deadline); !s.ok()) return fail(s.with_context("combine_send"));
     uint8_t* stage = tr_->stage(Region::kCombine).data();
@@ -341,23 +345,24 @@ Status CpuBackend::reduce(Sink sink) {
     return ok_status();
 }
 
+Status CpuBackend::check_out_size(size_t have) const {
+    size_t need = size_t{plan_.num_tokens} * cfg_.hidden;
+    if (have >= need) return ok_status();
+    return invalid_argument(fmt::format("combine_recv: out holds {} values; {} tokens need {}",
+                                        have, plan_.num_tokens, need));
+}
+
 Status CpuBackend::combine_recv(std::span<float> out) {
+    FERRY_RETURN_IF_ERROR(check_out_size(out.size()));
     const size_t h = cfg_.hidden;
-    if (out.size() < size_t{plan_.num_tokens} * h)
-        return invalid_argument(fmt::format("combine_recv: out holds {} floats; {} tokens need {}",
-                                            out.size(), plan_.num_tokens,
-                                            size_t{plan_.num_tokens} * h));
     return reduce([&](uint32_t t, const float* acc) {
         std::memcpy(out.data() + t * h, acc, h * sizeof(float));
     });
 }
 
 Status CpuBackend::combine_recv_bf16(std::span<uint16_t> out) {
+    FERRY_RETURN_IF_ERROR(check_out_size(out.size()));
     const size_t h = cfg_.hidden;
-    if (out.size() < size_t{plan_.num_tokens} * h)
-        return invalid_argument(fmt::format("combine_recv: out holds {} values; {} tokens need {}",
-                                            out.size(), plan_.num_tokens,
-                                            size_t{plan_.num_tokens} * h));
     return reduce([&](uint32_t t, const float* acc) {
         for (size_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(acc[c]);
     });

@@ -69,9 +69,10 @@ Status HostProxy::enqueue(const PutRequest& put) {
 Status HostProxy::flush(TimePoint deadline) {
     std::unique_lock lk(mu_);
     if (!idle_cv_.wait_until(lk, deadline, [&] { return pending_ == 0 || !error_.ok(); }))
-        return timeout_error(fmt::format("rank {}: {} fabric put(s) still in flight at the "
-                                         "deadline",
-                                         s_.rank, pending_));
+        return timeout_error(
+            fmt::format("rank {}: {} fabric put(s) still in flight at the "
+                        "deadline",
+                        s_.rank, pending_));
     return error_;
 }
 

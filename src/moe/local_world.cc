@@ -33,9 +33,10 @@ Result<std::unique_ptr<LocalWorld>> LocalWorld::create(const AllToAllConfig& cfg
         auto rank = std::make_unique<Rank>();
         auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, layout.total_bytes));
         if (!p)
-            return resource_exhausted(fmt::format("LocalWorld: cannot allocate {} bytes for "
-                                                  "rank {}",
-                                                  layout.total_bytes, r));
+            return resource_exhausted(
+                fmt::format("LocalWorld: cannot allocate {} bytes for "
+                            "rank {}",
+                            layout.total_bytes, r));
         std::memset(p, 0, layout.total_bytes);
         rank->memory.reset(p);
         peers.push_back(layout.peer_view(p, c.world_size));

@@ -32,9 +32,8 @@ const std::array<float, 256> kFp8Table = make_fp8_table();
 Status check_shapes(size_t x_len, uint32_t tokens, uint32_t hidden, size_t q_len,
                     size_t scales_len) {
     if (hidden == 0 || hidden % kScaleBlock != 0)
-        return invalid_argument(
-            fmt::format("fp8 block quantization needs hidden % {} == 0, got {}", kScaleBlock,
-                        hidden));
+        return invalid_argument(fmt::format("fp8 block quantization needs hidden % {} == 0, got {}",
+                                            kScaleBlock, hidden));
     size_t n = size_t{tokens} * hidden;
     size_t ns = n / kScaleBlock;
     if (x_len < n || q_len < n || scales_len < ns)
@@ -100,13 +99,12 @@ Status quantize_fp8_bf16(std::span<const uint16_t> x, uint32_t tokens, uint32_t 
                          std::span<uint8_t> q, std::span<float> scales) {
     FERRY_RETURN_IF_ERROR(check_shapes(x.size(), tokens, hidden, q.size(), scales.size()));
     size_t blocks = size_t{tokens} * hidden / kScaleBlock;
-    quantize_blocks([&](size_t i) { return bf16_to_float(x[i]); }, blocks, q.data(),
-                    scales.data());
+    quantize_blocks([&](size_t i) { return bf16_to_float(x[i]); }, blocks, q.data(), scales.data());
     return ok_status();
 }
 
-Status dequantize_fp8(std::span<const uint8_t> q, std::span<const float> scales,
-                      uint32_t tokens, uint32_t hidden, std::span<float> out) {
+Status dequantize_fp8(std::span<const uint8_t> q, std::span<const float> scales, uint32_t tokens,
+                      uint32_t hidden, std::span<float> out) {
     FERRY_RETURN_IF_ERROR(check_shapes(out.size(), tokens, hidden, q.size(), scales.size()));
     size_t n = size_t{tokens} * hidden;
     for (size_t i = 0; i < n; ++i) out[i] = fp8e4m3_to_float(q[i]) * scales[i / kScaleBlock];

@@ -59,8 +59,7 @@ Result<SendPlan> plan_send(const AllToAllConfig& cfg, std::span<const int32_t> i
     const uint32_t k = cfg.experts_per_token, w = cfg.world_size;
     if (indices.size() < size_t{num_tokens} * k)
         return invalid_argument(fmt::format("indices hold {} entries; {} tokens x top-{} need {}",
-                                            indices.size(), num_tokens, k,
-                                            size_t{num_tokens} * k));
+                                            indices.size(), num_tokens, k, size_t{num_tokens} * k));
     SendPlan p;
     p.num_tokens = num_tokens;
     p.expert_counts.assign(cfg.num_experts, 0);

@@ -15,9 +15,12 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 const char* region_name(Region r) {
     switch (r) {
-        case Region::kCounts: return "counts";
-        case Region::kDispatch: return "dispatch";
-        case Region::kCombine: return "combine";
+        case Region::kCounts:
+            return "counts";
+        case Region::kDispatch:
+            return "dispatch";
+        case Region::kCombine:
+            return "combine";
     }
     return "unknown";
 }
@@ -57,8 +60,7 @@ MappedPeer RankMemoryLayout::peer_view(uint8_t* base, uint32_t world) const {
 MappedTransport::MappedTransport(uint32_t rank, std::vector<MappedPeer> peers,
                                  std::span<uint8_t> stage[kNumRegions],
                                  std::span<uint8_t> recv[kNumRegions])
-    : rank_(rank), peers_(std::move(peers)),
-      consumed_(size_t{kNumRegions} * peers_.size(), 0) {
+    : rank_(rank), peers_(std::move(peers)), consumed_(size_t{kNumRegions} * peers_.size(), 0) {
     for (int r = 0; r < kNumRegions; ++r) {
         stage_[r] = stage[r];
         recv_[r] = recv[r];
@@ -69,23 +71,22 @@ Status MappedTransport::check_put(uint32_t peer, Region region, uint64_t dst_off
                                   uint64_t src_offset, uint64_t len) const {
     int ri = static_cast<int>(region);
     if (peer >= peers_.size())
-        return invalid_argument(fmt::format("put to rank {} in a world of {}", peer,
-                                            peers_.size()));
+        return invalid_argument(
+            fmt::format("put to rank {} in a world of {}", peer, peers_.size()));
     if (src_offset + len > stage_[ri].size())
         return out_of_range(fmt::format("{} put of {} bytes at staging offset {}: staging holds {}",
-                                        region_name(region), len, src_offset,
-                                        stage_[ri].size()));
+                                        region_name(region), len, src_offset, stage_[ri].size()));
     // Every rank has the same region sizes (same config), so our own size bounds the peer's.
     if (dst_offset + len > recv_[ri].size())
-        return out_of_range(fmt::format("{} put of {} bytes at offset {} into rank {}: region "
-                                        "holds {}",
-                                        region_name(region), len, dst_offset, peer,
-                                        recv_[ri].size()));
+        return out_of_range(
+            fmt::format("{} put of {} bytes at offset {} into rank {}: region "
+                        "holds {}",
+                        region_name(region), len, dst_offset, peer, recv_[ri].size()));
     return ok_status();
 }
 
-Status MappedTransport::put(uint32_t peer, Region region, uint64_t dst_offset,
-                            uint64_t src_offset, uint64_t len) {
+Status MappedTransport::put(uint32_t peer, Region region, uint64_t dst_offset, uint64_t src_offset,
+                            uint64_t len) {
     FERRY_RETURN_IF_ERROR(check_put(peer, region, dst_offset, src_offset, len));
     if (!peers_[peer].mapped())
         return invalid_argument(fmt::format("rank {} is not mapped into rank {}", peer, rank_));
@@ -114,9 +115,10 @@ Status MappedTransport::wait(Region region, uint32_t from, uint64_t count, TimeP
     }
     if (!ok) {
         uint64_t got = counter.load(std::memory_order_acquire) - consumed;
-        std::string where = fmt::format("rank {} waiting for {} {} arrival(s) from rank {}: {} "
-                                        "arrived",
-                                        rank_, count, region_name(region), from, got);
+        std::string where = fmt::format(
+            "rank {} waiting for {} {} arrival(s) from rank {}: {} "
+            "arrived",
+            rank_, count, region_name(region), from, got);
         log(LogLevel::kError, "moe", "timed out: {}", where);
         return timeout_error(where);
     }

@@ -1,5 +1,7 @@
 // AllToAll between real processes, one per rank: same-node ranks through shared memory,
 // the others through the TransferEngine on the tcp and shm providers.
+#include "ferry/moe/all_to_all.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "ferry/fabric/engine.h"
-#include "ferry/moe/all_to_all.h"
 #include "moe/test_util.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
@@ -56,7 +57,8 @@ std::vector<RankInput> inputs_for_call(const AllToAllConfig& cfg, const Shape& s
     std::vector<RankInput> all;
     for (uint32_t r = 0; r < cfg.world_size; ++r) {
         // Rank 1 is empty on every other call: empty ranks mixed with full ones.
-        uint32_t n = (r == 1 && call % 2 == 1) ? 0 : static_cast<uint32_t>(rng() % (s.max_tokens + 1));
+        uint32_t n =
+            (r == 1 && call % 2 == 1) ? 0 : static_cast<uint32_t>(rng() % (s.max_tokens + 1));
         all.push_back(testing::make_input(cfg, r, n, s.routing, 0.15, rng));
     }
     return all;
@@ -64,7 +66,8 @@ std::vector<RankInput> inputs_for_call(const AllToAllConfig& cfg, const Shape& s
 
 std::string run_rank(Exchange& ex, const std::string& provider, const Shape& s, uint64_t seed) {
     AllToAllConfig cfg = config_of(s, static_cast<uint32_t>(ex.rank()));
-    CHILD_ASSIGN_OK(auto engine, TransferEngine::create(ferry::testing::test_engine_config(provider)));
+    CHILD_ASSIGN_OK(auto engine,
+                    TransferEngine::create(ferry::testing::test_engine_config(provider)));
     AllGatherFn allgather = [&ex](std::span<const uint8_t> b) { return ex.allgather(b); };
     AllToAllOptions opts;
     opts.timeout = std::chrono::seconds(20);
@@ -103,26 +106,27 @@ TEST_P(AllToAllTest, DispatchAndCombineAreExactAcrossCalls) {
     Shape s{world, rpn};
     // fp8 on half of the shapes keeps the suite short while covering both dtypes.
     if ((world + rpn) % 2 == 1) s.dtype = DType::kFp8E4M3;
-    uint64_t seed = ferry::testing::test_seed(
-        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    uint64_t seed =
+        ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
     auto results = ferry::testing::run_processes(
         static_cast<int>(world), [&](Exchange& ex) { return run_rank(ex, provider, s, seed); },
         kRunTimeout);
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, AllToAllTest,
-    ::testing::Values(Param{"tcp", 2, 1}, Param{"tcp", 2, 2}, Param{"tcp", 4, 1},
-                      Param{"tcp", 4, 2}, Param{"tcp", 4, 4}, Param{"tcp", 8, 1},
-                      Param{"tcp", 8, 2}, Param{"tcp", 8, 4}, Param{"shm", 2, 1},
-                      Param{"shm", 2, 2}, Param{"shm", 4, 1}, Param{"shm", 4, 2},
-                      Param{"shm", 4, 4}, Param{"shm", 8, 1}, Param{"shm", 8, 2},
-                      Param{"shm", 8, 4}),
-    [](const ::testing::TestParamInfo<Param>& i) {
-        return fmt::format("{}_world{}_pernode{}", std::get<0>(i.param), std::get<1>(i.param),
-                           std::get<2>(i.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Shapes, AllToAllTest,
+                         ::testing::Values(Param{"tcp", 2, 1}, Param{"tcp", 2, 2},
+                                           Param{"tcp", 4, 1}, Param{"tcp", 4, 2},
+                                           Param{"tcp", 4, 4}, Param{"tcp", 8, 1},
+                                           Param{"tcp", 8, 2}, Param{"tcp", 8, 4},
+                                           Param{"shm", 2, 1}, Param{"shm", 2, 2},
+                                           Param{"shm", 4, 1}, Param{"shm", 4, 2},
+                                           Param{"shm", 4, 4}, Param{"shm", 8, 1},
+                                           Param{"shm", 8, 2}, Param{"shm", 8, 4}),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                             return fmt::format("{}_world{}_pernode{}", std::get<0>(i.param),
+                                                std::get<1>(i.param), std::get<2>(i.param));
+                         });
 
 TEST(AllToAllSetup, SkewedRoutingOverflowsAcrossNodes) {
     Shape s{4, 2, DType::kFp8E4M3, 32, 2, 2, Routing::kSkewed};
@@ -143,10 +147,10 @@ TEST(AllToAllSetup, MismatchedConfigIsRefusedOnEveryRank) {
             AllGatherFn ag = [&ex](std::span<const uint8_t> b) { return ex.allgather(b); };
             auto a2a = AllToAll::create(cfg, engine.get(), ag);
             CHILD_CHECK_MSG(!a2a.ok(), "a mismatched config was accepted");
-            CHILD_CHECK_MSG(a2a.status().message().find("AllToAllConfig differs on rank(s) " +
-                                                        std::to_string(1 - ex.rank())) !=
-                                std::string::npos,
-                            "{}", a2a.status().to_string());
+            CHILD_CHECK_MSG(
+                a2a.status().message().find("AllToAllConfig differs on rank(s) " +
+                                            std::to_string(1 - ex.rank())) != std::string::npos,
+                "{}", a2a.status().to_string());
             return "";
         },
         kRunTimeout);
@@ -172,8 +176,7 @@ TEST(AllToAllSetup, ADeadPeerTurnsIntoATimeoutNotAHang) {
             CHILD_CHECK_MSG(!st.ok(), "dispatch with a dead peer succeeded");
             CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(8), "took {} ms",
                             to_ms(Clock::now() - t0));
-            CHILD_CHECK_MSG(st.message().find("rank 1") != std::string::npos, "{}",
-                            st.to_string());
+            CHILD_CHECK_MSG(st.message().find("rank 1") != std::string::npos, "{}", st.to_string());
             return "";
         },
         kRunTimeout);

@@ -1,6 +1,6 @@
-#include <gtest/gtest.h>
-
 #include "ferry/moe/bench.h"
+
+#include <gtest/gtest.h>
 
 namespace ferry::moe {
 namespace {

@@ -1,8 +1,8 @@
+#include "ferry/moe/config.h"
+
 #include <gtest/gtest.h>
 
 #include <vector>
-
-#include "ferry/moe/config.h"
 
 namespace ferry::moe {
 namespace {
@@ -43,41 +43,30 @@ TEST(MoeConfig, AcceptsDecodeShape) {
 }
 
 TEST(MoeConfig, RejectsEachBadFieldWithItsName) {
-    AllToAllConfig c = valid();
-    c.rank = 8;
-    expect_invalid(c, "rank 8");
-    c = valid();
-    c.ranks_per_node = 3;
-    expect_invalid(c, "ranks_per_node 3");
-    c = valid();
-    c.max_tokens_per_rank = 0;
-    expect_invalid(c, "max_tokens_per_rank");
-    c = valid();
-    c.hidden = 7000;
-    expect_invalid(c, "multiple of 128");
-    c = valid();
-    c.dtype = DType::kBf16;
-    c.hidden = 12;
-    expect_invalid(c, "hidden % 8");
-    c = valid();
-    c.num_experts = 250;
-    expect_invalid(c, "num_experts 250");
-    c = valid();
-    c.experts_per_token = 0;
-    expect_invalid(c, "experts_per_token 0");
-    c = valid();
-    c.num_experts = 8;
-    c.experts_per_token = 9;
-    expect_invalid(c, "experts_per_token 9");
-    c = valid();
-    c.private_slots_per_sender = 129;
-    expect_invalid(c, "private_slots_per_sender 129");
-    c = valid();
-    c.group_alignment = 0;
-    expect_invalid(c, "group_alignment 0");
-    c = valid();
-    c.world_size = 0;
-    expect_invalid(c, "world_size 0");
+    struct Bad {
+        void (*mutate)(AllToAllConfig&);
+        const char* needle;
+    };
+    const Bad cases[] = {
+        {[](AllToAllConfig& c) { c.rank = 8; }, "rank 8"},
+        {[](AllToAllConfig& c) { c.ranks_per_node = 3; }, "ranks_per_node 3"},
+        {[](AllToAllConfig& c) { c.max_tokens_per_rank = 0; }, "max_tokens_per_rank"},
+        {[](AllToAllConfig& c) { c.hidden = 7000; }, "multiple of 128"},
+        {[](AllToAllConfig& c) { c.dtype = DType::kBf16, c.hidden = 12; }, "hidden % 8"},
+        {[](AllToAllConfig& c) { c.num_experts = 250; }, "num_experts 250"},
+        {[](AllToAllConfig& c) { c.experts_per_token = 0; }, "experts_per_token 0"},
+        {[](AllToAllConfig& c) { c.num_experts = 8, c.experts_per_token = 9; },
+         "experts_per_token 9"},
+        {[](AllToAllConfig& c) { c.private_slots_per_sender = 129; },
+         "private_slots_per_sender 129"},
+        {[](AllToAllConfig& c) { c.group_alignment = 0; }, "group_alignment 0"},
+        {[](AllToAllConfig& c) { c.world_size = 0; }, "world_size 0"},
+    };
+    for (const Bad& b : cases) {
+        AllToAllConfig c = valid();
+        b.mutate(c);
+        expect_invalid(c, b.needle);
+    }
 }
 
 TEST(MoeConfig, HashCoversEveryAgreedFieldButNotRank) {

@@ -1,3 +1,5 @@
+#include "ferry/moe/numerics.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -5,7 +7,6 @@
 #include <random>
 #include <vector>
 
-#include "ferry/moe/numerics.h"
 #include "support/multiproc.h"
 
 namespace ferry::moe {
@@ -57,23 +58,23 @@ TEST(MoeNumerics, Fp8DecodesTheE4M3Format) {
     EXPECT_TRUE(std::isnan(fp8e4m3_to_float(0x7f)));
     for (int c = 0; c < 256; ++c) {
         if ((c & 0x7f) == 0x7f) continue;
-        EXPECT_EQ(float_to_fp8e4m3(fp8e4m3_to_float(static_cast<uint8_t>(c))),
-                  c == 0x80 ? 0x80 : c)
+        EXPECT_EQ(float_to_fp8e4m3(fp8e4m3_to_float(static_cast<uint8_t>(c))), c == 0x80 ? 0x80 : c)
             << "code " << c;
     }
 }
 
 TEST(MoeNumerics, Fp8RoundsToNearestEvenAndSaturates) {
-    EXPECT_EQ(float_to_fp8e4m3(1.0625f), 0x38);  // tie between 1 and 1.125: even
-    EXPECT_EQ(float_to_fp8e4m3(1.1875f), 0x3a);  // tie between 1.125 and 1.25: even
-    EXPECT_EQ(float_to_fp8e4m3(std::ldexp(1.0f, -10)), 0x00);      // tie 0 / 2^-9
+    EXPECT_EQ(float_to_fp8e4m3(1.0625f), 0x38);                // tie between 1 and 1.125: even
+    EXPECT_EQ(float_to_fp8e4m3(1.1875f), 0x3a);                // tie between 1.125 and 1.25: even
+    EXPECT_EQ(float_to_fp8e4m3(std::ldexp(1.0f, -10)), 0x00);  // tie 0 / 2^-9
     EXPECT_EQ(float_to_fp8e4m3(3 * std::ldexp(1.0f, -10)), 0x02);  // tie 2^-9 / 2^-8
     EXPECT_EQ(float_to_fp8e4m3(464.0f), 0x7e);
     EXPECT_EQ(float_to_fp8e4m3(1e9f), 0x7e);
     EXPECT_EQ(float_to_fp8e4m3(-std::numeric_limits<float>::infinity()), 0xfe);
     EXPECT_EQ(float_to_fp8e4m3(std::nanf("")), 0x7f);
 
-    std::mt19937_64 rng(ferry::testing::test_seed("MoeNumerics.Fp8RoundsToNearestEvenAndSaturates"));
+    std::mt19937_64 rng(
+        ferry::testing::test_seed("MoeNumerics.Fp8RoundsToNearestEvenAndSaturates"));
     std::uniform_real_distribution<float> mag(-12.0f, 10.0f);
     for (int i = 0; i < 20000; ++i) {
         float f = std::ldexp(1.0f, 0) * std::exp2(mag(rng)) * ((rng() & 1) ? -1.0f : 1.0f);

@@ -1,8 +1,8 @@
+#include "ferry/moe/plan.h"
+
 #include <gtest/gtest.h>
 
 #include <vector>
-
-#include "ferry/moe/plan.h"
 
 namespace ferry::moe {
 namespace {

@@ -56,8 +56,8 @@ void run_case(const Case& k) {
     for (int call = 0; call < k.calls; ++call) {
         std::vector<RankInput> inputs;
         for (uint32_t r = 0; r < k.world; ++r) {
-            uint32_t n = k.tokens.empty() ? static_cast<uint32_t>(rng() % (k.max_tokens + 1))
-                                          : k.tokens[r];
+            uint32_t n =
+                k.tokens.empty() ? static_cast<uint32_t>(rng() % (k.max_tokens + 1)) : k.tokens[r];
             inputs.push_back(testing::make_input(cfg, r, n, k.routing, k.hole, rng));
         }
         std::vector<uint64_t> jitter(k.world);
@@ -105,13 +105,23 @@ TEST(MoeReference, UniformRoutingFp8) {
 
 TEST(MoeReference, PerExpertOutputsReturnToTheirSlots) {
     run_case({.name = "MoeReference.PerExpertOutputsReturnToTheirSlots",
-              .world = 4, .num_experts = 8, .topk = 4, .per_expert = true, .calls = 3});
+              .world = 4,
+              .num_experts = 8,
+              .topk = 4,
+              .per_expert = true,
+              .calls = 3});
 }
 
 TEST(MoeReference, SkewedRoutingOverflowsPrivateSlots) {
     run_case({.name = "MoeReference.SkewedRoutingOverflowsPrivateSlots",
-              .world = 4, .num_experts = 32, .topk = 4, .max_tokens = 48, .private_slots = 2,
-              .routing = Routing::kSkewed, .hole = 0.05, .tokens = {48, 48, 40, 48}});
+              .world = 4,
+              .num_experts = 32,
+              .topk = 4,
+              .max_tokens = 48,
+              .private_slots = 2,
+              .routing = Routing::kSkewed,
+              .hole = 0.05,
+              .tokens = {48, 48, 40, 48}});
 }
 
 TEST(MoeReference, EmptyRanks) {
@@ -125,18 +135,28 @@ TEST(MoeReference, NoPrivateSlotsAndAllPrivateSlots) {
 }
 
 TEST(MoeReference, AlignedGroupsAndMoreExpertsThanTopk) {
-    run_case({.name = "MoeReference.AlignedGroups", .world = 2, .dtype = DType::kFp8E4M3,
-              .num_experts = 64, .topk = 8, .alignment = 16, .per_expert = true});
+    run_case({.name = "MoeReference.AlignedGroups",
+              .world = 2,
+              .dtype = DType::kFp8E4M3,
+              .num_experts = 64,
+              .topk = 8,
+              .alignment = 16,
+              .per_expert = true});
 }
 
 TEST(MoeReference, EightRanksManyCallsReuseBuffers) {
-    run_case({.name = "MoeReference.EightRanksManyCalls", .world = 8, .num_experts = 32,
-              .topk = 6, .max_tokens = 16, .private_slots = 3, .calls = 12});
+    run_case({.name = "MoeReference.EightRanksManyCalls",
+              .world = 8,
+              .num_experts = 32,
+              .topk = 6,
+              .max_tokens = 16,
+              .private_slots = 3,
+              .calls = 12});
 }
 
 TEST(MoeReference, SingleRank) {
-    run_case({.name = "MoeReference.SingleRank", .world = 1, .num_experts = 4, .topk = 2,
-              .calls = 2});
+    run_case(
+        {.name = "MoeReference.SingleRank", .world = 1, .num_experts = 4, .topk = 2, .calls = 2});
 }
 
 TEST(MoeReference, CallsOutOfOrderAreRefusedWithTheExpectedOrder) {

@@ -47,11 +47,11 @@ inline int64_t decode_value(uint16_t v, uint32_t b) {
 
 struct RankInput {
     uint32_t num_tokens = 0;
-    std::vector<uint16_t> x;        // bf16
-    std::vector<uint8_t> payload;   // what is dispatched: bf16 bytes or fp8
-    std::vector<float> scales;      // fp8 only
+    std::vector<uint16_t> x;       // bf16
+    std::vector<uint8_t> payload;  // what is dispatched: bf16 bytes or fp8
+    std::vector<float> scales;     // fp8 only
     std::vector<int32_t> indices;
-    std::vector<float> weights;     // sum to 1 over a token's valid experts
+    std::vector<float> weights;  // sum to 1 over a token's valid experts
 
     DispatchInput input() const {
         DispatchInput in;
@@ -165,7 +165,8 @@ inline std::string check_dispatch(const AllToAllConfig& cfg, const std::vector<R
         if (b.counts[e] != expected.size())
             return fmt::format("rank {} expert {}: count {} but the routing bincount is {}",
                                cfg.rank, ge, b.counts[e], expected.size());
-        if (b.offsets[e] % cfg.group_alignment != 0 || b.offsets[e + 1] < b.offsets[e] + b.counts[e])
+        if (b.offsets[e] % cfg.group_alignment != 0 ||
+            b.offsets[e + 1] < b.offsets[e] + b.counts[e])
             return fmt::format("rank {} expert {}: group [{}, {}) is misaligned or too small",
                                cfg.rank, ge, b.offsets[e], b.offsets[e + 1]);
         for (uint32_t o = b.offsets[e]; o < b.offsets[e + 1]; ++o) {
@@ -181,18 +182,20 @@ inline std::string check_dispatch(const AllToAllConfig& cfg, const std::vector<R
             for (uint32_t c = 0; c < cfg.hidden; ++c) {
                 int64_t id = decode_value(r[c], c / 128);
                 if (id != int64_t{src.rank} * kTokenIdSpan + src.token)
-                    return fmt::format("rank {} expert {} row {} channel {}: value {:04x} "
-                                       "decodes to id {}, metadata says rank {} token {}",
-                                       cfg.rank, ge, o, c, r[c], id, src.rank, src.token);
+                    return fmt::format(
+                        "rank {} expert {} row {} channel {}: value {:04x} "
+                        "decodes to id {}, metadata says rank {} token {}",
+                        cfg.rank, ge, o, c, r[c], id, src.rank, src.token);
             }
             if (!got.insert({src.rank, src.token, src.k}).second)
                 return fmt::format("rank {} expert {}: row from rank {} token {} arrived twice",
                                    cfg.rank, ge, src.rank, src.token);
         }
         if (got != expected)
-            return fmt::format("rank {} expert {}: received {} distinct rows, expected {}; "
-                               "sets differ",
-                               cfg.rank, ge, got.size(), expected.size());
+            return fmt::format(
+                "rank {} expert {}: received {} distinct rows, expected {}; "
+                "sets differ",
+                cfg.rank, ge, got.size(), expected.size());
     }
     return "";
 }
@@ -237,9 +240,10 @@ inline std::string check_combine(const AllToAllConfig& cfg, const RankInput& in,
                 return fmt::format("rank {} token {} channel {}: combine {} vs fp32 reference {}",
                                    cfg.rank, t, c, got, ref);
             if (!per_expert && any && std::fabs(got - 2 * x) > std::fabs(2 * x) / 128)
-                return fmt::format("rank {} token {} channel {}: combine {} is not 2x = {} within "
-                                   "bf16 tolerance",
-                                   cfg.rank, t, c, got, 2 * x);
+                return fmt::format(
+                    "rank {} token {} channel {}: combine {} is not 2x = {} within "
+                    "bf16 tolerance",
+                    cfg.rank, t, c, got, 2 * x);
             if (!any && got != 0.0f)
                 return fmt::format("rank {} token {}: no expert, but combine gave {}", cfg.rank, t,
                                    got);

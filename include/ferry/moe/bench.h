@@ -3,9 +3,8 @@
 // one node share memory; nodes talk through the chosen provider.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -16,17 +15,17 @@
 namespace ferry::moe {
 
 struct MoeBenchConfig {
-    std::string backend = "cpu";    // "cpu"; "cuda" arrives with the CUDA kernels
+    std::string backend = "cpu";  // "cpu"; "cuda" arrives with the CUDA kernels
     uint32_t ranks = 8;
     uint32_t ranks_per_node = 4;
-    uint32_t tokens = 128;          // per rank and call
+    uint32_t tokens = 128;  // per rank and call
     uint32_t hidden = 7168;
     uint32_t topk = 8;
     uint32_t experts = 256;
     DType dtype = DType::kFp8E4M3;
     uint32_t private_slots = 32;
     uint32_t alignment = 1;
-    std::string provider = "tcp";   // between nodes
+    std::string provider = "tcp";  // between nodes
     int warmup = 3;
     int iters = 20;
     uint64_t seed = 1;
@@ -47,8 +46,8 @@ struct MoeBenchReport {
     std::vector<MoePhaseStats> phases;  // samples of every rank and iteration pooled
     uint64_t dispatch_bytes = 0;        // per call, all ranks together (rows incl. headers)
     uint64_t combine_bytes = 0;
-    double max_rel_error = 0;           // combine of identity experts against the input
-    bool verified = false;              // max_rel_error within 1e-5
+    double max_rel_error = 0;  // combine of identity experts against the input
+    bool verified = false;     // max_rel_error within 1e-5
 };
 
 // Runs warm-up and timed iterations and checks the last combine against the input (identity

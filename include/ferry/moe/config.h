@@ -39,11 +39,11 @@ struct AllToAllConfig {
     uint32_t experts_per_token = 0;    // top-k
     uint32_t rank = 0;
     uint32_t world_size = 1;
-    uint32_t ranks_per_node = 1;       // ranks that map each other's memory (NVLink / shm)
+    uint32_t ranks_per_node = 1;  // ranks that map each other's memory (NVLink / shm)
     // Rows each sender may write into a peer before the counts are known: covers the whole
     // exchange of small (decode) batches with no second round trip.
     uint32_t private_slots_per_sender = 0;
-    uint32_t group_alignment = 1;      // rows of each local expert group are padded to this
+    uint32_t group_alignment = 1;  // rows of each local expert group are padded to this
 
     // A message naming the bad field and the accepted range.
     Status validate() const;
@@ -58,7 +58,9 @@ struct AllToAllConfig {
 
     size_t elem_bytes() const { return dtype == DType::kBf16 ? 2 : 1; }
     size_t payload_bytes() const { return size_t{hidden} * elem_bytes(); }
-    uint32_t scales_per_token() const { return dtype == DType::kFp8E4M3 ? hidden / kScaleBlock : 0; }
+    uint32_t scales_per_token() const {
+        return dtype == DType::kFp8E4M3 ? hidden / kScaleBlock : 0;
+    }
     size_t scale_bytes() const { return size_t{scales_per_token()} * sizeof(float); }
 };
 

@@ -33,11 +33,11 @@ struct DispatchInput {
 // offsets[e] and padded (with zero rows) to the group alignment. Size x and sources for
 // max_expert_rows(cfg) rows.
 struct ExpertBatch {
-    std::span<uint8_t> x;            // rows of payload_bytes
-    std::span<float> x_scale;        // rows * hidden/128 (fp8 only)
-    std::span<uint32_t> counts;      // [local experts] real rows per expert
-    std::span<uint32_t> offsets;     // [local experts + 1] first row of each group
-    std::span<RowSource> sources;    // optional: where each row came from
+    std::span<uint8_t> x;          // rows of payload_bytes
+    std::span<float> x_scale;      // rows * hidden/128 (fp8 only)
+    std::span<uint32_t> counts;    // [local experts] real rows per expert
+    std::span<uint32_t> offsets;   // [local experts + 1] first row of each group
+    std::span<RowSource> sources;  // optional: where each row came from
 };
 
 // Bytes moved by one rank in one call, per phase (payload as written to peers, self included).
@@ -72,6 +72,7 @@ class CpuBackend {
     Status expect_phase(Phase want, const char* call);
     Status fail(Status s);
     Status read_counts();
+    Status check_out_size(size_t have) const;
     Status check_row_header(uint32_t s, uint32_t i, const uint8_t* row) const;
     template <typename Sink>
     Status reduce(Sink sink);
@@ -94,12 +95,12 @@ class CpuBackend {
     std::vector<float> weights_;
     // Counts matrix of the current call: rows_[s * world + d] = rows s sends to d.
     std::vector<uint32_t> rows_;
-    std::vector<uint32_t> hits_from_;      // [world] hits each sender sent here
-    std::vector<uint32_t> combine_base_;   // [world] where our results go at each sender
-    std::vector<uint32_t> expert_hits_;    // [local experts] sum over senders
+    std::vector<uint32_t> hits_from_;     // [world] hits each sender sent here
+    std::vector<uint32_t> combine_base_;  // [world] where our results go at each sender
+    std::vector<uint32_t> expert_hits_;   // [local experts] sum over senders
     // Receiver state: per grouped output row, its slot in the combine staging (-1: padding).
     std::vector<int64_t> out_to_stage_;
-    std::vector<uint64_t> stage_begin_;    // [world + 1] combine staging rows per sender
+    std::vector<uint64_t> stage_begin_;  // [world + 1] combine staging rows per sender
     uint32_t out_rows_ = 0;
 };
 

@@ -36,8 +36,8 @@ struct PutRequest {
 // Where a remote rank's regions are, as the engine sees them.
 struct RemoteRank {
     PeerId peer = 0;
-    MemoryDescriptor shared;                // the rank's peer-visible memory
-    uint64_t recv_offset[kNumRegions] = {}; // region starts inside it
+    MemoryDescriptor shared;                 // the rank's peer-visible memory
+    uint64_t recv_offset[kNumRegions] = {};  // region starts inside it
 };
 
 // Writes carrying the immediate that one engine write of len bytes puts on the wire (the
@@ -52,11 +52,11 @@ class HostProxy {
         uint32_t rank = 0;
         uint32_t world = 0;
         uint32_t imm_base = 0;
-        ArrivalBlock arrivals;                        // this rank's counters
-        const MemoryRegion* stage = nullptr;          // staging buffers, registered
-        uint64_t stage_offset[kNumRegions] = {};      // region staging starts inside it
-        std::vector<bool> remote;                     // [world] peers reached through the engine
-        std::vector<RemoteRank> peers;                // [world], valid where remote
+        ArrivalBlock arrivals;                    // this rank's counters
+        const MemoryRegion* stage = nullptr;      // staging buffers, registered
+        uint64_t stage_offset[kNumRegions] = {};  // region staging starts inside it
+        std::vector<bool> remote;                 // [world] peers reached through the engine
+        std::vector<RemoteRank> peers;            // [world], valid where remote
     };
 
     explicit HostProxy(Setup setup);
@@ -86,18 +86,18 @@ class HostProxy {
     void record(const Status& s);
 
     Setup s_;
-    std::vector<uint32_t> watch_imm_;     // immediates of (region, remote sender)
+    std::vector<uint32_t> watch_imm_;  // immediates of (region, remote sender)
     std::vector<std::pair<Region, uint32_t>> watch_;
 
     mutable std::mutex mu_;
-    std::condition_variable cv_;          // wakes the loop on new work or stop
-    std::condition_variable idle_cv_;     // wakes flush when in-flight work drops to zero
+    std::condition_variable cv_;       // wakes the loop on new work or stop
+    std::condition_variable idle_cv_;  // wakes flush when in-flight work drops to zero
     std::deque<PutRequest> queue_;
-    uint64_t pending_ = 0;                // queued + in flight
+    uint64_t pending_ = 0;  // queued + in flight
     bool stop_ = false;
     Status error_;
 
-    std::vector<OpHandle> inflight_;      // owned by the loop thread
+    std::vector<OpHandle> inflight_;  // owned by the loop thread
     std::thread thread_;
 };
 

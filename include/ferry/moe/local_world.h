@@ -19,8 +19,7 @@ namespace ferry::moe {
 class LocalWorld {
   public:
     // cfg.rank is ignored: one rank per 0..world_size-1 is built.
-    static Result<std::unique_ptr<LocalWorld>> create(const AllToAllConfig& cfg,
-                                                      Duration timeout);
+    static Result<std::unique_ptr<LocalWorld>> create(const AllToAllConfig& cfg, Duration timeout);
     ~LocalWorld();
 
     uint32_t size() const { return static_cast<uint32_t>(ranks_.size()); }

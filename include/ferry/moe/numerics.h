@@ -45,8 +45,8 @@ Status quantize_fp8(std::span<const float> x, uint32_t tokens, uint32_t hidden,
                     std::span<uint8_t> q, std::span<float> scales);
 Status quantize_fp8_bf16(std::span<const uint16_t> x, uint32_t tokens, uint32_t hidden,
                          std::span<uint8_t> q, std::span<float> scales);
-Status dequantize_fp8(std::span<const uint8_t> q, std::span<const float> scales,
-                      uint32_t tokens, uint32_t hidden, std::span<float> out);
+Status dequantize_fp8(std::span<const uint8_t> q, std::span<const float> scales, uint32_t tokens,
+                      uint32_t hidden, std::span<float> out);
 Status dequantize_fp8_to_bf16(std::span<const uint8_t> q, std::span<const float> scales,
                               uint32_t tokens, uint32_t hidden, std::span<uint16_t> out);
 

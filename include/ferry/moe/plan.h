@@ -48,7 +48,7 @@ struct CountsFormat {
     static constexpr uint32_t kRowsTo = 4;       // [world] rows the sender sends to each rank
     uint32_t hits_per_expert = 0;                // [local experts] hits per local expert of d
     uint32_t words = 0;
-    size_t bytes = 0;                            // padded to a cache line
+    size_t bytes = 0;  // padded to a cache line
     static CountsFormat of(const AllToAllConfig& cfg);
 };
 
@@ -118,7 +118,6 @@ struct ExpertLayout {
     std::vector<uint32_t> offsets;  // [local experts + 1] first row of each group (aligned)
     uint32_t total_rows() const { return offsets.empty() ? 0 : offsets.back(); }
 };
-ExpertLayout expert_layout(const AllToAllConfig& cfg,
-                           std::span<const uint32_t> hits_per_expert);
+ExpertLayout expert_layout(const AllToAllConfig& cfg, std::span<const uint32_t> hits_per_expert);
 
 }  // namespace ferry::moe
