@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ferry/fabric/engine.h"
+#include "ferry/moe/host_proxy.h"
 #include "moe/test_util.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
@@ -33,6 +34,9 @@ struct Shape {
     uint32_t private_slots = 4;
     int calls = 3;
     Routing routing = Routing::kUniform;
+    // Two rails and tiny pieces: every fabric put of more than 2 KiB becomes several writes,
+    // each carrying the immediate, which receivers must count.
+    bool split_writes = false;
 };
 
 AllToAllConfig config_of(const Shape& s, uint32_t rank) {
@@ -66,8 +70,14 @@ std::vector<RankInput> inputs_for_call(const AllToAllConfig& cfg, const Shape& s
 
 std::string run_rank(Exchange& ex, const std::string& provider, const Shape& s, uint64_t seed) {
     AllToAllConfig cfg = config_of(s, static_cast<uint32_t>(ex.rank()));
-    CHILD_ASSIGN_OK(auto engine,
-                    TransferEngine::create(ferry::testing::test_engine_config(provider)));
+    EngineConfig ec = ferry::testing::test_engine_config(provider);
+    if (s.split_writes) {
+        ec.num_rails = 2;
+        ec.stripe_threshold = 2048;
+        ec.max_write_size = 4096;
+    }
+    CHILD_ASSIGN_OK(auto engine, TransferEngine::create(ec));
+    if (s.split_writes) CHILD_CHECK(write_pieces(engine->config(), engine->num_rails(), 20000) > 2);
     AllGatherFn allgather = [&ex](std::span<const uint8_t> b) { return ex.allgather(b); };
     AllToAllOptions opts;
     opts.timeout = std::chrono::seconds(20);
@@ -131,6 +141,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AllToAllTest,
 TEST(AllToAllSetup, SkewedRoutingOverflowsAcrossNodes) {
     Shape s{4, 2, DType::kFp8E4M3, 32, 2, 2, Routing::kSkewed};
     uint64_t seed = ferry::testing::test_seed("AllToAllSetup.SkewedRoutingOverflowsAcrossNodes");
+    auto results = ferry::testing::run_processes(
+        4, [&](Exchange& ex) { return run_rank(ex, "tcp", s, seed); }, kRunTimeout);
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+TEST(AllToAllSetup, WritesSplitIntoPiecesAreCountedPerPiece) {
+    Shape s{4, 2, DType::kBf16, 24, 2, 2};
+    s.split_writes = true;
+    uint64_t seed =
+        ferry::testing::test_seed("AllToAllSetup.WritesSplitIntoPiecesAreCountedPerPiece");
     auto results = ferry::testing::run_processes(
         4, [&](Exchange& ex) { return run_rank(ex, "tcp", s, seed); }, kRunTimeout);
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
