@@ -31,6 +31,7 @@ struct Case {
     std::vector<uint32_t> tokens = {};  // per rank; empty: random in [0, max_tokens]
     bool per_expert = false;
     int calls = 1;
+    bool bf16_out = false;  // combine_recv_bf16 instead of fp32 output
 };
 
 AllToAllConfig config_of(const Case& k) {
@@ -84,9 +85,17 @@ void run_case(const Case& k) {
             std::this_thread::sleep_for(std::chrono::milliseconds(jitter[(r + 1) % k.world]));
             FERRY_RETURN_IF_ERROR(b.combine_send(expert_out));
             std::vector<float> out(size_t{inputs[r].num_tokens} * cfg.hidden, -1.0f);
-            FERRY_RETURN_IF_ERROR(b.combine_recv(out));
+            float tol = 1e-5f;
+            if (k.bf16_out) {
+                std::vector<uint16_t> ob(out.size(), 0xffff);
+                FERRY_RETURN_IF_ERROR(b.combine_recv_bf16(ob));
+                for (size_t i = 0; i < ob.size(); ++i) out[i] = bf16_to_float(ob[i]);
+                tol = 1.0f / 256;
+            } else {
+                FERRY_RETURN_IF_ERROR(b.combine_recv(out));
+            }
             if (errors[r].empty())
-                errors[r] = testing::check_combine(mine, inputs[r], out, k.per_expert);
+                errors[r] = testing::check_combine(mine, inputs[r], out, k.per_expert, tol);
             return ok_status();
         });
         ASSERT_TRUE(st.ok()) << "call " << call << ": " << st.to_string();
@@ -152,6 +161,14 @@ TEST(MoeReference, EightRanksManyCallsReuseBuffers) {
               .max_tokens = 16,
               .private_slots = 3,
               .calls = 12});
+}
+
+TEST(MoeReference, Bf16CombineOutput) {
+    run_case({.name = "MoeReference.Bf16CombineOutput",
+              .dtype = DType::kFp8E4M3,
+              .per_expert = true,
+              .calls = 2,
+              .bf16_out = true});
 }
 
 TEST(MoeReference, SingleRank) {
