@@ -7,6 +7,7 @@ namespace ferry::cli {
 
 void register_commands(CLI::App& app, CLI::App& bench);
 void register_bench_xfer(CLI::App& bench);
+void register_bench_gpu(CLI::App& bench);
 
 // Exit status set by the subcommand that ran.
 int exit_code();

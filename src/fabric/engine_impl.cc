@@ -84,9 +84,26 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     return ok_status();
 }
 
+Result<GpuTransport*> EngineImpl::gpu() {
+    std::lock_guard lk(gpu_mu_);
+    if (!gpu_) {
+        FERRY_ASSIGN_OR_RETURN(gpu_, create_gpu_transport(config));
+    }
+    return gpu_.get();
+}
+
 void EngineImpl::shutdown() {
     if (stopped_.exchange(true)) return;
     Status why = cancelled("the transfer engine was shut down");
+    {
+        // Pending GPU copies fail first; their callbacks may still signal through the rails.
+        std::unique_ptr<GpuTransport> g;
+        {
+            std::lock_guard lk(gpu_mu_);
+            g = std::move(gpu_);
+        }
+        g.reset();
+    }
     for (auto& r : rails) r->stop(why);
     imm.cancel_all(why);
     {
@@ -107,12 +124,6 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
     }
-    if (kind != MemoryKind::kHost) {
-        return invalid_argument(fmt::format(
-            "provider {} was opened for host memory only; GPU memory needs FI_HMEM (efa, "
-            "verbs) or the CUDA IPC transport",
-            provider));
-    }
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();
     region->ptr_ = ptr;
@@ -123,6 +134,19 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->desc_.kind = kind;
     region->desc_.device = device;
     region->desc_.virt_addr = rails[0]->virt_addr();
+    if (kind == MemoryKind::kCuda) {
+        // The providers here have no FI_HMEM: GPU memory travels through CUDA IPC only.
+        FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
+        Status s = g->export_memory(ptr, len, device, &region->desc_);
+        if (!s.ok()) {
+            region->engine_.reset();
+            return s.with_context(fmt::format("registering {} bytes of GPU memory", len));
+        }
+        region->local_descs_.assign(rails.size(), nullptr);
+        std::lock_guard lk(mr_mu_);
+        region->id_ = next_mr_id_++;
+        return region;
+    }
     std::vector<fid_mr*> mrs;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     for (auto& rail : rails) {
@@ -387,6 +411,53 @@ Status no_peer(PeerId id, const char* what) {
 }
 }  // namespace
 
+Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegion& local,
+                                                 const MemoryDescriptor& remote,
+                                                 const char* what) const {
+    bool local_gpu = local.descriptor().kind == MemoryKind::kCuda;
+    bool remote_gpu = remote.kind == MemoryKind::kCuda;
+    if (!local_gpu && !remote_gpu) return Path::kFabric;
+    bool same_host = p.address.host_id == address.host_id;
+    if (local_gpu && remote_gpu && remote.has_ipc && same_host) return Path::kGpuIpc;
+    if (remote.rail_keys.empty()) {
+        return invalid_argument(fmt::format(
+            "{}: the remote region is GPU memory reachable only through CUDA IPC, which needs "
+            "a peer on this host and GPU memory on this side too{}",
+            what, same_host ? "" : " (peer engine is on another host)"));
+    }
+    if (local_gpu && local.local_desc(0) == nullptr && local.descriptor().rail_keys.empty()) {
+        return invalid_argument(fmt::format(
+            "{}: local GPU memory is not registered with provider {} (no FI_HMEM); it can only "
+            "be copied to GPU memory of peers on this host",
+            what, provider));
+    }
+    return Path::kFabric;
+}
+
+OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
+                            std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
+    auto g = gpu();
+    if (!g.ok()) {
+        state->fail_now(g.status());
+        return OpHandle(state);
+    }
+    state->imm_writes = imm_value ? 1 : 0;
+    state->set_pieces(1);
+    auto self = shared_from_this();
+    (*g)->submit(device, std::move(copies),
+                 [self, state, peer_id, imm_value](const Status& s) {
+                     if (!s.ok() || !imm_value) {
+                         state->piece_done(s);
+                         return;
+                     }
+                     // The data is in place: tell the target like a write with immediate.
+                     self->signal(peer_id, *imm_value, [state](const Status& s2) {
+                         state->piece_done(s2.with_context("signalling a finished GPU copy"));
+                     });
+                 });
+    return OpHandle(state);
+}
+
 OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(w.peer);
@@ -394,6 +465,18 @@ OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     if (w.length == 0 && !w.imm) FERRY_FAIL_OP(state, invalid_argument("write of 0 bytes"));
     FERRY_FAIL_OP(state, check_local(w.src, w.src_offset, w.length, "write"));
     FERRY_FAIL_OP(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
+    auto path = choose_path(*p, *w.src, *w.dst, "write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {
+            {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
+             w.length}};
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
     Batch b(rails.size());
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
             deadline_after(config.op_timeout), true);
@@ -425,6 +508,17 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
                                                                       w.src_pages[i],
                                                                       w.dst_pages[i])));
     }
+    auto path = choose_path(*p, *w.src, *w.dst, "paged write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    uint64_t gpu_base = 0;
+    std::vector<GpuCopy> copies;
+    if (*path == Path::kGpuIpc) {
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        gpu_base = *base;
+    }
     Batch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
@@ -439,9 +533,17 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         }
         uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
         uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                deadline, false);
+        if (*path == Path::kGpuIpc) {
+            copies.push_back({gpu_base + dof, reinterpret_cast<uint64_t>(w.src->data()) + so,
+                              (j - i) * w.page_size});
+        } else {
+            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size,
+                    w.imm, deadline, false);
+        }
         i = j;
+    }
+    if (*path == Path::kGpuIpc) {
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
     }
     return submit(b, state, w.imm.has_value());
 }
@@ -453,6 +555,17 @@ OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     if (r.length == 0) FERRY_FAIL_OP(state, invalid_argument("read of 0 bytes"));
     FERRY_FAIL_OP(state, check_local(r.dst, r.dst_offset, r.length, "read"));
     FERRY_FAIL_OP(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
+    auto path = choose_path(*p, *r.dst, *r.src, "read");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*r.src, r.dst->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
+                                         *base + r.src_offset, r.length}};
+        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+    }
     Batch b(rails.size());
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
             std::nullopt, deadline_after(config.op_timeout), true);
@@ -476,6 +589,12 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
         }
         if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
         FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
+        auto path = choose_path(*peer(g->peers[s.member]), *sc.src, g->dsts[s.member], "scatter");
+        if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+        if (*path != Path::kFabric) {
+            FERRY_FAIL_OP(state, invalid_argument("scatter between GPU regions over CUDA IPC is not "
+                                                  "supported; use paged_write per peer"));
+        }
         FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
                                           s.dst_offset, s.length, "scatter"));
     }

@@ -537,8 +537,10 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
                 }
                 if (!first_error.ok()) break;
             }
-            CHILD_CHECK_MSG(!first_error.ok(), "no error within 30 s of the target dying");
-            CHILD_CHECK(ok_count >= 50);
+            CHILD_CHECK_MSG(!first_error.ok(), "no error within 30 s of the target dying ({} ok)",
+                            ok_count);
+            CHILD_CHECK_MSG(ok_count >= 48, "only {} writes succeeded; first error: {}", ok_count,
+                            first_error.to_string());
             // The initiator stays healthy: traffic to a live peer still works.
             std::fill(n.buf.begin(), n.buf.end(), 0x5A);
             CHILD_CHECK_OK(
@@ -577,7 +579,7 @@ TEST(EngineConfigTest, UnknownProviderIsAClearError) {
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
-TEST(EngineConfigTest, GpuMemoryOnHostOnlyProviderIsRefusedClearly) {
+TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
     // In a child, like every engine test: the test binary's own process stays free of
     // libfabric state so later forks start clean.
     auto results = run_processes(1, [](Exchange&) -> std::string {
@@ -585,8 +587,12 @@ TEST(EngineConfigTest, GpuMemoryOnHostOnlyProviderIsRefusedClearly) {
         std::vector<uint8_t> b(64);
         auto r = e->register_memory(b.data(), b.size(), MemoryKind::kCuda, 0);
         CHILD_CHECK(!r.ok());
-        CHILD_CHECK_MSG(r.status().message().find("FI_HMEM") != std::string::npos, "{}",
-                        r.status().message());
+        // Without a GPU (or without CUDA in the build) the message says so; with one, the
+        // host pointer is named as not being device memory.
+        const std::string& m = r.status().message();
+        CHILD_CHECK_MSG(m.find("CUDA") != std::string::npos ||
+                            m.find("is not device memory") != std::string::npos,
+                        "{}", m);
         return "";
     }, kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
