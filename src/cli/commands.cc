@@ -12,6 +12,7 @@ void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_xfer(bench);
     register_bench_gpu(bench);
     register_bench_kv(bench);
+    register_bench_moe(bench);
 }
 
 }  // namespace ferry::cli

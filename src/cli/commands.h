@@ -9,6 +9,7 @@ void register_commands(CLI::App& app, CLI::App& bench);
 void register_bench_xfer(CLI::App& bench);
 void register_bench_gpu(CLI::App& bench);
 void register_bench_kv(CLI::App& bench);
+void register_bench_moe(CLI::App& bench);
 
 // Exit status set by the subcommand that ran.
 int exit_code();
