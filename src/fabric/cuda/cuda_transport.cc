@@ -12,6 +12,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "fabric/cuda/copy_kernel.h"
 #include "fabric/gpu_transport.h"
 #include "ferry/common/log.h"
@@ -172,12 +174,26 @@ Status CudaTransport::export_memory(void* ptr, size_t len, int device, MemoryDes
     std::memcpy(d->ipc_handle.data(), &h, sizeof(h));
     d->has_ipc = true;
     d->ipc_offset = reinterpret_cast<CUdeviceptr>(ptr) - base;
+    d->ipc_pid = static_cast<int32_t>(getpid());
     d->device = attr.device;
     return ok_status();
 }
 
 Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_device) {
     if (!d.has_ipc) return invalid_argument("remote GPU region carries no CUDA IPC handle");
+    if (d.ipc_pid == static_cast<int32_t>(getpid())) {
+        // Both engines live in this process (a process driving several GPUs): CUDA refuses to
+        // open a handle in its exporter, and needs none: the pointer is valid here already.
+        if (d.device != local_device) {
+            FERRY_CUDA_TRY(cudaSetDevice(local_device));
+            cudaError_t e = cudaDeviceEnablePeerAccess(d.device, 0);
+            if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+                return cuda_status(e, "cudaDeviceEnablePeerAccess");
+            }
+            cudaGetLastError();  // clear a sticky "already enabled"
+        }
+        return d.base;
+    }
     std::string key(reinterpret_cast<const char*>(d.ipc_handle.data()), d.ipc_handle.size());
     std::lock_guard lk(map_mu_);
     auto it = opened_.find({local_device, key});
