@@ -61,6 +61,9 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     for (int r = 0; r < config.num_rails; ++r) {
         RailHooks hooks;
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
+        hooks.stay_awake = [this] {
+            return imm.has_waiters() || gpu_in_flight_.load(std::memory_order_relaxed) > 0;
+        };
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
         }
@@ -500,8 +503,10 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
     state->imm_writes = imm_value ? 1 : 0;
     state->set_pieces(1);
     auto self = shared_from_this();
+    gpu_in_flight_.fetch_add(1, std::memory_order_relaxed);
     (*g)->submit(device, std::move(copies),
                  [self, state, peer_id, imm_value](const Status& s) {
+                     self->gpu_in_flight_.fetch_sub(1, std::memory_order_relaxed);
                      if (!s.ok() || !imm_value) {
                          state->piece_done(s);
                          return;

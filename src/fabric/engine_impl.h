@@ -124,6 +124,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
     std::mutex gpu_mu_;
     std::unique_ptr<GpuTransport> gpu_;
+    std::atomic<uint32_t> gpu_in_flight_{0};  // GPU operations not completed yet
 
     std::mutex msg_mu_;
     MessageHandler handler_;

@@ -32,6 +32,8 @@ class GpuTransport {
     // done once they all completed. Never blocks the caller.
     virtual void submit(int device, std::vector<GpuCopy> copies,
                         std::function<void(const Status&)> done) = 0;
+    // Jobs submitted and not completed yet.
+    virtual size_t in_flight() const = 0;
 };
 
 // Fails with a clear message when ferry was built without CUDA or no GPU is visible.

@@ -22,6 +22,7 @@ void ImmTable::arrive(uint32_t imm, uint64_t n) {
         Entry& e = entries_[imm];
         e.available += n;
         if (!e.waiters.empty()) drain_locked(imm, e, fired);
+        num_waiters_atomic_.store(num_waiters_, std::memory_order_relaxed);
     }
     for (auto& [cb, s] : fired) cb(s);
 }
@@ -34,6 +35,7 @@ void ImmTable::add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCa
         e.waiters.push_back({count, deadline, std::move(cb)});
         ++num_waiters_;
         drain_locked(imm, e, fired);
+        num_waiters_atomic_.store(num_waiters_, std::memory_order_relaxed);
     }
     for (auto& [c, s] : fired) c(s);
 }
@@ -85,6 +87,7 @@ void ImmTable::expire(TimePoint now) {
             // A waiter that timed out at the front may have been holding back later ones.
             drain_locked(imm, e, fired);
         }
+        num_waiters_atomic_.store(num_waiters_, std::memory_order_relaxed);
     }
     for (auto& [cb, s] : fired) cb(s);
 }
@@ -104,6 +107,7 @@ void ImmTable::cancel_all(const Status& why) {
             e.waiters.clear();
         }
         num_waiters_ = 0;
+        num_waiters_atomic_.store(0, std::memory_order_relaxed);
     }
     for (auto& [cb, s] : fired) cb(s);
 }

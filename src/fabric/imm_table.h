@@ -2,6 +2,7 @@
 // each waiter consumes the count it asked for, first come first served.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <mutex>
@@ -22,6 +23,7 @@ class ImmTable {
     // Fires the waiters whose deadline passed. Called periodically by a worker.
     void expire(TimePoint now);
     uint64_t available(uint32_t imm) const;
+    bool has_waiters() const { return num_waiters_atomic_.load(std::memory_order_relaxed) > 0; }
     // Fails every waiter (shutdown).
     void cancel_all(const Status& why);
 
@@ -41,6 +43,7 @@ class ImmTable {
     mutable std::mutex mu_;
     std::unordered_map<uint32_t, Entry> entries_;
     size_t num_waiters_ = 0;
+    std::atomic<size_t> num_waiters_atomic_{0};  // mirror of num_waiters_ for lock-free reads
 };
 
 }  // namespace ferry::detail

@@ -498,7 +498,8 @@ void Rail::run() {
             nap_for = std::chrono::microseconds(20);
             continue;
         }
-        if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty()) {
+        if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty() ||
+            (hooks_.stay_awake && hooks_.stay_awake())) {
             // Polling with nothing to do: give the core to a runnable thread if there is one
             // (the submitter, on a machine with fewer cores than busy threads). Costs well
             // under a microsecond when nobody else wants the core.

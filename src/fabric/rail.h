@@ -75,6 +75,9 @@ struct RailStats {
 struct RailHooks {
     std::function<void(uint32_t imm)> on_imm;
     std::function<void(std::span<const uint8_t>)> on_message;
+    // True while the engine expects arrivals soon (immediate waiters pending, GPU copies in
+    // flight): the worker then keeps polling instead of napping.
+    std::function<bool()> stay_awake;
 };
 
 class Rail {

@@ -51,13 +51,15 @@ struct EngineConfig {
     size_t max_message_size = 64 * 1024;
     int message_recv_buffers = 64;
     // Worker polling: spin for idle_spin after the last activity, then nap (woken at once by
-    // new submissions). busy_poll never naps: lowest latency, one core per rail.
+    // new submissions; arrivals wait for the end of the nap, at most max_nap). While
+    // immediate waiters are pending or GPU copies are in flight the worker does not nap.
+    // busy_poll never naps: lowest latency, one core per rail.
     bool busy_poll = false;
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
     std::string gpu_copy = "auto";
     Duration idle_spin = std::chrono::microseconds(200);
-    Duration max_nap = std::chrono::microseconds(500);
+    Duration max_nap = std::chrono::microseconds(100);
 };
 
 using PeerId = uint32_t;
