@@ -1,7 +1,8 @@
 #include "ferry/serve/cost_model.h"
 
-#include <algorithm>
 #include <fmt/format.h>
+
+#include <algorithm>
 
 namespace ferry::serve {
 
@@ -23,13 +24,25 @@ double ModelShape::kv_bytes_per_token() const {
 }
 
 ModelShape qwen3_32b() {
-    return ModelShape{.name = "qwen3-32b", .layers = 64, .hidden = 5120, .q_heads = 64,
-                      .kv_heads = 8, .head_dim = 128, .intermediate = 25600, .vocab = 151936};
+    return ModelShape{.name = "qwen3-32b",
+                      .layers = 64,
+                      .hidden = 5120,
+                      .q_heads = 64,
+                      .kv_heads = 8,
+                      .head_dim = 128,
+                      .intermediate = 25600,
+                      .vocab = 151936};
 }
 
 ModelShape tiny_test_model() {
-    return ModelShape{.name = "tiny", .layers = 2, .hidden = 256, .q_heads = 4, .kv_heads = 2,
-                      .head_dim = 16, .intermediate = 512, .vocab = 1000};
+    return ModelShape{.name = "tiny",
+                      .layers = 2,
+                      .hidden = 256,
+                      .q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 16,
+                      .intermediate = 512,
+                      .vocab = 1000};
 }
 
 GpuSpec h200() {
@@ -48,17 +61,17 @@ Result<GpuSpec> gpu_by_name(std::string_view name) {
     return invalid_argument(fmt::format("unknown GPU '{}': use h200", name));
 }
 
-Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp,
-                                    CostModelConfig config) {
+Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostModelConfig config) {
     if (tp < 1) return invalid_argument(fmt::format("TP degree must be >= 1, got {}", tp));
     if (model.layers < 1 || model.hidden < 1 || model.head_dim < 1 || model.vocab < 1)
         return invalid_argument(fmt::format("model shape '{}' has an empty dimension", model.name));
     if (model.q_heads % tp != 0 || model.kv_heads % tp != 0)
-        return invalid_argument(fmt::format(
-            "TP {} does not divide the {} query heads and {} KV heads of '{}'", tp,
-            model.q_heads, model.kv_heads, model.name));
+        return invalid_argument(
+            fmt::format("TP {} does not divide the {} query heads and {} KV heads of '{}'", tp,
+                        model.q_heads, model.kv_heads, model.name));
     if (gpu.peak_tflops <= 0 || gpu.hbm_tbps <= 0)
-        return invalid_argument(fmt::format("GPU '{}' needs positive peak and bandwidth", gpu.name));
+        return invalid_argument(
+            fmt::format("GPU '{}' needs positive peak and bandwidth", gpu.name));
     if (config.compute_efficiency <= 0 || config.compute_efficiency > 1 ||
         config.bandwidth_efficiency <= 0 || config.bandwidth_efficiency > 1)
         return invalid_argument("efficiencies must lie in (0, 1]");
@@ -66,8 +79,10 @@ Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp,
 }
 
 KvShape CostModel::kv_shape(int block_size) const {
-    return KvShape{.layers = model_.layers, .kv_heads = model_.kv_heads / tp_,
-                   .head_dim = model_.head_dim, .elem_bytes = model_.elem_bytes,
+    return KvShape{.layers = model_.layers,
+                   .kv_heads = model_.kv_heads / tp_,
+                   .head_dim = model_.head_dim,
+                   .elem_bytes = model_.elem_bytes,
                    .block_size = block_size};
 }
 

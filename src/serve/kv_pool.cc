@@ -15,17 +15,18 @@ void KvPool::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 Result<std::unique_ptr<KvPool>> KvPool::create(const KvShape& shape, size_t num_blocks) {
     if (shape.layers < 1 || shape.kv_heads < 1 || shape.head_dim < 1 || shape.elem_bytes < 1 ||
         shape.block_size < 1)
-        return invalid_argument("KV shape needs positive layers, heads, head dim, element size "
-                                "and block size");
+        return invalid_argument(
+            "KV shape needs positive layers, heads, head dim, element size "
+            "and block size");
     if (num_blocks == 0) return invalid_argument("a KV pool needs at least one block");
     size_t page = size_t(sysconf(_SC_PAGESIZE));
     size_t bytes = num_blocks * shape.block_bytes();
     size_t rounded = (bytes + page - 1) / page * page;
     auto* mem = static_cast<uint8_t*>(std::aligned_alloc(page, rounded));
     if (mem == nullptr)
-        return resource_exhausted(fmt::format(
-            "cannot allocate a KV pool of {} blocks ({} MiB): lower --num-blocks", num_blocks,
-            bytes >> 20));
+        return resource_exhausted(
+            fmt::format("cannot allocate a KV pool of {} blocks ({} MiB): lower --num-blocks",
+                        num_blocks, bytes >> 20));
     std::memset(mem, 0, rounded);
     return std::unique_ptr<KvPool>(new KvPool(shape, num_blocks, mem));
 }

@@ -45,8 +45,8 @@ Result<Where> locate(std::span<const BlockId> blocks, int block_size, size_t pos
         return out_of_range(fmt::format("position {} needs block #{}, the request has {} blocks",
                                         pos, i, blocks.size()));
     if (blocks[i] >= num_blocks)
-        return out_of_range(fmt::format("block id {} outside the pool of {}", blocks[i],
-                                        num_blocks));
+        return out_of_range(
+            fmt::format("block id {} outside the pool of {}", blocks[i], num_blocks));
     return Where{blocks[i], int(pos % block_size)};
 }
 
@@ -83,23 +83,39 @@ int32_t token_from_digest(uint64_t digest, int vocab) {
     return int32_t(mix64(digest) % uint64_t(vocab));
 }
 
-Status write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
-                       std::span<const int32_t> tokens) {
+Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
+                                 const KvSlice& slice, std::span<const int32_t> tokens) {
     uint64_t state = kEmptyPrefixState;
+    uint64_t digest = kEmptyPrefixState;
     for (size_t p = 0; p < tokens.size(); ++p) {
         state = prefix_state(state, tokens[p], int64_t(p));
-        FERRY_ASSIGN_OR_RETURN(Where w, locate(blocks, slice.shape.block_size, p,
-                                               pool.num_blocks()));
+        FERRY_ASSIGN_OR_RETURN(Where w,
+                               locate(blocks, slice.shape.block_size, p, pool.num_blocks()));
         for (int layer = 0; layer < slice.shape.layers; ++layer)
-            for (int kv = 0; kv < 2; ++kv)
-                fill_row_from(slice, state, layer, kv, pool.row(w.block, layer, kv, w.slot).data());
+            for (int kv = 0; kv < 2; ++kv) {
+                auto row = pool.row(w.block, layer, kv, w.slot);
+                fill_row_from(slice, state, layer, kv, row.data());
+                digest = fold_row(digest, row);
+            }
     }
-    return ok_status();
+    return digest;
+}
+
+DecodeStream::DecodeStream(const KvSlice& slice, std::span<const int32_t> prompt,
+                           uint64_t prompt_digest)
+    : slice_(slice),
+      prompt_len_(prompt.size()),
+      digest_(prompt_digest),
+      prefix_(kEmptyPrefixState) {
+    for (size_t p = 0; p < prompt.size(); ++p)
+        prefix_ = prefix_state(prefix_, prompt[p], int64_t(p));
 }
 
 DecodeStream::DecodeStream(const KvPool& pool, std::span<const BlockId> blocks,
                            const KvSlice& slice, std::span<const int32_t> prompt)
-    : slice_(slice), prompt_len_(prompt.size()), digest_(kEmptyPrefixState),
+    : slice_(slice),
+      prompt_len_(prompt.size()),
+      digest_(kEmptyPrefixState),
       prefix_(kEmptyPrefixState) {
     for (size_t p = 0; p < prompt.size(); ++p) {
         prefix_ = prefix_state(prefix_, prompt[p], int64_t(p));
@@ -119,8 +135,8 @@ Result<int32_t> DecodeStream::next(KvPool& pool, std::span<const BlockId> blocks
     if (generated_ > 0) {
         size_t pos = prompt_len_ + generated_ - 1;
         prefix_ = prefix_state(prefix_, last_, int64_t(pos));
-        FERRY_ASSIGN_OR_RETURN(Where w, locate(blocks, slice_.shape.block_size, pos,
-                                               pool.num_blocks()));
+        FERRY_ASSIGN_OR_RETURN(Where w,
+                               locate(blocks, slice_.shape.block_size, pos, pool.num_blocks()));
         for (int layer = 0; layer < slice_.shape.layers; ++layer) {
             for (int kv = 0; kv < 2; ++kv) {
                 auto row = pool.row(w.block, layer, kv, w.slot);

@@ -9,8 +9,7 @@ namespace {
 
 KvSlice tiny_slice() {
     KvSlice s;
-    s.shape = KvShape{.layers = 2, .kv_heads = 2, .head_dim = 16, .elem_bytes = 2,
-                      .block_size = 4};
+    s.shape = KvShape{.layers = 2, .kv_heads = 2, .head_dim = 16, .elem_bytes = 2, .block_size = 4};
     s.vocab = 1000;
     return s;
 }
@@ -44,6 +43,11 @@ TEST(SyntheticModel, DecodeOfPrefilledKvMatchesTheClientVerifier) {
     ASSERT_TRUE(write_prompt_kv(*f.pool, f.blocks, f.slice, f.prompt).ok());
     auto got = f.decode(6);
     EXPECT_EQ(got, expected_tokens(f.slice, f.prompt, 6));
+    // The prefilling engine decodes from the digest of what it wrote: same tokens.
+    auto digest = write_prompt_kv(*f.pool, f.blocks, f.slice, f.prompt);
+    DecodeStream local(f.slice, f.prompt, *digest);
+    EXPECT_EQ(*local.next(*f.pool, f.blocks), got[0]);
+    EXPECT_EQ(*local.next(*f.pool, f.blocks), got[1]);
     // Tokens are not all the same value: the verifier would notice a stuck generator.
     EXPECT_NE(got[0], got[1]);
 }

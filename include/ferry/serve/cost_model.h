@@ -35,9 +35,9 @@ struct ModelShape {
 
 struct GpuSpec {
     std::string name;
-    double peak_tflops = 0;   // dense bf16 tensor-core peak
-    double hbm_tbps = 0;      // HBM bandwidth, TB/s
-    double nvlink_gbps = 0;   // per-GPU NVLink bandwidth one way, GB/s (for TP all-reduce)
+    double peak_tflops = 0;  // dense bf16 tensor-core peak
+    double hbm_tbps = 0;     // HBM bandwidth, TB/s
+    double nvlink_gbps = 0;  // per-GPU NVLink bandwidth one way, GB/s (for TP all-reduce)
 };
 
 // Achieved fractions of peak and fixed costs. Defaults are typical of vLLM on Hopper: large
@@ -45,8 +45,8 @@ struct GpuSpec {
 struct CostModelConfig {
     double compute_efficiency = 0.6;
     double bandwidth_efficiency = 0.8;
-    double step_overhead_us = 300;      // scheduler, kernel launches, sampling per step
-    double allreduce_latency_us = 8;    // per all-reduce, two per layer at TP > 1
+    double step_overhead_us = 300;    // scheduler, kernel launches, sampling per step
+    double allreduce_latency_us = 8;  // per all-reduce, two per layer at TP > 1
 };
 
 // The shapes and GPUs ferry knows by name.

@@ -38,9 +38,10 @@ uint64_t fold_row(uint64_t digest, std::span<const uint8_t> row);
 // The generated token a digest stands for.
 int32_t token_from_digest(uint64_t digest, int vocab);
 
-// Writes the KV of tokens[0, n) at positions [0, n) into `blocks` (prefill).
-Status write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
-                       std::span<const int32_t> tokens);
+// Writes the KV of tokens[0, n) at positions [0, n) into `blocks` (prefill). Returns the digest
+// of what it wrote, so the engine that prefilled can decode without a second pass.
+Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
+                                 const KvSlice& slice, std::span<const int32_t> tokens);
 
 // Decode of one request over the KV its blocks hold. `prompt` is needed only to continue the
 // prefix hash for generated positions; the digest comes from the pool's bytes.
@@ -49,6 +50,8 @@ class DecodeStream {
     // Reads the prompt's KV (positions [0, prompt.size())) from the pool.
     DecodeStream(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
                  std::span<const int32_t> prompt);
+    // Continues from the digest write_prompt_kv returned (the KV was written here, not sent).
+    DecodeStream(const KvSlice& slice, std::span<const int32_t> prompt, uint64_t prompt_digest);
 
     // Produces the next token; from the second token on, first writes the previous token's KV
     // at its position (so blocks must cover prompt + generated - 1 tokens).
