@@ -10,6 +10,8 @@ void set_exit_code(int code) { g_exit_code = code; }
 
 void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_xfer(bench);
+    register_bench_serve(bench);
+    register_serve(app);
 }
 
 }  // namespace ferry::cli

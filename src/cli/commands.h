@@ -7,6 +7,8 @@ namespace ferry::cli {
 
 void register_commands(CLI::App& app, CLI::App& bench);
 void register_bench_xfer(CLI::App& bench);
+void register_bench_serve(CLI::App& bench);
+void register_serve(CLI::App& app);
 
 // Exit status set by the subcommand that ran.
 int exit_code();
