@@ -224,8 +224,10 @@ std::unique_ptr<httplib::Client> client_for(const std::string& host, int port, D
 
 Status transport_error(const std::string& host, int port, const std::string& path,
                        httplib::Error err) {
-    return unavailable(
-        fmt::format("HTTP {}:{}{} failed: {}", host, port, path, httplib::to_string(err)));
+    std::string what = httplib::to_string(err);
+    if (err == httplib::Error::Connection) what = "cannot connect (is the server up?)";
+    if (err == httplib::Error::Read) what = "connection closed or read timed out";
+    return unavailable(fmt::format("HTTP {}:{}{} failed: {}", host, port, path, what));
 }
 
 }  // namespace
