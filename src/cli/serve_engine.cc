@@ -6,7 +6,7 @@
 
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
-#include "ferry/serve/http.h"
+#include "ferry/serve/engine_server.h"
 
 namespace ferry::cli {
 namespace {
@@ -88,7 +88,7 @@ int run_engine(const std::string& role, EngineFlags f) {
         return 1;
     }
     auto server = serve::EngineServer::start(
-        engine->get(), {.host = f.host, .port = f.port, .threads = f.http_threads});
+        engine->get(), {.http = {.host = f.host, .port = f.port, .threads = f.http_threads}});
     if (!server.ok()) {
         fmt::print(stderr, "error: {}\n", server.status().to_string());
         return 1;

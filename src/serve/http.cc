@@ -4,160 +4,77 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <thread>
 
 #include "ferry/common/log.h"
-#include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
 
-namespace {
+// ---- server ------------------------------------------------------------------------------------
 
-void send_error(httplib::Response& res, const Status& st) {
-    res.status = http_status_for(st);
-    res.set_content(error_body(st), "application/json");
-}
-
-// Collects a finished request's summary for the final response or event.
-CompletionResult result_of(const RequestHandle& h, const std::string& model,
-                           std::vector<int32_t> tokens) {
-    CompletionResult r;
-    r.id = "cmpl-" + h.id();
-    r.model = model;
-    r.tokens = std::move(tokens);
-    r.prompt_tokens = h.prompt_tokens();
-    r.kv_out = h.kv_out();
-    r.timing = h.timing();
-    return r;
-}
-
-}  // namespace
-
-struct EngineServer::Impl {
-    Engine* engine;
-    HttpServerOptions options;
+struct HttpServer::Impl {
     httplib::Server server;
     std::thread thread;
     int port = 0;
     std::atomic<bool> stopping{false};
     std::atomic<bool> exited{false};
-
-    void completions(const httplib::Request& req, httplib::Response& res) {
-        auto parsed = parse_completion_request(req.body);
-        if (!parsed.ok()) return send_error(res, parsed.status());
-        bool stream = parsed->stream;
-        auto handle = engine->submit(std::move(parsed->gen));
-        if (!handle.ok()) return send_error(res, handle.status());
-        std::shared_ptr<RequestHandle> h = std::move(handle).value();
-        TimePoint deadline = Clock::now() + options.request_timeout;
-        const std::string& model = options.model_name;
-
-        if (!stream) {
-            std::vector<int32_t> tokens;
-            while (true) {
-                auto e = h->next(deadline);
-                if (!e.ok()) {
-                    h->cancel();
-                    return send_error(res, e.status());
-                }
-                if (e->finished) break;
-                tokens.push_back(e->token);
-            }
-            if (!h->status().ok()) return send_error(res, h->status());
-            res.set_content(completion_body(result_of(*h, model, std::move(tokens))),
-                            "application/json");
-            return;
-        }
-
-        // Wait for the first event before answering, so a request that fails before its first
-        // token (KV transfer failed, timed out) gets a real HTTP error rather than 200 + an
-        // error event.
-        auto first = h->next(deadline);
-        if (!first.ok()) {
-            h->cancel();
-            return send_error(res, first.status());
-        }
-        if (first->finished && !h->status().ok()) return send_error(res, h->status());
-        auto tokens = std::make_shared<std::vector<int32_t>>();
-        auto pending = std::make_shared<std::optional<RequestHandle::Event>>(*first);
-        res.set_header("Cache-Control", "no-cache");
-        res.set_chunked_content_provider(
-            "text/event-stream",
-            [this, h, tokens, pending, deadline, model](size_t, httplib::DataSink& sink) {
-                // Waits in short slices so a server stop ends the stream promptly.
-                Result<RequestHandle::Event> e =
-                    pending->has_value()
-                        ? Result<RequestHandle::Event>(**pending)
-                        : h->next(std::min(deadline, Clock::now() + milliseconds(200)));
-                pending->reset();
-                if (!e.ok()) {
-                    if (stopping || Clock::now() >= deadline) {
-                        h->cancel();
-                        Status why = stopping ? cancelled("server stopping") : e.status();
-                        std::string ev = sse_error_event(why);
-                        sink.write(ev.data(), ev.size());
-                        sink.done();
-                    }
-                    return true;  // called again
-                }
-                std::string ev;
-                if (!e->finished) {
-                    tokens->push_back(e->token);
-                    ev = sse_token_event("cmpl-" + h->id(), model, e->token);
-                } else {
-                    ev = h->status().ok() ? sse_final_event(result_of(*h, model, *tokens))
-                                          : sse_error_event(h->status());
-                    ev += kSseDone;
-                }
-                if (!sink.write(ev.data(), ev.size())) {
-                    h->cancel();  // client gone: free the blocks now
-                    return false;
-                }
-                if (e->finished) sink.done();
-                return true;
-            },
-            [h](bool success) {
-                if (!success) h->cancel();
-            });
-    }
 };
 
-EngineServer::EngineServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-EngineServer::~EngineServer() { stop(); }
+HttpServer::~HttpServer() { stop(); }
 
-Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
-                                                          HttpServerOptions options) {
-    if (engine == nullptr) return invalid_argument("no engine to serve");
+int HttpServer::port() const { return impl_->port; }
+
+bool HttpServer::stopping() const { return impl_->stopping.load(); }
+
+Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
+                                                      std::vector<HttpRoute> routes) {
     auto impl = std::make_unique<Impl>();
-    impl->engine = engine;
-    if (options.model_name.empty()) options.model_name = engine->cost_model().model().name;
-    impl->options = options;
     Impl* p = impl.get();
     size_t threads = std::max<size_t>(options.threads, 2);
     p->server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     p->server.set_read_timeout(std::chrono::seconds(30));
     p->server.set_write_timeout(std::chrono::seconds(30));
-    p->server.Post("/v1/completions", [p](const httplib::Request& req, httplib::Response& res) {
-        p->completions(req, res);
-    });
-    p->server.Get("/health", [p](const httplib::Request&, httplib::Response& res) {
-        EngineStats st = p->engine->stats();
-        nlohmann::json j = {{"status", "ok"},
-                            {"engine_id", p->engine->config().engine_id},
-                            {"model", p->options.model_name},
-                            {"kv_blocks_free", st.blocks_free},
-                            {"kv_blocks_total", st.blocks_total}};
-        res.set_content(j.dump(), "application/json");
-    });
-    p->server.Get("/metrics", [p](const httplib::Request&, httplib::Response& res) {
-        res.set_content(p->engine->prometheus_text(), "text/plain; version=0.0.4");
-    });
+    for (HttpRoute& r : routes) {
+        auto adapt = [h = std::move(r.handler), method = r.method](const httplib::Request& req,
+                                                                   httplib::Response& res) {
+            HttpRequest in{method, req.path, req.body};
+            HttpReply out;
+            h(in, out);
+            res.status = out.status;
+            if (!out.stream) {
+                res.set_content(out.body, out.content_type);
+                return;
+            }
+            res.set_header("Cache-Control", "no-cache");
+            auto stream =
+                std::make_shared<std::function<void(const ChunkWriter&)>>(std::move(out.stream));
+            res.set_chunked_content_provider(
+                out.content_type, [stream](size_t, httplib::DataSink& sink) {
+                    // The whole stream runs in this one call; httplib ends the response at done().
+                    (*stream)([&sink](std::string_view chunk) {
+                        return sink.is_writable() && sink.write(chunk.data(), chunk.size());
+                    });
+                    sink.done();
+                    return true;
+                });
+        };
+        if (r.method == "GET")
+            p->server.Get(r.path, std::move(adapt));
+        else if (r.method == "POST")
+            p->server.Post(r.path, std::move(adapt));
+        else
+            return invalid_argument("HTTP routes are GET or POST, not " + r.method);
+    }
     p->server.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-        if (res.status == 404)
-            send_error(res, not_found(fmt::format("no route {} {}: use POST /v1/completions, "
-                                                  "GET /health or GET /metrics",
-                                                  req.method, req.path)));
+        if (res.status != 404) return;
+        res.set_content(fmt::format(R"({{"error": {{"message": "no route {} {}", "code": 404}}}})",
+                                    req.method, req.path),
+                        "application/json");
     });
     // The library listens with a backlog of 5: a burst of clients then loses SYNs and waits a
     // full second for the retry (measured: a 10-request burst took 1.0 s instead of 0.05 s).
@@ -182,20 +99,17 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
         p->server.listen_after_bind();
         p->exited = true;
     });
-    // stop() before the listen loop runs would be lost and leave it running forever.
     TimePoint deadline = Clock::now() + seconds(5);
     while (!p->server.is_running() && Clock::now() < deadline)
         std::this_thread::sleep_for(milliseconds(1));
     if (!p->server.is_running()) {
-        EngineServer failed(std::move(impl));  // its stop() joins the thread
+        HttpServer failed(std::move(impl));  // its stop() joins the thread
         return internal_error("HTTP server did not start listening within 5 s");
     }
-    return std::unique_ptr<EngineServer>(new EngineServer(std::move(impl)));
+    return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 
-int EngineServer::port() const { return impl_->port; }
-
-void EngineServer::stop() {
+void HttpServer::stop() {
     if (!impl_ || impl_->stopping.exchange(true)) return;
     // Repeated because a stop() that lands before the listen loop starts is lost.
     TimePoint deadline = Clock::now() + seconds(10);
@@ -211,14 +125,16 @@ void EngineServer::stop() {
     if (impl_->thread.joinable()) impl_->thread.join();
 }
 
+// ---- clients -----------------------------------------------------------------------------------
+
 namespace {
 
 std::unique_ptr<httplib::Client> client_for(const std::string& host, int port, Duration timeout) {
     auto c = std::make_unique<httplib::Client>(host, port);
-    auto secs = std::chrono::duration_cast<std::chrono::microseconds>(timeout);
-    c->set_connection_timeout(secs);
-    c->set_read_timeout(secs);
-    c->set_write_timeout(secs);
+    auto us = std::chrono::duration_cast<std::chrono::microseconds>(timeout);
+    c->set_connection_timeout(us);
+    c->set_read_timeout(us);
+    c->set_write_timeout(us);
     return c;
 }
 
@@ -259,6 +175,10 @@ Status http_post_stream(const std::string& host, int port, const std::string& pa
     req.set_header("Content-Type", "application/json");
     req.set_header("Accept", "text/event-stream");
     bool stopped_by_caller = false;
+    req.response_handler = [&](const httplib::Response& res) {
+        if (status) *status = res.status;
+        return true;
+    };
     req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
         if (on_data(std::string_view(data, len))) return true;
         stopped_by_caller = true;
@@ -268,6 +188,81 @@ Status http_post_stream(const std::string& host, int port, const std::string& pa
     if (r && status) *status = r->status;
     if (!r && !stopped_by_caller) return transport_error(host, port, path, r.error());
     return ok_status();
+}
+
+struct HttpStream::Impl {
+    std::unique_ptr<httplib::Client> client;
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::string> chunks;
+    bool ended = false;
+    Status error;
+    std::atomic<int> status{0};
+    std::atomic<bool> cancelled{false};
+};
+
+HttpStream::HttpStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpStream::~HttpStream() { cancel(); }
+
+std::unique_ptr<HttpStream> HttpStream::post(const std::string& host, int port,
+                                             const std::string& path, std::string body,
+                                             Duration timeout) {
+    auto impl = std::make_unique<Impl>();
+    impl->client = client_for(host, port, timeout);
+    Impl* p = impl.get();
+    p->thread = std::thread([p, host, port, path, body = std::move(body)] {
+        httplib::Request req;
+        req.method = "POST";
+        req.path = path;
+        req.body = body;
+        req.set_header("Content-Type", "application/json");
+        req.response_handler = [p](const httplib::Response& res) {
+            p->status = res.status;
+            return true;
+        };
+        req.content_receiver = [p](const char* data, size_t len, uint64_t, uint64_t) {
+            if (p->cancelled) return false;
+            {
+                std::lock_guard lock(p->mu);
+                p->chunks.emplace_back(data, len);
+            }
+            p->cv.notify_all();
+            return true;
+        };
+        auto r = p->client->send(req);
+        std::lock_guard lock(p->mu);
+        if (r) p->status = r->status;
+        if (!r && !p->cancelled) p->error = transport_error(host, port, path, r.error());
+        if (!r && p->cancelled) p->error = cancelled("HTTP call cancelled");
+        p->ended = true;
+        p->cv.notify_all();
+    });
+    return std::unique_ptr<HttpStream>(new HttpStream(std::move(impl)));
+}
+
+Result<std::optional<std::string>> HttpStream::next(TimePoint deadline) {
+    std::unique_lock lock(impl_->mu);
+    if (!impl_->cv.wait_until(lock, deadline,
+                              [&] { return !impl_->chunks.empty() || impl_->ended; }))
+        return timeout_error("no response data before the deadline");
+    if (!impl_->chunks.empty()) {
+        std::string c = std::move(impl_->chunks.front());
+        impl_->chunks.pop_front();
+        return std::optional<std::string>(std::move(c));
+    }
+    if (!impl_->error.ok()) return impl_->error;
+    return std::optional<std::string>();
+}
+
+int HttpStream::status() const { return impl_->status.load(); }
+
+void HttpStream::cancel() {
+    if (!impl_) return;
+    impl_->cancelled = true;
+    impl_->client->stop();
+    if (impl_->thread.joinable()) impl_->thread.join();
 }
 
 }  // namespace ferry::serve

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "ferry/serve/http.h"
+#include "ferry/serve/engine_server.h"
 
 namespace ferry::serve {
 namespace {
@@ -14,7 +14,8 @@ struct Target {
         auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
         engine = Engine::create({.engine_id = "e", .num_blocks = 256}, cost).value();
         EXPECT_TRUE(engine->start().ok());
-        server = EngineServer::start(engine.get(), {.host = "127.0.0.1", .port = 0}).value();
+        server =
+            EngineServer::start(engine.get(), {.http = {.host = "127.0.0.1", .port = 0}}).value();
     }
     ~Target() {
         server->stop();

@@ -1,10 +1,9 @@
 // The engine's HTTP API over loopback, the way a client or router uses it.
-#include "ferry/serve/http.h"
-
 #include <gtest/gtest.h>
 
 #include <thread>
 
+#include "ferry/serve/engine_server.h"
 #include "ferry/serve/inprocess_kv_link.h"
 #include "ferry/serve/openai_api.h"
 
@@ -26,7 +25,7 @@ struct Served {
     }
     void start() {
         ASSERT_TRUE(engine->start().ok());
-        auto s = EngineServer::start(engine.get(), {.host = kHost, .port = 0});
+        auto s = EngineServer::start(engine.get(), {.http = {.host = kHost, .port = 0}});
         ASSERT_TRUE(s.ok()) << s.status().to_string();
         server = std::move(s).value();
     }
