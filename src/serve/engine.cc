@@ -86,7 +86,7 @@ struct Engine::Seq {
 // Events reach the loop through here. Shared with connector callbacks, so a callback that fires
 // after the engine is gone finds a closed inbox instead of a dangling engine.
 struct Engine::Inbox {
-    enum class Kind { kNew, kCancel, kKvArrived, kReleased, kDigested };
+    enum class Kind { kNew, kCancel, kCancelTransfer, kKvArrived, kReleased, kDigested };
     struct Event {
         Kind kind = Kind::kNew;
         RequestId id{};
@@ -274,35 +274,37 @@ void Engine::drain_inbox() {
     }
     for (auto& e : events) {
         switch (e.kind) {
-            case Inbox::Kind::kNew:
+            case Inbox::Kind::kNew: {
+                // An abort may overtake its request (they travel on different connections).
+                auto a = e.seq->req.kv.transfer_id.empty()
+                             ? aborted_.end()
+                             : aborted_.find(e.seq->req.kv.transfer_id);
+                if (a != aborted_.end()) {
+                    finish(*e.seq, cancelled(fmt::format("transfer {} was aborted", a->first)));
+                    break;
+                }
                 waiting_.push_back(std::move(e.seq));
                 break;
-            case Inbox::Kind::kCancel: {
-                Status why = cancelled(fmt::format("request {} cancelled by the client", e.id));
-                auto w = std::find_if(waiting_.begin(), waiting_.end(),
-                                      [&](auto& s) { return s->id == e.id; });
-                if (w != waiting_.end()) {
-                    finish(**w, why);
-                    waiting_.erase(w);
-                    break;
-                }
-                auto r = std::find_if(running_seqs_.begin(), running_seqs_.end(),
-                                      [&](auto& s) { return s->id == e.id; });
-                if (r != running_seqs_.end()) {
-                    finish(**r, why);
-                    (void)blocks_.free((*r)->id);
-                    running_seqs_.erase(r);
-                    break;
-                }
-                auto k = waiting_kv_.find(e.id);
-                if (k != waiting_kv_.end()) {
-                    Seq& s = *k->second;
-                    finish(s, why);
-                    if (!s.digesting && !s.cancel_sent) {
-                        s.cancel_sent = true;
-                        consumer_->cancel(s.id);
-                    }
-                }
+            }
+            case Inbox::Kind::kCancel:
+                cancel_seq(e.id,
+                           cancelled(fmt::format("request {} cancelled by the client", e.id)));
+                break;
+            case Inbox::Kind::kCancelTransfer: {
+                TimePoint now = Clock::now();
+                std::erase_if(aborted_, [&](auto& kv) { return kv.second < now; });
+                aborted_[e.id] = now + seconds(60);
+                // Decode legs of this transfer, wherever they are; normally exactly one.
+                std::vector<RequestId> ids;
+                for (auto& s : waiting_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
+                for (auto& [id, s] : waiting_kv_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(id);
+                for (auto& s : running_seqs_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
+                for (auto& id : ids)
+                    cancel_seq(id, cancelled(fmt::format("transfer {} aborted: {}", e.id,
+                                                         e.status.message())));
                 break;
             }
             case Inbox::Kind::kKvArrived: {
@@ -375,6 +377,40 @@ void Engine::drain_inbox() {
             }
         }
     }
+}
+
+void Engine::cancel_seq(const RequestId& id, const Status& why) {
+    auto w = std::find_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return s->id == id; });
+    if (w != waiting_.end()) {
+        finish(**w, why);
+        waiting_.erase(w);
+        return;
+    }
+    auto r = std::find_if(running_seqs_.begin(), running_seqs_.end(),
+                          [&](auto& s) { return s->id == id; });
+    if (r != running_seqs_.end()) {
+        finish(**r, why);
+        (void)blocks_.free((*r)->id);
+        running_seqs_.erase(r);
+        return;
+    }
+    auto k = waiting_kv_.find(id);
+    if (k != waiting_kv_.end()) {
+        // The client hears now; the blocks stay until the connector confirms it stopped.
+        Seq& s = *k->second;
+        finish(s, why);
+        if (!s.digesting && !s.cancel_sent) {
+            s.cancel_sent = true;
+            consumer_->cancel(s.id);
+        }
+    }
+}
+
+Status Engine::abort_transfer(const std::string& transfer_id, const std::string& reason) {
+    if (transfer_id.empty()) return invalid_argument("abort needs a transfer_id");
+    inbox_->post(Inbox::Event{
+        .kind = Inbox::Kind::kCancelTransfer, .id = transfer_id, .status = cancelled(reason)});
+    return ok_status();
 }
 
 void Engine::expire_kv_waits() {

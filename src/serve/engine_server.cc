@@ -45,6 +45,19 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                                               {"kv_blocks_total", st.blocks_total}};
                           reply.body = j.dump();
                       }});
+    // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
+    routes.push_back({"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
+                          nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+                          if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
+                              !j["transfer_id"].is_string())
+                              return send_error(reply,
+                                                invalid_argument("body must be {\"transfer_id\": "
+                                                                 "\"...\", \"reason\": \"...\"}"));
+                          Status st = p->engine_->abort_transfer(
+                              j["transfer_id"].get<std::string>(), j.value("reason", "aborted"));
+                          if (!st.ok()) return send_error(reply, st);
+                          reply.body = "{}";
+                      }});
     routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->engine_->prometheus_text();

@@ -239,6 +239,11 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             if (prefill->ended && (!prefill->status.ok() || prefill->http != 200)) {
                 prefill_failures_++;
                 decode_call->cancel();
+                // Closing the decode leg is not seen by an engine still waiting for KV.
+                (void)http_post_json(
+                    D.host, D.port, "/ferry/abort",
+                    json{{"transfer_id", tid}, {"reason", "prefill leg failed"}}.dump(),
+                    seconds(5));
                 return fail(
                     prefill->status.ok() ? (prefill->http >= 400 ? prefill->http : 502) : 502,
                     prefill->status.ok() ? leg_message("prefill", P, prefill->http, prefill->body)

@@ -279,6 +279,21 @@ TEST(DisaggregatedEngines, DecodeLegWhosePrefillNeverComesFailsAndFreesItsBlocks
     EXPECT_EQ(pd.decode->stats().requests_failed, 1u);
 }
 
+TEST(DisaggregatedEngines, AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesFirst) {
+    PD pd(KvLinkMode::kPush);
+    auto waiting = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("a1"))).value();
+    ASSERT_TRUE(eventually([&] { return pd.decode->stats().blocks_used > 0; }));
+    ASSERT_TRUE(pd.decode->abort_transfer("a1", "prefill leg failed").ok());
+    Collected c = collect(*waiting, seconds(2));
+    EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
+    EXPECT_NE(c.status.message().find("prefill leg failed"), std::string::npos);
+    // The abort overtook this one.
+    ASSERT_TRUE(pd.decode->abort_transfer("a2", "prefill leg failed").ok());
+    auto late = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("a2"))).value();
+    EXPECT_EQ(collect(*late, seconds(2)).status.code(), StatusCode::kCancelled);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+}
+
 TEST(DisaggregatedEngines, PrefillLegNobodyCollectsIsReleasedAfterTheLease) {
     PD pd(KvLinkMode::kPush, milliseconds(200));
     auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(20, 1), "orphan")).value();

@@ -196,14 +196,15 @@ TEST(Router, DecodeEngineDownGivesAClientErrorAndPrefillFreesItsBlocks) {
 
 TEST(Router, PrefillLegRejectedGivesTheClientItsErrorAndDecodeFreesItsBlocks) {
     Cluster c(1, 1, KvLinkMode::kPush);
-    // The prefill engine's max_model_len is the default; a prompt with a token outside the
-    // vocabulary is refused by both legs, but the prefill's refusal must not leave decode waiting.
     c.prefill[0].engine->stop();  // prefill answers 503 "engine is not running"
     Streamed s = stream(c.router->port(),
                         {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
     EXPECT_EQ(s.status, 503) << s.raw;
     EXPECT_NE(s.raw.find("prefill leg"), std::string::npos) << s.raw;
-    EXPECT_TRUE(eventually([&] { return c.decode[0].engine->stats().blocks_free == 64; }));
+    // Freed through /ferry/abort, well before the decode leg's 2 s KV wait would end.
+    EXPECT_TRUE(eventually([&] { return c.decode[0].engine->stats().blocks_free == 64; },
+                           milliseconds(1000)));
+    EXPECT_EQ(c.decode[0].engine->stats().requests_failed, 1u);
 }
 
 TEST(Router, ParsesEngineAddressLists) {

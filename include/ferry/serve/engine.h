@@ -124,6 +124,10 @@ class Engine {
 
     // Checks the request against the engine's limits and queues it.
     Result<std::shared_ptr<RequestHandle>> submit(GenerateRequest request);
+    // Ends every request of this transfer id here (the router's answer to a failed other leg:
+    // a decode leg whose prefill leg was refused would otherwise hold blocks until its
+    // kv_wait_timeout).
+    Status abort_transfer(const std::string& transfer_id, const std::string& reason);
 
     const EngineConfig& config() const { return config_; }
     const CostModel& cost_model() const { return cost_; }
@@ -143,6 +147,7 @@ class Engine {
     void run_prefill(std::vector<Seq*>& batch);
     void run_decode();
     void expire_kv_waits();
+    void cancel_seq(const RequestId& id, const Status& why);
     bool sleep_until(TimePoint t);  // false when stopping
     void finish(Seq& seq, Status status, KvTransferParams kv_out = {});
     void fail_all(const Status& status);
@@ -173,7 +178,8 @@ class Engine {
         TimePoint since;
         uint64_t bytes;
     };
-    std::map<RequestId, Held> held_;  // prefill blocks the connector still reads
+    std::map<RequestId, Held> held_;            // prefill blocks the connector still reads
+    std::map<std::string, TimePoint> aborted_;  // transfer ids aborted recently, until when
 
     // Read by stats() from any thread.
     mutable std::mutex stats_mu_;
