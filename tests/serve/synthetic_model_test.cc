@@ -110,3 +110,43 @@ TEST(SyntheticModel, DecodeFailsCleanlyWhenBlocksRunOut) {
 
 }  // namespace
 }  // namespace ferry::serve
+
+namespace ferry::serve {
+namespace {
+
+TEST(SyntheticModel, TokensDoNotDependOnTheBlockSize) {
+    // A transfer between engines with different block sizes must give the same tokens.
+    std::vector<int32_t> prompt(37);
+    std::iota(prompt.begin(), prompt.end(), 100);
+    std::vector<int32_t> first;
+    for (int bs : {4, 8, 16}) {
+        KvSlice s = tiny_slice();
+        s.shape.block_size = bs;
+        auto pool = std::move(KvPool::create(s.shape, 32).value());
+        std::vector<BlockId> blocks(BlockManager::blocks_for_tokens(37 + 3, bs));
+        std::iota(blocks.rbegin(), blocks.rend(), 0);  // scattered, descending ids
+        auto digest = write_prompt_kv(*pool, blocks, s, prompt);
+        ASSERT_TRUE(digest.ok());
+        DecodeStream d(*pool, blocks, s, prompt);
+        std::vector<int32_t> got;
+        for (int i = 0; i < 4; ++i) got.push_back(*d.next(*pool, blocks));
+        EXPECT_EQ(got, expected_tokens(s, prompt, 4)) << "block size " << bs;
+        if (first.empty()) first = got;
+        EXPECT_EQ(got, first);
+    }
+}
+
+TEST(SyntheticModel, RowsSwappedBetweenSlotsChangeTheTokens) {
+    KvSlice s = tiny_slice();
+    auto pool = std::move(KvPool::create(s.shape, 8).value());
+    std::vector<int32_t> prompt{5, 6, 7, 8, 9, 10};
+    std::vector<BlockId> blocks{0, 1};
+    ASSERT_TRUE(write_prompt_kv(*pool, blocks, s, prompt).ok());
+    auto a = pool->row(0, 0, 0, 1), b = pool->row(0, 0, 0, 2);
+    std::swap_ranges(a.begin(), a.end(), b.begin());
+    DecodeStream d(*pool, blocks, s, prompt);
+    EXPECT_NE(*d.next(*pool, blocks), expected_tokens(s, prompt, 1)[0]);
+}
+
+}  // namespace
+}  // namespace ferry::serve

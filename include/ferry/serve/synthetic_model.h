@@ -33,8 +33,10 @@ inline constexpr uint64_t kEmptyPrefixState = 0x243f6a8885a308d3ULL;
 
 // Fills one (layer, K/V) row for the position whose prefix state is `state`.
 void fill_kv_row(const KvSlice& slice, uint64_t state, int layer, int kv, std::span<uint8_t> row);
-// Folds a row into a decode digest; every byte counts.
-uint64_t fold_row(uint64_t digest, std::span<const uint8_t> row);
+// A row's contribution to a decode digest: every byte counts, and so does where the row sits.
+// The digest is the sum of its rows' terms, so it can be taken in memory order and does not
+// depend on the block size.
+uint64_t row_term(std::span<const uint8_t> row, size_t position, int layer, int kv);
 // The generated token a digest stands for.
 int32_t token_from_digest(uint64_t digest, int vocab);
 
