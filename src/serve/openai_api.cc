@@ -105,6 +105,10 @@ json kv_params_to_json(const KvTransferParams& kv) {
 Result<CompletionRequest> parse_completion_request(std::string_view body) {
     json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+    return parse_completion_json(j);
+}
+
+Result<CompletionRequest> parse_completion_json(const json& j) {
     if (!j.is_object()) return invalid_argument("request body must be a JSON object");
     CompletionRequest r;
     if (!j.contains("prompt")) return field_error("prompt", "is required");

@@ -27,6 +27,8 @@ std::string token_text(int32_t token);
 
 // Parses a /v1/completions body. Errors are kInvalidArgument and name the offending field.
 Result<CompletionRequest> parse_completion_request(std::string_view body);
+// The same for a body already parsed (the router parses once and forwards).
+Result<CompletionRequest> parse_completion_json(const nlohmann::json& body);
 
 nlohmann::json kv_params_to_json(const KvTransferParams& kv);
 Result<KvTransferParams> kv_params_from_json(const nlohmann::json& j);
