@@ -43,6 +43,11 @@ ferry="$build/ferry"
 [[ -x $ferry ]] || { echo "error: $ferry not found; build first (make build)" >&2; exit 1; }
 mkdir -p "$out"
 
+healthy() {  # python3 is there already for the plots; curl may not be
+    /usr/bin/python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
+        "http://127.0.0.1:$1/health" >/dev/null 2>&1
+}
+
 server_pid=""
 stop_server() {
     if [[ -n $server_pid ]]; then
@@ -68,21 +73,24 @@ for mode in $modes; do
         --decode-port $((port + 2)) "${engine_flags[@]}" >"$log" 2>&1 &
     server_pid=$!
     for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        healthy "$port" && break
         kill -0 "$server_pid" 2>/dev/null || { echo "error: server died, see $log" >&2; exit 1; }
         sleep 0.1
     done
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null ||
+    healthy "$port" ||
         { echo "error: server not up after 30 s, see $log" >&2; exit 1; }
     for in_len in $inputs; do
         for qps in $qps_list; do
             for ((it = 0; it < iters; it++)); do
                 name="${mode}_qps${qps}_in${in_len}_out${output_len}_iter${it}.json"
                 echo "== $name" >&2
+                rc=0
                 "$ferry" bench serve --port "$port" --label "$mode" --request-rate "$qps" \
                     --num-prompts "$prompts" --input-len "$in_len" --output-len "$output_len" \
                     --seed "$it" "${verify[@]}" "${bench_model[@]}" \
-                    --result-file "$out/$name" >/dev/null || true
+                    --result-file "$out/$name" >/dev/null || rc=$?
+                # The bench catches Ctrl-C itself (and says so with 130), so bash may not.
+                if ((rc == 130)); then rm -f "$out/$name"; exit 130; fi  # partial run
             done
         done
     done

@@ -96,6 +96,7 @@ int run(BenchFlags f) {
         }
         fmt::print(stderr, "wrote {}\n", f.result_file);
     }
+    if (stop_requested().load()) return 130;  // interrupted: callers (sweeps) should stop too
     bool all_good = j["failed"].get<size_t>() == 0 && j["verification_failures"].get<size_t>() == 0;
     return all_good ? 0 : 3;
 }
