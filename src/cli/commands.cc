@@ -13,6 +13,10 @@ void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_gpu(bench);
     register_bench_kv(bench);
     register_bench_moe(bench);
+#ifdef FERRY_HAVE_SERVE
+    register_bench_serve(bench);
+    register_serve(app);
+#endif
 }
 
 }  // namespace ferry::cli

@@ -1,0 +1,190 @@
+// An inference engine step loop in the manner of vLLM: continuous batching under
+// max_num_seqs / max_model_len, a FIFO scheduler that admits a waiting request once its KV
+// blocks are free, prefill steps ahead of decode steps, tokens streamed to each request as
+// its step ends.
+//
+// Compute is modelled: a step lasts the time the cost model gives for its batch (times
+// time_scale), spent sleeping. KV is real: prefill writes the synthetic model's KV bytes into
+// the pool, a KV connector moves them between engines, and decode derives every token from the
+// bytes it holds (see synthetic_model.h).
+//
+// One engine serves all three kinds of request:
+//  - colocated (no kv_transfer_params): prefill and decode here;
+//  - prefill leg (do_remote_decode): prefill here, one token back, KV handed to the KvProducer;
+//  - decode leg (do_remote_prefill): blocks allocated, KvConsumer fills them, decode here.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/serve/cost_model.h"
+#include "ferry/serve/kv_connector.h"
+#include "ferry/serve/kv_pool.h"
+#include "ferry/serve/metrics.h"
+#include "ferry/serve/synthetic_model.h"
+
+namespace ferry::serve {
+
+struct EngineConfig {
+    std::string engine_id = "engine-0";
+    size_t max_num_seqs = 256;
+    size_t max_model_len = 32768;
+    // Prompt tokens per prefill step; a longer prompt runs alone (no chunked prefill).
+    size_t max_num_batched_tokens = 16384;
+    size_t num_blocks = 4096;
+    int block_size = 16;
+    int head_offset = 0;      // global index of this rank's first KV head
+    double time_scale = 1.0;  // multiplies modelled step times; tests run faster than real
+    // A decode leg whose KV has not arrived by then is cancelled and fails.
+    Duration kv_wait_timeout = seconds(30);
+};
+
+struct GenerateRequest {
+    std::vector<int32_t> prompt{};
+    size_t max_tokens = 16;
+    KvTransferParams kv{};
+};
+
+// When a request passed each stage: explains its TTFT.
+struct RequestTiming {
+    TimePoint arrived{}, scheduled{}, prefill_start{}, prefill_end{}, kv_ready{}, first_token{},
+        finished{};
+};
+
+// The client's view of one request: tokens as they are produced, then the end.
+class RequestHandle {
+  public:
+    struct Event {
+        bool finished = false;  // no more tokens; status() says how it ended
+        int32_t token = -1;
+    };
+    // Waits for the next token or the end until `deadline` (then a timeout error).
+    Result<Event> next(TimePoint deadline);
+    // Asks the engine to stop the request and free its blocks; safe from any thread.
+    void cancel();
+
+    const RequestId& id() const { return id_; }
+    // Valid once next() returned finished.
+    Status status() const;
+    KvTransferParams kv_out() const;
+    RequestTiming timing() const;
+    size_t prompt_tokens() const { return prompt_tokens_; }
+
+  private:
+    friend class Engine;
+    RequestHandle(RequestId id, size_t prompt_tokens, std::function<void()> on_cancel)
+        : id_(std::move(id)), prompt_tokens_(prompt_tokens), on_cancel_(std::move(on_cancel)) {}
+    void push(int32_t token, TimePoint at);
+    void finish(Status status, KvTransferParams kv_out, TimePoint at);
+
+    const RequestId id_;
+    const size_t prompt_tokens_;
+    std::function<void()> on_cancel_;
+    mutable std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<int32_t> tokens_;
+    bool finished_ = false;
+    Status status_;
+    KvTransferParams kv_out_;
+    RequestTiming timing_;
+    std::atomic<bool> cancelled_{false};
+};
+
+struct EngineStats {
+    size_t waiting = 0, running = 0, waiting_for_kv = 0, held_for_transfer = 0;
+    size_t blocks_total = 0, blocks_used = 0, blocks_free = 0;
+    uint64_t requests_total = 0, requests_failed = 0, prompt_tokens = 0, generated_tokens = 0;
+    uint64_t prefill_steps = 0, decode_steps = 0;
+    uint64_t kv_transfers = 0, kv_transfer_failures = 0, kv_transfer_bytes = 0;
+};
+
+class Engine {
+  public:
+    static Result<std::unique_ptr<Engine>> create(EngineConfig config, CostModel cost);
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    // The connector must outlive the engine's loop (stop() first). Call before start().
+    void attach_connector(KvProducer* producer, KvConsumer* consumer);
+    Status start();
+    // Fails every request still in flight with kCancelled and joins the loop.
+    void stop();
+
+    // Checks the request against the engine's limits and queues it.
+    Result<std::shared_ptr<RequestHandle>> submit(GenerateRequest request);
+    // Ends every request of this transfer id here (the router's answer to a failed other leg:
+    // a decode leg whose prefill leg was refused would otherwise hold blocks until its
+    // kv_wait_timeout).
+    Status abort_transfer(const std::string& transfer_id, const std::string& reason);
+
+    const EngineConfig& config() const { return config_; }
+    const CostModel& cost_model() const { return cost_; }
+    const KvSlice& kv_slice() const { return slice_; }
+    KvPool& pool() { return *pool_; }
+    EngineStats stats() const;
+    std::string prometheus_text() const;
+
+  private:
+    struct Seq;
+    struct Inbox;
+    Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool);
+
+    void loop();
+    void drain_inbox();
+    void admit(std::vector<Seq*>& prefill_batch);
+    void run_prefill(std::vector<Seq*>& batch);
+    void run_decode();
+    void expire_kv_waits();
+    void cancel_seq(const RequestId& id, const Status& why);
+    bool sleep_until(TimePoint t);  // false when stopping
+    void finish(Seq& seq, Status status, KvTransferParams kv_out = {});
+    void fail_all(const Status& status);
+    void publish_gauges();
+    size_t blocks_needed(const GenerateRequest& r) const;
+    void digest_worker();
+
+    const EngineConfig config_;
+    const CostModel cost_;
+    KvSlice slice_;
+    std::unique_ptr<KvPool> pool_;
+    BlockManager blocks_;
+    KvProducer* producer_ = nullptr;
+    KvConsumer* consumer_ = nullptr;
+
+    std::shared_ptr<Inbox> inbox_;  // shared with callbacks that may outlive the engine
+    std::thread loop_thread_;
+    std::thread digest_thread_;
+    std::atomic<bool> running_{false};
+    std::atomic<uint64_t> next_id_{1};
+
+    // Owned by the loop thread.
+    std::deque<std::unique_ptr<Seq>> waiting_;
+    std::map<RequestId, std::unique_ptr<Seq>> waiting_kv_;
+    std::vector<std::unique_ptr<Seq>> running_seqs_;
+    struct Held {
+        std::vector<BlockId> blocks;
+        TimePoint since;
+        uint64_t bytes;
+    };
+    std::map<RequestId, Held> held_;            // prefill blocks the connector still reads
+    std::map<std::string, TimePoint> aborted_;  // transfer ids aborted recently, until when
+
+    // Read by stats() from any thread.
+    mutable std::mutex stats_mu_;
+    EngineStats counters_;
+    Histogram transfer_latency_{latency_buckets_seconds()};
+};
+
+}  // namespace ferry::serve

@@ -1,0 +1,35 @@
+// An engine behind the OpenAI-style HTTP API: POST /v1/completions (stream or not),
+// GET /health, GET /metrics (Prometheus text).
+#pragma once
+
+#include <memory>
+
+#include "ferry/serve/engine.h"
+#include "ferry/serve/http.h"
+
+namespace ferry::serve {
+
+struct EngineServerOptions {
+    HttpServerOptions http{};
+    // Longest a request may take end to end before the server gives up on it.
+    Duration request_timeout = seconds(600);
+    std::string model_name{};  // echoed in responses; the engine's model shape when empty
+};
+
+class EngineServer {
+  public:
+    static Result<std::unique_ptr<EngineServer>> start(Engine* engine, EngineServerOptions options);
+    int port() const { return http_->port(); }
+    // Ends streams in progress and joins the server threads; the engine keeps running.
+    void stop() { http_->stop(); }
+
+  private:
+    EngineServer() = default;
+    void completions(const HttpRequest& req, HttpReply& reply);
+
+    Engine* engine_ = nullptr;
+    EngineServerOptions options_;
+    std::unique_ptr<HttpServer> http_;
+};
+
+}  // namespace ferry::serve

@@ -1,0 +1,74 @@
+// The seam between an engine's step loop and the KV connector that moves KV between engines.
+//
+// The engine owns its KV pool and block manager; the connector only ever touches the blocks it
+// is handed, and hands them back through exactly one callback. Callbacks may run on any thread;
+// the engine queues them into its loop. Every method here must return at once: a connector does
+// its work on its own threads (except a deliberately inline baseline, see InProcessKvLink).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ferry/common/status.h"
+#include "ferry/serve/kv_pool.h"
+
+namespace ferry::serve {
+
+// Transfer parameters carried by a request, with the field names of vLLM's disaggregated
+// serving (`kv_transfer_params` in the request and response JSON).
+struct KvTransferParams {
+    bool do_remote_decode = false;   // prefill leg: the KV leaves for a decode engine
+    bool do_remote_prefill = false;  // decode leg: the KV comes from a prefill engine
+    std::string transfer_id;         // the same on both legs; push mode's rendezvous key
+    uint32_t attempt = 0;            // a newer attempt supersedes an older one
+    std::string remote_engine_id;    // the engine on the other side
+    std::string remote_host;         // its side channel (empty when in-process)
+    int remote_port = 0;
+    std::vector<BlockId> remote_block_ids;  // pull: where the prefill engine holds the KV
+    int tp_size = 1;                        // TP degree of the remote engine
+
+    bool empty() const { return !do_remote_decode && !do_remote_prefill; }
+};
+
+// Called exactly once per hand-over.
+using KvDoneCallback = std::function<void(Status)>;
+
+// What a prefill engine needs.
+class KvProducer {
+  public:
+    virtual ~KvProducer() = default;
+
+    // The prompt KV of `request` (tokens [0, num_tokens)) is complete in `blocks`. The connector
+    // sends it (push: to the blocks decode registered under params.transfer_id; pull: holds it
+    // for decode to read) and calls `release` once prefill may free and reuse the blocks: after
+    // the writes completed, after decode read them, or on failure or lease expiry (error status).
+    // Returns the kv_transfer_params the prefill response carries back to the router (for pull:
+    // this engine's id and block ids), or an error if the hand-over was refused — then `release`
+    // is not called and the engine frees the blocks itself.
+    virtual Result<KvTransferParams> on_prefill_done(const RequestId& request,
+                                                     const KvTransferParams& params,
+                                                     std::vector<BlockId> blocks, size_t num_tokens,
+                                                     KvDoneCallback release) = 0;
+};
+
+// What a decode engine needs.
+class KvConsumer {
+  public:
+    virtual ~KvConsumer() = default;
+
+    // Blocks for the remote-prefill request `request` are allocated; the first num_tokens token
+    // slots must receive the prompt KV. The connector calls `arrived` once: ok when every byte
+    // is there, an error when the transfer failed. Until then it may write into the blocks.
+    virtual Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+                                       std::vector<BlockId> blocks, size_t num_tokens,
+                                       KvDoneCallback arrived) = 0;
+
+    // The engine gave up on `request` (client gone, deadline). The connector stops writes and
+    // then calls `arrived` with an error; the engine frees the blocks only at that call, so a late
+    // write can never land in reused blocks.
+    virtual void cancel(const RequestId& request) = 0;
+};
+
+}  // namespace ferry::serve

@@ -1,0 +1,70 @@
+// The OpenAI-style completions API of an engine: request parsing with messages a client can act
+// on, response and server-sent-event bodies, and kv_transfer_params in vLLM's field names.
+// No HTTP here (see http.h), so all of it is testable without sockets.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/common/status.h"
+#include "ferry/serve/engine.h"
+
+namespace ferry::serve {
+
+struct CompletionRequest {
+    GenerateRequest gen{};
+    bool stream = false;
+    std::string model{};
+};
+
+// Text prompts are tokenized byte by byte (token id = byte value): the synthetic model needs
+// ids, not language. Generated ids render as " tok<id>".
+std::vector<int32_t> tokenize(std::string_view text);
+std::string token_text(int32_t token);
+
+// Parses a /v1/completions body. Errors are kInvalidArgument and name the offending field.
+Result<CompletionRequest> parse_completion_request(std::string_view body);
+// The same for a body already parsed (the router parses once and forwards).
+Result<CompletionRequest> parse_completion_json(const nlohmann::json& body);
+
+nlohmann::json kv_params_to_json(const KvTransferParams& kv);
+Result<KvTransferParams> kv_params_from_json(const nlohmann::json& j);
+
+// Per-request stage durations in ms, to explain a TTFT: queue (arrival to scheduled), prefill
+// (compute), kv_wait (scheduled to KV arrived, decode legs), first_token, e2e.
+nlohmann::json timing_to_json(const RequestTiming& t);
+
+struct CompletionResult {
+    std::string id{};
+    std::string model{};
+    std::vector<int32_t> tokens{};
+    size_t prompt_tokens = 0;
+    KvTransferParams kv_out{};
+    RequestTiming timing{};
+};
+std::string completion_body(const CompletionResult& r);
+// One streamed token, and the final chunk that carries finish_reason, usage and transfer
+// parameters. Each returns a whole "data: ...\n\n" event.
+std::string sse_token_event(const std::string& id, const std::string& model, int32_t token);
+std::string sse_final_event(const CompletionResult& r);
+std::string sse_error_event(const Status& status);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+
+// {"error": {"message": ..., "type": ..., "code": http}}, and the HTTP status for a Status.
+std::string error_body(const Status& status);
+int http_status_for(const Status& status);
+
+// Splits a server-sent-event byte stream into the payloads of its "data:" lines.
+class SseParser {
+  public:
+    // Appends bytes; returns the payloads completed by them.
+    std::vector<std::string> feed(std::string_view bytes);
+
+  private:
+    std::string buffer_;
+};
+
+}  // namespace ferry::serve

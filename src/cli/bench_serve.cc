@@ -1,0 +1,136 @@
+// `ferry bench serve`: load against a /v1/completions endpoint, results in vllm-bench JSON.
+#include "ferry/serve/bench_serve.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <mutex>
+
+#include "cli/commands.h"
+#include "cli/stop_signal.h"
+#include "ferry/serve/cost_model.h"
+
+namespace ferry::cli {
+namespace {
+
+struct BenchFlags {
+    serve::BenchServeConfig cfg;
+    std::string request_rate = "inf";
+    int tp = 8;
+    int head_offset = 0;
+    std::string result_file;
+};
+
+int run(BenchFlags f) {
+    serve::BenchServeConfig& c = f.cfg;
+    if (f.request_rate == "inf") {
+        c.request_rate = std::numeric_limits<double>::infinity();
+    } else {
+        try {
+            c.request_rate = std::stod(f.request_rate);
+        } catch (...) {
+            fmt::print(stderr, "error: --request-rate must be a number or inf\n");
+            return 2;
+        }
+    }
+    auto model = serve::model_by_name(c.model);
+    if (!model.ok()) {
+        fmt::print(stderr, "error: {}\n", model.status().to_string());
+        return 2;
+    }
+    c.vocab = model->vocab;
+    if (c.verify) {
+        // The client needs the decode rank's slice of the model to recompute its tokens.
+        auto cost = serve::CostModel::create(*model, serve::h200(), f.tp);
+        if (!cost.ok()) {
+            fmt::print(stderr, "error: {}\n", cost.status().to_string());
+            return 2;
+        }
+        c.verify_slice = {
+            .shape = cost->kv_shape(16), .head_offset = f.head_offset, .vocab = model->vocab};
+    }
+    c.stop = &stop_requested();
+    bool tty = isatty(STDERR_FILENO);
+    std::mutex mu;
+    c.on_progress = [&](const serve::BenchProgress& p) {
+        std::lock_guard lock(mu);
+        if (!tty && p.done != p.total) return;
+        int width = 30;
+        int filled = int(width * p.done / std::max<size_t>(p.total, 1));
+        fmt::print(stderr, "\r[{:<{}}] {}/{} failed {} unverified {} {:.1f}s",
+                   std::string(filled, '='), width, p.done, p.total, p.failed, p.verify_failed,
+                   p.elapsed_s);
+        if (p.done == p.total) fmt::print(stderr, "\n");
+    };
+    fmt::print(stderr, "bench serve: {} prompts at {} req/s against http://{}:{}{}\n",
+               c.num_prompts, f.request_rate, c.host, c.port, c.path);
+    auto r = serve::run_bench_serve(c);
+    if (!r.ok()) {
+        fmt::print(stderr, "error: {}\n", r.status().to_string());
+        return 2;
+    }
+    nlohmann::json j = r->to_json();
+    fmt::print("{:<28}{:>12}\n", "completed / failed",
+               fmt::format("{} / {}", j["completed"].get<size_t>(), j["failed"].get<size_t>()));
+    if (c.verify)
+        fmt::print("{:<28}{:>12}\n", "verification failures",
+                   j["verification_failures"].get<size_t>());
+    fmt::print("{:<28}{:>12.2f}\n", "duration (s)", j["duration"].get<double>());
+    fmt::print("{:<28}{:>12.2f}\n", "request throughput (req/s)",
+               j["request_throughput"].get<double>());
+    fmt::print("{:<28}{:>12.1f}\n", "output throughput (tok/s)",
+               j["output_throughput"].get<double>());
+    for (const char* m : {"ttft", "tpot", "itl", "e2el"})
+        fmt::print("{:<28}{:>12.2f}{:>12.2f}{:>12.2f}\n", fmt::format("{} ms mean/median/p99", m),
+                   j[fmt::format("mean_{}_ms", m)].get<double>(),
+                   j[fmt::format("median_{}_ms", m)].get<double>(),
+                   j[fmt::format("p99_{}_ms", m)].get<double>());
+    if (!f.result_file.empty()) {
+        std::ofstream out(f.result_file);
+        out << j.dump(2) << "\n";
+        if (!out) {
+            fmt::print(stderr, "error: cannot write {}\n", f.result_file);
+            return 1;
+        }
+        fmt::print(stderr, "wrote {}\n", f.result_file);
+    }
+    if (stop_requested().load()) return 130;  // interrupted: callers (sweeps) should stop too
+    bool all_good = j["failed"].get<size_t>() == 0 && j["verification_failures"].get<size_t>() == 0;
+    return all_good ? 0 : 3;
+}
+
+}  // namespace
+
+void register_bench_serve(CLI::App& bench) {
+    auto f = std::make_shared<BenchFlags>();
+    auto& c = f->cfg;
+    auto* cmd = bench.add_subcommand("serve",
+                                     "load generator for /v1/completions (vllm-bench "
+                                     "metrics)");
+    cmd->add_option("--host", c.host)->capture_default_str();
+    cmd->add_option("--port", c.port)->capture_default_str();
+    cmd->add_option("--endpoint", c.path)->capture_default_str();
+    cmd->add_option("--model", c.model, "model shape: vocabulary and verification")
+        ->capture_default_str();
+    cmd->add_option("--num-prompts", c.num_prompts)->capture_default_str();
+    cmd->add_option("--request-rate", f->request_rate, "requests/s (Poisson) or inf (burst)")
+        ->capture_default_str();
+    cmd->add_option("--input-len", c.input_len)->capture_default_str();
+    cmd->add_option("--input-len-max", c.input_len_max, "draw input lengths up to this")
+        ->capture_default_str();
+    cmd->add_option("--output-len", c.output_len)->capture_default_str();
+    cmd->add_option("--output-len-max", c.output_len_max, "draw output lengths up to this")
+        ->capture_default_str();
+    cmd->add_option("--seed", c.seed)->capture_default_str();
+    cmd->add_flag("--verify", c.verify, "check every token against the prompt's expected tokens");
+    cmd->add_option("--tp", f->tp, "decode TP degree (for --verify)")->capture_default_str();
+    cmd->add_option("--head-offset", f->head_offset, "decode rank's first KV head (--verify)")
+        ->capture_default_str();
+    cmd->add_option("--label", c.label, "mode label stored in the result (push, pull, ...)");
+    cmd->add_option("--result-file", f->result_file, "write the JSON result here");
+    cmd->callback([f] { set_exit_code(run(*f)); });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,260 @@
+// `ferry serve prefill|decode|router|local`: engines behind the OpenAI-style HTTP API, the
+// router in front of them, or all of it in one process.
+// Compute is modelled by the cost model; the KV bytes are real.
+#include <fmt/format.h>
+
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/stop_signal.h"
+#include "ferry/serve/engine_server.h"
+#include "ferry/serve/inprocess_kv_link.h"
+#include "ferry/serve/router.h"
+
+namespace ferry::cli {
+namespace {
+
+struct EngineFlags {
+    std::string host = "127.0.0.1";
+    int port = 0;
+    std::string engine_id;
+    std::string model = "qwen3-32b";
+    std::string gpu = "h200";
+    int tp = 8;
+    serve::CostModelConfig cost;
+    serve::EngineConfig engine;
+    double kv_wait_timeout_s = 30;
+    size_t http_threads = 128;
+};
+
+void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
+    if (with_address) {
+        cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
+        cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
+    }
+    cmd->add_option("--engine-id", f.engine_id, "engine id (default: <role>-<port>)");
+    cmd->add_option("--model", f.model, "model shape: qwen3-32b | tiny")->capture_default_str();
+    cmd->add_option("--gpu", f.gpu, "GPU the cost model assumes: h200")->capture_default_str();
+    cmd->add_option("--tp", f.tp, "tensor-parallel degree the cost model assumes")
+        ->capture_default_str();
+    cmd->add_option("--compute-efficiency", f.cost.compute_efficiency,
+                    "achieved fraction of peak FLOP/s")
+        ->capture_default_str();
+    cmd->add_option("--bandwidth-efficiency", f.cost.bandwidth_efficiency,
+                    "achieved fraction of HBM bandwidth")
+        ->capture_default_str();
+    cmd->add_option("--step-overhead-us", f.cost.step_overhead_us, "fixed cost per step")
+        ->capture_default_str();
+    cmd->add_option("--max-num-seqs", f.engine.max_num_seqs, "sequences per batch")
+        ->capture_default_str();
+    cmd->add_option("--max-model-len", f.engine.max_model_len, "prompt + output tokens")
+        ->capture_default_str();
+    cmd->add_option("--max-num-batched-tokens", f.engine.max_num_batched_tokens,
+                    "prompt tokens per prefill step")
+        ->capture_default_str();
+    cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
+        ->capture_default_str();
+    cmd->add_option("--block-size", f.engine.block_size, "tokens per KV block")
+        ->capture_default_str();
+    cmd->add_option("--time-scale", f.engine.time_scale,
+                    "multiplies modelled step times (1 = real time)")
+        ->capture_default_str();
+    cmd->add_option("--kv-wait-timeout", f.kv_wait_timeout_s,
+                    "seconds a decode leg waits for its KV")
+        ->capture_default_str();
+    cmd->add_option("--http-threads", f.http_threads, "concurrent HTTP requests")
+        ->capture_default_str();
+}
+
+Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, EngineFlags f,
+                                                   int port) {
+    FERRY_ASSIGN_OR_RETURN(auto model, serve::model_by_name(f.model));
+    FERRY_ASSIGN_OR_RETURN(auto gpu, serve::gpu_by_name(f.gpu));
+    FERRY_ASSIGN_OR_RETURN(auto cost, serve::CostModel::create(model, gpu, f.tp, f.cost));
+    f.engine.engine_id = f.engine_id.empty() ? fmt::format("{}-{}", role, port) : f.engine_id;
+    f.engine.kv_wait_timeout =
+        std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.kv_wait_timeout_s));
+    return serve::Engine::create(f.engine, cost);
+}
+
+Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, const EngineFlags& f,
+                                                          int port) {
+    FERRY_RETURN_IF_ERROR(e.start());
+    FERRY_ASSIGN_OR_RETURN(
+        auto server, serve::EngineServer::start(
+                         &e, {.http = {.host = f.host, .port = port, .threads = f.http_threads}}));
+    const serve::KvShape& kv = e.kv_slice().shape;
+    const serve::CostModel& cm = e.cost_model();
+    fmt::print(stderr,
+               "engine {} on http://{}:{}  model {} on {} x TP{} (compute modelled, KV real)\n"
+               "  KV pool: {} blocks x {} tokens, {:.1f} MiB\n",
+               e.config().engine_id, f.host, server->port(), cm.model().name, cm.gpu().name,
+               cm.tp(), e.config().num_blocks, kv.block_size,
+               double(e.pool().size_bytes()) / (1 << 20));
+    return server;
+}
+
+int fail(const Status& st) {
+    fmt::print(stderr, "error: {}\n", st.to_string());
+    return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+void wait_for_stop() {
+    const auto& stop = stop_requested();
+    while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));
+}
+
+int run_engine(const std::string& role, const EngineFlags& f) {
+    stop_requested();  // handlers in place before anything starts
+    auto engine = make_engine(role, f, f.port);
+    if (!engine.ok()) return fail(engine.status());
+    auto server = serve_engine(**engine, f, f.port);
+    if (!server.ok()) return fail(server.status());
+    fmt::print(stderr, "  no KV connector attached yet: disaggregated legs are refused with 503\n");
+    wait_for_stop();
+    (*server)->stop();
+    (*engine)->stop();
+    return 0;
+}
+
+struct RouterFlags {
+    std::string host = "127.0.0.1";
+    int port = 8000;
+    std::string prefill = "127.0.0.1:8100";
+    std::string decode = "127.0.0.1:8200";
+    std::string mode = "push";
+    size_t http_threads = 256;
+    double timeout_s = 600;
+};
+
+Result<serve::RouterMode> router_mode(const std::string& mode) {
+    if (mode == "push") return serve::RouterMode::kPush;
+    // pull-inline differs from pull only inside the decode engine's connector.
+    if (mode == "pull" || mode == "pull-inline") return serve::RouterMode::kPull;
+    return invalid_argument("--mode must be push, pull or pull-inline, not " + mode);
+}
+
+int run_router(const RouterFlags& f) {
+    stop_requested();
+    serve::RouterConfig rc;
+    auto mode = router_mode(f.mode);
+    if (!mode.ok()) return fail(mode.status());
+    rc.mode = *mode;
+    auto p = serve::parse_engine_addresses(f.prefill);
+    if (!p.ok()) return fail(p.status().with_context("--prefill"));
+    auto d = serve::parse_engine_addresses(f.decode);
+    if (!d.ok()) return fail(d.status().with_context("--decode"));
+    rc.prefill = *p;
+    rc.decode = *d;
+    rc.http = {.host = f.host, .port = f.port, .threads = f.http_threads};
+    rc.request_timeout =
+        std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
+    auto router = serve::Router::start(rc);
+    if (!router.ok()) return fail(router.status());
+    fmt::print(stderr, "router on http://{}:{} ({}): prefill {} decode {}\n", f.host,
+               (*router)->port(), f.mode, f.prefill, f.decode);
+    wait_for_stop();
+    (*router)->stop();
+    return 0;
+}
+
+struct LocalFlags {
+    EngineFlags engine;
+    RouterFlags router;
+    int prefill_port = 8100;
+    int decode_port = 8200;
+    double lease_s = 30;
+};
+
+// One process: prefill and decode engines joined by the in-process KV link (a memcpy between
+// their pools) behind the router. For trying the stack before the network connector exists.
+int run_local(const LocalFlags& f) {
+    stop_requested();
+    auto mode = router_mode(f.router.mode);
+    if (!mode.ok()) return fail(mode.status());
+    serve::KvLinkMode link_mode = f.router.mode == "push"   ? serve::KvLinkMode::kPush
+                                  : f.router.mode == "pull" ? serve::KvLinkMode::kPull
+                                                            : serve::KvLinkMode::kPullInline;
+    serve::InProcessKvLink link({link_mode, std::chrono::duration_cast<Duration>(
+                                                std::chrono::duration<double>(f.lease_s))});
+    auto pe = make_engine("prefill", f.engine, f.prefill_port);
+    if (!pe.ok()) return fail(pe.status());
+    auto de = make_engine("decode", f.engine, f.decode_port);
+    if (!de.ok()) return fail(de.status());
+    std::string pid = (*pe)->config().engine_id, did = (*de)->config().engine_id;
+    if (Status st = link.add_engine(pid, &(*pe)->pool()); !st.ok()) return fail(st);
+    if (Status st = link.add_engine(did, &(*de)->pool()); !st.ok()) return fail(st);
+    (*pe)->attach_connector(link.producer(pid), nullptr);
+    (*de)->attach_connector(nullptr, link.consumer(did));
+    if (Status st = link.start(); !st.ok()) return fail(st);
+    auto ps = serve_engine(**pe, f.engine, f.prefill_port);
+    if (!ps.ok()) return fail(ps.status());
+    auto ds = serve_engine(**de, f.engine, f.decode_port);
+    if (!ds.ok()) return fail(ds.status());
+    serve::RouterConfig rc;
+    rc.mode = *mode;
+    rc.prefill = {{f.engine.host, (*ps)->port()}};
+    rc.decode = {{f.engine.host, (*ds)->port()}};
+    rc.http = {.host = f.router.host, .port = f.router.port, .threads = f.router.http_threads};
+    auto router = serve::Router::start(rc);
+    if (!router.ok()) return fail(router.status());
+    fmt::print(stderr,
+               "router on http://{}:{} ({}), KV over the in-process link (memcpy between the "
+               "two pools; the libfabric connector replaces it)\n",
+               f.router.host, (*router)->port(), f.router.mode);
+    wait_for_stop();
+    (*router)->stop();
+    (*ps)->stop();
+    (*ds)->stop();
+    (*pe)->stop();
+    (*de)->stop();
+    link.stop();
+    return 0;
+}
+
+void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
+    cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
+    cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
+    cmd->add_option("--mode", f.mode, "push | pull | pull-inline")->capture_default_str();
+    cmd->add_option("--router-threads", f.http_threads, "concurrent HTTP requests")
+        ->capture_default_str();
+    cmd->add_option("--request-timeout", f.timeout_s, "seconds per request")->capture_default_str();
+    if (with_engines) {
+        cmd->add_option("--prefill", f.prefill, "prefill engines HOST:PORT[,HOST:PORT...]")
+            ->capture_default_str();
+        cmd->add_option("--decode", f.decode, "decode engines HOST:PORT[,HOST:PORT...]")
+            ->capture_default_str();
+    }
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app) {
+    auto* serve = app.add_subcommand("serve", "disaggregated serving processes");
+    serve->require_subcommand(1);
+    for (auto [role, port] : {std::pair{"prefill", 8100}, std::pair{"decode", 8200}}) {
+        auto flags = std::make_shared<EngineFlags>();
+        flags->port = port;
+        auto* cmd = serve->add_subcommand(role, fmt::format("run a {} engine", role));
+        add_engine_flags(cmd, *flags);
+        std::string r = role;
+        cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });
+    }
+    auto rf = std::make_shared<RouterFlags>();
+    auto* router = serve->add_subcommand("router", "route completions to prefill and decode");
+    add_router_flags(router, *rf, true);
+    router->callback([rf] { set_exit_code(run_router(*rf)); });
+
+    auto lf = std::make_shared<LocalFlags>();
+    auto* local = serve->add_subcommand(
+        "local", "prefill + decode + router in one process, KV over the in-process link");
+    add_engine_flags(local, lf->engine, false);
+    add_router_flags(local, lf->router, false);
+    local->add_option("--prefill-port", lf->prefill_port)->capture_default_str();
+    local->add_option("--decode-port", lf->decode_port)->capture_default_str();
+    local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
+        ->capture_default_str();
+    local->callback([lf] { set_exit_code(run_local(*lf)); });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,11 @@
+// Ctrl-C and SIGTERM at the CLI edge: long-running commands poll this flag and shut down.
+#pragma once
+
+#include <atomic>
+
+namespace ferry::cli {
+
+// Installs SIGINT/SIGTERM handlers (once) and returns the flag they set.
+const std::atomic<bool>& stop_requested();
+
+}  // namespace ferry::cli

@@ -1,0 +1,263 @@
+#include "ferry/serve/bench_serve.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "ferry/serve/http.h"
+#include "ferry/serve/openai_api.h"
+
+namespace ferry::serve {
+
+using nlohmann::json;
+
+double percentile(std::vector<double> v, double pct) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    double rank = pct / 100.0 * double(v.size() - 1);
+    size_t lo = size_t(std::floor(rank));
+    size_t hi = std::min(lo + 1, v.size() - 1);
+    return v[lo] + (v[hi] - v[lo]) * (rank - double(lo));
+}
+
+namespace {
+
+double mean(const std::vector<double>& v) {
+    return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size());
+}
+
+double stddev(const std::vector<double>& v) {
+    if (v.empty()) return 0;
+    double m = mean(v), acc = 0;
+    for (double x : v) acc += (x - m) * (x - m);
+    return std::sqrt(acc / double(v.size()));
+}
+
+void put_stats(json& j, const std::string& name, const std::vector<double>& v) {
+    j["mean_" + name + "_ms"] = mean(v);
+    j["median_" + name + "_ms"] = percentile(v, 50);
+    j["std_" + name + "_ms"] = stddev(v);
+    j["p99_" + name + "_ms"] = percentile(v, 99);
+}
+
+struct Planned {
+    std::vector<int32_t> prompt;
+    size_t max_tokens;
+    Duration send_at;
+};
+
+std::vector<Planned> plan(const BenchServeConfig& c) {
+    std::mt19937_64 rng(c.seed);
+    std::uniform_int_distribution<int32_t> token(0, c.vocab - 1);
+    auto pick = [&](size_t lo, size_t hi) {
+        if (hi <= lo) return lo;
+        return std::uniform_int_distribution<size_t>(lo, hi)(rng);
+    };
+    bool burst = !std::isfinite(c.request_rate) || c.request_rate <= 0;
+    std::exponential_distribution<double> gap(burst ? 1.0 : c.request_rate);
+    std::vector<Planned> out;
+    double t = 0;
+    for (size_t i = 0; i < c.num_prompts; ++i) {
+        Planned p;
+        p.prompt.resize(pick(c.input_len, c.input_len_max));
+        for (auto& x : p.prompt) x = token(rng);
+        p.max_tokens = pick(c.output_len, c.output_len_max);
+        p.send_at = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(t));
+        out.push_back(std::move(p));
+        if (!burst) t += gap(rng);
+    }
+    return out;
+}
+
+RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
+    RequestRecord r;
+    r.prompt_len = p.prompt.size();
+    json body = {{"model", c.model},
+                 {"prompt", p.prompt},
+                 {"max_tokens", p.max_tokens},
+                 {"stream", true},
+                 {"ignore_eos", true}};
+    std::vector<int32_t> tokens;
+    SseParser parser;
+    TimePoint start = Clock::now(), last = start;
+    std::string raw_error;
+    bool done = false;
+    int status = 0;
+    Status st = http_post_stream(c.host, c.port, c.path, body.dump(), c.request_timeout, &status,
+                                 [&](std::string_view data) {
+                                     if (c.stop && c.stop->load()) return false;
+                                     if (status != 0 && status != 200) {
+                                         raw_error.append(data);
+                                         return true;
+                                     }
+                                     for (const std::string& ev : parser.feed(data)) {
+                                         if (ev == "[DONE]") {
+                                             done = true;
+                                             continue;
+                                         }
+                                         json j = json::parse(ev, nullptr, false);
+                                         if (j.is_discarded()) {
+                                             r.error = "server sent an event that is not JSON";
+                                             return false;
+                                         }
+                                         if (j.contains("error")) {
+                                             r.error = j["error"].value("message", "error event");
+                                             return false;
+                                         }
+                                         if (j.contains("ferry_timing"))
+                                             r.server_timing = j["ferry_timing"];
+                                         const json& ids = j["choices"][0]["token_ids"];
+                                         if (ids.empty()) continue;
+                                         TimePoint now = Clock::now();
+                                         if (tokens.empty())
+                                             r.ttft_ms = to_ms(now - start);
+                                         else
+                                             r.itl_ms.push_back(to_ms(now - last));
+                                         last = now;
+                                         for (const json& t : ids)
+                                             tokens.push_back(t.get<int32_t>());
+                                     }
+                                     return true;
+                                 });
+    r.e2e_ms = to_ms(Clock::now() - start);
+    r.output_len = tokens.size();
+    if (!st.ok()) {
+        r.error = st.to_string();
+    } else if (status != 200) {
+        json j = json::parse(raw_error, nullptr, false);
+        r.error = fmt::format("HTTP {}: {}", status,
+                              !j.is_discarded() && j.contains("error")
+                                  ? j["error"].value("message", raw_error)
+                                  : raw_error);
+    } else if (r.error.empty() && !done) {
+        r.error = c.stop && c.stop->load() ? "stopped" : "stream ended without [DONE]";
+    }
+    r.success = r.error.empty() && tokens.size() == p.max_tokens;
+    if (r.error.empty() && tokens.size() != p.max_tokens)
+        r.error = fmt::format("got {} tokens, asked for {}", tokens.size(), p.max_tokens);
+    if (r.success && c.verify)
+        r.verified = tokens == expected_tokens(c.verify_slice, p.prompt, p.max_tokens);
+    return r;
+}
+
+}  // namespace
+
+Result<BenchServeResult> run_bench_serve(const BenchServeConfig& c) {
+    if (c.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
+    if (c.input_len == 0) return invalid_argument("--input-len must be at least 1");
+    if (c.output_len == 0) return invalid_argument("--output-len must be at least 1");
+    if (c.vocab < 1) return invalid_argument("vocabulary must not be empty");
+    if (c.verify && c.verify_slice.vocab != c.vocab)
+        return invalid_argument("verification needs the model's vocabulary for prompts too");
+    std::vector<Planned> planned = plan(c);
+
+    BenchServeResult result;
+    result.config = c;
+    result.requests.resize(planned.size());
+    std::mutex mu;
+    BenchProgress progress{.total = planned.size()};
+    std::vector<std::thread> threads;
+    threads.reserve(planned.size());
+    TimePoint start = Clock::now();
+    for (size_t i = 0; i < planned.size(); ++i) {
+        // Arrival times are absolute from the start, so a slow thread spawn does not drift
+        // the whole schedule.
+        TimePoint at = start + planned[i].send_at;
+        while (Clock::now() < at && !(c.stop && c.stop->load()))
+            std::this_thread::sleep_for(std::min<Duration>(at - Clock::now(), milliseconds(50)));
+        if (c.stop && c.stop->load()) {
+            for (size_t k = i; k < planned.size(); ++k) result.requests[k].error = "not sent";
+            break;
+        }
+        threads.emplace_back([&, i] {
+            RequestRecord rec = run_one(c, planned[i]);
+            std::lock_guard lock(mu);
+            progress.done++;
+            if (!rec.success) progress.failed++;
+            if (c.verify && rec.success && !rec.verified) progress.verify_failed++;
+            progress.elapsed_s = to_ms(Clock::now() - start) / 1000;
+            result.requests[i] = std::move(rec);
+            if (c.on_progress) c.on_progress(progress);
+        });
+    }
+    for (auto& t : threads) t.join();
+    result.duration_s = to_ms(Clock::now() - start) / 1000;
+    return result;
+}
+
+json BenchServeResult::to_json() const {
+    const BenchServeConfig& c = config;
+    std::vector<double> ttft, tpot, itl, e2e;
+    size_t completed = 0, in_tokens = 0, out_tokens = 0, verify_failures = 0;
+    json input_lens = json::array(), output_lens = json::array(), ttfts = json::array(),
+         errors = json::array();
+    std::map<std::string, std::vector<double>> breakdown;
+    for (const RequestRecord& r : requests) {
+        input_lens.push_back(r.prompt_len);
+        output_lens.push_back(r.output_len);
+        errors.push_back(r.error);
+        ttfts.push_back(r.success ? r.ttft_ms / 1000 : 0.0);
+        if (!r.success) continue;
+        completed++;
+        in_tokens += r.prompt_len;
+        out_tokens += r.output_len;
+        if (c.verify && !r.verified) verify_failures++;
+        ttft.push_back(r.ttft_ms);
+        e2e.push_back(r.e2e_ms);
+        itl.insert(itl.end(), r.itl_ms.begin(), r.itl_ms.end());
+        if (r.output_len > 1) tpot.push_back((r.e2e_ms - r.ttft_ms) / double(r.output_len - 1));
+        if (r.server_timing.is_object())
+            for (auto& [k, v] : r.server_timing.items())
+                if (v.is_number()) breakdown[k].push_back(v.get<double>());
+    }
+    char date[32];
+    std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y%m%d-%H%M%S", std::gmtime(&now));
+    json j;
+    j["note"] =
+        "compute is modelled (roofline cost model, engines sleep for the step time); "
+        "KV bytes and their transfers are real";
+    j["date"] = date;
+    j["backend"] = "ferry";
+    j["label"] = c.label;
+    j["model_id"] = c.model;
+    j["num_prompts"] = requests.size();
+    j["request_rate"] = std::isfinite(c.request_rate) ? json(c.request_rate) : json("inf");
+    j["burstiness"] = 1.0;
+    j["max_concurrency"] = nullptr;
+    j["input_len"] = c.input_len;
+    j["output_len"] = c.output_len;
+    j["duration"] = duration_s;
+    j["completed"] = completed;
+    j["failed"] = requests.size() - completed;
+    j["verified"] = c.verify;
+    j["verification_failures"] = verify_failures;
+    j["total_input_tokens"] = in_tokens;
+    j["total_output_tokens"] = out_tokens;
+    double d = duration_s > 0 ? duration_s : 1;
+    j["request_throughput"] = double(completed) / d;
+    j["output_throughput"] = double(out_tokens) / d;
+    j["total_token_throughput"] = double(in_tokens + out_tokens) / d;
+    put_stats(j, "ttft", ttft);
+    put_stats(j, "tpot", tpot);
+    put_stats(j, "itl", itl);
+    put_stats(j, "e2el", e2e);
+    json bd = json::object();
+    for (auto& [k, v] : breakdown) bd[k] = {{"mean", mean(v)}, {"median", percentile(v, 50)}};
+    j["server_timing_ms"] = bd;
+    j["input_lens"] = input_lens;
+    j["output_lens"] = output_lens;
+    j["ttfts"] = ttfts;
+    j["errors"] = errors;
+    return j;
+}
+
+}  // namespace ferry::serve

@@ -1,0 +1,147 @@
+#include "ferry/serve/cost_model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace ferry::serve {
+
+double ModelShape::matmul_params() const {
+    double h = hidden;
+    double q = double(q_heads) * head_dim;
+    double kv = double(kv_heads) * head_dim;
+    double attn = h * q + 2 * h * kv + q * h;  // q, k, v, o projections
+    double mlp = 3 * h * intermediate;         // gate, up, down
+    return layers * (attn + mlp) + h * vocab;  // + LM head
+}
+
+double ModelShape::weight_bytes() const {
+    return (matmul_params() + double(hidden) * vocab) * elem_bytes;  // + embedding table
+}
+
+double ModelShape::kv_bytes_per_token() const {
+    return 2.0 * layers * kv_heads * head_dim * elem_bytes;
+}
+
+ModelShape qwen3_32b() {
+    return ModelShape{.name = "qwen3-32b",
+                      .layers = 64,
+                      .hidden = 5120,
+                      .q_heads = 64,
+                      .kv_heads = 8,
+                      .head_dim = 128,
+                      .intermediate = 25600,
+                      .vocab = 151936};
+}
+
+ModelShape tiny_test_model() {
+    return ModelShape{.name = "tiny",
+                      .layers = 2,
+                      .hidden = 256,
+                      .q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 16,
+                      .intermediate = 512,
+                      .vocab = 1000};
+}
+
+GpuSpec h200() {
+    // Dense bf16 peak without sparsity; HBM3e; NVLink 4 at 900 GB/s bidirectional.
+    return GpuSpec{.name = "h200", .peak_tflops = 989, .hbm_tbps = 4.8, .nvlink_gbps = 450};
+}
+
+Result<ModelShape> model_by_name(std::string_view name) {
+    if (name == "qwen3-32b") return qwen3_32b();
+    if (name == "tiny") return tiny_test_model();
+    return invalid_argument(fmt::format("unknown model shape '{}': use qwen3-32b or tiny", name));
+}
+
+Result<GpuSpec> gpu_by_name(std::string_view name) {
+    if (name == "h200") return h200();
+    return invalid_argument(fmt::format("unknown GPU '{}': use h200", name));
+}
+
+Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostModelConfig config) {
+    if (tp < 1) return invalid_argument(fmt::format("TP degree must be >= 1, got {}", tp));
+    if (model.layers < 1 || model.hidden < 1 || model.head_dim < 1 || model.vocab < 1)
+        return invalid_argument(fmt::format("model shape '{}' has an empty dimension", model.name));
+    if (model.q_heads % tp != 0 || model.kv_heads % tp != 0)
+        return invalid_argument(
+            fmt::format("TP {} does not divide the {} query heads and {} KV heads of '{}'", tp,
+                        model.q_heads, model.kv_heads, model.name));
+    if (gpu.peak_tflops <= 0 || gpu.hbm_tbps <= 0)
+        return invalid_argument(
+            fmt::format("GPU '{}' needs positive peak and bandwidth", gpu.name));
+    if (config.compute_efficiency <= 0 || config.compute_efficiency > 1 ||
+        config.bandwidth_efficiency <= 0 || config.bandwidth_efficiency > 1)
+        return invalid_argument("efficiencies must lie in (0, 1]");
+    return CostModel(std::move(model), std::move(gpu), tp, config);
+}
+
+KvShape CostModel::kv_shape(int block_size) const {
+    return KvShape{.layers = model_.layers,
+                   .kv_heads = model_.kv_heads / tp_,
+                   .head_dim = model_.head_dim,
+                   .elem_bytes = model_.elem_bytes,
+                   .block_size = block_size};
+}
+
+CostModel::Roofline CostModel::finish(double flops, double bytes, double tokens) const {
+    Roofline r;
+    r.flops = flops / tp_;
+    r.bytes = bytes / tp_;
+    r.compute_s = r.flops / (gpu_.peak_tflops * 1e12 * config_.compute_efficiency);
+    r.memory_s = r.bytes / (gpu_.hbm_tbps * 1e12 * config_.bandwidth_efficiency);
+    if (tp_ > 1) {
+        // Two ring all-reduces of the activations per layer (after attention and after MLP).
+        double ar_bytes = tokens * model_.hidden * model_.elem_bytes;
+        double per_ar = 2.0 * (tp_ - 1) / tp_ * ar_bytes / (gpu_.nvlink_gbps * 1e9) +
+                        config_.allreduce_latency_us * 1e-6;
+        r.comm_s = 2.0 * model_.layers * per_ar;
+    }
+    r.total_s = std::max(r.compute_s, r.memory_s) + r.comm_s + config_.step_overhead_us * 1e-6;
+    return r;
+}
+
+CostModel::Roofline CostModel::prefill_roofline(std::span<const int> prompt_lens) const {
+    const double lm_head = double(model_.hidden) * model_.vocab;
+    const double per_token = model_.matmul_params() - lm_head;
+    const double attn_unit = 4.0 * model_.layers * model_.q_heads * model_.head_dim;
+    double flops = 0, tokens = 0;
+    for (int n : prompt_lens) {
+        double len = n;
+        tokens += len;
+        // Linear part: every token through every matmul; LM head only for the last token.
+        flops += 2.0 * per_token * len + 2.0 * lm_head;
+        // Causal attention: token i attends to i + 1 keys in QK^T and in AV.
+        flops += attn_unit * len * (len + 1) / 2;
+    }
+    double bytes = model_.weight_bytes() + tokens * model_.kv_bytes_per_token();
+    return finish(flops, bytes, tokens);
+}
+
+CostModel::Roofline CostModel::decode_roofline(std::span<const int> context_lens) const {
+    const double attn_unit = 4.0 * model_.layers * model_.q_heads * model_.head_dim;
+    double batch = double(context_lens.size());
+    double flops = 2.0 * model_.matmul_params() * batch;
+    double kv_read = 0;
+    for (int ctx : context_lens) {
+        flops += attn_unit * ctx;
+        kv_read += double(ctx) * model_.kv_bytes_per_token();
+    }
+    // Every step streams all weights and every sequence's KV from HBM, and writes one KV row.
+    double bytes = model_.weight_bytes() + kv_read + batch * model_.kv_bytes_per_token();
+    return finish(flops, bytes, batch);
+}
+
+double CostModel::prefill_seconds(std::span<const int> prompt_lens) const {
+    if (prompt_lens.empty()) return 0;
+    return prefill_roofline(prompt_lens).total_s;
+}
+
+double CostModel::decode_seconds(std::span<const int> context_lens) const {
+    if (context_lens.empty()) return 0;
+    return decode_roofline(context_lens).total_s;
+}
+
+}  // namespace ferry::serve

@@ -1,0 +1,678 @@
+#include "ferry/serve/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "ferry/common/log.h"
+
+namespace ferry::serve {
+
+// ---- RequestHandle -----------------------------------------------------------------------------
+
+Result<RequestHandle::Event> RequestHandle::next(TimePoint deadline) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return !tokens_.empty() || finished_; }))
+        return timeout_error(fmt::format("request {}: no token before the deadline", id_));
+    if (!tokens_.empty()) {
+        Event e{.finished = false, .token = tokens_.front()};
+        tokens_.pop_front();
+        return e;
+    }
+    return Event{.finished = true};
+}
+
+void RequestHandle::cancel() {
+    if (!cancelled_.exchange(true) && on_cancel_) on_cancel_();
+}
+
+Status RequestHandle::status() const {
+    std::lock_guard lock(mu_);
+    return status_;
+}
+
+KvTransferParams RequestHandle::kv_out() const {
+    std::lock_guard lock(mu_);
+    return kv_out_;
+}
+
+RequestTiming RequestHandle::timing() const {
+    std::lock_guard lock(mu_);
+    return timing_;
+}
+
+void RequestHandle::push(int32_t token, TimePoint at) {
+    {
+        std::lock_guard lock(mu_);
+        if (finished_) return;
+        if (timing_.first_token == TimePoint{}) timing_.first_token = at;
+        tokens_.push_back(token);
+    }
+    cv_.notify_all();
+}
+
+void RequestHandle::finish(Status status, KvTransferParams kv_out, TimePoint at) {
+    {
+        std::lock_guard lock(mu_);
+        if (finished_) return;
+        finished_ = true;
+        status_ = std::move(status);
+        kv_out_ = std::move(kv_out);
+        timing_.finished = at;
+    }
+    cv_.notify_all();
+}
+
+// ---- Engine internals --------------------------------------------------------------------------
+
+struct Engine::Seq {
+    RequestId id;
+    GenerateRequest req;
+    std::shared_ptr<RequestHandle> handle;
+    std::vector<BlockId> blocks;
+    std::optional<DecodeStream> stream;
+    size_t generated = 0;
+    TimePoint kv_start{}, kv_deadline{};
+    bool done = false;         // the client has its answer; blocks may still be in the connector
+    bool cancel_sent = false;  // connector asked to stop; blocks free at its callback
+    bool digesting = false;
+
+    void mark(TimePoint RequestTiming::*field, TimePoint t) {
+        std::lock_guard lock(handle->mu_);
+        handle->timing_.*field = t;
+    }
+};
+
+// Events reach the loop through here. Shared with connector callbacks, so a callback that fires
+// after the engine is gone finds a closed inbox instead of a dangling engine.
+struct Engine::Inbox {
+    enum class Kind { kNew, kCancel, kCancelTransfer, kKvArrived, kReleased, kDigested };
+    struct Event {
+        Kind kind = Kind::kNew;
+        RequestId id{};
+        Status status{};
+        std::unique_ptr<Seq> seq{};
+        std::optional<DecodeStream> stream{};
+    };
+    struct DigestJob {
+        RequestId id;
+        std::vector<BlockId> blocks;
+        std::vector<int32_t> prompt;
+    };
+
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Event> events;
+    std::deque<DigestJob> digest_jobs;
+    std::condition_variable digest_cv;
+    bool closed = false;
+
+    void post(Event e) {
+        {
+            std::lock_guard lock(mu);
+            if (closed) return;
+            events.push_back(std::move(e));
+        }
+        cv.notify_all();
+    }
+};
+
+Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
+    if (config.max_num_seqs == 0) return invalid_argument("--max-num-seqs must be at least 1");
+    if (config.max_model_len == 0) return invalid_argument("--max-model-len must be at least 1");
+    if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
+    if (config.engine_id.empty()) return invalid_argument("an engine needs an id");
+    KvShape shape = cost.kv_shape(config.block_size);
+    if (config.head_offset < 0 || config.head_offset + shape.kv_heads > cost.model().kv_heads)
+        return invalid_argument(fmt::format("head offset {} leaves the model's {} KV heads",
+                                            config.head_offset, cost.model().kv_heads));
+    FERRY_ASSIGN_OR_RETURN(auto pool, KvPool::create(shape, config.num_blocks));
+    return std::unique_ptr<Engine>(new Engine(std::move(config), std::move(cost), std::move(pool)));
+}
+
+Engine::Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool)
+    : config_(std::move(config)),
+      cost_(std::move(cost)),
+      pool_(std::move(pool)),
+      blocks_(config_.num_blocks),
+      inbox_(std::make_shared<Inbox>()) {
+    slice_.shape = pool_->shape();
+    slice_.head_offset = config_.head_offset;
+    slice_.vocab = cost_.model().vocab;
+}
+
+Engine::~Engine() { stop(); }
+
+void Engine::attach_connector(KvProducer* producer, KvConsumer* consumer) {
+    producer_ = producer;
+    consumer_ = consumer;
+}
+
+Status Engine::start() {
+    if (running_.exchange(true)) return invalid_argument("engine already started");
+    loop_thread_ = std::thread([this] { loop(); });
+    digest_thread_ = std::thread([this] { digest_worker(); });
+    return ok_status();
+}
+
+void Engine::stop() {
+    if (!running_.exchange(false)) return;
+    inbox_->cv.notify_all();
+    inbox_->digest_cv.notify_all();
+    if (loop_thread_.joinable()) loop_thread_.join();
+    if (digest_thread_.joinable()) digest_thread_.join();
+}
+
+size_t Engine::blocks_needed(const GenerateRequest& r) const {
+    // Room for the prompt and every generated token but the last (whose KV is never written).
+    // Reserved up front: with no preemption, a running request can never run out of blocks.
+    size_t tokens = r.kv.do_remote_decode ? r.prompt.size()
+                                          : r.prompt.size() + std::max<size_t>(r.max_tokens, 1) - 1;
+    return BlockManager::blocks_for_tokens(tokens, config_.block_size);
+}
+
+Result<std::shared_ptr<RequestHandle>> Engine::submit(GenerateRequest r) {
+    if (!running_) return unavailable("engine is not running");
+    if (r.prompt.empty()) return invalid_argument("prompt is empty");
+    if (r.max_tokens == 0) return invalid_argument("max_tokens must be at least 1");
+    // A prefill leg produces exactly one token, as vLLM's disaggregated proxy asks of it.
+    if (r.kv.do_remote_decode) r.max_tokens = 1;
+    if (r.kv.do_remote_decode && r.kv.do_remote_prefill)
+        return invalid_argument("do_remote_decode and do_remote_prefill are exclusive");
+    if (r.prompt.size() + r.max_tokens > config_.max_model_len)
+        return invalid_argument(
+            fmt::format("prompt ({} tokens) plus max_tokens ({}) exceeds max_model_len {}",
+                        r.prompt.size(), r.max_tokens, config_.max_model_len));
+    for (int32_t t : r.prompt)
+        if (t < 0 || t >= slice_.vocab)
+            return invalid_argument(
+                fmt::format("token id {} outside the vocabulary [0, {})", t, slice_.vocab));
+    if (blocks_needed(r) > config_.num_blocks)
+        return invalid_argument(fmt::format("request needs {} KV blocks, the pool has {}",
+                                            blocks_needed(r), config_.num_blocks));
+    if (r.kv.do_remote_decode && producer_ == nullptr)
+        return unavailable("do_remote_decode: this engine has no KV connector to send KV with");
+    if (r.kv.do_remote_prefill && consumer_ == nullptr)
+        return unavailable("do_remote_prefill: this engine has no KV connector to receive KV");
+    if (r.kv.do_remote_prefill && r.kv.transfer_id.empty() && r.kv.remote_block_ids.empty())
+        return invalid_argument(
+            "do_remote_prefill needs transfer_id (push) or "
+            "remote_block_ids (pull) in kv_transfer_params");
+
+    auto seq = std::make_unique<Seq>();
+    seq->id = fmt::format("{}-{}", config_.engine_id, next_id_++);
+    std::weak_ptr<Inbox> weak = inbox_;
+    RequestId id = seq->id;
+    seq->handle =
+        std::shared_ptr<RequestHandle>(new RequestHandle(seq->id, r.prompt.size(), [weak, id] {
+            if (auto in = weak.lock())
+                in->post(Inbox::Event{.kind = Inbox::Kind::kCancel, .id = id});
+        }));
+    seq->req = std::move(r);
+    seq->mark(&RequestTiming::arrived, Clock::now());
+    auto handle = seq->handle;
+    {
+        std::lock_guard lock(stats_mu_);
+        counters_.requests_total++;
+        counters_.prompt_tokens += seq->req.prompt.size();
+    }
+    inbox_->post(Inbox::Event{.kind = Inbox::Kind::kNew, .seq = std::move(seq)});
+    return handle;
+}
+
+void Engine::finish(Seq& seq, Status status, KvTransferParams kv_out) {
+    if (seq.done) return;
+    seq.done = true;
+    if (!status.ok()) {
+        std::lock_guard lock(stats_mu_);
+        counters_.requests_failed++;
+        log(LogLevel::kInfo, "engine", "{}: request {} failed: {}", config_.engine_id, seq.id,
+            status.to_string());
+    }
+    seq.handle->finish(std::move(status), std::move(kv_out), Clock::now());
+}
+
+bool Engine::sleep_until(TimePoint t) {
+    std::unique_lock lock(inbox_->mu);
+    inbox_->cv.wait_until(lock, t, [&] { return !running_; });
+    return running_;
+}
+
+void Engine::loop() {
+    while (running_) {
+        drain_inbox();
+        expire_kv_waits();
+        std::vector<Seq*> prefill_batch;
+        admit(prefill_batch);
+        if (!prefill_batch.empty()) {
+            run_prefill(prefill_batch);
+        } else if (!running_seqs_.empty()) {
+            run_decode();
+        } else {
+            TimePoint wake = Clock::now() + milliseconds(100);
+            for (auto& [id, s] : waiting_kv_)
+                if (!s->cancel_sent && !s->done) wake = std::min(wake, s->kv_deadline);
+            std::unique_lock lock(inbox_->mu);
+            inbox_->cv.wait_until(lock, wake, [&] { return !inbox_->events.empty() || !running_; });
+        }
+        publish_gauges();
+    }
+    {
+        std::lock_guard lock(inbox_->mu);
+        inbox_->closed = true;
+    }
+    drain_inbox();
+    fail_all(cancelled(fmt::format("engine {} is shutting down", config_.engine_id)));
+    publish_gauges();
+}
+
+void Engine::drain_inbox() {
+    std::deque<Inbox::Event> events;
+    {
+        std::lock_guard lock(inbox_->mu);
+        events.swap(inbox_->events);
+    }
+    for (auto& e : events) {
+        switch (e.kind) {
+            case Inbox::Kind::kNew: {
+                // An abort may overtake its request (they travel on different connections).
+                auto a = e.seq->req.kv.transfer_id.empty()
+                             ? aborted_.end()
+                             : aborted_.find(e.seq->req.kv.transfer_id);
+                if (a != aborted_.end()) {
+                    finish(*e.seq, cancelled(fmt::format("transfer {} was aborted", a->first)));
+                    break;
+                }
+                waiting_.push_back(std::move(e.seq));
+                break;
+            }
+            case Inbox::Kind::kCancel:
+                cancel_seq(e.id,
+                           cancelled(fmt::format("request {} cancelled by the client", e.id)));
+                break;
+            case Inbox::Kind::kCancelTransfer: {
+                TimePoint now = Clock::now();
+                std::erase_if(aborted_, [&](auto& kv) { return kv.second < now; });
+                aborted_[e.id] = now + seconds(60);
+                // Decode legs of this transfer, wherever they are; normally exactly one.
+                std::vector<RequestId> ids;
+                for (auto& s : waiting_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
+                for (auto& [id, s] : waiting_kv_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(id);
+                for (auto& s : running_seqs_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
+                for (auto& id : ids)
+                    cancel_seq(id, cancelled(fmt::format("transfer {} aborted: {}", e.id,
+                                                         e.status.message())));
+                break;
+            }
+            case Inbox::Kind::kKvArrived: {
+                auto k = waiting_kv_.find(e.id);
+                if (k == waiting_kv_.end() || k->second->digesting) break;  // stale callback
+                Seq& s = *k->second;
+                TimePoint now = Clock::now();
+                {
+                    std::lock_guard lock(stats_mu_);
+                    if (e.status.ok()) {
+                        counters_.kv_transfers++;
+                        counters_.kv_transfer_bytes +=
+                            BlockManager::blocks_for_tokens(s.req.prompt.size(),
+                                                            config_.block_size) *
+                            pool_->block_bytes();
+                        transfer_latency_.observe(to_ms(now - s.kv_start) / 1000.0);
+                    } else {
+                        counters_.kv_transfer_failures++;
+                    }
+                }
+                if (s.done || s.cancel_sent || !e.status.ok()) {
+                    finish(s, e.status.ok() ? cancelled("request cancelled")
+                                            : e.status.with_context(
+                                                  fmt::format("KV transfer for request {}", s.id)));
+                    (void)blocks_.free(s.id);
+                    waiting_kv_.erase(k);
+                    break;
+                }
+                s.mark(&RequestTiming::kv_ready, now);
+                s.digesting = true;
+                {
+                    std::lock_guard lock(inbox_->mu);
+                    inbox_->digest_jobs.push_back({s.id, s.blocks, s.req.prompt});
+                }
+                inbox_->digest_cv.notify_one();
+                break;
+            }
+            case Inbox::Kind::kDigested: {
+                auto k = waiting_kv_.find(e.id);
+                if (k == waiting_kv_.end()) break;
+                std::unique_ptr<Seq> s = std::move(k->second);
+                waiting_kv_.erase(k);
+                if (s->done) {
+                    (void)blocks_.free(s->id);
+                    break;
+                }
+                s->stream = std::move(e.stream);
+                s->digesting = false;
+                running_seqs_.push_back(std::move(s));
+                break;
+            }
+            case Inbox::Kind::kReleased: {
+                auto h = held_.find(e.id);
+                if (h == held_.end()) break;
+                {
+                    std::lock_guard lock(stats_mu_);
+                    if (e.status.ok()) {
+                        counters_.kv_transfers++;
+                        counters_.kv_transfer_bytes += h->second.bytes;
+                        transfer_latency_.observe(to_ms(Clock::now() - h->second.since) / 1000.0);
+                    } else {
+                        counters_.kv_transfer_failures++;
+                        log(LogLevel::kWarn, "engine", "{}: KV hand-over of {} failed: {}",
+                            config_.engine_id, e.id, e.status.to_string());
+                    }
+                }
+                (void)blocks_.free(e.id);
+                held_.erase(h);
+                break;
+            }
+        }
+    }
+}
+
+void Engine::cancel_seq(const RequestId& id, const Status& why) {
+    auto w = std::find_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return s->id == id; });
+    if (w != waiting_.end()) {
+        finish(**w, why);
+        waiting_.erase(w);
+        return;
+    }
+    auto r = std::find_if(running_seqs_.begin(), running_seqs_.end(),
+                          [&](auto& s) { return s->id == id; });
+    if (r != running_seqs_.end()) {
+        finish(**r, why);
+        (void)blocks_.free((*r)->id);
+        running_seqs_.erase(r);
+        return;
+    }
+    auto k = waiting_kv_.find(id);
+    if (k != waiting_kv_.end()) {
+        // The client hears now; the blocks stay until the connector confirms it stopped.
+        Seq& s = *k->second;
+        finish(s, why);
+        if (!s.digesting && !s.cancel_sent) {
+            s.cancel_sent = true;
+            consumer_->cancel(s.id);
+        }
+    }
+}
+
+Status Engine::abort_transfer(const std::string& transfer_id, const std::string& reason) {
+    if (transfer_id.empty()) return invalid_argument("abort needs a transfer_id");
+    inbox_->post(Inbox::Event{
+        .kind = Inbox::Kind::kCancelTransfer, .id = transfer_id, .status = cancelled(reason)});
+    return ok_status();
+}
+
+void Engine::expire_kv_waits() {
+    TimePoint now = Clock::now();
+    for (auto& [id, s] : waiting_kv_) {
+        if (s->done || s->cancel_sent || s->digesting || now < s->kv_deadline) continue;
+        // The client hears now; the blocks stay ours until the connector confirms it stopped.
+        finish(*s, timeout_error(fmt::format(
+                       "KV for request {} (transfer {}) did not arrive within {:.0f} ms", s->id,
+                       s->req.kv.transfer_id, to_ms(config_.kv_wait_timeout))));
+        s->cancel_sent = true;
+        consumer_->cancel(s->id);
+    }
+}
+
+void Engine::admit(std::vector<Seq*>& prefill_batch) {
+    size_t batch_tokens = 0;
+    while (!waiting_.empty()) {
+        Seq& s = *waiting_.front();
+        if (running_seqs_.size() + waiting_kv_.size() + prefill_batch.size() >=
+            config_.max_num_seqs)
+            return;
+        bool remote_prefill = s.req.kv.do_remote_prefill;
+        if (!remote_prefill && !prefill_batch.empty() &&
+            batch_tokens + s.req.prompt.size() > config_.max_num_batched_tokens)
+            return;
+        size_t need = blocks_needed(s.req);
+        // FIFO: the head waits for blocks rather than being overtaken, as vLLM's scheduler does.
+        if (!blocks_.can_allocate(need)) return;
+        auto got = blocks_.allocate(s.id, need);
+        if (!got.ok()) return;
+        s.blocks = std::move(got).value();
+        s.mark(&RequestTiming::scheduled, Clock::now());
+        std::unique_ptr<Seq> owned = std::move(waiting_.front());
+        waiting_.pop_front();
+        if (remote_prefill) {
+            Seq* p = owned.get();
+            p->kv_start = Clock::now();
+            p->kv_deadline = p->kv_start + config_.kv_wait_timeout;
+            waiting_kv_[p->id] = std::move(owned);
+            std::weak_ptr<Inbox> weak = inbox_;
+            RequestId id = p->id;
+            Status st = consumer_->on_blocks_allocated(
+                id, p->req.kv, p->blocks, p->req.prompt.size(), [weak, id](Status arrived) {
+                    if (auto in = weak.lock())
+                        in->post(Inbox::Event{.kind = Inbox::Kind::kKvArrived,
+                                              .id = id,
+                                              .status = std::move(arrived)});
+                });
+            if (!st.ok()) {
+                auto it = waiting_kv_.find(id);
+                if (it == waiting_kv_.end()) continue;  // cannot happen: the loop owns the map
+                finish(*it->second, st.with_context("KV connector refused the request"));
+                (void)blocks_.free(id);
+                waiting_kv_.erase(it);
+                std::lock_guard lock(stats_mu_);
+                counters_.kv_transfer_failures++;
+            }
+        } else {
+            batch_tokens += owned->req.prompt.size();
+            prefill_batch.push_back(owned.get());
+            running_seqs_.push_back(std::move(owned));
+        }
+    }
+}
+
+void Engine::run_prefill(std::vector<Seq*>& batch) {
+    TimePoint start = Clock::now();
+    std::vector<int> lens;
+    std::vector<uint64_t> digests(batch.size());
+    std::vector<Status> errors(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+        Seq& s = *batch[i];
+        s.mark(&RequestTiming::prefill_start, start);
+        lens.push_back(int(s.req.prompt.size()));
+        auto d = write_prompt_kv(*pool_, s.blocks, slice_, s.req.prompt);
+        if (d.ok())
+            digests[i] = *d;
+        else
+            errors[i] = d.status();
+    }
+    double modelled = cost_.prefill_seconds(lens) * config_.time_scale;
+    if (!sleep_until(start +
+                     std::chrono::duration_cast<Duration>(std::chrono::duration<double>(modelled))))
+        return;
+    TimePoint now = Clock::now();
+    {
+        std::lock_guard lock(stats_mu_);
+        counters_.prefill_steps++;
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+        Seq& s = *batch[i];
+        s.mark(&RequestTiming::prefill_end, now);
+        if (!errors[i].ok()) {
+            finish(s, errors[i]);
+            continue;
+        }
+        s.stream.emplace(slice_, s.req.prompt, digests[i]);
+        auto tok = s.stream->next(*pool_, s.blocks);
+        if (!tok.ok()) {
+            finish(s, tok.status());
+            continue;
+        }
+        s.generated = 1;
+        s.handle->push(*tok, now);
+        {
+            std::lock_guard lock(stats_mu_);
+            counters_.generated_tokens++;
+        }
+        if (s.req.kv.do_remote_decode) {
+            std::weak_ptr<Inbox> weak = inbox_;
+            RequestId id = s.id;
+            auto out = producer_->on_prefill_done(
+                id, s.req.kv, s.blocks, s.req.prompt.size(), [weak, id](Status released) {
+                    if (auto in = weak.lock())
+                        in->post(Inbox::Event{.kind = Inbox::Kind::kReleased,
+                                              .id = id,
+                                              .status = std::move(released)});
+                });
+            if (!out.ok()) {
+                finish(s, out.status().with_context("KV connector refused the hand-over"));
+                std::lock_guard lock(stats_mu_);
+                counters_.kv_transfer_failures++;
+                continue;
+            }
+            // The blocks now belong to the connector until it releases them.
+            held_[s.id] = Held{
+                s.blocks, now,
+                uint64_t(BlockManager::blocks_for_tokens(s.req.prompt.size(), config_.block_size) *
+                         pool_->block_bytes())};
+            s.blocks.clear();
+            finish(s, ok_status(), std::move(out).value());
+        } else if (s.generated >= s.req.max_tokens) {
+            finish(s, ok_status());
+        }
+    }
+    // Done requests leave; their blocks go back unless the connector holds them.
+    std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
+        if (!s->done) return false;
+        if (!held_.count(s->id)) (void)blocks_.free(s->id);
+        return true;
+    });
+}
+
+void Engine::run_decode() {
+    TimePoint start = Clock::now();
+    std::vector<int> ctx;
+    std::vector<Result<int32_t>> toks;
+    ctx.reserve(running_seqs_.size());
+    toks.reserve(running_seqs_.size());
+    for (auto& s : running_seqs_) {
+        ctx.push_back(int(s->req.prompt.size() + s->generated));
+        toks.push_back(s->stream->next(*pool_, s->blocks));
+    }
+    double modelled = cost_.decode_seconds(ctx) * config_.time_scale;
+    if (!sleep_until(start +
+                     std::chrono::duration_cast<Duration>(std::chrono::duration<double>(modelled))))
+        return;
+    TimePoint now = Clock::now();
+    uint64_t produced = 0;
+    for (size_t i = 0; i < running_seqs_.size(); ++i) {
+        Seq& s = *running_seqs_[i];
+        if (!toks[i].ok()) {
+            finish(s, toks[i].status());
+            continue;
+        }
+        s.handle->push(*toks[i], now);
+        s.generated++;
+        produced++;
+        if (s.generated >= s.req.max_tokens) finish(s, ok_status());
+    }
+    {
+        std::lock_guard lock(stats_mu_);
+        counters_.decode_steps++;
+        counters_.generated_tokens += produced;
+    }
+    std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
+        if (!s->done) return false;
+        (void)blocks_.free(s->id);
+        return true;
+    });
+}
+
+void Engine::digest_worker() {
+    // Reading the whole prompt KV of a decode leg is real CPU work proportional to its size;
+    // done here so the step loop keeps the modelled pace for the other requests.
+    while (true) {
+        Inbox::DigestJob job;
+        {
+            std::unique_lock lock(inbox_->mu);
+            inbox_->digest_cv.wait(lock, [&] { return !inbox_->digest_jobs.empty() || !running_; });
+            if (!running_) return;
+            job = std::move(inbox_->digest_jobs.front());
+            inbox_->digest_jobs.pop_front();
+        }
+        DecodeStream stream(*pool_, job.blocks, slice_, job.prompt);
+        inbox_->post(Inbox::Event{
+            .kind = Inbox::Kind::kDigested, .id = job.id, .stream = std::move(stream)});
+    }
+}
+
+void Engine::publish_gauges() {
+    std::lock_guard lock(stats_mu_);
+    counters_.waiting = waiting_.size();
+    counters_.running = running_seqs_.size();
+    counters_.waiting_for_kv = waiting_kv_.size();
+    counters_.held_for_transfer = held_.size();
+}
+
+void Engine::fail_all(const Status& status) {
+    for (auto& s : waiting_) finish(*s, status);
+    for (auto& s : running_seqs_) finish(*s, status);
+    for (auto& [id, s] : waiting_kv_) finish(*s, status);
+    waiting_.clear();
+    running_seqs_.clear();
+    waiting_kv_.clear();
+}
+
+EngineStats Engine::stats() const {
+    EngineStats st;
+    {
+        std::lock_guard lock(stats_mu_);
+        st = counters_;
+    }
+    st.blocks_total = blocks_.num_blocks();
+    st.blocks_used = blocks_.num_used();
+    st.blocks_free = blocks_.num_free();
+    return st;
+}
+
+std::string Engine::prometheus_text() const {
+    EngineStats st = stats();
+    std::string out;
+    render_counter(out, "ferry_requests_total", "requests accepted", double(st.requests_total));
+    render_counter(out, "ferry_requests_failed_total", "requests that ended in an error",
+                   double(st.requests_failed));
+    render_gauge(out, "ferry_requests_waiting", "requests waiting for blocks", double(st.waiting));
+    render_gauge(out, "ferry_requests_running", "requests prefilling or decoding",
+                 double(st.running));
+    render_gauge(out, "ferry_requests_waiting_for_kv", "decode legs waiting for remote KV",
+                 double(st.waiting_for_kv));
+    render_gauge(out, "ferry_requests_held_for_transfer",
+                 "prefill legs whose blocks the connector still holds",
+                 double(st.held_for_transfer));
+    render_counter(out, "ferry_prompt_tokens_total", "prompt tokens accepted",
+                   double(st.prompt_tokens));
+    render_counter(out, "ferry_generation_tokens_total", "tokens generated",
+                   double(st.generated_tokens));
+    render_counter(out, "ferry_prefill_steps_total", "prefill steps", double(st.prefill_steps));
+    render_counter(out, "ferry_decode_steps_total", "decode steps", double(st.decode_steps));
+    render_gauge(out, "ferry_kv_blocks_total", "KV blocks in the pool", double(st.blocks_total));
+    render_gauge(out, "ferry_kv_blocks_used", "KV blocks allocated", double(st.blocks_used));
+    render_gauge(out, "ferry_kv_blocks_free", "KV blocks free", double(st.blocks_free));
+    render_counter(out, "ferry_kv_transfers_total", "KV transfers completed",
+                   double(st.kv_transfers));
+    render_counter(out, "ferry_kv_transfer_failures_total", "KV transfers failed or refused",
+                   double(st.kv_transfer_failures));
+    render_counter(out, "ferry_kv_transfer_bytes_total", "KV bytes moved",
+                   double(st.kv_transfer_bytes));
+    transfer_latency_.render(out, "ferry_kv_transfer_latency_seconds",
+                             "from hand-over to the connector to its completion callback");
+    return out;
+}
+
+}  // namespace ferry::serve

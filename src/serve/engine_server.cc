@@ -1,0 +1,142 @@
+#include "ferry/serve/engine_server.h"
+
+#include "ferry/serve/openai_api.h"
+
+namespace ferry::serve {
+namespace {
+
+void send_error(HttpReply& reply, const Status& st) {
+    reply.status = http_status_for(st);
+    reply.body = error_body(st);
+}
+
+CompletionResult result_of(const RequestHandle& h, const std::string& model,
+                           std::vector<int32_t> tokens) {
+    CompletionResult r;
+    r.id = "cmpl-" + h.id();
+    r.model = model;
+    r.tokens = std::move(tokens);
+    r.prompt_tokens = h.prompt_tokens();
+    r.kv_out = h.kv_out();
+    r.timing = h.timing();
+    return r;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
+                                                          EngineServerOptions options) {
+    if (engine == nullptr) return invalid_argument("no engine to serve");
+    std::unique_ptr<EngineServer> s(new EngineServer());
+    s->engine_ = engine;
+    if (options.model_name.empty()) options.model_name = engine->cost_model().model().name;
+    s->options_ = options;
+    EngineServer* p = s.get();
+    std::vector<HttpRoute> routes;
+    routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
+                          p->completions(req, reply);
+                      }});
+    routes.push_back({"GET", "/health", [p](const HttpRequest&, HttpReply& reply) {
+                          EngineStats st = p->engine_->stats();
+                          nlohmann::json j = {{"status", "ok"},
+                                              {"engine_id", p->engine_->config().engine_id},
+                                              {"model", p->options_.model_name},
+                                              {"kv_blocks_free", st.blocks_free},
+                                              {"kv_blocks_total", st.blocks_total}};
+                          reply.body = j.dump();
+                      }});
+    // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
+    routes.push_back({"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
+                          nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+                          if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
+                              !j["transfer_id"].is_string())
+                              return send_error(reply,
+                                                invalid_argument("body must be {\"transfer_id\": "
+                                                                 "\"...\", \"reason\": \"...\"}"));
+                          Status st = p->engine_->abort_transfer(
+                              j["transfer_id"].get<std::string>(), j.value("reason", "aborted"));
+                          if (!st.ok()) return send_error(reply, st);
+                          reply.body = "{}";
+                      }});
+    routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
+                          reply.content_type = "text/plain; version=0.0.4";
+                          reply.body = p->engine_->prometheus_text();
+                      }});
+    FERRY_ASSIGN_OR_RETURN(s->http_, HttpServer::start(options.http, std::move(routes)));
+    return s;
+}
+
+void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
+    auto parsed = parse_completion_request(req.body);
+    if (!parsed.ok()) return send_error(reply, parsed.status());
+    bool stream = parsed->stream;
+    auto handle = engine_->submit(std::move(parsed->gen));
+    if (!handle.ok()) return send_error(reply, handle.status());
+    std::shared_ptr<RequestHandle> h = std::move(handle).value();
+    TimePoint deadline = Clock::now() + options_.request_timeout;
+    const std::string model = options_.model_name;
+
+    // Wait for the first event before answering, so a request that fails before its first
+    // token (KV transfer failed, timed out) gets a real HTTP error rather than 200 + an error
+    // event.
+    auto first = h->next(deadline);
+    if (!first.ok()) {
+        h->cancel();
+        return send_error(reply, first.status());
+    }
+    if (first->finished && !h->status().ok()) return send_error(reply, h->status());
+
+    if (!stream) {
+        std::vector<int32_t> tokens;
+        Result<RequestHandle::Event> e = *first;
+        while (true) {
+            if (!e.ok()) {
+                h->cancel();
+                return send_error(reply, e.status());
+            }
+            if (e->finished) break;
+            tokens.push_back(e->token);
+            e = h->next(deadline);
+        }
+        if (!h->status().ok()) return send_error(reply, h->status());
+        reply.body = completion_body(result_of(*h, model, std::move(tokens)));
+        return;
+    }
+
+    reply.content_type = "text/event-stream";
+    HttpServer* http = http_.get();
+    RequestHandle::Event first_event = *first;
+    reply.stream = [h, http, deadline, model, first_event](const ChunkWriter& write) {
+        std::vector<int32_t> tokens;
+        Result<RequestHandle::Event> e = first_event;
+        while (true) {
+            if (!e.ok()) {
+                // Waits are sliced so a server stop ends the stream promptly.
+                if (http->stopping() || Clock::now() >= deadline) {
+                    h->cancel();
+                    write(sse_error_event(http->stopping() ? cancelled("server stopping")
+                                                           : e.status()));
+                    return;
+                }
+            } else {
+                std::string ev;
+                if (!e->finished) {
+                    tokens.push_back(e->token);
+                    ev = sse_token_event("cmpl-" + h->id(), model, e->token);
+                } else {
+                    ev = h->status().ok() ? sse_final_event(result_of(*h, model, tokens))
+                                          : sse_error_event(h->status());
+                    ev += kSseDone;
+                }
+                if (!write(ev)) {
+                    h->cancel();  // client gone: free the blocks now
+                    return;
+                }
+                if (e->finished) return;
+            }
+            e = h->next(std::min(deadline, Clock::now() + milliseconds(200)));
+        }
+    };
+}
+
+}  // namespace ferry::serve

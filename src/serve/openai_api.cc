@@ -1,0 +1,277 @@
+#include "ferry/serve/openai_api.h"
+
+#include <fmt/format.h>
+
+namespace ferry::serve {
+
+using nlohmann::json;
+
+std::vector<int32_t> tokenize(std::string_view text) {
+    std::vector<int32_t> out;
+    out.reserve(text.size());
+    for (unsigned char c : text) out.push_back(int32_t(c));
+    return out;
+}
+
+std::string token_text(int32_t token) { return fmt::format(" tok{}", token); }
+
+namespace {
+
+Status field_error(std::string_view field, std::string_view what) {
+    return invalid_argument(fmt::format("'{}' {}", field, what));
+}
+
+double ms_between(TimePoint a, TimePoint b) {
+    if (a == TimePoint{} || b == TimePoint{}) return 0;
+    return to_ms(b - a);
+}
+
+}  // namespace
+
+Result<KvTransferParams> kv_params_from_json(const json& j) {
+    KvTransferParams kv;
+    if (j.is_null()) return kv;
+    if (!j.is_object()) return field_error("kv_transfer_params", "must be an object");
+    auto get_bool = [&](const char* name, bool* out) -> Status {
+        if (!j.contains(name) || j[name].is_null()) return ok_status();
+        if (!j[name].is_boolean())
+            return field_error(std::string("kv_transfer_params.") + name, "must be true or false");
+        *out = j[name].get<bool>();
+        return ok_status();
+    };
+    auto get_string = [&](const char* name, std::string* out) -> Status {
+        if (!j.contains(name) || j[name].is_null()) return ok_status();
+        if (j[name].is_number_integer()) {
+            *out = std::to_string(j[name].get<int64_t>());
+            return ok_status();
+        }
+        if (!j[name].is_string())
+            return field_error(std::string("kv_transfer_params.") + name, "must be a string");
+        *out = j[name].get<std::string>();
+        return ok_status();
+    };
+    auto get_int = [&](const char* name, int64_t lo, int64_t hi, int64_t* out) -> Status {
+        if (!j.contains(name) || j[name].is_null()) return ok_status();
+        if (!j[name].is_number_integer() || j[name].get<int64_t>() < lo ||
+            j[name].get<int64_t>() > hi)
+            return field_error(std::string("kv_transfer_params.") + name,
+                               fmt::format("must be an integer in [{}, {}]", lo, hi));
+        *out = j[name].get<int64_t>();
+        return ok_status();
+    };
+    FERRY_RETURN_IF_ERROR(get_bool("do_remote_decode", &kv.do_remote_decode));
+    FERRY_RETURN_IF_ERROR(get_bool("do_remote_prefill", &kv.do_remote_prefill));
+    FERRY_RETURN_IF_ERROR(get_string("transfer_id", &kv.transfer_id));
+    FERRY_RETURN_IF_ERROR(get_string("remote_engine_id", &kv.remote_engine_id));
+    FERRY_RETURN_IF_ERROR(get_string("remote_host", &kv.remote_host));
+    int64_t v = 0;
+    FERRY_RETURN_IF_ERROR(get_int("remote_port", 0, 65535, &v));
+    kv.remote_port = int(v);
+    v = kv.tp_size;
+    FERRY_RETURN_IF_ERROR(get_int("tp_size", 1, 1 << 16, &v));
+    kv.tp_size = int(v);
+    v = 0;
+    FERRY_RETURN_IF_ERROR(get_int("attempt", 0, UINT32_MAX, &v));
+    kv.attempt = uint32_t(v);
+    if (j.contains("remote_block_ids") && !j["remote_block_ids"].is_null()) {
+        const json& ids = j["remote_block_ids"];
+        if (!ids.is_array())
+            return field_error("kv_transfer_params.remote_block_ids",
+                               "must be an array of block ids");
+        for (const json& b : ids) {
+            if (!b.is_number_integer() || b.get<int64_t>() < 0 ||
+                b.get<int64_t>() > int64_t(UINT32_MAX))
+                return field_error("kv_transfer_params.remote_block_ids",
+                                   "must hold non-negative integers");
+            kv.remote_block_ids.push_back(BlockId(b.get<int64_t>()));
+        }
+    }
+    return kv;
+}
+
+json kv_params_to_json(const KvTransferParams& kv) {
+    json j = {{"do_remote_decode", kv.do_remote_decode},
+              {"do_remote_prefill", kv.do_remote_prefill},
+              {"remote_engine_id", kv.remote_engine_id},
+              {"remote_block_ids", kv.remote_block_ids},
+              {"remote_host", kv.remote_host},
+              {"remote_port", kv.remote_port},
+              {"tp_size", kv.tp_size}};
+    if (!kv.transfer_id.empty()) j["transfer_id"] = kv.transfer_id;
+    if (kv.attempt != 0) j["attempt"] = kv.attempt;
+    return j;
+}
+
+Result<CompletionRequest> parse_completion_request(std::string_view body) {
+    json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+    return parse_completion_json(j);
+}
+
+Result<CompletionRequest> parse_completion_json(const json& j) {
+    if (!j.is_object()) return invalid_argument("request body must be a JSON object");
+    CompletionRequest r;
+    if (!j.contains("prompt")) return field_error("prompt", "is required");
+    const json& p = j["prompt"];
+    if (p.is_string()) {
+        r.gen.prompt = tokenize(p.get<std::string>());
+    } else if (p.is_array()) {
+        if (!p.empty() && (p[0].is_array() || p[0].is_string()))
+            return field_error("prompt", "holds several prompts; send one prompt per request");
+        for (const json& t : p) {
+            if (!t.is_number_integer())
+                return field_error("prompt", "must be a string or an array of token ids");
+            int64_t v = t.get<int64_t>();
+            if (v < 0 || v > INT32_MAX) return field_error("prompt", "has a negative token id");
+            r.gen.prompt.push_back(int32_t(v));
+        }
+    } else {
+        return field_error("prompt", "must be a string or an array of token ids");
+    }
+    if (r.gen.prompt.empty()) return field_error("prompt", "is empty");
+    if (j.contains("max_tokens") && !j["max_tokens"].is_null()) {
+        if (!j["max_tokens"].is_number_integer() || j["max_tokens"].get<int64_t>() < 1)
+            return field_error("max_tokens", "must be a positive integer");
+        r.gen.max_tokens = size_t(j["max_tokens"].get<int64_t>());
+    }
+    if (j.contains("stream") && !j["stream"].is_null()) {
+        if (!j["stream"].is_boolean()) return field_error("stream", "must be true or false");
+        r.stream = j["stream"].get<bool>();
+    }
+    if (j.contains("model") && j["model"].is_string()) r.model = j["model"].get<std::string>();
+    if (j.contains("n") && !(j["n"].is_number_integer() && j["n"].get<int64_t>() == 1))
+        return field_error("n", "must be 1: one completion per request");
+    if (j.contains("kv_transfer_params")) {
+        FERRY_ASSIGN_OR_RETURN(r.gen.kv, kv_params_from_json(j["kv_transfer_params"]));
+    }
+    return r;
+}
+
+json timing_to_json(const RequestTiming& t) {
+    return {{"queue_ms", ms_between(t.arrived, t.scheduled)},
+            {"prefill_ms", ms_between(t.prefill_start, t.prefill_end)},
+            {"kv_wait_ms", ms_between(t.scheduled, t.kv_ready)},
+            {"first_token_ms", ms_between(t.arrived, t.first_token)},
+            {"e2e_ms", ms_between(t.arrived, t.finished)}};
+}
+
+namespace {
+
+json choice(std::string text, std::vector<int32_t> ids, const char* finish) {
+    json c = {{"index", 0},
+              {"text", std::move(text)},
+              {"token_ids", std::move(ids)},
+              {"logprobs", nullptr}};
+    c["finish_reason"] = finish ? json(finish) : json(nullptr);
+    return c;
+}
+
+int64_t unix_now() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+json final_fields(const CompletionResult& r) {
+    json j;
+    j["usage"] = {{"prompt_tokens", r.prompt_tokens},
+                  {"completion_tokens", r.tokens.size()},
+                  {"total_tokens", r.prompt_tokens + r.tokens.size()}};
+    j["kv_transfer_params"] = r.kv_out.empty() ? json(nullptr) : kv_params_to_json(r.kv_out);
+    j["ferry_timing"] = timing_to_json(r.timing);
+    return j;
+}
+
+}  // namespace
+
+std::string completion_body(const CompletionResult& r) {
+    std::string text;
+    for (int32_t t : r.tokens) text += token_text(t);
+    json j = {{"id", r.id},
+              {"object", "text_completion"},
+              {"created", unix_now()},
+              {"model", r.model},
+              {"choices", json::array({choice(text, r.tokens, "length")})}};
+    j.update(final_fields(r));
+    return j.dump();
+}
+
+std::string sse_token_event(const std::string& id, const std::string& model, int32_t token) {
+    json j = {{"id", id},
+              {"object", "text_completion"},
+              {"created", unix_now()},
+              {"model", model},
+              {"choices", json::array({choice(token_text(token), {token}, nullptr)})}};
+    return "data: " + j.dump() + "\n\n";
+}
+
+std::string sse_final_event(const CompletionResult& r) {
+    json j = {{"id", r.id},
+              {"object", "text_completion"},
+              {"created", unix_now()},
+              {"model", r.model},
+              {"choices", json::array({choice("", {}, "length")})}};
+    j.update(final_fields(r));
+    return "data: " + j.dump() + "\n\n";
+}
+
+int http_status_for(const Status& status) {
+    switch (status.code()) {
+        case StatusCode::kOk:
+            return 200;
+        case StatusCode::kInvalidArgument:
+        case StatusCode::kOutOfRange:
+        case StatusCode::kProtocol:
+            return 400;
+        case StatusCode::kNotFound:
+            return 404;
+        case StatusCode::kTimeout:
+            return 504;
+        case StatusCode::kUnavailable:
+        case StatusCode::kResourceExhausted:
+        case StatusCode::kCancelled:
+            return 503;
+        default:
+            return 500;
+    }
+}
+
+std::string error_body(const Status& status) {
+    json j = {{"error",
+               {{"message", status.to_string()},
+                {"type", std::string(status_code_name(status.code()))},
+                {"code", http_status_for(status)}}}};
+    return j.dump();
+}
+
+std::string sse_error_event(const Status& status) { return "data: " + error_body(status) + "\n\n"; }
+
+std::vector<std::string> SseParser::feed(std::string_view bytes) {
+    buffer_.append(bytes);
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (true) {
+        size_t end = buffer_.find("\n\n", start);
+        if (end == std::string::npos) break;
+        std::string_view event(buffer_.data() + start, end - start);
+        // An event may hold several lines; only "data:" lines carry payload.
+        size_t pos = 0;
+        while (pos <= event.size()) {
+            size_t nl = event.find('\n', pos);
+            std::string_view line =
+                event.substr(pos, nl == std::string_view::npos ? std::string_view::npos : nl - pos);
+            if (line.starts_with("data:")) {
+                line.remove_prefix(5);
+                if (line.starts_with(' ')) line.remove_prefix(1);
+                out.emplace_back(line);
+            }
+            if (nl == std::string_view::npos) break;
+            pos = nl + 1;
+        }
+        start = end + 2;
+    }
+    buffer_.erase(0, start);
+    return out;
+}
+
+}  // namespace ferry::serve

@@ -1,0 +1,334 @@
+#include "ferry/serve/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "ferry/serve/inprocess_kv_link.h"
+
+namespace ferry::serve {
+namespace {
+
+CostModel tiny_cost() { return CostModel::create(tiny_test_model(), h200(), 1).value(); }
+
+std::unique_ptr<Engine> make_engine(EngineConfig cfg, CostModel cost = tiny_cost()) {
+    auto e = Engine::create(std::move(cfg), std::move(cost));
+    EXPECT_TRUE(e.ok()) << e.status().to_string();
+    return std::move(e).value();
+}
+
+std::vector<int32_t> prompt_of(size_t n, int32_t seed) {
+    std::vector<int32_t> p(n);
+    for (size_t i = 0; i < n; ++i) p[i] = int32_t((seed * 131 + i * 7) % 1000);
+    return p;
+}
+
+struct Collected {
+    std::vector<int32_t> tokens;
+    std::vector<TimePoint> at;
+    Status status;
+};
+
+Collected collect(RequestHandle& h, Duration budget = seconds(10)) {
+    Collected c;
+    TimePoint deadline = Clock::now() + budget;
+    while (true) {
+        auto e = h.next(deadline);
+        if (!e.ok()) {
+            c.status = e.status();
+            return c;
+        }
+        if (e->finished) {
+            c.status = h.status();
+            return c;
+        }
+        c.tokens.push_back(e->token);
+        c.at.push_back(Clock::now());
+    }
+}
+
+// Waits until `pred` holds, for at most `budget`.
+template <typename F>
+bool eventually(F pred, Duration budget = seconds(5)) {
+    TimePoint deadline = Clock::now() + budget;
+    while (Clock::now() < deadline) {
+        if (pred()) return true;
+        std::this_thread::sleep_for(milliseconds(2));
+    }
+    return pred();
+}
+
+TEST(Engine, ColocatedRequestStreamsTheTokensTheVerifierExpects) {
+    auto e = make_engine({.engine_id = "e", .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    auto prompt = prompt_of(40, 1);
+    auto h = e->submit({.prompt = prompt, .max_tokens = 12});
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    Collected c = collect(**h);
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    EXPECT_EQ(c.tokens, expected_tokens(e->kv_slice(), prompt, 12));
+    EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+    EXPECT_EQ(e->stats().generated_tokens, 12u);
+}
+
+TEST(Engine, RejectsRequestsBeyondItsLimitsWithAClearMessage) {
+    auto e = make_engine({.engine_id = "e", .max_model_len = 100, .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    auto too_long = e->submit({.prompt = prompt_of(90, 1), .max_tokens = 20});
+    ASSERT_FALSE(too_long.ok());
+    EXPECT_EQ(too_long.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(too_long.status().message().find("exceeds max_model_len 100"), std::string::npos);
+    auto bad_token = e->submit({.prompt = {1, 2, 5000}, .max_tokens = 2});
+    ASSERT_FALSE(bad_token.ok());
+    EXPECT_NE(bad_token.status().message().find("outside the vocabulary"), std::string::npos);
+    EXPECT_FALSE(e->submit({.prompt = {}, .max_tokens = 2}).ok());
+    // No connector attached: a disaggregated leg is refused up front, not left hanging.
+    GenerateRequest remote{.prompt = {1, 2}, .max_tokens = 2};
+    remote.kv.do_remote_prefill = true;
+    remote.kv.transfer_id = "t";
+    auto r = e->submit(remote);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(Engine, ContinuousBatchingRunsUpToMaxNumSeqsTogether) {
+    // Each request takes ~20 decode steps; with room for all four they overlap in time, with
+    // max_num_seqs 1 they run one after the other.
+    auto run = [](size_t max_seqs) {
+        auto e = make_engine({.engine_id = "e", .max_num_seqs = max_seqs, .num_blocks = 256});
+        EXPECT_TRUE(e->start().ok());
+        std::vector<std::shared_ptr<RequestHandle>> hs;
+        for (int i = 0; i < 4; ++i)
+            hs.push_back(e->submit({.prompt = prompt_of(16, i), .max_tokens = 20}).value());
+        for (auto& h : hs) EXPECT_TRUE(collect(*h).status.ok());
+        // Did the second request start before the first one ended?
+        return hs[1]->timing().first_token < hs[0]->timing().finished;
+    };
+    EXPECT_TRUE(run(4));
+    EXPECT_FALSE(run(1));
+}
+
+TEST(Engine, SchedulerWaitsForFreeBlocksAndFinishesEveryone) {
+    // 4 blocks of 16 tokens: one request of 40 + 10 tokens needs all of them.
+    auto e = make_engine({.engine_id = "e", .num_blocks = 4});
+    ASSERT_TRUE(e->start().ok());
+    auto p1 = prompt_of(40, 1), p2 = prompt_of(40, 2);
+    auto h1 = e->submit({.prompt = p1, .max_tokens = 10}).value();
+    auto h2 = e->submit({.prompt = p2, .max_tokens = 10}).value();
+    Collected c1 = collect(*h1), c2 = collect(*h2);
+    ASSERT_TRUE(c1.status.ok() && c2.status.ok());
+    EXPECT_GT(h2->timing().first_token, h1->timing().finished);
+    EXPECT_EQ(c2.tokens, expected_tokens(e->kv_slice(), p2, 10));
+    EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 4; }));
+}
+
+TEST(Engine, DecodeStepsTakeTheModelledTime) {
+    auto cost = CostModel::create(qwen3_32b(), h200(), 8).value();
+    std::vector<int> ctx{48};
+    double step = cost.decode_seconds(ctx);
+    auto e = make_engine({.engine_id = "e", .num_blocks = 16}, cost);
+    ASSERT_TRUE(e->start().ok());
+    auto h = e->submit({.prompt = prompt_of(32, 3), .max_tokens = 30}).value();
+    Collected c = collect(*h);
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    double itl = std::chrono::duration<double>(c.at.back() - c.at[1]).count() / 28;
+    EXPECT_GT(itl, 0.9 * step);
+    EXPECT_LT(itl, 3.0 * step);  // sleeps overshoot on a loaded machine, never by 3x
+}
+
+TEST(Engine, CancelledRequestReturnsItsBlocks) {
+    auto e = make_engine({.engine_id = "e", .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    auto h = e->submit({.prompt = prompt_of(20, 1), .max_tokens = 1000}).value();
+    ASSERT_TRUE(h->next(Clock::now() + seconds(5)).ok());
+    EXPECT_LT(e->stats().blocks_free, 64u);
+    h->cancel();
+    Collected c = collect(*h);
+    EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
+    EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+}
+
+TEST(Engine, StopFailsRequestsInFlight) {
+    auto e = make_engine({.engine_id = "e", .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    auto h2 = e->submit({.prompt = prompt_of(20, 1), .max_tokens = 500}).value();
+    e->stop();
+    Collected c = collect(*h2, seconds(2));
+    EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
+    EXPECT_NE(c.status.message().find("shutting down"), std::string::npos);
+}
+
+// ---- Disaggregated: two engines joined by the in-process link ---------------------------------
+
+struct PD {
+    std::unique_ptr<Engine> prefill, decode;
+    std::unique_ptr<InProcessKvLink> link;
+
+    PD(KvLinkMode mode, Duration lease = seconds(10), Duration kv_wait = seconds(10)) {
+        prefill = make_engine({.engine_id = "p", .num_blocks = 64});
+        decode = make_engine({.engine_id = "d", .num_blocks = 64, .kv_wait_timeout = kv_wait});
+        link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{mode, lease});
+        EXPECT_TRUE(link->add_engine("p", &prefill->pool()).ok());
+        EXPECT_TRUE(link->add_engine("d", &decode->pool()).ok());
+        prefill->attach_connector(link->producer("p"), nullptr);
+        decode->attach_connector(nullptr, link->consumer("d"));
+        EXPECT_TRUE(link->start().ok());
+        EXPECT_TRUE(prefill->start().ok());
+        EXPECT_TRUE(decode->start().ok());
+    }
+    ~PD() {
+        prefill->stop();
+        decode->stop();
+        link->stop();
+    }
+    GenerateRequest prefill_leg(std::vector<int32_t> prompt, std::string tid) {
+        GenerateRequest r{.prompt = std::move(prompt), .max_tokens = 1};
+        r.kv.do_remote_decode = true;
+        r.kv.transfer_id = std::move(tid);
+        return r;
+    }
+    GenerateRequest decode_leg(std::vector<int32_t> prompt, size_t max_tokens,
+                               KvTransferParams kv) {
+        GenerateRequest r{.prompt = std::move(prompt), .max_tokens = max_tokens};
+        r.kv = std::move(kv);
+        return r;
+    }
+    bool pools_full() {
+        return prefill->stats().blocks_free == 64 && decode->stats().blocks_free == 64;
+    }
+};
+
+KvTransferParams push_params(const std::string& tid) {
+    KvTransferParams kv;
+    kv.do_remote_prefill = true;
+    kv.transfer_id = tid;
+    kv.remote_engine_id = "p";
+    return kv;
+}
+
+TEST(DisaggregatedEngines, PushDeliversVerifiedTokensInEitherArrivalOrder) {
+    PD pd(KvLinkMode::kPush);
+    auto prompt = prompt_of(50, 9);
+    auto expected = expected_tokens(pd.decode->kv_slice(), prompt, 8);
+    for (bool decode_first : {true, false}) {
+        std::string tid = decode_first ? "t-decode-first" : "t-prefill-first";
+        std::shared_ptr<RequestHandle> hd, hp;
+        if (decode_first) {
+            hd = pd.decode->submit(pd.decode_leg(prompt, 8, push_params(tid))).value();
+            ASSERT_TRUE(eventually([&] { return pd.decode->stats().blocks_used > 0; }));
+        }
+        hp = pd.prefill->submit(pd.prefill_leg(prompt, tid)).value();
+        Collected cp = collect(*hp);
+        ASSERT_TRUE(cp.status.ok()) << cp.status.to_string();
+        EXPECT_EQ(cp.tokens, std::vector<int32_t>{expected[0]});
+        EXPECT_TRUE(hp->kv_out().do_remote_prefill);
+        if (!decode_first)
+            hd = pd.decode->submit(pd.decode_leg(prompt, 8, push_params(tid))).value();
+        Collected cd = collect(*hd);
+        ASSERT_TRUE(cd.status.ok()) << cd.status.to_string();
+        EXPECT_EQ(cd.tokens, expected);
+        RequestTiming t = hd->timing();
+        EXPECT_NE(t.kv_ready, TimePoint{});
+        EXPECT_GE(t.first_token, t.kv_ready);
+    }
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+    EXPECT_EQ(pd.decode->stats().kv_transfers, 2u);
+    EXPECT_EQ(pd.prefill->stats().kv_transfers, 2u);
+    EXPECT_EQ(pd.link->bytes_copied(), 2u * 4 * pd.prefill->pool().block_bytes());
+}
+
+TEST(DisaggregatedEngines, PullAndPullInlineDeliverVerifiedTokens) {
+    for (KvLinkMode mode : {KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+        PD pd(mode);
+        auto prompt = prompt_of(33, 4);
+        auto hp = pd.prefill->submit(pd.prefill_leg(prompt, "t1")).value();
+        ASSERT_TRUE(collect(*hp).status.ok());
+        KvTransferParams kv = hp->kv_out();
+        ASSERT_EQ(kv.remote_block_ids.size(), 3u);
+        EXPECT_EQ(kv.remote_engine_id, "p");
+        // Prefill holds its blocks until decode has read them.
+        EXPECT_EQ(pd.prefill->stats().blocks_used, 3u);
+        auto hd = pd.decode->submit(pd.decode_leg(prompt, 5, kv)).value();
+        Collected cd = collect(*hd);
+        ASSERT_TRUE(cd.status.ok()) << cd.status.to_string();
+        EXPECT_EQ(cd.tokens, expected_tokens(pd.decode->kv_slice(), prompt, 5));
+        EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+    }
+}
+
+TEST(DisaggregatedEngines, KvCorruptedBeforeTheTransferChangesTheTokens) {
+    PD pd(KvLinkMode::kPull);
+    auto prompt = prompt_of(33, 4);
+    auto hp = pd.prefill->submit(pd.prefill_leg(prompt, "t1")).value();
+    ASSERT_TRUE(collect(*hp).status.ok());
+    KvTransferParams kv = hp->kv_out();
+    pd.prefill->pool().block(kv.remote_block_ids[1])[100] ^= 0x40;
+    auto hd = pd.decode->submit(pd.decode_leg(prompt, 5, kv)).value();
+    Collected cd = collect(*hd);
+    ASSERT_TRUE(cd.status.ok());
+    EXPECT_NE(cd.tokens, expected_tokens(pd.decode->kv_slice(), prompt, 5));
+}
+
+TEST(DisaggregatedEngines, DecodeLegWhosePrefillNeverComesFailsAndFreesItsBlocks) {
+    PD pd(KvLinkMode::kPush, seconds(10), milliseconds(200));
+    auto hd = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("lost"))).value();
+    Collected cd = collect(*hd, seconds(5));
+    EXPECT_EQ(cd.status.code(), StatusCode::kTimeout);
+    EXPECT_NE(cd.status.message().find("did not arrive within 200 ms"), std::string::npos);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+    EXPECT_EQ(pd.decode->stats().requests_failed, 1u);
+}
+
+TEST(DisaggregatedEngines, AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesFirst) {
+    PD pd(KvLinkMode::kPush);
+    auto waiting = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("a1"))).value();
+    ASSERT_TRUE(eventually([&] { return pd.decode->stats().blocks_used > 0; }));
+    ASSERT_TRUE(pd.decode->abort_transfer("a1", "prefill leg failed").ok());
+    Collected c = collect(*waiting, seconds(2));
+    EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
+    EXPECT_NE(c.status.message().find("prefill leg failed"), std::string::npos);
+    // The abort overtook this one.
+    ASSERT_TRUE(pd.decode->abort_transfer("a2", "prefill leg failed").ok());
+    auto late = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("a2"))).value();
+    EXPECT_EQ(collect(*late, seconds(2)).status.code(), StatusCode::kCancelled);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+}
+
+TEST(DisaggregatedEngines, PrefillLegNobodyCollectsIsReleasedAfterTheLease) {
+    PD pd(KvLinkMode::kPush, milliseconds(200));
+    auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(20, 1), "orphan")).value();
+    ASSERT_TRUE(collect(*hp).status.ok());
+    EXPECT_GT(pd.prefill->stats().blocks_used, 0u);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+    EXPECT_EQ(pd.prefill->stats().kv_transfer_failures, 1u);
+    EXPECT_NE(pd.prefill->prometheus_text().find("ferry_kv_transfer_failures_total 1"),
+              std::string::npos);
+}
+
+TEST(DisaggregatedEngines, PullWithUnknownBlocksIsRefusedCleanly) {
+    PD pd(KvLinkMode::kPull);
+    KvTransferParams kv = push_params("never-prefilled");
+    kv.remote_block_ids = {1, 2};
+    auto hd = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, kv)).value();
+    Collected cd = collect(*hd);
+    EXPECT_EQ(cd.status.code(), StatusCode::kNotFound);
+    EXPECT_NE(cd.status.message().find("holds no KV"), std::string::npos);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+}
+
+TEST(Engine, MetricsTextHasTheSeriesOperatorsLookFor) {
+    auto e = make_engine({.engine_id = "e", .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    auto h = e->submit({.prompt = prompt_of(20, 1), .max_tokens = 3}).value();
+    ASSERT_TRUE(collect(*h).status.ok());
+    ASSERT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+    std::string m = e->prometheus_text();
+    for (const char* s : {"ferry_requests_total 1", "ferry_kv_blocks_free 64",
+                          "ferry_kv_blocks_used 0", "ferry_generation_tokens_total 3",
+                          "ferry_kv_transfer_latency_seconds_bucket{le=\"+Inf\"} 0",
+                          "# TYPE ferry_kv_transfer_latency_seconds histogram"})
+        EXPECT_NE(m.find(s), std::string::npos) << s << "\n" << m;
+}
+
+}  // namespace
+}  // namespace ferry::serve

@@ -1,0 +1,221 @@
+// The router in front of prefill and decode engines over loopback HTTP, with the in-process KV
+// link moving the bytes. The network KV connector replaces the link later; the router does not
+// change.
+#include "ferry/serve/router.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "ferry/serve/engine_server.h"
+#include "ferry/serve/inprocess_kv_link.h"
+#include "ferry/serve/openai_api.h"
+
+namespace ferry::serve {
+namespace {
+
+using nlohmann::json;
+constexpr const char* kHost = "127.0.0.1";
+
+struct Node {
+    std::unique_ptr<Engine> engine;
+    std::unique_ptr<EngineServer> server;
+};
+
+double metric(int port, const std::string& name) {
+    auto r = http_get(kHost, port, "/metrics", seconds(5));
+    if (!r.ok()) return -1;
+    size_t at = r->body.find("\n" + name + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(r->body.substr(at + name.size() + 2));
+}
+
+template <typename F>
+bool eventually(F pred, Duration budget = seconds(5)) {
+    TimePoint deadline = Clock::now() + budget;
+    while (Clock::now() < deadline) {
+        if (pred()) return true;
+        std::this_thread::sleep_for(milliseconds(10));
+    }
+    return pred();
+}
+
+struct Cluster {
+    std::vector<Node> prefill, decode;
+    std::unique_ptr<InProcessKvLink> link;
+    std::unique_ptr<Router> router;
+
+    Cluster(size_t np, size_t nd, KvLinkMode link_mode, Duration lease = seconds(5)) {
+        auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+        link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{link_mode, lease});
+        auto make = [&](const std::string& id) {
+            Node n;
+            n.engine = Engine::create(
+                           {.engine_id = id, .num_blocks = 64, .kv_wait_timeout = seconds(2)}, cost)
+                           .value();
+            EXPECT_TRUE(link->add_engine(id, &n.engine->pool()).ok());
+            return n;
+        };
+        for (size_t i = 0; i < np; ++i) prefill.push_back(make("p" + std::to_string(i)));
+        for (size_t i = 0; i < nd; ++i) decode.push_back(make("d" + std::to_string(i)));
+        EXPECT_TRUE(link->start().ok());
+        RouterConfig rc;
+        rc.mode = link_mode == KvLinkMode::kPush ? RouterMode::kPush : RouterMode::kPull;
+        rc.request_timeout = seconds(10);
+        for (auto& n : prefill) {
+            n.engine->attach_connector(link->producer(n.engine->config().engine_id), nullptr);
+            start(n);
+            rc.prefill.push_back({kHost, n.server->port()});
+        }
+        for (auto& n : decode) {
+            n.engine->attach_connector(nullptr, link->consumer(n.engine->config().engine_id));
+            start(n);
+            rc.decode.push_back({kHost, n.server->port()});
+        }
+        router = Router::start(rc).value();
+    }
+    static void start(Node& n) {
+        EXPECT_TRUE(n.engine->start().ok());
+        n.server = EngineServer::start(n.engine.get(), {.http = {.host = kHost}}).value();
+    }
+    ~Cluster() {
+        router->stop();
+        for (auto* group : {&prefill, &decode})
+            for (auto& n : *group) {
+                n.server->stop();
+                n.engine->stop();
+            }
+        link->stop();
+    }
+    bool pools_full() {
+        for (auto* group : {&prefill, &decode})
+            for (auto& n : *group)
+                if (n.engine->stats().blocks_free != 64) return false;
+        return true;
+    }
+};
+
+struct Streamed {
+    int status = 0;
+    std::vector<int32_t> tokens;
+    json final_event;
+    std::string raw;
+};
+
+Streamed stream(int port, const json& body) {
+    Streamed s;
+    SseParser parser;
+    Status st = http_post_stream(kHost, port, "/v1/completions", body.dump(), seconds(10),
+                                 &s.status, [&](std::string_view data) {
+                                     s.raw.append(data);
+                                     if (s.status != 200) return true;
+                                     for (auto& ev : parser.feed(data)) {
+                                         if (ev == "[DONE]") continue;
+                                         json j = json::parse(ev);
+                                         if (j.contains("error")) continue;
+                                         for (auto& t : j["choices"][0]["token_ids"])
+                                             s.tokens.push_back(t.get<int32_t>());
+                                         if (j.contains("ferry_timing")) s.final_event = j;
+                                     }
+                                     return true;
+                                 });
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return s;
+}
+
+std::vector<int32_t> prompt_of(size_t n, int seed) {
+    std::vector<int32_t> p(n);
+    for (size_t i = 0; i < n; ++i) p[i] = int32_t((i * 31 + seed * 7) % 1000);
+    return p;
+}
+
+TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
+    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+        Cluster c(1, 1, mode);
+        auto prompt = prompt_of(70, 1);
+        Streamed s =
+            stream(c.router->port(), {{"prompt", prompt}, {"max_tokens", 7}, {"stream", true}});
+        ASSERT_EQ(s.status, 200) << s.raw;
+        EXPECT_EQ(s.tokens, expected_tokens(c.decode[0].engine->kv_slice(), prompt, 7));
+        json t = s.final_event["ferry_timing"];
+        for (const char* k : {"router_overhead_ms", "prefill_compute_ms", "decode_kv_wait_ms",
+                              "decode_first_token_ms"})
+            EXPECT_TRUE(t.contains(k)) << k << " " << t.dump();
+        EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
+        EXPECT_EQ(c.decode[0].engine->stats().kv_transfers, 1u);
+    }
+}
+
+TEST(Router, NonStreamedRequestInPush) {
+    Cluster c(1, 1, KvLinkMode::kPush);
+    auto prompt = prompt_of(40, 2);
+    auto r = http_post_json(kHost, c.router->port(), "/v1/completions",
+                            json{{"prompt", prompt}, {"max_tokens", 5}}.dump(), seconds(10));
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(r->status, 200) << r->body;
+    json j = json::parse(r->body);
+    std::vector<int32_t> ids = j["choices"][0]["token_ids"];
+    EXPECT_EQ(ids, expected_tokens(c.decode[0].engine->kv_slice(), prompt, 5));
+}
+
+TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
+    Cluster c(2, 2, KvLinkMode::kPush);
+    for (int i = 0; i < 4; ++i) {
+        auto prompt = prompt_of(30, i);
+        Streamed s =
+            stream(c.router->port(), {{"prompt", prompt}, {"max_tokens", 3}, {"stream", true}});
+        ASSERT_EQ(s.status, 200);
+        EXPECT_EQ(s.tokens, expected_tokens(c.decode[0].engine->kv_slice(), prompt, 3));
+    }
+    for (auto* group : {&c.prefill, &c.decode})
+        for (auto& n : *group) EXPECT_EQ(n.engine->stats().requests_total, 2u);
+    EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
+}
+
+TEST(Router, InvalidBodyGets400) {
+    Cluster c(1, 1, KvLinkMode::kPush);
+    auto r =
+        http_post_json(kHost, c.router->port(), "/v1/completions", R"({"prompt": 3})", seconds(5));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("'prompt'"), std::string::npos);
+    EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
+}
+
+TEST(Router, DecodeEngineDownGivesAClientErrorAndPrefillFreesItsBlocks) {
+    Cluster c(1, 1, KvLinkMode::kPush, milliseconds(300));
+    c.decode[0].server->stop();
+    Streamed s = stream(c.router->port(),
+                        {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
+    EXPECT_EQ(s.status, 502);
+    EXPECT_NE(s.raw.find("decode leg"), std::string::npos) << s.raw;
+    // The prefill leg ran; its KV found no taker and the lease gave the blocks back.
+    EXPECT_TRUE(eventually([&] { return c.prefill[0].engine->stats().blocks_free == 64; }));
+    EXPECT_EQ(metric(c.router->port(), "ferry_router_failures_total"), 1);
+}
+
+TEST(Router, PrefillLegRejectedGivesTheClientItsErrorAndDecodeFreesItsBlocks) {
+    Cluster c(1, 1, KvLinkMode::kPush);
+    c.prefill[0].engine->stop();  // prefill answers 503 "engine is not running"
+    Streamed s = stream(c.router->port(),
+                        {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
+    EXPECT_EQ(s.status, 503) << s.raw;
+    EXPECT_NE(s.raw.find("prefill leg"), std::string::npos) << s.raw;
+    // Freed through /ferry/abort, well before the decode leg's 2 s KV wait would end.
+    EXPECT_TRUE(eventually([&] { return c.decode[0].engine->stats().blocks_free == 64; },
+                           milliseconds(1000)));
+    EXPECT_EQ(c.decode[0].engine->stats().requests_failed, 1u);
+}
+
+TEST(Router, ParsesEngineAddressLists) {
+    auto a = parse_engine_addresses("127.0.0.1:8100,localhost:8101");
+    ASSERT_TRUE(a.ok());
+    ASSERT_EQ(a->size(), 2u);
+    EXPECT_EQ((*a)[1].host, "localhost");
+    EXPECT_EQ((*a)[1].port, 8101);
+    EXPECT_FALSE(parse_engine_addresses("nohost").ok());
+    EXPECT_FALSE(parse_engine_addresses("h:99999").ok());
+}
+
+}  // namespace
+}  // namespace ferry::serve
