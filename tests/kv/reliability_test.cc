@@ -299,6 +299,7 @@ TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
         CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
         if (ex.rank() == kPrefill) {
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            testing::drop_shm_names_of_this_process();
             raise(SIGKILL);
         }
         TimePoint t0 = Clock::now();
@@ -323,6 +324,7 @@ TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
             if (ex.rank() == kDecode) {
                 CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                testing::drop_shm_names_of_this_process();
                 raise(SIGKILL);
             }
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
