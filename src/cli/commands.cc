@@ -10,7 +10,9 @@ void set_exit_code(int code) { g_exit_code = code; }
 
 void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_xfer(bench);
+    register_bench_gpu(bench);
     register_bench_kv(bench);
+    register_bench_moe(bench);
 }
 
 }  // namespace ferry::cli

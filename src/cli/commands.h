@@ -7,7 +7,9 @@ namespace ferry::cli {
 
 void register_commands(CLI::App& app, CLI::App& bench);
 void register_bench_xfer(CLI::App& bench);
+void register_bench_gpu(CLI::App& bench);
 void register_bench_kv(CLI::App& bench);
+void register_bench_moe(CLI::App& bench);
 
 // Exit status set by the subcommand that ran.
 int exit_code();

@@ -63,7 +63,6 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
-            hooks.on_tick = [this](TimePoint now) { imm.expire(now); };
         }
         FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()],
                                                      config, std::move(hooks)));
@@ -79,22 +78,87 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         // the address of rail 0's is as good as any.
     }
     for (auto& r : rails) r->start();
+    watchdog_ = std::thread([this] { watchdog(); });
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s)", address.engine_id,
         provider, rails.size());
     return ok_status();
 }
 
+void EngineImpl::watchdog() {
+    std::unique_lock lk(watchdog_mu_);
+    while (!stopped_) {
+        watchdog_cv_.wait_for(lk, std::chrono::milliseconds(1));
+        TimePoint now = Clock::now();
+        imm.expire(now);
+        for (auto& r : rails) {
+            if (r->wedged() || !r->stuck_for(config.op_timeout, now)) continue;
+            r->mark_wedged();
+            Status why = unavailable(fmt::format(
+                "rail {} ({}) has been stuck inside one provider call for over {:.0f} ms, most "
+                "likely because a peer died while holding a lock in shared memory; its "
+                "operations are failed and it takes no new work: create a new engine",
+                r->index(), provider, to_ms(config.op_timeout)));
+            log(LogLevel::kError, "fabric", "{}", why.message());
+            fail_ops_on_rail(r->index(), why);
+        }
+    }
+}
+
+void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
+    std::vector<std::shared_ptr<OpState>> victims;
+    {
+        std::lock_guard lk(registry_->mu);
+        for (OpState* op : registry_->live) {
+            if (op->rail_mask & (uint64_t{1} << rail)) victims.push_back(op->shared_from_this());
+        }
+    }
+    for (auto& op : victims) op->fail_now(why);
+}
+
+Result<GpuTransport*> EngineImpl::gpu() {
+    std::lock_guard lk(gpu_mu_);
+    if (!gpu_) {
+        FERRY_ASSIGN_OR_RETURN(gpu_, create_gpu_transport(config));
+    }
+    return gpu_.get();
+}
+
 void EngineImpl::shutdown() {
     if (stopped_.exchange(true)) return;
     Status why = cancelled("the transfer engine was shut down");
+    {
+        // Pending GPU copies fail first; their callbacks may still signal through the rails.
+        std::unique_ptr<GpuTransport> g;
+        {
+            std::lock_guard lk(gpu_mu_);
+            g = std::move(gpu_);
+        }
+        g.reset();
+    }
+    {
+        std::lock_guard lk(watchdog_mu_);
+    }
+    watchdog_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
     for (auto& r : rails) r->stop(why);
     imm.cancel_all(why);
     {
         std::lock_guard lk(mr_mu_);
         for (auto& [id, mrs] : mrs_) {
-            for (fid_mr* mr : mrs) fi_close(&mr->fid);
+            for (size_t i = 0; i < mrs.size(); ++i) {
+                if (i < rails.size() && rails[i]->wedged()) continue;
+                fi_close(&mrs[i]->fid);
+            }
         }
         mrs_.clear();
+    }
+    for (auto& r : rails) {
+        // A wedged rail's worker may still be inside the provider: its objects stay alive.
+        if (r->wedged()) {
+            log(LogLevel::kWarn, "fabric", "leaving wedged rail {} behind at shutdown",
+                r->index());
+            (void)r.release();
+        }
     }
     rails.clear();
 }
@@ -107,12 +171,6 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
     }
-    if (kind != MemoryKind::kHost) {
-        return invalid_argument(fmt::format(
-            "provider {} was opened for host memory only; GPU memory needs FI_HMEM (efa, "
-            "verbs) or the CUDA IPC transport",
-            provider));
-    }
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();
     region->ptr_ = ptr;
@@ -123,6 +181,19 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->desc_.kind = kind;
     region->desc_.device = device;
     region->desc_.virt_addr = rails[0]->virt_addr();
+    if (kind == MemoryKind::kCuda) {
+        // The providers here have no FI_HMEM: GPU memory travels through CUDA IPC only.
+        FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
+        Status s = g->export_memory(ptr, len, device, &region->desc_);
+        if (!s.ok()) {
+            region->engine_.reset();
+            return s.with_context(fmt::format("registering {} bytes of GPU memory", len));
+        }
+        region->local_descs_.assign(rails.size(), nullptr);
+        std::lock_guard lk(mr_mu_);
+        region->id_ = next_mr_id_++;
+        return region;
+    }
     std::vector<fid_mr*> mrs;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     for (auto& rail : rails) {
@@ -166,6 +237,7 @@ void EngineImpl::deregister(uint32_t id) {
         mrs_.erase(it);
     }
     for (size_t i = 0; i < mrs.size() && i < rails.size(); ++i) {
+        if (rails[i]->wedged()) continue;  // its domain is never closed either
         fid_mr* m = mrs[i];
         Status s = rails[i]->run_on_worker(
             [m] {
@@ -323,6 +395,14 @@ OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool count
     }
     state->set_pieces(b.count);
     for (size_t r = 0; r < b.first.size(); ++r) {
+        if (b.first[r]) state->rail_mask |= uint64_t{1} << r;
+    }
+    state->registry = registry_;
+    {
+        std::lock_guard lk(registry_->mu);
+        registry_->live.insert(state.get());
+    }
+    for (size_t r = 0; r < b.first.size(); ++r) {
         for (FabricOp* op = b.first[r]; op;) {
             op->parent = state;
             if (op == b.last[r]) break;
@@ -338,7 +418,7 @@ OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool count
 Status EngineImpl::check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off,
                                 uint64_t len, const char* what) const {
     if (!d) return invalid_argument(fmt::format("{}: no remote descriptor given", what));
-    if (d->rail_keys.empty()) {
+    if (d->rail_keys.empty() && !d->has_ipc) {
         return invalid_argument(fmt::format("{}: remote descriptor has no rail keys", what));
     }
     if (d->engine_id != p.engine_id) {
@@ -387,6 +467,53 @@ Status no_peer(PeerId id, const char* what) {
 }
 }  // namespace
 
+Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegion& local,
+                                                 const MemoryDescriptor& remote,
+                                                 const char* what) const {
+    bool local_gpu = local.descriptor().kind == MemoryKind::kCuda;
+    bool remote_gpu = remote.kind == MemoryKind::kCuda;
+    if (!local_gpu && !remote_gpu) return Path::kFabric;
+    bool same_host = p.address.host_id == address.host_id;
+    if (local_gpu && remote_gpu && remote.has_ipc && same_host) return Path::kGpuIpc;
+    if (remote.rail_keys.empty()) {
+        return invalid_argument(fmt::format(
+            "{}: the remote region is GPU memory reachable only through CUDA IPC, which needs "
+            "a peer on this host and GPU memory on this side too{}",
+            what, same_host ? "" : " (peer engine is on another host)"));
+    }
+    if (local_gpu && local.local_desc(0) == nullptr && local.descriptor().rail_keys.empty()) {
+        return invalid_argument(fmt::format(
+            "{}: local GPU memory is not registered with provider {} (no FI_HMEM); it can only "
+            "be copied to GPU memory of peers on this host",
+            what, provider));
+    }
+    return Path::kFabric;
+}
+
+OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
+                            std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
+    auto g = gpu();
+    if (!g.ok()) {
+        state->fail_now(g.status());
+        return OpHandle(state);
+    }
+    state->imm_writes = imm_value ? 1 : 0;
+    state->set_pieces(1);
+    auto self = shared_from_this();
+    (*g)->submit(device, std::move(copies),
+                 [self, state, peer_id, imm_value](const Status& s) {
+                     if (!s.ok() || !imm_value) {
+                         state->piece_done(s);
+                         return;
+                     }
+                     // The data is in place: tell the target like a write with immediate.
+                     self->signal(peer_id, *imm_value, [state](const Status& s2) {
+                         state->piece_done(s2.with_context("signalling a finished GPU copy"));
+                     });
+                 });
+    return OpHandle(state);
+}
+
 OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(w.peer);
@@ -394,6 +521,18 @@ OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     if (w.length == 0 && !w.imm) FERRY_FAIL_OP(state, invalid_argument("write of 0 bytes"));
     FERRY_FAIL_OP(state, check_local(w.src, w.src_offset, w.length, "write"));
     FERRY_FAIL_OP(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
+    auto path = choose_path(*p, *w.src, *w.dst, "write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {
+            {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
+             w.length}};
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
     Batch b(rails.size());
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
             deadline_after(config.op_timeout), true);
@@ -415,15 +554,39 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     uint64_t ds = w.dst_stride ? w.dst_stride : w.page_size;
     FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "paged write"));
     FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "paged write"));
-    // Bounds of every page before anything is posted: a bad index loses nothing.
+    // Bounds of every page before anything is posted: a bad index loses nothing. One pass
+    // for the largest index on each side (pages lists run to 100k+ entries for a long
+    // prompt); the slow per-page check only runs to name the offending page.
+    uint32_t max_src = 0, max_dst = 0;
     for (size_t i = 0; i < w.src_pages.size(); ++i) {
-        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
-        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        Status s = check_local(w.src, so, w.page_size, "paged write");
-        if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
-        if (!s.ok()) FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
-                                                                      w.src_pages[i],
-                                                                      w.dst_pages[i])));
+        max_src = std::max(max_src, w.src_pages[i]);
+        max_dst = std::max(max_dst, w.dst_pages[i]);
+    }
+    if (!check_local(w.src, w.src_offset + uint64_t{max_src} * ss, w.page_size, "").ok() ||
+        !check_remote(*p, w.dst, w.dst_offset + uint64_t{max_dst} * ds, w.page_size, "").ok()) {
+        for (size_t i = 0; i < w.src_pages.size(); ++i) {
+            uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
+            uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
+            Status s = check_local(w.src, so, w.page_size, "paged write");
+            if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
+            if (!s.ok()) {
+                FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
+                                                                 w.src_pages[i],
+                                                                 w.dst_pages[i])));
+            }
+        }
+    }
+    auto path = choose_path(*p, *w.src, *w.dst, "paged write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    uint64_t gpu_base = 0;
+    std::vector<GpuCopy> copies;
+    if (*path == Path::kGpuIpc) {
+        copies.reserve(w.src_pages.size());
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        gpu_base = *base;
     }
     Batch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
@@ -439,9 +602,17 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         }
         uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
         uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                deadline, false);
+        if (*path == Path::kGpuIpc) {
+            copies.push_back({gpu_base + dof, reinterpret_cast<uint64_t>(w.src->data()) + so,
+                              (j - i) * w.page_size});
+        } else {
+            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size,
+                    w.imm, deadline, false);
+        }
         i = j;
+    }
+    if (*path == Path::kGpuIpc) {
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
     }
     return submit(b, state, w.imm.has_value());
 }
@@ -453,6 +624,17 @@ OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     if (r.length == 0) FERRY_FAIL_OP(state, invalid_argument("read of 0 bytes"));
     FERRY_FAIL_OP(state, check_local(r.dst, r.dst_offset, r.length, "read"));
     FERRY_FAIL_OP(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
+    auto path = choose_path(*p, *r.dst, *r.src, "read");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto g = gpu();
+        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
+        auto base = (*g)->map_remote(*r.src, r.dst->descriptor().device);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
+                                         *base + r.src_offset, r.length}};
+        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+    }
     Batch b(rails.size());
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
             std::nullopt, deadline_after(config.op_timeout), true);
@@ -476,6 +658,12 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
         }
         if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
         FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
+        auto path = choose_path(*peer(g->peers[s.member]), *sc.src, g->dsts[s.member], "scatter");
+        if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+        if (*path != Path::kFabric) {
+            FERRY_FAIL_OP(state, invalid_argument("scatter between GPU regions over CUDA IPC is not "
+                                                  "supported; use paged_write per peer"));
+        }
         FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
                                           s.dst_offset, s.length, "scatter"));
     }

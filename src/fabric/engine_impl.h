@@ -5,13 +5,16 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <deque>
+#include <thread>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
+#include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
 #include "fabric/rail.h"
 #include "ferry/fabric/engine.h"
@@ -86,9 +89,25 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
     int next_rail();
+    enum class Path { kFabric, kGpuIpc };
+    Result<Path> choose_path(const Peer& p, const MemoryRegion& local,
+                             const MemoryDescriptor& remote, const char* what) const;
+    Result<GpuTransport*> gpu();
+    // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
+    // the data is in place) like a fabric operation.
+    OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device,
+                    std::vector<GpuCopy> copies, std::optional<uint32_t> imm);
     void deliver_message(std::span<const uint8_t> wire);
 
+    // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
+    void watchdog();
+    void fail_ops_on_rail(int rail, const Status& why);
+
     std::atomic<bool> stopped_{false};
+    std::shared_ptr<OpRegistry> registry_ = std::make_shared<OpRegistry>();
+    std::thread watchdog_;
+    std::mutex watchdog_mu_;
+    std::condition_variable watchdog_cv_;
     std::atomic<uint32_t> rr_{0};
 
     mutable std::mutex peers_mu_;
@@ -102,6 +121,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::mutex mr_mu_;
     uint32_t next_mr_id_ = 1;
     std::map<uint32_t, std::vector<fid_mr*>> mrs_;
+
+    std::mutex gpu_mu_;
+    std::unique_ptr<GpuTransport> gpu_;
 
     std::mutex msg_mu_;
     MessageHandler handler_;

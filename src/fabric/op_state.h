@@ -1,18 +1,30 @@
 // Shared state of one user-visible operation, which may be split into many fabric
 // operations across rails. The last piece to finish runs the callback, then wakes waiters.
+// It can also be failed from outside (a wedged rail): finishing happens exactly once.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <unordered_set>
 
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
 
-struct OpState {
+struct OpState;
+
+// Operations handed to rails and not finished yet, so a watchdog can fail those stuck on a
+// wedged rail.
+struct OpRegistry {
+    std::mutex mu;
+    std::unordered_set<OpState*> live;
+};
+
+struct OpState : std::enable_shared_from_this<OpState> {
     explicit OpState(OpCallback cb) : callback(std::move(cb)) {}
 
     // Must be called with the final piece count before any piece is handed to a worker.
@@ -26,16 +38,21 @@ struct OpState {
         if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish();
     }
 
-    // Completes an operation that never reached the wire.
+    // Completes an operation that never reached the wire, or one given up on.
     void fail_now(Status s) {
         {
             std::lock_guard lk(mu);
-            status = std::move(s);
+            if (status.ok()) status = std::move(s);
         }
         finish();
     }
 
     void finish() {
+        if (finished.exchange(true, std::memory_order_acq_rel)) return;
+        if (registry) {
+            std::lock_guard lk(registry->mu);
+            registry->live.erase(this);
+        }
         Status final_status;
         {
             std::lock_guard lk(mu);
@@ -50,7 +67,10 @@ struct OpState {
     }
 
     std::atomic<uint32_t> remaining{0};
+    std::atomic<bool> finished{false};
     uint32_t imm_writes = 0;
+    uint64_t rail_mask = 0;  // rails holding pieces of this operation
+    std::shared_ptr<OpRegistry> registry;
     OpCallback callback;
     std::mutex mu;
     std::condition_variable cv;

@@ -17,6 +17,22 @@ constexpr size_t kCqBatch = 64;
 constexpr size_t kMessageHeader = 0;  // the engine frames messages itself
 const auto kTickPeriod = std::chrono::milliseconds(1);
 
+int64_t steady_ns(TimePoint t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// Marks the span of one provider call for the watchdog.
+class CallGuard {
+  public:
+    explicit CallGuard(std::atomic<int64_t>& since) : since_(since) {
+        since_.store(steady_ns(Clock::now()), std::memory_order_relaxed);
+    }
+    ~CallGuard() { since_.store(0, std::memory_order_relaxed); }
+
+  private:
+    std::atomic<int64_t>& since_;
+};
+
 Status fi_status(const char* what, int rc) {
     return provider_error(fmt::format("{} failed: {} ({})", what, fi_strerror(-rc), rc));
 }
@@ -142,6 +158,7 @@ Result<fi_addr_t> Rail::insert_address(const std::vector<uint8_t>& addr) {
 
 Status Rail::post_recv(int slot) {
     void* desc = recv_mr_ ? fi_mr_desc(recv_mr_) : nullptr;
+    CallGuard g(call_since_ns_);
     while (true) {
         ssize_t rc = fi_recv(ep_, recv_pool_.data() + slot * slot_size_, slot_size_, desc,
                              FI_ADDR_UNSPEC, &recv_ctx_[slot].fi);
@@ -158,7 +175,27 @@ void Rail::start() {
     worker_ = std::thread([this] { run(); });
 }
 
+bool Rail::stuck_for(Duration limit, TimePoint now) const {
+    int64_t since = call_since_ns_.load(std::memory_order_relaxed);
+    return since != 0 && steady_ns(now) - since > std::chrono::duration_cast<
+                                                       std::chrono::nanoseconds>(limit)
+                                                       .count();
+}
+
 void Rail::submit(FabricOp* first, FabricOp* last) {
+    if (wedged()) {
+        for (FabricOp* op = first; op;) {
+            FabricOp* next = op == last ? nullptr
+                                        : static_cast<FabricOp*>(op->mpsc_next.load());
+            op->parent->piece_done(unavailable(fmt::format(
+                "rail {} is wedged inside the provider (a peer died mid-operation?); create a "
+                "new engine to continue",
+                index_)));
+            delete op;
+            op = next;
+        }
+        return;
+    }
     queue_.push_chain(first, last);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_relaxed)) {
@@ -226,7 +263,10 @@ bool Rail::drain_submissions() {
         if (!op) break;
         any = true;
         if (op->type == FabricOp::kTask) {
+            // Tasks (registration, address insertion) are local and may legitimately take long
+            // (pinning a large buffer): the watchdog does not time them.
             Status s = op->task();
+            if (wedged()) return false;
             op->parent->piece_done(s);
             delete op;
             continue;
@@ -288,7 +328,12 @@ bool Rail::post_pending() {
             op->local = dst;
             op->len = op->payload.size();
         }
-        int rc = post_one(op);
+        int rc;
+        {
+            CallGuard g(call_since_ns_);
+            rc = post_one(op);
+        }
+        if (wedged()) return false;
         if (rc == -FI_EAGAIN) {
             stats_.eagain.fetch_add(1, std::memory_order_relaxed);
             break;
@@ -375,7 +420,12 @@ bool Rail::poll_cq() {
     fi_cq_data_entry entries[kCqBatch];
     bool any = false;
     for (int round = 0; round < 8; ++round) {
-        ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+        ssize_t n;
+        {
+            CallGuard g(call_since_ns_);
+            n = fi_cq_read(cq_, entries, kCqBatch);
+        }
+        if (wedged()) return false;
         if (n > 0) {
             any = true;
             for (ssize_t i = 0; i < n; ++i) {
@@ -386,7 +436,13 @@ bool Rail::poll_cq() {
         } else if (n == -FI_EAVAIL) {
             any = true;
             fi_cq_err_entry err{};
-            if (fi_cq_readerr(cq_, &err, 0) > 0) handle_error(err);
+            ssize_t got;
+            {
+                CallGuard g(call_since_ns_);
+                got = fi_cq_readerr(cq_, &err, 0);
+            }
+            if (wedged()) return false;
+            if (got > 0) handle_error(err);
         } else {
             if (n != -FI_EAGAIN) {
                 log(LogLevel::kError, "fabric", "rail {}: fi_cq_read: {}", index_,
@@ -432,9 +488,9 @@ void Rail::run() {
         active |= post_pending();
         active |= poll_cq();
         TimePoint now = Clock::now();
+        if (wedged()) return;
         if (now >= next_tick) {
             sweep_timeouts(now);
-            if (hooks_.on_tick) hooks_.on_tick(now);
             next_tick = now + kTickPeriod;
         }
         if (active) {
@@ -456,7 +512,9 @@ void Rail::run() {
         if (auto* op = static_cast<FabricOp*>(queue_.pop())) {
             sleeping_.store(false, std::memory_order_relaxed);
             if (op->type == FabricOp::kTask) {
-                op->parent->piece_done(op->task());
+                Status ts = op->task();
+                if (wedged()) return;
+                op->parent->piece_done(ts);
                 delete op;
             } else {
                 pending_.push_back(op);
@@ -475,6 +533,12 @@ void Rail::run() {
 }
 
 void Rail::stop(const Status& why) {
+    if (wedged()) {
+        // The worker is inside a provider call that may never return: it cannot be joined,
+        // and nothing it may still touch can be freed. Leave it, and this rail, behind.
+        if (worker_.joinable()) worker_.detach();
+        return;
+    }
     if (worker_.joinable()) {
         {
             std::lock_guard lk(nap_mu_);
@@ -506,6 +570,7 @@ void Rail::stop(const Status& why) {
 
 Rail::~Rail() {
     stop(cancelled("engine shut down"));
+    if (wedged()) return;  // the engine leaks wedged rails rather than destroying them
     close_fid(signal_mr_);
     close_fid(recv_mr_);
     close_fid(send_mr_);

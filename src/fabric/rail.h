@@ -75,7 +75,6 @@ struct RailStats {
 struct RailHooks {
     std::function<void(uint32_t imm)> on_imm;
     std::function<void(std::span<const uint8_t>)> on_message;
-    std::function<void(TimePoint)> on_tick;  // periodic, ~1 ms
 };
 
 class Rail {
@@ -95,6 +94,15 @@ class Rail {
     bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
     fid_domain* domain() const { return domain_; }
     const RailStats& stats() const { return stats_; }
+
+    // True when the worker has been inside one provider call for longer than `limit`: the
+    // provider is wedged (seen with shm when a peer is killed while holding a lock in shared
+    // memory). Called by the engine's watchdog.
+    bool stuck_for(Duration limit, TimePoint now) const;
+    // Marks the rail wedged: new work fails at once, and the worker, if its call ever returns,
+    // exits without touching anything. The rail is then never freed (see stop()).
+    void mark_wedged() { wedged_.store(true, std::memory_order_release); }
+    bool wedged() const { return wedged_.load(std::memory_order_acquire); }
 
     // Hands a linked batch of ops to the worker.
     void submit(FabricOp* first, FabricOp* last);
@@ -164,6 +172,8 @@ class Rail {
 
     std::thread worker_;
     std::atomic<bool> running_{false};
+    std::atomic<bool> wedged_{false};
+    std::atomic<int64_t> call_since_ns_{0};  // when the current provider call began, 0 if none
     std::atomic<bool> sleeping_{false};
     std::mutex nap_mu_;
     std::condition_variable nap_cv_;

@@ -41,6 +41,11 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
     w.put(device);
     w.put(static_cast<uint8_t>(virt_addr));
     w.put_vector(rail_keys);
+    w.put(static_cast<uint8_t>(has_ipc));
+    if (has_ipc) {
+        w.put(ipc_handle);
+        w.put(ipc_offset);
+    }
 }
 
 Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
@@ -54,10 +59,19 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&d.device, "device"));
     FERRY_RETURN_IF_ERROR(r.get(&virt, "virt_addr"));
     FERRY_RETURN_IF_ERROR(r.get_vector(&d.rail_keys, "rail_keys", kMaxRails));
+    uint8_t ipc = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&ipc, "has_ipc"));
+    d.has_ipc = ipc != 0;
+    if (d.has_ipc) {
+        FERRY_RETURN_IF_ERROR(r.get(&d.ipc_handle, "ipc_handle"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.ipc_offset, "ipc_offset"));
+    }
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
         return protocol_error(fmt::format("memory descriptor has unknown memory kind {}", kind));
     }
-    if (d.rail_keys.empty()) return protocol_error("memory descriptor has no rail keys");
+    if (d.rail_keys.empty() && !d.has_ipc) {
+        return protocol_error("memory descriptor has neither rail keys nor a CUDA IPC handle");
+    }
     d.kind = static_cast<MemoryKind>(kind);
     d.virt_addr = virt != 0;
     return d;

@@ -29,9 +29,8 @@ const Duration kWait = std::chrono::seconds(30);
 // Parent <-> target control channel over a socketpair: length-prefixed frames.
 bool send_frame(int fd, std::span<const uint8_t> b) {
     uint32_t n = static_cast<uint32_t>(b.size());
-    std::vector<uint8_t> f(4 + b.size());
-    std::memcpy(f.data(), &n, 4);
-    if (!b.empty()) std::memcpy(f.data() + 4, b.data(), b.size());
+    std::vector<uint8_t> f(reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
+    f.insert(f.end(), b.begin(), b.end());
     size_t off = 0;
     while (off < f.size()) {
         ssize_t w = ::write(fd, f.data() + off, f.size() - off);

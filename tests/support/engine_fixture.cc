@@ -29,13 +29,14 @@ Result<MeshNode> make_mesh_node(Exchange& ex, const EngineConfig& config, size_t
     FERRY_ASSIGN_OR_RETURN(auto all, ex.allgather(w.bytes()));
     n.peer.assign(ex.size(), 0);
     n.desc.resize(ex.size());
+    n.addr.resize(ex.size());
     for (int r = 0; r < ex.size(); ++r) {
         if (all[r].empty()) return unavailable("rank " + std::to_string(r) + " is gone");
         ByteReader rd(all[r]);
-        FERRY_ASSIGN_OR_RETURN(auto addr, EngineAddress::decode(rd));
+        FERRY_ASSIGN_OR_RETURN(n.addr[r], EngineAddress::decode(rd));
         FERRY_ASSIGN_OR_RETURN(n.desc[r], MemoryDescriptor::decode(rd));
         if (r == ex.rank()) continue;
-        FERRY_ASSIGN_OR_RETURN(n.peer[r], n.engine->connect(addr));
+        FERRY_ASSIGN_OR_RETURN(n.peer[r], n.engine->connect(n.addr[r]));
     }
     return n;
 }

@@ -53,6 +53,9 @@ struct EngineConfig {
     // Worker polling: spin for idle_spin after the last activity, then nap (woken at once by
     // new submissions). busy_poll never naps: lowest latency, one core per rail.
     bool busy_poll = false;
+    // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
+    // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
+    std::string gpu_copy = "auto";
     Duration idle_spin = std::chrono::microseconds(200);
     Duration max_nap = std::chrono::microseconds(500);
 };
@@ -188,8 +191,10 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. Host memory today; MemoryKind::kCuda is accepted where the provider reports
-    // FI_HMEM support and refused with a clear error otherwise.
+    // Memory. kHost is registered with every rail. kCuda (cudaMalloc'd memory on `device`) is
+    // exported through CUDA IPC: writes, paged writes and reads between GPU regions of peers
+    // on the same host become copies over NVLink, completed like fabric writes (immediates
+    // included). GPU memory is refused with a clear error in builds without CUDA.
     Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
                                                           MemoryKind kind = MemoryKind::kHost,
                                                           int device = -1);

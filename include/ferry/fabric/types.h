@@ -2,6 +2,7 @@
 // the other can write into or read from it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -25,7 +26,12 @@ struct MemoryDescriptor {
     MemoryKind kind = MemoryKind::kHost;
     int32_t device = -1;     // CUDA device ordinal for kCuda
     bool virt_addr = true;   // provider addresses remote memory by virtual address, else offset
-    std::vector<uint64_t> rail_keys;
+    std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
+    // Same-host GPU peers: the CUDA IPC handle of the allocation holding the region, and the
+    // region's offset inside that allocation.
+    bool has_ipc = false;
+    std::array<uint8_t, 64> ipc_handle{};
+    uint64_t ipc_offset = 0;
 
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }

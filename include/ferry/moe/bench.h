@@ -1,0 +1,60 @@
+// `ferry bench moe`: per-phase latency of the expert-parallel all-to-all with every rank of
+// the group in this process (a thread, its own TransferEngine and AllToAll each). Ranks of
+// one node share memory; nodes talk through the chosen provider.
+#pragma once
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/moe/config.h"
+
+namespace ferry::moe {
+
+struct MoeBenchConfig {
+    std::string backend = "cpu";  // "cpu"; "cuda" arrives with the CUDA kernels
+    uint32_t ranks = 8;
+    uint32_t ranks_per_node = 4;
+    uint32_t tokens = 128;  // per rank and call
+    uint32_t hidden = 7168;
+    uint32_t topk = 8;
+    uint32_t experts = 256;
+    DType dtype = DType::kFp8E4M3;
+    uint32_t private_slots = 32;
+    uint32_t alignment = 1;
+    std::string provider = "tcp";  // between nodes
+    int warmup = 3;
+    int iters = 20;
+    uint64_t seed = 1;
+    Duration timeout = std::chrono::seconds(60);
+    std::function<void(const std::string&)> progress;
+};
+
+struct MoePhaseStats {
+    std::string name;
+    double p50_us = 0;
+    double p99_us = 0;
+    double mean_us = 0;
+};
+
+struct MoeBenchReport {
+    MoeBenchConfig config;
+    std::string provider;               // as the engine resolved it
+    std::vector<MoePhaseStats> phases;  // samples of every rank and iteration pooled
+    uint64_t dispatch_bytes = 0;        // per call, all ranks together (rows incl. headers)
+    uint64_t combine_bytes = 0;
+    double max_rel_error = 0;  // combine of identity experts against the input
+    bool verified = false;     // max_rel_error within 1e-5
+};
+
+// Runs warm-up and timed iterations and checks the last combine against the input (identity
+// experts, weights summing to 1: combine must give back the dispatched values).
+Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& config);
+
+std::string format_moe_table(const MoeBenchReport& report);
+nlohmann::json moe_report_json(const MoeBenchReport& report);
+
+}  // namespace ferry::moe

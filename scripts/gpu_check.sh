@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds ferry on a GPU machine, runs the GPU tests and benchmarks, and writes logs and JSON
+# under $OUT (or ./out). Used through the device tool on the lent H200 machines, which have
+# the libfabric runtime but not always its headers: pass a folder holding include/rdma (from
+# Debian's libfabric-dev) as FERRY_FABRIC_HEADERS to build against those.
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$out/gpu_check.log"; }
+
+log "host: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tr '\n' ';')"
+nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true
+
+# libfabric: system pkg-config if present, else the carried headers + the system runtime.
+if ! pkg-config --exists libfabric 2>/dev/null; then
+  hdr=${FERRY_FABRIC_HEADERS:-.carry/libfabric}
+  lib=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+  if [ -z "$lib" ] || [ ! -d "$hdr/include/rdma" ]; then
+    log "libfabric headers or runtime missing (runtime: '${lib}', headers: $hdr)"; exit 2
+  fi
+  mkdir -p /tmp/ferry-fabric/lib/pkgconfig
+  ln -sf "$lib" /tmp/ferry-fabric/lib/libfabric.so
+  cat > /tmp/ferry-fabric/lib/pkgconfig/libfabric.pc <<PC
+Name: libfabric
+Description: libfabric (runtime from the system, headers carried)
+Version: 1.17.0
+Cflags: -I$(realpath "$hdr/include")
+Libs: -L/tmp/ferry-fabric/lib -lfabric
+PC
+  export PKG_CONFIG_PATH=/tmp/ferry-fabric/lib/pkgconfig:${PKG_CONFIG_PATH:-}
+  log "using carried libfabric headers with $lib"
+fi
+
+build=build-gpu
+log "configure"
+cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} > "$out/configure.log" 2>&1 \
+  || { tail -30 "$out/configure.log"; exit 3; }
+grep -E "CUDA support" "$out/configure.log" | tee -a "$out/gpu_check.log"
+log "build"
+cmake --build $build -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 4; }
+
+status=0
+log "GPU tests"
+for t in $build/tests/*_tests; do
+  "$t" --gtest_filter='*Gpu*:*gpu*:*Cuda*:*cuda*' > "$out/$(basename "$t").log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
+done
+
+if [ -n "${FERRY_GPU_TESTS:-}" ]; then
+  log "tests: $FERRY_GPU_TESTS"
+  for t in $build/tests/*_tests; do
+    "$t" --gtest_filter="$FERRY_GPU_TESTS" > "$out/all_$(basename "$t").log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) " "$out/all_$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
+  done
+fi
+
+log "bench gpu"
+$build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
+
+if [ -n "${FERRY_GPU_EXTRA:-}" ]; then
+  log "extra: $FERRY_GPU_EXTRA"
+  bash -c "$FERRY_GPU_EXTRA" 2>&1 | tee "$out/extra.txt" || status=1
+fi
+log "done (status $status)"
+exit $status

@@ -1,0 +1,58 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/util.h"
+#include "ferry/moe/bench.h"
+
+namespace ferry::cli {
+
+void register_bench_moe(CLI::App& bench) {
+    auto* cmd = bench.add_subcommand(
+        "moe",
+        "MoE dispatch/combine latency per phase (p50/p99) and bytes moved, every rank a "
+        "thread of this process");
+    auto c = std::make_shared<moe::MoeBenchConfig>();
+    auto dtype = std::make_shared<std::string>("fp8");
+    auto json_path = std::make_shared<std::string>();
+    cmd->add_option("--backend", c->backend, "cpu | cuda")->capture_default_str();
+    cmd->add_option("--ranks", c->ranks, "ranks (expert-parallel world size)")
+        ->capture_default_str();
+    cmd->add_option("--ranks-per-node", c->ranks_per_node, "ranks sharing memory")
+        ->capture_default_str();
+    cmd->add_option("--tokens", c->tokens, "tokens per rank and call")->capture_default_str();
+    cmd->add_option("--hidden", c->hidden)->capture_default_str();
+    cmd->add_option("--topk", c->topk, "experts per token")->capture_default_str();
+    cmd->add_option("--experts", c->experts)->capture_default_str();
+    cmd->add_option("--dtype", *dtype, "dispatch type: fp8 | bf16")->capture_default_str();
+    cmd->add_option("--private-slots", c->private_slots, "rows per sender written before counts")
+        ->capture_default_str();
+    cmd->add_option("--provider", c->provider, "between nodes: tcp | shm | efa | verbs | auto")
+        ->capture_default_str();
+    cmd->add_option("--warmup", c->warmup)->capture_default_str();
+    cmd->add_option("--iters", c->iters)->capture_default_str();
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->callback([c, dtype, json_path] {
+        if (!moe::parse_dtype(*dtype, &c->dtype)) {
+            fail(invalid_argument(fmt::format("--dtype {}: use fp8 or bf16", *dtype)));
+            return;
+        }
+        auto rep = moe::run_moe_bench(*c);
+        if (!rep.ok()) {
+            fail(rep.status());
+            return;
+        }
+        std::printf("%s", moe::format_moe_table(*rep).c_str());
+        if (!rep->verified)
+            fail(internal_error("bench moe: combine did not give back the dispatched values"));
+        if (!json_path->empty()) {
+            auto j = moe::moe_report_json(*rep);
+            j["command"] = "ferry bench moe";
+            Status s = write_json_file(*json_path, j);
+            if (!s.ok()) fail(s);
+        }
+    });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,233 @@
+// `ferry bench gpu` measurement: two processes, one GPU each, engine over shm for signals and
+// CUDA IPC for data.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "ferry/common/bytes.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/fabric/gpu_bench.h"
+
+namespace ferry {
+namespace {
+
+#define BENCH_CUDA(expr)                                                                      \
+    do {                                                                                      \
+        cudaError_t e_ = (expr);                                                              \
+        if (e_ != cudaSuccess)                                                                \
+            return provider_error(fmt::format("{} failed: {}", #expr, cudaGetErrorString(e_))); \
+    } while (0)
+
+bool send_blob(int fd, const std::vector<uint8_t>& b) {
+    uint32_t n = static_cast<uint32_t>(b.size());
+    if (::write(fd, &n, 4) != 4) return false;
+    size_t off = 0;
+    while (off < b.size()) {
+        ssize_t w = ::write(fd, b.data() + off, b.size() - off);
+        if (w <= 0) return false;
+        off += w;
+    }
+    return true;
+}
+
+bool recv_blob(int fd, std::vector<uint8_t>* b) {
+    uint32_t n = 0;
+    size_t got = 0;
+    while (got < 4) {
+        ssize_t r = ::read(fd, reinterpret_cast<char*>(&n) + got, 4 - got);
+        if (r <= 0) return false;
+        got += r;
+    }
+    b->resize(n);
+    got = 0;
+    while (got < n) {
+        ssize_t r = ::read(fd, b->data() + got, n - got);
+        if (r <= 0) return false;
+        got += r;
+    }
+    return true;
+}
+
+EngineConfig bench_engine(const std::string& mode) {
+    EngineConfig c;
+    c.provider = "shm";
+    c.gpu_copy = mode;
+    c.op_timeout = std::chrono::seconds(30);
+    return c;
+}
+
+int target_main(int fd, const GpuBenchConfig& c, int dev) {
+    if (cudaSetDevice(dev) != cudaSuccess) return 1;
+    void* d = nullptr;
+    if (cudaMalloc(&d, c.bytes * 2) != cudaSuccess) return 1;
+    auto engine = TransferEngine::create(bench_engine("auto"));
+    if (!engine.ok()) return 1;
+    auto mr = (*engine)->register_memory(d, c.bytes * 2, MemoryKind::kCuda, dev);
+    if (!mr.ok()) return 1;
+    ByteWriter w;
+    (*engine)->address().encode(w);
+    (*mr)->descriptor().encode(w);
+    if (!send_blob(fd, w.bytes())) return 1;
+    std::vector<uint8_t> done;
+    recv_blob(fd, &done);
+    mr->reset();
+    engine->reset();
+    cudaFree(d);
+    return 0;
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBenchReport* rep) {
+    BENCH_CUDA(cudaSetDevice(src_dev));
+    void* src = nullptr;
+    BENCH_CUDA(cudaMalloc(&src, c.bytes));
+    BENCH_CUDA(cudaMemset(src, 0x3C, c.bytes));
+    // Ceiling: the plain peer copy a user would write, same size, in this process.
+    {
+        void* peer = nullptr;
+        BENCH_CUDA(cudaSetDevice(dst_dev));
+        BENCH_CUDA(cudaMalloc(&peer, c.bytes));
+        BENCH_CUDA(cudaSetDevice(src_dev));
+        if (src_dev != dst_dev) {
+            cudaError_t e = cudaDeviceEnablePeerAccess(dst_dev, 0);
+            if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+                return provider_error(fmt::format("enabling peer access: {}",
+                                                  cudaGetErrorString(e)));
+            }
+        }
+        cudaStream_t s;
+        BENCH_CUDA(cudaStreamCreate(&s));
+        cudaEvent_t a, b;
+        BENCH_CUDA(cudaEventCreate(&a));
+        BENCH_CUDA(cudaEventCreate(&b));
+        std::vector<double> gbps;
+        for (int i = 0; i < c.iters + 2; ++i) {
+            BENCH_CUDA(cudaEventRecord(a, s));
+            BENCH_CUDA(cudaMemcpyPeerAsync(peer, dst_dev, src, src_dev, c.bytes, s));
+            BENCH_CUDA(cudaEventRecord(b, s));
+            BENCH_CUDA(cudaEventSynchronize(b));
+            float ms = 0;
+            BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+            if (i >= 2) gbps.push_back(c.bytes / (ms * 1e-3) / 1e9);
+        }
+        rep->ceiling_gbps = median(gbps);
+        rep->rows.push_back({"ceiling memcpy peer", "copy-engine", c.bytes, rep->ceiling_gbps,
+                             c.bytes / rep->ceiling_gbps / 1e3, 1.0});
+        if (c.progress) c.progress(fmt::format("ceiling {:.1f} GB/s", rep->ceiling_gbps));
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+        cudaStreamDestroy(s);
+        BENCH_CUDA(cudaSetDevice(dst_dev));
+        BENCH_CUDA(cudaFree(peer));
+        BENCH_CUDA(cudaSetDevice(src_dev));
+    }
+    std::vector<uint8_t> blob;
+    if (!recv_blob(fd, &blob)) return unavailable("gpu bench target died during set-up");
+    ByteReader rd(blob);
+    FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
+    FERRY_ASSIGN_OR_RETURN(auto tdesc, MemoryDescriptor::decode(rd));
+    for (const auto& mode : c.copy_modes) {
+        FERRY_ASSIGN_OR_RETURN(auto engine, TransferEngine::create(bench_engine(mode)));
+        FERRY_ASSIGN_OR_RETURN(auto mr,
+                               engine->register_memory(src, c.bytes, MemoryKind::kCuda, src_dev));
+        FERRY_ASSIGN_OR_RETURN(PeerId peer, engine->connect(taddr));
+        auto timed = [&](auto&& submit) -> Result<double> {
+            std::vector<double> us;
+            for (int i = 0; i < c.iters + 2; ++i) {
+                auto t0 = Clock::now();
+                OpHandle h = submit();
+                FERRY_RETURN_IF_ERROR(h.wait(std::chrono::seconds(30)));
+                if (i >= 2) us.push_back(to_us(Clock::now() - t0));
+            }
+            return median(us);
+        };
+        FERRY_ASSIGN_OR_RETURN(double us, timed([&] {
+            return engine->write({peer, mr.get(), 0, &tdesc, 0, c.bytes, std::nullopt});
+        }));
+        double gbps = c.bytes / us / 1e3;
+        rep->rows.push_back({"write", mode, c.bytes, gbps, us, gbps / rep->ceiling_gbps});
+        if (c.progress) c.progress(fmt::format("write {} {:.1f} GB/s", mode, gbps));
+        for (size_t page : c.pages) {
+            // Random block ids on both sides, as a paged KV cache has them.
+            uint32_t n = static_cast<uint32_t>(c.bytes / page);
+            std::vector<uint32_t> s(n), d(n);
+            std::iota(s.begin(), s.end(), 0);
+            std::iota(d.begin(), d.end(), 0);
+            std::mt19937 rng(42);
+            std::shuffle(s.begin(), s.end(), rng);
+            std::shuffle(d.begin(), d.end(), rng);
+            PagedWriteOp p;
+            p.peer = peer;
+            p.src = mr.get();
+            p.dst = &tdesc;
+            p.page_size = page;
+            p.src_pages = s;
+            p.dst_pages = d;
+            p.imm = 1u;
+            FERRY_ASSIGN_OR_RETURN(double pus, timed([&] { return engine->paged_write(p); }));
+            double pg = c.bytes / pus / 1e3;
+            rep->rows.push_back({"paged write (random)", mode, page, pg, pus,
+                                 pg / rep->ceiling_gbps});
+            if (c.progress) c.progress(fmt::format("paged {} {} B {:.1f} GB/s", mode, page, pg));
+        }
+    }
+    BENCH_CUDA(cudaFree(src));
+    return ok_status();
+}
+
+}  // namespace
+
+Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
+    // Fork before this process touches CUDA: a child of a CUDA-initialised process cannot use
+    // the GPU. The target picks its own device.
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return unavailable("socketpair failed");
+    std::fflush(stdout);
+    std::fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) return unavailable("fork failed");
+    if (pid == 0) {
+        ::close(sv[0]);
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(1);
+        _exit(target_main(sv[1], c, n > 1 ? c.dst_device % n : c.src_device % n));
+    }
+    ::close(sv[1]);
+    GpuBenchReport rep;
+    Status s = [&]() -> Status {
+        int n = 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess || n == 0) {
+            return unavailable(fmt::format("bench gpu needs a GPU: {}",
+                                           e == cudaSuccess ? "none visible"
+                                                            : cudaGetErrorString(e)));
+        }
+        int src_dev = c.src_device % n, dst_dev = n > 1 ? c.dst_device % n : src_dev;
+        cudaDeviceProp prop{};
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, src_dev));
+        rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev,
+                                  dst_dev);
+        return measure(c, src_dev, dst_dev, sv[0], &rep);
+    }();
+    send_blob(sv[0], {1});
+    ::close(sv[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!s.ok()) return s;
+    return rep;
+}
+
+}  // namespace ferry

@@ -1,0 +1,296 @@
+#include "ferry/moe/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "ferry/fabric/engine.h"
+#include "ferry/moe/all_to_all.h"
+#include "ferry/moe/numerics.h"
+
+namespace ferry::moe {
+namespace {
+
+// Allgather among the rank threads of this process, with a deadline.
+class ThreadExchange {
+  public:
+    explicit ThreadExchange(uint32_t n) : n_(n), slots_(n) {}
+
+    Result<std::vector<std::vector<uint8_t>>> allgather(uint32_t rank,
+                                                        std::span<const uint8_t> mine,
+                                                        Duration timeout) {
+        std::unique_lock lk(mu_);
+        if (!failed_.ok()) return failed_;
+        slots_[rank].assign(mine.begin(), mine.end());
+        uint64_t gen = gen_;
+        if (++arrived_ == n_) {
+            result_ = slots_;
+            arrived_ = 0;
+            ++gen_;
+            cv_.notify_all();
+            return result_;
+        }
+        if (!cv_.wait_for(lk, timeout, [&] { return gen_ != gen || !failed_.ok(); })) {
+            failed_ =
+                timeout_error(fmt::format("bench: rank {} waited {} ms for the other ranks "
+                                          "at an exchange; {} of {} had arrived",
+                                          rank, to_ms(timeout), arrived_, n_));
+        }
+        if (!failed_.ok()) return failed_;
+        return result_;
+    }
+    // A rank that failed releases the others at once instead of leaving them to time out.
+    void abort(const Status& why) {
+        std::lock_guard lk(mu_);
+        if (failed_.ok()) failed_ = why;
+        cv_.notify_all();
+    }
+
+  private:
+    uint32_t n_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<std::vector<uint8_t>> slots_, result_;
+    uint32_t arrived_ = 0;
+    uint64_t gen_ = 0;
+    Status failed_;
+};
+
+enum Phase {
+    kDispatchSend,
+    kDispatchRecv,
+    kDispatch,
+    kCombineSend,
+    kCombineRecv,
+    kCombine,
+    kNumPhases
+};
+const char* kPhaseNames[kNumPhases] = {"dispatch_send", "dispatch_recv", "dispatch",
+                                       "combine_send",  "combine_recv",  "combine"};
+
+struct RankResult {
+    Status status;
+    std::vector<double> samples[kNumPhases];
+    uint64_t dispatch_bytes = 0, combine_bytes = 0;
+    double max_rel_error = 0;
+    std::string provider;
+};
+
+double percentile(std::vector<double> v, double p) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    size_t i = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
+    return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+Status run_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t rank,
+                ThreadExchange& ex, RankResult* res) {
+    AllToAllConfig cfg = base;
+    cfg.rank = rank;
+    EngineConfig ec;
+    ec.provider = bc.provider;
+    ec.op_timeout = bc.timeout;
+    FERRY_ASSIGN_OR_RETURN(auto engine, TransferEngine::create(ec));
+    res->provider = engine->provider();
+    AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
+    AllToAllOptions opts;
+    opts.timeout = bc.timeout;
+    FERRY_ASSIGN_OR_RETURN(auto a2a, AllToAll::create(cfg, engine.get(), ag, opts));
+
+    // Random bf16 tokens and a uniform top-k routing with weights summing to 1.
+    const uint32_t n = bc.tokens, h = cfg.hidden, k = cfg.experts_per_token;
+    std::mt19937_64 rng(bc.seed * 7919 + rank);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f), wdist(0.1f, 1.0f);
+    std::vector<uint16_t> x(size_t{n} * h);
+    for (auto& v : x) v = float_to_bf16(val(rng));
+    std::vector<int32_t> idx(size_t{n} * k);
+    std::vector<float> w(size_t{n} * k);
+    for (uint32_t t = 0; t < n; ++t) {
+        std::vector<int32_t> chosen;
+        float sum = 0;
+        while (chosen.size() < k) {
+            auto e = static_cast<int32_t>(rng() % cfg.num_experts);
+            if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+        }
+        for (uint32_t j = 0; j < k; ++j) {
+            idx[size_t{t} * k + j] = chosen[j];
+            sum += w[size_t{t} * k + j] = wdist(rng);
+        }
+        for (uint32_t j = 0; j < k; ++j) w[size_t{t} * k + j] /= sum;
+    }
+    std::vector<uint8_t> payload;
+    std::vector<float> scales;
+    std::vector<uint16_t> expected = x;  // what identity experts give back
+    if (cfg.dtype == DType::kBf16) {
+        payload.resize(x.size() * 2);
+        std::memcpy(payload.data(), x.data(), payload.size());
+    } else {
+        payload.resize(x.size());
+        scales.resize(x.size() / kScaleBlock);
+        FERRY_RETURN_IF_ERROR(quantize_fp8_bf16(x, n, h, payload, scales));
+        FERRY_RETURN_IF_ERROR(dequantize_fp8_to_bf16(payload, scales, n, h, expected));
+    }
+    DispatchInput in{n, payload, scales, idx, w};
+
+    const size_t rows = max_expert_rows(cfg);
+    std::vector<uint8_t> bx(rows * cfg.payload_bytes());
+    std::vector<float> bs(rows * cfg.scales_per_token());
+    std::vector<uint32_t> counts(cfg.num_local_experts()), offsets(cfg.num_local_experts() + 1);
+    ExpertBatch batch{bx, bs, counts, offsets, {}};
+    std::vector<uint16_t> expert_out(rows * h);
+    std::vector<float> out(size_t{n} * h);
+
+    for (int it = 0; it < bc.warmup + bc.iters; ++it) {
+        FERRY_ASSIGN_OR_RETURN(auto sync, ex.allgather(rank, {}, bc.timeout));
+        (void)sync;
+        TimePoint t0 = Clock::now();
+        FERRY_RETURN_IF_ERROR(a2a->dispatch_send(in));
+        TimePoint t1 = Clock::now();
+        FERRY_RETURN_IF_ERROR(a2a->dispatch_recv(batch));
+        TimePoint t2 = Clock::now();
+        // Identity experts (untimed): the rows as bf16.
+        uint32_t total = offsets[cfg.num_local_experts()];
+        if (cfg.dtype == DType::kBf16) {
+            std::memcpy(expert_out.data(), bx.data(), size_t{total} * h * 2);
+        } else {
+            FERRY_RETURN_IF_ERROR(dequantize_fp8_to_bf16(bx, bs, total, h, expert_out));
+        }
+        TimePoint t3 = Clock::now();
+        FERRY_RETURN_IF_ERROR(a2a->combine_send(expert_out));
+        TimePoint t4 = Clock::now();
+        FERRY_RETURN_IF_ERROR(a2a->combine_recv(out));
+        TimePoint t5 = Clock::now();
+        if (it < bc.warmup) continue;
+        double us[kNumPhases] = {to_us(t1 - t0), to_us(t2 - t1), to_us(t2 - t0),
+                                 to_us(t4 - t3), to_us(t5 - t4), to_us(t5 - t3)};
+        for (int p = 0; p < kNumPhases; ++p) res->samples[p].push_back(us[p]);
+        res->dispatch_bytes = a2a->last_bytes().dispatch;
+        res->combine_bytes = a2a->last_bytes().combine;
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+        float want = bf16_to_float(expected[i]);
+        double err = std::fabs(out[i] - want) / std::max(std::fabs(want), 1e-30f);
+        if (want == 0.0f) err = std::fabs(out[i]);
+        res->max_rel_error = std::max(res->max_rel_error, err);
+    }
+    // Every rank is done writing into every other rank before anyone frees its buffers.
+    FERRY_ASSIGN_OR_RETURN(auto done, ex.allgather(rank, {}, bc.timeout));
+    (void)done;
+    return ok_status();
+}
+
+}  // namespace
+
+Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
+    if (bc.backend == "cuda")
+        return unavailable("bench moe: the cuda backend is not built yet; use --backend cpu");
+    if (bc.backend != "cpu")
+        return invalid_argument(
+            fmt::format("bench moe: unknown backend '{}' (cpu or cuda)", bc.backend));
+    if (bc.iters < 1 || bc.warmup < 0)
+        return invalid_argument("bench moe: iters must be at least 1 and warmup at least 0");
+    AllToAllConfig cfg;
+    cfg.max_tokens_per_rank = std::max(bc.tokens, 1u);
+    cfg.hidden = bc.hidden;
+    cfg.dtype = bc.dtype;
+    cfg.num_experts = bc.experts;
+    cfg.experts_per_token = bc.topk;
+    cfg.world_size = bc.ranks;
+    cfg.ranks_per_node = bc.ranks_per_node;
+    cfg.private_slots_per_sender = std::min(bc.private_slots, cfg.max_tokens_per_rank);
+    cfg.group_alignment = bc.alignment;
+    FERRY_RETURN_IF_ERROR(cfg.validate());
+
+    ThreadExchange ex(bc.ranks);
+    std::vector<RankResult> results(bc.ranks);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < bc.ranks; ++r) {
+        threads.emplace_back([&, r] {
+            results[r].status = run_rank(bc, cfg, r, ex, &results[r]);
+            if (!results[r].status.ok())
+                ex.abort(results[r].status.with_context(fmt::format("rank {} failed", r)));
+        });
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < bc.ranks; ++r)
+        if (!results[r].status.ok())
+            return results[r].status.with_context(fmt::format("bench moe rank {}", r));
+
+    MoeBenchReport rep;
+    rep.config = bc;
+    rep.config.progress = nullptr;
+    rep.provider = results[0].provider;
+    for (int p = 0; p < kNumPhases; ++p) {
+        std::vector<double> all;
+        for (auto& r : results) all.insert(all.end(), r.samples[p].begin(), r.samples[p].end());
+        MoePhaseStats s;
+        s.name = kPhaseNames[p];
+        s.p50_us = percentile(all, 0.5);
+        s.p99_us = percentile(all, 0.99);
+        double sum = 0;
+        for (double v : all) sum += v;
+        s.mean_us = all.empty() ? 0 : sum / static_cast<double>(all.size());
+        rep.phases.push_back(s);
+    }
+    for (auto& r : results) {
+        rep.dispatch_bytes += r.dispatch_bytes;
+        rep.combine_bytes += r.combine_bytes;
+        rep.max_rel_error = std::max(rep.max_rel_error, r.max_rel_error);
+    }
+    rep.verified = rep.max_rel_error <= 1e-5;
+    return rep;
+}
+
+std::string format_moe_table(const MoeBenchReport& rep) {
+    const MoeBenchConfig& c = rep.config;
+    std::string s = fmt::format(
+        "bench moe: backend {}, {} ranks ({} per node, provider {}), {} tokens/rank, hidden {}, "
+        "top-{} of {} experts, {} dispatch, {} iterations after {} warm-up\n",
+        c.backend, c.ranks, c.ranks_per_node, rep.provider, c.tokens, c.hidden, c.topk, c.experts,
+        dtype_name(c.dtype), c.iters, c.warmup);
+    s += fmt::format("{:<14} {:>12} {:>12} {:>12}\n", "phase", "p50 us", "p99 us", "mean us");
+    for (const auto& p : rep.phases)
+        s += fmt::format("{:<14} {:>12.1f} {:>12.1f} {:>12.1f}\n", p.name, p.p50_us, p.p99_us,
+                         p.mean_us);
+    s += fmt::format(
+        "bytes per call, all ranks: dispatch {} ({:.2f} MiB), combine {} ({:.2f} "
+        "MiB)\n",
+        rep.dispatch_bytes, rep.dispatch_bytes / 1048576.0, rep.combine_bytes,
+        rep.combine_bytes / 1048576.0);
+    s += fmt::format("combine check (identity experts): max relative error {:.2e} -> {}\n",
+                     rep.max_rel_error, rep.verified ? "ok" : "FAILED");
+    return s;
+}
+
+nlohmann::json moe_report_json(const MoeBenchReport& rep) {
+    const MoeBenchConfig& c = rep.config;
+    nlohmann::json j;
+    j["backend"] = c.backend;
+    j["ranks"] = c.ranks;
+    j["ranks_per_node"] = c.ranks_per_node;
+    j["provider"] = rep.provider;
+    j["tokens"] = c.tokens;
+    j["hidden"] = c.hidden;
+    j["topk"] = c.topk;
+    j["experts"] = c.experts;
+    j["dtype"] = std::string(dtype_name(c.dtype));
+    j["private_slots"] = c.private_slots;
+    j["iters"] = c.iters;
+    j["warmup"] = c.warmup;
+    for (const auto& p : rep.phases)
+        j["phases"][p.name] = {{"p50_us", p.p50_us}, {"p99_us", p.p99_us}, {"mean_us", p.mean_us}};
+    j["dispatch_bytes"] = rep.dispatch_bytes;
+    j["combine_bytes"] = rep.combine_bytes;
+    j["max_rel_error"] = rep.max_rel_error;
+    j["verified"] = rep.verified;
+    return j;
+}
+
+}  // namespace ferry::moe
