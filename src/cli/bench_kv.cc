@@ -30,6 +30,9 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("--random-blocks", c->random_blocks,
                   "scattered block ids, as in a long-running server's pool");
     cmd->add_flag("!--no-ceiling", c->measure_ceiling, "skip the raw fi_write measurement");
+    cmd->add_flag("--gpu", c->gpu,
+                  "KV pools in GPU memory (prefill on GPU 0, decode on GPU 1), CUDA IPC");
+    cmd->add_flag("!--no-verify", c->verify, "skip checking the bytes of the first request");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };

@@ -45,6 +45,7 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
     if (has_ipc) {
         w.put(ipc_handle);
         w.put(ipc_offset);
+        w.put(ipc_pid);
     }
 }
 
@@ -65,6 +66,7 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     if (d.has_ipc) {
         FERRY_RETURN_IF_ERROR(r.get(&d.ipc_handle, "ipc_handle"));
         FERRY_RETURN_IF_ERROR(r.get(&d.ipc_offset, "ipc_offset"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.ipc_pid, "ipc_pid"));
     }
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
         return protocol_error(fmt::format("memory descriptor has unknown memory kind {}", kind));

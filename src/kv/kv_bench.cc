@@ -1,9 +1,12 @@
 #include "ferry/kv/kv_bench.h"
 
+#include "ferry/fabric/gpu_memory.h"
+
 #include <fmt/format.h>
 #include <time.h>
 
 #include <algorithm>
+#include <cstring>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -53,10 +56,23 @@ class Completions {
     std::map<std::pair<bool, uint64_t>, std::vector<std::pair<TimePoint, Status>>> done_;
 };
 
+constexpr uint8_t kPoison = 0xCD;
+
+void fill_pattern(std::vector<uint8_t>& b, uint32_t rank) {
+    uint64_t x = 0x9E3779B97F4A7C15ull * (rank + 1);
+    for (size_t i = 0; i < b.size(); i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::memcpy(b.data() + i, &x, std::min<size_t>(8, b.size() - i));
+    }
+}
+
 struct Rank {
     KvRank self;
     std::unique_ptr<TransferEngine> engine;
     std::vector<uint8_t> mem;
+    GpuBuffer gmem;  // the pool, when it lives on a GPU
     std::unique_ptr<MemoryRegion> mr;
     std::unique_ptr<BlockPool> blocks;
     std::unique_ptr<KvConnector> conn;
@@ -85,7 +101,7 @@ class Bench {
 
     Status setup() {
         uint32_t max_tokens = *std::max_element(c_.tokens.begin(), c_.tokens.end());
-        auto make = [&](uint32_t tp, uint32_t r) -> Result<std::unique_ptr<Rank>> {
+        auto make = [&](uint32_t tp, uint32_t r, bool prefill) -> Result<std::unique_ptr<Rank>> {
             auto rank = std::make_unique<Rank>();
             KvLayout l;
             l.num_layers = c_.layers;
@@ -102,9 +118,23 @@ class Bench {
             ec.op_timeout = std::chrono::seconds(60);
             if (c_.max_write_size) ec.max_write_size = c_.max_write_size;
             FERRY_ASSIGN_OR_RETURN(rank->engine, TransferEngine::create(ec));
-            rank->mem.assign(l.pool_bytes(), static_cast<uint8_t>(r + 1));
-            FERRY_ASSIGN_OR_RETURN(
-                rank->mr, rank->engine->register_memory(rank->mem.data(), rank->mem.size()));
+            // Prefill pools hold a pattern every byte of which differs by offset and rank;
+            // decode pools start poisoned, so a byte that was not written is caught.
+            std::vector<uint8_t> init(l.pool_bytes(), kPoison);
+            if (prefill) fill_pattern(init, r);
+            if (c_.gpu) {
+                int n = gpu_device_count();
+                int dev = prefill || n < 2 ? 0 : 1;
+                FERRY_ASSIGN_OR_RETURN(rank->gmem, GpuBuffer::allocate(init.size(), dev));
+                FERRY_RETURN_IF_ERROR(rank->gmem.copy_from_host(init.data(), init.size()));
+                FERRY_ASSIGN_OR_RETURN(
+                    rank->mr, rank->engine->register_memory(rank->gmem.data(), init.size(),
+                                                            MemoryKind::kCuda, dev));
+            } else {
+                rank->mem = std::move(init);
+                FERRY_ASSIGN_OR_RETURN(
+                    rank->mr, rank->engine->register_memory(rank->mem.data(), rank->mem.size()));
+            }
             rank->blocks = std::make_unique<BlockPool>(l.num_blocks);
             if (c_.random_blocks) {
                 FERRY_ASSIGN_OR_RETURN(auto all, rank->blocks->allocate(l.num_blocks));
@@ -124,11 +154,11 @@ class Bench {
             return rank;
         };
         for (uint32_t r = 0; r < c_.tp_prefill; ++r) {
-            FERRY_ASSIGN_OR_RETURN(auto p, make(c_.tp_prefill, r));
+            FERRY_ASSIGN_OR_RETURN(auto p, make(c_.tp_prefill, r, true));
             prefill_.push_back(std::move(p));
         }
         for (uint32_t r = 0; r < c_.tp_decode; ++r) {
-            FERRY_ASSIGN_OR_RETURN(auto d, make(c_.tp_decode, r));
+            FERRY_ASSIGN_OR_RETURN(auto d, make(c_.tp_decode, r, false));
             decode_.push_back(std::move(d));
         }
         for (auto& p : prefill_) prefill_addrs_.push_back(p->engine->address());
@@ -143,7 +173,7 @@ class Bench {
         // One untimed warm-up: connections, first touches of the pools.
         for (int it = -1; it < c_.iters; ++it) {
             uint64_t id = next_id_++;
-            FERRY_ASSIGN_OR_RETURN(auto sample, one_request(id, tokens, &row));
+            FERRY_ASSIGN_OR_RETURN(auto sample, one_request(id, tokens, &row, it < 0 && c_.verify));
             if (it < 0) continue;
             lat_ms.push_back(sample.latency_ms);
             caller_us.push_back(sample.caller_us);
@@ -164,7 +194,42 @@ class Bench {
         double caller_us;      // wall time in the busiest rank's calls
         double caller_cpu_us;  // CPU time of those calls: the same without preemption
     };
-    Result<Sample> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row) {
+    // The pool's bytes as the host sees them.
+    Result<std::vector<uint8_t>> pool_bytes(const Rank& r) {
+        if (!c_.gpu) return r.mem;
+        std::vector<uint8_t> b(r.gmem.size());
+        FERRY_RETURN_IF_ERROR(r.gmem.copy_to_host(b.data(), b.size()));
+        return b;
+    }
+
+    // Every byte each plan says must have moved did move.
+    Status verify(uint64_t id, const std::vector<std::vector<uint32_t>>& pblocks,
+                  const std::vector<std::vector<uint32_t>>& dblocks, uint32_t tokens) {
+        for (size_t d = 0; d < decode_.size(); ++d) {
+            FERRY_ASSIGN_OR_RETURN(auto got, pool_bytes(*decode_[d]));
+            for (size_t p = 0; p < prefill_.size(); ++p) {
+                FERRY_ASSIGN_OR_RETURN(auto src, pool_bytes(*prefill_[p]));
+                FERRY_ASSIGN_OR_RETURN(
+                    auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
+                                              dblocks[d], 0, tokens}));
+                for (const auto& run : plan.runs) {
+                    if (std::memcmp(got.data() + run.dst_offset, src.data() + run.src_offset,
+                                    run.length) != 0) {
+                        return internal_error(fmt::format(
+                            "bench transfer {}: decode rank {} holds wrong KV bytes in the run of "
+                            "{} bytes at offset {} (from prefill rank {})",
+                            id, d, run.length, run.dst_offset, p));
+                    }
+                }
+            }
+        }
+        if (c_.progress) {
+            c_.progress(fmt::format("verified every KV byte of a {}-token request", tokens));
+        }
+        return ok_status();
+    }
+
+    Result<Sample> one_request(uint64_t id, uint32_t tokens, KvBenchRow* row, bool check) {
         std::vector<std::vector<uint32_t>> pblocks, dblocks;
         for (auto& p : prefill_) {
             FERRY_ASSIGN_OR_RETURN(auto b,
@@ -246,6 +311,7 @@ class Bench {
         FERRY_ASSIGN_OR_RETURN(TimePoint t1, done_.wait(false, id, decode_.size()));
         FERRY_ASSIGN_OR_RETURN(TimePoint t2, done_.wait(true, id, prefill_.size()));
         (void)t2;
+        if (check) FERRY_RETURN_IF_ERROR(verify(id, pblocks, dblocks, tokens));
         for (size_t p = 0; p < prefill_.size(); ++p) {
             FERRY_RETURN_IF_ERROR(prefill_[p]->blocks->free(pblocks[p]));
         }
@@ -285,7 +351,15 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
     ec.provider = c.provider;
     ec.peers_on_same_host = true;
     FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(ec));
-    if (c.measure_ceiling) {
+    if (c.gpu && c.measure_ceiling) {
+        int n = gpu_device_count();
+        FERRY_ASSIGN_OR_RETURN(rep.ceiling_gbps,
+                               measure_gpu_copy_ceiling(0, n > 1 ? 1 : 0, 256ull << 20, 10));
+        rep.provider += " + CUDA IPC";
+        if (c.progress) {
+            c.progress(fmt::format("GPU-to-GPU copy ceiling: {:.1f} GB/s", rep.ceiling_gbps));
+        }
+    } else if (c.measure_ceiling) {
         XferBenchConfig xc;
         xc.provider = c.provider;
         xc.sizes = {1 << 20};

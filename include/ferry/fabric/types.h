@@ -32,6 +32,7 @@ struct MemoryDescriptor {
     bool has_ipc = false;
     std::array<uint8_t, 64> ipc_handle{};
     uint64_t ipc_offset = 0;
+    int32_t ipc_pid = 0;  // exporting process: a peer in the same process uses base directly
 
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }

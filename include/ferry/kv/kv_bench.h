@@ -32,6 +32,11 @@ struct KvBenchConfig {
     bool random_blocks = false;
     bool measure_ceiling = true;
     size_t max_write_size = 0;  // engine's longest single write; 0 keeps the engine default
+    // Pools in GPU memory: prefill ranks on GPU 0, decode ranks on GPU 1 (or 0 when only one
+    // is visible); transfers go over CUDA IPC / NVLink and the ceiling is the GPU-to-GPU copy.
+    bool gpu = false;
+    // Check every transferred byte of the first (untimed) request of each size.
+    bool verify = true;
     std::function<void(const std::string&)> progress;
 };
 

@@ -12,6 +12,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "fabric/cuda/copy_kernel.h"
 #include "fabric/gpu_transport.h"
 #include "ferry/common/log.h"
@@ -63,10 +65,11 @@ class CudaTransport final : public GpuTransport {
     struct InFlight {
         cudaEvent_t event;
         PinnedBuffer buf;
-        std::function<void(const Status&)> done;
+        std::vector<std::function<void(const Status&)>> done;
     };
     void run();
-    Status launch(Job& job, InFlight* out);
+    // Launches every job in `jobs` (one device) as one kernel, or copy-engine copies.
+    Status launch(int device, std::vector<Job>& jobs, InFlight* out);
     Result<cudaStream_t> stream_for(int device);
     PinnedBuffer take_buffer(size_t chunks, int device);
 
@@ -109,7 +112,7 @@ CudaTransport::~CudaTransport() {
     if (worker_.joinable()) worker_.join();
     for (auto& f : inflight_) {
         cudaEventSynchronize(f.event);
-        if (f.done) f.done(cancelled("the transfer engine was shut down"));
+        for (auto& d : f.done) d(cancelled("the transfer engine was shut down"));
         cudaEventDestroy(f.event);
         cudaFreeHost(f.buf.ptr);
         cudaFree(f.buf.dev);
@@ -172,12 +175,26 @@ Status CudaTransport::export_memory(void* ptr, size_t len, int device, MemoryDes
     std::memcpy(d->ipc_handle.data(), &h, sizeof(h));
     d->has_ipc = true;
     d->ipc_offset = reinterpret_cast<CUdeviceptr>(ptr) - base;
+    d->ipc_pid = static_cast<int32_t>(getpid());
     d->device = attr.device;
     return ok_status();
 }
 
 Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_device) {
     if (!d.has_ipc) return invalid_argument("remote GPU region carries no CUDA IPC handle");
+    if (d.ipc_pid == static_cast<int32_t>(getpid())) {
+        // Both engines live in this process (a process driving several GPUs): CUDA refuses to
+        // open a handle in its exporter, and needs none: the pointer is valid here already.
+        if (d.device != local_device) {
+            FERRY_CUDA_TRY(cudaSetDevice(local_device));
+            cudaError_t e = cudaDeviceEnablePeerAccess(d.device, 0);
+            if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+                return cuda_status(e, "cudaDeviceEnablePeerAccess");
+            }
+            cudaGetLastError();  // clear a sticky "already enabled"
+        }
+        return d.base;
+    }
     std::string key(reinterpret_cast<const char*>(d.ipc_handle.data()), d.ipc_handle.size());
     std::lock_guard lk(map_mu_);
     auto it = opened_.find({local_device, key});
@@ -248,36 +265,44 @@ PinnedBuffer CudaTransport::take_buffer(size_t chunks, int device) {
     return b;
 }
 
-Status CudaTransport::launch(Job& job, InFlight* out) {
-    FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(job.device));
-    FERRY_CUDA_TRY(cudaSetDevice(job.device));
+Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) {
+    FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(device));
+    FERRY_CUDA_TRY(cudaSetDevice(device));
+    for (auto& j : jobs) out->done.push_back(std::move(j.done));
     bool copy_engine = config_.gpu_copy == "copy-engine" ||
-                       (config_.gpu_copy == "auto" && job.copies.size() == 1 &&
-                        job.copies[0].len >= kCopyEngineThreshold);
+                       (config_.gpu_copy == "auto" && jobs.size() == 1 &&
+                        jobs[0].copies.size() == 1 &&
+                        jobs[0].copies[0].len >= kCopyEngineThreshold);
     if (copy_engine) {
-        for (const auto& c : job.copies) {
-            FERRY_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
-                                           reinterpret_cast<const void*>(c.src), c.len,
-                                           cudaMemcpyDefault, stream));
+        for (const auto& j : jobs) {
+            for (const auto& c : j.copies) {
+                FERRY_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
+                                               reinterpret_cast<const void*>(c.src), c.len,
+                                               cudaMemcpyDefault, stream));
+            }
         }
     } else {
         size_t n = 0;
-        for (const auto& c : job.copies) n += (c.len + kMaxChunk - 1) / kMaxChunk;
-        out->buf = take_buffer(n, job.device);
+        for (const auto& j : jobs) {
+            for (const auto& c : j.copies) n += (c.len + kMaxChunk - 1) / kMaxChunk;
+        }
+        out->buf = take_buffer(n, device);
         if (!out->buf.ptr) return resource_exhausted("allocating the copy list failed");
         size_t k = 0;
-        for (const auto& c : job.copies) {
-            for (uint64_t off = 0; off < c.len; off += kMaxChunk) {
-                out->buf.ptr[k++] = {reinterpret_cast<const void*>(c.src + off),
-                                     reinterpret_cast<void*>(c.dst + off),
-                                     std::min<uint64_t>(kMaxChunk, c.len - off)};
+        for (const auto& j : jobs) {
+            for (const auto& c : j.copies) {
+                for (uint64_t off = 0; off < c.len; off += kMaxChunk) {
+                    out->buf.ptr[k++] = {reinterpret_cast<const void*>(c.src + off),
+                                         reinterpret_cast<void*>(c.dst + off),
+                                         std::min<uint64_t>(kMaxChunk, c.len - off)};
+                }
             }
         }
         FERRY_CUDA_TRY(cudaMemcpyAsync(out->buf.dev, out->buf.ptr, n * sizeof(CopyChunk),
                                        cudaMemcpyHostToDevice, stream));
         // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
         FERRY_CUDA_TRY(launch_batched_copy(out->buf.dev, static_cast<int>(n),
-                                           2 * sm_count_[job.device], stream));
+                                           2 * sm_count_[device], stream));
     }
     if (free_events_.empty()) {
         cudaEvent_t ev;
@@ -287,7 +312,6 @@ Status CudaTransport::launch(Job& job, InFlight* out) {
     out->event = free_events_.back();
     free_events_.pop_back();
     FERRY_CUDA_TRY(cudaEventRecord(out->event, stream));
-    out->done = std::move(job.done);
     return ok_status();
 }
 
@@ -305,12 +329,19 @@ void CudaTransport::run() {
             if (stop_) return;
             jobs.swap(jobs_);
         }
-        for (auto& j : jobs) {
+        // Everything queued for one device goes out as one launch: a KV transfer hands over
+        // one operation per (layer, K/V) run, and a launch each cost more than the copies.
+        std::map<int, std::vector<Job>> by_device;
+        for (auto& j : jobs) by_device[j.device].push_back(std::move(j));
+        for (auto& [device, group] : by_device) {
             InFlight f{};
-            Status s = launch(j, &f);
+            Status s = launch(device, group, &f);
             if (!s.ok()) {
                 if (f.buf.ptr) free_buffers_.push_back(f.buf);
-                (f.done ? f.done : j.done)(s);
+                for (auto& d : f.done) d(s);
+                for (auto& j : group) {
+                    if (j.done) j.done(s);
+                }
                 continue;
             }
             inflight_.push_back(std::move(f));
@@ -322,7 +353,8 @@ void CudaTransport::run() {
             inflight_.pop_front();
             if (f.buf.ptr) free_buffers_.push_back(f.buf);
             free_events_.push_back(f.event);
-            f.done(e == cudaSuccess ? ok_status() : cuda_status(e, "GPU copy"));
+            Status st = e == cudaSuccess ? ok_status() : cuda_status(e, "GPU copy");
+            for (auto& d : f.done) d(st);
         }
     }
 }
