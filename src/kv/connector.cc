@@ -64,7 +64,7 @@ class Inbox {
 // The operations of one job in flight: each completion decrements, the last one posts a
 // single task to the connector thread (one task per job, not per write).
 struct Flight : std::enable_shared_from_this<Flight> {
-    explicit Flight(std::function<void(Status)> drained) : on_drained(std::move(drained)) {}
+    explicit Flight(std::function<void(const Status&)> drained) : on_drained(std::move(drained)) {}
 
     void add() { outstanding.fetch_add(1, std::memory_order_relaxed); }
     void done(const Status& s) {
@@ -85,7 +85,7 @@ struct Flight : std::enable_shared_from_this<Flight> {
     std::atomic<uint32_t> outstanding{1};  // the poster holds one until everything is posted
     std::mutex mu;
     Status error;
-    std::function<void(Status)> on_drained;
+    std::function<void(const Status&)> on_drained;
 };
 
 Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
@@ -113,11 +113,11 @@ uint32_t to_ms_u32(Duration d) {
 
 class KvConnector::Impl {
    public:
-    Impl(TransferEngine* engine, const MemoryRegion* pool, ConnectorConfig config,
+    Impl(TransferEngine* engine, const MemoryRegion* pool, const ConnectorConfig& config,
          ConnectorCallbacks callbacks)
         : engine_(engine),
           pool_(pool),
-          cfg_(std::move(config)),
+          cfg_(config),
           cb_(std::move(callbacks)),
           inbox_(std::make_shared<Inbox>()) {}
 
@@ -167,7 +167,7 @@ class KvConnector::Impl {
         });
     }
 
-    Status prefill_failed(uint64_t id, Status reason) {
+    Status prefill_failed(uint64_t id, const Status& reason) {
         if (reason.ok()) return invalid_argument("prefill_failed needs an error status");
         return post([this, id, reason] { on_prefill_failed(id, reason); });
     }
@@ -183,10 +183,9 @@ class KvConnector::Impl {
         m.prefill_address = engine_->address();
         m.pool = pool_->descriptor();
         m.layout = cfg_.self.layout;
-        m.blocks = blocks;
-        FERRY_RETURN_IF_ERROR(post([this, id, b = std::move(blocks), tokens]() mutable {
-            on_offer(id, std::move(b), tokens);
-        }));
+        m.blocks = std::move(blocks);
+        // The blocks stay the engine's; the connector only needs the lease and the DONEs.
+        FERRY_RETURN_IF_ERROR(post([this, id] { on_offer(id); }));
         return m;
     }
 
@@ -329,10 +328,10 @@ class KvConnector::Impl {
     }
 
     // Starts a flight whose completion runs `drained` on this thread.
-    std::shared_ptr<Flight> new_flight(std::function<void(Status)> drained) {
+    std::shared_ptr<Flight> new_flight(std::function<void(const Status&)> drained) {
         flights_open_.fetch_add(1);
         std::weak_ptr<Inbox> inbox = inbox_;
-        return std::make_shared<Flight>([inbox, d = std::move(drained), this](Status s) {
+        return std::make_shared<Flight>([inbox, d = std::move(drained), this](const Status& s) {
             auto in = inbox.lock();
             if (!in) return;
             in->post([this, d, s] {
@@ -502,7 +501,7 @@ class KvConnector::Impl {
             plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
                            reg.blocks, 0, p.tokens});
         if (!plan.ok()) return fail_now(plan.status());
-        auto flight = new_flight([this, id, key](Status s) { on_job_drained(id, key, s); });
+        auto flight = new_flight([this, id, key](const Status& s) { on_job_drained(id, key, s); });
         post_writes(plan->runs, job, *flight);
         job.bytes = plan->bytes;
         ops_posted_.fetch_add(plan->runs.size());
@@ -841,7 +840,7 @@ class KvConnector::Impl {
 
     // ---- pull ----
 
-    void on_offer(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+    void on_offer(uint64_t id) {
         auto [it, fresh] = offers_.try_emplace(id);
         if (!fresh) {
             log(LogLevel::kWarn, kLog, "transfer {:x}: offered for pull twice; ignored", id);
@@ -905,7 +904,7 @@ class KvConnector::Impl {
             if (!plan.ok()) return fail(plan.status());
             plans.emplace_back(idx, std::move(*plan));
         }
-        auto flight = new_flight([this, job](Status s) { finish_pull(job, s); });
+        auto flight = new_flight([this, job](const Status& s) { finish_pull(job, s); });
         for (size_t i = 0; i < plans.size(); ++i) {
             const auto& [idx, plan] = plans[i];
             for (const ByteRun& run : plan.runs) {

@@ -256,8 +256,9 @@ class HandshakeServer::Impl {
             w.put<uint8_t>(1);
             w.put_bytes(info_.serialize());
         }
-        FERRY_RETURN_IF_ERROR(send_frame(fd, w.bytes(), deadline));
+        // Counted before the answer leaves, so a caller that got it sees the count.
         served_.fetch_add(1);
+        FERRY_RETURN_IF_ERROR(send_frame(fd, w.bytes(), deadline));
         return parsed;
     }
 

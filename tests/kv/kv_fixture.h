@@ -3,10 +3,13 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -76,6 +79,11 @@ void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks, u
 Status wait_messages(KvNode& n, uint64_t count, Duration timeout);
 // Pool accounting and connector state after a test: nothing held, nothing leaked.
 std::string check_no_leak(KvNode& n);
+// For a test that kills its own process: the shm provider names its regions after the pid and
+// a killed process leaves them behind, so a later process that gets the same pid fails to open
+// an endpoint (EBUSY). Removing the names first keeps the mappings peers hold and spares the
+// next tests; it does not change what the peers observe.
+void drop_shm_names_of_this_process();
 // Writes the request's expected KV into an image of the consumer pool.
 void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
                     const std::vector<uint32_t>& blocks, uint32_t tokens);
@@ -207,6 +215,15 @@ inline std::string check_no_leak(KvNode& n) {
                     "connector still holds {} send, {} recv transfers", s.active_send,
                     s.active_recv);
     return "";
+}
+
+inline void drop_shm_names_of_this_process() {
+    std::error_code ec;
+    std::string prefix = std::to_string(::getpid()) + ":";
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+        std::string name = e.path().filename().string();
+        if (name.rfind(prefix, 0) == 0) ::shm_unlink(("/" + name).c_str());
+    }
 }
 
 inline std::string compare_pool(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {

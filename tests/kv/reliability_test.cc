@@ -299,6 +299,7 @@ TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
         CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
         if (ex.rank() == kPrefill) {
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            testing::drop_shm_names_of_this_process();
             raise(SIGKILL);
         }
         TimePoint t0 = Clock::now();
@@ -323,6 +324,7 @@ TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
             if (ex.rank() == kDecode) {
                 CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                testing::drop_shm_names_of_this_process();
                 raise(SIGKILL);
             }
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
@@ -386,6 +388,67 @@ TEST_P(KvReliabilityTest, MalformedAndUnknownMessagesAreCountedAndDropped) {
         CHILD_CHECK_OK(ex.barrier());
         return "";
     });
+    EXPECT_ALL_OK(results);
+}
+
+// 2 prefill ranks feed 1 decode rank; one prefill rank fails while the other writes. Decode
+// must report the failure only after the other producer stopped (FINAL or CANCEL_ACK), so that
+// blocks reused right after the report are never written.
+TEST_P(KvReliabilityTest, OneFailingProducerOfTwoStopsTheOtherBeforeDecodeReuses) {
+    std::string provider = GetParam();
+    auto results = run_processes(
+        3,
+        [&](Exchange& ex) -> std::string {
+            bool prefill = ex.rank() < 2;
+            KvLayout l = testing::test_layout(prefill ? 2 : 4, 16, BlockOrder::kNHD,
+                                              KvPlacement::kSeparate, 64);
+            l.num_layers = 16;
+            l.head_dim = 128;
+            KvRank self{l, prefill ? static_cast<uint32_t>(ex.rank()) : 0u, prefill ? 2u : 1u};
+            NodeOptions opt;
+            opt.provider = provider;
+            CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 5, prefill ? 0 : kPoison));
+            KvNode& n = *node;
+            const uint64_t id = 0x80;
+            const uint32_t kTokens = 512;
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+            if (!prefill) {
+                CHILD_CHECK_OK(
+                    n.conn->register_push({id, 1, {n.addrs[0], n.addrs[1]}, blocks, kTokens}));
+            } else {
+                CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            if (ex.rank() == 0) {
+                testing::fill_request(n, id, blocks, kTokens);
+                CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kTokens));
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+                CHILD_CHECK_MSG(r.status.ok() || r.status.code() == StatusCode::kCancelled, "{}",
+                                r.status.to_string());
+            } else if (ex.rank() == 1) {
+                CHILD_CHECK_OK(n.conn->prefill_failed(id, resource_exhausted("rank 1 ran out")));
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+                CHILD_CHECK(r.status.code() == StatusCode::kResourceExhausted);
+            } else {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                CHILD_CHECK_MSG(r.status.code() == StatusCode::kResourceExhausted &&
+                                    r.status.message().find("prefill rank 1") != std::string::npos,
+                                "{}", r.status.to_string());
+                // Reuse the blocks at once: nothing may land in them any more.
+                std::fill(n.mem.begin(), n.mem.end(), uint8_t{0x3c});
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            if (!prefill) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                CHILD_CHECK_MSG(
+                    std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == 0x3c; }),
+                    "a write landed after decode reported the failure");
+            }
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            CHILD_CHECK_OK(ex.barrier());
+            return testing::check_no_leak(n);
+        },
+        kRunTimeout);
     EXPECT_ALL_OK(results);
 }
 
