@@ -53,6 +53,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
 
     peer_table_ = std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers);
     address.engine_id = random_engine_id();
+    config.shm_name_salt = address.engine_id;
     address.provider = provider;
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;

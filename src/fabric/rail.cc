@@ -5,8 +5,11 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <string_view>
 
 #include "ferry/common/log.h"
 
@@ -72,6 +75,17 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     config_ = config;
     info_ = fi_dupinfo(info);
     if (!info_) return resource_exhausted("fi_dupinfo: out of memory");
+    if (std::string_view(info_->fabric_attr->prov_name) == "shm") {
+        // shm names its region "<pid>:<n>:<m>" by default; a process killed with SIGKILL
+        // leaves that file behind and a later process given the same pid fails fi_enable
+        // with EBUSY. A name unique to this engine avoids the collision.
+        std::string name = fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(),
+                                       config.shm_name_salt, index);
+        free(info_->src_addr);
+        info_->src_addr = strdup(name.c_str());
+        info_->src_addrlen = name.size() + 1;
+        info_->addr_format = FI_ADDR_STR;
+    }
     int rc = fi_fabric(info_->fabric_attr, &fabric_, nullptr);
     if (rc) return fi_status("fi_fabric", rc);
     rc = fi_domain(fabric_, info_, &domain_, nullptr);

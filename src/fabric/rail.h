@@ -26,6 +26,9 @@
 
 namespace ferry::detail {
 
+// shm region names of ferry engines start with this, followed by the process id.
+inline constexpr const char* kShmNamePrefix = "ferry_";
+
 // Every libfabric context we hand out starts with this, so a completion can tell what it is.
 struct FabricOp;
 struct FabricCtx {

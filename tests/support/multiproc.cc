@@ -1,5 +1,6 @@
 #include "support/multiproc.h"
 
+#include <dirent.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -53,6 +54,20 @@ bool recv_frame(int fd, uint32_t* type, std::vector<uint8_t>* payload) {
     *type = hdr[0];
     payload->resize(hdr[1]);
     return read_full(fd, payload->data(), hdr[1]);
+}
+
+// A child killed by a signal cannot unlink its shm regions; the engine names them
+// "ferry_<pid>_...", so the parent can.
+void remove_shm_regions(pid_t pid) {
+    std::string prefix = "ferry_" + std::to_string(pid) + "_";
+    DIR* d = opendir("/dev/shm");
+    if (!d) return;
+    while (dirent* e = readdir(d)) {
+        if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
+            ::unlink((std::string("/dev/shm/") + e->d_name).c_str());
+        }
+    }
+    closedir(d);
 }
 
 }  // namespace
@@ -186,6 +201,7 @@ std::vector<ChildResult> run_processes(int n, const ChildFn& fn, Duration timeou
             results[i].exit_code = WEXITSTATUS(status);
         } else if (WIFSIGNALED(status)) {
             results[i].term_signal = WTERMSIG(status);
+            remove_shm_regions(pids[i]);
         }
         if (timed_out && results[i].error.empty() && open[i]) {
             results[i].error = "still running at the test's deadline: killed (hang?)";

@@ -58,6 +58,8 @@ struct EngineConfig {
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
     std::string gpu_copy = "auto";
+    // Set by the engine (random per engine): makes shm region names unique.
+    uint64_t shm_name_salt = 0;
     Duration idle_spin = std::chrono::microseconds(200);
     Duration max_nap = std::chrono::microseconds(100);
 };
