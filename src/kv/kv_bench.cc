@@ -116,6 +116,7 @@ class Bench {
             ec.provider = c_.provider;
             ec.peers_on_same_host = true;
             ec.op_timeout = std::chrono::seconds(60);
+            ec.busy_poll = c_.busy_poll;
             if (c_.max_write_size) ec.max_write_size = c_.max_write_size;
             FERRY_ASSIGN_OR_RETURN(rank->engine, TransferEngine::create(ec));
             // Prefill pools hold a pattern every byte of which differs by offset and rank;

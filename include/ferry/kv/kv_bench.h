@@ -37,6 +37,10 @@ struct KvBenchConfig {
     bool gpu = false;
     // Check every transferred byte of the first (untimed) request of each size.
     bool verify = true;
+    // Engine workers poll without napping, as a serving process with a core per worker would
+    // run them (and as the raw ceiling's target does): shm copies large writes on the
+    // receiving side while it polls, so a napping decode engine throttles the transfer.
+    bool busy_poll = true;
     std::function<void(const std::string&)> progress;
 };
 
