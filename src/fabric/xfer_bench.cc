@@ -70,6 +70,9 @@ Sizes buffer_sizes(const XferBenchConfig& c) {
     size_t max_size = 4096;
     for (size_t x : c.sizes) max_size = std::max(max_size, x);
     s.slot = max_size;
+    if (c.region_bytes > s.slot * s.slots) {
+        s.slots = static_cast<int>(c.region_bytes / s.slot);
+    }
     s.buffer = s.slot * s.slots;
     // Paged writes pick pages across a region of at least 64 MiB so they do not all hit the
     // same cache lines.

@@ -364,6 +364,12 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
         XferBenchConfig xc;
         xc.provider = c.provider;
         xc.sizes = {1 << 20};
+        // Over a region as large as the biggest request (capped at 1 GiB): the KV streams
+        // from DRAM, so must the ceiling (four rotating 1 MiB buffers stay in cache and read
+        // about twice as fast on shm).
+        uint32_t max_tokens = *std::max_element(c.tokens.begin(), c.tokens.end());
+        uint64_t req = uint64_t{max_tokens} * c.layers * 2 * c.kv_heads * c.head_dim * c.elem_size;
+        xc.region_bytes = std::min<uint64_t>(req, 1ull << 30);
         xc.pages = {};
         xc.latency_iters = 200;
         FERRY_ASSIGN_OR_RETURN(auto xr, run_xfer_bench(xc));

@@ -21,6 +21,10 @@ struct XferBenchConfig {
     double seconds_per_point = 0.5;
     int latency_iters = 2000;
     int rails = 1;
+    // Writes rotate over this many bytes of source and destination (0: four slots of the
+    // largest size, cache resident). A transfer of gigabytes streams from DRAM, and its
+    // ceiling must too.
+    size_t region_bytes = 0;
     std::function<void(const std::string&)> progress;  // one line per finished point
 };
 
