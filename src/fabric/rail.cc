@@ -295,31 +295,22 @@ int Rail::post_one(FabricOp* op) {
     iovec iov{op->local, op->len};
     void* desc = op->desc;
     fi_rma_iov rma{op->raddr, op->len, op->rkey};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = op->dest;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = &op->ctx.fi;
     switch (op->type) {
         case FabricOp::kWrite: {
-            fi_msg_rma msg{};
-            msg.msg_iov = &iov;
-            msg.desc = &desc;
-            msg.iov_count = 1;
-            msg.addr = op->dest;
-            msg.rma_iov = &rma;
-            msg.rma_iov_count = 1;
-            msg.context = &op->ctx.fi;
             msg.data = op->imm;
             uint64_t flags = FI_COMPLETION | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
             return static_cast<int>(fi_writemsg(ep_, &msg, flags));
         }
-        case FabricOp::kRead: {
-            fi_msg_rma msg{};
-            msg.msg_iov = &iov;
-            msg.desc = &desc;
-            msg.iov_count = 1;
-            msg.addr = op->dest;
-            msg.rma_iov = &rma;
-            msg.rma_iov_count = 1;
-            msg.context = &op->ctx.fi;
+        case FabricOp::kRead:
             return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION));
-        }
         case FabricOp::kSend:
             return static_cast<int>(fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_),
                                             op->dest, &op->ctx.fi));

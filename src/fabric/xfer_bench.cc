@@ -183,6 +183,8 @@ class Initiator {
     }
     Status raw_phase(XferReport& rep);
     Status engine_phase(XferReport& rep);
+    Result<double> windowed(int window, const std::function<void(uint64_t, OpCallback)>& submit,
+                            uint64_t* completed);
     Result<double> engine_write_loop(size_t size, int window, uint64_t* ops);
     Result<double> engine_paged_loop(size_t page, uint64_t* pages_done);
     Status latency(XferReport& rep);
@@ -246,7 +248,13 @@ Status Initiator::raw_phase(XferReport& rep) {
     return ok_status();
 }
 
-Result<double> Initiator::engine_write_loop(size_t size, int window, uint64_t* ops) {
+// Keeps up to `window` operations in flight for one measurement period: `submit(n, cb)`
+// posts the n-th operation with completion cb. Returns operations completed per second.
+// The submitter sleeps until half the window drained: one wake-up per half window instead
+// of one per operation.
+Result<double> Initiator::windowed(int window,
+                                   const std::function<void(uint64_t, OpCallback)>& submit,
+                                   uint64_t* completed) {
     std::atomic<int> inflight{0};
     std::atomic<uint64_t> done{0};
     std::atomic<bool> failed{false};
@@ -259,8 +267,6 @@ Result<double> Initiator::engine_write_loop(size_t size, int window, uint64_t* o
             failed = true;
         }
         done.fetch_add(1, std::memory_order_relaxed);
-        // Wake the submitter only when half the window drained: one wake-up per half window
-        // instead of one per write.
         if (inflight.fetch_sub(1, std::memory_order_acq_rel) - 1 == window / 2) {
             inflight.notify_one();
         }
@@ -278,18 +284,25 @@ Result<double> Initiator::engine_write_loop(size_t size, int window, uint64_t* o
             continue;
         }
         if (Clock::now() >= stop) break;
-        size_t slot = posted % sz_.slots;
         inflight.fetch_add(1, std::memory_order_relaxed);
-        engine_->write({peer_, mr_.get(), slot * size, &remote_, slot * size, size, std::nullopt},
-                       cb);
-        ++posted;
+        submit(posted++, cb);
     }
     auto deadline = deadline_after(kWait);
     while (inflight.load() > 0 && Clock::now() < deadline) std::this_thread::yield();
+    if (inflight.load() > 0) return timeout_error("bench: operations still in flight after 30 s");
     if (failed) return first_error;
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    *ops = done.load();
-    return static_cast<double>(done.load() * size) / secs;
+    *completed = done.load();
+    return static_cast<double>(*completed) / secs;
+}
+
+Result<double> Initiator::engine_write_loop(size_t size, int window, uint64_t* ops) {
+    FERRY_ASSIGN_OR_RETURN(double per_s, windowed(window, [&](uint64_t n, OpCallback cb) {
+        size_t slot = n % sz_.slots;
+        engine_->write({peer_, mr_.get(), slot * size, &remote_, slot * size, size, std::nullopt},
+                       std::move(cb));
+    }, ops));
+    return per_s * static_cast<double>(size);
 }
 
 Result<double> Initiator::engine_paged_loop(size_t page, uint64_t* pages_done) {
@@ -305,54 +318,19 @@ Result<double> Initiator::engine_paged_loop(size_t page, uint64_t* pages_done) {
         for (int i = 0; i < c_.pages_per_op; ++i) l.push_back(perm[i] * 2);
     }
     int window_ops = std::max(1, c_.window / c_.pages_per_op) * 2;
-    std::atomic<int> inflight{0};
-    std::atomic<uint64_t> done{0};
-    std::atomic<bool> failed{false};
-    Status first_error;
-    std::mutex err_mu;
-    auto cb = [&](const Status& s) {
-        if (!s.ok()) {
-            std::lock_guard lk(err_mu);
-            if (first_error.ok()) first_error = s;
-            failed = true;
-        }
-        done.fetch_add(1, std::memory_order_relaxed);
-        if (inflight.fetch_sub(1, std::memory_order_acq_rel) - 1 == window_ops / 2) {
-            inflight.notify_one();
-        }
-    };
-    auto start = Clock::now();
-    auto stop = start + point_duration(c_);
-    uint64_t posted = 0;
-    while (!failed) {
-        int cur = inflight.load(std::memory_order_acquire);
-        if (cur >= window_ops) {
-            while (cur > window_ops / 2) {
-                inflight.wait(cur, std::memory_order_acquire);
-                cur = inflight.load(std::memory_order_acquire);
-            }
-            continue;
-        }
-        if (Clock::now() >= stop) break;
-        const auto& src = lists[posted % lists.size()];
-        const auto& dst = lists[(posted + 5) % lists.size()];
+    uint64_t ops = 0;
+    FERRY_ASSIGN_OR_RETURN(double per_s, windowed(window_ops, [&](uint64_t n, OpCallback cb) {
         PagedWriteOp p;
         p.peer = peer_;
         p.src = mr_.get();
         p.dst = &remote_;
         p.page_size = page;
-        p.src_pages = src;
-        p.dst_pages = dst;
-        inflight.fetch_add(1, std::memory_order_relaxed);
-        engine_->paged_write(p, cb);
-        ++posted;
-    }
-    auto deadline = deadline_after(kWait);
-    while (inflight.load() > 0 && Clock::now() < deadline) std::this_thread::yield();
-    if (failed) return first_error;
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    *pages_done = done.load() * c_.pages_per_op;
-    return static_cast<double>(*pages_done * page) / secs;
+        p.src_pages = lists[n % lists.size()];
+        p.dst_pages = lists[(n + 5) % lists.size()];
+        engine_->paged_write(p, std::move(cb));
+    }, &ops));
+    *pages_done = ops * c_.pages_per_op;
+    return per_s * c_.pages_per_op * static_cast<double>(page);
 }
 
 Status Initiator::latency(XferReport& rep) {

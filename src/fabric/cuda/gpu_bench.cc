@@ -16,6 +16,7 @@
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_bench.h"
+#include "ferry/fabric/gpu_memory.h"
 
 namespace ferry {
 namespace {
@@ -96,44 +97,12 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
     BENCH_CUDA(cudaMalloc(&src, c.bytes));
     BENCH_CUDA(cudaMemset(src, 0x3C, c.bytes));
     // Ceiling: the plain peer copy a user would write, same size, in this process.
-    {
-        void* peer = nullptr;
-        BENCH_CUDA(cudaSetDevice(dst_dev));
-        BENCH_CUDA(cudaMalloc(&peer, c.bytes));
-        BENCH_CUDA(cudaSetDevice(src_dev));
-        if (src_dev != dst_dev) {
-            cudaError_t e = cudaDeviceEnablePeerAccess(dst_dev, 0);
-            if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-                return provider_error(fmt::format("enabling peer access: {}",
-                                                  cudaGetErrorString(e)));
-            }
-        }
-        cudaStream_t s;
-        BENCH_CUDA(cudaStreamCreate(&s));
-        cudaEvent_t a, b;
-        BENCH_CUDA(cudaEventCreate(&a));
-        BENCH_CUDA(cudaEventCreate(&b));
-        std::vector<double> gbps;
-        for (int i = 0; i < c.iters + 2; ++i) {
-            BENCH_CUDA(cudaEventRecord(a, s));
-            BENCH_CUDA(cudaMemcpyPeerAsync(peer, dst_dev, src, src_dev, c.bytes, s));
-            BENCH_CUDA(cudaEventRecord(b, s));
-            BENCH_CUDA(cudaEventSynchronize(b));
-            float ms = 0;
-            BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-            if (i >= 2) gbps.push_back(c.bytes / (ms * 1e-3) / 1e9);
-        }
-        rep->ceiling_gbps = median(gbps);
-        rep->rows.push_back({"ceiling memcpy peer", "copy-engine", c.bytes, rep->ceiling_gbps,
-                             c.bytes / rep->ceiling_gbps / 1e3, 1.0});
-        if (c.progress) c.progress(fmt::format("ceiling {:.1f} GB/s", rep->ceiling_gbps));
-        cudaEventDestroy(a);
-        cudaEventDestroy(b);
-        cudaStreamDestroy(s);
-        BENCH_CUDA(cudaSetDevice(dst_dev));
-        BENCH_CUDA(cudaFree(peer));
-        BENCH_CUDA(cudaSetDevice(src_dev));
-    }
+    FERRY_ASSIGN_OR_RETURN(rep->ceiling_gbps,
+                           measure_gpu_copy_ceiling(src_dev, dst_dev, c.bytes, c.iters));
+    rep->rows.push_back({"ceiling memcpy peer", "copy-engine", c.bytes, rep->ceiling_gbps,
+                         c.bytes / rep->ceiling_gbps / 1e3, 1.0});
+    if (c.progress) c.progress(fmt::format("ceiling {:.1f} GB/s", rep->ceiling_gbps));
+    BENCH_CUDA(cudaSetDevice(src_dev));
     std::vector<uint8_t> blob;
     if (!recv_blob(fd, &blob)) return unavailable("gpu bench target died during set-up");
     ByteReader rd(blob);
