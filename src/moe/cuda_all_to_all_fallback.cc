@@ -34,7 +34,7 @@ Status cuda_quantize_fp8(const uint16_t*, uint32_t, uint32_t, uint8_t*, float*, 
     return no_cuda();
 }
 Status cuda_dequantize_fp8_to_bf16(const uint8_t*, const float*, uint32_t, uint32_t, uint16_t*,
-                                   void*) {
+                                   void*, const uint32_t*) {
     return no_cuda();
 }
 }  // namespace ferry::moe

@@ -119,7 +119,10 @@ class CudaAllToAll {
 Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                          float* scales, void* stream);
 // And back, to bf16 (what a test "expert" or the benchmark's identity expert reads).
+// tokens_dev (optional, device): the row count is min(*tokens_dev, tokens), read at run
+// time, e.g. offsets[local experts] of a batch, so a captured graph converts only real rows.
 Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
-                                   uint32_t hidden, uint16_t* out, void* stream);
+                                   uint32_t hidden, uint16_t* out, void* stream,
+                                   const uint32_t* tokens_dev = nullptr);
 
 }  // namespace ferry::moe

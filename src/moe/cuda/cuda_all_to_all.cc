@@ -479,12 +479,13 @@ Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, ui
 }
 
 Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
-                                   uint32_t hidden, uint16_t* out, void* stream) {
+                                   uint32_t hidden, uint16_t* out, void* stream,
+                                   const uint32_t* tokens_dev) {
     if (hidden == 0 || hidden % kScaleBlock != 0)
         return invalid_argument(fmt::format("fp8 block dequantization needs hidden % {} == 0, "
                                             "got {}",
                                             kScaleBlock, hidden));
-    cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, hidden, out,
+    cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, tokens_dev, hidden, out,
                                                 static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 dequantize launch");
 }

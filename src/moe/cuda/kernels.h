@@ -103,6 +103,7 @@ cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* o
 cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                                 float* scales, cudaStream_t stream);
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,
-                                  uint32_t hidden, uint16_t* out, cudaStream_t stream);
+                                  const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out,
+                                  cudaStream_t stream);
 
 }  // namespace ferry::moe::cuda

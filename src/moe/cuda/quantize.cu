@@ -31,8 +31,9 @@ __global__ void quantize_kernel(const uint16_t* x, uint64_t blocks, uint8_t* q, 
     if (lane == 0) scales[b] = __fdiv_rn(amax, kFp8Max);
 }
 
-__global__ void dequantize_kernel(const uint8_t* q, const float* scales, uint64_t n,
-                                  uint16_t* out) {
+__global__ void dequantize_kernel(const uint8_t* q, const float* scales, uint32_t tokens,
+                                  const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out) {
+    const uint64_t n = uint64_t{tokens_dev ? min(*tokens_dev, tokens) : tokens} * hidden;
     for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
          i += uint64_t{gridDim.x} * blockDim.x) {
         __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q[i]), __NV_E4M3);
@@ -54,10 +55,10 @@ cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hid
 }
 
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,
-                                  uint32_t hidden, uint16_t* out, cudaStream_t stream) {
-    uint64_t n = uint64_t{tokens} * hidden;
-    if (n == 0) return cudaSuccess;
-    dequantize_kernel<<<1024, 256, 0, stream>>>(q, scales, n, out);
+                                  const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out,
+                                  cudaStream_t stream) {
+    if (uint64_t{tokens} * hidden == 0) return cudaSuccess;
+    dequantize_kernel<<<1024, 256, 0, stream>>>(q, scales, tokens, tokens_dev, hidden, out);
     return cudaGetLastError();
 }
 
