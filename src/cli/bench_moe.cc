@@ -35,6 +35,9 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--warmup", c->warmup)->capture_default_str();
     cmd->add_flag("--graph", c->graph, "cuda: capture one layer in a CUDA graph and replay it");
+    cmd->add_option("--send-blocks", c->send_blocks,
+                    "cuda: blocks of the dispatch and combine send kernels (0: library default)")
+        ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, dtype, json_path] {

@@ -70,6 +70,10 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     CudaAllToAllOptions opts;
     opts.timeout = bc.timeout;
     opts.device = rr.device;
+    if (bc.send_blocks) {
+        opts.dispatch.send_blocks = bc.send_blocks;
+        opts.combine.send_blocks = bc.send_blocks;
+    }
     AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
     FERRY_ASSIGN_OR_RETURN(auto a2a, CudaAllToAll::create(cfg, ag, opts));
 
