@@ -50,6 +50,7 @@ struct CudaCase {
     int calls = 3;
     bool processes = false;  // one process per rank instead of one thread per rank
     bool bf16_out = false;
+    bool graph = false;  // capture each half once, replay it for every call
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
@@ -179,6 +180,45 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         !out16)
         return "cudaMalloc failed";
 
+    CudaDispatchInput din{x, spt ? xs : nullptr, idx, wt, ntok};
+    CudaExpertBatch batch{bx, spt ? bs : nullptr, bc, bo, bsrc};
+    // Graph mode: the calls run once on the host while capturing; replays then rely on the
+    // token count and the call number living on the device.
+    struct Graphs {
+        cudaGraphExec_t dispatch = nullptr, combine = nullptr;
+        ~Graphs() {
+            if (dispatch) cudaGraphExecDestroy(dispatch);
+            if (combine) cudaGraphExecDestroy(combine);
+        }
+    } graphs;
+    auto capture = [&](cudaGraphExec_t* exec, auto&& body) -> std::string {
+        cudaGraph_t g = nullptr;
+        RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        Status s = body();
+        RANK_CUDA(cudaStreamEndCapture(stream, &g));
+        if (!s.ok()) {
+            cudaGraphDestroy(g);
+            return "capture: " + s.to_string();
+        }
+        cudaError_t e = cudaGraphInstantiate(exec, g, 0);
+        cudaGraphDestroy(g);
+        RANK_CUDA(e);
+        return "";
+    };
+    if (k.graph) {
+        std::string err = capture(&graphs.dispatch, [&]() -> Status {
+            FERRY_RETURN_IF_ERROR(a2a.dispatch_send(din, stream));
+            return a2a.dispatch_recv(batch, stream);
+        });
+        if (!err.empty()) return err;
+        err = capture(&graphs.combine, [&]() -> Status {
+            FERRY_RETURN_IF_ERROR(a2a.combine_send(y, stream));
+            return k.bf16_out ? a2a.combine_recv_bf16(out16, stream)
+                              : a2a.combine_recv(out, stream);
+        });
+        if (!err.empty()) return err;
+    }
+
     for (int c = 0; c < k.calls; ++c) {
         const RankInput& mine = in[c][rank];
         const uint32_t n = mine.num_tokens;
@@ -192,10 +232,12 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         RANK_CUDA(cudaMemcpyAsync(wt, mine.weights.data(), mine.weights.size() * 4,
                                   cudaMemcpyHostToDevice, stream));
         RANK_CUDA(cudaMemcpyAsync(ntok, &n, 4, cudaMemcpyHostToDevice, stream));
-        CudaDispatchInput din{x, spt ? xs : nullptr, idx, wt, ntok};
-        CHILD_CHECK_OK(a2a.dispatch_send(din, stream));
-        CudaExpertBatch batch{bx, spt ? bs : nullptr, bc, bo, bsrc};
-        CHILD_CHECK_OK(a2a.dispatch_recv(batch, stream));
+        if (k.graph) {
+            RANK_CUDA(cudaGraphLaunch(graphs.dispatch, stream));
+        } else {
+            CHILD_CHECK_OK(a2a.dispatch_send(din, stream));
+            CHILD_CHECK_OK(a2a.dispatch_recv(batch, stream));
+        }
         CHILD_CHECK_OK(a2a.synchronize(stream));
 
         BatchStorage got(cfg);
@@ -233,11 +275,15 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         if (!ys.empty())
             RANK_CUDA(cudaMemcpyAsync(y, ys.data(), ys.size() * 2, cudaMemcpyHostToDevice,
                                       stream));
-        CHILD_CHECK_OK(a2a.combine_send(y, stream));
-        if (k.bf16_out) {
-            CHILD_CHECK_OK(a2a.combine_recv_bf16(out16, stream));
+        if (k.graph) {
+            RANK_CUDA(cudaGraphLaunch(graphs.combine, stream));
         } else {
-            CHILD_CHECK_OK(a2a.combine_recv(out, stream));
+            CHILD_CHECK_OK(a2a.combine_send(y, stream));
+            if (k.bf16_out) {
+                CHILD_CHECK_OK(a2a.combine_recv_bf16(out16, stream));
+            } else {
+                CHILD_CHECK_OK(a2a.combine_recv(out, stream));
+            }
         }
         CHILD_CHECK_OK(a2a.synchronize(stream));
         std::vector<float> res(size_t{n} * h);
@@ -360,6 +406,10 @@ INSTANTIATE_TEST_SUITE_P(
                  .max_tokens = 128, .private_slots = 32, .full = true, .calls = 2,
                  .processes = true},
         CudaCase{.name = "ep4_threads", .world = 4, .hole = 0.3, .calls = 4},
+        CudaCase{.name = "ep4_graph_replay", .world = 4, .private_slots = 4, .calls = 4,
+                 .graph = true},
+        CudaCase{.name = "ep2_graph_replay_processes", .dtype = DType::kBf16, .calls = 4,
+                 .processes = true, .bf16_out = true, .graph = true},
         CudaCase{.name = "ep4_processes_skewed", .world = 4, .private_slots = 4,
                  .routing = Routing::kSkewed, .processes = true},
         CudaCase{.name = "ep8_threads", .world = 8, .num_experts = 64, .topk = 6,
