@@ -5,8 +5,9 @@
 namespace ferry::moe {
 namespace {
 Status no_cuda() {
-    return unavailable("this build of ferry has no CUDA support (nvcc was not found at build "
-                       "time); the cuda all-to-all needs it");
+    return unavailable(
+        "this build of ferry has no CUDA support (nvcc was not found at build "
+        "time); the cuda all-to-all needs it");
 }
 }  // namespace
 

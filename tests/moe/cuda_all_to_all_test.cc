@@ -6,6 +6,8 @@
 // touched CUDA cannot fork usable children), so every case runs inside run_processes: one
 // child with a thread per rank (several ranks per GPU: EP4/EP8 on two GPUs), or one child per
 // rank (one rank per GPU, CUDA IPC between processes).
+#include "ferry/moe/cuda_all_to_all.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -16,7 +18,6 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/local_world.h"
 #include "moe/test_util.h"
 #include "support/gpu.h"
@@ -78,8 +79,7 @@ std::vector<std::vector<RankInput>> make_calls(const CudaCase& k, uint64_t seed)
     std::vector<std::vector<RankInput>> calls(k.calls);
     for (int c = 0; c < k.calls; ++c) {
         for (uint32_t r = 0; r < k.world; ++r) {
-            uint32_t n = k.full ? k.max_tokens
-                                : static_cast<uint32_t>(rng() % (k.max_tokens + 1));
+            uint32_t n = k.full ? k.max_tokens : static_cast<uint32_t>(rng() % (k.max_tokens + 1));
             if (k.empty_rank && r + 1 == k.world) n = 0;
             calls[c].push_back(testing::make_input(cfg, r, n, k.routing, k.hole, rng));
         }
@@ -89,7 +89,7 @@ std::vector<std::vector<RankInput>> make_calls(const CudaCase& k, uint64_t seed)
 
 struct CpuRef {
     std::vector<std::vector<std::unique_ptr<BatchStorage>>> batch;  // [call][rank]
-    std::vector<std::vector<std::vector<float>>> out;                // [call][rank]
+    std::vector<std::vector<std::vector<float>>> out;               // [call][rank]
 };
 
 Result<CpuRef> cpu_reference(const CudaCase& k, const std::vector<std::vector<RankInput>>& in) {
@@ -117,12 +117,12 @@ Result<CpuRef> cpu_reference(const CudaCase& k, const std::vector<std::vector<Ra
     return ref;
 }
 
-#define RANK_CUDA(expr)                                                                     \
-    do {                                                                                    \
-        cudaError_t rank_err_ = (expr);                                                     \
-        if (rank_err_ != cudaSuccess)                                                       \
-            return fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr,           \
-                               cudaGetErrorString(rank_err_));                              \
+#define RANK_CUDA(expr)                                                           \
+    do {                                                                          \
+        cudaError_t rank_err_ = (expr);                                           \
+        if (rank_err_ != cudaSuccess)                                             \
+            return fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr, \
+                               cudaGetErrorString(rank_err_));                    \
     } while (0)
 
 // Device memory of one rank's test: freed on every return path.
@@ -273,8 +273,7 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
 
         std::vector<uint16_t> ys = testing::run_experts(cfg, got, true);
         if (!ys.empty())
-            RANK_CUDA(cudaMemcpyAsync(y, ys.data(), ys.size() * 2, cudaMemcpyHostToDevice,
-                                      stream));
+            RANK_CUDA(cudaMemcpyAsync(y, ys.data(), ys.size() * 2, cudaMemcpyHostToDevice, stream));
         if (k.graph) {
             RANK_CUDA(cudaGraphLaunch(graphs.combine, stream));
         } else {
@@ -398,24 +397,49 @@ INSTANTIATE_TEST_SUITE_P(
         CudaCase{.name = "ep2_fp8_threads"},
         CudaCase{.name = "ep2_bf16_threads", .dtype = DType::kBf16, .bf16_out = true},
         CudaCase{.name = "ep2_fp8_processes", .processes = true},
-        CudaCase{.name = "ep2_skewed_overflow", .private_slots = 2, .alignment = 8,
-                 .routing = Routing::kSkewed, .full = true},
+        CudaCase{.name = "ep2_skewed_overflow",
+                 .private_slots = 2,
+                 .alignment = 8,
+                 .routing = Routing::kSkewed,
+                 .full = true},
         CudaCase{.name = "ep2_empty_rank", .empty_rank = true},
         CudaCase{.name = "ep2_no_private_slots", .private_slots = 0, .alignment = 4},
-        CudaCase{.name = "ep2_decode_shape", .hidden = 7168, .num_experts = 256, .topk = 8,
-                 .max_tokens = 128, .private_slots = 32, .full = true, .calls = 2,
+        CudaCase{.name = "ep2_decode_shape",
+                 .hidden = 7168,
+                 .num_experts = 256,
+                 .topk = 8,
+                 .max_tokens = 128,
+                 .private_slots = 32,
+                 .full = true,
+                 .calls = 2,
                  .processes = true},
         CudaCase{.name = "ep4_threads", .world = 4, .hole = 0.3, .calls = 4},
-        CudaCase{.name = "ep4_graph_replay", .world = 4, .private_slots = 4, .calls = 4,
+        CudaCase{
+            .name = "ep4_graph_replay", .world = 4, .private_slots = 4, .calls = 4, .graph = true},
+        CudaCase{.name = "ep2_graph_replay_processes",
+                 .dtype = DType::kBf16,
+                 .calls = 4,
+                 .processes = true,
+                 .bf16_out = true,
                  .graph = true},
-        CudaCase{.name = "ep2_graph_replay_processes", .dtype = DType::kBf16, .calls = 4,
-                 .processes = true, .bf16_out = true, .graph = true},
-        CudaCase{.name = "ep4_processes_skewed", .world = 4, .private_slots = 4,
-                 .routing = Routing::kSkewed, .processes = true},
-        CudaCase{.name = "ep8_threads", .world = 8, .num_experts = 64, .topk = 6,
-                 .alignment = 16, .calls = 3},
-        CudaCase{.name = "ep8_processes_bf16", .world = 8, .dtype = DType::kBf16,
-                 .hidden = 256, .num_experts = 64, .empty_rank = true, .processes = true}),
+        CudaCase{.name = "ep4_processes_skewed",
+                 .world = 4,
+                 .private_slots = 4,
+                 .routing = Routing::kSkewed,
+                 .processes = true},
+        CudaCase{.name = "ep8_threads",
+                 .world = 8,
+                 .num_experts = 64,
+                 .topk = 6,
+                 .alignment = 16,
+                 .calls = 3},
+        CudaCase{.name = "ep8_processes_bf16",
+                 .world = 8,
+                 .dtype = DType::kBf16,
+                 .hidden = 256,
+                 .num_experts = 64,
+                 .empty_rank = true,
+                 .processes = true}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return std::string(i.param.name); });
 
 // A rank that never calls turns into a timeout that names it, not a hang.
@@ -451,9 +475,9 @@ TEST(CudaAllToAllSetup, ASilentPeerTurnsIntoATimeoutNamingIt) {
                                 "message: {}", s.message());
                 // Broken now: later calls are refused with the cause.
                 Status again = a2a->dispatch_recv({}, nullptr);
-                CHILD_CHECK_MSG(!again.ok() && again.message().find("recreate") !=
-                                                   std::string::npos,
-                                "second call: {}", again.to_string());
+                CHILD_CHECK_MSG(
+                    !again.ok() && again.message().find("recreate") != std::string::npos,
+                    "second call: {}", again.to_string());
             }
             auto done = ex.barrier();
             return done.ok() ? "" : done.to_string();

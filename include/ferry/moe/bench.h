@@ -32,8 +32,8 @@ struct MoeBenchConfig {
     int iters = 20;
     uint64_t seed = 1;
     Duration timeout = std::chrono::seconds(60);
-    bool graph = false;         // cuda: replay each layer as a captured CUDA graph
-    uint32_t send_blocks = 0;   // cuda: blocks of the dispatch and combine send kernels (0: default)
+    bool graph = false;        // cuda: replay each layer as a captured CUDA graph
+    uint32_t send_blocks = 0;  // cuda: blocks of the dispatch and combine send kernels (0: default)
     std::function<void(const std::string&)> progress;
 };
 

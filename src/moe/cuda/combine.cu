@@ -23,8 +23,8 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
                              seq, src.token, a.max_tokens);
             continue;
         }
-        uint8_t* dst = a.peers[src.rank] + a.lay.combine +
-                       (uint64_t{src.token} * k + src.k) * row_bytes;
+        uint8_t* dst =
+            a.peers[src.rank] + a.lay.combine + (uint64_t{src.token} * k + src.k) * row_bytes;
         const int4* in = reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden);
         for (uint32_t i = tid; i < n16; i += blockDim.x) reinterpret_cast<int4*>(dst)[i] = in[i];
     }
@@ -42,8 +42,8 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
             ok = wait_counter(a, counter_at(a.self, a.lay.ctr_combine, s),
-                              uint64_t{seq} * a.combine_send_blocks,
-                              DeviceError::kCombineRecvWait, s, seq);
+                              uint64_t{seq} * a.combine_send_blocks, DeviceError::kCombineRecvWait,
+                              s, seq);
         s_ok = ok;
     }
     __syncthreads();
@@ -57,9 +57,8 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
             for (uint32_t kk = 0; kk < k; ++kk) {
                 if (a.indices[t * k + kk] < 0) continue;
                 const float wt = a.weights[t * k + kk];
-                int4 v = __ldcg(reinterpret_cast<const int4*>(
-                                    recv + (uint64_t{t} * k + kk) * row_bytes) +
-                                c8);
+                int4 v = __ldcg(
+                    reinterpret_cast<const int4*>(recv + (uint64_t{t} * k + kk) * row_bytes) + c8);
                 const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v);
                 for (int i = 0; i < 8; ++i)
                     acc[i] = __fadd_rn(acc[i], __fmul_rn(wt, __bfloat162float(h[i])));

@@ -31,13 +31,13 @@ static_assert(kFp8E4M3Max == cuda::kFp8Max && kFp8AmaxFloor == cuda::kFp8Floor);
 namespace {
 
 Status cuda_error(cudaError_t e, std::string_view what) {
-    return provider_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e),
-                                      static_cast<int>(e)));
+    return provider_error(
+        fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), static_cast<int>(e)));
 }
 
-#define FERRY_MOE_CUDA_TRY(expr)                                         \
-    do {                                                                 \
-        cudaError_t ferry_moe_err_ = (expr);                             \
+#define FERRY_MOE_CUDA_TRY(expr)                                                     \
+    do {                                                                             \
+        cudaError_t ferry_moe_err_ = (expr);                                         \
         if (ferry_moe_err_ != cudaSuccess) return cuda_error(ferry_moe_err_, #expr); \
     } while (0)
 
@@ -70,13 +70,20 @@ uint64_t align256(uint64_t v) { return (v + 255) / 256 * 256; }
 
 const char* phase_name(uint32_t phase) {
     switch (phase) {
-        case cuda::DeviceError::kPlan: return "dispatch_send (routing)";
-        case cuda::DeviceError::kSendWaitCounts: return "dispatch_send (waiting for counts)";
-        case cuda::DeviceError::kRecvWaitRows: return "dispatch_recv (waiting for rows)";
-        case cuda::DeviceError::kRecvRows: return "dispatch_recv (reading rows)";
-        case cuda::DeviceError::kCombineSend: return "combine_send";
-        case cuda::DeviceError::kCombineRecvWait: return "combine_recv (waiting for results)";
-        default: return "an unknown phase";
+        case cuda::DeviceError::kPlan:
+            return "dispatch_send (routing)";
+        case cuda::DeviceError::kSendWaitCounts:
+            return "dispatch_send (waiting for counts)";
+        case cuda::DeviceError::kRecvWaitRows:
+            return "dispatch_recv (waiting for rows)";
+        case cuda::DeviceError::kRecvRows:
+            return "dispatch_recv (reading rows)";
+        case cuda::DeviceError::kCombineSend:
+            return "combine_send";
+        case cuda::DeviceError::kCombineRecvWait:
+            return "combine_recv (waiting for results)";
+        default:
+            return "an unknown phase";
     }
 }
 
@@ -84,11 +91,16 @@ enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent, kBroke
 
 const char* last_call(Phase p) {
     switch (p) {
-        case Phase::kIdle: return "combine_recv (or nothing yet)";
-        case Phase::kDispatchSent: return "dispatch_send";
-        case Phase::kDispatchReceived: return "dispatch_recv";
-        case Phase::kCombineSent: return "combine_send";
-        default: return "a failed call";
+        case Phase::kIdle:
+            return "combine_recv (or nothing yet)";
+        case Phase::kDispatchSent:
+            return "dispatch_send";
+        case Phase::kDispatchReceived:
+            return "dispatch_recv";
+        case Phase::kCombineSent:
+            return "combine_send";
+        default:
+            return "a failed call";
     }
 }
 
@@ -142,9 +154,9 @@ struct CudaAllToAll::Impl {
                     "{}: rank {} runs a different AllToAllConfig (hash {:08x}, ours {:08x})", where,
                     peer, value, want)));
             case cuda::DeviceError::kTooMany:
-                return fail(invalid_argument(fmt::format(
-                    "{}: the device token count is {}, above max_tokens_per_rank {}", where, value,
-                    want)));
+                return fail(invalid_argument(
+                    fmt::format("{}: the device token count is {}, above max_tokens_per_rank {}",
+                                where, value, want)));
             default:
                 return fail(protocol_error(fmt::format(
                     "{}: inconsistent data from rank {} (seen {:#x}, expected {:#x}); buffers were "
@@ -161,10 +173,10 @@ struct CudaAllToAll::Impl {
                 call));
         FERRY_RETURN_IF_ERROR(device_status());
         if (phase != want)
-            return invalid_argument(fmt::format(
-                "{} called out of order: the last call was {}; the order per layer is "
-                "dispatch_send, dispatch_recv, combine_send, combine_recv",
-                call, last_call(phase)));
+            return invalid_argument(
+                fmt::format("{} called out of order: the last call was {}; the order per layer is "
+                            "dispatch_send, dispatch_recv, combine_send, combine_recv",
+                            call, last_call(phase)));
         FERRY_MOE_CUDA_TRY(cudaSetDevice(device));
         return ok_status();
     }
@@ -193,8 +205,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             "ranks per node); run every rank on one node or use the cpu backend",
             w, cfg.ranks_per_node));
     if (w > kMaxCudaWorld)
-        return invalid_argument(fmt::format("cuda all-to-all: world {} exceeds {}", w,
-                                            kMaxCudaWorld));
+        return invalid_argument(
+            fmt::format("cuda all-to-all: world {} exceeds {}", w, kMaxCudaWorld));
     const auto& dc = options.dispatch;
     const auto& cc = options.combine;
     auto bad_threads = [](uint32_t n, uint32_t need) {
@@ -259,8 +271,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                                      sizeof(cuda::DeviceError), cudaHostAllocMapped));
     std::memset(impl->err_host, 0, sizeof(cuda::DeviceError));
     cuda::DeviceError* err_dev = nullptr;
-    FERRY_MOE_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev),
-                                                impl->err_host, 0));
+    FERRY_MOE_CUDA_TRY(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
     // Zeroed counters must be in place before any peer learns where they are.
     FERRY_MOE_CUDA_TRY(cudaDeviceSynchronize());
 
@@ -278,9 +290,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     std::memcpy(blob.data(), &mine, sizeof(mine));
     FERRY_ASSIGN_OR_RETURN(auto blobs, allgather(blob));
     if (blobs.size() != w)
-        return invalid_argument(
-            fmt::format("cuda all-to-all: the allgather returned {} blobs for world {}",
-                        blobs.size(), w));
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: the allgather returned {} blobs for world {}", blobs.size(), w));
     std::vector<PeerBlob> peers(w);
     std::vector<uint64_t> hashes(w);
     for (uint32_t r = 0; r < w; ++r) {
@@ -318,9 +329,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                 int can = 0;
                 FERRY_MOE_CUDA_TRY(cudaDeviceCanAccessPeer(&can, impl->device, p.device));
                 if (!can)
-                    return unavailable(fmt::format(
-                        "cuda all-to-all: GPU {} cannot access GPU {} (no peer access)",
-                        impl->device, p.device));
+                    return unavailable(
+                        fmt::format("cuda all-to-all: GPU {} cannot access GPU {} (no peer access)",
+                                    impl->device, p.device));
                 cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
                 if (e == cudaErrorPeerAccessAlreadyEnabled) {
                     cudaGetLastError();  // clears the sticky-free "already enabled"
@@ -332,15 +343,15 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             void* ptr = nullptr;
             cudaError_t e = cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess);
             if (e != cudaSuccess)
-                return cuda_error(e, fmt::format("cudaIpcOpenMemHandle of rank {} (GPU {})", r,
-                                                 p.device));
+                return cuda_error(
+                    e, fmt::format("cudaIpcOpenMemHandle of rank {} (GPU {})", r, p.device));
             impl->opened.push_back(ptr);
             bases[r] = static_cast<uint8_t*>(ptr);
         }
     }
     auto* local = static_cast<uint8_t*>(impl->local);
-    FERRY_MOE_CUDA_TRY(cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w,
-                                  cudaMemcpyHostToDevice));
+    FERRY_MOE_CUDA_TRY(
+        cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
 
     cuda::KernelArgs& a = impl->args;
     a.rank = cfg.rank;
@@ -391,9 +402,8 @@ Status CudaAllToAll::dispatch_send(const CudaDispatchInput& in, void* stream) {
     if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0)
         return invalid_argument("dispatch_send: x must be 16-byte aligned");
     cudaError_t e = cuda::launch_dispatch_send(
-        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens,
-        m.opt.dispatch.send_blocks, m.opt.dispatch.send_threads,
-        static_cast<cudaStream_t>(stream));
+        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens, m.opt.dispatch.send_blocks,
+        m.opt.dispatch.send_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_send launch", Phase::kDispatchSent);
 }
 
@@ -404,9 +414,9 @@ Status CudaAllToAll::dispatch_recv(const CudaExpertBatch& out, void* stream) {
         return invalid_argument(
             "dispatch_recv: x, counts, offsets (and x_scale for fp8) must be device pointers "
             "sized for max_expert_rows(cfg) rows");
-    cudaError_t e = cuda::launch_dispatch_recv(
-        m.args, out.x, out.x_scale, out.counts, out.offsets,
-        reinterpret_cast<cuda::RowSource*>(out.sources), static_cast<cudaStream_t>(stream));
+    cudaError_t e = cuda::launch_dispatch_recv(m.args, out.x, out.x_scale, out.counts, out.offsets,
+                                               reinterpret_cast<cuda::RowSource*>(out.sources),
+                                               static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_recv launch", Phase::kDispatchReceived);
 }
 
@@ -414,10 +424,11 @@ Status CudaAllToAll::combine_send(const uint16_t* expert_out, void* stream) {
     Impl& m = *impl_;
     FERRY_RETURN_IF_ERROR(m.begin(Phase::kDispatchReceived, "combine_send"));
     if (!expert_out || reinterpret_cast<uintptr_t>(expert_out) % 16 != 0)
-        return invalid_argument("combine_send: expert_out must be a 16-byte aligned device pointer");
-    cudaError_t e = cuda::launch_combine_send(m.args, expert_out, m.opt.combine.send_blocks,
-                                              m.opt.combine.send_threads,
-                                              static_cast<cudaStream_t>(stream));
+        return invalid_argument(
+            "combine_send: expert_out must be a 16-byte aligned device pointer");
+    cudaError_t e =
+        cuda::launch_combine_send(m.args, expert_out, m.opt.combine.send_blocks,
+                                  m.opt.combine.send_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_send launch", Phase::kCombineSent);
 }
 
@@ -426,9 +437,9 @@ Status CudaAllToAll::combine_recv(float* out, void* stream) {
     FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv"));
     if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
         return invalid_argument("combine_recv: out must be a 16-byte aligned device pointer");
-    cudaError_t e = cuda::launch_combine_recv(m.args, out, nullptr, m.opt.combine.recv_blocks,
-                                              m.opt.combine.recv_threads,
-                                              static_cast<cudaStream_t>(stream));
+    cudaError_t e =
+        cuda::launch_combine_recv(m.args, out, nullptr, m.opt.combine.recv_blocks,
+                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_recv launch", Phase::kIdle);
 }
 
@@ -437,9 +448,9 @@ Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream) {
     FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv_bf16"));
     if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
         return invalid_argument("combine_recv_bf16: out must be a 16-byte aligned device pointer");
-    cudaError_t e = cuda::launch_combine_recv(m.args, nullptr, out, m.opt.combine.recv_blocks,
-                                              m.opt.combine.recv_threads,
-                                              static_cast<cudaStream_t>(stream));
+    cudaError_t e =
+        cuda::launch_combine_recv(m.args, nullptr, out, m.opt.combine.recv_blocks,
+                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_recv_bf16 launch", Phase::kIdle);
 }
 
@@ -473,8 +484,8 @@ Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, ui
     if (hidden == 0 || hidden % kScaleBlock != 0)
         return invalid_argument(fmt::format("fp8 block quantization needs hidden % {} == 0, got {}",
                                             kScaleBlock, hidden));
-    cudaError_t e = cuda::launch_quantize_fp8(x, tokens, hidden, q, scales,
-                                              static_cast<cudaStream_t>(stream));
+    cudaError_t e =
+        cuda::launch_quantize_fp8(x, tokens, hidden, q, scales, static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 quantize launch");
 }
 
@@ -482,9 +493,10 @@ Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32
                                    uint32_t hidden, uint16_t* out, void* stream,
                                    const uint32_t* tokens_dev) {
     if (hidden == 0 || hidden % kScaleBlock != 0)
-        return invalid_argument(fmt::format("fp8 block dequantization needs hidden % {} == 0, "
-                                            "got {}",
-                                            kScaleBlock, hidden));
+        return invalid_argument(
+            fmt::format("fp8 block dequantization needs hidden % {} == 0, "
+                        "got {}",
+                        kScaleBlock, hidden));
     cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, tokens_dev, hidden, out,
                                                 static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 dequantize launch");

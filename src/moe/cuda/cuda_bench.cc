@@ -23,9 +23,9 @@ Status cuda_error(cudaError_t e, std::string_view what) {
     return provider_error(fmt::format("bench moe: {} failed: {}", what, cudaGetErrorString(e)));
 }
 
-#define BENCH_CUDA_TRY(expr)                                        \
-    do {                                                            \
-        cudaError_t bench_err_ = (expr);                            \
+#define BENCH_CUDA_TRY(expr)                                                 \
+    do {                                                                     \
+        cudaError_t bench_err_ = (expr);                                     \
         if (bench_err_ != cudaSuccess) return cuda_error(bench_err_, #expr); \
     } while (0)
 
@@ -56,8 +56,8 @@ struct RankResources {
     }
 };
 
-Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t rank,
-                     int gpus, ThreadExchange& ex, RankResult* res) {
+Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t rank, int gpus,
+                     ThreadExchange& ex, RankResult* res) {
     AllToAllConfig cfg = base;
     cfg.rank = rank;
     RankResources rr;
@@ -124,17 +124,17 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     const size_t rows = max_expert_rows(cfg), pb = cfg.payload_bytes();
     const size_t spt = cfg.scales_per_token();
     const uint32_t nl = cfg.num_local_experts();
-    FERRY_ASSIGN_OR_RETURN(uint16_t* dx16, rr.alloc<uint16_t>(x.size()));
-    FERRY_ASSIGN_OR_RETURN(uint8_t* dq, rr.alloc<uint8_t>(size_t{n} * pb));
+    FERRY_ASSIGN_OR_RETURN(uint16_t * dx16, rr.alloc<uint16_t>(x.size()));
+    FERRY_ASSIGN_OR_RETURN(uint8_t * dq, rr.alloc<uint8_t>(size_t{n} * pb));
     FERRY_ASSIGN_OR_RETURN(float* ds, rr.alloc<float>(size_t{n} * spt));
-    FERRY_ASSIGN_OR_RETURN(int32_t* didx, rr.alloc<int32_t>(idx.size()));
+    FERRY_ASSIGN_OR_RETURN(int32_t * didx, rr.alloc<int32_t>(idx.size()));
     FERRY_ASSIGN_OR_RETURN(float* dw, rr.alloc<float>(w.size()));
-    FERRY_ASSIGN_OR_RETURN(uint32_t* dn, rr.alloc<uint32_t>(1));
-    FERRY_ASSIGN_OR_RETURN(uint8_t* bx, rr.alloc<uint8_t>(rows * pb));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * dn, rr.alloc<uint32_t>(1));
+    FERRY_ASSIGN_OR_RETURN(uint8_t * bx, rr.alloc<uint8_t>(rows * pb));
     FERRY_ASSIGN_OR_RETURN(float* bs, rr.alloc<float>(rows * spt));
-    FERRY_ASSIGN_OR_RETURN(uint32_t* bcnt, rr.alloc<uint32_t>(nl));
-    FERRY_ASSIGN_OR_RETURN(uint32_t* boff, rr.alloc<uint32_t>(nl + 1));
-    FERRY_ASSIGN_OR_RETURN(uint16_t* y, rr.alloc<uint16_t>(rows * h));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * bcnt, rr.alloc<uint32_t>(nl));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * boff, rr.alloc<uint32_t>(nl + 1));
+    FERRY_ASSIGN_OR_RETURN(uint16_t * y, rr.alloc<uint16_t>(rows * h));
     FERRY_ASSIGN_OR_RETURN(float* out, rr.alloc<float>(size_t{n} * h));
     cudaStream_t st = rr.stream;
     BENCH_CUDA_TRY(cudaMemcpyAsync(dx16, x.data(), x.size() * 2, cudaMemcpyHostToDevice, st));
@@ -158,8 +158,8 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         FERRY_RETURN_IF_ERROR(a2a->dispatch_recv(batch, st));
         BENCH_CUDA_TRY(cudaEventRecord(rr.ev[2], st));
         if (cfg.dtype == DType::kFp8E4M3) {
-            FERRY_RETURN_IF_ERROR(cuda_dequantize_fp8_to_bf16(
-                bx, bs, static_cast<uint32_t>(rows), h, y, st, boff + nl));
+            FERRY_RETURN_IF_ERROR(cuda_dequantize_fp8_to_bf16(bx, bs, static_cast<uint32_t>(rows),
+                                                              h, y, st, boff + nl));
         } else {
             BENCH_CUDA_TRY(cudaMemcpyAsync(y, bx, rows * pb, cudaMemcpyDeviceToDevice, st));
         }

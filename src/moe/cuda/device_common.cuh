@@ -34,8 +34,8 @@ __device__ __forceinline__ bool error_set(const DeviceError* err) {
     return *reinterpret_cast<const volatile uint32_t*>(&err->code) != DeviceError::kNone;
 }
 
-__device__ inline void record_error(DeviceError* err, uint32_t code, uint32_t phase,
-                                    uint32_t peer, uint32_t seq, uint64_t value, uint64_t want) {
+__device__ inline void record_error(DeviceError* err, uint32_t code, uint32_t phase, uint32_t peer,
+                                    uint32_t seq, uint64_t value, uint64_t want) {
     if (atomicCAS_system(&err->code, 0u, code) != 0u) return;  // first failure wins
     err->phase = phase;
     err->peer = peer;

@@ -161,8 +161,8 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
                              their_hash, a.hash32);
                 ok = false;
             } else if (their_seq != seq) {
-                record_error(a.err, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid,
-                             seq, their_seq, seq);
+                record_error(a.err, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
+                             their_seq, seq);
                 ok = false;
             }
         }

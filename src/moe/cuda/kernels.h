@@ -78,13 +78,13 @@ struct KernelArgs {
     DeviceState* state;
     DeviceError* err;  // device view of the mapped host record
     // Per-call scratch, local to this rank.
-    uint64_t* dest_mask;       // [max_tokens] bit d: token goes to rank d
-    uint32_t* row_pos;         // [max_tokens * world] row of the token among those sent to d
-    uint32_t* expert_counts;   // [num_experts]
-    uint32_t* rows_to;         // [world]
-    int32_t* indices;          // [max_tokens * top-k] copy of the call's routing
-    float* weights;            // [max_tokens * top-k]
-    RowSource* row_src;        // [max_rows] where each grouped row came from
+    uint64_t* dest_mask;      // [max_tokens] bit d: token goes to rank d
+    uint32_t* row_pos;        // [max_tokens * world] row of the token among those sent to d
+    uint32_t* expert_counts;  // [num_experts]
+    uint32_t* rows_to;        // [world]
+    int32_t* indices;         // [max_tokens * top-k] copy of the call's routing
+    float* weights;           // [max_tokens * top-k]
+    RowSource* row_src;       // [max_rows] where each grouped row came from
 };
 
 // dispatch.cu

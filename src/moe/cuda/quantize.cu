@@ -22,7 +22,8 @@ __global__ void quantize_kernel(const uint16_t* x, uint64_t blocks, uint8_t* q, 
         v[i] = __bfloat162float(__ushort_as_bfloat16(raw));
         amax = fmaxf(amax, fabsf(v[i]));
     }
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int off = 16; off > 0; off /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     amax = fmaxf(amax, kFp8Floor);
     const float inv = __fdiv_rn(kFp8Max, amax);
     for (int i = 0; i < 4; ++i)
@@ -50,7 +51,7 @@ cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hid
     if (blocks == 0) return cudaSuccess;
     uint64_t grid = (blocks + kWarpsPerBlock - 1) / kWarpsPerBlock;
     quantize_kernel<<<static_cast<unsigned>(grid), kWarpsPerBlock * 32, 0, stream>>>(x, blocks, q,
-                                                                                    scales);
+                                                                                     scales);
     return cudaGetLastError();
 }
 
