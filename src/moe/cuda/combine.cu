@@ -19,8 +19,8 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         if (src.rank == RowSource::kPadding) continue;
         if (src.rank >= w || src.token >= a.max_tokens || src.k >= k) {
             if (tid == 0)
-                record_error(a.err, DeviceError::kProtocol, DeviceError::kCombineSend, src.rank,
-                             seq, src.token, a.max_tokens);
+                record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, src.rank, seq,
+                             src.token, a.max_tokens);
             continue;
         }
         uint8_t* dst =

@@ -30,18 +30,26 @@ __device__ __forceinline__ void signal_add(uint64_t* counter, uint64_t n) {
                      static_cast<unsigned long long>(n));
 }
 
-__device__ __forceinline__ bool error_set(const DeviceError* err) {
-    return *reinterpret_cast<const volatile uint32_t*>(&err->code) != DeviceError::kNone;
+// Whether any wait or check of this rank failed. The claim flag is in device memory: reading
+// the mapped host record in a spin loop would cost a PCIe round trip each time.
+__device__ __forceinline__ bool error_set(const KernelArgs& a) {
+    return *reinterpret_cast<const volatile uint32_t*>(&a.state->error_claimed) != 0;
 }
 
-__device__ inline void record_error(DeviceError* err, uint32_t code, uint32_t phase, uint32_t peer,
-                                    uint32_t seq, uint64_t value, uint64_t want) {
-    if (atomicCAS_system(&err->code, 0u, code) != 0u) return;  // first failure wins
-    err->phase = phase;
-    err->peer = peer;
-    err->seq = seq;
-    err->value = value;
-    err->want = want;
+// First failure wins: claimed with a device-memory atomic (atomics on mapped host memory need
+// PCIe atomics, which not every host has), then published to the host record with plain
+// stores, the code last, so a host that sees the code sees the fields.
+__device__ inline void record_error(const KernelArgs& a, uint32_t code, uint32_t phase,
+                                    uint32_t peer, uint32_t seq, uint64_t value, uint64_t want) {
+    if (atomicCAS(&a.state->error_claimed, 0u, 1u) != 0u) return;
+    volatile DeviceError* e = a.err;
+    e->phase = phase;
+    e->peer = peer;
+    e->seq = seq;
+    e->value = value;
+    e->want = want;
+    __threadfence_system();
+    e->code = code;
     __threadfence_system();
 }
 
@@ -54,9 +62,9 @@ __device__ inline bool wait_counter(const KernelArgs& a, const uint64_t* counter
         uint64_t v = ld_acquire_sys(counter);
         if (v >= want) return true;
         if ((spin & 255u) == 255u) {
-            if (error_set(a.err)) return false;
+            if (error_set(a)) return false;
             if (global_ns() - start > a.timeout_ns) {
-                record_error(a.err, DeviceError::kTimeout, phase, peer, seq, v, want);
+                record_error(a, DeviceError::kTimeout, phase, peer, seq, v, want);
                 return false;
             }
         }

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         a.state->seq = seq;
         uint32_t n = *num_tokens;
         if (n > a.max_tokens) {
-            record_error(a.err, DeviceError::kTooMany, DeviceError::kPlan, a.rank,
+            record_error(a, DeviceError::kTooMany, DeviceError::kPlan, a.rank,
                          static_cast<uint32_t>(seq), n, a.max_tokens);
             n = 0;
         }
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         for (uint32_t j = 0; j < k; ++j) {
             int32_t e = indices[t * k + j];
             if (e < -1 || e >= static_cast<int32_t>(a.num_experts)) {
-                record_error(a.err, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
+                record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
                              static_cast<uint64_t>(static_cast<int64_t>(e)), a.num_experts);
                 e = -1;
             }
@@ -157,11 +157,11 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
             uint32_t their_hash = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kConfigHash));
             uint32_t their_seq = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kSeq));
             if (their_hash != a.hash32) {
-                record_error(a.err, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
+                record_error(a, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
                              their_hash, a.hash32);
                 ok = false;
             } else if (their_seq != seq) {
-                record_error(a.err, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
+                record_error(a, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
                              their_seq, seq);
                 ok = false;
             }
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kRecvThreads)
             token = ld_cg_u32(row);
             uint32_t hseq = ld_cg_u32(row + 4);
             if (hseq != seq || token >= a.max_tokens) {
-                record_error(a.err, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
+                record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
                              (uint64_t{hseq} << 32) | token, seq);
             } else {
                 const auto* le = reinterpret_cast<const unsigned short*>(row + kRowHeaderBytes);
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kRecvThreads)
         __syncthreads();  // s_row and scan_tmp are reused
     }
     if (tid == 0 && carry != s_hits)
-        record_error(a.err, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq, carry, s_hits);
+        record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq, carry, s_hits);
 }
 
 }  // namespace

@@ -50,7 +50,8 @@ struct DeviceError {
 struct DeviceState {
     uint64_t seq;
     uint32_t num_tokens;
-    uint32_t out_rows;  // rows of the last dispatch_recv, padding included
+    uint32_t out_rows;       // rows of the last dispatch_recv, padding included
+    uint32_t error_claimed;  // set once by the first failure (see record_error)
 };
 
 // Byte offsets inside each rank's IPC-shared allocation (identical on every rank).
