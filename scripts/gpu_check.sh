@@ -58,6 +58,24 @@ fi
 log "bench gpu"
 $build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
+# MoE all-to-all on the GPUs (FERRY_GPU_MOE=1): ferry's kernels at the decode and prefill
+# shapes, then NCCL all_to_all_single on the same bytes, in the same run.
+if [ -n "${FERRY_GPU_MOE:-}" ]; then
+  moe="--backend cuda --ranks 2 --hidden 7168 --topk 8 --experts 256 --dtype fp8"
+  for t in 128 4096; do
+    log "bench moe cuda, $t tokens"
+    $build/ferry bench moe $moe --tokens $t --warmup 20 --iters 200 \
+      --json "$out/bench_moe_cuda_$t.json" 2>&1 | tee "$out/bench_moe_cuda_$t.txt" || status=1
+    log "nccl all_to_all, $t tokens"
+    python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
+      --json "$out/nccl_alltoall_$t.json" 2>&1 | tee "$out/nccl_alltoall_$t.txt" || status=1
+  done
+  log "bench moe cuda, 128 tokens, graph replay"
+  $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
+    --json "$out/bench_moe_cuda_128_graph.json" 2>&1 | tee "$out/bench_moe_cuda_128_graph.txt" \
+    || status=1
+fi
+
 if [ -n "${FERRY_GPU_EXTRA:-}" ]; then
   log "extra: $FERRY_GPU_EXTRA"
   bash -c "$FERRY_GPU_EXTRA" 2>&1 | tee "$out/extra.txt" || status=1

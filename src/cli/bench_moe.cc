@@ -16,7 +16,10 @@ void register_bench_moe(CLI::App& bench) {
     auto c = std::make_shared<moe::MoeBenchConfig>();
     auto dtype = std::make_shared<std::string>("fp8");
     auto json_path = std::make_shared<std::string>();
-    cmd->add_option("--backend", c->backend, "cpu | cuda")->capture_default_str();
+    cmd->add_option("--backend", c->backend,
+                    "cpu | cuda (cuda: every rank a thread on this host's GPUs, rank r on GPU "
+                    "r % count, timed with CUDA events)")
+        ->capture_default_str();
     cmd->add_option("--ranks", c->ranks, "ranks (expert-parallel world size)")
         ->capture_default_str();
     cmd->add_option("--ranks-per-node", c->ranks_per_node, "ranks sharing memory")
@@ -31,6 +34,10 @@ void register_bench_moe(CLI::App& bench) {
     cmd->add_option("--provider", c->provider, "between nodes: tcp | shm | efa | verbs | auto")
         ->capture_default_str();
     cmd->add_option("--warmup", c->warmup)->capture_default_str();
+    cmd->add_flag("--graph", c->graph, "cuda: capture one layer in a CUDA graph and replay it");
+    cmd->add_option("--send-blocks", c->send_blocks,
+                    "cuda: blocks of the dispatch and combine send kernels (0: library default)")
+        ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, dtype, json_path] {

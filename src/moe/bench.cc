@@ -14,74 +14,23 @@
 #include "ferry/fabric/engine.h"
 #include "ferry/moe/all_to_all.h"
 #include "ferry/moe/numerics.h"
+#include "moe/bench_internal.h"
 
 namespace ferry::moe {
 namespace {
 
-// Allgather among the rank threads of this process, with a deadline.
-class ThreadExchange {
-  public:
-    explicit ThreadExchange(uint32_t n) : n_(n), slots_(n) {}
+using bench_detail::kCombine;
+using bench_detail::kCombineRecv;
+using bench_detail::kCombineSend;
+using bench_detail::kDispatch;
+using bench_detail::kDispatchRecv;
+using bench_detail::kDispatchSend;
+using bench_detail::kNumPhases;
+using bench_detail::RankResult;
+using bench_detail::ThreadExchange;
 
-    Result<std::vector<std::vector<uint8_t>>> allgather(uint32_t rank,
-                                                        std::span<const uint8_t> mine,
-                                                        Duration timeout) {
-        std::unique_lock lk(mu_);
-        if (!failed_.ok()) return failed_;
-        slots_[rank].assign(mine.begin(), mine.end());
-        uint64_t gen = gen_;
-        if (++arrived_ == n_) {
-            result_ = slots_;
-            arrived_ = 0;
-            ++gen_;
-            cv_.notify_all();
-            return result_;
-        }
-        if (!cv_.wait_for(lk, timeout, [&] { return gen_ != gen || !failed_.ok(); })) {
-            failed_ =
-                timeout_error(fmt::format("bench: rank {} waited {} ms for the other ranks "
-                                          "at an exchange; {} of {} had arrived",
-                                          rank, to_ms(timeout), arrived_, n_));
-        }
-        if (!failed_.ok()) return failed_;
-        return result_;
-    }
-    // A rank that failed releases the others at once instead of leaving them to time out.
-    void abort(const Status& why) {
-        std::lock_guard lk(mu_);
-        if (failed_.ok()) failed_ = why;
-        cv_.notify_all();
-    }
-
-  private:
-    uint32_t n_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::vector<std::vector<uint8_t>> slots_, result_;
-    uint32_t arrived_ = 0;
-    uint64_t gen_ = 0;
-    Status failed_;
-};
-
-enum Phase {
-    kDispatchSend,
-    kDispatchRecv,
-    kDispatch,
-    kCombineSend,
-    kCombineRecv,
-    kCombine,
-    kNumPhases
-};
 const char* kPhaseNames[kNumPhases] = {"dispatch_send", "dispatch_recv", "dispatch",
                                        "combine_send",  "combine_recv",  "combine"};
-
-struct RankResult {
-    Status status;
-    std::vector<double> samples[kNumPhases];
-    uint64_t dispatch_bytes = 0, combine_bytes = 0;
-    double max_rel_error = 0;
-    std::string provider;
-};
 
 double percentile(std::vector<double> v, double p) {
     if (v.empty()) return 0;
@@ -189,9 +138,7 @@ Status run_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t r
 }  // namespace
 
 Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
-    if (bc.backend == "cuda")
-        return unavailable("bench moe: the cuda backend is not built yet; use --backend cpu");
-    if (bc.backend != "cpu")
+    if (bc.backend != "cpu" && bc.backend != "cuda")
         return invalid_argument(
             fmt::format("bench moe: unknown backend '{}' (cpu or cuda)", bc.backend));
     if (bc.iters < 1 || bc.warmup < 0)
@@ -203,22 +150,27 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     cfg.num_experts = bc.experts;
     cfg.experts_per_token = bc.topk;
     cfg.world_size = bc.ranks;
-    cfg.ranks_per_node = bc.ranks_per_node;
+    // The cuda backend runs every rank on this host's GPUs (NVLink / CUDA IPC only).
+    cfg.ranks_per_node = bc.backend == "cuda" ? bc.ranks : bc.ranks_per_node;
     cfg.private_slots_per_sender = std::min(bc.private_slots, cfg.max_tokens_per_rank);
     cfg.group_alignment = bc.alignment;
     FERRY_RETURN_IF_ERROR(cfg.validate());
 
-    ThreadExchange ex(bc.ranks);
     std::vector<RankResult> results(bc.ranks);
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < bc.ranks; ++r) {
-        threads.emplace_back([&, r] {
-            results[r].status = run_rank(bc, cfg, r, ex, &results[r]);
-            if (!results[r].status.ok())
-                ex.abort(results[r].status.with_context(fmt::format("rank {} failed", r)));
-        });
+    if (bc.backend == "cuda") {
+        FERRY_RETURN_IF_ERROR(bench_detail::run_cuda_ranks(bc, cfg, &results));
+    } else {
+        ThreadExchange ex(bc.ranks);
+        std::vector<std::thread> threads;
+        for (uint32_t r = 0; r < bc.ranks; ++r) {
+            threads.emplace_back([&, r] {
+                results[r].status = run_rank(bc, cfg, r, ex, &results[r]);
+                if (!results[r].status.ok())
+                    ex.abort(results[r].status.with_context(fmt::format("rank {} failed", r)));
+            });
+        }
+        for (auto& t : threads) t.join();
     }
-    for (auto& t : threads) t.join();
     for (uint32_t r = 0; r < bc.ranks; ++r)
         if (!results[r].status.ok())
             return results[r].status.with_context(fmt::format("bench moe rank {}", r));
@@ -242,6 +194,8 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     for (auto& r : results) {
         rep.dispatch_bytes += r.dispatch_bytes;
         rep.combine_bytes += r.combine_bytes;
+        rep.dispatch_remote_bytes += r.dispatch_remote_bytes;
+        rep.combine_remote_bytes += r.combine_remote_bytes;
         rep.max_rel_error = std::max(rep.max_rel_error, r.max_rel_error);
     }
     rep.verified = rep.max_rel_error <= 1e-5;
@@ -264,6 +218,19 @@ std::string format_moe_table(const MoeBenchReport& rep) {
         "MiB)\n",
         rep.dispatch_bytes, rep.dispatch_bytes / 1048576.0, rep.combine_bytes,
         rep.combine_bytes / 1048576.0);
+    // Per-rank rates at the median: bytes one rank moves per call over its median latency.
+    const double n = std::max(1u, c.ranks);
+    auto rate = [&](uint64_t bytes, const char* phase) {
+        for (const auto& p : rep.phases)
+            if (p.name == phase && p.p50_us > 0) return bytes / n / (p.p50_us * 1e3);
+        return 0.0;
+    };
+    if (rep.dispatch_remote_bytes || rep.combine_remote_bytes)
+        s += fmt::format(
+            "per rank at p50: dispatch {:.1f} GB/s ({:.1f} GB/s to other ranks), combine {:.1f} "
+            "GB/s ({:.1f} GB/s to other ranks)\n",
+            rate(rep.dispatch_bytes, "dispatch"), rate(rep.dispatch_remote_bytes, "dispatch"),
+            rate(rep.combine_bytes, "combine"), rate(rep.combine_remote_bytes, "combine"));
     s += fmt::format("combine check (identity experts): max relative error {:.2e} -> {}\n",
                      rep.max_rel_error, rep.verified ? "ok" : "FAILED");
     return s;
@@ -288,6 +255,8 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
         j["phases"][p.name] = {{"p50_us", p.p50_us}, {"p99_us", p.p99_us}, {"mean_us", p.mean_us}};
     j["dispatch_bytes"] = rep.dispatch_bytes;
     j["combine_bytes"] = rep.combine_bytes;
+    j["dispatch_remote_bytes"] = rep.dispatch_remote_bytes;
+    j["combine_remote_bytes"] = rep.combine_remote_bytes;
     j["max_rel_error"] = rep.max_rel_error;
     j["verified"] = rep.verified;
     return j;

@@ -15,7 +15,9 @@
 namespace ferry::moe {
 
 struct MoeBenchConfig {
-    std::string backend = "cpu";  // "cpu"; "cuda" arrives with the CUDA kernels
+    // "cpu", or "cuda": every rank a thread on this host's GPUs (rank r on GPU r % count),
+    // phases timed with CUDA events; ranks_per_node and provider are then ignored.
+    std::string backend = "cpu";
     uint32_t ranks = 8;
     uint32_t ranks_per_node = 4;
     uint32_t tokens = 128;  // per rank and call
@@ -30,6 +32,8 @@ struct MoeBenchConfig {
     int iters = 20;
     uint64_t seed = 1;
     Duration timeout = std::chrono::seconds(60);
+    bool graph = false;        // cuda: replay each layer as a captured CUDA graph
+    uint32_t send_blocks = 0;  // cuda: blocks of the dispatch and combine send kernels (0: default)
     std::function<void(const std::string&)> progress;
 };
 
@@ -46,6 +50,8 @@ struct MoeBenchReport {
     std::vector<MoePhaseStats> phases;  // samples of every rank and iteration pooled
     uint64_t dispatch_bytes = 0;        // per call, all ranks together (rows incl. headers)
     uint64_t combine_bytes = 0;
+    uint64_t dispatch_remote_bytes = 0;  // of those, to other ranks (cuda backend)
+    uint64_t combine_remote_bytes = 0;
     double max_rel_error = 0;  // combine of identity experts against the input
     bool verified = false;     // max_rel_error within 1e-5
 };

@@ -1,0 +1,128 @@
+// Expert-parallel all-to-all on GPUs: the protocol of cpu_backend.h run by CUDA kernels, for
+// ranks of one node whose buffers are mapped into each other through CUDA IPC (NVLink between
+// GPUs, plain device memory between ranks sharing a GPU). This header is CUDA-free: device
+// pointers are plain pointers and a stream is passed as `void*` (a cudaStream_t).
+//
+//   auto a2a = CudaAllToAll::create(cfg, allgather);  // collective; maps every peer
+//   a2a->dispatch_send(in, stream);   // enqueue only: nothing here waits for the GPU
+//   a2a->dispatch_recv(batch, stream);
+//   ... experts on `stream` ...
+//   a2a->combine_send(expert_out, stream);
+//   a2a->combine_recv(out, stream);
+//   a2a->synchronize(stream);         // waits and turns a device-side error into a Status
+//
+// Every argument the kernels read per call lives in device memory (token count included) and
+// the call number is kept on the device, so a whole layer can be captured in a CUDA graph and
+// replayed. Waits inside kernels are bounded by options.timeout; a kernel that gives up
+// records where it was stuck (phase, peer, counter value) and synchronize() reports it.
+//
+// Differences from the CPU backend, both deliberate: results travel back into slot
+// (token * top-k + k) at their sender instead of a compact run (kernel stores need no
+// contiguity, and the receiver then needs no slot table), and duplicate experts within one
+// token are not diagnosed on the device (the CPU backend refuses them).
+//
+// Ranks on other nodes (world_size > ranks_per_node) are not supported yet: create() says so.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/moe/all_to_all.h"
+#include "ferry/moe/config.h"
+#include "ferry/moe/plan.h"
+
+namespace ferry::moe {
+
+// Launch shape of the dispatch kernels. Counters at the receiver count one arrival per send
+// block, so every rank must use the same send_blocks (it is part of the setup check).
+struct CudaDispatchKernelConfig {
+    uint32_t send_blocks = 64;
+    uint32_t send_threads = 512;
+};
+
+// Launch shape of the combine kernels; send_blocks must match across ranks as above.
+struct CudaCombineKernelConfig {
+    uint32_t send_blocks = 64;
+    uint32_t send_threads = 512;
+    uint32_t recv_blocks = 128;
+    uint32_t recv_threads = 256;
+};
+
+struct CudaAllToAllOptions {
+    Duration timeout = std::chrono::seconds(10);  // every spin-wait inside a kernel
+    int device = -1;                              // -1: the calling thread's current device
+    CudaDispatchKernelConfig dispatch;
+    CudaCombineKernelConfig combine;
+};
+
+// Device pointers. x: num_tokens rows of payload_bytes; x_scale: hidden/128 floats per token
+// (fp8 only); indices/weights: top-k per token, -1 = no expert; num_tokens: one uint32 on the
+// device, at most max_tokens_per_rank. x must be 16-byte aligned.
+struct CudaDispatchInput {
+    const void* x = nullptr;
+    const float* x_scale = nullptr;
+    const int32_t* indices = nullptr;
+    const float* weights = nullptr;
+    const uint32_t* num_tokens = nullptr;
+};
+
+// Device pointers, sized like ExpertBatch (max_expert_rows(cfg) rows). sources is optional.
+struct CudaExpertBatch {
+    void* x = nullptr;
+    float* x_scale = nullptr;
+    uint32_t* counts = nullptr;   // [local experts]
+    uint32_t* offsets = nullptr;  // [local experts + 1]
+    RowSource* sources = nullptr;
+};
+
+class CudaAllToAll {
+  public:
+    // Collective over the ranks of the group (allgather as in AllToAll::create). Fails with
+    // a clear error in builds without CUDA, without a GPU, on a config mismatch, or when a
+    // peer is on another node.
+    static Result<std::unique_ptr<CudaAllToAll>> create(const AllToAllConfig& cfg,
+                                                        const AllGatherFn& allgather,
+                                                        const CudaAllToAllOptions& options = {});
+    // Frees and unmaps. Every rank must have finished its last combine_recv first (a barrier),
+    // or a late peer may write into freed memory.
+    ~CudaAllToAll();
+    CudaAllToAll(const CudaAllToAll&) = delete;
+    CudaAllToAll& operator=(const CudaAllToAll&) = delete;
+
+    const AllToAllConfig& config() const;
+    int device() const;
+
+    Status dispatch_send(const CudaDispatchInput& in, void* stream);
+    Status dispatch_recv(const CudaExpertBatch& out, void* stream);
+    // expert_out: bf16 rows laid out like the batch of dispatch_recv (padding ignored).
+    Status combine_send(const uint16_t* expert_out, void* stream);
+    // out: num_tokens * hidden, sum over the token's experts of weight * output in fp32.
+    Status combine_recv(float* out, void* stream);
+    Status combine_recv_bf16(uint16_t* out, void* stream);
+
+    // Waits for the stream (bounded by a few timeouts) and reports the first device-side
+    // error of any call so far. After an error the object refuses further calls.
+    Status synchronize(void* stream);
+    // The device-side error record only, without waiting (e.g. after a graph replay).
+    Status device_status();
+
+  private:
+    struct Impl;
+    explicit CudaAllToAll(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+// fp8 e4m3 block quantization on the device, the format of quantize_fp8_bf16 (one fp32 scale
+// per 128 channels, scale = amax/448, same amax floor and rounding): x is tokens * hidden bf16.
+Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
+                         float* scales, void* stream);
+// And back, to bf16 (what a test "expert" or the benchmark's identity expert reads).
+// tokens_dev (optional, device): the row count is min(*tokens_dev, tokens), read at run
+// time, e.g. offsets[local experts] of a batch, so a captured graph converts only real rows.
+Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
+                                   uint32_t hidden, uint16_t* out, void* stream,
+                                   const uint32_t* tokens_dev = nullptr);
+
+}  // namespace ferry::moe

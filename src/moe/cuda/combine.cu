@@ -1,0 +1,97 @@
+// Combine kernels: send puts each expert output row back into slot (token * top-k + k) at the
+// rank the token came from; recv sums weight * row per token in fp32, in top-k order with
+// separately rounded multiply and add, which is what the CPU backend computes.
+#include <cuda_bf16.h>
+
+#include "moe/cuda/device_common.cuh"
+#include "moe/cuda/kernels.h"
+
+namespace ferry::moe::cuda {
+namespace {
+
+__global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
+    const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
+    const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
+    const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
+    const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
+    for (uint32_t o = blockIdx.x; o < rows && o < a.max_rows; o += gridDim.x) {
+        const RowSource src = a.row_src[o];
+        if (src.rank == RowSource::kPadding) continue;
+        if (src.rank >= w || src.token >= a.max_tokens || src.k >= k) {
+            if (tid == 0)
+                record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, src.rank, seq,
+                             src.token, a.max_tokens);
+            continue;
+        }
+        uint8_t* dst =
+            a.peers[src.rank] + a.lay.combine + (uint64_t{src.token} * k + src.k) * row_bytes;
+        const int4* in = reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden);
+        for (uint32_t i = tid; i < n16; i += blockDim.x) reinterpret_cast<int4*>(dst)[i] = in[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
+}
+
+template <bool kBf16Out>
+__global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16) {
+    __shared__ int s_ok;
+    const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
+    const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
+    if (tid == 0) {
+        int ok = 1;
+        for (uint32_t s = 0; s < w && ok; ++s)
+            ok = wait_counter(a, counter_at(a.self, a.lay.ctr_combine, s),
+                              uint64_t{seq} * a.combine_send_blocks, DeviceError::kCombineRecvWait,
+                              s, seq);
+        s_ok = ok;
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const uint32_t n8 = a.hidden / 8;
+    const uint8_t* recv = a.self + a.lay.combine;
+    const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        for (uint32_t c8 = tid; c8 < n8; c8 += blockDim.x) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (uint32_t kk = 0; kk < k; ++kk) {
+                if (a.indices[t * k + kk] < 0) continue;
+                const float wt = a.weights[t * k + kk];
+                int4 v = __ldcg(
+                    reinterpret_cast<const int4*>(recv + (uint64_t{t} * k + kk) * row_bytes) + c8);
+                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+                for (int i = 0; i < 8; ++i)
+                    acc[i] = __fadd_rn(acc[i], __fmul_rn(wt, __bfloat162float(h[i])));
+            }
+            if constexpr (kBf16Out) {
+                int4 packed;
+                auto* h = reinterpret_cast<__nv_bfloat16*>(&packed);
+                for (int i = 0; i < 8; ++i) h[i] = __float2bfloat16_rn(acc[i]);
+                reinterpret_cast<int4*>(out_bf16 + uint64_t{t} * a.hidden)[c8] = packed;
+            } else {
+                float4* o = reinterpret_cast<float4*>(out_f32 + uint64_t{t} * a.hidden) + 2 * c8;
+                o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out, uint32_t blocks,
+                                uint32_t threads, cudaStream_t stream) {
+    combine_send_kernel<<<blocks, threads, 0, stream>>>(a, expert_out);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
+                                uint32_t blocks, uint32_t threads, cudaStream_t stream) {
+    if (out_bf16)
+        combine_recv_kernel<true><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
+    else
+        combine_recv_kernel<false><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
+    return cudaGetLastError();
+}
+
+}  // namespace ferry::moe::cuda

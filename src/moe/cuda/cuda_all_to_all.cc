@@ -1,0 +1,505 @@
+// Host side of the CUDA all-to-all: allocation and IPC mapping at setup, argument checks and
+// kernel launches per call, and the translation of the device-side error record into a
+// Status. See include/ferry/moe/cuda_all_to_all.h.
+#include "ferry/moe/cuda_all_to_all.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "ferry/moe/numerics.h"
+#include "moe/cuda/kernels.h"
+
+namespace ferry::moe {
+
+static_assert(sizeof(RowSource) == sizeof(cuda::RowSource) &&
+              RowSource::kPadding == cuda::RowSource::kPadding);
+static_assert(sizeof(RowHeader) == cuda::kRowHeaderBytes);
+static_assert(CountsFormat::kSeq == cuda::CountsWords::kSeq &&
+              CountsFormat::kConfigHash == cuda::CountsWords::kConfigHash &&
+              CountsFormat::kCombineBase == cuda::CountsWords::kCombineBase &&
+              CountsFormat::kHits == cuda::CountsWords::kHits &&
+              CountsFormat::kRowsTo == cuda::CountsWords::kRowsTo);
+static_assert(kFp8E4M3Max == cuda::kFp8Max && kFp8AmaxFloor == cuda::kFp8Floor);
+
+namespace {
+
+Status cuda_error(cudaError_t e, std::string_view what) {
+    return provider_error(
+        fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), static_cast<int>(e)));
+}
+
+#define FERRY_MOE_CUDA_TRY(expr)                                                     \
+    do {                                                                             \
+        cudaError_t ferry_moe_err_ = (expr);                                         \
+        if (ferry_moe_err_ != cudaSuccess) return cuda_error(ferry_moe_err_, #expr); \
+    } while (0)
+
+constexpr uint32_t kBlobMagic = 0x6d6f6763;  // "mogc"
+constexpr uint32_t kMaxCudaWorld = 64;       // dest_mask has one bit per rank
+
+// What every rank publishes at setup.
+struct PeerBlob {
+    uint32_t magic = kBlobMagic;
+    uint32_t rank = 0;
+    uint64_t config_hash = 0;
+    uint64_t host_id = 0;
+    int32_t pid = 0;
+    int32_t device = 0;
+    uint32_t dispatch_blocks = 0;
+    uint32_t combine_blocks = 0;
+    uint64_t base = 0;  // the shared allocation in the owner's address space
+    cudaIpcMemHandle_t handle{};
+};
+
+uint64_t host_id() {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    uint64_t h = 1469598103934665603ull;
+    for (const char* p = name; *p; ++p) h = (h ^ static_cast<uint8_t>(*p)) * 1099511628211ull;
+    return h;
+}
+
+uint64_t align256(uint64_t v) { return (v + 255) / 256 * 256; }
+
+const char* phase_name(uint32_t phase) {
+    switch (phase) {
+        case cuda::DeviceError::kPlan:
+            return "dispatch_send (routing)";
+        case cuda::DeviceError::kSendWaitCounts:
+            return "dispatch_send (waiting for counts)";
+        case cuda::DeviceError::kRecvWaitRows:
+            return "dispatch_recv (waiting for rows)";
+        case cuda::DeviceError::kRecvRows:
+            return "dispatch_recv (reading rows)";
+        case cuda::DeviceError::kCombineSend:
+            return "combine_send";
+        case cuda::DeviceError::kCombineRecvWait:
+            return "combine_recv (waiting for results)";
+        default:
+            return "an unknown phase";
+    }
+}
+
+enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent, kBroken };
+
+const char* last_call(Phase p) {
+    switch (p) {
+        case Phase::kIdle:
+            return "combine_recv (or nothing yet)";
+        case Phase::kDispatchSent:
+            return "dispatch_send";
+        case Phase::kDispatchReceived:
+            return "dispatch_recv";
+        case Phase::kCombineSent:
+            return "combine_send";
+        default:
+            return "a failed call";
+    }
+}
+
+}  // namespace
+
+struct CudaAllToAll::Impl {
+    AllToAllConfig cfg;
+    CudaAllToAllOptions opt;
+    int device = 0;
+    cuda::KernelArgs args{};
+    void* shared = nullptr;  // peers write here (IPC-exported)
+    void* local = nullptr;   // state, peer table and per-call scratch
+    cuda::DeviceError* err_host = nullptr;
+    std::vector<void*> opened;  // peers' allocations opened through IPC
+    Phase phase = Phase::kIdle;
+    Status broken;
+
+    ~Impl() {
+        cudaSetDevice(device);
+        for (void* p : opened) cudaIpcCloseMemHandle(p);
+        if (shared) cudaFree(shared);
+        if (local) cudaFree(local);
+        if (err_host) cudaFreeHost(err_host);
+    }
+
+    Status fail(Status s) {
+        if (phase != Phase::kBroken) {
+            phase = Phase::kBroken;
+            broken = s;
+        }
+        return s;
+    }
+
+    Status device_status() {
+        volatile cuda::DeviceError* e = err_host;
+        uint32_t code = e->code;
+        if (code == cuda::DeviceError::kNone) return ok_status();
+        std::atomic_thread_fence(std::memory_order_acquire);
+        const uint32_t phase_id = e->phase, peer = e->peer, seq = e->seq;
+        const uint64_t value = e->value, want = e->want;
+        std::string where = fmt::format("cuda all-to-all rank {}, call {}, {}", cfg.rank, seq,
+                                        phase_name(phase_id));
+        switch (code) {
+            case cuda::DeviceError::kTimeout:
+                return fail(timeout_error(fmt::format(
+                    "{}: waited {} ms for rank {} (arrival counter at {}, expected {}); is every "
+                    "rank making the same calls?",
+                    where, to_ms(opt.timeout), peer, value, want)));
+            case cuda::DeviceError::kConfig:
+                return fail(invalid_argument(fmt::format(
+                    "{}: rank {} runs a different AllToAllConfig (hash {:08x}, ours {:08x})", where,
+                    peer, value, want)));
+            case cuda::DeviceError::kTooMany:
+                return fail(invalid_argument(
+                    fmt::format("{}: the device token count is {}, above max_tokens_per_rank {}",
+                                where, value, want)));
+            default:
+                return fail(protocol_error(fmt::format(
+                    "{}: inconsistent data from rank {} (seen {:#x}, expected {:#x}); buffers were "
+                    "overwritten or a rank skipped a call",
+                    where, peer, value, want)));
+        }
+    }
+
+    Status begin(Phase want, const char* call) {
+        if (phase == Phase::kBroken)
+            return broken.with_context(fmt::format(
+                "{} refused: an earlier call failed and peers' buffers may be in an unknown "
+                "state; recreate the all-to-all",
+                call));
+        FERRY_RETURN_IF_ERROR(device_status());
+        if (phase != want)
+            return invalid_argument(
+                fmt::format("{} called out of order: the last call was {}; the order per layer is "
+                            "dispatch_send, dispatch_recv, combine_send, combine_recv",
+                            call, last_call(phase)));
+        FERRY_MOE_CUDA_TRY(cudaSetDevice(device));
+        return ok_status();
+    }
+
+    Status launched(cudaError_t e, const char* call, Phase next) {
+        if (e != cudaSuccess) return fail(cuda_error(e, call));
+        phase = next;
+        return ok_status();
+    }
+};
+
+CudaAllToAll::CudaAllToAll(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaAllToAll::~CudaAllToAll() = default;
+
+const AllToAllConfig& CudaAllToAll::config() const { return impl_->cfg; }
+int CudaAllToAll::device() const { return impl_->device; }
+
+Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig& cfg,
+                                                           const AllGatherFn& allgather,
+                                                           const CudaAllToAllOptions& options) {
+    FERRY_RETURN_IF_ERROR(cfg.validate());
+    const uint32_t w = cfg.world_size, t = cfg.max_tokens_per_rank, k = cfg.experts_per_token;
+    if (cfg.ranks_per_node != w)
+        return unavailable(fmt::format(
+            "cuda all-to-all: ranks on other nodes are not supported yet (world {} with {} "
+            "ranks per node); run every rank on one node or use the cpu backend",
+            w, cfg.ranks_per_node));
+    if (w > kMaxCudaWorld)
+        return invalid_argument(
+            fmt::format("cuda all-to-all: world {} exceeds {}", w, kMaxCudaWorld));
+    const auto& dc = options.dispatch;
+    const auto& cc = options.combine;
+    auto bad_threads = [](uint32_t n, uint32_t need) {
+        return n < need || n > 1024 || n % 32 != 0;
+    };
+    if (dc.send_blocks == 0 || cc.send_blocks == 0 || cc.recv_blocks == 0 ||
+        bad_threads(dc.send_threads, std::max(w, k)) || bad_threads(cc.send_threads, w) ||
+        bad_threads(cc.recv_threads, 32))
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: kernel shapes need at least one block and a multiple of 32 "
+            "threads up to 1024, at least max(world, top-k) = {} for the send kernels",
+            std::max(w, k)));
+
+    int count = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
+        return unavailable(fmt::format("cuda all-to-all: no usable GPU ({})",
+                                       e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
+    auto impl = std::make_unique<Impl>();
+    impl->cfg = cfg;
+    impl->opt = options;
+    if (options.device >= 0) {
+        impl->device = options.device;
+    } else {
+        FERRY_MOE_CUDA_TRY(cudaGetDevice(&impl->device));
+    }
+    FERRY_MOE_CUDA_TRY(cudaSetDevice(impl->device));
+
+    const RowFormat row = RowFormat::of(cfg);
+    const CountsFormat cf = CountsFormat::of(cfg);
+    cuda::SharedLayout lay;
+    lay.ctr_counts = 0;
+    lay.ctr_dispatch = 8ull * w;
+    lay.ctr_combine = 16ull * w;
+    lay.counts = align256(24ull * w);
+    lay.dispatch = lay.counts + align256(uint64_t{w} * cf.bytes);
+    lay.combine = lay.dispatch + align256(uint64_t{w} * t * row.row_bytes);
+    lay.total = lay.combine + align256(uint64_t{t} * k * cfg.hidden * sizeof(uint16_t));
+
+    const uint64_t max_rows = max_expert_rows(cfg);
+    // Local scratch, one allocation carved in 256-byte aligned pieces.
+    uint64_t at = 0;
+    auto take = [&at](uint64_t bytes) {
+        uint64_t o = at;
+        at += align256(bytes);
+        return o;
+    };
+    const uint64_t o_state = take(sizeof(cuda::DeviceState));
+    const uint64_t o_peers = take(sizeof(uint8_t*) * w);
+    const uint64_t o_mask = take(sizeof(uint64_t) * t);
+    const uint64_t o_pos = take(sizeof(uint32_t) * uint64_t{t} * w);
+    const uint64_t o_ecount = take(sizeof(uint32_t) * cfg.num_experts);
+    const uint64_t o_rows = take(sizeof(uint32_t) * w);
+    const uint64_t o_idx = take(sizeof(int32_t) * uint64_t{t} * k);
+    const uint64_t o_wt = take(sizeof(float) * uint64_t{t} * k);
+    const uint64_t o_src = take(sizeof(cuda::RowSource) * max_rows);
+
+    FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
+    FERRY_MOE_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
+    FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->local, at));
+    FERRY_MOE_CUDA_TRY(cudaMemset(impl->local, 0, at));
+    FERRY_MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&impl->err_host),
+                                     sizeof(cuda::DeviceError), cudaHostAllocMapped));
+    std::memset(impl->err_host, 0, sizeof(cuda::DeviceError));
+    cuda::DeviceError* err_dev = nullptr;
+    FERRY_MOE_CUDA_TRY(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
+    // Zeroed counters must be in place before any peer learns where they are.
+    FERRY_MOE_CUDA_TRY(cudaDeviceSynchronize());
+
+    PeerBlob mine;
+    mine.rank = cfg.rank;
+    mine.config_hash = cfg.hash();
+    mine.host_id = host_id();
+    mine.pid = static_cast<int32_t>(getpid());
+    mine.device = impl->device;
+    mine.dispatch_blocks = dc.send_blocks;
+    mine.combine_blocks = cc.send_blocks;
+    mine.base = reinterpret_cast<uint64_t>(impl->shared);
+    FERRY_MOE_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
+    std::vector<uint8_t> blob(sizeof(PeerBlob));
+    std::memcpy(blob.data(), &mine, sizeof(mine));
+    FERRY_ASSIGN_OR_RETURN(auto blobs, allgather(blob));
+    if (blobs.size() != w)
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: the allgather returned {} blobs for world {}", blobs.size(), w));
+    std::vector<PeerBlob> peers(w);
+    std::vector<uint64_t> hashes(w);
+    for (uint32_t r = 0; r < w; ++r) {
+        if (blobs[r].size() != sizeof(PeerBlob))
+            return protocol_error(fmt::format(
+                "cuda all-to-all: rank {} sent a {}-byte setup blob, expected {} (another ferry "
+                "version?)",
+                r, blobs[r].size(), sizeof(PeerBlob)));
+        std::memcpy(&peers[r], blobs[r].data(), sizeof(PeerBlob));
+        if (peers[r].magic != kBlobMagic || peers[r].rank != r)
+            return protocol_error(fmt::format(
+                "cuda all-to-all: setup blob {} is not a cuda all-to-all blob of rank {}", r, r));
+        hashes[r] = peers[r].config_hash;
+    }
+    FERRY_RETURN_IF_ERROR(check_same_config(cfg, hashes));
+    std::vector<uint8_t*> bases(w);
+    for (uint32_t r = 0; r < w; ++r) {
+        const PeerBlob& p = peers[r];
+        if (p.dispatch_blocks != dc.send_blocks || p.combine_blocks != cc.send_blocks)
+            return invalid_argument(fmt::format(
+                "cuda all-to-all: rank {} launches {}/{} dispatch/combine send blocks, this rank "
+                "{}/{}; arrival counts depend on them, so every rank must use the same",
+                r, p.dispatch_blocks, p.combine_blocks, dc.send_blocks, cc.send_blocks));
+        if (p.host_id != mine.host_id)
+            return unavailable(fmt::format(
+                "cuda all-to-all: rank {} is on another host; ranks of one node must share a "
+                "host (remote peers are not supported yet)",
+                r));
+        if (r == cfg.rank) {
+            bases[r] = static_cast<uint8_t*>(impl->shared);
+        } else if (p.pid == mine.pid) {
+            // Same process: the pointer is valid here; peer access makes it reachable.
+            bases[r] = reinterpret_cast<uint8_t*>(p.base);
+            if (p.device != impl->device) {
+                int can = 0;
+                FERRY_MOE_CUDA_TRY(cudaDeviceCanAccessPeer(&can, impl->device, p.device));
+                if (!can)
+                    return unavailable(
+                        fmt::format("cuda all-to-all: GPU {} cannot access GPU {} (no peer access)",
+                                    impl->device, p.device));
+                cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
+                if (e == cudaErrorPeerAccessAlreadyEnabled) {
+                    cudaGetLastError();  // clears the sticky-free "already enabled"
+                } else if (e != cudaSuccess) {
+                    return cuda_error(e, "cudaDeviceEnablePeerAccess");
+                }
+            }
+        } else {
+            void* ptr = nullptr;
+            cudaError_t e = cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess);
+            if (e != cudaSuccess)
+                return cuda_error(
+                    e, fmt::format("cudaIpcOpenMemHandle of rank {} (GPU {})", r, p.device));
+            impl->opened.push_back(ptr);
+            bases[r] = static_cast<uint8_t*>(ptr);
+        }
+    }
+    auto* local = static_cast<uint8_t*>(impl->local);
+    FERRY_MOE_CUDA_TRY(
+        cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
+
+    cuda::KernelArgs& a = impl->args;
+    a.rank = cfg.rank;
+    a.world = w;
+    a.hidden = cfg.hidden;
+    a.topk = k;
+    a.num_experts = cfg.num_experts;
+    a.local_experts = cfg.num_local_experts();
+    a.private_slots = cfg.private_slots_per_sender;
+    a.max_tokens = t;
+    a.alignment = cfg.group_alignment;
+    a.hash32 = static_cast<uint32_t>(cfg.hash());
+    a.payload_bytes = static_cast<uint32_t>(cfg.payload_bytes());
+    a.scales_per_token = cfg.scales_per_token();
+    a.row_bytes = static_cast<uint32_t>(row.row_bytes);
+    a.payload_offset = static_cast<uint32_t>(row.payload_offset);
+    a.scale_offset = static_cast<uint32_t>(row.scale_offset);
+    a.counts_bytes = static_cast<uint32_t>(cf.bytes);
+    a.counts_hits_word = cf.hits_per_expert;
+    a.max_rows = static_cast<uint32_t>(max_rows);
+    a.dispatch_send_blocks = dc.send_blocks;
+    a.combine_send_blocks = cc.send_blocks;
+    a.timeout_ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(options.timeout).count());
+    a.lay = lay;
+    a.peers = reinterpret_cast<uint8_t* const*>(local + o_peers);
+    a.self = static_cast<uint8_t*>(impl->shared);
+    a.state = reinterpret_cast<cuda::DeviceState*>(local + o_state);
+    a.err = err_dev;
+    a.dest_mask = reinterpret_cast<uint64_t*>(local + o_mask);
+    a.row_pos = reinterpret_cast<uint32_t*>(local + o_pos);
+    a.expert_counts = reinterpret_cast<uint32_t*>(local + o_ecount);
+    a.rows_to = reinterpret_cast<uint32_t*>(local + o_rows);
+    a.indices = reinterpret_cast<int32_t*>(local + o_idx);
+    a.weights = reinterpret_cast<float*>(local + o_wt);
+    a.row_src = reinterpret_cast<cuda::RowSource*>(local + o_src);
+    return std::unique_ptr<CudaAllToAll>(new CudaAllToAll(std::move(impl)));
+}
+
+Status CudaAllToAll::dispatch_send(const CudaDispatchInput& in, void* stream) {
+    Impl& m = *impl_;
+    FERRY_RETURN_IF_ERROR(m.begin(Phase::kIdle, "dispatch_send"));
+    if (!in.x || !in.indices || !in.weights || !in.num_tokens ||
+        (m.cfg.dtype == DType::kFp8E4M3 && !in.x_scale))
+        return invalid_argument(
+            "dispatch_send: x, indices, weights, num_tokens (and x_scale for fp8) must be "
+            "device pointers");
+    if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0)
+        return invalid_argument("dispatch_send: x must be 16-byte aligned");
+    cudaError_t e = cuda::launch_dispatch_send(
+        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens, m.opt.dispatch.send_blocks,
+        m.opt.dispatch.send_threads, static_cast<cudaStream_t>(stream));
+    return m.launched(e, "dispatch_send launch", Phase::kDispatchSent);
+}
+
+Status CudaAllToAll::dispatch_recv(const CudaExpertBatch& out, void* stream) {
+    Impl& m = *impl_;
+    FERRY_RETURN_IF_ERROR(m.begin(Phase::kDispatchSent, "dispatch_recv"));
+    if (!out.x || !out.counts || !out.offsets || (m.cfg.dtype == DType::kFp8E4M3 && !out.x_scale))
+        return invalid_argument(
+            "dispatch_recv: x, counts, offsets (and x_scale for fp8) must be device pointers "
+            "sized for max_expert_rows(cfg) rows");
+    cudaError_t e = cuda::launch_dispatch_recv(m.args, out.x, out.x_scale, out.counts, out.offsets,
+                                               reinterpret_cast<cuda::RowSource*>(out.sources),
+                                               static_cast<cudaStream_t>(stream));
+    return m.launched(e, "dispatch_recv launch", Phase::kDispatchReceived);
+}
+
+Status CudaAllToAll::combine_send(const uint16_t* expert_out, void* stream) {
+    Impl& m = *impl_;
+    FERRY_RETURN_IF_ERROR(m.begin(Phase::kDispatchReceived, "combine_send"));
+    if (!expert_out || reinterpret_cast<uintptr_t>(expert_out) % 16 != 0)
+        return invalid_argument(
+            "combine_send: expert_out must be a 16-byte aligned device pointer");
+    cudaError_t e =
+        cuda::launch_combine_send(m.args, expert_out, m.opt.combine.send_blocks,
+                                  m.opt.combine.send_threads, static_cast<cudaStream_t>(stream));
+    return m.launched(e, "combine_send launch", Phase::kCombineSent);
+}
+
+Status CudaAllToAll::combine_recv(float* out, void* stream) {
+    Impl& m = *impl_;
+    FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv"));
+    if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+        return invalid_argument("combine_recv: out must be a 16-byte aligned device pointer");
+    cudaError_t e =
+        cuda::launch_combine_recv(m.args, out, nullptr, m.opt.combine.recv_blocks,
+                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
+    return m.launched(e, "combine_recv launch", Phase::kIdle);
+}
+
+Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream) {
+    Impl& m = *impl_;
+    FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv_bf16"));
+    if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+        return invalid_argument("combine_recv_bf16: out must be a 16-byte aligned device pointer");
+    cudaError_t e =
+        cuda::launch_combine_recv(m.args, nullptr, out, m.opt.combine.recv_blocks,
+                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
+    return m.launched(e, "combine_recv_bf16 launch", Phase::kIdle);
+}
+
+Status CudaAllToAll::synchronize(void* stream) {
+    Impl& m = *impl_;
+    FERRY_MOE_CUDA_TRY(cudaSetDevice(m.device));
+    // Kernels give up on their own after the timeout; the margin covers several waits in a
+    // row plus the kernels' own work.
+    TimePoint deadline = deadline_after(m.opt.timeout * 4 + std::chrono::seconds(5));
+    auto s = static_cast<cudaStream_t>(stream);
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(s);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) return m.fail(cuda_error(e, "cuda all-to-all stream"));
+        if (Clock::now() > deadline) {
+            FERRY_RETURN_IF_ERROR(m.device_status());
+            return m.fail(timeout_error(fmt::format(
+                "cuda all-to-all rank {}: the stream did not finish within {} ms and no kernel "
+                "reported where it is stuck (is another kernel on this stream blocking?)",
+                m.cfg.rank, to_ms(m.opt.timeout * 4 + std::chrono::seconds(5)))));
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return m.device_status();
+}
+
+Status CudaAllToAll::device_status() { return impl_->device_status(); }
+
+Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
+                         float* scales, void* stream) {
+    if (hidden == 0 || hidden % kScaleBlock != 0)
+        return invalid_argument(fmt::format("fp8 block quantization needs hidden % {} == 0, got {}",
+                                            kScaleBlock, hidden));
+    cudaError_t e =
+        cuda::launch_quantize_fp8(x, tokens, hidden, q, scales, static_cast<cudaStream_t>(stream));
+    return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 quantize launch");
+}
+
+Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
+                                   uint32_t hidden, uint16_t* out, void* stream,
+                                   const uint32_t* tokens_dev) {
+    if (hidden == 0 || hidden % kScaleBlock != 0)
+        return invalid_argument(
+            fmt::format("fp8 block dequantization needs hidden % {} == 0, "
+                        "got {}",
+                        kScaleBlock, hidden));
+    cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, tokens_dev, hidden, out,
+                                                static_cast<cudaStream_t>(stream));
+    return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 dequantize launch");
+}
+
+}  // namespace ferry::moe

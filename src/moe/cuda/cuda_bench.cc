@@ -1,0 +1,238 @@
+// `ferry bench moe --backend cuda`: every rank a thread of this process on this host's GPUs
+// (rank r on GPU r % count, peers reached through peer access over NVLink, the same path the
+// IPC mapping of separate processes takes). Phases are timed with CUDA events on each rank's
+// stream; ranks start every iteration together (host barrier), so a rank's latency includes
+// waiting for the slowest peer, as in a real layer.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "ferry/moe/cuda_all_to_all.h"
+#include "ferry/moe/numerics.h"
+#include "ferry/moe/plan.h"
+#include "moe/bench_internal.h"
+
+namespace ferry::moe::bench_detail {
+namespace {
+
+Status cuda_error(cudaError_t e, std::string_view what) {
+    return provider_error(fmt::format("bench moe: {} failed: {}", what, cudaGetErrorString(e)));
+}
+
+#define BENCH_CUDA_TRY(expr)                                                 \
+    do {                                                                     \
+        cudaError_t bench_err_ = (expr);                                     \
+        if (bench_err_ != cudaSuccess) return cuda_error(bench_err_, #expr); \
+    } while (0)
+
+// Owns every CUDA object of one rank, released on any return path.
+struct RankResources {
+    int device = 0;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ev[6] = {};
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    std::vector<void*> mem;
+    ~RankResources() {
+        cudaSetDevice(device);
+        if (exec) cudaGraphExecDestroy(exec);
+        if (graph) cudaGraphDestroy(graph);
+        for (cudaEvent_t e : ev)
+            if (e) cudaEventDestroy(e);
+        if (stream) cudaStreamDestroy(stream);
+        for (void* p : mem) cudaFree(p);
+    }
+    template <typename T>
+    Result<T*> alloc(size_t count) {
+        void* p = nullptr;
+        cudaError_t e = cudaMalloc(&p, std::max<size_t>(count * sizeof(T), 16));
+        if (e != cudaSuccess) return cuda_error(e, fmt::format("cudaMalloc of {} bytes", count));
+        mem.push_back(p);
+        return static_cast<T*>(p);
+    }
+};
+
+Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t rank, int gpus,
+                     ThreadExchange& ex, RankResult* res) {
+    AllToAllConfig cfg = base;
+    cfg.rank = rank;
+    RankResources rr;
+    rr.device = static_cast<int>(rank % static_cast<uint32_t>(gpus));
+    BENCH_CUDA_TRY(cudaSetDevice(rr.device));
+    BENCH_CUDA_TRY(cudaStreamCreateWithFlags(&rr.stream, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : rr.ev) BENCH_CUDA_TRY(cudaEventCreate(&e));
+    res->provider = fmt::format("cuda (rank {} on GPU {} of {})", rank, rr.device, gpus);
+
+    CudaAllToAllOptions opts;
+    opts.timeout = bc.timeout;
+    opts.device = rr.device;
+    if (bc.send_blocks) {
+        opts.dispatch.send_blocks = bc.send_blocks;
+        opts.combine.send_blocks = bc.send_blocks;
+    }
+    AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
+    FERRY_ASSIGN_OR_RETURN(auto a2a, CudaAllToAll::create(cfg, ag, opts));
+
+    // Random bf16 tokens and a uniform top-k routing with weights summing to 1 (as the cpu
+    // path), quantized on the device.
+    const uint32_t n = bc.tokens, h = cfg.hidden, k = cfg.experts_per_token;
+    std::mt19937_64 rng(bc.seed * 7919 + rank);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f), wdist(0.1f, 1.0f);
+    std::vector<uint16_t> x(size_t{n} * h);
+    for (auto& v : x) v = float_to_bf16(val(rng));
+    std::vector<int32_t> idx(size_t{n} * k);
+    std::vector<float> w(size_t{n} * k);
+    for (uint32_t t = 0; t < n; ++t) {
+        std::vector<int32_t> chosen;
+        float sum = 0;
+        while (chosen.size() < k) {
+            auto e = static_cast<int32_t>(rng() % cfg.num_experts);
+            if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+        }
+        for (uint32_t j = 0; j < k; ++j) {
+            idx[size_t{t} * k + j] = chosen[j];
+            w[size_t{t} * k + j] = wdist(rng);
+            sum += w[size_t{t} * k + j];
+        }
+        for (uint32_t j = 0; j < k; ++j) w[size_t{t} * k + j] /= sum;
+    }
+    std::vector<uint16_t> expected = x;  // what identity experts give back
+    if (cfg.dtype == DType::kFp8E4M3) {
+        std::vector<uint8_t> q(x.size());
+        std::vector<float> s(x.size() / kScaleBlock);
+        FERRY_RETURN_IF_ERROR(quantize_fp8_bf16(x, n, h, q, s));
+        FERRY_RETURN_IF_ERROR(dequantize_fp8_to_bf16(q, s, n, h, expected));
+    }
+    FERRY_ASSIGN_OR_RETURN(SendPlan plan, plan_send(cfg, idx, n));
+    const RowFormat row = RowFormat::of(cfg);
+    const uint64_t crow = uint64_t{h} * sizeof(uint16_t);
+    for (uint32_t d = 0; d < cfg.world_size; ++d) {
+        uint64_t db = uint64_t{plan.rows_to[d]} * row.row_bytes;
+        uint64_t cb = uint64_t{plan.hits_to[d]} * crow;
+        res->dispatch_bytes += db;
+        res->combine_bytes += cb;
+        if (d != rank) {
+            res->dispatch_remote_bytes += db;
+            res->combine_remote_bytes += cb;
+        }
+    }
+
+    const size_t rows = max_expert_rows(cfg), pb = cfg.payload_bytes();
+    const size_t spt = cfg.scales_per_token();
+    const uint32_t nl = cfg.num_local_experts();
+    FERRY_ASSIGN_OR_RETURN(uint16_t * dx16, rr.alloc<uint16_t>(x.size()));
+    FERRY_ASSIGN_OR_RETURN(uint8_t * dq, rr.alloc<uint8_t>(size_t{n} * pb));
+    FERRY_ASSIGN_OR_RETURN(float* ds, rr.alloc<float>(size_t{n} * spt));
+    FERRY_ASSIGN_OR_RETURN(int32_t * didx, rr.alloc<int32_t>(idx.size()));
+    FERRY_ASSIGN_OR_RETURN(float* dw, rr.alloc<float>(w.size()));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * dn, rr.alloc<uint32_t>(1));
+    FERRY_ASSIGN_OR_RETURN(uint8_t * bx, rr.alloc<uint8_t>(rows * pb));
+    FERRY_ASSIGN_OR_RETURN(float* bs, rr.alloc<float>(rows * spt));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * bcnt, rr.alloc<uint32_t>(nl));
+    FERRY_ASSIGN_OR_RETURN(uint32_t * boff, rr.alloc<uint32_t>(nl + 1));
+    FERRY_ASSIGN_OR_RETURN(uint16_t * y, rr.alloc<uint16_t>(rows * h));
+    FERRY_ASSIGN_OR_RETURN(float* out, rr.alloc<float>(size_t{n} * h));
+    cudaStream_t st = rr.stream;
+    BENCH_CUDA_TRY(cudaMemcpyAsync(dx16, x.data(), x.size() * 2, cudaMemcpyHostToDevice, st));
+    BENCH_CUDA_TRY(cudaMemcpyAsync(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, st));
+    BENCH_CUDA_TRY(cudaMemcpyAsync(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice, st));
+    BENCH_CUDA_TRY(cudaMemcpyAsync(dn, &n, 4, cudaMemcpyHostToDevice, st));
+    if (cfg.dtype == DType::kFp8E4M3) {
+        FERRY_RETURN_IF_ERROR(cuda_quantize_fp8(dx16, n, h, dq, ds, st));
+    } else {
+        BENCH_CUDA_TRY(cudaMemcpyAsync(dq, dx16, x.size() * 2, cudaMemcpyDeviceToDevice, st));
+    }
+    BENCH_CUDA_TRY(cudaStreamSynchronize(st));
+
+    CudaDispatchInput din{dq, spt ? ds : nullptr, didx, dw, dn};
+    CudaExpertBatch batch{bx, spt ? bs : nullptr, bcnt, boff, nullptr};
+    // One layer: dispatch, identity experts (untimed: between events 2 and 3), combine.
+    auto enqueue = [&]() -> Status {
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
+        FERRY_RETURN_IF_ERROR(a2a->dispatch_send(din, st));
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[1], st));
+        FERRY_RETURN_IF_ERROR(a2a->dispatch_recv(batch, st));
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[2], st));
+        if (cfg.dtype == DType::kFp8E4M3) {
+            FERRY_RETURN_IF_ERROR(cuda_dequantize_fp8_to_bf16(bx, bs, static_cast<uint32_t>(rows),
+                                                              h, y, st, boff + nl));
+        } else {
+            BENCH_CUDA_TRY(cudaMemcpyAsync(y, bx, rows * pb, cudaMemcpyDeviceToDevice, st));
+        }
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[3], st));
+        FERRY_RETURN_IF_ERROR(a2a->combine_send(y, st));
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[4], st));
+        FERRY_RETURN_IF_ERROR(a2a->combine_recv(out, st));
+        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[5], st));
+        return ok_status();
+    };
+    if (bc.graph) {
+        // The token count and call number live on the device, so one capture replays
+        // correctly call after call.
+        BENCH_CUDA_TRY(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        Status s = enqueue();
+        cudaError_t end = cudaStreamEndCapture(st, &rr.graph);
+        FERRY_RETURN_IF_ERROR(s);
+        if (end != cudaSuccess) return cuda_error(end, "cudaStreamEndCapture");
+        BENCH_CUDA_TRY(cudaGraphInstantiate(&rr.exec, rr.graph, 0));
+    }
+
+    for (int it = 0; it < bc.warmup + bc.iters; ++it) {
+        FERRY_ASSIGN_OR_RETURN(auto sync, ex.allgather(rank, {}, bc.timeout));
+        (void)sync;
+        if (bc.graph) {
+            BENCH_CUDA_TRY(cudaGraphLaunch(rr.exec, st));
+        } else {
+            FERRY_RETURN_IF_ERROR(enqueue());
+        }
+        FERRY_RETURN_IF_ERROR(a2a->synchronize(st));
+        if (it < bc.warmup) continue;
+        float ms[6] = {};
+        const int from[kNumPhases] = {0, 1, 0, 3, 4, 3};
+        const int to[kNumPhases] = {1, 2, 2, 4, 5, 5};
+        for (int p = 0; p < kNumPhases; ++p) {
+            BENCH_CUDA_TRY(cudaEventElapsedTime(&ms[p], rr.ev[from[p]], rr.ev[to[p]]));
+            res->samples[p].push_back(static_cast<double>(ms[p]) * 1e3);
+        }
+    }
+    std::vector<float> got(size_t{n} * h);
+    BENCH_CUDA_TRY(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < got.size(); ++i) {
+        float want = bf16_to_float(expected[i]);
+        double err = std::fabs(got[i] - want) / std::max(std::fabs(want), 1e-30f);
+        if (want == 0.0f) err = std::fabs(got[i]);
+        res->max_rel_error = std::max(res->max_rel_error, err);
+    }
+    // Every rank is done writing into every other rank before anyone frees its buffers.
+    FERRY_ASSIGN_OR_RETURN(auto done, ex.allgather(rank, {}, bc.timeout));
+    (void)done;
+    return ok_status();
+}
+
+}  // namespace
+
+Status run_cuda_ranks(const MoeBenchConfig& bc, const AllToAllConfig& cfg,
+                      std::vector<RankResult>* results) {
+    int gpus = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&gpus); e != cudaSuccess || gpus == 0)
+        return unavailable(fmt::format("bench moe --backend cuda: no usable GPU ({})",
+                                       e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
+    ThreadExchange ex(bc.ranks);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < bc.ranks; ++r) {
+        threads.emplace_back([&, r] {
+            RankResult& res = (*results)[r];
+            res.status = run_cuda_rank(bc, cfg, r, gpus, ex, &res);
+            if (!res.status.ok())
+                ex.abort(res.status.with_context(fmt::format("rank {} failed", r)));
+        });
+    }
+    for (auto& t : threads) t.join();
+    return ok_status();
+}
+
+}  // namespace ferry::moe::bench_detail

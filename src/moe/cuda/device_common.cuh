@@ -1,0 +1,83 @@
+// Device helpers of the MoE kernels: system-scope acquire/release on the arrival counters,
+// bounded spin-waits that record where they gave up, and L2-only loads of regions peers write.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moe/cuda/kernels.h"
+
+namespace ferry::moe::cuda {
+
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Publishes everything this thread (and, after a __syncthreads, its block) wrote before:
+// the fence orders the data before the counter at system scope, which covers NVLink peers.
+__device__ __forceinline__ void signal_add(uint64_t* counter, uint64_t n) {
+    __threadfence_system();
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(counter),
+                     static_cast<unsigned long long>(n));
+}
+
+// Whether any wait or check of this rank failed. The claim flag is in device memory: reading
+// the mapped host record in a spin loop would cost a PCIe round trip each time.
+__device__ __forceinline__ bool error_set(const KernelArgs& a) {
+    return *reinterpret_cast<const volatile uint32_t*>(&a.state->error_claimed) != 0;
+}
+
+// First failure wins: claimed with a device-memory atomic (atomics on mapped host memory need
+// PCIe atomics, which not every host has), then published to the host record with plain
+// stores, the code last, so a host that sees the code sees the fields.
+__device__ inline void record_error(const KernelArgs& a, uint32_t code, uint32_t phase,
+                                    uint32_t peer, uint32_t seq, uint64_t value, uint64_t want) {
+    if (atomicCAS(&a.state->error_claimed, 0u, 1u) != 0u) return;
+    volatile DeviceError* e = a.err;
+    e->phase = phase;
+    e->peer = peer;
+    e->seq = seq;
+    e->value = value;
+    e->want = want;
+    __threadfence_system();
+    e->code = code;
+    __threadfence_system();
+}
+
+// Spins until *counter >= want. Gives up (false) at the deadline, recording phase and peer,
+// or as soon as any other wait of this rank failed, so one dead peer costs one timeout.
+__device__ inline bool wait_counter(const KernelArgs& a, const uint64_t* counter, uint64_t want,
+                                    uint32_t phase, uint32_t peer, uint32_t seq) {
+    uint64_t start = global_ns();
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t v = ld_acquire_sys(counter);
+        if (v >= want) return true;
+        if ((spin & 255u) == 255u) {
+            if (error_set(a)) return false;
+            if (global_ns() - start > a.timeout_ns) {
+                record_error(a, DeviceError::kTimeout, phase, peer, seq, v, want);
+                return false;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ uint64_t* counter_at(uint8_t* base, uint64_t offset, uint32_t index) {
+    return reinterpret_cast<uint64_t*>(base + offset) + index;
+}
+
+// Regions peers write into are read through L2 only: L1 may still hold the previous call.
+__device__ __forceinline__ uint32_t ld_cg_u32(const void* p) {
+    return __ldcg(reinterpret_cast<const unsigned int*>(p));
+}
+
+}  // namespace ferry::moe::cuda

@@ -1,0 +1,356 @@
+// Dispatch kernels: plan (counts per expert and destination, counts messages to every peer),
+// send (rows straight into peers' private slots, then, once every peer's counts are here, the
+// rest into the overflow run at the offset all ranks derive from the counts matrix), and
+// recv (rows grouped per local expert, in the order the CPU backend produces).
+#include <cub/block/block_scan.cuh>
+
+#include "moe/cuda/device_common.cuh"
+#include "moe/cuda/kernels.h"
+
+namespace ferry::moe::cuda {
+namespace {
+
+constexpr uint32_t kPlanThreads = 1024;
+constexpr uint32_t kRecvThreads = 256;
+constexpr uint32_t kMaxWorld = 64;  // one bit per destination in dest_mask
+
+__device__ __forceinline__ uint32_t* counts_word(uint8_t* base, const KernelArgs& a,
+                                                 uint32_t sender, uint32_t word) {
+    return reinterpret_cast<uint32_t*>(base + a.lay.counts + uint64_t{sender} * a.counts_bytes) +
+           word;
+}
+
+// Single block: one call's routing is at most max_tokens * top-k entries, and a block-wide
+// scan per destination gives every token its row at that destination in token order.
+__global__ void __launch_bounds__(kPlanThreads)
+    dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const float* weights,
+                         const uint32_t* num_tokens) {
+    using Scan = cub::BlockScan<uint32_t, kPlanThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ uint32_t s_seq, s_n;
+    __shared__ uint32_t s_rows_to[kMaxWorld], s_hits_to[kMaxWorld];
+    const uint32_t tid = threadIdx.x, w = a.world, k = a.topk, nl = a.local_experts;
+    if (tid == 0) {
+        uint64_t seq = a.state->seq + 1;
+        a.state->seq = seq;
+        uint32_t n = *num_tokens;
+        if (n > a.max_tokens) {
+            record_error(a, DeviceError::kTooMany, DeviceError::kPlan, a.rank,
+                         static_cast<uint32_t>(seq), n, a.max_tokens);
+            n = 0;
+        }
+        a.state->num_tokens = n;
+        s_seq = static_cast<uint32_t>(seq);
+        s_n = n;
+    }
+    for (uint32_t i = tid; i < a.num_experts; i += blockDim.x) a.expert_counts[i] = 0;
+    __syncthreads();
+    const uint32_t n = s_n, seq = s_seq;
+    for (uint32_t t = tid; t < n; t += blockDim.x) {
+        uint64_t mask = 0;
+        for (uint32_t j = 0; j < k; ++j) {
+            int32_t e = indices[t * k + j];
+            if (e < -1 || e >= static_cast<int32_t>(a.num_experts)) {
+                record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
+                             static_cast<uint64_t>(static_cast<int64_t>(e)), a.num_experts);
+                e = -1;
+            }
+            a.indices[t * k + j] = e;
+            a.weights[t * k + j] = weights[t * k + j];
+            if (e < 0) continue;
+            mask |= 1ull << (static_cast<uint32_t>(e) / nl);
+            atomicAdd(&a.expert_counts[e], 1u);
+        }
+        a.dest_mask[t] = mask;
+    }
+    __syncthreads();
+    for (uint32_t d = 0; d < w; ++d) {
+        uint32_t carry = 0;
+        for (uint32_t base = 0; base < n; base += blockDim.x) {
+            uint32_t t = base + tid;
+            uint32_t flag = t < n ? static_cast<uint32_t>((a.dest_mask[t] >> d) & 1u) : 0u;
+            uint32_t pre, agg;
+            Scan(scan_tmp).ExclusiveSum(flag, pre, agg);
+            if (t < n) a.row_pos[uint64_t{t} * w + d] = carry + pre;
+            carry += agg;
+            __syncthreads();  // scan_tmp is reused
+        }
+        if (tid == 0) {
+            s_rows_to[d] = carry;
+            a.rows_to[d] = carry;
+        }
+    }
+    if (tid < w) {
+        uint32_t hits = 0;
+        for (uint32_t e = 0; e < nl; ++e) hits += a.expert_counts[tid * nl + e];
+        s_hits_to[tid] = hits;
+    }
+    __syncthreads();
+
+    // Counts message to every rank (the CountsFormat words; no combine base: results come
+    // back into slot token * top-k + k).
+    const uint32_t words = a.counts_hits_word + nl;
+    for (uint32_t i = tid; i < w * words; i += blockDim.x) {
+        uint32_t d = i / words, wi = i % words;
+        uint32_t v;
+        if (wi == CountsWords::kSeq) {
+            v = seq;
+        } else if (wi == CountsWords::kConfigHash) {
+            v = a.hash32;
+        } else if (wi == CountsWords::kCombineBase) {
+            v = 0;
+        } else if (wi == CountsWords::kHits) {
+            v = s_hits_to[d];
+        } else if (wi < a.counts_hits_word) {
+            v = s_rows_to[wi - CountsWords::kRowsTo];
+        } else {
+            v = a.expert_counts[d * nl + (wi - a.counts_hits_word)];
+        }
+        *counts_word(a.peers[d], a, a.rank, wi) = v;
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_counts, a.rank), 1);
+}
+
+// One row: header (token, call, local expert per top-k or -1), payload, scales.
+__device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot, uint32_t t,
+                                 uint32_t seq, const uint8_t* x, const float* x_scale) {
+    uint8_t* dst = a.peers[d] + a.lay.dispatch + slot * a.row_bytes;
+    const uint32_t tid = threadIdx.x, k = a.topk, nl = a.local_experts;
+    if (tid == 0) *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
+    if (tid < k) {
+        int32_t e = a.indices[t * k + tid];
+        bool here = e >= 0 && static_cast<uint32_t>(e) / nl == d;
+        reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[tid] =
+            here ? static_cast<int16_t>(static_cast<uint32_t>(e) % nl) : int16_t{-1};
+    }
+    const int4* src = reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes);
+    int4* out = reinterpret_cast<int4*>(dst + a.payload_offset);
+    for (uint32_t i = tid; i < a.payload_bytes / 16; i += blockDim.x) out[i] = src[i];
+    float* so = reinterpret_cast<float*>(dst + a.scale_offset);
+    for (uint32_t i = tid; i < a.scales_per_token; i += blockDim.x)
+        so[i] = x_scale[uint64_t{t} * a.scales_per_token + i];
+}
+
+__global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
+    __shared__ uint64_t s_overflow[kMaxWorld];
+    __shared__ int s_ok;
+    const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
+    // Written by the plan kernel earlier on this stream.
+    const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
+            uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
+            uint32_t j = a.row_pos[uint64_t{t} * w + d];
+            if (j < p) write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale);
+        }
+    }
+
+    // Every peer's counts: the rows each sender sends to each rank fix the overflow offsets.
+    if (tid == 0) s_ok = 1;
+    __syncthreads();
+    if (tid < w) {
+        bool ok = wait_counter(a, counter_at(a.self, a.lay.ctr_counts, tid), seq,
+                               DeviceError::kSendWaitCounts, tid, seq);
+        if (ok) {
+            uint32_t their_hash = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kConfigHash));
+            uint32_t their_seq = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kSeq));
+            if (their_hash != a.hash32) {
+                record_error(a, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
+                             their_hash, a.hash32);
+                ok = false;
+            } else if (their_seq != seq) {
+                record_error(a, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
+                             their_seq, seq);
+                ok = false;
+            }
+        }
+        if (!ok) s_ok = 0;
+    }
+    __syncthreads();
+    if (tid < w) {
+        const uint32_t d = tid;
+        uint64_t at = uint64_t{w} * p;
+        for (uint32_t s = 0; s < a.rank; ++s) {
+            uint32_t r = ld_cg_u32(counts_word(a.self, a, s, CountsWords::kRowsTo + d));
+            r = min(r, a.max_tokens);  // keeps every write inside the region, even on bad counts
+            at += r > p ? r - p : 0;
+        }
+        s_overflow[d] = at;
+    }
+    __syncthreads();
+    if (s_ok) {
+        for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+            for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
+                uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
+                uint32_t j = a.row_pos[uint64_t{t} * w + d];
+                if (j >= p) write_row(a, d, s_overflow[d] + (j - p), t, seq, x, x_scale);
+            }
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_dispatch, a.rank), 1);
+}
+
+__device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
+    return (v + al - 1) / al * al;
+}
+
+// Block (e, s): the rows sender s sent here that chose local expert e, in the sender's row
+// order, at offsets[e] + (hits of e from senders before s). That is the CPU backend's order,
+// so both backends produce byte-identical batches from the same inputs.
+__global__ void __launch_bounds__(kRecvThreads)
+    dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
+                         uint32_t* out_offsets, RowSource* out_sources) {
+    using Scan = cub::BlockScan<uint32_t, kRecvThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int s_ok;
+    __shared__ uint32_t s_offset, s_total, s_before, s_rows_from, s_hits;
+    __shared__ uint64_t s_overflow_begin;
+    __shared__ uint64_t s_row[kRecvThreads];
+    __shared__ uint32_t s_tok[kRecvThreads], s_k[kRecvThreads];
+    const uint32_t e = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+    const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
+    const uint32_t seq = static_cast<uint32_t>(a.state->seq);
+    const uint32_t hw = a.counts_hits_word;
+    if (tid == 0) {
+        s_offset = 0;
+        s_ok = wait_counter(a, counter_at(a.self, a.lay.ctr_dispatch, s),
+                            uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, s,
+                            seq);
+    }
+    __syncthreads();
+    // Group offsets from the counts messages (all here: dispatch_send waited for them).
+    for (uint32_t e2 = tid; e2 < e; e2 += blockDim.x) {
+        uint32_t tot = 0;
+        for (uint32_t s2 = 0; s2 < w; ++s2) tot += ld_cg_u32(counts_word(a.self, a, s2, hw + e2));
+        atomicAdd(&s_offset, align_up(tot, a.alignment));
+    }
+    if (tid == 0) {
+        uint32_t tot = 0, before = 0;
+        uint64_t ob = 0;
+        for (uint32_t s2 = 0; s2 < w; ++s2) {
+            uint32_t h = ld_cg_u32(counts_word(a.self, a, s2, hw + e));
+            uint32_t r = min(ld_cg_u32(counts_word(a.self, a, s2, CountsWords::kRowsTo + a.rank)),
+                             a.max_tokens);
+            tot += h;
+            if (s2 < s) {
+                before += h;
+                ob += r > p ? r - p : 0;
+            }
+            if (s2 == s) {
+                s_rows_from = r;
+                s_hits = h;
+            }
+        }
+        s_total = tot;
+        s_before = before;
+        s_overflow_begin = uint64_t{w} * p + ob;
+    }
+    __syncthreads();
+    const uint32_t offset = s_offset, total = s_total;
+    const uint32_t pb16 = a.payload_bytes / 16, spt = a.scales_per_token;
+    if (s == 0) {
+        // Metadata and zero padding of group e (a grouped GEMM reads whole groups).
+        uint32_t end = offset + align_up(total, a.alignment);
+        if (tid == 0) {
+            out_counts[e] = total;
+            out_offsets[e] = offset;
+            if (e + 1 == nl) {
+                out_offsets[nl] = end;
+                a.state->out_rows = end;
+            }
+        }
+        for (uint32_t o = offset + total; o < end && o < a.max_rows; ++o) {
+            int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes);
+            for (uint32_t i = tid; i < pb16; i += blockDim.x) dst[i] = make_int4(0, 0, 0, 0);
+            for (uint32_t i = tid; i < spt; i += blockDim.x) out_scale[uint64_t{o} * spt + i] = 0;
+            if (tid == 0) {
+                a.row_src[o] = RowSource{};
+                if (out_sources) out_sources[o] = RowSource{};
+            }
+        }
+    }
+    if (!s_ok) return;
+
+    const uint32_t rows_from = s_rows_from;
+    const uint64_t overflow_begin = s_overflow_begin;
+    uint32_t carry = 0;
+    const uint32_t base = offset + s_before;
+    for (uint32_t chunk = 0; chunk < rows_from; chunk += blockDim.x) {
+        uint32_t i = chunk + tid, match = 0, kk_match = 0, token = 0;
+        uint64_t ri = 0;
+        if (i < rows_from) {
+            ri = i < p ? uint64_t{s} * p + i : overflow_begin + (i - p);
+            const uint8_t* row = a.self + a.lay.dispatch + ri * a.row_bytes;
+            token = ld_cg_u32(row);
+            uint32_t hseq = ld_cg_u32(row + 4);
+            if (hseq != seq || token >= a.max_tokens) {
+                record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
+                             (uint64_t{hseq} << 32) | token, seq);
+            } else {
+                const auto* le = reinterpret_cast<const unsigned short*>(row + kRowHeaderBytes);
+                for (uint32_t kk = 0; kk < k; ++kk) {
+                    if (static_cast<int16_t>(__ldcg(le + kk)) == static_cast<int32_t>(e)) {
+                        match = 1;
+                        kk_match = kk;
+                    }
+                }
+            }
+        }
+        uint32_t pre, agg;
+        Scan(scan_tmp).ExclusiveSum(match, pre, agg);
+        if (match) {
+            s_row[pre] = ri;
+            s_tok[pre] = token;
+            s_k[pre] = kk_match;
+        }
+        __syncthreads();
+        for (uint32_t m = 0; m < agg; ++m) {
+            uint32_t o = base + carry + m;
+            if (carry + m >= s_hits || o >= a.max_rows) break;  // reported below
+            const uint8_t* row = a.self + a.lay.dispatch + s_row[m] * a.row_bytes;
+            const int4* src = reinterpret_cast<const int4*>(row + a.payload_offset);
+            int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes);
+            for (uint32_t c = tid; c < pb16; c += blockDim.x) dst[c] = __ldcg(src + c);
+            const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
+            for (uint32_t c = tid; c < spt; c += blockDim.x)
+                out_scale[uint64_t{o} * spt + c] = __ldcg(ssrc + c);
+            if (tid == 0) {
+                RowSource src_meta{s, s_tok[m], s_k[m]};
+                a.row_src[o] = src_meta;
+                if (out_sources) out_sources[o] = src_meta;
+            }
+        }
+        carry += agg;
+        __syncthreads();  // s_row and scan_tmp are reused
+    }
+    if (tid == 0 && carry != s_hits)
+        record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq, carry, s_hits);
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
+                                 const int32_t* indices, const float* weights,
+                                 const uint32_t* num_tokens, uint32_t send_blocks,
+                                 uint32_t send_threads, cudaStream_t stream) {
+    dispatch_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a, indices, weights, num_tokens);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
+        a, static_cast<const uint8_t*>(x), x_scale);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
+                                 uint32_t* offsets, RowSource* sources, cudaStream_t stream) {
+    dim3 grid(a.local_experts, a.world);
+    dispatch_recv_kernel<<<grid, kRecvThreads, 0, stream>>>(a, static_cast<uint8_t*>(x), x_scale,
+                                                            counts, offsets, sources);
+    return cudaGetLastError();
+}
+
+}  // namespace ferry::moe::cuda

@@ -1,0 +1,110 @@
+// Shared between the MoE kernels (.cu, CUDA C++17) and their host side: the argument block
+// every kernel gets, the device-side error record, and the launchers of each kernel family.
+// The .cu files are C++17 and cannot include plan.h (std::span), so the few wire constants
+// they need are mirrored here; the host side static_asserts that they match.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ferry::moe::cuda {
+
+// Mirror of moe::RowSource (same layout; rank kPadding marks padding rows).
+struct RowSource {
+    static constexpr uint32_t kPadding = 0xffffffffu;
+    uint32_t rank = kPadding;
+    uint32_t token = 0;
+    uint32_t k = 0;
+};
+// Mirror of the CountsFormat word indices and of sizeof(RowHeader) (token, call number).
+struct CountsWords {
+    static constexpr uint32_t kSeq = 0, kConfigHash = 1, kCombineBase = 2, kHits = 3, kRowsTo = 4;
+};
+inline constexpr uint32_t kRowHeaderBytes = 8;
+// Mirrors of numerics.h.
+inline constexpr float kFp8Max = 448.0f;
+inline constexpr float kFp8Floor = 1e-4f;
+
+// Written once per failure (first writer wins) into mapped pinned host memory, so the host can
+// read it even while a kernel is stuck.
+struct DeviceError {
+    enum Code : uint32_t { kNone = 0, kTimeout = 1, kProtocol = 2, kConfig = 3, kTooMany = 4 };
+    enum Phase : uint32_t {
+        kPlan = 1,
+        kSendWaitCounts = 2,
+        kRecvWaitRows = 3,
+        kRecvRows = 4,
+        kCombineSend = 5,
+        kCombineRecvWait = 6,
+    };
+    uint32_t code;
+    uint32_t phase;
+    uint32_t peer;
+    uint32_t seq;
+    uint64_t value;  // what was seen (counter, seq in a row header, token count ...)
+    uint64_t want;   // what was expected
+};
+
+// Device-local state of one rank: the call number and token count of the current call.
+struct DeviceState {
+    uint64_t seq;
+    uint32_t num_tokens;
+    uint32_t out_rows;       // rows of the last dispatch_recv, padding included
+    uint32_t error_claimed;  // set once by the first failure (see record_error)
+};
+
+// Byte offsets inside each rank's IPC-shared allocation (identical on every rank).
+struct SharedLayout {
+    uint64_t ctr_counts = 0;    // [world] uint64: +1 per call from each sender
+    uint64_t ctr_dispatch = 0;  // [world] uint64: +send_blocks per call from each sender
+    uint64_t ctr_combine = 0;   // [world] uint64: +combine send_blocks per call from each sender
+    uint64_t counts = 0;        // [world] counts messages
+    uint64_t dispatch = 0;      // [world * max_tokens] rows
+    uint64_t combine = 0;       // [max_tokens * top-k] bf16 rows
+    uint64_t total = 0;
+};
+
+struct KernelArgs {
+    uint32_t rank, world, hidden, topk, num_experts, local_experts;
+    uint32_t private_slots, max_tokens, alignment, hash32;
+    uint32_t payload_bytes, scales_per_token, row_bytes, payload_offset, scale_offset;
+    uint32_t counts_bytes, counts_hits_word;  // CountsFormat::bytes, ::hits_per_expert
+    uint32_t max_rows;                        // max_expert_rows
+    uint32_t dispatch_send_blocks, combine_send_blocks;
+    uint64_t timeout_ns;
+    SharedLayout lay;
+    uint8_t* const* peers;  // [world] device array: each rank's shared allocation, mapped here
+    uint8_t* self;          // this rank's shared allocation
+    DeviceState* state;
+    DeviceError* err;  // device view of the mapped host record
+    // Per-call scratch, local to this rank.
+    uint64_t* dest_mask;      // [max_tokens] bit d: token goes to rank d
+    uint32_t* row_pos;        // [max_tokens * world] row of the token among those sent to d
+    uint32_t* expert_counts;  // [num_experts]
+    uint32_t* rows_to;        // [world]
+    int32_t* indices;         // [max_tokens * top-k] copy of the call's routing
+    float* weights;           // [max_tokens * top-k]
+    RowSource* row_src;       // [max_rows] where each grouped row came from
+};
+
+// dispatch.cu
+cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
+                                 const int32_t* indices, const float* weights,
+                                 const uint32_t* num_tokens, uint32_t send_blocks,
+                                 uint32_t send_threads, cudaStream_t stream);
+cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
+                                 uint32_t* offsets, RowSource* sources, cudaStream_t stream);
+// combine.cu
+cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out, uint32_t blocks,
+                                uint32_t threads, cudaStream_t stream);
+cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
+                                uint32_t blocks, uint32_t threads, cudaStream_t stream);
+// quantize.cu
+cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
+                                float* scales, cudaStream_t stream);
+cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,
+                                  const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out,
+                                  cudaStream_t stream);
+
+}  // namespace ferry::moe::cuda
