@@ -43,7 +43,7 @@ cmake --build $build -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|E
 status=0
 log "GPU tests"
 for t in $build/tests/*_tests; do
-  "$t" --gtest_filter='*Gpu*:*gpu*:*Cuda*:*cuda*' > "$out/$(basename "$t").log" 2>&1 || status=1
+  timeout 240 "$t" --gtest_filter='*Gpu*:*gpu*:*Cuda*:*cuda*' > "$out/$(basename "$t").log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
 done
 
@@ -64,14 +64,14 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
   moe="--backend cuda --ranks 2 --hidden 7168 --topk 8 --experts 256 --dtype fp8"
   for t in 128 4096; do
     log "bench moe cuda, $t tokens"
-    $build/ferry bench moe $moe --tokens $t --warmup 20 --iters 200 \
+    timeout 120 $build/ferry bench moe $moe --tokens $t --warmup 20 --iters 200 \
       --json "$out/bench_moe_cuda_$t.json" 2>&1 | tee "$out/bench_moe_cuda_$t.txt" || status=1
     log "nccl all_to_all, $t tokens"
-    python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
+    timeout 180 python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
       --json "$out/nccl_alltoall_$t.json" 2>&1 | tee "$out/nccl_alltoall_$t.txt" || status=1
   done
   log "bench moe cuda, 128 tokens, graph replay"
-  $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
+  timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
     --json "$out/bench_moe_cuda_128_graph.json" 2>&1 | tee "$out/bench_moe_cuda_128_graph.txt" \
     || status=1
 fi
