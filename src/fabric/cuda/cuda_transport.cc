@@ -343,7 +343,11 @@ void CudaTransport::run() {
         std::deque<Job> jobs;
         {
             std::unique_lock lk(mu_);
-            if (inflight_.empty()) {
+            // Sleep only when nothing is copying and nothing is held back for a busy device:
+            // held jobs must go out as soon as their device's copy completes.
+            bool held = false;
+            for (const auto& [dev, group] : waiting_) held = held || !group.empty();
+            if (inflight_.empty() && !held) {
                 cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
             }
             if (stop_) return;
