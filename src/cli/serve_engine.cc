@@ -31,6 +31,7 @@ struct EngineFlags {
     std::string provider = "shm";
     int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
     double kv_lease_s = 30;
+    double kv_op_timeout_s = 10;
 };
 
 void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
@@ -137,7 +138,11 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         lc.provider = f.provider;
         lc.host = f.host;
         lc.side_port = f.kv_port >= 0 ? f.kv_port : (f.port > 0 ? f.port + 1000 : 0);
-        lc.lease = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.kv_lease_s));
+        auto secs = [](double s) {
+            return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+        };
+        lc.lease = secs(f.kv_lease_s);
+        lc.op_timeout = secs(f.kv_op_timeout_s);
         auto l = serve::FabricKvLink::create(lc, &(*engine)->pool());
         if (!l.ok()) return fail(l.status());
         link = std::move(l).value();
@@ -289,6 +294,9 @@ void register_serve(CLI::App& app) {
                         "KV side-channel port (default: HTTP port + 1000)");
         cmd->add_option("--kv-lease", flags->kv_lease_s,
                         "seconds a side holds blocks for a transfer that does not progress")
+            ->capture_default_str();
+        cmd->add_option("--kv-op-timeout", flags->kv_op_timeout_s,
+                        "seconds before a KV write or read to a dead peer fails")
             ->capture_default_str();
         std::string r = role;
         cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });

@@ -69,7 +69,7 @@ class Proc {
         for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
         args.push_back(nullptr);
         pid_t pid = -1;
-        if (posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ) != 0) pid = -1;
+        if (posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ) != 0) pid = -1;
         posix_spawn_file_actions_destroy(&fa);
         p.pid_ = pid;
         return p;
