@@ -186,19 +186,23 @@ class FabricKvLink::Impl {
         auto info = resolve(params.remote_host, params.remote_port);
         if (!info.ok()) return fail_recv(tid, info.status());
         std::lock_guard ilk(issue_mu);
+        KvDoneCallback cancelled_early;
         {
             std::lock_guard lk(mu);
             auto it = recvs.find(tid);
             if (it == recvs.end()) return;
             if (it->second.cancelled) {
-                // Nothing was posted: the blocks may be reused at once.
-                KvDoneCallback arrived = std::move(it->second.arrived);
+                cancelled_early = std::move(it->second.arrived);
                 recv_of_request.erase(it->second.request);
                 recvs.erase(it);
-                arrived(cancelled("transfer cancelled by decode before it started"));
-                return;
+            } else {
+                it->second.issued = true;
             }
-            it->second.issued = true;
+        }
+        if (cancelled_early) {
+            // Nothing was posted: the blocks may be reused at once.
+            cancelled_early(cancelled("transfer cancelled by decode before it started"));
+            return;
         }
         Status st;
         if (cfg.mode == KvLinkMode::kPush) {
