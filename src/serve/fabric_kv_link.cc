@@ -1,6 +1,7 @@
 #include "ferry/serve/fabric_kv_link.h"
 
 #include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 
 #include "ferry/common/log.h"
@@ -45,7 +46,7 @@ std::vector<uint32_t> to_u32(const std::vector<BlockId>& b) { return {b.begin(),
 }  // namespace
 
 class FabricKvLink::Impl {
-  public:
+   public:
     FabricKvLinkConfig cfg;
     KvPool* pool = nullptr;
     kv::KvLayout layout;
@@ -264,22 +265,22 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cc.self = {p->layout, 0, 1};
     // The lease must outlast the engine's op timeout (see ConnectorConfig::lease).
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
-    cc.pull_mode = config.mode == KvLinkMode::kPullInline ? kv::PullMode::kInline
-                                                          : kv::PullMode::kBackground;
+    cc.pull_mode =
+        config.mode == KvLinkMode::kPullInline ? kv::PullMode::kInline : kv::PullMode::kBackground;
     kv::ConnectorCallbacks cb;
     cb.on_send_done = [p](const kv::TransferResult& r) { p->on_send_done(r); };
     cb.on_recv_done = [p](const kv::TransferResult& r) { p->on_recv_done(r); };
-    FERRY_ASSIGN_OR_RETURN(p->conn,
-                           kv::KvConnector::create(p->engine.get(), p->mr.get(), cc, std::move(cb)));
+    FERRY_ASSIGN_OR_RETURN(
+        p->conn, kv::KvConnector::create(p->engine.get(), p->mr.get(), cc, std::move(cb)));
     kv::HandshakeInfo info;
     info.address = p->engine->address();
     info.pool = p->mr->descriptor();
     info.layout = p->layout;
     auto side = kv::HandshakeServer::start(config.host, uint16_t(config.side_port), info);
     if (!side.ok())
-        return side.status().with_context(fmt::format(
-            "KV side channel on {}:{} (pick another with --kv-port)", config.host,
-            config.side_port));
+        return side.status().with_context(
+            fmt::format("KV side channel on {}:{} (pick another with --kv-port)", config.host,
+                        config.side_port));
     p->side = std::move(side).value();
     p->peers = std::make_unique<kv::HandshakeCache>(p->layout.compatibility_hash());
     p->worker = std::thread([p] { p->run(); });

@@ -17,8 +17,8 @@ struct Stack {
     std::vector<Proc> procs;
     bool up = false;
 
-    Stack(const std::string& mode, int np, int nd, const std::vector<std::string>& engine_extra = {},
-          const std::string& provider = "shm") {
+    Stack(const std::string& mode, int np, int nd,
+          const std::vector<std::string>& engine_extra = {}, const std::string& provider = "shm") {
         dir = std::filesystem::temp_directory_path() /
               fmt::format("ferry-e2e-{}-{}", ::getpid(), mode);
         std::filesystem::create_directories(dir);
@@ -26,11 +26,27 @@ struct Stack {
         auto engine = [&](const char* role, int i, std::vector<int>& ports, std::string& list) {
             int port = free_port();
             ports.push_back(port);
-            std::vector<std::string> argv = {ferry_binary(), "serve", role, "--port",
-                                             std::to_string(port), "--model", "tiny", "--tp", "1",
-                                             "--num-blocks", "256", "--kv-mode", mode,
-                                             "--provider", provider, "--kv-port", "0",
-                                             "--kv-lease", "3", "--kv-wait-timeout", "5"};
+            std::vector<std::string> argv = {ferry_binary(),
+                                             "serve",
+                                             role,
+                                             "--port",
+                                             std::to_string(port),
+                                             "--model",
+                                             "tiny",
+                                             "--tp",
+                                             "1",
+                                             "--num-blocks",
+                                             "256",
+                                             "--kv-mode",
+                                             mode,
+                                             "--provider",
+                                             provider,
+                                             "--kv-port",
+                                             "0",
+                                             "--kv-lease",
+                                             "3",
+                                             "--kv-wait-timeout",
+                                             "5"};
             argv.insert(argv.end(), engine_extra.begin(), engine_extra.end());
             procs.push_back(Proc::spawn(argv, (dir / fmt::format("{}{}.log", role, i)).string()));
             list += (list.empty() ? "" : ",") + fmt::format("{}:{}", kHost, port);
@@ -38,11 +54,10 @@ struct Stack {
         for (int i = 0; i < np; ++i) engine("prefill", i, prefill_ports, prefills);
         for (int i = 0; i < nd; ++i) engine("decode", i, decode_ports, decodes);
         router_port = free_port();
-        procs.push_back(Proc::spawn({ferry_binary(), "serve", "router", "--port",
-                                     std::to_string(router_port), "--prefill", prefills,
-                                     "--decode", decodes, "--mode", mode, "--request-timeout",
-                                     "20"},
-                                    (dir / "router.log").string()));
+        procs.push_back(Proc::spawn(
+            {ferry_binary(), "serve", "router", "--port", std::to_string(router_port), "--prefill",
+             prefills, "--decode", decodes, "--mode", mode, "--request-timeout", "20"},
+            (dir / "router.log").string()));
         up = true;
         for (int p : prefill_ports) up = up && wait_healthy(kHost, p);
         for (int p : decode_ports) up = up && wait_healthy(kHost, p);
@@ -74,9 +89,9 @@ TEST(DisaggE2E, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
         ASSERT_TRUE(s.up);
         for (int i = 0; i < 3; ++i) {
             auto prompt = prompt_of(100 + 37 * i, i);  // partial last blocks
-            Streamed r = stream(kHost, s.router_port,
-                                {{"prompt", prompt}, {"max_tokens", 9}, {"stream", true}},
-                                seconds(20));
+            Streamed r =
+                stream(kHost, s.router_port,
+                       {{"prompt", prompt}, {"max_tokens", 9}, {"stream", true}}, seconds(20));
             ASSERT_TRUE(r.transport.ok()) << r.transport.to_string();
             ASSERT_EQ(r.status, 200) << r.raw << s.logs();
             EXPECT_FALSE(r.error_event) << r.raw;
@@ -93,9 +108,8 @@ TEST(DisaggE2E, TwoPrefillTwoDecodeRoundRobin) {
     ASSERT_TRUE(s.up);
     for (int i = 0; i < 4; ++i) {
         auto prompt = prompt_of(64 + i, i);
-        Streamed r =
-            stream(kHost, s.router_port, {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}},
-                   seconds(20));
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
         ASSERT_EQ(r.status, 200) << r.raw << s.logs();
         EXPECT_EQ(r.tokens, tiny_expected(prompt, 4));
     }
@@ -129,14 +143,14 @@ TEST(DisaggE2E, DecodeKilledMidRequestGivesAClientErrorAndPrefillPoolIsFullAgain
     ASSERT_GT(total, 0);
     auto prompt = prompt_of(300, 5);
     bool killed = false;
-    Streamed r = stream(
-        kHost, s.router_port, {{"prompt", prompt}, {"max_tokens", 500}, {"stream", true}},
-        seconds(20), [&](size_t n) {
-            if (n == 2 && !killed) {
-                s.decode_proc(0).kill_now();
-                killed = true;
-            }
-        });
+    Streamed r =
+        stream(kHost, s.router_port, {{"prompt", prompt}, {"max_tokens", 500}, {"stream", true}},
+               seconds(20), [&](size_t n) {
+                   if (n == 2 && !killed) {
+                       s.decode_proc(0).kill_now();
+                       killed = true;
+                   }
+               });
     ASSERT_TRUE(killed) << r.raw << s.logs();
     // The client notices: an error event, a broken stream, or a non-200 answer; never a
     // normal end with fewer tokens.

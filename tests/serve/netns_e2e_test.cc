@@ -69,14 +69,15 @@ struct NetPair {
 // Runs fn on a thread that lives in namespace `ns`: its sockets are that namespace's.
 template <typename F>
 auto in_ns(const std::string& ns, F fn) -> decltype(fn()) {
-    return std::async(std::launch::async, [&] {
-               int fd = ::open(("/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
-               if (fd >= 0) {
-                   ::setns(fd, CLONE_NEWNET);
-                   ::close(fd);
-               }
-               return fn();
-           })
+    return std::async(std::launch::async,
+                      [&] {
+                          int fd = ::open(("/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
+                          if (fd >= 0) {
+                              ::setns(fd, CLONE_NEWNET);
+                              ::close(fd);
+                          }
+                          return fn();
+                      })
         .get();
 }
 
@@ -88,12 +89,34 @@ TEST(NetnsE2E, RequestsCrossHostsLinkDownFailsCleanlyAndServiceResumes) {
     const int pport = 8100, dport = 8200, rport = 8000;  // each namespace has its own ports
     auto engine = [&](const std::string& ns, const char* role, const std::string& host, int port,
                       const std::string& time_scale) {
-        return Proc::spawn(
-            {"ip", "netns", "exec", ns, ferry_binary(), "serve", role, "--host", host,
-             "--port", std::to_string(port), "--model", "tiny", "--tp", "1", "--num-blocks", "256",
-             "--provider", "tcp", "--kv-lease", "4", "--kv-op-timeout", "2", "--kv-wait-timeout",
-             "4", "--time-scale", time_scale},
-            (dir / fmt::format("{}.log", role)).string());
+        return Proc::spawn({"ip",
+                            "netns",
+                            "exec",
+                            ns,
+                            ferry_binary(),
+                            "serve",
+                            role,
+                            "--host",
+                            host,
+                            "--port",
+                            std::to_string(port),
+                            "--model",
+                            "tiny",
+                            "--tp",
+                            "1",
+                            "--num-blocks",
+                            "256",
+                            "--provider",
+                            "tcp",
+                            "--kv-lease",
+                            "4",
+                            "--kv-op-timeout",
+                            "2",
+                            "--kv-wait-timeout",
+                            "4",
+                            "--time-scale",
+                            time_scale},
+                           (dir / fmt::format("{}.log", role)).string());
     };
     std::vector<Proc> procs;
     // Prefill slowed (a few hundred ms per prompt) so that the link can go down while a
@@ -101,10 +124,9 @@ TEST(NetnsE2E, RequestsCrossHostsLinkDownFailsCleanlyAndServiceResumes) {
     procs.push_back(engine(net.a, "prefill", net.addr_a, pport, "3000"));
     procs.push_back(engine(net.b, "decode", net.addr_b, dport, "1"));
     procs.push_back(Proc::spawn(
-        {"ip", "netns", "exec", net.b, ferry_binary(), "serve", "router", "--host",
-         net.addr_b, "--port", std::to_string(rport), "--prefill",
-         fmt::format("{}:{}", net.addr_a, pport), "--decode",
-         fmt::format("{}:{}", net.addr_b, dport), "--request-timeout", "6"},
+        {"ip", "netns", "exec", net.b, ferry_binary(), "serve", "router", "--host", net.addr_b,
+         "--port", std::to_string(rport), "--prefill", fmt::format("{}:{}", net.addr_a, pport),
+         "--decode", fmt::format("{}:{}", net.addr_b, dport), "--request-timeout", "6"},
         (dir / "router.log").string()));
     auto logs = [&] {
         std::string s;
@@ -120,9 +142,9 @@ TEST(NetnsE2E, RequestsCrossHostsLinkDownFailsCleanlyAndServiceResumes) {
     auto request = [&](int seed, int max_tokens) {
         return in_ns(net.b, [&] {
             auto prompt = prompt_of(200, seed);
-            Streamed r = stream(B, rport,
-                                {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", true}},
-                                seconds(15));
+            Streamed r =
+                stream(B, rport, {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", true}},
+                       seconds(15));
             bool ok = r.transport.ok() && r.status == 200 && !r.error_event &&
                       r.tokens == tiny_expected(prompt, max_tokens);
             return std::make_pair(ok, r);
@@ -175,10 +197,11 @@ TEST(NetnsE2E, RequestsCrossHostsLinkDownFailsCleanlyAndServiceResumes) {
         auto [ok, r] = in_flight.get();
         EXPECT_FALSE(ok);
         EXPECT_TRUE(r.status >= 400 || r.error_event || !r.transport.ok()) << r.raw;
-        fmt::print("link down mid-request ({:.0f} ms into a {:.0f} ms request): HTTP {} after "
-                   "{:.0f} ms: {}\n",
-                   to_ms(one_request / 3), to_ms(one_request), r.status,
-                   to_ms(Clock::now() - t0), r.raw.substr(0, 240));
+        fmt::print(
+            "link down mid-request ({:.0f} ms into a {:.0f} ms request): HTTP {} after "
+            "{:.0f} ms: {}\n",
+            to_ms(one_request / 3), to_ms(one_request), r.status, to_ms(Clock::now() - t0),
+            r.raw.substr(0, 240));
         EXPECT_LT(to_ms(Clock::now() - t0), 15000.0);
     }
 

@@ -50,7 +50,7 @@ inline int free_port(const std::string& host = "127.0.0.1") {
 }
 
 class Proc {
-  public:
+   public:
     Proc() = default;
     Proc(const Proc&) = delete;
     Proc& operator=(const Proc&) = delete;
@@ -106,7 +106,7 @@ class Proc {
         return ss.str();
     }
 
-  private:
+   private:
     pid_t pid_ = -1;
     std::string log_;
 };
@@ -156,27 +156,27 @@ inline Streamed stream(const std::string& host, int port, const json& body, Dura
                        const std::function<void(size_t)>& on_token = {}) {
     Streamed s;
     SseParser parser;
-    s.transport = http_post_stream(
-        host, port, "/v1/completions", body.dump(), timeout, &s.status, [&](std::string_view d) {
-            s.raw.append(d);
-            if (s.status != 200) return true;
-            for (auto& ev : parser.feed(d)) {
-                if (ev == "[DONE]") {
-                    s.done = true;
-                    continue;
-                }
-                json j = json::parse(ev, nullptr, false);
-                if (j.is_discarded() || j.contains("error")) {
-                    s.error_event = true;
-                    continue;
-                }
-                for (auto& t : j["choices"][0]["token_ids"]) {
-                    s.tokens.push_back(t.get<int32_t>());
-                    if (on_token) on_token(s.tokens.size());
-                }
-            }
-            return true;
-        });
+    s.transport = http_post_stream(host, port, "/v1/completions", body.dump(), timeout, &s.status,
+                                   [&](std::string_view d) {
+                                       s.raw.append(d);
+                                       if (s.status != 200) return true;
+                                       for (auto& ev : parser.feed(d)) {
+                                           if (ev == "[DONE]") {
+                                               s.done = true;
+                                               continue;
+                                           }
+                                           json j = json::parse(ev, nullptr, false);
+                                           if (j.is_discarded() || j.contains("error")) {
+                                               s.error_event = true;
+                                               continue;
+                                           }
+                                           for (auto& t : j["choices"][0]["token_ids"]) {
+                                               s.tokens.push_back(t.get<int32_t>());
+                                               if (on_token) on_token(s.tokens.size());
+                                           }
+                                       }
+                                       return true;
+                                   });
     return s;
 }
 
