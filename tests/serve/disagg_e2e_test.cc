@@ -3,6 +3,8 @@
 // Everything asserted is what a client or an operator sees: tokens, HTTP statuses, /metrics.
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {
@@ -18,7 +20,8 @@ struct Stack {
     bool up = false;
 
     Stack(const std::string& mode, int np, int nd,
-          const std::vector<std::string>& engine_extra = {}, const std::string& provider = "shm") {
+          const std::vector<std::string>& engine_extra = {}, const std::string& provider = "shm",
+          const std::vector<std::string>& prefill_extra = {}) {
         dir = std::filesystem::temp_directory_path() /
               fmt::format("ferry-e2e-{}-{}", ::getpid(), mode);
         std::filesystem::create_directories(dir);
@@ -48,6 +51,8 @@ struct Stack {
                                              "--kv-wait-timeout",
                                              "5"};
             argv.insert(argv.end(), engine_extra.begin(), engine_extra.end());
+            if (std::string(role) == "prefill")
+                argv.insert(argv.end(), prefill_extra.begin(), prefill_extra.end());
             procs.push_back(Proc::spawn(argv, (dir / fmt::format("{}{}.log", role, i)).string()));
             list += (list.empty() ? "" : ",") + fmt::format("{}:{}", kHost, port);
         };
@@ -160,6 +165,40 @@ TEST(DisaggE2E, DecodeKilledMidRequestGivesAClientErrorAndPrefillPoolIsFullAgain
         [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_free") == total; },
         seconds(10)));
     EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_kv_link_active"), 0);
+}
+
+// Decode dies while prefill still computes: in push it had registered its blocks, in pull it
+// never reads. Either way prefill's blocks must come back (writes fail within the op timeout,
+// or the lease ends) and the client must hear an error.
+TEST(DisaggE2E, DecodeKilledWhilePrefillComputesFreesPrefillBlocks) {
+    for (std::string mode : {"push", "pull"}) {
+        SCOPED_TRACE(mode);
+        // Prefill slowed down so that the kill lands before its KV is handed over.
+        Stack s(mode, 1, 1, {"--kv-op-timeout", "2"}, "shm", {"--time-scale", "3000"});
+        ASSERT_TRUE(s.up);
+        double total = metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_total");
+        auto prompt = prompt_of(300, 9);
+        auto killer = std::async(std::launch::async, [&] {
+            // Kill once prefill holds blocks for this request: it is computing.
+            bool seen = eventually(
+                [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_used") > 0; },
+                seconds(5));
+            s.decode_proc(0).kill_now();
+            return seen;
+        });
+        TimePoint t0 = Clock::now();
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+        EXPECT_TRUE(killer.get()) << "prefill never held blocks: " << s.logs();
+        EXPECT_TRUE(r.error_event || !r.transport.ok() || r.status != 200) << r.raw;
+        fmt::print("{}: decode killed during prefill: HTTP {} after {:.0f} ms: {}\n", mode,
+                   r.status, to_ms(Clock::now() - t0), r.raw.substr(0, 200));
+        EXPECT_TRUE(eventually(
+            [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_free") == total; },
+            seconds(10)))
+            << s.logs();
+        EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_kv_link_active"), 0);
+    }
 }
 
 }  // namespace
