@@ -27,7 +27,12 @@ prompts=${DEMO_PROMPTS:-16}
 echo "== 2/2 serving sweep: push, pull, pull-inline x QPS {$qps} x input {$inputs}, output 32,"
 echo "   $prompts prompts per point, every token verified (compute modelled, KV transfers real)"
 rm -rf out/serve-sweep
+# In the background so that a TERM to this script reaches the sweep too (Ctrl-C reaches the
+# whole process group anyway); the sweep's own trap stops the servers it started.
 bash "$here/sweep.sh" -b "$build" -o out/serve-sweep -m "push pull pull-inline" -q "$qps" \
-    -i "$inputs" -O 32 -n "$prompts" -v -p 18000
+    -i "$inputs" -O 32 -n "$prompts" -v -p 18000 &
+sweep=$!
+trap 'kill -TERM "$sweep" 2>/dev/null; wait "$sweep" 2>/dev/null; echo "demo interrupted" >&2; exit 130' INT TERM
+wait "$sweep"
 echo
 echo "results: out/serve-sweep/*.json, plot: out/serve-sweep/sweep.png"
