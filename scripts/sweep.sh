@@ -3,12 +3,13 @@
 # QPS x input length, writes <mode>_qps<q>_in<in>_out<out>_iter<i>.json, then plots.
 # Everything it starts is stopped at the end, on Ctrl-C too.
 #
-# Until the libfabric KV connector is wired into `ferry serve prefill|decode`, the stack is
-# `ferry serve local` (both engines and the router in one process, KV copied between pools).
+# The stack is three processes: `ferry serve prefill`, `ferry serve decode` (KV over the
+# libfabric connector, provider shm unless -P says otherwise) and `ferry serve router`.
 # Compute is modelled; KV bytes and their transfers are real.
 #
 #   scripts/sweep.sh [-b BUILD_DIR] [-o OUT_DIR] [-m "push pull pull-inline"] [-q "1 2 4 8"]
 #                    [-i "1024 4096 16384"] [-O 128] [-n PROMPTS] [-r ITERATIONS] [-v]
+#                    [-p ROUTER_PORT] [-P PROVIDER]
 #                    [-- extra flags for the engines, e.g. --model tiny --tp 1]
 set -euo pipefail
 
@@ -22,7 +23,8 @@ prompts=20
 iters=1
 verify=()
 port=18000
-while getopts "b:o:m:q:i:O:n:r:vp:" opt; do
+provider=shm
+while getopts "b:o:m:q:i:O:n:r:vp:P:" opt; do
     case $opt in
         b) build=$OPTARG ;;
         o) out=$OPTARG ;;
@@ -34,7 +36,8 @@ while getopts "b:o:m:q:i:O:n:r:vp:" opt; do
         r) iters=$OPTARG ;;
         v) verify=(--verify) ;;
         p) port=$OPTARG ;;
-        *) sed -n 2,13p "$0"; exit 2 ;;
+        P) provider=$OPTARG ;;
+        *) sed -n 2,14p "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
@@ -48,13 +51,12 @@ healthy() {  # python3 is there already for the plots; curl may not be
         "http://127.0.0.1:$1/health" >/dev/null 2>&1
 }
 
-server_pid=""
+pids=()
 stop_server() {
-    if [[ -n $server_pid ]]; then
-        kill "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-        server_pid=""
-    fi
+    local pid
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    pids=()
 }
 trap stop_server EXIT
 trap 'stop_server; exit 130' INT TERM
@@ -69,16 +71,25 @@ done
 
 for mode in $modes; do
     log="$out/server_${mode}.log"
-    "$ferry" serve local --mode "$mode" --port "$port" --prefill-port $((port + 1)) \
-        --decode-port $((port + 2)) "${engine_flags[@]}" >"$log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 1 300); do
-        healthy "$port" && break
-        kill -0 "$server_pid" 2>/dev/null || { echo "error: server died, see $log" >&2; exit 1; }
-        sleep 0.1
+    : >"$log"
+    kv=(--kv-mode "$mode" --provider "$provider")
+    "$ferry" serve prefill --port $((port + 1)) "${kv[@]}" "${engine_flags[@]}" >>"$log" 2>&1 &
+    pids+=($!)
+    "$ferry" serve decode --port $((port + 2)) "${kv[@]}" "${engine_flags[@]}" >>"$log" 2>&1 &
+    pids+=($!)
+    "$ferry" serve router --port "$port" --mode "$mode" --prefill "127.0.0.1:$((port + 1))" \
+        --decode "127.0.0.1:$((port + 2))" >>"$log" 2>&1 &
+    pids+=($!)
+    for p in $((port + 1)) $((port + 2)) "$port"; do
+        for _ in $(seq 1 300); do
+            healthy "$p" && break
+            for pid in "${pids[@]}"; do
+                kill -0 "$pid" 2>/dev/null || { echo "error: a server died, see $log" >&2; exit 1; }
+            done
+            sleep 0.1
+        done
+        healthy "$p" || { echo "error: server on $p not up after 30 s, see $log" >&2; exit 1; }
     done
-    healthy "$port" ||
-        { echo "error: server not up after 30 s, see $log" >&2; exit 1; }
     for in_len in $inputs; do
         for qps in $qps_list; do
             for ((it = 0; it < iters; it++)); do

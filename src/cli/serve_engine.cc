@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
 #include "ferry/serve/engine_server.h"
+#include "ferry/serve/fabric_kv_link.h"
 #include "ferry/serve/inprocess_kv_link.h"
 #include "ferry/serve/router.h"
 
@@ -25,6 +26,12 @@ struct EngineFlags {
     serve::EngineConfig engine;
     double kv_wait_timeout_s = 30;
     size_t http_threads = 128;
+    // The KV connector (prefill and decode only).
+    std::string kv_mode = "push";
+    std::string provider = "shm";
+    int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
+    double kv_lease_s = 30;
+    double kv_op_timeout_s = 10;
 };
 
 void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
@@ -78,11 +85,17 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
 }
 
 Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, const EngineFlags& f,
-                                                          int port) {
+                                                          int port,
+                                                          serve::FabricKvLink* link = nullptr) {
     FERRY_RETURN_IF_ERROR(e.start());
-    FERRY_ASSIGN_OR_RETURN(
-        auto server, serve::EngineServer::start(
-                         &e, {.http = {.host = f.host, .port = port, .threads = f.http_threads}}));
+    serve::EngineServerOptions so{.http = {.host = f.host, .port = port, .threads = f.http_threads}};
+    if (link != nullptr) {
+        so.kv_side_channel_port = link->side_port();
+        so.kv_provider = link->provider();
+        so.extra_metrics = [link] { return link->prometheus_text(); };
+    }
+    FERRY_ASSIGN_OR_RETURN(auto server, serve::EngineServer::start(&e, so));
+    if (link != nullptr) link->set_http_address(f.host, server->port());
     const serve::KvShape& kv = e.kv_slice().shape;
     const serve::CostModel& cm = e.cost_model();
     fmt::print(stderr,
@@ -104,16 +117,49 @@ void wait_for_stop() {
     while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));
 }
 
+Result<serve::KvLinkMode> kv_link_mode(const std::string& mode) {
+    if (mode == "push") return serve::KvLinkMode::kPush;
+    if (mode == "pull") return serve::KvLinkMode::kPull;
+    if (mode == "pull-inline") return serve::KvLinkMode::kPullInline;
+    return invalid_argument("--kv-mode must be push, pull, pull-inline or none, not " + mode);
+}
+
 int run_engine(const std::string& role, const EngineFlags& f) {
     stop_requested();  // handlers in place before anything starts
     auto engine = make_engine(role, f, f.port);
     if (!engine.ok()) return fail(engine.status());
-    auto server = serve_engine(**engine, f, f.port);
+    std::unique_ptr<serve::FabricKvLink> link;
+    if (f.kv_mode != "none") {
+        auto mode = kv_link_mode(f.kv_mode);
+        if (!mode.ok()) return fail(mode.status());
+        serve::FabricKvLinkConfig lc;
+        lc.engine_id = (*engine)->config().engine_id;
+        lc.mode = *mode;
+        lc.provider = f.provider;
+        lc.host = f.host;
+        lc.side_port = f.kv_port >= 0 ? f.kv_port : (f.port > 0 ? f.port + 1000 : 0);
+        auto secs = [](double s) {
+            return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+        };
+        lc.lease = secs(f.kv_lease_s);
+        lc.op_timeout = secs(f.kv_op_timeout_s);
+        auto l = serve::FabricKvLink::create(lc, &(*engine)->pool());
+        if (!l.ok()) return fail(l.status());
+        link = std::move(l).value();
+        bool prefill = role == "prefill";
+        (*engine)->attach_connector(prefill ? link.get() : nullptr, prefill ? nullptr : link.get());
+    }
+    auto server = serve_engine(**engine, f, f.port, link.get());
     if (!server.ok()) return fail(server.status());
-    fmt::print(stderr, "  no KV connector attached yet: disaggregated legs are refused with 503\n");
+    if (link)
+        fmt::print(stderr, "  KV connector: {} over {}, side channel {}:{}\n", f.kv_mode,
+                   f.provider, f.host, link->side_port());
+    else
+        fmt::print(stderr, "  no KV connector (--kv-mode none): disaggregated legs get 503\n");
     wait_for_stop();
     (*server)->stop();
     (*engine)->stop();
+    if (link) link->stop();
     return 0;
 }
 
@@ -237,6 +283,21 @@ void register_serve(CLI::App& app) {
         flags->port = port;
         auto* cmd = serve->add_subcommand(role, fmt::format("run a {} engine", role));
         add_engine_flags(cmd, *flags);
+        cmd->add_option("--kv-mode", flags->kv_mode,
+                        "KV connector: push | pull | pull-inline (match the router's --mode), "
+                        "or none")
+            ->capture_default_str();
+        cmd->add_option("--provider", flags->provider,
+                        "libfabric provider for KV: shm (one host) | tcp | efa | verbs")
+            ->capture_default_str();
+        cmd->add_option("--kv-port", flags->kv_port,
+                        "KV side-channel port (default: HTTP port + 1000)");
+        cmd->add_option("--kv-lease", flags->kv_lease_s,
+                        "seconds a side holds blocks for a transfer that does not progress")
+            ->capture_default_str();
+        cmd->add_option("--kv-op-timeout", flags->kv_op_timeout_s,
+                        "seconds before a KV write or read to a dead peer fails")
+            ->capture_default_str();
         std::string r = role;
         cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });
     }

@@ -190,7 +190,18 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
 
     // Emission order decides what can coalesce: with K and V side by side on both sides, a
     // block's K and V are emitted back to back; otherwise a layer's K blocks run, then its V.
+    // Block-major on both sides: a span's layers are adjacent, so walking spans outermost
+    // makes a whole block (every layer, K and V) one run.
     bool joint = sl.placement == KvPlacement::kJoint && dl.placement == KvPlacement::kJoint;
+    if (sl.placement == KvPlacement::kBlockMajor && dl.placement == KvPlacement::kBlockMajor) {
+        for (const Span& s : spans) {
+            for (uint32_t layer = 0; layer < sl.num_layers; ++layer) {
+                emit_span(layer, KvPart::kK, s);
+                emit_span(layer, KvPart::kV, s);
+            }
+        }
+        return plan;
+    }
     for (uint32_t layer = 0; layer < sl.num_layers; ++layer) {
         if (joint) {
             for (const Span& s : spans) {

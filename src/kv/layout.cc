@@ -26,6 +26,9 @@ uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) cons
     if (placement == KvPlacement::kSeparate) {
         return ((uint64_t{layer} * 2 + p) * num_blocks + block) * slab_bytes();
     }
+    if (placement == KvPlacement::kBlockMajor) {
+        return ((uint64_t{block} * num_layers + layer) * 2 + p) * slab_bytes();
+    }
     return ((uint64_t{layer} * num_blocks + block) * 2 + p) * slab_bytes();
 }
 
@@ -42,7 +45,7 @@ Status KvLayout::validate() const {
         block_size == 0 || num_blocks == 0) {
         return invalid_argument(fmt::format("KV layout has a zero dimension: {}", to_string()));
     }
-    if (static_cast<uint8_t>(placement) > 1 || static_cast<uint8_t>(order) > 1) {
+    if (static_cast<uint8_t>(placement) > 2 || static_cast<uint8_t>(order) > 1) {
         return invalid_argument("KV layout has an unknown placement or block order");
     }
     // Every factor is below 2^32; check the running product stays below 2^63.
@@ -68,7 +71,9 @@ uint64_t KvLayout::compatibility_hash() const {
 std::string KvLayout::to_string() const {
     return fmt::format("{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}}}",
                        num_layers, num_kv_heads, head_dim, elem_size, block_size, num_blocks,
-                       placement == KvPlacement::kSeparate ? "separate" : "joint",
+                       placement == KvPlacement::kSeparate ? "separate"
+                       : placement == KvPlacement::kJoint  ? "joint"
+                                                           : "block-major",
                        order == BlockOrder::kNHD ? "NHD" : "HND");
 }
 
@@ -109,7 +114,7 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&l.num_blocks, "layout.num_blocks"));
     FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
     FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
-    if (placement > 1) {
+    if (placement > 2) {
         return protocol_error(
             fmt::format("field 'layout.placement' has unknown value {}", placement));
     }

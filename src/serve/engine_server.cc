@@ -43,6 +43,10 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                                               {"model", p->options_.model_name},
                                               {"kv_blocks_free", st.blocks_free},
                                               {"kv_blocks_total", st.blocks_total}};
+                          if (p->options_.kv_side_channel_port > 0) {
+                              j["kv_side_channel_port"] = p->options_.kv_side_channel_port;
+                              j["kv_provider"] = p->options_.kv_provider;
+                          }
                           reply.body = j.dump();
                       }});
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
@@ -61,6 +65,7 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
     routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->engine_->prometheus_text();
+                          if (p->options_.extra_metrics) reply.body += p->options_.extra_metrics();
                       }});
     FERRY_ASSIGN_OR_RETURN(s->http_, HttpServer::start(options.http, std::move(routes)));
     return s;

@@ -69,7 +69,9 @@ struct Combo {
 
 std::string combo_name(const Combo& c) {
     auto o = [](BlockOrder x) { return x == BlockOrder::kNHD ? "NHD" : "HND"; };
-    auto p = [](KvPlacement x) { return x == KvPlacement::kSeparate ? "sep" : "joint"; };
+    auto p = [](KvPlacement x) {
+        return x == KvPlacement::kSeparate ? "sep" : x == KvPlacement::kJoint ? "joint" : "bmaj";
+    };
     return fmt::format("block {}->{} tp {}->{} {}/{}->{}/{}", c.src_block, c.dst_block, c.src_tp,
                        c.dst_tp, o(c.src_order), p(c.src_place), o(c.dst_order), p(c.dst_place));
 }
@@ -163,15 +165,15 @@ TEST(BlockMapping, EveryByteArrivesForAllBlockSizeTpAndLayoutCombos) {
     for (auto [sb, db] : block_sizes) {
         for (auto [stp, dtp] : tps) {
             for (int orders = 0; orders < 4; ++orders) {
-                for (int places = 0; places < 4; ++places) {
+                for (int places = 0; places < 9; ++places) {
                     Combo c{sb,
                             db,
                             stp,
                             dtp,
                             static_cast<BlockOrder>(orders & 1),
                             static_cast<BlockOrder>(orders >> 1),
-                            static_cast<KvPlacement>(places & 1),
-                            static_cast<KvPlacement>(places >> 1)};
+                            static_cast<KvPlacement>(places % 3),
+                            static_cast<KvPlacement>(places / 3)};
                     // A partial last block on at least one side, and sometimes an exact fit.
                     uint32_t tokens = 1 + static_cast<uint32_t>(rng() % 150);
                     if (cases % 5 == 0) tokens = std::max(sb, db) * 2;
@@ -182,7 +184,7 @@ TEST(BlockMapping, EveryByteArrivesForAllBlockSizeTpAndLayoutCombos) {
             }
         }
     }
-    EXPECT_EQ(cases, 6 * 6 * 16);
+    EXPECT_EQ(cases, 6 * 6 * 4 * 9);
 }
 
 TEST(BlockMapping, SingleTokenAndSubrangeOfTokens) {
@@ -231,6 +233,18 @@ TEST(BlockMapping, ContiguousBlocksCoalesceIntoOneRunPerSlabRegion) {
     plan = plan_transfer({{sep, 0, 1}, ids, {sep, 0, 1}, rotated, 0, 64});
     ASSERT_TRUE(plan.ok());
     EXPECT_EQ(plan->descriptor_count(), 3u * 2 * 2);
+
+    // Block-major (ferry serve's pool): consecutive blocks are one run for all layers, and a
+    // scattered block list costs one write per block, not one per layer and K/V.
+    KvLayout bm = simple_layout(4, KvPlacement::kBlockMajor, BlockOrder::kNHD);
+    plan = plan_transfer({{bm, 0, 1}, ids, {bm, 0, 1}, ids, 0, 64});
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(plan->descriptor_count(), 1u);
+    EXPECT_EQ(plan->bytes, bm.pool_bytes());
+    std::vector<uint32_t> scattered = {3, 0, 2, 1};
+    plan = plan_transfer({{bm, 0, 1}, ids, {bm, 0, 1}, scattered, 0, 64});
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(plan->descriptor_count(), 4u);
 }
 
 TEST(BlockMapping, RejectsWhatDoesNotFitWithAUsefulMessage) {

@@ -162,7 +162,7 @@ TEST(KvLayout, RoundTripsAndHashIgnoresWhatTheMappingHandles) {
 
 TEST(KvLayout, OffsetsTileThePoolExactly) {
     // Every element byte of the pool belongs to exactly one (layer, part, block, slot, head).
-    for (auto place : {KvPlacement::kSeparate, KvPlacement::kJoint}) {
+    for (auto place : {KvPlacement::kSeparate, KvPlacement::kJoint, KvPlacement::kBlockMajor}) {
         for (auto order : {BlockOrder::kNHD, BlockOrder::kHND}) {
             KvLayout l = test_layout();
             l.num_blocks = 3;

@@ -10,6 +10,7 @@
 #include "ferry/serve/engine_server.h"
 #include "ferry/serve/inprocess_kv_link.h"
 #include "ferry/serve/openai_api.h"
+#include "serve_procs.h"
 
 namespace ferry::serve {
 namespace {
@@ -22,23 +23,8 @@ struct Node {
     std::unique_ptr<EngineServer> server;
 };
 
-double metric(int port, const std::string& name) {
-    auto r = http_get(kHost, port, "/metrics", seconds(5));
-    if (!r.ok()) return -1;
-    size_t at = r->body.find("\n" + name + " ");
-    if (at == std::string::npos) return -1;
-    return std::stod(r->body.substr(at + name.size() + 2));
-}
-
-template <typename F>
-bool eventually(F pred, Duration budget = seconds(5)) {
-    TimePoint deadline = Clock::now() + budget;
-    while (Clock::now() < deadline) {
-        if (pred()) return true;
-        std::this_thread::sleep_for(milliseconds(10));
-    }
-    return pred();
-}
+double metric(int port, const std::string& name) { return testing::metric(kHost, port, name); }
+using testing::eventually;
 
 struct Cluster {
     std::vector<Node> prefill, decode;

@@ -23,6 +23,9 @@ enum class KvPlacement : uint8_t {
     // Per layer and block, K then V side by side (FlashInfer's [num_blocks, 2, ...] per layer):
     // one whole block's K and V are one contiguous run.
     kJoint = 1,
+    // Block-major: each block holds every layer, [layer][K,V][...] inside it (ferry serve's
+    // pool). One block's whole KV is one contiguous run, so full blocks move with one write.
+    kBlockMajor = 2,
 };
 
 // Order of elements inside one block's K (or V) slab.

@@ -2,7 +2,9 @@
 // GET /health, GET /metrics (Prometheus text).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "ferry/serve/engine.h"
 #include "ferry/serve/http.h"
@@ -14,6 +16,12 @@ struct EngineServerOptions {
     // Longest a request may take end to end before the server gives up on it.
     Duration request_timeout = seconds(600);
     std::string model_name{};  // echoed in responses; the engine's model shape when empty
+    // Set when a network KV connector is attached: /health names its side-channel port and
+    // provider so that peers find it from the HTTP address the router gives them.
+    int kv_side_channel_port = 0;
+    std::string kv_provider{};
+    // Appended to /metrics (the connector's own counters).
+    std::function<std::string()> extra_metrics{};
 };
 
 class EngineServer {

@@ -1,0 +1,91 @@
+// The serve seam (KvProducer / KvConsumer) on the real KV layer: a TransferEngine with the
+// engine's pool registered, a kv::KvConnector, and a HandshakeServer on a side-channel port.
+// One FabricKvLink per engine process; prefill uses it as producer, decode as consumer.
+//
+// Peers are named the way the router names them: kv_transfer_params carry the peer's HTTP
+// host:port. The link asks that engine's GET /health for its side-channel port once, then
+// handshakes (address, pool descriptor, layout, compatibility hash) and caches the answer; a
+// transfer to a peer that failed is re-handshaken, so a restarted peer is picked up.
+// Handshakes run on the link's own thread (or, for the pull-inline baseline, in the engine
+// loop, as that baseline does everything there), never on the connector's thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "ferry/common/clock.h"
+#include "ferry/serve/inprocess_kv_link.h"  // KvLinkMode
+#include "ferry/serve/kv_connector.h"
+#include "ferry/serve/kv_pool.h"
+
+namespace ferry::serve {
+
+struct FabricKvLinkConfig {
+    std::string engine_id;
+    KvLinkMode mode = KvLinkMode::kPush;
+    // libfabric provider: shm between processes of one host, tcp across hosts.
+    std::string provider = "shm";
+    // Address the side channel listens on and the tcp provider binds to.
+    std::string host = "127.0.0.1";
+    int side_port = 0;  // 0 picks a free one (see side_port())
+    // How long one side holds blocks for a transfer that does not progress.
+    Duration lease = seconds(30);
+    Duration handshake_timeout = seconds(5);
+    // A write or read not completed by then fails: how a dead peer becomes an error.
+    Duration op_timeout = seconds(10);
+};
+
+struct FabricKvLinkStats {
+    uint64_t transfers_ok = 0;
+    uint64_t transfers_failed = 0;
+    uint64_t bytes = 0;
+    uint64_t handshakes = 0;
+    uint64_t active = 0;  // transfers holding blocks now
+};
+
+class FabricKvLink : public KvProducer, public KvConsumer {
+   public:
+    // `pool` must outlive the link.
+    static Result<std::unique_ptr<FabricKvLink>> create(const FabricKvLinkConfig& config,
+                                                        KvPool* pool);
+    // stop(), then releases the engine.
+    ~FabricKvLink() override;
+    FabricKvLink(const FabricKvLink&) = delete;
+    FabricKvLink& operator=(const FabricKvLink&) = delete;
+
+    // The HTTP address this engine serves on: pull-mode prefill responses name it so that the
+    // decode engine finds this one the same way it finds a push-mode peer.
+    void set_http_address(const std::string& host, int port);
+    int side_port() const;
+    const std::string& provider() const;
+    FabricKvLinkStats stats() const;
+    // Prometheus lines for the engine's /metrics.
+    std::string prometheus_text() const;
+
+    // Fails what is pending with kCancelled (every callback runs once), joins the threads.
+    void stop();
+
+    Result<KvTransferParams> on_prefill_done(const RequestId& request,
+                                             const KvTransferParams& params,
+                                             std::vector<BlockId> blocks, size_t num_tokens,
+                                             KvDoneCallback release) override;
+    Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+                               std::vector<BlockId> blocks, size_t num_tokens,
+                               KvDoneCallback arrived) override;
+    void cancel(const RequestId& request) override;
+
+    class Impl;
+
+   private:
+    explicit FabricKvLink(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry::serve

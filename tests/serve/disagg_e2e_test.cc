@@ -1,0 +1,205 @@
+// End to end with real processes: `ferry serve prefill`, `ferry serve decode` and
+// `ferry serve router` over loopback, the KV moving through the libfabric connector (shm).
+// Everything asserted is what a client or an operator sees: tokens, HTTP statuses, /metrics.
+#include <gtest/gtest.h>
+
+#include <future>
+
+#include "serve_procs.h"
+
+namespace ferry::serve::testing {
+namespace {
+
+constexpr const char* kHost = "127.0.0.1";
+
+struct Stack {
+    std::filesystem::path dir;
+    std::vector<int> prefill_ports, decode_ports;
+    int router_port = 0;
+    std::vector<Proc> procs;
+    bool up = false;
+
+    Stack(const std::string& mode, int np, int nd,
+          const std::vector<std::string>& engine_extra = {}, const std::string& provider = "shm",
+          const std::vector<std::string>& prefill_extra = {}) {
+        dir = std::filesystem::temp_directory_path() /
+              fmt::format("ferry-e2e-{}-{}", ::getpid(), mode);
+        std::filesystem::create_directories(dir);
+        std::string prefills, decodes;
+        auto engine = [&](const char* role, int i, std::vector<int>& ports, std::string& list) {
+            int port = free_port();
+            ports.push_back(port);
+            std::vector<std::string> argv = {ferry_binary(),
+                                             "serve",
+                                             role,
+                                             "--port",
+                                             std::to_string(port),
+                                             "--model",
+                                             "tiny",
+                                             "--tp",
+                                             "1",
+                                             "--num-blocks",
+                                             "256",
+                                             "--kv-mode",
+                                             mode,
+                                             "--provider",
+                                             provider,
+                                             "--kv-port",
+                                             "0",
+                                             "--kv-lease",
+                                             "3",
+                                             "--kv-wait-timeout",
+                                             "5"};
+            argv.insert(argv.end(), engine_extra.begin(), engine_extra.end());
+            if (std::string(role) == "prefill")
+                argv.insert(argv.end(), prefill_extra.begin(), prefill_extra.end());
+            procs.push_back(Proc::spawn(argv, (dir / fmt::format("{}{}.log", role, i)).string()));
+            list += (list.empty() ? "" : ",") + fmt::format("{}:{}", kHost, port);
+        };
+        for (int i = 0; i < np; ++i) engine("prefill", i, prefill_ports, prefills);
+        for (int i = 0; i < nd; ++i) engine("decode", i, decode_ports, decodes);
+        router_port = free_port();
+        procs.push_back(Proc::spawn(
+            {ferry_binary(), "serve", "router", "--port", std::to_string(router_port), "--prefill",
+             prefills, "--decode", decodes, "--mode", mode, "--request-timeout", "20"},
+            (dir / "router.log").string()));
+        up = true;
+        for (int p : prefill_ports) up = up && wait_healthy(kHost, p);
+        for (int p : decode_ports) up = up && wait_healthy(kHost, p);
+        up = up && wait_healthy(kHost, router_port);
+        if (!up) ADD_FAILURE() << "stack did not come up:\n" << logs();
+    }
+    ~Stack() {
+        procs.clear();
+        if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
+    }
+    std::string logs() const {
+        std::string out;
+        for (const auto& p : procs) out += p.log_text() + "\n";
+        return out;
+    }
+    Proc& decode_proc(int i) { return procs[prefill_ports.size() + size_t(i)]; }
+    bool pools_full() const {
+        for (const auto* ports : {&prefill_ports, &decode_ports})
+            for (int p : *ports)
+                if (metric(kHost, p, "ferry_kv_blocks_used") != 0) return false;
+        return true;
+    }
+};
+
+TEST(DisaggE2E, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
+    for (std::string mode : {"push", "pull", "pull-inline"}) {
+        SCOPED_TRACE(mode);
+        Stack s(mode, 1, 1);
+        ASSERT_TRUE(s.up);
+        for (int i = 0; i < 3; ++i) {
+            auto prompt = prompt_of(100 + 37 * i, i);  // partial last blocks
+            Streamed r =
+                stream(kHost, s.router_port,
+                       {{"prompt", prompt}, {"max_tokens", 9}, {"stream", true}}, seconds(20));
+            ASSERT_TRUE(r.transport.ok()) << r.transport.to_string();
+            ASSERT_EQ(r.status, 200) << r.raw << s.logs();
+            EXPECT_FALSE(r.error_event) << r.raw;
+            EXPECT_TRUE(r.done);
+            EXPECT_EQ(r.tokens, tiny_expected(prompt, 9)) << "request " << i;
+        }
+        EXPECT_EQ(metric(kHost, s.decode_ports[0], "ferry_kv_transfers_total"), 3);
+        EXPECT_TRUE(eventually([&] { return s.pools_full(); })) << s.logs();
+    }
+}
+
+TEST(DisaggE2E, TwoPrefillTwoDecodeRoundRobin) {
+    Stack s("push", 2, 2);
+    ASSERT_TRUE(s.up);
+    for (int i = 0; i < 4; ++i) {
+        auto prompt = prompt_of(64 + i, i);
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+        ASSERT_EQ(r.status, 200) << r.raw << s.logs();
+        EXPECT_EQ(r.tokens, tiny_expected(prompt, 4));
+    }
+    for (const auto* ports : {&s.prefill_ports, &s.decode_ports})
+        for (int p : *ports) EXPECT_EQ(metric(kHost, p, "ferry_requests_total"), 2) << p;
+    EXPECT_TRUE(eventually([&] { return s.pools_full(); }));
+}
+
+TEST(DisaggE2E, InvalidBodiesGet400WithAMessage) {
+    Stack s("push", 1, 1);
+    ASSERT_TRUE(s.up);
+    const std::pair<std::string, std::string> cases[] = {
+        {"not json", "not valid JSON"},
+        {R"({"prompt": 3})", "'prompt'"},
+        {R"({"prompt": "hi", "max_tokens": -1})", "max_tokens"},
+    };
+    for (const auto& [body, words] : cases) {
+        auto r = http_post_json(kHost, s.router_port, "/v1/completions", body, seconds(5));
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->status, 400) << body;
+        EXPECT_NE(r->body.find(words), std::string::npos) << body << " -> " << r->body;
+    }
+    EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_requests_total"), 0);
+}
+
+TEST(DisaggE2E, DecodeKilledMidRequestGivesAClientErrorAndPrefillPoolIsFullAgain) {
+    // Decode slowed down (time scale) so that the kill lands while tokens are streaming.
+    Stack s("push", 1, 1, {"--time-scale", "200"});
+    ASSERT_TRUE(s.up);
+    double total = metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_total");
+    ASSERT_GT(total, 0);
+    auto prompt = prompt_of(300, 5);
+    bool killed = false;
+    Streamed r =
+        stream(kHost, s.router_port, {{"prompt", prompt}, {"max_tokens", 500}, {"stream", true}},
+               seconds(20), [&](size_t n) {
+                   if (n == 2 && !killed) {
+                       s.decode_proc(0).kill_now();
+                       killed = true;
+                   }
+               });
+    ASSERT_TRUE(killed) << r.raw << s.logs();
+    // The client notices: an error event, a broken stream, or a non-200 answer; never a
+    // normal end with fewer tokens.
+    EXPECT_TRUE(r.error_event || !r.transport.ok() || r.status != 200) << r.raw;
+    EXPECT_LT(r.tokens.size(), 500u);
+    EXPECT_TRUE(eventually(
+        [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_free") == total; },
+        seconds(10)));
+    EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_kv_link_active"), 0);
+}
+
+// Decode dies while prefill still computes: in push it had registered its blocks, in pull it
+// never reads. Either way prefill's blocks must come back (writes fail within the op timeout,
+// or the lease ends) and the client must hear an error.
+TEST(DisaggE2E, DecodeKilledWhilePrefillComputesFreesPrefillBlocks) {
+    for (std::string mode : {"push", "pull"}) {
+        SCOPED_TRACE(mode);
+        // Prefill slowed down so that the kill lands before its KV is handed over.
+        Stack s(mode, 1, 1, {"--kv-op-timeout", "2"}, "shm", {"--time-scale", "3000"});
+        ASSERT_TRUE(s.up);
+        double total = metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_total");
+        auto prompt = prompt_of(300, 9);
+        auto killer = std::async(std::launch::async, [&] {
+            // Kill once prefill holds blocks for this request: it is computing.
+            bool seen = eventually(
+                [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_used") > 0; },
+                seconds(5));
+            s.decode_proc(0).kill_now();
+            return seen;
+        });
+        TimePoint t0 = Clock::now();
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+        EXPECT_TRUE(killer.get()) << "prefill never held blocks: " << s.logs();
+        EXPECT_TRUE(r.error_event || !r.transport.ok() || r.status != 200) << r.raw;
+        fmt::print("{}: decode killed during prefill: HTTP {} after {:.0f} ms: {}\n", mode,
+                   r.status, to_ms(Clock::now() - t0), r.raw.substr(0, 200));
+        EXPECT_TRUE(eventually(
+            [&] { return metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_free") == total; },
+            seconds(10)))
+            << s.logs();
+        EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_kv_link_active"), 0);
+    }
+}
+
+}  // namespace
+}  // namespace ferry::serve::testing
