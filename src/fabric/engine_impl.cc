@@ -4,7 +4,12 @@
 #include <fmt/format.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
+#include <dirent.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <cstring>
 #include <fstream>
@@ -37,6 +42,27 @@ uint64_t random_engine_id() {
 
 }  // namespace
 
+namespace {
+// shm regions of engines whose process is gone (killed with SIGKILL, crashed) stay in
+// /dev/shm, a few MB each. Every new shm engine removes those whose owner no longer exists;
+// a live process, or a zombie not reaped yet, keeps its regions.
+void remove_stale_shm_regions() {
+    DIR* d = opendir("/dev/shm");
+    if (!d) return;
+    size_t prefix_len = std::strlen(kShmNamePrefix);
+    while (dirent* e = readdir(d)) {
+        if (std::strncmp(e->d_name, kShmNamePrefix, prefix_len) != 0) continue;
+        char* end = nullptr;
+        long pid = std::strtol(e->d_name + prefix_len, &end, 10);
+        if (pid <= 0 || !end || *end != '_') continue;
+        if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+            ::unlink((std::string("/dev/shm/") + e->d_name).c_str());
+        }
+    }
+    closedir(d);
+}
+}  // namespace
+
 Status EngineImpl::init(const EngineConfig& cfg) {
     config = cfg;
     if (config.num_rails < 1 || config.num_rails > 32) {
@@ -45,6 +71,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
     FERRY_ASSIGN_OR_RETURN(provider, resolve_provider_name(config));
     FERRY_ASSIGN_OR_RETURN(auto infos, get_infos(provider, config));
+    if (provider == "shm") remove_stale_shm_regions();
     std::vector<const fi_info*> candidates;
     for (const fi_info* i = infos.get(); i; i = i->next) {
         if (provider == i->fabric_attr->prov_name) candidates.push_back(i);

@@ -1,6 +1,8 @@
 // TransferEngine between real processes, on every provider this machine has (tcp, shm).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -613,6 +615,36 @@ TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
         return "";
     }, kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+}  // namespace
+}  // namespace ferry
+
+namespace ferry {
+namespace {
+
+// Regions of engines whose process died (SIGKILL) are removed by the next shm engine; those
+// of live processes stay.
+TEST(EngineConfigTest, StaleShmRegionsOfDeadProcessesAreRemoved) {
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    int st = 0;
+    waitpid(dead, &st, 0);  // reaped: the pid no longer exists
+    std::string stale = fmt::format("/dev/shm/ferry_{}_feed_0", dead);
+    std::string live = fmt::format("/dev/shm/ferry_{}_beef_0", getpid());
+    for (const auto& p : {stale, live}) {
+        FILE* f = std::fopen(p.c_str(), "w");
+        ASSERT_NE(f, nullptr) << p;
+        std::fclose(f);
+    }
+    auto results = testing::run_processes(1, [](testing::Exchange&) -> std::string {
+        CHILD_ASSIGN_OK(auto e, TransferEngine::create(testing::test_engine_config("shm")));
+        return "";
+    }, std::chrono::seconds(60));
+    EXPECT_EQ(testing::describe_failures(results), "");
+    EXPECT_NE(access(stale.c_str(), F_OK), 0) << stale << " was left behind";
+    EXPECT_EQ(access(live.c_str(), F_OK), 0) << live << " of a live process was removed";
+    unlink(live.c_str());
 }
 
 }  // namespace
