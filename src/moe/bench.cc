@@ -17,6 +17,32 @@
 #include "moe/bench_internal.h"
 
 namespace ferry::moe {
+bench_detail::RandomInputs bench_detail::random_inputs(const AllToAllConfig& cfg, uint32_t n,
+                                                       uint64_t seed, uint32_t rank) {
+    const uint32_t h = cfg.hidden, k = cfg.experts_per_token;
+    std::mt19937_64 rng(seed * 7919 + rank);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f), wdist(0.1f, 1.0f);
+    RandomInputs in;
+    in.x.resize(size_t{n} * h);
+    for (auto& v : in.x) v = float_to_bf16(val(rng));
+    in.idx.resize(size_t{n} * k);
+    in.w.resize(size_t{n} * k);
+    for (uint32_t t = 0; t < n; ++t) {
+        std::vector<int32_t> chosen;
+        float sum = 0;
+        while (chosen.size() < k) {
+            auto e = static_cast<int32_t>(rng() % cfg.num_experts);
+            if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+        }
+        for (uint32_t j = 0; j < k; ++j) {
+            in.idx[size_t{t} * k + j] = chosen[j];
+            sum += in.w[size_t{t} * k + j] = wdist(rng);
+        }
+        for (uint32_t j = 0; j < k; ++j) in.w[size_t{t} * k + j] /= sum;
+    }
+    return in;
+}
+
 namespace {
 
 using bench_detail::kCombine;
@@ -53,27 +79,8 @@ Status run_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t r
     opts.timeout = bc.timeout;
     FERRY_ASSIGN_OR_RETURN(auto a2a, AllToAll::create(cfg, engine.get(), ag, opts));
 
-    // Random bf16 tokens and a uniform top-k routing with weights summing to 1.
-    const uint32_t n = bc.tokens, h = cfg.hidden, k = cfg.experts_per_token;
-    std::mt19937_64 rng(bc.seed * 7919 + rank);
-    std::uniform_real_distribution<float> val(-1.0f, 1.0f), wdist(0.1f, 1.0f);
-    std::vector<uint16_t> x(size_t{n} * h);
-    for (auto& v : x) v = float_to_bf16(val(rng));
-    std::vector<int32_t> idx(size_t{n} * k);
-    std::vector<float> w(size_t{n} * k);
-    for (uint32_t t = 0; t < n; ++t) {
-        std::vector<int32_t> chosen;
-        float sum = 0;
-        while (chosen.size() < k) {
-            auto e = static_cast<int32_t>(rng() % cfg.num_experts);
-            if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
-        }
-        for (uint32_t j = 0; j < k; ++j) {
-            idx[size_t{t} * k + j] = chosen[j];
-            sum += w[size_t{t} * k + j] = wdist(rng);
-        }
-        for (uint32_t j = 0; j < k; ++j) w[size_t{t} * k + j] /= sum;
-    }
+    const uint32_t n = bc.tokens, h = cfg.hidden;
+    auto [x, idx, w] = bench_detail::random_inputs(cfg, n, bc.seed, rank);
     std::vector<uint8_t> payload;
     std::vector<float> scales;
     std::vector<uint16_t> expected = x;  // what identity experts give back

@@ -17,6 +17,16 @@
 
 namespace ferry::moe::bench_detail {
 
+// One rank's benchmark input: random bf16 tokens and a uniform top-k routing (distinct
+// experts per token) with weights summing to 1. The same for the CPU and CUDA paths.
+struct RandomInputs {
+    std::vector<uint16_t> x;
+    std::vector<int32_t> idx;
+    std::vector<float> w;
+};
+RandomInputs random_inputs(const AllToAllConfig& cfg, uint32_t tokens, uint64_t seed,
+                           uint32_t rank);
+
 // Allgather among the rank threads of this process, with a deadline.
 class ThreadExchange {
   public:

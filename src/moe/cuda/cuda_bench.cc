@@ -77,29 +77,9 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
     FERRY_ASSIGN_OR_RETURN(auto a2a, CudaAllToAll::create(cfg, ag, opts));
 
-    // Random bf16 tokens and a uniform top-k routing with weights summing to 1 (as the cpu
-    // path), quantized on the device.
-    const uint32_t n = bc.tokens, h = cfg.hidden, k = cfg.experts_per_token;
-    std::mt19937_64 rng(bc.seed * 7919 + rank);
-    std::uniform_real_distribution<float> val(-1.0f, 1.0f), wdist(0.1f, 1.0f);
-    std::vector<uint16_t> x(size_t{n} * h);
-    for (auto& v : x) v = float_to_bf16(val(rng));
-    std::vector<int32_t> idx(size_t{n} * k);
-    std::vector<float> w(size_t{n} * k);
-    for (uint32_t t = 0; t < n; ++t) {
-        std::vector<int32_t> chosen;
-        float sum = 0;
-        while (chosen.size() < k) {
-            auto e = static_cast<int32_t>(rng() % cfg.num_experts);
-            if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
-        }
-        for (uint32_t j = 0; j < k; ++j) {
-            idx[size_t{t} * k + j] = chosen[j];
-            w[size_t{t} * k + j] = wdist(rng);
-            sum += w[size_t{t} * k + j];
-        }
-        for (uint32_t j = 0; j < k; ++j) w[size_t{t} * k + j] /= sum;
-    }
+    // The same inputs as the CPU path, quantized on the device.
+    const uint32_t n = bc.tokens, h = cfg.hidden;
+    auto [x, idx, w] = bench_detail::random_inputs(cfg, n, bc.seed, rank);
     std::vector<uint16_t> expected = x;  // what identity experts give back
     if (cfg.dtype == DType::kFp8E4M3) {
         std::vector<uint8_t> q(x.size());
