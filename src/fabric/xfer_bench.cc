@@ -204,17 +204,21 @@ Duration point_duration(const XferBenchConfig& c) {
         std::chrono::duration<double>(c.seconds_per_point));
 }
 
+// Every set-up frame from the target starts with an ok byte, followed by its error on failure.
+Status read_target_status(ByteReader& rd) {
+    uint8_t ok = 0;
+    FERRY_RETURN_IF_ERROR(rd.get(&ok, "ok"));
+    if (ok) return ok_status();
+    std::string why;
+    (void)rd.get_string(&why, "error", 4096);
+    return unavailable("bench target: " + why);
+}
+
 Status Initiator::raw_phase(XferReport& rep) {
     std::vector<uint8_t> blob;
     if (!recv_frame(fd_, &blob)) return unavailable("bench target died during set-up");
     ByteReader rd(blob);
-    uint8_t ok = 0;
-    FERRY_RETURN_IF_ERROR(rd.get(&ok, "ok"));
-    if (!ok) {
-        std::string why;
-        (void)rd.get_string(&why, "error", 4096);
-        return unavailable("bench target: " + why);
-    }
+    FERRY_RETURN_IF_ERROR(read_target_status(rd));
     std::vector<uint8_t> name;
     uint64_t base = 0, key = 0;
     FERRY_RETURN_IF_ERROR(rd.get_bytes(&name, "name", 1024));
@@ -390,13 +394,7 @@ Status Initiator::engine_phase(XferReport& rep) {
     std::vector<uint8_t> blob;
     if (!recv_frame(fd_, &blob)) return unavailable("bench target died starting its engine");
     ByteReader rd(blob);
-    uint8_t ok = 0;
-    FERRY_RETURN_IF_ERROR(rd.get(&ok, "ok"));
-    if (!ok) {
-        std::string why;
-        (void)rd.get_string(&why, "error", 4096);
-        return unavailable("bench target: " + why);
-    }
+    FERRY_RETURN_IF_ERROR(read_target_status(rd));
     FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
     FERRY_ASSIGN_OR_RETURN(remote_, MemoryDescriptor::decode(rd));
     FERRY_ASSIGN_OR_RETURN(engine_, TransferEngine::create(engine_config(c_)));
