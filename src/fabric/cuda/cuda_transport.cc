@@ -5,7 +5,10 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -16,6 +19,7 @@
 
 #include "fabric/cuda/copy_kernel.h"
 #include "fabric/gpu_transport.h"
+#include "ferry/common/clock.h"
 #include "ferry/common/log.h"
 
 namespace ferry::detail {
@@ -65,13 +69,19 @@ class CudaTransport final : public GpuTransport {
         int device;
         std::vector<GpuCopy> copies;
         std::function<void(const Status&)> done;
+        TimePoint submitted = Clock::now();
     };
     struct InFlight {
         int device = -1;
         cudaEvent_t event;
         PinnedBuffer buf;
         std::vector<std::function<void(const Status&)>> done;
+        // For FERRY_GPU_TRACE: what went out together and when.
+        TimePoint first_submitted, launch_begin, launch_end;
+        size_t copies = 0;
+        uint64_t bytes = 0;
     };
+    void trace_completion(const InFlight& f) const;
     void run();
     // Launches every job in `jobs` (one device) as one kernel, or copy-engine copies.
     Status launch(int device, std::vector<Job>& jobs, InFlight* out);
@@ -79,6 +89,11 @@ class CudaTransport final : public GpuTransport {
     PinnedBuffer take_buffer(size_t chunks, int device);
 
     EngineConfig config_;
+    // FERRY_GPU_TRACE=1: one line per launch on stderr (jobs merged, bytes, waits), to see
+    // where a transfer's time goes without a profiler.
+    const bool trace_ = std::getenv("FERRY_GPU_TRACE") != nullptr;
+    const TimePoint trace_epoch_ = Clock::now();
+    uint64_t trace_launches_ = 0;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Job> jobs_;
@@ -288,7 +303,23 @@ PinnedBuffer CudaTransport::take_buffer(size_t chunks, int device) {
     return b;
 }
 
+void CudaTransport::trace_completion(const InFlight& f) const {
+    auto at = [&](TimePoint t) { return to_us(t - trace_epoch_); };
+    std::fprintf(stderr,
+                 "ferry gpu trace: device %d, %zu jobs, %zu copies, %.2f MiB: first job in at "
+                 "%.1f us, launch %.1f-%.1f us, done by %.1f us\n",
+                 f.device, f.done.size(), f.copies, f.bytes / 1048576.0, at(f.first_submitted),
+                 at(f.launch_begin), at(f.launch_end), at(Clock::now()));
+}
+
 Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) {
+    out->launch_begin = Clock::now();
+    out->first_submitted = out->launch_begin;
+    for (const auto& j : jobs) {
+        out->first_submitted = std::min(out->first_submitted, j.submitted);
+        out->copies += j.copies.size();
+        out->bytes += job_bytes(j);
+    }
     FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(device));
     FERRY_CUDA_TRY(cudaSetDevice(device));
     for (auto& j : jobs) out->done.push_back(std::move(j.done));
@@ -305,19 +336,27 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
             }
         }
     } else {
+        // Chunks of 16 KiB give every warp work even for one 4 MiB run; for hundreds of MiB
+        // they only lengthen the list the host builds and uploads (32k entries took ~150 us
+        // for a 512 MiB KV push, 2026-12-01), so large launches use larger chunks, still about
+        // two per warp.
+        const int sms = sm_count_[device];
+        const uint64_t warps = uint64_t(kCopyBlocksPerSm) * sms * kCopyWarpsPerBlock;
+        const uint64_t chunk = std::clamp<uint64_t>(
+            out->bytes / (2 * warps) / kMaxChunk * kMaxChunk, kMaxChunk, 16 * kMaxChunk);
         size_t n = 0;
         for (const auto& j : jobs) {
-            for (const auto& c : j.copies) n += (c.len + kMaxChunk - 1) / kMaxChunk;
+            for (const auto& c : j.copies) n += (c.len + chunk - 1) / chunk;
         }
         out->buf = take_buffer(n, device);
         if (!out->buf.ptr) return resource_exhausted("allocating the copy list failed");
         size_t k = 0;
         for (const auto& j : jobs) {
             for (const auto& c : j.copies) {
-                for (uint64_t off = 0; off < c.len; off += kMaxChunk) {
+                for (uint64_t off = 0; off < c.len; off += chunk) {
                     out->buf.ptr[k++] = {reinterpret_cast<const void*>(c.src + off),
                                          reinterpret_cast<void*>(c.dst + off),
-                                         std::min<uint64_t>(kMaxChunk, c.len - off)};
+                                         std::min<uint64_t>(chunk, c.len - off)};
                 }
             }
         }
@@ -325,7 +364,7 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
                                        cudaMemcpyHostToDevice, stream));
         // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
         FERRY_CUDA_TRY(launch_batched_copy(out->buf.dev, static_cast<int>(n),
-                                           2 * sm_count_[device], stream));
+                                           kCopyBlocksPerSm * sms, stream));
     }
     if (free_events_.empty()) {
         cudaEvent_t ev;
@@ -335,6 +374,7 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     out->event = free_events_.back();
     free_events_.pop_back();
     FERRY_CUDA_TRY(cudaEventRecord(out->event, stream));
+    out->launch_end = Clock::now();
     return ok_status();
 }
 
@@ -391,6 +431,7 @@ void CudaTransport::run() {
             if (e == cudaErrorNotReady) break;
             InFlight f = std::move(inflight_.front());
             inflight_.pop_front();
+            if (trace_) trace_completion(f);
             busy_[f.device]--;
             if (f.buf.ptr) free_buffers_.push_back(f.buf);
             free_events_.push_back(f.event);
