@@ -222,6 +222,9 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         if (!err.empty()) return err;
     }
 
+    // Ranks sharing a GPU: cudaMalloc and friends may wait for the whole device, so no rank's
+    // kernels may be waiting for a peer that is still allocating.
+    if (auto ready = ag({}); !ready.ok()) return "set-up barrier: " + ready.status().to_string();
     for (int c = 0; c < k.calls; ++c) {
         const RankInput& mine = in[c][rank];
         const uint32_t n = mine.num_tokens;

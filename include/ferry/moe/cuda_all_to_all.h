@@ -21,6 +21,12 @@
 // contiguity, and the receiver then needs no slot table), and duplicate experts within one
 // token are not diagnosed on the device (the CPU backend refuses them).
 //
+// Several ranks may share a GPU (threads or processes): kernels wait inside for peers' kernels,
+// so create() cuts every grid to SMs / (most ranks on one GPU), and all of them fit at once.
+// Such ranks must finish their set-up (cudaMalloc, cudaFree and other calls that wait for the
+// whole device) before any of them makes the first call, or that call waits for a kernel
+// that waits for it.
+//
 // Ranks on other nodes (world_size > ranks_per_node) are not supported yet: create() says so.
 #pragma once
 
@@ -38,15 +44,15 @@ namespace ferry::moe {
 // Launch shape of the dispatch kernels. Counters at the receiver count one arrival per send
 // block, so every rank must use the same send_blocks (it is part of the setup check).
 struct CudaDispatchKernelConfig {
-    uint32_t send_blocks = 64;
+    uint32_t send_blocks = 128;  // a warp per token
     uint32_t send_threads = 512;
 };
 
 // Launch shape of the combine kernels; send_blocks must match across ranks as above.
 struct CudaCombineKernelConfig {
-    uint32_t send_blocks = 64;
+    uint32_t send_blocks = 128;  // a warp per expert output row
     uint32_t send_threads = 512;
-    uint32_t recv_blocks = 128;
+    uint32_t recv_blocks = 256;  // a block per token
     uint32_t recv_threads = 256;
 };
 

@@ -9,24 +9,27 @@
 namespace ferry::moe::cuda {
 namespace {
 
+// One warp per expert output row, rows grid-stride.
 __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
+    const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
-    for (uint32_t o = blockIdx.x; o < rows && o < a.max_rows; o += gridDim.x) {
+    for (uint32_t o = blockIdx.x * warps + tid / 32; o < rows && o < a.max_rows;
+         o += gridDim.x * warps) {
         const RowSource src = a.row_src[o];
         if (src.rank == RowSource::kPadding) continue;
         if (src.rank >= w || src.token >= a.max_tokens || src.k >= k) {
-            if (tid == 0)
+            if (lane == 0)
                 record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, src.rank, seq,
                              src.token, a.max_tokens);
             continue;
         }
         uint8_t* dst =
             a.peers[src.rank] + a.lay.combine + (uint64_t{src.token} * k + src.k) * row_bytes;
-        const int4* in = reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden);
-        for (uint32_t i = tid; i < n16; i += blockDim.x) reinterpret_cast<int4*>(dst)[i] = in[i];
+        warp_copy16(reinterpret_cast<int4*>(dst),
+                    reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden), n16, lane);
     }
     __threadfence_system();
     __syncthreads();
@@ -36,6 +39,8 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
 template <bool kBf16Out>
 __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16) {
     __shared__ int s_ok;
+    __shared__ float s_wt[kMaxCudaTopk];
+    __shared__ int s_use[kMaxCudaTopk];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
     if (tid == 0) {
@@ -52,14 +57,25 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint8_t* recv = a.self + a.lay.combine;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        if (tid < k) {
+            s_use[tid] = a.indices[t * k + tid] >= 0;
+            s_wt[tid] = a.weights[t * k + tid];
+        }
+        __syncthreads();
+        const uint8_t* rows_t = recv + uint64_t{t} * k * row_bytes;
         for (uint32_t c8 = tid; c8 < n8; c8 += blockDim.x) {
+            // Every top-k load in flight first, then the sums in top-k order.
+            int4 v[kMaxCudaTopk];
+#pragma unroll
+            for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk)
+                if (kk < k && s_use[kk])
+                    v[kk] = __ldcg(reinterpret_cast<const int4*>(rows_t + kk * row_bytes) + c8);
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (uint32_t kk = 0; kk < k; ++kk) {
-                if (a.indices[t * k + kk] < 0) continue;
-                const float wt = a.weights[t * k + kk];
-                int4 v = __ldcg(
-                    reinterpret_cast<const int4*>(recv + (uint64_t{t} * k + kk) * row_bytes) + c8);
-                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+            for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk) {
+                if (kk >= k || !s_use[kk]) continue;
+                const float wt = s_wt[kk];
+                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v[kk]);
                 for (int i = 0; i < 8; ++i)
                     acc[i] = __fadd_rn(acc[i], __fmul_rn(wt, __bfloat162float(h[i])));
             }
@@ -74,6 +90,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
                 o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
         }
+        __syncthreads();  // s_use and s_wt are reused by the next token
     }
 }
 
@@ -92,6 +109,14 @@ cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* o
     else
         combine_recv_kernel<false><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
     return cudaGetLastError();
+}
+
+cudaError_t preload_combine_kernels() {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, combine_send_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<false>);
+    return e;
 }
 
 }  // namespace ferry::moe::cuda

@@ -54,6 +54,7 @@ struct PeerBlob {
     int32_t device = 0;
     uint32_t dispatch_blocks = 0;
     uint32_t combine_blocks = 0;
+    uint32_t sm_count = 0;
     uint64_t base = 0;  // the shared allocation in the owner's address space
     cudaIpcMemHandle_t handle{};
 };
@@ -117,6 +118,7 @@ struct CudaAllToAll::Impl {
     std::vector<void*> opened;  // peers' allocations opened through IPC
     Phase phase = Phase::kIdle;
     Status broken;
+    uint32_t dispatch_send_blocks = 0, combine_send_blocks = 0, combine_recv_blocks = 0;
 
     ~Impl() {
         cudaSetDevice(device);
@@ -207,6 +209,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     if (w > kMaxCudaWorld)
         return invalid_argument(
             fmt::format("cuda all-to-all: world {} exceeds {}", w, kMaxCudaWorld));
+    if (k > cuda::kMaxCudaTopk)
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: experts_per_token {} exceeds the {} the combine kernel supports", k,
+            cuda::kMaxCudaTopk));
     const auto& dc = options.dispatch;
     const auto& cc = options.combine;
     auto bad_threads = [](uint32_t n, uint32_t need) {
@@ -233,6 +239,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         FERRY_MOE_CUDA_TRY(cudaGetDevice(&impl->device));
     }
     FERRY_MOE_CUDA_TRY(cudaSetDevice(impl->device));
+    FERRY_MOE_CUDA_TRY(cuda::preload_dispatch_kernels());
+    FERRY_MOE_CUDA_TRY(cuda::preload_combine_kernels());
+    FERRY_MOE_CUDA_TRY(cuda::preload_quantize_kernels());
 
     const RowFormat row = RowFormat::of(cfg);
     const CountsFormat cf = CountsFormat::of(cfg);
@@ -284,6 +293,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     mine.device = impl->device;
     mine.dispatch_blocks = dc.send_blocks;
     mine.combine_blocks = cc.send_blocks;
+    int sms = 0;
+    FERRY_MOE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
+    mine.sm_count = static_cast<uint32_t>(sms);
     mine.base = reinterpret_cast<uint64_t>(impl->shared);
     FERRY_MOE_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
     std::vector<uint8_t> blob(sizeof(PeerBlob));
@@ -349,6 +361,27 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             bases[r] = static_cast<uint8_t*>(ptr);
         }
     }
+    // Kernels wait inside for peers' kernels, so every rank's kernel must be resident at once.
+    // With one rank per GPU that holds by itself; ranks sharing a GPU split its SMs: no grid
+    // is larger than SMs / (most ranks on one GPU) - 1, so the blocks of all of them fit even
+    // at one block per SM, with an SM left per rank for the one-block plan kernel (1024
+    // threads, which may not share an SM with a send block). Every rank derives the same
+    // shapes from the same blobs.
+    uint32_t share = 1, min_sms = UINT32_MAX;
+    for (uint32_t r = 0; r < w; ++r) {
+        uint32_t on_device = 0;
+        for (uint32_t q = 0; q < w; ++q) on_device += peers[q].device == peers[r].device;
+        share = std::max(share, on_device);
+        min_sms = std::min(min_sms, peers[r].sm_count);
+    }
+    auto fit = [&](uint32_t blocks) {
+        const uint32_t per_rank = min_sms / share;
+        return share == 1 ? blocks : std::min(blocks, per_rank > 1 ? per_rank - 1 : 1u);
+    };
+    impl->dispatch_send_blocks = fit(dc.send_blocks);
+    impl->combine_send_blocks = fit(cc.send_blocks);
+    impl->combine_recv_blocks = fit(cc.recv_blocks);
+
     auto* local = static_cast<uint8_t*>(impl->local);
     FERRY_MOE_CUDA_TRY(
         cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
@@ -372,8 +405,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.counts_bytes = static_cast<uint32_t>(cf.bytes);
     a.counts_hits_word = cf.hits_per_expert;
     a.max_rows = static_cast<uint32_t>(max_rows);
-    a.dispatch_send_blocks = dc.send_blocks;
-    a.combine_send_blocks = cc.send_blocks;
+    a.dispatch_send_blocks = impl->dispatch_send_blocks;
+    a.combine_send_blocks = impl->combine_send_blocks;
+    a.dispatch_recv_blocks = fit(a.local_experts * w);
     a.timeout_ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(options.timeout).count());
     a.lay = lay;
@@ -402,7 +436,7 @@ Status CudaAllToAll::dispatch_send(const CudaDispatchInput& in, void* stream) {
     if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0)
         return invalid_argument("dispatch_send: x must be 16-byte aligned");
     cudaError_t e = cuda::launch_dispatch_send(
-        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens, m.opt.dispatch.send_blocks,
+        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens, m.dispatch_send_blocks,
         m.opt.dispatch.send_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_send launch", Phase::kDispatchSent);
 }
@@ -427,7 +461,7 @@ Status CudaAllToAll::combine_send(const uint16_t* expert_out, void* stream) {
         return invalid_argument(
             "combine_send: expert_out must be a 16-byte aligned device pointer");
     cudaError_t e =
-        cuda::launch_combine_send(m.args, expert_out, m.opt.combine.send_blocks,
+        cuda::launch_combine_send(m.args, expert_out, m.combine_send_blocks,
                                   m.opt.combine.send_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_send launch", Phase::kCombineSent);
 }
@@ -438,7 +472,7 @@ Status CudaAllToAll::combine_recv(float* out, void* stream) {
     if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
         return invalid_argument("combine_recv: out must be a 16-byte aligned device pointer");
     cudaError_t e =
-        cuda::launch_combine_recv(m.args, out, nullptr, m.opt.combine.recv_blocks,
+        cuda::launch_combine_recv(m.args, out, nullptr, m.combine_recv_blocks,
                                   m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_recv launch", Phase::kIdle);
 }
@@ -449,7 +483,7 @@ Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream) {
     if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
         return invalid_argument("combine_recv_bf16: out must be a 16-byte aligned device pointer");
     cudaError_t e =
-        cuda::launch_combine_recv(m.args, nullptr, out, m.opt.combine.recv_blocks,
+        cuda::launch_combine_recv(m.args, nullptr, out, m.combine_recv_blocks,
                                   m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_recv_bf16 launch", Phase::kIdle);
 }

@@ -80,4 +80,21 @@ __device__ __forceinline__ uint32_t ld_cg_u32(const void* p) {
     return __ldcg(reinterpret_cast<const unsigned int*>(p));
 }
 
+// One warp copies n16 16-byte vectors, each lane keeping eight loads in flight: a whole
+// block per row, one vector per thread and rows one after another, waited out a load latency
+// per row (2026-12-01: 30 us for the 128-token combine). kPeerWritten reads through L2 only.
+template <bool kPeerWritten = false>
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, uint32_t n16,
+                                            uint32_t lane) {
+    uint32_t i = lane;
+    for (; i + 7 * 32 < n16; i += 8 * 32) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = kPeerWritten ? __ldcg(src + i + 32 * u) : src[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) dst[i + 32 * u] = v[u];
+    }
+    for (; i < n16; i += 32) dst[i] = kPeerWritten ? __ldcg(src + i) : src[i];
+}
+
 }  // namespace ferry::moe::cuda

@@ -113,37 +113,42 @@ __global__ void __launch_bounds__(kPlanThreads)
     if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_counts, a.rank), 1);
 }
 
-// One row: header (token, call, local expert per top-k or -1), payload, scales.
+// One row, written by one warp: header (token, call, local expert per top-k or -1), payload,
+// scales.
 __device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot, uint32_t t,
-                                 uint32_t seq, const uint8_t* x, const float* x_scale) {
+                                 uint32_t seq, const uint8_t* x, const float* x_scale,
+                                 uint32_t lane) {
     uint8_t* dst = a.peers[d] + a.lay.dispatch + slot * a.row_bytes;
-    const uint32_t tid = threadIdx.x, k = a.topk, nl = a.local_experts;
-    if (tid == 0) *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
-    if (tid < k) {
-        int32_t e = a.indices[t * k + tid];
+    const uint32_t k = a.topk, nl = a.local_experts;
+    if (lane == 0) *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
+    for (uint32_t j = lane; j < k; j += 32) {
+        int32_t e = a.indices[t * k + j];
         bool here = e >= 0 && static_cast<uint32_t>(e) / nl == d;
-        reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[tid] =
+        reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[j] =
             here ? static_cast<int16_t>(static_cast<uint32_t>(e) % nl) : int16_t{-1};
     }
-    const int4* src = reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes);
-    int4* out = reinterpret_cast<int4*>(dst + a.payload_offset);
-    for (uint32_t i = tid; i < a.payload_bytes / 16; i += blockDim.x) out[i] = src[i];
+    warp_copy16(reinterpret_cast<int4*>(dst + a.payload_offset),
+                reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes),
+                a.payload_bytes / 16, lane);
     float* so = reinterpret_cast<float*>(dst + a.scale_offset);
-    for (uint32_t i = tid; i < a.scales_per_token; i += blockDim.x)
+    for (uint32_t i = lane; i < a.scales_per_token; i += 32)
         so[i] = x_scale[uint64_t{t} * a.scales_per_token + i];
 }
 
+// Tokens go to warps grid-stride; a warp writes its token's rows to every destination.
 __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
     __shared__ uint64_t s_overflow[kMaxWorld];
     __shared__ int s_ok;
     const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
+    const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
+    const uint32_t warp = blockIdx.x * warps + tid / 32, num_warps = gridDim.x * warps;
     // Written by the plan kernel earlier on this stream.
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+    for (uint32_t t = warp; t < n; t += num_warps) {
         for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
             uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
             uint32_t j = a.row_pos[uint64_t{t} * w + d];
-            if (j < p) write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale);
+            if (j < p) write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale, lane);
         }
     }
 
@@ -181,11 +186,11 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
     }
     __syncthreads();
     if (s_ok) {
-        for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        for (uint32_t t = warp; t < n; t += num_warps) {
             for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
                 uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
                 uint32_t j = a.row_pos[uint64_t{t} * w + d];
-                if (j >= p) write_row(a, d, s_overflow[d] + (j - p), t, seq, x, x_scale);
+                if (j >= p) write_row(a, d, s_overflow[d] + (j - p), t, seq, x, x_scale, lane);
             }
         }
     }
@@ -201,17 +206,33 @@ __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
 // Block (e, s): the rows sender s sent here that chose local expert e, in the sender's row
 // order, at offsets[e] + (hits of e from senders before s). That is the CPU backend's order,
 // so both backends produce byte-identical batches from the same inputs.
-__global__ void __launch_bounds__(kRecvThreads)
-    dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
-                         uint32_t* out_offsets, RowSource* out_sources) {
+// The grid may be smaller than (local experts x senders): ranks sharing a GPU each get a part
+// of it, since every rank's waiting blocks must be resident at once (see create()).
+struct RecvShared {
+    typename cub::BlockScan<uint32_t, kRecvThreads>::TempStorage scan_tmp;
+    int ok;
+    uint32_t offset, total, before, rows_from, hits;
+    uint64_t overflow_begin;
+    uint64_t row[kRecvThreads];
+    uint32_t tok[kRecvThreads], k[kRecvThreads];
+};
+
+__device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, RecvShared& sh,
+                                   uint8_t* out_x, float* out_scale, uint32_t* out_counts,
+                                   uint32_t* out_offsets, RowSource* out_sources) {
     using Scan = cub::BlockScan<uint32_t, kRecvThreads>;
-    __shared__ typename Scan::TempStorage scan_tmp;
-    __shared__ int s_ok;
-    __shared__ uint32_t s_offset, s_total, s_before, s_rows_from, s_hits;
-    __shared__ uint64_t s_overflow_begin;
-    __shared__ uint64_t s_row[kRecvThreads];
-    __shared__ uint32_t s_tok[kRecvThreads], s_k[kRecvThreads];
-    const uint32_t e = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+    auto& scan_tmp = sh.scan_tmp;
+    auto& s_ok = sh.ok;
+    auto& s_offset = sh.offset;
+    auto& s_total = sh.total;
+    auto& s_before = sh.before;
+    auto& s_rows_from = sh.rows_from;
+    auto& s_hits = sh.hits;
+    auto& s_overflow_begin = sh.overflow_begin;
+    uint64_t* s_row = sh.row;
+    uint32_t* s_tok = sh.tok;
+    uint32_t* s_k = sh.k;
+    const uint32_t tid = threadIdx.x;
     const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq);
     const uint32_t hw = a.counts_hits_word;
@@ -308,17 +329,18 @@ __global__ void __launch_bounds__(kRecvThreads)
             s_k[pre] = kk_match;
         }
         __syncthreads();
-        for (uint32_t m = 0; m < agg; ++m) {
+        // One warp per matched row.
+        const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
+        for (uint32_t m = tid / 32; m < agg; m += warps) {
             uint32_t o = base + carry + m;
             if (carry + m >= s_hits || o >= a.max_rows) break;  // reported below
             const uint8_t* row = a.self + a.lay.dispatch + s_row[m] * a.row_bytes;
-            const int4* src = reinterpret_cast<const int4*>(row + a.payload_offset);
-            int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes);
-            for (uint32_t c = tid; c < pb16; c += blockDim.x) dst[c] = __ldcg(src + c);
+            warp_copy16<true>(reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes),
+                              reinterpret_cast<const int4*>(row + a.payload_offset), pb16, lane);
             const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
-            for (uint32_t c = tid; c < spt; c += blockDim.x)
+            for (uint32_t c = lane; c < spt; c += 32)
                 out_scale[uint64_t{o} * spt + c] = __ldcg(ssrc + c);
-            if (tid == 0) {
+            if (lane == 0) {
                 RowSource src_meta{s, s_tok[m], s_k[m]};
                 a.row_src[o] = src_meta;
                 if (out_sources) out_sources[o] = src_meta;
@@ -329,6 +351,18 @@ __global__ void __launch_bounds__(kRecvThreads)
     }
     if (tid == 0 && carry != s_hits)
         record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq, carry, s_hits);
+}
+
+__global__ void __launch_bounds__(kRecvThreads)
+    dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
+                         uint32_t* out_offsets, RowSource* out_sources) {
+    __shared__ RecvShared sh;
+    const uint32_t pairs = a.local_experts * a.world;
+    for (uint32_t i = blockIdx.x; i < pairs; i += gridDim.x) {
+        dispatch_recv_pair(a, i % a.local_experts, i / a.local_experts, sh, out_x, out_scale,
+                           out_counts, out_offsets, out_sources);
+        __syncthreads();  // sh is reused by the next pair
+    }
 }
 
 }  // namespace
@@ -347,10 +381,17 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
 
 cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
                                  uint32_t* offsets, RowSource* sources, cudaStream_t stream) {
-    dim3 grid(a.local_experts, a.world);
-    dispatch_recv_kernel<<<grid, kRecvThreads, 0, stream>>>(a, static_cast<uint8_t*>(x), x_scale,
+    dispatch_recv_kernel<<<a.dispatch_recv_blocks, kRecvThreads, 0, stream>>>(a, static_cast<uint8_t*>(x), x_scale,
                                                             counts, offsets, sources);
     return cudaGetLastError();
+}
+
+cudaError_t preload_dispatch_kernels() {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_recv_kernel);
+    return e;
 }
 
 }  // namespace ferry::moe::cuda

@@ -22,6 +22,8 @@ struct CountsWords {
     static constexpr uint32_t kSeq = 0, kConfigHash = 1, kCombineBase = 2, kHits = 3, kRowsTo = 4;
 };
 inline constexpr uint32_t kRowHeaderBytes = 8;
+// combine_recv keeps one row vector per top-k slot in registers.
+inline constexpr uint32_t kMaxCudaTopk = 16;
 // Mirrors of numerics.h.
 inline constexpr float kFp8Max = 448.0f;
 inline constexpr float kFp8Floor = 1e-4f;
@@ -72,6 +74,7 @@ struct KernelArgs {
     uint32_t counts_bytes, counts_hits_word;  // CountsFormat::bytes, ::hits_per_expert
     uint32_t max_rows;                        // max_expert_rows
     uint32_t dispatch_send_blocks, combine_send_blocks;
+    uint32_t dispatch_recv_blocks;  // grid of dispatch_recv (a loop over expert x sender)
     uint64_t timeout_ns;
     SharedLayout lay;
     uint8_t* const* peers;  // [world] device array: each rank's shared allocation, mapped here
@@ -87,6 +90,15 @@ struct KernelArgs {
     float* weights;           // [max_tokens * top-k]
     RowSource* row_src;       // [max_rows] where each grouped row came from
 };
+
+// Every kernel of a family loaded into the current device's context. CUDA loads modules
+// lazily by default, at a kernel's first launch, and loading may wait for the kernels already
+// running: a rank's first launch would then wait for a peer's kernel that waits for that very
+// launch (ranks sharing a GPU deadlocked that way, 2026-12-01). create() loads them all first.
+cudaError_t preload_dispatch_kernels();
+cudaError_t preload_combine_kernels();
+cudaError_t preload_quantize_kernels();
+cudaError_t preload_host_gate();
 
 // dispatch.cu
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
@@ -106,5 +118,11 @@ cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hid
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,
                                   const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out,
                                   cudaStream_t stream);
+
+// bench_gate.cu: holds `stream` until *flag >= want (mapped pinned host memory) or timeout_ns
+// passed. A benchmark enqueues a whole layer behind it on every rank, then opens the gate, so
+// events time the GPU's work rather than host launch gaps and skew between ranks.
+cudaError_t launch_host_gate(const volatile uint32_t* flag, uint32_t want, uint64_t timeout_ns,
+                             cudaStream_t stream);
 
 }  // namespace ferry::moe::cuda

@@ -63,4 +63,11 @@ cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_
     return cudaGetLastError();
 }
 
+cudaError_t preload_quantize_kernels() {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, quantize_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dequantize_kernel);
+    return e;
+}
+
 }  // namespace ferry::moe::cuda
