@@ -79,6 +79,7 @@ enum Phase {
     kCombineSend,
     kCombineRecv,
     kCombine,
+    kLayer,  // dispatch_send through combine_recv, the (untimed elsewhere) experts included
     kNumPhases
 };
 

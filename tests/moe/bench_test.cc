@@ -19,7 +19,8 @@ TEST(MoeBench, SmallRunReportsEveryPhaseBytesAndAVerifiedCombine) {
     c.timeout = std::chrono::seconds(20);
     auto rep = run_moe_bench(c);
     ASSERT_TRUE(rep.ok()) << rep.status().to_string();
-    ASSERT_EQ(rep->phases.size(), 6u);
+    ASSERT_EQ(rep->phases.size(), 7u);  // the four calls, dispatch, combine, the whole layer
+    EXPECT_EQ(rep->phases.back().name, "layer");
     for (const auto& p : rep->phases) {
         EXPECT_GT(p.p50_us, 0.0) << p.name;
         EXPECT_GE(p.p99_us, p.p50_us) << p.name;

@@ -1,8 +1,11 @@
 // `ferry bench moe --backend cuda`: every rank a thread of this process on this host's GPUs
 // (rank r on GPU r % count, peers reached through peer access over NVLink, the same path the
 // IPC mapping of separate processes takes). Phases are timed with CUDA events on each rank's
-// stream; ranks start every iteration together (host barrier), so a rank's latency includes
-// waiting for the slowest peer, as in a real layer.
+// stream. Each iteration every rank enqueues its whole layer behind a gate kernel, and the gate
+// opens for all ranks at once after a host barrier: the events then time the GPUs' work (as a
+// captured, pre-enqueued layer runs) rather than host launch gaps, and a rank's latency still
+// includes waiting for the slowest peer, as in a real layer. --graph replays one captured layer
+// and times it as a whole (events cannot sit inside the capture).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -15,6 +18,7 @@
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
 #include "moe/bench_internal.h"
+#include "moe/cuda/kernels.h"
 
 namespace ferry::moe::bench_detail {
 namespace {
@@ -57,7 +61,7 @@ struct RankResources {
 };
 
 Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t rank, int gpus,
-                     ThreadExchange& ex, RankResult* res) {
+                     volatile uint32_t* gate, ThreadExchange& ex, RankResult* res) {
     AllToAllConfig cfg = base;
     cfg.rank = rank;
     RankResources rr;
@@ -131,52 +135,64 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     CudaDispatchInput din{dq, spt ? ds : nullptr, didx, dw, dn};
     CudaExpertBatch batch{bx, spt ? bs : nullptr, bcnt, boff, nullptr};
     // One layer: dispatch, identity experts (untimed: between events 2 and 3), combine.
-    auto enqueue = [&]() -> Status {
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
+    // `timed`: with events between the phases (not inside a graph capture).
+    auto enqueue = [&](bool timed) -> Status {
+        auto mark = [&](int i) { return timed ? cudaEventRecord(rr.ev[i], st) : cudaSuccess; };
+        BENCH_CUDA_TRY(mark(0));
         FERRY_RETURN_IF_ERROR(a2a->dispatch_send(din, st));
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[1], st));
+        BENCH_CUDA_TRY(mark(1));
         FERRY_RETURN_IF_ERROR(a2a->dispatch_recv(batch, st));
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[2], st));
+        BENCH_CUDA_TRY(mark(2));
         if (cfg.dtype == DType::kFp8E4M3) {
             FERRY_RETURN_IF_ERROR(cuda_dequantize_fp8_to_bf16(bx, bs, static_cast<uint32_t>(rows),
                                                               h, y, st, boff + nl));
         } else {
             BENCH_CUDA_TRY(cudaMemcpyAsync(y, bx, rows * pb, cudaMemcpyDeviceToDevice, st));
         }
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[3], st));
+        BENCH_CUDA_TRY(mark(3));
         FERRY_RETURN_IF_ERROR(a2a->combine_send(y, st));
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[4], st));
+        BENCH_CUDA_TRY(mark(4));
         FERRY_RETURN_IF_ERROR(a2a->combine_recv(out, st));
-        BENCH_CUDA_TRY(cudaEventRecord(rr.ev[5], st));
+        BENCH_CUDA_TRY(mark(5));
         return ok_status();
     };
     if (bc.graph) {
         // The token count and call number live on the device, so one capture replays
         // correctly call after call.
         BENCH_CUDA_TRY(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        Status s = enqueue();
+        Status s = enqueue(false);
         cudaError_t end = cudaStreamEndCapture(st, &rr.graph);
         FERRY_RETURN_IF_ERROR(s);
         if (end != cudaSuccess) return cuda_error(end, "cudaStreamEndCapture");
         BENCH_CUDA_TRY(cudaGraphInstantiate(&rr.exec, rr.graph, 0));
     }
 
+    BENCH_CUDA_TRY(cuda::preload_host_gate());
+    const uint64_t gate_timeout_ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(bc.timeout).count());
     for (int it = 0; it < bc.warmup + bc.iters; ++it) {
+        const uint32_t want = static_cast<uint32_t>(it + 1);
+        BENCH_CUDA_TRY(cuda::launch_host_gate(gate, want, gate_timeout_ns, st));
+        if (bc.graph) {
+            BENCH_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
+            BENCH_CUDA_TRY(cudaGraphLaunch(rr.exec, st));
+            BENCH_CUDA_TRY(cudaEventRecord(rr.ev[5], st));
+        } else {
+            FERRY_RETURN_IF_ERROR(enqueue(true));
+        }
+        // Every rank's layer waits behind its gate; one store opens them all.
         FERRY_ASSIGN_OR_RETURN(auto sync, ex.allgather(rank, {}, bc.timeout));
         (void)sync;
-        if (bc.graph) {
-            BENCH_CUDA_TRY(cudaGraphLaunch(rr.exec, st));
-        } else {
-            FERRY_RETURN_IF_ERROR(enqueue());
-        }
+        if (rank == 0) *gate = want;
         FERRY_RETURN_IF_ERROR(a2a->synchronize(st));
         if (it < bc.warmup) continue;
-        float ms[6] = {};
-        const int from[kNumPhases] = {0, 1, 0, 3, 4, 3};
-        const int to[kNumPhases] = {1, 2, 2, 4, 5, 5};
+        const int from[kNumPhases] = {0, 1, 0, 3, 4, 3, 0};
+        const int to[kNumPhases] = {1, 2, 2, 4, 5, 5, 5};
         for (int p = 0; p < kNumPhases; ++p) {
-            BENCH_CUDA_TRY(cudaEventElapsedTime(&ms[p], rr.ev[from[p]], rr.ev[to[p]]));
-            res->samples[p].push_back(static_cast<double>(ms[p]) * 1e3);
+            if (bc.graph && p != bench_detail::kLayer) continue;
+            float ms = 0;
+            BENCH_CUDA_TRY(cudaEventElapsedTime(&ms, rr.ev[from[p]], rr.ev[to[p]]));
+            res->samples[p].push_back(static_cast<double>(ms) * 1e3);
         }
     }
     std::vector<float> got(size_t{n} * h);
@@ -201,17 +217,25 @@ Status run_cuda_ranks(const MoeBenchConfig& bc, const AllToAllConfig& cfg,
     if (cudaError_t e = cudaGetDeviceCount(&gpus); e != cudaSuccess || gpus == 0)
         return unavailable(fmt::format("bench moe --backend cuda: no usable GPU ({})",
                                        e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
+    // The gate every rank's stream waits on: pinned, mapped into every device (UVA).
+    uint32_t* gate = nullptr;
+    if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&gate), sizeof(uint32_t),
+                                      cudaHostAllocMapped | cudaHostAllocPortable);
+        e != cudaSuccess)
+        return cuda_error(e, "cudaHostAlloc of the start gate");
+    *gate = 0;
     ThreadExchange ex(bc.ranks);
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < bc.ranks; ++r) {
         threads.emplace_back([&, r] {
             RankResult& res = (*results)[r];
-            res.status = run_cuda_rank(bc, cfg, r, gpus, ex, &res);
+            res.status = run_cuda_rank(bc, cfg, r, gpus, gate, ex, &res);
             if (!res.status.ok())
                 ex.abort(res.status.with_context(fmt::format("rank {} failed", r)));
         });
     }
     for (auto& t : threads) t.join();
+    cudaFreeHost(gate);
     return ok_status();
 }
 
