@@ -75,6 +75,9 @@ OpHandle TransferEngine::write(const WriteOp& op, OpCallback done) {
 OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
     return impl_->paged_write(op, std::move(done));
 }
+OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
+    return impl_->write_runs(op, std::move(done));
+}
 OpHandle TransferEngine::read(const ReadOp& op, OpCallback done) {
     return impl_->read(op, std::move(done));
 }

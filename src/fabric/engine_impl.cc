@@ -521,6 +521,12 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
     return Path::kFabric;
 }
 
+Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
+                                          const MemoryRegion& local) {
+    FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
+    return g->map_remote(remote, local.descriptor().device);
+}
+
 OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
                             std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
     auto g = gpu();
@@ -557,9 +563,7 @@ OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     auto path = choose_path(*p, *w.src, *w.dst, "write");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
     if (*path == Path::kGpuIpc) {
-        auto g = gpu();
-        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
-        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        auto base = map_gpu_peer(*w.dst, *w.src);
         if (!base.ok()) FERRY_FAIL_OP(state, base.status());
         std::vector<GpuCopy> copies = {
             {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
@@ -615,9 +619,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     std::vector<GpuCopy> copies;
     if (*path == Path::kGpuIpc) {
         copies.reserve(w.src_pages.size());
-        auto g = gpu();
-        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
-        auto base = (*g)->map_remote(*w.dst, w.src->descriptor().device);
+        auto base = map_gpu_peer(*w.dst, *w.src);
         if (!base.ok()) FERRY_FAIL_OP(state, base.status());
         gpu_base = *base;
     }
@@ -650,6 +652,46 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     return submit(b, state, w.imm.has_value());
 }
 
+OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write_runs"));
+    if (w.runs.empty()) FERRY_FAIL_OP(state, invalid_argument("write_runs: no runs"));
+    FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "write_runs"));
+    FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "write_runs"));
+    // Every run in bounds before anything is posted: a bad run loses nothing.
+    for (size_t i = 0; i < w.runs.size(); ++i) {
+        const WriteRun& r = w.runs[i];
+        Status s = r.length == 0 ? invalid_argument("write_runs: a run of 0 bytes")
+                                 : check_local(w.src, r.src_offset, r.length, "write_runs");
+        if (s.ok()) s = check_remote(*p, w.dst, r.dst_offset, r.length, "write_runs");
+        if (!s.ok()) {
+            FERRY_FAIL_OP(state, s.with_context(fmt::format("run {} ({} bytes, {} -> {})", i,
+                                                             r.length, r.src_offset,
+                                                             r.dst_offset)));
+        }
+    }
+    auto path = choose_path(*p, *w.src, *w.dst, "write_runs");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*w.dst, *w.src);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        const uint64_t src = reinterpret_cast<uint64_t>(w.src->data());
+        std::vector<GpuCopy> copies;
+        copies.reserve(w.runs.size());
+        for (const WriteRun& r : w.runs)
+            copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
+    Batch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const WriteRun& r : w.runs) {
+        add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
+                w.imm, deadline, true);
+    }
+    return submit(b, state, w.imm.has_value());
+}
+
 OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(r.peer);
@@ -660,9 +702,7 @@ OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     auto path = choose_path(*p, *r.dst, *r.src, "read");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
     if (*path == Path::kGpuIpc) {
-        auto g = gpu();
-        if (!g.ok()) FERRY_FAIL_OP(state, g.status());
-        auto base = (*g)->map_remote(*r.src, r.dst->descriptor().device);
+        auto base = map_gpu_peer(*r.src, *r.dst);
         if (!base.ok()) FERRY_FAIL_OP(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
                                          *base + r.src_offset, r.length}};

@@ -53,6 +53,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
     OpHandle write(const WriteOp& op, OpCallback done);
     OpHandle paged_write(const PagedWriteOp& op, OpCallback done);
+    OpHandle write_runs(const WriteRunsOp& op, OpCallback done);
     OpHandle read(const ReadOp& op, OpCallback done);
     OpHandle scatter(const ScatterOp& op, OpCallback done);
     OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);
@@ -93,6 +94,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Result<Path> choose_path(const Peer& p, const MemoryRegion& local,
                              const MemoryDescriptor& remote, const char* what) const;
     Result<GpuTransport*> gpu();
+    // The address of a same-host peer's GPU region as seen from local's device.
+    Result<uint64_t> map_gpu_peer(const MemoryDescriptor& remote, const MemoryRegion& local);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
     // the data is in place) like a fabric operation.
     OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device,

@@ -242,6 +242,69 @@ TEST_P(EngineTest, PagedWritesWithRandomPageListsCoalesceAndArriveIntact) {
     expect_all_ok(results);
 }
 
+// Runs of random lengths (some above the stripe threshold, so split across rails) to disjoint
+// destinations as one operation: every byte lands, nothing else is touched, the target counts
+// as many immediates as imm_writes() says, and a run out of range fails the whole operation
+// before anything is posted, naming the run.
+TEST_P(EngineTest, WriteRunsDeliversEveryRunAsOneOperation) {
+    uint64_t seed = testing::test_seed("WriteRuns");
+    const size_t kBuf = 8 << 20;
+    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
+        CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), kBuf, kPoison));
+        std::mt19937_64 rng(seed);
+        // Disjoint destination slots of 256 KiB, in random order; lengths up to a whole slot.
+        const uint64_t kSlot = 256 << 10;
+        std::vector<uint64_t> slots(kBuf / kSlot);
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), rng);
+        std::vector<WriteRun> runs;
+        for (int i = 0; i < 20; ++i) {
+            uint64_t len = 1 + rng() % kSlot;
+            runs.push_back({rng() % (kBuf - len), slots[i] * kSlot + rng() % (kSlot - len + 1),
+                            len});
+        }
+        if (ex.rank() == 0) {
+            fill_pattern(n.buf, seed);
+            WriteRunsOp bad;
+            bad.peer = n.peer[1];
+            bad.src = n.mr.get();
+            bad.dst = &n.desc[1];
+            std::vector<WriteRun> with_bad = runs;
+            with_bad[7].dst_offset = kBuf - with_bad[7].length + 1;  // one byte past the end
+            bad.runs = with_bad;
+            bad.imm = 5u;
+            Status refused = n.engine->write_runs(bad).wait(kWait);
+            CHILD_CHECK_MSG(!refused.ok() && refused.message().find("run 7") != std::string::npos,
+                            "out-of-range run: {}", refused.to_string());
+            WriteRunsOp op = bad;
+            op.runs = runs;
+            OpHandle h = n.engine->write_runs(op);
+            CHILD_CHECK_OK(h.wait(kWait));
+            CHILD_CHECK_MSG(h.imm_writes() >= runs.size(), "{} immediates for {} runs",
+                            h.imm_writes(), runs.size());
+            ByteWriter bw;
+            bw.put(h.imm_writes());
+            CHILD_CHECK(ex.allgather(bw.bytes()).ok());
+        } else {
+            CHILD_ASSIGN_OK(auto all, ex.allgather({}));
+            uint32_t expect = 0;
+            std::memcpy(&expect, all[0].data(), 4);
+            CHILD_CHECK_OK(n.engine->wait_imm(5, expect, kWait));
+            CHILD_CHECK_MSG(n.engine->imm_available(5) == 0,
+                            "{} immediates more than the writes posted",
+                            n.engine->imm_available(5));
+            std::vector<uint8_t> srcb(n.buf.size()), want(n.buf.size(), kPoison);
+            fill_pattern(srcb, seed);
+            for (const WriteRun& r : runs)
+                std::memcpy(want.data() + r.dst_offset, srcb.data() + r.src_offset, r.length);
+            std::string diff = compare(n.buf, want);
+            CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+        }
+        return "";
+    }, kRunTimeout);
+    expect_all_ok(results);
+}
+
 TEST_P(EngineTest, ScatterToFourPeersDeliversEachItsSlice) {
     uint64_t seed = testing::test_seed("Scatter");
     const size_t kBuf = 1 << 20;

@@ -142,6 +142,18 @@ struct PagedWriteOp {
     std::optional<uint32_t> imm;
 };
 
+// Many runs from one local region to one remote region as one operation with one completion
+// (a KV transfer's runs, one per layer and K/V). On fabric paths every run is a write of its
+// own, split and striped like write(), each carrying `imm` (imm_writes() says how many). Between
+// GPUs of one host the runs become one batched copy followed by one immediate.
+struct WriteRunsOp {
+    PeerId peer = 0;
+    const MemoryRegion* src = nullptr;
+    const MemoryDescriptor* dst = nullptr;
+    std::span<const WriteRun> runs;
+    std::optional<uint32_t> imm;
+};
+
 // One-sided read of remote memory into a local region.
 struct ReadOp {
     PeerId peer = 0;
@@ -215,6 +227,7 @@ class TransferEngine {
     // the handle and the callback like any other error.
     OpHandle write(const WriteOp& op, OpCallback done = {});
     OpHandle paged_write(const PagedWriteOp& op, OpCallback done = {});
+    OpHandle write_runs(const WriteRunsOp& op, OpCallback done = {});
     OpHandle read(const ReadOp& op, OpCallback done = {});
     OpHandle scatter(const ScatterOp& op, OpCallback done = {});
     // Sends one immediate-only write to every member, then waits until as many writes with

@@ -12,6 +12,16 @@
 
 namespace ferry {
 
+// One contiguous piece of a multi-run transfer: `length` bytes at src_offset of the source
+// region go to dst_offset of the destination region.
+struct WriteRun {
+    uint64_t src_offset = 0;
+    uint64_t dst_offset = 0;
+    uint64_t length = 0;
+    bool operator==(const WriteRun&) const = default;
+};
+
+
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
 // Which remote memory an operation targets: base address, length, one key per rail of the

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/common/status.h"
+#include "ferry/fabric/types.h"
 #include "ferry/kv/layout.h"
 
 namespace ferry::kv {
@@ -33,12 +34,7 @@ Result<std::vector<uint32_t>> consumers_for_producer(uint32_t total_heads, uint3
 
 // A contiguous copy: `length` bytes at src_offset of the producer pool go to dst_offset of the
 // consumer pool.
-struct ByteRun {
-    uint64_t src_offset = 0;
-    uint64_t dst_offset = 0;
-    uint64_t length = 0;
-    bool operator==(const ByteRun&) const = default;
-};
+using ByteRun = WriteRun;  // what TransferEngine::write_runs takes
 
 struct TransferPlan {
     std::vector<ByteRun> runs;  // coalesced: no run continues where the previous one ends
