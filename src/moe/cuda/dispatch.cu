@@ -306,15 +306,27 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
         if (i < rows_from) {
             ri = i < p ? uint64_t{s} * p + i : overflow_begin + (i - p);
             const uint8_t* row = a.self + a.lay.dispatch + ri * a.row_bytes;
-            token = ld_cg_u32(row);
-            uint32_t hseq = ld_cg_u32(row + 4);
+            // The header in a few 8-byte loads issued together (every (expert, sender) block
+            // reads all of the sender's headers, so this is on the critical path): token and
+            // call, then the local expert ids, four per load (the header is padded to 16).
+            const uint2 head = __ldcg(reinterpret_cast<const uint2*>(row));
+            uint2 ids[kMaxCudaTopk / 4];
+#pragma unroll
+            for (uint32_t q = 0; q < kMaxCudaTopk / 4; ++q)
+                if (q * 4 < k)
+                    ids[q] = __ldcg(reinterpret_cast<const uint2*>(row + kRowHeaderBytes) + q);
+            token = head.x;
+            const uint32_t hseq = head.y;
             if (hseq != seq || token >= a.max_tokens) {
                 record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
                              (uint64_t{hseq} << 32) | token, seq);
             } else {
-                const auto* le = reinterpret_cast<const unsigned short*>(row + kRowHeaderBytes);
-                for (uint32_t kk = 0; kk < k; ++kk) {
-                    if (static_cast<int16_t>(__ldcg(le + kk)) == static_cast<int32_t>(e)) {
+#pragma unroll
+                for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk) {
+                    if (kk >= k) break;
+                    const uint32_t word = (kk & 2) ? ids[kk / 4].y : ids[kk / 4].x;
+                    const auto id = static_cast<int16_t>(word >> (16 * (kk & 1)));
+                    if (id == static_cast<int32_t>(e)) {
                         match = 1;
                         kk_match = kk;
                     }
