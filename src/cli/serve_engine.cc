@@ -289,7 +289,8 @@ void register_serve(CLI::App& app) {
         flags->port = port;
         // Push overlaps each chunk's KV transfer with the next chunk's compute; the chunk
         // size trades the exposed last chunk against per-step costs (BENCHMARKS.md).
-        if (std::string(role) == "prefill") flags->engine.prefill_chunk_tokens = kDefaultPrefillChunk;
+        if (std::string(role) == "prefill")
+            flags->engine.prefill_chunk_tokens = kDefaultPrefillChunk;
         auto* cmd = serve->add_subcommand(role, fmt::format("run a {} engine", role));
         add_engine_flags(cmd, *flags);
         cmd->add_option("--kv-mode", flags->kv_mode,

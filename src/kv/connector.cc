@@ -257,13 +257,13 @@ class KvConnector::Impl {
     struct SendJob {
         RegisterMsg reg;
         PeerId peer = 0;
-        uint32_t sent_tokens = 0;  // tokens [0, sent_tokens) are posted
-        uint32_t segments = 0;     // segments posted
-        uint32_t in_flight = 0;    // segments with writes not yet complete
+        uint32_t sent_tokens = 0;                // tokens [0, sent_tokens) are posted
+        uint32_t segments = 0;                   // segments posted
+        uint32_t in_flight = 0;                  // segments with writes not yet complete
         std::map<uint32_t, SegmentMsg> pending;  // by index, sent once its writes completed
-        bool cancelled = false;    // by CANCEL or a newer attempt: no FINAL
-        bool ack_wanted = false;   // CANCEL came while writes were in flight
-        bool resolved = false;     // nothing more will be sent for it
+        bool cancelled = false;                  // by CANCEL or a newer attempt: no FINAL
+        bool ack_wanted = false;                 // CANCEL came while writes were in flight
+        bool resolved = false;                   // nothing more will be sent for it
         uint32_t writes = 0;
         uint64_t bytes = 0;
         Status error;
@@ -279,8 +279,8 @@ class KvConnector::Impl {
         bool have_prefill = false;
         bool scheduled = false;
         std::vector<uint32_t> blocks;
-        uint32_t ready = 0;   // tokens whose KV is final (progress or done)
-        uint32_t tokens = 0;  // the prompt's tokens, known at prefill_done
+        uint32_t ready = 0;                // tokens whose KV is final (progress or done)
+        uint32_t tokens = 0;               // the prompt's tokens, known at prefill_done
         std::map<JobKey, Intent> intents;  // decode ranks waiting for SCHEDULED
         bool have_attempt = false;
         uint32_t attempt = 0;
@@ -302,9 +302,9 @@ class KvConnector::Impl {
         uint32_t writes = 0;
         bool have_final = false;
         uint32_t final_segments = 0;
-        uint32_t counted = 0;                  // segments whose writes all arrived
-        std::map<uint32_t, uint32_t> landed;   // token ranges counted beyond `prefix`
-        uint32_t prefix = 0;                   // tokens [0, prefix) landed
+        uint32_t counted = 0;                 // segments whose writes all arrived
+        std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
+        uint32_t prefix = 0;                  // tokens [0, prefix) landed
     };
     struct Consumer {
         std::vector<Slot> slots;
@@ -610,8 +610,8 @@ class KvConnector::Impl {
             }
         }
         if (p.have_prefill && job.sent_tokens == p.tokens && job.in_flight == 0) {
-            send(job.peer, FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes,
-                                    job.segments});
+            send(job.peer,
+                 FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes, job.segments});
             job.resolved = true;
         }
     }
@@ -620,17 +620,17 @@ class KvConnector::Impl {
         const RegisterMsg& reg = job.reg;
         uint32_t total = p.have_prefill ? p.tokens : reg.num_tokens;
         if (p.ready > reg.num_tokens || total != reg.num_tokens) {
-            return invalid_argument(
-                fmt::format("decode registered {} tokens, prefill computed {}", reg.num_tokens,
-                            p.have_prefill ? p.tokens : p.ready));
+            return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
+                                                reg.num_tokens,
+                                                p.have_prefill ? p.tokens : p.ready));
         }
-        auto plan = plan_transfer({cfg_.self, p.blocks,
-                                   KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
-                                   job.sent_tokens, p.ready});
+        auto plan =
+            plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
+                           reg.blocks, job.sent_tokens, p.ready});
         if (!plan.ok()) return plan.status();
         uint32_t index = job.segments++;
-        SegmentMsg seg{id, key.first, cfg_.self.tp_rank, index, job.sent_tokens, p.ready, 0,
-                       plan->bytes};
+        SegmentMsg seg{id,      key.first, cfg_.self.tp_rank, index, job.sent_tokens,
+                       p.ready, 0,         plan->bytes};
         job.sent_tokens = p.ready;
         job.in_flight++;
         auto flight = new_flight(
@@ -713,8 +713,9 @@ class KvConnector::Impl {
         job.pending.erase(index);
         if (!s.ok() && job.error.ok()) {
             job.error = s;
-            log(LogLevel::kWarn, kLog, "transfer {:x} attempt {}: writing to decode rank {} failed: {}",
-                id, key.first, key.second, s.to_string());
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x} attempt {}: writing to decode rank {} failed: {}", id, key.first,
+                key.second, s.to_string());
         }
         if (!job.cancelled && job.error.ok()) send(job.peer, seg);
         if (job.in_flight == 0) settle_job(id, it->second, key, job);
@@ -844,9 +845,9 @@ class KvConnector::Impl {
             return report_now(invalid_argument(
                 fmt::format("transfer {:x} attempt {} is already announced", id, attempt)));
         }
-        auto producers = producers_for_consumer(cfg_.self.total_heads(),
-                                                static_cast<uint32_t>(ranks.size()),
-                                                cfg_.self.tp_size, cfg_.self.tp_rank);
+        auto producers =
+            producers_for_consumer(cfg_.self.total_heads(), static_cast<uint32_t>(ranks.size()),
+                                   cfg_.self.tp_size, cfg_.self.tp_rank);
         if (!producers.ok()) return report_now(producers.status());
         Announce a;
         for (uint32_t rank : *producers) {
@@ -859,8 +860,8 @@ class KvConnector::Impl {
         }
         a.deadline = Clock::now() + cfg_.lease;
         for (const auto& [rank, peer] : a.ranks) {
-            send(peer, IntentMsg{id, attempt, cfg_.self.tp_rank, cfg_.self.tp_size,
-                                 engine_->address()});
+            send(peer,
+                 IntentMsg{id, attempt, cfg_.self.tp_rank, cfg_.self.tp_size, engine_->address()});
         }
         announces_.emplace(key, std::move(a));
     }
@@ -958,9 +959,10 @@ class KvConnector::Impl {
     void on_user_cancel(uint64_t id) {
         for (auto it = announces_.begin(); it != announces_.end(); ++it) {
             if (it->first.first == id) {
-                return end_announce(it, cancelled(fmt::format("transfer {:x} was cancelled "
-                                                              "before prefill scheduled it",
-                                                              id)),
+                return end_announce(it,
+                                    cancelled(fmt::format("transfer {:x} was cancelled "
+                                                          "before prefill scheduled it",
+                                                          id)),
                                     true);
             }
         }
@@ -995,9 +997,10 @@ class KvConnector::Impl {
         if (it->second.cancelling) return;
         uint32_t span = std::max<uint32_t>(1, std::min(cfg_.imm_span, cfg_.imm_count));
         if (m.index >= span) {
-            return fail_slot(it, *s, protocol_error(fmt::format(
-                                         "prefill rank {} sent segment {} beyond the span of {}",
-                                         m.producer_rank, m.index, span)));
+            return fail_slot(
+                it, *s,
+                protocol_error(fmt::format("prefill rank {} sent segment {} beyond the span of {}",
+                                           m.producer_rank, m.index, span)));
         }
         if (m.writes == 0) return on_segment_counted(it->first, m.producer_rank, m, ok_status());
         Duration left = std::max<Duration>(it->second.deadline - Clock::now(), Duration::zero());
@@ -1005,7 +1008,8 @@ class KvConnector::Impl {
         ConsumerKey key = it->first;
         engine_->on_imm(s->imm + m.index, m.writes, left, [this, inbox, key, m](const Status& st) {
             auto in = inbox.lock();
-            if (in) in->post([this, key, m, st] { on_segment_counted(key, m.producer_rank, m, st); });
+            if (in)
+                in->post([this, key, m, st] { on_segment_counted(key, m.producer_rank, m, st); });
         });
     }
 
@@ -1022,7 +1026,8 @@ class KvConnector::Impl {
         }
         s->counted++;
         s->landed[m.first_token] = m.end_token;
-        for (auto l = s->landed.find(s->prefix); l != s->landed.end(); l = s->landed.find(s->prefix)) {
+        for (auto l = s->landed.find(s->prefix); l != s->landed.end();
+             l = s->landed.find(s->prefix)) {
             s->prefix = std::max(s->prefix, l->second);
             s->landed.erase(l);
         }
@@ -1075,7 +1080,8 @@ class KvConnector::Impl {
                 a, Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)),
                 false);
         }
-        fail_slot(it, *s, Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)));
+        fail_slot(it, *s,
+                  Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)));
     }
 
     void on_cancel_ack(const CancelAckMsg& m) {

@@ -339,9 +339,9 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
 }
 
 const char* message_name(const KvMessage& msg) {
-    static constexpr const char* kNames[] = {"REGISTER", "FINAL",  "FAIL",      "CANCEL",
-                                             "CANCEL_ACK", "PULL_PARAMS", "DONE",
-                                             "INTENT",   "SCHEDULED", "SEGMENT"};
+    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL", "CANCEL",
+                                             "CANCEL_ACK", "PULL_PARAMS", "DONE", "INTENT",
+                                             "SCHEDULED",  "SEGMENT"};
     return kNames[msg.index()];
 }
 

@@ -220,9 +220,9 @@ json BenchServeResult::to_json() const {
                 if (v.is_number()) breakdown[k].push_back(v.get<double>());
             const json& t = r.server_timing;
             if (t.contains("transfer_wait_ms") && t.contains("decode_wait_ms") && r.ttft_ms > 0)
-                wait_share.push_back((t["transfer_wait_ms"].get<double>() +
-                                      t["decode_wait_ms"].get<double>()) /
-                                     r.ttft_ms);
+                wait_share.push_back(
+                    (t["transfer_wait_ms"].get<double>() + t["decode_wait_ms"].get<double>()) /
+                    r.ttft_ms);
         }
     }
     char date[32];

@@ -319,8 +319,8 @@ void Engine::drain_inbox() {
                 RequestId id = s->id;
                 awaiting_prefill_[id] = std::move(e.seq);
                 std::weak_ptr<Inbox> weak = inbox_;
-                Status st = consumer_->await_prefill_scheduled(
-                    id, s->req.kv, [weak, id](Status scheduled) {
+                Status st =
+                    consumer_->await_prefill_scheduled(id, s->req.kv, [weak, id](Status scheduled) {
                         if (auto in = weak.lock())
                             in->post(Inbox::Event{.kind = Inbox::Kind::kScheduled,
                                                   .id = id,
@@ -468,8 +468,8 @@ void Engine::abort_prefill(Seq& s, const Status& why) {
     RequestId id = s.id;
     producer_->on_prefill_aborted(id, s.req.kv, why, [weak, id](Status released) {
         if (auto in = weak.lock())
-            in->post(
-                Inbox::Event{.kind = Inbox::Kind::kReleased, .id = id, .status = std::move(released)});
+            in->post(Inbox::Event{
+                .kind = Inbox::Kind::kReleased, .id = id, .status = std::move(released)});
     });
 }
 
@@ -492,8 +492,9 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
     }
     s.kv_closed = true;
     if (s.done || s.cancel_sent || !status.ok()) {
-        finish(s, status.ok() ? cancelled("request cancelled")
-                              : status.with_context(fmt::format("KV transfer for request {}", s.id)));
+        finish(s, status.ok()
+                      ? cancelled("request cancelled")
+                      : status.with_context(fmt::format("KV transfer for request {}", s.id)));
     } else {
         s.mark(&RequestTiming::kv_ready, now);
         s.kv_landed = s.req.prompt.size();

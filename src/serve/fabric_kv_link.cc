@@ -420,8 +420,8 @@ void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransfe
                                           uint32_t(tokens_ready));
     // Not fatal: what progress did not send, prefill_done sends.
     if (!st.ok())
-        log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}",
-            params.transfer_id, st.to_string());
+        log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,
+            st.to_string());
 }
 
 void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransferParams& params,

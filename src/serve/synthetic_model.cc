@@ -106,8 +106,8 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
                                        size_t first, size_t end) {
     const size_t bs = size_t(slice.shape.block_size);
     if (first > end || end > tokens.size())
-        return invalid_argument(fmt::format("token range [{}, {}) outside a prompt of {}", first,
-                                            end, tokens.size()));
+        return invalid_argument(
+            fmt::format("token range [{}, {}) outside a prompt of {}", first, end, tokens.size()));
     if (first == end) return uint64_t{0};
     FERRY_RETURN_IF_ERROR(locate(blocks, int(bs), end - 1, pool.num_blocks()).status());
     for (size_t i = first / bs; i * bs < end; ++i)
@@ -135,8 +135,8 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
     return terms;
 }
 
-uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks,
-                         const KvSlice& slice, size_t first, size_t end) {
+uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
+                         size_t first, size_t end) {
     const size_t bs = size_t(slice.shape.block_size);
     uint64_t terms = 0;
     for (size_t i = first / bs; i * bs < end; ++i) {
@@ -150,7 +150,8 @@ uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks,
         for (int layer = 0; layer < slice.shape.layers; ++layer)
             for (int kv = 0; kv < 2; ++kv)
                 for (size_t p = lo; p < hi; ++p)
-                    terms += row_term(pool.row(blocks[i], layer, kv, int(p - i * bs)), p, layer, kv);
+                    terms +=
+                        row_term(pool.row(blocks[i], layer, kv, int(p - i * bs)), p, layer, kv);
     }
     return terms;
 }

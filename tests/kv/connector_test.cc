@@ -191,9 +191,8 @@ TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgr
                 blocks.push_back(std::move(b));
                 if (prefill) testing::fill_request(n, reqs.size() + r.id, blocks.back(), r.tokens);
             }
-            CHILD_ASSIGN_OK(auto readers,
-                            consumers_for_producer(kTotalHeads, t.ptp, t.dtp,
-                                                   prefill ? self.tp_rank : 0));
+            CHILD_ASSIGN_OK(auto readers, consumers_for_producer(kTotalHeads, t.ptp, t.dtp,
+                                                                 prefill ? self.tp_rank : 0));
             if (!prefill) {
                 // Decode holds its blocks only once every prefill rank scheduled the transfer.
                 for (const Request& r : reqs)

@@ -375,13 +375,14 @@ TEST_P(KvReliabilityTest, CancelBetweenChunksStopsTheWritesAndLeaksNothing) {
             CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
             CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
             CHILD_CHECK_MSG(r.bytes > 0 && r.bytes < 80 * n.self.layout.token_bytes() * 2 *
-                                                        n.self.layout.num_layers,
+                                                         n.self.layout.num_layers,
                             "{} bytes written: chunks after the cancel went out", r.bytes);
             CHILD_CHECK_OK(ex.barrier());
         }
         CHILD_CHECK_OK(ex.barrier());
         if (ex.rank() == kDecode) {
-            CHILD_CHECK(std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == 0x3c; }));
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == 0x3c; }));
         }
         CHILD_CHECK_OK(n.blocks->free(blocks));
         return "";

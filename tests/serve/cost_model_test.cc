@@ -45,9 +45,10 @@ TEST(CostModel, ChunkedPrefillDoesTheSameFlopsButPaysPerStepCosts) {
         auto r = m.prefill_roofline(c);
         flops += r.flops;
         seconds += r.total_s;
-        context_bytes += r.bytes - m.prefill_roofline(std::vector<PrefillChunk>{
-                                       {.tokens = chunk, .context = 0, .last = c[0].last}})
-                                       .bytes;
+        context_bytes +=
+            r.bytes - m.prefill_roofline(std::vector<PrefillChunk>{
+                                             {.tokens = chunk, .context = 0, .last = c[0].last}})
+                          .bytes;
     }
     auto one = m.prefill_roofline(whole);
     // Linear and causal-attention work are the same however the prompt is cut (LM head once).

@@ -232,9 +232,9 @@ TEST(DisaggE2E, PrefillKilledBetweenChunksGivesAClientErrorAndDecodePoolIsFullAg
     auto prompt = prompt_of(300, 11);
     auto killer = std::async(std::launch::async, [&] {
         // Decode holds blocks once prefill scheduled the request: chunks are being computed.
-        bool seen = eventually(
-            [&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") > 0; },
-            seconds(5));
+        bool seen =
+            eventually([&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") > 0; },
+                       seconds(5));
         std::this_thread::sleep_for(milliseconds(300));
         s.prefill_proc(0).kill_now();
         return seen;
@@ -244,8 +244,7 @@ TEST(DisaggE2E, PrefillKilledBetweenChunksGivesAClientErrorAndDecodePoolIsFullAg
     EXPECT_TRUE(killer.get()) << "decode never held blocks: " << s.logs();
     EXPECT_TRUE(r.error_event || !r.transport.ok() || r.status != 200) << r.raw;
     EXPECT_TRUE(eventually(
-        [&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") == 0; },
-        seconds(10)))
+        [&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") == 0; }, seconds(10)))
         << s.logs();
     EXPECT_EQ(metric(kHost, s.decode_ports[0], "ferry_kv_link_active"), 0);
 }

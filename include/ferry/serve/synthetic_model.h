@@ -52,8 +52,8 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
                                        size_t first, size_t end);
 // Decode: the digest terms of the KV the pool holds for positions [first, end) of a prompt,
 // as it lands; the terms of every range plus kEmptyPrefixState give DecodeStream's digest.
-uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks,
-                         const KvSlice& slice, size_t first, size_t end);
+uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
+                         size_t first, size_t end);
 
 // Decode of one request over the KV its blocks hold. `prompt` is needed only to continue the
 // prefix hash for generated positions; the digest comes from the pool's bytes.
