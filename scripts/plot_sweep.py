@@ -3,7 +3,9 @@
 
 Reads the result files of `ferry bench serve` named <mode>_qps<q>_in<in>_out<out>_iter<i>.json
 (mode: push, pull, pull-inline, ...), averages the iterations of each point, writes a PNG and
-prints a markdown table of the same numbers. Compute in these runs is modelled; KV transfers are
+prints a markdown table of the same numbers, with the TTFT breakdown the push target is stated
+in: median transfer wait, decode wait and (transfer wait + decode wait) / TTFT, where the
+results have them (docs/SERVING.md). Compute in these runs is modelled; KV transfers are
 real (every result file says so in its "note").
 
     scripts/plot_sweep.py RESULTS_DIR [--out sweep.png] [--stat median|mean|p99]
@@ -29,7 +31,7 @@ COLOURS = {"push": "tab:blue", "pull": "tab:orange", "pull-inline": "tab:red"}
 
 
 def load(results_dir, stat):
-    """Returns {(mode, input_len, output_len): {qps: {"ttft": x, "tpot": y, "failed": n}}}."""
+    """Returns {(mode, input_len, output_len): {qps: {"ttft": x, "tpot": y, "failed": n, ...}}}."""
     samples = collections.defaultdict(lambda: collections.defaultdict(list))
     skipped = []
     for path in sorted(pathlib.Path(results_dir).glob("*.json")):
@@ -45,7 +47,11 @@ def load(results_dir, stat):
             print(f"warning: {path.name}: unreadable result ({err}); skipped", file=sys.stderr)
             continue
         key = (m["mode"], int(m["inp"]), int(m["out"]))
-        samples[key][float(m["qps"])].append((ttft, tpot, int(data.get("failed", 0))))
+        timing = data.get("server_timing_ms", {})
+        waits = tuple(timing[k]["median"] if k in timing else None
+                      for k in ("transfer_wait_ms", "decode_wait_ms"))
+        samples[key][float(m["qps"])].append(
+            (ttft, tpot, int(data.get("failed", 0))) + waits + (data.get("median_wait_share"),))
     if skipped:
         print(f"note: {len(skipped)} files do not follow the naming scheme and were ignored",
               file=sys.stderr)
@@ -57,10 +63,18 @@ def load(results_dir, stat):
                 "tpot": statistics.fmean(s[1] for s in runs),
                 "failed": sum(s[2] for s in runs),
                 "iters": len(runs),
+                "transfer_wait": mean_or_none(s[3] for s in runs),
+                "decode_wait": mean_or_none(s[4] for s in runs),
+                "wait_share": mean_or_none(s[5] for s in runs),
             }
             for qps, runs in sorted(by_qps.items())
         }
     return points
+
+
+def mean_or_none(values):
+    values = list(values)
+    return None if any(v is None for v in values) else statistics.fmean(values)
 
 
 def plot(points, stat, out):
@@ -91,12 +105,18 @@ def plot(points, stat, out):
 
 
 def table(points, stat):
-    lines = [f"| mode | input | output | QPS | {stat} TTFT ms | {stat} TPOT ms | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| mode | input | output | QPS | {stat} TTFT ms | {stat} TPOT ms | failed | "
+             "transfer wait ms | decode wait ms | wait share |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
     for (mode, inp, outl), by_qps in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for qps, p in by_qps.items():
             lines.append(f"| {mode} | {inp} | {outl} | {qps:g} | {p['ttft']:.1f} | "
-                         f"{p['tpot']:.2f} | {p['failed']} |")
+                         f"{p['tpot']:.2f} | {p['failed']} | {fmt(p['transfer_wait'], '.1f')} | "
+                         f"{fmt(p['decode_wait'], '.1f')} | {fmt(p['wait_share'], '.1%')} |")
     return "\n".join(lines)
 
 

@@ -87,6 +87,17 @@ int run(BenchFlags f) {
                    j[fmt::format("mean_{}_ms", m)].get<double>(),
                    j[fmt::format("median_{}_ms", m)].get<double>(),
                    j[fmt::format("p99_{}_ms", m)].get<double>());
+    if (j.contains("median_wait_share")) {
+        const auto& bd = j["server_timing_ms"];
+        auto median = [&](const char* k) {
+            return bd.contains(k) ? bd[k]["median"].get<double>() : 0.0;
+        };
+        fmt::print("{:<28}{:>12.2f}{:>12.2f}\n", "transfer / decode wait ms",
+                   median("transfer_wait_ms"), median("decode_wait_ms"));
+        fmt::print("{:<28}{:>12.3f}{:>12.3f}{:>12.3f}\n", "wait share mean/median/p99",
+                   j["mean_wait_share"].get<double>(), j["median_wait_share"].get<double>(),
+                   j["p99_wait_share"].get<double>());
+    }
     if (!f.result_file.empty()) {
         std::ofstream out(f.result_file);
         out << j.dump(2) << "\n";

@@ -59,6 +59,10 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
     cmd->add_option("--max-num-batched-tokens", f.engine.max_num_batched_tokens,
                     "prompt tokens per prefill step")
         ->capture_default_str();
+    cmd->add_option("--prefill-chunk", f.engine.prefill_chunk_tokens,
+                    "chunked prefill: prompt tokens per prefill step (0: whole prompts); push "
+                    "sends each chunk's KV while the next computes")
+        ->capture_default_str();
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
         ->capture_default_str();
     cmd->add_option("--block-size", f.engine.block_size, "tokens per KV block")
@@ -275,12 +279,18 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
 
 }  // namespace
 
+constexpr size_t kDefaultPrefillChunk = 512;
+
 void register_serve(CLI::App& app) {
     auto* serve = app.add_subcommand("serve", "disaggregated serving processes");
     serve->require_subcommand(1);
     for (auto [role, port] : {std::pair{"prefill", 8100}, std::pair{"decode", 8200}}) {
         auto flags = std::make_shared<EngineFlags>();
         flags->port = port;
+        // Push overlaps each chunk's KV transfer with the next chunk's compute; the chunk
+        // size trades the exposed last chunk against per-step costs (BENCHMARKS.md).
+        if (std::string(role) == "prefill")
+            flags->engine.prefill_chunk_tokens = kDefaultPrefillChunk;
         auto* cmd = serve->add_subcommand(role, fmt::format("run a {} engine", role));
         add_engine_flags(cmd, *flags);
         cmd->add_option("--kv-mode", flags->kv_mode,

@@ -156,8 +156,30 @@ class KvConnector::Impl {
         return post([this, r = std::move(reg)]() mutable { on_register_push(std::move(r)); });
     }
 
+    Status announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
+        if (ranks.empty()) return invalid_argument("announce: no prefill rank addresses given");
+        auto producers =
+            producers_for_consumer(cfg_.self.total_heads(), static_cast<uint32_t>(ranks.size()),
+                                   cfg_.self.tp_size, cfg_.self.tp_rank);
+        if (!producers.ok()) return producers.status();
+        return post([this, id, attempt, r = std::move(ranks)]() mutable {
+            on_announce(id, attempt, std::move(r));
+        });
+    }
+
     Status cancel(uint64_t id) {
         return post([this, id] { on_user_cancel(id); });
+    }
+
+    Status prefill_scheduled(uint64_t id) {
+        return post([this, id] { on_prefill_scheduled(id); });
+    }
+
+    Status prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
+        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, ready));
+        return post([this, id, b = std::move(blocks), ready]() mutable {
+            on_prefill_progress(id, std::move(b), ready);
+        });
     }
 
     Status prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
@@ -230,25 +252,36 @@ class KvConnector::Impl {
    private:
     // ---- state, touched only on the connector thread ----
 
-    // Prefill side: one decode rank of one attempt.
+    // Prefill side: one decode rank of one attempt. Its writes go out in segments, one per
+    // prefill_progress (or prefill_done) that found new final tokens.
     struct SendJob {
         RegisterMsg reg;
         PeerId peer = 0;
-        bool started = false;     // writes posted
-        bool drained = false;     // every posted write completed
-        bool cancelled = false;   // by CANCEL or a newer attempt: no FINAL
-        bool ack_wanted = false;  // CANCEL came while writes were in flight
-        bool resolved = false;    // nothing more will be sent for it
+        uint32_t sent_tokens = 0;                // tokens [0, sent_tokens) are posted
+        uint32_t segments = 0;                   // segments posted
+        uint32_t in_flight = 0;                  // segments with writes not yet complete
+        std::map<uint32_t, SegmentMsg> pending;  // by index, sent once its writes completed
+        bool cancelled = false;                  // by CANCEL or a newer attempt: no FINAL
+        bool ack_wanted = false;                 // CANCEL came while writes were in flight
+        bool resolved = false;                   // nothing more will be sent for it
         uint32_t writes = 0;
         uint64_t bytes = 0;
         Status error;
     };
     using JobKey = std::pair<uint32_t, uint32_t>;  // (attempt, decode rank)
 
+    struct Intent {
+        PeerId peer = 0;
+        uint32_t decode_tp = 1;
+    };
+
     struct Producer {
         bool have_prefill = false;
+        bool scheduled = false;
         std::vector<uint32_t> blocks;
-        uint32_t tokens = 0;
+        uint32_t ready = 0;                // tokens whose KV is final (progress or done)
+        uint32_t tokens = 0;               // the prompt's tokens, known at prefill_done
+        std::map<JobKey, Intent> intents;  // decode ranks waiting for SCHEDULED
         bool have_attempt = false;
         uint32_t attempt = 0;
         uint32_t decode_tp = 0;
@@ -258,14 +291,20 @@ class KvConnector::Impl {
         bool tombstone = false;  // already reported; kept only to answer late messages
     };
 
-    // Decode side: one producer rank of a registration.
-    enum class SlotState { kWaiting, kCounting, kComplete, kFailed, kAcked };
+    // Decode side: one producer rank of a registration. Open until FINAL came and every
+    // segment it announced was counted (or FAIL, or CANCEL_ACK).
+    enum class SlotState { kOpen, kComplete, kFailed, kAcked };
     struct Slot {
         uint32_t rank = 0;
         PeerId peer = 0;
-        uint32_t imm = 0;
-        SlotState state = SlotState::kWaiting;
+        uint32_t imm = 0;  // segment i counts immediate imm + i
+        SlotState state = SlotState::kOpen;
         uint32_t writes = 0;
+        bool have_final = false;
+        uint32_t final_segments = 0;
+        uint32_t counted = 0;                 // segments whose writes all arrived
+        std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
+        uint32_t prefix = 0;                  // tokens [0, prefix) landed
     };
     struct Consumer {
         std::vector<Slot> slots;
@@ -274,6 +313,13 @@ class KvConnector::Impl {
         Status error;
         uint64_t bytes = 0;
         uint32_t writes = 0;
+        uint32_t progress = 0;  // last prefix reported through on_recv_progress
+    };
+    // Decode side before registration: the prefill ranks asked to say SCHEDULED.
+    struct Announce {
+        std::vector<std::pair<uint32_t, PeerId>> ranks;  // (prefill rank, peer)
+        std::vector<uint32_t> scheduled;
+        TimePoint deadline;
     };
     using ConsumerKey = std::pair<uint64_t, uint32_t>;  // (transfer id, attempt)
 
@@ -297,9 +343,7 @@ class KvConnector::Impl {
         uint64_t bytes = 0;
     };
 
-    static bool resolved(SlotState s) {
-        return s == SlotState::kComplete || s == SlotState::kFailed || s == SlotState::kAcked;
-    }
+    static bool resolved(SlotState s) { return s != SlotState::kOpen; }
 
     Status post(Inbox::Task t) {
         if (!inbox_->post(std::move(t))) return cancelled("the KV connector is shut down");
@@ -367,6 +411,12 @@ class KvConnector::Impl {
                     on_cancel_ack(m);
                 else if constexpr (std::is_same_v<M, DoneMsg>)
                     on_done(m);
+                else if constexpr (std::is_same_v<M, IntentMsg>)
+                    on_intent(std::move(m));
+                else if constexpr (std::is_same_v<M, ScheduledMsg>)
+                    on_scheduled_msg(m);
+                else if constexpr (std::is_same_v<M, SegmentMsg>)
+                    on_segment(m);
                 else
                     stale("PULL_PARAMS travels through the router, not between engines");
             },
@@ -420,21 +470,77 @@ class KvConnector::Impl {
                 if (key.first < m.attempt) job.cancelled = true;
             }
             std::erase_if(p.jobs, [&](const auto& kv) {
-                const SendJob& j = kv.second;
-                return kv.first.first < m.attempt && (!j.started || j.drained);
+                return kv.first.first < m.attempt && kv.second.in_flight == 0;
             });
         }
         p.have_attempt = true;
         p.attempt = m.attempt;
         p.decode_tp = m.decode_tp;
         JobKey key{m.attempt, m.decode_rank};
+        p.intents.erase(key);
         if (p.jobs.count(key)) return stale("duplicate REGISTER");
         SendJob& job = p.jobs[key];
         job.peer = *peer;
         job.reg = std::move(m);
-        if (p.have_prefill) {
-            start_job(it->first, p, key, job);
-            maybe_finish(it);  // a job refused while planning is already served
+        advance_job(it->first, p, key, job);  // what is final already goes out now
+        maybe_finish(it);                     // a job refused while planning is already served
+    }
+
+    void on_intent(IntentMsg m) {
+        auto peer = engine_->connect(m.decode_address);
+        if (!peer.ok()) {
+            log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}",
+                m.transfer_id, m.decode_rank, peer.status().to_string());
+            return;
+        }
+        auto [it, fresh] = producers_.try_emplace(m.transfer_id);
+        Producer& p = it->second;
+        if (fresh) p.deadline = Clock::now() + cfg_.lease;
+        Status refused = !p.failure.ok() ? p.failure
+                         : p.tombstone   ? cancelled("the transfer already finished on prefill")
+                                         : ok_status();
+        if (!refused.ok()) {
+            send(*peer, FailMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank, refused.code(),
+                                refused.message().substr(0, kMaxReasonLength)});
+            return;
+        }
+        p.intents[{m.attempt, m.decode_rank}] = Intent{*peer, m.decode_tp};
+        if (p.scheduled) send(*peer, ScheduledMsg{m.transfer_id, m.attempt, cfg_.self.tp_rank});
+    }
+
+    // Decode ranks that announced the transfer may now reserve their blocks.
+    void mark_scheduled(uint64_t id, Producer& p) {
+        if (p.scheduled) return;
+        p.scheduled = true;
+        for (const auto& [key, intent] : p.intents) {
+            send(intent.peer, ScheduledMsg{id, key.first, cfg_.self.tp_rank});
+        }
+    }
+
+    void on_prefill_scheduled(uint64_t id) {
+        auto [it, fresh] = producers_.try_emplace(id);
+        Producer& p = it->second;
+        if (p.tombstone || !p.failure.ok()) return;
+        // Prefill is making progress: the lease counts from here.
+        p.deadline = Clock::now() + cfg_.lease;
+        mark_scheduled(id, p);
+    }
+
+    void on_prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
+        auto [it, fresh] = producers_.try_emplace(id);
+        Producer& p = it->second;
+        if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: prefill_progress after prefill_done or a failure; ignored", id);
+            return;
+        }
+        if (ready <= p.ready) return;
+        p.blocks = std::move(blocks);
+        p.ready = ready;
+        p.deadline = Clock::now() + cfg_.lease;
+        mark_scheduled(id, p);
+        for (auto& [key, job] : p.jobs) {
+            if (key.first == p.attempt) advance_job(id, p, key, job);
         }
     }
 
@@ -451,13 +557,13 @@ class KvConnector::Impl {
         p.have_prefill = true;
         p.blocks = std::move(blocks);
         p.tokens = tokens;
+        p.ready = tokens;
         // The lease counts from when the blocks are held.
         p.deadline = Clock::now() + cfg_.lease;
         active_send_.fetch_add(1);
+        mark_scheduled(id, p);
         for (auto& [key, job] : p.jobs) {
-            if (key.first == p.attempt && !job.started && !job.cancelled) {
-                start_job(id, p, key, job);
-            }
+            if (key.first == p.attempt) advance_job(id, p, key, job);
         }
         maybe_finish(it);
     }
@@ -474,49 +580,82 @@ class KvConnector::Impl {
         }
         p.failure = reason;
         p.deadline = Clock::now() + cfg_.lease;
-        for (auto& [key, job] : p.jobs) {
-            if (job.resolved) continue;
-            send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, reason.code(),
-                                   reason.message().substr(0, kMaxReasonLength)});
-            job.resolved = true;
+        for (const auto& [key, intent] : p.intents) {
+            send(intent.peer, FailMsg{id, key.first, cfg_.self.tp_rank, reason.code(),
+                                      reason.message().substr(0, kMaxReasonLength)});
         }
-        p.jobs.clear();
-        p.tombstone = true;
-        transfers_failed_.fetch_add(1);
-        if (cb_.on_send_done) cb_.on_send_done({id, p.attempt, reason, 0, 0});
+        p.intents.clear();
+        // Jobs with writes in flight send FAIL once they drained: decode must not reuse its
+        // blocks before.
+        for (auto it2 = p.jobs.begin(); it2 != p.jobs.end();) {
+            auto next = std::next(it2);
+            SendJob& job = it2->second;
+            if (!job.resolved && job.error.ok()) job.error = reason;
+            if (job.in_flight == 0) settle_job(id, p, it2->first, job);
+            it2 = next;
+        }
+        maybe_finish(it);
     }
 
-    void start_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
-        job.started = true;
+    // Posts what became final since the job's last segment, and sends FINAL once the prompt
+    // is complete and every segment drained.
+    void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+        if (job.cancelled || job.resolved || !job.error.ok()) return;
+        if (p.ready > job.sent_tokens) {
+            // The last immediate of the span takes everything left, so only at prefill_done.
+            bool last_imm = job.segments + 1 >= job.reg.imm_span;
+            if (!last_imm || p.have_prefill) {
+                Status posted = post_segment(id, p, key, job);
+                if (!posted.ok()) return fail_job(id, p, key, job, posted);
+            }
+        }
+        if (p.have_prefill && job.sent_tokens == p.tokens && job.in_flight == 0) {
+            send(job.peer,
+                 FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes, job.segments});
+            job.resolved = true;
+        }
+    }
+
+    Status post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job) {
         const RegisterMsg& reg = job.reg;
-        auto fail_now = [&](const Status& s) {
-            job.drained = true;
-            finish_job(id, key, s);
-        };
-        if (reg.num_tokens != p.tokens) {
-            return fail_now(invalid_argument(fmt::format(
-                "decode registered {} tokens, prefill computed {}", reg.num_tokens, p.tokens)));
+        uint32_t total = p.have_prefill ? p.tokens : reg.num_tokens;
+        if (p.ready > reg.num_tokens || total != reg.num_tokens) {
+            return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
+                                                reg.num_tokens,
+                                                p.have_prefill ? p.tokens : p.ready));
         }
         auto plan =
             plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
-                           reg.blocks, 0, p.tokens});
-        if (!plan.ok()) return fail_now(plan.status());
-        auto flight = new_flight([this, id, key](const Status& s) { on_job_drained(id, key, s); });
-        post_writes(plan->runs, job, *flight);
-        job.bytes = plan->bytes;
+                           reg.blocks, job.sent_tokens, p.ready});
+        if (!plan.ok()) return plan.status();
+        uint32_t index = job.segments++;
+        SegmentMsg seg{id,      key.first, cfg_.self.tp_rank, index, job.sent_tokens,
+                       p.ready, 0,         plan->bytes};
+        job.sent_tokens = p.ready;
+        job.in_flight++;
+        auto flight = new_flight(
+            [this, id, key, index](const Status& s) { on_segment_drained(id, key, index, s); });
+        seg.writes = post_writes(plan->runs, job, reg.imm + index, *flight);
+        job.writes += seg.writes;
+        job.bytes += plan->bytes;
+        job.pending[index] = seg;
         ops_posted_.fetch_add(plan->runs.size());
         bytes_posted_.fetch_add(plan->bytes);
         flight->done(ok_status());
+        return ok_status();
     }
 
-    // Posts the runs as writes carrying the job's immediate. Short runs of one length (one block
-    // or one head slice each, the scattered-blocks case) go out as paged writes of up to
-    // kPagesPerOp pages; the long runs (one per layer and K/V when blocks are consecutive) go
-    // out together as one write_runs. Either way one engine operation and one completion per
-    // group instead of one per run: between GPUs a 16k-token push was 128 copies and 128
-    // immediates (2026-12-01). On fabric paths the engine still stripes long runs across rails.
-    void post_writes(const std::vector<ByteRun>& runs, SendJob& job, Flight& flight) {
+    // Posts the runs as writes carrying `imm`; returns how many immediates they deliver. Short
+    // runs of one length (one block or one head slice each, the scattered-blocks case) go out
+    // as paged writes of up to kPagesPerOp pages; the long runs (one per layer and K/V when
+    // blocks are consecutive) go out together as one write_runs. Either way one engine
+    // operation and one completion per group instead of one per run: between GPUs a 16k-token
+    // push was 128 copies and 128 immediates (2026-12-01). On fabric paths the engine still
+    // stripes long runs across rails.
+    uint32_t post_writes(const std::vector<ByteRun>& runs, const SendJob& job, uint32_t imm,
+                         Flight& flight) {
         auto cb = [f = flight.shared_from_this()](const Status& s) { f->done(s); };
+        uint32_t writes = 0;
         std::vector<uint32_t> src_pages, dst_pages;
         std::vector<ByteRun> long_runs;
         uint64_t page = 0;
@@ -530,8 +669,8 @@ class KvConnector::Impl {
             op.page_size = page;
             op.src_pages = src_pages;
             op.dst_pages = dst_pages;
-            op.imm = job.reg.imm;
-            job.writes += engine_->paged_write(op, cb).imm_writes();
+            op.imm = imm;
+            writes += engine_->paged_write(op, cb).imm_writes();
             src_pages.clear();
             dst_pages.clear();
         };
@@ -560,43 +699,54 @@ class KvConnector::Impl {
             op.src = pool_;
             op.dst = &job.reg.pool;
             op.runs = long_runs;
-            op.imm = job.reg.imm;
-            job.writes += engine_->write_runs(op, cb).imm_writes();
+            op.imm = imm;
+            writes += engine_->write_runs(op, cb).imm_writes();
         }
+        return writes;
     }
 
-    void on_job_drained(uint64_t id, JobKey key, const Status& s) {
+    void on_segment_drained(uint64_t id, JobKey key, uint32_t index, const Status& s) {
         auto it = producers_.find(id);
         if (it == producers_.end()) return;
         auto jt = it->second.jobs.find(key);
         if (jt == it->second.jobs.end()) return;
-        jt->second.drained = true;
-        finish_job(id, key, s);
+        SendJob& job = jt->second;
+        job.in_flight--;
+        SegmentMsg seg = job.pending[index];
+        job.pending.erase(index);
+        if (!s.ok() && job.error.ok()) {
+            job.error = s;
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x} attempt {}: writing to decode rank {} failed: {}", id, key.first,
+                key.second, s.to_string());
+        }
+        if (!job.cancelled && job.error.ok()) send(job.peer, seg);
+        if (job.in_flight == 0) settle_job(id, it->second, key, job);
         maybe_finish(it);
     }
 
-    // Sends what the decode rank must hear once a job's writes are all complete.
-    void finish_job(uint64_t id, JobKey key, const Status& s) {
-        Producer& p = producers_[id];
-        SendJob& job = p.jobs[key];
+    void fail_job(uint64_t id, Producer& p, JobKey key, SendJob& job, const Status& s) {
+        if (job.error.ok()) job.error = s;
+        if (job.in_flight == 0) settle_job(id, p, key, job);
+    }
+
+    // A job with no write in flight: answer a cancel, report an error, or go on. May erase
+    // the job (an older attempt's, once answered).
+    void settle_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+        if (job.resolved) return;
         if (job.cancelled) {
             if (job.ack_wanted) send(job.peer, CancelAckMsg{id, key.first, cfg_.self.tp_rank});
             job.resolved = true;
             if (key.first < p.attempt) p.jobs.erase(key);
             return;
         }
-        if (!s.ok()) {
-            job.error = s;
-            log(LogLevel::kWarn, kLog,
-                "transfer {:x} attempt {}: writing to decode rank {} "
-                "failed: {}",
-                id, key.first, key.second, s.to_string());
-            send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, s.code(),
-                                   s.message().substr(0, kMaxReasonLength)});
-        } else {
-            send(job.peer, FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes});
+        if (!job.error.ok()) {
+            send(job.peer, FailMsg{id, key.first, cfg_.self.tp_rank, job.error.code(),
+                                   job.error.message().substr(0, kMaxReasonLength)});
+            job.resolved = true;
+            return;
         }
-        job.resolved = true;
+        advance_job(id, p, key, job);
     }
 
     void on_cancel(uint64_t sender, const CancelMsg& m) {
@@ -607,19 +757,30 @@ class KvConnector::Impl {
         auto it = producers_.find(m.transfer_id);
         if (it == producers_.end()) return ack_to_sender();
         Producer& p = it->second;
-        auto jt = p.jobs.find({m.attempt, m.decode_rank});
+        JobKey key{m.attempt, m.decode_rank};
+        auto jt = p.jobs.find(key);
         if (jt == p.jobs.end()) {
             ack_to_sender();
+            auto in = p.intents.find(key);
+            if (in != p.intents.end()) {
+                // Announced, never registered: this attempt is the one prefill serves.
+                if (!p.have_attempt || m.attempt > p.attempt) {
+                    p.have_attempt = true;
+                    p.attempt = m.attempt;
+                    p.decode_tp = in->second.decode_tp;
+                }
+                p.intents.erase(in);
+            }
             if (m.attempt >= p.attempt && p.have_attempt) {
                 // Cancelled before this rank registered: remember it, so the transfer can
                 // finish without waiting for a registration that will not come.
-                SendJob& j = p.jobs[{m.attempt, m.decode_rank}];
-                j.cancelled = j.resolved = j.drained = true;
+                SendJob& j = p.jobs[key];
+                j.cancelled = j.resolved = true;
             }
             return maybe_finish(it);
         }
         SendJob& job = jt->second;
-        if (job.started && !job.drained) {
+        if (job.in_flight > 0) {
             job.cancelled = true;
             job.ack_wanted = true;  // acknowledged when the last write completed
             return;
@@ -632,16 +793,27 @@ class KvConnector::Impl {
     }
 
     // A transfer is finished on prefill once every decode rank of the current attempt was
-    // served (FINAL, FAIL or cancelled) and no write of any attempt is in flight.
+    // served (FINAL, FAIL or cancelled) and no write of any attempt is in flight; after
+    // prefill_failed, once no write is in flight.
     void maybe_finish(std::map<uint64_t, Producer>::iterator it) {
         Producer& p = it->second;
-        if (!p.have_prefill || !p.have_attempt || p.tombstone) return;
+        if (p.tombstone) return;
+        for (const auto& [key, job] : p.jobs) {
+            if (job.in_flight > 0) return;
+        }
+        if (!p.failure.ok()) {
+            p.jobs.clear();
+            p.tombstone = true;  // kept until the lease, to answer late messages with FAIL
+            transfers_failed_.fetch_add(1);
+            if (cb_.on_send_done) cb_.on_send_done({it->first, p.attempt, p.failure, 0, 0});
+            return;
+        }
+        if (!p.have_prefill || !p.have_attempt) return;
         auto consumers = consumers_for_producer(cfg_.self.total_heads(), cfg_.self.tp_size,
                                                 p.decode_tp, cfg_.self.tp_rank);
         size_t expected = consumers.ok() ? consumers->size() : 0;
         size_t served = 0;
         for (const auto& [key, job] : p.jobs) {
-            if (job.started && !job.drained) return;
             if (key.first == p.attempt && job.resolved) ++served;
         }
         if (served < expected) return;
@@ -667,6 +839,63 @@ class KvConnector::Impl {
 
     // ---- push, decode side ----
 
+    void on_announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
+        auto report_now = [&](const Status& s) {
+            if (cb_.on_scheduled) cb_.on_scheduled({id, attempt, s, 0, 0});
+        };
+        ConsumerKey key{id, attempt};
+        if (announces_.count(key)) {
+            return report_now(invalid_argument(
+                fmt::format("transfer {:x} attempt {} is already announced", id, attempt)));
+        }
+        auto producers =
+            producers_for_consumer(cfg_.self.total_heads(), static_cast<uint32_t>(ranks.size()),
+                                   cfg_.self.tp_size, cfg_.self.tp_rank);
+        if (!producers.ok()) return report_now(producers.status());
+        Announce a;
+        for (uint32_t rank : *producers) {
+            auto peer = engine_->connect(ranks[rank]);
+            if (!peer.ok()) {
+                return report_now(
+                    peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
+            }
+            a.ranks.emplace_back(rank, *peer);
+        }
+        a.deadline = Clock::now() + cfg_.lease;
+        for (const auto& [rank, peer] : a.ranks) {
+            send(peer,
+                 IntentMsg{id, attempt, cfg_.self.tp_rank, cfg_.self.tp_size, engine_->address()});
+        }
+        announces_.emplace(key, std::move(a));
+    }
+
+    void on_scheduled_msg(const ScheduledMsg& m) {
+        auto it = announces_.find({m.transfer_id, m.attempt});
+        if (it == announces_.end()) return stale("SCHEDULED for an unknown announcement");
+        Announce& a = it->second;
+        if (std::find(a.scheduled.begin(), a.scheduled.end(), m.producer_rank) ==
+            a.scheduled.end()) {
+            a.scheduled.push_back(m.producer_rank);
+        }
+        if (a.scheduled.size() < a.ranks.size()) return;
+        announces_.erase(it);
+        if (cb_.on_scheduled) cb_.on_scheduled({m.transfer_id, m.attempt, ok_status(), 0, 0});
+    }
+
+    // Ends an announcement that holds no blocks: prefill is told so it does not wait for a
+    // registration that will not come.
+    void end_announce(std::map<ConsumerKey, Announce>::iterator it, const Status& why,
+                      bool tell_prefill) {
+        ConsumerKey key = it->first;
+        if (tell_prefill) {
+            for (const auto& [rank, peer] : it->second.ranks) {
+                send(peer, CancelMsg{key.first, key.second, cfg_.self.tp_rank});
+            }
+        }
+        announces_.erase(it);
+        if (cb_.on_scheduled) cb_.on_scheduled({key.first, key.second, why, 0, 0});
+    }
+
     void on_register_push(PushRegistration reg) {
         auto report_now = [&](const Status& s) {
             transfers_failed_.fetch_add(1);
@@ -685,6 +914,7 @@ class KvConnector::Impl {
         auto producers = producers_for_consumer(cfg_.self.total_heads(), prefill_tp,
                                                 cfg_.self.tp_size, cfg_.self.tp_rank);
         if (!producers.ok()) return report_now(producers.status());
+        uint32_t span = std::max<uint32_t>(1, std::min(cfg_.imm_span, cfg_.imm_count));
         Consumer c;
         for (uint32_t rank : *producers) {
             auto peer = engine_->connect(reg.prefill_ranks[rank]);
@@ -695,7 +925,8 @@ class KvConnector::Impl {
             Slot s;
             s.rank = rank;
             s.peer = *peer;
-            s.imm = cfg_.imm_base + next_imm_++ % cfg_.imm_count;
+            // A fresh span of immediates per (transfer, attempt, producer rank).
+            s.imm = cfg_.imm_base + (next_imm_++ % (cfg_.imm_count / span)) * span;
             c.slots.push_back(s);
         }
         c.deadline = Clock::now() + cfg_.lease;
@@ -706,6 +937,7 @@ class KvConnector::Impl {
             m.decode_rank = cfg_.self.tp_rank;
             m.decode_tp = cfg_.self.tp_size;
             m.imm = s.imm;
+            m.imm_span = span;
             m.num_tokens = reg.num_tokens;
             m.lease_ms = to_ms_u32(cfg_.lease);
             m.decode_address = engine_->address();
@@ -721,15 +953,22 @@ class KvConnector::Impl {
     void cancel_consumer(const ConsumerKey& key, Consumer& c) {
         c.cancelling = true;
         for (const Slot& s : c.slots) {
-            if (!resolved(s.state) || s.state == SlotState::kComplete) {
-                // Complete slots need no ack: their FINAL already said every write landed.
-                if (s.state == SlotState::kComplete) continue;
-                send(s.peer, CancelMsg{key.first, key.second, cfg_.self.tp_rank});
-            }
+            // Complete slots need no ack: their FINAL already said every write landed.
+            if (resolved(s.state)) continue;
+            send(s.peer, CancelMsg{key.first, key.second, cfg_.self.tp_rank});
         }
     }
 
     void on_user_cancel(uint64_t id) {
+        for (auto it = announces_.begin(); it != announces_.end(); ++it) {
+            if (it->first.first == id) {
+                return end_announce(it,
+                                    cancelled(fmt::format("transfer {:x} was cancelled "
+                                                          "before prefill scheduled it",
+                                                          id)),
+                                    true);
+            }
+        }
         for (auto it = consumers_.begin(); it != consumers_.end(); ++it) {
             if (it->first.first == id && !it->second.cancelling) {
                 cancel_consumer(it->first, it->second);
@@ -753,62 +992,99 @@ class KvConnector::Impl {
         return nullptr;
     }
 
+    void on_segment(const SegmentMsg& m) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+        if (!s || resolved(s->state)) return stale("SEGMENT for an unknown or finished transfer");
+        // Nothing to count for a transfer being cancelled: FINAL or CANCEL_ACK ends it.
+        if (it->second.cancelling) return;
+        uint32_t span = std::max<uint32_t>(1, std::min(cfg_.imm_span, cfg_.imm_count));
+        if (m.index >= span) {
+            return fail_slot(
+                it, *s,
+                protocol_error(fmt::format("prefill rank {} sent segment {} beyond the span of {}",
+                                           m.producer_rank, m.index, span)));
+        }
+        if (m.writes == 0) return on_segment_counted(it->first, m.producer_rank, m, ok_status());
+        Duration left = std::max<Duration>(it->second.deadline - Clock::now(), Duration::zero());
+        std::weak_ptr<Inbox> inbox = inbox_;
+        ConsumerKey key = it->first;
+        engine_->on_imm(s->imm + m.index, m.writes, left, [this, inbox, key, m](const Status& st) {
+            auto in = inbox.lock();
+            if (in)
+                in->post([this, key, m, st] { on_segment_counted(key, m.producer_rank, m, st); });
+        });
+    }
+
+    void on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,
+                            const Status& st) {
+        std::map<ConsumerKey, Consumer>::iterator it;
+        Slot* s = find_slot(key, rank, &it);
+        if (!s || resolved(s->state)) return;
+        if (!st.ok()) {
+            return fail_slot(it, *s,
+                             st.with_context(fmt::format("counting {} writes of segment {} from "
+                                                         "prefill rank {}",
+                                                         m.writes, m.index, rank)));
+        }
+        s->counted++;
+        s->landed[m.first_token] = m.end_token;
+        for (auto l = s->landed.find(s->prefix); l != s->landed.end();
+             l = s->landed.find(s->prefix)) {
+            s->prefix = std::max(s->prefix, l->second);
+            s->landed.erase(l);
+        }
+        Consumer& c = it->second;
+        uint32_t prefix = UINT32_MAX;
+        for (const Slot& other : c.slots) prefix = std::min(prefix, other.prefix);
+        if (prefix > c.progress && !c.cancelling) {
+            c.progress = prefix;
+            if (cb_.on_recv_progress) cb_.on_recv_progress({key.first, key.second, prefix});
+        }
+        if (s->have_final && s->counted == s->final_segments) s->state = SlotState::kComplete;
+        check_consumer(it);
+    }
+
+    void fail_slot(std::map<ConsumerKey, Consumer>::iterator it, Slot& s, const Status& why) {
+        s.state = SlotState::kFailed;
+        Consumer& c = it->second;
+        if (c.error.ok()) c.error = why;
+        // Other producers may still be writing into these blocks: stop them and wait for
+        // their acknowledgement before handing the blocks back.
+        if (!c.cancelling) cancel_consumer(it->first, c);
+        check_consumer(it);
+    }
+
     void on_final(const FinalMsg& m) {
         std::map<ConsumerKey, Consumer>::iterator it;
         Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
-        if (!s || resolved(s->state) || s->state == SlotState::kCounting) {
+        if (!s || resolved(s->state) || s->have_final) {
             return stale("FINAL for an unknown, finished or superseded transfer");
         }
         Consumer& c = it->second;
         c.bytes += m.bytes;
         c.writes += m.writes;
         s->writes = m.writes;
+        s->have_final = true;
+        s->final_segments = m.segments;
         // FINAL is sent after every write completed at the producer, so even a cancelled
         // transfer needs no acknowledgement for this rank any more.
-        if (m.writes == 0 || c.cancelling) {
-            s->state = SlotState::kComplete;
-            return check_consumer(it);
-        }
-        s->state = SlotState::kCounting;
-        Duration left = std::max<Duration>(c.deadline - Clock::now(), Duration::zero());
-        std::weak_ptr<Inbox> inbox = inbox_;
-        ConsumerKey key = it->first;
-        uint32_t rank = s->rank;
-        engine_->on_imm(s->imm, m.writes, left, [this, inbox, key, rank](const Status& st) {
-            auto in = inbox.lock();
-            if (in) in->post([this, key, rank, st] { on_counted(key, rank, st); });
-        });
-    }
-
-    void on_counted(const ConsumerKey& key, uint32_t rank, const Status& st) {
-        std::map<ConsumerKey, Consumer>::iterator it;
-        Slot* s = find_slot(key, rank, &it);
-        if (!s || s->state != SlotState::kCounting) return;
-        if (st.ok()) {
-            s->state = SlotState::kComplete;
-        } else {
-            s->state = SlotState::kFailed;
-            if (it->second.error.ok()) {
-                it->second.error = st.with_context(
-                    fmt::format("counting {} writes from prefill rank {}", s->writes, rank));
-            }
-        }
+        if (m.segments <= s->counted || c.cancelling) s->state = SlotState::kComplete;
         check_consumer(it);
     }
 
     void on_fail(const FailMsg& m) {
         std::map<ConsumerKey, Consumer>::iterator it;
         Slot* s = find_slot({m.transfer_id, m.attempt}, m.sender_rank, &it);
-        if (!s || resolved(s->state)) return stale("FAIL for an unknown or finished transfer");
-        s->state = SlotState::kFailed;
-        Consumer& c = it->second;
-        if (c.error.ok()) {
-            c.error = Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason));
+        if (!s || resolved(s->state)) {
+            auto a = announces_.find({m.transfer_id, m.attempt});
+            if (a == announces_.end()) return stale("FAIL for an unknown or finished transfer");
+            return end_announce(
+                a, Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)),
+                false);
         }
-        // Other producers may still be writing into these blocks: stop them and wait for
-        // their acknowledgement before handing the blocks back.
-        if (!c.cancelling) cancel_consumer(it->first, c);
-        check_consumer(it);
+        fail_slot(it, *s,
+                  Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)));
     }
 
     void on_cancel_ack(const CancelAckMsg& m) {
@@ -952,6 +1228,18 @@ class KvConnector::Impl {
             if (now > it->second.deadline) expire_consumer(it);
             it = next;
         }
+        for (auto it = announces_.begin(); it != announces_.end();) {
+            auto next = std::next(it);
+            if (now > it->second.deadline) {
+                leases_expired_.fetch_add(1);
+                end_announce(it,
+                             timeout_error(fmt::format("prefill did not schedule transfer {:x} "
+                                                       "within the {:.0f} ms lease",
+                                                       it->first.first, to_ms(cfg_.lease))),
+                             true);
+            }
+            it = next;
+        }
         for (auto it = offers_.begin(); it != offers_.end();) {
             auto next = std::next(it);
             if (now > it->second.deadline) {
@@ -980,7 +1268,7 @@ class KvConnector::Impl {
         }
         for (const auto& [key, job] : p.jobs) {
             // Writes in flight end by the engine's op_timeout; the drain finishes the job.
-            if (job.started && !job.drained) return;
+            if (job.in_flight > 0) return;
         }
         leases_expired_.fetch_add(1);
         Status why = p.have_prefill
@@ -997,6 +1285,10 @@ class KvConnector::Impl {
             send(job.peer,
                  FailMsg{it->first, key.first, cfg_.self.tp_rank, why.code(), why.message()});
             job.resolved = true;
+        }
+        for (const auto& [key, intent] : p.intents) {
+            send(intent.peer,
+                 FailMsg{it->first, key.first, cfg_.self.tp_rank, why.code(), why.message()});
         }
         if (!p.have_prefill) {
             producers_.erase(it);  // no blocks of the engine's are held
@@ -1048,6 +1340,7 @@ class KvConnector::Impl {
             auto it = consumers_.begin();
             complete_recv(it, {it->first.first, it->first.second, s, 0, 0});
         }
+        while (!announces_.empty()) end_announce(announces_.begin(), s, false);
         while (!offers_.empty()) {
             auto it = offers_.begin();
             uint64_t id = it->first;
@@ -1067,6 +1360,7 @@ class KvConnector::Impl {
 
     std::map<uint64_t, Producer> producers_;
     std::map<ConsumerKey, Consumer> consumers_;
+    std::map<ConsumerKey, Announce> announces_;
     std::map<uint64_t, Offer> offers_;
     uint32_t next_imm_ = 0;
     bool stopping_ = false;
@@ -1106,6 +1400,13 @@ KvConnector::~KvConnector() { impl_->stop(); }
 
 Status KvConnector::register_push(PushRegistration r) { return impl_->register_push(std::move(r)); }
 Status KvConnector::cancel(uint64_t id) { return impl_->cancel(id); }
+Status KvConnector::announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
+    return impl_->announce(id, attempt, std::move(ranks));
+}
+Status KvConnector::prefill_scheduled(uint64_t id) { return impl_->prefill_scheduled(id); }
+Status KvConnector::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
+    return impl_->prefill_progress(id, std::move(blocks), ready);
+}
 Status KvConnector::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
     return impl_->prefill_done(id, std::move(blocks), tokens);
 }

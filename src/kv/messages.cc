@@ -60,6 +60,7 @@ void encode_body(ByteWriter& w, const RegisterMsg& m) {
     w.put(m.decode_rank);
     w.put(m.decode_tp);
     w.put(m.imm);
+    w.put(m.imm_span);
     w.put(m.num_tokens);
     w.put(m.lease_ms);
     encode_location(w, m.decode_address, m.pool, m.layout, m.blocks);
@@ -71,6 +72,14 @@ Status decode_body(ByteReader& r, RegisterMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
     FERRY_RETURN_IF_ERROR(r.get(&m->imm, "imm"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->imm_span, "imm_span"));
+    if (m->imm_span == 0 || m->imm_span > kMaxImmSpan) {
+        return protocol_error(
+            fmt::format("field 'imm_span' = {} is outside [1, {}]", m->imm_span, kMaxImmSpan));
+    }
+    if (uint64_t{m->imm} + m->imm_span - 1 > UINT32_MAX) {
+        return protocol_error("field 'imm_span' runs past the largest immediate");
+    }
     FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
     FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
@@ -83,6 +92,7 @@ void encode_body(ByteWriter& w, const FinalMsg& m) {
     w.put(m.producer_rank);
     w.put(m.writes);
     w.put(m.bytes);
+    w.put(m.segments);
 }
 
 Status decode_body(ByteReader& r, FinalMsg* m) {
@@ -91,6 +101,73 @@ Status decode_body(ByteReader& r, FinalMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&m->writes, "writes"));
     FERRY_RETURN_IF_ERROR(r.get(&m->bytes, "bytes"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->segments, "segments"));
+    if (m->segments > kMaxImmSpan) {
+        return protocol_error(
+            fmt::format("field 'segments' = {} is above {}", m->segments, kMaxImmSpan));
+    }
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const SegmentMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.producer_rank);
+    w.put(m.index);
+    w.put(m.first_token);
+    w.put(m.end_token);
+    w.put(m.writes);
+    w.put(m.bytes);
+}
+
+Status decode_body(ByteReader& r, SegmentMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->index, "index"));
+    if (m->index >= kMaxImmSpan) {
+        return protocol_error(
+            fmt::format("field 'index' = {} is not below {}", m->index, kMaxImmSpan));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&m->first_token, "first_token"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->end_token, "end_token"));
+    if (m->first_token >= m->end_token) {
+        return protocol_error(fmt::format("field 'end_token' = {} is not above 'first_token' = {}",
+                                          m->end_token, m->first_token));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&m->writes, "writes"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->bytes, "bytes"));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const IntentMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.decode_rank);
+    w.put(m.decode_tp);
+    m.decode_address.encode(w);
+}
+
+Status decode_body(ByteReader& r, IntentMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
+    FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
+    FERRY_ASSIGN_OR_RETURN(m->decode_address, EngineAddress::decode(r));
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const ScheduledMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.attempt);
+    w.put(m.producer_rank);
+}
+
+Status decode_body(ByteReader& r, ScheduledMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->producer_rank, "producer_rank"));
     return ok_status();
 }
 
@@ -243,6 +320,15 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
         case MsgType::kDone:
             out = decode_as<DoneMsg>(r);
             break;
+        case MsgType::kIntent:
+            out = decode_as<IntentMsg>(r);
+            break;
+        case MsgType::kScheduled:
+            out = decode_as<ScheduledMsg>(r);
+            break;
+        case MsgType::kSegment:
+            out = decode_as<SegmentMsg>(r);
+            break;
         default:
             return protocol_error(fmt::format("field 'type' = {} is unknown", type));
     }
@@ -254,7 +340,8 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
 
 const char* message_name(const KvMessage& msg) {
     static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL", "CANCEL",
-                                             "CANCEL_ACK", "PULL_PARAMS", "DONE"};
+                                             "CANCEL_ACK", "PULL_PARAMS", "DONE", "INTENT",
+                                             "SCHEDULED",  "SEGMENT"};
     return kNames[msg.index()];
 }
 

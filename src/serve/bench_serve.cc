@@ -200,6 +200,7 @@ json BenchServeResult::to_json() const {
     json input_lens = json::array(), output_lens = json::array(), ttfts = json::array(),
          errors = json::array();
     std::map<std::string, std::vector<double>> breakdown;
+    std::vector<double> wait_share;
     for (const RequestRecord& r : requests) {
         input_lens.push_back(r.prompt_len);
         output_lens.push_back(r.output_len);
@@ -214,9 +215,15 @@ json BenchServeResult::to_json() const {
         e2e.push_back(r.e2e_ms);
         itl.insert(itl.end(), r.itl_ms.begin(), r.itl_ms.end());
         if (r.output_len > 1) tpot.push_back((r.e2e_ms - r.ttft_ms) / double(r.output_len - 1));
-        if (r.server_timing.is_object())
+        if (r.server_timing.is_object()) {
             for (auto& [k, v] : r.server_timing.items())
                 if (v.is_number()) breakdown[k].push_back(v.get<double>());
+            const json& t = r.server_timing;
+            if (t.contains("transfer_wait_ms") && t.contains("decode_wait_ms") && r.ttft_ms > 0)
+                wait_share.push_back(
+                    (t["transfer_wait_ms"].get<double>() + t["decode_wait_ms"].get<double>()) /
+                    r.ttft_ms);
+        }
     }
     char date[32];
     std::time_t now = std::time(nullptr);
@@ -253,6 +260,13 @@ json BenchServeResult::to_json() const {
     json bd = json::object();
     for (auto& [k, v] : breakdown) bd[k] = {{"mean", mean(v)}, {"median", percentile(v, 50)}};
     j["server_timing_ms"] = bd;
+    // (transfer wait + decode wait) / TTFT per request: how much of a TTFT is spent moving KV
+    // after prefill computed it and waiting at decode (docs/SERVING.md).
+    if (!wait_share.empty()) {
+        j["mean_wait_share"] = mean(wait_share);
+        j["median_wait_share"] = percentile(wait_share, 50);
+        j["p99_wait_share"] = percentile(wait_share, 99);
+    }
     j["input_lens"] = input_lens;
     j["output_lens"] = output_lens;
     j["ttfts"] = ttfts;

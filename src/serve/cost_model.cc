@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace ferry::serve {
 
@@ -104,19 +105,30 @@ CostModel::Roofline CostModel::finish(double flops, double bytes, double tokens)
 }
 
 CostModel::Roofline CostModel::prefill_roofline(std::span<const int> prompt_lens) const {
+    std::vector<PrefillChunk> chunks;
+    chunks.reserve(prompt_lens.size());
+    for (int n : prompt_lens) chunks.push_back({.tokens = n, .context = 0, .last = true});
+    return prefill_roofline(chunks);
+}
+
+CostModel::Roofline CostModel::prefill_roofline(std::span<const PrefillChunk> chunks) const {
     const double lm_head = double(model_.hidden) * model_.vocab;
     const double per_token = model_.matmul_params() - lm_head;
     const double attn_unit = 4.0 * model_.layers * model_.q_heads * model_.head_dim;
-    double flops = 0, tokens = 0;
-    for (int n : prompt_lens) {
-        double len = n;
+    double flops = 0, tokens = 0, context_read = 0;
+    for (const PrefillChunk& c : chunks) {
+        double len = c.tokens, ctx = c.context;
         tokens += len;
-        // Linear part: every token through every matmul; LM head only for the last token.
-        flops += 2.0 * per_token * len + 2.0 * lm_head;
-        // Causal attention: token i attends to i + 1 keys in QK^T and in AV.
-        flops += attn_unit * len * (len + 1) / 2;
+        // Linear part: every token through every matmul; LM head only for the prompt's last
+        // token.
+        flops += 2.0 * per_token * len + (c.last ? 2.0 * lm_head : 0.0);
+        // Causal attention: token i (counted from the prompt's start) attends to i + 1 keys in
+        // QK^T and in AV; this chunk's tokens are ctx .. ctx + len - 1.
+        flops += attn_unit * (len * ctx + len * (len + 1) / 2);
+        context_read += ctx;
     }
-    double bytes = model_.weight_bytes() + tokens * model_.kv_bytes_per_token();
+    // Weights once per step; the new tokens' KV written; the context's KV read.
+    double bytes = model_.weight_bytes() + (tokens + context_read) * model_.kv_bytes_per_token();
     return finish(flops, bytes, tokens);
 }
 
@@ -137,6 +149,11 @@ CostModel::Roofline CostModel::decode_roofline(std::span<const int> context_lens
 double CostModel::prefill_seconds(std::span<const int> prompt_lens) const {
     if (prompt_lens.empty()) return 0;
     return prefill_roofline(prompt_lens).total_s;
+}
+
+double CostModel::prefill_seconds(std::span<const PrefillChunk> chunks) const {
+    if (chunks.empty()) return 0;
+    return prefill_roofline(chunks).total_s;
 }
 
 double CostModel::decode_seconds(std::span<const int> context_lens) const {

@@ -75,7 +75,18 @@ struct Engine::Seq {
     TimePoint kv_start{}, kv_deadline{};
     bool done = false;         // the client has its answer; blocks may still be in the connector
     bool cancel_sent = false;  // connector asked to stop; blocks free at its callback
-    bool digesting = false;
+    // Prompt tokens whose KV this engine holds: computed here (prefill) or received and
+    // digested (decode leg); and their digest terms.
+    size_t computed = 0;
+    uint64_t kv_terms = 0;
+    bool remote_told = false;  // prefill leg: the producer heard on_prefill_scheduled
+    // Decode leg.
+    TimePoint wait_deadline{};    // for the prefill engine to schedule the transfer (push)
+    size_t kv_landed = 0;         // prefix the connector reported in place
+    bool kv_closed = false;       // the connector gave the blocks back (`arrived` came)
+    bool digest_running = false;  // a digest job reads the blocks
+
+    bool prefilled() const { return computed >= req.prompt.size(); }
 
     void mark(TimePoint RequestTiming::*field, TimePoint t) {
         std::lock_guard lock(handle->mu_);
@@ -86,18 +97,29 @@ struct Engine::Seq {
 // Events reach the loop through here. Shared with connector callbacks, so a callback that fires
 // after the engine is gone finds a closed inbox instead of a dangling engine.
 struct Engine::Inbox {
-    enum class Kind { kNew, kCancel, kCancelTransfer, kKvArrived, kReleased, kDigested };
+    enum class Kind {
+        kNew,
+        kCancel,
+        kCancelTransfer,
+        kScheduled,
+        kKvProgress,
+        kKvArrived,
+        kReleased,
+        kDigested
+    };
     struct Event {
         Kind kind = Kind::kNew;
         RequestId id{};
         Status status{};
         std::unique_ptr<Seq> seq{};
-        std::optional<DecodeStream> stream{};
+        size_t tokens = 0;   // kKvProgress: prefix in place; kDigested: digested up to
+        uint64_t terms = 0;  // kDigested: digest terms of the range
     };
+    // Digest of prompt positions [first, end) of a decode leg's blocks.
     struct DigestJob {
         RequestId id;
         std::vector<BlockId> blocks;
-        std::vector<int32_t> prompt;
+        size_t first = 0, end = 0;
     };
 
     std::mutex mu;
@@ -244,14 +266,17 @@ void Engine::loop() {
         expire_kv_waits();
         std::vector<Seq*> prefill_batch;
         admit(prefill_batch);
-        if (!prefill_batch.empty()) {
-            run_prefill(prefill_batch);
-        } else if (!running_seqs_.empty()) {
+        std::vector<StepChunk> step = plan_prefill_step();
+        if (!step.empty()) {
+            run_prefill(step);
+        } else if (std::any_of(running_seqs_.begin(), running_seqs_.end(),
+                               [](const auto& s) { return s->prefilled(); })) {
             run_decode();
         } else {
             TimePoint wake = Clock::now() + milliseconds(100);
             for (auto& [id, s] : waiting_kv_)
                 if (!s->cancel_sent && !s->done) wake = std::min(wake, s->kv_deadline);
+            for (auto& [id, s] : awaiting_prefill_) wake = std::min(wake, s->wait_deadline);
             std::unique_lock lock(inbox_->mu);
             inbox_->cv.wait_until(lock, wake, [&] { return !inbox_->events.empty() || !running_; });
         }
@@ -283,7 +308,53 @@ void Engine::drain_inbox() {
                     finish(*e.seq, cancelled(fmt::format("transfer {} was aborted", a->first)));
                     break;
                 }
-                waiting_.push_back(std::move(e.seq));
+                Seq* s = e.seq.get();
+                if (!s->req.kv.do_remote_prefill || !s->req.kv.remote_block_ids.empty()) {
+                    waiting_.push_back(std::move(e.seq));
+                    break;
+                }
+                // A push decode leg reserves blocks only once prefill scheduled the transfer:
+                // until then they would sit idle while the request queues at prefill.
+                s->wait_deadline = Clock::now() + config_.kv_wait_timeout;
+                RequestId id = s->id;
+                awaiting_prefill_[id] = std::move(e.seq);
+                std::weak_ptr<Inbox> weak = inbox_;
+                Status st =
+                    consumer_->await_prefill_scheduled(id, s->req.kv, [weak, id](Status scheduled) {
+                        if (auto in = weak.lock())
+                            in->post(Inbox::Event{.kind = Inbox::Kind::kScheduled,
+                                                  .id = id,
+                                                  .status = std::move(scheduled)});
+                    });
+                if (!st.ok()) {
+                    auto it = awaiting_prefill_.find(id);
+                    if (it == awaiting_prefill_.end()) break;
+                    finish(*it->second, st.with_context("KV connector refused the request"));
+                    awaiting_prefill_.erase(it);
+                }
+                break;
+            }
+            case Inbox::Kind::kScheduled: {
+                auto it = awaiting_prefill_.find(e.id);
+                if (it == awaiting_prefill_.end()) break;  // cancelled or expired meanwhile
+                std::unique_ptr<Seq> s = std::move(it->second);
+                awaiting_prefill_.erase(it);
+                if (!e.status.ok()) {
+                    finish(*s, e.status.with_context(fmt::format(
+                                   "waiting for the prefill engine to schedule transfer {}",
+                                   s->req.kv.transfer_id)));
+                    break;
+                }
+                s->mark(&RequestTiming::remote_scheduled, Clock::now());
+                waiting_.push_back(std::move(s));
+                break;
+            }
+            case Inbox::Kind::kKvProgress: {
+                auto k = waiting_kv_.find(e.id);
+                if (k == waiting_kv_.end()) break;
+                Seq& s = *k->second;
+                if (!s.done && !s.kv_closed) s.kv_landed = std::max(s.kv_landed, e.tokens);
+                advance_kv(e.id);
                 break;
             }
             case Inbox::Kind::kCancel:
@@ -298,6 +369,8 @@ void Engine::drain_inbox() {
                 std::vector<RequestId> ids;
                 for (auto& s : waiting_)
                     if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
+                for (auto& [id, s] : awaiting_prefill_)
+                    if (s->req.kv.transfer_id == e.id) ids.push_back(id);
                 for (auto& [id, s] : waiting_kv_)
                     if (s->req.kv.transfer_id == e.id) ids.push_back(id);
                 for (auto& s : running_seqs_)
@@ -307,53 +380,19 @@ void Engine::drain_inbox() {
                                                          e.status.message())));
                 break;
             }
-            case Inbox::Kind::kKvArrived: {
-                auto k = waiting_kv_.find(e.id);
-                if (k == waiting_kv_.end() || k->second->digesting) break;  // stale callback
-                Seq& s = *k->second;
-                TimePoint now = Clock::now();
-                {
-                    std::lock_guard lock(stats_mu_);
-                    if (e.status.ok()) {
-                        counters_.kv_transfers++;
-                        counters_.kv_transfer_bytes +=
-                            BlockManager::blocks_for_tokens(s.req.prompt.size(),
-                                                            config_.block_size) *
-                            pool_->block_bytes();
-                        transfer_latency_.observe(to_ms(now - s.kv_start) / 1000.0);
-                    } else {
-                        counters_.kv_transfer_failures++;
-                    }
-                }
-                if (s.done || s.cancel_sent || !e.status.ok()) {
-                    finish(s, e.status.ok() ? cancelled("request cancelled")
-                                            : e.status.with_context(
-                                                  fmt::format("KV transfer for request {}", s.id)));
-                    (void)blocks_.free(s.id);
-                    waiting_kv_.erase(k);
-                    break;
-                }
-                s.mark(&RequestTiming::kv_ready, now);
-                s.digesting = true;
-                {
-                    std::lock_guard lock(inbox_->mu);
-                    inbox_->digest_jobs.push_back({s.id, s.blocks, s.req.prompt});
-                }
-                inbox_->digest_cv.notify_one();
+            case Inbox::Kind::kKvArrived:
+                on_kv_arrived(e.id, e.status);
                 break;
-            }
             case Inbox::Kind::kDigested: {
                 auto k = waiting_kv_.find(e.id);
                 if (k == waiting_kv_.end()) break;
-                std::unique_ptr<Seq> s = std::move(k->second);
-                waiting_kv_.erase(k);
-                if (s->done) {
-                    (void)blocks_.free(s->id);
-                    break;
+                Seq& s = *k->second;
+                s.digest_running = false;
+                if (!s.done) {
+                    s.kv_terms += e.terms;
+                    s.computed = e.tokens;
                 }
-                s->stream = std::move(e.stream);
-                s->digesting = false;
-                running_seqs_.push_back(std::move(s));
+                advance_kv(e.id);
                 break;
             }
             case Inbox::Kind::kReleased: {
@@ -380,6 +419,13 @@ void Engine::drain_inbox() {
 }
 
 void Engine::cancel_seq(const RequestId& id, const Status& why) {
+    auto a = awaiting_prefill_.find(id);
+    if (a != awaiting_prefill_.end()) {
+        finish(*a->second, why);
+        consumer_->cancel(id);  // no blocks held: the connector only stops waiting
+        awaiting_prefill_.erase(a);
+        return;
+    }
     auto w = std::find_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return s->id == id; });
     if (w != waiting_.end()) {
         finish(**w, why);
@@ -389,8 +435,13 @@ void Engine::cancel_seq(const RequestId& id, const Status& why) {
     auto r = std::find_if(running_seqs_.begin(), running_seqs_.end(),
                           [&](auto& s) { return s->id == id; });
     if (r != running_seqs_.end()) {
-        finish(**r, why);
-        (void)blocks_.free((*r)->id);
+        Seq& s = **r;
+        if (s.remote_told && !s.prefilled()) {
+            abort_prefill(s, why);  // earlier chunks may still be on the wire
+        } else {
+            finish(s, why);
+            (void)blocks_.free(s.id);
+        }
         running_seqs_.erase(r);
         return;
     }
@@ -399,11 +450,86 @@ void Engine::cancel_seq(const RequestId& id, const Status& why) {
         // The client hears now; the blocks stay until the connector confirms it stopped.
         Seq& s = *k->second;
         finish(s, why);
-        if (!s.digesting && !s.cancel_sent) {
+        if (!s.kv_closed && !s.cancel_sent) {
             s.cancel_sent = true;
             consumer_->cancel(s.id);
         }
+        advance_kv(id);
     }
+}
+
+void Engine::abort_prefill(Seq& s, const Status& why) {
+    finish(s, why);
+    // The connector may still read the blocks for writes of earlier chunks: they are held
+    // until it releases them.
+    held_[s.id] = Held{s.blocks, Clock::now(), 0};
+    s.blocks.clear();
+    std::weak_ptr<Inbox> weak = inbox_;
+    RequestId id = s.id;
+    producer_->on_prefill_aborted(id, s.req.kv, why, [weak, id](Status released) {
+        if (auto in = weak.lock())
+            in->post(Inbox::Event{
+                .kind = Inbox::Kind::kReleased, .id = id, .status = std::move(released)});
+    });
+}
+
+void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
+    auto k = waiting_kv_.find(id);
+    if (k == waiting_kv_.end() || k->second->kv_closed) return;  // stale callback
+    Seq& s = *k->second;
+    TimePoint now = Clock::now();
+    {
+        std::lock_guard lock(stats_mu_);
+        if (status.ok()) {
+            counters_.kv_transfers++;
+            counters_.kv_transfer_bytes +=
+                BlockManager::blocks_for_tokens(s.req.prompt.size(), config_.block_size) *
+                pool_->block_bytes();
+            transfer_latency_.observe(to_ms(now - s.kv_start) / 1000.0);
+        } else {
+            counters_.kv_transfer_failures++;
+        }
+    }
+    s.kv_closed = true;
+    if (s.done || s.cancel_sent || !status.ok()) {
+        finish(s, status.ok()
+                      ? cancelled("request cancelled")
+                      : status.with_context(fmt::format("KV transfer for request {}", s.id)));
+    } else {
+        s.mark(&RequestTiming::kv_ready, now);
+        s.kv_landed = s.req.prompt.size();
+    }
+    advance_kv(id);
+}
+
+// A decode leg's KV: digests what landed (one job at a time), and once all of it arrived and
+// is digested, the request decodes. A finished leg's blocks are freed once neither the
+// connector nor a digest job uses them.
+void Engine::advance_kv(const RequestId& id) {
+    auto k = waiting_kv_.find(id);
+    if (k == waiting_kv_.end()) return;
+    Seq& s = *k->second;
+    if (s.digest_running) return;
+    if (s.done) {
+        if (s.kv_closed) {
+            (void)blocks_.free(s.id);
+            waiting_kv_.erase(k);
+        }
+        return;
+    }
+    if (s.computed < s.kv_landed) {
+        s.digest_running = true;
+        {
+            std::lock_guard lock(inbox_->mu);
+            inbox_->digest_jobs.push_back({s.id, s.blocks, s.computed, s.kv_landed});
+        }
+        inbox_->digest_cv.notify_one();
+        return;
+    }
+    if (!s.kv_closed || !s.prefilled()) return;
+    s.stream.emplace(slice_, s.req.prompt, kEmptyPrefixState + s.kv_terms);
+    running_seqs_.push_back(std::move(k->second));
+    waiting_kv_.erase(k);
 }
 
 Status Engine::abort_transfer(const std::string& transfer_id, const std::string& reason) {
@@ -415,8 +541,21 @@ Status Engine::abort_transfer(const std::string& transfer_id, const std::string&
 
 void Engine::expire_kv_waits() {
     TimePoint now = Clock::now();
+    for (auto it = awaiting_prefill_.begin(); it != awaiting_prefill_.end();) {
+        Seq& s = *it->second;
+        if (now < s.wait_deadline) {
+            ++it;
+            continue;
+        }
+        finish(s, timeout_error(fmt::format(
+                      "the prefill engine did not schedule transfer {} of request {} within "
+                      "{:.0f} ms",
+                      s.req.kv.transfer_id, s.id, to_ms(config_.kv_wait_timeout))));
+        consumer_->cancel(s.id);
+        it = awaiting_prefill_.erase(it);
+    }
     for (auto& [id, s] : waiting_kv_) {
-        if (s->done || s->cancel_sent || s->digesting || now < s->kv_deadline) continue;
+        if (s->done || s->cancel_sent || s->kv_closed || now < s->kv_deadline) continue;
         // The client hears now; the blocks stay ours until the connector confirms it stopped.
         finish(*s, timeout_error(fmt::format(
                        "KV for request {} (transfer {}) did not arrive within {:.0f} ms", s->id,
@@ -427,14 +566,22 @@ void Engine::expire_kv_waits() {
 }
 
 void Engine::admit(std::vector<Seq*>& prefill_batch) {
+    const bool chunked = config_.prefill_chunk_tokens > 0;
     size_t batch_tokens = 0;
+    // Chunked: prompt tokens admitted but not computed yet. A prompt is admitted only while
+    // the next step's budget is not spoken for, so it is scheduled (and, in push, decode
+    // reserves blocks for it) about when its compute starts.
+    size_t pending = 0;
+    for (auto& r : running_seqs_)
+        if (!r->prefilled()) pending += r->req.prompt.size() - r->computed;
     while (!waiting_.empty()) {
         Seq& s = *waiting_.front();
         if (running_seqs_.size() + waiting_kv_.size() + prefill_batch.size() >=
             config_.max_num_seqs)
             return;
         bool remote_prefill = s.req.kv.do_remote_prefill;
-        if (!remote_prefill && !prefill_batch.empty() &&
+        if (!remote_prefill && chunked && pending >= config_.prefill_chunk_tokens) return;
+        if (!remote_prefill && !chunked && !prefill_batch.empty() &&
             batch_tokens + s.req.prompt.size() > config_.max_num_batched_tokens)
             return;
         size_t need = blocks_needed(s.req);
@@ -454,11 +601,17 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
             std::weak_ptr<Inbox> weak = inbox_;
             RequestId id = p->id;
             Status st = consumer_->on_blocks_allocated(
-                id, p->req.kv, p->blocks, p->req.prompt.size(), [weak, id](Status arrived) {
+                id, p->req.kv, p->blocks, p->req.prompt.size(),
+                [weak, id](Status arrived) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{.kind = Inbox::Kind::kKvArrived,
                                               .id = id,
                                               .status = std::move(arrived)});
+                },
+                [weak, id](size_t tokens) {
+                    if (auto in = weak.lock())
+                        in->post(Inbox::Event{
+                            .kind = Inbox::Kind::kKvProgress, .id = id, .tokens = tokens});
                 });
             if (!st.ok()) {
                 auto it = waiting_kv_.find(id);
@@ -471,28 +624,59 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
             }
         } else {
             batch_tokens += owned->req.prompt.size();
+            pending += owned->req.prompt.size();
+            if (owned->req.kv.do_remote_decode) {
+                producer_->on_prefill_scheduled(owned->id, owned->req.kv);
+                owned->remote_told = true;
+            }
             prefill_batch.push_back(owned.get());
             running_seqs_.push_back(std::move(owned));
         }
     }
 }
 
-void Engine::run_prefill(std::vector<Seq*>& batch) {
-    TimePoint start = Clock::now();
-    std::vector<int> lens;
-    std::vector<uint64_t> digests(batch.size());
-    std::vector<Status> errors(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) {
-        Seq& s = *batch[i];
-        s.mark(&RequestTiming::prefill_start, start);
-        lens.push_back(int(s.req.prompt.size()));
-        auto d = write_prompt_kv(*pool_, s.blocks, slice_, s.req.prompt);
-        if (d.ok())
-            digests[i] = *d;
-        else
-            errors[i] = d.status();
+std::vector<Engine::StepChunk> Engine::plan_prefill_step() const {
+    const size_t bs = size_t(config_.block_size);
+    size_t budget =
+        config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : SIZE_MAX;  // whole
+    std::vector<StepChunk> step;
+    for (const auto& r : running_seqs_) {
+        Seq& s = *r;
+        if (s.prefilled() || s.done) continue;
+        if (budget == 0) break;
+        size_t left = s.req.prompt.size() - s.computed;
+        size_t take = std::min(left, budget);
+        if (take < left) {
+            // A chunk that does not finish its prompt ends on a block boundary: whole blocks
+            // are one write each in push, partial ones a write per layer.
+            size_t aligned = (s.computed + take) / bs * bs - s.computed;
+            if (aligned > 0) take = aligned;
+        }
+        step.push_back({&s, take});
+        budget -= take;
     }
-    double modelled = cost_.prefill_seconds(lens) * config_.time_scale;
+    return step;
+}
+
+void Engine::run_prefill(const std::vector<StepChunk>& step) {
+    TimePoint start = Clock::now();
+    std::vector<PrefillChunk> chunks;
+    std::vector<uint64_t> terms(step.size());
+    std::vector<Status> errors(step.size());
+    for (size_t i = 0; i < step.size(); ++i) {
+        Seq& s = *step[i].seq;
+        if (s.computed == 0) s.mark(&RequestTiming::prefill_start, start);
+        size_t end = s.computed + step[i].tokens;
+        chunks.push_back({.tokens = int(step[i].tokens),
+                          .context = int(s.computed),
+                          .last = end == s.req.prompt.size()});
+        auto t = write_prompt_kv_range(*pool_, s.blocks, slice_, s.req.prompt, s.computed, end);
+        if (t.ok())
+            terms[i] = *t;
+        else
+            errors[i] = t.status();
+    }
+    double modelled = cost_.prefill_seconds(chunks) * config_.time_scale;
     if (!sleep_until(start +
                      std::chrono::duration_cast<Duration>(std::chrono::duration<double>(modelled))))
         return;
@@ -501,14 +685,25 @@ void Engine::run_prefill(std::vector<Seq*>& batch) {
         std::lock_guard lock(stats_mu_);
         counters_.prefill_steps++;
     }
-    for (size_t i = 0; i < batch.size(); ++i) {
-        Seq& s = *batch[i];
-        s.mark(&RequestTiming::prefill_end, now);
+    for (size_t i = 0; i < step.size(); ++i) {
+        Seq& s = *step[i].seq;
         if (!errors[i].ok()) {
-            finish(s, errors[i]);
+            if (s.remote_told)
+                abort_prefill(s, errors[i]);
+            else
+                finish(s, errors[i]);
             continue;
         }
-        s.stream.emplace(slice_, s.req.prompt, digests[i]);
+        s.computed += step[i].tokens;
+        s.kv_terms += terms[i];
+        if (!s.prefilled()) {
+            // Push writes this chunk's KV while the next chunks compute.
+            if (s.req.kv.do_remote_decode)
+                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks, s.computed);
+            continue;
+        }
+        s.mark(&RequestTiming::prefill_end, now);
+        s.stream.emplace(slice_, s.req.prompt, kEmptyPrefixState + s.kv_terms);
         auto tok = s.stream->next(*pool_, s.blocks);
         if (!tok.ok()) {
             finish(s, tok.status());
@@ -557,11 +752,14 @@ void Engine::run_prefill(std::vector<Seq*>& batch) {
 
 void Engine::run_decode() {
     TimePoint start = Clock::now();
+    std::vector<Seq*> batch;  // prompts still in chunked prefill wait for their last chunk
+    for (auto& s : running_seqs_)
+        if (s->prefilled()) batch.push_back(s.get());
     std::vector<int> ctx;
     std::vector<Result<int32_t>> toks;
-    ctx.reserve(running_seqs_.size());
-    toks.reserve(running_seqs_.size());
-    for (auto& s : running_seqs_) {
+    ctx.reserve(batch.size());
+    toks.reserve(batch.size());
+    for (Seq* s : batch) {
         ctx.push_back(int(s->req.prompt.size() + s->generated));
         toks.push_back(s->stream->next(*pool_, s->blocks));
     }
@@ -571,8 +769,8 @@ void Engine::run_decode() {
         return;
     TimePoint now = Clock::now();
     uint64_t produced = 0;
-    for (size_t i = 0; i < running_seqs_.size(); ++i) {
-        Seq& s = *running_seqs_[i];
+    for (size_t i = 0; i < batch.size(); ++i) {
+        Seq& s = *batch[i];
         if (!toks[i].ok()) {
             finish(s, toks[i].status());
             continue;
@@ -606,9 +804,9 @@ void Engine::digest_worker() {
             job = std::move(inbox_->digest_jobs.front());
             inbox_->digest_jobs.pop_front();
         }
-        DecodeStream stream(*pool_, job.blocks, slice_, job.prompt);
+        uint64_t terms = prompt_kv_terms(*pool_, job.blocks, slice_, job.first, job.end);
         inbox_->post(Inbox::Event{
-            .kind = Inbox::Kind::kDigested, .id = job.id, .stream = std::move(stream)});
+            .kind = Inbox::Kind::kDigested, .id = job.id, .tokens = job.end, .terms = terms});
     }
 }
 
@@ -618,12 +816,15 @@ void Engine::publish_gauges() {
     counters_.running = running_seqs_.size();
     counters_.waiting_for_kv = waiting_kv_.size();
     counters_.held_for_transfer = held_.size();
+    counters_.waiting_for_prefill = awaiting_prefill_.size();
 }
 
 void Engine::fail_all(const Status& status) {
     for (auto& s : waiting_) finish(*s, status);
     for (auto& s : running_seqs_) finish(*s, status);
     for (auto& [id, s] : waiting_kv_) finish(*s, status);
+    for (auto& [id, s] : awaiting_prefill_) finish(*s, status);
+    awaiting_prefill_.clear();
     waiting_.clear();
     running_seqs_.clear();
     waiting_kv_.clear();
@@ -652,6 +853,9 @@ std::string Engine::prometheus_text() const {
                  double(st.running));
     render_gauge(out, "ferry_requests_waiting_for_kv", "decode legs waiting for remote KV",
                  double(st.waiting_for_kv));
+    render_gauge(out, "ferry_requests_waiting_for_prefill",
+                 "push decode legs waiting for the prefill engine to schedule them",
+                 double(st.waiting_for_prefill));
     render_gauge(out, "ferry_requests_held_for_transfer",
                  "prefill legs whose blocks the connector still holds",
                  double(st.held_for_transfer));

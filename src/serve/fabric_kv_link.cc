@@ -62,16 +62,19 @@ class FabricKvLink::Impl {
     struct Send {
         KvDoneCallback release;
     };
+    // A decode-side wait: for SCHEDULED (waits) or for the KV (recvs).
     struct Recv {
         RequestId request;
-        KvDoneCallback arrived;
-        std::string peer;  // host:http_port, forgotten when the transfer fails
+        KvDoneCallback arrived;  // `scheduled` for a wait
+        std::string peer;        // host:http_port, forgotten when the transfer fails
         bool issued = false;
         bool cancelled = false;
+        KvProgressCallback progress{};
     };
     mutable std::mutex mu;
     std::map<uint64_t, Send> sends;
     std::map<uint64_t, Recv> recvs;
+    std::map<uint64_t, Recv> waits;
     std::map<RequestId, uint64_t> recv_of_request;
     std::map<std::string, int> side_ports;  // peer host:http_port -> side-channel port
 
@@ -103,22 +106,50 @@ class FabricKvLink::Impl {
         release(r.status);
     }
 
+    // Takes a wait or receive out of `m`; the caller calls its callback outside the lock.
+    KvDoneCallback take_locked(std::map<uint64_t, Recv>& m, uint64_t tid, Status* st) {
+        auto it = m.find(tid);
+        if (it == m.end()) return nullptr;
+        if (st->ok() && it->second.cancelled) *st = cancelled("transfer cancelled by decode");
+        if (!st->ok()) forget_peer_locked(it->second.peer);
+        KvDoneCallback cb = std::move(it->second.arrived);
+        recv_of_request.erase(it->second.request);
+        m.erase(it);
+        return cb;
+    }
+
     void on_recv_done(const kv::TransferResult& r) {
         Status st = r.status;
         KvDoneCallback arrived;
         {
             std::lock_guard lk(mu);
-            auto it = recvs.find(r.transfer_id);
-            if (it == recvs.end()) return;
-            if (st.ok() && it->second.cancelled) st = cancelled("transfer cancelled by decode");
-            if (!st.ok()) forget_peer_locked(it->second.peer);
-            arrived = std::move(it->second.arrived);
-            recv_of_request.erase(it->second.request);
-            recvs.erase(it);
+            arrived = take_locked(recvs, r.transfer_id, &st);
         }
+        if (!arrived) return;
         (st.ok() ? ok : failed).fetch_add(1);
         bytes.fetch_add(r.bytes);
         arrived(st);
+    }
+
+    void on_recv_progress(const kv::TransferProgress& p) {
+        KvProgressCallback progress;
+        {
+            std::lock_guard lk(mu);
+            auto it = recvs.find(p.transfer_id);
+            if (it == recvs.end() || it->second.cancelled) return;
+            progress = it->second.progress;
+        }
+        if (progress) progress(p.tokens);
+    }
+
+    void on_scheduled(const kv::TransferResult& r) {
+        Status st = r.status;
+        KvDoneCallback scheduled;
+        {
+            std::lock_guard lk(mu);
+            scheduled = take_locked(waits, r.transfer_id, &st);
+        }
+        if (scheduled) scheduled(st);
     }
 
     void forget_peer_locked(const std::string& peer) {
@@ -129,19 +160,45 @@ class FabricKvLink::Impl {
         side_ports.erase(it);
     }
 
-    void fail_recv(uint64_t tid, Status st) {
-        KvDoneCallback arrived;
+    void fail_recv(std::map<uint64_t, Recv>& m, uint64_t tid, Status st) {
+        KvDoneCallback cb;
         {
             std::lock_guard lk(mu);
-            auto it = recvs.find(tid);
-            if (it == recvs.end()) return;
-            forget_peer_locked(it->second.peer);
-            arrived = std::move(it->second.arrived);
-            recv_of_request.erase(it->second.request);
-            recvs.erase(it);
+            cb = take_locked(m, tid, &st);
         }
+        if (!cb) return;
         failed.fetch_add(1);
-        arrived(std::move(st));
+        cb(std::move(st));
+    }
+
+    // Marks a queued wait or receive as handed to the connector, unless it was cancelled
+    // meanwhile: then it is answered here (nothing was posted) and false comes back.
+    bool begin_issue(std::map<uint64_t, Recv>& m, uint64_t tid, const char* what) {
+        KvDoneCallback cancelled_early;
+        {
+            std::lock_guard lk(mu);
+            auto it = m.find(tid);
+            if (it == m.end()) return false;
+            if (!it->second.cancelled) {
+                it->second.issued = true;
+                return true;
+            }
+            cancelled_early = std::move(it->second.arrived);
+            recv_of_request.erase(it->second.request);
+            m.erase(it);
+        }
+        cancelled_early(cancelled(fmt::format("transfer cancelled by decode before {}", what)));
+        return false;
+    }
+
+    // Decode side, push: handshake, then INTENT to prefill.
+    void announce(uint64_t tid, const KvTransferParams& params) {
+        auto info = resolve(params.remote_host, params.remote_port);
+        if (!info.ok()) return fail_recv(waits, tid, info.status());
+        std::lock_guard ilk(issue_mu);
+        if (!begin_issue(waits, tid, "it was announced")) return;
+        Status st = conn->announce(tid, params.attempt, {info->address});
+        if (!st.ok()) fail_recv(waits, tid, st);
     }
 
     // The peer's side channel: its /health names the port; the handshake result is cached.
@@ -185,26 +242,10 @@ class FabricKvLink::Impl {
     void issue(uint64_t tid, const KvTransferParams& params, std::vector<BlockId> blocks,
                size_t tokens) {
         auto info = resolve(params.remote_host, params.remote_port);
-        if (!info.ok()) return fail_recv(tid, info.status());
+        if (!info.ok()) return fail_recv(recvs, tid, info.status());
         std::lock_guard ilk(issue_mu);
-        KvDoneCallback cancelled_early;
-        {
-            std::lock_guard lk(mu);
-            auto it = recvs.find(tid);
-            if (it == recvs.end()) return;
-            if (it->second.cancelled) {
-                cancelled_early = std::move(it->second.arrived);
-                recv_of_request.erase(it->second.request);
-                recvs.erase(it);
-            } else {
-                it->second.issued = true;
-            }
-        }
-        if (cancelled_early) {
-            // Nothing was posted: the blocks may be reused at once.
-            cancelled_early(cancelled("transfer cancelled by decode before it started"));
-            return;
-        }
+        // Cancelled before anything was posted: the blocks may be reused at once.
+        if (!begin_issue(recvs, tid, "it started")) return;
         Status st;
         if (cfg.mode == KvLinkMode::kPush) {
             kv::PushRegistration reg;
@@ -227,7 +268,18 @@ class FabricKvLink::Impl {
             p.blocks = to_u32(params.remote_block_ids);
             st = conn->pull(tid, {std::move(p)}, to_u32(blocks), uint32_t(tokens));
         }
-        if (!st.ok()) fail_recv(tid, st);
+        if (!st.ok()) fail_recv(recvs, tid, st);
+    }
+
+    // Queues a job on the link's thread; false when the link is stopping.
+    bool enqueue(std::function<void()> job) {
+        {
+            std::lock_guard lk(q_mu);
+            if (stopping) return false;
+            jobs.push_back(std::move(job));
+        }
+        q_cv.notify_one();
+        return true;
     }
 
     void run() {
@@ -270,6 +322,8 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     kv::ConnectorCallbacks cb;
     cb.on_send_done = [p](const kv::TransferResult& r) { p->on_send_done(r); };
     cb.on_recv_done = [p](const kv::TransferResult& r) { p->on_recv_done(r); };
+    cb.on_recv_progress = [p](const kv::TransferProgress& r) { p->on_recv_progress(r); };
+    cb.on_scheduled = [p](const kv::TransferResult& r) { p->on_scheduled(r); };
     FERRY_ASSIGN_OR_RETURN(
         p->conn, kv::KvConnector::create(p->engine.get(), p->mr.get(), cc, std::move(cb)));
     kv::HandshakeInfo info;
@@ -338,16 +392,59 @@ void FabricKvLink::stop() {
     p->conn.reset();  // reports every open transfer through the callbacks, joins its thread
     p->side.reset();
     std::map<uint64_t, Impl::Send> sends;
-    std::map<uint64_t, Impl::Recv> recvs;
+    std::map<uint64_t, Impl::Recv> recvs, waits;
     {
         std::lock_guard lk(p->mu);
         sends.swap(p->sends);
         recvs.swap(p->recvs);
+        waits.swap(p->waits);
         p->recv_of_request.clear();
     }
     Status why = cancelled("KV link stopped");
     for (auto& [id, s] : sends) s.release(why);
     for (auto& [id, r] : recvs) r.arrived(why);
+    for (auto& [id, r] : waits) r.arrived(why);
+}
+
+void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {
+    Impl* p = impl_.get();
+    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
+    (void)p->conn->prefill_scheduled(transfer_key(params.transfer_id));
+}
+
+void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+                                       const std::vector<BlockId>& blocks, size_t tokens_ready) {
+    Impl* p = impl_.get();
+    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
+    Status st = p->conn->prefill_progress(transfer_key(params.transfer_id), to_u32(blocks),
+                                          uint32_t(tokens_ready));
+    // Not fatal: what progress did not send, prefill_done sends.
+    if (!st.ok())
+        log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,
+            st.to_string());
+}
+
+void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+                                      const Status& why, KvDoneCallback release) {
+    Impl* p = impl_.get();
+    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return release(why);
+    uint64_t tid = transfer_key(params.transfer_id);
+    {
+        std::lock_guard lk(p->mu);
+        if (!p->conn || !p->sends.emplace(tid, Impl::Send{release}).second) {
+            release(why);  // stopped, or the transfer already has a prefill side
+            return;
+        }
+    }
+    // FAIL to decode once writes of earlier chunks completed; on_send_done releases.
+    Status st = p->conn->prefill_failed(tid, why);
+    if (!st.ok()) {
+        {
+            std::lock_guard lk(p->mu);
+            p->sends.erase(tid);
+        }
+        release(why);
+    }
 }
 
 Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
@@ -387,14 +484,12 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     return out;
 }
 
-Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
-                                         std::vector<BlockId> blocks, size_t num_tokens,
-                                         KvDoneCallback arrived) {
-    Impl* p = impl_.get();
+// Checks a decode leg's parameters against the link's mode; the transfer's 64-bit key.
+static Result<uint64_t> decode_leg_key(KvLinkMode mode, const KvTransferParams& params) {
     bool pull = !params.remote_block_ids.empty();
-    if (pull && p->cfg.mode == KvLinkMode::kPush)
+    if (pull && mode == KvLinkMode::kPush)
         return invalid_argument("remote_block_ids given, but this engine runs in push mode");
-    if (!pull && p->cfg.mode != KvLinkMode::kPush)
+    if (!pull && mode != KvLinkMode::kPush)
         return invalid_argument("pull mode needs remote_block_ids from the prefill response");
     if (params.transfer_id.empty())
         return invalid_argument("kv_transfer_params needs a transfer_id");
@@ -402,15 +497,50 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
         return invalid_argument(
             "kv_transfer_params needs remote_host and remote_port (the prefill engine's HTTP "
             "address)");
-    uint64_t tid = transfer_key(params.transfer_id);
+    return transfer_key(params.transfer_id);
+}
+
+Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
+                                             const KvTransferParams& params,
+                                             KvDoneCallback scheduled) {
+    Impl* p = impl_.get();
+    if (p->cfg.mode != KvLinkMode::kPush) {
+        scheduled(ok_status());  // pull legs come after prefill finished
+        return ok_status();
+    }
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg.mode, params));
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");
-        if (p->recvs.count(tid))
+        if (p->waits.count(tid) || p->recvs.count(tid))
             return invalid_argument(
                 fmt::format("transfer {} already has a decode side", params.transfer_id));
-        p->recvs[tid] = Impl::Recv{request, std::move(arrived),
+        p->waits[tid] = Impl::Recv{request, std::move(scheduled),
                                    fmt::format("{}:{}", params.remote_host, params.remote_port)};
+        p->recv_of_request[request] = tid;
+    }
+    if (p->enqueue([p, tid, params] { p->announce(tid, params); })) return ok_status();
+    std::lock_guard lk(p->mu);
+    p->recv_of_request.erase(request);
+    p->waits.erase(tid);
+    return unavailable("KV link is stopping");
+}
+
+Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+                                         std::vector<BlockId> blocks, size_t num_tokens,
+                                         KvDoneCallback arrived, KvProgressCallback progress) {
+    Impl* p = impl_.get();
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg.mode, params));
+    {
+        std::lock_guard lk(p->mu);
+        if (!p->conn) return unavailable("KV link is stopped");
+        if (p->recvs.count(tid) || p->waits.count(tid))
+            return invalid_argument(
+                fmt::format("transfer {} already has a decode side", params.transfer_id));
+        Impl::Recv r{request, std::move(arrived),
+                     fmt::format("{}:{}", params.remote_host, params.remote_port)};
+        r.progress = std::move(progress);
+        p->recvs[tid] = std::move(r);
         p->recv_of_request[request] = tid;
     }
     if (p->cfg.mode == KvLinkMode::kPullInline) {
@@ -418,16 +548,10 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
         p->issue(tid, params, std::move(blocks), num_tokens);
         return ok_status();
     }
-    {
-        std::lock_guard lk(p->q_mu);
-        if (!p->stopping) {
-            p->jobs.push_back([p, tid, params, b = std::move(blocks), num_tokens]() mutable {
-                p->issue(tid, params, std::move(b), num_tokens);
-            });
-            p->q_cv.notify_one();
-            return ok_status();
-        }
-    }
+    if (p->enqueue([p, tid, params, b = std::move(blocks), num_tokens]() mutable {
+            p->issue(tid, params, std::move(b), num_tokens);
+        }))
+        return ok_status();
     std::lock_guard lk(p->mu);
     p->recv_of_request.erase(request);
     p->recvs.erase(tid);
@@ -443,13 +567,15 @@ void FabricKvLink::cancel(const RequestId& request) {
         auto it = p->recv_of_request.find(request);
         if (it == p->recv_of_request.end()) return;
         tid = it->second;
-        Impl::Recv& r = p->recvs[tid];
+        auto w = p->waits.find(tid);
+        Impl::Recv& r = w != p->waits.end() ? w->second : p->recvs[tid];
         r.cancelled = true;
-        // Not handed to the connector yet: issue() answers when it gets to it.
+        // Not handed to the connector yet: announce() / issue() answer when they get to it.
         if (!r.issued) return;
     }
-    // Push: CANCEL to prefill, answered once no write can land. Pull: reads are bounded by
-    // the op timeout; the result is reported as cancelled when they end.
+    // Push: CANCEL to prefill, answered once no write can land (an announcement: at once).
+    // Pull: reads are bounded by the op timeout; the result is reported as cancelled when
+    // they end.
     if (p->cfg.mode == KvLinkMode::kPush) (void)p->conn->cancel(tid);
 }
 

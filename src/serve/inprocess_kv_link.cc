@@ -35,7 +35,7 @@ class InProcessKvLink::Consumer : public KvConsumer {
     Consumer(InProcessKvLink* link, Endpoint* ep) : link_(link), ep_(ep) {}
     Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
                                std::vector<BlockId> blocks, size_t num_tokens,
-                               KvDoneCallback arrived) override {
+                               KvDoneCallback arrived, KvProgressCallback) override {
         return link_->blocks_allocated(ep_, request, params, std::move(blocks), num_tokens,
                                        std::move(arrived));
     }

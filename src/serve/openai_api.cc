@@ -26,6 +26,13 @@ double ms_between(TimePoint a, TimePoint b) {
     return to_ms(b - a);
 }
 
+// Wall-clock time of a steady-clock point, in ms since the epoch: what lets the router put
+// events of two engines on one time line (exact on one host, as good as clock sync across).
+double unix_ms(TimePoint t) {
+    auto wall = std::chrono::system_clock::now() - (Clock::now() - t);
+    return std::chrono::duration<double, std::milli>(wall.time_since_epoch()).count();
+}
+
 }  // namespace
 
 Result<KvTransferParams> kv_params_from_json(const json& j) {
@@ -148,11 +155,20 @@ Result<CompletionRequest> parse_completion_json(const json& j) {
 }
 
 json timing_to_json(const RequestTiming& t) {
-    return {{"queue_ms", ms_between(t.arrived, t.scheduled)},
-            {"prefill_ms", ms_between(t.prefill_start, t.prefill_end)},
-            {"kv_wait_ms", ms_between(t.scheduled, t.kv_ready)},
-            {"first_token_ms", ms_between(t.arrived, t.first_token)},
-            {"e2e_ms", ms_between(t.arrived, t.finished)}};
+    // A push decode leg first waits for prefill to schedule its transfer, then for blocks.
+    bool remote = t.remote_scheduled != TimePoint{};
+    json j = {{"queue_ms", ms_between(remote ? t.remote_scheduled : t.arrived, t.scheduled)},
+              {"prefill_ms", ms_between(t.prefill_start, t.prefill_end)},
+              {"kv_wait_ms", ms_between(t.scheduled, t.kv_ready)},
+              {"first_token_ms", ms_between(t.arrived, t.first_token)},
+              {"e2e_ms", ms_between(t.arrived, t.finished)}};
+    if (remote) j["prefill_wait_ms"] = ms_between(t.arrived, t.remote_scheduled);
+    if (t.kv_ready != TimePoint{}) {
+        j["decode_wait_ms"] = ms_between(t.kv_ready, t.first_token);
+        j["kv_ready_unix_ms"] = unix_ms(t.kv_ready);
+    }
+    if (t.prefill_end != TimePoint{}) j["prefill_end_unix_ms"] = unix_ms(t.prefill_end);
+    return j;
 }
 
 namespace {

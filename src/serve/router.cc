@@ -296,6 +296,14 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             t["decode_queue_ms"] = decode_timing.value("queue_ms", 0.0);
             t["decode_first_token_ms"] = decode_timing.value("first_token_ms", 0.0);
             t["decode_e2e_ms"] = decode_timing.value("e2e_ms", 0.0);
+            t["decode_prefill_wait_ms"] = decode_timing.value("prefill_wait_ms", 0.0);
+            t["decode_wait_ms"] = decode_timing.value("decode_wait_ms", 0.0);
+            // KV complete at decode minus prefill's compute end, on the engines' wall clocks.
+            double kv_at = decode_timing.value("kv_ready_unix_ms", 0.0);
+            double computed_at = pj.is_discarded() || !pj.contains("ferry_timing")
+                                     ? 0.0
+                                     : pj["ferry_timing"].value("prefill_end_unix_ms", 0.0);
+            if (kv_at > 0 && computed_at > 0) t["transfer_wait_ms"] = kv_at - computed_at;
         }
         t["router_e2e_ms"] = ms_since(t0);
         return t;

@@ -95,30 +95,65 @@ int32_t token_from_digest(uint64_t digest, int vocab) {
 
 Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
                                  const KvSlice& slice, std::span<const int32_t> tokens) {
-    const int bs = slice.shape.block_size;
-    const size_t n = tokens.size();
-    if (n == 0) return kEmptyPrefixState;
-    FERRY_RETURN_IF_ERROR(locate(blocks, bs, n - 1, pool.num_blocks()).status());
-    for (size_t i = 0; i * bs < n; ++i)
+    if (tokens.empty()) return kEmptyPrefixState;
+    FERRY_ASSIGN_OR_RETURN(uint64_t terms,
+                           write_prompt_kv_range(pool, blocks, slice, tokens, 0, tokens.size()));
+    return kEmptyPrefixState + terms;
+}
+
+Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> blocks,
+                                       const KvSlice& slice, std::span<const int32_t> tokens,
+                                       size_t first, size_t end) {
+    const size_t bs = size_t(slice.shape.block_size);
+    if (first > end || end > tokens.size())
+        return invalid_argument(
+            fmt::format("token range [{}, {}) outside a prompt of {}", first, end, tokens.size()));
+    if (first == end) return uint64_t{0};
+    FERRY_RETURN_IF_ERROR(locate(blocks, int(bs), end - 1, pool.num_blocks()).status());
+    for (size_t i = first / bs; i * bs < end; ++i)
         if (blocks[i] >= pool.num_blocks())
             return out_of_range(fmt::format("block id {} outside the pool", blocks[i]));
-    std::vector<uint64_t> state(n);
+    // The prefix state is a running hash from the prompt's start: cheap next to the rows.
+    std::vector<uint64_t> state(end - first);
     uint64_t st = kEmptyPrefixState;
-    for (size_t p = 0; p < n; ++p) state[p] = st = prefix_state(st, tokens[p], int64_t(p));
+    for (size_t p = 0; p < end; ++p) {
+        st = prefix_state(st, tokens[p], int64_t(p));
+        if (p >= first) state[p - first] = st;
+    }
     // Block by block in memory order: the rows of consecutive slots are adjacent.
-    uint64_t digest = kEmptyPrefixState;
-    for (size_t i = 0; i * bs < n; ++i) {
-        int valid = int(std::min<size_t>(bs, n - i * bs));
+    uint64_t terms = 0;
+    for (size_t i = first / bs; i * bs < end; ++i) {
+        size_t lo = std::max(first, i * bs), hi = std::min(end, (i + 1) * bs);
         for (int layer = 0; layer < slice.shape.layers; ++layer)
             for (int kv = 0; kv < 2; ++kv)
-                for (int slot = 0; slot < valid; ++slot) {
-                    size_t p = i * bs + slot;
-                    auto row = pool.row(blocks[i], layer, kv, slot);
-                    fill_row_from(slice, state[p], layer, kv, row.data());
-                    digest += row_term(row, p, layer, kv);
+                for (size_t p = lo; p < hi; ++p) {
+                    auto row = pool.row(blocks[i], layer, kv, int(p - i * bs));
+                    fill_row_from(slice, state[p - first], layer, kv, row.data());
+                    terms += row_term(row, p, layer, kv);
                 }
     }
-    return digest;
+    return terms;
+}
+
+uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
+                         size_t first, size_t end) {
+    const size_t bs = size_t(slice.shape.block_size);
+    uint64_t terms = 0;
+    for (size_t i = first / bs; i * bs < end; ++i) {
+        if (i >= blocks.size() || blocks[i] >= pool.num_blocks()) {
+            // Missing KV is folded as a marker so the tokens come out wrong, as they would;
+            // once per block, by the range holding its first position.
+            if (i * bs >= first) terms += mix64(0xdead0000ULL + i);
+            continue;
+        }
+        size_t lo = std::max(first, i * bs), hi = std::min(end, (i + 1) * bs);
+        for (int layer = 0; layer < slice.shape.layers; ++layer)
+            for (int kv = 0; kv < 2; ++kv)
+                for (size_t p = lo; p < hi; ++p)
+                    terms +=
+                        row_term(pool.row(blocks[i], layer, kv, int(p - i * bs)), p, layer, kv);
+    }
+    return terms;
 }
 
 DecodeStream::DecodeStream(const KvSlice& slice, std::span<const int32_t> prompt,
@@ -133,27 +168,8 @@ DecodeStream::DecodeStream(const KvSlice& slice, std::span<const int32_t> prompt
 
 DecodeStream::DecodeStream(const KvPool& pool, std::span<const BlockId> blocks,
                            const KvSlice& slice, std::span<const int32_t> prompt)
-    : slice_(slice),
-      prompt_len_(prompt.size()),
-      digest_(kEmptyPrefixState),
-      prefix_(kEmptyPrefixState) {
-    const int bs = slice.shape.block_size;
-    for (size_t p = 0; p < prompt.size(); ++p)
-        prefix_ = prefix_state(prefix_, prompt[p], int64_t(p));
-    for (size_t i = 0; i * bs < prompt.size(); ++i) {
-        if (i >= blocks.size() || blocks[i] >= pool.num_blocks()) {
-            // Missing KV is folded as a marker so the tokens come out wrong, as they would.
-            digest_ += mix64(0xdead0000ULL + i);
-            continue;
-        }
-        int valid = int(std::min<size_t>(bs, prompt.size() - i * bs));
-        for (int layer = 0; layer < slice.shape.layers; ++layer)
-            for (int kv = 0; kv < 2; ++kv)
-                for (int slot = 0; slot < valid; ++slot)
-                    digest_ +=
-                        row_term(pool.row(blocks[i], layer, kv, slot), i * bs + slot, layer, kv);
-    }
-}
+    : DecodeStream(slice, prompt,
+                   kEmptyPrefixState + prompt_kv_terms(pool, blocks, slice, 0, prompt.size())) {}
 
 Result<int32_t> DecodeStream::next(KvPool& pool, std::span<const BlockId> blocks) {
     if (generated_ > 0) {

@@ -169,6 +169,98 @@ TEST_P(KvConnectorTest, PushDeliversEveryByteInBothArrivalOrders) {
     expect_all_ok(results);
 }
 
+TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgress) {
+    const Topology& t = topo();
+    // Chunks of 40 tokens: a multiple of no block size here, so chunk ends fall inside blocks.
+    constexpr uint32_t kChunk = 40;
+    uint64_t seed = ::ferry::testing::test_seed("KvConnector.ChunkedPush");
+    auto reqs = make_requests(seed, 6);
+    auto results = run_processes(
+        static_cast<int>(t.ptp + t.dtp),
+        [&](Exchange& ex) -> std::string {
+            KvRank self = rank_of(t, ex);
+            bool prefill = is_prefill(t, ex);
+            NodeOptions opt;
+            opt.provider = provider();
+            CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
+            KvNode& n = *node;
+            std::vector<std::vector<uint32_t>> blocks;
+            for (const Request& r : reqs) {
+                CHILD_ASSIGN_OK(auto b, n.blocks->allocate(
+                                            blocks_for_tokens(r.tokens, self.layout.block_size)));
+                blocks.push_back(std::move(b));
+                if (prefill) testing::fill_request(n, reqs.size() + r.id, blocks.back(), r.tokens);
+            }
+            CHILD_ASSIGN_OK(auto readers, consumers_for_producer(kTotalHeads, t.ptp, t.dtp,
+                                                                 prefill ? self.tp_rank : 0));
+            if (!prefill) {
+                // Decode holds its blocks only once every prefill rank scheduled the transfer.
+                for (const Request& r : reqs)
+                    CHILD_CHECK_OK(n.conn->announce(r.id, 1, prefill_addrs(t, n)));
+                for (const Request& r : reqs) {
+                    CHILD_ASSIGN_OK(auto s, n.scheduled.wait(false, r.id, kWait));
+                    CHILD_CHECK_MSG(s.status.ok(), "{}", s.status.to_string());
+                }
+                for (size_t i = 0; i < reqs.size(); ++i) {
+                    CHILD_CHECK_OK(n.conn->register_push(
+                        {reqs[i].id, 1, prefill_addrs(t, n), blocks[i], reqs[i].tokens}));
+                }
+            } else {
+                CHILD_CHECK_OK(testing::wait_messages(n, reqs.size() * readers.size(), kWait));
+                for (const Request& r : reqs) CHILD_CHECK_OK(n.conn->prefill_scheduled(r.id));
+                // INTENTs and REGISTERs in: every chunk goes out as its own segment.
+                CHILD_CHECK_OK(testing::wait_messages(n, 2 * reqs.size() * readers.size(), kWait));
+                for (uint32_t end = kChunk;; end += kChunk) {
+                    bool more = false;
+                    for (size_t i = 0; i < reqs.size(); ++i) {
+                        // The chunk's KV becomes final only now, as a computed chunk's would.
+                        if (end - kChunk >= reqs[i].tokens) continue;
+                        uint32_t upto = std::min(end, reqs[i].tokens);
+                        testing::fill_request(n, reqs[i].id, blocks[i], upto);
+                        if (upto < reqs[i].tokens) {
+                            more = true;
+                            CHILD_CHECK_OK(n.conn->prefill_progress(reqs[i].id, blocks[i], upto));
+                        } else {
+                            CHILD_CHECK_OK(n.conn->prefill_done(reqs[i].id, blocks[i], upto));
+                        }
+                    }
+                    if (!more) break;
+                }
+            }
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            size_t reports = 0;
+            for (size_t i = 0; i < reqs.size(); ++i) {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(prefill, reqs[i].id, kWait));
+                CHILD_CHECK_MSG(r.status.ok(), "transfer {:x}: {}", reqs[i].id,
+                                r.status.to_string());
+                if (!prefill) {
+                    testing::expect_request(self, image, reqs[i].id, blocks[i], reqs[i].tokens);
+                    auto p = n.progress_of(reqs[i].id);
+                    CHILD_CHECK_MSG(!p.empty() && p.back() == reqs[i].tokens,
+                                    "transfer {:x} of {} tokens: last progress {}", reqs[i].id,
+                                    reqs[i].tokens, p.empty() ? 0 : p.back());
+                    CHILD_CHECK(std::is_sorted(p.begin(), p.end()) &&
+                                std::adjacent_find(p.begin(), p.end()) == p.end());
+                    reports += p.size();
+                }
+                CHILD_CHECK_OK(n.blocks->free(blocks[i]));
+            }
+            if (!prefill) {
+                std::string diff = testing::compare_pool(n.mem, image);
+                CHILD_CHECK_MSG(diff.empty(), "decode rank {}: {}", self.tp_rank, diff);
+                CHILD_CHECK_MSG(reports > reqs.size(), "{} progress reports for {} transfers",
+                                reports, reqs.size());
+            }
+            CHILD_CHECK(n.conn->stats().messages_malformed == 0);
+            std::string leak = testing::check_no_leak(n);
+            if (!leak.empty()) return leak;
+            CHILD_CHECK_OK(ex.barrier());
+            return "";
+        },
+        kRunTimeout);
+    expect_all_ok(results);
+}
+
 void pull_body(const Topology& t, const std::string& provider, PullMode mode, uint64_t seed,
                std::vector<::ferry::testing::ChildResult>* out) {
     auto reqs = make_requests(seed, 5);

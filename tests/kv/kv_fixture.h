@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -50,7 +51,16 @@ struct KvNode {
     std::unique_ptr<MemoryRegion> mr;
     std::unique_ptr<BlockPool> blocks;
     ResultLog results;
+    ResultLog scheduled;  // on_scheduled, logged as recv results
     std::unique_ptr<KvConnector> conn;
+    // on_recv_progress: every reported prefix, per transfer, in order.
+    std::mutex progress_mu;
+    std::map<uint64_t, std::vector<uint32_t>> progress;
+
+    std::vector<uint32_t> progress_of(uint64_t id) {
+        std::lock_guard lk(progress_mu);
+        return progress[id];
+    }
     std::vector<EngineAddress> addrs;  // every process's engine, by process rank
 
     ~KvNode() { conn.reset(); }
@@ -77,6 +87,8 @@ void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks, u
 // Waits until the connector received at least `count` messages: lets a test put a REGISTER
 // before prefill_done for real, not just in the order of the calls.
 Status wait_messages(KvNode& n, uint64_t count, Duration timeout);
+// Waits until on_recv_progress reported at least `tokens` of transfer `id` in place.
+Status wait_progress(KvNode& n, uint64_t id, uint32_t tokens, Duration timeout);
 // Pool accounting and connector state after a test: nothing held, nothing leaked.
 std::string check_no_leak(KvNode& n);
 // For a test that kills its own process: the shm provider names its regions after the pid and
@@ -155,6 +167,11 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     ConnectorCallbacks cb;
     cb.on_recv_done = [raw](const TransferResult& r) { raw->results.add(false, r); };
     cb.on_send_done = [raw](const TransferResult& r) { raw->results.add(true, r); };
+    cb.on_scheduled = [raw](const TransferResult& r) { raw->scheduled.add(false, r); };
+    cb.on_recv_progress = [raw](const TransferProgress& p) {
+        std::lock_guard lk(raw->progress_mu);
+        raw->progress[p.transfer_id].push_back(p.tokens);
+    };
     FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), n->mr.get(), cc, cb));
     FERRY_ASSIGN_OR_RETURN(auto all, ex.allgather(n->engine->address().serialize()));
     for (int r = 0; r < ex.size(); ++r) {
@@ -193,6 +210,19 @@ inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint
 inline void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks,
                          uint32_t tokens) {
     expect_request(n.self, n.mem, id, blocks, tokens);
+}
+
+inline Status wait_progress(KvNode& n, uint64_t id, uint32_t tokens, Duration timeout) {
+    TimePoint deadline = Clock::now() + timeout;
+    while (true) {
+        auto p = n.progress_of(id);
+        if (!p.empty() && p.back() >= tokens) return ok_status();
+        if (Clock::now() > deadline) {
+            return timeout_error(fmt::format("transfer {:x}: {} tokens reported in place, want {}",
+                                             id, p.empty() ? 0 : p.back(), tokens));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
 }
 
 inline Status wait_messages(KvNode& n, uint64_t count, Duration timeout) {

@@ -43,15 +43,36 @@ EngineAddress test_address() {
 
 std::vector<KvMessage> all_messages() {
     KvLayout l = test_layout();
-    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 40, 5000, test_address(), test_pool(l), l, {7, 9, 99}};
+    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 8, 40, 5000, test_address(), test_pool(l), l, {7, 9, 99}};
     PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), test_pool(l), l, {4, 5}};
     return {reg,
-            FinalMsg{1234, 3, 1, 88, 1 << 20},
+            FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
             CancelMsg{1234, 3, 1},
             CancelAckMsg{1234, 3, 0},
             pull,
-            DoneMsg{99, 1, 2, false}};
+            DoneMsg{99, 1, 2, false},
+            IntentMsg{1234, 3, 1, 2, test_address()},
+            ScheduledMsg{1234, 3, 0},
+            SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096}};
+}
+
+TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
+    KvLayout l = test_layout();
+    auto refused = [](const KvMessage& m, const char* field) {
+        auto r = decode_message(encode_message(m));
+        EXPECT_FALSE(r.ok()) << field;
+        if (!r.ok())
+            EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
+    };
+    refused(RegisterMsg{1, 1, 0, 1, 0x10, 0, 4, 100, test_address(), test_pool(l), l, {1}},
+            "imm_span");
+    refused(RegisterMsg{1, 1, 0, 1, 0xffffffffu, 2, 4, 100, test_address(), test_pool(l), l, {1}},
+            "imm_span");
+    refused(SegmentMsg{1, 1, 0, 0, 48, 48, 1, 10}, "end_token");
+    refused(SegmentMsg{1, 1, 0, kMaxImmSpan, 0, 16, 1, 10}, "index");
+    refused(FinalMsg{1, 1, 0, 4, 10, kMaxImmSpan + 1}, "segments");
+    refused(IntentMsg{1, 1, 2, 2, test_address()}, "decode_rank");
 }
 
 TEST(KvMessages, EveryTypeRoundTrips) {

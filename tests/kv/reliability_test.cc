@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <cstring>
 #include <thread>
 
 #include "kv/kv_fixture.h"
@@ -344,6 +345,181 @@ TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
     ASSERT_EQ(results.size(), 2u);
     EXPECT_EQ(results[kDecode].term_signal, SIGKILL);
     EXPECT_TRUE(results[kPrefill].ok()) << results[kPrefill].error;
+}
+
+// ---- chunked push: prefill_progress between REGISTER and prefill_done ----
+
+constexpr uint32_t kChunkedTokens = 100;  // chunks of 40: 40, 80, then 100 at prefill_done
+
+TEST_P(KvReliabilityTest, CancelBetweenChunksStopsTheWritesAndLeaksNothing) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x90;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(7));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(
+                n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kChunkedTokens}));
+            CHILD_CHECK_OK(testing::wait_progress(n, id, 40, kWait));
+            CHILD_CHECK_OK(n.conn->cancel(id));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+            // Acknowledged: the blocks are reused, and no later chunk may land in them.
+            std::memset(n.mem.data(), 0x3c, n.mem.size());
+            CHILD_CHECK_OK(ex.barrier());
+        } else {
+            testing::fill_request(n, id, blocks, kChunkedTokens);
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
+            CHILD_CHECK_OK(testing::wait_messages(n, 2, kWait));  // the CANCEL
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 80));
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kChunkedTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+            CHILD_CHECK_MSG(r.bytes > 0 && r.bytes < 80 * n.self.layout.token_bytes() * 2 *
+                                                         n.self.layout.num_layers,
+                            "{} bytes written: chunks after the cancel went out", r.bytes);
+            CHILD_CHECK_OK(ex.barrier());
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == 0x3c; }));
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, PrefillFailingBetweenChunksReachesDecodeAsFail) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x91;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(7));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(
+                n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kChunkedTokens}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled &&
+                                r.status.message().find("client went away") != std::string::npos,
+                            "{}", r.status.to_string());
+        } else {
+            testing::fill_request(n, id, blocks, kChunkedTokens);
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
+            CHILD_CHECK_OK(n.conn->prefill_failed(id, cancelled("client went away")));
+            // Released once the first chunk's writes completed, with prefill's reason.
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, PrefillKilledBetweenChunksFreesDecodeBlocksWithinTheLease) {
+    const auto lease = std::chrono::milliseconds(800);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x92;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(7));
+        if (ex.rank() == kPrefill) {
+            testing::fill_request(n, id, blocks, kChunkedTokens);
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            testing::drop_shm_names_of_this_process();
+            raise(SIGKILL);
+        }
+        TimePoint t0 = Clock::now();
+        CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kChunkedTokens}));
+        CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+        Duration took = Clock::now() - t0;
+        CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+        CHILD_CHECK_MSG(took < lease + std::chrono::seconds(4), "freed after {:.0f} ms",
+                        to_ms(took));
+        auto p = n.progress_of(id);
+        CHILD_CHECK_MSG(!p.empty() && p.back() == 40, "progress before the kill: {}",
+                        p.empty() ? 0 : p.back());
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
+    EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
+}
+
+TEST_P(KvReliabilityTest, DecodeKilledBetweenChunksFreesPrefillBlocksInBoundedTime) {
+    auto results =
+        run_1p1d(std::chrono::milliseconds(800), [&](Exchange& ex, KvNode& n) -> std::string {
+            const uint64_t id = 0x93;
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(7));
+            if (ex.rank() == kDecode) {
+                CHILD_CHECK_OK(
+                    n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kChunkedTokens}));
+                CHILD_CHECK_OK(testing::wait_progress(n, id, 40, kWait));
+                testing::drop_shm_names_of_this_process();
+                raise(SIGKILL);
+            }
+            testing::fill_request(n, id, blocks, kChunkedTokens);
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
+            std::this_thread::sleep_for(std::chrono::milliseconds(400));  // decode is gone
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 80));
+            CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, kChunkedTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            Duration took = Clock::now() - t0;
+            CHILD_CHECK_MSG(took < std::chrono::seconds(8), "released after {:.0f} ms: {}",
+                            to_ms(took), r.status.to_string());
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return "";
+        });
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_EQ(results[kDecode].term_signal, SIGKILL);
+    EXPECT_TRUE(results[kPrefill].ok()) << results[kPrefill].error;
+}
+
+TEST_P(KvReliabilityTest, AnnouncementIsAnsweredWhenPrefillSchedulesFailsOrIsCancelled) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t scheduled = 0xa0, failed = 0xa1, cancelled_id = 0xa2;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+        if (ex.rank() == kDecode) {
+            for (uint64_t id : {scheduled, failed, cancelled_id})
+                CHILD_CHECK_OK(n.conn->announce(id, 1, {n.addrs[kPrefill]}));
+            // Prefill has not scheduled anything yet: no answer.
+            auto early = n.scheduled.wait(false, scheduled, std::chrono::milliseconds(300));
+            CHILD_CHECK_MSG(!early.ok(), "SCHEDULED before prefill scheduled the transfer");
+            CHILD_CHECK_OK(n.conn->cancel(cancelled_id));
+            CHILD_ASSIGN_OK(auto c, n.scheduled.wait(false, cancelled_id, kWait));
+            CHILD_CHECK_MSG(c.status.code() == StatusCode::kCancelled, "{}", c.status.to_string());
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_ASSIGN_OK(auto s, n.scheduled.wait(false, scheduled, kWait));
+            CHILD_CHECK_MSG(s.status.ok(), "{}", s.status.to_string());
+            CHILD_ASSIGN_OK(auto f, n.scheduled.wait(false, failed, kWait));
+            CHILD_CHECK_MSG(f.status.code() == StatusCode::kResourceExhausted, "{}",
+                            f.status.to_string());
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 4, kWait));  // 3 INTENTs and a CANCEL
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_CHECK_OK(n.conn->prefill_scheduled(scheduled));
+            CHILD_CHECK_OK(n.conn->prefill_failed(failed, resource_exhausted("out of blocks")));
+            CHILD_ASSIGN_OK(auto f, n.results.wait(true, failed, kWait));
+            CHILD_CHECK(f.status.code() == StatusCode::kResourceExhausted);
+            // The cancelled announcement never registers: prefill's blocks come back at
+            // prefill_done, without waiting for the lease.
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->prefill_done(cancelled_id, blocks, 20));
+            CHILD_ASSIGN_OK(auto c, n.results.wait(true, cancelled_id, kWait));
+            CHILD_CHECK_MSG(c.status.code() == StatusCode::kCancelled, "{}", c.status.to_string());
+            CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(2), "released after {:.0f} ms",
+                            to_ms(Clock::now() - t0));
+            CHILD_CHECK_OK(n.conn->prefill_failed(scheduled, cancelled("test over")));
+            CHILD_ASSIGN_OK(auto s, n.results.wait(true, scheduled, kWait));
+            (void)s;
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    EXPECT_ALL_OK(results);
 }
 
 TEST_P(KvReliabilityTest, MalformedAndUnknownMessagesAreCountedAndDropped) {

@@ -35,6 +35,34 @@ TEST(CostModel, PrefillGrowsFasterThanLinearWithLength) {
     EXPECT_LT(t16, 1.0);
 }
 
+TEST(CostModel, ChunkedPrefillDoesTheSameFlopsButPaysPerStepCosts) {
+    CostModel m = qwen(8);
+    std::vector<int> whole{4096};
+    double flops = 0, seconds = 0, context_bytes = 0;
+    const int chunk = 512;
+    for (int ctx = 0; ctx < 4096; ctx += chunk) {
+        std::vector<PrefillChunk> c{{.tokens = chunk, .context = ctx, .last = ctx + chunk == 4096}};
+        auto r = m.prefill_roofline(c);
+        flops += r.flops;
+        seconds += r.total_s;
+        context_bytes +=
+            r.bytes - m.prefill_roofline(std::vector<PrefillChunk>{
+                                             {.tokens = chunk, .context = 0, .last = c[0].last}})
+                          .bytes;
+    }
+    auto one = m.prefill_roofline(whole);
+    // Linear and causal-attention work are the same however the prompt is cut (LM head once).
+    EXPECT_NEAR(flops, one.flops, one.flops * 1e-9);
+    // A chunk reads its context's KV: the 8 chunks read 0 + 512 + ... + 3584 tokens of it.
+    EXPECT_NEAR(context_bytes, 14336.0 * qwen3_32b().kv_bytes_per_token() / 8, 1.0);
+    // Each step pays the overhead and the all-reduce latencies again: dearer, not by much.
+    EXPECT_GT(seconds, one.total_s + 7 * m.config().step_overhead_us * 1e-6);
+    EXPECT_LT(seconds, 1.3 * one.total_s);
+    // One chunk that is the whole prompt is the unchunked step.
+    std::vector<PrefillChunk> all{{.tokens = 4096, .context = 0, .last = true}};
+    EXPECT_DOUBLE_EQ(m.prefill_seconds(all), m.prefill_seconds(whole));
+}
+
 TEST(CostModel, PrefillIsComputeBoundDecodeIsBandwidthBound) {
     CostModel m = qwen(8);
     std::vector<int> p{4096};

@@ -78,6 +78,7 @@ struct Stack {
         for (const auto& p : procs) out += p.log_text() + "\n";
         return out;
     }
+    Proc& prefill_proc(int i) { return procs[size_t(i)]; }
     Proc& decode_proc(int i) { return procs[prefill_ports.size() + size_t(i)]; }
     bool pools_full() const {
         for (const auto* ports : {&prefill_ports, &decode_ports})
@@ -199,6 +200,84 @@ TEST(DisaggE2E, DecodeKilledWhilePrefillComputesFreesPrefillBlocks) {
             << s.logs();
         EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_kv_link_active"), 0);
     }
+}
+
+// Chunked prefill in push: each chunk's KV leaves while the next computes; decode digests it
+// as it lands. Prompt sizes that are multiples of neither the chunk (40, cut to 32 at block
+// boundaries) nor the block (16).
+TEST(DisaggE2E, ChunkedPushReturnsVerifiedTokensAtSizesNotMultiplesOfChunkOrBlock) {
+    Stack s("push", 1, 1, {}, "shm", {"--prefill-chunk", "40"});
+    ASSERT_TRUE(s.up);
+    std::vector<size_t> sizes = {1, 17, 100, 137, 250};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        auto prompt = prompt_of(sizes[i], int(i) + 20);
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 7}, {"stream", true}}, seconds(20));
+        ASSERT_TRUE(r.transport.ok()) << r.transport.to_string();
+        ASSERT_EQ(r.status, 200) << r.raw << s.logs();
+        EXPECT_EQ(r.tokens, tiny_expected(prompt, 7)) << sizes[i] << " tokens";
+    }
+    // 1 + 1 + 3 (32, 32, 36) + 5 (4 x 32, 9) + 8 (7 x 32, 26) chunks: a rest that fits the
+    // budget runs whole.
+    EXPECT_EQ(metric(kHost, s.prefill_ports[0], "ferry_prefill_steps_total"), 18);
+    EXPECT_TRUE(eventually([&] { return s.pools_full(); })) << s.logs();
+}
+
+// Prefill dies between two chunks: decode has some of the KV, never all; the client hears an
+// error and decode's blocks come back once the connector's lease ends.
+TEST(DisaggE2E, PrefillKilledBetweenChunksGivesAClientErrorAndDecodePoolIsFullAgain) {
+    Stack s("push", 1, 1, {"--kv-op-timeout", "2"}, "shm",
+            {"--prefill-chunk", "32", "--time-scale", "20000"});
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(300, 11);
+    auto killer = std::async(std::launch::async, [&] {
+        // Decode holds blocks once prefill scheduled the request: chunks are being computed.
+        bool seen =
+            eventually([&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") > 0; },
+                       seconds(5));
+        std::this_thread::sleep_for(milliseconds(300));
+        s.prefill_proc(0).kill_now();
+        return seen;
+    });
+    Streamed r = stream(kHost, s.router_port,
+                        {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+    EXPECT_TRUE(killer.get()) << "decode never held blocks: " << s.logs();
+    EXPECT_TRUE(r.error_event || !r.transport.ok() || r.status != 200) << r.raw;
+    EXPECT_TRUE(eventually(
+        [&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") == 0; }, seconds(10)))
+        << s.logs();
+    EXPECT_EQ(metric(kHost, s.decode_ports[0], "ferry_kv_link_active"), 0);
+}
+
+// Both legs leave at once, but decode reserves blocks only for what prefill has scheduled: a
+// request still queueing at prefill holds nothing at decode.
+TEST(DisaggE2E, PushDecodeReservesBlocksOnlyOncePrefillSchedules) {
+    Stack s("push", 1, 1, {}, "shm", {"--max-num-seqs", "1", "--time-scale", "3000"});
+    ASSERT_TRUE(s.up);
+    auto p1 = prompt_of(300, 12), p2 = prompt_of(300, 13);
+    auto send = [&](const std::vector<int32_t>& p) {
+        return std::async(std::launch::async, [&, p] {
+            return stream(kHost, s.router_port,
+                          {{"prompt", p}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+        });
+    };
+    auto f1 = send(p1), f2 = send(p2);
+    // One request computes at prefill, the other queues there: decode holds the blocks of one
+    // (300 + 4 - 1 tokens: 19 blocks of 16) and waits for prefill on the other.
+    bool seen = eventually([&] {
+        return metric(kHost, s.decode_ports[0], "ferry_requests_waiting_for_prefill") == 1 &&
+               metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") == 19;
+    });
+    EXPECT_TRUE(seen) << "waiting_for_prefill "
+                      << metric(kHost, s.decode_ports[0], "ferry_requests_waiting_for_prefill")
+                      << ", blocks used "
+                      << metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used");
+    Streamed r1 = f1.get(), r2 = f2.get();
+    ASSERT_EQ(r1.status, 200) << r1.raw << s.logs();
+    ASSERT_EQ(r2.status, 200) << r2.raw << s.logs();
+    EXPECT_EQ(r1.tokens, tiny_expected(p1, 4));
+    EXPECT_EQ(r2.tokens, tiny_expected(p2, 4));
+    EXPECT_TRUE(eventually([&] { return s.pools_full(); })) << s.logs();
 }
 
 }  // namespace

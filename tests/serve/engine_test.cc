@@ -71,6 +71,24 @@ TEST(Engine, ColocatedRequestStreamsTheTokensTheVerifierExpects) {
     EXPECT_EQ(e->stats().generated_tokens, 12u);
 }
 
+TEST(Engine, ChunkedPrefillGivesTheSameTokensInOneStepPerChunk) {
+    // Chunks of 40 end on block boundaries (32) unless they finish the prompt.
+    auto e = make_engine({.engine_id = "e", .prefill_chunk_tokens = 40, .num_blocks = 64});
+    ASSERT_TRUE(e->start().ok());
+    for (size_t n : {1, 31, 100, 161}) {
+        auto prompt = prompt_of(n, int32_t(n));
+        auto h = e->submit({.prompt = prompt, .max_tokens = 5});
+        ASSERT_TRUE(h.ok()) << h.status().to_string();
+        Collected c = collect(**h);
+        ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+        EXPECT_EQ(c.tokens, expected_tokens(e->kv_slice(), prompt, 5)) << n << " tokens";
+    }
+    // 1 + 1 + 3 (32, 32, 36) + 5 (4 x 32, 33) prefill steps: a rest that fits the budget
+    // runs whole.
+    EXPECT_EQ(e->stats().prefill_steps, 10u);
+    EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+}
+
 TEST(Engine, RejectsRequestsBeyondItsLimitsWithAClearMessage) {
     auto e = make_engine({.engine_id = "e", .max_model_len = 100, .num_blocks = 64});
     ASSERT_TRUE(e->start().ok());

@@ -1,10 +1,13 @@
 // KV-cache transfer between a prefill rank and the decode ranks it feeds, on a TransferEngine.
 //
-// Push (the default product path): decode registers its destination blocks while prefill is
-// still computing; registration and prefill completion may come in either order and the
-// second one starts the transfer; prefill writes straight into decode's pool from the
-// connector's background thread; a FINAL message says how many writes (each carrying an
-// immediate) to count; decode reports the request ready once every producer rank is complete.
+// Push (the default product path): decode announces the transfer (INTENT) and registers its
+// destination blocks once prefill scheduled it, while prefill is still computing; prefill
+// writes the KV straight into decode's pool from the connector's background thread as it
+// becomes final (prefill_progress per computed chunk, prefill_done for the rest), one segment
+// of writes per chunk, each segment with its own immediate; a SEGMENT message per segment says
+// how many writes to count, so decode learns which tokens landed while prefill still computes,
+// and FINAL closes the transfer; decode reports the request ready once every producer rank is
+// complete.
 //
 // Pull (the baseline): prefill offers its blocks under a lease, decode reads them and sends
 // DONE so prefill frees them. `inline` mode prepares and posts the reads in the caller's
@@ -46,6 +49,10 @@ struct ConnectorConfig {
     // is what keeps an old attempt's writes from counting for a new one.
     uint32_t imm_base = 0x4b000000;
     uint32_t imm_count = 1u << 20;
+    // Immediates one push registration reserves: one per segment (computed chunk). A producer
+    // with more chunks than this holds the rest back and sends it as the last segment. 64
+    // covers a 32k prompt in chunks of 512 tokens.
+    uint32_t imm_span = 64;
     PullMode pull_mode = PullMode::kBackground;
 };
 
@@ -71,12 +78,25 @@ struct TransferResult {
     uint32_t writes = 0;  // writes (push) or reads (pull) this rank posted or counted
 };
 
+// Decode, push: tokens [0, tokens) of the attempt's KV are in place (every producer's writes
+// of those tokens counted), ahead of on_recv_done.
+struct TransferProgress {
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    uint32_t tokens = 0;
+};
+
 struct ConnectorCallbacks {
     // Decode: no write or read of this transfer attempt is outstanding any more; the blocks
     // belong to the engine again. status ok means the KV is complete and intact.
     std::function<void(const TransferResult&)> on_recv_done;
     // Prefill: the connector no longer uses this transfer's blocks; free them.
     std::function<void(const TransferResult&)> on_send_done;
+    // Decode: prefix of the KV that landed so far (push); optional.
+    std::function<void(const TransferProgress&)> on_recv_progress;
+    // Decode: every prefill rank of an announce() scheduled the transfer (ok), or why not
+    // (FAIL from prefill, kTimeout after the lease, kCancelled). Exactly once per announce.
+    std::function<void(const TransferResult&)> on_scheduled;
 };
 
 struct ConnectorStats {
@@ -108,16 +128,31 @@ class KvConnector {
     KvConnector& operator=(const KvConnector&) = delete;
 
     // --- push, decode side ---
+    // Before holding any block: sends INTENT to every prefill rank whose heads this rank
+    // holds; on_scheduled reports once all of them scheduled the transfer (or failed, or the
+    // lease passed).
+    Status announce(uint64_t transfer_id, uint32_t attempt,
+                    std::vector<EngineAddress> prefill_ranks);
     // Sends REGISTER to every prefill rank whose heads this rank holds.
     Status register_push(PushRegistration registration);
     // Stops the transfer; on_recv_done(kCancelled) comes once every producer acknowledged
-    // (or the lease passed), and only then may the blocks be reused.
+    // (or the lease passed), and only then may the blocks be reused. An announcement not yet
+    // registered is reported on_scheduled(kCancelled) at once (it holds no blocks).
     Status cancel(uint64_t transfer_id);
 
     // --- push, prefill side ---
+    // Prefill admitted the request: decode ranks that announced it may reserve their blocks.
+    Status prefill_scheduled(uint64_t transfer_id);
+    // Tokens [0, tokens_ready) of the KV are final in these blocks (a chunk was computed):
+    // registered decode ranks get them written now. The blocks stay the engine's; it must not
+    // reuse them before prefill_done's or prefill_failed's on_send_done.
+    Status prefill_progress(uint64_t transfer_id, std::vector<uint32_t> blocks,
+                            uint32_t tokens_ready);
     // The KV of these blocks is computed; write it to whichever decode ranks registered.
     Status prefill_done(uint64_t transfer_id, std::vector<uint32_t> blocks, uint32_t num_tokens);
-    // Prefill could not produce the KV: registered decode ranks get FAIL.
+    // Prefill could not produce the KV: registered and announced decode ranks get FAIL, once
+    // writes of earlier progress completed; on_send_done(reason) then says the blocks are no
+    // longer read.
     Status prefill_failed(uint64_t transfer_id, Status reason);
 
     // --- pull ---

@@ -17,10 +17,13 @@
 namespace ferry::kv {
 
 inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
-inline constexpr uint16_t kKvProtocolVersion = 1;
+// 2: chunked push (INTENT, SCHEDULED, SEGMENT; imm_span in REGISTER, segments in FINAL).
+inline constexpr uint16_t kKvProtocolVersion = 2;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
 inline constexpr size_t kMaxBlocksPerMessage = 1u << 20;
 inline constexpr size_t kMaxReasonLength = 1024;
+// Most immediates one registration may hand out (one per segment of a chunked push).
+inline constexpr uint32_t kMaxImmSpan = 4096;
 
 enum class MsgType : uint8_t {
     kRegister = 1,
@@ -30,6 +33,9 @@ enum class MsgType : uint8_t {
     kCancelAck = 5,
     kPullParams = 6,
     kDone = 7,
+    kIntent = 8,
+    kScheduled = 9,
+    kSegment = 10,
 };
 
 // Decode → every prefill rank that writes into this decode rank (push): "here are my blocks
@@ -39,7 +45,10 @@ struct RegisterMsg {
     uint32_t attempt = 0;      // a larger attempt supersedes every smaller one
     uint32_t decode_rank = 0;  // TP rank and size of the sender
     uint32_t decode_tp = 1;
-    uint32_t imm = 0;  // immediate the producer puts on every write of this attempt
+    // Segment i of this attempt's writes carries immediate imm + i, for i < imm_span; the
+    // producer makes no more than imm_span segments.
+    uint32_t imm = 0;
+    uint32_t imm_span = 1;
     uint32_t num_tokens = 0;
     uint32_t lease_ms = 0;  // prefill gives up waiting for its own completion after this
     EngineAddress decode_address;
@@ -48,14 +57,29 @@ struct RegisterMsg {
     std::vector<uint32_t> blocks;
 };
 
-// Prefill rank → decode rank (push): "all my writes are posted and complete; count `writes`
-// immediates".
+// Prefill rank → decode rank (push): "the writes of tokens [first_token, end_token) are
+// complete; count `writes` immediates of value imm + index". Sent once per segment.
+struct SegmentMsg {
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    uint32_t producer_rank = 0;
+    uint32_t index = 0;
+    uint32_t first_token = 0;
+    uint32_t end_token = 0;
+    uint32_t writes = 0;
+    uint64_t bytes = 0;
+    bool operator==(const SegmentMsg&) const = default;
+};
+
+// Prefill rank → decode rank (push): "all my writes are posted and complete, in `segments`
+// segments (each announced by a SEGMENT) of `writes` writes in all".
 struct FinalMsg {
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
     uint32_t producer_rank = 0;
     uint32_t writes = 0;
     uint64_t bytes = 0;
+    uint32_t segments = 0;
     bool operator==(const FinalMsg&) const = default;
 };
 
@@ -108,8 +132,28 @@ struct DoneMsg {
     bool operator==(const DoneMsg&) const = default;
 };
 
-using KvMessage =
-    std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg, PullParamsMsg, DoneMsg>;
+// Decode → each prefill rank that will write into it (push), before decode holds any block:
+// "tell me when you schedule this transfer". Lets decode reserve its blocks only once prefill
+// admitted the request instead of for the whole time it queues at prefill.
+struct IntentMsg {
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    uint32_t decode_rank = 0;
+    uint32_t decode_tp = 1;
+    EngineAddress decode_address;
+};
+
+// Prefill rank → decode rank: the transfer's prefill is scheduled (its KV is being computed).
+struct ScheduledMsg {
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    uint32_t producer_rank = 0;
+    bool operator==(const ScheduledMsg&) const = default;
+};
+
+// Alternatives in MsgType order (the wire type is index + 1).
+using KvMessage = std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg,
+                               PullParamsMsg, DoneMsg, IntentMsg, ScheduledMsg, SegmentMsg>;
 
 std::vector<uint8_t> encode_message(const KvMessage& msg);
 Result<KvMessage> decode_message(std::span<const uint8_t> bytes);

@@ -71,6 +71,15 @@ struct KvShape {
     size_t block_bytes() const { return bytes_per_token() * block_size; }
 };
 
+// One prompt's part of a prefill step: `tokens` new tokens after `context` tokens whose KV is
+// already in the cache (chunked prefill). `last`: the prompt ends with this chunk, so the LM
+// head runs for its final token.
+struct PrefillChunk {
+    int tokens = 0;
+    int context = 0;
+    bool last = true;
+};
+
 class CostModel {
   public:
     // TP must divide the query and KV heads (as vLLM requires, KV heads replicate beyond that
@@ -87,6 +96,10 @@ class CostModel {
 
     // One prefill step processing whole prompts of these lengths (no chunking), seconds.
     double prefill_seconds(std::span<const int> prompt_lens) const;
+    // One prefill step of chunks (chunked prefill). Each step re-reads the weights and pays
+    // the step overhead and the all-reduce latencies again; a chunk attends to its context
+    // (read from HBM) and causally within itself.
+    double prefill_seconds(std::span<const PrefillChunk> chunks) const;
     // One decode step producing one token for each sequence with these context lengths.
     double decode_seconds(std::span<const int> context_lens) const;
 
@@ -100,6 +113,7 @@ class CostModel {
         double total_s = 0;
     };
     Roofline prefill_roofline(std::span<const int> prompt_lens) const;
+    Roofline prefill_roofline(std::span<const PrefillChunk> chunks) const;
     Roofline decode_roofline(std::span<const int> context_lens) const;
 
   private:

@@ -1,7 +1,7 @@
 // An inference engine step loop in the manner of vLLM: continuous batching under
 // max_num_seqs / max_model_len, a FIFO scheduler that admits a waiting request once its KV
-// blocks are free, prefill steps ahead of decode steps, tokens streamed to each request as
-// its step ends.
+// blocks are free, prefill steps ahead of decode steps (optionally chunked: a step computes at
+// most prefill_chunk_tokens prompt tokens), tokens streamed to each request as its step ends.
 //
 // Compute is modelled: a step lasts the time the cost model gives for its batch (times
 // time_scale), spent sleeping. KV is real: prefill writes the synthetic model's KV bytes into
@@ -10,8 +10,12 @@
 //
 // One engine serves all three kinds of request:
 //  - colocated (no kv_transfer_params): prefill and decode here;
-//  - prefill leg (do_remote_decode): prefill here, one token back, KV handed to the KvProducer;
-//  - decode leg (do_remote_prefill): blocks allocated, KvConsumer fills them, decode here.
+//  - prefill leg (do_remote_decode): prefill here, one token back, KV handed to the KvProducer
+//    (chunk by chunk with chunked prefill, so a push connector writes while later chunks
+//    compute);
+//  - decode leg (do_remote_prefill): push legs first wait until the prefill engine scheduled
+//    the transfer, then blocks are allocated, the KvConsumer fills them (the engine digests
+//    the KV as it lands), decode here.
 #pragma once
 
 #include <atomic>
@@ -42,6 +46,10 @@ struct EngineConfig {
     size_t max_model_len = 32768;
     // Prompt tokens per prefill step; a longer prompt runs alone (no chunked prefill).
     size_t max_num_batched_tokens = 16384;
+    // Chunked prefill when > 0: a prefill step computes at most this many prompt tokens (the
+    // oldest prompts first), ending a chunk that does not finish its prompt on a block
+    // boundary; new prompts are admitted only while a step's budget is not yet spoken for.
+    size_t prefill_chunk_tokens = 0;
     size_t num_blocks = 4096;
     int block_size = 16;
     int head_offset = 0;      // global index of this rank's first KV head
@@ -56,10 +64,11 @@ struct GenerateRequest {
     KvTransferParams kv{};
 };
 
-// When a request passed each stage: explains its TTFT.
+// When a request passed each stage: explains its TTFT. remote_scheduled: a push decode leg
+// heard that the prefill engine scheduled its transfer.
 struct RequestTiming {
-    TimePoint arrived{}, scheduled{}, prefill_start{}, prefill_end{}, kv_ready{}, first_token{},
-        finished{};
+    TimePoint arrived{}, remote_scheduled{}, scheduled{}, prefill_start{}, prefill_end{},
+        kv_ready{}, first_token{}, finished{};
 };
 
 // The client's view of one request: tokens as they are produced, then the end.
@@ -103,6 +112,7 @@ class RequestHandle {
 
 struct EngineStats {
     size_t waiting = 0, running = 0, waiting_for_kv = 0, held_for_transfer = 0;
+    size_t waiting_for_prefill = 0;
     size_t blocks_total = 0, blocks_used = 0, blocks_free = 0;
     uint64_t requests_total = 0, requests_failed = 0, prompt_tokens = 0, generated_tokens = 0;
     uint64_t prefill_steps = 0, decode_steps = 0;
@@ -143,10 +153,18 @@ class Engine {
 
     void loop();
     void drain_inbox();
+    struct StepChunk {
+        Seq* seq;
+        size_t tokens;
+    };
     void admit(std::vector<Seq*>& prefill_batch);
-    void run_prefill(std::vector<Seq*>& batch);
+    std::vector<StepChunk> plan_prefill_step() const;
+    void run_prefill(const std::vector<StepChunk>& step);
     void run_decode();
     void expire_kv_waits();
+    void on_kv_arrived(const RequestId& id, const Status& status);
+    void advance_kv(const RequestId& id);
+    void abort_prefill(Seq& seq, const Status& why);
     void cancel_seq(const RequestId& id, const Status& why);
     bool sleep_until(TimePoint t);  // false when stopping
     void finish(Seq& seq, Status status, KvTransferParams kv_out = {});
@@ -171,6 +189,8 @@ class Engine {
 
     // Owned by the loop thread.
     std::deque<std::unique_ptr<Seq>> waiting_;
+    // Push decode legs until the prefill engine scheduled their transfer (no blocks held).
+    std::map<RequestId, std::unique_ptr<Seq>> awaiting_prefill_;
     std::map<RequestId, std::unique_ptr<Seq>> waiting_kv_;
     std::vector<std::unique_ptr<Seq>> running_seqs_;
     struct Held {

@@ -72,13 +72,20 @@ class FabricKvLink : public KvProducer, public KvConsumer {
     // Fails what is pending with kCancelled (every callback runs once), joins the threads.
     void stop();
 
+    void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
+    void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+                             const std::vector<BlockId>& blocks, size_t tokens_ready) override;
     Result<KvTransferParams> on_prefill_done(const RequestId& request,
                                              const KvTransferParams& params,
                                              std::vector<BlockId> blocks, size_t num_tokens,
                                              KvDoneCallback release) override;
+    void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+                            const Status& why, KvDoneCallback release) override;
+    Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
+                                   KvDoneCallback scheduled) override;
     Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
                                std::vector<BlockId> blocks, size_t num_tokens,
-                               KvDoneCallback arrived) override;
+                               KvDoneCallback arrived, KvProgressCallback progress) override;
     void cancel(const RequestId& request) override;
 
     class Impl;

@@ -34,11 +34,24 @@ struct KvTransferParams {
 
 // Called exactly once per hand-over.
 using KvDoneCallback = std::function<void(Status)>;
+// Decode, push: the KV of prompt tokens [0, tokens) is in place; called with growing counts
+// while prefill still computes, before `arrived`. Optional for a connector.
+using KvProgressCallback = std::function<void(size_t tokens)>;
 
 // What a prefill engine needs.
 class KvProducer {
   public:
     virtual ~KvProducer() = default;
+
+    // Prefill admitted `request` (blocks allocated, compute starts). Push: decode engines that
+    // wait for this transfer may now reserve their blocks.
+    virtual void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {}
+
+    // Chunked prefill: the KV of tokens [0, tokens_ready) is final in `blocks`. Push sends it
+    // now, while later chunks compute. The engine keeps the blocks until the release of
+    // on_prefill_done or on_prefill_aborted.
+    virtual void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+                                     const std::vector<BlockId>& blocks, size_t tokens_ready) {}
 
     // The prompt KV of `request` (tokens [0, num_tokens)) is complete in `blocks`. The connector
     // sends it (push: to the blocks decode registered under params.transfer_id; pull: holds it
@@ -51,6 +64,13 @@ class KvProducer {
                                                      const KvTransferParams& params,
                                                      std::vector<BlockId> blocks, size_t num_tokens,
                                                      KvDoneCallback release) = 0;
+
+    // The engine gave up on a request after on_prefill_scheduled (client gone, error): decode
+    // is told, and `release` comes once no write of earlier progress reads the blocks any more.
+    virtual void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+                                    const Status& why, KvDoneCallback release) {
+        release(why);
+    }
 };
 
 // What a decode engine needs.
@@ -58,16 +78,28 @@ class KvConsumer {
   public:
     virtual ~KvConsumer() = default;
 
+    // A push decode leg, before the engine reserves any block for it: `scheduled` is called
+    // once, ok when the prefill engine scheduled the transfer (its KV is being computed), an
+    // error when it will not be. So decode holds blocks only from then on, not for the whole
+    // time the request queues at prefill. A connector without the notion answers at once.
+    virtual Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
+                                           KvDoneCallback scheduled) {
+        scheduled(ok_status());
+        return ok_status();
+    }
+
     // Blocks for the remote-prefill request `request` are allocated; the first num_tokens token
     // slots must receive the prompt KV. The connector calls `arrived` once: ok when every byte
     // is there, an error when the transfer failed. Until then it may write into the blocks.
+    // `progress` (optional for the connector) reports the prefix that landed so far.
     virtual Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
                                        std::vector<BlockId> blocks, size_t num_tokens,
-                                       KvDoneCallback arrived) = 0;
+                                       KvDoneCallback arrived, KvProgressCallback progress) = 0;
 
     // The engine gave up on `request` (client gone, deadline). The connector stops writes and
     // then calls `arrived` with an error; the engine frees the blocks only at that call, so a late
-    // write can never land in reused blocks.
+    // write can never land in reused blocks. A wait of await_prefill_scheduled ends with
+    // `scheduled(kCancelled)`.
     virtual void cancel(const RequestId& request) = 0;
 };
 
