@@ -15,6 +15,7 @@ void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_moe(bench);
 #ifdef FERRY_HAVE_SERVE
     register_bench_serve(bench);
+    register_bench_relay(bench);
     register_serve(app);
 #endif
 }

@@ -11,6 +11,7 @@ void register_bench_gpu(CLI::App& bench);
 void register_bench_kv(CLI::App& bench);
 void register_bench_moe(CLI::App& bench);
 void register_bench_serve(CLI::App& bench);
+void register_bench_relay(CLI::App& bench);
 void register_serve(CLI::App& app);
 
 // Exit status set by the subcommand that ran.

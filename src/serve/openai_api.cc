@@ -154,6 +154,60 @@ Result<CompletionRequest> parse_completion_json(const json& j) {
     return r;
 }
 
+namespace {
+
+// True for a non-empty array of token ids in plain notation ([1, 22, 333]), the prompt clients
+// send, checked here without building anything. Other forms (negative or out-of-range ids, -0,
+// exponents, empty, malformed) return false and take the full check, which names the problem.
+bool is_plain_token_array(std::string_view text) {
+    size_t i = 1, n = text.size();
+    auto skip_ws = [&] {
+        while (i < n && (text[i] == ' ' || text[i] == '\t' || text[i] == '\n' || text[i] == '\r'))
+            ++i;
+    };
+    if (n < 3 || text[0] != '[') return false;
+    while (true) {
+        skip_ws();
+        size_t start = i;
+        while (i < n && unsigned(text[i] - '0') < 10) ++i;
+        std::string_view id = text.substr(start, i - start);
+        if (id.empty() || id.size() > 10 || (id[0] == '0' && id.size() > 1) ||
+            (id.size() == 10 && id > "2147483647"))
+            return false;
+        skip_ws();
+        if (i < n && text[i] == ',') {
+            ++i;
+            continue;
+        }
+        return i + 1 == n && text[i] == ']';
+    }
+}
+
+}  // namespace
+
+Result<CompletionRelayBody> scan_completion_request(std::string_view body) {
+    auto object = scan_json_object(body);
+    if (!object.ok()) {
+        // The full parser names the problem as the engines do ("not valid JSON", "must be a
+        // JSON object"); it is cheap here, as it stops at the first error.
+        Status full = parse_completion_request(body).status();
+        return full.ok() ? object.status() : full;
+    }
+    json head = json::object();
+    for (const JsonMember& m : object->members) {
+        if (m.key == "prompt" && is_plain_token_array(m.value)) {
+            head["prompt"] = json::array({0});  // stands in for the ids just checked
+            continue;
+        }
+        json value = parse_json_value(m.value);
+        if (value.is_discarded())
+            return invalid_argument(fmt::format("request body is not valid JSON (in '{}')", m.key));
+        head[m.key] = std::move(value);
+    }
+    FERRY_ASSIGN_OR_RETURN(CompletionRequest checked, parse_completion_json(head));
+    return CompletionRelayBody{std::move(object).value(), checked.stream};
+}
+
 json timing_to_json(const RequestTiming& t) {
     // A push decode leg first waits for prefill to schedule its transfer, then for blocks.
     bool remote = t.remote_scheduled != TimePoint{};

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 namespace ferry::serve {
 namespace {
 
@@ -88,6 +90,122 @@ TEST(OpenAiApi, ErrorStatusesMapToHttpCodes) {
     EXPECT_EQ(e["error"]["code"], 400);
     EXPECT_NE(e["error"]["message"].get<std::string>().find("'prompt' is empty"),
               std::string::npos);
+}
+
+// ---- the router's check of /v1/completions bodies ----------------------------------------------
+
+// The relay check must accept exactly what the engines' full parse accepts, with its message.
+void expect_same_verdict(const std::string& body) {
+    auto full = parse_completion_request(body);
+    auto relay = scan_completion_request(body);
+    ASSERT_EQ(relay.ok(), full.ok()) << body << "\n full: " << full.status().to_string()
+                                     << "\n relay: " << relay.status().to_string();
+    if (full.ok()) {
+        EXPECT_EQ(relay->stream, full->stream) << body;
+    } else {
+        EXPECT_EQ(relay.status().code(), StatusCode::kInvalidArgument) << body;
+        // The same message; the relay may add where it found the problem.
+        EXPECT_TRUE(relay.status().message().starts_with(full.status().message()))
+            << body << "\n full: " << full.status().message()
+            << "\n relay: " << relay.status().message();
+    }
+}
+
+TEST(CompletionRelay, TokenAndTextPromptsPassWithTheirStreamFlag) {
+    auto a = scan_completion_request(R"({"prompt": [5, 0, 2147483647], "stream": true})");
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    EXPECT_TRUE(a->stream);
+    EXPECT_EQ(a->object.find("prompt")->value, "[5, 0, 2147483647]");
+    auto b = scan_completion_request(R"({"prompt": "hi \"there\"", "max_tokens": 3})");
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_FALSE(b->stream);
+}
+
+TEST(CompletionRelay, InvalidBodiesGetTheEnginesMessages) {
+    const std::pair<std::string, std::string> cases[] = {
+        {"not json", "not valid JSON"},
+        {"[1, 2]", "JSON object"},
+        {R"({"max_tokens": 3})", "'prompt' is required"},
+        {R"({"prompt": 3})", "'prompt' must be a string or an array of token ids"},
+        {R"({"prompt": []})", "'prompt' is empty"},
+        {R"({"prompt": [1, -2]})", "'prompt' has a negative token id"},
+        {R"({"prompt": [1, 2147483648]})", "'prompt'"},
+        {R"({"prompt": [1, 2.5]})", "'prompt' must be a string or an array of token ids"},
+        {R"({"prompt": [1, "a"]})", "'prompt' must be a string or an array of token ids"},
+        {R"({"prompt": [[1], [2]]})", "one prompt per request"},
+        {R"({"prompt": [1, 2,]})", "not valid JSON"},
+        {R"({"prompt": [01]})", "not valid JSON"},
+        {R"({"prompt": [1 2]})", "not valid JSON"},
+        {R"({"prompt": [1], "max_tokens": 0})", "'max_tokens'"},
+        {R"({"prompt": [1], "max_tokens": tru})", "not valid JSON (in 'max_tokens')"},
+        {R"({"prompt": [1], "stream": "yes"})", "'stream'"},
+        {R"({"prompt": [1], "kv_transfer_params": {"remote_block_ids": [-1]}})",
+         "kv_transfer_params.remote_block_ids"},
+        {R"({"prompt": [1], "kv_transfer_params": {"a": }})", "not valid JSON"},
+    };
+    for (const auto& [body, words] : cases) {
+        auto r = scan_completion_request(body);
+        ASSERT_FALSE(r.ok()) << body;
+        EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << body;
+        EXPECT_NE(r.status().message().find(words), std::string::npos)
+            << body << " -> " << r.status().message();
+        expect_same_verdict(body);
+    }
+}
+
+TEST(CompletionRelay, UnusualButValidTokenIdsTakeTheFullCheck) {
+    for (const char* body :
+         {R"({"prompt": [-0, 1]})", R"({"prompt":[ 7 ]})", R"({"prompt": [1], "prompt": [2]})",
+          R"({"prompt": 3, "prompt": [2]})", "{\"prompt\":\n[1,\r\n2\t]}"})
+        expect_same_verdict(body);
+}
+
+// Bodies broken at random places: whatever the damage, the relay and the full parse agree.
+TEST(CompletionRelay, RandomlyDamagedBodiesGetTheSameVerdictAsTheFullParse) {
+    uint64_t seed = std::random_device{}();
+    std::mt19937_64 rng(seed);
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const std::string bases[] = {
+        R"({"model": "m", "prompt": [12, 7, 300, 0, 99], "max_tokens": 4, "stream": true})",
+        R"({"prompt": "a \"text\" [prompt]", "max_tokens": 2, "n": 1})",
+        R"({"prompt": [1, 2], "kv_transfer_params": {"do_remote_prefill": true,
+            "remote_block_ids": [3, 4], "remote_port": 8100, "transfer_id": "x-1"}})",
+    };
+    const std::string alphabet = "{}[]\",:0123456789-. \\ntruefalse";
+    for (int round = 0; round < 3000; ++round) {
+        std::string body = bases[rng() % 3];
+        for (int edits = 1 + int(rng() % 2); edits > 0; --edits) {
+            size_t at = rng() % body.size();
+            char c = alphabet[rng() % alphabet.size()];
+            switch (rng() % 3) {
+                case 0:
+                    body.erase(at, 1);
+                    break;
+                case 1:
+                    body.insert(body.begin() + long(at), c);
+                    break;
+                default:
+                    body[at] = c;
+            }
+        }
+        expect_same_verdict(body);
+        if (::testing::Test::HasFailure()) break;
+    }
+}
+
+TEST(CompletionRelay, A16kTokenPromptIsRelayedByteForByte) {
+    std::mt19937_64 rng(1);
+    json prompt = json::array();
+    for (int i = 0; i < 16384; ++i) prompt.push_back(int(rng() % 151936));
+    std::string body = json{{"prompt", prompt}, {"max_tokens", 128}, {"stream", true}}.dump();
+    auto r = scan_completion_request(body);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    std::string leg = r->object.with({{"max_tokens", 1}, {"stream", false}});
+    EXPECT_NE(leg.find(prompt.dump()), std::string::npos);
+    auto parsed = parse_completion_request(leg);
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(parsed->gen.prompt, prompt.get<std::vector<int32_t>>());
+    EXPECT_EQ(parsed->gen.max_tokens, 1u);
 }
 
 }  // namespace

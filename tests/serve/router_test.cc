@@ -144,6 +144,27 @@ TEST(Router, NonStreamedRequestInPush) {
     EXPECT_EQ(ids, expected_tokens(c.decode[0].engine->kv_slice(), prompt, 5));
 }
 
+TEST(Router, RelaysTheClientsFieldsAndReplacesItsTransferParameters) {
+    Cluster c(1, 1, KvLinkMode::kPush);
+    // A text prompt, fields the router does not know, and transfer parameters of the client's
+    // own that would send the legs astray if they reached an engine.
+    std::string text = "a \"quoted\" [prompt] {with} brackets";
+    json body = {{"prompt", text},
+                 {"max_tokens", 4},
+                 {"stream", true},
+                 {"temperature", 0},
+                 {"ignore_eos", true},
+                 {"kv_transfer_params",
+                  {{"do_remote_decode", true},
+                   {"remote_block_ids", {1, 2, 3}},
+                   {"transfer_id", "client-chosen"}}}};
+    Streamed s = stream(c.router->port(), body);
+    ASSERT_EQ(s.status, 200) << s.raw;
+    EXPECT_EQ(s.tokens, expected_tokens(c.decode[0].engine->kv_slice(), tokenize(text), 4));
+    EXPECT_TRUE(s.final_event["ferry_timing"].contains("router_overhead_ms"));
+    EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
+}
+
 TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
     Cluster c(2, 2, KvLinkMode::kPush);
     for (int i = 0; i < 4; ++i) {
