@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         s_n = n;
     }
     for (uint32_t i = tid; i < a.num_experts; i += blockDim.x) a.expert_counts[i] = 0;
+    if (tid < w) s_hits_to[tid] = 0;
     __syncthreads();
     const uint32_t n = s_n, seq = s_seq;
     for (uint32_t t = tid; t < n; t += blockDim.x) {
@@ -80,11 +81,10 @@ __global__ void __launch_bounds__(kPlanThreads)
             a.rows_to[d] = carry;
         }
     }
-    if (tid < w) {
-        uint32_t hits = 0;
-        for (uint32_t e = 0; e < nl; ++e) hits += a.expert_counts[tid * nl + e];
-        s_hits_to[tid] = hits;
-    }
+    // Hits per destination: one thread per expert (a loop over a destination's experts in one
+    // thread was a chain of L2 round trips, 128 at EP2).
+    for (uint32_t i = tid; i < a.num_experts; i += blockDim.x)
+        atomicAdd(&s_hits_to[i / nl], a.expert_counts[i]);
     __syncthreads();
 
     // Counts message to every rank (the CountsFormat words; no combine base: results come
