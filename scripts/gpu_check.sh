@@ -60,6 +60,17 @@ fi
 log "bench gpu"
 $build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
+# KV push and pull between the GPUs (prefill's pool on GPU 0, decode's on GPU 1; the same GPU
+# when there is one), Qwen3-32B's per-rank shape at TP 8.
+kv="--gpu --layers 64 --kv-heads 1 --head-dim 128 --block-size 16 --iters 10"
+log "bench kv --gpu"
+timeout 120 $build/ferry bench kv $kv --mode push --tokens 1024,4096,16384 \
+  --json "$out/bench_kv_gpu_push.json" 2>&1 | tail -5 | tee "$out/bench_kv_gpu.txt" || status=1
+timeout 120 $build/ferry bench kv $kv --mode push --tokens 16384 --random-blocks 2>&1 | tail -1 \
+  | tee -a "$out/bench_kv_gpu.txt" || status=1
+timeout 120 $build/ferry bench kv $kv --mode pull --tokens 16384 2>&1 | tail -1 \
+  | tee -a "$out/bench_kv_gpu.txt" || status=1
+
 # MoE all-to-all on the GPUs (FERRY_GPU_MOE=1): ferry's kernels at the decode and prefill
 # shapes, then NCCL all_to_all_single on the same bytes, in the same run.
 if [ -n "${FERRY_GPU_MOE:-}" ]; then

@@ -395,7 +395,9 @@ std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
         "TP {}->{}, {} blocks, {} iterations\n",
         r.provider, c.layers, c.kv_heads, c.head_dim, c.elem_size, c.block_size, c.tp_prefill,
         c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters);
-    s += fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
+    s += c.gpu ? fmt::format("GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync, 256 MiB): {:.2f} GB/s\n",
+                             r.ceiling_gbps)
+               : fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
     s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10} {:>10}\n",
                      "mode", "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil",
                      "caller us", "caller p99", "caller cpu");

@@ -58,7 +58,9 @@ struct KvBenchRow {
 
 struct KvBenchReport {
     std::string provider;
-    double ceiling_gbps = 0;  // raw fi_write loop, 1 MiB writes, same provider, same run
+    // Same run: a raw fi_write loop of 1 MiB writes on the provider, or with --gpu the plain
+    // GPU-to-GPU copy.
+    double ceiling_gbps = 0;
     std::vector<KvBenchRow> rows;
 };
 
