@@ -76,10 +76,10 @@ class CudaTransport final : public GpuTransport {
         cudaEvent_t event;
         PinnedBuffer buf;
         std::vector<std::function<void(const Status&)>> done;
+        uint64_t bytes = 0;  // of every job launched together (sizes the copy chunks)
         // For FERRY_GPU_TRACE: what went out together and when.
         TimePoint first_submitted, launch_begin, launch_end;
         size_t copies = 0;
-        uint64_t bytes = 0;
     };
     void trace_completion(const InFlight& f) const;
     void run();
