@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <mutex>
 #include <numeric>
 #include <thread>
@@ -414,6 +415,7 @@ struct LayeredConsumer : KvConsumer {
     Engine* engine = nullptr;
     std::vector<int32_t> prompt;
     std::thread writer;
+    std::atomic<int64_t> arrived_ns{0};  // when `arrived` was called, steady clock
     ~LayeredConsumer() override {
         if (writer.joinable()) writer.join();
     }
@@ -433,6 +435,7 @@ struct LayeredConsumer : KvConsumer {
                          .status();
                 if (l + 2 < slice.shape.layers) progress(KvReady{chunk, n, l + 2});
             }
+            arrived_ns = Clock::now().time_since_epoch().count();
             arrived(st);
         });
         return ok_status();
@@ -440,22 +443,53 @@ struct LayeredConsumer : KvConsumer {
     void cancel(const RequestId&) override {}
 };
 
+// A decode engine fed by a LayeredConsumer.
+struct LayeredDecode {
+    LayeredConsumer consumer;
+    std::unique_ptr<Engine> engine;
+    LayeredDecode(const CostModel& cost, double time_scale, int32_t seed) {
+        engine = make_engine({.engine_id = "d", .num_blocks = 64, .time_scale = time_scale}, cost);
+        consumer.engine = engine.get();
+        consumer.prompt = prompt_of(LayeredSetup::kPrompt, seed);
+        engine->attach_connector(nullptr, &consumer);
+        EXPECT_TRUE(engine->start().ok());
+    }
+    std::shared_ptr<RequestHandle> submit_leg(size_t max_tokens) {
+        GenerateRequest r{.prompt = consumer.prompt, .max_tokens = max_tokens};
+        r.kv.do_remote_prefill = true;
+        r.kv.transfer_id = "t-layered";
+        return engine->submit(r).value();
+    }
+};
+
 TEST(Engine, DecodeDigestsALastChunkPushedLayerByLayerIntoTheVerifiedTokens) {
     LayeredSetup setup(milliseconds(10));
-    LayeredConsumer consumer;
-    auto e = make_engine({.engine_id = "d", .num_blocks = 64}, setup.cost);
-    consumer.engine = e.get();
-    consumer.prompt = prompt_of(LayeredSetup::kPrompt, 4);
-    e->attach_connector(nullptr, &consumer);
-    ASSERT_TRUE(e->start().ok());
-    GenerateRequest r{.prompt = consumer.prompt, .max_tokens = 6};
-    r.kv.do_remote_prefill = true;
-    r.kv.transfer_id = "t-layered";
-    auto h = e->submit(r).value();
+    LayeredDecode d(setup.cost, 1.0, 4);
+    Collected c = collect(*d.submit_leg(6));
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    EXPECT_EQ(c.tokens, expected_tokens(d.engine->kv_slice(), d.consumer.prompt, 6));
+    EXPECT_TRUE(eventually([&] { return d.engine->stats().blocks_free == 64; }));
+}
+
+// KV that lands while the engine runs a decode step for others is taken (and digested) then,
+// not at the step's end: ferry_timing's kv_ready is when it came.
+TEST(Engine, DecodeLegsKvIsTakenWhileADecodeStepForOthersRuns) {
+    LayeredSetup setup(milliseconds(10));
+    std::vector<int> one_seq = {200};
+    double scale = 0.15 / setup.cost.decode_seconds(one_seq);  // decode steps of ~150 ms
+    LayeredDecode d(setup.cost, scale, 5);
+    // A local request keeps the engine in decode steps.
+    auto busy = d.engine->submit({.prompt = prompt_of(40, 6), .max_tokens = 8}).value();
+    ASSERT_TRUE(eventually([&] { return d.engine->stats().decode_steps > 0; }));
+    auto h = d.submit_leg(2);
     Collected c = collect(*h);
     ASSERT_TRUE(c.status.ok()) << c.status.to_string();
-    EXPECT_EQ(c.tokens, expected_tokens(e->kv_slice(), consumer.prompt, 6));
-    EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+    EXPECT_EQ(c.tokens, expected_tokens(d.engine->kv_slice(), d.consumer.prompt, 2));
+    TimePoint arrived{Duration(d.consumer.arrived_ns.load())};
+    // The writes take ~20 ms from the leg's admission at a step boundary: at the step's end
+    // the arrival would be taken ~130 ms late.
+    EXPECT_LT(to_ms(h->timing().kv_ready - arrived), 50.0);
+    collect(*busy);
 }
 
 TEST(Engine, MetricsTextHasTheSeriesOperatorsLookFor) {

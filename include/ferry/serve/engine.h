@@ -153,10 +153,13 @@ class Engine {
   private:
     struct Seq;
     struct Inbox;
+    enum class InboxKind;
+    struct InboxEvent;
     Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool);
 
     void loop();
     void drain_inbox();
+    void handle(InboxEvent& e);
     struct StepChunk {
         Seq* seq;
         size_t tokens;
