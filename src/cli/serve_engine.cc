@@ -284,8 +284,10 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
 }  // namespace
 
 constexpr size_t kDefaultPrefillChunk = 512;
-// Eight groups leave an eighth of the last chunk's copy and digest exposed (about 1.1 of the
-// 9 ms a whole 512-token chunk took over shm), for 7 more segments per request.
+// Eight groups leave an eighth of the last chunk's bytes to copy after its step (2 of 16 MiB
+// at Qwen3-32B TP 8; `bench kv` over shm on the dev machine: 0.7 against 4.2 ms), for 7 more
+// segments per request. In the 2-core serving sweep the gain was smaller, as the copies queue
+// behind earlier chunks' (BENCHMARKS.md).
 constexpr int kDefaultPushLayerGroups = 8;
 
 void register_serve(CLI::App& app) {
