@@ -63,6 +63,10 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "chunked prefill: prompt tokens per prefill step (0: whole prompts); push "
                     "sends each chunk's KV while the next computes")
         ->capture_default_str();
+    cmd->add_option("--push-layer-groups", f.engine.push_layer_groups,
+                    "push: the last chunk's KV goes out in this many layer groups as they are "
+                    "computed (1: whole, after the step)")
+        ->capture_default_str();
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
         ->capture_default_str();
     cmd->add_option("--block-size", f.engine.block_size, "tokens per KV block")
@@ -280,6 +284,11 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
 }  // namespace
 
 constexpr size_t kDefaultPrefillChunk = 512;
+// Eight groups leave an eighth of the last chunk's bytes to copy after its step (2 of 16 MiB
+// at Qwen3-32B TP 8; `bench kv` over shm on the dev machine: 0.7 against 4.2 ms), for 7 more
+// segments per request. In the 2-core serving sweep the gain was smaller, as the copies queue
+// behind earlier chunks' (BENCHMARKS.md).
+constexpr int kDefaultPushLayerGroups = 8;
 
 void register_serve(CLI::App& app) {
     auto* serve = app.add_subcommand("serve", "disaggregated serving processes");
@@ -289,8 +298,10 @@ void register_serve(CLI::App& app) {
         flags->port = port;
         // Push overlaps each chunk's KV transfer with the next chunk's compute; the chunk
         // size trades the exposed last chunk against per-step costs (BENCHMARKS.md).
-        if (std::string(role) == "prefill")
+        if (std::string(role) == "prefill") {
             flags->engine.prefill_chunk_tokens = kDefaultPrefillChunk;
+            flags->engine.push_layer_groups = kDefaultPushLayerGroups;
+        }
         auto* cmd = serve->add_subcommand(role, fmt::format("run a {} engine", role));
         add_engine_flags(cmd, *flags);
         cmd->add_option("--kv-mode", flags->kv_mode,

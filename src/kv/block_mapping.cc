@@ -129,6 +129,11 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
         return invalid_argument(
             fmt::format("token range [{}, {}) is reversed", spec.first_token, spec.end_token));
     }
+    const uint32_t layer_end = spec.end_layer == 0 ? sl.num_layers : spec.end_layer;
+    if (spec.first_layer >= layer_end || layer_end > sl.num_layers) {
+        return invalid_argument(fmt::format("layer range [{}, {}) is not inside the {} layers",
+                                            spec.first_layer, layer_end, sl.num_layers));
+    }
     TransferPlan plan;
     if (spec.first_token == spec.end_token) return plan;
     FERRY_RETURN_IF_ERROR(check_blocks(
@@ -200,7 +205,7 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
     bool joint = sl.placement == KvPlacement::kJoint && dl.placement == KvPlacement::kJoint;
     if (block_major) {
         for (const Span& s : spans) {
-            for (uint32_t layer = 0; layer < sl.num_layers; ++layer) {
+            for (uint32_t layer = spec.first_layer; layer < layer_end; ++layer) {
                 emit_span(layer, KvPart::kK, s);
                 emit_span(layer, KvPart::kV, s);
             }
@@ -222,9 +227,9 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
     // plan of 64 layers took 1.8 ms, longer than its copy over NVLink, 2026-12-01). The shifted
     // runs still go through the coalescer, which joins a layer's last run to the next one's
     // first where they touch.
-    plan.runs.reserve(first.runs.size() * sl.num_layers);
+    plan.runs.reserve(first.runs.size() * (layer_end - spec.first_layer));
     Coalescer all(&plan);
-    for (uint32_t layer = 0; layer < sl.num_layers; ++layer) {
+    for (uint32_t layer = spec.first_layer; layer < layer_end; ++layer) {
         const uint64_t ds = sl.slab_offset(layer, KvPart::kK, 0) - sl.slab_offset(0, KvPart::kK, 0);
         const uint64_t dd = dl.slab_offset(layer, KvPart::kK, 0) - dl.slab_offset(0, KvPart::kK, 0);
         for (const ByteRun& r : first.runs) all.add(r.src_offset + ds, r.dst_offset + dd, r.length);

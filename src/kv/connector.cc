@@ -175,8 +175,13 @@ class KvConnector::Impl {
         return post([this, id] { on_prefill_scheduled(id); });
     }
 
-    Status prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
-        FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, ready));
+    Status prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvFrontier ready) {
+        if (ready.has_partial() && ready.partial_layers >= cfg_.self.layout.num_layers)
+            return invalid_argument(fmt::format("{} layers of a chunk ready, the model has {}",
+                                                ready.partial_layers, cfg_.self.layout.num_layers));
+        if (!ready.has_partial()) ready.partial_end = ready.partial_layers = 0;
+        FERRY_RETURN_IF_ERROR(
+            check_blocks(cfg_.self.layout, blocks, std::max(ready.tokens, ready.partial_end)));
         return post([this, id, b = std::move(blocks), ready]() mutable {
             on_prefill_progress(id, std::move(b), ready);
         });
@@ -257,7 +262,7 @@ class KvConnector::Impl {
     struct SendJob {
         RegisterMsg reg;
         PeerId peer = 0;
-        uint32_t sent_tokens = 0;                // tokens [0, sent_tokens) are posted
+        KvFrontier sent;                         // what segments posted so far cover
         uint32_t segments = 0;                   // segments posted
         uint32_t in_flight = 0;                  // segments with writes not yet complete
         std::map<uint32_t, SegmentMsg> pending;  // by index, sent once its writes completed
@@ -279,7 +284,7 @@ class KvConnector::Impl {
         bool have_prefill = false;
         bool scheduled = false;
         std::vector<uint32_t> blocks;
-        uint32_t ready = 0;                // tokens whose KV is final (progress or done)
+        KvFrontier ready;                  // KV that is final (progress or done)
         uint32_t tokens = 0;               // the prompt's tokens, known at prefill_done
         std::map<JobKey, Intent> intents;  // decode ranks waiting for SCHEDULED
         bool have_attempt = false;
@@ -305,6 +310,8 @@ class KvConnector::Impl {
         uint32_t counted = 0;                 // segments whose writes all arrived
         std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
         uint32_t prefix = 0;                  // tokens [0, prefix) landed
+        // Chunks sent layer by layer, by token range: which layers landed.
+        std::map<std::pair<uint32_t, uint32_t>, std::vector<bool>> layers_landed;
     };
     struct Consumer {
         std::vector<Slot> slots;
@@ -313,7 +320,7 @@ class KvConnector::Impl {
         Status error;
         uint64_t bytes = 0;
         uint32_t writes = 0;
-        uint32_t progress = 0;  // last prefix reported through on_recv_progress
+        KvFrontier progress;  // last reported through on_recv_progress
     };
     // Decode side before registration: the prefill ranks asked to say SCHEDULED.
     struct Announce {
@@ -526,7 +533,7 @@ class KvConnector::Impl {
         mark_scheduled(id, p);
     }
 
-    void on_prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
+    void on_prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvFrontier ready) {
         auto [it, fresh] = producers_.try_emplace(id);
         Producer& p = it->second;
         if (p.have_prefill || p.tombstone || !p.failure.ok()) {
@@ -534,7 +541,8 @@ class KvConnector::Impl {
                 "transfer {:x}: prefill_progress after prefill_done or a failure; ignored", id);
             return;
         }
-        if (ready <= p.ready) return;
+        KvPiece ahead;
+        if (!next_piece(p.ready, ready, cfg_.self.layout.num_layers, &ahead)) return;
         p.blocks = std::move(blocks);
         p.ready = ready;
         p.deadline = Clock::now() + cfg_.lease;
@@ -557,7 +565,7 @@ class KvConnector::Impl {
         p.have_prefill = true;
         p.blocks = std::move(blocks);
         p.tokens = tokens;
-        p.ready = tokens;
+        p.ready = KvFrontier{tokens};
         // The lease counts from when the blocks are held.
         p.deadline = Clock::now() + cfg_.lease;
         active_send_.fetch_add(1);
@@ -601,37 +609,50 @@ class KvConnector::Impl {
     // is complete and every segment drained.
     void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
         if (job.cancelled || job.resolved || !job.error.ok()) return;
-        if (p.ready > job.sent_tokens) {
-            // The last immediate of the span takes everything left, so only at prefill_done.
-            bool last_imm = job.segments + 1 >= job.reg.imm_span;
-            if (!last_imm || p.have_prefill) {
-                Status posted = post_segment(id, p, key, job);
-                if (!posted.ok()) return fail_job(id, p, key, job, posted);
-            }
+        const uint32_t layers = cfg_.self.layout.num_layers;
+        KvPiece piece;
+        while (next_piece(job.sent, p.ready, layers, &piece)) {
+            // Immediates prefill_done may still need are kept for it: one for the tokens left,
+            // and one more for the rest of a chunk sent layer by layer.
+            uint32_t keep = 1 + (add_piece(job.sent, piece, layers).has_partial() ? 1 : 0);
+            if (job.segments + 1 + keep > job.reg.imm_span && !p.have_prefill) break;
+            Status posted = post_segment(id, p, key, job, piece);
+            if (!posted.ok()) return fail_job(id, p, key, job, posted);
         }
-        if (p.have_prefill && job.sent_tokens == p.tokens && job.in_flight == 0) {
+        if (p.have_prefill && job.sent == KvFrontier{p.tokens} && job.in_flight == 0) {
             send(job.peer,
                  FinalMsg{id, key.first, cfg_.self.tp_rank, job.writes, job.bytes, job.segments});
             job.resolved = true;
         }
     }
 
-    Status post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+    Status post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job, const KvPiece& piece) {
         const RegisterMsg& reg = job.reg;
+        const uint32_t layers = cfg_.self.layout.num_layers;
         uint32_t total = p.have_prefill ? p.tokens : reg.num_tokens;
-        if (p.ready > reg.num_tokens || total != reg.num_tokens) {
+        uint32_t computed = std::max(p.ready.tokens, p.ready.partial_end);
+        if (computed > reg.num_tokens || total != reg.num_tokens) {
             return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
                                                 reg.num_tokens,
-                                                p.have_prefill ? p.tokens : p.ready));
+                                                p.have_prefill ? p.tokens : computed));
         }
-        auto plan =
-            plan_transfer({cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp},
-                           reg.blocks, job.sent_tokens, p.ready});
+        auto plan = plan_transfer(
+            {cfg_.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
+             piece.first_token, piece.end_token, piece.first_layer, piece.end_layer});
         if (!plan.ok()) return plan.status();
         uint32_t index = job.segments++;
-        SegmentMsg seg{id,      key.first, cfg_.self.tp_rank, index, job.sent_tokens,
-                       p.ready, 0,         plan->bytes};
-        job.sent_tokens = p.ready;
+        bool whole = piece.first_layer == 0 && piece.end_layer == layers;
+        SegmentMsg seg{id,
+                       key.first,
+                       cfg_.self.tp_rank,
+                       index,
+                       piece.first_token,
+                       piece.end_token,
+                       0,
+                       plan->bytes,
+                       whole ? 0 : piece.first_layer,
+                       whole ? 0 : piece.end_layer};
+        job.sent = add_piece(job.sent, piece, layers);
         job.in_flight++;
         auto flight = new_flight(
             [this, id, key, index](const Status& s) { on_segment_drained(id, key, index, s); });
@@ -1028,21 +1049,58 @@ class KvConnector::Impl {
                                                          m.writes, m.index, rank)));
         }
         s->counted++;
-        s->landed[m.first_token] = m.end_token;
+        const uint32_t layers = cfg_.self.layout.num_layers;
+        if (m.end_layer == 0 || (m.first_layer == 0 && m.end_layer >= layers)) {
+            s->landed[m.first_token] = m.end_token;
+        } else {
+            auto range = std::make_pair(m.first_token, m.end_token);
+            std::vector<bool>& got = s->layers_landed[range];
+            got.resize(layers);
+            for (uint32_t l = m.first_layer; l < std::min(m.end_layer, layers); ++l) got[l] = true;
+            if (std::find(got.begin(), got.end(), false) == got.end()) {
+                s->layers_landed.erase(range);
+                s->landed[m.first_token] = m.end_token;
+            }
+        }
         for (auto l = s->landed.find(s->prefix); l != s->landed.end();
              l = s->landed.find(s->prefix)) {
             s->prefix = std::max(s->prefix, l->second);
             s->landed.erase(l);
         }
         Consumer& c = it->second;
-        uint32_t prefix = UINT32_MAX;
-        for (const Slot& other : c.slots) prefix = std::min(prefix, other.prefix);
-        if (prefix > c.progress && !c.cancelling) {
-            c.progress = prefix;
-            if (cb_.on_recv_progress) cb_.on_recv_progress({key.first, key.second, prefix});
+        KvFrontier now = landed_frontier(c);
+        KvPiece ahead;
+        if (!c.cancelling && next_piece(c.progress, now, layers, &ahead)) {
+            c.progress = now;
+            if (cb_.on_recv_progress)
+                cb_.on_recv_progress(
+                    {key.first, key.second, now.tokens, now.partial_end, now.partial_layers});
         }
         if (s->have_final && s->counted == s->final_segments) s->state = SlotState::kComplete;
         check_consumer(it);
+    }
+
+    // What landed on every producer's slot: whole tokens up to the smallest prefix, and the
+    // layers every slot holds of the chunk after it (conservative where slots differ).
+    KvFrontier landed_frontier(const Consumer& c) const {
+        const uint32_t layers = cfg_.self.layout.num_layers;
+        uint32_t tokens = UINT32_MAX;
+        for (const Slot& s : c.slots) tokens = std::min(tokens, s.prefix);
+        uint32_t end = UINT32_MAX, got = layers;
+        for (const Slot& s : c.slots) {
+            if (s.prefix > tokens) {
+                end = std::min(end, s.prefix);
+                continue;
+            }
+            auto l = s.layers_landed.lower_bound({s.prefix, 0});
+            if (l == s.layers_landed.end() || l->first.first != s.prefix) return {tokens};
+            uint32_t n = 0;
+            while (n < layers && l->second[n]) ++n;
+            end = std::min(end, l->first.second);
+            got = std::min(got, n);
+        }
+        if (got == 0 || got >= layers || end == UINT32_MAX) return {tokens};
+        return {tokens, end, got};
     }
 
     void fail_slot(std::map<ConsumerKey, Consumer>::iterator it, Slot& s, const Status& why) {
@@ -1405,6 +1463,9 @@ Status KvConnector::announce(uint64_t id, uint32_t attempt, std::vector<EngineAd
 }
 Status KvConnector::prefill_scheduled(uint64_t id) { return impl_->prefill_scheduled(id); }
 Status KvConnector::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {
+    return impl_->prefill_progress(id, std::move(blocks), KvFrontier{ready});
+}
+Status KvConnector::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvFrontier ready) {
     return impl_->prefill_progress(id, std::move(blocks), ready);
 }
 Status KvConnector::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {

@@ -118,6 +118,8 @@ void encode_body(ByteWriter& w, const SegmentMsg& m) {
     w.put(m.end_token);
     w.put(m.writes);
     w.put(m.bytes);
+    w.put(m.first_layer);
+    w.put(m.end_layer);
 }
 
 Status decode_body(ByteReader& r, SegmentMsg* m) {
@@ -137,6 +139,13 @@ Status decode_body(ByteReader& r, SegmentMsg* m) {
     }
     FERRY_RETURN_IF_ERROR(r.get(&m->writes, "writes"));
     FERRY_RETURN_IF_ERROR(r.get(&m->bytes, "bytes"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->first_layer, "first_layer"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->end_layer, "end_layer"));
+    if (m->end_layer == 0 ? m->first_layer != 0 : m->first_layer >= m->end_layer) {
+        return protocol_error(fmt::format(
+            "field 'end_layer' = {} does not close a layer range from 'first_layer' = {}",
+            m->end_layer, m->first_layer));
+    }
     return ok_status();
 }
 

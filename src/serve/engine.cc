@@ -5,8 +5,17 @@
 #include <algorithm>
 
 #include "ferry/common/log.h"
+#include "ferry/kv/kv_frontier.h"
 
 namespace ferry::serve {
+
+namespace {
+
+kv::KvFrontier to_frontier(const KvReady& r) {
+    return {uint32_t(r.tokens), uint32_t(r.partial_end), uint32_t(std::max(r.partial_layers, 0))};
+}
+
+}  // namespace
 
 // ---- RequestHandle -----------------------------------------------------------------------------
 
@@ -82,7 +91,11 @@ struct Engine::Seq {
     bool remote_told = false;  // prefill leg: the producer heard on_prefill_scheduled
     // Decode leg.
     TimePoint wait_deadline{};    // for the prefill engine to schedule the transfer (push)
-    size_t kv_landed = 0;         // prefix the connector reported in place
+    KvReady kv_landed;            // what the connector reported in place
+    // Of the chunk [computed, digested_end) after `computed`: layers [0, digested_layers) are
+    // digested (a chunk pushed layer by layer).
+    size_t digested_end = 0;
+    int digested_layers = 0;
     bool kv_closed = false;       // the connector gave the blocks back (`arrived` came)
     bool digest_running = false;  // a digest job reads the blocks
 
@@ -94,32 +107,37 @@ struct Engine::Seq {
     }
 };
 
+enum class Engine::InboxKind {
+    kNew,
+    kCancel,
+    kCancelTransfer,
+    kScheduled,
+    kKvProgress,
+    kKvArrived,
+    kReleased,
+    kDigested
+};
+
+struct Engine::InboxEvent {
+    InboxKind kind = InboxKind::kNew;
+    RequestId id{};
+    Status status{};
+    std::unique_ptr<Seq> seq{};
+    KvReady ready{};     // kKvProgress: in place; kDigested: digested up to
+    uint64_t terms = 0;  // kDigested: digest terms of the pieces
+};
+
 // Events reach the loop through here. Shared with connector callbacks, so a callback that fires
 // after the engine is gone finds a closed inbox instead of a dangling engine.
 struct Engine::Inbox {
-    enum class Kind {
-        kNew,
-        kCancel,
-        kCancelTransfer,
-        kScheduled,
-        kKvProgress,
-        kKvArrived,
-        kReleased,
-        kDigested
-    };
-    struct Event {
-        Kind kind = Kind::kNew;
-        RequestId id{};
-        Status status{};
-        std::unique_ptr<Seq> seq{};
-        size_t tokens = 0;   // kKvProgress: prefix in place; kDigested: digested up to
-        uint64_t terms = 0;  // kDigested: digest terms of the range
-    };
-    // Digest of prompt positions [first, end) of a decode leg's blocks.
+    using Kind = InboxKind;
+    using Event = InboxEvent;
+    // Digest of pieces (prompt positions x layers) of a decode leg's blocks.
     struct DigestJob {
         RequestId id;
         std::vector<BlockId> blocks;
-        size_t first = 0, end = 0;
+        std::vector<kv::KvPiece> pieces;
+        KvReady upto;  // digested once the pieces are
     };
 
     std::mutex mu;
@@ -255,9 +273,35 @@ void Engine::finish(Seq& seq, Status status, KvTransferParams kv_out) {
 }
 
 bool Engine::sleep_until(TimePoint t) {
-    std::unique_lock lock(inbox_->mu);
-    inbox_->cv.wait_until(lock, t, [&] { return !running_; });
-    return running_;
+    // A decode leg's KV that lands while a step runs is digested meanwhile, and its arrival
+    // taken when it comes: waiting for the step's end cost up to a step (3.7 ms) per hand-off
+    // between the connector, this loop and the digest thread. Those events touch only legs
+    // waiting for KV, never the batch of the running step; every other event waits.
+    auto is_kv = [](const Inbox::Event& e) {
+        return e.kind == Inbox::Kind::kKvProgress || e.kind == Inbox::Kind::kKvArrived ||
+               e.kind == Inbox::Kind::kDigested;
+    };
+    while (true) {
+        std::deque<Inbox::Event> kv_events;
+        {
+            std::unique_lock lock(inbox_->mu);
+            inbox_->cv.wait_until(lock, t, [&] {
+                return !running_ ||
+                       std::any_of(inbox_->events.begin(), inbox_->events.end(), is_kv);
+            });
+            if (!running_) return false;
+            for (auto it = inbox_->events.begin(); it != inbox_->events.end();) {
+                if (is_kv(*it)) {
+                    kv_events.push_back(std::move(*it));
+                    it = inbox_->events.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+        }
+        if (kv_events.empty()) return true;  // the deadline passed
+        for (auto& e : kv_events) handle(e);
+    }
 }
 
 void Engine::loop() {
@@ -297,7 +341,11 @@ void Engine::drain_inbox() {
         std::lock_guard lock(inbox_->mu);
         events.swap(inbox_->events);
     }
-    for (auto& e : events) {
+    for (auto& e : events) handle(e);
+}
+
+void Engine::handle(InboxEvent& e) {
+    {
         switch (e.kind) {
             case Inbox::Kind::kNew: {
                 // An abort may overtake its request (they travel on different connections).
@@ -353,7 +401,11 @@ void Engine::drain_inbox() {
                 auto k = waiting_kv_.find(e.id);
                 if (k == waiting_kv_.end()) break;
                 Seq& s = *k->second;
-                if (!s.done && !s.kv_closed) s.kv_landed = std::max(s.kv_landed, e.tokens);
+                kv::KvPiece ahead;
+                if (!s.done && !s.kv_closed &&
+                    kv::next_piece(to_frontier(s.kv_landed), to_frontier(e.ready),
+                                   uint32_t(slice_.shape.layers), &ahead))
+                    s.kv_landed = e.ready;
                 advance_kv(e.id);
                 break;
             }
@@ -390,7 +442,9 @@ void Engine::drain_inbox() {
                 s.digest_running = false;
                 if (!s.done) {
                     s.kv_terms += e.terms;
-                    s.computed = e.tokens;
+                    s.computed = e.ready.tokens;
+                    s.digested_end = e.ready.partial_end;
+                    s.digested_layers = e.ready.partial_layers;
                 }
                 advance_kv(e.id);
                 break;
@@ -497,7 +551,7 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
                       : status.with_context(fmt::format("KV transfer for request {}", s.id)));
     } else {
         s.mark(&RequestTiming::kv_ready, now);
-        s.kv_landed = s.req.prompt.size();
+        s.kv_landed = KvReady{s.req.prompt.size()};
     }
     advance_kv(id);
 }
@@ -517,11 +571,16 @@ void Engine::advance_kv(const RequestId& id) {
         }
         return;
     }
-    if (s.computed < s.kv_landed) {
+    // What landed beyond what is digested: whole chunks, and layers of a chunk pushed layer
+    // by layer.
+    KvReady digested{s.computed, s.digested_end, s.digested_layers};
+    auto pieces = kv::pieces_between(to_frontier(digested), to_frontier(s.kv_landed),
+                                     uint32_t(slice_.shape.layers));
+    if (!pieces.empty()) {
         s.digest_running = true;
         {
             std::lock_guard lock(inbox_->mu);
-            inbox_->digest_jobs.push_back({s.id, s.blocks, s.computed, s.kv_landed});
+            inbox_->digest_jobs.push_back({s.id, s.blocks, std::move(pieces), s.kv_landed});
         }
         inbox_->digest_cv.notify_one();
         return;
@@ -608,10 +667,10 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
                                               .id = id,
                                               .status = std::move(arrived)});
                 },
-                [weak, id](size_t tokens) {
+                [weak, id](const KvReady& landed) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{
-                            .kind = Inbox::Kind::kKvProgress, .id = id, .tokens = tokens});
+                            .kind = Inbox::Kind::kKvProgress, .id = id, .ready = landed});
                 });
             if (!st.ok()) {
                 auto it = waiting_kv_.find(id);
@@ -663,6 +722,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
     std::vector<PrefillChunk> chunks;
     std::vector<uint64_t> terms(step.size());
     std::vector<Status> errors(step.size());
+    bool layerwise = false;  // the step finishes a push leg's prompt
     for (size_t i = 0; i < step.size(); ++i) {
         Seq& s = *step[i].seq;
         if (s.computed == 0) s.mark(&RequestTiming::prefill_start, start);
@@ -670,16 +730,40 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         chunks.push_back({.tokens = int(step[i].tokens),
                           .context = int(s.computed),
                           .last = end == s.req.prompt.size()});
-        auto t = write_prompt_kv_range(*pool_, s.blocks, slice_, s.req.prompt, s.computed, end);
-        if (t.ok())
-            terms[i] = *t;
-        else
-            errors[i] = t.status();
+        if (chunks.back().last && s.req.kv.do_remote_decode) layerwise = true;
     }
     double modelled = cost_.prefill_seconds(chunks) * config_.time_scale;
-    if (!sleep_until(start +
-                     std::chrono::duration_cast<Duration>(std::chrono::duration<double>(modelled))))
-        return;
+    // A push leg's last chunk is computed in layer groups, the step's modelled time split
+    // evenly over the layers; each group's KV goes to the connector as soon as its time has
+    // passed, so after the step only the last group's copy and digest remain. Earlier chunks
+    // go out whole: the chunks after them hide their transfer.
+    const int layers = slice_.shape.layers;
+    const int groups = layerwise ? std::clamp(config_.push_layer_groups, 1, layers) : 1;
+    for (int g = 0; g < groups; ++g) {
+        LayerRange group{g * layers / groups, (g + 1) * layers / groups};
+        for (size_t i = 0; i < step.size(); ++i) {
+            if (!errors[i].ok()) continue;
+            Seq& s = *step[i].seq;
+            auto t = write_prompt_kv_range(*pool_, s.blocks, slice_, s.req.prompt, s.computed,
+                                           s.computed + step[i].tokens, group);
+            if (t.ok())
+                terms[i] += *t;
+            else
+                errors[i] = t.status();
+        }
+        double until = modelled * double(g + 1) / double(groups);
+        if (!sleep_until(
+                start + std::chrono::duration_cast<Duration>(std::chrono::duration<double>(until))))
+            return;
+        if (g + 1 == groups) break;
+        for (size_t i = 0; i < step.size(); ++i) {
+            Seq& s = *step[i].seq;
+            if (errors[i].ok() && chunks[i].last && s.req.kv.do_remote_decode)
+                producer_->on_prefill_progress(
+                    s.id, s.req.kv, s.blocks,
+                    KvReady{s.computed, s.computed + step[i].tokens, group.end});
+        }
+    }
     TimePoint now = Clock::now();
     {
         std::lock_guard lock(stats_mu_);
@@ -699,7 +783,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         if (!s.prefilled()) {
             // Push writes this chunk's KV while the next chunks compute.
             if (s.req.kv.do_remote_decode)
-                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks, s.computed);
+                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks, KvReady{s.computed});
             continue;
         }
         s.mark(&RequestTiming::prefill_end, now);
@@ -804,9 +888,12 @@ void Engine::digest_worker() {
             job = std::move(inbox_->digest_jobs.front());
             inbox_->digest_jobs.pop_front();
         }
-        uint64_t terms = prompt_kv_terms(*pool_, job.blocks, slice_, job.first, job.end);
+        uint64_t terms = 0;
+        for (const kv::KvPiece& p : job.pieces)
+            terms += prompt_kv_terms(*pool_, job.blocks, slice_, p.first_token, p.end_token,
+                                     {int(p.first_layer), int(p.end_layer)});
         inbox_->post(Inbox::Event{
-            .kind = Inbox::Kind::kDigested, .id = job.id, .tokens = job.end, .terms = terms});
+            .kind = Inbox::Kind::kDigested, .id = job.id, .ready = job.upto, .terms = terms});
     }
 }
 

@@ -139,7 +139,7 @@ class FabricKvLink::Impl {
             if (it == recvs.end() || it->second.cancelled) return;
             progress = it->second.progress;
         }
-        if (progress) progress(p.tokens);
+        if (progress) progress(KvReady{p.tokens, p.partial_end, int(p.partial_layers)});
     }
 
     void on_scheduled(const kv::TransferResult& r) {
@@ -413,11 +413,13 @@ void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransf
 }
 
 void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                                       const std::vector<BlockId>& blocks, size_t tokens_ready) {
+                                       const std::vector<BlockId>& blocks, const KvReady& ready) {
     Impl* p = impl_.get();
     if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
-    Status st = p->conn->prefill_progress(transfer_key(params.transfer_id), to_u32(blocks),
-                                          uint32_t(tokens_ready));
+    Status st = p->conn->prefill_progress(
+        transfer_key(params.transfer_id), to_u32(blocks),
+        kv::KvFrontier{uint32_t(ready.tokens), uint32_t(ready.partial_end),
+                       uint32_t(std::max(ready.partial_layers, 0))});
     // Not fatal: what progress did not send, prefill_done sends.
     if (!st.ok())
         log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,

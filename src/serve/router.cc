@@ -345,6 +345,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                     overhead_.observe((overhead_ms + ms_since(first_at)) / 1000);
                 }
             }
+            // The bytes just relayed are spent: a wait that times out must not feed them to the
+            // parser again (that repeated the last token of a stream with a gap over 200 ms).
+            chunk.clear();
             auto r = decode_call->next(std::min(deadline, Clock::now() + milliseconds(200)));
             if (!r.ok()) {
                 if (r.status().code() == StatusCode::kTimeout && !http->stopping() &&

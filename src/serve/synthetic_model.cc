@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace ferry::serve {
@@ -103,8 +104,12 @@ Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
 
 Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> blocks,
                                        const KvSlice& slice, std::span<const int32_t> tokens,
-                                       size_t first, size_t end) {
+                                       size_t first, size_t end, LayerRange layers) {
     const size_t bs = size_t(slice.shape.block_size);
+    const int layer_end = layers.end < 0 ? slice.shape.layers : layers.end;
+    if (layers.first < 0 || layers.first >= layer_end || layer_end > slice.shape.layers)
+        return invalid_argument(fmt::format("layer range [{}, {}) outside the model's {} layers",
+                                            layers.first, layer_end, slice.shape.layers));
     if (first > end || end > tokens.size())
         return invalid_argument(
             fmt::format("token range [{}, {}) outside a prompt of {}", first, end, tokens.size()));
@@ -124,7 +129,7 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
     uint64_t terms = 0;
     for (size_t i = first / bs; i * bs < end; ++i) {
         size_t lo = std::max(first, i * bs), hi = std::min(end, (i + 1) * bs);
-        for (int layer = 0; layer < slice.shape.layers; ++layer)
+        for (int layer = layers.first; layer < layer_end; ++layer)
             for (int kv = 0; kv < 2; ++kv)
                 for (size_t p = lo; p < hi; ++p) {
                     auto row = pool.row(blocks[i], layer, kv, int(p - i * bs));
@@ -136,18 +141,20 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
 }
 
 uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
-                         size_t first, size_t end) {
+                         size_t first, size_t end, LayerRange layers) {
     const size_t bs = size_t(slice.shape.block_size);
+    const int layer_end =
+        layers.end < 0 ? slice.shape.layers : std::min(layers.end, slice.shape.layers);
     uint64_t terms = 0;
     for (size_t i = first / bs; i * bs < end; ++i) {
         if (i >= blocks.size() || blocks[i] >= pool.num_blocks()) {
             // Missing KV is folded as a marker so the tokens come out wrong, as they would;
-            // once per block, by the range holding its first position.
-            if (i * bs >= first) terms += mix64(0xdead0000ULL + i);
+            // once per block, by the range holding its first position and first layer.
+            if (i * bs >= first && layers.first == 0) terms += mix64(0xdead0000ULL + i);
             continue;
         }
         size_t lo = std::max(first, i * bs), hi = std::min(end, (i + 1) * bs);
-        for (int layer = 0; layer < slice.shape.layers; ++layer)
+        for (int layer = layers.first; layer < layer_end; ++layer)
             for (int kv = 0; kv < 2; ++kv)
                 for (size_t p = lo; p < hi; ++p)
                     terms +=

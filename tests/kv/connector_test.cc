@@ -169,19 +169,20 @@ TEST_P(KvConnectorTest, PushDeliversEveryByteInBothArrivalOrders) {
     expect_all_ok(results);
 }
 
-TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgress) {
-    const Topology& t = topo();
+// `layered`: each request's last chunk goes out layer by layer before prefill_done, as prefill
+// computes it.
+void chunked_push_body(const Topology& t, const std::string& provider, bool layered, uint64_t seed,
+                       std::vector<::ferry::testing::ChildResult>* out) {
     // Chunks of 40 tokens: a multiple of no block size here, so chunk ends fall inside blocks.
     constexpr uint32_t kChunk = 40;
-    uint64_t seed = ::ferry::testing::test_seed("KvConnector.ChunkedPush");
     auto reqs = make_requests(seed, 6);
-    auto results = run_processes(
+    *out = run_processes(
         static_cast<int>(t.ptp + t.dtp),
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
             NodeOptions opt;
-            opt.provider = provider();
+            opt.provider = provider;
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
             std::vector<std::vector<uint32_t>> blocks;
@@ -216,6 +217,16 @@ TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgr
                         // The chunk's KV becomes final only now, as a computed chunk's would.
                         if (end - kChunk >= reqs[i].tokens) continue;
                         uint32_t upto = std::min(end, reqs[i].tokens);
+                        if (layered && upto == reqs[i].tokens) {
+                            // The last chunk: its layers become final one after another.
+                            const uint32_t layers = self.layout.num_layers;
+                            for (uint32_t l = 1; l < layers; ++l) {
+                                testing::expect_request_part(self, n.mem, reqs[i].id, blocks[i],
+                                                             end - kChunk, upto, l - 1, l);
+                                CHILD_CHECK_OK(n.conn->prefill_progress(
+                                    reqs[i].id, blocks[i], KvFrontier{end - kChunk, upto, l}));
+                            }
+                        }
                         testing::fill_request(n, reqs[i].id, blocks[i], upto);
                         if (upto < reqs[i].tokens) {
                             more = true;
@@ -250,6 +261,12 @@ TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgr
                 CHILD_CHECK_MSG(diff.empty(), "decode rank {}: {}", self.tp_rank, diff);
                 CHILD_CHECK_MSG(reports > reqs.size(), "{} progress reports for {} transfers",
                                 reports, reqs.size());
+                if (layered) {
+                    // Some last chunk's first layers were reported in place before the rest.
+                    std::lock_guard lk(n.progress_mu);
+                    CHILD_CHECK_MSG(!n.partial_layers.empty(),
+                                    "no layer of a last chunk was reported ahead of the rest");
+                }
             }
             CHILD_CHECK(n.conn->stats().messages_malformed == 0);
             std::string leak = testing::check_no_leak(n);
@@ -258,6 +275,19 @@ TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgr
             return "";
         },
         kRunTimeout);
+}
+
+TEST_P(KvConnectorTest, ChunkedPushAfterAnnounceDeliversEveryByteAndReportsProgress) {
+    std::vector<::ferry::testing::ChildResult> results;
+    chunked_push_body(topo(), provider(), false,
+                      ::ferry::testing::test_seed("KvConnector.ChunkedPush"), &results);
+    expect_all_ok(results);
+}
+
+TEST_P(KvConnectorTest, LastChunkLayerByLayerDeliversEveryByteAndReportsItsLayers) {
+    std::vector<::ferry::testing::ChildResult> results;
+    chunked_push_body(topo(), provider(), true,
+                      ::ferry::testing::test_seed("KvConnector.LayeredPush"), &results);
     expect_all_ok(results);
 }
 

@@ -56,6 +56,8 @@ struct KvNode {
     // on_recv_progress: every reported prefix, per transfer, in order.
     std::mutex progress_mu;
     std::map<uint64_t, std::vector<uint32_t>> progress;
+    // Largest partial_layers reported per transfer (a chunk pushed layer by layer).
+    std::map<uint64_t, uint32_t> partial_layers;
 
     std::vector<uint32_t> progress_of(uint64_t id) {
         std::lock_guard lk(progress_mu);
@@ -170,7 +172,11 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     cb.on_scheduled = [raw](const TransferResult& r) { raw->scheduled.add(false, r); };
     cb.on_recv_progress = [raw](const TransferProgress& p) {
         std::lock_guard lk(raw->progress_mu);
-        raw->progress[p.transfer_id].push_back(p.tokens);
+        if (raw->progress[p.transfer_id].empty() || raw->progress[p.transfer_id].back() != p.tokens)
+            raw->progress[p.transfer_id].push_back(p.tokens);
+        if (p.partial_layers > 0)
+            raw->partial_layers[p.transfer_id] =
+                std::max(raw->partial_layers[p.transfer_id], p.partial_layers);
     };
     FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), n->mr.get(), cc, cb));
     FERRY_ASSIGN_OR_RETURN(auto all, ex.allgather(n->engine->address().serialize()));
@@ -192,12 +198,14 @@ inline uint8_t kv_byte(uint64_t id, uint32_t layer, KvPart part, uint32_t token,
     return static_cast<uint8_t>(x >> 56);
 }
 
-inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
-                           const std::vector<uint32_t>& blocks, uint32_t tokens) {
+// The request's bytes of tokens [first_token, end_token) in layers [first_layer, end_layer).
+inline void expect_request_part(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
+                                const std::vector<uint32_t>& blocks, uint32_t first_token,
+                                uint32_t end_token, uint32_t first_layer, uint32_t end_layer) {
     const KvLayout& l = self.layout;
-    for (uint32_t layer = 0; layer < l.num_layers; ++layer)
+    for (uint32_t layer = first_layer; layer < std::min(end_layer, l.num_layers); ++layer)
         for (KvPart part : {KvPart::kK, KvPart::kV})
-            for (uint32_t t = 0; t < tokens; ++t)
+            for (uint32_t t = first_token; t < end_token; ++t)
                 for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
                     uint64_t off =
                         l.offset(layer, part, blocks[t / l.block_size], t % l.block_size, h);
@@ -205,6 +213,11 @@ inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint
                         image[off + b] = kv_byte(id, layer, part, t, self.first_head() + h, b);
                     }
                 }
+}
+
+inline void expect_request(const KvRank& self, std::vector<uint8_t>& image, uint64_t id,
+                           const std::vector<uint32_t>& blocks, uint32_t tokens) {
+    expect_request_part(self, image, id, blocks, 0, tokens, 0, self.layout.num_layers);
 }
 
 inline void fill_request(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks,

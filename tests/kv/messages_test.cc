@@ -54,7 +54,7 @@ std::vector<KvMessage> all_messages() {
             DoneMsg{99, 1, 2, false},
             IntentMsg{1234, 3, 1, 2, test_address()},
             ScheduledMsg{1234, 3, 0},
-            SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096}};
+            SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16}};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
@@ -71,6 +71,8 @@ TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
             "imm_span");
     refused(SegmentMsg{1, 1, 0, 0, 48, 48, 1, 10}, "end_token");
     refused(SegmentMsg{1, 1, 0, kMaxImmSpan, 0, 16, 1, 10}, "index");
+    refused(SegmentMsg{1, 1, 0, 0, 0, 16, 1, 10, 8, 8}, "end_layer");
+    refused(SegmentMsg{1, 1, 0, 0, 0, 16, 1, 10, 3, 0}, "end_layer");
     refused(FinalMsg{1, 1, 0, 4, 10, kMaxImmSpan + 1}, "segments");
     refused(IntentMsg{1, 1, 2, 2, test_address()}, "decode_rank");
 }

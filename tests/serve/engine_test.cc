@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "ferry/serve/inprocess_kv_link.h"
 
@@ -332,6 +335,161 @@ TEST(DisaggregatedEngines, PullWithUnknownBlocksIsRefusedCleanly) {
     EXPECT_EQ(cd.status.code(), StatusCode::kNotFound);
     EXPECT_NE(cd.status.message().find("holds no KV"), std::string::npos);
     EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+}
+
+// A model of 8 layers whose prefill step for the last chunk of a 100-token prompt (chunks of
+// 64) lasts about `step`.
+struct LayeredSetup {
+    CostModel cost;
+    double time_scale = 1;
+    static constexpr size_t kPrompt = 100, kChunk = 64;
+    explicit LayeredSetup(Duration step)
+        : cost([] {
+              ModelShape m = tiny_test_model();
+              m.layers = 8;
+              return CostModel::create(m, h200(), 1).value();
+          }()) {
+        std::vector<PrefillChunk> last = {
+            {.tokens = int(kPrompt - kChunk), .context = int(kChunk), .last = true}};
+        time_scale = std::chrono::duration<double>(step).count() / cost.prefill_seconds(last);
+    }
+};
+
+// Records what a prefill engine hands to its connector, and when.
+struct RecordingProducer : KvProducer {
+    std::mutex mu;
+    std::vector<std::pair<KvReady, TimePoint>> progress;
+    TimePoint done_at{};
+    void on_prefill_progress(const RequestId&, const KvTransferParams&, const std::vector<BlockId>&,
+                             const KvReady& ready) override {
+        std::lock_guard lock(mu);
+        progress.emplace_back(ready, Clock::now());
+    }
+    Result<KvTransferParams> on_prefill_done(const RequestId&, const KvTransferParams&,
+                                             std::vector<BlockId>, size_t,
+                                             KvDoneCallback release) override {
+        {
+            std::lock_guard lock(mu);
+            done_at = Clock::now();
+        }
+        release(ok_status());
+        return KvTransferParams{};
+    }
+};
+
+TEST(Engine, PushLegsLastChunkIsHandedOverLayerGroupByGroupWhileItsStepRuns) {
+    LayeredSetup setup(milliseconds(80));
+    RecordingProducer producer;
+    auto e = make_engine({.engine_id = "p",
+                          .prefill_chunk_tokens = LayeredSetup::kChunk,
+                          .push_layer_groups = 4,
+                          .num_blocks = 64,
+                          .time_scale = setup.time_scale},
+                         setup.cost);
+    e->attach_connector(&producer, nullptr);
+    ASSERT_TRUE(e->start().ok());
+    GenerateRequest r{.prompt = prompt_of(LayeredSetup::kPrompt, 3), .max_tokens = 1};
+    r.kv.do_remote_decode = true;
+    r.kv.transfer_id = "t-layered";
+    auto h = e->submit(r).value();
+    Collected c = collect(*h);
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    e->stop();
+    std::lock_guard lock(producer.mu);
+    // The first chunk whole, then the last chunk's first 2, 4 and 6 of 8 layers; the rest
+    // goes with on_prefill_done.
+    std::vector<std::tuple<size_t, size_t, int>> got;
+    for (auto& [ready, at] : producer.progress)
+        got.emplace_back(ready.tokens, ready.partial_end, ready.partial_layers);
+    std::vector<std::tuple<size_t, size_t, int>> want = {
+        {64, 0, 0}, {64, 100, 2}, {64, 100, 4}, {64, 100, 6}};
+    ASSERT_EQ(got, want);
+    // The first group left about three quarters of the 80 ms step before the step ended.
+    double ahead_ms = to_ms(producer.done_at - producer.progress[1].second);
+    EXPECT_GT(ahead_ms, 40.0);
+}
+
+// Writes a prompt's KV into a decode engine's blocks as a layer-wise push would: the first
+// chunk whole, then the last chunk in layer groups, reporting each before the next lands.
+struct LayeredConsumer : KvConsumer {
+    Engine* engine = nullptr;
+    std::vector<int32_t> prompt;
+    std::thread writer;
+    std::atomic<int64_t> arrived_ns{0};  // when `arrived` was called, steady clock
+    ~LayeredConsumer() override {
+        if (writer.joinable()) writer.join();
+    }
+    Status on_blocks_allocated(const RequestId&, const KvTransferParams&,
+                               std::vector<BlockId> blocks, size_t, KvDoneCallback arrived,
+                               KvProgressCallback progress) override {
+        writer = std::thread([this, blocks, arrived, progress] {
+            const KvSlice slice = engine->kv_slice();
+            const size_t chunk = LayeredSetup::kChunk, n = prompt.size();
+            Status st =
+                write_prompt_kv_range(engine->pool(), blocks, slice, prompt, 0, chunk).status();
+            progress(KvReady{chunk});
+            for (int l = 0; st.ok() && l < slice.shape.layers; l += 2) {
+                std::this_thread::sleep_for(milliseconds(5));
+                st = write_prompt_kv_range(engine->pool(), blocks, slice, prompt, chunk, n,
+                                           {l, l + 2})
+                         .status();
+                if (l + 2 < slice.shape.layers) progress(KvReady{chunk, n, l + 2});
+            }
+            arrived_ns = Clock::now().time_since_epoch().count();
+            arrived(st);
+        });
+        return ok_status();
+    }
+    void cancel(const RequestId&) override {}
+};
+
+// A decode engine fed by a LayeredConsumer.
+struct LayeredDecode {
+    LayeredConsumer consumer;
+    std::unique_ptr<Engine> engine;
+    LayeredDecode(const CostModel& cost, double time_scale, int32_t seed) {
+        engine = make_engine({.engine_id = "d", .num_blocks = 64, .time_scale = time_scale}, cost);
+        consumer.engine = engine.get();
+        consumer.prompt = prompt_of(LayeredSetup::kPrompt, seed);
+        engine->attach_connector(nullptr, &consumer);
+        EXPECT_TRUE(engine->start().ok());
+    }
+    std::shared_ptr<RequestHandle> submit_leg(size_t max_tokens) {
+        GenerateRequest r{.prompt = consumer.prompt, .max_tokens = max_tokens};
+        r.kv.do_remote_prefill = true;
+        r.kv.transfer_id = "t-layered";
+        return engine->submit(r).value();
+    }
+};
+
+TEST(Engine, DecodeDigestsALastChunkPushedLayerByLayerIntoTheVerifiedTokens) {
+    LayeredSetup setup(milliseconds(10));
+    LayeredDecode d(setup.cost, 1.0, 4);
+    Collected c = collect(*d.submit_leg(6));
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    EXPECT_EQ(c.tokens, expected_tokens(d.engine->kv_slice(), d.consumer.prompt, 6));
+    EXPECT_TRUE(eventually([&] { return d.engine->stats().blocks_free == 64; }));
+}
+
+// KV that lands while the engine runs a decode step for others is taken (and digested) then,
+// not at the step's end: ferry_timing's kv_ready is when it came.
+TEST(Engine, DecodeLegsKvIsTakenWhileADecodeStepForOthersRuns) {
+    LayeredSetup setup(milliseconds(10));
+    std::vector<int> one_seq = {200};
+    double scale = 0.15 / setup.cost.decode_seconds(one_seq);  // decode steps of ~150 ms
+    LayeredDecode d(setup.cost, scale, 5);
+    // A local request keeps the engine in decode steps.
+    auto busy = d.engine->submit({.prompt = prompt_of(40, 6), .max_tokens = 8}).value();
+    ASSERT_TRUE(eventually([&] { return d.engine->stats().decode_steps > 0; }));
+    auto h = d.submit_leg(2);
+    Collected c = collect(*h);
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    EXPECT_EQ(c.tokens, expected_tokens(d.engine->kv_slice(), d.consumer.prompt, 2));
+    TimePoint arrived{Duration(d.consumer.arrived_ns.load())};
+    // The writes take ~20 ms from the leg's admission at a step boundary: at the step's end
+    // the arrival would be taken ~130 ms late.
+    EXPECT_LT(to_ms(h->timing().kv_ready - arrived), 50.0);
+    collect(*busy);
 }
 
 TEST(Engine, MetricsTextHasTheSeriesOperatorsLookFor) {

@@ -31,13 +31,24 @@ struct Cluster {
     std::unique_ptr<InProcessKvLink> link;
     std::unique_ptr<Router> router;
 
-    Cluster(size_t np, size_t nd, KvLinkMode link_mode, Duration lease = seconds(5)) {
+    // `decode_step`: stretches the decode engines' modelled steps to about this long.
+    Cluster(size_t np, size_t nd, KvLinkMode link_mode, Duration lease = seconds(5),
+            Duration decode_step = Duration::zero()) {
         auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
         link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{link_mode, lease});
         auto make = [&](const std::string& id) {
             Node n;
-            n.engine = Engine::create(
-                           {.engine_id = id, .num_blocks = 64, .kv_wait_timeout = seconds(2)}, cost)
+            double scale = 1.0;
+            if (id[0] == 'd' && decode_step > Duration::zero()) {
+                std::vector<int> one_seq = {64};
+                scale = std::chrono::duration<double>(decode_step).count() /
+                        cost.decode_seconds(one_seq);
+            }
+            n.engine = Engine::create({.engine_id = id,
+                                       .num_blocks = 64,
+                                       .time_scale = scale,
+                                       .kv_wait_timeout = seconds(2)},
+                                      cost)
                            .value();
             EXPECT_TRUE(link->add_engine(id, &n.engine->pool()).ok());
             return n;
@@ -129,6 +140,22 @@ TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
             EXPECT_TRUE(t.contains(k)) << k << " " << t.dump();
         EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
         EXPECT_EQ(c.decode[0].engine->stats().kv_transfers, 1u);
+    }
+}
+
+// The router waits for the decode leg's next bytes in slices of 200 ms; a slice that ended
+// without bytes used to feed the last relayed bytes to its parser again, so a stream with a pause
+// longer than that got a token twice (one more token than max_tokens).
+TEST(Router, StreamWithPausesLongerThanTheRoutersWaitSliceKeepsEveryTokenOnce) {
+    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+        Cluster c(1, 1, mode, seconds(5), milliseconds(300));
+        auto prompt = prompt_of(50, 4);
+        Streamed s =
+            stream(c.router->port(), {{"prompt", prompt}, {"max_tokens", 3}, {"stream", true}});
+        ASSERT_EQ(s.status, 200) << s.raw;
+        EXPECT_EQ(s.tokens, expected_tokens(c.decode[0].engine->kv_slice(), prompt, 3))
+            << "mode " << int(mode) << ": " << s.raw;
+        EXPECT_EQ(s.final_event["usage"]["completion_tokens"], 3) << s.raw;
     }
 }
 

@@ -53,10 +53,14 @@ struct TransferSpec {
     std::span<const uint32_t> dst_blocks;
     uint32_t first_token = 0;
     uint32_t end_token = 0;
+    // Layers [first_layer, end_layer) only (end_layer 0: up to the last layer): a chunk's KV
+    // can go out layer by layer as prefill computes it.
+    uint32_t first_layer = 0;
+    uint32_t end_layer = 0;
 };
 
-// The runs that copy the heads the two ranks share, for every layer, K and V, token of the
-// range. An empty plan when the ranks share no head. Errors name what does not fit
+// The runs that copy the heads the two ranks share, for every layer of the range, K and V,
+// token of the range. An empty plan when the ranks share no head. Errors name what does not fit
 // (incompatible layouts, too few blocks, block id out of the pool).
 Result<TransferPlan> plan_transfer(const TransferSpec& spec);
 

@@ -28,6 +28,7 @@
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/kv/block_mapping.h"
+#include "ferry/kv/kv_frontier.h"
 #include "ferry/kv/messages.h"
 
 namespace ferry::kv {
@@ -79,11 +80,14 @@ struct TransferResult {
 };
 
 // Decode, push: tokens [0, tokens) of the attempt's KV are in place (every producer's writes
-// of those tokens counted), ahead of on_recv_done.
+// of those tokens counted), ahead of on_recv_done; and of the chunk after them, tokens
+// [tokens, partial_end), layers [0, partial_layers) (prefill sent it layer by layer).
 struct TransferProgress {
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
     uint32_t tokens = 0;
+    uint32_t partial_end = 0;
+    uint32_t partial_layers = 0;
 };
 
 struct ConnectorCallbacks {
@@ -148,6 +152,9 @@ class KvConnector {
     // reuse them before prefill_done's or prefill_failed's on_send_done.
     Status prefill_progress(uint64_t transfer_id, std::vector<uint32_t> blocks,
                             uint32_t tokens_ready);
+    // Layer by layer inside a chunk: also tokens [ready.tokens, ready.partial_end) in layers
+    // [0, ready.partial_layers) are final; they go out as a segment of those layers.
+    Status prefill_progress(uint64_t transfer_id, std::vector<uint32_t> blocks, KvFrontier ready);
     // The KV of these blocks is computed; write it to whichever decode ranks registered.
     Status prefill_done(uint64_t transfer_id, std::vector<uint32_t> blocks, uint32_t num_tokens);
     // Prefill could not produce the KV: registered and announced decode ranks get FAIL, once

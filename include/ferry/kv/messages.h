@@ -18,7 +18,7 @@ namespace ferry::kv {
 
 inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 2: chunked push (INTENT, SCHEDULED, SEGMENT; imm_span in REGISTER, segments in FINAL).
-inline constexpr uint16_t kKvProtocolVersion = 2;
+inline constexpr uint16_t kKvProtocolVersion = 3;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
 inline constexpr size_t kMaxBlocksPerMessage = 1u << 20;
 inline constexpr size_t kMaxReasonLength = 1024;
@@ -57,8 +57,10 @@ struct RegisterMsg {
     std::vector<uint32_t> blocks;
 };
 
-// Prefill rank → decode rank (push): "the writes of tokens [first_token, end_token) are
-// complete; count `writes` immediates of value imm + index". Sent once per segment.
+// Prefill rank → decode rank (push): "the writes of tokens [first_token, end_token), layers
+// [first_layer, end_layer), are complete; count `writes` immediates of value imm + index". Sent
+// once per segment. end_layer 0: every layer (a whole chunk); otherwise a layer group of the
+// chunk prefill computes now.
 struct SegmentMsg {
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
@@ -68,6 +70,8 @@ struct SegmentMsg {
     uint32_t end_token = 0;
     uint32_t writes = 0;
     uint64_t bytes = 0;
+    uint32_t first_layer = 0;
+    uint32_t end_layer = 0;
     bool operator==(const SegmentMsg&) const = default;
 };
 

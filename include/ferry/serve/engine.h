@@ -50,6 +50,10 @@ struct EngineConfig {
     // oldest prompts first), ending a chunk that does not finish its prompt on a block
     // boundary; new prompts are admitted only while a step's budget is not yet spoken for.
     size_t prefill_chunk_tokens = 0;
+    // Push: a prompt's last chunk is computed, and handed to the connector, in this many
+    // groups of layers (at most the model's layers), so only the last group's copy and digest
+    // follow the step. 1: the chunk goes out whole after its step.
+    int push_layer_groups = 1;
     size_t num_blocks = 4096;
     int block_size = 16;
     int head_offset = 0;      // global index of this rank's first KV head
@@ -149,10 +153,13 @@ class Engine {
   private:
     struct Seq;
     struct Inbox;
+    enum class InboxKind;
+    struct InboxEvent;
     Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool);
 
     void loop();
     void drain_inbox();
+    void handle(InboxEvent& e);
     struct StepChunk {
         Seq* seq;
         size_t tokens;

@@ -74,7 +74,7 @@ class FabricKvLink : public KvProducer, public KvConsumer {
 
     void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
     void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                             const std::vector<BlockId>& blocks, size_t tokens_ready) override;
+                             const std::vector<BlockId>& blocks, const KvReady& ready) override;
     Result<KvTransferParams> on_prefill_done(const RequestId& request,
                                              const KvTransferParams& params,
                                              std::vector<BlockId> blocks, size_t num_tokens,

@@ -32,11 +32,20 @@ struct KvTransferParams {
     bool empty() const { return !do_remote_decode && !do_remote_prefill; }
 };
 
+// How much of a prompt's KV is final (prefill) or in place (decode): tokens [0, tokens) in
+// every layer, and tokens [tokens, partial_end) in layers [0, partial_layers) — the chunk
+// being computed, layer by layer. partial_layers 0: nothing beyond `tokens`.
+struct KvReady {
+    size_t tokens = 0;
+    size_t partial_end = 0;
+    int partial_layers = 0;
+};
+
 // Called exactly once per hand-over.
 using KvDoneCallback = std::function<void(Status)>;
-// Decode, push: the KV of prompt tokens [0, tokens) is in place; called with growing counts
-// while prefill still computes, before `arrived`. Optional for a connector.
-using KvProgressCallback = std::function<void(size_t tokens)>;
+// Decode, push: what of the prompt's KV is in place; called as it grows while prefill still
+// computes, before `arrived`. Optional for a connector.
+using KvProgressCallback = std::function<void(const KvReady& landed)>;
 
 // What a prefill engine needs.
 class KvProducer {
@@ -47,11 +56,11 @@ class KvProducer {
     // wait for this transfer may now reserve their blocks.
     virtual void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {}
 
-    // Chunked prefill: the KV of tokens [0, tokens_ready) is final in `blocks`. Push sends it
-    // now, while later chunks compute. The engine keeps the blocks until the release of
-    // on_prefill_done or on_prefill_aborted.
+    // Chunked prefill: `ready` says what KV is final in `blocks` (a chunk computed, or the
+    // first layers of the last chunk). Push sends it now, while the rest computes. The engine
+    // keeps the blocks until the release of on_prefill_done or on_prefill_aborted.
     virtual void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                                     const std::vector<BlockId>& blocks, size_t tokens_ready) {}
+                                     const std::vector<BlockId>& blocks, const KvReady& ready) {}
 
     // The prompt KV of `request` (tokens [0, num_tokens)) is complete in `blocks`. The connector
     // sends it (push: to the blocks decode registered under params.transfer_id; pull: holds it

@@ -44,16 +44,23 @@ int32_t token_from_digest(uint64_t digest, int vocab);
 // of what it wrote, so the engine that prefilled can decode without a second pass.
 Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
                                  const KvSlice& slice, std::span<const int32_t> tokens);
-// Chunked prefill: writes positions [first, end) only and returns their digest terms (without
-// the digest's start value); kEmptyPrefixState plus the terms of every chunk is the digest
-// write_prompt_kv returns.
+// Layers [first, end) of a model; end -1: up to the last layer.
+struct LayerRange {
+    int first = 0;
+    int end = -1;
+};
+
+// Chunked prefill: writes positions [first, end) only (of the given layers) and returns their
+// digest terms (without the digest's start value); kEmptyPrefixState plus the terms of every
+// chunk and layer is the digest write_prompt_kv returns.
 Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> blocks,
                                        const KvSlice& slice, std::span<const int32_t> tokens,
-                                       size_t first, size_t end);
-// Decode: the digest terms of the KV the pool holds for positions [first, end) of a prompt,
-// as it lands; the terms of every range plus kEmptyPrefixState give DecodeStream's digest.
+                                       size_t first, size_t end, LayerRange layers = {});
+// Decode: the digest terms of the KV the pool holds for positions [first, end) of a prompt
+// (of the given layers), as it lands; the terms of every range plus kEmptyPrefixState give
+// DecodeStream's digest.
 uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
-                         size_t first, size_t end);
+                         size_t first, size_t end, LayerRange layers = {});
 
 // Decode of one request over the KV its blocks hold. `prompt` is needed only to continue the
 // prefix hash for generated positions; the digest comes from the pool's bytes.
