@@ -97,6 +97,7 @@ void TransferEngine::on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCa
     impl_->imm.add_waiter(imm, count, deadline_after(timeout), std::move(done));
 }
 uint64_t TransferEngine::imm_available(uint32_t imm) const { return impl_->imm.available(imm); }
+void TransferEngine::expect_arrivals(bool on) { impl_->expect_arrivals(on); }
 OpHandle TransferEngine::send_message(PeerId peer, std::span<const uint8_t> payload,
                                       OpCallback done) {
     return impl_->send_message(peer, payload, std::move(done));

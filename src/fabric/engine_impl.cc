@@ -17,6 +17,7 @@
 
 #include "ferry/common/bytes.h"
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::detail {
 namespace {
@@ -90,7 +91,8 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         RailHooks hooks;
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
         hooks.stay_awake = [this] {
-            return imm.has_waiters() || gpu_in_flight_.load(std::memory_order_relaxed) > 0;
+            return imm.has_waiters() || gpu_in_flight_.load(std::memory_order_relaxed) > 0 ||
+                   expecting_.load(std::memory_order_relaxed) > 0;
         };
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
@@ -109,7 +111,10 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         // the address of rail 0's is as good as any.
     }
     for (auto& r : rails) r->start();
-    watchdog_ = std::thread([this] { watchdog(); });
+    watchdog_ = std::thread([this] {
+        set_thread_name("ferry-watchdog");
+        watchdog();
+    });
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s)", address.engine_id,
         provider, rails.size());
     return ok_status();
@@ -787,6 +792,15 @@ Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) 
         if (!s.ok()) return s.with_context("barrier");
     }
     return arrived.with_context(fmt::format("barrier over {} peers", members.size()));
+}
+
+void EngineImpl::expect_arrivals(bool on) {
+    if (!on) {
+        expecting_.fetch_sub(1, std::memory_order_relaxed);
+        return;
+    }
+    if (expecting_.fetch_add(1, std::memory_order_relaxed) == 0)
+        for (auto& r : rails) r->wake();
 }
 
 OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {

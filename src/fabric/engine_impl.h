@@ -60,6 +60,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Status barrier(GroupId group, uint32_t imm, Duration timeout);
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done);
     void set_message_handler(MessageHandler handler);
+    void expect_arrivals(bool on);
     EngineStats stats() const;
 
     EngineConfig config;
@@ -128,6 +129,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::mutex gpu_mu_;
     std::unique_ptr<GpuTransport> gpu_;
     std::atomic<uint32_t> gpu_in_flight_{0};  // GPU operations not completed yet
+    std::atomic<int32_t> expecting_{0};       // open expect_arrivals(true) calls
 
     std::mutex msg_mu_;
     MessageHandler handler_;

@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::detail {
 namespace {
@@ -186,7 +187,17 @@ Status Rail::post_recv(int slot) {
 
 void Rail::start() {
     running_ = true;
-    worker_ = std::thread([this] { run(); });
+    worker_ = std::thread([this] {
+        set_thread_name(fmt::format("ferry-rail{}", index_).c_str());
+        run();
+    });
+}
+
+void Rail::wake() {
+    if (!sleeping_.load(std::memory_order_relaxed)) return;
+    std::lock_guard lk(nap_mu_);
+    wake_ = true;
+    nap_cv_.notify_one();
 }
 
 bool Rail::stuck_for(Duration limit, TimePoint now) const {
@@ -503,8 +514,10 @@ void Rail::run() {
             nap_for = std::chrono::microseconds(20);
             continue;
         }
+        // In flight or expected: both sides of a shm or tcp transfer must poll for it to
+        // progress, and a nap on either side stretches every step of it.
         if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty() ||
-            (hooks_.stay_awake && hooks_.stay_awake())) {
+            inflight_ > 0 || (hooks_.stay_awake && hooks_.stay_awake())) {
             // Polling with nothing to do: give the core to a runnable thread if there is one
             // (the submitter, on a machine with fewer cores than busy threads). Costs well
             // under a microsecond when nobody else wants the core.
@@ -527,10 +540,10 @@ void Rail::run() {
             }
             continue;
         }
-        Duration cap = inflight_ ? std::chrono::microseconds(50) : config_.max_nap;
         {
             std::unique_lock lk(nap_mu_);
-            nap_cv_.wait_for(lk, std::min(nap_for, cap), [&] { return wake_ || !running_; });
+            nap_cv_.wait_for(lk, std::min(nap_for, config_.max_nap),
+                             [&] { return wake_ || !running_; });
             wake_ = false;
         }
         sleeping_.store(false, std::memory_order_relaxed);

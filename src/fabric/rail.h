@@ -79,7 +79,7 @@ struct RailHooks {
     std::function<void(uint32_t imm)> on_imm;
     std::function<void(std::span<const uint8_t>)> on_message;
     // True while the engine expects arrivals soon (immediate waiters pending, GPU copies in
-    // flight): the worker then keeps polling instead of napping.
+    // flight, a caller's expect_arrivals): the worker then keeps polling instead of napping.
     std::function<bool()> stay_awake;
 };
 
@@ -94,6 +94,8 @@ class Rail {
     void stop(const Status& why);
 
     int index() const { return index_; }
+    // Ends a nap at once (the engine's stay-awake condition changed).
+    void wake();
     const std::vector<uint8_t>& name() const { return name_; }
     uint64_t mr_mode() const { return mr_mode_; }
     bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }

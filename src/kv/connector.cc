@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::kv {
 namespace {
@@ -130,7 +131,10 @@ class KvConnector::Impl {
                 on_message(sender, bytes);
             });
         });
-        thread_ = std::thread([this] { run(); });
+        thread_ = std::thread([this] {
+            set_thread_name("ferry-kvconn");
+            run();
+        });
     }
 
     void stop() {
@@ -321,6 +325,7 @@ class KvConnector::Impl {
         uint64_t bytes = 0;
         uint32_t writes = 0;
         KvFrontier progress;  // last reported through on_recv_progress
+        ArrivalsExpected awake;  // prefill's writes need this side's polling to progress
     };
     // Decode side before registration: the prefill ranks asked to say SCHEDULED.
     struct Announce {
@@ -334,6 +339,7 @@ class KvConnector::Impl {
         TimePoint deadline;
         std::vector<uint32_t> done_ranks;
         bool all_ok = true;
+        ArrivalsExpected awake;  // decode's reads need this side's polling to progress
     };
 
     struct PullSource {
@@ -951,6 +957,7 @@ class KvConnector::Impl {
             c.slots.push_back(s);
         }
         c.deadline = Clock::now() + cfg_.lease;
+        c.awake = ArrivalsExpected(engine_);
         for (const Slot& s : c.slots) {
             RegisterMsg m;
             m.transfer_id = reg.transfer_id;
@@ -1184,6 +1191,7 @@ class KvConnector::Impl {
             return;
         }
         it->second.deadline = Clock::now() + cfg_.lease;
+        it->second.awake = ArrivalsExpected(engine_);
         active_send_.fetch_add(1);
     }
 

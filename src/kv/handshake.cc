@@ -18,6 +18,7 @@
 
 #include "ferry/common/bytes.h"
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::kv {
 namespace {
@@ -209,7 +210,10 @@ class HandshakeServer::Impl {
         : listener_(std::move(listener)), port_(port), info_(std::move(info)) {}
 
     void start() {
-        thread_ = std::thread([this] { run(); });
+        thread_ = std::thread([this] {
+            set_thread_name("ferry-handshake");
+            run();
+        });
     }
     void stop() {
         stop_.store(true);

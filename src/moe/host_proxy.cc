@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::moe {
 
@@ -35,7 +36,10 @@ HostProxy::~HostProxy() { stop(); }
 
 void HostProxy::start() {
     if (thread_.joinable()) return;
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+        set_thread_name("ferry-moeproxy");
+        loop();
+    });
 }
 
 void HostProxy::stop() {

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ferry/common/thread_name.h"
+
 namespace ferry::serve {
 
 struct InProcessKvLink::Endpoint {
@@ -78,7 +80,10 @@ Status InProcessKvLink::start() {
     std::lock_guard lock(mu_);
     if (running_) return invalid_argument("link already started");
     running_ = true;
-    thread_ = std::thread([this] { run(); });
+    thread_ = std::thread([this] {
+        set_thread_name("ferry-kvlocal");
+        run();
+    });
     return ok_status();
 }
 

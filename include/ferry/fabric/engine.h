@@ -18,6 +18,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/common/clock.h"
@@ -51,8 +52,10 @@ struct EngineConfig {
     size_t max_message_size = 64 * 1024;
     int message_recv_buffers = 64;
     // Worker polling: spin for idle_spin after the last activity, then nap (woken at once by
-    // new submissions; arrivals wait for the end of the nap, at most max_nap). While
-    // immediate waiters are pending or GPU copies are in flight the worker does not nap.
+    // new submissions; arrivals wait for the end of the nap, at most max_nap). The worker
+    // does not nap while its operations are in flight, immediate waiters are pending, GPU
+    // copies run or a caller said it expects arrivals (expect_arrivals); it yields the core
+    // between polls then, so threads with work get it.
     // busy_poll never naps: lowest latency, one core per rail.
     bool busy_poll = false;
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
@@ -244,6 +247,12 @@ class TransferEngine {
     void on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done);
     // Arrivals of imm not yet consumed.
     uint64_t imm_available(uint32_t imm) const;
+    // While a caller expects writes from peers (a KV transfer registered and not finished),
+    // the workers keep polling instead of napping: on providers whose transfers need both
+    // sides' progress (shm copies at the target, tcp reads there), a napping target slowed a
+    // 2 MiB write to 5 ms on a busy 2-core host (2026-12-01). Calls nest; each
+    // expect_arrivals(true) needs one expect_arrivals(false).
+    void expect_arrivals(bool on);
 
     // Small two-sided control messages over rail 0, with receive buffers kept posted.
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done = {});
@@ -255,6 +264,31 @@ class TransferEngine {
   private:
     explicit TransferEngine(std::shared_ptr<detail::EngineImpl> impl);
     std::shared_ptr<detail::EngineImpl> impl_;
+};
+
+// expect_arrivals(true) for as long as it lives (movable; the engine must outlive it).
+class ArrivalsExpected {
+  public:
+    ArrivalsExpected() = default;
+    explicit ArrivalsExpected(TransferEngine* engine) : engine_(engine) {
+        engine_->expect_arrivals(true);
+    }
+    ArrivalsExpected(ArrivalsExpected&& o) noexcept : engine_(std::exchange(o.engine_, nullptr)) {}
+    ArrivalsExpected& operator=(ArrivalsExpected&& o) noexcept {
+        if (this != &o) {
+            reset();
+            engine_ = std::exchange(o.engine_, nullptr);
+        }
+        return *this;
+    }
+    ~ArrivalsExpected() { reset(); }
+    void reset() {
+        if (engine_) engine_->expect_arrivals(false);
+        engine_ = nullptr;
+    }
+
+  private:
+    TransferEngine* engine_ = nullptr;
 };
 
 // Resolves a provider name from the config ("tcp" -> "tcp;ofi_rxm", "auto" -> first available

@@ -21,6 +21,7 @@
 #include "fabric/gpu_transport.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 
 namespace ferry::detail {
 namespace {
@@ -129,7 +130,10 @@ Status CudaTransport::init() {
                                        "registered on this host",
                                        e == cudaSuccess ? "0 devices" : cudaGetErrorString(e)));
     }
-    worker_ = std::thread([this] { run(); });
+    worker_ = std::thread([this] {
+        set_thread_name("ferry-gpucopy");
+        run();
+    });
     return ok_status();
 }
 
