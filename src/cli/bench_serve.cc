@@ -135,7 +135,9 @@ void register_bench_serve(CLI::App& bench) {
     cmd->add_option("--output-len-max", c.output_len_max, "draw output lengths up to this")
         ->capture_default_str();
     cmd->add_option("--seed", c.seed)->capture_default_str();
-    cmd->add_flag("--verify", c.verify, "check every token against the prompt's expected tokens");
+    cmd->add_flag("--verify", c.verify,
+                  "check every token against the prompt's expected tokens (after the run, so "
+                  "the check does not compete with the servers for the cores)");
     cmd->add_option("--tp", f->tp, "decode TP degree (for --verify)")->capture_default_str();
     cmd->add_option("--head-offset", f->head_offset, "decode rank's first KV head (--verify)")
         ->capture_default_str();

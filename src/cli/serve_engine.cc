@@ -3,6 +3,7 @@
 // Compute is modelled by the cost model; the KV bytes are real.
 #include <fmt/format.h>
 
+#include <map>
 #include <thread>
 
 #include "cli/commands.h"
@@ -67,6 +68,18 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "push: the last chunk's KV goes out in this many layer groups as they are "
                     "computed (1: whole, after the step)")
         ->capture_default_str();
+    cmd->add_option("--first-token", f.engine.first_token,
+                    "decode legs: prefill = stream the token prefill sampled as soon as the KV "
+                    "is in (SGLang-style); decode = compute it in decode's first step "
+                    "(vLLM-style)")
+        ->transform(CLI::CheckedTransformer(
+            std::map<std::string, serve::EngineConfig::FirstToken>{
+                {"prefill", serve::EngineConfig::FirstToken::kPrefill},
+                {"decode", serve::EngineConfig::FirstToken::kDecode}},
+            CLI::ignore_case)
+                       .description(""))
+        ->type_name("prefill|decode")
+        ->default_str("prefill");
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
         ->capture_default_str();
     cmd->add_option("--block-size", f.engine.block_size, "tokens per KV block")

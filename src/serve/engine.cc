@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 #include "ferry/kv/kv_frontier.h"
 
 namespace ferry::serve {
@@ -89,6 +90,7 @@ struct Engine::Seq {
     size_t computed = 0;
     uint64_t kv_terms = 0;
     bool remote_told = false;  // prefill leg: the producer heard on_prefill_scheduled
+    size_t handovers = 0;      // prefill leg: on_prefill_progress calls so far
     // Decode leg.
     TimePoint wait_deadline{};    // for the prefill engine to schedule the transfer (push)
     KvReady kv_landed;            // what the connector reported in place
@@ -190,8 +192,14 @@ void Engine::attach_connector(KvProducer* producer, KvConsumer* consumer) {
 
 Status Engine::start() {
     if (running_.exchange(true)) return invalid_argument("engine already started");
-    loop_thread_ = std::thread([this] { loop(); });
-    digest_thread_ = std::thread([this] { digest_worker(); });
+    loop_thread_ = std::thread([this] {
+        set_thread_name("ferry-step");
+        loop();
+    });
+    digest_thread_ = std::thread([this] {
+        set_thread_name("ferry-digest");
+        digest_worker();
+    });
     return ok_status();
 }
 
@@ -587,6 +595,26 @@ void Engine::advance_kv(const RequestId& id) {
     }
     if (!s.kv_closed || !s.prefilled()) return;
     s.stream.emplace(slice_, s.req.prompt, kEmptyPrefixState + s.kv_terms);
+    if (config_.first_token == EngineConfig::FirstToken::kPrefill && s.generated == 0) {
+        // The token prefill sampled, as the KV that arrived implies it: no step needed.
+        auto tok = s.stream->next(*pool_, s.blocks);
+        if (!tok.ok()) {
+            finish(s, tok.status());
+            advance_kv(id);  // frees the blocks: the connector is done with them
+            return;
+        }
+        s.generated = 1;
+        s.handle->push(*tok, Clock::now());
+        {
+            std::lock_guard lock(stats_mu_);
+            counters_.generated_tokens++;
+        }
+        if (s.generated >= s.req.max_tokens) {
+            finish(s, ok_status());
+            advance_kv(id);
+            return;
+        }
+    }
     running_seqs_.push_back(std::move(k->second));
     waiting_kv_.erase(k);
 }
@@ -717,12 +745,35 @@ std::vector<Engine::StepChunk> Engine::plan_prefill_step() const {
     return step;
 }
 
+int Engine::progress_handovers(const Seq& s, size_t chunk_end, int groups) const {
+    const size_t prompt = s.req.prompt.size();
+    if (chunk_end >= prompt) return groups;  // the last chunk: every group, then done
+    // The connector sends at most max_progress_handovers() pieces per prompt. Keep one per
+    // later chunk and a full set for the last; this chunk gets what is left, at least one.
+    const size_t chunk = std::max<size_t>(config_.prefill_chunk_tokens, 1);
+    const size_t later = (prompt - chunk_end + chunk - 1) / chunk;  // the last one included
+    const size_t reserve = (later - 1) + size_t(groups - 1);
+    const size_t limit = producer_->max_progress_handovers();
+    const size_t used = s.handovers + reserve;
+    if (limit <= used) return 1;
+    return int(std::clamp<size_t>(limit - used, 1, size_t(groups)));
+}
+
 void Engine::run_prefill(const std::vector<StepChunk>& step) {
     TimePoint start = Clock::now();
     std::vector<PrefillChunk> chunks;
     std::vector<uint64_t> terms(step.size());
     std::vector<Status> errors(step.size());
-    bool layerwise = false;  // the step finishes a push leg's prompt
+    // A step with a push leg is computed in layer groups, its modelled time split evenly over
+    // the layers; a push leg's KV goes to the connector group by group as the time passes, so
+    // the copy runs alongside compute and after the step only the last group's copy and
+    // digest remain. Earlier chunks used to go out whole at their step's end: at 1k tokens the
+    // first chunk's copy then ran into the last chunk's and the backlog, not the last group,
+    // was what decode waited for (2026-12-01).
+    const int layers = slice_.shape.layers;
+    const int groups_wanted = std::clamp(config_.push_layer_groups, 1, layers);
+    std::vector<int> handovers(step.size(), 1);  // per chunk, the last one at the step's end
+    int groups = 1;
     for (size_t i = 0; i < step.size(); ++i) {
         Seq& s = *step[i].seq;
         if (s.computed == 0) s.mark(&RequestTiming::prefill_start, start);
@@ -730,15 +781,11 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         chunks.push_back({.tokens = int(step[i].tokens),
                           .context = int(s.computed),
                           .last = end == s.req.prompt.size()});
-        if (chunks.back().last && s.req.kv.do_remote_decode) layerwise = true;
+        if (!s.req.kv.do_remote_decode) continue;
+        groups = groups_wanted;
+        handovers[i] = progress_handovers(s, end, groups_wanted);
     }
     double modelled = cost_.prefill_seconds(chunks) * config_.time_scale;
-    // A push leg's last chunk is computed in layer groups, the step's modelled time split
-    // evenly over the layers; each group's KV goes to the connector as soon as its time has
-    // passed, so after the step only the last group's copy and digest remain. Earlier chunks
-    // go out whole: the chunks after them hide their transfer.
-    const int layers = slice_.shape.layers;
-    const int groups = layerwise ? std::clamp(config_.push_layer_groups, 1, layers) : 1;
     for (int g = 0; g < groups; ++g) {
         LayerRange group{g * layers / groups, (g + 1) * layers / groups};
         for (size_t i = 0; i < step.size(); ++i) {
@@ -758,10 +805,15 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         if (g + 1 == groups) break;
         for (size_t i = 0; i < step.size(); ++i) {
             Seq& s = *step[i].seq;
-            if (errors[i].ok() && chunks[i].last && s.req.kv.do_remote_decode)
-                producer_->on_prefill_progress(
-                    s.id, s.req.kv, s.blocks,
-                    KvReady{s.computed, s.computed + step[i].tokens, group.end});
+            // handovers[i] hand-overs spread evenly over the groups, the last at the end.
+            const int h = handovers[i];
+            if (!errors[i].ok() || !s.req.kv.do_remote_decode ||
+                (g + 1) * h / groups == g * h / groups)
+                continue;
+            s.handovers++;
+            producer_->on_prefill_progress(
+                s.id, s.req.kv, s.blocks,
+                KvReady{s.computed, s.computed + step[i].tokens, group.end});
         }
     }
     TimePoint now = Clock::now();
@@ -782,8 +834,10 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         s.kv_terms += terms[i];
         if (!s.prefilled()) {
             // Push writes this chunk's KV while the next chunks compute.
-            if (s.req.kv.do_remote_decode)
+            if (s.req.kv.do_remote_decode) {
+                s.handovers++;
                 producer_->on_prefill_progress(s.id, s.req.kv, s.blocks, KvReady{s.computed});
+            }
             continue;
         }
         s.mark(&RequestTiming::prefill_end, now);

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/kv/connector.h"
 #include "ferry/kv/handshake.h"
@@ -51,6 +52,7 @@ class FabricKvLink::Impl {
     KvPool* pool = nullptr;
     kv::KvLayout layout;
     std::unique_ptr<TransferEngine> engine;
+    size_t max_handovers = 1;  // see KvProducer::max_progress_handovers
     std::unique_ptr<MemoryRegion> mr;
     std::unique_ptr<kv::KvConnector> conn;
     std::unique_ptr<kv::HandshakeServer> side;
@@ -319,6 +321,9 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
     cc.pull_mode =
         config.mode == KvLinkMode::kPullInline ? kv::PullMode::kInline : kv::PullMode::kBackground;
+    // Segments per transfer are bounded by decode's immediate span (every engine runs the
+    // defaults), less the two the connector keeps for on_prefill_done.
+    p->max_handovers = std::max<uint32_t>(std::min(cc.imm_span, cc.imm_count), 3) - 2;
     kv::ConnectorCallbacks cb;
     cb.on_send_done = [p](const kv::TransferResult& r) { p->on_send_done(r); };
     cb.on_recv_done = [p](const kv::TransferResult& r) { p->on_recv_done(r); };
@@ -337,7 +342,10 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
                         config.side_port));
     p->side = std::move(side).value();
     p->peers = std::make_unique<kv::HandshakeCache>(p->layout.compatibility_hash());
-    p->worker = std::thread([p] { p->run(); });
+    p->worker = std::thread([p] {
+        set_thread_name("ferry-kvlink");
+        p->run();
+    });
     return std::unique_ptr<FabricKvLink>(new FabricKvLink(std::move(impl)));
 }
 
@@ -411,6 +419,8 @@ void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransf
     if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
     (void)p->conn->prefill_scheduled(transfer_key(params.transfer_id));
 }
+
+size_t FabricKvLink::max_progress_handovers() const { return impl_->max_handovers; }
 
 void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
                                        const std::vector<BlockId>& blocks, const KvReady& ready) {

@@ -185,9 +185,11 @@ struct PD {
     std::unique_ptr<Engine> prefill, decode;
     std::unique_ptr<InProcessKvLink> link;
 
-    PD(KvLinkMode mode, Duration lease = seconds(10), Duration kv_wait = seconds(10)) {
+    PD(KvLinkMode mode, Duration lease = seconds(10), Duration kv_wait = seconds(10),
+       EngineConfig decode_config = {.engine_id = "d", .num_blocks = 64}) {
         prefill = make_engine({.engine_id = "p", .num_blocks = 64});
-        decode = make_engine({.engine_id = "d", .num_blocks = 64, .kv_wait_timeout = kv_wait});
+        decode_config.kv_wait_timeout = kv_wait;
+        decode = make_engine(decode_config);
         link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{mode, lease});
         EXPECT_TRUE(link->add_engine("p", &prefill->pool()).ok());
         EXPECT_TRUE(link->add_engine("d", &decode->pool()).ok());
@@ -277,6 +279,35 @@ TEST(DisaggregatedEngines, PullAndPullInlineDeliverVerifiedTokens) {
     }
 }
 
+TEST(DisaggregatedEngines, FirstTokenComesWithTheKvOrAfterDecodesFirstStep) {
+    // Decode steps of ~150 ms make the difference plain: the token prefill sampled streams as
+    // soon as the KV is in, the other one step later; both are the tokens the KV implies.
+    const auto prompt = prompt_of(40, 6);
+    const double step_s = tiny_cost().decode_seconds(std::vector<int>{int(prompt.size())});
+    for (auto first : {EngineConfig::FirstToken::kPrefill, EngineConfig::FirstToken::kDecode}) {
+        bool from_prefill = first == EngineConfig::FirstToken::kPrefill;
+        SCOPED_TRACE(from_prefill ? "first token from prefill" : "first token from decode");
+        PD pd(KvLinkMode::kPull, seconds(10), seconds(10),
+              {.engine_id = "d",
+               .first_token = first,
+               .num_blocks = 64,
+               .time_scale = 0.15 / step_s});
+        auto hp = pd.prefill->submit(pd.prefill_leg(prompt, "t-first")).value();
+        ASSERT_TRUE(collect(*hp).status.ok());
+        auto hd = pd.decode->submit(pd.decode_leg(prompt, 3, hp->kv_out())).value();
+        Collected cd = collect(*hd);
+        ASSERT_TRUE(cd.status.ok()) << cd.status.to_string();
+        EXPECT_EQ(cd.tokens, expected_tokens(pd.decode->kv_slice(), prompt, 3));
+        RequestTiming t = hd->timing();
+        double after_kv_ms = to_ms(t.first_token - t.kv_ready);
+        if (from_prefill)
+            EXPECT_LT(after_kv_ms, 75.0);
+        else
+            EXPECT_GT(after_kv_ms, 140.0);
+        EXPECT_TRUE(eventually([&] { return pd.pools_full(); }));
+    }
+}
+
 TEST(DisaggregatedEngines, KvCorruptedBeforeTheTransferChangesTheTokens) {
     PD pd(KvLinkMode::kPull);
     auto prompt = prompt_of(33, 4);
@@ -357,6 +388,8 @@ struct LayeredSetup {
 
 // Records what a prefill engine hands to its connector, and when.
 struct RecordingProducer : KvProducer {
+    size_t limit = SIZE_MAX;
+    size_t max_progress_handovers() const override { return limit; }
     std::mutex mu;
     std::vector<std::pair<KvReady, TimePoint>> progress;
     TimePoint done_at{};
@@ -377,9 +410,12 @@ struct RecordingProducer : KvProducer {
     }
 };
 
-TEST(Engine, PushLegsLastChunkIsHandedOverLayerGroupByGroupWhileItsStepRuns) {
-    LayeredSetup setup(milliseconds(80));
-    RecordingProducer producer;
+using HandOver = std::tuple<size_t, size_t, int>;  // KvReady's tokens, partial_end, layers
+
+// Runs one push prefill leg of `prompt_len` tokens (chunks of 64, 4 layer groups) and returns
+// what the engine handed to `producer`, in order.
+std::vector<HandOver> push_prefill(RecordingProducer& producer, const LayeredSetup& setup,
+                                   size_t prompt_len, const std::string& tid) {
     auto e = make_engine({.engine_id = "p",
                           .prefill_chunk_tokens = LayeredSetup::kChunk,
                           .push_layer_groups = 4,
@@ -387,26 +423,49 @@ TEST(Engine, PushLegsLastChunkIsHandedOverLayerGroupByGroupWhileItsStepRuns) {
                           .time_scale = setup.time_scale},
                          setup.cost);
     e->attach_connector(&producer, nullptr);
-    ASSERT_TRUE(e->start().ok());
-    GenerateRequest r{.prompt = prompt_of(LayeredSetup::kPrompt, 3), .max_tokens = 1};
+    EXPECT_TRUE(e->start().ok());
+    GenerateRequest r{.prompt = prompt_of(prompt_len, 3), .max_tokens = 1};
     r.kv.do_remote_decode = true;
-    r.kv.transfer_id = "t-layered";
+    r.kv.transfer_id = tid;
     auto h = e->submit(r).value();
     Collected c = collect(*h);
-    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    EXPECT_TRUE(c.status.ok()) << c.status.to_string();
     e->stop();
     std::lock_guard lock(producer.mu);
-    // The first chunk whole, then the last chunk's first 2, 4 and 6 of 8 layers; the rest
-    // goes with on_prefill_done.
-    std::vector<std::tuple<size_t, size_t, int>> got;
+    std::vector<HandOver> got;
     for (auto& [ready, at] : producer.progress)
         got.emplace_back(ready.tokens, ready.partial_end, ready.partial_layers);
-    std::vector<std::tuple<size_t, size_t, int>> want = {
-        {64, 0, 0}, {64, 100, 2}, {64, 100, 4}, {64, 100, 6}};
+    return got;
+}
+
+TEST(Engine, PushLegsChunksAreHandedOverLayerGroupByGroupWhileTheirStepsRun) {
+    LayeredSetup setup(milliseconds(80));
+    RecordingProducer producer;
+    auto got = push_prefill(producer, setup, LayeredSetup::kPrompt, "t-layered");
+    // Each chunk's first 2, 4 and 6 of 8 layers as its step runs, the first chunk whole at
+    // its end; the last chunk's rest goes with on_prefill_done.
+    std::vector<HandOver> want = {{0, 64, 2},   {0, 64, 4},   {0, 64, 6},  {64, 0, 0},
+                                  {64, 100, 2}, {64, 100, 4}, {64, 100, 6}};
     ASSERT_EQ(got, want);
-    // The first group left about three quarters of the 80 ms step before the step ended.
-    double ahead_ms = to_ms(producer.done_at - producer.progress[1].second);
+    // The last chunk's first group left about three quarters of the 80 ms step before the
+    // step ended.
+    std::lock_guard lock(producer.mu);
+    double ahead_ms = to_ms(producer.done_at - producer.progress[4].second);
     EXPECT_GT(ahead_ms, 40.0);
+}
+
+TEST(Engine, PushHandOversStayWithinTheConnectorsLimitAndTheLastChunkGetsEveryGroup) {
+    LayeredSetup setup(milliseconds(10));
+    RecordingProducer producer;
+    producer.limit = 8;
+    // 300 tokens: four chunks of 64, then 44.
+    auto got = push_prefill(producer, setup, 300, "t-limited");
+    // The first chunk gets the two hand-overs the limit leaves after reserving one per later
+    // chunk and three for the last; every earlier chunk ends with one.
+    std::vector<HandOver> want = {{0, 64, 4},   {64, 0, 0},    {128, 0, 0},   {192, 0, 0},
+                                  {256, 0, 0},  {256, 300, 2}, {256, 300, 4}, {256, 300, 6}};
+    EXPECT_EQ(got, want);
+    EXPECT_LE(got.size(), producer.limit);
 }
 
 // Writes a prompt's KV into a decode engine's blocks as a layer-wise push would: the first

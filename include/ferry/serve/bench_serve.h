@@ -58,6 +58,7 @@ struct RequestRecord {
     double e2e_ms = 0;
     std::vector<double> itl_ms;
     nlohmann::json server_timing;  // the server's ferry_timing, when it sent one
+    std::vector<int32_t> tokens;   // what came back
 };
 
 struct BenchServeResult {

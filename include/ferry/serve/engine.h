@@ -50,10 +50,21 @@ struct EngineConfig {
     // oldest prompts first), ending a chunk that does not finish its prompt on a block
     // boundary; new prompts are admitted only while a step's budget is not yet spoken for.
     size_t prefill_chunk_tokens = 0;
-    // Push: a prompt's last chunk is computed, and handed to the connector, in this many
-    // groups of layers (at most the model's layers), so only the last group's copy and digest
-    // follow the step. 1: the chunk goes out whole after its step.
+    // Push: a step with a push leg is computed in this many groups of layers (at most the
+    // model's layers), and each chunk's KV is handed to the connector group by group (the
+    // last chunk at every group; earlier ones as often as the connector's piece limit per
+    // prompt allows), so copies run alongside compute and only the last group's copy and
+    // digest follow the step. 1: each chunk goes out whole after its step.
     int push_layer_groups = 1;
+    // Decode legs: where the first token comes from. kPrefill: the token prefill sampled at
+    // the end of its step travels with the KV, so decode streams it as soon as the KV is in
+    // and digested (SGLang's and TensorRT-LLM's disaggregation do this); decode's first step
+    // then computes the second token. The synthetic model derives that token from the KV
+    // decode received, so a wrong KV still shows in it. kDecode: decode computes the first
+    // token in its first step over the received KV (vLLM's disaggregation: the last prompt
+    // token is recomputed there), one decode step later.
+    enum class FirstToken { kPrefill, kDecode };
+    FirstToken first_token = FirstToken::kPrefill;
     size_t num_blocks = 4096;
     int block_size = 16;
     int head_offset = 0;      // global index of this rank's first KV head
@@ -166,6 +177,9 @@ class Engine {
     };
     void admit(std::vector<Seq*>& prefill_batch);
     std::vector<StepChunk> plan_prefill_step() const;
+    // Progress hand-overs a push leg's chunk ending at chunk_end gets in a step of `groups`
+    // layer groups, within the connector's limit per prompt.
+    int progress_handovers(const Seq& s, size_t chunk_end, int groups) const;
     void run_prefill(const std::vector<StepChunk>& step);
     void run_decode();
     void expire_kv_waits();

@@ -75,6 +75,7 @@ class FabricKvLink : public KvProducer, public KvConsumer {
     void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
     void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
                              const std::vector<BlockId>& blocks, const KvReady& ready) override;
+    size_t max_progress_handovers() const override;
     Result<KvTransferParams> on_prefill_done(const RequestId& request,
                                              const KvTransferParams& params,
                                              std::vector<BlockId> blocks, size_t num_tokens,

@@ -61,6 +61,9 @@ class KvProducer {
     // keeps the blocks until the release of on_prefill_done or on_prefill_aborted.
     virtual void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
                                      const std::vector<BlockId>& blocks, const KvReady& ready) {}
+    // How many on_prefill_progress calls per prompt are sent as pieces of their own; later
+    // ones wait for on_prefill_done. The engine spreads its hand-overs within this.
+    virtual size_t max_progress_handovers() const { return SIZE_MAX; }
 
     // The prompt KV of `request` (tokens [0, num_tokens)) is complete in `blocks`. The connector
     // sends it (push: to the blocks decode registered under params.transfer_id; pull: holds it
