@@ -513,8 +513,9 @@ TEST(CudaQuantize, MatchesCpuQuantizerBitForBit) {
 #endif
 }
 
-// Without CUDA (or a GPU) the API exists and says why it cannot run.
-TEST(CudaAllToAllSetup, RemotePeersAreRefusedWithAClearError) {
+// Without CUDA the API exists and says why it cannot run; with it, ranks on other nodes need
+// an engine, which is checked before any GPU is touched.
+TEST(CudaAllToAllSetup, RemotePeersWithoutAnEngineAreRefusedWithAClearError) {
     AllToAllConfig cfg;
     cfg.max_tokens_per_rank = 8;
     cfg.hidden = 256;
@@ -527,7 +528,8 @@ TEST(CudaAllToAllSetup, RemotePeersAreRefusedWithAClearError) {
     });
     ASSERT_FALSE(r.ok());
 #ifdef FERRY_HAVE_CUDA
-    EXPECT_NE(r.status().message().find("other nodes are not supported yet"), std::string::npos)
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("set CudaAllToAllOptions::engine"), std::string::npos)
         << r.status().to_string();
 #else
     EXPECT_NE(r.status().message().find("no CUDA support"), std::string::npos)
