@@ -28,9 +28,6 @@ const char* part_name(uint32_t part) {
 
 uint64_t records_base(const SharedLayout& layout) { return (layout.total + 63) / 64 * 64; }
 
-// Idle polling: spin (yielding the core) this long after the last activity, then nap. The
-// proxy polls host memory the GPU writes, so nothing can wake it from a sleep.
-constexpr Duration kIdleSpin = std::chrono::microseconds(200);
 constexpr Duration kNap = std::chrono::microseconds(20);
 
 }  // namespace
@@ -123,7 +120,7 @@ void DeviceProxy::loop() {
         }
         if (active) {
             last_activity = Clock::now();
-        } else if (Clock::now() - last_activity < kIdleSpin) {
+        } else if (Clock::now() - last_activity < s_.idle_spin) {
             std::this_thread::yield();
         } else {
             std::this_thread::sleep_for(kNap);

@@ -60,6 +60,9 @@ struct DeviceProxySetup {
     uint64_t dispatch_blocks = 0;                 // what one call adds to a dispatch counter
     uint64_t combine_blocks = 0;                  // ... and to a combine counter
     Duration timeout = std::chrono::seconds(10);  // a put's data pieces after its record
+    // Polling: spin (yielding the core) this long after the last activity, then nap 20 us at
+    // a time; nothing can wake a nap, since the kernels signal through host memory.
+    Duration idle_spin = std::chrono::microseconds(200);
     std::vector<bool> remote;                     // [world] peers reached through the proxy
     std::vector<PeerId> peer;                     // [world] engine peers, where remote
     std::vector<MemoryDescriptor> inbox;          // [world] peers' inboxes, where remote

@@ -76,6 +76,10 @@ struct CudaAllToAllOptions {
     // Immediates used are [imm_base, imm_base + 8 * kMaxWorldSize): keep clear of other users
     // of the same engine (AllToAll's default base is another range).
     uint32_t imm_base = 0x6d670000;
+    // The host proxy spins (yielding its core) this long after its last work, then naps; the
+    // first put after a nap waits for its end (tens of microseconds with the scheduler's
+    // granularity). Set it above the gap between layers to keep the proxy spinning.
+    Duration proxy_idle_spin = std::chrono::microseconds(200);
 };
 
 // Device pointers. x: num_tokens rows of payload_bytes; x_scale: hidden/128 floats per token

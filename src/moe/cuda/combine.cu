@@ -9,11 +9,12 @@
 namespace ferry::moe::cuda {
 namespace {
 
-// One warp per expert output row, rows grid-stride.
-// Remote ranks get their results as one compact run each (see assign_remote_combine_rows),
-// into their outbox; the others straight into slot (token * top-k + k).
+// One warp per expert output row, rows grid-stride. Remote ranks get their results as one
+// compact run each (see assign_remote_combine_rows), into their outbox; the others straight
+// into slot (token * top-k + k).
 __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
-    __shared__ uint32_t s_base[kMaxCudaWorld], s_hits[kMaxCudaWorld];  // remote ranks' run, in rows
+    // Remote ranks' runs, in rows: where each wants ours, and how many.
+    __shared__ uint32_t s_base[kMaxCudaWorld], s_hits[kMaxCudaWorld];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;

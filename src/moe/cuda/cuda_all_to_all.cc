@@ -547,6 +547,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         ps.dispatch_blocks = impl->dispatch_send_blocks;
         ps.combine_blocks = impl->combine_send_blocks;
         ps.timeout = options.timeout;
+        ps.idle_spin = options.proxy_idle_spin;
         ps.remote.resize(w);
         for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
         ps.publish = static_cast<const proxy::Publish*>(impl->publish);

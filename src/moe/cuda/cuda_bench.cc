@@ -86,6 +86,9 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         ec.op_timeout = bc.timeout;
         FERRY_ASSIGN_OR_RETURN(engine, TransferEngine::create(ec));
         opts.engine = engine.get();
+        // Serving keeps the proxy busy layer after layer; here iterations are apart by host
+        // barriers, and a proxy that naps would add its wake-up to every first put.
+        opts.proxy_idle_spin = bc.timeout;
         res->provider += fmt::format(", other nodes over {}", engine->provider());
     }
     AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
