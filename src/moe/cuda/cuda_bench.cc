@@ -84,6 +84,7 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         EngineConfig ec;
         ec.provider = bc.provider;
         ec.op_timeout = bc.timeout;
+        ec.busy_poll = true;  // tcp and shm deliver arrivals only when polled
         FERRY_ASSIGN_OR_RETURN(engine, TransferEngine::create(ec));
         opts.engine = engine.get();
         // Serving keeps the proxy busy layer after layer; here iterations are apart by host
