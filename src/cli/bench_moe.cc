@@ -22,8 +22,10 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--ranks", c->ranks, "ranks (expert-parallel world size)")
         ->capture_default_str();
-    cmd->add_option("--ranks-per-node", c->ranks_per_node, "ranks sharing memory")
-        ->capture_default_str();
+    auto* per_node = cmd->add_option(
+        "--ranks-per-node", c->ranks_per_node,
+        "ranks sharing memory (cpu: 4 unless given; cuda: all ranks unless given, ranks of other "
+        "nodes then go through the host proxy and --provider)");
     cmd->add_option("--tokens", c->tokens, "tokens per rank and call")->capture_default_str();
     cmd->add_option("--hidden", c->hidden)->capture_default_str();
     cmd->add_option("--topk", c->topk, "experts per token")->capture_default_str();
@@ -40,7 +42,9 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
-    cmd->callback([c, dtype, json_path] {
+    cmd->callback([c, dtype, json_path, per_node] {
+        // The cuda backend puts every rank on one node unless asked to split them.
+        if (c->backend == "cuda" && per_node->count() == 0) c->ranks_per_node = c->ranks;
         if (!moe::parse_dtype(*dtype, &c->dtype)) {
             fail(invalid_argument(fmt::format("--dtype {}: use fp8 or bf16", *dtype)));
             return;

@@ -159,8 +159,7 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     cfg.num_experts = bc.experts;
     cfg.experts_per_token = bc.topk;
     cfg.world_size = bc.ranks;
-    // The cuda backend runs every rank on this host's GPUs (NVLink / CUDA IPC only).
-    cfg.ranks_per_node = bc.backend == "cuda" ? bc.ranks : bc.ranks_per_node;
+    cfg.ranks_per_node = bc.ranks_per_node;
     cfg.private_slots_per_sender = std::min(bc.private_slots, cfg.max_tokens_per_rank);
     cfg.group_alignment = bc.alignment;
     FERRY_RETURN_IF_ERROR(cfg.validate());

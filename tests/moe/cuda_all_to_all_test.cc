@@ -1,6 +1,8 @@
 // The CUDA all-to-all against the CPU backend on the same inputs: batches must be
 // byte-identical (same group order, same rows, same fp8 bytes and scales), combine outputs
-// equal to the CPU's fp32 sums, plus the independent checks of test_util.h.
+// equal to the CPU's fp32 sums, plus the independent checks of test_util.h. Outputs are
+// poisoned before every call. Cases with ranks_per_node below the world run the ranks of
+// other "nodes" through the host proxy and a TransferEngine (tcp or shm), even on one GPU.
 //
 // CUDA is only ever initialised in forked children (the harness forks; a process that has
 // touched CUDA cannot fork usable children), so every case runs inside run_processes: one
@@ -21,6 +23,7 @@
 #include "ferry/moe/local_world.h"
 #include "moe/bench_internal.h"
 #include "moe/test_util.h"
+#include "support/engine_fixture.h"
 #include "support/gpu.h"
 #include "support/multiproc.h"
 
@@ -53,9 +56,22 @@ struct CudaCase {
     bool processes = false;  // one process per rank instead of one thread per rank
     bool bf16_out = false;
     bool graph = false;  // capture each half once, replay it for every call
+    uint32_t ranks_per_node = 0;   // 0: every rank on one node; else the others via the proxy
+    const char* provider = "tcp";  // the engines' provider between nodes
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
+
+// The decode shape of DeepSeek-style models on top of a case: 128 tokens, hidden 7168, top-8
+// of 256 experts, 32 private slots.
+CudaCase decode_shape(CudaCase c) {
+    c.hidden = 7168;
+    c.num_experts = 256;
+    c.topk = 8;
+    c.max_tokens = 128;
+    c.private_slots = 32;
+    return c;
+}
 
 #ifdef FERRY_HAVE_CUDA
 
@@ -67,7 +83,7 @@ AllToAllConfig config_of(const CudaCase& k) {
     c.num_experts = k.num_experts;
     c.experts_per_token = k.topk;
     c.world_size = k.world;
-    c.ranks_per_node = k.world;
+    c.ranks_per_node = k.ranks_per_node ? k.ranks_per_node : k.world;
     c.private_slots_per_sender = k.private_slots;
     c.group_alignment = k.alignment;
     return c;
@@ -152,6 +168,13 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
     // shape) while keeping a broken case well inside gpu_check.sh's time bound.
     opts.timeout = std::chrono::seconds(8);
     opts.device = device;
+    std::unique_ptr<TransferEngine> engine;  // outlives the all-to-all
+    if (cfg.world_size > cfg.ranks_per_node) {
+        auto e = TransferEngine::create(ferry::testing::test_engine_config(k.provider));
+        if (!e.ok()) return "engine: " + e.status().to_string();
+        engine = std::move(e).value();
+        opts.engine = engine.get();
+    }
     auto created = CudaAllToAll::create(cfg, ag, opts);
     if (!created.ok()) return "create: " + created.status().to_string();
     auto& a2a = **created;
@@ -238,6 +261,12 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         RANK_CUDA(cudaMemcpyAsync(wt, mine.weights.data(), mine.weights.size() * 4,
                                   cudaMemcpyHostToDevice, stream));
         RANK_CUDA(cudaMemcpyAsync(ntok, &n, 4, cudaMemcpyHostToDevice, stream));
+        // Poison: every byte compared below must have been written by this call.
+        RANK_CUDA(cudaMemsetAsync(bx, 0xa5, rows * pb, stream));
+        if (spt) RANK_CUDA(cudaMemsetAsync(bs, 0xa5, rows * spt * 4, stream));
+        RANK_CUDA(cudaMemsetAsync(bsrc, 0xa5, rows * sizeof(RowSource), stream));
+        RANK_CUDA(cudaMemsetAsync(out, 0xff, size_t{t} * h * 4, stream));
+        RANK_CUDA(cudaMemsetAsync(out16, 0xff, size_t{t} * h * 2, stream));
         if (k.graph) {
             RANK_CUDA(cudaGraphLaunch(graphs.dispatch, stream));
         } else {
@@ -318,6 +347,20 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
     return "";
 }
 
+// Inputs of a call with no tokens (a device token count of 0), in `mem`.
+std::string no_tokens(const CudaCase& k, DevMem& mem, CudaDispatchInput* in) {
+    auto* x = mem.alloc<uint8_t>(size_t{k.max_tokens} * k.hidden);
+    auto* xs = mem.alloc<float>(size_t{k.max_tokens} * k.hidden / 128);
+    auto* idx = mem.alloc<int32_t>(size_t{k.max_tokens} * k.topk);
+    auto* wt = mem.alloc<float>(size_t{k.max_tokens} * k.topk);
+    auto* n = mem.alloc<uint32_t>(1);
+    CHILD_CHECK(x && xs && idx && wt && n);
+    RANK_CUDA(cudaMemset(n, 0, 4));
+    RANK_CUDA(cudaDeviceSynchronize());
+    *in = {x, xs, idx, wt, n};
+    return "";
+}
+
 int visible_gpus() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
@@ -382,15 +425,8 @@ INSTANTIATE_TEST_SUITE_P(
                  .full = true},
         CudaCase{.name = "ep2_empty_rank", .empty_rank = true},
         CudaCase{.name = "ep2_no_private_slots", .private_slots = 0, .alignment = 4},
-        CudaCase{.name = "ep2_decode_shape",
-                 .hidden = 7168,
-                 .num_experts = 256,
-                 .topk = 8,
-                 .max_tokens = 128,
-                 .private_slots = 32,
-                 .full = true,
-                 .calls = 2,
-                 .processes = true},
+        decode_shape(CudaCase{
+            .name = "ep2_decode_shape", .full = true, .calls = 2, .processes = true}),
         CudaCase{.name = "ep4_threads", .world = 4, .hole = 0.3, .calls = 4},
         CudaCase{
             .name = "ep4_graph_replay", .world = 4, .private_slots = 4, .calls = 4, .graph = true},
@@ -417,7 +453,55 @@ INSTANTIATE_TEST_SUITE_P(
                  .hidden = 256,
                  .num_experts = 64,
                  .empty_rank = true,
-                 .processes = true}),
+                 .processes = true},
+        // Remote ranks through the host proxy: every rank its own node, then 2 nodes x 2.
+        CudaCase{.name = "ep2_remote_fp8", .ranks_per_node = 1},
+        CudaCase{.name = "ep2_remote_bf16_shm",
+                 .dtype = DType::kBf16,
+                 .bf16_out = true,
+                 .ranks_per_node = 1,
+                 .provider = "shm"},
+        CudaCase{.name = "ep2_remote_skewed_overflow",
+                 .private_slots = 2,
+                 .alignment = 8,
+                 .routing = Routing::kSkewed,
+                 .full = true,
+                 .ranks_per_node = 1},
+        CudaCase{.name = "ep2_remote_no_private_slots",
+                 .private_slots = 0,
+                 .alignment = 4,
+                 .empty_rank = true,
+                 .ranks_per_node = 1},
+        decode_shape(CudaCase{
+            .name = "ep2_remote_decode_shape", .full = true, .calls = 3, .ranks_per_node = 1}),
+        CudaCase{.name = "ep2_remote_graph_replay",
+                 .dtype = DType::kBf16,
+                 .calls = 4,
+                 .bf16_out = true,
+                 .graph = true,
+                 .ranks_per_node = 1},
+        CudaCase{
+            .name = "ep4_two_nodes_fp8", .world = 4, .hole = 0.3, .calls = 4, .ranks_per_node = 2},
+        CudaCase{.name = "ep4_two_nodes_skewed_bf16_shm",
+                 .world = 4,
+                 .dtype = DType::kBf16,
+                 .private_slots = 4,
+                 .routing = Routing::kSkewed,
+                 .full = true,
+                 .ranks_per_node = 2,
+                 .provider = "shm"},
+        decode_shape(CudaCase{.name = "ep4_two_nodes_decode_processes",
+                              .world = 4,
+                              .calls = 2,
+                              .processes = true,
+                              .ranks_per_node = 2}),
+        CudaCase{.name = "ep8_four_nodes",
+                 .world = 8,
+                 .num_experts = 64,
+                 .topk = 6,
+                 .alignment = 16,
+                 .calls = 3,
+                 .ranks_per_node = 2}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return std::string(i.param.name); });
 
 // A rank that never calls turns into a timeout that names it, not a hang.
@@ -439,13 +523,9 @@ TEST(CudaAllToAllSetup, ASilentPeerTurnsIntoATimeoutNamingIt) {
             CHILD_ASSIGN_OK(auto a2a, CudaAllToAll::create(cfg, ag, opts));
             if (ex.rank() == 0) {
                 DevMem mem;
-                auto* x = mem.alloc<uint8_t>(size_t{k.max_tokens} * k.hidden);
-                auto* xs = mem.alloc<float>(size_t{k.max_tokens} * k.hidden / 128);
-                auto* idx = mem.alloc<int32_t>(size_t{k.max_tokens} * k.topk);
-                auto* wt = mem.alloc<float>(size_t{k.max_tokens} * k.topk);
-                auto* n = mem.alloc<uint32_t>(1);
-                RANK_CUDA(cudaMemset(n, 0, 4));
-                CHILD_CHECK_OK(a2a->dispatch_send({x, xs, idx, wt, n}, nullptr));
+                CudaDispatchInput in;
+                if (std::string err = no_tokens(k, mem, &in); !err.empty()) return err;
+                CHILD_CHECK_OK(a2a->dispatch_send(in, nullptr));
                 Status s = a2a->synchronize(nullptr);
                 CHILD_CHECK_MSG(s.code() == StatusCode::kTimeout, "got {}", s.to_string());
                 CHILD_CHECK_MSG(s.message().find("rank 1") != std::string::npos &&
@@ -464,6 +544,87 @@ TEST(CudaAllToAllSetup, ASilentPeerTurnsIntoATimeoutNamingIt) {
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
 #endif
 }
+
+#ifdef FERRY_HAVE_CUDA
+// Two ranks on two "nodes" (processes on this host's GPUs, engines over tcp). Rank 1 makes no
+// call; with engine_gone it also destroys its all-to-all and its engine first. Rank 0's
+// dispatch_send must end in an error naming rank 1, within the deadline, and the object must
+// refuse further calls.
+std::string remote_failure_rank(ferry::testing::Exchange& ex, bool engine_gone) {
+    int gpus = visible_gpus();
+    CHILD_CHECK(gpus > 0);
+    CudaCase k{.name = "remote_failure", .ranks_per_node = 1};
+    AllToAllConfig cfg = config_of(k);
+    cfg.rank = static_cast<uint32_t>(ex.rank());
+    RANK_CUDA(cudaSetDevice(ex.rank() % gpus));
+    EngineConfig ec = ferry::testing::test_engine_config("tcp");
+    ec.op_timeout = std::chrono::seconds(1);
+    CHILD_ASSIGN_OK(auto engine, TransferEngine::create(ec));
+    CudaAllToAllOptions opts;
+    // Silent peer: the kernel's own deadline. Engine gone: well above the engine's, so the
+    // proxy's failure must be what stops the kernels.
+    opts.timeout = engine_gone ? std::chrono::seconds(6) : std::chrono::milliseconds(400);
+    opts.engine = engine.get();
+    AllGatherFn ag = [&ex](std::span<const uint8_t> b) { return ex.allgather(b); };
+    CHILD_ASSIGN_OK(auto a2a, CudaAllToAll::create(cfg, ag, opts));
+    if (ex.rank() == 1) {
+        if (engine_gone) {
+            a2a.reset();
+            engine.reset();
+        }
+        CHILD_CHECK_OK(ex.barrier());  // rank 0 calls now
+        CHILD_CHECK_OK(ex.barrier());  // and is done
+        return "";
+    }
+    DevMem mem;
+    CudaDispatchInput in;
+    if (std::string err = no_tokens(k, mem, &in); !err.empty()) return err;
+    CHILD_CHECK_OK(ex.barrier());
+    auto t0 = Clock::now();
+    CHILD_CHECK_OK(a2a->dispatch_send(in, nullptr));
+    Status s = a2a->synchronize(nullptr);
+    const auto took = Clock::now() - t0;
+    CHILD_CHECK_MSG(!s.ok(), "dispatch_send with rank 1 {} succeeded",
+                    engine_gone ? "gone" : "silent");
+    CHILD_CHECK_MSG(s.message().find("rank 1") != std::string::npos, "message: {}", s.to_string());
+    if (engine_gone) {
+        CHILD_CHECK_MSG(s.message().find("host proxy") != std::string::npos, "message: {}",
+                        s.to_string());
+        CHILD_CHECK_MSG(took < std::chrono::seconds(4), "took {} ms: {}", to_ms(took),
+                        s.to_string());
+    } else {
+        CHILD_CHECK_MSG(s.code() == StatusCode::kTimeout &&
+                            s.message().find("waiting for counts") != std::string::npos,
+                        "message: {}", s.to_string());
+        CHILD_CHECK_MSG(took < std::chrono::seconds(3), "took {} ms", to_ms(took));
+    }
+    Status again = a2a->dispatch_recv({}, nullptr);
+    CHILD_CHECK_MSG(!again.ok() && again.message().find("recreate") != std::string::npos,
+                    "second call: {}", again.to_string());
+    CHILD_CHECK_OK(ex.barrier());
+    return "";
+}
+#endif  // FERRY_HAVE_CUDA
+
+// false: a silent peer turns into a timeout naming it and the phase; true: a peer whose engine
+// is gone turns into an error naming it, not a hang.
+class CudaAllToAllRemoteFailure : public ::testing::TestWithParam<bool> {};
+
+TEST_P(CudaAllToAllRemoteFailure, EndsInAnErrorNamingThePeerWithinTheDeadline) {
+    if (ferry::testing::gpu_count() == 0) GTEST_SKIP() << ferry::testing::no_gpu_reason();
+#ifdef FERRY_HAVE_CUDA
+    const bool engine_gone = GetParam();
+    auto results = ferry::testing::run_processes(
+        2, [&](ferry::testing::Exchange& ex) { return remote_failure_rank(ex, engine_gone); },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Peers, CudaAllToAllRemoteFailure, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                             return std::string(i.param ? "engine_gone" : "silent");
+                         });
 
 // The device quantizer writes the bytes and scales of the CPU reference.
 TEST(CudaQuantize, MatchesCpuQuantizerBitForBit) {
@@ -513,8 +674,9 @@ TEST(CudaQuantize, MatchesCpuQuantizerBitForBit) {
 #endif
 }
 
-// Without CUDA (or a GPU) the API exists and says why it cannot run.
-TEST(CudaAllToAllSetup, RemotePeersAreRefusedWithAClearError) {
+// Without CUDA the API exists and says why it cannot run; with it, ranks on other nodes need
+// an engine, which is checked before any GPU is touched.
+TEST(CudaAllToAllSetup, RemotePeersWithoutAnEngineAreRefusedWithAClearError) {
     AllToAllConfig cfg;
     cfg.max_tokens_per_rank = 8;
     cfg.hidden = 256;
@@ -527,7 +689,8 @@ TEST(CudaAllToAllSetup, RemotePeersAreRefusedWithAClearError) {
     });
     ASSERT_FALSE(r.ok());
 #ifdef FERRY_HAVE_CUDA
-    EXPECT_NE(r.status().message().find("other nodes are not supported yet"), std::string::npos)
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("set CudaAllToAllOptions::engine"), std::string::npos)
         << r.status().to_string();
 #else
     EXPECT_NE(r.status().message().find("no CUDA support"), std::string::npos)

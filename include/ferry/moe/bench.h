@@ -16,7 +16,8 @@ namespace ferry::moe {
 
 struct MoeBenchConfig {
     // "cpu", or "cuda": every rank a thread on this host's GPUs (rank r on GPU r % count),
-    // phases timed with CUDA events; ranks_per_node and provider are then ignored.
+    // phases timed with CUDA events; ranks of other nodes (by ranks_per_node) then go through
+    // the host proxy and an engine on `provider`, which times the proxied path on one host.
     std::string backend = "cpu";
     uint32_t ranks = 8;
     uint32_t ranks_per_node = 4;

@@ -1,9 +1,15 @@
-// Expert-parallel all-to-all on GPUs: the protocol of cpu_backend.h run by CUDA kernels, for
-// ranks of one node whose buffers are mapped into each other through CUDA IPC (NVLink between
-// GPUs, plain device memory between ranks sharing a GPU). This header is CUDA-free: device
-// pointers are plain pointers and a stream is passed as `void*` (a cudaStream_t).
+// Expert-parallel all-to-all on GPUs: the protocol of cpu_backend.h run by CUDA kernels. Ranks
+// of one node (cfg.ranks_per_node consecutive ranks) map each other's buffers through CUDA IPC
+// (NVLink between GPUs, plain device memory between ranks sharing a GPU) and kernels store
+// straight into them. Ranks on other nodes are reached through a host proxy thread per rank and
+// a TransferEngine (options.engine): kernels write those peers' bytes into pinned host memory
+// and publish them there, the proxy writes them to the peer with immediates, and the peer's
+// proxy copies them onto its GPU and raises the arrival counter its kernels wait for. That
+// path costs a PCIe crossing and a host copy per put on each side (no GDRCopy, no GPUDirect
+// RDMA); same-node peers pay nothing for it. This header is CUDA-free: device pointers are
+// plain pointers and a stream is passed as `void*` (a cudaStream_t).
 //
-//   auto a2a = CudaAllToAll::create(cfg, allgather);  // collective; maps every peer
+//   auto a2a = CudaAllToAll::create(cfg, allgather, {.engine = engine});  // collective
 //   a2a->dispatch_send(in, stream);   // enqueue only: nothing here waits for the GPU
 //   a2a->dispatch_recv(batch, stream);
 //   ... experts on `stream` ...
@@ -13,21 +19,22 @@
 //
 // Every argument the kernels read per call lives in device memory (token count included) and
 // the call number is kept on the device, so a whole layer can be captured in a CUDA graph and
-// replayed. Waits inside kernels are bounded by options.timeout; a kernel that gives up
-// records where it was stuck (phase, peer, counter value) and synchronize() reports it.
+// replayed, remote peers included (the proxy follows what the kernels publish, not the host's
+// calls). Waits inside kernels are bounded by options.timeout; a kernel that gives up records
+// where it was stuck (phase, peer, counter value) and synchronize() reports it, together with
+// any failure of the host proxy (a fabric write, a peer's bad record).
 //
-// Differences from the CPU backend, both deliberate: results travel back into slot
-// (token * top-k + k) at their sender instead of a compact run (kernel stores need no
-// contiguity, and the receiver then needs no slot table), and duplicate experts within one
-// token are not diagnosed on the device (the CPU backend refuses them).
+// Differences from the CPU backend, both deliberate: results of same-node ranks travel back into
+// slot (token * top-k + k) at their sender instead of a compact run (kernel stores need no
+// contiguity, and the receiver then needs no slot table; remote ranks do send one compact run,
+// the fabric's unit), and duplicate experts within one token are not diagnosed on the device
+// (the CPU backend refuses them).
 //
 // Several ranks may share a GPU (threads or processes): kernels wait inside for peers' kernels,
 // so create() cuts every grid to SMs / (most ranks on one GPU), and all of them fit at once.
 // Such ranks must finish their set-up (cudaMalloc, cudaFree and other calls that wait for the
 // whole device) before any of them makes the first call, or that call waits for a kernel
 // that waits for it.
-//
-// Ranks on other nodes (world_size > ranks_per_node) are not supported yet: create() says so.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +42,7 @@
 
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
 #include "ferry/moe/all_to_all.h"
 #include "ferry/moe/config.h"
 #include "ferry/moe/plan.h"
@@ -61,6 +69,17 @@ struct CudaAllToAllOptions {
     int device = -1;                              // -1: the calling thread's current device
     CudaDispatchKernelConfig dispatch;
     CudaCombineKernelConfig combine;
+    // Ranks on other nodes (cfg.node_of differs) are reached through this engine; required
+    // when world_size > ranks_per_node, and it must outlive the all-to-all. Ranks of one host
+    // with different node numbers use it too (one GPU can test the remote path that way).
+    TransferEngine* engine = nullptr;
+    // Immediates used are [imm_base, imm_base + 8 * kMaxWorldSize): keep clear of other users
+    // of the same engine (AllToAll's default base is another range).
+    uint32_t imm_base = 0x6d670000;
+    // The host proxy spins (yielding its core) this long after its last work, then naps; the
+    // first put after a nap waits for its end (tens of microseconds with the scheduler's
+    // granularity). Set it above the gap between layers to keep the proxy spinning.
+    Duration proxy_idle_spin = std::chrono::microseconds(200);
 };
 
 // Device pointers. x: num_tokens rows of payload_bytes; x_scale: hidden/128 floats per token
@@ -86,13 +105,13 @@ struct CudaExpertBatch {
 class CudaAllToAll {
   public:
     // Collective over the ranks of the group (allgather as in AllToAll::create). Fails with
-    // a clear error in builds without CUDA, without a GPU, on a config mismatch, or when a
-    // peer is on another node.
+    // a clear error in builds without CUDA, without a GPU, on a config mismatch, when ranks of
+    // one node run on different hosts, or when remote ranks exist and options.engine is null.
     static Result<std::unique_ptr<CudaAllToAll>> create(const AllToAllConfig& cfg,
                                                         const AllGatherFn& allgather,
                                                         const CudaAllToAllOptions& options = {});
-    // Frees and unmaps. Every rank must have finished its last combine_recv first (a barrier),
-    // or a late peer may write into freed memory.
+    // Stops the host proxy, frees and unmaps. Every rank must have finished its last
+    // combine_recv first (a barrier), or a late peer may write into freed memory.
     ~CudaAllToAll();
     CudaAllToAll(const CudaAllToAll&) = delete;
     CudaAllToAll& operator=(const CudaAllToAll&) = delete;

@@ -6,8 +6,8 @@
 // from the engine and adds them to the rank's arrival counters, the same counters same-node
 // peers bump directly, so the compute side waits on one place for every peer.
 //
-// On CPU the queue is a locked deque; the CUDA kernels will feed the same loop from a ring in
-// mapped host memory.
+// The queue is a locked deque fed by the CPU backend. The CUDA backend has a proxy of its own
+// (src/moe/device_proxy.h), fed by records its kernels publish in mapped host memory.
 #pragma once
 
 #include <atomic>

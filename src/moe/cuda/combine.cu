@@ -9,13 +9,33 @@
 namespace ferry::moe::cuda {
 namespace {
 
-// One warp per expert output row, rows grid-stride.
+// One warp per expert output row, rows grid-stride. Remote ranks get their results as one
+// compact run each (see assign_remote_combine_rows), into their outbox; the others straight
+// into slot (token * top-k + k).
 __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
+    // Remote ranks' runs, in rows: where each wants ours, and how many.
+    __shared__ uint32_t s_base[kMaxCudaWorld], s_hits[kMaxCudaWorld];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
+    if (a.remote_mask) {
+        if (tid < w && is_remote(a, tid)) {
+            // Where rank tid wants our results, from its counts message of this call.
+            uint32_t base = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kCombineBase));
+            uint32_t hits = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kHits));
+            if (uint64_t{base} + hits > a.remote_combine) {
+                if (blockIdx.x == 0)
+                    record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, tid, seq,
+                                 uint64_t{base} + hits, a.remote_combine);
+                base = hits = 0;
+            }
+            s_base[tid] = base;
+            s_hits[tid] = hits;
+        }
+        __syncthreads();
+    }
     for (uint32_t o = blockIdx.x * warps + tid / 32; o < rows && o < a.max_rows;
          o += gridDim.x * warps) {
         const RowSource src = a.row_src[o];
@@ -26,21 +46,39 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
                              src.token, a.max_tokens);
             continue;
         }
-        uint8_t* dst =
-            a.peers[src.rank] + a.lay.combine + (uint64_t{src.token} * k + src.k) * row_bytes;
+        uint64_t slot = uint64_t{src.token} * k + src.k;
+        if (is_remote(a, src.rank)) {
+            const uint32_t pos = a.combine_pos[o];
+            if (pos >= s_hits[src.rank]) {
+                if (lane == 0)
+                    record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, src.rank,
+                                 seq, pos, s_hits[src.rank]);
+                continue;
+            }
+            slot = uint64_t{a.remote_combine} + s_base[src.rank] + pos;
+        }
+        uint8_t* dst = a.peers[src.rank] + a.lay.combine + slot * row_bytes;
         warp_copy16(reinterpret_cast<int4*>(dst),
                     reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden), n16, lane);
     }
     __threadfence_system();
     __syncthreads();
-    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
+    if (tid < w && !is_remote(a, tid))
+        signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
+    if (a.remote_mask && last_block_of_call(a, kTicketCombine, seq) && tid < w && is_remote(a, tid))
+        publish_put(a, tid, proxy::kCombine, seq,
+                    a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
+                    uint64_t{s_hits[tid]} * row_bytes);
 }
 
-template <bool kBf16Out>
+// kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
+// remote ranks' results sit in a compact area after the slots.
+template <bool kBf16Out, bool kSlots>
 __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16) {
     __shared__ int s_ok;
     __shared__ float s_wt[kMaxCudaTopk];
     __shared__ int s_use[kMaxCudaTopk];
+    __shared__ uint32_t s_slot[kMaxCudaTopk];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
     if (tid == 0) {
@@ -60,6 +98,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         if (tid < k) {
             s_use[tid] = a.indices[t * k + tid] >= 0;
             s_wt[tid] = a.weights[t * k + tid];
+            if constexpr (kSlots) s_slot[tid] = a.combine_slot[t * k + tid];
         }
         __syncthreads();
         const uint8_t* rows_t = recv + uint64_t{t} * k * row_bytes;
@@ -68,8 +107,11 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
             int4 v[kMaxCudaTopk];
 #pragma unroll
             for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk)
-                if (kk < k && s_use[kk])
-                    v[kk] = __ldcg(reinterpret_cast<const int4*>(rows_t + kk * row_bytes) + c8);
+                if (kk < k && s_use[kk]) {
+                    const uint8_t* row =
+                        kSlots ? recv + uint64_t{s_slot[kk]} * row_bytes : rows_t + kk * row_bytes;
+                    v[kk] = __ldcg(reinterpret_cast<const int4*>(row) + c8);
+                }
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
             for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk) {
@@ -104,18 +146,25 @@ cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out,
 
 cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
                                 uint32_t blocks, uint32_t threads, cudaStream_t stream) {
-    if (out_bf16)
-        combine_recv_kernel<true><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
+    const bool slots = a.remote_mask != 0;
+    if (out_bf16 && slots)
+        combine_recv_kernel<true, true><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
+    else if (out_bf16)
+        combine_recv_kernel<true, false><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
+    else if (slots)
+        combine_recv_kernel<false, true><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
     else
-        combine_recv_kernel<false><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
+        combine_recv_kernel<false, false><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
     return cudaGetLastError();
 }
 
 cudaError_t preload_combine_kernels() {
     cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, combine_send_kernel);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true>);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<false>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true, false>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<false, false>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true, true>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<false, true>);
     return e;
 }
 

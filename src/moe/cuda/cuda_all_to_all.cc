@@ -1,6 +1,7 @@
-// Host side of the CUDA all-to-all: allocation and IPC mapping at setup, argument checks and
-// kernel launches per call, and the translation of the device-side error record into a
-// Status. See include/ferry/moe/cuda_all_to_all.h.
+// Host side of the CUDA all-to-all: allocation, IPC mapping and (for ranks on other nodes) the
+// host proxy's outboxes, inbox and engine peers at setup, argument checks and kernel launches
+// per call, and the translation of the device-side error record into a Status. See
+// include/ferry/moe/cuda_all_to_all.h.
 #include "ferry/moe/cuda_all_to_all.h"
 
 #include <cuda_runtime.h>
@@ -9,12 +10,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "ferry/common/bytes.h"
 #include "ferry/moe/numerics.h"
+#include "moe/cuda/copy_engine_sink.h"
 #include "moe/cuda/kernels.h"
+#include "moe/device_proxy.h"
 
 namespace ferry::moe {
 
@@ -42,7 +47,6 @@ Status cuda_error(cudaError_t e, std::string_view what) {
     } while (0)
 
 constexpr uint32_t kBlobMagic = 0x6d6f6763;  // "mogc"
-constexpr uint32_t kMaxCudaWorld = 64;       // dest_mask has one bit per rank
 
 // What every rank publishes at setup.
 struct PeerBlob {
@@ -57,6 +61,9 @@ struct PeerBlob {
     uint32_t sm_count = 0;
     uint64_t base = 0;  // the shared allocation in the owner's address space
     cudaIpcMemHandle_t handle{};
+    // Followed by this many bytes when the rank has an engine: its EngineAddress and its
+    // proxy inbox's MemoryDescriptor, what ranks on other nodes need to reach it.
+    uint32_t remote_bytes = 0;
 };
 
 uint64_t host_id() {
@@ -68,6 +75,7 @@ uint64_t host_id() {
 }
 
 uint64_t align256(uint64_t v) { return (v + 255) / 256 * 256; }
+uint64_t align4k(uint64_t v) { return (v + 4095) / 4096 * 4096; }
 
 const char* phase_name(uint32_t phase) {
     switch (phase) {
@@ -119,13 +127,30 @@ struct CudaAllToAll::Impl {
     Phase phase = Phase::kIdle;
     Status broken;
     uint32_t dispatch_send_blocks = 0, combine_send_blocks = 0, combine_recv_blocks = 0;
+    // Remote peers: kernels' records and outboxes (mapped pinned), the inbox (pinned), their
+    // registrations, and the proxy feeding the copy engine.
+    void* publish = nullptr;
+    void* outbox = nullptr;
+    void* inbox = nullptr;
+    std::unique_ptr<MemoryRegion> outbox_mr, inbox_mr;
+    std::unique_ptr<cuda::CopyEngineSink> sink;
+    std::unique_ptr<DeviceProxy> proxy;
 
     ~Impl() {
+        // The proxy first (its writes read the outboxes, its copies read the inbox), then the
+        // registrations, then the memory.
+        proxy.reset();
+        sink.reset();
+        outbox_mr.reset();
+        inbox_mr.reset();
         cudaSetDevice(device);
         for (void* p : opened) cudaIpcCloseMemHandle(p);
         if (shared) cudaFree(shared);
         if (local) cudaFree(local);
         if (err_host) cudaFreeHost(err_host);
+        if (publish) cudaFreeHost(publish);
+        if (outbox) cudaFreeHost(outbox);
+        if (inbox) cudaFreeHost(inbox);
     }
 
     Status fail(Status s) {
@@ -139,12 +164,19 @@ struct CudaAllToAll::Impl {
     Status device_status() {
         volatile cuda::DeviceError* e = err_host;
         uint32_t code = e->code;
-        if (code == cuda::DeviceError::kNone) return ok_status();
+        // A proxy failure makes the kernels give up without a record of their own.
+        const Status proxy_error = proxy ? proxy->error() : ok_status();
+        if (code == cuda::DeviceError::kNone) {
+            if (proxy_error.ok()) return ok_status();
+            return fail(proxy_error.with_context(
+                fmt::format("cuda all-to-all rank {}, host proxy", cfg.rank)));
+        }
         std::atomic_thread_fence(std::memory_order_acquire);
         const uint32_t phase_id = e->phase, peer = e->peer, seq = e->seq;
         const uint64_t value = e->value, want = e->want;
         std::string where = fmt::format("cuda all-to-all rank {}, call {}, {}", cfg.rank, seq,
                                         phase_name(phase_id));
+        if (!proxy_error.ok()) where += fmt::format(" (host proxy: {})", proxy_error.message());
         switch (code) {
             case cuda::DeviceError::kTimeout:
                 return fail(timeout_error(fmt::format(
@@ -201,14 +233,16 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                                                            const CudaAllToAllOptions& options) {
     FERRY_RETURN_IF_ERROR(cfg.validate());
     const uint32_t w = cfg.world_size, t = cfg.max_tokens_per_rank, k = cfg.experts_per_token;
-    if (cfg.ranks_per_node != w)
-        return unavailable(fmt::format(
-            "cuda all-to-all: ranks on other nodes are not supported yet (world {} with {} "
-            "ranks per node); run every rank on one node or use the cpu backend",
+    // Some rank is on another node exactly when the world spans several nodes.
+    const bool has_remote = w > cfg.ranks_per_node;
+    if (has_remote && !options.engine)
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: world {} with {} ranks per node has ranks on other nodes, reached "
+            "through the host proxy: set CudaAllToAllOptions::engine to a TransferEngine",
             w, cfg.ranks_per_node));
-    if (w > kMaxCudaWorld)
+    if (w > cuda::kMaxCudaWorld)
         return invalid_argument(
-            fmt::format("cuda all-to-all: world {} exceeds {}", w, kMaxCudaWorld));
+            fmt::format("cuda all-to-all: world {} exceeds {}", w, cuda::kMaxCudaWorld));
     if (k > cuda::kMaxCudaTopk)
         return invalid_argument(fmt::format(
             "cuda all-to-all: experts_per_token {} exceeds the {} the combine kernel supports", k,
@@ -245,14 +279,16 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
 
     const RowFormat row = RowFormat::of(cfg);
     const CountsFormat cf = CountsFormat::of(cfg);
-    cuda::SharedLayout lay;
+    SharedLayout lay;
     lay.ctr_counts = 0;
     lay.ctr_dispatch = 8ull * w;
     lay.ctr_combine = 16ull * w;
     lay.counts = align256(24ull * w);
     lay.dispatch = lay.counts + align256(uint64_t{w} * cf.bytes);
     lay.combine = lay.dispatch + align256(uint64_t{w} * t * row.row_bytes);
-    lay.total = lay.combine + align256(uint64_t{t} * k * cfg.hidden * sizeof(uint16_t));
+    // With remote ranks, their results land in a compact area after the slots.
+    const uint64_t combine_rows = uint64_t{t} * k * (has_remote ? 2 : 1);
+    lay.total = lay.combine + align256(combine_rows * cfg.hidden * sizeof(uint16_t));
 
     const uint64_t max_rows = max_expert_rows(cfg);
     // Local scratch, one allocation carved in 256-byte aligned pieces.
@@ -271,6 +307,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_idx = take(sizeof(int32_t) * uint64_t{t} * k);
     const uint64_t o_wt = take(sizeof(float) * uint64_t{t} * k);
     const uint64_t o_src = take(sizeof(cuda::RowSource) * max_rows);
+    const uint64_t o_tickets = take(sizeof(unsigned long long) * cuda::kTickets);
+    const uint64_t o_cslot = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * k : 0);
+    const uint64_t o_cpos = take(has_remote ? sizeof(uint32_t) * max_rows : 0);
 
     FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
     FERRY_MOE_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
@@ -282,6 +321,42 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     cuda::DeviceError* err_dev = nullptr;
     FERRY_MOE_CUDA_TRY(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
+
+    // Remote peers: one outbox slab per remote rank, laid out like its inbox (the region, then
+    // the record slots), so kernels address remote and mapped peers alike.
+    std::vector<uint32_t> remotes;
+    uint64_t remote_mask = 0;
+    for (uint32_t r = 0; r < w; ++r) {
+        if (cfg.same_node(r, cfg.rank)) continue;
+        remotes.push_back(r);
+        remote_mask |= 1ull << r;
+    }
+    const uint64_t slab = align4k(proxy_inbox_bytes(lay, w));
+    proxy::Publish* publish_dev = nullptr;
+    uint8_t* outbox_dev = nullptr;
+    std::vector<uint8_t> remote_blob;
+    if (has_remote) {
+        TransferEngine* engine = options.engine;
+        const size_t publish_bytes = sizeof(proxy::Publish) * w * proxy::kParts;
+        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->publish, publish_bytes, cudaHostAllocMapped));
+        std::memset(impl->publish, 0, publish_bytes);
+        FERRY_MOE_CUDA_TRY(
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&publish_dev), impl->publish, 0));
+        const uint64_t outbox_bytes = slab * remotes.size();
+        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->outbox, outbox_bytes, cudaHostAllocMapped));
+        std::memset(impl->outbox, 0, outbox_bytes);
+        FERRY_MOE_CUDA_TRY(
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&outbox_dev), impl->outbox, 0));
+        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocDefault));
+        std::memset(impl->inbox, 0, slab);
+        FERRY_ASSIGN_OR_RETURN(impl->outbox_mr,
+                               engine->register_memory(impl->outbox, outbox_bytes));
+        FERRY_ASSIGN_OR_RETURN(impl->inbox_mr, engine->register_memory(impl->inbox, slab));
+        ByteWriter bw;
+        engine->address().encode(bw);
+        impl->inbox_mr->descriptor().encode(bw);
+        remote_blob = bw.take();
+    }
     // Zeroed counters must be in place before any peer learns where they are.
     FERRY_MOE_CUDA_TRY(cudaDeviceSynchronize());
 
@@ -298,8 +373,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     mine.sm_count = static_cast<uint32_t>(sms);
     mine.base = reinterpret_cast<uint64_t>(impl->shared);
     FERRY_MOE_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
+    mine.remote_bytes = static_cast<uint32_t>(remote_blob.size());
     std::vector<uint8_t> blob(sizeof(PeerBlob));
     std::memcpy(blob.data(), &mine, sizeof(mine));
+    blob.insert(blob.end(), remote_blob.begin(), remote_blob.end());
     FERRY_ASSIGN_OR_RETURN(auto blobs, allgather(blob));
     if (blobs.size() != w)
         return invalid_argument(fmt::format(
@@ -307,11 +384,13 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     std::vector<PeerBlob> peers(w);
     std::vector<uint64_t> hashes(w);
     for (uint32_t r = 0; r < w; ++r) {
-        if (blobs[r].size() != sizeof(PeerBlob))
+        if (blobs[r].size() < sizeof(PeerBlob) ||
+            blobs[r].size() !=
+                sizeof(PeerBlob) + reinterpret_cast<const PeerBlob*>(blobs[r].data())->remote_bytes)
             return protocol_error(fmt::format(
-                "cuda all-to-all: rank {} sent a {}-byte setup blob, expected {} (another ferry "
-                "version?)",
-                r, blobs[r].size(), sizeof(PeerBlob)));
+                "cuda all-to-all: rank {} sent a {}-byte setup blob that does not match its "
+                "header (another ferry version?)",
+                r, blobs[r].size()));
         std::memcpy(&peers[r], blobs[r].data(), sizeof(PeerBlob));
         if (peers[r].magic != kBlobMagic || peers[r].rank != r)
             return protocol_error(fmt::format(
@@ -320,6 +399,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     }
     FERRY_RETURN_IF_ERROR(check_same_config(cfg, hashes));
     std::vector<uint8_t*> bases(w);
+    DeviceProxySetup ps;
+    ps.peer.resize(w);
+    ps.inbox.resize(w);
+    ps.outbox_offset.resize(w);
     for (uint32_t r = 0; r < w; ++r) {
         const PeerBlob& p = peers[r];
         if (p.dispatch_blocks != dc.send_blocks || p.combine_blocks != cc.send_blocks)
@@ -327,11 +410,29 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                 "cuda all-to-all: rank {} launches {}/{} dispatch/combine send blocks, this rank "
                 "{}/{}; arrival counts depend on them, so every rank must use the same",
                 r, p.dispatch_blocks, p.combine_blocks, dc.send_blocks, cc.send_blocks));
+        if ((remote_mask >> r) & 1) {
+            // Its kernels' stores for this peer go to its outbox; the proxy does the rest.
+            if (p.remote_bytes == 0)
+                return invalid_argument(fmt::format(
+                    "cuda all-to-all: rank {} is on another node but has no TransferEngine "
+                    "(CudaAllToAllOptions::engine)",
+                    r));
+            ByteReader rd(std::span<const uint8_t>(blobs[r]).subspan(sizeof(PeerBlob)));
+            auto address = EngineAddress::decode(rd);
+            if (!address.ok())
+                return address.status().with_context(fmt::format("cuda all-to-all rank {}", r));
+            FERRY_ASSIGN_OR_RETURN(ps.inbox[r], MemoryDescriptor::decode(rd));
+            FERRY_ASSIGN_OR_RETURN(ps.peer[r], options.engine->connect(*address));
+            const size_t i = std::find(remotes.begin(), remotes.end(), r) - remotes.begin();
+            ps.outbox_offset[r] = slab * i;
+            bases[r] = outbox_dev + slab * i;
+            continue;
+        }
         if (p.host_id != mine.host_id)
-            return unavailable(fmt::format(
-                "cuda all-to-all: rank {} is on another host; ranks of one node must share a "
-                "host (remote peers are not supported yet)",
-                r));
+            return invalid_argument(fmt::format(
+                "cuda all-to-all: ranks_per_node {} puts ranks {} and {} on one node, but they "
+                "run on different hosts; set ranks_per_node to the ranks per host",
+                cfg.ranks_per_node, cfg.rank, r));
         if (r == cfg.rank) {
             bases[r] = static_cast<uint8_t*>(impl->shared);
         } else if (p.pid == mine.pid) {
@@ -370,7 +471,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     uint32_t share = 1, min_sms = UINT32_MAX;
     for (uint32_t r = 0; r < w; ++r) {
         uint32_t on_device = 0;
-        for (uint32_t q = 0; q < w; ++q) on_device += peers[q].device == peers[r].device;
+        for (uint32_t q = 0; q < w; ++q)
+            on_device += peers[q].host_id == peers[r].host_id && peers[q].device == peers[r].device;
         share = std::max(share, on_device);
         min_sms = std::min(min_sms, peers[r].sm_count);
     }
@@ -422,6 +524,39 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.indices = reinterpret_cast<int32_t*>(local + o_idx);
     a.weights = reinterpret_cast<float*>(local + o_wt);
     a.row_src = reinterpret_cast<cuda::RowSource*>(local + o_src);
+    a.remote_mask = remote_mask;
+    a.publish = publish_dev;
+    a.tickets = reinterpret_cast<unsigned long long*>(local + o_tickets);
+    a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
+    a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
+    a.remote_combine = t * k;
+
+    if (has_remote) {
+        FERRY_ASSIGN_OR_RETURN(
+            impl->sink, cuda::CopyEngineSink::create(
+                            impl->device, static_cast<const uint8_t*>(impl->inbox),
+                            static_cast<uint8_t*>(impl->shared), 3 * w,
+                            reinterpret_cast<uint32_t*>(
+                                local + o_state + offsetof(cuda::DeviceState, error_claimed))));
+        ps.engine = options.engine;
+        ps.rank = cfg.rank;
+        ps.world = w;
+        ps.imm_base = options.imm_base;
+        ps.layout = lay;
+        ps.counts_bytes = cf.bytes;
+        ps.dispatch_blocks = impl->dispatch_send_blocks;
+        ps.combine_blocks = impl->combine_send_blocks;
+        ps.timeout = options.timeout;
+        ps.idle_spin = options.proxy_idle_spin;
+        ps.remote.resize(w);
+        for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
+        ps.publish = static_cast<const proxy::Publish*>(impl->publish);
+        ps.outbox = impl->outbox_mr.get();
+        ps.inbox_data = static_cast<const uint8_t*>(impl->inbox);
+        ps.sink = impl->sink.get();
+        impl->proxy = std::make_unique<DeviceProxy>(std::move(ps));
+        impl->proxy->start();
+    }
     return std::unique_ptr<CudaAllToAll>(new CudaAllToAll(std::move(impl)));
 }
 

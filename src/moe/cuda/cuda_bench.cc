@@ -1,11 +1,12 @@
 // `ferry bench moe --backend cuda`: every rank a thread of this process on this host's GPUs
-// (rank r on GPU r % count, peers reached through peer access over NVLink, the same path the
-// IPC mapping of separate processes takes). Phases are timed with CUDA events on each rank's
-// stream. Each iteration every rank enqueues its whole layer behind a gate kernel, and the gate
-// opens for all ranks at once after a host barrier: the events then time the GPUs' work (as a
-// captured, pre-enqueued layer runs) rather than host launch gaps, and a rank's latency still
-// includes waiting for the slowest peer, as in a real layer. --graph replays one captured layer
-// and times it as a whole (events cannot sit inside the capture).
+// (rank r on GPU r % count, peers of its node reached through peer access over NVLink, the
+// same path the IPC mapping of separate processes takes; ranks of other nodes through the host
+// proxy and an engine per rank on --provider, which times the proxied path on one host). Phases are
+// timed with CUDA events on each rank's stream. Each iteration every rank enqueues its whole layer
+// behind a gate kernel, and the gate opens for all ranks at once after a host barrier: the events
+// then time the GPUs' work (as a captured, pre-enqueued layer runs) rather than host launch gaps,
+// and a rank's latency still includes waiting for the slowest peer, as in a real layer. --graph
+// replays one captured layer and times it as a whole (events cannot sit inside the capture).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -77,6 +78,19 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;
+    }
+    std::unique_ptr<TransferEngine> engine;  // outlives the all-to-all
+    if (cfg.world_size > cfg.ranks_per_node) {
+        EngineConfig ec;
+        ec.provider = bc.provider;
+        ec.op_timeout = bc.timeout;
+        ec.busy_poll = true;  // tcp and shm deliver arrivals only when polled
+        FERRY_ASSIGN_OR_RETURN(engine, TransferEngine::create(ec));
+        opts.engine = engine.get();
+        // Serving keeps the proxy busy layer after layer; here iterations are apart by host
+        // barriers, and a proxy that naps would add its wake-up to every first put.
+        opts.proxy_idle_spin = bc.timeout;
+        res->provider += fmt::format(", other nodes over {}", engine->provider());
     }
     AllGatherFn ag = [&](std::span<const uint8_t> b) { return ex.allgather(rank, b, bc.timeout); };
     FERRY_ASSIGN_OR_RETURN(auto a2a, CudaAllToAll::create(cfg, ag, opts));

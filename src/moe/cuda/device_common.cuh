@@ -75,6 +75,44 @@ __device__ __forceinline__ uint64_t* counter_at(uint8_t* base, uint64_t offset, 
     return reinterpret_cast<uint64_t*>(base + offset) + index;
 }
 
+__device__ __forceinline__ uint32_t* counts_word(uint8_t* base, const KernelArgs& a,
+                                                 uint32_t sender, uint32_t word) {
+    return reinterpret_cast<uint32_t*>(base + a.lay.counts + uint64_t{sender} * a.counts_bytes) +
+           word;
+}
+
+__device__ __forceinline__ bool is_remote(const KernelArgs& a, uint32_t rank) {
+    return (a.remote_mask >> rank) & 1u;
+}
+
+// Hands a put to the host proxy once its bytes are in the peer's outbox (fenced by the
+// caller): offset and length first, the call number last, so a proxy that sees the call
+// sees the rest.
+__device__ inline void publish_put(const KernelArgs& a, uint32_t peer, uint32_t part, uint32_t seq,
+                                   uint64_t offset, uint64_t len) {
+    volatile proxy::Publish* p = a.publish + uint64_t{peer} * proxy::kParts + part;
+    p->offset = offset;
+    p->len = len;
+    __threadfence_system();
+    p->seq = seq;
+}
+
+// Called by every thread of every block once per call: true in the last block of the grid
+// to get here, after the other blocks' stores are visible system-wide (each block fences
+// them before taking its ticket; the last block fences after seeing all tickets).
+__device__ inline bool last_block_of_call(const KernelArgs& a, uint32_t ticket, uint32_t seq) {
+    __shared__ int s_last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long before = atomicAdd(&a.tickets[ticket], 1ull);
+        s_last = before + 1 == static_cast<unsigned long long>(seq) * gridDim.x;
+        __threadfence_system();
+    }
+    __syncthreads();
+    return s_last != 0;
+}
+
 // Regions peers write into are read through L2 only: L1 may still hold the previous call.
 __device__ __forceinline__ uint32_t ld_cg_u32(const void* p) {
     return __ldcg(reinterpret_cast<const unsigned int*>(p));

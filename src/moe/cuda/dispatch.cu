@@ -12,12 +12,39 @@ namespace {
 
 constexpr uint32_t kPlanThreads = 1024;
 constexpr uint32_t kRecvThreads = 256;
-constexpr uint32_t kMaxWorld = 64;  // one bit per destination in dest_mask
 
-__device__ __forceinline__ uint32_t* counts_word(uint8_t* base, const KernelArgs& a,
-                                                 uint32_t sender, uint32_t word) {
-    return reinterpret_cast<uint32_t*>(base + a.lay.counts + uint64_t{sender} * a.counts_bytes) +
-           word;
+using PlanScan = cub::BlockScan<uint32_t, kPlanThreads>;
+
+// Remote rank d sends our tokens' results back as one compact run (the CPU backend's order:
+// token order, a token's hits in top-k order) starting at the base we announce in the counts
+// message; combine_slot tells combine_recv where each (token, k) landed. Returns the hits to d.
+__device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, uint32_t n,
+                                               uint32_t base, PlanScan::TempStorage& scan_tmp,
+                                               uint32_t* s_combine_base) {
+    const uint32_t tid = threadIdx.x, k = a.topk, nl = a.local_experts;
+    uint32_t carry = 0;
+    for (uint32_t b = 0; b < n; b += blockDim.x) {
+        const uint32_t t = b + tid;
+        uint32_t hits = 0;
+        if (t < n)
+            for (uint32_t j = 0; j < k; ++j) {
+                const int32_t e = a.indices[t * k + j];
+                hits += e >= 0 && static_cast<uint32_t>(e) / nl == d;
+            }
+        uint32_t pre, agg;
+        PlanScan(scan_tmp).ExclusiveSum(hits, pre, agg);
+        if (t < n) {
+            uint32_t at = a.remote_combine + base + carry + pre;
+            for (uint32_t j = 0; j < k; ++j) {
+                const int32_t e = a.indices[t * k + j];
+                if (e >= 0 && static_cast<uint32_t>(e) / nl == d) a.combine_slot[t * k + j] = at++;
+            }
+        }
+        carry += agg;
+        __syncthreads();  // scan_tmp is reused
+    }
+    if (tid == 0) s_combine_base[d] = base;
+    return carry;
 }
 
 // Single block: one call's routing is at most max_tokens * top-k entries, and a block-wide
@@ -25,10 +52,11 @@ __device__ __forceinline__ uint32_t* counts_word(uint8_t* base, const KernelArgs
 __global__ void __launch_bounds__(kPlanThreads)
     dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const float* weights,
                          const uint32_t* num_tokens) {
-    using Scan = cub::BlockScan<uint32_t, kPlanThreads>;
+    using Scan = PlanScan;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ uint32_t s_seq, s_n;
-    __shared__ uint32_t s_rows_to[kMaxWorld], s_hits_to[kMaxWorld];
+    __shared__ uint32_t s_rows_to[kMaxCudaWorld], s_hits_to[kMaxCudaWorld],
+        s_combine_base[kMaxCudaWorld];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk, nl = a.local_experts;
     if (tid == 0) {
         uint64_t seq = a.state->seq + 1;
@@ -44,7 +72,10 @@ __global__ void __launch_bounds__(kPlanThreads)
         s_n = n;
     }
     for (uint32_t i = tid; i < a.num_experts; i += blockDim.x) a.expert_counts[i] = 0;
-    if (tid < w) s_hits_to[tid] = 0;
+    if (tid < w) {
+        s_hits_to[tid] = 0;
+        s_combine_base[tid] = 0;
+    }
     __syncthreads();
     const uint32_t n = s_n, seq = s_seq;
     for (uint32_t t = tid; t < n; t += blockDim.x) {
@@ -58,6 +89,7 @@ __global__ void __launch_bounds__(kPlanThreads)
             }
             a.indices[t * k + j] = e;
             a.weights[t * k + j] = weights[t * k + j];
+            if (a.remote_mask) a.combine_slot[t * k + j] = t * k + j;  // remote ones below
             if (e < 0) continue;
             mask |= 1ull << (static_cast<uint32_t>(e) / nl);
             atomicAdd(&a.expert_counts[e], 1u);
@@ -65,6 +97,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         a.dest_mask[t] = mask;
     }
     __syncthreads();
+    uint32_t remote_base = 0;  // combine rows of remote ranks' results, in rank order
     for (uint32_t d = 0; d < w; ++d) {
         uint32_t carry = 0;
         for (uint32_t base = 0; base < n; base += blockDim.x) {
@@ -80,6 +113,9 @@ __global__ void __launch_bounds__(kPlanThreads)
             s_rows_to[d] = carry;
             a.rows_to[d] = carry;
         }
+        if (is_remote(a, d))
+            remote_base +=
+                assign_remote_combine_rows(a, d, n, remote_base, scan_tmp, s_combine_base);
     }
     // Hits per destination: one thread per expert (a loop over a destination's experts in one
     // thread was a chain of L2 round trips, 128 at EP2).
@@ -98,7 +134,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         } else if (wi == CountsWords::kConfigHash) {
             v = a.hash32;
         } else if (wi == CountsWords::kCombineBase) {
-            v = 0;
+            v = s_combine_base[d];
         } else if (wi == CountsWords::kHits) {
             v = s_hits_to[d];
         } else if (wi < a.counts_hits_word) {
@@ -110,7 +146,14 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
     __threadfence_system();
     __syncthreads();
-    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_counts, a.rank), 1);
+    if (tid < w) {
+        if (!is_remote(a, tid)) {
+            signal_add(counter_at(a.peers[tid], a.lay.ctr_counts, a.rank), 1);
+        } else {
+            publish_put(a, tid, proxy::kCounts, seq,
+                        a.lay.counts + uint64_t{a.rank} * a.counts_bytes, a.counts_bytes);
+        }
+    }
 }
 
 // One row, written by one warp: header (token, call, local expert per top-k or -1), payload,
@@ -137,7 +180,7 @@ __device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot,
 
 // Tokens go to warps grid-stride; a warp writes its token's rows to every destination.
 __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
-    __shared__ uint64_t s_overflow[kMaxWorld];
+    __shared__ uint64_t s_overflow[kMaxCudaWorld];
     __shared__ int s_ok;
     const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
     const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
@@ -151,6 +194,11 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
             if (j < p) write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale, lane);
         }
     }
+    // Remote ranks' private rows leave before any count is known, as they do over NVLink.
+    if (a.remote_mask && last_block_of_call(a, kTicketPrivate, seq) && tid < w && is_remote(a, tid))
+        publish_put(a, tid, proxy::kPrivate, seq,
+                    a.lay.dispatch + uint64_t{a.rank} * p * a.row_bytes,
+                    uint64_t{min(a.rows_to[tid], p)} * a.row_bytes);
 
     // Every peer's counts: the rows each sender sends to each rank fix the overflow offsets.
     if (tid == 0) s_ok = 1;
@@ -196,7 +244,15 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
     }
     __threadfence_system();
     __syncthreads();
-    if (tid < w) signal_add(counter_at(a.peers[tid], a.lay.ctr_dispatch, a.rank), 1);
+    if (tid < w && !is_remote(a, tid))
+        signal_add(counter_at(a.peers[tid], a.lay.ctr_dispatch, a.rank), 1);
+    if (a.remote_mask && last_block_of_call(a, kTicketDispatch, seq) && tid < w &&
+        is_remote(a, tid)) {
+        const uint32_t r = a.rows_to[tid];
+        const uint64_t rows = s_ok && r > p ? r - p : 0;
+        publish_put(a, tid, proxy::kOverflow, seq, a.lay.dispatch + s_overflow[tid] * a.row_bytes,
+                    rows * a.row_bytes);
+    }
 }
 
 __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
@@ -215,6 +271,7 @@ struct RecvShared {
     uint64_t overflow_begin;
     uint64_t row[kRecvThreads];
     uint32_t tok[kRecvThreads], k[kRecvThreads];
+    uint32_t pos[kRecvThreads];  // remote senders: the row's place among their hits here
 };
 
 __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, RecvShared& sh,
@@ -232,6 +289,8 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
     uint64_t* s_row = sh.row;
     uint32_t* s_tok = sh.tok;
     uint32_t* s_k = sh.k;
+    uint32_t* s_pos = sh.pos;
+    const bool remote = is_remote(a, s);  // the same in every thread of the block
     const uint32_t tid = threadIdx.x;
     const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq);
@@ -298,10 +357,11 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
 
     const uint32_t rows_from = s_rows_from;
     const uint64_t overflow_begin = s_overflow_begin;
-    uint32_t carry = 0;
+    uint32_t carry = 0, hit_carry = 0;
     const uint32_t base = offset + s_before;
     for (uint32_t chunk = 0; chunk < rows_from; chunk += blockDim.x) {
         uint32_t i = chunk + tid, match = 0, kk_match = 0, token = 0;
+        uint32_t hits = 0, hits_before = 0;  // of this row: all, and those before kk_match
         uint64_t ri = 0;
         if (i < rows_from) {
             ri = i < p ? uint64_t{s} * p + i : overflow_begin + (i - p);
@@ -329,9 +389,21 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
                     if (id == static_cast<int32_t>(e)) {
                         match = 1;
                         kk_match = kk;
+                        hits_before = hits;
                     }
+                    hits += id >= 0;
                 }
             }
+        }
+        uint32_t pos = 0;
+        if (remote) {
+            // combine_send returns this sender's results as one compact run in its order:
+            // rows in token order, a row's hits in top-k order.
+            uint32_t hit_pre, hit_agg;
+            Scan(scan_tmp).ExclusiveSum(hits, hit_pre, hit_agg);
+            pos = hit_carry + hit_pre + hits_before;
+            hit_carry += hit_agg;
+            __syncthreads();  // scan_tmp is reused
         }
         uint32_t pre, agg;
         Scan(scan_tmp).ExclusiveSum(match, pre, agg);
@@ -339,6 +411,7 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
             s_row[pre] = ri;
             s_tok[pre] = token;
             s_k[pre] = kk_match;
+            s_pos[pre] = pos;
         }
         __syncthreads();
         // One warp per matched row.
@@ -356,6 +429,7 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
                 RowSource src_meta{s, s_tok[m], s_k[m]};
                 a.row_src[o] = src_meta;
                 if (out_sources) out_sources[o] = src_meta;
+                if (remote) a.combine_pos[o] = s_pos[m];
             }
         }
         carry += agg;

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "moe/device_layout.h"
+
 namespace ferry::moe::cuda {
 
 // Mirror of moe::RowSource (same layout; rank kPadding marks padding rows).
@@ -22,6 +24,8 @@ struct CountsWords {
     static constexpr uint32_t kSeq = 0, kConfigHash = 1, kCombineBase = 2, kHits = 3, kRowsTo = 4;
 };
 inline constexpr uint32_t kRowHeaderBytes = 8;
+// One bit per destination rank in a token's mask (and in remote_mask).
+inline constexpr uint32_t kMaxCudaWorld = 64;
 // combine_recv keeps one row vector per top-k slot in registers.
 inline constexpr uint32_t kMaxCudaTopk = 16;
 // Mirrors of numerics.h.
@@ -56,17 +60,6 @@ struct DeviceState {
     uint32_t error_claimed;  // set once by the first failure (see record_error)
 };
 
-// Byte offsets inside each rank's IPC-shared allocation (identical on every rank).
-struct SharedLayout {
-    uint64_t ctr_counts = 0;    // [world] uint64: +1 per call from each sender
-    uint64_t ctr_dispatch = 0;  // [world] uint64: +send_blocks per call from each sender
-    uint64_t ctr_combine = 0;   // [world] uint64: +combine send_blocks per call from each sender
-    uint64_t counts = 0;        // [world] counts messages
-    uint64_t dispatch = 0;      // [world * max_tokens] rows
-    uint64_t combine = 0;       // [max_tokens * top-k] bf16 rows
-    uint64_t total = 0;
-};
-
 struct KernelArgs {
     uint32_t rank, world, hidden, topk, num_experts, local_experts;
     uint32_t private_slots, max_tokens, alignment, hash32;
@@ -77,7 +70,9 @@ struct KernelArgs {
     uint32_t dispatch_recv_blocks;  // grid of dispatch_recv (a loop over expert x sender)
     uint64_t timeout_ns;
     SharedLayout lay;
-    uint8_t* const* peers;  // [world] device array: each rank's shared allocation, mapped here
+    // [world] device array: each rank's shared allocation mapped here, or for a rank on
+    // another node its outbox (mapped pinned host memory with the same layout).
+    uint8_t* const* peers;
     uint8_t* self;          // this rank's shared allocation
     DeviceState* state;
     DeviceError* err;  // device view of the mapped host record
@@ -89,6 +84,22 @@ struct KernelArgs {
     int32_t* indices;         // [max_tokens * top-k] copy of the call's routing
     float* weights;           // [max_tokens * top-k]
     RowSource* row_src;       // [max_rows] where each grouped row came from
+
+    // Peers on other nodes, reached through the host proxy (all zero/null without them).
+    uint64_t remote_mask;         // bit d: rank d is remote
+    proxy::Publish* publish;      // [world][kParts] mapped host records for the proxy
+    unsigned long long* tickets;  // [kTickets] blocks done so far, over all calls
+    uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
+    uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
+    uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
+};
+
+// Tickets: the last block of a call to finish a phase publishes that phase's remote puts.
+enum Ticket : uint32_t {
+    kTicketPrivate = 0,
+    kTicketDispatch = 1,
+    kTicketCombine = 2,
+    kTickets = 3
 };
 
 // Every kernel of a family loaded into the current device's context. CUDA loads modules

@@ -1,0 +1,52 @@
+// What the CUDA all-to-all's kernels and its host proxy agree on, in plain C++17 (the .cu files
+// include it through kernels.h; the proxy, device_proxy.h, is CUDA-free): the layout of each
+// rank's peer-written region, and the records that carry a put to a remote rank.
+#pragma once
+
+#include <cstdint>
+
+namespace ferry::moe {
+
+// Byte offsets inside each rank's peer-written region (identical on every rank). Same-node
+// peers store into it over NVLink; the host proxy copies remote peers' bytes into it.
+struct SharedLayout {
+    uint64_t ctr_counts = 0;    // [world] uint64: +1 per call from each sender
+    uint64_t ctr_dispatch = 0;  // [world] uint64: +send_blocks per call from each sender
+    uint64_t ctr_combine = 0;   // [world] uint64: +combine send_blocks per call from each sender
+    uint64_t counts = 0;        // [world] counts messages
+    uint64_t dispatch = 0;      // [world * max_tokens] rows
+    uint64_t combine = 0;       // [max_tokens * top-k] bf16 rows, then as many for remote peers
+    uint64_t total = 0;
+};
+
+namespace proxy {
+
+// The puts of one call to one remote rank. The private-slot rows go as soon as they are
+// written (before any count is known, as on NVLink); the overflow rows once counts are in.
+enum Part : uint32_t { kCounts = 0, kPrivate = 1, kOverflow = 2, kCombine = 3 };
+inline constexpr uint32_t kParts = 4;
+
+// Written by a kernel into mapped host memory, [peer][part], once its bytes for that put are
+// in the peer's outbox: offset and len first, then (after a system fence) the call number.
+// The outbox is laid out like the peer's region, so offset is the same on both sides.
+struct Publish {
+    uint64_t offset;
+    uint64_t len;
+    uint32_t seq;
+    uint32_t reserved[3];
+};
+
+// What the sender's proxy writes into the receiver's record slot [part][sender] after the
+// bytes: which bytes, and how many writes carrying the data immediate to count before them.
+struct PutRecord {
+    uint64_t offset;
+    uint64_t len;
+    uint32_t seq;
+    uint32_t pieces;
+    uint64_t reserved;
+};
+
+static_assert(sizeof(Publish) == 32 && sizeof(PutRecord) == 32);
+
+}  // namespace proxy
+}  // namespace ferry::moe

@@ -1,0 +1,314 @@
+#include "moe/device_proxy.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "ferry/common/log.h"
+#include "ferry/moe/config.h"
+#include "ferry/moe/host_proxy.h"
+
+namespace ferry::moe {
+namespace {
+
+const char* part_name(uint32_t part) {
+    switch (part) {
+        case proxy::kCounts:
+            return "counts";
+        case proxy::kPrivate:
+            return "dispatch (private slots)";
+        case proxy::kOverflow:
+            return "dispatch (overflow)";
+        case proxy::kCombine:
+            return "combine";
+        default:
+            return "an unknown part";
+    }
+}
+
+uint64_t records_base(const SharedLayout& layout) { return (layout.total + 63) / 64 * 64; }
+
+constexpr Duration kNap = std::chrono::microseconds(20);
+
+}  // namespace
+
+uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world) {
+    return records_base(layout) + uint64_t{proxy::kParts} * world * sizeof(proxy::PutRecord);
+}
+
+uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_t part,
+                             uint32_t sender) {
+    return records_base(layout) + (uint64_t{part} * world + sender) * sizeof(proxy::PutRecord);
+}
+
+uint32_t DeviceProxy::data_imm(uint32_t base, uint32_t part, uint32_t sender) {
+    return base + (part * 2) * kMaxWorldSize + sender;
+}
+
+uint32_t DeviceProxy::record_imm(uint32_t base, uint32_t part, uint32_t sender) {
+    return base + (part * 2 + 1) * kMaxWorldSize + sender;
+}
+
+DeviceProxy::DeviceProxy(DeviceProxySetup setup)
+    : s_(std::move(setup)),
+      out_(size_t{s_.world} * proxy::kParts),
+      in_(size_t{s_.world} * proxy::kParts),
+      raised_dispatch_(s_.world, 0) {
+    for (uint32_t r = 0; r < s_.world; ++r)
+        if (s_.remote[r]) remotes_.push_back(r);
+}
+
+DeviceProxy::~DeviceProxy() { stop(); }
+
+void DeviceProxy::start() {
+    if (thread_.joinable()) return;
+    thread_ = std::thread([this] { loop(); });
+}
+
+void DeviceProxy::stop() {
+    stop_.store(true, std::memory_order_relaxed);
+    if (thread_.joinable()) thread_.join();
+    // Writes in flight read the outbox: they finish or fail within the engine's op_timeout.
+    for (auto& f : inflight_) (void)f.op.wait(s_.engine->config().op_timeout + seconds(1));
+    inflight_.clear();
+    for (auto& o : out_) o.record = OpHandle();
+}
+
+Status DeviceProxy::error() const {
+    std::lock_guard lk(mu_);
+    return error_;
+}
+
+void DeviceProxy::fail(const Status& s) {
+    // Only the proxy thread fails. The kernels are stopped before the error is visible, so a
+    // caller that sees it finds them giving up already.
+    if (failed_.exchange(true)) return;
+    s_.sink->abort();
+    log(LogLevel::kError, "moe", "rank {} cuda host proxy: {}", s_.rank, s.to_string());
+    std::lock_guard lk(mu_);
+    error_ = s;
+}
+
+bool DeviceProxy::in_bounds(uint32_t part, uint32_t sender, uint64_t offset, uint64_t len) const {
+    const SharedLayout& l = s_.layout;
+    uint64_t lo = 0, hi = 0;
+    switch (part) {
+        case proxy::kCounts:
+            return offset == l.counts + sender * s_.counts_bytes && len == s_.counts_bytes;
+        case proxy::kPrivate:
+        case proxy::kOverflow:
+            lo = l.dispatch;
+            hi = l.combine;
+            break;
+        case proxy::kCombine:
+            lo = l.combine;
+            hi = l.total;
+            break;
+        default:
+            return false;
+    }
+    return offset >= lo && offset <= hi && len <= hi - offset;
+}
+
+void DeviceProxy::loop() {
+    TimePoint last_activity = Clock::now();
+    while (!stop_.load(std::memory_order_relaxed)) {
+        bool active = reap();
+        if (!failed_.load(std::memory_order_acquire)) {
+            active |= send();
+            active |= receive();
+        }
+        if (active) {
+            last_activity = Clock::now();
+        } else if (Clock::now() - last_activity < s_.idle_spin) {
+            std::this_thread::yield();
+        } else {
+            std::this_thread::sleep_for(kNap);
+        }
+    }
+}
+
+bool DeviceProxy::reap() {
+    size_t before = inflight_.size();
+    for (size_t i = 0; i < inflight_.size();) {
+        const Inflight& f = inflight_[i];
+        if (!f.op.done()) {
+            ++i;
+            continue;
+        }
+        Status st = f.op.wait(Duration::zero());
+        if (!st.ok())
+            fail(st.with_context(fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
+                                             part_name(f.part), f.seq, f.peer)));
+        inflight_[i] = std::move(inflight_.back());
+        inflight_.pop_back();
+    }
+    return inflight_.size() != before;
+}
+
+OpHandle DeviceProxy::write(uint32_t d, uint64_t src_offset, uint64_t dst_offset, uint64_t len,
+                            uint32_t imm) {
+    WriteOp op;
+    op.peer = s_.peer[d];
+    op.src = s_.outbox;
+    op.src_offset = src_offset;
+    op.dst = &s_.inbox[d];
+    op.dst_offset = dst_offset;
+    op.length = len;
+    op.imm = imm;
+    return s_.engine->write(op);
+}
+
+bool DeviceProxy::send() {
+    bool any = false;
+    TransferEngine& engine = *s_.engine;
+    for (uint32_t d : remotes_) {
+        for (uint32_t part = 0; part < proxy::kParts; ++part) {
+            const volatile proxy::Publish& pub = s_.publish[size_t{d} * proxy::kParts + part];
+            const uint32_t seq = pub.seq;
+            Outgoing& o = out_[size_t{d} * proxy::kParts + part];
+            if (seq == o.sent_seq) continue;
+            // The record slot is rewritten below: its last write must be done. By the
+            // protocol's order it always is by now; if not, look again next round.
+            if (o.record.valid() && !o.record.done()) continue;
+            std::atomic_thread_fence(std::memory_order_acquire);
+            const uint64_t offset = pub.offset, len = pub.len;
+            std::string what = fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
+                                           part_name(part), seq, d);
+            if (seq != o.sent_seq + 1) {
+                fail(protocol_error(fmt::format(
+                    "{}: the kernels published call {} after call {}; a call was skipped", what,
+                    seq, o.sent_seq)));
+                return true;
+            }
+            if (!in_bounds(part, s_.rank, offset, len)) {
+                fail(protocol_error(
+                    fmt::format("{}: {} bytes at offset {} fall outside the part's region", what,
+                                len, offset)));
+                return true;
+            }
+            const uint64_t slab = s_.outbox_offset[d];
+            uint32_t pieces = 0;
+            if (len > 0) {
+                OpHandle h =
+                    write(d, slab + offset, offset, len, data_imm(s_.imm_base, part, s_.rank));
+                // The record announces what the engine's split rule says; a write that failed
+                // at once or split otherwise must not be announced (the receiver would take
+                // stale inbox bytes for this call's).
+                const uint64_t want = write_pieces(engine.config(), engine.num_rails(), len);
+                Status posted = h.done() ? h.wait(Duration::zero()) : ok_status();
+                if (!posted.ok()) {
+                    fail(posted.with_context(what));
+                    return true;
+                }
+                if (h.imm_writes() != want && !h.done()) {
+                    fail(internal_error(fmt::format(
+                        "{}: the engine put {} immediates on the wire for {} bytes, expected {}",
+                        what, h.imm_writes(), len, want)));
+                    return true;
+                }
+                pieces = static_cast<uint32_t>(want);
+                inflight_.push_back({std::move(h), d, part, seq});
+            }
+            const uint64_t rec_at = proxy_record_offset(s_.layout, s_.world, part, s_.rank);
+            proxy::PutRecord rec{offset, len, seq, pieces, 0};
+            std::memcpy(static_cast<uint8_t*>(s_.outbox->data()) + slab + rec_at, &rec,
+                        sizeof(rec));
+            o.record = write(d, slab + rec_at, rec_at, sizeof(rec),
+                             record_imm(s_.imm_base, part, s_.rank));
+            inflight_.push_back({o.record, d, part, seq});
+            o.sent_seq = seq;
+            any = true;
+        }
+    }
+    return any;
+}
+
+bool DeviceProxy::receive() {
+    bool any = false;
+    TransferEngine& engine = *s_.engine;
+    for (uint32_t s : remotes_) {
+        for (uint32_t part = 0; part < proxy::kParts; ++part) {
+            Incoming& in = in_[size_t{s} * proxy::kParts + part];
+            const uint32_t rec_imm = record_imm(s_.imm_base, part, s);
+            if (!in.have_record) {
+                if (engine.imm_available(rec_imm) == 0) continue;
+                // Only this thread consumes these immediates: the one seen is there to take.
+                Status st = engine.wait_imm(rec_imm, 1, Duration::zero());
+                if (!st.ok()) {
+                    fail(st.with_context(fmt::format("rank {}: taking a record arrival", s_.rank)));
+                    return true;
+                }
+                std::memcpy(&in.record,
+                            s_.inbox_data + proxy_record_offset(s_.layout, s_.world, part, s),
+                            sizeof(in.record));
+                const proxy::PutRecord& r = in.record;
+                if (r.seq != in.next_seq || !in_bounds(part, s, r.offset, r.len)) {
+                    fail(protocol_error(fmt::format(
+                        "rank {}: rank {} announced a {} put of call {} ({} bytes at offset {}), "
+                        "expected call {} inside the part's region; is every rank making the "
+                        "same calls with the same config?",
+                        s_.rank, s, part_name(part), r.seq, r.len, r.offset, in.next_seq)));
+                    return true;
+                }
+                in.have_record = true;
+                in.record_at = Clock::now();
+                any = true;
+            }
+            const uint32_t dimm = data_imm(s_.imm_base, part, s);
+            const uint64_t pieces = in.record.pieces;
+            if (pieces > 0 && engine.imm_available(dimm) < pieces) {
+                if (Clock::now() - in.record_at > s_.timeout) {
+                    fail(timeout_error(fmt::format(
+                        "rank {}: the {} put of call {} from rank {} announced {} write(s), "
+                        "{} arrived within {} ms; the peer or the fabric may have died",
+                        s_.rank, part_name(part), in.record.seq, s, pieces,
+                        engine.imm_available(dimm), to_ms(s_.timeout))));
+                    return true;
+                }
+                continue;
+            }
+            if (pieces > 0) {
+                Status st = engine.wait_imm(dimm, pieces, Duration::zero());
+                if (!st.ok()) {
+                    fail(st.with_context(fmt::format("rank {}: taking data arrivals", s_.rank)));
+                    return true;
+                }
+            }
+            Status st = complete(part, s, in.record);
+            if (!st.ok()) {
+                fail(
+                    st.with_context(fmt::format("rank {}: handing the {} put of call {} from "
+                                                "rank {} to the GPU",
+                                                s_.rank, part_name(part), in.record.seq, s)));
+                return true;
+            }
+            in.have_record = false;
+            ++in.next_seq;
+            any = true;
+        }
+    }
+    return any;
+}
+
+Status DeviceProxy::complete(uint32_t part, uint32_t s, const proxy::PutRecord& rec) {
+    if (rec.len > 0) FERRY_RETURN_IF_ERROR(s_.sink->copy(rec.offset, rec.len));
+    const SharedLayout& l = s_.layout;
+    switch (part) {
+        case proxy::kCounts:
+            return s_.sink->raise(l.ctr_counts + 8ull * s, rec.seq);
+        case proxy::kCombine:
+            return s_.sink->raise(l.ctr_combine + 8ull * s, rec.seq * s_.combine_blocks);
+        default: {
+            // The dispatch counter counts both parts: raised to the call both have reached.
+            const uint32_t other = part == proxy::kPrivate ? proxy::kOverflow : proxy::kPrivate;
+            const uint32_t other_done = in_[size_t{s} * proxy::kParts + other].next_seq - 1;
+            const uint32_t both = std::min(rec.seq, other_done);
+            if (both <= raised_dispatch_[s]) return ok_status();
+            raised_dispatch_[s] = both;
+            return s_.sink->raise(l.ctr_dispatch + 8ull * s, both * s_.dispatch_blocks);
+        }
+    }
+}
+
+}  // namespace ferry::moe

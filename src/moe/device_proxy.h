@@ -1,0 +1,146 @@
+// The host proxy of the CUDA all-to-all: one thread per rank between its kernels and the
+// TransferEngine, for peers on other nodes. CUDA-free: the device side is reached through
+// mapped host memory (what kernels publish) and a DeviceSink (what the proxy hands them), so
+// the wire protocol runs and is tested on machines without a GPU.
+//
+// Sending. Kernels store a remote peer's bytes into that peer's outbox (mapped pinned host
+// memory laid out like the peer's region) and then publish {offset, len, call} per (peer,
+// part) in mapped host memory. The proxy polls the published records and, for each new one,
+// writes the bytes from the outbox to the same offsets of the peer's inbox, every piece with
+// the data immediate of (part, sender), then a PutRecord into the peer's record slot of
+// (part, sender) with the record immediate. The record names the piece count, so the receiver
+// needs no knowledge of how this engine splits writes.
+//
+// Receiving. Record and data may land in any order (EFA does not order writes): a put is
+// complete once its record and as many data immediates as it names are here. Its bytes then
+// go from the inbox to the same offsets of the device region (DeviceSink::copy), and when a
+// counter's call is complete (both dispatch parts for the dispatch counter) the counter is set
+// to the value the kernels wait for (DeviceSink::raise), ordered after the copies.
+//
+// Buffer reuse follows the protocol's own order (see cpu_backend.h): a peer's put of call N+1
+// into a (part, sender) slot needs this rank to have consumed call N of it, so inbox bytes and
+// records are never overwritten before they were copied.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
+#include "moe/device_layout.h"
+
+namespace ferry::moe {
+
+// Where a proxy puts what remote peers sent. The CUDA one copies with cudaMemcpyAsync on a
+// stream of its own; one over GDRCopy could store counters directly. Called from the proxy
+// thread only.
+class DeviceSink {
+  public:
+    virtual ~DeviceSink() = default;
+    // len bytes at `offset` of the inbox to the same offset of the rank's region.
+    virtual Status copy(uint64_t offset, uint64_t len) = 0;
+    // Sets the 64-bit counter at `offset` of the region to `value`, visible to the kernels
+    // only after every copy handed over before it.
+    virtual Status raise(uint64_t offset, uint64_t value) = 0;
+    // Makes this rank's waiting kernels give up at once (after a proxy failure).
+    virtual void abort() = 0;
+};
+
+struct DeviceProxySetup {
+    TransferEngine* engine = nullptr;
+    uint32_t rank = 0;
+    uint32_t world = 0;
+    uint32_t imm_base = 0;
+    SharedLayout layout;
+    uint64_t counts_bytes = 0;                    // one counts message
+    uint64_t dispatch_blocks = 0;                 // what one call adds to a dispatch counter
+    uint64_t combine_blocks = 0;                  // ... and to a combine counter
+    Duration timeout = std::chrono::seconds(10);  // a put's data pieces after its record
+    // Polling: spin (yielding the core) this long after the last activity, then nap 20 us at
+    // a time; nothing can wake a nap, since the kernels signal through host memory.
+    Duration idle_spin = std::chrono::microseconds(200);
+    std::vector<bool> remote;                     // [world] peers reached through the proxy
+    std::vector<PeerId> peer;                     // [world] engine peers, where remote
+    std::vector<MemoryDescriptor> inbox;          // [world] peers' inboxes, where remote
+
+    // Sending: the kernels' records [world][kParts]; the outboxes, registered, one per remote
+    // peer at outbox_offset[peer], each followed by kParts PutRecords to send from.
+    const proxy::Publish* publish = nullptr;
+    const MemoryRegion* outbox = nullptr;
+    std::vector<uint64_t> outbox_offset;
+    // Receiving: this rank's inbox (layout.total bytes, then the record slots).
+    const uint8_t* inbox_data = nullptr;
+    DeviceSink* sink = nullptr;
+};
+
+// Bytes of an inbox (an outbox slab is the same size: its PutRecords fit in the same area).
+uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world);
+// Offset of the record slot (part, sender) in an inbox.
+uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_t part,
+                             uint32_t sender);
+
+class DeviceProxy {
+  public:
+    explicit DeviceProxy(DeviceProxySetup setup);
+    ~DeviceProxy();  // stops and joins the thread
+    DeviceProxy(const DeviceProxy&) = delete;
+    DeviceProxy& operator=(const DeviceProxy&) = delete;
+
+    // Immediates: [imm_base, imm_base + 2 * kParts * kMaxWorldSize).
+    static uint32_t data_imm(uint32_t base, uint32_t part, uint32_t sender);
+    static uint32_t record_imm(uint32_t base, uint32_t part, uint32_t sender);
+
+    void start();
+    // Joins the thread, then waits (bounded by the engine's op_timeout) for writes still
+    // reading the outbox.
+    void stop();
+    // The first failure (a fabric write, a bad record, a copy), naming rank, peer and part.
+    Status error() const;
+
+  private:
+    struct Outgoing {
+        uint32_t sent_seq = 0;
+        OpHandle record;  // the last record write; its slot is rewritten only after it is done
+    };
+    struct Inflight {
+        OpHandle op;
+        uint32_t peer, part, seq;
+    };
+    struct Incoming {
+        uint32_t next_seq = 1;
+        bool have_record = false;
+        proxy::PutRecord record{};
+        TimePoint record_at;
+    };
+
+    void loop();
+    bool send();
+    // Outbox bytes (offset into the outbox region) to peer d's inbox, carrying imm.
+    OpHandle write(uint32_t d, uint64_t src_offset, uint64_t dst_offset, uint64_t len,
+                   uint32_t imm);
+    bool receive();
+    bool reap();
+    Status complete(uint32_t part, uint32_t sender, const proxy::PutRecord& rec);
+    // Whether [offset, offset + len) is where `sender` may put `part` (counts: its own slot).
+    bool in_bounds(uint32_t part, uint32_t sender, uint64_t offset, uint64_t len) const;
+    void fail(const Status& s);
+
+    DeviceProxySetup s_;
+    std::vector<uint32_t> remotes_;
+    std::vector<Outgoing> out_;              // [world * kParts]
+    std::vector<Incoming> in_;               // [world * kParts]
+    std::vector<uint32_t> raised_dispatch_;  // [world] call whose dispatch counter is set
+    std::vector<Inflight> inflight_;         // data and record writes, owned by the thread
+
+    std::atomic<bool> stop_{false};
+    std::atomic<bool> failed_{false};
+    mutable std::mutex mu_;
+    Status error_;
+    std::thread thread_;
+};
+
+}  // namespace ferry::moe

@@ -1,0 +1,342 @@
+// The CUDA all-to-all's host proxy between real processes, without a GPU: the test plays the
+// kernels (bytes into the outbox, then a published record) and a host-memory sink plays the
+// copy engine, so what arrives in the "device" region and when each arrival counter moves is
+// checked exactly, over tcp and shm, with writes split into many pieces.
+#include "moe/device_proxy.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "ferry/fabric/engine.h"
+#include "ferry/moe/config.h"
+#include "ferry/moe/host_proxy.h"
+#include "support/engine_fixture.h"
+#include "support/multiproc.h"
+
+namespace ferry::moe {
+namespace {
+
+using ferry::testing::Exchange;
+
+constexpr uint64_t kCountsBytes = 64;
+constexpr uint64_t kDispatchBlocks = 3, kCombineBlocks = 5;
+constexpr uint8_t kPoison = 0xee;
+
+SharedLayout test_layout(uint32_t world) {
+    SharedLayout l;
+    l.ctr_counts = 0;
+    l.ctr_dispatch = 8ull * world;
+    l.ctr_combine = 16ull * world;
+    l.counts = 256;
+    l.dispatch = 1024;
+    l.combine = l.dispatch + 64 * 1024;
+    l.total = l.combine + 128 * 1024;
+    return l;
+}
+
+// The "device": the rank's region in host memory, counters set with release stores.
+class HostSink final : public DeviceSink {
+  public:
+    HostSink(const uint8_t* inbox, uint8_t* region) : inbox_(inbox), region_(region) {}
+    Status copy(uint64_t offset, uint64_t len) override {
+        std::memcpy(region_ + offset, inbox_ + offset, len);
+        return ok_status();
+    }
+    Status raise(uint64_t offset, uint64_t value) override {
+        counter(offset).store(value, std::memory_order_release);
+        return ok_status();
+    }
+    void abort() override { aborted.store(true); }
+    std::atomic<uint64_t>& counter(uint64_t offset) {
+        return *reinterpret_cast<std::atomic<uint64_t>*>(region_ + offset);
+    }
+    std::atomic<bool> aborted{false};
+
+  private:
+    const uint8_t* inbox_;
+    uint8_t* region_;
+};
+
+// One rank: engine, inbox (the mesh buffer), outbox slabs, published records, region, proxy.
+struct ProxyRank {
+    uint32_t rank = 0, world = 0;
+    SharedLayout lay;
+    uint64_t slab = 0;
+    ferry::testing::MeshNode mesh;
+    std::vector<uint8_t> outbox;
+    std::unique_ptr<MemoryRegion> outbox_mr;
+    std::vector<proxy::Publish> publish;
+    std::vector<uint8_t> region;
+    std::unique_ptr<HostSink> sink;
+    std::unique_ptr<DeviceProxy> proxy;
+
+    uint8_t* outbox_of(uint32_t peer) { return outbox.data() + slab * peer; }
+
+    // What a kernel does: bytes into the peer's outbox, then the record, call number last.
+    void put(uint32_t peer, uint32_t part, uint32_t seq, uint64_t offset, uint64_t len,
+             uint8_t fill) {
+        std::memset(outbox_of(peer) + offset, fill, len);
+        publish_only(peer, part, seq, offset, len);
+    }
+    void publish_only(uint32_t peer, uint32_t part, uint32_t seq, uint64_t offset, uint64_t len) {
+        volatile proxy::Publish& p = publish[size_t{peer} * proxy::kParts + part];
+        p.offset = offset;
+        p.len = len;
+        std::atomic_thread_fence(std::memory_order_release);
+        p.seq = seq;
+    }
+    uint64_t counter(uint64_t offset, uint32_t sender) {
+        return sink->counter(offset + 8ull * sender).load(std::memory_order_acquire);
+    }
+};
+
+Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec) {
+    auto r = std::make_unique<ProxyRank>();
+    r->rank = static_cast<uint32_t>(ex.rank());
+    r->world = static_cast<uint32_t>(ex.size());
+    r->lay = test_layout(r->world);
+    r->slab = proxy_inbox_bytes(r->lay, r->world);
+    FERRY_ASSIGN_OR_RETURN(r->mesh, ferry::testing::make_mesh_node(ex, ec, r->slab, kPoison));
+    // One slab per rank (the own one unused) keeps the indexing plain.
+    r->outbox.assign(r->slab * r->world, 0);
+    FERRY_ASSIGN_OR_RETURN(r->outbox_mr,
+                           r->mesh.engine->register_memory(r->outbox.data(), r->outbox.size()));
+    r->publish.assign(size_t{r->world} * proxy::kParts, proxy::Publish{});
+    r->region.assign(r->lay.total, kPoison);
+    std::memset(r->region.data(), 0, 24ull * r->world);  // the counters
+    r->sink = std::make_unique<HostSink>(r->mesh.buf.data(), r->region.data());
+    DeviceProxySetup s;
+    s.engine = r->mesh.engine.get();
+    s.rank = r->rank;
+    s.world = r->world;
+    s.imm_base = 0x6d670000;
+    s.layout = r->lay;
+    s.counts_bytes = kCountsBytes;
+    s.dispatch_blocks = kDispatchBlocks;
+    s.combine_blocks = kCombineBlocks;
+    s.timeout = std::chrono::seconds(5);
+    s.remote.assign(r->world, true);
+    s.remote[r->rank] = false;
+    s.peer = r->mesh.peer;
+    s.inbox = r->mesh.desc;
+    s.publish = r->publish.data();
+    s.outbox = r->outbox_mr.get();
+    for (uint32_t p = 0; p < r->world; ++p) s.outbox_offset.push_back(r->slab * p);
+    s.inbox_data = r->mesh.buf.data();
+    s.sink = r->sink.get();
+    r->proxy = std::make_unique<DeviceProxy>(std::move(s));
+    r->proxy->start();
+    return r;
+}
+
+// The puts sender s makes to rank d in call c: every rank derives the same. Senders' runs do
+// not overlap (world 3 at most).
+struct CallPuts {
+    uint64_t private_len, overflow_at, overflow_len, combine_at, combine_len;
+};
+CallPuts puts_of(uint64_t seed, uint32_t s, uint32_t d, uint32_t c, const SharedLayout& l) {
+    std::mt19937_64 rng(seed ^ (uint64_t{s} << 40) ^ (uint64_t{d} << 32) ^ c);
+    CallPuts p;
+    // Zero-length parts on some calls: they must still complete the call.
+    p.private_len = rng() % 4 == 0 ? 0 : rng() % 2048;
+    p.overflow_at = l.dispatch + 8192 + s * 16384 + rng() % 1024;
+    p.overflow_len = rng() % 3 == 0 ? 0 : rng() % 12000;
+    p.combine_at = l.combine + s * 40000 + rng() % 1000;
+    p.combine_len = rng() % 28000;
+    return p;
+}
+
+uint8_t fill_of(uint32_t s, uint32_t c, uint32_t part) {
+    return static_cast<uint8_t>(1 + s * 37 + c * 11 + part * 3);
+}
+
+bool all_equal(const uint8_t* p, uint64_t len, uint8_t v) {
+    for (uint64_t i = 0; i < len; ++i)
+        if (p[i] != v) return false;
+    return true;
+}
+
+template <typename Pred>
+bool wait_for(Pred pred, Duration timeout) {
+    TimePoint deadline = deadline_after(timeout);
+    while (!pred()) {
+        if (Clock::now() > deadline) return pred();
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+}
+
+std::string run_calls(Exchange& ex, const std::string& provider, bool split, uint64_t seed) {
+    EngineConfig ec = ferry::testing::test_engine_config(provider);
+    if (split) {
+        ec.num_rails = 2;
+        ec.stripe_threshold = 2048;
+        ec.max_write_size = 4096;
+    }
+    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec));
+    if (split) CHILD_CHECK(write_pieces(r->mesh.engine->config(), 2, 28000) > 4);
+    const SharedLayout& l = r->lay;
+    const uint32_t me = r->rank, w = r->world;
+    const uint32_t kCalls = 4;
+    for (uint32_t c = 1; c <= kCalls; ++c) {
+        // Counts and private rows first, as the kernels publish them.
+        for (uint32_t d = 0; d < w; ++d) {
+            if (d == me) continue;
+            CallPuts p = puts_of(seed, me, d, c, l);
+            r->put(d, proxy::kCounts, c, l.counts + me * kCountsBytes, kCountsBytes,
+                   fill_of(me, c, proxy::kCounts));
+            r->put(d, proxy::kPrivate, c, l.dispatch + me * 2048, p.private_len,
+                   fill_of(me, c, proxy::kPrivate));
+        }
+        // Counts and private rows land, but the dispatch counter waits for the overflow part.
+        for (uint32_t s = 0; s < w; ++s) {
+            if (s == me) continue;
+            CallPuts p = puts_of(seed, s, me, c, l);
+            CHILD_CHECK_MSG(wait_for([&] { return r->counter(l.ctr_counts, s) == c; },
+                                     std::chrono::seconds(10)),
+                            "call {}: counts counter of rank {} at {}", c, s,
+                            r->counter(l.ctr_counts, s));
+            CHILD_CHECK_MSG(all_equal(r->region.data() + l.counts + s * kCountsBytes, kCountsBytes,
+                                      fill_of(s, c, proxy::kCounts)),
+                            "call {}: counts bytes of rank {}", c, s);
+            const uint8_t* priv = r->region.data() + l.dispatch + s * 2048;
+            CHILD_CHECK_MSG(
+                wait_for(
+                    [&] { return all_equal(priv, p.private_len, fill_of(s, c, proxy::kPrivate)); },
+                    std::chrono::seconds(10)),
+                "call {}: private rows of rank {} did not arrive", c, s);
+            CHILD_CHECK_MSG(r->counter(l.ctr_dispatch, s) == (c - 1) * kDispatchBlocks,
+                            "call {}: dispatch counter of rank {} at {} before its overflow part",
+                            c, s, r->counter(l.ctr_dispatch, s));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        for (uint32_t d = 0; d < w; ++d) {
+            if (d == me) continue;
+            CallPuts p = puts_of(seed, me, d, c, l);
+            r->put(d, proxy::kOverflow, c, p.overflow_at, p.overflow_len,
+                   fill_of(me, c, proxy::kOverflow));
+            r->put(d, proxy::kCombine, c, p.combine_at, p.combine_len,
+                   fill_of(me, c, proxy::kCombine));
+        }
+        for (uint32_t s = 0; s < w; ++s) {
+            if (s == me) continue;
+            CallPuts p = puts_of(seed, s, me, c, l);
+            CHILD_CHECK_MSG(wait_for(
+                                [&] {
+                                    return r->counter(l.ctr_dispatch, s) == c * kDispatchBlocks &&
+                                           r->counter(l.ctr_combine, s) == c * kCombineBlocks;
+                                },
+                                std::chrono::seconds(10)),
+                            "call {}: counters of rank {} at dispatch {}, combine {}", c, s,
+                            r->counter(l.ctr_dispatch, s), r->counter(l.ctr_combine, s));
+            // The counter is raised after the copy: the bytes are all there already.
+            CHILD_CHECK_MSG(all_equal(r->region.data() + p.overflow_at, p.overflow_len,
+                                      fill_of(s, c, proxy::kOverflow)),
+                            "call {}: overflow rows of rank {}", c, s);
+            CHILD_CHECK_MSG(all_equal(r->region.data() + p.combine_at, p.combine_len,
+                                      fill_of(s, c, proxy::kCombine)),
+                            "call {}: combine rows of rank {}", c, s);
+            // Nothing past the announced run was touched.
+            CHILD_CHECK_MSG(
+                r->region[p.combine_at + p.combine_len] != fill_of(s, c, proxy::kCombine),
+                "call {}: bytes past rank {}'s combine run were written", c, s);
+        }
+        CHILD_CHECK_OK(r->proxy->error());
+        CHILD_CHECK_OK(ex.barrier());
+    }
+    CHILD_CHECK(!r->sink->aborted.load());
+    return "";
+}
+
+using Param = std::tuple<std::string, uint32_t, bool>;  // provider, world, split writes
+
+class DeviceProxyTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(DeviceProxyTest, PutsArriveWholeAndCountersFollowTheirBytes) {
+    auto [provider, world, split] = GetParam();
+    uint64_t seed =
+        ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    auto results = ferry::testing::run_processes(
+        static_cast<int>(world), [&](Exchange& ex) { return run_calls(ex, provider, split, seed); },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, DeviceProxyTest,
+                         ::testing::Values(Param{"tcp", 2, false}, Param{"tcp", 3, true},
+                                           Param{"shm", 2, false}, Param{"shm", 3, false}),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                             return fmt::format("{}_world{}{}", std::get<0>(i.param),
+                                                std::get<1>(i.param),
+                                                std::get<2>(i.param) ? "_split" : "");
+                         });
+
+// A kernel record pointing outside its part's region is refused and stops the rank's waits.
+TEST(DeviceProxySetup, AnOutOfBoundsPutIsRefusedAndAbortsTheKernels) {
+    auto results = ferry::testing::run_processes(
+        2,
+        [](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(auto r, make_rank(ex, ferry::testing::test_engine_config("tcp")));
+            if (ex.rank() == 0) {
+                r->publish_only(1, proxy::kCombine, 1, r->lay.total - 100, 8000);
+                CHILD_CHECK(
+                    wait_for([&] { return !r->proxy->error().ok(); }, std::chrono::seconds(5)));
+                Status st = r->proxy->error();
+                CHILD_CHECK_MSG(st.code() == StatusCode::kProtocol &&
+                                    st.message().find("rank 0, combine put of call 1 to rank 1") !=
+                                        std::string::npos &&
+                                    st.message().find("outside") != std::string::npos,
+                                "{}", st.to_string());
+                CHILD_CHECK(r->sink->aborted.load());
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            return "";
+        },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+// A peer whose engine is gone turns a put into an error naming it, within the op timeout.
+TEST(DeviceProxySetup, APeerWhoseEngineIsGoneTurnsIntoAnErrorNamingIt) {
+    auto results = ferry::testing::run_processes(
+        2,
+        [](Exchange& ex) -> std::string {
+            EngineConfig ec = ferry::testing::test_engine_config("tcp");
+            ec.op_timeout = std::chrono::seconds(2);
+            CHILD_ASSIGN_OK(auto r, make_rank(ex, ec));
+            if (ex.rank() == 1) {
+                r->proxy.reset();
+                r->outbox_mr.reset();
+                r->mesh.mr.reset();
+                r->mesh.engine.reset();
+                CHILD_CHECK_OK(ex.barrier());
+                return "";
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            auto t0 = Clock::now();
+            // Puts until one fails: a tcp write may still complete into a closing socket.
+            for (uint32_t c = 1; c <= 50 && r->proxy->error().ok(); ++c) {
+                r->put(1, proxy::kCounts, c, r->lay.counts, kCountsBytes, 1);
+                wait_for([&] { return !r->proxy->error().ok(); }, std::chrono::milliseconds(200));
+            }
+            Status st = r->proxy->error();
+            CHILD_CHECK_MSG(!st.ok(), "puts to a peer without an engine kept succeeding");
+            CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(15), "took {} ms",
+                            to_ms(Clock::now() - t0));
+            CHILD_CHECK_MSG(st.message().find("to rank 1") != std::string::npos, "{}",
+                            st.to_string());
+            CHILD_CHECK(r->sink->aborted.load());
+            return "";
+        },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+}  // namespace
+}  // namespace ferry::moe
