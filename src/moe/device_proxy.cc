@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
 #include "ferry/moe/config.h"
 #include "ferry/moe/host_proxy.h"
 
@@ -62,7 +63,10 @@ DeviceProxy::~DeviceProxy() { stop(); }
 
 void DeviceProxy::start() {
     if (thread_.joinable()) return;
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+        set_thread_name("ferry-gpuproxy");
+        loop();
+    });
 }
 
 void DeviceProxy::stop() {
