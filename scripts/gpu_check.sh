@@ -43,7 +43,7 @@ cmake --build $build -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|E
 status=0
 log "GPU tests"
 for t in $build/tests/*_tests; do
-  timeout 240 "$t" --gtest_filter='*Gpu*:*gpu*:*Cuda*:*cuda*' > "$out/$(basename "$t").log" 2>&1 || status=1
+  timeout "${FERRY_GPU_TEST_TIMEOUT:-240}" "$t" --gtest_filter='*Gpu*:*gpu*:*Cuda*:*cuda*' > "$out/$(basename "$t").log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$(basename "$t").log" | sed "s|^|$(basename "$t"): |" | tee -a "$out/gpu_check.log"
   # The first lines of what went wrong, so a failure can be read from the console alone.
   grep -E "Failure|error|Error" "$out/$(basename "$t").log" | head -12 | cut -c1-400
