@@ -28,6 +28,7 @@ constexpr uint64_t kCountsBytes = 64;
 constexpr uint64_t kDispatchBlocks = 3, kCombineBlocks = 5;
 constexpr uint8_t kPoison = 0xee;
 
+// Room for every sender's runs of puts_of (the counts messages up to world 12).
 SharedLayout test_layout(uint32_t world) {
     SharedLayout l;
     l.ctr_counts = 0;
@@ -35,8 +36,8 @@ SharedLayout test_layout(uint32_t world) {
     l.ctr_combine = 16ull * world;
     l.counts = 256;
     l.dispatch = 1024;
-    l.combine = l.dispatch + 64 * 1024;
-    l.total = l.combine + 128 * 1024;
+    l.combine = l.dispatch + 8192 + 16384ull * world;
+    l.total = l.combine + 40000ull * world;
     return l;
 }
 
@@ -75,6 +76,7 @@ struct ProxyRank {
     std::vector<uint8_t> region;
     std::unique_ptr<HostSink> sink;
     std::unique_ptr<DeviceProxy> proxy;
+    std::vector<bool> remote;  // [world] ranks on other nodes, reached through the proxy
 
     uint8_t* outbox_of(uint32_t peer) { return outbox.data() + slab * peer; }
 
@@ -96,7 +98,9 @@ struct ProxyRank {
     }
 };
 
-Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec) {
+// ranks_per_node 0: every other rank is remote.
+Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec,
+                                             uint32_t ranks_per_node = 0) {
     auto r = std::make_unique<ProxyRank>();
     r->rank = static_cast<uint32_t>(ex.rank());
     r->world = static_cast<uint32_t>(ex.size());
@@ -121,8 +125,9 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     s.dispatch_blocks = kDispatchBlocks;
     s.combine_blocks = kCombineBlocks;
     s.timeout = std::chrono::seconds(5);
-    s.remote.assign(r->world, true);
-    s.remote[r->rank] = false;
+    const uint32_t rpn = ranks_per_node ? ranks_per_node : 1;
+    for (uint32_t p = 0; p < r->world; ++p) s.remote.push_back(p / rpn != r->rank / rpn);
+    r->remote = s.remote;
     s.peer = r->mesh.peer;
     s.inbox = r->mesh.desc;
     s.publish = r->publish.data();
@@ -136,7 +141,7 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
 }
 
 // The puts sender s makes to rank d in call c: every rank derives the same. Senders' runs do
-// not overlap (world 3 at most).
+// not overlap (test_layout makes room for them).
 struct CallPuts {
     uint64_t private_len, overflow_at, overflow_len, combine_at, combine_len;
 };
@@ -172,14 +177,15 @@ bool wait_for(Pred pred, Duration timeout) {
     return true;
 }
 
-std::string run_calls(Exchange& ex, const std::string& provider, bool split, uint64_t seed) {
+std::string run_calls(Exchange& ex, const std::string& provider, bool split,
+                      uint32_t ranks_per_node, uint64_t seed) {
     EngineConfig ec = ferry::testing::test_engine_config(provider);
     if (split) {
         ec.num_rails = 2;
         ec.stripe_threshold = 2048;
         ec.max_write_size = 4096;
     }
-    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec));
+    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec, ranks_per_node));
     if (split) CHILD_CHECK(write_pieces(r->mesh.engine->config(), 2, 28000) > 4);
     const SharedLayout& l = r->lay;
     const uint32_t me = r->rank, w = r->world;
@@ -187,7 +193,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
     for (uint32_t c = 1; c <= kCalls; ++c) {
         // Counts and private rows first, as the kernels publish them.
         for (uint32_t d = 0; d < w; ++d) {
-            if (d == me) continue;
+            if (!r->remote[d]) continue;
             CallPuts p = puts_of(seed, me, d, c, l);
             r->put(d, proxy::kCounts, c, l.counts + me * kCountsBytes, kCountsBytes,
                    fill_of(me, c, proxy::kCounts));
@@ -196,7 +202,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
         }
         // Counts and private rows land, but the dispatch counter waits for the overflow part.
         for (uint32_t s = 0; s < w; ++s) {
-            if (s == me) continue;
+            if (!r->remote[s]) continue;
             CallPuts p = puts_of(seed, s, me, c, l);
             CHILD_CHECK_MSG(wait_for([&] { return r->counter(l.ctr_counts, s) == c; },
                                      std::chrono::seconds(10)),
@@ -217,7 +223,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
         }
         CHILD_CHECK_OK(ex.barrier());
         for (uint32_t d = 0; d < w; ++d) {
-            if (d == me) continue;
+            if (!r->remote[d]) continue;
             CallPuts p = puts_of(seed, me, d, c, l);
             r->put(d, proxy::kOverflow, c, p.overflow_at, p.overflow_len,
                    fill_of(me, c, proxy::kOverflow));
@@ -225,7 +231,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
                    fill_of(me, c, proxy::kCombine));
         }
         for (uint32_t s = 0; s < w; ++s) {
-            if (s == me) continue;
+            if (!r->remote[s]) continue;
             CallPuts p = puts_of(seed, s, me, c, l);
             CHILD_CHECK_MSG(wait_for(
                                 [&] {
@@ -254,26 +260,32 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
     return "";
 }
 
-using Param = std::tuple<std::string, uint32_t, bool>;  // provider, world, split writes
+// provider, world, split writes, ranks per node (0: one each)
+using Param = std::tuple<std::string, uint32_t, bool, uint32_t>;
 
 class DeviceProxyTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(DeviceProxyTest, PutsArriveWholeAndCountersFollowTheirBytes) {
-    auto [provider, world, split] = GetParam();
+    auto [provider, world, split, ranks_per_node] = GetParam();
     uint64_t seed =
         ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
     auto results = ferry::testing::run_processes(
-        static_cast<int>(world), [&](Exchange& ex) { return run_calls(ex, provider, split, seed); },
+        static_cast<int>(world),
+        [&](Exchange& ex) { return run_calls(ex, provider, split, ranks_per_node, seed); },
         std::chrono::seconds(60));
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, DeviceProxyTest,
-                         ::testing::Values(Param{"tcp", 2, false}, Param{"tcp", 3, true},
-                                           Param{"shm", 2, false}, Param{"shm", 3, false}),
+                         // World 8 in four nodes of two: the CUDA EP8 case's shape.
+                         ::testing::Values(Param{"tcp", 2, false, 0}, Param{"tcp", 3, true, 0},
+                                           Param{"shm", 2, false, 0}, Param{"shm", 3, false, 0},
+                                           Param{"tcp", 8, false, 2}, Param{"shm", 8, true, 2}),
                          [](const ::testing::TestParamInfo<Param>& i) {
-                             return fmt::format("{}_world{}{}", std::get<0>(i.param),
+                             const uint32_t rpn = std::get<3>(i.param);
+                             return fmt::format("{}_world{}{}{}", std::get<0>(i.param),
                                                 std::get<1>(i.param),
+                                                rpn ? fmt::format("_{}_per_node", rpn) : "",
                                                 std::get<2>(i.param) ? "_split" : "");
                          });
 
