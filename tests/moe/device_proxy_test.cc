@@ -1,7 +1,7 @@
 // The CUDA all-to-all's host proxy between real processes, without a GPU: the test plays the
-// kernels (bytes into the outbox, then a published record) and a host-memory sink plays the
-// copy engine, so what arrives in the "device" region and when each arrival counter moves is
-// checked exactly, over tcp and shm, with writes split into many pieces.
+// kernels (bytes into the outbox, then a published record; reads of the inbox, which kernels
+// map), so what arrives in the inbox and when each arrival counter there moves is checked
+// exactly, over tcp and shm, with writes split into many pieces.
 #include "moe/device_proxy.h"
 
 #include <gtest/gtest.h>
@@ -41,30 +41,7 @@ SharedLayout test_layout(uint32_t world) {
     return l;
 }
 
-// The "device": the rank's region in host memory, counters set with release stores.
-class HostSink final : public DeviceSink {
-  public:
-    HostSink(const uint8_t* inbox, uint8_t* region) : inbox_(inbox), region_(region) {}
-    Status copy(uint64_t offset, uint64_t len) override {
-        std::memcpy(region_ + offset, inbox_ + offset, len);
-        return ok_status();
-    }
-    Status raise(uint64_t offset, uint64_t value) override {
-        counter(offset).store(value, std::memory_order_release);
-        return ok_status();
-    }
-    void abort() override { aborted.store(true); }
-    std::atomic<uint64_t>& counter(uint64_t offset) {
-        return *reinterpret_cast<std::atomic<uint64_t>*>(region_ + offset);
-    }
-    std::atomic<bool> aborted{false};
-
-  private:
-    const uint8_t* inbox_;
-    uint8_t* region_;
-};
-
-// One rank: engine, inbox (the mesh buffer), outbox slabs, published records, region, proxy.
+// One rank: engine, inbox (the mesh buffer), outbox slabs, published records, proxy.
 struct ProxyRank {
     uint32_t rank = 0, world = 0;
     SharedLayout lay;
@@ -73,8 +50,6 @@ struct ProxyRank {
     std::vector<uint8_t> outbox;
     std::unique_ptr<MemoryRegion> outbox_mr;
     std::vector<proxy::Publish> publish;
-    std::vector<uint8_t> region;
-    std::unique_ptr<HostSink> sink;
     std::unique_ptr<DeviceProxy> proxy;
     std::vector<bool> remote;  // [world] ranks on other nodes, reached through the proxy
 
@@ -93,8 +68,17 @@ struct ProxyRank {
         std::atomic_thread_fence(std::memory_order_release);
         p.seq = seq;
     }
+    // What kernels read: the inbox, its counters (acquire) and its abort word.
+    const uint8_t* inbox() const { return mesh.buf.data(); }
     uint64_t counter(uint64_t offset, uint32_t sender) {
-        return sink->counter(offset + 8ull * sender).load(std::memory_order_acquire);
+        return std::atomic_ref<uint64_t>(
+                   *reinterpret_cast<uint64_t*>(mesh.buf.data() + offset + 8ull * sender))
+            .load(std::memory_order_acquire);
+    }
+    bool aborted() {
+        return std::atomic_ref<uint32_t>(
+                   *reinterpret_cast<uint32_t*>(mesh.buf.data() + proxy_abort_offset(lay, world)))
+                   .load(std::memory_order_acquire) != 0;
     }
 };
 
@@ -112,9 +96,9 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     FERRY_ASSIGN_OR_RETURN(r->outbox_mr,
                            r->mesh.engine->register_memory(r->outbox.data(), r->outbox.size()));
     r->publish.assign(size_t{r->world} * proxy::kParts, proxy::Publish{});
-    r->region.assign(r->lay.total, kPoison);
-    std::memset(r->region.data(), 0, 24ull * r->world);  // the counters
-    r->sink = std::make_unique<HostSink>(r->mesh.buf.data(), r->region.data());
+    // Zeroed like the real inbox (the rest stays poisoned); nobody puts before the proxies run.
+    std::memset(r->mesh.buf.data(), 0, 24ull * r->world);  // the counters
+    std::memset(r->mesh.buf.data() + proxy_abort_offset(r->lay, r->world), 0, 4);
     DeviceProxySetup s;
     s.engine = r->mesh.engine.get();
     s.rank = r->rank;
@@ -134,7 +118,6 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     s.outbox = r->outbox_mr.get();
     for (uint32_t p = 0; p < r->world; ++p) s.outbox_offset.push_back(r->slab * p);
     s.inbox_data = r->mesh.buf.data();
-    s.sink = r->sink.get();
     r->proxy = std::make_unique<DeviceProxy>(std::move(s));
     r->proxy->start();
     return r;
@@ -208,10 +191,10 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split,
                                      std::chrono::seconds(10)),
                             "call {}: counts counter of rank {} at {}", c, s,
                             r->counter(l.ctr_counts, s));
-            CHILD_CHECK_MSG(all_equal(r->region.data() + l.counts + s * kCountsBytes, kCountsBytes,
+            CHILD_CHECK_MSG(all_equal(r->inbox() + l.counts + s * kCountsBytes, kCountsBytes,
                                       fill_of(s, c, proxy::kCounts)),
                             "call {}: counts bytes of rank {}", c, s);
-            const uint8_t* priv = r->region.data() + l.dispatch + s * 2048;
+            const uint8_t* priv = r->inbox() + l.dispatch + s * 2048;
             CHILD_CHECK_MSG(
                 wait_for(
                     [&] { return all_equal(priv, p.private_len, fill_of(s, c, proxy::kPrivate)); },
@@ -242,21 +225,21 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split,
                             "call {}: counters of rank {} at dispatch {}, combine {}", c, s,
                             r->counter(l.ctr_dispatch, s), r->counter(l.ctr_combine, s));
             // The counter is raised after the copy: the bytes are all there already.
-            CHILD_CHECK_MSG(all_equal(r->region.data() + p.overflow_at, p.overflow_len,
+            CHILD_CHECK_MSG(all_equal(r->inbox() + p.overflow_at, p.overflow_len,
                                       fill_of(s, c, proxy::kOverflow)),
                             "call {}: overflow rows of rank {}", c, s);
-            CHILD_CHECK_MSG(all_equal(r->region.data() + p.combine_at, p.combine_len,
-                                      fill_of(s, c, proxy::kCombine)),
-                            "call {}: combine rows of rank {}", c, s);
+            CHILD_CHECK_MSG(
+                all_equal(r->inbox() + p.combine_at, p.combine_len, fill_of(s, c, proxy::kCombine)),
+                "call {}: combine rows of rank {}", c, s);
             // Nothing past the announced run was touched.
             CHILD_CHECK_MSG(
-                r->region[p.combine_at + p.combine_len] != fill_of(s, c, proxy::kCombine),
+                r->inbox()[p.combine_at + p.combine_len] != fill_of(s, c, proxy::kCombine),
                 "call {}: bytes past rank {}'s combine run were written", c, s);
         }
         CHILD_CHECK_OK(r->proxy->error());
         CHILD_CHECK_OK(ex.barrier());
     }
-    CHILD_CHECK(!r->sink->aborted.load());
+    CHILD_CHECK(!r->aborted());
     return "";
 }
 
@@ -305,7 +288,7 @@ TEST(DeviceProxySetup, AnOutOfBoundsPutIsRefusedAndAbortsTheKernels) {
                                         std::string::npos &&
                                     st.message().find("outside") != std::string::npos,
                                 "{}", st.to_string());
-                CHILD_CHECK(r->sink->aborted.load());
+                CHILD_CHECK(r->aborted());
             }
             CHILD_CHECK_OK(ex.barrier());
             return "";
@@ -343,7 +326,7 @@ TEST(DeviceProxySetup, APeerWhoseEngineIsGoneTurnsIntoAnErrorNamingIt) {
                             to_ms(Clock::now() - t0));
             CHILD_CHECK_MSG(st.message().find("to rank 1") != std::string::npos, "{}",
                             st.to_string());
-            CHILD_CHECK(r->sink->aborted.load());
+            CHILD_CHECK(r->aborted());
             return "";
         },
         std::chrono::seconds(60));
