@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "ferry/common/log.h"
@@ -33,8 +35,12 @@ constexpr Duration kNap = std::chrono::microseconds(20);
 
 }  // namespace
 
-uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world) {
+uint64_t proxy_abort_offset(const SharedLayout& layout, uint32_t world) {
     return records_base(layout) + uint64_t{proxy::kParts} * world * sizeof(proxy::PutRecord);
+}
+
+uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world) {
+    return proxy_abort_offset(layout, world) + 64;
 }
 
 uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_t part,
@@ -87,7 +93,9 @@ void DeviceProxy::fail(const Status& s) {
     // Only the proxy thread fails. The kernels are stopped before the error is visible, so a
     // caller that sees it finds them giving up already.
     if (failed_.exchange(true)) return;
-    s_.sink->abort();
+    std::atomic_ref<uint32_t>(
+        *reinterpret_cast<uint32_t*>(s_.inbox_data + proxy_abort_offset(s_.layout, s_.world)))
+        .store(1, std::memory_order_release);
     log(LogLevel::kError, "moe", "rank {} cuda host proxy: {}", s_.rank, s.to_string());
     std::lock_guard lk(mu_);
     error_ = s;
@@ -279,14 +287,7 @@ bool DeviceProxy::receive() {
                     return true;
                 }
             }
-            Status st = complete(part, s, in.record);
-            if (!st.ok()) {
-                fail(
-                    st.with_context(fmt::format("rank {}: handing the {} put of call {} from "
-                                                "rank {} to the GPU",
-                                                s_.rank, part_name(part), in.record.seq, s)));
-                return true;
-            }
+            complete(part, s, in.record);
             in.have_record = false;
             ++in.next_seq;
             any = true;
@@ -295,22 +296,31 @@ bool DeviceProxy::receive() {
     return any;
 }
 
-Status DeviceProxy::complete(uint32_t part, uint32_t s, const proxy::PutRecord& rec) {
-    if (rec.len > 0) FERRY_RETURN_IF_ERROR(s_.sink->copy(rec.offset, rec.len));
+void DeviceProxy::raise(uint64_t offset, uint64_t value) {
+    // The put's bytes are in the inbox already (its immediates were taken): the release
+    // store orders them before the counter for the kernels' acquire.
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(s_.inbox_data + offset))
+        .store(value, std::memory_order_release);
+}
+
+void DeviceProxy::complete(uint32_t part, uint32_t s, const proxy::PutRecord& rec) {
     const SharedLayout& l = s_.layout;
     switch (part) {
         case proxy::kCounts:
-            return s_.sink->raise(l.ctr_counts + 8ull * s, rec.seq);
+            raise(l.ctr_counts + 8ull * s, rec.seq);
+            return;
         case proxy::kCombine:
-            return s_.sink->raise(l.ctr_combine + 8ull * s, rec.seq * s_.combine_blocks);
+            raise(l.ctr_combine + 8ull * s, uint64_t{rec.seq} * s_.combine_blocks);
+            return;
         default: {
             // The dispatch counter counts both parts: raised to the call both have reached.
             const uint32_t other = part == proxy::kPrivate ? proxy::kOverflow : proxy::kPrivate;
             const uint32_t other_done = in_[size_t{s} * proxy::kParts + other].next_seq - 1;
             const uint32_t both = std::min(rec.seq, other_done);
-            if (both <= raised_dispatch_[s]) return ok_status();
+            if (both <= raised_dispatch_[s]) return;
             raised_dispatch_[s] = both;
-            return s_.sink->raise(l.ctr_dispatch + 8ull * s, both * s_.dispatch_blocks);
+            raise(l.ctr_dispatch + 8ull * s, uint64_t{both} * s_.dispatch_blocks);
+            return;
         }
     }
 }

@@ -1,7 +1,7 @@
 // The host proxy of the CUDA all-to-all: one thread per rank between its kernels and the
-// TransferEngine, for peers on other nodes. CUDA-free: the device side is reached through
-// mapped host memory (what kernels publish) and a DeviceSink (what the proxy hands them), so
-// the wire protocol runs and is tested on machines without a GPU.
+// TransferEngine, for peers on other nodes. CUDA-free: the kernels are reached only through
+// mapped host memory, both ways (what they publish, and the inbox they read), so the wire
+// protocol runs and is tested on machines without a GPU.
 //
 // Sending. Kernels store a remote peer's bytes into that peer's outbox (mapped pinned host
 // memory laid out like the peer's region) and then publish {offset, len, call} per (peer,
@@ -12,14 +12,22 @@
 // needs no knowledge of how this engine splits writes.
 //
 // Receiving. Record and data may land in any order (EFA does not order writes): a put is
-// complete once its record and as many data immediates as it names are here. Its bytes then
-// go from the inbox to the same offsets of the device region (DeviceSink::copy), and when a
-// counter's call is complete (both dispatch parts for the dispatch counter) the counter is set
-// to the value the kernels wait for (DeviceSink::raise), ordered after the copies.
+// complete once its record and as many data immediates as it names are here. The inbox is
+// mapped pinned memory laid out like the rank's region, and kernels read what remote peers
+// sent straight from it: when a counter's call is complete (both dispatch parts for the
+// dispatch counter), the proxy stores the value the kernels wait for into the inbox's copy of
+// that counter (a release store; the kernels load it with acquire at system scope).
+//
+// No stream work on the way: a copy or memset queued on a CUDA stream can wait behind a
+// spinning kernel of another stream that shares its hardware queue (more streams in the
+// process than CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; 1 under Megatron). An earlier
+// version copied each put onto the GPU with cudaMemcpyAsync; at EP8 with eight ranks in one
+// process (8 kernel streams + 8 copy streams) no remote counter ever moved (2026-12-01).
 //
 // Buffer reuse follows the protocol's own order (see cpu_backend.h): a peer's put of call N+1
 // into a (part, sender) slot needs this rank to have consumed call N of it, so inbox bytes and
-// records are never overwritten before they were copied.
+// records are never overwritten before the kernels read them, as with a same-node peer's
+// stores into the region.
 #pragma once
 
 #include <atomic>
@@ -35,21 +43,6 @@
 
 namespace ferry::moe {
 
-// Where a proxy puts what remote peers sent. The CUDA one copies with cudaMemcpyAsync on a
-// stream of its own; one over GDRCopy could store counters directly. Called from the proxy
-// thread only.
-class DeviceSink {
-  public:
-    virtual ~DeviceSink() = default;
-    // len bytes at `offset` of the inbox to the same offset of the rank's region.
-    virtual Status copy(uint64_t offset, uint64_t len) = 0;
-    // Sets the 64-bit counter at `offset` of the region to `value`, visible to the kernels
-    // only after every copy handed over before it.
-    virtual Status raise(uint64_t offset, uint64_t value) = 0;
-    // Makes this rank's waiting kernels give up at once (after a proxy failure).
-    virtual void abort() = 0;
-};
-
 struct DeviceProxySetup {
     TransferEngine* engine = nullptr;
     uint32_t rank = 0;
@@ -63,18 +56,19 @@ struct DeviceProxySetup {
     // Polling: spin (yielding the core) this long after the last activity, then nap 20 us at
     // a time; nothing can wake a nap, since the kernels signal through host memory.
     Duration idle_spin = std::chrono::microseconds(200);
-    std::vector<bool> remote;                     // [world] peers reached through the proxy
-    std::vector<PeerId> peer;                     // [world] engine peers, where remote
-    std::vector<MemoryDescriptor> inbox;          // [world] peers' inboxes, where remote
+    std::vector<bool> remote;             // [world] peers reached through the proxy
+    std::vector<PeerId> peer;             // [world] engine peers, where remote
+    std::vector<MemoryDescriptor> inbox;  // [world] peers' inboxes, where remote
 
     // Sending: the kernels' records [world][kParts]; the outboxes, registered, one per remote
     // peer at outbox_offset[peer], each followed by kParts PutRecords to send from.
     const proxy::Publish* publish = nullptr;
     const MemoryRegion* outbox = nullptr;
     std::vector<uint64_t> outbox_offset;
-    // Receiving: this rank's inbox (layout.total bytes, then the record slots).
-    const uint8_t* inbox_data = nullptr;
-    DeviceSink* sink = nullptr;
+    // Receiving: this rank's inbox (proxy_inbox_bytes: layout.total bytes, the record slots,
+    // the abort word), zeroed before any peer learns where it is. The proxy writes the
+    // counters at the region's counter offsets and the abort word; peers write the rest.
+    uint8_t* inbox_data = nullptr;
 };
 
 // Bytes of an inbox (an outbox slab is the same size: its PutRecords fit in the same area).
@@ -82,6 +76,9 @@ uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world);
 // Offset of the record slot (part, sender) in an inbox.
 uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_t part,
                              uint32_t sender);
+// Offset of the inbox's abort word (uint32): set to 1 when the proxy fails, so the rank's
+// waiting kernels give up at once.
+uint64_t proxy_abort_offset(const SharedLayout& layout, uint32_t world);
 
 class DeviceProxy {
   public:
@@ -124,7 +121,9 @@ class DeviceProxy {
                    uint32_t imm);
     bool receive();
     bool reap();
-    Status complete(uint32_t part, uint32_t sender, const proxy::PutRecord& rec);
+    void complete(uint32_t part, uint32_t sender, const proxy::PutRecord& rec);
+    // Stores the 64-bit counter at `offset` of the inbox (release).
+    void raise(uint64_t offset, uint64_t value);
     // Whether [offset, offset + len) is where `sender` may put `part` (counts: its own slot).
     bool in_bounds(uint32_t part, uint32_t sender, uint64_t offset, uint64_t len) const;
     void fail(const Status& s);

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -55,9 +56,12 @@ struct CudaCase {
     int calls = 3;
     bool processes = false;  // one process per rank instead of one thread per rank
     bool bf16_out = false;
-    bool graph = false;  // capture each half once, replay it for every call
+    bool graph = false;            // capture each half once, replay it for every call
     uint32_t ranks_per_node = 0;   // 0: every rank on one node; else the others via the proxy
     const char* provider = "tcp";  // the engines' provider between nodes
+    // CUDA_DEVICE_MAX_CONNECTIONS in the child (0: CUDA's default, 8). Streams beyond it
+    // share hardware queues, where work waits behind another stream's running kernel.
+    int hw_queues = 0;
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
@@ -367,6 +371,8 @@ int visible_gpus() {
 }
 
 std::string run_case_in_child(const CudaCase& k, uint64_t seed, ferry::testing::Exchange& ex) {
+    // Before CUDA starts in this child.
+    if (k.hw_queues) setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(k.hw_queues).c_str(), 1);
     auto calls = make_calls(k, seed);
     auto ref = cpu_reference(k, calls);
     if (!ref.ok()) return "cpu reference: " + ref.status().to_string();
@@ -495,13 +501,22 @@ INSTANTIATE_TEST_SUITE_P(
                               .calls = 2,
                               .processes = true,
                               .ranks_per_node = 2}),
+        // 8 threads' streams plus the proxies' share CUDA's 8 hardware queues by default: a
+        // proxy that copied onto the GPU through a stream waited behind a spinning kernel.
         CudaCase{.name = "ep8_four_nodes",
                  .world = 8,
                  .num_experts = 64,
                  .topk = 6,
                  .alignment = 16,
                  .calls = 3,
-                 .ranks_per_node = 2}),
+                 .ranks_per_node = 2},
+        // Every stream of a process in one hardware queue (what Megatron sets): the remote
+        // path must not need stream work while this rank's kernels wait.
+        CudaCase{.name = "ep2_remote_processes_one_hw_queue",
+                 .calls = 2,
+                 .processes = true,
+                 .ranks_per_node = 1,
+                 .hw_queues = 1}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return std::string(i.param.name); });
 
 // A rank that never calls turns into a timeout that names it, not a hang.

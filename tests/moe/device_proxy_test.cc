@@ -1,7 +1,7 @@
 // The CUDA all-to-all's host proxy between real processes, without a GPU: the test plays the
-// kernels (bytes into the outbox, then a published record) and a host-memory sink plays the
-// copy engine, so what arrives in the "device" region and when each arrival counter moves is
-// checked exactly, over tcp and shm, with writes split into many pieces.
+// kernels (bytes into the outbox, then a published record; reads of the inbox, which kernels
+// map), so what arrives in the inbox and when each arrival counter there moves is checked
+// exactly, over tcp and shm, with writes split into many pieces.
 #include "moe/device_proxy.h"
 
 #include <gtest/gtest.h>
@@ -28,6 +28,7 @@ constexpr uint64_t kCountsBytes = 64;
 constexpr uint64_t kDispatchBlocks = 3, kCombineBlocks = 5;
 constexpr uint8_t kPoison = 0xee;
 
+// Room for every sender's runs of puts_of (the counts messages up to world 12).
 SharedLayout test_layout(uint32_t world) {
     SharedLayout l;
     l.ctr_counts = 0;
@@ -35,35 +36,12 @@ SharedLayout test_layout(uint32_t world) {
     l.ctr_combine = 16ull * world;
     l.counts = 256;
     l.dispatch = 1024;
-    l.combine = l.dispatch + 64 * 1024;
-    l.total = l.combine + 128 * 1024;
+    l.combine = l.dispatch + 8192 + 16384ull * world;
+    l.total = l.combine + 40000ull * world;
     return l;
 }
 
-// The "device": the rank's region in host memory, counters set with release stores.
-class HostSink final : public DeviceSink {
-  public:
-    HostSink(const uint8_t* inbox, uint8_t* region) : inbox_(inbox), region_(region) {}
-    Status copy(uint64_t offset, uint64_t len) override {
-        std::memcpy(region_ + offset, inbox_ + offset, len);
-        return ok_status();
-    }
-    Status raise(uint64_t offset, uint64_t value) override {
-        counter(offset).store(value, std::memory_order_release);
-        return ok_status();
-    }
-    void abort() override { aborted.store(true); }
-    std::atomic<uint64_t>& counter(uint64_t offset) {
-        return *reinterpret_cast<std::atomic<uint64_t>*>(region_ + offset);
-    }
-    std::atomic<bool> aborted{false};
-
-  private:
-    const uint8_t* inbox_;
-    uint8_t* region_;
-};
-
-// One rank: engine, inbox (the mesh buffer), outbox slabs, published records, region, proxy.
+// One rank: engine, inbox (the mesh buffer), outbox slabs, published records, proxy.
 struct ProxyRank {
     uint32_t rank = 0, world = 0;
     SharedLayout lay;
@@ -72,9 +50,8 @@ struct ProxyRank {
     std::vector<uint8_t> outbox;
     std::unique_ptr<MemoryRegion> outbox_mr;
     std::vector<proxy::Publish> publish;
-    std::vector<uint8_t> region;
-    std::unique_ptr<HostSink> sink;
     std::unique_ptr<DeviceProxy> proxy;
+    std::vector<bool> remote;  // [world] ranks on other nodes, reached through the proxy
 
     uint8_t* outbox_of(uint32_t peer) { return outbox.data() + slab * peer; }
 
@@ -91,12 +68,23 @@ struct ProxyRank {
         std::atomic_thread_fence(std::memory_order_release);
         p.seq = seq;
     }
+    // What kernels read: the inbox, its counters (acquire) and its abort word.
+    const uint8_t* inbox() const { return mesh.buf.data(); }
     uint64_t counter(uint64_t offset, uint32_t sender) {
-        return sink->counter(offset + 8ull * sender).load(std::memory_order_acquire);
+        return std::atomic_ref<uint64_t>(
+                   *reinterpret_cast<uint64_t*>(mesh.buf.data() + offset + 8ull * sender))
+            .load(std::memory_order_acquire);
+    }
+    bool aborted() {
+        return std::atomic_ref<uint32_t>(
+                   *reinterpret_cast<uint32_t*>(mesh.buf.data() + proxy_abort_offset(lay, world)))
+                   .load(std::memory_order_acquire) != 0;
     }
 };
 
-Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec) {
+// ranks_per_node 0: every other rank is remote.
+Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec,
+                                             uint32_t ranks_per_node = 0) {
     auto r = std::make_unique<ProxyRank>();
     r->rank = static_cast<uint32_t>(ex.rank());
     r->world = static_cast<uint32_t>(ex.size());
@@ -108,9 +96,9 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     FERRY_ASSIGN_OR_RETURN(r->outbox_mr,
                            r->mesh.engine->register_memory(r->outbox.data(), r->outbox.size()));
     r->publish.assign(size_t{r->world} * proxy::kParts, proxy::Publish{});
-    r->region.assign(r->lay.total, kPoison);
-    std::memset(r->region.data(), 0, 24ull * r->world);  // the counters
-    r->sink = std::make_unique<HostSink>(r->mesh.buf.data(), r->region.data());
+    // Zeroed like the real inbox (the rest stays poisoned); nobody puts before the proxies run.
+    std::memset(r->mesh.buf.data(), 0, 24ull * r->world);  // the counters
+    std::memset(r->mesh.buf.data() + proxy_abort_offset(r->lay, r->world), 0, 4);
     DeviceProxySetup s;
     s.engine = r->mesh.engine.get();
     s.rank = r->rank;
@@ -121,22 +109,22 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     s.dispatch_blocks = kDispatchBlocks;
     s.combine_blocks = kCombineBlocks;
     s.timeout = std::chrono::seconds(5);
-    s.remote.assign(r->world, true);
-    s.remote[r->rank] = false;
+    const uint32_t rpn = ranks_per_node ? ranks_per_node : 1;
+    for (uint32_t p = 0; p < r->world; ++p) s.remote.push_back(p / rpn != r->rank / rpn);
+    r->remote = s.remote;
     s.peer = r->mesh.peer;
     s.inbox = r->mesh.desc;
     s.publish = r->publish.data();
     s.outbox = r->outbox_mr.get();
     for (uint32_t p = 0; p < r->world; ++p) s.outbox_offset.push_back(r->slab * p);
     s.inbox_data = r->mesh.buf.data();
-    s.sink = r->sink.get();
     r->proxy = std::make_unique<DeviceProxy>(std::move(s));
     r->proxy->start();
     return r;
 }
 
 // The puts sender s makes to rank d in call c: every rank derives the same. Senders' runs do
-// not overlap (world 3 at most).
+// not overlap (test_layout makes room for them).
 struct CallPuts {
     uint64_t private_len, overflow_at, overflow_len, combine_at, combine_len;
 };
@@ -172,14 +160,15 @@ bool wait_for(Pred pred, Duration timeout) {
     return true;
 }
 
-std::string run_calls(Exchange& ex, const std::string& provider, bool split, uint64_t seed) {
+std::string run_calls(Exchange& ex, const std::string& provider, bool split,
+                      uint32_t ranks_per_node, uint64_t seed) {
     EngineConfig ec = ferry::testing::test_engine_config(provider);
     if (split) {
         ec.num_rails = 2;
         ec.stripe_threshold = 2048;
         ec.max_write_size = 4096;
     }
-    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec));
+    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec, ranks_per_node));
     if (split) CHILD_CHECK(write_pieces(r->mesh.engine->config(), 2, 28000) > 4);
     const SharedLayout& l = r->lay;
     const uint32_t me = r->rank, w = r->world;
@@ -187,7 +176,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
     for (uint32_t c = 1; c <= kCalls; ++c) {
         // Counts and private rows first, as the kernels publish them.
         for (uint32_t d = 0; d < w; ++d) {
-            if (d == me) continue;
+            if (!r->remote[d]) continue;
             CallPuts p = puts_of(seed, me, d, c, l);
             r->put(d, proxy::kCounts, c, l.counts + me * kCountsBytes, kCountsBytes,
                    fill_of(me, c, proxy::kCounts));
@@ -196,16 +185,16 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
         }
         // Counts and private rows land, but the dispatch counter waits for the overflow part.
         for (uint32_t s = 0; s < w; ++s) {
-            if (s == me) continue;
+            if (!r->remote[s]) continue;
             CallPuts p = puts_of(seed, s, me, c, l);
             CHILD_CHECK_MSG(wait_for([&] { return r->counter(l.ctr_counts, s) == c; },
                                      std::chrono::seconds(10)),
                             "call {}: counts counter of rank {} at {}", c, s,
                             r->counter(l.ctr_counts, s));
-            CHILD_CHECK_MSG(all_equal(r->region.data() + l.counts + s * kCountsBytes, kCountsBytes,
+            CHILD_CHECK_MSG(all_equal(r->inbox() + l.counts + s * kCountsBytes, kCountsBytes,
                                       fill_of(s, c, proxy::kCounts)),
                             "call {}: counts bytes of rank {}", c, s);
-            const uint8_t* priv = r->region.data() + l.dispatch + s * 2048;
+            const uint8_t* priv = r->inbox() + l.dispatch + s * 2048;
             CHILD_CHECK_MSG(
                 wait_for(
                     [&] { return all_equal(priv, p.private_len, fill_of(s, c, proxy::kPrivate)); },
@@ -217,7 +206,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
         }
         CHILD_CHECK_OK(ex.barrier());
         for (uint32_t d = 0; d < w; ++d) {
-            if (d == me) continue;
+            if (!r->remote[d]) continue;
             CallPuts p = puts_of(seed, me, d, c, l);
             r->put(d, proxy::kOverflow, c, p.overflow_at, p.overflow_len,
                    fill_of(me, c, proxy::kOverflow));
@@ -225,7 +214,7 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
                    fill_of(me, c, proxy::kCombine));
         }
         for (uint32_t s = 0; s < w; ++s) {
-            if (s == me) continue;
+            if (!r->remote[s]) continue;
             CallPuts p = puts_of(seed, s, me, c, l);
             CHILD_CHECK_MSG(wait_for(
                                 [&] {
@@ -236,44 +225,50 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split, uin
                             "call {}: counters of rank {} at dispatch {}, combine {}", c, s,
                             r->counter(l.ctr_dispatch, s), r->counter(l.ctr_combine, s));
             // The counter is raised after the copy: the bytes are all there already.
-            CHILD_CHECK_MSG(all_equal(r->region.data() + p.overflow_at, p.overflow_len,
+            CHILD_CHECK_MSG(all_equal(r->inbox() + p.overflow_at, p.overflow_len,
                                       fill_of(s, c, proxy::kOverflow)),
                             "call {}: overflow rows of rank {}", c, s);
-            CHILD_CHECK_MSG(all_equal(r->region.data() + p.combine_at, p.combine_len,
-                                      fill_of(s, c, proxy::kCombine)),
-                            "call {}: combine rows of rank {}", c, s);
+            CHILD_CHECK_MSG(
+                all_equal(r->inbox() + p.combine_at, p.combine_len, fill_of(s, c, proxy::kCombine)),
+                "call {}: combine rows of rank {}", c, s);
             // Nothing past the announced run was touched.
             CHILD_CHECK_MSG(
-                r->region[p.combine_at + p.combine_len] != fill_of(s, c, proxy::kCombine),
+                r->inbox()[p.combine_at + p.combine_len] != fill_of(s, c, proxy::kCombine),
                 "call {}: bytes past rank {}'s combine run were written", c, s);
         }
         CHILD_CHECK_OK(r->proxy->error());
         CHILD_CHECK_OK(ex.barrier());
     }
-    CHILD_CHECK(!r->sink->aborted.load());
+    CHILD_CHECK(!r->aborted());
     return "";
 }
 
-using Param = std::tuple<std::string, uint32_t, bool>;  // provider, world, split writes
+// provider, world, split writes, ranks per node (0: one each)
+using Param = std::tuple<std::string, uint32_t, bool, uint32_t>;
 
 class DeviceProxyTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(DeviceProxyTest, PutsArriveWholeAndCountersFollowTheirBytes) {
-    auto [provider, world, split] = GetParam();
+    auto [provider, world, split, ranks_per_node] = GetParam();
     uint64_t seed =
         ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
     auto results = ferry::testing::run_processes(
-        static_cast<int>(world), [&](Exchange& ex) { return run_calls(ex, provider, split, seed); },
+        static_cast<int>(world),
+        [&](Exchange& ex) { return run_calls(ex, provider, split, ranks_per_node, seed); },
         std::chrono::seconds(60));
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, DeviceProxyTest,
-                         ::testing::Values(Param{"tcp", 2, false}, Param{"tcp", 3, true},
-                                           Param{"shm", 2, false}, Param{"shm", 3, false}),
+                         // World 8 in four nodes of two: the CUDA EP8 case's shape.
+                         ::testing::Values(Param{"tcp", 2, false, 0}, Param{"tcp", 3, true, 0},
+                                           Param{"shm", 2, false, 0}, Param{"shm", 3, false, 0},
+                                           Param{"tcp", 8, false, 2}, Param{"shm", 8, true, 2}),
                          [](const ::testing::TestParamInfo<Param>& i) {
-                             return fmt::format("{}_world{}{}", std::get<0>(i.param),
+                             const uint32_t rpn = std::get<3>(i.param);
+                             return fmt::format("{}_world{}{}{}", std::get<0>(i.param),
                                                 std::get<1>(i.param),
+                                                rpn ? fmt::format("_{}_per_node", rpn) : "",
                                                 std::get<2>(i.param) ? "_split" : "");
                          });
 
@@ -293,7 +288,7 @@ TEST(DeviceProxySetup, AnOutOfBoundsPutIsRefusedAndAbortsTheKernels) {
                                         std::string::npos &&
                                     st.message().find("outside") != std::string::npos,
                                 "{}", st.to_string());
-                CHILD_CHECK(r->sink->aborted.load());
+                CHILD_CHECK(r->aborted());
             }
             CHILD_CHECK_OK(ex.barrier());
             return "";
@@ -331,7 +326,7 @@ TEST(DeviceProxySetup, APeerWhoseEngineIsGoneTurnsIntoAnErrorNamingIt) {
                             to_ms(Clock::now() - t0));
             CHILD_CHECK_MSG(st.message().find("to rank 1") != std::string::npos, "{}",
                             st.to_string());
-            CHILD_CHECK(r->sink->aborted.load());
+            CHILD_CHECK(r->aborted());
             return "";
         },
         std::chrono::seconds(60));

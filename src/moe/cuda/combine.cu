@@ -22,9 +22,11 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
     if (a.remote_mask) {
         if (tid < w && is_remote(a, tid)) {
-            // Where rank tid wants our results, from its counts message of this call.
-            uint32_t base = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kCombineBase));
-            uint32_t hits = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kHits));
+            // Where rank tid wants our results, from its counts message of this call (in the
+            // inbox: it is remote).
+            uint32_t base =
+                ld_peer_u32(counts_word(a.inbox, a, tid, CountsWords::kCombineBase), true);
+            uint32_t hits = ld_peer_u32(counts_word(a.inbox, a, tid, CountsWords::kHits), true);
             if (uint64_t{base} + hits > a.remote_combine) {
                 if (blockIdx.x == 0)
                     record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, tid, seq,
@@ -72,7 +74,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
 }
 
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
-// remote ranks' results sit in a compact area after the slots.
+// remote ranks' results sit in a compact area after the slots, in the inbox.
 template <bool kBf16Out, bool kSlots>
 __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16) {
     __shared__ int s_ok;
@@ -84,7 +86,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     if (tid == 0) {
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
-            ok = wait_counter(a, counter_at(a.self, a.lay.ctr_combine, s),
+            ok = wait_counter(a, counter_at(from(a, s), a.lay.ctr_combine, s),
                               uint64_t{seq} * a.combine_send_blocks, DeviceError::kCombineRecvWait,
                               s, seq);
         s_ok = ok;
@@ -93,6 +95,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     if (!s_ok) return;
     const uint32_t n8 = a.hidden / 8;
     const uint8_t* recv = a.self + a.lay.combine;
+    const uint8_t* recv_remote = kSlots ? a.inbox + a.lay.combine : nullptr;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         if (tid < k) {
@@ -108,9 +111,12 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
 #pragma unroll
             for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk)
                 if (kk < k && s_use[kk]) {
-                    const uint8_t* row =
-                        kSlots ? recv + uint64_t{s_slot[kk]} * row_bytes : rows_t + kk * row_bytes;
-                    v[kk] = __ldcg(reinterpret_cast<const int4*>(row) + c8);
+                    // The same in every thread: s_slot is per token.
+                    const bool host = kSlots && s_slot[kk] >= a.remote_combine;
+                    const uint8_t* row = !kSlots ? rows_t + kk * row_bytes
+                                         : host  ? recv_remote + uint64_t{s_slot[kk]} * row_bytes
+                                                 : recv + uint64_t{s_slot[kk]} * row_bytes;
+                    v[kk] = ld_peer(reinterpret_cast<const int4*>(row) + c8, host);
                 }
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll

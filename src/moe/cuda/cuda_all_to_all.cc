@@ -17,7 +17,6 @@
 
 #include "ferry/common/bytes.h"
 #include "ferry/moe/numerics.h"
-#include "moe/cuda/copy_engine_sink.h"
 #include "moe/cuda/kernels.h"
 #include "moe/device_proxy.h"
 
@@ -127,20 +126,18 @@ struct CudaAllToAll::Impl {
     Phase phase = Phase::kIdle;
     Status broken;
     uint32_t dispatch_send_blocks = 0, combine_send_blocks = 0, combine_recv_blocks = 0;
-    // Remote peers: kernels' records and outboxes (mapped pinned), the inbox (pinned), their
-    // registrations, and the proxy feeding the copy engine.
+    // Remote peers: kernels' records, outboxes and the inbox they read (all mapped pinned),
+    // their registrations, and the proxy.
     void* publish = nullptr;
     void* outbox = nullptr;
     void* inbox = nullptr;
     std::unique_ptr<MemoryRegion> outbox_mr, inbox_mr;
-    std::unique_ptr<cuda::CopyEngineSink> sink;
     std::unique_ptr<DeviceProxy> proxy;
 
     ~Impl() {
-        // The proxy first (its writes read the outboxes, its copies read the inbox), then the
-        // registrations, then the memory.
+        // The proxy first (its writes read the outboxes, it writes the inbox's counters), then
+        // the registrations, then the memory.
         proxy.reset();
-        sink.reset();
         outbox_mr.reset();
         inbox_mr.reset();
         cudaSetDevice(device);
@@ -334,6 +331,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t slab = align4k(proxy_inbox_bytes(lay, w));
     proxy::Publish* publish_dev = nullptr;
     uint8_t* outbox_dev = nullptr;
+    uint8_t* inbox_dev = nullptr;
     std::vector<uint8_t> remote_blob;
     if (has_remote) {
         TransferEngine* engine = options.engine;
@@ -347,8 +345,12 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         std::memset(impl->outbox, 0, outbox_bytes);
         FERRY_MOE_CUDA_TRY(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&outbox_dev), impl->outbox, 0));
-        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocDefault));
+        // Kernels read remote peers' bytes and counters straight from the inbox: the proxy
+        // needs no CUDA stream (see device_proxy.h).
+        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocMapped));
         std::memset(impl->inbox, 0, slab);
+        FERRY_MOE_CUDA_TRY(
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&inbox_dev), impl->inbox, 0));
         FERRY_ASSIGN_OR_RETURN(impl->outbox_mr,
                                engine->register_memory(impl->outbox, outbox_bytes));
         FERRY_ASSIGN_OR_RETURN(impl->inbox_mr, engine->register_memory(impl->inbox, slab));
@@ -526,18 +528,16 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.row_src = reinterpret_cast<cuda::RowSource*>(local + o_src);
     a.remote_mask = remote_mask;
     a.publish = publish_dev;
+    a.inbox = inbox_dev;
+    a.proxy_abort = has_remote
+                        ? reinterpret_cast<const uint32_t*>(inbox_dev + proxy_abort_offset(lay, w))
+                        : nullptr;
     a.tickets = reinterpret_cast<unsigned long long*>(local + o_tickets);
     a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
     a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
     a.remote_combine = t * k;
 
     if (has_remote) {
-        FERRY_ASSIGN_OR_RETURN(
-            impl->sink, cuda::CopyEngineSink::create(
-                            impl->device, static_cast<const uint8_t*>(impl->inbox),
-                            static_cast<uint8_t*>(impl->shared), 3 * w,
-                            reinterpret_cast<uint32_t*>(
-                                local + o_state + offsetof(cuda::DeviceState, error_claimed))));
         ps.engine = options.engine;
         ps.rank = cfg.rank;
         ps.world = w;
@@ -552,8 +552,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
         ps.publish = static_cast<const proxy::Publish*>(impl->publish);
         ps.outbox = impl->outbox_mr.get();
-        ps.inbox_data = static_cast<const uint8_t*>(impl->inbox);
-        ps.sink = impl->sink.get();
+        ps.inbox_data = static_cast<uint8_t*>(impl->inbox);
         impl->proxy = std::make_unique<DeviceProxy>(std::move(ps));
         impl->proxy->start();
     }

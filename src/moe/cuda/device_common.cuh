@@ -30,10 +30,12 @@ __device__ __forceinline__ void signal_add(uint64_t* counter, uint64_t n) {
                      static_cast<unsigned long long>(n));
 }
 
-// Whether any wait or check of this rank failed. The claim flag is in device memory: reading
-// the mapped host record in a spin loop would cost a PCIe round trip each time.
+// Whether any wait or check of this rank failed, or its host proxy did. The claim flag is in
+// device memory: reading the mapped host record in a spin loop would cost a PCIe round trip
+// each time. The proxy's word is host memory, but waits look only every 256 spins.
 __device__ __forceinline__ bool error_set(const KernelArgs& a) {
-    return *reinterpret_cast<const volatile uint32_t*>(&a.state->error_claimed) != 0;
+    return *reinterpret_cast<const volatile uint32_t*>(&a.state->error_claimed) != 0 ||
+           (a.proxy_abort && *reinterpret_cast<const volatile uint32_t*>(a.proxy_abort) != 0);
 }
 
 // First failure wins: claimed with a device-memory atomic (atomics on mapped host memory need
@@ -85,6 +87,13 @@ __device__ __forceinline__ bool is_remote(const KernelArgs& a, uint32_t rank) {
     return (a.remote_mask >> rank) & 1u;
 }
 
+// Where what `sender` wrote for this rank lies: the region (same node, over NVLink), or the
+// proxy's inbox (another node). Same offsets in both. The proxy fills the inbox and raises
+// its counters from the host, with no CUDA stream work that could queue behind our kernels.
+__device__ __forceinline__ uint8_t* from(const KernelArgs& a, uint32_t sender) {
+    return is_remote(a, sender) ? a.inbox : a.self;
+}
+
 // Hands a put to the host proxy once its bytes are in the peer's outbox (fenced by the
 // caller): offset and length first, the call number last, so a proxy that sees the call
 // sees the rest.
@@ -114,25 +123,32 @@ __device__ inline bool last_block_of_call(const KernelArgs& a, uint32_t ticket, 
 }
 
 // Regions peers write into are read through L2 only: L1 may still hold the previous call.
-__device__ __forceinline__ uint32_t ld_cg_u32(const void* p) {
-    return __ldcg(reinterpret_cast<const unsigned int*>(p));
+// The inbox is host memory, of which L2 may hold a stale line: fetched again (ld.cv).
+template <typename T>
+__device__ __forceinline__ T ld_peer(const T* p, bool host) {
+    return host ? __ldcv(p) : __ldcg(p);
+}
+__device__ __forceinline__ uint32_t ld_peer_u32(const void* p, bool host) {
+    return ld_peer(reinterpret_cast<const unsigned int*>(p), host);
 }
 
 // One warp copies n16 16-byte vectors, each lane keeping eight loads in flight: a whole
 // block per row, one vector per thread and rows one after another, waited out a load latency
-// per row (2026-12-01: 30 us for the 128-token combine). kPeerWritten reads through L2 only.
+// per row (2026-12-01: 30 us for the 128-token combine). kPeerWritten loads with ld_peer
+// (`host`: from the inbox).
 template <bool kPeerWritten = false>
-__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, uint32_t n16,
-                                            uint32_t lane) {
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, uint32_t n16, uint32_t lane,
+                                            bool host = false) {
     uint32_t i = lane;
     for (; i + 7 * 32 < n16; i += 8 * 32) {
         int4 v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = kPeerWritten ? __ldcg(src + i + 32 * u) : src[i + 32 * u];
+        for (int u = 0; u < 8; ++u)
+            v[u] = kPeerWritten ? ld_peer(src + i + 32 * u, host) : src[i + 32 * u];
 #pragma unroll
         for (int u = 0; u < 8; ++u) dst[i + 32 * u] = v[u];
     }
-    for (; i < n16; i += 32) dst[i] = kPeerWritten ? __ldcg(src + i) : src[i];
+    for (; i < n16; i += 32) dst[i] = kPeerWritten ? ld_peer(src + i, host) : src[i];
 }
 
 }  // namespace ferry::moe::cuda

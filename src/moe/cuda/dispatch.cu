@@ -204,11 +204,14 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
     if (tid == 0) s_ok = 1;
     __syncthreads();
     if (tid < w) {
-        bool ok = wait_counter(a, counter_at(a.self, a.lay.ctr_counts, tid), seq,
+        uint8_t* src = from(a, tid);
+        const bool host = is_remote(a, tid);
+        bool ok = wait_counter(a, counter_at(src, a.lay.ctr_counts, tid), seq,
                                DeviceError::kSendWaitCounts, tid, seq);
         if (ok) {
-            uint32_t their_hash = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kConfigHash));
-            uint32_t their_seq = ld_cg_u32(counts_word(a.self, a, tid, CountsWords::kSeq));
+            uint32_t their_hash =
+                ld_peer_u32(counts_word(src, a, tid, CountsWords::kConfigHash), host);
+            uint32_t their_seq = ld_peer_u32(counts_word(src, a, tid, CountsWords::kSeq), host);
             if (their_hash != a.hash32) {
                 record_error(a, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
                              their_hash, a.hash32);
@@ -226,7 +229,8 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
         const uint32_t d = tid;
         uint64_t at = uint64_t{w} * p;
         for (uint32_t s = 0; s < a.rank; ++s) {
-            uint32_t r = ld_cg_u32(counts_word(a.self, a, s, CountsWords::kRowsTo + d));
+            uint32_t r = ld_peer_u32(counts_word(from(a, s), a, s, CountsWords::kRowsTo + d),
+                                     is_remote(a, s));
             r = min(r, a.max_tokens);  // keeps every write inside the region, even on bad counts
             at += r > p ? r - p : 0;
         }
@@ -291,13 +295,14 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
     uint32_t* s_k = sh.k;
     uint32_t* s_pos = sh.pos;
     const bool remote = is_remote(a, s);  // the same in every thread of the block
+    const uint8_t* src = from(a, s);      // its counter and rows (counts: from(a, s2))
     const uint32_t tid = threadIdx.x;
     const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq);
     const uint32_t hw = a.counts_hits_word;
     if (tid == 0) {
         s_offset = 0;
-        s_ok = wait_counter(a, counter_at(a.self, a.lay.ctr_dispatch, s),
+        s_ok = wait_counter(a, counter_at(from(a, s), a.lay.ctr_dispatch, s),
                             uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, s,
                             seq);
     }
@@ -305,16 +310,20 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
     // Group offsets from the counts messages (all here: dispatch_send waited for them).
     for (uint32_t e2 = tid; e2 < e; e2 += blockDim.x) {
         uint32_t tot = 0;
-        for (uint32_t s2 = 0; s2 < w; ++s2) tot += ld_cg_u32(counts_word(a.self, a, s2, hw + e2));
+        for (uint32_t s2 = 0; s2 < w; ++s2)
+            tot += ld_peer_u32(counts_word(from(a, s2), a, s2, hw + e2), is_remote(a, s2));
         atomicAdd(&s_offset, align_up(tot, a.alignment));
     }
     if (tid == 0) {
         uint32_t tot = 0, before = 0;
         uint64_t ob = 0;
         for (uint32_t s2 = 0; s2 < w; ++s2) {
-            uint32_t h = ld_cg_u32(counts_word(a.self, a, s2, hw + e));
-            uint32_t r = min(ld_cg_u32(counts_word(a.self, a, s2, CountsWords::kRowsTo + a.rank)),
-                             a.max_tokens);
+            uint8_t* src2 = from(a, s2);
+            const bool host2 = is_remote(a, s2);
+            uint32_t h = ld_peer_u32(counts_word(src2, a, s2, hw + e), host2);
+            uint32_t r =
+                min(ld_peer_u32(counts_word(src2, a, s2, CountsWords::kRowsTo + a.rank), host2),
+                    a.max_tokens);
             tot += h;
             if (s2 < s) {
                 before += h;
@@ -365,16 +374,17 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
         uint64_t ri = 0;
         if (i < rows_from) {
             ri = i < p ? uint64_t{s} * p + i : overflow_begin + (i - p);
-            const uint8_t* row = a.self + a.lay.dispatch + ri * a.row_bytes;
+            const uint8_t* row = src + a.lay.dispatch + ri * a.row_bytes;
             // The header in a few 8-byte loads issued together (every (expert, sender) block
             // reads all of the sender's headers, so this is on the critical path): token and
             // call, then the local expert ids, four per load (the header is padded to 16).
-            const uint2 head = __ldcg(reinterpret_cast<const uint2*>(row));
+            const uint2 head = ld_peer(reinterpret_cast<const uint2*>(row), remote);
             uint2 ids[kMaxCudaTopk / 4];
 #pragma unroll
             for (uint32_t q = 0; q < kMaxCudaTopk / 4; ++q)
                 if (q * 4 < k)
-                    ids[q] = __ldcg(reinterpret_cast<const uint2*>(row + kRowHeaderBytes) + q);
+                    ids[q] =
+                        ld_peer(reinterpret_cast<const uint2*>(row + kRowHeaderBytes) + q, remote);
             token = head.x;
             const uint32_t hseq = head.y;
             if (hseq != seq || token >= a.max_tokens) {
@@ -419,12 +429,13 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
         for (uint32_t m = tid / 32; m < agg; m += warps) {
             uint32_t o = base + carry + m;
             if (carry + m >= s_hits || o >= a.max_rows) break;  // reported below
-            const uint8_t* row = a.self + a.lay.dispatch + s_row[m] * a.row_bytes;
+            const uint8_t* row = src + a.lay.dispatch + s_row[m] * a.row_bytes;
             warp_copy16<true>(reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes),
-                              reinterpret_cast<const int4*>(row + a.payload_offset), pb16, lane);
+                              reinterpret_cast<const int4*>(row + a.payload_offset), pb16, lane,
+                              remote);
             const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
             for (uint32_t c = lane; c < spt; c += 32)
-                out_scale[uint64_t{o} * spt + c] = __ldcg(ssrc + c);
+                out_scale[uint64_t{o} * spt + c] = ld_peer(ssrc + c, remote);
             if (lane == 0) {
                 RowSource src_meta{s, s_tok[m], s_k[m]};
                 a.row_src[o] = src_meta;
@@ -467,8 +478,8 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
 
 cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
                                  uint32_t* offsets, RowSource* sources, cudaStream_t stream) {
-    dispatch_recv_kernel<<<a.dispatch_recv_blocks, kRecvThreads, 0, stream>>>(a, static_cast<uint8_t*>(x), x_scale,
-                                                            counts, offsets, sources);
+    dispatch_recv_kernel<<<a.dispatch_recv_blocks, kRecvThreads, 0, stream>>>(
+        a, static_cast<uint8_t*>(x), x_scale, counts, offsets, sources);
     return cudaGetLastError();
 }
 

@@ -73,7 +73,7 @@ struct KernelArgs {
     // [world] device array: each rank's shared allocation mapped here, or for a rank on
     // another node its outbox (mapped pinned host memory with the same layout).
     uint8_t* const* peers;
-    uint8_t* self;          // this rank's shared allocation
+    uint8_t* self;  // this rank's shared allocation
     DeviceState* state;
     DeviceError* err;  // device view of the mapped host record
     // Per-call scratch, local to this rank.
@@ -86,8 +86,12 @@ struct KernelArgs {
     RowSource* row_src;       // [max_rows] where each grouped row came from
 
     // Peers on other nodes, reached through the host proxy (all zero/null without them).
-    uint64_t remote_mask;         // bit d: rank d is remote
-    proxy::Publish* publish;      // [world][kParts] mapped host records for the proxy
+    uint64_t remote_mask;     // bit d: rank d is remote
+    proxy::Publish* publish;  // [world][kParts] mapped host records for the proxy
+    // The proxy's inbox (mapped pinned host memory laid out like `self`): what remote ranks
+    // sent, and their arrival counters, which the proxy stores; kernels read both from here.
+    uint8_t* inbox;
+    const uint32_t* proxy_abort;  // mapped word the proxy sets to 1 when it fails
     unsigned long long* tickets;  // [kTickets] blocks done so far, over all calls
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
