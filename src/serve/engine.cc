@@ -745,6 +745,15 @@ std::vector<Engine::StepChunk> Engine::plan_prefill_step() const {
     return step;
 }
 
+int layer_group_end(int g, int groups, int layers) {
+    if (g <= 0) return 0;
+    if (g >= groups) return layers;
+    const int64_t left = groups - g, sq = int64_t(groups) * groups;
+    int end = layers - int((int64_t(layers) * left * left + sq / 2) / sq);
+    // At least one layer in every group before and after this boundary.
+    return std::clamp(end, g, layers - (groups - g));
+}
+
 int Engine::progress_handovers(const Seq& s, size_t chunk_end, int groups) const {
     const size_t prompt = s.req.prompt.size();
     if (chunk_end >= prompt) return groups;  // the last chunk: every group, then done
@@ -787,7 +796,8 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
     }
     double modelled = cost_.prefill_seconds(chunks) * config_.time_scale;
     for (int g = 0; g < groups; ++g) {
-        LayerRange group{g * layers / groups, (g + 1) * layers / groups};
+        LayerRange group{layer_group_end(g, groups, layers),
+                         layer_group_end(g + 1, groups, layers)};
         for (size_t i = 0; i < step.size(); ++i) {
             if (!errors[i].ok()) continue;
             Seq& s = *step[i].seq;
@@ -798,7 +808,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             else
                 errors[i] = t.status();
         }
-        double until = modelled * double(g + 1) / double(groups);
+        double until = modelled * double(group.end) / double(layers);
         if (!sleep_until(
                 start + std::chrono::duration_cast<Duration>(std::chrono::duration<double>(until))))
             return;

@@ -442,16 +442,41 @@ TEST(Engine, PushLegsChunksAreHandedOverLayerGroupByGroupWhileTheirStepsRun) {
     LayeredSetup setup(milliseconds(80));
     RecordingProducer producer;
     auto got = push_prefill(producer, setup, LayeredSetup::kPrompt, "t-layered");
-    // Each chunk's first 2, 4 and 6 of 8 layers as its step runs, the first chunk whole at
-    // its end; the last chunk's rest goes with on_prefill_done.
-    std::vector<HandOver> want = {{0, 64, 2},   {0, 64, 4},   {0, 64, 6},  {64, 0, 0},
-                                  {64, 100, 2}, {64, 100, 4}, {64, 100, 6}};
+    // Each chunk's first 3, 6 and 7 of 8 layers as its step runs (groups of 3, 3, 1, 1), the
+    // first chunk whole at its end; the last chunk's last layer goes with on_prefill_done.
+    std::vector<HandOver> want = {{0, 64, 3},   {0, 64, 6},   {0, 64, 7},  {64, 0, 0},
+                                  {64, 100, 3}, {64, 100, 6}, {64, 100, 7}};
     ASSERT_EQ(got, want);
-    // The last chunk's first group left about three quarters of the 80 ms step before the
-    // step ended.
+    // The last chunk's first group left about five eighths of the 80 ms step before the step
+    // ended.
     std::lock_guard lock(producer.mu);
     double ahead_ms = to_ms(producer.done_at - producer.progress[4].second);
     EXPECT_GT(ahead_ms, 40.0);
+}
+
+TEST(Engine, LayerGroupsShrinkTowardsTheEndAndCoverEveryLayerOnce) {
+    auto sizes = [](int groups, int layers) {
+        std::vector<int> out;
+        for (int g = 0; g < groups; ++g)
+            out.push_back(layer_group_end(g + 1, groups, layers) -
+                          layer_group_end(g, groups, layers));
+        return out;
+    };
+    EXPECT_EQ(sizes(8, 64), (std::vector<int>{15, 13, 11, 9, 7, 5, 3, 1}));
+    EXPECT_EQ(sizes(1, 64), (std::vector<int>{64}));
+    EXPECT_EQ(sizes(4, 4), (std::vector<int>{1, 1, 1, 1}));
+    for (int layers : {1, 2, 7, 8, 61, 64, 80}) {
+        for (int groups = 1; groups <= layers; ++groups) {
+            auto s = sizes(groups, layers);
+            EXPECT_EQ(std::accumulate(s.begin(), s.end(), 0), layers) << groups << "/" << layers;
+            for (size_t g = 0; g < s.size(); ++g) {
+                EXPECT_GE(s[g], 1) << g << " of " << groups << "/" << layers;
+                if (g > 0) {
+                    EXPECT_LE(s[g], s[g - 1] + 1) << g << " of " << groups << "/" << layers;
+                }
+            }
+        }
+    }
 }
 
 TEST(Engine, PushHandOversStayWithinTheConnectorsLimitAndTheLastChunkGetsEveryGroup) {
@@ -462,8 +487,8 @@ TEST(Engine, PushHandOversStayWithinTheConnectorsLimitAndTheLastChunkGetsEveryGr
     auto got = push_prefill(producer, setup, 300, "t-limited");
     // The first chunk gets the two hand-overs the limit leaves after reserving one per later
     // chunk and three for the last; every earlier chunk ends with one.
-    std::vector<HandOver> want = {{0, 64, 4},   {64, 0, 0},    {128, 0, 0},   {192, 0, 0},
-                                  {256, 0, 0},  {256, 300, 2}, {256, 300, 4}, {256, 300, 6}};
+    std::vector<HandOver> want = {{0, 64, 6},   {64, 0, 0},    {128, 0, 0},   {192, 0, 0},
+                                  {256, 0, 0},  {256, 300, 3}, {256, 300, 6}, {256, 300, 7}};
     EXPECT_EQ(got, want);
     EXPECT_LE(got.size(), producer.limit);
 }

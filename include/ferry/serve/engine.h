@@ -73,6 +73,16 @@ struct EngineConfig {
     Duration kv_wait_timeout = seconds(30);
 };
 
+// First layer of layer group g (0-based) of a push step, `groups` over `layers`; g = groups
+// gives `layers`, so group g is [layer_group_end(g), layer_group_end(g + 1)). Groups shrink
+// towards the end: copies run behind compute and only the last group's copy and digest are
+// left after the step, so it should be small, while earlier ones have the compute of the
+// groups after them to hide theirs. Group g-1 ends at layers - layers * ((groups - g) /
+// groups)^2, rounded, with at least one layer per group (64 layers in 8 groups: 15, 13, 11,
+// 9, 7, 5, 3, 1). Even groups of 8 left a 2 MiB copy after a 1k-token step (2026-12-01).
+// Requires 1 <= groups <= layers.
+int layer_group_end(int g, int groups, int layers);
+
 struct GenerateRequest {
     std::vector<int32_t> prompt{};
     size_t max_tokens = 16;
