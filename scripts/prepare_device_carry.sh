@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fills .carry/ (git-ignored) with what the lent GPU machines lack, for the device tool's
+# `carry` option: libfabric's headers (the runtime is there) and, for the serving stack,
+# cpp-httplib with the headers and libraries it is built against (OpenSSL, zlib, brotli).
+# Run here after scripts/setup.sh; then pass carry [".carry"] to the device tool.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+arch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
+rm -rf .carry/libfabric .carry/httplib
+mkdir -p .carry/libfabric/include .carry/httplib/include .carry/httplib/lib
+cp -r /usr/include/rdma .carry/libfabric/include/
+h=.carry/httplib
+cp /usr/include/httplib.h /usr/include/zlib.h /usr/include/zconf.h "$h/include/"
+cp -r /usr/include/openssl /usr/include/brotli "$h/include/"
+cp /usr/include/"$arch"/openssl/* "$h/include/openssl/"
+cp -a /usr/lib/"$arch"/libcpp-httplib.so* /usr/lib/"$arch"/libbrotli*.so* "$h/lib/"
+cp -a /lib/"$arch"/libssl.so.3 /lib/"$arch"/libcrypto.so.3 "$h/lib/"
+du -sh .carry
