@@ -78,6 +78,9 @@ OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
 OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
     return impl_->write_runs(op, std::move(done));
 }
+OpHandle TransferEngine::read_runs(const ReadRunsOp& op, OpCallback done) {
+    return impl_->read_runs(op, std::move(done));
+}
 OpHandle TransferEngine::read(const ReadOp& op, OpCallback done) {
     return impl_->read(op, std::move(done));
 }

@@ -719,6 +719,46 @@ OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     return submit(b, state, false);
 }
 
+OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(r.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read_runs"));
+    if (r.runs.empty()) FERRY_FAIL_OP(state, invalid_argument("read_runs: no runs"));
+    FERRY_FAIL_OP(state, check_local(r.dst, 0, 0, "read_runs"));
+    FERRY_FAIL_OP(state, check_remote(*p, r.src, 0, 0, "read_runs"));
+    // Every run in bounds before anything is posted: a bad run reads nothing.
+    for (size_t i = 0; i < r.runs.size(); ++i) {
+        const WriteRun& run = r.runs[i];
+        Status s = run.length == 0 ? invalid_argument("read_runs: a run of 0 bytes")
+                                   : check_local(r.dst, run.dst_offset, run.length, "read_runs");
+        if (s.ok()) s = check_remote(*p, r.src, run.src_offset, run.length, "read_runs");
+        if (!s.ok()) {
+            FERRY_FAIL_OP(state, s.with_context(fmt::format("run {} ({} bytes, {} -> {})", i,
+                                                             run.length, run.src_offset,
+                                                             run.dst_offset)));
+        }
+    }
+    auto path = choose_path(*p, *r.dst, *r.src, "read_runs");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*r.src, *r.dst);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        const uint64_t dst = reinterpret_cast<uint64_t>(r.dst->data());
+        std::vector<GpuCopy> copies;
+        copies.reserve(r.runs.size());
+        for (const WriteRun& run : r.runs)
+            copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
+        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+    }
+    Batch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const WriteRun& run : r.runs) {
+        add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
+                run.length, std::nullopt, deadline, true);
+    }
+    return submit(b, state, false);
+}
+
 OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Group* g = nullptr;

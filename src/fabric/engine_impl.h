@@ -55,6 +55,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     OpHandle paged_write(const PagedWriteOp& op, OpCallback done);
     OpHandle write_runs(const WriteRunsOp& op, OpCallback done);
     OpHandle read(const ReadOp& op, OpCallback done);
+    OpHandle read_runs(const ReadRunsOp& op, OpCallback done);
     OpHandle scatter(const ScatterOp& op, OpCallback done);
     OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);
     Status barrier(GroupId group, uint32_t imm, Duration timeout);

@@ -1252,17 +1252,15 @@ class KvConnector::Impl {
         auto flight = new_flight([this, job](const Status& s) { finish_pull(job, s); });
         for (size_t i = 0; i < plans.size(); ++i) {
             const auto& [idx, plan] = plans[i];
-            for (const ByteRun& run : plan.runs) {
-                flight->add();
-                ReadOp op;
-                op.peer = job->sources[i].peer;
-                op.dst = pool_;
-                op.dst_offset = run.dst_offset;
-                op.src = &job->params[idx].pool;
-                op.src_offset = run.src_offset;
-                op.length = run.length;
-                engine_->read(op, [flight](const Status& s) { flight->done(s); });
-            }
+            // One operation per source: between GPUs one batched copy instead of one per run
+            // (a 16k-token pull was 128 copies, 0.62 ms against push's 0.44).
+            flight->add();
+            ReadRunsOp op;
+            op.peer = job->sources[i].peer;
+            op.dst = pool_;
+            op.src = &job->params[idx].pool;
+            op.runs = plan.runs;
+            engine_->read_runs(op, [flight](const Status& s) { flight->done(s); });
             job->reads += static_cast<uint32_t>(plan.runs.size());
             job->bytes += plan.bytes;
             ops_posted_.fetch_add(plan.runs.size());

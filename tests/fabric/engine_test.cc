@@ -305,6 +305,58 @@ TEST_P(EngineTest, WriteRunsDeliversEveryRunAsOneOperation) {
     expect_all_ok(results);
 }
 
+// The read side of the same: runs of random lengths from a peer's region into disjoint local
+// slots as one operation; every byte arrives, nothing else is touched, and a run out of range
+// fails the operation before anything is read, naming the run.
+TEST_P(EngineTest, ReadRunsFetchesEveryRunAsOneOperation) {
+    uint64_t seed = testing::test_seed("ReadRuns");
+    const size_t kBuf = 8 << 20;
+    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
+        CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), kBuf, kPoison));
+        std::mt19937_64 rng(seed);
+        const uint64_t kSlot = 256 << 10;
+        std::vector<uint64_t> slots(kBuf / kSlot);
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), rng);
+        std::vector<WriteRun> runs;  // src_offset at the peer, dst_offset here
+        for (int i = 0; i < 20; ++i) {
+            uint64_t len = 1 + rng() % kSlot;
+            runs.push_back({rng() % (kBuf - len), slots[i] * kSlot + rng() % (kSlot - len + 1),
+                            len});
+        }
+        if (ex.rank() == 1) {
+            fill_pattern(n.buf, seed);
+            CHILD_CHECK(ex.barrier().ok());  // filled before rank 0 reads
+            CHILD_CHECK(ex.barrier().ok());  // rank 0 is done reading
+            return "";
+        }
+        CHILD_CHECK(ex.barrier().ok());
+        ReadRunsOp op;
+        op.peer = n.peer[1];
+        op.dst = n.mr.get();
+        op.src = &n.desc[1];
+        std::vector<WriteRun> with_bad = runs;
+        with_bad[11].src_offset = kBuf - with_bad[11].length + 1;  // one byte past the end
+        op.runs = with_bad;
+        Status refused = n.engine->read_runs(op).wait(kWait);
+        CHILD_CHECK_MSG(!refused.ok() && refused.message().find("run 11") != std::string::npos,
+                        "out-of-range run: {}", refused.to_string());
+        std::string untouched = compare(n.buf, std::vector<uint8_t>(n.buf.size(), kPoison));
+        CHILD_CHECK_MSG(untouched.empty(), "a refused read_runs wrote: {}", untouched);
+        op.runs = runs;
+        CHILD_CHECK_OK(n.engine->read_runs(op).wait(kWait));
+        std::vector<uint8_t> srcb(n.buf.size()), want(n.buf.size(), kPoison);
+        fill_pattern(srcb, seed);
+        for (const WriteRun& r : runs)
+            std::memcpy(want.data() + r.dst_offset, srcb.data() + r.src_offset, r.length);
+        std::string diff = compare(n.buf, want);
+        CHILD_CHECK(ex.barrier().ok());
+        CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+        return "";
+    }, kRunTimeout);
+    expect_all_ok(results);
+}
+
 TEST_P(EngineTest, ScatterToFourPeersDeliversEachItsSlice) {
     uint64_t seed = testing::test_seed("Scatter");
     const size_t kBuf = 1 << 20;

@@ -167,6 +167,17 @@ struct ReadOp {
     uint64_t length = 0;
 };
 
+// Many runs from one remote region into one local region as one operation with one
+// completion (a pull-mode KV transfer's runs): each run's src_offset is in the remote region,
+// its dst_offset in the local one. On fabric paths every run is a read of its own; between
+// GPUs of one host the runs become one batched copy.
+struct ReadRunsOp {
+    PeerId peer = 0;
+    const MemoryRegion* dst = nullptr;
+    const MemoryDescriptor* src = nullptr;
+    std::span<const WriteRun> runs;
+};
+
 struct ScatterSlice {
     uint32_t member = 0;  // index into the group's peers
     uint64_t src_offset = 0;
@@ -232,6 +243,7 @@ class TransferEngine {
     OpHandle paged_write(const PagedWriteOp& op, OpCallback done = {});
     OpHandle write_runs(const WriteRunsOp& op, OpCallback done = {});
     OpHandle read(const ReadOp& op, OpCallback done = {});
+    OpHandle read_runs(const ReadRunsOp& op, OpCallback done = {});
     OpHandle scatter(const ScatterOp& op, OpCallback done = {});
     // Sends one immediate-only write to every member, then waits until as many writes with
     // `imm` arrived here. Members call it with the same imm; consecutive rounds need no reset.
