@@ -657,25 +657,33 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     return submit(b, state, w.imm.has_value());
 }
 
+// Every run in bounds before anything is posted: a bad run moves nothing. local_is_src: the
+// runs' src offsets are in the local region (writes), else their dst offsets (reads).
+Status EngineImpl::check_runs(const Peer& p, const MemoryRegion* local,
+                              const MemoryDescriptor* remote, std::span<const WriteRun> runs,
+                              bool local_is_src, const char* what) {
+    if (runs.empty()) return invalid_argument(fmt::format("{}: no runs", what));
+    FERRY_RETURN_IF_ERROR(check_local(local, 0, 0, what));
+    FERRY_RETURN_IF_ERROR(check_remote(p, remote, 0, 0, what));
+    for (size_t i = 0; i < runs.size(); ++i) {
+        const WriteRun& r = runs[i];
+        const uint64_t here = local_is_src ? r.src_offset : r.dst_offset;
+        const uint64_t there = local_is_src ? r.dst_offset : r.src_offset;
+        Status s = r.length == 0 ? invalid_argument(fmt::format("{}: a run of 0 bytes", what))
+                                 : check_local(local, here, r.length, what);
+        if (s.ok()) s = check_remote(p, remote, there, r.length, what);
+        if (!s.ok())
+            return s.with_context(fmt::format("run {} ({} bytes, {} -> {})", i, r.length,
+                                              r.src_offset, r.dst_offset));
+    }
+    return ok_status();
+}
+
 OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write_runs"));
-    if (w.runs.empty()) FERRY_FAIL_OP(state, invalid_argument("write_runs: no runs"));
-    FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "write_runs"));
-    FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "write_runs"));
-    // Every run in bounds before anything is posted: a bad run loses nothing.
-    for (size_t i = 0; i < w.runs.size(); ++i) {
-        const WriteRun& r = w.runs[i];
-        Status s = r.length == 0 ? invalid_argument("write_runs: a run of 0 bytes")
-                                 : check_local(w.src, r.src_offset, r.length, "write_runs");
-        if (s.ok()) s = check_remote(*p, w.dst, r.dst_offset, r.length, "write_runs");
-        if (!s.ok()) {
-            FERRY_FAIL_OP(state, s.with_context(fmt::format("run {} ({} bytes, {} -> {})", i,
-                                                             r.length, r.src_offset,
-                                                             r.dst_offset)));
-        }
-    }
+    FERRY_FAIL_OP(state, check_runs(*p, w.src, w.dst, w.runs, true, "write_runs"));
     auto path = choose_path(*p, *w.src, *w.dst, "write_runs");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
     if (*path == Path::kGpuIpc) {
@@ -723,21 +731,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read_runs"));
-    if (r.runs.empty()) FERRY_FAIL_OP(state, invalid_argument("read_runs: no runs"));
-    FERRY_FAIL_OP(state, check_local(r.dst, 0, 0, "read_runs"));
-    FERRY_FAIL_OP(state, check_remote(*p, r.src, 0, 0, "read_runs"));
-    // Every run in bounds before anything is posted: a bad run reads nothing.
-    for (size_t i = 0; i < r.runs.size(); ++i) {
-        const WriteRun& run = r.runs[i];
-        Status s = run.length == 0 ? invalid_argument("read_runs: a run of 0 bytes")
-                                   : check_local(r.dst, run.dst_offset, run.length, "read_runs");
-        if (s.ok()) s = check_remote(*p, r.src, run.src_offset, run.length, "read_runs");
-        if (!s.ok()) {
-            FERRY_FAIL_OP(state, s.with_context(fmt::format("run {} ({} bytes, {} -> {})", i,
-                                                             run.length, run.src_offset,
-                                                             run.dst_offset)));
-        }
-    }
+    FERRY_FAIL_OP(state, check_runs(*p, r.dst, r.src, r.runs, false, "read_runs"));
     auto path = choose_path(*p, *r.dst, *r.src, "read_runs");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
     if (*path == Path::kGpuIpc) {

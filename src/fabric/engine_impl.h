@@ -91,6 +91,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
+    Status check_runs(const Peer& p, const MemoryRegion* local, const MemoryDescriptor* remote,
+                      std::span<const WriteRun> runs, bool local_is_src, const char* what);
     int next_rail();
     enum class Path { kFabric, kGpuIpc };
     Result<Path> choose_path(const Peer& p, const MemoryRegion& local,

@@ -242,6 +242,22 @@ TEST_P(EngineTest, PagedWritesWithRandomPageListsCoalesceAndArriveIntact) {
     expect_all_ok(results);
 }
 
+// 20 runs of random lengths (up to 256 KiB, some above the stripe threshold) from anywhere in a
+// buffer of buf bytes to disjoint 256 KiB slots of another, in random order.
+std::vector<WriteRun> random_runs(uint64_t seed, uint64_t buf) {
+    std::mt19937_64 rng(seed);
+    const uint64_t kSlot = 256 << 10;
+    std::vector<uint64_t> slots(buf / kSlot);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<WriteRun> runs;
+    for (int i = 0; i < 20; ++i) {
+        uint64_t len = 1 + rng() % kSlot;
+        runs.push_back({rng() % (buf - len), slots[i] * kSlot + rng() % (kSlot - len + 1), len});
+    }
+    return runs;
+}
+
 // Runs of random lengths (some above the stripe threshold, so split across rails) to disjoint
 // destinations as one operation: every byte lands, nothing else is touched, the target counts
 // as many immediates as imm_writes() says, and a run out of range fails the whole operation
@@ -251,18 +267,7 @@ TEST_P(EngineTest, WriteRunsDeliversEveryRunAsOneOperation) {
     const size_t kBuf = 8 << 20;
     auto results = run_processes(2, [&](Exchange& ex) -> std::string {
         CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), kBuf, kPoison));
-        std::mt19937_64 rng(seed);
-        // Disjoint destination slots of 256 KiB, in random order; lengths up to a whole slot.
-        const uint64_t kSlot = 256 << 10;
-        std::vector<uint64_t> slots(kBuf / kSlot);
-        std::iota(slots.begin(), slots.end(), 0);
-        std::shuffle(slots.begin(), slots.end(), rng);
-        std::vector<WriteRun> runs;
-        for (int i = 0; i < 20; ++i) {
-            uint64_t len = 1 + rng() % kSlot;
-            runs.push_back({rng() % (kBuf - len), slots[i] * kSlot + rng() % (kSlot - len + 1),
-                            len});
-        }
+        std::vector<WriteRun> runs = random_runs(seed, kBuf);
         if (ex.rank() == 0) {
             fill_pattern(n.buf, seed);
             WriteRunsOp bad;
@@ -313,17 +318,7 @@ TEST_P(EngineTest, ReadRunsFetchesEveryRunAsOneOperation) {
     const size_t kBuf = 8 << 20;
     auto results = run_processes(2, [&](Exchange& ex) -> std::string {
         CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), kBuf, kPoison));
-        std::mt19937_64 rng(seed);
-        const uint64_t kSlot = 256 << 10;
-        std::vector<uint64_t> slots(kBuf / kSlot);
-        std::iota(slots.begin(), slots.end(), 0);
-        std::shuffle(slots.begin(), slots.end(), rng);
-        std::vector<WriteRun> runs;  // src_offset at the peer, dst_offset here
-        for (int i = 0; i < 20; ++i) {
-            uint64_t len = 1 + rng() % kSlot;
-            runs.push_back({rng() % (kBuf - len), slots[i] * kSlot + rng() % (kSlot - len + 1),
-                            len});
-        }
+        std::vector<WriteRun> runs = random_runs(seed, kBuf);  // src at the peer, dst here
         if (ex.rank() == 1) {
             fill_pattern(n.buf, seed);
             CHILD_CHECK(ex.barrier().ok());  // filled before rank 0 reads
