@@ -72,6 +72,19 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
     FERRY_ASSIGN_OR_RETURN(provider, resolve_provider_name(config));
     FERRY_ASSIGN_OR_RETURN(auto infos, get_infos(provider, config));
+    if (config.fabric_gpu_memory) {
+        // Only a provider that can register CUDA memory gets FI_HMEM domains: host memory
+        // then travels exactly as before on every other one.
+        CudaHmem h = probe_cuda_hmem(provider, config);
+        cuda_hmem_note = std::move(h.note);
+        if (h.infos) {
+            infos = std::move(h.infos);
+            cuda_hmem = true;
+        }
+    } else {
+        cuda_hmem_note = fmt::format(
+            "GPU memory over provider {} is off (EngineConfig::fabric_gpu_memory)", provider);
+    }
     if (provider == "shm") remove_stale_shm_regions();
     std::vector<const fi_info*> candidates;
     for (const fi_info* i = infos.get(); i; i = i->next) {
@@ -115,8 +128,8 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         set_thread_name("ferry-watchdog");
         watchdog();
     });
-    log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s)", address.engine_id,
-        provider, rails.size());
+    log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s); {}", address.engine_id,
+        provider, rails.size(), cuda_hmem_note);
     return ok_status();
 }
 
@@ -217,19 +230,50 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->desc_.kind = kind;
     region->desc_.device = device;
     region->desc_.virt_addr = rails[0]->virt_addr();
-    if (kind == MemoryKind::kCuda) {
-        // The providers here have no FI_HMEM: GPU memory travels through CUDA IPC only.
-        FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
-        Status s = g->export_memory(ptr, len, device, &region->desc_);
+    region->local_descs_.assign(rails.size(), nullptr);
+    if (kind == MemoryKind::kCuda && !cuda_hmem) {
+        // GPU memory travels through CUDA IPC only.
+        Status s = export_gpu(*region);
         if (!s.ok()) {
             region->engine_.reset();
-            return s.with_context(fmt::format("registering {} bytes of GPU memory", len));
+            return s.with_context(fmt::format(
+                "registering {} bytes of GPU memory on device {} ({}; CUDA IPC is the only "
+                "way left)",
+                len, device, cuda_hmem_note));
         }
-        region->local_descs_.assign(rails.size(), nullptr);
         std::lock_guard lk(mr_mu_);
         region->id_ = next_mr_id_++;
         return region;
     }
+    if (kind == MemoryKind::kCuda && config.gpu_ipc) {
+        // Same-host GPU peers still copy over NVLink; without the export they use the fabric.
+        Status s = export_gpu(*region);
+        if (!s.ok()) {
+            log(LogLevel::kWarn, "fabric",
+                "GPU memory at {} ({} bytes, device {}) has no CUDA IPC export, so same-host "
+                "GPU peers reach it through provider {}: {}",
+                ptr, len, device, provider, s.message());
+        }
+    }
+    Status s = register_on_rails(*region, kind == MemoryKind::kCuda ? device : -1);
+    if (!s.ok()) {
+        region->engine_.reset();
+        if (kind == MemoryKind::kCuda) {
+            return s.with_context(
+                fmt::format("provider {} cannot register CUDA memory ({} bytes on device {})",
+                            provider, len, device));
+        }
+        return s.with_context(fmt::format("registering {} bytes", len));
+    }
+    return region;
+}
+
+Status EngineImpl::export_gpu(MemoryRegion& region) {
+    FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
+    return g->export_memory(region.ptr_, region.len_, region.desc_.device, &region.desc_);
+}
+
+Status EngineImpl::register_on_rails(MemoryRegion& region, int cuda_device) {
     std::vector<fid_mr*> mrs;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     for (auto& rail : rails) {
@@ -237,7 +281,7 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
         Rail* rp = rail.get();
         Status s = rp->run_on_worker(
             [&]() -> Status {
-                auto r = rp->register_mr(ptr, len, access);
+                auto r = rp->register_mr(region.ptr_, region.len_, access, cuda_device);
                 if (!r.ok()) return r.status();
                 mr = *r;
                 return ok_status();
@@ -250,17 +294,17 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
                 (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
                                           kControlTimeout);
             }
-            region->engine_.reset();
-            return s.with_context(fmt::format("registering {} bytes", len));
+            region.desc_.rail_keys.clear();
+            return s.with_context(fmt::format("rail {}", rp->index()));
         }
+        region.desc_.rail_keys.push_back(fi_mr_key(mr));
+        region.local_descs_[rp->index()] = fi_mr_desc(mr);
         mrs.push_back(mr);
-        region->desc_.rail_keys.push_back(fi_mr_key(mr));
-        region->local_descs_.push_back(fi_mr_desc(mr));
     }
     std::lock_guard lk(mr_mu_);
-    region->id_ = next_mr_id_++;
-    mrs_[region->id_] = std::move(mrs);
-    return region;
+    region.id_ = next_mr_id_++;
+    mrs_[region.id_] = std::move(mrs);
+    return ok_status();
 }
 
 void EngineImpl::deregister(uint32_t id) {
@@ -510,18 +554,21 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
     bool remote_gpu = remote.kind == MemoryKind::kCuda;
     if (!local_gpu && !remote_gpu) return Path::kFabric;
     bool same_host = p.address.host_id == address.host_id;
-    if (local_gpu && remote_gpu && remote.has_ipc && same_host) return Path::kGpuIpc;
+    if (local_gpu && remote_gpu && remote.has_ipc && local.descriptor().has_ipc && same_host &&
+        config.gpu_ipc) {
+        return Path::kGpuIpc;
+    }
     if (remote.rail_keys.empty()) {
         return invalid_argument(fmt::format(
             "{}: the remote region is GPU memory reachable only through CUDA IPC, which needs "
             "a peer on this host and GPU memory on this side too{}",
             what, same_host ? "" : " (peer engine is on another host)"));
     }
-    if (local_gpu && local.local_desc(0) == nullptr && local.descriptor().rail_keys.empty()) {
+    if (local_gpu && local.descriptor().rail_keys.empty()) {
         return invalid_argument(fmt::format(
-            "{}: local GPU memory is not registered with provider {} (no FI_HMEM); it can only "
-            "be copied to GPU memory of peers on this host",
-            what, provider));
+            "{}: local GPU memory is not registered with the provider ({}); it can only be "
+            "copied to GPU memory of peers on this host",
+            what, cuda_hmem_note));
     }
     return Path::kFabric;
 }

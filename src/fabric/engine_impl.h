@@ -66,6 +66,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
     EngineConfig config;
     std::string provider;
+    bool cuda_hmem = false;      // rails opened with FI_HMEM, CUDA memory registered on them
+    std::string cuda_hmem_note;  // why (not), for errors and logs
     EngineAddress address;
     std::vector<std::unique_ptr<Rail>> rails;
     ImmTable imm;
@@ -79,6 +81,11 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
         void add(int rail, FabricOp* op);
     };
     const Peer* peer(PeerId id) const;
+    // Registers [ptr, len) on every rail (CUDA memory on cuda_device when >= 0), filling the
+    // region's keys and local descriptors; on failure nothing stays registered.
+    Status register_on_rails(MemoryRegion& region, int cuda_device);
+    // kCuda: the CUDA IPC export, into the region's descriptor.
+    Status export_gpu(MemoryRegion& region);
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                        uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);

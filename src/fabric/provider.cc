@@ -1,12 +1,24 @@
 #include "fabric/provider.h"
 
 #include <fmt/format.h>
+#include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
 
+#include <array>
 #include <cstring>
 #include <vector>
 
 namespace ferry::detail {
+namespace {
+
+template <typename T>
+struct FidCloser {
+    void operator()(T* f) const { fi_close(&f->fid); }
+};
+template <typename T>
+using FidPtr = std::unique_ptr<T, FidCloser<T>>;
+
+}  // namespace
 
 std::string full_provider_name(const std::string& p) {
     if (p == "tcp") return "tcp;ofi_rxm";
@@ -14,16 +26,16 @@ std::string full_provider_name(const std::string& p) {
     return p;
 }
 
-Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& config) {
+Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& config, bool hmem) {
     FiInfoPtr hints(fi_allocinfo());
     if (!hints) return resource_exhausted("fi_allocinfo: out of memory");
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE |
-                  FI_SEND | FI_RECV;
+                  FI_SEND | FI_RECV | (hmem ? FI_HMEM : 0);
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
-                                  FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                                  FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
     hints->fabric_attr->prov_name = strdup(provider.c_str());
     bool uses_node = provider.rfind("tcp", 0) == 0 || provider.rfind("verbs", 0) == 0;
     fi_info* out = nullptr;
@@ -34,6 +46,66 @@ Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& con
                                        fi_strerror(-rc)));
     }
     return FiInfoPtr(out);
+}
+
+CudaHmem probe_cuda_hmem(const std::string& provider, const EngineConfig& config) {
+    CudaHmem out;
+    auto infos = get_infos(provider, config, true);
+    if (!infos.ok()) {
+        out.note = fmt::format("provider {} does not offer FI_HMEM", provider);
+        return out;
+    }
+    const fi_info* info = infos->get();
+    for (const fi_info* i = info; i; i = i->next) {
+        if (provider == i->fabric_attr->prov_name) {
+            info = i;
+            break;
+        }
+    }
+    // FI_HMEM alone does not say which device interfaces libfabric has (shm offers it in
+    // builds without CUDA), and libfabric has no query for them. Registering a host buffer as
+    // CUDA memory on a scratch domain tells: a missing CUDA interface (not built in, or no
+    // GPU when libfabric started) is refused with FI_ENOSYS before the buffer is looked at.
+    // Any other refusal comes from a provider that inspected the buffer, so it has CUDA.
+    fid_fabric* f = nullptr;
+    int rc = fi_fabric(info->fabric_attr, &f, nullptr);
+    FidPtr<fid_fabric> fabric(f);
+    fid_domain* d = nullptr;
+    if (!rc) rc = fi_domain(fabric.get(), const_cast<fi_info*>(info), &d, nullptr);
+    FidPtr<fid_domain> domain(d);
+    if (rc) {
+        out.note = fmt::format(
+            "provider {} offers FI_HMEM, but opening it to check for CUDA "
+            "failed: {}",
+            provider, fi_strerror(-rc));
+        return out;
+    }
+    std::array<uint8_t, 64> buf{};
+    iovec iov{buf.data(), buf.size()};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+    attr.requested_key = 1;
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = 0;
+    fid_mr* m = nullptr;
+    rc = fi_mr_regattr(domain.get(), &attr, 0, &m);
+    FidPtr<fid_mr> mr(m);
+    if (rc == -FI_ENOSYS || rc == -FI_EOPNOTSUPP) {
+        out.note = fmt::format(
+            "provider {} offers FI_HMEM but not for CUDA memory ({}): "
+            "libfabric was built without CUDA or saw no GPU",
+            provider, fi_strerror(-rc));
+        return out;
+    }
+    out.note = rc ? fmt::format(
+                        "provider {} offers FI_HMEM with CUDA (a host buffer posing as "
+                        "CUDA memory was refused: {})",
+                        provider, fi_strerror(-rc))
+                  : fmt::format("provider {} offers FI_HMEM with CUDA", provider);
+    out.infos = std::move(*infos);
+    return out;
 }
 
 Result<std::string> resolve_provider_name(const EngineConfig& config) {

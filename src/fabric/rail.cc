@@ -148,11 +148,20 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     return ok_status();
 }
 
-Result<fid_mr*> Rail::register_mr(void* ptr, size_t len, uint64_t access) {
-    uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_.fetch_add(1);
+Result<fid_mr*> Rail::register_mr(void* ptr, size_t len, uint64_t access, int cuda_device) {
+    iovec iov{ptr, len};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_.fetch_add(1);
+    if (cuda_device >= 0) {
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = cuda_device;
+    }
     fid_mr* mr = nullptr;
-    int rc = fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr);
-    if (rc) return fi_status(fmt::format("fi_mr_reg of {} bytes", len).c_str(), rc);
+    int rc = fi_mr_regattr(domain_, &attr, 0, &mr);
+    if (rc) return fi_status(fmt::format("fi_mr_regattr of {} bytes", len).c_str(), rc);
     if (mr_mode_ & FI_MR_ENDPOINT) {
         rc = fi_mr_bind(mr, &ep_->fid, 0);
         if (!rc) rc = fi_mr_enable(mr);

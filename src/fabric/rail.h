@@ -118,8 +118,9 @@ class Rail {
     // Runs fn on the worker thread and waits for its result.
     Status run_on_worker(std::function<Status()> fn, Duration timeout);
 
-    // Worker-thread only (call from run_on_worker).
-    Result<fid_mr*> register_mr(void* ptr, size_t len, uint64_t access);
+    // Worker-thread only (call from run_on_worker). cuda_device >= 0: the memory is CUDA
+    // memory on that device (FI_HMEM_CUDA; the domain must have been opened with FI_HMEM).
+    Result<fid_mr*> register_mr(void* ptr, size_t len, uint64_t access, int cuda_device = -1);
     Result<fi_addr_t> insert_address(const std::vector<uint8_t>& addr);
 
     // Signal region registration (done at open, before start).

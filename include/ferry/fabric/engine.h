@@ -61,6 +61,14 @@ struct EngineConfig {
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
     std::string gpu_copy = "auto";
+    // GPU memory over the fabric: where the provider offers FI_HMEM with CUDA, kCuda regions
+    // are registered with it on every rail (domains are then opened with FI_HMEM), so peers on
+    // other hosts can reach them. false: domains are opened without FI_HMEM and GPU memory
+    // travels through CUDA IPC only.
+    bool fabric_gpu_memory = true;
+    // Same-host GPU pairs copy over CUDA IPC (NVLink). false: no IPC export, GPU memory goes
+    // through the provider like any other (needs fabric GPU memory on both sides).
+    bool gpu_ipc = true;
     // Set by the engine (random per engine): makes shm region names unique.
     uint64_t shm_name_salt = 0;
     Duration idle_spin = std::chrono::microseconds(200);
@@ -224,10 +232,17 @@ class TransferEngine {
     // Memory. kHost is registered with every rail. kCuda (cudaMalloc'd memory on `device`) is
     // exported through CUDA IPC: writes, paged writes and reads between GPU regions of peers
     // on the same host become copies over NVLink, completed like fabric writes (immediates
-    // included). GPU memory is refused with a clear error in builds without CUDA.
+    // included). Where supports_gpu_memory(), it is also registered with the provider
+    // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
+    // clear error when neither way is available.
     Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
                                                           MemoryKind kind = MemoryKind::kHost,
                                                           int device = -1);
+    // True when the provider registers CUDA memory (FI_HMEM with CUDA), so GPU regions reach
+    // peers on other hosts; false when GPU memory only goes to same-host GPU peers.
+    bool supports_gpu_memory() const;
+    // Why or why not, naming the provider ("provider tcp;ofi_rxm does not offer FI_HMEM").
+    const std::string& gpu_memory_note() const;
 
     // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
     Result<PeerId> connect(const EngineAddress& peer);
