@@ -124,6 +124,10 @@ bool DeviceProxy::in_bounds(uint32_t part, uint32_t sender, uint64_t offset, uin
 
 void DeviceProxy::loop() {
     TimePoint last_activity = Clock::now();
+    // While this proxy spins, the engine's workers poll too: on shm and tcp a peer's writes
+    // progress only while this side polls, and nobody waits on their immediates (the proxy
+    // counts them itself), so the workers would otherwise nap between arrivals.
+    ArrivalsExpected awake(s_.engine);
     while (!stop_.load(std::memory_order_relaxed)) {
         bool active = reap();
         if (!failed_.load(std::memory_order_acquire)) {
@@ -132,9 +136,11 @@ void DeviceProxy::loop() {
         }
         if (active) {
             last_activity = Clock::now();
+            if (!awake.active()) awake = ArrivalsExpected(s_.engine);
         } else if (Clock::now() - last_activity < s_.idle_spin) {
             std::this_thread::yield();
         } else {
+            awake.reset();
             std::this_thread::sleep_for(kNap);
         }
     }

@@ -309,6 +309,7 @@ class ArrivalsExpected {
         return *this;
     }
     ~ArrivalsExpected() { reset(); }
+    bool active() const { return engine_ != nullptr; }
     void reset() {
         if (engine_) engine_->expect_arrivals(false);
         engine_ = nullptr;
