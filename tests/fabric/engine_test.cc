@@ -258,6 +258,16 @@ std::vector<WriteRun> random_runs(uint64_t seed, uint64_t buf) {
     return runs;
 }
 
+// What a poisoned buffer of `size` bytes holds after `runs` copied into it from a buffer
+// filled with fill_pattern(seed).
+std::vector<uint8_t> after_runs(size_t size, uint64_t seed, const std::vector<WriteRun>& runs) {
+    std::vector<uint8_t> src(size), want(size, kPoison);
+    fill_pattern(src, seed);
+    for (const WriteRun& r : runs)
+        std::memcpy(want.data() + r.dst_offset, src.data() + r.src_offset, r.length);
+    return want;
+}
+
 // Runs of random lengths (some above the stripe threshold, so split across rails) to disjoint
 // destinations as one operation: every byte lands, nothing else is touched, the target counts
 // as many immediates as imm_writes() says, and a run out of range fails the whole operation
@@ -298,11 +308,7 @@ TEST_P(EngineTest, WriteRunsDeliversEveryRunAsOneOperation) {
             CHILD_CHECK_MSG(n.engine->imm_available(5) == 0,
                             "{} immediates more than the writes posted",
                             n.engine->imm_available(5));
-            std::vector<uint8_t> srcb(n.buf.size()), want(n.buf.size(), kPoison);
-            fill_pattern(srcb, seed);
-            for (const WriteRun& r : runs)
-                std::memcpy(want.data() + r.dst_offset, srcb.data() + r.src_offset, r.length);
-            std::string diff = compare(n.buf, want);
+            std::string diff = compare(n.buf, after_runs(n.buf.size(), seed, runs));
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         }
         return "";
@@ -340,11 +346,7 @@ TEST_P(EngineTest, ReadRunsFetchesEveryRunAsOneOperation) {
         CHILD_CHECK_MSG(untouched.empty(), "a refused read_runs wrote: {}", untouched);
         op.runs = runs;
         CHILD_CHECK_OK(n.engine->read_runs(op).wait(kWait));
-        std::vector<uint8_t> srcb(n.buf.size()), want(n.buf.size(), kPoison);
-        fill_pattern(srcb, seed);
-        for (const WriteRun& r : runs)
-            std::memcpy(want.data() + r.dst_offset, srcb.data() + r.src_offset, r.length);
-        std::string diff = compare(n.buf, want);
+        std::string diff = compare(n.buf, after_runs(n.buf.size(), seed, runs));
         CHILD_CHECK(ex.barrier().ok());
         CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         return "";
