@@ -38,7 +38,18 @@ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} 
   || { tail -30 "$out/configure.log"; exit 3; }
 grep -E "CUDA support" "$out/configure.log" | tee -a "$out/gpu_check.log"
 log "build"
-cmake --build $build -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 4; }
+# FERRY_GPU_QUICK=1: only the targets in FERRY_GPU_TARGETS (default: the ferry tool), no
+# tests and no transfer benchmarks, straight to FERRY_GPU_EXTRA (a quick look at one thing).
+targets=()
+[ -n "${FERRY_GPU_QUICK:-}" ] && targets=(--target ${FERRY_GPU_TARGETS:-ferry})
+cmake --build $build -j "$(nproc)" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 4; }
+if [ -n "${FERRY_GPU_QUICK:-}" ]; then
+  log "extra: ${FERRY_GPU_EXTRA:-}"
+  bash -c "${FERRY_GPU_EXTRA:-true}" 2>&1 | tee "$out/extra.txt"
+  rc=${PIPESTATUS[0]}
+  log "done (status $rc)"
+  exit "$rc"
+fi
 
 status=0
 log "GPU tests"
@@ -87,6 +98,12 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
   timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
     --json "$out/bench_moe_cuda_128_graph.json" 2>&1 | tee "$out/bench_moe_cuda_128_graph.txt" \
     || status=1
+  # Receive kernels launched while the send kernels run (one rank per GPU only), and where
+  # a call spends its time (kernel stamps).
+  timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
+    --early-launch 2>&1 | grep -E "^layer" | sed 's/^/early launch: /' | tee -a "$out/bench_moe_cuda_128_graph.txt"
+  timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 100 --trace 2>&1 \
+    | tee "$out/bench_moe_cuda_128_trace.txt" || status=1
 fi
 
 if [ -n "${FERRY_GPU_EXTRA:-}" ]; then

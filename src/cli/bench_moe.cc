@@ -37,6 +37,11 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--warmup", c->warmup)->capture_default_str();
     cmd->add_flag("--graph", c->graph, "cuda: capture one layer in a CUDA graph and replay it");
+    cmd->add_flag("--early-launch", c->early_launch,
+                  "cuda: start the receive kernels while the send kernels run (programmatic "
+                  "dependent launch; ignored when ranks share a GPU)");
+    cmd->add_flag("--trace", c->trace,
+                  "cuda: print when each kernel's first and last block reached each phase");
     cmd->add_option("--send-blocks", c->send_blocks,
                     "cuda: blocks of the dispatch and combine send kernels (0: library default)")
         ->capture_default_str();

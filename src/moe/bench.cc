@@ -208,6 +208,17 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
         rep.max_rel_error = std::max(rep.max_rel_error, r.max_rel_error);
     }
     rep.verified = rep.max_rel_error <= 1e-5;
+    for (size_t i = 0; i < results[0].trace_points.size(); ++i) {
+        std::vector<double> first, last;
+        for (auto& r : results) {
+            if (i >= r.trace_first.size()) continue;
+            first.insert(first.end(), r.trace_first[i].begin(), r.trace_first[i].end());
+            last.insert(last.end(), r.trace_last[i].begin(), r.trace_last[i].end());
+        }
+        if (first.empty()) continue;
+        rep.trace.push_back({results[0].trace_points[i], percentile(first, 0.5),
+                             percentile(last, 0.5)});
+    }
     return rep;
 }
 
@@ -242,6 +253,12 @@ std::string format_moe_table(const MoeBenchReport& rep) {
             rate(rep.combine_bytes, "combine"), rate(rep.combine_remote_bytes, "combine"));
     s += fmt::format("combine check (identity experts): max relative error {:.2e} -> {}\n",
                      rep.max_rel_error, rep.verified ? "ok" : "FAILED");
+    if (!rep.trace.empty()) {
+        s += "kernel stamps, us after the call's first kernel began (p50 over ranks and calls):\n";
+        s += fmt::format("{:<22} {:>12} {:>12}\n", "point", "first block", "last block");
+        for (const auto& t : rep.trace)
+            s += fmt::format("{:<22} {:>12.1f} {:>12.1f}\n", t.point, t.first_us, t.last_us);
+    }
     return s;
 }
 
@@ -258,6 +275,7 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
     j["experts"] = c.experts;
     j["dtype"] = std::string(dtype_name(c.dtype));
     j["private_slots"] = c.private_slots;
+    if (c.backend == "cuda") j["early_launch"] = c.early_launch;
     j["iters"] = c.iters;
     j["warmup"] = c.warmup;
     for (const auto& p : rep.phases)
@@ -267,6 +285,12 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
     j["dispatch_remote_bytes"] = rep.dispatch_remote_bytes;
     j["combine_remote_bytes"] = rep.combine_remote_bytes;
     j["max_rel_error"] = rep.max_rel_error;
+    if (!rep.trace.empty()) {
+        nlohmann::json tr = nlohmann::json::array();
+        for (const auto& t : rep.trace)
+            tr.push_back({{"point", t.point}, {"first_us", t.first_us}, {"last_us", t.last_us}});
+        j["trace"] = tr;
+    }
     j["verified"] = rep.verified;
     return j;
 }

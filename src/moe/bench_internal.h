@@ -90,6 +90,9 @@ struct RankResult {
     uint64_t dispatch_remote_bytes = 0, combine_remote_bytes = 0;  // to other ranks only
     double max_rel_error = 0;
     std::string provider;
+    // --trace: per stamp, microseconds after the call's first stamp (first block, last block).
+    std::vector<std::string> trace_points;
+    std::vector<std::vector<double>> trace_first, trace_last;
 };
 
 // Runs every rank of `cfg` on the GPUs of this host (rank r on GPU r % count), one thread per

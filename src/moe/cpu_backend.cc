@@ -72,19 +72,30 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
     // Pack one row per (token, destination rank).
     uint8_t* stage = tr_->stage(Region::kDispatch).data();
     const uint32_t staged = plan_.row_begin[w];
+    // Rows so far that chose each expert, and hits so far to the current destination.
+    std::vector<uint32_t> placed(cfg_.num_experts, 0);
+    uint32_t hits_before = 0;
     for (uint32_t j = 0, d = 0; j < staged; ++j) {
-        while (j >= plan_.row_begin[d + 1]) ++d;
+        while (j >= plan_.row_begin[d + 1]) {
+            ++d;
+            hits_before = 0;
+        }
         uint32_t t = plan_.row_token[j];
         uint8_t* row = stage + size_t{j} * row_.row_bytes;
         RowHeader h{t, seq_};
         std::memcpy(row, &h, sizeof(h));
         auto* le = reinterpret_cast<int16_t*>(row + sizeof(RowHeader));
+        auto* place = reinterpret_cast<uint32_t*>(row + row_.place_offset);
+        const uint32_t hit_base = hits_before;
         for (uint32_t kk = 0; kk < k; ++kk) {
             int32_t e = in.indices[size_t{t} * k + kk];
             bool here = e >= 0 && cfg_.expert_owner(static_cast<uint32_t>(e)) == d;
             le[kk] = here ? static_cast<int16_t>(cfg_.local_expert(static_cast<uint32_t>(e)))
                           : int16_t{-1};
+            place[kk] = here ? placed[static_cast<uint32_t>(e)]++ : 0;
+            hits_before += here;
         }
+        std::memcpy(row + row_.hit_base_offset, &hit_base, sizeof(hit_base));
         std::memcpy(row + row_.payload_offset, in.x.data() + size_t{t} * cfg_.payload_bytes(),
                     cfg_.payload_bytes());
         if (cfg_.scale_bytes())
@@ -233,16 +244,26 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
     stage_begin_.assign(w + 1, 0);
     for (uint32_t s = 0; s < w; ++s) stage_begin_[s + 1] = stage_begin_[s] + hits_from_[s];
     out_to_stage_.assign(rows, -1);
-    std::vector<uint32_t> fill(nl, 0);
+    std::vector<uint32_t> fill(nl, 0), fill_from(nl);
     const uint8_t* recv = tr_->recv(Region::kDispatch).data();
     for (uint32_t s = 0; s < w; ++s) {
         uint64_t stage_pos = stage_begin_[s];
+        std::fill(fill_from.begin(), fill_from.end(), 0);
         for (uint32_t i = 0; i < layout.rows_from(s); ++i) {
             const uint8_t* row = recv + layout.row_index(s, i) * row_.row_bytes;
             if (Status st = check_row_header(s, i, row); !st.ok()) return fail(st);
-            uint32_t token;
+            uint32_t token, hit_base;
             std::memcpy(&token, row, sizeof(token));
+            std::memcpy(&hit_base, row + row_.hit_base_offset, sizeof(hit_base));
             const auto* le = reinterpret_cast<const int16_t*>(row + sizeof(RowHeader));
+            const auto* place = reinterpret_cast<const uint32_t*>(row + row_.place_offset);
+            // This backend groups rows by reading them in order; the places and hit base
+            // the header carries for receivers that place rows in parallel must agree.
+            if (hit_base != stage_pos - stage_begin_[s])
+                return fail(protocol_error(fmt::format(
+                    "row {} from rank {} (token {}) says {} hits come before it; its rank's "
+                    "earlier rows carry {}",
+                    i, s, token, hit_base, stage_pos - stage_begin_[s])));
             for (uint32_t kk = 0; kk < k; ++kk) {
                 if (le[kk] < 0) continue;
                 uint32_t e = static_cast<uint32_t>(le[kk]);
@@ -251,6 +272,11 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
                         "row {} from rank {} (token {}) routes to local expert {} beyond what "
                         "the counts announced",
                         i, s, token, le[kk])));
+                if (place[kk] != fill_from[e]++)
+                    return fail(protocol_error(fmt::format(
+                        "row {} from rank {} (token {}) claims place {} among its rank's rows "
+                        "for local expert {}; it is row {} of them",
+                        i, s, token, place[kk], e, fill_from[e] - 1)));
                 uint32_t o = groups.offsets[e] + fill[e]++;
                 std::memcpy(out.x.data() + o * pb, row + row_.payload_offset, pb);
                 if (spt)

@@ -31,6 +31,7 @@ Status CudaAllToAll::combine_recv(float*, void*) { return no_cuda(); }
 Status CudaAllToAll::combine_recv_bf16(uint16_t*, void*) { return no_cuda(); }
 Status CudaAllToAll::synchronize(void*) { return no_cuda(); }
 Status CudaAllToAll::device_status() { return no_cuda(); }
+Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() { return no_cuda(); }
 Status cuda_quantize_fp8(const uint16_t*, uint32_t, uint32_t, uint8_t*, float*, void*) {
     return no_cuda();
 }

@@ -13,7 +13,9 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 RowFormat RowFormat::of(const AllToAllConfig& cfg) {
     RowFormat f;
-    f.header_bytes = round_up(sizeof(RowHeader) + sizeof(int16_t) * cfg.experts_per_token, 16);
+    f.place_offset = round_up(sizeof(RowHeader) + sizeof(int16_t) * cfg.experts_per_token, 4);
+    f.hit_base_offset = f.place_offset + sizeof(uint32_t) * cfg.experts_per_token;
+    f.header_bytes = round_up(f.hit_base_offset + sizeof(uint32_t), 16);
     f.payload_offset = f.header_bytes;
     f.scale_offset = f.payload_offset + round_up(cfg.payload_bytes(), 16);
     f.row_bytes = f.scale_offset + round_up(cfg.scale_bytes(), 16);

@@ -94,9 +94,12 @@ TEST(MoePlan, RowsAreSixteenByteAligned) {
     c.experts_per_token = 5;
     c.num_experts = 8;
     RowFormat f = RowFormat::of(c);
-    EXPECT_EQ(f.header_bytes, 32u);  // 8-byte header + 5 int16, rounded
-    EXPECT_EQ(f.scale_offset, 32u + 128u);
-    EXPECT_EQ(f.row_bytes, 32u + 128u + 16u);
+    // 8-byte header + 5 int16 ids, 5 uint32 places from 20, the hit base at 40, rounded.
+    EXPECT_EQ(f.place_offset, 20u);
+    EXPECT_EQ(f.hit_base_offset, 40u);
+    EXPECT_EQ(f.header_bytes, 48u);
+    EXPECT_EQ(f.scale_offset, 48u + 128u);
+    EXPECT_EQ(f.row_bytes, 48u + 128u + 16u);
     EXPECT_EQ(CountsFormat::of(c).bytes % 64, 0u);
 }
 

@@ -35,6 +35,8 @@ struct MoeBenchConfig {
     Duration timeout = std::chrono::seconds(60);
     bool graph = false;        // cuda: replay each layer as a captured CUDA graph
     uint32_t send_blocks = 0;  // cuda: blocks of the dispatch and combine send kernels (0: default)
+    bool trace = false;        // cuda: stamps inside the kernels (CudaAllToAllOptions::trace)
+    bool early_launch = false;  // cuda: CudaAllToAllOptions::early_launch
     std::function<void(const std::string&)> progress;
 };
 
@@ -43,6 +45,14 @@ struct MoePhaseStats {
     double p50_us = 0;
     double p99_us = 0;
     double mean_us = 0;
+};
+
+// --trace: one kernel stamp, microseconds after the call's first kernel began (medians over
+// ranks and iterations): when the first and the last block of the kernel got there.
+struct MoeTraceRow {
+    std::string point;
+    double first_us = 0;
+    double last_us = 0;
 };
 
 struct MoeBenchReport {
@@ -55,6 +65,7 @@ struct MoeBenchReport {
     uint64_t combine_remote_bytes = 0;
     double max_rel_error = 0;  // combine of identity experts against the input
     bool verified = false;     // max_rel_error within 1e-5
+    std::vector<MoeTraceRow> trace;  // --trace only
 };
 
 // Runs warm-up and timed iterations and checks the last combine against the input (identity

@@ -24,7 +24,12 @@
 namespace ferry::moe {
 
 // Header at the start of every dispatched row, followed by int16 local_expert[top-k]
-// (-1 where that top-k choice lives on another rank).
+// (-1 where that top-k choice lives on another rank), then uint32 place[top-k]: the row's
+// index among the rows this sender sends to this rank that chose that expert (0 where the
+// choice lives elsewhere), then uint32 hit_base: the (token, expert) hits of the sender's
+// earlier rows to this rank. With them a receiver puts every row straight into its place in
+// the grouped batch, and knows where the row's results go in the sender's compact combine
+// run, without looking at any other row (the CUDA kernels copy rows in parallel that way).
 struct RowHeader {
     uint32_t token;  // index of the token at its sender
     uint32_t seq;    // call number, to catch a row left over from another call
@@ -32,6 +37,8 @@ struct RowHeader {
 
 // Byte layout of one dispatched row; every part starts 16-byte aligned.
 struct RowFormat {
+    size_t place_offset = 0;     // uint32 place[top-k]
+    size_t hit_base_offset = 0;  // uint32 hit_base
     size_t header_bytes = 0;
     size_t payload_offset = 0;
     size_t scale_offset = 0;

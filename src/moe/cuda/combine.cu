@@ -20,6 +20,8 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
+    trace_point(a, kTrCombineSendBegin);
+    let_receiver_start(a);
     if (a.remote_mask) {
         if (tid < w && is_remote(a, tid)) {
             // Where rank tid wants our results, from its counts message of this call (in the
@@ -71,6 +73,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         publish_put(a, tid, proxy::kCombine, seq,
                     a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
                     uint64_t{s_hits[tid]} * row_bytes);
+    trace_point(a, kTrCombineSendEnd);
 }
 
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
@@ -83,6 +86,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     __shared__ uint32_t s_slot[kMaxCudaTopk];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
+    trace_point(a, kTrCombineRecvBegin);
     if (tid == 0) {
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
@@ -92,7 +96,11 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         s_ok = ok;
     }
     __syncthreads();
-    if (!s_ok) return;
+    trace_point(a, kTrCombineRecvRowsIn);
+    if (!s_ok) {
+        finish_after_sender();
+        return;
+    }
     const uint32_t n8 = a.hidden / 8;
     const uint8_t* recv = a.self + a.lay.combine;
     const uint8_t* recv_remote = kSlots ? a.inbox + a.lay.combine : nullptr;
@@ -140,6 +148,8 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         }
         __syncthreads();  // s_use and s_wt are reused by the next token
     }
+    trace_point(a, kTrCombineRecvEnd);
+    finish_after_sender();
 }
 
 }  // namespace
@@ -152,16 +162,18 @@ cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out,
 
 cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
                                 uint32_t blocks, uint32_t threads, cudaStream_t stream) {
-    const bool slots = a.remote_mask != 0;
+    const bool slots = a.remote_mask != 0, early = a.early_launch != 0;
     if (out_bf16 && slots)
-        combine_recv_kernel<true, true><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
-    else if (out_bf16)
-        combine_recv_kernel<true, false><<<blocks, threads, 0, stream>>>(a, nullptr, out_bf16);
-    else if (slots)
-        combine_recv_kernel<false, true><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
-    else
-        combine_recv_kernel<false, false><<<blocks, threads, 0, stream>>>(a, out_f32, nullptr);
-    return cudaGetLastError();
+        return launch_after(early, combine_recv_kernel<true, true>, blocks, threads, 0, stream, a,
+                            static_cast<float*>(nullptr), out_bf16);
+    if (out_bf16)
+        return launch_after(early, combine_recv_kernel<true, false>, blocks, threads, 0, stream, a,
+                            static_cast<float*>(nullptr), out_bf16);
+    if (slots)
+        return launch_after(early, combine_recv_kernel<false, true>, blocks, threads, 0, stream, a,
+                            out_f32, static_cast<uint16_t*>(nullptr));
+    return launch_after(early, combine_recv_kernel<false, false>, blocks, threads, 0, stream, a,
+                        out_f32, static_cast<uint16_t*>(nullptr));
 }
 
 cudaError_t preload_combine_kernels() {

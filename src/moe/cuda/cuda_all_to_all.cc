@@ -273,6 +273,20 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     FERRY_MOE_CUDA_TRY(cuda::preload_dispatch_kernels());
     FERRY_MOE_CUDA_TRY(cuda::preload_combine_kernels());
     FERRY_MOE_CUDA_TRY(cuda::preload_quantize_kernels());
+    // The plan kernel keeps a lane mask per (warp, expert) in shared memory.
+    const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
+    const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
+    int smem_optin = 0;
+    FERRY_MOE_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                              impl->device));
+    // Static shared memory of the plan kernel (its scan and per-rank words) stays below 8 KiB.
+    if (uint64_t{plan_smem} + 8192 > static_cast<uint64_t>(smem_optin) ||
+        uint64_t{recv_smem} + 8192 > static_cast<uint64_t>(smem_optin))
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: {} experts over {} ranks need {} KiB of shared memory in the "
+            "dispatch plan kernel; GPU {} allows {} KiB per block",
+            cfg.num_experts, w, (plan_smem + 8192) / 1024, impl->device, smem_optin / 1024));
+    FERRY_MOE_CUDA_TRY(cuda::set_dispatch_smem(plan_smem, recv_smem));
 
     const RowFormat row = RowFormat::of(cfg);
     const CountsFormat cf = CountsFormat::of(cfg);
@@ -307,6 +321,11 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_tickets = take(sizeof(unsigned long long) * cuda::kTickets);
     const uint64_t o_cslot = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * k : 0);
     const uint64_t o_cpos = take(has_remote ? sizeof(uint32_t) * max_rows : 0);
+    const uint64_t o_place = take(sizeof(uint32_t) * uint64_t{t} * k);
+    const uint64_t o_hit_base = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * w : 0);
+    const uint64_t o_recv_hits = take(sizeof(uint32_t) * w);
+    const uint64_t o_trace =
+        take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
 
     FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
     FERRY_MOE_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
@@ -467,7 +486,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     // Kernels wait inside for peers' kernels, so every rank's kernel must be resident at once.
     // With one rank per GPU that holds by itself; ranks sharing a GPU split its SMs: no grid
     // is larger than SMs / (most ranks on one GPU) - 1, so the blocks of all of them fit even
-    // at one block per SM, with an SM left per rank for the one-block plan kernel (1024
+    // at one block per SM, with an SM left per rank for the one-block plan kernel (512
     // threads, which may not share an SM with a send block). Every rank derives the same
     // shapes from the same blobs.
     uint32_t share = 1, min_sms = UINT32_MAX;
@@ -506,12 +525,17 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.row_bytes = static_cast<uint32_t>(row.row_bytes);
     a.payload_offset = static_cast<uint32_t>(row.payload_offset);
     a.scale_offset = static_cast<uint32_t>(row.scale_offset);
+    a.place_offset = static_cast<uint32_t>(row.place_offset);
+    a.hit_base_offset = static_cast<uint32_t>(row.hit_base_offset);
+    a.plan_smem = plan_smem;
+    a.recv_smem = recv_smem;
     a.counts_bytes = static_cast<uint32_t>(cf.bytes);
     a.counts_hits_word = cf.hits_per_expert;
     a.max_rows = static_cast<uint32_t>(max_rows);
     a.dispatch_send_blocks = impl->dispatch_send_blocks;
     a.combine_send_blocks = impl->combine_send_blocks;
-    a.dispatch_recv_blocks = fit(a.local_experts * w);
+    // A warp per received row; two blocks per SM when the GPU is this rank's alone.
+    a.dispatch_recv_blocks = fit(2 * min_sms);
     a.timeout_ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(options.timeout).count());
     a.lay = lay;
@@ -521,6 +545,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.err = err_dev;
     a.dest_mask = reinterpret_cast<uint64_t*>(local + o_mask);
     a.row_pos = reinterpret_cast<uint32_t*>(local + o_pos);
+    a.place = reinterpret_cast<uint32_t*>(local + o_place);
+    a.hit_base = has_remote ? reinterpret_cast<uint32_t*>(local + o_hit_base) : nullptr;
+    a.recv_hits = reinterpret_cast<uint32_t*>(local + o_recv_hits);
     a.expert_counts = reinterpret_cast<uint32_t*>(local + o_ecount);
     a.rows_to = reinterpret_cast<uint32_t*>(local + o_rows);
     a.indices = reinterpret_cast<int32_t*>(local + o_idx);
@@ -536,6 +563,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
     a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
     a.remote_combine = t * k;
+    a.early_launch = options.early_launch && share == 1 ? 1u : 0u;
+    a.trace = options.trace ? reinterpret_cast<unsigned long long*>(local + o_trace) : nullptr;
 
     if (has_remote) {
         ps.engine = options.engine;
@@ -620,6 +649,27 @@ Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream) {
         cuda::launch_combine_recv(m.args, nullptr, out, m.combine_recv_blocks,
                                   m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "combine_recv_bf16 launch", Phase::kIdle);
+}
+
+Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
+    Impl& m = *impl_;
+    if (!m.args.trace)
+        return invalid_argument("cuda all-to-all: last_trace needs options.trace at create()");
+    static constexpr const char* kNames[cuda::kTracePoints] = {
+        "plan begin",         "plan end",          "send begin",
+        "send counts in",     "send end",          "recv begin",
+        "recv rows in",       "recv end",          "combine send begin",
+        "combine send end",   "combine recv begin", "combine recv rows in",
+        "combine recv end"};
+    unsigned long long raw[2 * cuda::kTracePoints];
+    FERRY_MOE_CUDA_TRY(cudaSetDevice(m.device));
+    FERRY_MOE_CUDA_TRY(cudaMemcpy(raw, m.args.trace, sizeof(raw), cudaMemcpyDeviceToHost));
+    std::vector<CudaTraceStamp> out;
+    for (uint32_t p = 0; p < cuda::kTracePoints; ++p) {
+        const bool seen = raw[cuda::kTracePoints + p] != 0;
+        out.push_back({kNames[p], seen ? raw[p] : 0, seen ? raw[cuda::kTracePoints + p] : 0});
+    }
+    return out;
 }
 
 Status CudaAllToAll::synchronize(void* stream) {

@@ -75,6 +75,8 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     CudaAllToAllOptions opts;
     opts.timeout = bc.timeout;
     opts.device = rr.device;
+    opts.trace = bc.trace;
+    opts.early_launch = bc.early_launch;
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;
@@ -200,6 +202,21 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         if (rank == 0) *gate = want;
         FERRY_RETURN_IF_ERROR(a2a->synchronize(st));
         if (it < bc.warmup) continue;
+        if (bc.trace) {
+            FERRY_ASSIGN_OR_RETURN(auto stamps, a2a->last_trace());
+            const uint64_t t0 = stamps.front().first_ns;
+            res->trace_first.resize(stamps.size());
+            res->trace_last.resize(stamps.size());
+            res->trace_points.clear();
+            for (size_t i = 0; i < stamps.size(); ++i) {
+                res->trace_points.push_back(stamps[i].point);
+                if (stamps[i].last_ns == 0 || t0 == 0) continue;
+                res->trace_first[i].push_back(
+                    static_cast<double>(static_cast<int64_t>(stamps[i].first_ns - t0)) / 1e3);
+                res->trace_last[i].push_back(
+                    static_cast<double>(static_cast<int64_t>(stamps[i].last_ns - t0)) / 1e3);
+            }
+        }
         const int from[kNumPhases] = {0, 1, 0, 3, 4, 3, 0};
         const int to[kNumPhases] = {1, 2, 2, 4, 5, 5, 5};
         for (int p = 0; p < kNumPhases; ++p) {

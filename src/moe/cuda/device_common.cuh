@@ -16,6 +16,30 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+// Thread 0 of each block stamps point p: the earliest stamp of the call and the latest stay.
+__device__ __forceinline__ void trace_point(const KernelArgs& a, uint32_t p) {
+    if (a.trace == nullptr || threadIdx.x != 0) return;
+    const unsigned long long t = global_ns();
+    atomicMin(&a.trace[p], t);
+    atomicMax(&a.trace[kTracePoints + p], t);
+}
+
+// Programmatic dependent launch (Hopper): a send kernel lets the receive kernel after it on
+// the stream start at once (launched with early_launch), so the launch latency between them
+// overlaps the send. Receivers wait for their data through arrival counters, never for the
+// send kernel's completion, so starting early is safe; finish_after_sender() at their end
+// keeps "this kernel is done" meaning "and the send kernel before it too" for what follows.
+__device__ __forceinline__ void let_receiver_start(const KernelArgs& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (a.early_launch) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void finish_after_sender() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
     uint64_t v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -136,19 +160,21 @@ __device__ __forceinline__ uint32_t ld_peer_u32(const void* p, bool host) {
 // block per row, one vector per thread and rows one after another, waited out a load latency
 // per row (2026-12-01: 30 us for the 128-token combine). kPeerWritten loads with ld_peer
 // (`host`: from the inbox).
+// The last partial round is predicated rather than a vector at a time: a piece of a row
+// (dispatch_send cuts rows into up to 8) is often all remainder.
 template <bool kPeerWritten = false>
 __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, uint32_t n16, uint32_t lane,
                                             bool host = false) {
-    uint32_t i = lane;
-    for (; i + 7 * 32 < n16; i += 8 * 32) {
+    for (uint32_t i = lane; i < n16 + lane; i += 8 * 32) {
         int4 v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
-            v[u] = kPeerWritten ? ld_peer(src + i + 32 * u, host) : src[i + 32 * u];
+        for (uint32_t u = 0; u < 8; ++u)
+            if (i + 32 * u < n16)
+                v[u] = kPeerWritten ? ld_peer(src + i + 32 * u, host) : src[i + 32 * u];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) dst[i + 32 * u] = v[u];
+        for (uint32_t u = 0; u < 8; ++u)
+            if (i + 32 * u < n16) dst[i + 32 * u] = v[u];
     }
-    for (; i < n16; i += 32) dst[i] = kPeerWritten ? ld_peer(src + i, host) : src[i];
 }
 
 }  // namespace ferry::moe::cuda

@@ -1,7 +1,8 @@
-// Dispatch kernels: plan (counts per expert and destination, counts messages to every peer),
-// send (rows straight into peers' private slots, then, once every peer's counts are here, the
-// rest into the overflow run at the offset all ranks derive from the counts matrix), and
-// recv (rows grouped per local expert, in the order the CPU backend produces).
+// Dispatch kernels: plan (every token's row at each destination and place among the rows
+// that chose each expert, counts messages to every peer), send (rows straight into peers'
+// private slots, then, once every peer's counts are here, the rest into the overflow run at
+// the offset all ranks derive from the counts matrix), and recv (each row copied to the
+// places its header names: grouped per local expert, in the order the CPU backend produces).
 #include <cub/block/block_scan.cuh>
 
 #include "moe/cuda/device_common.cuh"
@@ -10,14 +11,23 @@
 namespace ferry::moe::cuda {
 namespace {
 
-constexpr uint32_t kPlanThreads = 1024;
+// Tiles of 512 tokens keep the plan's shared memory (two lane masks per warp and expert,
+// the tile's routing) near 50 KiB at 256 experts, so it finds an SM even beside other
+// ranks' waiting kernels when ranks share a GPU.
+constexpr uint32_t kPlanThreads = 512;
+constexpr uint32_t kPlanWarps = kPlanThreads / 32;
 constexpr uint32_t kRecvThreads = 256;
+// A small call spreads each row over up to this many warps, so every SM gets work.
+constexpr uint32_t kMaxRowPieces = 8;
 
 using PlanScan = cub::BlockScan<uint32_t, kPlanThreads>;
 
+__device__ __forceinline__ uint32_t lanemask_lt(uint32_t lane) { return (1u << lane) - 1u; }
+
 // Remote rank d sends our tokens' results back as one compact run (the CPU backend's order:
 // token order, a token's hits in top-k order) starting at the base we announce in the counts
-// message; combine_slot tells combine_recv where each (token, k) landed. Returns the hits to d.
+// message; combine_slot tells combine_recv where each (token, k) landed, and hit_base (the
+// row header's) tells d where each of our rows' results go in that run. Returns the hits to d.
 __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, uint32_t n,
                                                uint32_t base, PlanScan::TempStorage& scan_tmp,
                                                uint32_t* s_combine_base) {
@@ -34,6 +44,7 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
         uint32_t pre, agg;
         PlanScan(scan_tmp).ExclusiveSum(hits, pre, agg);
         if (t < n) {
+            a.hit_base[uint64_t{t} * a.world + d] = carry + pre;
             uint32_t at = a.remote_combine + base + carry + pre;
             for (uint32_t j = 0; j < k; ++j) {
                 const int32_t e = a.indices[t * k + j];
@@ -47,18 +58,35 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
     return carry;
 }
 
-// Single block: one call's routing is at most max_tokens * top-k entries, and a block-wide
-// scan per destination gives every token its row at that destination in token order.
+// Single block, tokens in tiles of 512 (one per thread, a warp's 32 tokens in lane order).
+// Per tile every warp marks, per expert and per destination, which of its tokens chose it
+// (a 32-bit lane mask in shared memory); a prefix over the warps' popcounts then gives every
+// token its row at each destination and its place among the rows that chose each expert,
+// in token order, with no block-wide scan per destination or per expert.
 __global__ void __launch_bounds__(kPlanThreads)
     dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const float* weights,
                          const uint32_t* num_tokens) {
-    using Scan = PlanScan;
-    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ PlanScan::TempStorage scan_tmp;
     __shared__ uint32_t s_seq, s_n;
-    __shared__ uint32_t s_rows_to[kMaxCudaWorld], s_hits_to[kMaxCudaWorld],
-        s_combine_base[kMaxCudaWorld];
+    __shared__ uint32_t s_hits_to[kMaxCudaWorld], s_combine_base[kMaxCudaWorld];
+    extern __shared__ uint32_t plan_smem[];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk, nl = a.local_experts;
+    const uint32_t ne = a.num_experts, lane = tid & 31u, warp = tid / 32;
+    uint32_t* s_bits = plan_smem;               // [warp][expert] lanes that chose the expert
+    uint32_t* s_pre = s_bits + kPlanWarps * ne;  // [warp][expert] earlier tokens' choices
+    uint32_t* s_ecount = s_pre + kPlanWarps * ne;  // [expert] tokens so far
+    uint32_t* s_rbits = s_ecount + ne;             // [warp][dest] lanes sending to d
+    uint32_t* s_rpre = s_rbits + kPlanWarps * w;   // [warp][dest] earlier tokens' rows to d
+    uint32_t* s_rows = s_rpre + kPlanWarps * w;    // [dest] rows so far
+    int32_t* s_idx = reinterpret_cast<int32_t*>(s_rows + w);  // [token][k] of the tile
     if (tid == 0) {
+        if (a.trace) {
+            for (uint32_t i = 0; i < kTracePoints; ++i) {
+                a.trace[i] = ~0ull;
+                a.trace[kTracePoints + i] = 0;
+            }
+        }
+        trace_point(a, kTrPlanBegin);
         uint64_t seq = a.state->seq + 1;
         a.state->seq = seq;
         uint32_t n = *num_tokens;
@@ -71,60 +99,134 @@ __global__ void __launch_bounds__(kPlanThreads)
         s_seq = static_cast<uint32_t>(seq);
         s_n = n;
     }
-    for (uint32_t i = tid; i < a.num_experts; i += blockDim.x) a.expert_counts[i] = 0;
+    for (uint32_t i = tid; i < ne; i += blockDim.x) s_ecount[i] = 0;
     if (tid < w) {
+        s_rows[tid] = 0;
         s_hits_to[tid] = 0;
         s_combine_base[tid] = 0;
+        a.recv_hits[tid] = 0;  // counted by this call's dispatch_recv
     }
     __syncthreads();
     const uint32_t n = s_n, seq = s_seq;
-    for (uint32_t t = tid; t < n; t += blockDim.x) {
-        uint64_t mask = 0;
-        for (uint32_t j = 0; j < k; ++j) {
-            int32_t e = indices[t * k + j];
-            if (e < -1 || e >= static_cast<int32_t>(a.num_experts)) {
-                record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
-                             static_cast<uint64_t>(static_cast<int64_t>(e)), a.num_experts);
-                e = -1;
+    for (uint32_t tile = 0; tile < n; tile += blockDim.x) {
+        const uint32_t t = tile + tid;
+        const bool valid = t < n;
+        // The tile's routing in and its copies out, in consecutive words: one thread's k
+        // entries at a time would touch a sector per entry and lane, and a single SM takes
+        // ~20 us per tile of 1024 tokens that way (2026-12-01).
+        // Every load of the tile before any store, so they overlap (a store could alias a
+        // later load, which would then wait out the one before). s_idx keeps token t's
+        // entries k + 1 words apart: no two lanes of a warp read the same bank below.
+        const uint32_t entries = (min(n - tile, blockDim.x)) * k;
+        const uint64_t first = uint64_t{tile} * k;
+        int32_t v[kMaxCudaTopk];
+        float wv[kMaxCudaTopk];
+#pragma unroll
+        for (uint32_t r = 0; r < kMaxCudaTopk; ++r) {
+            const uint32_t i = tid + r * blockDim.x;
+            if (r < k && i < entries) {
+                v[r] = __ldg(indices + first + i);
+                wv[r] = __ldg(weights + first + i);
             }
-            a.indices[t * k + j] = e;
-            a.weights[t * k + j] = weights[t * k + j];
-            if (a.remote_mask) a.combine_slot[t * k + j] = t * k + j;  // remote ones below
-            if (e < 0) continue;
-            mask |= 1ull << (static_cast<uint32_t>(e) / nl);
-            atomicAdd(&a.expert_counts[e], 1u);
         }
-        a.dest_mask[t] = mask;
+#pragma unroll
+        for (uint32_t r = 0; r < kMaxCudaTopk; ++r) {
+            const uint32_t i = tid + r * blockDim.x;
+            if (r >= k || i >= entries) continue;
+            if (v[r] < -1 || v[r] >= static_cast<int32_t>(ne)) {
+                record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
+                             static_cast<uint64_t>(static_cast<int64_t>(v[r])), ne);
+                v[r] = -1;
+            }
+            s_idx[i / k * (k + 1) + i % k] = v[r];
+            a.indices[first + i] = v[r];
+            a.weights[first + i] = wv[r];
+            if (a.remote_mask) a.combine_slot[first + i] = first + i;  // remote ones below
+        }
+        // Only the warps with tokens in this tile (4 of 16 at a 128-token decode step).
+        const uint32_t tile_warps = (min(n - tile, blockDim.x) + 31) / 32;
+        for (uint32_t i = tid; i < tile_warps * ne; i += blockDim.x) s_bits[i] = 0;
+        __syncthreads();
+        int32_t e[kMaxCudaTopk];
+        uint64_t mask = 0;
+#pragma unroll
+        for (uint32_t j = 0; j < kMaxCudaTopk; ++j) {
+            e[j] = j < k && valid ? s_idx[tid * (k + 1) + j] : -1;
+            if (e[j] >= 0) mask |= 1ull << (static_cast<uint32_t>(e[j]) / nl);
+        }
+#pragma unroll
+        for (uint32_t j = 0; j < kMaxCudaTopk; ++j)
+            if (e[j] >= 0) atomicOr(&s_bits[warp * ne + static_cast<uint32_t>(e[j])], 1u << lane);
+        for (uint32_t d = 0; d < w; ++d) {
+            const uint32_t b = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+            if (lane == 0) s_rbits[warp * w + d] = b;
+        }
+        __syncthreads();
+        // Prefix over the warps, per expert and per destination: the masks loaded first (a
+        // store between would make each load wait for it), one thread per expert or rank.
+        for (uint32_t i = tid; i < ne + w; i += blockDim.x) {
+            const bool dest = i >= ne;
+            const uint32_t stride = dest ? w : ne, col = dest ? i - ne : i;
+            const uint32_t* bits = dest ? s_rbits : s_bits;
+            uint32_t* pre = dest ? s_rpre : s_pre;
+            uint32_t c[kPlanWarps];
+#pragma unroll
+            for (uint32_t v = 0; v < kPlanWarps; ++v)
+                c[v] = v < tile_warps ? __popc(bits[v * stride + col]) : 0u;
+            uint32_t run = dest ? s_rows[col] : s_ecount[col];
+#pragma unroll
+            for (uint32_t v = 0; v < kPlanWarps; ++v) {
+                if (v < tile_warps) pre[v * stride + col] = run;
+                run += c[v];
+            }
+            if (dest)
+                s_rows[col] = run;
+            else
+                s_ecount[col] = run;
+        }
+        __syncthreads();
+        if (valid) {
+            const uint32_t lt = lanemask_lt(lane);
+            // Places go back over this thread's own routing words, then out in one copy.
+#pragma unroll
+            for (uint32_t j = 0; j < kMaxCudaTopk; ++j) {
+                if (j >= k) continue;
+                uint32_t place = 0;
+                if (e[j] >= 0) {
+                    const uint32_t i = warp * ne + static_cast<uint32_t>(e[j]);
+                    place = s_pre[i] + __popc(s_bits[i] & lt);
+                }
+                s_idx[tid * (k + 1) + j] = static_cast<int32_t>(place);
+            }
+            for (uint64_t m = mask; m; m &= m - 1) {
+                const uint32_t d = __ffsll(static_cast<long long>(m)) - 1;
+                const uint32_t i = warp * w + d;
+                a.row_pos[uint64_t{t} * w + d] = s_rpre[i] + __popc(s_rbits[i] & lt);
+            }
+            a.dest_mask[t] = mask;
+        }
+        __syncthreads();
+        for (uint32_t i = tid; i < entries; i += blockDim.x)
+            a.place[first + i] = static_cast<uint32_t>(s_idx[i / k * (k + 1) + i % k]);
+        __syncthreads();  // the masks and s_idx are reused by the next tile
     }
-    __syncthreads();
-    uint32_t remote_base = 0;  // combine rows of remote ranks' results, in rank order
-    for (uint32_t d = 0; d < w; ++d) {
-        uint32_t carry = 0;
-        for (uint32_t base = 0; base < n; base += blockDim.x) {
-            uint32_t t = base + tid;
-            uint32_t flag = t < n ? static_cast<uint32_t>((a.dest_mask[t] >> d) & 1u) : 0u;
-            uint32_t pre, agg;
-            Scan(scan_tmp).ExclusiveSum(flag, pre, agg);
-            if (t < n) a.row_pos[uint64_t{t} * w + d] = carry + pre;
-            carry += agg;
-            __syncthreads();  // scan_tmp is reused
-        }
-        if (tid == 0) {
-            s_rows_to[d] = carry;
-            a.rows_to[d] = carry;
-        }
-        if (is_remote(a, d))
-            remote_base +=
-                assign_remote_combine_rows(a, d, n, remote_base, scan_tmp, s_combine_base);
+    for (uint32_t i = tid; i < ne; i += blockDim.x) {
+        a.expert_counts[i] = s_ecount[i];
+        atomicAdd(&s_hits_to[i / nl], s_ecount[i]);
     }
-    // Hits per destination: one thread per expert (a loop over a destination's experts in one
-    // thread was a chain of L2 round trips, 128 at EP2).
-    for (uint32_t i = tid; i < a.num_experts; i += blockDim.x)
-        atomicAdd(&s_hits_to[i / nl], a.expert_counts[i]);
+    if (tid < w) a.rows_to[tid] = s_rows[tid];
     __syncthreads();
+    if (a.remote_mask) {
+        uint32_t remote_base = 0;  // combine rows of remote ranks' results, in rank order
+        for (uint32_t d = 0; d < w; ++d)
+            if (is_remote(a, d))
+                remote_base +=
+                    assign_remote_combine_rows(a, d, n, remote_base, scan_tmp, s_combine_base);
+        __syncthreads();
+    }
 
-    // Counts message to every rank (the CountsFormat words; no combine base: results come
-    // back into slot token * top-k + k).
+    // Counts message to every rank (the CountsFormat words; same-node ranks need no combine
+    // base: their results come back into slot token * top-k + k).
     const uint32_t words = a.counts_hits_word + nl;
     for (uint32_t i = tid; i < w * words; i += blockDim.x) {
         uint32_t d = i / words, wi = i % words;
@@ -138,9 +240,9 @@ __global__ void __launch_bounds__(kPlanThreads)
         } else if (wi == CountsWords::kHits) {
             v = s_hits_to[d];
         } else if (wi < a.counts_hits_word) {
-            v = s_rows_to[wi - CountsWords::kRowsTo];
+            v = s_rows[wi - CountsWords::kRowsTo];
         } else {
-            v = a.expert_counts[d * nl + (wi - a.counts_hits_word)];
+            v = s_ecount[d * nl + (wi - a.counts_hits_word)];
         }
         *counts_word(a.peers[d], a, a.rank, wi) = v;
     }
@@ -154,46 +256,73 @@ __global__ void __launch_bounds__(kPlanThreads)
                         a.lay.counts + uint64_t{a.rank} * a.counts_bytes, a.counts_bytes);
         }
     }
+    trace_point(a, kTrPlanEnd);
 }
 
-// One row, written by one warp: header (token, call, local expert per top-k or -1), payload,
-// scales.
+// Piece `piece` of `pieces` of one row, written by one warp; piece 0 writes the header
+// (token, call, then per top-k choice the local expert at d or -1 and its place, then the hit
+// base) and the scales.
 __device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot, uint32_t t,
                                  uint32_t seq, const uint8_t* x, const float* x_scale,
-                                 uint32_t lane) {
+                                 uint32_t lane, uint32_t piece, uint32_t pieces) {
     uint8_t* dst = a.peers[d] + a.lay.dispatch + slot * a.row_bytes;
     const uint32_t k = a.topk, nl = a.local_experts;
-    if (lane == 0) *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
+    const uint32_t n16 = a.payload_bytes / 16;
+    const uint32_t lo = n16 * piece / pieces, hi = n16 * (piece + 1) / pieces;
+    warp_copy16(reinterpret_cast<int4*>(dst + a.payload_offset) + lo,
+                reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes) + lo, hi - lo,
+                lane);
+    if (piece != 0) return;
+    if (lane == 0) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
+        // Only ranks on other nodes read the hit base: same-node results go to fixed slots.
+        *reinterpret_cast<uint32_t*>(dst + a.hit_base_offset) =
+            is_remote(a, d) ? a.hit_base[uint64_t{t} * a.world + d] : 0u;
+    }
     for (uint32_t j = lane; j < k; j += 32) {
         int32_t e = a.indices[t * k + j];
         bool here = e >= 0 && static_cast<uint32_t>(e) / nl == d;
         reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[j] =
             here ? static_cast<int16_t>(static_cast<uint32_t>(e) % nl) : int16_t{-1};
+        reinterpret_cast<uint32_t*>(dst + a.place_offset)[j] = here ? a.place[t * k + j] : 0u;
     }
-    warp_copy16(reinterpret_cast<int4*>(dst + a.payload_offset),
-                reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes),
-                a.payload_bytes / 16, lane);
     float* so = reinterpret_cast<float*>(dst + a.scale_offset);
     for (uint32_t i = lane; i < a.scales_per_token; i += 32)
         so[i] = x_scale[uint64_t{t} * a.scales_per_token + i];
 }
 
-// Tokens go to warps grid-stride; a warp writes its token's rows to every destination.
+// Work items are (token, destination) rows, each cut into `pieces` so that a small call still
+// gives every warp of the grid a share; warps are numbered across blocks first, so consecutive
+// items land on different SMs. `overflow`: the rows past the private slots, else the others.
+__device__ inline void send_rows(const KernelArgs& a, const uint8_t* x, const float* x_scale,
+                                 uint32_t n, uint32_t seq, bool overflow,
+                                 const uint64_t* s_overflow) {
+    const uint32_t w = a.world, p = a.private_slots, lane = threadIdx.x & 31u;
+    const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
+    const uint32_t gw = (threadIdx.x / 32) * gridDim.x + blockIdx.x;
+    const uint32_t items = n * w;
+    const uint32_t pieces = items == 0 ? 1 : max(1u, min(kMaxRowPieces, num_warps / items));
+    for (uint32_t u = gw; u < items * pieces; u += num_warps) {
+        const uint32_t item = u / pieces, piece = u % pieces;
+        const uint32_t t = item / w, d = item % w;
+        if (!((a.dest_mask[t] >> d) & 1u)) continue;
+        const uint32_t j = a.row_pos[uint64_t{t} * w + d];
+        if (!overflow && j < p)
+            write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale, lane, piece, pieces);
+        else if (overflow && j >= p)
+            write_row(a, d, s_overflow[d] + (j - p), t, seq, x, x_scale, lane, piece, pieces);
+    }
+}
+
 __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
     __shared__ uint64_t s_overflow[kMaxCudaWorld];
     __shared__ int s_ok;
     const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
-    const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
-    const uint32_t warp = blockIdx.x * warps + tid / 32, num_warps = gridDim.x * warps;
     // Written by the plan kernel earlier on this stream.
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
-    for (uint32_t t = warp; t < n; t += num_warps) {
-        for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
-            uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
-            uint32_t j = a.row_pos[uint64_t{t} * w + d];
-            if (j < p) write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale, lane);
-        }
-    }
+    trace_point(a, kTrSendBegin);
+    let_receiver_start(a);
+    send_rows(a, x, x_scale, n, seq, false, nullptr);
     // Remote ranks' private rows leave before any count is known, as they do over NVLink.
     if (a.remote_mask && last_block_of_call(a, kTicketPrivate, seq) && tid < w && is_remote(a, tid))
         publish_put(a, tid, proxy::kPrivate, seq,
@@ -225,6 +354,7 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
         if (!ok) s_ok = 0;
     }
     __syncthreads();
+    trace_point(a, kTrSendCountsIn);
     if (tid < w) {
         const uint32_t d = tid;
         uint64_t at = uint64_t{w} * p;
@@ -237,18 +367,12 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
         s_overflow[d] = at;
     }
     __syncthreads();
-    if (s_ok) {
-        for (uint32_t t = warp; t < n; t += num_warps) {
-            for (uint64_t mask = a.dest_mask[t]; mask; mask &= mask - 1) {
-                uint32_t d = __ffsll(static_cast<long long>(mask)) - 1;
-                uint32_t j = a.row_pos[uint64_t{t} * w + d];
-                if (j >= p) write_row(a, d, s_overflow[d] + (j - p), t, seq, x, x_scale, lane);
-            }
-        }
-    }
+    if (s_ok) send_rows(a, x, x_scale, n, seq, true, s_overflow);
     __threadfence_system();
     __syncthreads();
-    if (tid < w && !is_remote(a, tid))
+    // Without every count the overflow rows were not written: no arrival, so receivers time
+    // out naming this rank instead of reading rows that are not there.
+    if (s_ok && tid < w && !is_remote(a, tid))
         signal_add(counter_at(a.peers[tid], a.lay.ctr_dispatch, a.rank), 1);
     if (a.remote_mask && last_block_of_call(a, kTicketDispatch, seq) && tid < w &&
         is_remote(a, tid)) {
@@ -257,100 +381,98 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
         publish_put(a, tid, proxy::kOverflow, seq, a.lay.dispatch + s_overflow[tid] * a.row_bytes,
                     rows * a.row_bytes);
     }
+    trace_point(a, kTrSendEnd);
 }
 
 __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
     return (v + al - 1) / al * al;
 }
 
-// Block (e, s): the rows sender s sent here that chose local expert e, in the sender's row
-// order, at offsets[e] + (hits of e from senders before s). That is the CPU backend's order,
-// so both backends produce byte-identical batches from the same inputs.
-// The grid may be smaller than (local experts x senders): ranks sharing a GPU each get a part
-// of it, since every rank's waiting blocks must be resident at once (see create()).
-struct RecvShared {
-    typename cub::BlockScan<uint32_t, kRecvThreads>::TempStorage scan_tmp;
-    int ok;
-    uint32_t offset, total, before, rows_from, hits;
-    uint64_t overflow_begin;
-    uint64_t row[kRecvThreads];
-    uint32_t tok[kRecvThreads], k[kRecvThreads];
-    uint32_t pos[kRecvThreads];  // remote senders: the row's place among their hits here
-};
-
-__device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, RecvShared& sh,
-                                   uint8_t* out_x, float* out_scale, uint32_t* out_counts,
-                                   uint32_t* out_offsets, RowSource* out_sources) {
+// Every block derives the grouped layout from the counts messages (group offsets, where each
+// sender's rows start in each group, where its overflow rows are), writes the metadata and
+// zero padding of some groups, then its warps take received rows one each and copy a row to
+// every place its header names: offsets[e] + (hits of e from senders before s) + place. That
+// is the CPU backend's order (senders in rank order, a sender's rows in its order), so both
+// backends produce byte-identical batches from the same inputs.
+__global__ void __launch_bounds__(kRecvThreads)
+    dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
+                         uint32_t* out_offsets, RowSource* out_sources) {
     using Scan = cub::BlockScan<uint32_t, kRecvThreads>;
-    auto& scan_tmp = sh.scan_tmp;
-    auto& s_ok = sh.ok;
-    auto& s_offset = sh.offset;
-    auto& s_total = sh.total;
-    auto& s_before = sh.before;
-    auto& s_rows_from = sh.rows_from;
-    auto& s_hits = sh.hits;
-    auto& s_overflow_begin = sh.overflow_begin;
-    uint64_t* s_row = sh.row;
-    uint32_t* s_tok = sh.tok;
-    uint32_t* s_k = sh.k;
-    uint32_t* s_pos = sh.pos;
-    const bool remote = is_remote(a, s);  // the same in every thread of the block
-    const uint8_t* src = from(a, s);      // its counter and rows (counts: from(a, s2))
-    const uint32_t tid = threadIdx.x;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int s_ok;
+    extern __shared__ uint32_t recv_smem[];
+    const uint32_t tid = threadIdx.x, lane = tid & 31u;
     const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq);
+    uint32_t* s_before = recv_smem;       // [expert][sender] hits of earlier senders
+    uint32_t* s_total = s_before + nl * w;  // [expert] hits of all senders
+    uint32_t* s_off = s_total + nl;         // [expert + 1] group offsets, padding included
+    uint32_t* s_start = s_off + nl + 1;     // [sender + 1] first row of each sender
+    uint32_t* s_ovf = s_start + w + 1;      // [sender] where its overflow rows begin
+    uint32_t* s_got = s_ovf + w;            // [sender] hits this block placed
+    trace_point(a, kTrRecvBegin);
+    if (tid == 0) s_ok = 1;
+    if (tid < w) s_got[tid] = 0;
+    __syncthreads();
+    if (tid < w) {
+        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
+                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
+                          seq))
+            s_ok = 0;
+    }
+    __syncthreads();
+    trace_point(a, kTrRecvRowsIn);
+    if (!s_ok) {
+        finish_after_sender();
+        return;
+    }
+
+    // The layout, from the counts messages (all here: dispatch_send waited for them).
     const uint32_t hw = a.counts_hits_word;
-    if (tid == 0) {
-        s_offset = 0;
-        s_ok = wait_counter(a, counter_at(from(a, s), a.lay.ctr_dispatch, s),
-                            uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, s,
-                            seq);
-    }
-    __syncthreads();
-    // Group offsets from the counts messages (all here: dispatch_send waited for them).
-    for (uint32_t e2 = tid; e2 < e; e2 += blockDim.x) {
+    for (uint32_t e = tid; e < nl; e += blockDim.x) {
         uint32_t tot = 0;
-        for (uint32_t s2 = 0; s2 < w; ++s2)
-            tot += ld_peer_u32(counts_word(from(a, s2), a, s2, hw + e2), is_remote(a, s2));
-        atomicAdd(&s_offset, align_up(tot, a.alignment));
-    }
-    if (tid == 0) {
-        uint32_t tot = 0, before = 0;
-        uint64_t ob = 0;
-        for (uint32_t s2 = 0; s2 < w; ++s2) {
-            uint8_t* src2 = from(a, s2);
-            const bool host2 = is_remote(a, s2);
-            uint32_t h = ld_peer_u32(counts_word(src2, a, s2, hw + e), host2);
-            uint32_t r =
-                min(ld_peer_u32(counts_word(src2, a, s2, CountsWords::kRowsTo + a.rank), host2),
-                    a.max_tokens);
-            tot += h;
-            if (s2 < s) {
-                before += h;
-                ob += r > p ? r - p : 0;
-            }
-            if (s2 == s) {
-                s_rows_from = r;
-                s_hits = h;
-            }
+        for (uint32_t s = 0; s < w; ++s) {
+            s_before[e * w + s] = tot;
+            tot += ld_peer_u32(counts_word(from(a, s), a, s, hw + e), is_remote(a, s));
         }
-        s_total = tot;
-        s_before = before;
-        s_overflow_begin = uint64_t{w} * p + ob;
+        s_total[e] = tot;
     }
+    if (tid < w)
+        s_ovf[tid] = min(ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kRowsTo + a.rank),
+                                     is_remote(a, tid)),
+                         a.max_tokens);
     __syncthreads();
-    const uint32_t offset = s_offset, total = s_total;
+    if (tid == 0) {
+        uint32_t rows = 0, ob = w * p;
+        for (uint32_t s = 0; s < w; ++s) {
+            const uint32_t r = s_ovf[s];
+            s_start[s] = rows;
+            rows += r;
+            s_ovf[s] = ob;
+            ob += r > p ? r - p : 0;
+        }
+        s_start[w] = rows;
+    }
+    uint32_t carry = 0;
+    for (uint32_t base = 0; base < nl; base += blockDim.x) {
+        const uint32_t e = base + tid;
+        const uint32_t v = e < nl ? align_up(s_total[e], a.alignment) : 0u;
+        uint32_t pre, agg;
+        Scan(scan_tmp).ExclusiveSum(v, pre, agg);
+        if (e < nl) s_off[e] = carry + pre;
+        carry += agg;
+        __syncthreads();  // scan_tmp is reused
+    }
+    if (tid == 0) s_off[nl] = carry;
+    __syncthreads();
+
+    // Metadata and zero padding (a grouped GEMM reads whole groups), groups over blocks.
     const uint32_t pb16 = a.payload_bytes / 16, spt = a.scales_per_token;
-    if (s == 0) {
-        // Metadata and zero padding of group e (a grouped GEMM reads whole groups).
-        uint32_t end = offset + align_up(total, a.alignment);
+    for (uint32_t e = blockIdx.x; e < nl; e += gridDim.x) {
+        const uint32_t offset = s_off[e], total = s_total[e], end = s_off[e + 1];
         if (tid == 0) {
             out_counts[e] = total;
             out_offsets[e] = offset;
-            if (e + 1 == nl) {
-                out_offsets[nl] = end;
-                a.state->out_rows = end;
-            }
         }
         for (uint32_t o = offset + total; o < end && o < a.max_rows; ++o) {
             int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes);
@@ -362,113 +484,135 @@ __device__ void dispatch_recv_pair(const KernelArgs& a, uint32_t e, uint32_t s, 
             }
         }
     }
-    if (!s_ok) return;
+    if (blockIdx.x == 0 && tid == 0) {
+        out_offsets[nl] = s_off[nl];
+        a.state->out_rows = s_off[nl];
+    }
 
-    const uint32_t rows_from = s_rows_from;
-    const uint64_t overflow_begin = s_overflow_begin;
-    uint32_t carry = 0, hit_carry = 0;
-    const uint32_t base = offset + s_before;
-    for (uint32_t chunk = 0; chunk < rows_from; chunk += blockDim.x) {
-        uint32_t i = chunk + tid, match = 0, kk_match = 0, token = 0;
-        uint32_t hits = 0, hits_before = 0;  // of this row: all, and those before kk_match
-        uint64_t ri = 0;
-        if (i < rows_from) {
-            ri = i < p ? uint64_t{s} * p + i : overflow_begin + (i - p);
-            const uint8_t* row = src + a.lay.dispatch + ri * a.row_bytes;
-            // The header in a few 8-byte loads issued together (every (expert, sender) block
-            // reads all of the sender's headers, so this is on the critical path): token and
-            // call, then the local expert ids, four per load (the header is padded to 16).
-            const uint2 head = ld_peer(reinterpret_cast<const uint2*>(row), remote);
-            uint2 ids[kMaxCudaTopk / 4];
-#pragma unroll
-            for (uint32_t q = 0; q < kMaxCudaTopk / 4; ++q)
-                if (q * 4 < k)
-                    ids[q] =
-                        ld_peer(reinterpret_cast<const uint2*>(row + kRowHeaderBytes) + q, remote);
-            token = head.x;
-            const uint32_t hseq = head.y;
-            if (hseq != seq || token >= a.max_tokens) {
+    // Rows, a warp each; warps numbered across blocks first.
+    const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
+    const uint32_t gw = (tid / 32) * gridDim.x + blockIdx.x;
+    const uint32_t rows = s_start[w];
+    for (uint32_t g = gw; g < rows; g += num_warps) {
+        uint32_t s = 0;
+        while (g >= s_start[s + 1]) ++s;
+        const uint32_t i = g - s_start[s];
+        const bool remote = is_remote(a, s);
+        const uint64_t ri = i < p ? uint64_t{s} * p + i : uint64_t{s_ovf[s]} + (i - p);
+        const uint8_t* row = from(a, s) + a.lay.dispatch + ri * a.row_bytes;
+        // The whole header in one round of loads: lane j reads choice j's expert and place.
+        const uint2 head = ld_peer(reinterpret_cast<const uint2*>(row), remote);
+        const uint32_t hit_base = ld_peer_u32(row + a.hit_base_offset, remote);
+        int32_t id = -1;
+        uint32_t place = 0;
+        if (lane < k) {
+            id = ld_peer(reinterpret_cast<const short*>(row + kRowHeaderBytes) + lane, remote);
+            place = ld_peer_u32(row + a.place_offset + 4 * lane, remote);
+        }
+        const uint32_t token = head.x;
+        if (head.y != seq || token >= a.max_tokens) {
+            if (lane == 0)
                 record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
-                             (uint64_t{hseq} << 32) | token, seq);
+                             (uint64_t{head.y} << 32) | token, seq);
+            continue;
+        }
+        uint32_t o = 0;
+        bool bad = false;
+        if (id >= 0) {
+            const uint32_t e = static_cast<uint32_t>(id);
+            if (e >= nl) {
+                bad = true;
             } else {
+                const uint32_t before = s_before[e * w + s];
+                const uint32_t hits = (s + 1 < w ? s_before[e * w + s + 1] : s_total[e]) - before;
+                o = s_off[e] + before + place;
+                bad = place >= hits || o >= a.max_rows;
+            }
+        }
+        const uint32_t bad_lanes = __ballot_sync(0xffffffffu, bad);
+        if (bad_lanes) {
+            if (lane == __ffs(bad_lanes) - 1)
+                record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
+                             (uint64_t{static_cast<uint32_t>(id)} << 32) | place, nl);
+            continue;
+        }
+        const uint32_t hm = __ballot_sync(0xffffffffu, id >= 0);
+        if (id >= 0) {
+            const RowSource meta{s, token, lane};
+            a.row_src[o] = meta;
+            if (out_sources) out_sources[o] = meta;
+            if (remote) a.combine_pos[o] = hit_base + __popc(hm & lanemask_lt(lane));
+        }
+        // The payload read once, written to every place. Loop bounds are the same in every
+        // lane: the shuffles need the whole warp.
+        const int4* src16 = reinterpret_cast<const int4*>(row + a.payload_offset);
+        for (uint32_t c0 = 0; c0 < pb16; c0 += 4 * 32) {
+            const uint32_t c = c0 + lane;
+            int4 v[4];
 #pragma unroll
-                for (uint32_t kk = 0; kk < kMaxCudaTopk; ++kk) {
-                    if (kk >= k) break;
-                    const uint32_t word = (kk & 2) ? ids[kk / 4].y : ids[kk / 4].x;
-                    const auto id = static_cast<int16_t>(word >> (16 * (kk & 1)));
-                    if (id == static_cast<int32_t>(e)) {
-                        match = 1;
-                        kk_match = kk;
-                        hits_before = hits;
-                    }
-                    hits += id >= 0;
-                }
+            for (uint32_t u = 0; u < 4; ++u)
+                if (c + 32 * u < pb16) v[u] = ld_peer(src16 + c + 32 * u, remote);
+            for (uint32_t m = hm; m; m &= m - 1) {
+                const uint32_t oh = __shfl_sync(0xffffffffu, o, __ffs(m) - 1);
+                int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{oh} * a.payload_bytes);
+#pragma unroll
+                for (uint32_t u = 0; u < 4; ++u)
+                    if (c + 32 * u < pb16) dst[c + 32 * u] = v[u];
             }
         }
-        uint32_t pos = 0;
-        if (remote) {
-            // combine_send returns this sender's results as one compact run in its order:
-            // rows in token order, a row's hits in top-k order.
-            uint32_t hit_pre, hit_agg;
-            Scan(scan_tmp).ExclusiveSum(hits, hit_pre, hit_agg);
-            pos = hit_carry + hit_pre + hits_before;
-            hit_carry += hit_agg;
-            __syncthreads();  // scan_tmp is reused
-        }
-        uint32_t pre, agg;
-        Scan(scan_tmp).ExclusiveSum(match, pre, agg);
-        if (match) {
-            s_row[pre] = ri;
-            s_tok[pre] = token;
-            s_k[pre] = kk_match;
-            s_pos[pre] = pos;
-        }
-        __syncthreads();
-        // One warp per matched row.
-        const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
-        for (uint32_t m = tid / 32; m < agg; m += warps) {
-            uint32_t o = base + carry + m;
-            if (carry + m >= s_hits || o >= a.max_rows) break;  // reported below
-            const uint8_t* row = src + a.lay.dispatch + s_row[m] * a.row_bytes;
-            warp_copy16<true>(reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes),
-                              reinterpret_cast<const int4*>(row + a.payload_offset), pb16, lane,
-                              remote);
-            const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
-            for (uint32_t c = lane; c < spt; c += 32)
-                out_scale[uint64_t{o} * spt + c] = ld_peer(ssrc + c, remote);
-            if (lane == 0) {
-                RowSource src_meta{s, s_tok[m], s_k[m]};
-                a.row_src[o] = src_meta;
-                if (out_sources) out_sources[o] = src_meta;
-                if (remote) a.combine_pos[o] = s_pos[m];
+        const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
+        for (uint32_t c0 = 0; c0 < spt; c0 += 32) {
+            const uint32_t c = c0 + lane;
+            const float v = c < spt ? ld_peer(ssrc + c, remote) : 0.0f;
+            for (uint32_t m = hm; m; m &= m - 1) {
+                const uint32_t oh = __shfl_sync(0xffffffffu, o, __ffs(m) - 1);
+                if (c < spt) out_scale[uint64_t{oh} * spt + c] = v;
             }
         }
-        carry += agg;
-        __syncthreads();  // s_row and scan_tmp are reused
+        if (lane == 0) atomicAdd(&s_got[s], __popc(hm));
     }
-    if (tid == 0 && carry != s_hits)
-        record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq, carry, s_hits);
-}
 
-__global__ void __launch_bounds__(kRecvThreads)
-    dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
-                         uint32_t* out_offsets, RowSource* out_sources) {
-    __shared__ RecvShared sh;
-    const uint32_t pairs = a.local_experts * a.world;
-    for (uint32_t i = blockIdx.x; i < pairs; i += gridDim.x) {
-        dispatch_recv_pair(a, i % a.local_experts, i / a.local_experts, sh, out_x, out_scale,
-                           out_counts, out_offsets, out_sources);
-        __syncthreads();  // sh is reused by the next pair
+    // Every hit a sender announced was placed (a lost or repeated row shows here).
+    __syncthreads();
+    if (tid < w) atomicAdd(&a.recv_hits[tid], s_got[tid]);
+    if (last_block_of_call(a, kTicketRecv, seq) && tid < w) {
+        const uint32_t want =
+            ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kHits), is_remote(a, tid));
+        const uint32_t got = __ldcg(&a.recv_hits[tid]);
+        if (got != want)
+            record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, tid, seq, got, want);
     }
+    trace_point(a, kTrRecvEnd);
+    finish_after_sender();
 }
 
 }  // namespace
+
+uint32_t dispatch_plan_smem(uint32_t num_experts, uint32_t world, uint32_t topk) {
+    return sizeof(uint32_t) * (2 * kPlanWarps * num_experts + num_experts +
+                               2 * kPlanWarps * world + world + kPlanThreads * (topk + 1));
+}
+
+uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
+    const uint32_t nl = num_experts / world;
+    return sizeof(uint32_t) * (num_experts + nl + nl + 1 + 3 * world + 1);
+}
+
+cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
+    cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(plan_bytes));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(recv_bytes));
+    return e;
+}
 
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
                                  const int32_t* indices, const float* weights,
                                  const uint32_t* num_tokens, uint32_t send_blocks,
                                  uint32_t send_threads, cudaStream_t stream) {
-    dispatch_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a, indices, weights, num_tokens);
+    dispatch_plan_kernel<<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
@@ -478,9 +622,9 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
 
 cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
                                  uint32_t* offsets, RowSource* sources, cudaStream_t stream) {
-    dispatch_recv_kernel<<<a.dispatch_recv_blocks, kRecvThreads, 0, stream>>>(
-        a, static_cast<uint8_t*>(x), x_scale, counts, offsets, sources);
-    return cudaGetLastError();
+    return launch_after(a.early_launch != 0, dispatch_recv_kernel, a.dispatch_recv_blocks,
+                        kRecvThreads, a.recv_smem, stream, a, static_cast<uint8_t*>(x), x_scale,
+                        counts, offsets, sources);
 }
 
 cudaError_t preload_dispatch_kernels() {

@@ -64,10 +64,12 @@ struct KernelArgs {
     uint32_t rank, world, hidden, topk, num_experts, local_experts;
     uint32_t private_slots, max_tokens, alignment, hash32;
     uint32_t payload_bytes, scales_per_token, row_bytes, payload_offset, scale_offset;
+    uint32_t place_offset, hit_base_offset;   // RowFormat: place[top-k], hit_base
     uint32_t counts_bytes, counts_hits_word;  // CountsFormat::bytes, ::hits_per_expert
     uint32_t max_rows;                        // max_expert_rows
     uint32_t dispatch_send_blocks, combine_send_blocks;
-    uint32_t dispatch_recv_blocks;  // grid of dispatch_recv (a loop over expert x sender)
+    uint32_t dispatch_recv_blocks;  // grid of dispatch_recv (a warp per received row)
+    uint32_t plan_smem, recv_smem;  // dynamic shared memory of the plan and recv kernels
     uint64_t timeout_ns;
     SharedLayout lay;
     // [world] device array: each rank's shared allocation mapped here, or for a rank on
@@ -79,6 +81,9 @@ struct KernelArgs {
     // Per-call scratch, local to this rank.
     uint64_t* dest_mask;      // [max_tokens] bit d: token goes to rank d
     uint32_t* row_pos;        // [max_tokens * world] row of the token among those sent to d
+    uint32_t* place;          // [max_tokens * top-k] the RowFormat place of (token, k)
+    uint32_t* hit_base;       // [max_tokens * world] RowFormat hit_base (remote d only)
+    uint32_t* recv_hits;      // [world] hits dispatch_recv placed from each sender
     uint32_t* expert_counts;  // [num_experts]
     uint32_t* rows_to;        // [world]
     int32_t* indices;         // [max_tokens * top-k] copy of the call's routing
@@ -96,6 +101,31 @@ struct KernelArgs {
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
     uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
+    // CudaAllToAllOptions::trace: [2 * kTracePoints] global-timer stamps of the current call,
+    // the first block's at [p], the last block's at [kTracePoints + p]; null: no stamps.
+    unsigned long long* trace;
+    // CudaAllToAllOptions::early_launch: dispatch_recv and combine_recv start while the send
+    // kernel before them runs (programmatic dependent launch).
+    uint32_t early_launch;
+};
+
+// Where the kernels stamp the trace: each kernel's first and last block, and the moments its
+// waits for peers ended. The plan kernel clears the stamps of the previous call.
+enum TracePoint : uint32_t {
+    kTrPlanBegin,
+    kTrPlanEnd,
+    kTrSendBegin,
+    kTrSendCountsIn,  // every peer's counts are here
+    kTrSendEnd,
+    kTrRecvBegin,
+    kTrRecvRowsIn,  // every peer's rows are here
+    kTrRecvEnd,
+    kTrCombineSendBegin,
+    kTrCombineSendEnd,
+    kTrCombineRecvBegin,
+    kTrCombineRecvRowsIn,
+    kTrCombineRecvEnd,
+    kTracePoints
 };
 
 // Tickets: the last block of a call to finish a phase publishes that phase's remote puts.
@@ -103,7 +133,8 @@ enum Ticket : uint32_t {
     kTicketPrivate = 0,
     kTicketDispatch = 1,
     kTicketCombine = 2,
-    kTickets = 3
+    kTicketRecv = 3,  // the last dispatch_recv block checks every announced hit was placed
+    kTickets = 4
 };
 
 // Every kernel of a family loaded into the current device's context. CUDA loads modules
@@ -111,9 +142,32 @@ enum Ticket : uint32_t {
 // running: a rank's first launch would then wait for a peer's kernel that waits for that very
 // launch (ranks sharing a GPU deadlocked that way, 2026-12-01). create() loads them all first.
 cudaError_t preload_dispatch_kernels();
+// Dynamic shared memory the plan and recv kernels need for a config (bytes), and the opt-in
+// both get so they may use more than the default 48 KiB.
+uint32_t dispatch_plan_smem(uint32_t num_experts, uint32_t world, uint32_t topk);
+uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world);
+cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes);
 cudaError_t preload_combine_kernels();
 cudaError_t preload_quantize_kernels();
 cudaError_t preload_host_gate();
+
+// Launches `kernel`, as a programmatic dependent of the kernel before it on the stream when
+// `early` (see let_receiver_start in device_common.cuh).
+template <typename... Params, typename... Args>
+cudaError_t launch_after(bool early, void (*kernel)(Params...), uint32_t blocks, uint32_t threads,
+                         size_t smem, cudaStream_t stream, Args... args) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = early ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
 
 // dispatch.cu
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
