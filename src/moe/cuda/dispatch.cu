@@ -63,6 +63,10 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
 // (a 32-bit lane mask in shared memory); a prefix over the warps' popcounts then gives every
 // token its row at each destination and its place among the rows that chose each expert,
 // in token order, with no block-wide scan per destination or per expert.
+//
+// kTopk: top-k known at compile time (the common 8), so the routing's index arithmetic and
+// loops fold; 0: read from the arguments.
+template <uint32_t kTopk>
 __global__ void __launch_bounds__(kPlanThreads)
     dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const float* weights,
                          const uint32_t* num_tokens) {
@@ -70,8 +74,8 @@ __global__ void __launch_bounds__(kPlanThreads)
     __shared__ uint32_t s_seq, s_n;
     __shared__ uint32_t s_hits_to[kMaxCudaWorld], s_combine_base[kMaxCudaWorld];
     extern __shared__ uint32_t plan_smem[];
-    const uint32_t tid = threadIdx.x, w = a.world, k = a.topk, nl = a.local_experts;
-    const uint32_t ne = a.num_experts, lane = tid & 31u, warp = tid / 32;
+    const uint32_t tid = threadIdx.x, w = a.world, k = kTopk ? kTopk : a.topk;
+    const uint32_t nl = a.local_experts, ne = a.num_experts, lane = tid & 31u, warp = tid / 32;
     uint32_t* s_bits = plan_smem;               // [warp][expert] lanes that chose the expert
     uint32_t* s_pre = s_bits + kPlanWarps * ne;  // [warp][expert] earlier tokens' choices
     uint32_t* s_ecount = s_pre + kPlanWarps * ne;  // [expert] tokens so far
@@ -129,13 +133,15 @@ __global__ void __launch_bounds__(kPlanThreads)
                 wv[r] = __ldg(weights + first + i);
             }
         }
+        bool bad = false;
+        int32_t bad_value = 0;
 #pragma unroll
         for (uint32_t r = 0; r < kMaxCudaTopk; ++r) {
             const uint32_t i = tid + r * blockDim.x;
             if (r >= k || i >= entries) continue;
             if (v[r] < -1 || v[r] >= static_cast<int32_t>(ne)) {
-                record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
-                             static_cast<uint64_t>(static_cast<int64_t>(v[r])), ne);
+                bad = true;
+                bad_value = v[r];
                 v[r] = -1;
             }
             s_idx[i / k * (k + 1) + i % k] = v[r];
@@ -143,6 +149,9 @@ __global__ void __launch_bounds__(kPlanThreads)
             a.weights[first + i] = wv[r];
             if (a.remote_mask) a.combine_slot[first + i] = first + i;  // remote ones below
         }
+        if (bad)
+            record_error(a, DeviceError::kProtocol, DeviceError::kPlan, a.rank, seq,
+                         static_cast<uint64_t>(static_cast<int64_t>(bad_value)), ne);
         // Only the warps with tokens in this tile (4 of 16 at a 128-token decode step).
         const uint32_t tile_warps = (min(n - tile, blockDim.x) + 31) / 32;
         for (uint32_t i = tid; i < tile_warps * ne; i += blockDim.x) s_bits[i] = 0;
@@ -599,9 +608,13 @@ uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
 }
 
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
-    cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel,
+    cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel<0>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(plan_bytes));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(dispatch_plan_kernel<8>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(plan_bytes));
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(recv_bytes));
@@ -612,7 +625,12 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
                                  const int32_t* indices, const float* weights,
                                  const uint32_t* num_tokens, uint32_t send_blocks,
                                  uint32_t send_threads, cudaStream_t stream) {
-    dispatch_plan_kernel<<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
+    if (a.topk == 8)
+        dispatch_plan_kernel<8>
+            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
+    else
+        dispatch_plan_kernel<0>
+            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
@@ -629,7 +647,8 @@ cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, u
 
 cudaError_t preload_dispatch_kernels() {
     cudaFuncAttributes attr;
-    cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel);
+    cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<0>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<8>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_recv_kernel);
     return e;
