@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <cstddef>
 #include <cstring>
@@ -655,12 +656,13 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
     Impl& m = *impl_;
     if (!m.args.trace)
         return invalid_argument("cuda all-to-all: last_trace needs options.trace at create()");
-    static constexpr const char* kNames[cuda::kTracePoints] = {
+    static constexpr const char* kNames[] = {
         "plan begin",         "plan end",          "send begin",
         "send counts in",     "send end",          "recv begin",
         "recv rows in",       "recv end",          "combine send begin",
         "combine send end",   "combine recv begin", "combine recv rows in",
         "combine recv end"};
+    static_assert(std::size(kNames) == cuda::kTracePoints, "a name per trace point");
     unsigned long long raw[2 * cuda::kTracePoints];
     FERRY_MOE_CUDA_TRY(cudaSetDevice(m.device));
     FERRY_MOE_CUDA_TRY(cudaMemcpy(raw, m.args.trace, sizeof(raw), cudaMemcpyDeviceToHost));
