@@ -104,6 +104,15 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
     --early-launch 2>&1 | grep -E "^layer" | sed 's/^/early launch: /' | tee -a "$out/bench_moe_cuda_128_graph.txt"
   timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 100 --trace 2>&1 \
     | tee "$out/bench_moe_cuda_128_trace.txt" || status=1
+  # Per-rank partials: a quarter of the combine bytes at 2 ranks (docs/MOE.md).
+  for t in 128 4096; do
+    log "bench moe cuda, $t tokens, per-rank combine"
+    timeout 120 $build/ferry bench moe $moe --tokens $t --warmup 20 --iters 200 --combine per-rank \
+      2>&1 | tee "$out/bench_moe_cuda_${t}_per_rank.txt" || status=1
+  done
+  timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
+    --combine per-rank 2>&1 | grep -E "^layer" | sed 's/^/per-rank graph: /' \
+    | tee -a "$out/bench_moe_cuda_128_graph.txt"
 fi
 
 if [ -n "${FERRY_GPU_EXTRA:-}" ]; then
