@@ -16,6 +16,7 @@ void register_bench_moe(CLI::App& bench) {
     auto c = std::make_shared<moe::MoeBenchConfig>();
     auto dtype = std::make_shared<std::string>("fp8");
     auto json_path = std::make_shared<std::string>();
+    auto combine = std::make_shared<std::string>("per-hit");
     cmd->add_option("--backend", c->backend,
                     "cpu | cuda (cuda: every rank a thread on this host's GPUs, rank r on GPU "
                     "r % count, timed with CUDA events)")
@@ -31,6 +32,10 @@ void register_bench_moe(CLI::App& bench) {
     cmd->add_option("--topk", c->topk, "experts per token")->capture_default_str();
     cmd->add_option("--experts", c->experts)->capture_default_str();
     cmd->add_option("--dtype", *dtype, "dispatch type: fp8 | bf16")->capture_default_str();
+    cmd->add_option("--combine", *combine,
+                    "per-hit (every expert output row goes back) | per-rank (the expert's rank "
+                    "sends one weighted partial per token, rounded to bf16)")
+        ->capture_default_str();
     cmd->add_option("--private-slots", c->private_slots, "rows per sender written before counts")
         ->capture_default_str();
     cmd->add_option("--provider", c->provider, "between nodes: tcp | shm | efa | verbs | auto")
@@ -47,11 +52,16 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
-    cmd->callback([c, dtype, json_path, per_node] {
+    cmd->callback([c, dtype, json_path, per_node, combine] {
         // The cuda backend puts every rank on one node unless asked to split them.
         if (c->backend == "cuda" && per_node->count() == 0) c->ranks_per_node = c->ranks;
         if (!moe::parse_dtype(*dtype, &c->dtype)) {
             fail(invalid_argument(fmt::format("--dtype {}: use fp8 or bf16", *dtype)));
+            return;
+        }
+        if (!moe::parse_combine_mode(*combine, &c->combine)) {
+            fail(invalid_argument(
+                fmt::format("--combine {}: use per-hit or per-rank", *combine)));
             return;
         }
         auto rep = moe::run_moe_bench(*c);

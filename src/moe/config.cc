@@ -6,6 +6,28 @@
 
 namespace ferry::moe {
 
+std::string_view combine_mode_name(CombineMode mode) {
+    switch (mode) {
+        case CombineMode::kPerHit:
+            return "per-hit";
+        case CombineMode::kPerRank:
+            return "per-rank";
+    }
+    return "unknown";
+}
+
+bool parse_combine_mode(std::string_view name, CombineMode* out) {
+    if (name == "per-hit") {
+        *out = CombineMode::kPerHit;
+        return true;
+    }
+    if (name == "per-rank") {
+        *out = CombineMode::kPerRank;
+        return true;
+    }
+    return false;
+}
+
 std::string_view dtype_name(DType dtype) {
     switch (dtype) {
         case DType::kBf16:
@@ -65,6 +87,9 @@ Status AllToAllConfig::validate() const {
     if (private_slots_per_sender > max_tokens_per_rank)
         return bad(fmt::format("private_slots_per_sender {} exceeds max_tokens_per_rank {}",
                                private_slots_per_sender, max_tokens_per_rank));
+    if (combine != CombineMode::kPerHit && combine != CombineMode::kPerRank)
+        return bad(fmt::format("combine mode {} is not per-hit or per-rank",
+                               static_cast<int>(combine)));
     if (group_alignment == 0 || group_alignment > 4096)
         return bad(fmt::format("group_alignment {} must be in [1, 4096]", group_alignment));
     return ok_status();
@@ -78,7 +103,7 @@ uint64_t AllToAllConfig::hash() const {
             h *= 0x100000001b3ull;
         }
     };
-    mix(1);  // layout version: bump when the wire layout changes
+    mix(2);  // layout version: bump when the wire layout changes (2: weights in row headers)
     mix(max_tokens_per_rank);
     mix(hidden);
     mix(static_cast<uint64_t>(dtype));
@@ -88,6 +113,7 @@ uint64_t AllToAllConfig::hash() const {
     mix(ranks_per_node);
     mix(private_slots_per_sender);
     mix(group_alignment);
+    mix(static_cast<uint64_t>(combine));
     return h;
 }
 
@@ -105,7 +131,7 @@ Status check_same_config(const AllToAllConfig& mine, std::span<const uint64_t> h
     return invalid_argument(fmt::format(
         "rank {}: AllToAllConfig differs on rank(s) {}; every rank must pass the same "
         "max_tokens_per_rank, hidden, dtype, num_experts, experts_per_token, world_size, "
-        "ranks_per_node, private_slots_per_sender and group_alignment",
+        "ranks_per_node, private_slots_per_sender, group_alignment and combine mode",
         mine.rank, bad));
 }
 

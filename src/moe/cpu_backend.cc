@@ -86,6 +86,7 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
         std::memcpy(row, &h, sizeof(h));
         auto* le = reinterpret_cast<int16_t*>(row + sizeof(RowHeader));
         auto* place = reinterpret_cast<uint32_t*>(row + row_.place_offset);
+        auto* weight = reinterpret_cast<float*>(row + row_.weight_offset);
         const uint32_t hit_base = hits_before;
         for (uint32_t kk = 0; kk < k; ++kk) {
             int32_t e = in.indices[size_t{t} * k + kk];
@@ -93,6 +94,7 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
             le[kk] = here ? static_cast<int16_t>(cfg_.local_expert(static_cast<uint32_t>(e)))
                           : int16_t{-1};
             place[kk] = here ? placed[static_cast<uint32_t>(e)]++ : 0;
+            weight[kk] = here ? in.weights[size_t{t} * k + kk] : 0.0f;
             hits_before += here;
         }
         std::memcpy(row + row_.hit_base_offset, &hit_base, sizeof(hit_base));
@@ -190,8 +192,10 @@ Status CpuBackend::read_counts() {
             sum += msg[counts_.hits_per_expert + e];
         }
         uint32_t my_rows = rows_[size_t{s} * w + cfg_.rank];
+        // Our results for s: a row per hit, or per row with per-rank partials.
+        uint32_t results = cfg_.combine == CombineMode::kPerRank ? my_rows : hits;
         if (sum != hits || hits < my_rows ||
-            uint64_t{msg[CountsFormat::kCombineBase]} + hits > combine_slots)
+            uint64_t{msg[CountsFormat::kCombineBase]} + results > combine_slots)
             return protocol_error(fmt::format(
                 "inconsistent counts from rank {}: {} rows, {} hits, per-expert sum {}, "
                 "combine base {}",
@@ -241,13 +245,18 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
         if (Status st = tr_->wait(Region::kDispatch, s, n, deadline); !st.ok())
             return fail(st.with_context("dispatch_recv"));
     }
+    const bool per_rank = cfg_.combine == CombineMode::kPerRank;
     stage_begin_.assign(w + 1, 0);
-    for (uint32_t s = 0; s < w; ++s) stage_begin_[s + 1] = stage_begin_[s] + hits_from_[s];
+    for (uint32_t s = 0; s < w; ++s)
+        stage_begin_[s + 1] = stage_begin_[s] + (per_rank ? layout.rows_from(s) : hits_from_[s]);
     out_to_stage_.assign(rows, -1);
+    part_begin_.assign(1, 0);
+    part_hits_.clear();
     std::vector<uint32_t> fill(nl, 0), fill_from(nl);
     const uint8_t* recv = tr_->recv(Region::kDispatch).data();
     for (uint32_t s = 0; s < w; ++s) {
-        uint64_t stage_pos = stage_begin_[s];
+        // Hits of s placed so far: the position in s's run for per-hit results.
+        uint64_t stage_pos = 0;
         std::fill(fill_from.begin(), fill_from.end(), 0);
         for (uint32_t i = 0; i < layout.rows_from(s); ++i) {
             const uint8_t* row = recv + layout.row_index(s, i) * row_.row_bytes;
@@ -259,15 +268,16 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
             const auto* place = reinterpret_cast<const uint32_t*>(row + row_.place_offset);
             // This backend groups rows by reading them in order; the places and hit base
             // the header carries for receivers that place rows in parallel must agree.
-            if (hit_base != stage_pos - stage_begin_[s])
+            if (hit_base != stage_pos)
                 return fail(protocol_error(fmt::format(
                     "row {} from rank {} (token {}) says {} hits come before it; its rank's "
                     "earlier rows carry {}",
-                    i, s, token, hit_base, stage_pos - stage_begin_[s])));
+                    i, s, token, hit_base, stage_pos)));
+            const auto* weight = reinterpret_cast<const float*>(row + row_.weight_offset);
             for (uint32_t kk = 0; kk < k; ++kk) {
                 if (le[kk] < 0) continue;
                 uint32_t e = static_cast<uint32_t>(le[kk]);
-                if (e >= nl || fill[e] >= groups.counts[e] || stage_pos >= stage_begin_[s + 1])
+                if (e >= nl || fill[e] >= groups.counts[e] || stage_pos >= hits_from_[s])
                     return fail(protocol_error(fmt::format(
                         "row {} from rank {} (token {}) routes to local expert {} beyond what "
                         "the counts announced",
@@ -283,14 +293,18 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
                     std::memcpy(out.x_scale.data() + o * spt, row + row_.scale_offset,
                                 cfg_.scale_bytes());
                 if (!out.sources.empty()) out.sources[o] = RowSource{s, token, kk};
-                out_to_stage_[o] = static_cast<int64_t>(stage_pos++);
+                if (per_rank)
+                    part_hits_.push_back({o, weight[kk]});
+                else
+                    out_to_stage_[o] = static_cast<int64_t>(stage_begin_[s] + stage_pos);
+                ++stage_pos;
             }
+            if (per_rank) part_begin_.push_back(static_cast<uint32_t>(part_hits_.size()));
         }
-        if (stage_pos != stage_begin_[s + 1])
-            return fail(
-                protocol_error(fmt::format("rank {} announced {} hits but its rows "
-                                           "carry {}",
-                                           s, hits_from_[s], stage_pos - stage_begin_[s])));
+        if (stage_pos != hits_from_[s])
+            return fail(protocol_error(fmt::format("rank {} announced {} hits but its rows "
+                                                   "carry {}",
+                                                   s, hits_from_[s], stage_pos)));
     }
     for (uint32_t e = 0; e < nl; ++e) {
         // Zero padding so a grouped GEMM over whole groups reads defined values.
@@ -326,15 +340,32 @@ Status CpuBackend::combine_send(std::span<const uint16_t> expert_out) {
     TimePoint deadline = deadline_after(timeout_);
     if (Status s = tr_->flush(deadline); !s.ok()) return fail(s.with_context("combine_send"));
     uint8_t* stage = tr_->stage(Region::kCombine).data();
-    for (uint32_t o = 0; o < out_rows_; ++o) {
-        if (out_to_stage_[o] < 0) continue;
-        std::memcpy(stage + static_cast<size_t>(out_to_stage_[o]) * crow,
-                    expert_out.data() + size_t{o} * h, crow);
+    if (cfg_.combine == CombineMode::kPerRank) {
+        // Per received row: weight * output summed over its hits in top-k order (fp32, the
+        // same separately rounded steps as combine_recv), rounded once to bf16.
+        std::vector<float> acc(h);
+        for (size_t r = 0; r + 1 < part_begin_.size(); ++r) {
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (uint32_t i = part_begin_[r]; i < part_begin_[r + 1]; ++i) {
+                const uint16_t* y = expert_out.data() + size_t{part_hits_[i].row} * h;
+                const float wt = part_hits_[i].weight;
+                for (size_t c = 0; c < h; ++c) acc[c] += wt * bf16_to_float(y[c]);
+            }
+            auto* dst = reinterpret_cast<uint16_t*>(stage + r * crow);
+            for (size_t c = 0; c < h; ++c) dst[c] = float_to_bf16(acc[c]);
+        }
+    } else {
+        for (uint32_t o = 0; o < out_rows_; ++o) {
+            if (out_to_stage_[o] < 0) continue;
+            std::memcpy(stage + static_cast<size_t>(out_to_stage_[o]) * crow,
+                        expert_out.data() + size_t{o} * h, crow);
+        }
     }
     for (uint32_t i = 0; i < w; ++i) {
         uint32_t s = (cfg_.rank + i) % w;
         Status st = tr_->put(s, Region::kCombine, uint64_t{combine_base_[s]} * crow,
-                             stage_begin_[s] * crow, uint64_t{hits_from_[s]} * crow);
+                             stage_begin_[s] * crow,
+                             (stage_begin_[s + 1] - stage_begin_[s]) * crow);
         if (!st.ok()) return fail(st.with_context("combine_send"));
     }
     bytes_.combine = stage_begin_[w] * crow;
@@ -346,10 +377,12 @@ template <typename Sink>
 Status CpuBackend::reduce(Sink sink) {
     FERRY_RETURN_IF_ERROR(expect_phase(Phase::kCombineSent, "combine_recv"));
     const uint32_t w = cfg_.world_size, k = cfg_.experts_per_token, h = cfg_.hidden;
+    const bool per_rank = cfg_.combine == CombineMode::kPerRank;
     TimePoint deadline = deadline_after(timeout_);
     for (uint32_t i = 0; i < w; ++i) {
         uint32_t d = (cfg_.rank + w - i) % w;
-        uint64_t n = tr_->arrivals_for(d, uint64_t{plan_.hits_to[d]} * sizes_.combine_row_bytes);
+        const uint32_t results = per_rank ? plan_.rows_to[d] : plan_.hits_to[d];
+        uint64_t n = tr_->arrivals_for(d, uint64_t{results} * sizes_.combine_row_bytes);
         if (Status st = tr_->wait(Region::kCombine, d, n, deadline); !st.ok())
             return fail(st.with_context("combine_recv"));
     }
@@ -360,7 +393,8 @@ Status CpuBackend::reduce(Sink sink) {
         for (uint32_t kk = 0; kk < k; ++kk) {
             int32_t slot = plan_.combine_slot[size_t{t} * k + kk];
             if (slot < 0) continue;
-            float wt = weights_[size_t{t} * k + kk];
+            // Per-rank partials are weighted already: 1 * x is x exactly.
+            float wt = per_rank ? 1.0f : weights_[size_t{t} * k + kk];
             const auto* src = reinterpret_cast<const uint16_t*>(
                 recv + static_cast<size_t>(slot) * sizes_.combine_row_bytes);
             for (uint32_t c = 0; c < h; ++c) acc[c] += wt * bf16_to_float(src[c]);

@@ -15,7 +15,8 @@ RowFormat RowFormat::of(const AllToAllConfig& cfg) {
     RowFormat f;
     f.place_offset = round_up(sizeof(RowHeader) + sizeof(int16_t) * cfg.experts_per_token, 4);
     f.hit_base_offset = f.place_offset + sizeof(uint32_t) * cfg.experts_per_token;
-    f.header_bytes = round_up(f.hit_base_offset + sizeof(uint32_t), 16);
+    f.weight_offset = f.hit_base_offset + sizeof(uint32_t);
+    f.header_bytes = round_up(f.weight_offset + sizeof(float) * cfg.experts_per_token, 16);
     f.payload_offset = f.header_bytes;
     f.scale_offset = f.payload_offset + round_up(cfg.payload_bytes(), 16);
     f.row_bytes = f.scale_offset + round_up(cfg.scale_bytes(), 16);
@@ -94,11 +95,13 @@ Result<SendPlan> plan_send(const AllToAllConfig& cfg, std::span<const int32_t> i
         }
     }
 
+    const bool per_rank = cfg.combine == CombineMode::kPerRank;
     p.row_begin.assign(w + 1, 0);
     p.combine_begin.assign(w + 1, 0);
     for (uint32_t d = 0; d < w; ++d) {
         p.row_begin[d + 1] = p.row_begin[d] + p.rows_to[d];
-        p.combine_begin[d + 1] = p.combine_begin[d] + p.hits_to[d];
+        p.combine_begin[d + 1] =
+            p.combine_begin[d] + (per_rank ? p.rows_to[d] : p.hits_to[d]);
     }
     p.row_token.assign(p.row_begin[w], 0);
     // Second pass in token order, top-k order inside a token: the order the receiver walks
@@ -113,9 +116,14 @@ Result<SendPlan> plan_send(const AllToAllConfig& cfg, std::span<const int32_t> i
             uint32_t d = cfg.expert_owner(static_cast<uint32_t>(row[j]));
             if (!seen_rank[d]) {
                 seen_rank[d] = 1;
-                p.row_token[next_row[d]++] = t;
+                const uint32_t r = next_row[d]++;
+                p.row_token[r] = t;
+                if (per_rank)
+                    p.combine_slot[size_t{t} * k + j] =
+                        static_cast<int32_t>(p.combine_begin[d] + (r - p.row_begin[d]));
             }
-            p.combine_slot[size_t{t} * k + j] = static_cast<int32_t>(next_slot[d]++);
+            if (!per_rank)
+                p.combine_slot[size_t{t} * k + j] = static_cast<int32_t>(next_slot[d]++);
         }
     }
     return p;

@@ -37,6 +37,7 @@ struct Shape {
     // Two rails and tiny pieces: every fabric put of more than 2 KiB becomes several writes,
     // each carrying the immediate, which receivers must count.
     bool split_writes = false;
+    CombineMode combine = CombineMode::kPerHit;
 };
 
 AllToAllConfig config_of(const Shape& s, uint32_t rank) {
@@ -51,6 +52,7 @@ AllToAllConfig config_of(const Shape& s, uint32_t rank) {
     c.ranks_per_node = s.ranks_per_node;
     c.private_slots_per_sender = s.private_slots;
     c.group_alignment = 4;
+    c.combine = s.combine;
     return c;
 }
 
@@ -116,6 +118,8 @@ TEST_P(AllToAllTest, DispatchAndCombineAreExactAcrossCalls) {
     Shape s{world, rpn};
     // fp8 on half of the shapes keeps the suite short while covering both dtypes.
     if ((world + rpn) % 2 == 1) s.dtype = DType::kFp8E4M3;
+    // Per-rank partials (one combine row per dispatched row) on the two-ranks-per-node shapes.
+    if (rpn == 2) s.combine = CombineMode::kPerRank;
     uint64_t seed =
         ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
     auto results = ferry::testing::run_processes(

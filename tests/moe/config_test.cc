@@ -61,6 +61,7 @@ TEST(MoeConfig, RejectsEachBadFieldWithItsName) {
          "private_slots_per_sender 129"},
         {[](AllToAllConfig& c) { c.group_alignment = 0; }, "group_alignment 0"},
         {[](AllToAllConfig& c) { c.world_size = 0; }, "world_size 0"},
+        {[](AllToAllConfig& c) { c.combine = static_cast<CombineMode>(7); }, "combine mode 7"},
     };
     for (const Bad& b : cases) {
         AllToAllConfig c = valid();
@@ -74,7 +75,7 @@ TEST(MoeConfig, HashCoversEveryAgreedFieldButNotRank) {
     AllToAllConfig c = base;
     c.rank = 5;
     EXPECT_EQ(c.hash(), base.hash());
-    std::vector<AllToAllConfig> changed(9, base);
+    std::vector<AllToAllConfig> changed(10, base);
     changed[0].max_tokens_per_rank = 64;
     changed[1].hidden = 4096;
     changed[2].dtype = DType::kBf16;
@@ -84,6 +85,7 @@ TEST(MoeConfig, HashCoversEveryAgreedFieldButNotRank) {
     changed[6].ranks_per_node = 8;
     changed[7].private_slots_per_sender = 8;
     changed[8].group_alignment = 16;
+    changed[9].combine = CombineMode::kPerRank;
     for (size_t i = 0; i < changed.size(); ++i)
         EXPECT_NE(changed[i].hash(), base.hash()) << "field " << i << " is not hashed";
 }
@@ -109,6 +111,16 @@ TEST(MoeConfig, ParsesDtypeNames) {
     EXPECT_EQ(d, DType::kBf16);
     EXPECT_FALSE(parse_dtype("fp16", &d));
     EXPECT_EQ(dtype_name(DType::kFp8E4M3), "fp8_e4m3");
+}
+
+TEST(MoeConfig, ParsesCombineModeNames) {
+    CombineMode m = CombineMode::kPerHit;
+    EXPECT_TRUE(parse_combine_mode("per-rank", &m));
+    EXPECT_EQ(m, CombineMode::kPerRank);
+    EXPECT_TRUE(parse_combine_mode("per-hit", &m));
+    EXPECT_EQ(m, CombineMode::kPerHit);
+    EXPECT_FALSE(parse_combine_mode("rank", &m));
+    EXPECT_EQ(combine_mode_name(CombineMode::kPerRank), "per-rank");
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ struct CudaCase {
     // CUDA_DEVICE_MAX_CONNECTIONS in the child (0: CUDA's default, 8). Streams beyond it
     // share hardware queues, where work waits behind another stream's running kernel.
     int hw_queues = 0;
+    CombineMode combine = CombineMode::kPerHit;
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
@@ -90,6 +91,7 @@ AllToAllConfig config_of(const CudaCase& k) {
     c.ranks_per_node = k.ranks_per_node ? k.ranks_per_node : k.world;
     c.private_slots_per_sender = k.private_slots;
     c.group_alignment = k.alignment;
+    c.combine = k.combine;
     return c;
 }
 
@@ -516,7 +518,42 @@ INSTANTIATE_TEST_SUITE_P(
                  .calls = 2,
                  .processes = true,
                  .ranks_per_node = 1,
-                 .hw_queues = 1}),
+                 .hw_queues = 1},
+        // Per-rank partials: the expert's rank sums, one combine row per dispatched row.
+        CudaCase{.name = "ep2_per_rank_threads", .combine = CombineMode::kPerRank},
+        decode_shape(CudaCase{.name = "ep2_per_rank_decode_processes",
+                              .full = true,
+                              .calls = 2,
+                              .processes = true,
+                              .combine = CombineMode::kPerRank}),
+        CudaCase{.name = "ep4_per_rank_graph_bf16_out",
+                 .world = 4,
+                 .private_slots = 4,
+                 .calls = 4,
+                 .bf16_out = true,
+                 .graph = true,
+                 .combine = CombineMode::kPerRank},
+        CudaCase{.name = "ep8_per_rank_skewed",
+                 .world = 8,
+                 .num_experts = 64,
+                 .topk = 6,
+                 .alignment = 16,
+                 .routing = Routing::kSkewed,
+                 .calls = 3,
+                 .combine = CombineMode::kPerRank},
+        CudaCase{.name = "ep2_remote_per_rank_overflow",
+                 .private_slots = 2,
+                 .routing = Routing::kSkewed,
+                 .full = true,
+                 .ranks_per_node = 1,
+                 .combine = CombineMode::kPerRank},
+        CudaCase{.name = "ep4_two_nodes_per_rank_graph",
+                 .world = 4,
+                 .hole = 0.3,
+                 .calls = 4,
+                 .graph = true,
+                 .ranks_per_node = 2,
+                 .combine = CombineMode::kPerRank}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return std::string(i.param.name); });
 
 // A rank that never calls turns into a timeout that names it, not a hang.

@@ -35,6 +35,19 @@ TEST(MoePlan, CountsRowsHitsAndCombineSlotsInReceiverOrder) {
     EXPECT_EQ(p->combine_slot, (std::vector<int32_t>{0, 2, 1, -1, 3, 4, -1, -1}));
 }
 
+TEST(MoePlan, PerRankCombineGivesEachRanksFirstChoiceTheRowOfItsPartial) {
+    AllToAllConfig c = small();
+    c.combine = CombineMode::kPerRank;
+    // Token 2 picks experts 3 and 2, both on rank 1: one partial, at its first choice.
+    std::vector<int32_t> idx = {0, 3, 1, -1, 3, 2, -1, -1};
+    auto p = plan_send(c, idx, 4);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_EQ(p->hits_to, (std::vector<uint32_t>{2, 3}));
+    // A row per dispatched row: 2 to each rank.
+    EXPECT_EQ(p->combine_begin, (std::vector<uint32_t>{0, 2, 4}));
+    EXPECT_EQ(p->combine_slot, (std::vector<int32_t>{0, 2, 1, -1, 3, -1, -1, -1}));
+}
+
 TEST(MoePlan, RejectsBadIndicesWithThePlace) {
     AllToAllConfig c = small();
     std::vector<int32_t> idx = {0, 4};
@@ -94,12 +107,14 @@ TEST(MoePlan, RowsAreSixteenByteAligned) {
     c.experts_per_token = 5;
     c.num_experts = 8;
     RowFormat f = RowFormat::of(c);
-    // 8-byte header + 5 int16 ids, 5 uint32 places from 20, the hit base at 40, rounded.
+    // 8-byte header + 5 int16 ids, 5 uint32 places from 20, the hit base at 40, 5 float
+    // weights from 44, rounded.
     EXPECT_EQ(f.place_offset, 20u);
     EXPECT_EQ(f.hit_base_offset, 40u);
-    EXPECT_EQ(f.header_bytes, 48u);
-    EXPECT_EQ(f.scale_offset, 48u + 128u);
-    EXPECT_EQ(f.row_bytes, 48u + 128u + 16u);
+    EXPECT_EQ(f.weight_offset, 44u);
+    EXPECT_EQ(f.header_bytes, 64u);
+    EXPECT_EQ(f.scale_offset, 64u + 128u);
+    EXPECT_EQ(f.row_bytes, 64u + 128u + 16u);
     EXPECT_EQ(CountsFormat::of(c).bytes % 64, 0u);
 }
 

@@ -32,6 +32,7 @@ struct Case {
     bool per_expert = false;
     int calls = 1;
     bool bf16_out = false;  // combine_recv_bf16 instead of fp32 output
+    CombineMode combine = CombineMode::kPerHit;
 };
 
 AllToAllConfig config_of(const Case& k) {
@@ -45,6 +46,7 @@ AllToAllConfig config_of(const Case& k) {
     c.ranks_per_node = k.world;
     c.private_slots_per_sender = k.private_slots;
     c.group_alignment = k.alignment;
+    c.combine = k.combine;
     return c;
 }
 
@@ -174,6 +176,39 @@ TEST(MoeReference, Bf16CombineOutput) {
 TEST(MoeReference, SingleRank) {
     run_case(
         {.name = "MoeReference.SingleRank", .world = 1, .num_experts = 4, .topk = 2, .calls = 2});
+}
+
+// The expert's rank sums a token's outputs before sending: one row per (token, rank).
+TEST(MoeReference, PerRankCombine) {
+    run_case({.name = "MoeReference.PerRankCombine",
+              .dtype = DType::kFp8E4M3,
+              .per_expert = true,
+              .calls = 3,
+              .combine = CombineMode::kPerRank});
+    run_case({.name = "MoeReference.PerRankCombineManyRanksOverflow",
+              .world = 8,
+              .num_experts = 32,
+              .topk = 6,
+              .max_tokens = 16,
+              .private_slots = 1,
+              .routing = Routing::kSkewed,
+              .per_expert = true,
+              .calls = 6,
+              .combine = CombineMode::kPerRank});
+    run_case({.name = "MoeReference.PerRankCombineBf16Out",
+              .world = 2,
+              .num_experts = 64,
+              .topk = 8,
+              .alignment = 16,
+              .calls = 2,
+              .bf16_out = true,
+              .combine = CombineMode::kPerRank});
+    run_case({.name = "MoeReference.PerRankCombineSingleRank",
+              .world = 1,
+              .num_experts = 4,
+              .topk = 3,
+              .per_expert = true,
+              .combine = CombineMode::kPerRank});
 }
 
 TEST(MoeReference, CallsOutOfOrderAreRefusedWithTheExpectedOrder) {

@@ -218,24 +218,44 @@ inline std::vector<uint16_t> run_experts(const AllToAllConfig& cfg, const BatchS
 
 // Checks combine output of one rank: against an fp32 sum computed here from the source
 // tokens (1e-5 relative), and, for factor 2 with weights summing to 1, against 2x within
-// bf16 tolerance.
+// bf16 tolerance. CombineMode::kPerRank: the reference is what that mode promises, each
+// rank's weighted partial (fp32, top-k order) rounded to bf16, the partials summed in the
+// order of each rank's first choice.
 // rel_tol: 1e-5 for fp32 output; one bf16 step (2^-8) when the output was rounded to bf16.
 inline std::string check_combine(const AllToAllConfig& cfg, const RankInput& in,
                                  std::span<const float> out, bool per_expert,
                                  float rel_tol = 1e-5f) {
     const uint32_t k = cfg.experts_per_token, h = cfg.hidden;
+    const bool per_rank = cfg.combine == CombineMode::kPerRank;
     for (uint32_t t = 0; t < in.num_tokens; ++t) {
         bool any = false;
+        const int32_t* idx = in.indices.data() + size_t{t} * k;
+        const float* wts = in.weights.data() + size_t{t} * k;
         for (uint32_t c = 0; c < h; ++c) {
             float x = bf16_to_float(in.x[size_t{t} * h + c]);
+            auto y = [&](int32_t e) {
+                return bf16_to_float(
+                    float_to_bf16(x * expert_factor(static_cast<uint32_t>(e), per_expert)));
+            };
             float ref = 0.0f;
             for (uint32_t j = 0; j < k; ++j) {
-                int32_t e = in.indices[size_t{t} * k + j];
-                if (e < 0) continue;
+                if (idx[j] < 0) continue;
                 any = true;
-                float y = bf16_to_float(
-                    float_to_bf16(x * expert_factor(static_cast<uint32_t>(e), per_expert)));
-                ref += in.weights[size_t{t} * k + j] * y;
+                if (!per_rank) {
+                    ref += wts[j] * y(idx[j]);
+                    continue;
+                }
+                const uint32_t d = cfg.expert_owner(static_cast<uint32_t>(idx[j]));
+                bool first = true;
+                for (uint32_t j0 = 0; j0 < j; ++j0)
+                    first = first && !(idx[j0] >= 0 &&
+                                       cfg.expert_owner(static_cast<uint32_t>(idx[j0])) == d);
+                if (!first) continue;
+                float partial = 0.0f;
+                for (uint32_t j2 = j; j2 < k; ++j2)
+                    if (idx[j2] >= 0 && cfg.expert_owner(static_cast<uint32_t>(idx[j2])) == d)
+                        partial += wts[j2] * y(idx[j2]);
+                ref += bf16_to_float(float_to_bf16(partial));
             }
             float got = out[size_t{t} * h + c];
             if (std::fabs(got - ref) > rel_tol * std::fabs(ref) + 1e-30f)

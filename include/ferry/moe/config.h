@@ -11,12 +11,26 @@
 
 namespace ferry::moe {
 
-// Element type of the dispatched tokens. Combine always carries bf16 expert outputs and
-// accumulates in fp32.
+// Element type of the dispatched tokens. Combine always carries bf16 rows and accumulates in
+// fp32.
 enum class DType : uint8_t {
     kBf16 = 0,
     kFp8E4M3 = 1,  // OCP e4m3 ("fn"), one fp32 scale per kScaleBlock channels
 };
+
+// What travels back in combine. kPerHit: every (token, expert) output row, weighted and
+// summed at the token's rank (DeepEP's low-latency layout). kPerRank: the expert's rank first
+// sums weight * output over a token's experts it holds (fp32, top-k order), rounds that
+// partial to bf16 and sends one row per (token, rank); the token's rank adds the partials.
+// At 2 ranks and top-8 that is a quarter of the bytes, at top-8 of 8 ranks about two thirds;
+// the price is one more bf16 rounding per rank's partial.
+enum class CombineMode : uint8_t {
+    kPerHit = 0,
+    kPerRank = 1,
+};
+std::string_view combine_mode_name(CombineMode mode);
+// "per-hit" or "per-rank"; false for anything else.
+bool parse_combine_mode(std::string_view name, CombineMode* out);
 
 std::string_view dtype_name(DType dtype);
 // "bf16" or "fp8" (also "fp8_e4m3"); false for anything else.
@@ -44,6 +58,7 @@ struct AllToAllConfig {
     // exchange of small (decode) batches with no second round trip.
     uint32_t private_slots_per_sender = 0;
     uint32_t group_alignment = 1;  // rows of each local expert group are padded to this
+    CombineMode combine = CombineMode::kPerHit;
 
     // A message naming the bad field and the accepted range.
     Status validate() const;

@@ -58,7 +58,8 @@ class CpuBackend {
     // ignored).
     Status combine_send(std::span<const uint16_t> expert_out);
     // out: num_tokens * hidden; sum over the token's experts of weight * expert output,
-    // accumulated in fp32. Tokens with no expert get zeros.
+    // accumulated in fp32 (kPerRank: the sum of the ranks' bf16 partials, in the order of
+    // each rank's first top-k choice). Tokens with no expert get zeros.
     Status combine_recv(std::span<float> out);
     Status combine_recv_bf16(std::span<uint16_t> out);
 
@@ -101,6 +102,14 @@ class CpuBackend {
     // Receiver state: per grouped output row, its slot in the combine staging (-1: padding).
     std::vector<int64_t> out_to_stage_;
     std::vector<uint64_t> stage_begin_;  // [world + 1] combine staging rows per sender
+    // CombineMode::kPerRank: the hits of every received row (in staging order), as batch row
+    // and weight, row r's from part_hits_[part_begin_[r]] to part_hits_[part_begin_[r + 1]].
+    struct PartHit {
+        uint32_t row;
+        float weight;
+    };
+    std::vector<uint32_t> part_begin_;
+    std::vector<PartHit> part_hits_;
     uint32_t out_rows_ = 0;
 };
 

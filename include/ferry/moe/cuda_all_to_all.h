@@ -143,7 +143,8 @@ class CudaAllToAll {
     Status dispatch_recv(const CudaExpertBatch& out, void* stream);
     // expert_out: bf16 rows laid out like the batch of dispatch_recv (padding ignored).
     Status combine_send(const uint16_t* expert_out, void* stream);
-    // out: num_tokens * hidden, sum over the token's experts of weight * output in fp32.
+    // out: num_tokens * hidden, sum over the token's experts of weight * output in fp32
+    // (cfg.combine kPerRank: the sum of the ranks' bf16 partials, see config.h).
     Status combine_recv(float* out, void* stream);
     Status combine_recv_bf16(uint16_t* out, void* stream);
 

@@ -10,7 +10,9 @@
 //            private_slots rows land in d's private slots for s (no offsets needed); the rest
 //            in one contiguous run at an offset every rank derives from the counts matrix;
 //   combine  one bf16 row per (token, expert) hit, in the order the rows came (rows of s in
-//            token order, hits of a row in top-k order), written as one run to s.
+//            token order, hits of a row in top-k order), written as one run to s; with
+//            CombineMode::kPerRank one row per dispatched row instead (the weighted partial
+//            sum over the row's hits), in the order of s's rows.
 #pragma once
 
 #include <cstddef>
@@ -27,9 +29,11 @@ namespace ferry::moe {
 // (-1 where that top-k choice lives on another rank), then uint32 place[top-k]: the row's
 // index among the rows this sender sends to this rank that chose that expert (0 where the
 // choice lives elsewhere), then uint32 hit_base: the (token, expert) hits of the sender's
-// earlier rows to this rank. With them a receiver puts every row straight into its place in
-// the grouped batch, and knows where the row's results go in the sender's compact combine
-// run, without looking at any other row (the CUDA kernels copy rows in parallel that way).
+// earlier rows to this rank, then float weight[top-k] (0 where the choice lives elsewhere;
+// CombineMode::kPerRank weights the partial sums with them). With them a receiver puts every
+// row straight into its place in the grouped batch, and knows where the row's results go in
+// the sender's compact combine run, without looking at any other row (the CUDA kernels copy
+// rows in parallel that way).
 struct RowHeader {
     uint32_t token;  // index of the token at its sender
     uint32_t seq;    // call number, to catch a row left over from another call
@@ -39,6 +43,7 @@ struct RowHeader {
 struct RowFormat {
     size_t place_offset = 0;     // uint32 place[top-k]
     size_t hit_base_offset = 0;  // uint32 hit_base
+    size_t weight_offset = 0;    // float weight[top-k]
     size_t header_bytes = 0;
     size_t payload_offset = 0;
     size_t scale_offset = 0;
@@ -50,7 +55,7 @@ struct RowFormat {
 struct CountsFormat {
     static constexpr uint32_t kSeq = 0;
     static constexpr uint32_t kConfigHash = 1;   // low 32 bits of AllToAllConfig::hash()
-    static constexpr uint32_t kCombineBase = 2;  // first combine slot at the sender for d
+    static constexpr uint32_t kCombineBase = 2;  // first combine row at the sender for d
     static constexpr uint32_t kHits = 3;         // (token, expert) pairs sent to d
     static constexpr uint32_t kRowsTo = 4;       // [world] rows the sender sends to each rank
     uint32_t hits_per_expert = 0;                // [local experts] hits per local expert of d
@@ -79,8 +84,11 @@ struct SendPlan {
     std::vector<uint32_t> row_begin;      // [world + 1] first staged row of each destination
     std::vector<uint32_t> row_token;      // [staged rows] source token of each staged row
     std::vector<uint32_t> hits_to;        // [world] (token, expert) pairs sent to each rank
-    std::vector<uint32_t> combine_begin;  // [world + 1] first combine slot of each rank
-    std::vector<int32_t> combine_slot;    // [tokens * top-k] combine slot, -1 for no expert
+    std::vector<uint32_t> combine_begin;  // [world + 1] first combine row of each rank
+    // [tokens * top-k] combine row of each choice, -1 for no expert. kPerRank: the row of the
+    // token's partial from that choice's rank, on the first choice of each rank only (-1 on
+    // the others), so summing slots in top-k order adds each rank's partial once.
+    std::vector<int32_t> combine_slot;
 };
 
 // Checks indices (in [-1, num_experts), no expert twice in one token) and plans the sends.

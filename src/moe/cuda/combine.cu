@@ -9,6 +9,37 @@
 namespace ferry::moe::cuda {
 namespace {
 
+// Remote rank `peer`'s run of our combine rows, from its counts message of this call (in the
+// inbox: it is remote): x = the first row it wants them at, y = how many (the count at counts
+// word `count_word`). 0/0, with an error recorded once, when that would leave the area.
+__device__ inline uint2 remote_combine_run(const KernelArgs& a, uint32_t peer, uint32_t seq,
+                                           uint32_t count_word) {
+    const uint32_t base = ld_peer_u32(counts_word(a.inbox, a, peer, CountsWords::kCombineBase), true);
+    const uint32_t rows = ld_peer_u32(counts_word(a.inbox, a, peer, count_word), true);
+    if (uint64_t{base} + rows <= a.remote_combine) return make_uint2(base, rows);
+    if (blockIdx.x == 0)
+        record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, peer, seq,
+                     uint64_t{base} + rows, a.remote_combine);
+    return make_uint2(0, 0);
+}
+
+// End of a combine send block: +1 on every same-node peer's combine counter (after the
+// barrier, signal_add's fence covers every warp's rows); the last block of the call hands each
+// remote rank's run (rows [base, base + rows) of the remote area) to the proxy.
+__device__ inline void finish_combine_send(const KernelArgs& a, uint32_t seq,
+                                           const uint32_t* s_base, const uint32_t* s_rows) {
+    const uint32_t tid = threadIdx.x, w = a.world;
+    const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
+    __syncthreads();
+    if (tid < w && !is_remote(a, tid))
+        signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
+    if (a.remote_mask && last_block_of_call(a, kTicketCombine, seq) && tid < w && is_remote(a, tid))
+        publish_put(a, tid, proxy::kCombine, seq,
+                    a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
+                    uint64_t{s_rows[tid]} * row_bytes);
+    trace_point(a, kTrCombineSendEnd);
+}
+
 // One warp per expert output row, rows grid-stride. Remote ranks get their results as one
 // compact run each (see assign_remote_combine_rows), into their outbox; the others straight
 // into slot (token * top-k + k).
@@ -24,19 +55,9 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     let_receiver_start(a);
     if (a.remote_mask) {
         if (tid < w && is_remote(a, tid)) {
-            // Where rank tid wants our results, from its counts message of this call (in the
-            // inbox: it is remote).
-            uint32_t base =
-                ld_peer_u32(counts_word(a.inbox, a, tid, CountsWords::kCombineBase), true);
-            uint32_t hits = ld_peer_u32(counts_word(a.inbox, a, tid, CountsWords::kHits), true);
-            if (uint64_t{base} + hits > a.remote_combine) {
-                if (blockIdx.x == 0)
-                    record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, tid, seq,
-                                 uint64_t{base} + hits, a.remote_combine);
-                base = hits = 0;
-            }
-            s_base[tid] = base;
-            s_hits[tid] = hits;
+            const uint2 run = remote_combine_run(a, tid, seq, CountsWords::kHits);
+            s_base[tid] = run.x;
+            s_hits[tid] = run.y;
         }
         __syncthreads();
     }
@@ -65,15 +86,112 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         warp_copy16(reinterpret_cast<int4*>(dst),
                     reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden), n16, lane);
     }
-    __threadfence_system();
+    finish_combine_send(a, seq, s_base, s_hits);
+}
+
+// CombineMode::kPerRank: a warp per (received row, piece of it) sums weight * output over the
+// row's choices in top-k order (fp32, separately rounded multiply and add: the CPU backend's
+// arithmetic), rounds to bf16 and stores one partial at the row's sender: slot
+// (token * top-k + first choice here) for same-node ranks, the sender's compact run (its row
+// order, at the base its counts message announced) for remote ones.
+constexpr uint32_t kCombineThreads = 512;
+constexpr uint32_t kMaxRowPieces = 8;
+
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_send_partial_kernel(KernelArgs a, const uint16_t* expert_out) {
+    __shared__ uint32_t s_base[kMaxCudaWorld], s_rows[kMaxCudaWorld], s_start[kMaxCudaWorld + 1];
+    __shared__ uint32_t s_o[kCombineThreads / 32][kMaxCudaTopk];
+    __shared__ float s_w[kCombineThreads / 32][kMaxCudaTopk];
+    const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
+    const uint32_t lane = tid & 31u, warp = tid / 32;
+    const uint32_t seq = static_cast<uint32_t>(a.state->seq), out_rows = a.state->out_rows;
+    const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
+    const uint32_t n16 = a.hidden / 8;
+    trace_point(a, kTrCombineSendBegin);
+    let_receiver_start(a);
+    if (tid <= w) s_start[tid] = min(a.recv_start[tid], w * a.max_tokens);
+    if (tid < w) {
+        // A partial per row rank tid sent us.
+        const uint2 run = is_remote(a, tid)
+                              ? remote_combine_run(a, tid, seq, CountsWords::kRowsTo + a.rank)
+                              : make_uint2(0, 0);
+        s_base[tid] = run.x;
+        s_rows[tid] = run.y;
+    }
     __syncthreads();
-    if (tid < w && !is_remote(a, tid))
-        signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
-    if (a.remote_mask && last_block_of_call(a, kTicketCombine, seq) && tid < w && is_remote(a, tid))
-        publish_put(a, tid, proxy::kCombine, seq,
-                    a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
-                    uint64_t{s_hits[tid]} * row_bytes);
-    trace_point(a, kTrCombineSendEnd);
+    const uint32_t total = s_start[w];
+    const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
+    const uint32_t gw = warp * gridDim.x + blockIdx.x;
+    const uint32_t pieces = total == 0 ? 1 : max(1u, min(kMaxRowPieces, num_warps / total));
+    for (uint32_t u = gw; u < total * pieces; u += num_warps) {
+        const uint32_t g = u / pieces, piece = u % pieces;
+        uint32_t s = 0;
+        while (s + 1 < w && g >= s_start[s + 1]) ++s;
+        const uint32_t i = g - s_start[s];
+        const uint32_t my_o = lane < k ? a.recv_o[uint64_t{g} * k + lane] : ~0u;
+        const float my_w = lane < k ? a.recv_w[uint64_t{g} * k + lane] : 0.0f;
+        const uint32_t token = a.recv_token[g];
+        const uint32_t hm = __ballot_sync(0xffffffffu, my_o != ~0u);
+        const bool remote = is_remote(a, s);
+        const bool bad = __any_sync(0xffffffffu, my_o != ~0u && my_o >= out_rows) ||
+                         token >= a.max_tokens || hm == 0 || (remote && i >= s_rows[s]);
+        if (bad) {
+            if (lane == 0 && piece == 0)
+                record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, s, seq,
+                             (uint64_t{token} << 32) | i, out_rows);
+            continue;
+        }
+        const uint64_t slot = remote ? uint64_t{a.remote_combine} + s_base[s] + i
+                                     : uint64_t{token} * k + (__ffs(hm) - 1);
+        int4* dst = reinterpret_cast<int4*>(a.peers[s] + a.lay.combine + slot * row_bytes);
+        if (lane < kMaxCudaTopk) {
+            s_o[warp][lane] = my_o;
+            s_w[warp][lane] = my_w;
+        }
+        __syncwarp();
+        const uint32_t lo = n16 * piece / pieces, hi = n16 * (piece + 1) / pieces;
+        // Two vectors per lane and up to 8 choices' loads in flight at once (a row with more
+        // choices here takes a second round, still in top-k order): one vector per choice
+        // waited out a load latency per 512 bytes (19 us for a 128-token call, 2026-12-01).
+        for (uint32_t c = lo + lane; c < hi; c += 64) {
+            const bool two = c + 32 < hi;
+            float acc[2][8] = {};
+            for (uint32_t k0 = 0; k0 < k; k0 += 8) {
+                const uint32_t m = (hm >> k0) & 0xffu;
+                if (!m) continue;
+                int4 v[2][8];
+#pragma unroll
+                for (uint32_t j = 0; j < 8; ++j) {
+                    if (!((m >> j) & 1u)) continue;
+                    const int4* src = reinterpret_cast<const int4*>(
+                        expert_out + uint64_t{s_o[warp][k0 + j]} * a.hidden);
+                    v[0][j] = src[c];
+                    if (two) v[1][j] = src[c + 32];
+                }
+#pragma unroll
+                for (uint32_t j = 0; j < 8; ++j) {
+                    if (!((m >> j) & 1u)) continue;
+                    const float wt = s_w[warp][k0 + j];
+#pragma unroll
+                    for (uint32_t u = 0; u < 2; ++u) {
+                        const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v[u][j]);
+                        for (int e = 0; e < 8; ++e)
+                            acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(wt, __bfloat162float(h[e])));
+                    }
+                }
+            }
+#pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
+                if (u == 1 && !two) break;
+                int4 packed;
+                auto* ph = reinterpret_cast<__nv_bfloat16*>(&packed);
+                for (int e = 0; e < 8; ++e) ph[e] = __float2bfloat16_rn(acc[u][e]);
+                dst[c + 32 * u] = packed;
+            }
+        }
+        __syncwarp();  // s_o and s_w are rewritten for the warp's next row
+    }
+    finish_combine_send(a, seq, s_base, s_rows);
 }
 
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
@@ -107,8 +225,18 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         if (tid < k) {
-            s_use[tid] = a.indices[t * k + tid] >= 0;
-            s_wt[tid] = a.weights[t * k + tid];
+            const int32_t e = a.indices[t * k + tid];
+            bool use = e >= 0;
+            // Per-rank partials: one per rank, at its first choice, weighted already (and
+            // 1 * x is x exactly, so the sum below is the plain sum of the partials).
+            if (a.combine_per_rank && use)
+                for (uint32_t j = 0; j < tid; ++j) {
+                    const int32_t e0 = a.indices[t * k + j];
+                    use = use && !(e0 >= 0 && static_cast<uint32_t>(e0) / a.local_experts ==
+                                                  static_cast<uint32_t>(e) / a.local_experts);
+                }
+            s_use[tid] = use;
+            s_wt[tid] = a.combine_per_rank ? 1.0f : a.weights[t * k + tid];
             if constexpr (kSlots) s_slot[tid] = a.combine_slot[t * k + tid];
         }
         __syncthreads();
@@ -156,7 +284,11 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
 
 cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out, uint32_t blocks,
                                 uint32_t threads, cudaStream_t stream) {
-    combine_send_kernel<<<blocks, threads, 0, stream>>>(a, expert_out);
+    if (a.combine_per_rank)
+        combine_send_partial_kernel<<<blocks, min(threads, kCombineThreads), 0, stream>>>(
+            a, expert_out);
+    else
+        combine_send_kernel<<<blocks, threads, 0, stream>>>(a, expert_out);
     return cudaGetLastError();
 }
 
@@ -179,6 +311,7 @@ cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* o
 cudaError_t preload_combine_kernels() {
     cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, combine_send_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_send_partial_kernel);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true, false>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<false, false>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, combine_recv_kernel<true, true>);

@@ -325,6 +325,12 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_place = take(sizeof(uint32_t) * uint64_t{t} * k);
     const uint64_t o_hit_base = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * w : 0);
     const uint64_t o_recv_hits = take(sizeof(uint32_t) * w);
+    const bool per_rank = cfg.combine == CombineMode::kPerRank;
+    const uint64_t recv_rows = uint64_t{w} * t;  // every sender may send every token here
+    const uint64_t o_recv_o = take(per_rank ? sizeof(uint32_t) * recv_rows * k : 0);
+    const uint64_t o_recv_w = take(per_rank ? sizeof(float) * recv_rows * k : 0);
+    const uint64_t o_recv_token = take(per_rank ? sizeof(uint32_t) * recv_rows : 0);
+    const uint64_t o_recv_start = take(per_rank ? sizeof(uint32_t) * (w + 1) : 0);
     const uint64_t o_trace =
         take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
 
@@ -528,6 +534,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.scale_offset = static_cast<uint32_t>(row.scale_offset);
     a.place_offset = static_cast<uint32_t>(row.place_offset);
     a.hit_base_offset = static_cast<uint32_t>(row.hit_base_offset);
+    a.weight_offset = static_cast<uint32_t>(row.weight_offset);
+    a.combine_per_rank = per_rank ? 1u : 0u;
     a.plan_smem = plan_smem;
     a.recv_smem = recv_smem;
     a.counts_bytes = static_cast<uint32_t>(cf.bytes);
@@ -564,6 +572,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
     a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
     a.remote_combine = t * k;
+    a.recv_o = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_o) : nullptr;
+    a.recv_w = per_rank ? reinterpret_cast<float*>(local + o_recv_w) : nullptr;
+    a.recv_token = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_token) : nullptr;
+    a.recv_start = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_start) : nullptr;
     a.early_launch = options.early_launch && share == 1 ? 1u : 0u;
     a.trace = options.trace ? reinterpret_cast<unsigned long long*>(local + o_trace) : nullptr;
 
@@ -657,7 +669,9 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
     if (!m.args.trace)
         return invalid_argument("cuda all-to-all: last_trace needs options.trace at create()");
     static constexpr const char* kNames[] = {
-        "plan begin",         "plan end",          "send begin",
+        "plan begin",         "plan routed",       "plan ranked",
+        "plan tiles done",    "plan counts out",   "plan end",
+        "send begin",
         "send counts in",     "send end",          "recv begin",
         "recv rows in",       "recv end",          "combine send begin",
         "combine send end",   "combine recv begin", "combine recv rows in",

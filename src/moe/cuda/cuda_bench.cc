@@ -112,7 +112,10 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     const uint64_t crow = uint64_t{h} * sizeof(uint16_t);
     for (uint32_t d = 0; d < cfg.world_size; ++d) {
         uint64_t db = uint64_t{plan.rows_to[d]} * row.row_bytes;
-        uint64_t cb = uint64_t{plan.hits_to[d]} * crow;
+        // Results coming back from d: a row per hit, or per dispatched row (per-rank).
+        const uint32_t back = cfg.combine == CombineMode::kPerRank ? plan.rows_to[d]
+                                                                   : plan.hits_to[d];
+        uint64_t cb = uint64_t{back} * crow;
         res->dispatch_bytes += db;
         res->combine_bytes += cb;
         if (d != rank) {

@@ -91,9 +91,11 @@ __global__ void __launch_bounds__(kPlanThreads)
             }
         }
         trace_point(a, kTrPlanBegin);
-        uint64_t seq = a.state->seq + 1;
-        a.state->seq = seq;
+        // Both loads before the store: the store could alias num_tokens, so a load after it
+        // would wait for the first load's whole round trip.
+        const uint64_t seq = a.state->seq + 1;
         uint32_t n = *num_tokens;
+        a.state->seq = seq;
         if (n > a.max_tokens) {
             record_error(a, DeviceError::kTooMany, DeviceError::kPlan, a.rank,
                          static_cast<uint32_t>(seq), n, a.max_tokens);
@@ -156,6 +158,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         const uint32_t tile_warps = (min(n - tile, blockDim.x) + 31) / 32;
         for (uint32_t i = tid; i < tile_warps * ne; i += blockDim.x) s_bits[i] = 0;
         __syncthreads();
+        if (tile == 0) trace_point(a, kTrPlanRouted);
         int32_t e[kMaxCudaTopk];
         uint64_t mask = 0;
 #pragma unroll
@@ -194,6 +197,7 @@ __global__ void __launch_bounds__(kPlanThreads)
                 s_ecount[col] = run;
         }
         __syncthreads();
+        if (tile == 0) trace_point(a, kTrPlanRanked);
         if (valid) {
             const uint32_t lt = lanemask_lt(lane);
             // Places go back over this thread's own routing words, then out in one copy.
@@ -219,13 +223,38 @@ __global__ void __launch_bounds__(kPlanThreads)
             a.place[first + i] = static_cast<uint32_t>(s_idx[i / k * (k + 1) + i % k]);
         __syncthreads();  // the masks and s_idx are reused by the next tile
     }
+    trace_point(a, kTrPlanTiles);
     for (uint32_t i = tid; i < ne; i += blockDim.x) {
         a.expert_counts[i] = s_ecount[i];
         atomicAdd(&s_hits_to[i / nl], s_ecount[i]);
     }
     if (tid < w) a.rows_to[tid] = s_rows[tid];
     __syncthreads();
-    if (a.remote_mask) {
+    if (a.remote_mask && a.combine_per_rank) {
+        // One partial per row: remote rank d's come back in the order of our rows to d, at
+        // the base we announce; a token reads each rank's at its first choice of that rank.
+        if (tid == 0) {
+            uint32_t base = 0;
+            for (uint32_t d = 0; d < w; ++d) {
+                s_combine_base[d] = base;
+                base += is_remote(a, d) ? s_rows[d] : 0u;
+            }
+        }
+        __syncthreads();
+        for (uint32_t t = tid; t < n; t += blockDim.x) {
+            uint64_t seen = 0;
+            for (uint32_t j = 0; j < k; ++j) {
+                const int32_t e = a.indices[t * k + j];
+                if (e < 0) continue;
+                const uint32_t d = static_cast<uint32_t>(e) / nl;
+                if (is_remote(a, d) && !((seen >> d) & 1u))
+                    a.combine_slot[t * k + j] = a.remote_combine + s_combine_base[d] +
+                                                a.row_pos[uint64_t{t} * w + d];
+                seen |= 1ull << d;
+            }
+        }
+        __syncthreads();
+    } else if (a.remote_mask) {
         uint32_t remote_base = 0;  // combine rows of remote ranks' results, in rank order
         for (uint32_t d = 0; d < w; ++d)
             if (is_remote(a, d))
@@ -255,7 +284,9 @@ __global__ void __launch_bounds__(kPlanThreads)
         }
         *counts_word(a.peers[d], a, a.rank, wi) = v;
     }
-    __threadfence_system();
+    trace_point(a, kTrPlanCounts);
+    // One fence per signalling thread after the barrier (signal_add, publish_put) orders the
+    // whole block's stores: the barrier makes them the signalling thread's to order.
     __syncthreads();
     if (tid < w) {
         if (!is_remote(a, tid)) {
@@ -294,6 +325,7 @@ __device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot,
         reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[j] =
             here ? static_cast<int16_t>(static_cast<uint32_t>(e) % nl) : int16_t{-1};
         reinterpret_cast<uint32_t*>(dst + a.place_offset)[j] = here ? a.place[t * k + j] : 0u;
+        reinterpret_cast<float*>(dst + a.weight_offset)[j] = here ? a.weights[t * k + j] : 0.0f;
     }
     float* so = reinterpret_cast<float*>(dst + a.scale_offset);
     for (uint32_t i = lane; i < a.scales_per_token; i += 32)
@@ -377,8 +409,7 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
     }
     __syncthreads();
     if (s_ok) send_rows(a, x, x_scale, n, seq, true, s_overflow);
-    __threadfence_system();
-    __syncthreads();
+    __syncthreads();  // signal_add's fence then covers every warp's rows (see the plan kernel)
     // Without every count the overflow rows were not written: no arrival, so receivers time
     // out naming this rank instead of reading rows that are not there.
     if (s_ok && tid < w && !is_remote(a, tid))
@@ -497,6 +528,7 @@ __global__ void __launch_bounds__(kRecvThreads)
         out_offsets[nl] = s_off[nl];
         a.state->out_rows = s_off[nl];
     }
+    if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
 
     // Rows, a warp each; warps numbered across blocks first.
     const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
@@ -546,6 +578,16 @@ __global__ void __launch_bounds__(kRecvThreads)
             continue;
         }
         const uint32_t hm = __ballot_sync(0xffffffffu, id >= 0);
+        if (a.combine_per_rank) {
+            // What combine_send needs to sum this row's results: each choice's batch row and
+            // weight, and the token.
+            if (lane < k) {
+                a.recv_o[uint64_t{g} * k + lane] = id >= 0 ? o : ~0u;
+                a.recv_w[uint64_t{g} * k + lane] =
+                    ld_peer(reinterpret_cast<const float*>(row + a.weight_offset) + lane, remote);
+            }
+            if (lane == 0) a.recv_token[g] = token;
+        }
         if (id >= 0) {
             const RowSource meta{s, token, lane};
             a.row_src[o] = meta;

@@ -65,6 +65,8 @@ struct KernelArgs {
     uint32_t private_slots, max_tokens, alignment, hash32;
     uint32_t payload_bytes, scales_per_token, row_bytes, payload_offset, scale_offset;
     uint32_t place_offset, hit_base_offset;   // RowFormat: place[top-k], hit_base
+    uint32_t weight_offset;                   // RowFormat: weight[top-k]
+    uint32_t combine_per_rank;                // CombineMode::kPerRank
     uint32_t counts_bytes, counts_hits_word;  // CountsFormat::bytes, ::hits_per_expert
     uint32_t max_rows;                        // max_expert_rows
     uint32_t dispatch_send_blocks, combine_send_blocks;
@@ -101,6 +103,12 @@ struct KernelArgs {
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
     uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
+    // CombineMode::kPerRank only (null otherwise): what dispatch_recv leaves combine_send
+    // about every received row g (senders in rank order, a sender's rows in its order).
+    uint32_t* recv_o;      // [world * max_tokens * top-k] batch row of each choice, ~0u: none
+    float* recv_w;         // [world * max_tokens * top-k] its weight
+    uint32_t* recv_token;  // [world * max_tokens] the row's token at its sender
+    uint32_t* recv_start;  // [world + 1] first received row of each sender
     // CudaAllToAllOptions::trace: [2 * kTracePoints] global-timer stamps of the current call,
     // the first block's at [p], the last block's at [kTracePoints + p]; null: no stamps.
     unsigned long long* trace;
@@ -113,6 +121,10 @@ struct KernelArgs {
 // waits for peers ended. The plan kernel clears the stamps of the previous call.
 enum TracePoint : uint32_t {
     kTrPlanBegin,
+    kTrPlanRouted,   // the first tile's routing is in shared memory
+    kTrPlanRanked,   // the first tile's prefix over warps is done
+    kTrPlanTiles,    // every tile is done
+    kTrPlanCounts,   // counts messages stored, before the fence and the signal
     kTrPlanEnd,
     kTrSendBegin,
     kTrSendCountsIn,  // every peer's counts are here
