@@ -206,6 +206,25 @@ TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
     EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
 }
 
+// An engine known down is skipped while another of its role is ready: every request is served.
+TEST(Router, SkipsAnEngineKnownDownWhileAnotherIsReady) {
+    Cluster c(1, 2, KvLinkMode::kPush);
+    c.decode[1].server->stop();
+    std::string body;
+    ASSERT_TRUE(eventually([&] {
+        auto r = http_get(kHost, c.router->port(), "/health", seconds(2));
+        body = r.ok() ? r->body : "";
+        return r.ok() && r->status == 200 && body.find("\"ready\":false") != std::string::npos;
+    })) << body;
+    for (int i = 0; i < 4; ++i) {
+        Streamed s = stream(c.router->port(),
+                            {{"prompt", prompt_of(30, i)}, {"max_tokens", 3}, {"stream", true}});
+        EXPECT_EQ(s.status, 200) << s.raw;
+    }
+    EXPECT_EQ(c.decode[0].engine->stats().requests_total, 4u);
+    EXPECT_EQ(metric(c.router->port(), "ferry_router_failures_total"), 0);
+}
+
 TEST(Router, InvalidBodyGets400) {
     Cluster c(1, 1, KvLinkMode::kPush);
     auto r =
