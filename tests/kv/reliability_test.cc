@@ -177,8 +177,8 @@ TEST_P(KvReliabilityTest, AbortSendReleasesAtOnceAndALateRegistrationFails) {
                                 r.status.to_string());
                 CHILD_CHECK_MSG(r.status.message().find("router aborted") != std::string::npos,
                                 "{}", r.status.message());
-                CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(1), "released after {:.0f} ms",
-                                to_ms(Clock::now() - t0));
+                CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(1),
+                                "released after {:.0f} ms", to_ms(Clock::now() - t0));
                 return "";
             };
             CHILD_ASSIGN_OK(auto params, n.conn->offer_pull(pull_id, blocks, 40));

@@ -317,7 +317,8 @@ TEST(Router, HealthSaysWhetherItCanServeAndNamesWhatIsMissing) {
     auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
     std::vector<Node> nodes(2);
     for (int i = 0; i < 2; ++i) {
-        nodes[i].engine = Engine::create({.engine_id = i ? "d" : "p", .num_blocks = 64}, cost).value();
+        nodes[i].engine =
+            Engine::create({.engine_id = i ? "d" : "p", .num_blocks = 64}, cost).value();
         ASSERT_TRUE(nodes[i].engine->start().ok());
     }
     nodes[0].server =
