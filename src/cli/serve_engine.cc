@@ -114,6 +114,7 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
         so.kv_side_channel_port = link->side_port();
         so.kv_provider = link->provider();
         so.extra_metrics = [link] { return link->prometheus_text(); };
+        so.ready = [link] { return link->ready(); };
     }
     FERRY_ASSIGN_OR_RETURN(auto server, serve::EngineServer::start(&e, so));
     if (link != nullptr) link->set_http_address(f.host, server->port());

@@ -342,8 +342,23 @@ int Rail::post_one(FabricOp* op) {
 
 bool Rail::post_pending() {
     bool any = false;
-    while (!pending_.empty() && inflight_ < tx_depth_) {
-        FabricOp* op = pending_.front();
+    // A peer that pushes back (EAGAIN) holds up only its own operations, which keep their
+    // order: a peer that died with its queue full used to stall every operation behind the
+    // first one to it, those to the restarted incarnation of that peer included, until each
+    // of the dead one's timed out (issue 19). EAGAIN may also mean the local queue is full;
+    // the few peers tried per round bound what that costs.
+    constexpr size_t kMaxPushbacksPerRound = 8;
+    PeerId blocked[kMaxPushbacksPerRound];
+    size_t nblocked = 0;
+    auto is_blocked = [&](PeerId p) {
+        return std::find(blocked, blocked + nblocked, p) != blocked + nblocked;
+    };
+    for (auto it = pending_.begin(); it != pending_.end() && inflight_ < tx_depth_;) {
+        FabricOp* op = *it;
+        if (is_blocked(op->peer)) {
+            ++it;
+            continue;
+        }
         if (op->type == FabricOp::kSend && op->slot < 0) {
             if (free_send_slots_.empty()) break;
             op->slot = free_send_slots_.back();
@@ -361,9 +376,12 @@ bool Rail::post_pending() {
         if (wedged()) return false;
         if (rc == -FI_EAGAIN) {
             stats_.eagain.fetch_add(1, std::memory_order_relaxed);
-            break;
+            blocked[nblocked++] = op->peer;
+            if (nblocked == kMaxPushbacksPerRound) break;
+            ++it;
+            continue;
         }
-        pending_.pop_front();
+        it = pending_.erase(it);
         any = true;
         if (rc != 0) {
             stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
@@ -491,9 +509,15 @@ void Rail::sweep_timeouts(TimePoint now) {
             "{} did not complete within {} ms; the peer may have died or the network is down",
             describe(op), to_ms(config_.op_timeout))));
     }
-    while (!pending_.empty() && pending_.front()->deadline <= now) {
-        FabricOp* op = pending_.front();
-        pending_.pop_front();
+    // Not only the front: operations to a peer that pushes back wait behind those posted
+    // past them.
+    for (auto it = pending_.begin(); it != pending_.end();) {
+        FabricOp* op = *it;
+        if (op->deadline > now) {
+            ++it;
+            continue;
+        }
+        it = pending_.erase(it);
         if (op->slot >= 0) free_send_slots_.push_back(op->slot);
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
         op->parent->piece_done(timeout_error(fmt::format(

@@ -203,6 +203,11 @@ class KvConnector::Impl {
         return post([this, id, reason] { on_prefill_failed(id, reason); });
     }
 
+    Status abort_send(uint64_t id, const Status& reason) {
+        if (reason.ok()) return invalid_argument("abort_send needs an error status");
+        return post([this, id, reason] { on_abort_send(id, reason); });
+    }
+
     Result<PullParamsMsg> offer_pull(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
         FERRY_RETURN_IF_ERROR(check_blocks(cfg_.self.layout, blocks, tokens));
         PullParamsMsg m;
@@ -298,6 +303,9 @@ class KvConnector::Impl {
         TimePoint deadline;
         Status failure;          // prefill_failed: later registrations get FAIL
         bool tombstone = false;  // already reported; kept only to answer late messages
+        // abort_send told the engine its blocks are free before the writes in flight ended:
+        // they only read the blocks, for a transfer both legs of which are given up.
+        bool released = false;
     };
 
     // Decode side: one producer rank of a registration. Open until FINAL came and every
@@ -611,6 +619,47 @@ class KvConnector::Impl {
         maybe_finish(it);
     }
 
+    // The engine gave the transfer up after prefill_done (the router aborted it: decode failed
+    // or the client left). Without this the blocks stayed held until the lease, and under load
+    // a dead decode kept prefill's whole pool (issue 19). Unknown or finished: nothing to do.
+    void on_abort_send(uint64_t id, const Status& reason) {
+        if (auto o = offers_.find(id); o != offers_.end()) {
+            // A read decode may still have in flight reads a transfer that is being aborted on
+            // both legs; its result is thrown away.
+            transfers_failed_.fetch_add(1);
+            active_send_.fetch_sub(1);
+            offers_.erase(o);
+            if (cb_.on_send_done) cb_.on_send_done({id, 0, reason, 0, 0});
+            return;
+        }
+        auto it = producers_.find(id);
+        if (it == producers_.end() || it->second.tombstone) return;
+        Producer& p = it->second;
+        if (!p.have_prefill) return on_prefill_failed(id, reason);
+        if (!p.failure.ok()) return;
+        p.failure = reason;
+        for (const auto& [key, intent] : p.intents) {
+            send(intent.peer, FailMsg{id, key.first, cfg_.self.tp_rank, reason.code(),
+                                      reason.message().substr(0, kMaxReasonLength)});
+        }
+        p.intents.clear();
+        // The blocks are only the source of the writes still in flight: reusing them changes
+        // what lands in decode blocks that FAIL (sent once the writes ended) gives up anyway.
+        // Waiting for those writes kept a dead decode's transfers' blocks for the whole op
+        // timeout (10 s) after the router had aborted them.
+        p.released = true;
+        active_send_.fetch_sub(1);
+        if (cb_.on_send_done) cb_.on_send_done({id, p.attempt, reason, 0, 0});
+        for (auto jt = p.jobs.begin(); jt != p.jobs.end();) {
+            auto next = std::next(jt);
+            SendJob& job = jt->second;
+            if (!job.resolved && job.error.ok()) job.error = reason;
+            if (job.in_flight == 0) settle_job(id, p, jt->first, job);
+            jt = next;
+        }
+        maybe_finish(it);
+    }
+
     // Posts what became final since the job's last segment, and sends FINAL once the prompt
     // is complete and every segment drained.
     void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
@@ -832,6 +881,7 @@ class KvConnector::Impl {
             p.jobs.clear();
             p.tombstone = true;  // kept until the lease, to answer late messages with FAIL
             transfers_failed_.fetch_add(1);
+            if (p.released) return;  // abort_send reported it
             if (cb_.on_send_done) cb_.on_send_done({it->first, p.attempt, p.failure, 0, 0});
             return;
         }
@@ -859,9 +909,10 @@ class KvConnector::Impl {
 
     void complete_send(std::map<uint64_t, Producer>::iterator it, const TransferResult& r) {
         (r.status.ok() ? transfers_sent_ : transfers_failed_).fetch_add(1);
-        if (it->second.have_prefill) active_send_.fetch_sub(1);
+        bool reported = it->second.released;  // abort_send released the blocks already
+        if (it->second.have_prefill && !reported) active_send_.fetch_sub(1);
         producers_.erase(it);
-        if (cb_.on_send_done) cb_.on_send_done(r);
+        if (cb_.on_send_done && !reported) cb_.on_send_done(r);
     }
 
     // ---- push, decode side ----
@@ -1479,6 +1530,9 @@ Status KvConnector::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint
 }
 Status KvConnector::prefill_failed(uint64_t id, Status reason) {
     return impl_->prefill_failed(id, std::move(reason));
+}
+Status KvConnector::abort_send(uint64_t id, Status reason) {
+    return impl_->abort_send(id, reason);
 }
 Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t> blocks,
                                               uint32_t tokens) {

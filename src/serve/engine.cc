@@ -435,9 +435,16 @@ void Engine::handle(InboxEvent& e) {
                     if (s->req.kv.transfer_id == e.id) ids.push_back(id);
                 for (auto& s : running_seqs_)
                     if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
-                for (auto& id : ids)
-                    cancel_seq(id, cancelled(fmt::format("transfer {} aborted: {}", e.id,
-                                                         e.status.message())));
+                Status why = cancelled(
+                    fmt::format("transfer {} aborted: {}", e.id, e.status.message()));
+                for (auto& id : ids) cancel_seq(id, why);
+                // Prefill legs already handed over: the connector holds their blocks for
+                // decode (push: writes; pull: the offer's lease) and must let them go now.
+                for (auto& [id, h] : held_) {
+                    if (h.abort_sent || h.kv.transfer_id != e.id) continue;
+                    h.abort_sent = true;
+                    producer_->on_transfer_aborted(id, h.kv, why);
+                }
                 break;
             }
             case Inbox::Kind::kKvArrived:
@@ -524,7 +531,7 @@ void Engine::abort_prefill(Seq& s, const Status& why) {
     finish(s, why);
     // The connector may still read the blocks for writes of earlier chunks: they are held
     // until it releases them.
-    held_[s.id] = Held{s.blocks, Clock::now(), 0};
+    held_[s.id] = Held{s.blocks, Clock::now(), 0, s.req.kv, true};
     s.blocks.clear();
     std::weak_ptr<Inbox> weak = inbox_;
     RequestId id = s.id;
@@ -883,7 +890,8 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             held_[s.id] = Held{
                 s.blocks, now,
                 uint64_t(BlockManager::blocks_for_tokens(s.req.prompt.size(), config_.block_size) *
-                         pool_->block_bytes())};
+                         pool_->block_bytes()),
+                s.req.kv};
             s.blocks.clear();
             finish(s, ok_status(), std::move(out).value());
         } else if (s.generated >= s.req.max_tokens) {

@@ -37,17 +37,7 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                           p->completions(req, reply);
                       }});
     routes.push_back({"GET", "/health", [p](const HttpRequest&, HttpReply& reply) {
-                          EngineStats st = p->engine_->stats();
-                          nlohmann::json j = {{"status", "ok"},
-                                              {"engine_id", p->engine_->config().engine_id},
-                                              {"model", p->options_.model_name},
-                                              {"kv_blocks_free", st.blocks_free},
-                                              {"kv_blocks_total", st.blocks_total}};
-                          if (p->options_.kv_side_channel_port > 0) {
-                              j["kv_side_channel_port"] = p->options_.kv_side_channel_port;
-                              j["kv_provider"] = p->options_.kv_provider;
-                          }
-                          reply.body = j.dump();
+                          reply.body = p->health(&reply.status);
                       }});
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
     routes.push_back({"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
@@ -69,6 +59,33 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                       }});
     FERRY_ASSIGN_OR_RETURN(s->http_, HttpServer::start(options.http, std::move(routes)));
     return s;
+}
+
+std::string EngineServer::health(int* http_status) const {
+    EngineStats st = engine_->stats();
+    const EngineConfig& c = engine_->config();
+    // The limits are what Engine::submit checks and a router can check before it sends any
+    // leg, so that a request refused by decode never costs prefill its compute and blocks.
+    nlohmann::json j = {{"status", "ok"},
+                        {"engine_id", c.engine_id},
+                        {"model", options_.model_name},
+                        {"max_model_len", c.max_model_len},
+                        {"vocab", engine_->kv_slice().vocab},
+                        {"block_size", c.block_size},
+                        {"kv_blocks_free", st.blocks_free},
+                        {"kv_blocks_used", st.blocks_used},
+                        {"kv_blocks_total", st.blocks_total}};
+    if (options_.kv_side_channel_port > 0) {
+        j["kv_side_channel_port"] = options_.kv_side_channel_port;
+        j["kv_provider"] = options_.kv_provider;
+    }
+    Status ready = options_.ready ? options_.ready() : ok_status();
+    *http_status = ready.ok() ? 200 : 503;
+    if (!ready.ok()) {
+        j["status"] = "starting";
+        j["reason"] = ready.message();
+    }
+    return j.dump();
 }
 
 void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {

@@ -354,8 +354,17 @@ FabricKvLink::FabricKvLink(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 FabricKvLink::~FabricKvLink() { stop(); }
 
 void FabricKvLink::set_http_address(const std::string& host, int port) {
+    std::lock_guard lk(impl_->mu);
     impl_->http_host = host;
     impl_->http_port = port;
+}
+
+Status FabricKvLink::ready() const {
+    std::lock_guard lk(impl_->mu);
+    if (!impl_->conn || !impl_->side) return unavailable("the KV link is stopped");
+    if (impl_->http_port <= 0)
+        return unavailable("the KV link does not know this engine's HTTP address yet");
+    return ok_status();
 }
 
 int FabricKvLink::side_port() const { return impl_->side ? impl_->side->port() : 0; }
@@ -459,6 +468,22 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
     }
 }
 
+void FabricKvLink::on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+                                       const Status& why) {
+    Impl* p = impl_.get();
+    // The key on_prefill_done used.
+    uint64_t tid = transfer_key(params.transfer_id.empty() ? request : params.transfer_id);
+    {
+        std::lock_guard lk(p->mu);
+        if (!p->conn || !p->sends.count(tid)) return;  // released already
+    }
+    // on_send_done(why) releases once no write reads the blocks.
+    Status st = p->conn->abort_send(tid, why.ok() ? cancelled("transfer aborted") : why);
+    if (!st.ok())
+        log(LogLevel::kWarn, kLog, "transfer {}: abort not handed over: {}", params.transfer_id,
+            st.to_string());
+}
+
 Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
                                                        const KvTransferParams& params,
                                                        std::vector<BlockId> blocks,
@@ -469,18 +494,18 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
     std::string id = params.transfer_id.empty() ? request : params.transfer_id;
     uint64_t tid = transfer_key(id);
+    KvTransferParams out;
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");
         if (!p->sends.emplace(tid, Impl::Send{std::move(release)}).second)
             return invalid_argument(fmt::format("transfer {} already has a prefill side", id));
+        out.remote_host = p->http_host;
+        out.remote_port = p->http_port;
     }
-    KvTransferParams out;
     out.do_remote_prefill = true;
     out.transfer_id = id;
     out.remote_engine_id = p->cfg.engine_id;
-    out.remote_host = p->http_host;
-    out.remote_port = p->http_port;
     out.remote_block_ids = blocks;
     Status st;
     if (push) {

@@ -26,6 +26,10 @@ class InProcessKvLink::Producer : public KvProducer {
         return link_->prefill_done(ep_, request, params, std::move(blocks), num_tokens,
                                    std::move(release));
     }
+    void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+                             const Status& why) override {
+        link_->abort_prefill(ep_, request, params, why);
+    }
 
   private:
     InProcessKvLink* link_;
@@ -116,6 +120,21 @@ void InProcessKvLink::stop() {
 uint64_t InProcessKvLink::bytes_copied() const {
     std::lock_guard lock(mu_);
     return bytes_copied_;
+}
+
+void InProcessKvLink::abort_prefill(Endpoint* ep, const RequestId& request,
+                                    const KvTransferParams& params, const Status& why) {
+    std::string key = params.transfer_id.empty() ? request : params.transfer_id;
+    KvDoneCallback release;
+    {
+        std::lock_guard lock(mu_);
+        auto it = prefills_.find(key);
+        // A copy already queued or running finishes on its own, and releases then.
+        if (it == prefills_.end() || it->second.ep != ep || it->second.request != request) return;
+        release = std::move(it->second.release);
+        prefills_.erase(it);
+    }
+    release(why.ok() ? cancelled("transfer aborted") : why);
 }
 
 Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const RequestId& request,

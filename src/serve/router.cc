@@ -6,6 +6,8 @@
 #include <random>
 
 #include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
+#include "ferry/serve/kv_pool.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -88,6 +90,74 @@ std::string with_router_timing(const std::string& reply, const Merge& merged) {
         {{"ferry_timing", merged(timing ? parse_json_value(timing->value) : json())}});
 }
 
+// What the engines check of a request, read from a body scan_completion_request accepted (so
+// its fields are well formed): the prompt's length and largest id, and max_tokens.
+struct RequestShape {
+    size_t prompt_tokens = 0;
+    int64_t max_id = -1;
+    size_t max_tokens = GenerateRequest{}.max_tokens;
+};
+
+RequestShape shape_of(const JsonObjectText& body) {
+    RequestShape s;
+    if (const JsonMember* m = body.find("max_tokens")) {
+        json v = parse_json_value(m->value);
+        if (v.is_number_integer() && v.get<int64_t>() > 0) s.max_tokens = v.get<size_t>();
+    }
+    const JsonMember* p = body.find("prompt");
+    if (p == nullptr || p->value.empty()) return s;
+    if (p->value[0] == '[') {
+        // Counted in the text, never built: the ids were checked by the scan.
+        int64_t id = -1;
+        for (char c : p->value) {
+            if (c >= '0' && c <= '9') {
+                id = std::min<int64_t>((id < 0 ? 0 : id) * 10 + (c - '0'), INT64_MAX / 16);
+            } else if (id >= 0) {
+                s.prompt_tokens++;
+                s.max_id = std::max(s.max_id, id);
+                id = -1;
+            }
+        }
+        return s;
+    }
+    json v = parse_json_value(p->value);
+    if (!v.is_string()) return s;
+    for (int32_t t : tokenize(v.get<std::string>())) {
+        s.prompt_tokens++;
+        s.max_id = std::max<int64_t>(s.max_id, t);
+    }
+    return s;
+}
+
+// Engine::submit's checks, against one engine's limits from its /health (0: unknown, not
+// checked). A prefill leg computes the prompt and one token.
+Status check_limits(const RequestShape& r, const Router::EngineState& e, bool prefill) {
+    const char* role = prefill ? "prefill" : "decode";
+    const std::string name = e.address.to_string();
+    size_t gen = prefill ? 1 : r.max_tokens;
+    if (e.max_model_len > 0 && r.prompt_tokens + gen > e.max_model_len)
+        return invalid_argument(
+            prefill ? fmt::format("prompt ({} tokens) plus one token exceeds max_model_len {} of "
+                                  "prefill engine {}",
+                                  r.prompt_tokens, e.max_model_len, name)
+                    : fmt::format("prompt ({} tokens) plus max_tokens ({}) exceeds max_model_len "
+                                  "{} of decode engine {}",
+                                  r.prompt_tokens, r.max_tokens, e.max_model_len, name));
+    if (e.vocab > 0 && r.max_id >= int64_t(e.vocab))
+        return invalid_argument(fmt::format("prompt: token id {} outside the vocabulary [0, {}) of "
+                                            "{} engine {}",
+                                            r.max_id, e.vocab, role, name));
+    if (e.block_size > 0 && e.blocks_total > 0) {
+        size_t tokens = prefill ? r.prompt_tokens : r.prompt_tokens + std::max<size_t>(gen, 1) - 1;
+        size_t need = BlockManager::blocks_for_tokens(tokens, int(e.block_size));
+        if (need > e.blocks_total)
+            return invalid_argument(fmt::format(
+                "{}: the request needs {} KV blocks, the pool of {} engine {} has {}",
+                prefill ? "prompt" : "max_tokens", need, role, name, e.blocks_total));
+    }
+    return ok_status();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
@@ -96,21 +166,28 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     std::unique_ptr<Router> r(new Router());
     r->config_ = std::move(config);
     r->nonce_ = fmt::format("{:08x}", std::random_device{}());
+    for (const auto& a : r->config_.prefill) r->prefill_state_.push_back({.address = a});
+    for (const auto& a : r->config_.decode) r->decode_state_.push_back({.address = a});
     Router* p = r.get();
     std::vector<HttpRoute> routes;
     routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
                           p->completions(req, reply);
                       }});
-    routes.push_back({"GET", "/health", [p](const HttpRequest&, HttpReply& reply) {
-                          reply.body =
-                              json{{"status", "ok"},
-                                   {"mode", p->config_.mode == RouterMode::kPush ? "push" : "pull"}}
-                                  .dump();
-                      }});
+    routes.push_back(
+        {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }});
     routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->prometheus_text();
                       }});
+    r->prober_thread_ = std::thread([p] {
+        set_thread_name("ferry-probe");
+        p->prober();
+    });
+    r->abort_thread_ = std::thread([p] {
+        set_thread_name("ferry-abort");
+        p->abort_sender();
+    });
+    // On failure the destructor stops and joins the threads.
     FERRY_ASSIGN_OR_RETURN(r->http_, HttpServer::start(r->config_.http, std::move(routes)));
     return r;
 }
@@ -118,24 +195,165 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
 Router::~Router() { stop(); }
 
 void Router::stop() {
+    // Requests first (they may still queue aborts), then the background threads; aborts still
+    // queued are dropped: the engines' leases free what they would have.
     if (http_) http_->stop();
+    {
+        std::lock_guard lock(bg_mu_);
+        bg_stop_ = true;
+    }
+    bg_cv_.notify_all();
+    if (prober_thread_.joinable()) prober_thread_.join();
+    if (abort_thread_.joinable()) abort_thread_.join();
 }
 
-Result<std::string> Router::engine_id(const EngineAddress& a) {
-    std::string key = a.to_string();
-    {
-        std::lock_guard lock(ids_mu_);
-        for (auto& [addr, id] : ids_)
-            if (addr == key) return id;
+Router::EngineState Router::probe(const EngineAddress& a) const {
+    EngineState st{.address = a, .probed = true};
+    auto h = http_get(a.host, a.port, "/health", config_.probe_timeout);
+    if (!h.ok()) {
+        st.why = h.status().message();
+        return st;
     }
-    FERRY_ASSIGN_OR_RETURN(HttpResponse h, http_get(a.host, a.port, "/health", seconds(5)));
-    json j = json::parse(h.body, nullptr, false);
-    if (h.status != 200 || j.is_discarded() || !j.contains("engine_id"))
-        return unavailable(fmt::format("engine {} answered /health with HTTP {}", key, h.status));
-    std::string id = j["engine_id"].get<std::string>();
-    std::lock_guard lock(ids_mu_);
-    ids_.emplace_back(key, id);
-    return id;
+    json j = json::parse(h->body, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+        st.why = fmt::format("/health answered HTTP {} without a JSON object", h->status);
+        return st;
+    }
+    auto size = [&](const char* key) {
+        return j.contains(key) && j[key].is_number_unsigned() ? j[key].get<size_t>() : size_t(0);
+    };
+    st.max_model_len = size("max_model_len");
+    st.vocab = size("vocab");
+    st.block_size = size("block_size");
+    st.blocks_total = size("kv_blocks_total");
+    if (j.contains("engine_id") && j["engine_id"].is_string())
+        st.engine_id = j["engine_id"].get<std::string>();
+    if (h->status != 200) {
+        st.why = fmt::format("/health answered HTTP {}: {}", h->status,
+                             j.value("reason", std::string("not ready")));
+    } else if (st.engine_id.empty()) {
+        st.why = "/health names no engine_id";
+    } else {
+        st.ready = true;
+    }
+    return st;
+}
+
+void Router::store(bool prefill, size_t index, EngineState st) {
+    std::lock_guard lock(state_mu_);
+    auto& states = prefill ? prefill_state_ : decode_state_;
+    if (!st.ready && states[index].ready)
+        log(LogLevel::kWarn, "router", "{} engine {} is not ready: {}",
+            prefill ? "prefill" : "decode", st.address.to_string(), st.why);
+    states[index] = std::move(st);
+}
+
+void Router::prober() {
+    std::unique_lock lock(bg_mu_);
+    while (!bg_stop_) {
+        lock.unlock();
+        for (size_t i = 0; i < config_.prefill.size(); ++i)
+            store(true, i, probe(config_.prefill[i]));
+        for (size_t i = 0; i < config_.decode.size(); ++i)
+            store(false, i, probe(config_.decode[i]));
+        lock.lock();
+        bg_cv_.wait_for(lock, config_.probe_period, [&] { return bg_stop_; });
+    }
+}
+
+Router::EngineState Router::pick(bool prefill) {
+    const auto& addrs = prefill ? config_.prefill : config_.decode;
+    uint64_t start = (prefill ? next_prefill_ : next_decode_)++;
+    size_t chosen = start % addrs.size();
+    {
+        std::lock_guard lock(state_mu_);
+        const auto& states = prefill ? prefill_state_ : decode_state_;
+        for (size_t i = 0; i < addrs.size(); ++i) {
+            size_t k = (start + i) % addrs.size();
+            if (states[k].ready) {
+                chosen = k;
+                break;
+            }
+        }
+        if (states[chosen].ready) return states[chosen];
+    }
+    // None known ready: ask now, it may have come up since the last probe.
+    EngineState st = probe(addrs[chosen]);
+    store(prefill, chosen, st);
+    return st;
+}
+
+void Router::health(HttpReply& reply) const {
+    std::lock_guard lock(state_mu_);
+    json out = {{"mode", config_.mode == RouterMode::kPush ? "push" : "pull"}};
+    std::string reason;
+    auto role = [&](const char* name, const std::vector<EngineState>& states) {
+        json list = json::array();
+        bool any = false;
+        std::string missing;
+        for (const EngineState& e : states) {
+            json one = {{"engine", e.address.to_string()}, {"ready", e.ready}};
+            std::string why = e.probed ? e.why : "not probed yet";
+            if (!e.ready) {
+                one["reason"] = why;
+                missing += fmt::format("{}{} ({})", missing.empty() ? "" : ", ",
+                                       e.address.to_string(), why);
+            }
+            any = any || e.ready;
+            list.push_back(std::move(one));
+        }
+        out[name] = std::move(list);
+        if (!any)
+            reason += fmt::format("{}no {} engine is ready: {}", reason.empty() ? "" : "; ", name,
+                                  missing);
+    };
+    role("prefill", prefill_state_);
+    role("decode", decode_state_);
+    if (reason.empty()) {
+        out["status"] = "ok";
+    } else {
+        reply.status = 503;
+        out["status"] = "unavailable";
+        out["reason"] = reason;
+    }
+    reply.body = out.dump();
+}
+
+void Router::abort_leg(const EngineAddress& engine, const std::string& transfer_id,
+                       const std::string& reason) {
+    {
+        std::lock_guard lock(bg_mu_);
+        if (!bg_stop_ && aborts_.size() < config_.abort_queue) {
+            aborts_.push_back({engine, transfer_id, reason});
+        } else {
+            aborts_dropped_++;
+            return;
+        }
+    }
+    bg_cv_.notify_all();
+}
+
+void Router::abort_sender() {
+    std::unique_lock lock(bg_mu_);
+    while (true) {
+        bg_cv_.wait(lock, [&] { return bg_stop_ || !aborts_.empty(); });
+        if (bg_stop_) return;
+        Abort a = std::move(aborts_.front());
+        aborts_.pop_front();
+        lock.unlock();
+        auto r = http_post_json(a.engine.host, a.engine.port, "/ferry/abort",
+                                json{{"transfer_id", a.transfer_id}, {"reason", a.reason}}.dump(),
+                                config_.abort_timeout);
+        if (r.ok() && r->status == 200) {
+            aborts_sent_++;
+        } else {
+            aborts_dropped_++;
+            log(LogLevel::kInfo, "router", "abort of transfer {} on {} not delivered: {}",
+                a.transfer_id, a.engine.to_string(),
+                r.ok() ? fmt::format("HTTP {}", r->status) : r.status().to_string());
+        }
+        lock.lock();
+    }
 }
 
 std::string Router::prometheus_text() const {
@@ -147,6 +365,15 @@ std::string Router::prometheus_text() const {
                    double(prefill_failures_));
     render_counter(out, "ferry_router_decode_leg_failures_total", "decode legs that failed",
                    double(decode_failures_));
+    render_counter(out, "ferry_router_rejected_before_legs_total",
+                   "requests refused against the engines' limits before any leg left",
+                   double(rejected_early_));
+    render_counter(out, "ferry_router_aborts_sent_total",
+                   "legs aborted on their engine after the other leg failed or the client left",
+                   double(aborts_sent_));
+    render_counter(out, "ferry_router_aborts_dropped_total",
+                   "aborts not delivered (queue full, engine unreachable, stopping)",
+                   double(aborts_dropped_));
     overhead_.render(out, "ferry_router_overhead_seconds",
                      "time the router itself adds before the legs leave and to the first token");
     return out;
@@ -159,17 +386,37 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         failures_++;
         send_error(reply, status, message);
     };
+    auto client_gone = [&req] { return req.client_gone && req.client_gone(); };
     auto scanned = scan_completion_request(req.body);
     if (!scanned.ok()) return fail(400, scanned.status().to_string());
     const JsonObjectText& body = scanned->object;
     bool stream = scanned->stream;
 
-    const EngineAddress& P = config_.prefill[next_prefill_++ % config_.prefill.size()];
-    const EngineAddress& D = config_.decode[next_decode_++ % config_.decode.size()];
-    auto pid = engine_id(P);
-    if (!pid.ok()) return fail(503, "prefill engine unreachable: " + pid.status().to_string());
+    const EngineState P_state = pick(true);
+    if (!P_state.ready) return fail(503, "prefill engine unreachable: " + P_state.why);
+    const EngineState D_state = pick(false);
+    if (!D_state.ready) return fail(503, "decode engine unreachable: " + D_state.why);
+    const EngineAddress& P = P_state.address;
+    const EngineAddress& D = D_state.address;
+    const std::string* pid = &P_state.engine_id;
+    // What decode would refuse is refused here, before prefill computes and pins blocks for a
+    // leg nobody will read (issue 19).
+    RequestShape shape = shape_of(body);
+    for (Status st : {check_limits(shape, P_state, true), check_limits(shape, D_state, false)}) {
+        if (st.ok()) continue;
+        rejected_early_++;
+        return fail(400, st.to_string());
+    }
     std::string tid = fmt::format("{}-{}", nonce_, next_transfer_++);
     TimePoint deadline = t0 + config_.request_timeout;
+    // The engines hold a leg's blocks until its KV moved or the lease ends; a leg whose other
+    // half failed, or whose client left, is aborted so they come back at once.
+    auto abort_prefill = [&](const std::string& why) { abort_leg(P, tid, why); };
+    auto abort_decode = [&](const std::string& why) { abort_leg(D, tid, why); };
+    auto abort_both = [&](const std::string& why) {
+        abort_prefill(why);
+        abort_decode(why);
+    };
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
@@ -202,6 +449,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         prefill->ended = true;
         if (!r.ok()) {
             prefill_failures_++;
+            // A transport failure (timeout, reset) says nothing of the leg: it may still run.
+            abort_prefill("the router lost the prefill leg");
             return fail(502, fmt::format("prefill leg on {} failed: {}", P.to_string(),
                                          r.status().to_string()));
         }
@@ -215,8 +464,13 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         if (pj.is_discarded() || !pj.contains("kv_transfer_params") ||
             !pj["kv_transfer_params"].is_object()) {
             prefill_failures_++;
+            abort_prefill("the prefill answer had no kv_transfer_params");
             return fail(502, fmt::format("prefill leg on {} returned no kv_transfer_params",
                                          P.to_string()));
+        }
+        if (client_gone()) {
+            abort_prefill("the client went away");  // the offered blocks, held under the lease
+            return fail(499, "the client went away");
         }
         decode_kv = pj["kv_transfer_params"];
         decode_kv["do_remote_prefill"] = true;
@@ -231,8 +485,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     // between its answer and the decode leg.
     overhead_ms += config_.mode == RouterMode::kPush ? ms_since(t0) : ms_since(prefill_answered);
 
-    // Wait for the decode leg's first bytes, watching the prefill leg meanwhile: a failed
-    // prefill means the KV will never come, so the client hears now and decode is closed.
+    // Wait for the decode leg's first bytes, watching the prefill leg and the client
+    // meanwhile: a failed prefill means the KV will never come, so the client hears now and
+    // decode is closed.
     std::string first;
     while (true) {
         auto r = decode_call->next(std::min(deadline, Clock::now() + milliseconds(20)));
@@ -243,8 +498,15 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         if (r.status().code() != StatusCode::kTimeout || Clock::now() >= deadline) {
             decode_failures_++;
             if (*prefill_call) (*prefill_call)->cancel();
+            abort_both("the decode leg failed");
             return fail(502, fmt::format("decode leg on {} failed: {}", D.to_string(),
                                          r.status().to_string()));
+        }
+        if (client_gone()) {
+            decode_call->cancel();
+            if (*prefill_call) (*prefill_call)->cancel();
+            abort_both("the client went away");
+            return fail(499, "the client went away");
         }
         if (*prefill_call && !prefill->ended) {
             poll(**prefill_call, *prefill, Clock::now());
@@ -252,10 +514,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                 prefill_failures_++;
                 decode_call->cancel();
                 // Closing the decode leg is not seen by an engine still waiting for KV.
-                (void)http_post_json(
-                    D.host, D.port, "/ferry/abort",
-                    json{{"transfer_id", tid}, {"reason", "prefill leg failed"}}.dump(),
-                    seconds(5));
+                abort_decode("prefill leg failed");
+                if (!prefill->status.ok()) abort_prefill("the router lost the prefill leg");
                 return fail(
                     prefill->status.ok() ? (prefill->http >= 400 ? prefill->http : 502) : 502,
                     prefill->status.ok() ? leg_message("prefill", P, prefill->http, prefill->body)
@@ -267,6 +527,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     TimePoint first_at = Clock::now();
     if (decode_call->status() != 200) {
         decode_failures_++;
+        // Decode refused or failed the leg: prefill's (computing, writing, or offered under the
+        // lease) has no reader any more.
+        abort_prefill(fmt::format("the decode leg failed with HTTP {}", decode_call->status()));
         Collected rest;
         rest.body = first;
         poll(*decode_call, rest, Clock::now() + seconds(5));
@@ -309,8 +572,14 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     if (!stream) {
         Collected rest;
         rest.body = first;
-        poll(*decode_call, rest, deadline);
+        // In slices, so that a client that left is noticed within one.
+        while (!rest.ended && Clock::now() < deadline && !client_gone())
+            poll(*decode_call, rest, std::min(deadline, Clock::now() + milliseconds(100)));
         if (!rest.ended || !rest.status.ok()) {
+            decode_call->cancel();
+            bool gone = rest.status.ok() && client_gone();
+            abort_both(gone ? "the client went away" : "the decode leg broke off");
+            if (gone) return fail(499, "the client went away");
             decode_failures_++;
             return fail(502, fmt::format("decode leg on {} broke off: {}", D.to_string(),
                                          rest.status.ok() ? "deadline" : rest.status.to_string()));
@@ -322,8 +591,13 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     reply.content_type = "text/event-stream";
     HttpServer* http = http_.get();
-    reply.stream = [this, decode_call, first, deadline, http, merged_timing, first_at,
-                    overhead_ms](const ChunkWriter& write) {
+    // Runs after the handler returned: captures by value only.
+    auto abort_later = [this, P, D, tid](const std::string& why) {
+        abort_leg(P, tid, why);
+        abort_leg(D, tid, why);
+    };
+    reply.stream = [this, decode_call, first, deadline, http, merged_timing, first_at, overhead_ms,
+                    abort_later](const ChunkWriter& write) {
         SseParser parser;
         std::string chunk = first;
         bool first_written = false;
@@ -337,7 +611,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             }
             if (!out.empty()) {
                 if (!write(out)) {
-                    decode_call->cancel();  // client gone: the decode engine frees the blocks
+                    decode_call->cancel();  // client gone: the engines free the blocks
+                    abort_later("the client went away");
                     return;
                 }
                 if (!first_written) {
@@ -356,6 +631,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                 decode_failures_++;
                 failures_++;
                 decode_call->cancel();
+                abort_later("the decode leg broke off");
                 write(sse_error_event(r.status().with_context("decode leg")));
                 return;
             }

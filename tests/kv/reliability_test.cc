@@ -161,6 +161,54 @@ TEST_P(KvReliabilityTest, PullOfferWithoutDoneIsReleasedAfterTheLease) {
     EXPECT_ALL_OK(results);
 }
 
+// The router aborted the transfer (its decode leg failed): prefill's blocks come back at once,
+// not at the lease, in pull and in push; a late registration hears FAIL and nothing lands; an
+// unknown transfer is ignored.
+TEST_P(KvReliabilityTest, AbortSendReleasesAtOnceAndALateRegistrationFails) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t pull_id = 0x90, push_id = 0x91;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        if (ex.rank() == kPrefill) {
+            auto released_at_once = [&](uint64_t id) -> std::string {
+                TimePoint t0 = Clock::now();
+                CHILD_CHECK_OK(n.conn->abort_send(id, cancelled("router aborted the transfer")));
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+                CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}",
+                                r.status.to_string());
+                CHILD_CHECK_MSG(r.status.message().find("router aborted") != std::string::npos,
+                                "{}", r.status.message());
+                CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(1),
+                                "released after {:.0f} ms", to_ms(Clock::now() - t0));
+                return "";
+            };
+            CHILD_ASSIGN_OK(auto params, n.conn->offer_pull(pull_id, blocks, 40));
+            (void)params;
+            std::string e = released_at_once(pull_id);
+            if (!e.empty()) return e;
+            testing::fill_request(n, push_id, blocks, 40);
+            CHILD_CHECK_OK(n.conn->prefill_done(push_id, blocks, 40));
+            e = released_at_once(push_id);
+            if (!e.empty()) return e;
+            CHILD_CHECK_OK(n.conn->abort_send(0x999, cancelled("nothing to abort")));
+            CHILD_CHECK(!n.results.wait(true, 0x999, std::chrono::milliseconds(200)).ok());
+            CHILD_CHECK(n.conn->stats().active_send == 0);
+            CHILD_CHECK(n.conn->stats().leases_expired == 0);
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({push_id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, push_id, kWait));
+            CHILD_CHECK_MSG(!r.status.ok(), "{}", r.status.to_string());
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
 TEST_P(KvReliabilityTest, CancelBeforePrefillDoneIsAcknowledgedAndNothingLands) {
     auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
         const uint64_t id = 0x79;

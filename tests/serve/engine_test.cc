@@ -357,6 +357,51 @@ TEST(DisaggregatedEngines, PrefillLegNobodyCollectsIsReleasedAfterTheLease) {
               std::string::npos);
 }
 
+// The router aborts a prefill leg whose decode leg failed: its blocks, held for decode (push:
+// waiting for a registration; pull: offered under the lease), come back at once, not after
+// the 10 s lease. An abort of an unknown or finished transfer changes nothing.
+TEST(DisaggregatedEngines, AbortFreesAHandedOverPrefillLegAtOnceInPushAndPull) {
+    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull}) {
+        SCOPED_TRACE(mode == KvLinkMode::kPush ? "push" : "pull");
+        PD pd(mode, seconds(10));
+        auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 1), "held")).value();
+        ASSERT_TRUE(collect(*hp).status.ok());
+        ASSERT_GT(pd.prefill->stats().blocks_used, 0u);
+        ASSERT_TRUE(eventually([&] { return pd.prefill->stats().held_for_transfer == 1; }));
+        ASSERT_TRUE(pd.prefill->abort_transfer("unknown", "nothing to abort").ok());
+        std::this_thread::sleep_for(milliseconds(50));
+        EXPECT_GT(pd.prefill->stats().blocks_used, 0u);
+        ASSERT_TRUE(pd.prefill->abort_transfer("held", "decode leg failed").ok());
+        EXPECT_TRUE(eventually([&] { return pd.pools_full(); }, milliseconds(500)));
+        EXPECT_TRUE(eventually([&] { return pd.prefill->stats().held_for_transfer == 0; }));
+        // Twice, and after the end: harmless.
+        ASSERT_TRUE(pd.prefill->abort_transfer("held", "again").ok());
+        auto next = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 2), "next")).value();
+        EXPECT_TRUE(collect(*next).status.ok());
+        ASSERT_TRUE(pd.prefill->abort_transfer("next", "done with it").ok());
+        EXPECT_TRUE(eventually([&] { return pd.pools_full(); }, milliseconds(500)));
+    }
+}
+
+// A decode leg aborted while it decodes frees its blocks (waiting for KV: see
+// AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesFirst).
+TEST(DisaggregatedEngines, AbortEndsADecodingLegAndFreesItsBlocks) {
+    // Decode steps of about 5 ms, so that the abort lands mid-stream.
+    std::vector<int> one_seq = {64};
+    EngineConfig dc{.engine_id = "d", .num_blocks = 64};
+    dc.time_scale = 0.005 / tiny_cost().decode_seconds(one_seq);
+    PD pd(KvLinkMode::kPull, seconds(10), seconds(10), dc);
+    auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 3), "run")).value();
+    ASSERT_TRUE(collect(*hp).status.ok());
+    auto running = pd.decode->submit(pd.decode_leg(prompt_of(40, 3), 500, hp->kv_out())).value();
+    ASSERT_TRUE(running->next(Clock::now() + seconds(5)).ok());
+    ASSERT_TRUE(pd.decode->abort_transfer("run", "client gone").ok());
+    Collected c = collect(*running, seconds(2));
+    EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
+    EXPECT_LT(c.tokens.size(), 500u);
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }, seconds(2)));
+}
+
 TEST(DisaggregatedEngines, PullWithUnknownBlocksIsRefusedCleanly) {
     PD pd(KvLinkMode::kPull);
     KvTransferParams kv = push_params("never-prefilled");

@@ -206,6 +206,25 @@ TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
     EXPECT_TRUE(eventually([&] { return c.pools_full(); }));
 }
 
+// An engine known down is skipped while another of its role is ready: every request is served.
+TEST(Router, SkipsAnEngineKnownDownWhileAnotherIsReady) {
+    Cluster c(1, 2, KvLinkMode::kPush);
+    c.decode[1].server->stop();
+    std::string body;
+    ASSERT_TRUE(eventually([&] {
+        auto r = http_get(kHost, c.router->port(), "/health", seconds(2));
+        body = r.ok() ? r->body : "";
+        return r.ok() && r->status == 200 && body.find("\"ready\":false") != std::string::npos;
+    })) << body;
+    for (int i = 0; i < 4; ++i) {
+        Streamed s = stream(c.router->port(),
+                            {{"prompt", prompt_of(30, i)}, {"max_tokens", 3}, {"stream", true}});
+        EXPECT_EQ(s.status, 200) << s.raw;
+    }
+    EXPECT_EQ(c.decode[0].engine->stats().requests_total, 4u);
+    EXPECT_EQ(metric(c.router->port(), "ferry_router_failures_total"), 0);
+}
+
 TEST(Router, InvalidBodyGets400) {
     Cluster c(1, 1, KvLinkMode::kPush);
     auto r =
@@ -216,16 +235,138 @@ TEST(Router, InvalidBodyGets400) {
     EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
 }
 
-TEST(Router, DecodeEngineDownGivesAClientErrorAndPrefillFreesItsBlocks) {
+int health_status(int port, std::string* body = nullptr) {
+    auto r = http_get(kHost, port, "/health", seconds(2));
+    if (!r.ok()) return 0;
+    if (body) *body = r->body;
+    return r->status;
+}
+
+TEST(Router, DecodeEngineKnownDownGives503BeforeAnyLegLeaves) {
     Cluster c(1, 1, KvLinkMode::kPush, milliseconds(300));
     c.decode[0].server->stop();
+    ASSERT_TRUE(eventually([&] { return health_status(c.router->port()) == 503; }));
     Streamed s = stream(c.router->port(),
                         {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
-    EXPECT_EQ(s.status, 502);
-    EXPECT_NE(s.raw.find("decode leg"), std::string::npos) << s.raw;
-    // The prefill leg ran; its KV found no taker and the lease gave the blocks back.
-    EXPECT_TRUE(eventually([&] { return c.prefill[0].engine->stats().blocks_free == 64; }));
+    EXPECT_EQ(s.status, 503);
+    EXPECT_NE(s.raw.find("decode engine unreachable"), std::string::npos) << s.raw;
+    EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
     EXPECT_EQ(metric(c.router->port(), "ferry_router_failures_total"), 1);
+}
+
+// Decode refuses its leg after prefill computed (push: waiting for decode's registration;
+// pull: offered under the lease): the router aborts the prefill leg, whose blocks come back
+// well before the 5 s lease.
+TEST(Router, DecodeLegRefusedAbortsThePrefillLegAtOnce) {
+    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull}) {
+        SCOPED_TRACE(mode == KvLinkMode::kPush ? "push" : "pull");
+        Cluster c(1, 1, mode, seconds(5));
+        c.decode[0].engine->stop();  // its server answers 503 "engine is not running"
+        Streamed s = stream(c.router->port(),
+                            {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
+        EXPECT_EQ(s.status, 503) << s.raw;
+        EXPECT_NE(s.raw.find("decode leg"), std::string::npos) << s.raw;
+        EXPECT_TRUE(eventually([&] { return c.prefill[0].engine->stats().blocks_free == 64; },
+                               milliseconds(1500)));
+        EXPECT_TRUE(eventually(
+            [&] { return metric(c.router->port(), "ferry_router_aborts_sent_total") >= 1; }));
+    }
+}
+
+// What decode would refuse (max_model_len, the vocabulary, the pool) is refused before either
+// leg leaves: prefill computes nothing and pins no block.
+TEST(Router, RequestBeyondTheEnginesLimitsIsRefusedBeforeAnyLeg) {
+    Cluster c(1, 1, KvLinkMode::kPush);
+    struct Case {
+        json body;
+        std::vector<std::string> names;
+    };
+    std::vector<Case> cases = {
+        {{{"prompt", prompt_of(30, 1)}, {"max_tokens", 40000}}, {"max_tokens", "max_model_len"}},
+        {{{"prompt", json::array({1, 2, 999999})}, {"max_tokens", 3}}, {"prompt", "vocabulary"}},
+        {{{"prompt", prompt_of(30, 1)}, {"max_tokens", 64 * 16}}, {"max_tokens", "KV blocks"}},
+        {{{"prompt", prompt_of(64 * 16 + 1, 1)}, {"max_tokens", 1}}, {"prompt", "KV blocks"}},
+    };
+    for (const Case& k : cases) {
+        auto r = http_post_json(kHost, c.router->port(), "/v1/completions", k.body.dump(),
+                                seconds(5));
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->status, 400) << r->body;
+        for (const auto& n : k.names) EXPECT_NE(r->body.find(n), std::string::npos) << r->body;
+    }
+    EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
+    EXPECT_EQ(c.decode[0].engine->stats().requests_total, 0u);
+    EXPECT_EQ(c.prefill[0].engine->stats().blocks_free, 64u);
+    EXPECT_EQ(metric(c.router->port(), "ferry_router_rejected_before_legs_total"), 4);
+}
+
+// /health is a readiness probe: 503 naming the engines not reachable, 200 once a prefill and
+// a decode engine are up, 503 again when the decode goes.
+TEST(Router, HealthSaysWhetherItCanServeAndNamesWhatIsMissing) {
+    int pport = testing::free_port(), dport = testing::free_port();
+    RouterConfig rc;
+    rc.prefill = {{kHost, pport}};
+    rc.decode = {{kHost, dport}};
+    auto router = Router::start(rc).value();
+    std::string body;
+    EXPECT_EQ(health_status(router->port(), &body), 503);
+    EXPECT_NE(body.find("no prefill engine is ready"), std::string::npos) << body;
+    EXPECT_NE(body.find("no decode engine is ready"), std::string::npos) << body;
+    EXPECT_NE(body.find(fmt::format("127.0.0.1:{}", dport)), std::string::npos) << body;
+
+    auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+    std::vector<Node> nodes(2);
+    for (int i = 0; i < 2; ++i) {
+        nodes[i].engine =
+            Engine::create({.engine_id = i ? "d" : "p", .num_blocks = 64}, cost).value();
+        ASSERT_TRUE(nodes[i].engine->start().ok());
+    }
+    nodes[0].server =
+        EngineServer::start(nodes[0].engine.get(), {.http = {.host = kHost, .port = pport}})
+            .value();
+    EXPECT_TRUE(eventually([&] {
+        return health_status(router->port(), &body) == 503 &&
+               body.find("no prefill engine") == std::string::npos;
+    })) << body;
+    EXPECT_NE(body.find("no decode engine is ready"), std::string::npos) << body;
+    nodes[1].server =
+        EngineServer::start(nodes[1].engine.get(), {.http = {.host = kHost, .port = dport}})
+            .value();
+    EXPECT_TRUE(eventually([&] { return health_status(router->port(), &body) == 200; })) << body;
+    EXPECT_NE(body.find("\"status\":\"ok\""), std::string::npos) << body;
+    nodes[1].server->stop();
+    EXPECT_TRUE(eventually([&] { return health_status(router->port(), &body) == 503; })) << body;
+    EXPECT_NE(body.find(fmt::format("no decode engine is ready: 127.0.0.1:{}", dport)),
+              std::string::npos)
+        << body;
+    router->stop();
+    for (auto& n : nodes) {
+        n.server->stop();
+        n.engine->stop();
+    }
+}
+
+// An engine's /health is 503 with the reason until its KV side is ready.
+TEST(EngineServer, HealthIs503UntilReady) {
+    auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+    auto engine = Engine::create({.engine_id = "e", .num_blocks = 64}, cost).value();
+    ASSERT_TRUE(engine->start().ok());
+    std::atomic<bool> ready{false};
+    EngineServerOptions so{.http = {.host = kHost}};
+    so.ready = [&]() -> Status {
+        return ready ? ok_status() : unavailable("the KV side channel is not up yet");
+    };
+    auto server = EngineServer::start(engine.get(), so).value();
+    std::string body;
+    EXPECT_EQ(health_status(server->port(), &body), 503);
+    EXPECT_NE(body.find("the KV side channel is not up yet"), std::string::npos) << body;
+    ready = true;
+    EXPECT_EQ(health_status(server->port(), &body), 200);
+    json j = json::parse(body);
+    EXPECT_EQ(j["max_model_len"], 32768);
+    EXPECT_EQ(j["kv_blocks_total"], 64);
+    server->stop();
+    engine->stop();
 }
 
 TEST(Router, PrefillLegRejectedGivesTheClientItsErrorAndDecodeFreesItsBlocks) {

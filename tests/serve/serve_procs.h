@@ -55,6 +55,15 @@ class Proc {
     Proc(const Proc&) = delete;
     Proc& operator=(const Proc&) = delete;
     Proc(Proc&& o) noexcept : pid_(o.pid_), log_(std::move(o.log_)) { o.pid_ = -1; }
+    // Stops the process this one held first.
+    Proc& operator=(Proc&& o) noexcept {
+        if (this == &o) return *this;
+        stop();
+        pid_ = o.pid_;
+        log_ = std::move(o.log_);
+        o.pid_ = -1;
+        return *this;
+    }
     ~Proc() { stop(); }
 
     // argv[0] is the program; output goes to `log`.
@@ -113,6 +122,8 @@ class Proc {
 
 inline std::string ferry_binary() { return FERRY_CLI_PATH; }
 
+// Until /health answers 200, which means ready: an engine's KV link is reachable, a router
+// has at least one ready prefill and one ready decode engine (503 before, with the reason).
 inline bool wait_healthy(const std::string& host, int port, Duration budget = seconds(15)) {
     TimePoint deadline = Clock::now() + budget;
     while (Clock::now() < deadline) {

@@ -162,6 +162,12 @@ class KvConnector {
     // longer read.
     Status prefill_failed(uint64_t transfer_id, Status reason);
 
+    // Prefill, push or pull, after prefill_done / offer_pull: the transfer is given up (its
+    // other leg failed, or the client left). Registered decode ranks get FAIL once writes in
+    // flight completed (bounded by the op timeout); an offer is withdrawn at once. Then
+    // on_send_done(reason) frees the blocks. An unknown or finished transfer: nothing happens.
+    Status abort_send(uint64_t transfer_id, Status reason);
+
     // --- pull ---
     // Prefill: hold the blocks under the lease and return what decode needs to read them.
     Result<PullParamsMsg> offer_pull(uint64_t transfer_id, std::vector<uint32_t> blocks,

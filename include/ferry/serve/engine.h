@@ -228,6 +228,8 @@ class Engine {
         std::vector<BlockId> blocks;
         TimePoint since;
         uint64_t bytes;
+        KvTransferParams kv;      // the leg's, for abort_transfer
+        bool abort_sent = false;  // the connector was told to give the transfer up
     };
     std::map<RequestId, Held> held_;            // prefill blocks the connector still reads
     std::map<std::string, TimePoint> aborted_;  // transfer ids aborted recently, until when

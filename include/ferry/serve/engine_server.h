@@ -1,5 +1,6 @@
 // An engine behind the OpenAI-style HTTP API: POST /v1/completions (stream or not),
-// GET /health, GET /metrics (Prometheus text).
+// GET /health (200 once ready, with the limits a router checks requests against; 503 with the
+// reason before), GET /metrics (Prometheus text), POST /ferry/abort.
 #pragma once
 
 #include <functional>
@@ -22,6 +23,9 @@ struct EngineServerOptions {
     std::string kv_provider{};
     // Appended to /metrics (the connector's own counters).
     std::function<std::string()> extra_metrics{};
+    // Readiness beyond the engine itself (the KV link's side channel): /health answers 503
+    // with the error's message until this is ok. Empty: ready once the server is up.
+    std::function<Status()> ready{};
 };
 
 class EngineServer {
@@ -34,6 +38,8 @@ class EngineServer {
   private:
     EngineServer() = default;
     void completions(const HttpRequest& req, HttpReply& reply);
+    // The /health body; *http_status 200 when ready, 503 (and a reason) before.
+    std::string health(int* http_status) const;
 
     Engine* engine_ = nullptr;
     EngineServerOptions options_;

@@ -64,6 +64,9 @@ class FabricKvLink : public KvProducer, public KvConsumer {
     // decode engine finds this one the same way it finds a push-mode peer.
     void set_http_address(const std::string& host, int port);
     int side_port() const;
+    // Ok once peers can reach this link: its side channel listens and it knows the HTTP
+    // address it names in pull offers (set_http_address); the reason otherwise.
+    Status ready() const;
     const std::string& provider() const;
     FabricKvLinkStats stats() const;
     // Prometheus lines for the engine's /metrics.
@@ -82,6 +85,8 @@ class FabricKvLink : public KvProducer, public KvConsumer {
                                              KvDoneCallback release) override;
     void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
                             const Status& why, KvDoneCallback release) override;
+    void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+                             const Status& why) override;
     Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
                                    KvDoneCallback scheduled) override;
     Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,

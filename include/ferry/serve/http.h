@@ -26,6 +26,7 @@ struct HttpRequest {
     std::string method{};
     std::string path{};
     std::string body{};
+    std::function<bool()> client_gone{};
 };
 
 // Writes one chunk of a streamed body; false once the client is gone.

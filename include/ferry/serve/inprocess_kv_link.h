@@ -83,6 +83,9 @@ class InProcessKvLink {
     Status blocks_allocated(Endpoint* ep, const RequestId& request, const KvTransferParams& params,
                             std::vector<BlockId> blocks, size_t tokens, KvDoneCallback arrived);
     void cancel(Endpoint* ep, const RequestId& request);
+    // The prefill side of a transfer given up (KvProducer::on_transfer_aborted).
+    void abort_prefill(Endpoint* ep, const RequestId& request, const KvTransferParams& params,
+                       const Status& why);
     // Copies the prompt's blocks; returns what the decode side should hear.
     Status copy(const PrefillSide& src, const DecodeSide& dst);
     void run();

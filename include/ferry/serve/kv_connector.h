@@ -77,6 +77,13 @@ class KvProducer {
                                                      std::vector<BlockId> blocks, size_t num_tokens,
                                                      KvDoneCallback release) = 0;
 
+    // The transfer was given up after on_prefill_done returned (the router aborted it: the
+    // decode leg failed or the client left). The connector stops what it still sends and calls
+    // on_prefill_done's `release` (an error) once nothing reads the blocks, instead of holding
+    // them until decode reads or the lease ends. Unknown or released transfers: nothing.
+    virtual void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+                                     const Status& why) {}
+
     // The engine gave up on a request after on_prefill_scheduled (client gone, error): decode
     // is told, and `release` comes once no write of earlier progress reads the blocks any more.
     virtual void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,

@@ -4,15 +4,24 @@
 //    while prefill computes, and its stream is relayed to the client.
 //  - pull: the prefill leg first; its kv_transfer_params (engine, block ids) go into the decode
 //    leg, whose stream is relayed.
-// A leg that fails reaches the client as an HTTP error naming the leg; a client that goes away
-// closes the decode leg so the engines free its blocks.
+// A leg that fails reaches the client as an HTTP error naming the leg, and the engine holding
+// the other leg is told to abort it (POST /ferry/abort, from a background sender), as it is for
+// both legs when the client goes away: an orphaned leg would otherwise keep its KV blocks for
+// the whole lease. A request the engines' limits refuse (max_model_len, vocabulary, pool size,
+// learnt from their /health) gets its 400 before any leg leaves.
+// Readiness: a prober refreshes every engine's /health in the background; the router's
+// /health is 200 only while at least one prefill and one decode engine are ready, and requests
+// skip engines known unreachable while another is available.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "ferry/serve/http.h"
@@ -37,6 +46,14 @@ struct RouterConfig {
     std::vector<EngineAddress> decode{};
     RouterMode mode = RouterMode::kPush;
     Duration request_timeout = seconds(600);
+    // Every engine's /health is fetched this often, each with probe_timeout: a dead engine is
+    // known within about a period, a stopped one within period + timeout.
+    Duration probe_period = milliseconds(500);
+    Duration probe_timeout = milliseconds(300);
+    // Each POST /ferry/abort; at most abort_queue of them wait (more are dropped and logged:
+    // the engines' leases still free what an abort would have).
+    Duration abort_timeout = seconds(1);
+    size_t abort_queue = 4096;
 };
 
 class Router {
@@ -46,20 +63,51 @@ class Router {
     int port() const { return http_->port(); }
     void stop();
 
+    // What the prober last learnt of one engine from its /health.
+    struct EngineState {
+        EngineAddress address;
+        bool probed = false;
+        bool ready = false;
+        std::string why;  // not ready: what the probe saw
+        std::string engine_id;
+        // Limits (0: not known yet).
+        size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
+    };
+
   private:
     Router() = default;
     void completions(const HttpRequest& req, HttpReply& reply);
+    void health(HttpReply& reply) const;
     std::string prometheus_text() const;
-    // The engine id an engine reports on /health, cached after the first success.
-    Result<std::string> engine_id(const EngineAddress& a);
+    // Round robin over the engines of one role, skipping those known not ready while another
+    // is; their state as last probed (probed now if never yet).
+    EngineState pick(bool prefill);
+    EngineState probe(const EngineAddress& a) const;
+    void store(bool prefill, size_t index, EngineState st);
+    void prober();
+    // Queues POST /ferry/abort for `transfer_id` to `engine`; never blocks the caller.
+    void abort_leg(const EngineAddress& engine, const std::string& transfer_id,
+                   const std::string& reason);
+    void abort_sender();
 
     RouterConfig config_;
     std::unique_ptr<HttpServer> http_;
     std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, next_transfer_{0};
     std::string nonce_;
-    std::mutex ids_mu_;
-    std::vector<std::pair<std::string, std::string>> ids_;  // address -> engine id
+    mutable std::mutex state_mu_;
+    std::vector<EngineState> prefill_state_, decode_state_;  // as config_.prefill / decode
+
+    struct Abort {
+        EngineAddress engine;
+        std::string transfer_id, reason;
+    };
+    std::mutex bg_mu_;
+    std::condition_variable bg_cv_;
+    bool bg_stop_ = false;
+    std::deque<Abort> aborts_;
+    std::thread prober_thread_, abort_thread_;
     std::atomic<uint64_t> requests_{0}, failures_{0}, prefill_failures_{0}, decode_failures_{0};
+    std::atomic<uint64_t> aborts_sent_{0}, aborts_dropped_{0}, rejected_early_{0};
     Histogram overhead_{{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1}};
 };
 
