@@ -102,31 +102,30 @@ const char* reason_phrase(int status) {
     }
 }
 
-const char* error_type(int status) {
+// The names Status codes have (status_code_name), as the handlers' own errors carry them.
+std::string_view error_type(int status) {
     switch (status) {
         case 404:
-            return "not_found";
+            return status_code_name(StatusCode::kNotFound);
         case 408:
-            return "timeout";
+            return status_code_name(StatusCode::kTimeout);
         case 413:
-            return "request_too_large";
         case 429:
-            return "too_many_connections";
         case 431:
-            return "headers_too_large";
-        case 500:
-            return "internal";
+            return status_code_name(StatusCode::kResourceExhausted);
         case 503:
-            return "unavailable";
+            return status_code_name(StatusCode::kUnavailable);
         default:
-            return status < 500 ? "invalid_argument" : "internal";
+            return status_code_name(status < 500 ? StatusCode::kInvalidArgument
+                                                 : StatusCode::kInternal);
     }
 }
 
 // The shape every ferry error has: {"error": {"message": ..., "type": ..., "code": N}}.
 std::string error_json(int status, const std::string& message) {
     nlohmann::json j = {
-        {"error", {{"message", message}, {"type", error_type(status)}, {"code", status}}}};
+        {"error",
+         {{"message", message}, {"type", std::string(error_type(status))}, {"code", status}}}};
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
