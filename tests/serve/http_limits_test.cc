@@ -227,22 +227,18 @@ std::vector<double> probe_health(int port, int n = 50) {
 }
 
 TEST(HttpLimits, HealthStaysFastUnder200SlowConnections) {
-    Fixture f;  // default options: the per-client cap must leave room for the
-                // attack + probes
+    Fixture f;  // default options: the per-client cap must leave room for attack and probes
     SlowLoris attack(f.port());
     std::this_thread::sleep_for(milliseconds(200));
     std::vector<double> ms = probe_health(f.port());
     double p99 = percentile(ms, 0.99);
     auto r = http_post_json(kHost, f.port(), "/echo", R"({"a": 1})", seconds(2));
-    std::printf(
-        "health under 200 slow connections: p50 %.2f ms p99 %.2f ms max "
-        "%.2f ms\n",
-        percentile(ms, 0.5), p99, percentile(ms, 1.0));
+    std::printf("health under 200 slow connections: p50 %.2f ms p99 %.2f ms max %.2f ms\n",
+                percentile(ms, 0.5), p99, percentile(ms, 1.0));
     EXPECT_LT(p99, 100.0);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_EQ(r->status, 200);
-    EXPECT_EQ(attack.still_open(),
-              200u);  // held, not dropped: they simply cost no thread
+    EXPECT_EQ(attack.still_open(), 200u);  // held, not dropped: they simply cost no thread
 }
 
 TEST(HttpLimits, FerryEngineAndRouterProcessesStayHealthyUnder200SlowConnections) {
@@ -266,10 +262,8 @@ TEST(HttpLimits, FerryEngineAndRouterProcessesStayHealthyUnder200SlowConnections
         std::this_thread::sleep_for(milliseconds(200));
         std::vector<double> ms = probe_health(port, 40);
         double p99 = percentile(ms, 0.99);
-        std::printf(
-            "ferry %s under 200 slow connections: /health p50 %.2f ms p99 "
-            "%.2f ms\n",
-            port == eport ? "engine" : "router", percentile(ms, 0.5), p99);
+        std::printf("ferry %s under 200 slow connections: /health p50 %.2f ms p99 %.2f ms\n",
+                    port == eport ? "engine" : "router", percentile(ms, 0.5), p99);
         EXPECT_LT(p99, 100.0) << (port == eport ? "engine" : "router");
         if (port == eport) {
             auto r = http_post_json(kHost, eport, "/v1/completions",
@@ -306,8 +300,7 @@ TEST(HttpLimits, A50MBBodyReallySentGets413AndMemoryStaysBounded) {
         Raw c(f.port());
         std::atomic<int64_t> headers_at{0};
         std::thread sender([&] {
-            c.send(chunked ? "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
-                             "chunked\r\n\r\n"
+            c.send(chunked ? "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                            : fmt::format("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: "
                                          "{}\r\n\r\n",
                                          kBody));
@@ -323,9 +316,7 @@ TEST(HttpLimits, A50MBBodyReallySentGets413AndMemoryStaysBounded) {
         ::shutdown(c.fd(), SHUT_RDWR);  // ends the sender
         sender.join();
         std::printf(
-            "50 MB %s body: 413 after %.2f ms from the headers, server RSS "
-            "growth %.1f "
-            "MiB\n",
+            "50 MB %s body: 413 after %.2f ms from the headers, server RSS growth %.1f MiB\n",
             chunked ? "chunked" : "Content-Length", ms, double(growth) / (1 << 20));
         EXPECT_EQ(r.status, 413) << (chunked ? "chunked" : "Content-Length");
         EXPECT_NE(message_of(r.body).find("16777216"), std::string::npos) << r.body;
@@ -401,9 +392,7 @@ TEST(HttpLimits, ConnectionCapsAnswer429PerClientAnd503InAll) {
 TEST(HttpLimits, IdleKeepAliveConnectionIsClosedAfterTheIdleTimeout) {
     Fixture f({.idle_timeout = milliseconds(300)});
     Raw c(f.port());
-    c.send(
-        "GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: "
-        "x\r\n\r\n");
+    c.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n");
     EXPECT_EQ(c.read().status, 200);
     EXPECT_EQ(c.read().status, 200);  // pipelined on the same connection
     TimePoint t0 = Clock::now();
@@ -425,12 +414,10 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
         {"GET / HTTP/9.9\r\n\r\n", 505, "HTTP version"},
         {"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "invalid Content-Length '-1'"},
         {"POST /echo HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "invalid Content-Length"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: "
-         "3\r\n\r\n{}",
-         400, "conflicting Content-Length values 2 and 3"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: "
-         "chunked\r\n\r\n",
-         400, "both Content-Length and Transfer-Encoding"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
+         "conflicting Content-Length values 2 and 3"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+         "both Content-Length and Transfer-Encoding"},
         {"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not supported"},
         {"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header line"},
         {"GET /health HTTP/1.1\r\nX-Big: " + std::string(70000, 'b') + "\r\n\r\n", 431,
@@ -493,7 +480,8 @@ TEST(HttpLimits, FullCloseWhileAHandlerWaitsIsSeenWithin100Ms) {
 // An engine's non-streamed completion whose client went away: cancelled, blocks freed.
 TEST(HttpLimits, EngineCancelsANonStreamedRequestWhoseClientLeft) {
     auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
-    auto engine = Engine::create({.engine_id = "e", .num_blocks = 128, .time_scale = 4}, cost).value();
+    auto engine =
+        Engine::create({.engine_id = "e", .num_blocks = 128, .time_scale = 4}, cost).value();
     ASSERT_TRUE(engine->start().ok());
     auto server = EngineServer::start(engine.get(), {.http = {.host = kHost}}).value();
     Raw c(server->port());
