@@ -16,6 +16,51 @@
 namespace ferry::cli {
 namespace {
 
+// The HTTP server's limits against slow, idle or oversized clients; the defaults are
+// HttpServerOptions' (docs/SERVING.md, "Limits").
+struct HttpLimitFlags {
+    serve::HttpServerOptions o;
+    double header_timeout_s = to_ms(o.header_timeout) / 1000;
+    double body_timeout_s = to_ms(o.body_timeout) / 1000;
+    double idle_timeout_s = to_ms(o.idle_timeout) / 1000;
+};
+
+void add_http_limit_flags(CLI::App* cmd, HttpLimitFlags& f) {
+    cmd->add_option("--max-body-bytes", f.o.max_body_bytes,
+                    "largest request body; larger gets 413 before it is read")
+        ->capture_default_str();
+    cmd->add_option("--header-timeout", f.header_timeout_s,
+                    "seconds for a request's whole header block (408 after)")
+        ->capture_default_str();
+    cmd->add_option("--body-timeout", f.body_timeout_s,
+                    "seconds for a request's whole body (408 after)")
+        ->capture_default_str();
+    cmd->add_option("--idle-timeout", f.idle_timeout_s,
+                    "seconds an idle keep-alive connection stays open")
+        ->capture_default_str();
+    cmd->add_option("--max-connections", f.o.max_connections,
+                    "open HTTP connections in all (503 beyond)")
+        ->capture_default_str();
+    cmd->add_option("--max-connections-per-client", f.o.max_connections_per_client,
+                    "open HTTP connections from one client address (429 beyond)")
+        ->capture_default_str();
+}
+
+serve::HttpServerOptions http_options(const std::string& host, int port, size_t threads,
+                                      const HttpLimitFlags& f) {
+    auto secs = [](double s) {
+        return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+    };
+    serve::HttpServerOptions o = f.o;
+    o.host = host;
+    o.port = port;
+    o.threads = threads;
+    o.header_timeout = secs(f.header_timeout_s);
+    o.body_timeout = secs(f.body_timeout_s);
+    o.idle_timeout = secs(f.idle_timeout_s);
+    return o;
+}
+
 struct EngineFlags {
     std::string host = "127.0.0.1";
     int port = 0;
@@ -27,6 +72,7 @@ struct EngineFlags {
     serve::EngineConfig engine;
     double kv_wait_timeout_s = 30;
     size_t http_threads = 128;
+    HttpLimitFlags http_limits;
     // The KV connector (prefill and decode only).
     std::string kv_mode = "push";
     std::string provider = "shm";
@@ -92,6 +138,7 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
         ->capture_default_str();
     cmd->add_option("--http-threads", f.http_threads, "concurrent HTTP requests")
         ->capture_default_str();
+    add_http_limit_flags(cmd, f.http_limits);
 }
 
 Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, EngineFlags f,
@@ -109,7 +156,8 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
                                                           int port,
                                                           serve::FabricKvLink* link = nullptr) {
     FERRY_RETURN_IF_ERROR(e.start());
-    serve::EngineServerOptions so{.http = {.host = f.host, .port = port, .threads = f.http_threads}};
+    serve::EngineServerOptions so{.http =
+                                      http_options(f.host, port, f.http_threads, f.http_limits)};
     if (link != nullptr) {
         so.kv_side_channel_port = link->side_port();
         so.kv_provider = link->provider();
@@ -193,6 +241,7 @@ struct RouterFlags {
     std::string mode = "push";
     size_t http_threads = 256;
     double timeout_s = 600;
+    HttpLimitFlags http_limits;
 };
 
 Result<serve::RouterMode> router_mode(const std::string& mode) {
@@ -214,7 +263,7 @@ int run_router(const RouterFlags& f) {
     if (!d.ok()) return fail(d.status().with_context("--decode"));
     rc.prefill = *p;
     rc.decode = *d;
-    rc.http = {.host = f.host, .port = f.port, .threads = f.http_threads};
+    rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits);
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
     auto router = serve::Router::start(rc);
@@ -263,7 +312,8 @@ int run_local(const LocalFlags& f) {
     rc.mode = *mode;
     rc.prefill = {{f.engine.host, (*ps)->port()}};
     rc.decode = {{f.engine.host, (*ds)->port()}};
-    rc.http = {.host = f.router.host, .port = f.router.port, .threads = f.router.http_threads};
+    rc.http =
+        http_options(f.router.host, f.router.port, f.router.http_threads, f.engine.http_limits);
     auto router = serve::Router::start(rc);
     if (!router.ok()) return fail(router.status());
     fmt::print(stderr,
@@ -287,6 +337,8 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
     cmd->add_option("--router-threads", f.http_threads, "concurrent HTTP requests")
         ->capture_default_str();
     cmd->add_option("--request-timeout", f.timeout_s, "seconds per request")->capture_default_str();
+    // `serve local` takes the engines' limit flags for its router too (one set per command).
+    if (with_engines) add_http_limit_flags(cmd, f.http_limits);
     if (with_engines) {
         cmd->add_option("--prefill", f.prefill, "prefill engines HOST:PORT[,HOST:PORT...]")
             ->capture_default_str();

@@ -1,5 +1,7 @@
 #include "ferry/serve/engine_server.h"
 
+#include <fmt/format.h>
+
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -20,6 +22,25 @@ CompletionResult result_of(const RequestHandle& h, const std::string& model,
     r.kv_out = h.kv_out();
     r.timing = h.timing();
     return r;
+}
+
+// The next event, waited for in short slices: a client that closed its connection or a server that
+// stops ends the wait within one slice instead of at the request's deadline (or the last token),
+// and the caller cancels the request so that its blocks are freed now.
+constexpr Duration kWaitSlice = milliseconds(50);
+
+Result<RequestHandle::Event> next_event(RequestHandle& h, TimePoint deadline,
+                                        const HttpRequest& req, const HttpServer& http) {
+    while (true) {
+        // Checked before every event too: tokens that keep coming must not hide the close.
+        if (req.client_gone && req.client_gone())
+            return cancelled(
+                fmt::format("request {}: the client closed its connection; cancelled", h.id()));
+        if (http.stopping()) return cancelled("server stopping");
+        auto e = h.next(std::min(deadline, Clock::now() + kWaitSlice));
+        if (e.ok() || e.status().code() != StatusCode::kTimeout || Clock::now() >= deadline)
+            return e;
+    }
 }
 
 }  // namespace
@@ -89,7 +110,8 @@ std::string EngineServer::health(int* http_status) const {
 }
 
 void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
-    auto parsed = parse_completion_request(req.body);
+    // The prompt's size is checked against the model length before it is built into tokens.
+    auto parsed = parse_completion_request(req.body, engine_->config().max_model_len);
     if (!parsed.ok()) return send_error(reply, parsed.status());
     bool stream = parsed->stream;
     auto handle = engine_->submit(std::move(parsed->gen));
@@ -101,7 +123,7 @@ void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
     // Wait for the first event before answering, so a request that fails before its first
     // token (KV transfer failed, timed out) gets a real HTTP error rather than 200 + an error
     // event.
-    auto first = h->next(deadline);
+    auto first = next_event(*h, deadline, req, *http_);
     if (!first.ok()) {
         h->cancel();
         return send_error(reply, first.status());
@@ -118,7 +140,7 @@ void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
             }
             if (e->finished) break;
             tokens.push_back(e->token);
-            e = h->next(deadline);
+            e = next_event(*h, deadline, req, *http_);
         }
         if (!h->status().ok()) return send_error(reply, h->status());
         reply.body = completion_body(result_of(*h, model, std::move(tokens)));

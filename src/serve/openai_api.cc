@@ -109,28 +109,100 @@ json kv_params_to_json(const KvTransferParams& kv) {
     return j;
 }
 
-Result<CompletionRequest> parse_completion_request(std::string_view body) {
-    json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
-    return parse_completion_json(j);
+namespace {
+
+// A UTF-8 byte-order mark some clients put before a body. nlohmann skips it and the router's
+// scanner did not (it answered 400 where the engines answered 200): both paths drop it here.
+std::string_view without_bom(std::string_view body) {
+    if (body.starts_with("\xEF\xBB\xBF")) body.remove_prefix(3);
+    return body;
 }
 
-Result<CompletionRequest> parse_completion_json(const json& j) {
+Status prompt_too_long(size_t tokens, size_t max_prompt_tokens) {
+    return field_error("prompt", fmt::format("has {} tokens, more than the engine's "
+                                             "max_model_len {}: shorten it",
+                                             tokens, max_prompt_tokens));
+}
+
+// Elements of a JSON array from its text, without building them: commas at depth one, strings
+// skipped. Exact for a valid array; for an invalid one the full parse reports the error.
+size_t array_elements(std::string_view text) {
+    size_t commas = 0, i = 1;
+    int depth = 1;
+    bool any = false;
+    for (; i < text.size() && depth > 0; ++i) {
+        char c = text[i];
+        if (c == '"') {
+            for (++i; i < text.size() && text[i] != '"'; ++i)
+                if (text[i] == '\\') ++i;
+            any = true;
+        } else if (c == '[' || c == '{') {
+            ++depth;
+            any = true;
+        } else if (c == ']' || c == '}') {
+            --depth;
+        } else if (c == ',' && depth == 1) {
+            ++commas;
+        } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+            any = true;
+        }
+    }
+    return any ? commas + 1 : 0;
+}
+
+}  // namespace
+
+Result<CompletionRequest> parse_completion_request(std::string_view body,
+                                                   size_t max_prompt_tokens) {
+    body = without_bom(body);
+    // An array of N ids takes at least 2N - 1 bytes: only a body that could hold more than the
+    // limit is scanned, so that a 16 MiB array is refused before nlohmann builds it (16 bytes per
+    // element, 8x the body for "1,1,...").
+    if (max_prompt_tokens > 0 && body.size() / 2 > max_prompt_tokens) {
+        auto object = scan_json_object(body);
+        if (object.ok()) {
+            const JsonMember* p = object->find("prompt");
+            if (p != nullptr && p->value.starts_with('[')) {
+                size_t n = array_elements(p->value);
+                if (n > max_prompt_tokens) return prompt_too_long(n, max_prompt_tokens);
+            }
+        }
+    }
+    json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+    return parse_completion_json(j, max_prompt_tokens);
+}
+
+Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt_tokens) {
     if (!j.is_object()) return invalid_argument("request body must be a JSON object");
     CompletionRequest r;
     if (!j.contains("prompt")) return field_error("prompt", "is required");
     const json& p = j["prompt"];
     if (p.is_string()) {
-        r.gen.prompt = tokenize(p.get<std::string>());
+        const std::string& text = p.get_ref<const std::string&>();
+        // One token per byte: checked before the 4-byte-per-byte token vector exists.
+        if (max_prompt_tokens > 0 && text.size() > max_prompt_tokens)
+            return prompt_too_long(text.size(), max_prompt_tokens);
+        r.gen.prompt = tokenize(text);
     } else if (p.is_array()) {
         if (!p.empty() && (p[0].is_array() || p[0].is_string()))
             return field_error("prompt", "holds several prompts; send one prompt per request");
-        for (const json& t : p) {
+        if (max_prompt_tokens > 0 && p.size() > max_prompt_tokens)
+            return prompt_too_long(p.size(), max_prompt_tokens);
+        r.gen.prompt.reserve(p.size());
+        for (size_t i = 0; i < p.size(); ++i) {
+            const json& t = p[i];
             if (!t.is_number_integer())
                 return field_error("prompt", "must be a string or an array of token ids");
-            int64_t v = t.get<int64_t>();
-            if (v < 0 || v > INT32_MAX) return field_error("prompt", "has a negative token id");
-            r.gen.prompt.push_back(int32_t(v));
+            // Unsigned first: get<int64_t> of an id above 2^63 wraps to a negative number.
+            bool negative = !t.is_number_unsigned() && t.get<int64_t>() < 0;
+            if (negative || (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT32_MAX)) ||
+                (!t.is_number_unsigned() && t.get<int64_t>() > INT32_MAX))
+                return field_error(
+                    "prompt", fmt::format("has token id {} at index {}, out of range: ids are in "
+                                          "[0, 2147483647]",
+                                          t.dump(), i));
+            r.gen.prompt.push_back(int32_t(t.get<int64_t>()));
         }
     } else {
         return field_error("prompt", "must be a string or an array of token ids");
@@ -186,6 +258,7 @@ bool is_plain_token_array(std::string_view text) {
 }  // namespace
 
 Result<CompletionRelayBody> scan_completion_request(std::string_view body) {
+    body = without_bom(body);
     auto object = scan_json_object(body);
     if (!object.ok()) {
         // The full parser names the problem as the engines do ("not valid JSON", "must be a

@@ -1,5 +1,6 @@
 #include "ferry/serve/openai_api.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <random>
@@ -43,6 +44,63 @@ TEST(OpenAiApi, InvalidBodiesGetMessagesNamingTheField) {
               std::string::npos);
     EXPECT_NE(message_of(R"({"prompt": "x", "kv_transfer_params": {"remote_block_ids": [-1]}})")
                   .find("kv_transfer_params.remote_block_ids"),
+              std::string::npos);
+}
+
+TEST(OpenAiApi, TokenIdsOutsideInt32AreOutOfRangeWithTheirValue) {
+    for (const char* id : {"2147483648", "4294967296", "9223372036854775808",
+                           "18446744073709551615", "-1", "-2147483649"}) {
+        std::string msg = message_of(fmt::format(R"({{"prompt": [5, {}]}})", id));
+        EXPECT_NE(msg.find(fmt::format("token id {} at index 1, out of range", id)),
+                  std::string::npos)
+            << msg;
+        EXPECT_EQ(msg.find("negative token id"), std::string::npos) << msg;
+    }
+    auto top = parse_completion_request(R"({"prompt": [0, 2147483647]})");
+    ASSERT_TRUE(top.ok()) << top.status().to_string();
+    EXPECT_EQ(top->gen.prompt, (std::vector<int32_t>{0, INT32_MAX}));
+}
+
+// Engines (nlohmann) and the router's scanner agree on a body that starts with a UTF-8 byte-order
+// mark: both accept it, and the router relays the object without the mark.
+TEST(OpenAiApi, ByteOrderMarkIsAcceptedByTheEngineAndTheRouterPaths) {
+    const std::string body = "\xEF\xBB\xBF{\"prompt\": [4, 5], \"stream\": true}";
+    auto engine = parse_completion_request(body);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    EXPECT_EQ(engine->gen.prompt, (std::vector<int32_t>{4, 5}));
+    auto relay = scan_completion_request(body);
+    ASSERT_TRUE(relay.ok()) << relay.status().to_string();
+    EXPECT_TRUE(relay->stream);
+    std::string relayed = relay->object.with({{"max_tokens", 1}});
+    EXPECT_EQ(relayed.find("\xEF"), std::string::npos) << relayed;
+    auto again = parse_completion_request(relayed);
+    ASSERT_TRUE(again.ok()) << relayed;
+    EXPECT_EQ(again->gen.prompt, (std::vector<int32_t>{4, 5}));
+    // A mark alone, or one in the middle, is still invalid on both paths.
+    EXPECT_FALSE(parse_completion_request("\xEF\xBB\xBF").ok());
+    EXPECT_FALSE(scan_completion_request("\xEF\xBB\xBF").ok());
+    EXPECT_FALSE(scan_completion_request(" \xEF\xBB\xBF{\"prompt\": [1]}").ok());
+}
+
+TEST(OpenAiApi, PromptLongerThanTheLimitIsRefusedFromItsSize) {
+    std::string ids = "[1";
+    for (int i = 0; i < 1000; ++i) ids += ", 1";
+    ids += "]";
+    for (const std::string& prompt : {ids, "\"" + std::string(1001, 'x') + "\""}) {
+        auto r = parse_completion_request(R"({"prompt": )" + prompt + "}", 1000);
+        ASSERT_FALSE(r.ok());
+        EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+        EXPECT_NE(r.status().message().find("has 1001 tokens, more than the engine's "
+                                            "max_model_len 1000"),
+                  std::string::npos)
+            << r.status().message();
+        // Without a limit, and with one it fits, the same prompt parses.
+        EXPECT_TRUE(parse_completion_request(R"({"prompt": )" + prompt + "}").ok());
+        EXPECT_TRUE(parse_completion_request(R"({"prompt": )" + prompt + "}", 1001).ok());
+    }
+    // A large body whose array is in limits but malformed still gets the parser's message.
+    std::string bad = R"({"prompt": [1, 2,, 3], "pad": ")" + std::string(5000, 'p') + "\"}";
+    EXPECT_NE(parse_completion_request(bad, 100).status().message().find("not valid JSON"),
               std::string::npos);
 }
 
@@ -128,8 +186,9 @@ TEST(CompletionRelay, InvalidBodiesGetTheEnginesMessages) {
         {R"({"max_tokens": 3})", "'prompt' is required"},
         {R"({"prompt": 3})", "'prompt' must be a string or an array of token ids"},
         {R"({"prompt": []})", "'prompt' is empty"},
-        {R"({"prompt": [1, -2]})", "'prompt' has a negative token id"},
-        {R"({"prompt": [1, 2147483648]})", "'prompt'"},
+        {R"({"prompt": [1, -2]})", "'prompt' has token id -2 at index 1, out of range"},
+        {R"({"prompt": [1, 2147483648]})",
+         "'prompt' has token id 2147483648 at index 1, out of range"},
         {R"({"prompt": [1, 2.5]})", "'prompt' must be a string or an array of token ids"},
         {R"({"prompt": [1, "a"]})", "'prompt' must be a string or an array of token ids"},
         {R"({"prompt": [[1], [2]]})", "one prompt per request"},

@@ -1,5 +1,8 @@
-// Minimal HTTP server and clients. cpp-httplib stays behind this header (it is heavy to
-// compile), so only src/serve/http.cc includes it; engine and router servers build on it.
+// Minimal HTTP/1.1 server and clients; engine and router servers build on them. The server is our
+// own (src/serve/http_server.cc): one I/O thread reads every connection's request without blocking
+// a worker, under absolute deadlines and size limits, and a bounded worker pool runs the handlers,
+// so slow or idle clients cost a file descriptor, not a thread. The clients use cpp-httplib, which
+// stays behind this header (it is heavy to compile): only src/serve/http.cc includes it.
 #pragma once
 
 #include <atomic>
@@ -15,17 +18,41 @@
 
 namespace ferry::serve {
 
+// Every limit answers with a JSON error {"error": {"message": ..., "code": N}} that names it, then
+// closes the connection.
 struct HttpServerOptions {
     std::string host = "127.0.0.1";
     int port = 0;  // 0: any free port, see port()
-    // Streams hold a thread each for their whole life, so the pool bounds concurrent requests.
+    // Worker threads running handlers. Streams hold one each for their whole life, so this bounds
+    // concurrent requests; reading requests and idle connections take none.
     size_t threads = 128;
+    // Larger bodies get 413 as soon as their Content-Length is read (chunked ones once they grow
+    // past it), before the body is read. 16 MiB: a 128k-token prompt of ids is ~1 MiB.
+    size_t max_body_bytes = size_t(16) << 20;
+    // Request line and headers together; larger gets 431.
+    size_t max_header_bytes = size_t(64) << 10;
+    // Absolute deadlines, not per read: the whole header block within header_timeout of the
+    // connection's first byte (or of its accept), the whole body within body_timeout of the end of
+    // the headers. Past them: 408 and close.
+    Duration header_timeout = seconds(10);
+    Duration body_timeout = seconds(60);
+    // A keep-alive connection with no new request for this long is closed.
+    Duration idle_timeout = seconds(5);
+    // A response (or one chunk of a stream) the client does not take within this is abandoned.
+    Duration write_timeout = seconds(30);
+    // Open connections in all (503 beyond) and from one client address (429 beyond). The per-client
+    // cap stays above the 256 streams a router opens to an engine at its default --router-threads,
+    // all from one address.
+    size_t max_connections = 4096;
+    size_t max_connections_per_client = 1024;
 };
 
 struct HttpRequest {
     std::string method{};
     std::string path{};
     std::string body{};
+    // True once the client closed or reset its connection (a half-close, shutdown(SHUT_WR) after
+    // the request, is not gone: it still gets its response). Empty: unknown.
     std::function<bool()> client_gone{};
 };
 
@@ -36,8 +63,9 @@ struct HttpReply {
     int status = 200;
     std::string content_type = "application/json";
     std::string body{};
-    // When set, the body is streamed: this runs after the headers went out, writing chunks until
-    // it returns. It must return promptly once `write` fails or the server is stopping.
+    // When set, the body is streamed (chunked): this runs after the headers went out, writing
+    // chunks until it returns. It must return promptly once `write` fails or the server is
+    // stopping. An exception a handler throws becomes a 500 naming it.
     std::function<void(const ChunkWriter& write)> stream{};
 };
 

@@ -26,10 +26,15 @@ struct CompletionRequest {
 std::vector<int32_t> tokenize(std::string_view text);
 std::string token_text(int32_t token);
 
-// Parses a /v1/completions body. Errors are kInvalidArgument and name the offending field.
-Result<CompletionRequest> parse_completion_request(std::string_view body);
+// Parses a /v1/completions body. Errors are kInvalidArgument and name the offending field. A
+// leading UTF-8 byte-order mark is skipped (scan_completion_request does the same). With
+// max_prompt_tokens > 0 (an engine passes its max_model_len), a longer prompt is refused from its
+// size, before any token vector (or, for a large body, any json) is built.
+Result<CompletionRequest> parse_completion_request(std::string_view body,
+                                                   size_t max_prompt_tokens = 0);
 // The same for a body already parsed.
-Result<CompletionRequest> parse_completion_json(const nlohmann::json& body);
+Result<CompletionRequest> parse_completion_json(const nlohmann::json& body,
+                                                size_t max_prompt_tokens = 0);
 
 // A /v1/completions body as the router relays it: checked as parse_completion_request checks it,
 // with the same errors, but its members kept as text and a prompt of token ids only checked,

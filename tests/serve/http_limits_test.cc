@@ -1,0 +1,522 @@
+// The HTTP server under hostile clients, seen from raw sockets as an attacker sees it: slow
+// connections that must not stop /health, oversized bodies refused before they are read, absolute
+// header deadlines, connection caps, malformed requests, half-close and disconnects.
+#include <gtest/gtest.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+
+#include "ferry/serve/engine_server.h"
+#include "serve_procs.h"
+
+namespace ferry::serve::testing {
+namespace {
+
+constexpr const char* kHost = "127.0.0.1";
+
+// One client connection on a raw socket.
+class Raw {
+  public:
+    explicit Raw(int port) {
+        fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(uint16_t(port));
+        ::inet_pton(AF_INET, kHost, &a.sin_addr);
+        if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) close();
+    }
+    ~Raw() { close(); }
+    Raw(const Raw&) = delete;
+    Raw& operator=(const Raw&) = delete;
+
+    bool ok() const { return fd_ >= 0; }
+    int fd() const { return fd_; }
+    void close() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+    bool send(std::string_view s) {
+        while (!s.empty()) {
+            ssize_t n = ::send(fd_, s.data(), s.size(), MSG_NOSIGNAL);
+            if (n <= 0) return false;
+            s.remove_prefix(size_t(n));
+        }
+        return true;
+    }
+
+    struct Response {
+        int status = 0;  // 0: the connection ended (or the deadline passed) before a response
+        std::string body;
+        bool closed = false;
+        int interim = 0;  // 1xx responses seen before it
+    };
+    // One final response; interim 1xx responses are skipped (and counted).
+    Response read(Duration budget = seconds(5)) {
+        Response r;
+        TimePoint deadline = Clock::now() + budget;
+        while (true) {
+            size_t end = buf_.find("\r\n\r\n");
+            if (end != std::string::npos) {
+                int status = std::atoi(buf_.c_str() + 9);
+                if (status >= 100 && status < 200) {
+                    ++r.interim;
+                    buf_.erase(0, end + 4);
+                    continue;
+                }
+                std::string head = buf_.substr(0, end);
+                size_t cl = head.find("Content-Length: ");
+                size_t need = cl == std::string::npos ? 0 : std::stoul(head.substr(cl + 16));
+                bool chunked = head.find("Transfer-Encoding: chunked") != std::string::npos;
+                if (!chunked && buf_.size() >= end + 4 + need) {
+                    r.status = status;
+                    r.body = buf_.substr(end + 4, need);
+                    buf_.erase(0, end + 4 + need);
+                    return r;
+                }
+                if (chunked && buf_.find("\r\n0\r\n\r\n", end) != std::string::npos) {
+                    r.status = status;
+                    std::string_view rest = std::string_view(buf_).substr(end + 4);
+                    while (true) {  // de-chunk
+                        size_t size =
+                            std::stoul(std::string(rest.substr(0, rest.find("\r\n"))), nullptr, 16);
+                        rest.remove_prefix(rest.find("\r\n") + 2);
+                        if (size == 0) break;
+                        r.body.append(rest.substr(0, size));
+                        rest.remove_prefix(size + 2);
+                    }
+                    buf_.clear();
+                    return r;
+                }
+            }
+            int left = int(to_ms(deadline - Clock::now()));
+            if (left <= 0) return r;
+            pollfd p{fd_, POLLIN, 0};
+            if (::poll(&p, 1, left) <= 0) continue;
+            char tmp[65536];
+            ssize_t n = ::recv(fd_, tmp, sizeof tmp, 0);
+            if (n <= 0) {
+                r.closed = true;
+                return r;
+            }
+            buf_.append(tmp, size_t(n));
+        }
+    }
+
+  private:
+    int fd_ = -1;
+    std::string buf_;
+};
+
+std::string post(std::string_view path, std::string_view body) {
+    return fmt::format(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: {}\r\n\r\n{}",
+        path, body.size(), body);
+}
+
+std::string message_of(const std::string& body) {
+    json j = json::parse(body, nullptr, false);
+    if (j.is_discarded() || !j.contains("error")) return "(not an error body: " + body + ")";
+    return j["error"]["message"].get<std::string>();
+}
+
+size_t rss_bytes() {
+    std::ifstream in("/proc/self/statm");
+    size_t pages = 0, resident = 0;
+    in >> pages >> resident;
+    return resident * size_t(::sysconf(_SC_PAGESIZE));
+}
+
+double percentile(std::vector<double> v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, size_t(q * double(v.size())))];
+}
+
+// A server with a few handlers that show what the server did: /wait blocks until its client is gone
+// (or 5 s), /slow answers after 300 ms, /throw throws.
+struct Fixture {
+    std::unique_ptr<HttpServer> server;
+    std::atomic<bool> waiting{false};
+    std::atomic<bool> saw_gone{false};
+    std::atomic<int64_t> gone_at_ns{0};
+
+    explicit Fixture(HttpServerOptions o = {}) {
+        std::vector<HttpRoute> routes;
+        routes.push_back({"GET", "/health", [](const HttpRequest&, HttpReply& r) {
+                              r.body = R"({"status": "ok"})";
+                          }});
+        routes.push_back({"POST", "/echo", [](const HttpRequest& q, HttpReply& r) {
+                              r.body = json{{"bytes", q.body.size()}}.dump();
+                          }});
+        routes.push_back({"POST", "/slow", [](const HttpRequest&, HttpReply& r) {
+                              std::this_thread::sleep_for(milliseconds(300));
+                              r.body = R"({"done": true})";
+                          }});
+        routes.push_back({"POST", "/wait", [this](const HttpRequest& q, HttpReply& r) {
+                              waiting = true;
+                              TimePoint deadline = Clock::now() + seconds(5);
+                              while (Clock::now() < deadline && !(q.client_gone && q.client_gone()))
+                                  std::this_thread::sleep_for(milliseconds(1));
+                              if (q.client_gone && q.client_gone()) {
+                                  gone_at_ns = int64_t(now_ns());
+                                  saw_gone = true;
+                              }
+                              r.body = "{}";
+                          }});
+        routes.push_back({"GET", "/throw", [](const HttpRequest&, HttpReply&) {
+                              throw std::runtime_error("boom in the handler");
+                          }});
+        auto s = HttpServer::start(o, std::move(routes));
+        EXPECT_TRUE(s.ok()) << s.status().to_string();
+        if (s.ok()) server = std::move(s).value();
+    }
+    int port() const { return server->port(); }
+};
+
+// 200 connections each holding a partial request and sending one byte every 1-2 s (the attack that
+// stopped /health under cpp-httplib), while 50 /health probes run.
+struct SlowLoris {
+    std::vector<std::unique_ptr<Raw>> conns;
+    std::atomic<bool> stop{false};
+    std::thread dripper;
+
+    explicit SlowLoris(int port, int n = 200) {
+        for (int i = 0; i < n; ++i) {
+            conns.push_back(std::make_unique<Raw>(port));
+            conns.back()->send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ");
+        }
+        dripper = std::thread([this] {
+            // Each connection gets a byte every ~1.5 s, spread over the interval.
+            size_t i = 0;
+            while (!stop) {
+                conns[i % conns.size()]->send("a");
+                ++i;
+                std::this_thread::sleep_for(microseconds(1500000 / conns.size()));
+            }
+        });
+    }
+    ~SlowLoris() {
+        stop = true;
+        dripper.join();
+    }
+    size_t still_open() const {
+        size_t open = 0;
+        for (auto& c : conns) {
+            pollfd p{c->fd(), POLLIN, 0};
+            char b;
+            if (::poll(&p, 1, 0) == 0 || ::recv(c->fd(), &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
+                ++open;
+        }
+        return open;
+    }
+};
+
+std::vector<double> probe_health(int port, int n = 50) {
+    std::vector<double> ms;
+    for (int i = 0; i < n; ++i) {
+        TimePoint t0 = Clock::now();
+        auto r = http_get(kHost, port, "/health", seconds(2));
+        // Any answer counts: what is measured is whether the server answers, not its verdict (a
+        // router's /health may be 503 while it has no engine).
+        ms.push_back(r.ok() && r->status > 0 ? to_ms(Clock::now() - t0) : 1e9);
+        std::this_thread::sleep_for(milliseconds(30));
+    }
+    return ms;
+}
+
+TEST(HttpLimits, HealthStaysFastUnder200SlowConnections) {
+    Fixture f;  // default options: the per-client cap must leave room for attack and probes
+    SlowLoris attack(f.port());
+    std::this_thread::sleep_for(milliseconds(200));
+    std::vector<double> ms = probe_health(f.port());
+    double p99 = percentile(ms, 0.99);
+    auto r = http_post_json(kHost, f.port(), "/echo", R"({"a": 1})", seconds(2));
+    std::printf("health under 200 slow connections: p50 %.2f ms p99 %.2f ms max %.2f ms\n",
+                percentile(ms, 0.5), p99, percentile(ms, 1.0));
+    EXPECT_LT(p99, 100.0);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(attack.still_open(), 200u);  // held, not dropped: they simply cost no thread
+}
+
+TEST(HttpLimits, FerryEngineAndRouterProcessesStayHealthyUnder200SlowConnections) {
+    auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry-slow-{}", ::getpid());
+    std::filesystem::create_directories(dir);
+    int eport = free_port(), rport = free_port();
+    Proc engine =
+        Proc::spawn({ferry_binary(), "serve", "decode", "--port", std::to_string(eport), "--model",
+                     "tiny", "--tp", "1", "--num-blocks", "64", "--kv-mode", "none"},
+                    (dir / "engine.log").string());
+    Proc router = Proc::spawn(
+        {ferry_binary(), "serve", "router", "--port", std::to_string(rport), "--prefill",
+         fmt::format("{}:{}", kHost, eport), "--decode", fmt::format("{}:{}", kHost, eport)},
+        (dir / "router.log").string());
+    ASSERT_TRUE(wait_healthy(kHost, eport)) << engine.log_text();
+    ASSERT_TRUE(
+        eventually([&] { return http_get(kHost, rport, "/health", seconds(1)).ok(); }, seconds(15)))
+        << router.log_text();
+    for (int port : {eport, rport}) {
+        SlowLoris attack(port);
+        std::this_thread::sleep_for(milliseconds(200));
+        std::vector<double> ms = probe_health(port, 40);
+        double p99 = percentile(ms, 0.99);
+        std::printf("ferry %s under 200 slow connections: /health p50 %.2f ms p99 %.2f ms\n",
+                    port == eport ? "engine" : "router", percentile(ms, 0.5), p99);
+        EXPECT_LT(p99, 100.0) << (port == eport ? "engine" : "router");
+        if (port == eport) {
+            auto r = http_post_json(kHost, eport, "/v1/completions",
+                                    R"({"prompt": [1, 2, 3], "max_tokens": 2})", seconds(5));
+            ASSERT_TRUE(r.ok()) << r.status().to_string();
+            EXPECT_EQ(r->status, 200) << r->body;
+        }
+    }
+    std::filesystem::remove_all(dir);
+}
+
+TEST(HttpLimits, ContentLengthOverTheLimitGets413BeforeTheBody) {
+    Fixture f;
+    Raw c(f.port());
+    TimePoint t0 = Clock::now();
+    c.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 52428800\r\n\r\n");
+    auto r = c.read(seconds(2));
+    double ms = to_ms(Clock::now() - t0);
+    std::printf("413 for a 50 MB Content-Length after %.2f ms\n", ms);
+    EXPECT_EQ(r.status, 413);
+    EXPECT_LT(ms, 100.0);
+    EXPECT_NE(message_of(r.body).find("limit of 16777216 bytes"), std::string::npos) << r.body;
+    EXPECT_NE(message_of(r.body).find("max_body_bytes"), std::string::npos) << r.body;
+}
+
+// The body really sent, as Content-Length and as chunks: 413 soon after the headers (chunked: once
+// it grows past the limit), and the server's memory grows by less than 2x the body.
+TEST(HttpLimits, A50MBBodyReallySentGets413AndMemoryStaysBounded) {
+    Fixture f;
+    const size_t kBody = 50u << 20;
+    std::string block(1 << 20, '7');  // allocated before the baseline
+    for (bool chunked : {false, true}) {
+        size_t before = rss_bytes();
+        Raw c(f.port());
+        std::atomic<int64_t> headers_at{0};
+        std::thread sender([&] {
+            c.send(chunked ? "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           : fmt::format("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                                         "{}\r\n\r\n",
+                                         kBody));
+            headers_at = int64_t(now_ns());
+            std::string frame = fmt::format("{:x}\r\n", block.size()) + block + "\r\n";
+            for (size_t sent = 0; sent < kBody; sent += block.size())
+                if (!c.send(chunked ? std::string_view(frame) : std::string_view(block))) break;
+            if (chunked) c.send("0\r\n\r\n");
+        });
+        auto r = c.read(seconds(10));
+        double ms = double(int64_t(now_ns()) - headers_at.load()) / 1e6;
+        size_t growth = rss_bytes() - std::min(before, rss_bytes());
+        ::shutdown(c.fd(), SHUT_RDWR);  // ends the sender
+        sender.join();
+        std::printf(
+            "50 MB %s body: 413 after %.2f ms from the headers, server RSS growth %.1f MiB\n",
+            chunked ? "chunked" : "Content-Length", ms, double(growth) / (1 << 20));
+        EXPECT_EQ(r.status, 413) << (chunked ? "chunked" : "Content-Length");
+        EXPECT_NE(message_of(r.body).find("16777216"), std::string::npos) << r.body;
+        EXPECT_LT(growth, 2 * kBody);
+        if (!chunked) EXPECT_LT(ms, 100.0);
+    }
+}
+
+TEST(HttpLimits, HeadersSlowerThanTheDeadlineAreCutAtTheDeadline) {
+    Fixture f({.header_timeout = milliseconds(500)});
+    Raw c(f.port());
+    TimePoint t0 = Clock::now();
+    std::atomic<bool> stop{false};
+    std::thread dripper([&] {
+        std::string line = "GET /health HTTP/1.1\r\nX-A: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+        for (size_t i = 0; i < line.size() && !stop; ++i) {
+            c.send(line.substr(i, 1));  // a byte every 50 ms: would never time out per read
+            std::this_thread::sleep_for(milliseconds(50));
+        }
+    });
+    auto r = c.read(seconds(3));
+    double ms = to_ms(Clock::now() - t0);
+    stop = true;
+    dripper.join();
+    EXPECT_EQ(r.status, 408);
+    EXPECT_NE(message_of(r.body).find("header_timeout"), std::string::npos) << r.body;
+    EXPECT_GE(ms, 450.0);
+    EXPECT_LT(ms, 700.0);
+}
+
+TEST(HttpLimits, BodySlowerThanItsDeadlineGets408) {
+    Fixture f({.body_timeout = milliseconds(300)});
+    Raw c(f.port());
+    c.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{");
+    TimePoint t0 = Clock::now();
+    auto r = c.read(seconds(3));
+    EXPECT_EQ(r.status, 408);
+    EXPECT_NE(message_of(r.body).find("body_timeout"), std::string::npos) << r.body;
+    EXPECT_LT(to_ms(Clock::now() - t0), 500.0);
+}
+
+TEST(HttpLimits, ConnectionCapsAnswer429PerClientAnd503InAll) {
+    {
+        Fixture f({.max_connections_per_client = 3});
+        std::vector<std::unique_ptr<Raw>> held;
+        for (int i = 0; i < 3; ++i) held.push_back(std::make_unique<Raw>(f.port()));
+        std::this_thread::sleep_for(milliseconds(100));  // accepted
+        Raw extra(f.port());
+        extra.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        auto r = extra.read(seconds(2));
+        EXPECT_EQ(r.status, 429);
+        EXPECT_NE(message_of(r.body).find("limit of 3 open connections"), std::string::npos)
+            << r.body;
+        EXPECT_NE(message_of(r.body).find("127.0.0.1"), std::string::npos) << r.body;
+        held.pop_back();  // a place frees up
+        std::this_thread::sleep_for(milliseconds(100));
+        auto h = http_get(kHost, f.port(), "/health", seconds(2));
+        ASSERT_TRUE(h.ok());
+        EXPECT_EQ(h->status, 200);
+    }
+    {
+        Fixture f({.max_connections = 2});
+        Raw a(f.port()), b(f.port());
+        std::this_thread::sleep_for(milliseconds(100));
+        Raw extra(f.port());
+        extra.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        auto r = extra.read(seconds(2));
+        EXPECT_EQ(r.status, 503);
+        EXPECT_NE(message_of(r.body).find("max_connections"), std::string::npos) << r.body;
+    }
+}
+
+TEST(HttpLimits, IdleKeepAliveConnectionIsClosedAfterTheIdleTimeout) {
+    Fixture f({.idle_timeout = milliseconds(300)});
+    Raw c(f.port());
+    c.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    EXPECT_EQ(c.read().status, 200);
+    EXPECT_EQ(c.read().status, 200);  // pipelined on the same connection
+    TimePoint t0 = Clock::now();
+    auto r = c.read(seconds(2));
+    EXPECT_TRUE(r.closed);
+    EXPECT_LT(to_ms(Clock::now() - t0), 500.0);
+}
+
+TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
+    Fixture f;
+    struct Case {
+        std::string request;
+        int status;
+        std::string says;
+    };
+    std::vector<Case> cases = {
+        {"GARBAGE\r\n\r\n", 400, "malformed request line"},
+        {"GET nopath HTTP/1.1\r\n\r\n", 400, "malformed request line"},
+        {"GET / HTTP/9.9\r\n\r\n", 505, "HTTP version"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "invalid Content-Length '-1'"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "invalid Content-Length"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
+         "conflicting Content-Length values 2 and 3"},
+        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+         "both Content-Length and Transfer-Encoding"},
+        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not supported"},
+        {"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header line"},
+        {"GET /health HTTP/1.1\r\nX-Big: " + std::string(70000, 'b') + "\r\n\r\n", 431,
+         "exceed the limit of 65536 bytes"},
+        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
+         "invalid chunk size"},
+        {"GET /nope HTTP/1.1\r\n\r\n", 404, "no route GET /nope"},
+        {"DELETE /health HTTP/1.1\r\n\r\n", 404, "no route DELETE /health"},
+        {"GET /throw HTTP/1.1\r\n\r\n", 500, "boom in the handler"},
+    };
+    for (const Case& k : cases) {
+        Raw c(f.port());
+        c.send(k.request);
+        auto r = c.read(seconds(2));
+        std::string what = k.request.substr(0, 60);
+        EXPECT_EQ(r.status, k.status) << what;
+        EXPECT_NE(message_of(r.body).find(k.says), std::string::npos) << what << ": " << r.body;
+        EXPECT_EQ(json::parse(r.body, nullptr, false)["error"]["code"], k.status) << what;
+    }
+    // A good chunked body still works, as does the server after all of the above.
+    Raw c(f.port());
+    c.send(
+        "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n");
+    auto r = c.read();
+    EXPECT_EQ(r.status, 200);
+    EXPECT_EQ(r.body, R"({"bytes":8})");
+}
+
+TEST(HttpLimits, HalfCloseAfterTheRequestStillGetsTheWholeResponse) {
+    Fixture f;
+    Raw c(f.port());
+    c.send(post("/slow", "{}"));
+    ::shutdown(c.fd(), SHUT_WR);
+    auto r = c.read(seconds(3));
+    EXPECT_EQ(r.status, 200);
+    EXPECT_EQ(r.body, R"({"done": true})");
+    EXPECT_TRUE(c.read(seconds(1)).closed);  // and then the server closes its side
+}
+
+TEST(HttpLimits, FullCloseWhileAHandlerWaitsIsSeenWithin100Ms) {
+    for (bool half_then_full : {false, true}) {
+        Fixture f;
+        Raw c(f.port());
+        c.send(post("/wait", "{}"));
+        if (half_then_full) ::shutdown(c.fd(), SHUT_WR);
+        ASSERT_TRUE(eventually([&] { return f.waiting.load(); }, seconds(2)));
+        std::this_thread::sleep_for(milliseconds(50));
+        EXPECT_FALSE(f.saw_gone.load());  // a half-close is not gone
+        int64_t closed_at = int64_t(now_ns());
+        c.close();
+        ASSERT_TRUE(eventually([&] { return f.saw_gone.load(); }, seconds(2)));
+        double ms = double(f.gone_at_ns - closed_at) / 1e6;
+        std::printf("client_gone() after a %s: %.2f ms\n",
+                    half_then_full ? "half-close, then close" : "close", ms);
+        EXPECT_LT(ms, 100.0);
+    }
+}
+
+// An engine's non-streamed completion whose client went away: cancelled, blocks freed.
+TEST(HttpLimits, EngineCancelsANonStreamedRequestWhoseClientLeft) {
+    auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+    auto engine =
+        Engine::create({.engine_id = "e", .num_blocks = 128, .time_scale = 4}, cost).value();
+    ASSERT_TRUE(engine->start().ok());
+    auto server = EngineServer::start(engine.get(), {.http = {.host = kHost}}).value();
+    Raw c(server->port());
+    json body = {{"prompt", prompt_of(20, 1)}, {"max_tokens", 1500}};
+    c.send(post("/v1/completions", body.dump()));
+    ASSERT_TRUE(eventually([&] { return engine->stats().blocks_free < 128; }, seconds(2)));
+    c.close();
+    TimePoint t0 = Clock::now();
+    EXPECT_TRUE(eventually([&] { return engine->stats().blocks_free == 128; }, seconds(2)));
+    std::printf("blocks freed %.1f ms after the client closed\n", to_ms(Clock::now() - t0));
+    EXPECT_LT(to_ms(Clock::now() - t0), 500.0);
+    EXPECT_EQ(engine->stats().blocks_free, 128u);
+    server->stop();
+    engine->stop();
+}
+
+TEST(HttpLimits, EngineRefusesAPromptLongerThanTheModelBeforeTokenising) {
+    auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+    auto engine =
+        Engine::create({.engine_id = "e", .max_model_len = 1000, .num_blocks = 64}, cost).value();
+    ASSERT_TRUE(engine->start().ok());
+    auto server = EngineServer::start(engine.get(), {.http = {.host = kHost}}).value();
+    std::string ids = "[1";
+    for (int i = 0; i < 1000000; ++i) ids += ",1";
+    ids += "]";
+    for (const std::string& prompt : {ids, "\"" + std::string(5000, 'x') + "\""}) {
+        auto r = http_post_json(kHost, server->port(), "/v1/completions",
+                                R"({"max_tokens": 1, "prompt": )" + prompt + "}", seconds(10));
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->status, 400);
+        EXPECT_NE(message_of(r->body).find("max_model_len 1000"), std::string::npos) << r->body;
+    }
+    server->stop();
+    engine->stop();
+}
+
+}  // namespace
+}  // namespace ferry::serve::testing
