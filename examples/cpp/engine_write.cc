@@ -16,7 +16,8 @@ int main(int argc, char** argv) {
     auto a = ferry::TransferEngine::create(cfg);
     auto b = ferry::TransferEngine::create(cfg);
     if (!a.ok() || !b.ok()) {
-        std::fprintf(stderr, "engine: %s\n", (a.ok() ? b.status() : a.status()).to_string().c_str());
+        std::fprintf(stderr, "engine: %s\n",
+                     (a.ok() ? b.status() : a.status()).to_string().c_str());
         return 1;
     }
 
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
             return 1;
         }
     }
-    std::printf("engine_write: %zu bytes over %s with immediate %u (%u writes counted): OK\n",
-                kLen, (*a)->provider().c_str(), kImm, op.imm_writes());
+    std::printf("engine_write: %zu bytes over %s with immediate %u (%u writes counted): OK\n", kLen,
+                (*a)->provider().c_str(), kImm, op.imm_writes());
     return 0;
 }

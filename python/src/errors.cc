@@ -49,17 +49,15 @@ void register_errors(py::module_& m) {
          nullptr},
         {StatusCode::kProtocol, "ProtocolError",
          "A blob or message that does not parse (wrong version, truncated).", nullptr},
-        {StatusCode::kProvider, "ProviderError", "libfabric or CUDA reported an error.",
-         nullptr},
+        {StatusCode::kProvider, "ProviderError", "libfabric or CUDA reported an error.", nullptr},
         {StatusCode::kInternal, "InternalError", "A bug in ferry; please report it.", nullptr},
     };
     for (const auto& c : classes) {
         std::string qualified = std::string("ferry.") + c.name;
-        py::object bases = c.builtin ? py::object(py::make_tuple(py::handle(g_base),
-                                                                 py::handle(c.builtin)))
-                                     : py::object(py::reinterpret_borrow<py::object>(g_base));
-        PyObject* cls =
-            PyErr_NewExceptionWithDoc(qualified.c_str(), c.doc, bases.ptr(), nullptr);
+        py::object bases =
+            c.builtin ? py::object(py::make_tuple(py::handle(g_base), py::handle(c.builtin)))
+                      : py::object(py::reinterpret_borrow<py::object>(g_base));
+        PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), c.doc, bases.ptr(), nullptr);
         if (cls == nullptr) throw py::error_already_set();
         g_classes[static_cast<size_t>(c.code)] = cls;
         m.attr(c.name) = py::handle(cls);

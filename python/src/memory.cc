@@ -14,24 +14,23 @@ std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).
 
 BufferHold BufferHold::acquire(py::handle obj, bool writable) {
     if (!PyObject_CheckBuffer(obj.ptr())) {
-        throw StatusError(invalid_argument(
-            "cannot register a " + type_name(obj) +
-            ": not a buffer, tensor or (ptr, nbytes, device) tuple"));
+        throw StatusError(
+            invalid_argument("cannot register a " + type_name(obj) +
+                             ": not a buffer, tensor or (ptr, nbytes, device) tuple"));
     }
     BufferHold h;
     // Strides are asked for so that a non-contiguous array is seen and named, not refused by
     // the exporter with its own message.
     if (PyObject_GetBuffer(obj.ptr(), &h.view_, PyBUF_STRIDES) != 0) {
         std::string why = py::error_already_set().what();
-        throw StatusError(invalid_argument("cannot get the buffer of a " + type_name(obj) +
-                                           ": " + why));
+        throw StatusError(
+            invalid_argument("cannot get the buffer of a " + type_name(obj) + ": " + why));
     }
     h.held_ = true;
     if (!PyBuffer_IsContiguous(&h.view_, 'C')) {
-        throw StatusError(invalid_argument(
-            "cannot register a non-contiguous " + type_name(obj) +
-            ": ferry moves contiguous bytes; pass a contiguous copy "
-            "(numpy.ascontiguousarray(a), t.contiguous())"));
+        throw StatusError(invalid_argument("cannot register a non-contiguous " + type_name(obj) +
+                                           ": ferry moves contiguous bytes; pass a contiguous copy "
+                                           "(numpy.ascontiguousarray(a), t.contiguous())"));
     }
     if (writable && h.view_.readonly) {
         throw StatusError(invalid_argument(

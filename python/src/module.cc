@@ -35,8 +35,10 @@ using Runs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 Duration seconds_to_duration(double s, const char* what) {
     if (!std::isfinite(s) || s < 0) {
-        throw StatusError(invalid_argument(std::string(what) + " must be a finite number of "
-                                           "seconds >= 0, got " + std::to_string(s)));
+        throw StatusError(invalid_argument(std::string(what) +
+                                           " must be a finite number of "
+                                           "seconds >= 0, got " +
+                                           std::to_string(s)));
     }
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
 }
@@ -81,7 +83,8 @@ struct Region {
     bool read_only = false;
 
     const MemoryRegion& get() const {
-        if (!mr) throw StatusError(invalid_argument("region is closed (Region.close() was called)"));
+        if (!mr)
+            throw StatusError(invalid_argument("region is closed (Region.close() was called)"));
         return *mr;
     }
     void close() {
@@ -388,8 +391,8 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.desc.engine_id; })
         .def_property_readonly("length", [](const RemoteRegion& r) { return r.desc.length; })
         .def_property_readonly("device", [](const RemoteRegion& r) { return r.desc.device; })
-        .def_property_readonly("is_gpu",
-                               [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; })
+        .def_property_readonly(
+            "is_gpu", [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; })
         .def(py::pickle([](const RemoteRegion& r) { return py::make_tuple(to_bytes(r.blob)); },
                         [](const py::tuple& t) {
                             if (t.size() != 1) {
@@ -409,10 +412,10 @@ PYBIND11_MODULE(_ferry, m) {
                                    return to_bytes(r.get().descriptor().serialize());
                                })
         .def_property_readonly("nbytes", [](const Region& r) { return r.get().size(); })
-        .def_property_readonly("data_ptr", [](const Region& r) {
-            return reinterpret_cast<uint64_t>(r.get().data());
-        })
-        .def_property_readonly("device", [](const Region& r) { return r.get().descriptor().device; })
+        .def_property_readonly(
+            "data_ptr", [](const Region& r) { return reinterpret_cast<uint64_t>(r.get().data()); })
+        .def_property_readonly("device",
+                               [](const Region& r) { return r.get().descriptor().device; })
         .def_property_readonly("read_only", [](const Region& r) { return r.read_only; })
         .def_property_readonly("owner", [](const Region& r) { return r.owner; })
         .def_property_readonly("closed", [](const Region& r) { return r.mr == nullptr; })
@@ -434,10 +437,9 @@ PYBIND11_MODULE(_ferry, m) {
                          int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
                          uint64_t max_write_size, const std::string& gpu_copy,
                          bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
-                 return std::make_unique<Engine>(
-                     make_config(provider, same_host, node, rails, op_timeout, busy_poll,
-                                 stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
-                                 gpu_ipc, idle_spin_us));
+                 return std::make_unique<Engine>(make_config(
+                     provider, same_host, node, rails, op_timeout, busy_poll, stripe_threshold,
+                     max_write_size, gpu_copy, fabric_gpu_memory, gpu_ipc, idle_spin_us));
              }),
              py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
              py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),

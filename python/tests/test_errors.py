@@ -84,7 +84,7 @@ def test_not_a_buffer(engine):
 def test_wrong_dtype_for_pages(engine):
     src = engine.register(bytearray(1 << 16))
     dst = engine.register(bytearray(1 << 16)).descriptor
-    with pytest.raises(ferry.InvalidArgument, match="src_pages: page indices must be integers.*float"):
+    with pytest.raises(ferry.InvalidArgument, match="src_pages: .*must be integers.*float"):
         engine.paged_write(0, src, np.array([0.0, 1.0]), 4096, dst, [0, 1], 4096, 4096)
     torch = torch_or_skip()
     with pytest.raises(ferry.InvalidArgument, match="dst_pages: .*integers.*torch.float32"):
