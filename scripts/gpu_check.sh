@@ -68,6 +68,16 @@ if [ -n "${FERRY_GPU_TESTS:-}" ]; then
   done
 fi
 
+# The Python package's CUDA tensor tests (two processes on one GPU through CUDA IPC), where the
+# build made the extension and this machine's python3 has torch and pytest.
+if ls $build/python/ferry/_ferry*.so > /dev/null 2>&1; then
+  py=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' $build/CMakeCache.txt); py=${py:-python3}
+  log "python GPU tests ($py)"
+  PYTHONPATH=$build/python timeout 180 "$py" -m pytest python/tests/test_gpu.py -q -rs -p no:cacheprovider \
+    > "$out/python_gpu.log" 2>&1 || status=1
+  tail -3 "$out/python_gpu.log" | tee -a "$out/gpu_check.log"
+fi
+
 log "bench gpu"
 $build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 

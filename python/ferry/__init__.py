@@ -1,0 +1,298 @@
+"""ferry: one-sided RDMA for LLM inference over libfabric, from Python.
+
+The TransferEngine registers memory (numpy arrays, torch tensors, any writable buffer, or a raw
+``(ptr, nbytes, device)`` tuple), connects to peers by their address bytes, and moves bytes with
+one-sided writes (optionally carrying a 32-bit immediate the target counts), paged writes,
+multi-run writes and reads. Every operation returns an :class:`Op` to poll or wait on; every
+error is a :class:`ferry.Error` subclass carrying ferry's message. Blocking calls release the
+GIL, and ferry never calls into Python from its own threads. See docs/PYTHON.md.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _ferry
+from ._ferry import (
+    Cancelled,
+    Error,
+    ImmExpectation,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Op,
+    OutOfRange,
+    ProtocolError,
+    ProviderError,
+    Region,
+    RemoteRegion,
+    ResourceExhausted,
+    TimeoutError,
+    Unavailable,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TransferEngine", "Peer", "Region", "RemoteRegion", "Op", "ImmExpectation",
+    "Error", "InvalidArgument", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
+    "Cancelled", "ResourceExhausted", "ProtocolError", "ProviderError", "InternalError",
+    "gpu_device_count", "__version__",
+]
+
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+class Peer(int):
+    """A connected peer: the engine's id for it (an int), from TransferEngine.connect."""
+
+    def __repr__(self) -> str:
+        return f"ferry.Peer({int(self)})"
+
+
+def gpu_device_count() -> int:
+    """CUDA devices visible to ferry (0 in builds without CUDA or without a GPU)."""
+    return _ferry.gpu_device_count()
+
+
+def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}") from None
+    if v < 0 or v > limit:
+        raise InvalidArgument(f"{name} must be in [0, {limit}], got {v}")
+    return v
+
+
+def _imm(imm: Optional[int]) -> Optional[int]:
+    return None if imm is None else _uint("imm", imm, _U32_MAX)
+
+
+def _is_tensor(obj: Any) -> bool:
+    # Duck-typed so that no torch import (or link) is needed: torch 1.13 and 2.x alike.
+    return all(hasattr(obj, a) for a in ("data_ptr", "is_contiguous", "element_size", "numel",
+                                         "device"))
+
+
+def _device_index(device: Any) -> int:
+    """-1 for host memory, the CUDA ordinal for GPU memory."""
+    if device is None:
+        return -1
+    if isinstance(device, int):
+        return device
+    kind = getattr(device, "type", None)
+    index = getattr(device, "index", None)
+    if kind is None:  # a string: "cpu", "cuda", "cuda:1"
+        text = str(device)
+        kind, _, idx = text.partition(":")
+        index = int(idx) if idx else None
+    if kind == "cpu":
+        return -1
+    if kind == "cuda":
+        return 0 if index is None else int(index)
+    raise InvalidArgument(f"cannot register memory on device '{device}': ferry handles host "
+                          "memory and CUDA memory")
+
+
+def _index_array(name: str, pages: Any) -> np.ndarray:
+    """Page indices as contiguous uint32, from a sequence or an integer numpy/torch tensor."""
+    if _is_tensor(pages):
+        dtype = pages.dtype
+        if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) \
+                or str(dtype) == "torch.bool":
+            raise InvalidArgument(f"{name}: page indices must be integers, got a tensor of "
+                                  f"dtype {dtype}")
+        pages = pages.detach().cpu().numpy()
+    a = np.asarray(pages)
+    if a.size == 0:
+        return np.empty(0, dtype=np.uint32)
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name}: page indices must be integers, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise InvalidArgument(f"{name}: page indices must be one-dimensional, got shape "
+                              f"{a.shape}")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi > _U32_MAX:
+        raise InvalidArgument(f"{name}: page indices must be in [0, {_U32_MAX}], got "
+                              f"{lo if lo < 0 else hi}")
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _runs_array(runs: Any) -> np.ndarray:
+    """(src_offset, dst_offset, length) triples as an n x 3 uint64 array."""
+    if _is_tensor(runs):
+        runs = runs.detach().cpu().numpy()
+    a = np.asarray(runs)
+    if a.size == 0:
+        return np.empty((0, 3), dtype=np.uint64)
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"runs: offsets and lengths must be integers, got dtype {a.dtype}")
+    if a.ndim != 2 or a.shape[1] != 3:
+        raise InvalidArgument("runs must be (src_offset, dst_offset, length) triples, got "
+                              f"shape {a.shape}")
+    if int(a.min()) < 0:
+        raise InvalidArgument(f"runs: offsets and lengths must be >= 0, got {int(a.min())}")
+    return np.ascontiguousarray(a, dtype=np.uint64)
+
+
+RemoteLike = Union[RemoteRegion, bytes, Region]
+
+
+def _remote(name: str, dst: RemoteLike) -> RemoteRegion:
+    if isinstance(dst, RemoteRegion):
+        return dst
+    if isinstance(dst, (bytes, bytearray, memoryview)):
+        return RemoteRegion.from_bytes(bytes(dst))
+    if isinstance(dst, Region):
+        return RemoteRegion.from_bytes(dst.descriptor)
+    raise InvalidArgument(f"{name} must be a RemoteRegion or descriptor bytes, got "
+                          f"{type(dst).__name__}")
+
+
+def _region(name: str, r: Any) -> Region:
+    if not isinstance(r, Region):
+        raise InvalidArgument(f"{name} must be a Region from TransferEngine.register, got "
+                              f"{type(r).__name__}")
+    return r
+
+
+class TransferEngine:
+    """One-sided writes, paged writes, multi-run writes and reads to peers over libfabric."""
+
+    def __init__(self, provider: str = "auto", *, same_host: bool = False,
+                 node: str = "127.0.0.1", rails: int = 1, op_timeout: float = 10.0,
+                 busy_poll: bool = False, stripe_threshold: int = 1 << 20,
+                 max_write_size: int = 64 << 20, gpu_copy: str = "auto",
+                 fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
+                 idle_spin_us: float = 200.0) -> None:
+        self._engine = _ferry.Engine(
+            str(provider), bool(same_host), str(node), int(rails), float(op_timeout),
+            bool(busy_poll), _uint("stripe_threshold", stripe_threshold),
+            _uint("max_write_size", max_write_size), str(gpu_copy), bool(fabric_gpu_memory),
+            bool(gpu_ipc), float(idle_spin_us))
+
+    # Identity -----------------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        return self._engine.address
+
+    @property
+    def engine_id(self) -> int:
+        return self._engine.engine_id
+
+    @property
+    def provider(self) -> str:
+        return self._engine.provider
+
+    @property
+    def num_rails(self) -> int:
+        return self._engine.num_rails
+
+    @property
+    def supports_gpu_memory(self) -> bool:
+        return self._engine.supports_gpu_memory
+
+    @property
+    def gpu_memory_note(self) -> str:
+        return self._engine.gpu_memory_note
+
+    def connect(self, address: bytes) -> Peer:
+        if not isinstance(address, (bytes, bytearray, memoryview)):
+            raise InvalidArgument("address must be the peer's TransferEngine.address bytes, "
+                                  f"got {type(address).__name__}")
+        return Peer(self._engine.connect(bytes(address)))
+
+    # Memory -------------------------------------------------------------------------------
+    def register(self, obj: Any, *, read_only: bool = False) -> Region:
+        if isinstance(obj, tuple):
+            if len(obj) != 3:
+                raise InvalidArgument("a raw region is a (ptr, nbytes, device) tuple, got "
+                                      f"{len(obj)} items")
+            ptr, nbytes, device = obj
+            return self._engine.register_ptr(_uint("ptr", ptr), _uint("nbytes", nbytes),
+                                             _device_index(device), None, bool(read_only))
+        if _is_tensor(obj) and not isinstance(obj, np.ndarray):
+            if not obj.is_contiguous():
+                raise InvalidArgument(
+                    f"cannot register a non-contiguous tensor (shape {tuple(obj.shape)}, "
+                    f"stride {tuple(obj.stride())}): ferry moves contiguous bytes; pass "
+                    "t.contiguous()")
+            nbytes = int(obj.element_size()) * int(obj.numel())
+            return self._engine.register_ptr(int(obj.data_ptr()), nbytes,
+                                             _device_index(obj.device), obj, bool(read_only))
+        return self._engine.register_buffer(obj, bool(read_only))
+
+    # Operations ---------------------------------------------------------------------------
+    def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,
+              nbytes: int, imm: Optional[int] = None) -> Op:
+        return self._engine.write(_uint("peer", peer, _U32_MAX), _region("src", src),
+                                  _uint("src_offset", src_offset), _remote("dst", dst),
+                                  _uint("dst_offset", dst_offset), _uint("nbytes", nbytes),
+                                  _imm(imm))
+
+    def paged_write(self, peer: int, src: Region, src_pages: Any, src_stride: int,
+                    dst: RemoteLike, dst_pages: Any, dst_stride: int, page_bytes: int,
+                    imm: Optional[int] = None, *, src_offset: int = 0,
+                    dst_offset: int = 0) -> Op:
+        return self._engine.paged_write(
+            _uint("peer", peer, _U32_MAX), _region("src", src),
+            _index_array("src_pages", src_pages), _uint("src_stride", src_stride),
+            _remote("dst", dst), _index_array("dst_pages", dst_pages),
+            _uint("dst_stride", dst_stride), _uint("page_bytes", page_bytes),
+            _uint("src_offset", src_offset), _uint("dst_offset", dst_offset), _imm(imm))
+
+    def write_runs(self, peer: int, src: Region, dst: RemoteLike,
+                   runs: Union[Sequence[Tuple[int, int, int]], Any],
+                   imm: Optional[int] = None) -> Op:
+        return self._engine.write_runs(_uint("peer", peer, _U32_MAX), _region("src", src),
+                                       _remote("dst", dst), _runs_array(runs), _imm(imm))
+
+    def read(self, peer: int, dst: Region, dst_offset: int, src: RemoteLike, src_offset: int,
+             nbytes: int) -> Op:
+        return self._engine.read(_uint("peer", peer, _U32_MAX), _region("dst", dst),
+                                 _uint("dst_offset", dst_offset), _remote("src", src),
+                                 _uint("src_offset", src_offset), _uint("nbytes", nbytes))
+
+    def read_runs(self, peer: int, dst: Region, src: RemoteLike,
+                  runs: Union[Sequence[Tuple[int, int, int]], Any]) -> Op:
+        return self._engine.read_runs(_uint("peer", peer, _U32_MAX), _region("dst", dst),
+                                      _remote("src", src), _runs_array(runs))
+
+    def signal(self, peer: int, imm: int) -> Op:
+        return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))
+
+    # Target side --------------------------------------------------------------------------
+    def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
+        self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
+                              float(timeout))
+
+    def expect_imm(self, imm: int, count: int = 1, timeout: float = 600.0) -> ImmExpectation:
+        return self._engine.expect_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
+                                       float(timeout))
+
+    def imm_available(self, imm: int) -> int:
+        return self._engine.imm_available(_uint("imm", imm, _U32_MAX))
+
+    def stats(self) -> dict:
+        return self._engine.stats()
+
+    # Lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        self._engine.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        try:
+            return f"ferry.TransferEngine(provider={self.provider!r}, id={self.engine_id:#x})"
+        except Error:
+            return "ferry.TransferEngine(closed)"

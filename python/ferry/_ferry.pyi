@@ -1,0 +1,150 @@
+"""Type stubs of ferry._ferry, the pybind11 extension. Use the ``ferry`` package: it checks
+arguments and turns Python objects (tensors, arrays, page lists) into what this module takes."""
+
+import builtins
+from typing import Any, Optional
+
+import numpy as np
+
+class Error(Exception):
+    """Base of every ferry error; ``str(e)`` is ferry's message, ``e.code`` the status code's
+    name ("timeout", "out of range", ...)."""
+    code: str
+
+class InvalidArgument(Error, ValueError):
+    """The caller passed something malformed or out of range."""
+
+class OutOfRange(Error, IndexError):
+    """An access outside a registered region (rejected before anything is posted)."""
+
+class NotFound(Error):
+    """Unknown peer, region or descriptor."""
+
+class TimeoutError(Error, builtins.TimeoutError):  # also caught by `except TimeoutError`
+    """A deadline passed (an operation's op_timeout, or the timeout of a wait)."""
+
+class Unavailable(Error):
+    """Peer dead or unreachable, provider or GPU missing."""
+
+class Cancelled(Error):
+    """Cancelled by a user or by shutdown (a closed engine)."""
+
+class ResourceExhausted(Error):
+    """Out of a bounded resource."""
+
+class ProtocolError(Error):
+    """A blob that does not parse: truncated, corrupted, or from an incompatible build."""
+
+class ProviderError(Error):
+    """libfabric or CUDA reported an error."""
+
+class InternalError(Error):
+    """A bug in ferry; please report it with the message."""
+
+class RemoteRegion:
+    """A peer's registered region, parsed from its descriptor bytes. Picklable."""
+    @staticmethod
+    def from_bytes(descriptor: bytes) -> RemoteRegion:
+        """Parses ``Region.descriptor`` bytes of a peer; raises ProtocolError when they are
+        truncated, corrupted or from an incompatible build."""
+    def to_bytes(self) -> bytes:
+        """The descriptor bytes this was parsed from."""
+    @property
+    def engine_id(self) -> int:
+        """Id of the engine that registered the region."""
+    @property
+    def length(self) -> int:
+        """Size of the region in bytes."""
+    @property
+    def device(self) -> int:
+        """CUDA device of GPU memory, -1 for host memory."""
+    @property
+    def is_gpu(self) -> bool:
+        """True for CUDA memory."""
+
+class Region:
+    """Local memory registered with an engine; keeps the registered object alive and
+    deregisters when garbage-collected or closed."""
+    @property
+    def descriptor(self) -> bytes:
+        """What a peer needs to write into or read from this region (send it by any channel).
+        Raises InvalidArgument for a read-only region."""
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+    @property
+    def data_ptr(self) -> int:
+        """Address of byte 0."""
+    @property
+    def device(self) -> int:
+        """CUDA device, or -1 for host memory."""
+    @property
+    def read_only(self) -> bool:
+        """Registered with read_only=True: usable only as a source."""
+    @property
+    def owner(self) -> Any:
+        """The registered object (array, tensor, buffer), or None for a raw pointer."""
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+    def close(self) -> None:
+        """Deregisters now and drops the reference to the object. Operations using the
+        region must have completed."""
+
+class Op:
+    """Handle of one submitted operation. Keeps the regions it uses alive."""
+    def done(self) -> bool:
+        """True once the operation completed, successfully or not (never blocks)."""
+    def wait(self, timeout: float = 30.0) -> None:
+        """Waits up to ``timeout`` seconds, GIL released. Returns when the operation
+        succeeded; raises its error (OutOfRange, Unavailable, TimeoutError...) otherwise, or
+        TimeoutError when ``timeout`` passed first. Completion of a write means the source may
+        be reused; the bytes are known to be at the target once it counted the immediate."""
+    @property
+    def imm_writes(self) -> int:
+        """Number of writes carrying the immediate that this operation put on the wire: the
+        count the target waits for (wait_imm / expect_imm)."""
+
+class ImmExpectation:
+    """Target-side expectation of ``count`` writes carrying ``imm``, consumed when complete."""
+    imm: int
+    count: int
+    def done(self) -> bool:
+        """True once the writes arrived (or the expectation's own timeout passed)."""
+    def wait(self, timeout: float = 30.0) -> None:
+        """Waits up to ``timeout`` seconds, GIL released; raises TimeoutError if the writes are
+        not all there (the expectation stays armed), or the expectation's error."""
+
+class Engine:
+    def __init__(self, provider: str, same_host: bool, node: str, rails: int,
+                 op_timeout: float, busy_poll: bool, stripe_threshold: int,
+                 max_write_size: int, gpu_copy: str, fabric_gpu_memory: bool, gpu_ipc: bool,
+                 idle_spin_us: float) -> None: ...
+    address: bytes
+    engine_id: int
+    provider: str
+    num_rails: int
+    supports_gpu_memory: bool
+    gpu_memory_note: str
+    def connect(self, address: bytes) -> int: ...
+    def register_buffer(self, obj: Any, read_only: bool) -> Region: ...
+    def register_ptr(self, ptr: int, nbytes: int, device: int, owner: Any,
+                     read_only: bool) -> Region: ...
+    def write(self, peer: int, src: Region, src_offset: int, dst: RemoteRegion,
+              dst_offset: int, nbytes: int, imm: Optional[int]) -> Op: ...
+    def paged_write(self, peer: int, src: Region, src_pages: np.ndarray, src_stride: int,
+                    dst: RemoteRegion, dst_pages: np.ndarray, dst_stride: int, page_bytes: int,
+                    src_offset: int, dst_offset: int, imm: Optional[int]) -> Op: ...
+    def write_runs(self, peer: int, src: Region, dst: RemoteRegion, runs: np.ndarray,
+                   imm: Optional[int]) -> Op: ...
+    def read(self, peer: int, dst: Region, dst_offset: int, src: RemoteRegion,
+             src_offset: int, nbytes: int) -> Op: ...
+    def read_runs(self, peer: int, dst: Region, src: RemoteRegion, runs: np.ndarray) -> Op: ...
+    def signal(self, peer: int, imm: int) -> Op: ...
+    def wait_imm(self, imm: int, count: int, timeout: float) -> None: ...
+    def expect_imm(self, imm: int, count: int, timeout: float) -> ImmExpectation: ...
+    def imm_available(self, imm: int) -> int: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+def gpu_device_count() -> int: ...

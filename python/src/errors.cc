@@ -1,0 +1,82 @@
+#include "errors.h"
+
+#include <array>
+#include <string>
+
+namespace py = pybind11;
+
+namespace ferry::python {
+namespace {
+
+struct ErrorClass {
+    StatusCode code;
+    const char* name;
+    const char* doc;
+    PyObject* builtin;  // a builtin base besides ferry.Error, so `except TimeoutError` works
+};
+
+// Python class objects, indexed by StatusCode; created once at import and kept for the
+// interpreter's life (module attributes hold them too).
+std::array<PyObject*, static_cast<size_t>(StatusCode::kInternal) + 1> g_classes{};
+PyObject* g_base = nullptr;
+
+PyObject* class_for(StatusCode code) {
+    auto i = static_cast<size_t>(code);
+    if (i < g_classes.size() && g_classes[i] != nullptr) return g_classes[i];
+    return g_base;
+}
+
+}  // namespace
+
+void register_errors(py::module_& m) {
+    g_base = PyErr_NewExceptionWithDoc(
+        "ferry.Error", "Base class of every error ferry raises; str(e) is ferry's message.",
+        nullptr, nullptr);
+    if (g_base == nullptr) throw py::error_already_set();
+    m.attr("Error") = py::handle(g_base);
+
+    const ErrorClass classes[] = {
+        {StatusCode::kInvalidArgument, "InvalidArgument",
+         "The caller passed something malformed or out of range.", PyExc_ValueError},
+        {StatusCode::kOutOfRange, "OutOfRange", "An access outside a registered region.",
+         PyExc_IndexError},
+        {StatusCode::kNotFound, "NotFound", "Unknown peer, region or descriptor.", nullptr},
+        {StatusCode::kTimeout, "TimeoutError", "A deadline passed.", PyExc_TimeoutError},
+        {StatusCode::kUnavailable, "Unavailable",
+         "Peer dead or unreachable, provider or GPU missing.", nullptr},
+        {StatusCode::kCancelled, "Cancelled", "Cancelled by a user or by shutdown.", nullptr},
+        {StatusCode::kResourceExhausted, "ResourceExhausted", "Out of a bounded resource.",
+         nullptr},
+        {StatusCode::kProtocol, "ProtocolError",
+         "A blob or message that does not parse (wrong version, truncated).", nullptr},
+        {StatusCode::kProvider, "ProviderError", "libfabric or CUDA reported an error.", nullptr},
+        {StatusCode::kInternal, "InternalError", "A bug in ferry; please report it.", nullptr},
+    };
+    for (const auto& c : classes) {
+        std::string qualified = std::string("ferry.") + c.name;
+        py::object bases =
+            c.builtin ? py::object(py::make_tuple(py::handle(g_base), py::handle(c.builtin)))
+                      : py::object(py::reinterpret_borrow<py::object>(g_base));
+        PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), c.doc, bases.ptr(), nullptr);
+        if (cls == nullptr) throw py::error_already_set();
+        g_classes[static_cast<size_t>(c.code)] = cls;
+        m.attr(c.name) = py::handle(cls);
+    }
+
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const StatusError& e) {
+            PyObject* cls = class_for(e.status().code());
+            py::object exc = py::reinterpret_steal<py::object>(
+                PyObject_CallFunction(cls, "s", e.status().message().c_str()));
+            if (!exc) return;  // the call set its own Python error
+            // e.code: the status code's name ("timeout"), for callers that switch on it.
+            std::string code(status_code_name(e.status().code()));
+            PyObject_SetAttrString(exc.ptr(), "code", py::str(code).ptr());
+            PyErr_SetObject(cls, exc.ptr());
+        }
+    });
+}
+
+}  // namespace ferry::python

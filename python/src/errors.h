@@ -1,0 +1,40 @@
+// ferry's Status as Python exceptions: ferry.Error and one subclass per status code. C++ code
+// in the bindings throws StatusError; the translator registered by register_errors turns it
+// into the matching Python class carrying ferry's message, so no Status is lost and no C++
+// exception reaches the interpreter untranslated.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <exception>
+#include <utility>
+
+#include "ferry/common/status.h"
+
+namespace ferry::python {
+
+class StatusError : public std::exception {
+  public:
+    explicit StatusError(Status status) : status_(std::move(status)) {}
+    const Status& status() const { return status_; }
+    const char* what() const noexcept override { return status_.message().c_str(); }
+
+  private:
+    Status status_;
+};
+
+// Throws StatusError when `status` is an error.
+inline void check(const Status& status) {
+    if (!status.ok()) throw StatusError(status);
+}
+
+template <typename T>
+T take(Result<T>&& result) {
+    if (!result.ok()) throw StatusError(result.status());
+    return std::move(result).value();
+}
+
+// Creates ferry.Error and its subclasses in module `m` and registers the translator.
+void register_errors(pybind11::module_& m);
+
+}  // namespace ferry::python

@@ -1,0 +1,476 @@
+// ferry._ferry: the TransferEngine for Python. A thin layer over the public C++ API
+// (include/ferry/fabric/engine.h): argument checking that needs Python objects happens here
+// or in python/ferry/__init__.py, everything else is ferry's own. Rules:
+// - the GIL is released around every call into the engine that can block or wait;
+// - nothing runs Python code on ferry's threads: completions are polled (Op.done, Op.wait),
+//   and the one callback used (on_imm, for ImmExpectation) only sets C++ state;
+// - every Status becomes a ferry.Error subclass (errors.h), never a crash.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/fabric/gpu_memory.h"
+#include "ferry/fabric/types.h"
+#include "memory.h"
+
+namespace py = pybind11;
+
+namespace ferry::python {
+namespace {
+
+using Pages = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+using Runs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+Duration seconds_to_duration(double s, const char* what) {
+    if (!std::isfinite(s) || s < 0) {
+        throw StatusError(invalid_argument(std::string(what) +
+                                           " must be a finite number of "
+                                           "seconds >= 0, got " +
+                                           std::to_string(s)));
+    }
+    return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+}
+
+std::span<const uint8_t> bytes_span(const py::bytes& b) {
+    char* data = nullptr;
+    Py_ssize_t len = 0;
+    if (PyBytes_AsStringAndSize(b.ptr(), &data, &len) != 0) throw py::error_already_set();
+    return {reinterpret_cast<const uint8_t*>(data), static_cast<size_t>(len)};
+}
+
+py::bytes to_bytes(const std::vector<uint8_t>& v) {
+    return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+// A peer's region, parsed once from its descriptor bytes.
+struct RemoteRegion {
+    MemoryDescriptor desc;
+    std::vector<uint8_t> blob;
+
+    static std::shared_ptr<RemoteRegion> from_bytes(const py::bytes& b) {
+        auto r = std::make_shared<RemoteRegion>();
+        auto span = bytes_span(b);
+        auto d = MemoryDescriptor::deserialize(span);
+        if (!d.ok()) {
+            check(d.status().with_context(
+                "bad region descriptor (" + std::to_string(span.size()) +
+                " bytes; pass Region.descriptor of the peer's region, unchanged)"));
+        }
+        r->desc = std::move(d).value();
+        r->blob.assign(span.begin(), span.end());
+        return r;
+    }
+};
+
+// A registered local region. Holds what keeps the memory valid: the buffer (BufferHold) or
+// the Python owner of a tensor / pointer.
+struct Region {
+    std::unique_ptr<MemoryRegion> mr;
+    BufferHold buffer;
+    py::object owner;
+    bool read_only = false;
+
+    const MemoryRegion& get() const {
+        if (!mr)
+            throw StatusError(invalid_argument("region is closed (Region.close() was called)"));
+        return *mr;
+    }
+    void close() {
+        mr.reset();
+        buffer.release();
+        owner = py::none();
+    }
+};
+
+// The handle of one submitted operation; keeps the regions it uses alive until it is gone.
+struct Op {
+    OpHandle handle;
+    py::object keep_src;
+    py::object keep_dst;
+
+    bool done() const { return handle.done(); }  // a flag read: keeps the GIL
+    void wait(double timeout_s) const {
+        Duration t = seconds_to_duration(timeout_s, "timeout");
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = handle.wait(t);
+        }
+        check(s);
+    }
+};
+
+// Target-side expectation of `count` writes carrying an immediate, armed with on_imm: the
+// callback (on a ferry worker) only records the status and wakes waiters.
+struct ImmExpectation {
+    struct State {
+        std::mutex mu;
+        std::condition_variable cv;
+        std::optional<Status> result;
+    };
+    std::shared_ptr<State> state = std::make_shared<State>();
+    uint32_t imm = 0;
+    uint64_t count = 0;
+
+    bool done() const {
+        std::lock_guard<std::mutex> l(state->mu);
+        return state->result.has_value();
+    }
+    void wait(double timeout_s) const {
+        Duration t = seconds_to_duration(timeout_s, "timeout");
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            std::unique_lock<std::mutex> l(state->mu);
+            if (!state->cv.wait_for(l, t, [&] { return state->result.has_value(); })) {
+                s = timeout_error("waiting for " + std::to_string(count) +
+                                  " writes with immediate " + std::to_string(imm) +
+                                  ": not all arrived yet (the expectation stays armed)");
+            } else {
+                s = *state->result;
+            }
+        }
+        check(s);
+    }
+};
+
+class Engine {
+  public:
+    explicit Engine(const EngineConfig& config) {
+        Result<std::unique_ptr<TransferEngine>> r = internal_error("unset");
+        {
+            py::gil_scoped_release nogil;
+            r = TransferEngine::create(config);
+        }
+        engine_ = take(std::move(r));
+    }
+
+    TransferEngine& get() const {
+        if (!engine_) throw StatusError(cancelled("engine is closed (TransferEngine.close())"));
+        return *engine_;
+    }
+
+    void close() {
+        std::unique_ptr<TransferEngine> e = std::move(engine_);
+        py::gil_scoped_release nogil;
+        e.reset();  // joins the workers; nothing there waits for the GIL
+    }
+
+    py::bytes address() const { return to_bytes(get().address().serialize()); }
+
+    PeerId connect(const py::bytes& address) {
+        auto span = bytes_span(address);
+        auto a = EngineAddress::deserialize(span);
+        if (!a.ok()) {
+            check(a.status().with_context(
+                "bad engine address (" + std::to_string(span.size()) +
+                " bytes; pass TransferEngine.address of the peer, unchanged)"));
+        }
+        Result<PeerId> p = internal_error("unset");
+        {
+            py::gil_scoped_release nogil;
+            p = get().connect(*a);
+        }
+        return take(std::move(p));
+    }
+
+    std::shared_ptr<Region> register_buffer(py::handle obj, bool read_only) {
+        auto region = std::make_shared<Region>();
+        region->buffer = BufferHold::acquire(obj, !read_only);
+        region->read_only = region->buffer.read_only();
+        region->owner = py::reinterpret_borrow<py::object>(obj);
+        return finish_register(region, region->buffer.data(), region->buffer.size(),
+                               MemoryKind::kHost, -1);
+    }
+
+    std::shared_ptr<Region> register_ptr(uint64_t ptr, uint64_t nbytes, int device,
+                                         py::object owner, bool read_only) {
+        if (ptr == 0) throw StatusError(invalid_argument("cannot register a null pointer"));
+        auto region = std::make_shared<Region>();
+        region->owner = std::move(owner);
+        region->read_only = read_only;
+        return finish_register(region, reinterpret_cast<void*>(ptr), nbytes,
+                               device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost, device);
+    }
+
+    Op write(PeerId peer, std::shared_ptr<Region> src, uint64_t src_offset,
+             std::shared_ptr<RemoteRegion> dst, uint64_t dst_offset, uint64_t nbytes,
+             std::optional<uint32_t> imm) {
+        WriteOp w{peer, &src->get(), src_offset, &dst->desc, dst_offset, nbytes, imm};
+        return submit(py::cast(src), py::cast(dst), [&](TransferEngine& e) { return e.write(w); });
+    }
+
+    Op paged_write(PeerId peer, std::shared_ptr<Region> src, const Pages& src_pages,
+                   uint64_t src_stride, std::shared_ptr<RemoteRegion> dst, const Pages& dst_pages,
+                   uint64_t dst_stride, uint64_t page_bytes, uint64_t src_offset,
+                   uint64_t dst_offset, std::optional<uint32_t> imm) {
+        PagedWriteOp w;
+        w.peer = peer;
+        w.src = &src->get();
+        w.dst = &dst->desc;
+        w.page_size = page_bytes;
+        w.src_stride = src_stride;
+        w.dst_stride = dst_stride;
+        w.src_offset = src_offset;
+        w.dst_offset = dst_offset;
+        w.src_pages = {src_pages.data(), static_cast<size_t>(src_pages.size())};
+        w.dst_pages = {dst_pages.data(), static_cast<size_t>(dst_pages.size())};
+        w.imm = imm;
+        return submit(py::cast(src), py::cast(dst),
+                      [&](TransferEngine& e) { return e.paged_write(w); });
+    }
+
+    Op write_runs(PeerId peer, std::shared_ptr<Region> src, std::shared_ptr<RemoteRegion> dst,
+                  const Runs& runs, std::optional<uint32_t> imm) {
+        std::vector<WriteRun> rs = to_runs(runs);
+        WriteRunsOp w{peer, &src->get(), &dst->desc, rs, imm};
+        return submit(py::cast(src), py::cast(dst),
+                      [&](TransferEngine& e) { return e.write_runs(w); });
+    }
+
+    Op read(PeerId peer, std::shared_ptr<Region> dst, uint64_t dst_offset,
+            std::shared_ptr<RemoteRegion> src, uint64_t src_offset, uint64_t nbytes) {
+        refuse_read_only(*dst, "read");
+        ReadOp r{peer, &dst->get(), dst_offset, &src->desc, src_offset, nbytes};
+        return submit(py::cast(src), py::cast(dst), [&](TransferEngine& e) { return e.read(r); });
+    }
+
+    Op read_runs(PeerId peer, std::shared_ptr<Region> dst, std::shared_ptr<RemoteRegion> src,
+                 const Runs& runs) {
+        refuse_read_only(*dst, "read_runs");
+        std::vector<WriteRun> rs = to_runs(runs);
+        ReadRunsOp r{peer, &dst->get(), &src->desc, rs};
+        return submit(py::cast(src), py::cast(dst),
+                      [&](TransferEngine& e) { return e.read_runs(r); });
+    }
+
+    Op signal(PeerId peer, uint32_t imm) {
+        return submit(py::none(), py::none(),
+                      [&](TransferEngine& e) { return e.signal(peer, imm); });
+    }
+
+    void wait_imm(uint32_t imm, uint64_t count, double timeout_s) {
+        Duration t = seconds_to_duration(timeout_s, "timeout");
+        TransferEngine& e = get();
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = e.wait_imm(imm, count, t);
+        }
+        check(s);
+    }
+
+    ImmExpectation expect_imm(uint32_t imm, uint64_t count, double timeout_s) {
+        Duration t = seconds_to_duration(timeout_s, "timeout");
+        ImmExpectation x;
+        x.imm = imm;
+        x.count = count;
+        TransferEngine& e = get();
+        auto state = x.state;
+        py::gil_scoped_release nogil;
+        e.on_imm(imm, count, t, [state](const Status& s) {
+            {
+                std::lock_guard<std::mutex> l(state->mu);
+                state->result = s;
+            }
+            state->cv.notify_all();
+        });
+        return x;
+    }
+
+    uint64_t imm_available(uint32_t imm) const { return get().imm_available(imm); }
+
+    py::dict stats() const {
+        EngineStats s = get().stats();
+        py::dict d;
+        d["ops_posted"] = s.ops_posted;
+        d["bytes_posted"] = s.bytes_posted;
+        d["eagain"] = s.eagain;
+        d["op_errors"] = s.op_errors;
+        d["op_timeouts"] = s.op_timeouts;
+        d["imm_arrivals"] = s.imm_arrivals;
+        d["messages_received"] = s.messages_received;
+        d["messages_dropped"] = s.messages_dropped;
+        return d;
+    }
+
+  private:
+    std::shared_ptr<Region> finish_register(std::shared_ptr<Region> region, void* ptr,
+                                            uint64_t nbytes, MemoryKind kind, int device) {
+        if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
+        TransferEngine& e = get();
+        Result<std::unique_ptr<MemoryRegion>> r = internal_error("unset");
+        {
+            py::gil_scoped_release nogil;
+            r = e.register_memory(ptr, nbytes, kind, device);
+        }
+        region->mr = take(std::move(r));
+        return region;
+    }
+
+    static void refuse_read_only(const Region& r, const char* what) {
+        if (r.read_only) {
+            throw StatusError(invalid_argument(std::string(what) +
+                                               " into a read-only region: register a writable "
+                                               "buffer to read into it"));
+        }
+    }
+
+    static std::vector<WriteRun> to_runs(const Runs& runs) {
+        if (runs.ndim() != 2 || runs.shape(1) != 3) {
+            throw StatusError(invalid_argument(
+                "runs must be (src_offset, dst_offset, length) triples, an n x 3 array"));
+        }
+        std::vector<WriteRun> rs(static_cast<size_t>(runs.shape(0)));
+        const uint64_t* p = runs.data();
+        for (size_t i = 0; i < rs.size(); ++i) rs[i] = {p[3 * i], p[3 * i + 1], p[3 * i + 2]};
+        return rs;
+    }
+
+    template <typename F>
+    Op submit(py::object keep_src, py::object keep_dst, F&& post) {
+        TransferEngine& e = get();
+        Op op;
+        {
+            py::gil_scoped_release nogil;
+            op.handle = post(e);
+        }
+        op.keep_src = std::move(keep_src);
+        op.keep_dst = std::move(keep_dst);
+        return op;
+    }
+
+    std::unique_ptr<TransferEngine> engine_;
+};
+
+EngineConfig make_config(const std::string& provider, bool same_host, const std::string& node,
+                         int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
+                         uint64_t max_write_size, const std::string& gpu_copy,
+                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
+    if (rails < 1) throw StatusError(invalid_argument("rails must be >= 1"));
+    EngineConfig c;
+    c.provider = provider;
+    c.peers_on_same_host = same_host;
+    c.node = node;
+    c.num_rails = rails;
+    c.op_timeout = seconds_to_duration(op_timeout, "op_timeout");
+    c.busy_poll = busy_poll;
+    c.stripe_threshold = stripe_threshold;
+    c.max_write_size = max_write_size;
+    c.gpu_copy = gpu_copy;
+    c.fabric_gpu_memory = fabric_gpu_memory;
+    c.gpu_ipc = gpu_ipc;
+    c.idle_spin = seconds_to_duration(idle_spin_us * 1e-6, "idle_spin_us");
+    return c;
+}
+
+}  // namespace
+}  // namespace ferry::python
+
+PYBIND11_MODULE(_ferry, m) {
+    using namespace ferry;          // NOLINT(google-build-using-namespace)
+    using namespace ferry::python;  // NOLINT(google-build-using-namespace)
+    m.doc() = "ferry's C++ TransferEngine; use the `ferry` package, not this module directly.";
+    register_errors(m);
+
+    py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>>(m, "RemoteRegion")
+        .def_static("from_bytes", &RemoteRegion::from_bytes, py::arg("descriptor"))
+        .def("to_bytes", [](const RemoteRegion& r) { return to_bytes(r.blob); })
+        .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.desc.engine_id; })
+        .def_property_readonly("length", [](const RemoteRegion& r) { return r.desc.length; })
+        .def_property_readonly("device", [](const RemoteRegion& r) { return r.desc.device; })
+        .def_property_readonly(
+            "is_gpu", [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; })
+        .def(py::pickle([](const RemoteRegion& r) { return py::make_tuple(to_bytes(r.blob)); },
+                        [](const py::tuple& t) {
+                            if (t.size() != 1) {
+                                throw StatusError(protocol_error("bad pickled RemoteRegion"));
+                            }
+                            return RemoteRegion::from_bytes(t[0].cast<py::bytes>());
+                        }));
+
+    py::class_<Region, std::shared_ptr<Region>>(m, "Region")
+        .def_property_readonly("descriptor",
+                               [](const Region& r) {
+                                   if (r.read_only) {
+                                       throw StatusError(invalid_argument(
+                                           "a read-only region has no descriptor: peers would "
+                                           "write into it; register a writable buffer"));
+                                   }
+                                   return to_bytes(r.get().descriptor().serialize());
+                               })
+        .def_property_readonly("nbytes", [](const Region& r) { return r.get().size(); })
+        .def_property_readonly(
+            "data_ptr", [](const Region& r) { return reinterpret_cast<uint64_t>(r.get().data()); })
+        .def_property_readonly("device",
+                               [](const Region& r) { return r.get().descriptor().device; })
+        .def_property_readonly("read_only", [](const Region& r) { return r.read_only; })
+        .def_property_readonly("owner", [](const Region& r) { return r.owner; })
+        .def_property_readonly("closed", [](const Region& r) { return r.mr == nullptr; })
+        .def("close", &Region::close);
+
+    py::class_<Op>(m, "Op")
+        .def("done", &Op::done)
+        .def("wait", &Op::wait, py::arg("timeout") = 30.0)
+        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle.imm_writes(); });
+
+    py::class_<ImmExpectation>(m, "ImmExpectation")
+        .def("done", &ImmExpectation::done)
+        .def("wait", &ImmExpectation::wait, py::arg("timeout") = 30.0)
+        .def_readonly("imm", &ImmExpectation::imm)
+        .def_readonly("count", &ImmExpectation::count);
+
+    py::class_<Engine>(m, "Engine")
+        .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
+                         int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
+                         uint64_t max_write_size, const std::string& gpu_copy,
+                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
+                 return std::make_unique<Engine>(make_config(
+                     provider, same_host, node, rails, op_timeout, busy_poll, stripe_threshold,
+                     max_write_size, gpu_copy, fabric_gpu_memory, gpu_ipc, idle_spin_us));
+             }),
+             py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
+             py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
+             py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
+             py::arg("gpu_ipc"), py::arg("idle_spin_us"))
+        .def_property_readonly("address", &Engine::address)
+        .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
+        .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
+        .def_property_readonly("num_rails", [](const Engine& e) { return e.get().num_rails(); })
+        .def_property_readonly("supports_gpu_memory",
+                               [](const Engine& e) { return e.get().supports_gpu_memory(); })
+        .def_property_readonly("gpu_memory_note",
+                               [](const Engine& e) { return e.get().gpu_memory_note(); })
+        .def("connect", &Engine::connect, py::arg("address"))
+        .def("register_buffer", &Engine::register_buffer, py::arg("obj"), py::arg("read_only"))
+        .def("register_ptr", &Engine::register_ptr, py::arg("ptr"), py::arg("nbytes"),
+             py::arg("device"), py::arg("owner"), py::arg("read_only"))
+        .def("write", &Engine::write)
+        .def("paged_write", &Engine::paged_write)
+        .def("write_runs", &Engine::write_runs)
+        .def("read", &Engine::read)
+        .def("read_runs", &Engine::read_runs)
+        .def("signal", &Engine::signal)
+        .def("wait_imm", &Engine::wait_imm)
+        .def("expect_imm", &Engine::expect_imm)
+        .def("imm_available", &Engine::imm_available)
+        .def("stats", &Engine::stats)
+        .def("close", &Engine::close);
+
+    m.def("gpu_device_count", [] {
+        py::gil_scoped_release nogil;
+        return gpu_device_count();
+    });
+}

@@ -1,0 +1,191 @@
+"""Engine operations between two processes over tcp and shm: bytes checked end to end, every
+destination poisoned first so that a byte written where it should not be is seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferry
+from conftest import torch_or_skip
+from peer import POISON
+
+KINDS = ["numpy", "torch"]
+
+
+def local_buffer(kind, nbytes, rng=None, fill=None):
+    """A local source (random bytes) or destination (filled) of the given kind."""
+    if rng is not None:
+        data = np.frombuffer(rng.randbytes(nbytes), dtype=np.uint8).copy()
+    else:
+        data = np.full(nbytes, fill, dtype=np.uint8)
+    if kind == "numpy":
+        return data, data
+    torch = torch_or_skip()
+    t = torch.from_numpy(data.view(np.int32).copy())
+    return t, t.numpy().view(np.uint8)
+
+
+def expected_after(nbytes, writes):
+    """The destination's bytes after `writes` [(dst_offset, bytes)] landed on poison."""
+    out = np.full(nbytes, POISON, dtype=np.uint8)
+    for off, data in writes:
+        out[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def check_bytes(got, want):
+    got = np.frombuffer(got, dtype=np.uint8)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (f"{bad.size} bytes differ, first at {bad[0]}: got {got[bad[0]]:#x}, "
+                           f"want {want[bad[0]]:#x}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_random_sizes(pair, rng, kind):
+    engine, peer, child = pair
+    dst_size = 1 << 18
+    src, src_bytes = local_buffer(kind, dst_size, rng=rng)
+    region = engine.register(src)
+    dst = ferry.RemoteRegion.from_bytes(child.call("alloc", f"w-{kind}", kind, dst_size, POISON))
+    # A local completion frees the source; the bytes are known to be at the target once it
+    # counted the writes' immediates, so every write carries one.
+    imm = rng.randrange(1 << 32)
+    writes, cursor, arrivals = [], 0, 0
+    while cursor < dst_size - 64:
+        n = rng.randint(1, min(40000, dst_size - cursor))
+        so = rng.randrange(0, dst_size - n + 1)
+        gap = rng.randint(0, 64)
+        if cursor + gap + n > dst_size:
+            break
+        op = engine.write(peer, region, so, dst, cursor + gap, n, imm=imm)
+        op.wait(10.0)
+        assert op.done()
+        arrivals += op.imm_writes
+        writes.append((cursor + gap, src_bytes[so:so + n].tobytes()))
+        cursor += gap + n
+    child.call("wait_imm", imm, arrivals, 10.0)
+    check_bytes(child.call("get", f"w-{kind}"), expected_after(dst_size, writes))
+
+
+def test_write_with_immediate_counted(pair, rng):
+    engine, peer, child = pair
+    size = 1 << 20
+    src, src_bytes = local_buffer("numpy", size, rng=rng)
+    region = engine.register(src)
+    desc = child.call("alloc", "imm", "numpy", size, POISON)
+    imm = rng.randrange(1 << 32)
+    ops = [engine.write(peer, region, i * (size // 8), desc, i * (size // 8), size // 8, imm=imm)
+           for i in range(8)]
+    for op in ops:
+        op.wait(10.0)
+    count = sum(op.imm_writes for op in ops)
+    assert count >= 8
+    child.call("wait_imm", imm, count, 10.0)  # every counted write arrived ...
+    check_bytes(child.call("get", "imm"), src_bytes)
+    with pytest.raises(RuntimeError, match="TimeoutError"):  # ... and no more than those
+        child.call("wait_imm", imm, 1, 0.2)
+
+
+def test_expectation_polled_at_the_target(pair, rng):
+    engine, peer, child = pair
+    dst = np.full(4096, POISON, dtype=np.uint8)
+    region = engine.register(dst)
+    child.call("alloc", "exp-src", "numpy", 4096, 7)
+    imm = 0x5EED
+    expectation = engine.expect_imm(imm, 2, timeout=10.0)
+    assert not expectation.done()
+    child.call("write", "parent", "exp-src", 0, region.descriptor, 0, 1024, imm)
+    assert not expectation.done() or engine.imm_available(imm) == 0
+    child.call("write", "parent", "exp-src", 0, region.descriptor, 2048, 1024, imm)
+    expectation.wait(10.0)
+    assert expectation.done()
+    want = np.full(4096, POISON, dtype=np.uint8)
+    want[0:1024] = 7
+    want[2048:3072] = 7
+    check_bytes(dst.tobytes(), want)
+
+
+@pytest.mark.parametrize("pages_as", ["list", "numpy", "torch"])
+def test_paged_write(pair, rng, pages_as):
+    engine, peer, child = pair
+    page, src_stride, dst_stride = 4096 + 64, 4096 + 256, 4096 + 64 * 3
+    n_src, n_dst = 48, 64
+    src, src_bytes = local_buffer("numpy", n_src * src_stride, rng=rng)
+    region = engine.register(src)
+    dst_size = n_dst * dst_stride
+    desc = child.call("alloc", f"paged-{pages_as}", "numpy", dst_size, POISON)
+    count = rng.randint(1, n_src)
+    src_pages = rng.sample(range(n_src), count)
+    dst_pages = rng.sample(range(n_dst), count)
+    if pages_as == "numpy":
+        sp, dp = np.array(src_pages, dtype=np.int64), np.array(dst_pages, dtype=np.uint32)
+    elif pages_as == "torch":
+        torch = torch_or_skip()
+        sp, dp = torch.tensor(src_pages, dtype=torch.int32), torch.tensor(dst_pages)
+    else:
+        sp, dp = src_pages, dst_pages
+    op = engine.paged_write(peer, region, sp, src_stride, desc, dp, dst_stride, page, imm=3)
+    op.wait(10.0)
+    child.call("wait_imm", 3, op.imm_writes, 10.0)
+    writes = [(d * dst_stride, src_bytes[s * src_stride:s * src_stride + page].tobytes())
+              for s, d in zip(src_pages, dst_pages)]
+    check_bytes(child.call("get", f"paged-{pages_as}"), expected_after(dst_size, writes))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_runs(pair, rng, kind):
+    engine, peer, child = pair
+    size = 1 << 17
+    src, src_bytes = local_buffer(kind, size, rng=rng)
+    region = engine.register(src)
+    desc = child.call("alloc", f"runs-{kind}", kind, size, POISON)
+    runs, cursor = [], 0
+    while True:
+        n = rng.randint(1, 9000)
+        cursor += rng.randint(0, 300)
+        if cursor + n > size:
+            break
+        runs.append((rng.randrange(0, size - n + 1), cursor, n))
+        cursor += n
+    imm = 11
+    op = engine.write_runs(peer, region, desc, runs, imm=imm)
+    op.wait(10.0)
+    assert op.imm_writes >= len(runs)
+    child.call("wait_imm", imm, op.imm_writes, 10.0)
+    writes = [(d, src_bytes[s:s + n].tobytes()) for s, d, n in runs]
+    check_bytes(child.call("get", f"runs-{kind}"), expected_after(size, writes))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_read(pair, rng, kind):
+    engine, peer, child = pair
+    size = 1 << 18
+    remote = rng.randbytes(size)
+    desc = child.call("alloc", f"read-{kind}", kind, size, 0)
+    child.call("set", f"read-{kind}", remote)
+    dst, dst_bytes = local_buffer(kind, size, fill=POISON)
+    region = engine.register(dst)
+    n = rng.randint(1, size // 2)
+    so, do = rng.randrange(0, size - n + 1), rng.randrange(0, size - n + 1)
+    engine.read(peer, region, do, desc, so, n).wait(10.0)
+    runs = [(0, size - 100, 50), (size - 10, size - 40, 10)]  # (remote, local, length)
+    runs = [r for r in runs if r[1] + r[2] <= do or r[1] >= do + n]
+    engine.read_runs(peer, region, desc, runs).wait(10.0)
+    writes = [(do, remote[so:so + n])] + [(d, remote[s:s + ln]) for s, d, ln in runs]
+    check_bytes(dst_bytes.tobytes(), expected_after(size, writes))
+
+
+def test_descriptor_pickles_and_round_trips(pair):
+    import pickle
+
+    engine, peer, child = pair
+    desc = child.call("alloc", "pickle", "numpy", 4096, POISON)
+    remote = ferry.RemoteRegion.from_bytes(desc)
+    again = pickle.loads(pickle.dumps(remote))
+    assert again.to_bytes() == desc and again.length == 4096
+    src = np.arange(4096, dtype=np.uint8)
+    op = engine.write(peer, engine.register(src), 0, again, 0, 4096, imm=21)
+    op.wait(10.0)
+    child.call("wait_imm", 21, op.imm_writes, 10.0)
+    check_bytes(child.call("get", "pickle"), src)
