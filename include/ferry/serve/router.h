@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/common/auth.h"
 #include "ferry/serve/http.h"
 #include "ferry/serve/metrics.h"
 
@@ -37,6 +38,8 @@ struct RouterConfig {
     std::vector<EngineAddress> decode{};
     RouterMode mode = RouterMode::kPush;
     Duration request_timeout = seconds(600);
+    // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required.
+    Secret secret{};
 };
 
 class Router {
