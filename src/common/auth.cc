@@ -22,11 +22,11 @@ struct FileFd {
     ~FileFd() {
         if (fd >= 0) ::close(fd);
     }
-    FileFd(const FileFd &) = delete;
-    FileFd &operator=(const FileFd &) = delete;
+    FileFd(const FileFd&) = delete;
+    FileFd& operator=(const FileFd&) = delete;
 };
 
-Status errno_status(const std::string &what) {
+Status errno_status(const std::string& what) {
     int e = errno;
     std::string m = fmt::format("{}: {}", what, strerror(e));
     if (e == EACCES || e == EPERM) return permission_denied(m);
@@ -34,7 +34,7 @@ Status errno_status(const std::string &what) {
 }
 
 // mkdir -p with mode 0700 for the folders it creates.
-Status make_parent_dirs(const std::string &path) {
+Status make_parent_dirs(const std::string& path) {
     for (size_t at = path.find('/', 1); at != std::string::npos; at = path.find('/', at + 1)) {
         std::string dir = path.substr(0, at);
         if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
@@ -69,7 +69,7 @@ Result<Secret> Secret::generate() {
     return s;
 }
 
-Digest hmac_sha256(const Secret &key, std::span<const uint8_t> message) {
+Digest hmac_sha256(const Secret& key, std::span<const uint8_t> message) {
     Digest out{};
     unsigned int len = 0;
     auto k = key.bytes();
@@ -88,17 +88,6 @@ Status random_bytes(std::span<uint8_t> out) {
     if (RAND_bytes(out.data(), int(out.size())) != 1)
         return internal_error("the system's random source (OpenSSL RAND_bytes) failed");
     return ok_status();
-}
-
-std::string to_hex(std::span<const uint8_t> bytes) {
-    static constexpr char kDigits[] = "0123456789abcdef";
-    std::string s;
-    s.reserve(bytes.size() * 2);
-    for (uint8_t b : bytes) {
-        s.push_back(kDigits[b >> 4]);
-        s.push_back(kDigits[b & 15]);
-    }
-    return s;
 }
 
 Result<std::vector<uint8_t>> from_hex(std::string_view hex, size_t expected_len,
@@ -121,7 +110,7 @@ Result<std::vector<uint8_t>> from_hex(std::string_view hex, size_t expected_len,
     return out;
 }
 
-Result<Secret> load_secret_file(const std::string &path) {
+Result<Secret> load_secret_file(const std::string& path) {
     FileFd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (f.fd < 0)
         return errno_status(fmt::format("secret file {}: cannot open it", path))
@@ -161,15 +150,15 @@ Result<Secret> load_secret_file(const std::string &path) {
     return s;
 }
 
-Result<Secret> load_or_create_secret_file(const std::string &path) {
+Result<Secret> load_or_create_secret_file(const std::string& path) {
     if (path.empty()) return invalid_argument("no secret file named");
     if (::access(path.c_str(), F_OK) == 0 || errno != ENOENT) return load_secret_file(path);
     FERRY_RETURN_IF_ERROR(make_parent_dirs(path));
     std::array<uint8_t, Secret::kGeneratedBytes> key{};
-    std::array<uint8_t, 8> tag{};
+    uint64_t tag = 0;
     FERRY_RETURN_IF_ERROR(random_bytes(key));
-    FERRY_RETURN_IF_ERROR(random_bytes(tag));
-    std::string tmp = fmt::format("{}.tmp-{}-{}", path, ::getpid(), to_hex(tag));
+    FERRY_RETURN_IF_ERROR(random_bytes({reinterpret_cast<uint8_t*>(&tag), sizeof tag}));
+    std::string tmp = fmt::format("{}.tmp-{}-{:016x}", path, ::getpid(), tag);
     {
         FileFd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
         if (f.fd < 0)

@@ -10,25 +10,27 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/fabric/types.h"  // to_hex
+
 namespace ferry {
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path temp_dir(const std::string &name) {
+fs::path temp_dir(const std::string& name) {
     fs::path d = fs::temp_directory_path() / fmt::format("ferry-auth-{}-{}", ::getpid(), name);
     fs::remove_all(d);
     fs::create_directories(d);
     return d;
 }
 
-std::vector<uint8_t> bytes_of(const Secret &s) { return {s.bytes().begin(), s.bytes().end()}; }
+std::vector<uint8_t> bytes_of(const Secret& s) { return {s.bytes().begin(), s.bytes().end()}; }
 
 // RFC 4231 test case 6 (its other cases use keys shorter than a Secret may be).
 TEST(Auth, HmacMatchesRfc4231TestCase6) {
     auto s = Secret::from_bytes(std::vector<uint8_t>(131, 0xaa)).value();
     std::string msg = "Test Using Larger Than Block-Size Key - Hash Key First";
-    Digest d = hmac_sha256(s, {reinterpret_cast<const uint8_t *>(msg.data()), msg.size()});
+    Digest d = hmac_sha256(s, {reinterpret_cast<const uint8_t*>(msg.data()), msg.size()});
     EXPECT_EQ(to_hex(d), "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
 }
 
@@ -79,7 +81,7 @@ TEST(SecretFile, ConcurrentFirstStartsAgree) {
                 else
                     errors[i] = s.status().to_string();
             });
-        for (auto &t : ts) t.join();
+        for (auto& t : ts) t.join();
         for (int i = 0; i < kThreads; ++i) {
             EXPECT_EQ(errors[i], "") << "thread " << i;
             EXPECT_EQ(got[i], got[0]) << "round " << round << " thread " << i;
@@ -91,7 +93,7 @@ TEST(SecretFile, ConcurrentFirstStartsAgree) {
 
 TEST(SecretFile, BadFilesGiveErrorsNamingTheFile) {
     fs::path d = temp_dir("bad");
-    auto write = [&](const std::string &name, const std::string &content, mode_t mode) {
+    auto write = [&](const std::string& name, const std::string& content, mode_t mode) {
         std::string p = (d / name).string();
         std::ofstream(p) << content;
         ::chmod(p.c_str(), mode);
@@ -108,7 +110,7 @@ TEST(SecretFile, BadFilesGiveErrorsNamingTheFile) {
     };
     if (::geteuid() != 0)
         cases.push_back({write("unreadable", std::string(32, 'k'), 0000), "cannot open"});
-    for (const Case &c : cases) {
+    for (const Case& c : cases) {
         auto s = load_secret_file(c.path);
         ASSERT_FALSE(s.ok()) << c.path;
         EXPECT_NE(s.status().message().find(c.path), std::string::npos) << s.status().message();

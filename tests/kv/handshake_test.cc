@@ -268,15 +268,6 @@ std::vector<uint8_t> read_until_close(int fd, Duration budget, bool* closed = nu
     return got;
 }
 
-// The payload of the first frame in `bytes` (a server's CHALLENGE).
-std::vector<uint8_t> first_frame(const std::vector<uint8_t>& bytes) {
-    if (bytes.size() < 4) return {};
-    uint32_t len = 0;
-    std::memcpy(&len, bytes.data(), 4);
-    if (bytes.size() < 4 + size_t{len}) return {};
-    return {bytes.begin() + 4, bytes.begin() + 4 + len};
-}
-
 std::vector<uint8_t> hello_frame(uint8_t nonce_fill) {
     ByteWriter w;
     w.put<uint32_t>(0x46524851);

@@ -20,7 +20,7 @@ TEST(PullCapability, DoneWithAnotherCapabilityLeavesTheOfferToItsReader) {
     constexpr uint32_t kTokens = 40;
     auto results = run_processes(
         2,
-        [&](Exchange &ex) -> std::string {
+        [&](Exchange& ex) -> std::string {
             bool prefill = ex.rank() == 0;
             testing::NodeOptions opt;
             opt.provider = "shm";
@@ -28,7 +28,7 @@ TEST(PullCapability, DoneWithAnotherCapabilityLeavesTheOfferToItsReader) {
                         1};
             CHILD_ASSIGN_OK(auto node,
                             testing::make_kv_node(ex, self, opt, 7, prefill ? 0 : kPoison));
-            auto &n = *node;
+            auto& n = *node;
             CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
             ByteWriter w;
             if (prefill) {

@@ -12,7 +12,7 @@
 namespace ferry::serve::testing {
 namespace {
 
-constexpr const char *kHost = "127.0.0.1";
+constexpr const char* kHost = "127.0.0.1";
 
 // A TCP listener the test owns: it must never see a connection.
 struct Listener {
@@ -24,9 +24,9 @@ struct Listener {
         a.sin_family = AF_INET;
         a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
         socklen_t len = sizeof a;
-        ::bind(fd, reinterpret_cast<sockaddr *>(&a), len);
+        ::bind(fd, reinterpret_cast<sockaddr*>(&a), len);
         ::listen(fd, 16);
-        ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len);
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
         port = ntohs(a.sin_port);
     }
     ~Listener() { ::close(fd); }
@@ -44,13 +44,13 @@ struct TrustStack {
     std::vector<Proc> procs;
     bool up = false;
 
-    explicit TrustStack(const std::string &mode) {
+    explicit TrustStack(const std::string& mode) {
         dir = std::filesystem::temp_directory_path() /
               fmt::format("ferry-trust-{}-{}", ::getpid(), mode);
         std::filesystem::create_directories(dir);
         secret_file = (dir / "deployment.secret").string();
         if (!load_or_create_secret_file(secret_file).ok()) ADD_FAILURE() << "no secret file";
-        auto engine = [&](const char *role, int *port) {
+        auto engine = [&](const char* role, int* port) {
             *port = free_port();
             procs.push_back(Proc::spawn({ferry_binary(),
                                          "serve",
@@ -94,7 +94,7 @@ struct TrustStack {
     }
     std::string logs() const {
         std::string out;
-        for (const auto &p : procs) out += p.log_text() + "\n";
+        for (const auto& p : procs) out += p.log_text() + "\n";
         return out;
     }
     Secret secret() const { return load_secret_file(secret_file).value(); }
@@ -104,13 +104,13 @@ struct TrustStack {
     }
 };
 
-HttpResponse post(int port, const json &body) {
+HttpResponse post(int port, const json& body) {
     auto r = http_post_json(kHost, port, "/v1/completions", body.dump(), seconds(10));
     EXPECT_TRUE(r.ok()) << r.status().to_string();
     return r.ok() ? *r : HttpResponse{};
 }
 
-void expect_refused(const HttpResponse &r, const std::string &words) {
+void expect_refused(const HttpResponse& r, const std::string& words) {
     EXPECT_EQ(r.status, 403) << r.body;
     EXPECT_NE(r.body.find("not signed by this deployment's router"), std::string::npos) << r.body;
     EXPECT_NE(r.body.find(words), std::string::npos) << r.body;
@@ -179,13 +179,13 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     double used_before = metric(kHost, s.prefill_port, "ferry_kv_blocks_used");
     EXPECT_GT(used_before, 0);
 
-    auto decode_with = [&](const json &kv) {
+    auto decode_with = [&](const json& kv) {
         return post(s.decode_port,
                     {{"prompt", prompt}, {"max_tokens", 6}, {"kv_transfer_params", kv}});
     };
     json forged = offer;  // other blocks under the real tag
     std::vector<int> ids = forged["remote_block_ids"].get<std::vector<int>>();
-    for (int &b : ids) b = (b + 17) % 256;
+    for (int& b : ids) b = (b + 17) % 256;
     forged["remote_block_ids"] = ids;
     expect_refused(decode_with(forged), "does not match");
     forged = offer;  // the real blocks with another capability
@@ -205,8 +205,8 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     // The real transfer goes through untouched, and every block comes back.
     HttpResponse ok = decode_with(offer);
     ASSERT_EQ(ok.status, 200) << ok.body << s.logs();
-    std::vector<int32_t> tokens;
-    for (const json &t : json::parse(ok.body)["choices"][0]["token_ids"]) tokens.push_back(t);
+    json answer = json::parse(ok.body);
+    std::vector<int32_t> tokens = answer["choices"][0]["token_ids"];
     EXPECT_EQ(tokens, tiny_expected(prompt, 6));
     EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
 }

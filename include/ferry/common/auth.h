@@ -27,10 +27,10 @@ class Secret {
 
     Secret() = default;
     ~Secret();
-    Secret(const Secret &o) = default;
-    Secret &operator=(const Secret &o) = default;
-    Secret(Secret &&o) noexcept = default;
-    Secret &operator=(Secret &&o) noexcept = default;
+    Secret(const Secret& o) = default;
+    Secret& operator=(const Secret& o) = default;
+    Secret(Secret&& o) noexcept = default;
+    Secret& operator=(Secret&& o) noexcept = default;
 
     // Refuses fewer than kMinBytes or more than kMaxBytes.
     static Result<Secret> from_bytes(std::span<const uint8_t> bytes);
@@ -45,26 +45,25 @@ class Secret {
 
 // HMAC-SHA256 of `message` under `key` (an empty key is refused by the callers
 // above).
-Digest hmac_sha256(const Secret &key, std::span<const uint8_t> message);
+Digest hmac_sha256(const Secret& key, std::span<const uint8_t> message);
 // Equal length and bytes, in time that depends only on the length.
 bool constant_time_equal(std::span<const uint8_t> a, std::span<const uint8_t> b);
 // Cryptographically strong random bytes.
 Status random_bytes(std::span<uint8_t> out);
 
-std::string to_hex(std::span<const uint8_t> bytes);
-// Lower- or upper-case hex of exactly `expected_len` bytes; `what` names the
-// field in errors.
+// Lower- or upper-case hex (to_hex, the other way, is in ferry/fabric/types.h) of exactly
+// `expected_len` bytes; `what` names the field in errors.
 Result<std::vector<uint8_t>> from_hex(std::string_view hex, size_t expected_len,
                                       std::string_view what);
 
 // The secret in `path`: a regular file of kMinBytes..kMaxBytes bytes, used as
 // they are, that neither group nor others may read. Errors name the file and
 // say what to do.
-Result<Secret> load_secret_file(const std::string &path);
+Result<Secret> load_secret_file(const std::string& path);
 // load_secret_file, or, when `path` does not exist, a new file of
 // kGeneratedBytes random bytes, mode 0600 (its folder is created 0700 if
 // missing). Concurrent first calls agree: each writes a temporary file and
 // link(2)s it to `path`; whoever loses the race reads the winner's.
-Result<Secret> load_or_create_secret_file(const std::string &path);
+Result<Secret> load_or_create_secret_file(const std::string& path);
 
 }  // namespace ferry

@@ -21,14 +21,14 @@
 namespace ferry::serve {
 
 // The tag of `kv`'s fields (its `auth` is not one of them).
-std::string kv_params_tag(const Secret &secret, const KvTransferParams &kv);
+std::string kv_params_tag(const Secret& secret, const KvTransferParams& kv);
 // Sets kv->auth to its tag.
-void sign_kv_params(const Secret &secret, KvTransferParams *kv);
+void sign_kv_params(const Secret& secret, KvTransferParams* kv);
 // ok when kv.auth is the tag of kv's fields under `secret`; kPermissionDenied
 // naming the problem otherwise.
-Status verify_kv_params(const Secret &secret, const KvTransferParams &kv);
+Status verify_kv_params(const Secret& secret, const KvTransferParams& kv);
 // The router's form: the kv_transfer_params object of a leg, checked as an
 // engine parses it, then signed in place (its "ferry_auth" set).
-Status sign_kv_params_json(const Secret &secret, nlohmann::json *kv);
+Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv);
 
 }  // namespace ferry::serve
