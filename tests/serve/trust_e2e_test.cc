@@ -4,6 +4,10 @@
 // for that transfer (docs/SERVING.md, "Trust").
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <fstream>
 
 #include "ferry/common/auth.h"
 #include "ferry/serve/kv_params_auth.h"
@@ -209,6 +213,70 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     std::vector<int32_t> tokens = answer["choices"][0]["token_ids"];
     EXPECT_EQ(tokens, tiny_expected(prompt, 6));
     EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+}
+
+// No --secret-file: every process takes the default file, and the three starting at once
+// (none of them finds it) agree on the one that wins the race.
+TEST(TrustE2E, DefaultSecretIsGeneratedOnceForProcessesStartingTogether) {
+    std::filesystem::path home =
+        std::filesystem::temp_directory_path() / fmt::format("ferry-trust-home-{}", ::getpid());
+    std::filesystem::remove_all(home);
+    std::filesystem::create_directories(home);
+    const char* old = std::getenv("XDG_CONFIG_HOME");
+    std::string saved = old ? old : "";
+    ::setenv("XDG_CONFIG_HOME", home.c_str(), 1);  // inherited by the processes spawned below
+    int pp = free_port(), dp = free_port(), rp = free_port();
+    std::vector<Proc> procs;
+    auto engine = [&](const char* role, int port) {
+        procs.push_back(Proc::spawn({ferry_binary(), "serve", role, "--port", std::to_string(port),
+                                     "--model", "tiny", "--tp", "1", "--num-blocks", "128",
+                                     "--kv-port", "0"},
+                                    (home / fmt::format("{}.log", role)).string()));
+    };
+    engine("prefill", pp);
+    engine("decode", dp);
+    procs.push_back(Proc::spawn({ferry_binary(), "serve", "router", "--port", std::to_string(rp),
+                                 "--prefill", fmt::format("{}:{}", kHost, pp), "--decode",
+                                 fmt::format("{}:{}", kHost, dp)},
+                                (home / "router.log").string()));
+    if (old) ::setenv("XDG_CONFIG_HOME", saved.c_str(), 1);
+    else ::unsetenv("XDG_CONFIG_HOME");
+    auto logs = [&] {
+        std::string out;
+        for (const auto& p : procs) out += p.log_text() + "\n";
+        return out;
+    };
+    ASSERT_TRUE(wait_healthy(kHost, pp) && wait_healthy(kHost, dp) && wait_healthy(kHost, rp))
+        << logs();
+    std::string file = (home / "ferry" / "deployment.secret").string();
+    struct stat st {};
+    ASSERT_EQ(::stat(file.c_str(), &st), 0) << file;
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_EQ(st.st_size, off_t(Secret::kGeneratedBytes));
+    auto prompt = prompt_of(70, 2);
+    Streamed r = stream(kHost, rp, {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}},
+                        seconds(20));
+    ASSERT_EQ(r.status, 200) << r.raw << logs();
+    EXPECT_EQ(r.tokens, tiny_expected(prompt, 4));
+    procs.clear();
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(home);
+}
+
+TEST(TrustE2E, ABadSecretFileStopsTheProcessWithAnErrorNamingIt) {
+    std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / fmt::format("ferry-trust-bad-{}", ::getpid());
+    std::filesystem::create_directories(dir);
+    std::string file = (dir / "open.secret").string();
+    std::ofstream(file) << std::string(32, 'k');
+    ::chmod(file.c_str(), 0644);
+    Proc p = Proc::spawn({ferry_binary(), "serve", "router", "--port", std::to_string(free_port()),
+                          "--secret-file", file},
+                         (dir / "router.log").string());
+    EXPECT_TRUE(eventually([&] { return !p.running(); }, seconds(10)));
+    std::string log = p.log_text();
+    EXPECT_NE(log.find(file), std::string::npos) << log;
+    EXPECT_NE(log.find("group or others"), std::string::npos) << log;
+    std::filesystem::remove_all(dir);
 }
 
 }  // namespace
