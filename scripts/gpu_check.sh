@@ -32,6 +32,13 @@ PC
   log "using carried libfabric headers with $lib"
 fi
 
+# OpenSSL's libcrypto (the deployment secret's HMAC): CMakeLists.txt falls back to the carried
+# headers in .carry/openssl; the carried library serves where the runtime is missing too.
+if ! ldconfig -p | grep -q 'libcrypto\.so\.3 ' && [ -d .carry/openssl/lib ]; then
+  export LD_LIBRARY_PATH=$PWD/.carry/openssl/lib:${LD_LIBRARY_PATH:-}
+  log "using the carried libcrypto"
+fi
+
 build=build-gpu
 log "configure"
 cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} > "$out/configure.log" 2>&1 \

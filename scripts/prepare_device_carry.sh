@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # Fills .carry/ (git-ignored) with what the lent GPU machines lack, for the device tool's
-# `carry` option: libfabric's headers (the runtime is there) and, for the serving stack,
+# `carry` option: libfabric's headers (the runtime is there), OpenSSL's libcrypto headers and
+# library (the deployment secret's HMAC; CMakeLists.txt uses .carry/openssl when the system has
+# no OpenSSL headers) and, for the serving stack,
 # cpp-httplib with the headers and libraries it is built against (OpenSSL, zlib, brotli).
 # Run here after scripts/setup.sh; then pass carry [".carry"] to the device tool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
-rm -rf .carry/libfabric .carry/httplib
+rm -rf .carry/libfabric .carry/httplib .carry/openssl
 mkdir -p .carry/libfabric/include .carry/httplib/include .carry/httplib/lib
 cp -r /usr/include/rdma .carry/libfabric/include/
+o=.carry/openssl
+mkdir -p "$o/include" "$o/lib"
+cp -r /usr/include/openssl "$o/include/"
+cp /usr/include/"$arch"/openssl/* "$o/include/openssl/"
+cp -a /lib/"$arch"/libcrypto.so.3 "$o/lib/"
+ln -sf libcrypto.so.3 "$o/lib/libcrypto.so"
 h=.carry/httplib
 cp /usr/include/httplib.h /usr/include/zlib.h /usr/include/zconf.h "$h/include/"
 cp -r /usr/include/openssl /usr/include/brotli "$h/include/"

@@ -3,6 +3,7 @@
 // Compute is modelled by the cost model; the KV bytes are real.
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <map>
 #include <thread>
 
@@ -61,6 +62,31 @@ serve::HttpServerOptions http_options(const std::string& host, int port, size_t 
     return o;
 }
 
+// The deployment secret: --secret-file, else the user's default file, generated on first use
+// (so a one-host deployment needs no flag): $XDG_CONFIG_HOME/ferry/deployment.secret, or
+// ~/.config/ferry/deployment.secret.
+Result<Secret> deployment_secret(const std::string& flag) {
+    if (!flag.empty()) return load_secret_file(flag);
+    std::string path;
+    if (const char* x = std::getenv("XDG_CONFIG_HOME"); x != nullptr && x[0] == '/')
+        path = fmt::format("{}/ferry/deployment.secret", x);
+    else if (const char* h = std::getenv("HOME"); h != nullptr && h[0] == '/')
+        path = fmt::format("{}/.config/ferry/deployment.secret", h);
+    else
+        return invalid_argument("no HOME to keep the deployment secret in: pass --secret-file");
+    auto s = load_or_create_secret_file(path);
+    if (!s.ok())
+        return s.status().with_context("default deployment secret (or pass --secret-file)");
+    return s;
+}
+
+void add_secret_flag(CLI::App* cmd, std::string& path) {
+    cmd->add_option("--secret-file", path,
+                    "file holding the deployment secret every engine and the router share "
+                    "(default: $XDG_CONFIG_HOME/ferry/deployment.secret or "
+                    "~/.config/ferry/deployment.secret, generated on first use)");
+}
+
 struct EngineFlags {
     std::string host = "127.0.0.1";
     int port = 0;
@@ -79,6 +105,7 @@ struct EngineFlags {
     int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
     double kv_lease_s = 30;
     double kv_op_timeout_s = 10;
+    std::string secret_file;  // empty: the default (deployment_secret)
 };
 
 void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
@@ -213,6 +240,9 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         };
         lc.lease = secs(f.kv_lease_s);
         lc.op_timeout = secs(f.kv_op_timeout_s);
+        auto secret = deployment_secret(f.secret_file);
+        if (!secret.ok()) return fail(secret.status());
+        lc.secret = std::move(secret).value();
         auto l = serve::FabricKvLink::create(lc, &(*engine)->pool());
         if (!l.ok()) return fail(l.status());
         link = std::move(l).value();
@@ -242,6 +272,7 @@ struct RouterFlags {
     size_t http_threads = 256;
     double timeout_s = 600;
     HttpLimitFlags http_limits;
+    std::string secret_file;
 };
 
 Result<serve::RouterMode> router_mode(const std::string& mode) {
@@ -266,6 +297,9 @@ int run_router(const RouterFlags& f) {
     rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits);
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
+    auto secret = deployment_secret(f.secret_file);
+    if (!secret.ok()) return fail(secret.status());
+    rc.secret = std::move(secret).value();
     auto router = serve::Router::start(rc);
     if (!router.ok()) return fail(router.status());
     fmt::print(stderr, "router on http://{}:{} ({}): prefill {} decode {}\n", f.host,
@@ -314,6 +348,11 @@ int run_local(const LocalFlags& f) {
     rc.decode = {{f.engine.host, (*ds)->port()}};
     rc.http =
         http_options(f.router.host, f.router.port, f.router.http_threads, f.engine.http_limits);
+    // The engines here take the router's legs over the in-process link and connect nowhere:
+    // a secret of this process alone is enough.
+    auto secret = Secret::generate();
+    if (!secret.ok()) return fail(secret.status());
+    rc.secret = std::move(secret).value();
     auto router = serve::Router::start(rc);
     if (!router.ok()) return fail(router.status());
     fmt::print(stderr,
@@ -385,12 +424,14 @@ void register_serve(CLI::App& app) {
         cmd->add_option("--kv-op-timeout", flags->kv_op_timeout_s,
                         "seconds before a KV write or read to a dead peer fails")
             ->capture_default_str();
+        add_secret_flag(cmd, flags->secret_file);
         std::string r = role;
         cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });
     }
     auto rf = std::make_shared<RouterFlags>();
     auto* router = serve->add_subcommand("router", "route completions to prefill and decode");
     add_router_flags(router, *rf, true);
+    add_secret_flag(router, rf->secret_file);
     router->callback([rf] { set_exit_code(run_router(*rf)); });
 
     auto lf = std::make_shared<LocalFlags>();

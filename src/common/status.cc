@@ -15,6 +15,7 @@ std::string_view status_code_name(StatusCode code) {
         case StatusCode::kProtocol: return "protocol error";
         case StatusCode::kProvider: return "provider error";
         case StatusCode::kInternal: return "internal error";
+        case StatusCode::kPermissionDenied: return "permission denied";
     }
     return "unknown";
 }
@@ -45,5 +46,8 @@ Status resource_exhausted(std::string m) { return {StatusCode::kResourceExhauste
 Status protocol_error(std::string m) { return {StatusCode::kProtocol, std::move(m)}; }
 Status provider_error(std::string m) { return {StatusCode::kProvider, std::move(m)}; }
 Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+Status permission_denied(std::string m) {
+    return {StatusCode::kPermissionDenied, std::move(m)};
+}
 
 }  // namespace ferry

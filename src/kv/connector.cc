@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "ferry/common/auth.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 
@@ -220,8 +221,9 @@ class KvConnector::Impl {
         m.pool = pool_->descriptor();
         m.layout = cfg_.self.layout;
         m.blocks = std::move(blocks);
+        FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
         // The blocks stay the engine's; the connector only needs the lease and the DONEs.
-        FERRY_RETURN_IF_ERROR(post([this, id] { on_offer(id); }));
+        FERRY_RETURN_IF_ERROR(post([this, id, cap = m.capability] { on_offer(id, cap); }));
         return m;
     }
 
@@ -345,6 +347,7 @@ class KvConnector::Impl {
 
     struct Offer {
         TimePoint deadline;
+        PullCapability capability{};  // a DONE without it is ignored
         std::vector<uint32_t> done_ranks;
         bool all_ok = true;
         ArrivalsExpected awake;  // decode's reads need this side's polling to progress
@@ -1235,13 +1238,14 @@ class KvConnector::Impl {
 
     // ---- pull ----
 
-    void on_offer(uint64_t id) {
+    void on_offer(uint64_t id, const PullCapability& capability) {
         auto [it, fresh] = offers_.try_emplace(id);
         if (!fresh) {
             log(LogLevel::kWarn, kLog, "transfer {:x}: offered for pull twice; ignored", id);
             return;
         }
         it->second.deadline = Clock::now() + cfg_.lease;
+        it->second.capability = capability;
         it->second.awake = ArrivalsExpected(engine_);
         active_send_.fetch_add(1);
     }
@@ -1250,6 +1254,14 @@ class KvConnector::Impl {
         auto it = offers_.find(m.transfer_id);
         if (it == offers_.end()) return stale("DONE for an unknown or expired pull offer");
         Offer& o = it->second;
+        // A DONE naming a transfer it was not offered must not free (or end) that transfer.
+        if (!constant_time_equal(o.capability, m.capability)) {
+            log(LogLevel::kWarn, kLog,
+                "transfer {:x}: DONE with a wrong capability (not the reader it was offered "
+                "to); ignored",
+                m.transfer_id);
+            return stale("DONE with a wrong capability");
+        }
         if (std::find(o.done_ranks.begin(), o.done_ranks.end(), m.decode_rank) !=
             o.done_ranks.end()) {
             return stale("duplicate DONE");
@@ -1322,7 +1334,8 @@ class KvConnector::Impl {
 
     void finish_pull(const std::shared_ptr<PullJob>& job, const Status& s) {
         for (const PullSource& src : job->sources) {
-            send(src.peer, DoneMsg{job->id, cfg_.self.tp_rank, cfg_.self.tp_size, s.ok()});
+            send(src.peer, DoneMsg{job->id, cfg_.self.tp_rank, cfg_.self.tp_size, s.ok(),
+                                   job->params[src.param].capability});
         }
         (s.ok() ? transfers_received_ : transfers_failed_).fetch_add(1);
         active_recv_.fetch_sub(1);

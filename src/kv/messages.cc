@@ -194,7 +194,7 @@ Status decode_body(ByteReader& r, FailMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
     FERRY_RETURN_IF_ERROR(r.get(&m->sender_rank, "sender_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&code, "code"));
-    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kInternal)) {
+    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kPermissionDenied)) {
         return protocol_error(fmt::format("field 'code' = {} is not an error code", code));
     }
     m->code = static_cast<StatusCode>(code);
@@ -235,6 +235,7 @@ void encode_body(ByteWriter& w, const PullParamsMsg& m) {
     w.put(m.num_tokens);
     w.put(m.lease_ms);
     encode_location(w, m.prefill_address, m.pool, m.layout, m.blocks);
+    w.put(m.capability);
 }
 
 Status decode_body(ByteReader& r, PullParamsMsg* m) {
@@ -245,7 +246,9 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
     FERRY_RETURN_IF_ERROR(
         check_rank(m->producer_rank, m->producer_tp, "producer_rank", "producer_tp"));
-    return decode_location(r, m->num_tokens, &m->prefill_address, &m->pool, &m->layout, &m->blocks);
+    FERRY_RETURN_IF_ERROR(
+        decode_location(r, m->num_tokens, &m->prefill_address, &m->pool, &m->layout, &m->blocks));
+    return r.get(&m->capability, "capability");
 }
 
 void encode_body(ByteWriter& w, const DoneMsg& m) {
@@ -253,6 +256,7 @@ void encode_body(ByteWriter& w, const DoneMsg& m) {
     w.put(m.decode_rank);
     w.put(m.decode_tp);
     w.put(static_cast<uint8_t>(m.ok));
+    w.put(m.capability);
 }
 
 Status decode_body(ByteReader& r, DoneMsg* m) {
@@ -261,6 +265,7 @@ Status decode_body(ByteReader& r, DoneMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_tp, "decode_tp"));
     FERRY_RETURN_IF_ERROR(r.get(&ok, "ok"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->capability, "capability"));
     FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
     if (ok > 1) return protocol_error(fmt::format("field 'ok' = {} is not a boolean", ok));
     m->ok = ok != 0;

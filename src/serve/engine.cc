@@ -246,6 +246,9 @@ Result<std::shared_ptr<RequestHandle>> Engine::submit(GenerateRequest r) {
         return invalid_argument(
             "do_remote_prefill needs transfer_id (push) or "
             "remote_block_ids (pull) in kv_transfer_params");
+    // Before anything is queued: a leg the connector refuses costs no block and no connection.
+    if (r.kv.do_remote_decode) FERRY_RETURN_IF_ERROR(producer_->authorize(r.kv));
+    if (r.kv.do_remote_prefill) FERRY_RETURN_IF_ERROR(consumer_->authorize(r.kv));
 
     auto seq = std::make_unique<Seq>();
     seq->id = fmt::format("{}-{}", config_.engine_id, next_id_++);

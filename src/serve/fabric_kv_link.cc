@@ -10,6 +10,7 @@
 #include "ferry/kv/connector.h"
 #include "ferry/kv/handshake.h"
 #include "ferry/serve/http.h"
+#include "ferry/serve/kv_params_auth.h"
 
 namespace ferry::serve {
 namespace {
@@ -268,6 +269,10 @@ class FabricKvLink::Impl {
             p.pool = info->pool;
             p.layout = info->layout;
             p.blocks = to_u32(params.remote_block_ids);
+            auto cap = from_hex(params.capability, p.capability.size(),
+                                "kv_transfer_params.ferry_capability");
+            if (!cap.ok()) return fail_recv(recvs, tid, cap.status());
+            std::copy(cap->begin(), cap->end(), p.capability.begin());
             st = conn->pull(tid, {std::move(p)}, to_u32(blocks), uint32_t(tokens));
         }
         if (!st.ok()) fail_recv(recvs, tid, st);
@@ -335,13 +340,18 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     info.address = p->engine->address();
     info.pool = p->mr->descriptor();
     info.layout = p->layout;
-    auto side = kv::HandshakeServer::start(config.host, uint16_t(config.side_port), info);
+    if (config.secret.empty()) return invalid_argument("the KV link needs the deployment secret");
+    kv::HandshakeServerOptions so;
+    so.secret = config.secret;
+    so.max_connections = config.side_max_connections;
+    auto side =
+        kv::HandshakeServer::start(config.host, uint16_t(config.side_port), info, std::move(so));
     if (!side.ok())
         return side.status().with_context(
             fmt::format("KV side channel on {}:{} (pick another with --kv-port)", config.host,
                         config.side_port));
     p->side = std::move(side).value();
-    p->peers = std::make_unique<kv::HandshakeCache>(p->layout.compatibility_hash());
+    p->peers = std::make_unique<kv::HandshakeCache>(p->layout.compatibility_hash(), config.secret);
     p->worker = std::thread([p] {
         set_thread_name("ferry-kvlink");
         p->run();
@@ -492,6 +502,7 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     bool push = p->cfg.mode == KvLinkMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
+    FERRY_RETURN_IF_ERROR(verify_kv_params(p->cfg.secret, params));
     std::string id = params.transfer_id.empty() ? request : params.transfer_id;
     uint64_t tid = transfer_key(id);
     KvTransferParams out;
@@ -511,18 +522,32 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     if (push) {
         st = p->conn->prefill_done(tid, to_u32(blocks), uint32_t(num_tokens));
     } else {
-        st = p->conn->offer_pull(tid, to_u32(blocks), uint32_t(num_tokens)).status();
+        auto offer = p->conn->offer_pull(tid, to_u32(blocks), uint32_t(num_tokens));
+        st = offer.status();
+        if (offer.ok()) out.capability = to_hex(offer->capability);
     }
     if (!st.ok()) {
         std::lock_guard lk(p->mu);
         p->sends.erase(tid);  // refused: the engine frees the blocks itself
         return st;
     }
+    // Signed here too, so the offer is proven by its maker; the router signs it again with the
+    // decode leg's fields.
+    sign_kv_params(p->cfg.secret, &out);
     return out;
 }
 
-// Checks a decode leg's parameters against the link's mode; the transfer's 64-bit key.
-static Result<uint64_t> decode_leg_key(KvLinkMode mode, const KvTransferParams& params) {
+Status FabricKvLink::authorize(const KvTransferParams& params) const {
+    return verify_kv_params(impl_->cfg.secret, params);
+}
+
+// Checks a decode leg's parameters against the link's mode and the deployment secret (again:
+// no connection or read on unsigned parameters even if an engine did not ask authorize());
+// the transfer's 64-bit key.
+static Result<uint64_t> decode_leg_key(const FabricKvLinkConfig& cfg,
+                                       const KvTransferParams& params) {
+    FERRY_RETURN_IF_ERROR(verify_kv_params(cfg.secret, params));
+    KvLinkMode mode = cfg.mode;
     bool pull = !params.remote_block_ids.empty();
     if (pull && mode == KvLinkMode::kPush)
         return invalid_argument("remote_block_ids given, but this engine runs in push mode");
@@ -545,7 +570,7 @@ Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
         scheduled(ok_status());  // pull legs come after prefill finished
         return ok_status();
     }
-    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg.mode, params));
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg, params));
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");
@@ -567,7 +592,7 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
                                          std::vector<BlockId> blocks, size_t num_tokens,
                                          KvDoneCallback arrived, KvProgressCallback progress) {
     Impl* p = impl_.get();
-    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg.mode, params));
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg, params));
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");

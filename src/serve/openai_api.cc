@@ -71,6 +71,8 @@ Result<KvTransferParams> kv_params_from_json(const json& j) {
     FERRY_RETURN_IF_ERROR(get_string("transfer_id", &kv.transfer_id));
     FERRY_RETURN_IF_ERROR(get_string("remote_engine_id", &kv.remote_engine_id));
     FERRY_RETURN_IF_ERROR(get_string("remote_host", &kv.remote_host));
+    FERRY_RETURN_IF_ERROR(get_string("ferry_capability", &kv.capability));
+    FERRY_RETURN_IF_ERROR(get_string("ferry_auth", &kv.auth));
     int64_t v = 0;
     FERRY_RETURN_IF_ERROR(get_int("remote_port", 0, 65535, &v));
     kv.remote_port = int(v);
@@ -106,6 +108,8 @@ json kv_params_to_json(const KvTransferParams& kv) {
               {"tp_size", kv.tp_size}};
     if (!kv.transfer_id.empty()) j["transfer_id"] = kv.transfer_id;
     if (kv.attempt != 0) j["attempt"] = kv.attempt;
+    if (!kv.capability.empty()) j["ferry_capability"] = kv.capability;
+    if (!kv.auth.empty()) j["ferry_auth"] = kv.auth;
     return j;
 }
 
@@ -366,6 +370,8 @@ int http_status_for(const Status& status) {
         case StatusCode::kOutOfRange:
         case StatusCode::kProtocol:
             return 400;
+        case StatusCode::kPermissionDenied:
+            return 403;
         case StatusCode::kNotFound:
             return 404;
         case StatusCode::kTimeout:

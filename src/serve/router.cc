@@ -7,6 +7,7 @@
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/kv_pool.h"
 #include "ferry/serve/openai_api.h"
 
@@ -163,6 +164,8 @@ Status check_limits(const RequestShape& r, const Router::EngineState& e, bool pr
 Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     if (config.prefill.empty() || config.decode.empty())
         return invalid_argument("the router needs at least one prefill and one decode engine");
+    if (config.secret.empty())
+        return invalid_argument("the router needs the deployment secret to sign legs with");
     std::unique_ptr<Router> r(new Router());
     r->config_ = std::move(config);
     r->nonce_ = fmt::format("{:08x}", std::random_device{}());
@@ -420,13 +423,14 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
-    std::string prefill_body = body.with({{"max_tokens", 1},
-                                          {"stream", false},
-                                          {"kv_transfer_params",
-                                           {{"do_remote_decode", true},
-                                            {"transfer_id", tid},
-                                            {"remote_host", D.host},
-                                            {"remote_port", D.port}}}});
+    json prefill_kv = {{"do_remote_decode", true},
+                       {"transfer_id", tid},
+                       {"remote_host", D.host},
+                       {"remote_port", D.port}};
+    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv); !st.ok())
+        return fail(500, st.to_string());
+    std::string prefill_body =
+        body.with({{"max_tokens", 1}, {"stream", false}, {"kv_transfer_params", prefill_kv}});
     json decode_kv = {{"do_remote_prefill", true},
                       {"transfer_id", tid},
                       {"remote_engine_id", *pid},
@@ -476,6 +480,10 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         decode_kv["do_remote_prefill"] = true;
         decode_kv["do_remote_decode"] = false;
         decode_kv["transfer_id"] = tid;
+    }
+    if (Status st = sign_kv_params_json(config_.secret, &decode_kv); !st.ok()) {
+        abort_prefill("the decode leg could not be signed");
+        return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
     }
     TimePoint decode_sent = Clock::now();
     auto decode_call = std::shared_ptr<HttpStream>(

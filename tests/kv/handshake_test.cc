@@ -2,9 +2,15 @@
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "ferry/common/bytes.h"
 #include "kv/kv_fixture.h"
 
 namespace ferry::kv {
@@ -15,6 +21,26 @@ using ::ferry::testing::run_processes;
 using testing::kPoison;
 
 const auto kTimeout = std::chrono::seconds(5);
+
+// The same in every process of a test (the push test runs two).
+Secret test_secret(uint8_t fill = 0x5a) {
+    return Secret::from_bytes(std::vector<uint8_t>(32, fill)).value();
+}
+HandshakeServerOptions options(Secret s = test_secret()) {
+    HandshakeServerOptions o;
+    o.secret = std::move(s);
+    return o;
+}
+
+template <typename F>
+bool eventually_ok(F pred, Duration budget = std::chrono::seconds(3)) {
+    TimePoint deadline = Clock::now() + budget;
+    while (Clock::now() < deadline) {
+        if (pred()) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+}
 
 HandshakeInfo fake_info() {
     HandshakeInfo h;
@@ -37,17 +63,17 @@ HandshakeInfo fake_info() {
 
 TEST(Handshake, ServesInfoAndRefusesAnIncompatibleCaller) {
     HandshakeInfo info = fake_info();
-    auto server = HandshakeServer::start("127.0.0.1", 0, info);
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
     ASSERT_TRUE(server.ok()) << server.status().to_string();
     uint64_t hash = info.layout.compatibility_hash();
-    auto got = fetch_handshake("127.0.0.1", (*server)->port(), hash, kTimeout);
+    auto got = fetch_handshake("127.0.0.1", (*server)->port(), hash, test_secret(), kTimeout);
     ASSERT_TRUE(got.ok()) << got.status().to_string();
     EXPECT_EQ(got->epoch, (*server)->epoch());
     EXPECT_NE(got->epoch, 0u);
     info.epoch = got->epoch;
     EXPECT_EQ(got->serialize(), info.serialize());
 
-    auto bad = fetch_handshake("127.0.0.1", (*server)->port(), hash ^ 1, kTimeout);
+    auto bad = fetch_handshake("127.0.0.1", (*server)->port(), hash ^ 1, test_secret(), kTimeout);
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.status().message().find("incompatible KV layout"), std::string::npos)
         << bad.status().message();
@@ -55,10 +81,10 @@ TEST(Handshake, ServesInfoAndRefusesAnIncompatibleCaller) {
 
 TEST(Handshake, CacheAnswersRepeatsAndDetectsARestartedPeer) {
     HandshakeInfo info = fake_info();
-    auto server = HandshakeServer::start("127.0.0.1", 0, info);
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
     ASSERT_TRUE(server.ok()) << server.status().to_string();
     uint16_t port = (*server)->port();
-    HandshakeCache cache(info.layout.compatibility_hash());
+    HandshakeCache cache(info.layout.compatibility_hash(), test_secret());
     auto a = cache.get("127.0.0.1", port, kTimeout);
     auto b = cache.get("127.0.0.1", port, kTimeout);
     ASSERT_TRUE(a.ok() && b.ok());
@@ -67,7 +93,7 @@ TEST(Handshake, CacheAnswersRepeatsAndDetectsARestartedPeer) {
 
     // Same port, new process start: a new epoch.
     server->reset();
-    auto again = HandshakeServer::start("127.0.0.1", port, info);
+    auto again = HandshakeServer::start("127.0.0.1", port, info, options());
     ASSERT_TRUE(again.ok()) << again.status().to_string();
     auto r = cache.refresh("127.0.0.1", port, kTimeout);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
@@ -88,13 +114,13 @@ TEST(Handshake, DeadOrSilentPeerIsAnErrorWithinTheTimeout) {
     ASSERT_EQ(::bind(probe, reinterpret_cast<sockaddr*>(&addr), len), 0);
     ::getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len);
     uint16_t port = ntohs(addr.sin_port);
-    auto r = fetch_handshake("127.0.0.1", port, 1, kTimeout);
+    auto r = fetch_handshake("127.0.0.1", port, 1, test_secret(), kTimeout);
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().to_string();
 
     // Listening but never answering: a timeout, on time.
     ASSERT_EQ(::listen(probe, 4), 0);
     TimePoint t0 = Clock::now();
-    r = fetch_handshake("127.0.0.1", port, 1, std::chrono::milliseconds(200));
+    r = fetch_handshake("127.0.0.1", port, 1, test_secret(), std::chrono::milliseconds(200));
     Duration took = Clock::now() - t0;
     EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().to_string();
     EXPECT_LT(took, std::chrono::seconds(2));
@@ -132,7 +158,7 @@ TEST_P(HandshakePushTest, PushWithAddressesFromTheSideChannel) {
             ByteWriter w;
             if (ex.rank() == 0) {
                 HandshakeInfo info{0, n.engine->address(), n.mr->descriptor(), self.layout, 0, 1};
-                CHILD_ASSIGN_OK(server, HandshakeServer::start("127.0.0.1", 0, info));
+                CHILD_ASSIGN_OK(server, HandshakeServer::start("127.0.0.1", 0, info, options()));
                 w.put<uint16_t>(server->port());
             }
             CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
@@ -141,7 +167,7 @@ TEST_P(HandshakePushTest, PushWithAddressesFromTheSideChannel) {
             CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(5));
             const uint64_t id = 0x99;
             if (ex.rank() == 1) {
-                HandshakeCache cache(self.layout.compatibility_hash());
+                HandshakeCache cache(self.layout.compatibility_hash(), test_secret());
                 CHILD_ASSIGN_OK(auto info, cache.get("127.0.0.1", port, kTimeout));
                 CHILD_CHECK(info.tp_size == 1 && info.layout == self.layout);
                 CHILD_CHECK_OK(n.conn->register_push({id, 1, {info.address}, blocks, 77}));
@@ -167,6 +193,314 @@ TEST_P(HandshakePushTest, PushWithAddressesFromTheSideChannel) {
 
 INSTANTIATE_TEST_SUITE_P(Providers, HandshakePushTest, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry::kv
+
+namespace ferry::kv {
+namespace {
+
+// A handshake info whose secrets are easy to spot in captured bytes.
+HandshakeInfo marked_info() {
+    HandshakeInfo h = fake_info();
+    h.address.host_id = "secret-engine-host";
+    h.pool.base = 0x1234567890abcdefull;
+    return h;
+}
+
+bool contains(const std::vector<uint8_t>& hay, std::span<const uint8_t> needle) {
+    return std::search(hay.begin(), hay.end(), needle.begin(), needle.end()) != hay.end();
+}
+
+// Nothing a peer without the secret received may tell it about the rank.
+void expect_nothing_revealed(const std::vector<uint8_t>& got, const HandshakeInfo& info) {
+    std::string host = info.address.host_id;
+    EXPECT_FALSE(contains(got, {reinterpret_cast<const uint8_t*>(host.data()), host.size()}))
+        << "engine address revealed";
+    uint64_t base = info.pool.base;
+    EXPECT_FALSE(contains(got, {reinterpret_cast<const uint8_t*>(&base), 8}))
+        << "pool descriptor revealed";
+    uint64_t hash = info.layout.compatibility_hash();
+    EXPECT_FALSE(contains(got, {reinterpret_cast<const uint8_t*>(&hash), 8}))
+        << "compatibility hash revealed";
+    std::string text(got.begin(), got.end());
+    EXPECT_EQ(text.find("incompatible"), std::string::npos);
+}
+
+int connect_loopback(uint16_t port) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+        ::close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+void send_frame_raw(int fd, const std::vector<uint8_t>& payload) {
+    uint32_t len = uint32_t(payload.size());
+    std::vector<uint8_t> b(reinterpret_cast<uint8_t*>(&len), reinterpret_cast<uint8_t*>(&len) + 4);
+    b.insert(b.end(), payload.begin(), payload.end());
+    ASSERT_EQ(::send(fd, b.data(), b.size(), MSG_NOSIGNAL), ssize_t(b.size()));
+}
+
+// Everything the server sends until it closes, or until `budget` passes.
+std::vector<uint8_t> read_until_close(int fd, Duration budget, bool* closed = nullptr) {
+    std::vector<uint8_t> got;
+    TimePoint deadline = Clock::now() + budget;
+    if (closed) *closed = false;
+    while (Clock::now() < deadline) {
+        pollfd p{fd, POLLIN, 0};
+        int ms = int(
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+        if (::poll(&p, 1, std::max(ms, 0)) <= 0) break;
+        uint8_t buf[4096];
+        ssize_t r = ::recv(fd, buf, sizeof buf, 0);
+        if (r <= 0) {
+            if (closed) *closed = true;
+            break;
+        }
+        got.insert(got.end(), buf, buf + r);
+    }
+    return got;
+}
+
+std::vector<uint8_t> hello_frame(uint8_t nonce_fill) {
+    ByteWriter w;
+    w.put<uint32_t>(0x46524851);
+    w.put<uint16_t>(HandshakeInfo::kVersion);
+    w.put<uint8_t>(1);
+    for (int i = 0; i < 32; ++i) w.put<uint8_t>(nonce_fill);
+    return w.take();
+}
+
+std::vector<uint8_t> auth_frame(const Digest& proof, uint64_t hash) {
+    ByteWriter w;
+    w.put<uint32_t>(0x46524851);
+    w.put<uint16_t>(HandshakeInfo::kVersion);
+    w.put<uint8_t>(3);
+    w.put(proof);
+    w.put(hash);
+    return w.take();
+}
+
+TEST(HandshakeAuth, WrongSecretIsRefusedWithoutLearningAnything) {
+    HandshakeInfo info = marked_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    uint16_t port = (*server)->port();
+    uint64_t hash = info.layout.compatibility_hash();
+
+    auto r = fetch_handshake("127.0.0.1", port, hash, test_secret(0x11), kTimeout);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("did not prove the deployment secret"), std::string::npos)
+        << r.status().message();
+
+    // A raw client without the secret: HELLO, then a made-up proof with the right hash.
+    int fd = connect_loopback(port);
+    ASSERT_GE(fd, 0);
+    send_frame_raw(fd, hello_frame(7));
+    auto challenge = read_until_close(fd, milliseconds(300));
+    ASSERT_FALSE(challenge.empty());
+    send_frame_raw(fd, auth_frame(Digest{}, hash));
+    bool closed = false;
+    auto rest = read_until_close(fd, kTimeout, &closed);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    std::vector<uint8_t> all = challenge;
+    all.insert(all.end(), rest.begin(), rest.end());
+    expect_nothing_revealed(all, info);
+    EXPECT_NE(std::string(rest.begin(), rest.end()).find("authentication failed"),
+              std::string::npos);
+
+    // A version 1 client (no challenge-response): the hash it sends gets nothing back.
+    fd = connect_loopback(port);
+    ASSERT_GE(fd, 0);
+    ByteWriter v1;
+    v1.put<uint32_t>(0x46524851);
+    v1.put<uint16_t>(1);
+    v1.put(hash);
+    send_frame_raw(fd, v1.take());
+    auto old = read_until_close(fd, kTimeout, &closed);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    expect_nothing_revealed(old, info);
+    EXPECT_NE(std::string(old.begin(), old.end()).find("version"), std::string::npos);
+
+    EXPECT_EQ((*server)->requests_served(), 0u);
+    EXPECT_GE((*server)->auth_failures(), 2u);
+    // The real secret still works.
+    EXPECT_TRUE(fetch_handshake("127.0.0.1", port, hash, test_secret(), kTimeout).ok());
+}
+
+// A relay between a real client and the server that records what the client sent.
+class RecordingProxy {
+   public:
+    explicit RecordingProxy(uint16_t upstream) : upstream_(upstream) {
+        listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        socklen_t len = sizeof a;
+        ::bind(listener_, reinterpret_cast<sockaddr*>(&a), len);
+        ::listen(listener_, 1);
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len);
+        port_ = ntohs(a.sin_port);
+        thread_ = std::thread([this] { relay_once(); });
+    }
+    ~RecordingProxy() {
+        if (thread_.joinable()) thread_.join();
+        ::close(listener_);
+    }
+    uint16_t port() const { return port_; }
+    std::vector<uint8_t> client_bytes() {
+        if (thread_.joinable()) thread_.join();
+        return from_client_;
+    }
+
+   private:
+    void relay_once() {
+        pollfd lp{listener_, POLLIN, 0};
+        if (::poll(&lp, 1, 5000) <= 0) return;
+        int c = ::accept(listener_, nullptr, nullptr);
+        int s = connect_loopback(upstream_);
+        TimePoint deadline = Clock::now() + seconds(5);
+        bool open = true;
+        while (open && Clock::now() < deadline) {
+            pollfd p[2] = {{c, POLLIN, 0}, {s, POLLIN, 0}};
+            if (::poll(p, 2, 100) <= 0) continue;
+            for (int i = 0; i < 2; ++i) {
+                if (!(p[i].revents & (POLLIN | POLLHUP))) continue;
+                uint8_t buf[4096];
+                ssize_t r = ::recv(p[i].fd, buf, sizeof buf, 0);
+                if (r <= 0) {
+                    open = false;
+                    break;
+                }
+                if (i == 0) from_client_.insert(from_client_.end(), buf, buf + r);
+                ::send(i == 0 ? s : c, buf, size_t(r), MSG_NOSIGNAL);
+            }
+        }
+        ::close(c);
+        ::close(s);
+    }
+
+    uint16_t upstream_;
+    int listener_ = -1;
+    uint16_t port_ = 0;
+    std::thread thread_;
+    std::vector<uint8_t> from_client_;
+};
+
+TEST(HandshakeAuth, ReplayOfACapturedExchangeIsRefused) {
+    HandshakeInfo info = marked_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    uint64_t hash = info.layout.compatibility_hash();
+    RecordingProxy proxy((*server)->port());
+    auto real = fetch_handshake("127.0.0.1", proxy.port(), hash, test_secret(), kTimeout);
+    ASSERT_TRUE(real.ok()) << real.status().to_string();
+    std::vector<uint8_t> captured = proxy.client_bytes();
+    ASSERT_GT(captured.size(), 8u);
+
+    // Replayed as it was: the server's fresh nonce makes the old proof worthless.
+    int fd = connect_loopback((*server)->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::send(fd, captured.data(), captured.size(), MSG_NOSIGNAL), ssize_t(captured.size()));
+    bool closed = false;
+    auto got = read_until_close(fd, kTimeout, &closed);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    expect_nothing_revealed(got, info);
+    EXPECT_NE(std::string(got.begin(), got.end()).find("authentication failed"), std::string::npos);
+    EXPECT_EQ((*server)->requests_served(), 1u);  // the real one only
+}
+
+TEST(HandshakeAuth, ServerThatCannotProveTheSecretGetsNoRequest) {
+    // The client checks the server's proof before it sends its own or its layout hash.
+    HandshakeInfo info = marked_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options(test_secret(0x22)));
+    ASSERT_TRUE(server.ok());
+    auto r = fetch_handshake("127.0.0.1", (*server)->port(), info.layout.compatibility_hash(),
+                             test_secret(), kTimeout);
+    EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
+    EXPECT_EQ((*server)->requests_served(), 0u);  // the client hung up before AUTH
+}
+
+TEST(HandshakeConcurrency, IdleConnectionsDoNotDelayAHandshake) {
+    HandshakeInfo info = fake_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
+    ASSERT_TRUE(server.ok());
+    uint16_t port = (*server)->port();
+    std::vector<int> idle;
+    for (int i = 0; i < 100; ++i) {
+        int fd = connect_loopback(port);
+        ASSERT_GE(fd, 0);
+        idle.push_back(fd);
+    }
+    std::this_thread::sleep_for(milliseconds(100));  // all accepted and idling
+    TimePoint t0 = Clock::now();
+    auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
+                             kTimeout);
+    double ms = to_ms(Clock::now() - t0);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    std::printf("handshake with 100 idle side-channel connections open: %.2f ms\n", ms);
+    EXPECT_LT(ms, 100.0);
+    for (int fd : idle) ::close(fd);
+}
+
+TEST(HandshakeConcurrency, IdleConnectionsAreClosedAtTheirDeadline) {
+    HandshakeServerOptions o = options();
+    o.connection_deadline = milliseconds(300);
+    auto server = HandshakeServer::start("127.0.0.1", 0, fake_info(), std::move(o));
+    ASSERT_TRUE(server.ok());
+    int fd = connect_loopback((*server)->port());
+    ASSERT_GE(fd, 0);
+    TimePoint t0 = Clock::now();
+    bool closed = false;
+    auto got = read_until_close(fd, seconds(3), &closed);
+    double ms = to_ms(Clock::now() - t0);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    EXPECT_TRUE(got.empty());
+    EXPECT_GT(ms, 200.0);
+    EXPECT_LT(ms, 1500.0);
+}
+
+TEST(HandshakeConcurrency, ConnectionsBeyondTheCapAreClosedAtOnce) {
+    HandshakeServerOptions o = options();
+    o.max_connections = 4;
+    o.connection_deadline = seconds(10);  // far from the "at once" below
+    HandshakeInfo info = fake_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, std::move(o));
+    ASSERT_TRUE(server.ok());
+    uint16_t port = (*server)->port();
+    std::vector<int> idle;
+    for (int i = 0; i < 4; ++i) idle.push_back(connect_loopback(port));
+    std::this_thread::sleep_for(milliseconds(150));
+    int extra = connect_loopback(port);
+    ASSERT_GE(extra, 0);
+    TimePoint t0 = Clock::now();
+    bool closed = false;
+    auto got = read_until_close(extra, seconds(5), &closed);
+    double ms = to_ms(Clock::now() - t0);
+    ::close(extra);
+    EXPECT_TRUE(closed);
+    EXPECT_TRUE(got.empty());
+    EXPECT_LT(ms, 500.0) << "connection N+1 was not closed at once";
+    EXPECT_EQ((*server)->refused_over_cap(), 1u);
+    // Once the idle ones go, a real handshake is served again.
+    for (int fd : idle) ::close(fd);
+    EXPECT_TRUE(eventually_ok([&] {
+        return fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
+                               seconds(1))
+            .ok();
+    }));
+}
 
 }  // namespace
 }  // namespace ferry::kv

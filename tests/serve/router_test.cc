@@ -59,6 +59,7 @@ struct Cluster {
         RouterConfig rc;
         rc.mode = link_mode == KvLinkMode::kPush ? RouterMode::kPush : RouterMode::kPull;
         rc.request_timeout = seconds(10);
+        rc.secret = Secret::generate().value();
         for (auto& n : prefill) {
             n.engine->attach_connector(link->producer(n.engine->config().engine_id), nullptr);
             start(n);

@@ -22,6 +22,9 @@ enum class StatusCode {
     kProtocol,         // a message that does not parse or does not fit the protocol
     kProvider,         // libfabric or CUDA reported an error
     kInternal,
+    // the caller did not prove it may do this (a missing or wrong authentication tag); after
+    // kInternal so that codes already on the wire (FAIL messages) keep their values
+    kPermissionDenied,
 };
 
 std::string_view status_code_name(StatusCode code);
@@ -59,6 +62,7 @@ Status resource_exhausted(std::string message);
 Status protocol_error(std::string message);
 Status provider_error(std::string message);
 Status internal_error(std::string message);
+Status permission_denied(std::string message);
 
 template <typename T>
 class [[nodiscard]] Result {

@@ -3,6 +3,14 @@
 // caller checks the compatibility hash before use; results are cached per endpoint; the
 // epoch (random per server start) tells a restarted peer apart from the one cached.
 //
+// Both sides prove they hold the deployment secret (challenge-response with a nonce from each,
+// HMAC-SHA256) before anything about the rank leaves; a peer that does not prove it gets one
+// "authentication failed" frame and a close. The answer is MACed too, so a caller knows it came
+// from a holder of the secret. Frames: docs/PROTOCOL.md.
+//
+// The server serves its connections concurrently from one poll loop, each within a deadline,
+// and closes connections beyond a cap at once, so idle or slow clients cannot hold it up.
+//
 // Handshakes run in the caller's thread, never on a connector thread, so a slow or dead peer
 // only delays the request that needed it.
 #pragma once
@@ -15,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/types.h"
@@ -23,7 +32,8 @@
 namespace ferry::kv {
 
 struct HandshakeInfo {
-    static constexpr uint16_t kVersion = 1;
+    // 2: mutual challenge-response under the deployment secret before the answer.
+    static constexpr uint16_t kVersion = 2;
 
     uint64_t epoch = 0;  // changes whenever the serving process (re)starts its server
     EngineAddress address;
@@ -36,19 +46,30 @@ struct HandshakeInfo {
     static Result<HandshakeInfo> deserialize(std::span<const uint8_t> blob);
 };
 
+struct HandshakeServerOptions {
+    Secret secret;  // the deployment's; required
+    // A connection that has not finished its exchange by then is closed.
+    Duration connection_deadline = std::chrono::seconds(1);
+    // Open connections beyond this are closed as soon as they are accepted.
+    size_t max_connections = 256;
+};
+
 class HandshakeServer {
    public:
     // Listens on host:port (port 0 picks a free one; see port()). info.epoch is replaced by
     // a fresh random value.
     static Result<std::unique_ptr<HandshakeServer>> start(const std::string& host, uint16_t port,
-                                                          HandshakeInfo info);
+                                                          HandshakeInfo info,
+                                                          HandshakeServerOptions options);
     ~HandshakeServer();  // stops accepting and joins the thread
     HandshakeServer(const HandshakeServer&) = delete;
     HandshakeServer& operator=(const HandshakeServer&) = delete;
 
     uint16_t port() const;
     uint64_t epoch() const;
-    uint64_t requests_served() const;
+    uint64_t requests_served() const;   // answers given to authenticated peers
+    uint64_t auth_failures() const;     // peers that did not prove the secret
+    uint64_t refused_over_cap() const;  // connections closed at once: too many open
 
     class Impl;
 
@@ -57,15 +78,18 @@ class HandshakeServer {
     std::unique_ptr<Impl> impl_;
 };
 
-// One handshake: connect, send the compatibility hash the caller expects, read the answer.
-// A peer whose layout hash differs answers with an error naming both layouts.
+// One handshake: connect, prove the secret and check the server's proof, send the
+// compatibility hash the caller expects, read the answer. A peer whose layout hash differs
+// answers with an error naming both layouts; a peer without the secret is a kPermissionDenied.
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
-                                      uint64_t expected_compat_hash, Duration timeout);
+                                      uint64_t expected_compat_hash, const Secret& secret,
+                                      Duration timeout);
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
    public:
-    explicit HandshakeCache(uint64_t expected_compat_hash) : hash_(expected_compat_hash) {}
+    HandshakeCache(uint64_t expected_compat_hash, Secret secret)
+        : hash_(expected_compat_hash), secret_(std::move(secret)) {}
 
     // The cached answer, or a fresh handshake on a miss.
     Result<HandshakeInfo> get(const std::string& host, uint16_t port, Duration timeout);
@@ -82,6 +106,7 @@ class HandshakeCache {
 
    private:
     uint64_t hash_;
+    Secret secret_;
     mutable std::mutex mu_;
     std::map<std::string, HandshakeInfo> entries_;
 };

@@ -4,6 +4,7 @@
 // docs/PROTOCOL.md describes when each is sent.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -18,12 +19,18 @@ namespace ferry::kv {
 
 inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 2: chunked push (INTENT, SCHEDULED, SEGMENT; imm_span in REGISTER, segments in FINAL).
-inline constexpr uint16_t kKvProtocolVersion = 3;
+// 4: a pull offer's capability in PULL_PARAMS and DONE.
+inline constexpr uint16_t kKvProtocolVersion = 4;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
 inline constexpr size_t kMaxBlocksPerMessage = 1u << 20;
 inline constexpr size_t kMaxReasonLength = 1024;
 // Most immediates one registration may hand out (one per segment of a chunked push).
 inline constexpr uint32_t kMaxImmSpan = 4096;
+
+// A pull offer's capability: 128 random bits prefill draws per offer. Only a DONE that carries
+// it releases the offer, so a reader that guessed or was told another transfer's id cannot end
+// that transfer; it travels to decode only inside the router-signed kv_transfer_params.
+using PullCapability = std::array<uint8_t, 16>;
 
 enum class MsgType : uint8_t {
     kRegister = 1,
@@ -125,6 +132,7 @@ struct PullParamsMsg {
     MemoryDescriptor pool;
     KvLayout layout;
     std::vector<uint32_t> blocks;
+    PullCapability capability{};  // what DONE must carry (see PullCapability)
 };
 
 // Decode rank → prefill rank (pull): finished reading (ok) or gave up; free the blocks.
@@ -133,6 +141,7 @@ struct DoneMsg {
     uint32_t decode_rank = 0;
     uint32_t decode_tp = 1;  // tells prefill how many decode ranks will send DONE
     bool ok = true;
+    PullCapability capability{};  // the offer's; a DONE with another is ignored
     bool operator==(const DoneMsg&) const = default;
 };
 

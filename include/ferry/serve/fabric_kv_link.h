@@ -4,7 +4,8 @@
 //
 // Peers are named the way the router names them: kv_transfer_params carry the peer's HTTP
 // host:port. The link asks that engine's GET /health for its side-channel port once, then
-// handshakes (address, pool descriptor, layout, compatibility hash) and caches the answer; a
+// handshakes (address, pool descriptor, layout, compatibility hash; both sides prove the
+// deployment secret first) and caches the answer; a
 // transfer to a peer that failed is re-handshaken, so a restarted peer is picked up.
 // Handshakes run on the link's own thread (or, for the pull-inline baseline, in the engine
 // loop, as that baseline does everything there), never on the connector's thread.
@@ -20,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
 #include "ferry/serve/inprocess_kv_link.h"  // KvLinkMode
 #include "ferry/serve/kv_connector.h"
@@ -40,6 +42,10 @@ struct FabricKvLinkConfig {
     Duration handshake_timeout = seconds(5);
     // A write or read not completed by then fails: how a dead peer becomes an error.
     Duration op_timeout = seconds(10);
+    // The deployment's (required): the side channel answers only peers that prove it, and
+    // legs' kv_transfer_params are acted on only when signed under it (kv_params_auth.h).
+    Secret secret{};
+    size_t side_max_connections = 256;  // see kv::HandshakeServerOptions
 };
 
 struct FabricKvLinkStats {
@@ -93,6 +99,8 @@ class FabricKvLink : public KvProducer, public KvConsumer {
                                std::vector<BlockId> blocks, size_t num_tokens,
                                KvDoneCallback arrived, KvProgressCallback progress) override;
     void cancel(const RequestId& request) override;
+    // Both roles: kv_transfer_params must carry the router's tag (kv_params_auth.h).
+    Status authorize(const KvTransferParams& params) const override;
 
     class Impl;
 

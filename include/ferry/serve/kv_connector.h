@@ -28,6 +28,10 @@ struct KvTransferParams {
     int remote_port = 0;
     std::vector<BlockId> remote_block_ids;  // pull: where the prefill engine holds the KV
     int tp_size = 1;                        // TP degree of the remote engine
+    // ferry's own fields (kv_params_auth.h): the pull offer's capability (hex, from the
+    // prefill response), and the HMAC under the deployment secret over all of the above.
+    std::string capability;  // "ferry_capability"
+    std::string auth;        // "ferry_auth"
 
     bool empty() const { return !do_remote_decode && !do_remote_prefill; }
 };
@@ -51,6 +55,12 @@ using KvProgressCallback = std::function<void(const KvReady& landed)>;
 class KvProducer {
   public:
     virtual ~KvProducer() = default;
+
+    // Before the engine admits a leg that names this connector: may these kv_transfer_params
+    // be acted on? An error (kPermissionDenied: not signed by this deployment's router) is the
+    // client's answer, and nothing is connected to or looked up. A connector that never leaves
+    // the process may accept everything.
+    virtual Status authorize(const KvTransferParams& params) const { return ok_status(); }
 
     // Prefill admitted `request` (blocks allocated, compute starts). Push: decode engines that
     // wait for this transfer may now reserve their blocks.
@@ -96,6 +106,9 @@ class KvProducer {
 class KvConsumer {
   public:
     virtual ~KvConsumer() = default;
+
+    // As KvProducer::authorize, for decode legs.
+    virtual Status authorize(const KvTransferParams& params) const { return ok_status(); }
 
     // A push decode leg, before the engine reserves any block for it: `scheduled` is called
     // once, ok when the prefill engine scheduled the transfer (its KV is being computed), an

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/common/auth.h"
 #include "ferry/serve/http.h"
 #include "ferry/serve/metrics.h"
 
@@ -54,6 +55,8 @@ struct RouterConfig {
     // the engines' leases still free what an abort would have).
     Duration abort_timeout = seconds(1);
     size_t abort_queue = 4096;
+    // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required.
+    Secret secret{};
 };
 
 class Router {
