@@ -100,7 +100,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.signal.engine_id = address.engine_id;
     address.signal.length = 64;
 
-    for (int r = 0; r < config.num_rails; ++r) {
+    Status opened = rails.open(candidates, config, [this](int r) {
         RailHooks hooks;
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
         hooks.stay_awake = [this] {
@@ -110,20 +110,19 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
         }
-        FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()],
-                                                     config, std::move(hooks)));
+        return hooks;
+    });
+    FERRY_RETURN_IF_ERROR(opened);
+    for (const auto& rail : rails) {
         address.rail_addrs.push_back(rail->name());
         address.signal.rail_keys.push_back(rail->signal_key());
-        rails.push_back(std::move(rail));
     }
-    // Immediate-only writes carry no bytes; the signal region is addressed by offset 0.
-    address.signal.virt_addr = rails[0]->virt_addr();
-    address.signal.base = reinterpret_cast<uint64_t>(rails[0]->signal_base());
-    if (rails.size() > 1) {
-        // Every rail has its own 64-byte signal buffer; zero-length writes never touch it, so
-        // the address of rail 0's is as good as any.
-    }
-    for (auto& r : rails) r->start();
+    // Immediate-only writes carry no bytes; the signal region is addressed by offset 0. Every
+    // rail has its own 64-byte signal buffer; zero-length writes never touch it, so the
+    // address of rail 0's is as good as any.
+    address.signal.virt_addr = rails[0].virt_addr();
+    address.signal.base = reinterpret_cast<uint64_t>(rails[0].signal_base());
+    rails.start();
     watchdog_ = std::thread([this] {
         set_thread_name("ferry-watchdog");
         watchdog();
@@ -189,27 +188,19 @@ void EngineImpl::shutdown() {
     }
     watchdog_cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    for (auto& r : rails) r->stop(why);
+    rails.stop(why);
     imm.cancel_all(why);
     {
         std::lock_guard lk(mr_mu_);
         for (auto& [id, mrs] : mrs_) {
             for (size_t i = 0; i < mrs.size(); ++i) {
-                if (i < rails.size() && rails[i]->wedged()) continue;
+                if (i < rails.size() && rails[i].wedged()) continue;
                 fi_close(&mrs[i]->fid);
             }
         }
         mrs_.clear();
     }
-    for (auto& r : rails) {
-        // A wedged rail's worker may still be inside the provider: its objects stay alive.
-        if (r->wedged()) {
-            log(LogLevel::kWarn, "fabric", "leaving wedged rail {} behind at shutdown",
-                r->index());
-            (void)r.release();
-        }
-    }
-    rails.clear();
+    rails.release();
 }
 
 EngineImpl::~EngineImpl() { shutdown(); }
@@ -229,7 +220,7 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->desc_.length = len;
     region->desc_.kind = kind;
     region->desc_.device = device;
-    region->desc_.virt_addr = rails[0]->virt_addr();
+    region->desc_.virt_addr = rails[0].virt_addr();
     region->local_descs_.assign(rails.size(), nullptr);
     if (kind == MemoryKind::kCuda && !cuda_hmem) {
         // GPU memory travels through CUDA IPC only.
@@ -289,7 +280,7 @@ Status EngineImpl::register_on_rails(MemoryRegion& region, int cuda_device) {
             kControlTimeout);
         if (!s.ok()) {
             for (size_t i = 0; i < mrs.size(); ++i) {
-                Rail* prev = rails[i].get();
+                Rail* prev = &rails[i];
                 fid_mr* m = mrs[i];
                 (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
                                           kControlTimeout);
@@ -317,9 +308,9 @@ void EngineImpl::deregister(uint32_t id) {
         mrs_.erase(it);
     }
     for (size_t i = 0; i < mrs.size() && i < rails.size(); ++i) {
-        if (rails[i]->wedged()) continue;  // its domain is never closed either
+        if (rails[i].wedged()) continue;  // its domain is never closed either
         fid_mr* m = mrs[i];
-        Status s = rails[i]->run_on_worker(
+        Status s = rails[i].run_on_worker(
             [m] {
                 int rc = fi_close(&m->fid);
                 return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
@@ -407,17 +398,6 @@ Result<GroupId> EngineImpl::create_group(std::span<const PeerId> peers,
     return static_cast<GroupId>(groups_.size() - 1);
 }
 
-int EngineImpl::next_rail() {
-    return static_cast<int>(rr_.fetch_add(1, std::memory_order_relaxed) % rails.size());
-}
-
-void EngineImpl::Batch::add(int rail, FabricOp* op) {
-    if (!first[rail]) first[rail] = op;
-    else last[rail]->mpsc_next.store(op, std::memory_order_relaxed);
-    last[rail] = op;
-    ++count;
-}
-
 FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
                                const MemoryRegion& local, uint64_t local_off,
                                const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
@@ -437,39 +417,20 @@ FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
     return op;
 }
 
-void EngineImpl::add_rma(Batch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
-                         uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
-                         uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
-                         bool stripe) {
-    int nr = static_cast<int>(rails.size());
-    uint64_t chunk = config.max_write_size;
-    if (stripe && nr > 1 && len > config.stripe_threshold) {
-        // One piece per rail, 4 KiB aligned so pages stay whole.
-        uint64_t per = (len + nr - 1) / nr;
-        per = (per + 4095) & ~uint64_t{4095};
-        chunk = std::min<uint64_t>(chunk, per);
-    }
-    int rail = next_rail();
-    uint64_t done = 0;
-    do {
-        uint64_t n = std::min<uint64_t>(chunk, len - done);
-        b.add(rail, make_rma(type, p, rail, local, local_off + done, remote, remote_off + done, n,
+void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
+                         const MemoryRegion& local, uint64_t local_off,
+                         const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                         std::optional<uint32_t> imm, TimePoint deadline, bool stripe) {
+    rails.split(len, stripe, [&](int rail, uint64_t off, uint64_t n) {
+        b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
                              imm, deadline));
-        done += n;
-        rail = (rail + 1) % nr;
-    } while (done < len);
+    });
 }
 
-OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool counts_imm) {
+OpHandle EngineImpl::submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm) {
     if (counts_imm) state->imm_writes = b.count;
     if (stopped_) {
-        for (size_t r = 0; r < b.first.size(); ++r) {
-            for (FabricOp* op = b.first[r]; op;) {
-                auto* next = static_cast<FabricOp*>(op->mpsc_next.load());
-                delete op;
-                op = op == b.last[r] ? nullptr : next;
-            }
-        }
+        RailGroup::discard(b);
         state->fail_now(cancelled("the transfer engine was shut down"));
         return OpHandle(state);
     }
@@ -483,15 +444,9 @@ OpHandle EngineImpl::submit(Batch& b, std::shared_ptr<OpState> state, bool count
         registry_->live.insert(state.get());
     }
     for (size_t r = 0; r < b.first.size(); ++r) {
-        for (FabricOp* op = b.first[r]; op;) {
-            op->parent = state;
-            if (op == b.last[r]) break;
-            op = static_cast<FabricOp*>(op->mpsc_next.load(std::memory_order_relaxed));
-        }
+        b.for_each(r, [&](FabricOp* op) { op->parent = state; });
     }
-    for (size_t r = 0; r < b.first.size(); ++r) {
-        if (b.first[r]) rails[r]->submit(b.first[r], b.last[r]);
-    }
+    rails.post(b);
     return OpHandle(state);
 }
 
@@ -622,7 +577,7 @@ OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
              w.length}};
         return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
             deadline_after(config.op_timeout), true);
     return submit(b, state, w.imm.has_value());
@@ -675,7 +630,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         if (!base.ok()) FERRY_FAIL_OP(state, base.status());
         gpu_base = *base;
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
     size_t i = 0;
@@ -743,7 +698,7 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
             copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
         return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& r : w.runs) {
         add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
@@ -768,7 +723,7 @@ OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
                                          *base + r.src_offset, r.length}};
         return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
             std::nullopt, deadline_after(config.op_timeout), true);
     return submit(b, state, false);
@@ -791,7 +746,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
             copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
         return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
         add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
@@ -826,7 +781,7 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
         FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
                                           s.dst_offset, s.length, "scatter"));
     }
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const auto& s : sc.slices) {
         add_rma(b, FabricOp::kWrite, *peer(g->peers[s.member]), *sc.src, s.src_offset,
@@ -839,13 +794,13 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(id);
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "signal"));
-    Batch b(rails.size());
-    int rail = next_rail();
+    RailBatch b(rails.size());
+    int rail = rails.next_rail();
     auto* op = new FabricOp();
     op->type = FabricOp::kWrite;
     op->peer = id;
     op->dest = p->fi_addr[rail];
-    op->local = rails[rail]->signal_base();
+    op->local = rails[rail].signal_base();
     op->len = 0;
     op->raddr = p->address.signal.wire_address(0);
     op->rkey = p->address.signal.rail_keys[p->remote_rail[rail] %
@@ -881,7 +836,7 @@ void EngineImpl::expect_arrivals(bool on) {
         return;
     }
     if (expecting_.fetch_add(1, std::memory_order_relaxed) == 0)
-        for (auto& r : rails) r->wake();
+        rails.wake_all();
 }
 
 OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {
@@ -904,7 +859,7 @@ OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, O
         std::memcpy(op->payload.data() + kMessageHeader, payload.data(), payload.size());
     }
     op->deadline = deadline_after(config.op_timeout);
-    Batch b(rails.size());
+    RailBatch b(rails.size());
     b.add(0, op);
     return submit(b, state, false);
 }
@@ -949,18 +904,7 @@ void EngineImpl::set_message_handler(MessageHandler handler) {
 }
 
 EngineStats EngineImpl::stats() const {
-    EngineStats s;
-    for (const auto& r : rails) {
-        const RailStats& rs = r->stats();
-        s.ops_posted += rs.ops_posted;
-        s.bytes_posted += rs.bytes_posted;
-        s.eagain += rs.eagain;
-        s.op_errors += rs.op_errors;
-        s.op_timeouts += rs.op_timeouts;
-        s.imm_arrivals += rs.imm_arrivals;
-        s.messages_received += rs.messages_received;
-        s.messages_dropped += rs.messages_dropped;
-    }
+    EngineStats s = rails.stats();
     s.messages_dropped += held_dropped_.load();
     return s;
 }

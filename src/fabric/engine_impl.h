@@ -17,6 +17,7 @@
 #include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
 #include "fabric/rail.h"
+#include "fabric/rail_group.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
@@ -69,17 +70,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     bool cuda_hmem = false;      // rails opened with FI_HMEM, CUDA memory registered on them
     std::string cuda_hmem_note;  // why (not), for errors and logs
     EngineAddress address;
-    std::vector<std::unique_ptr<Rail>> rails;
+    RailGroup rails;
     ImmTable imm;
 
   private:
-    // A batch of fabric ops per rail, submitted together once the piece count is final.
-    struct Batch {
-        explicit Batch(size_t rails) : first(rails, nullptr), last(rails, nullptr) {}
-        std::vector<FabricOp*> first, last;
-        uint32_t count = 0;
-        void add(int rail, FabricOp* op);
-    };
     const Peer* peer(PeerId id) const;
     // Registers [ptr, len) on every rail (CUDA memory on cuda_device when >= 0), filling the
     // region's keys and local descriptors; on failure nothing stays registered.
@@ -89,18 +83,16 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                        uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);
-    // Splits [len] into pieces no larger than max_write_size, spread over rails from `rail`
-    // when striping applies.
-    void add_rma(Batch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
+    // One operation per piece of [len], as the rail group splits it.
+    void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe);
-    OpHandle submit(Batch& b, std::shared_ptr<OpState> state, bool counts_imm);
+    OpHandle submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm);
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
     Status check_runs(const Peer& p, const MemoryRegion* local, const MemoryDescriptor* remote,
                       std::span<const WriteRun> runs, bool local_is_src, const char* what);
-    int next_rail();
     enum class Path { kFabric, kGpuIpc };
     Result<Path> choose_path(const Peer& p, const MemoryRegion& local,
                              const MemoryDescriptor& remote, const char* what) const;
@@ -122,7 +114,6 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::thread watchdog_;
     std::mutex watchdog_mu_;
     std::condition_variable watchdog_cv_;
-    std::atomic<uint32_t> rr_{0};
 
     mutable std::mutex peers_mu_;
     std::vector<std::unique_ptr<Peer>> peers_owned_;
