@@ -24,7 +24,6 @@ namespace {
 
 constexpr uint32_t kMessageMagic = 0x46524d53;  // "FRMS"
 constexpr size_t kMessageHeader = sizeof(uint32_t) + sizeof(uint64_t);
-const Duration kControlTimeout = std::chrono::seconds(10);
 
 std::string read_host_id() {
     std::string boot;
@@ -92,7 +91,6 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     }
     if (candidates.empty()) candidates.push_back(infos.get());
 
-    peer_table_ = std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers);
     address.engine_id = random_engine_id();
     config.shm_name_salt = address.engine_id;
     address.provider = provider;
@@ -277,13 +275,13 @@ Status EngineImpl::register_on_rails(MemoryRegion& region, int cuda_device) {
                 mr = *r;
                 return ok_status();
             },
-            kControlTimeout);
+            kRailTaskTimeout);
         if (!s.ok()) {
             for (size_t i = 0; i < mrs.size(); ++i) {
                 Rail* prev = &rails[i];
                 fid_mr* m = mrs[i];
                 (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
-                                          kControlTimeout);
+                                          kRailTaskTimeout);
             }
             region.desc_.rail_keys.clear();
             return s.with_context(fmt::format("rail {}", rp->index()));
@@ -316,7 +314,7 @@ void EngineImpl::deregister(uint32_t id) {
                 return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
                           : ok_status();
             },
-            kControlTimeout);
+            kRailTaskTimeout);
         if (!s.ok()) log(LogLevel::kWarn, "fabric", "deregistering memory: {}", s.message());
     }
 }
@@ -330,72 +328,16 @@ Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
             a.engine_id, a.provider, provider));
     }
     if (a.rail_addrs.empty()) return invalid_argument("peer address has no rails");
-    std::lock_guard lk(peers_mu_);
-    if (auto it = by_engine_.find(a.engine_id); it != by_engine_.end()) return it->second;
-    if (peers_owned_.size() >= kMaxPeers) {
-        return resource_exhausted(fmt::format("too many peers (limit {})", kMaxPeers));
-    }
-    auto p = std::make_unique<Peer>();
-    p->id = static_cast<PeerId>(peers_owned_.size());
-    p->engine_id = a.engine_id;
-    p->address = a;
-    for (auto& rail : rails) {
-        uint32_t rr = static_cast<uint32_t>(rail->index() % a.rail_addrs.size());
-        fi_addr_t fa = FI_ADDR_UNSPEC;
-        Rail* rp = rail.get();
-        Status s = rp->run_on_worker(
-            [&]() -> Status {
-                auto r = rp->insert_address(a.rail_addrs[rr]);
-                if (!r.ok()) return r.status();
-                fa = *r;
-                return ok_status();
-            },
-            kControlTimeout);
-        if (!s.ok()) return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
-        p->fi_addr.push_back(fa);
-        p->remote_rail.push_back(rr);
-    }
-    PeerId id = p->id;
-    peer_table_[id].store(p.get(), std::memory_order_release);
-    by_engine_[a.engine_id] = id;
-    peers_owned_.push_back(std::move(p));
-    return id;
+    return peers_.connect(a, rails);
 }
 
 std::optional<PeerId> EngineImpl::find_peer(uint64_t engine_id) const {
-    std::lock_guard lk(peers_mu_);
-    auto it = by_engine_.find(engine_id);
-    if (it == by_engine_.end()) return std::nullopt;
-    return it->second;
-}
-
-const Peer* EngineImpl::peer(PeerId id) const {
-    if (id >= kMaxPeers) return nullptr;
-    return peer_table_[id].load(std::memory_order_acquire);
+    return peers_.find(engine_id);
 }
 
 Result<GroupId> EngineImpl::create_group(std::span<const PeerId> peers,
                                          std::span<const MemoryDescriptor> dsts) {
-    if (peers.size() != dsts.size()) {
-        return invalid_argument(fmt::format("group of {} peers needs {} descriptors, got {}",
-                                            peers.size(), peers.size(), dsts.size()));
-    }
-    auto g = std::make_unique<Group>();
-    for (size_t i = 0; i < peers.size(); ++i) {
-        const Peer* p = peer(peers[i]);
-        if (!p) return not_found(fmt::format("group member {} is not a connected peer", peers[i]));
-        if (dsts[i].engine_id != p->engine_id) {
-            return invalid_argument(fmt::format(
-                "group member {}: descriptor belongs to engine {:x}, peer is engine {:x}", i,
-                dsts[i].engine_id, p->engine_id));
-        }
-        g->peers.push_back(peers[i]);
-        g->dsts.push_back(dsts[i]);
-    }
-    std::lock_guard lk(groups_mu_);
-    if (groups_.size() >= kMaxGroups) return resource_exhausted("too many peer groups");
-    groups_.push_back(std::move(g));
-    return static_cast<GroupId>(groups_.size() - 1);
+    return peers_.create_group(peers, dsts);
 }
 
 FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
@@ -757,11 +699,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
 
 OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
-    const Group* g = nullptr;
-    {
-        std::lock_guard lk(groups_mu_);
-        if (sc.group < groups_.size()) g = groups_[sc.group].get();
-    }
+    const Group* g = peers_.group(sc.group);
     if (!g) FERRY_FAIL_OP(state, not_found(fmt::format("scatter: no group {}", sc.group)));
     if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
     for (const auto& s : sc.slices) {
@@ -813,12 +751,9 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
 }
 
 Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) {
-    std::vector<PeerId> members;
-    {
-        std::lock_guard lk(groups_mu_);
-        if (group >= groups_.size()) return not_found(fmt::format("barrier: no group {}", group));
-        members = groups_[group]->peers;
-    }
+    const Group* g = peers_.group(group);
+    if (!g) return not_found(fmt::format("barrier: no group {}", group));
+    const std::vector<PeerId>& members = g->peers;
     auto deadline = deadline_after(timeout);
     std::vector<OpHandle> sent;
     for (PeerId m : members) sent.push_back(signal(m, imm_value, {}));

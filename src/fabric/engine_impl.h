@@ -16,30 +16,15 @@
 
 #include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
+#include "fabric/peer_table.h"
 #include "fabric/rail.h"
 #include "fabric/rail_group.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
 
-struct Peer {
-    PeerId id = 0;
-    uint64_t engine_id = 0;
-    EngineAddress address;
-    std::vector<fi_addr_t> fi_addr;     // per local rail
-    std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
-};
-
-struct Group {
-    std::vector<PeerId> peers;
-    std::vector<MemoryDescriptor> dsts;
-};
-
 class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   public:
-    static constexpr size_t kMaxPeers = 1 << 14;
-    static constexpr size_t kMaxGroups = 1 << 12;
-
     Status init(const EngineConfig& config);
     void shutdown();
     ~EngineImpl();
@@ -74,7 +59,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     ImmTable imm;
 
   private:
-    const Peer* peer(PeerId id) const;
+    const Peer* peer(PeerId id) const { return peers_.peer(id); }
     // Registers [ptr, len) on every rail (CUDA memory on cuda_device when >= 0), filling the
     // region's keys and local descriptors; on failure nothing stays registered.
     Status register_on_rails(MemoryRegion& region, int cuda_device);
@@ -115,13 +100,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::mutex watchdog_mu_;
     std::condition_variable watchdog_cv_;
 
-    mutable std::mutex peers_mu_;
-    std::vector<std::unique_ptr<Peer>> peers_owned_;
-    std::unique_ptr<std::atomic<const Peer*>[]> peer_table_;
-    std::unordered_map<uint64_t, PeerId> by_engine_;
-
-    mutable std::mutex groups_mu_;
-    std::vector<std::unique_ptr<Group>> groups_;
+    PeerTable peers_;
 
     std::mutex mr_mu_;
     uint32_t next_mr_id_ = 1;

@@ -14,10 +14,14 @@
 #include <vector>
 
 #include "fabric/rail.h"
+#include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
+
+// How long an engine task on a rail worker (registration, address insertion) may take.
+inline constexpr Duration kRailTaskTimeout = std::chrono::seconds(10);
 
 // The fabric operations of one user operation, a chain per rail, handed to the rails together
 // once the piece count is final (the OpState must know it before any piece can complete).
