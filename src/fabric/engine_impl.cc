@@ -71,17 +71,19 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
     FERRY_ASSIGN_OR_RETURN(provider, resolve_provider_name(config));
     FERRY_ASSIGN_OR_RETURN(auto infos, get_infos(provider, config));
+    bool fabric_gpu = false;
+    std::string fabric_gpu_note;
     if (config.fabric_gpu_memory) {
         // Only a provider that can register CUDA memory gets FI_HMEM domains: host memory
         // then travels exactly as before on every other one.
         CudaHmem h = probe_cuda_hmem(provider, config);
-        cuda_hmem_note = std::move(h.note);
+        fabric_gpu_note = std::move(h.note);
         if (h.infos) {
             infos = std::move(h.infos);
-            cuda_hmem = true;
+            fabric_gpu = true;
         }
     } else {
-        cuda_hmem_note = fmt::format(
+        fabric_gpu_note = fmt::format(
             "GPU memory over provider {} is off (EngineConfig::fabric_gpu_memory)", provider);
     }
     if (provider == "shm") remove_stale_shm_regions();
@@ -97,12 +99,14 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;
     address.signal.length = 64;
+    memory_.configure({address.engine_id, provider, config.gpu_ipc, fabric_gpu,
+                       std::move(fabric_gpu_note)});
 
     Status opened = rails.open(candidates, config, [this](int r) {
         RailHooks hooks;
         hooks.on_imm = [this](uint32_t v) { imm.arrive(v); };
         hooks.stay_awake = [this] {
-            return imm.has_waiters() || gpu_in_flight_.load(std::memory_order_relaxed) > 0 ||
+            return imm.has_waiters() || gpu_.busy() ||
                    expecting_.load(std::memory_order_relaxed) > 0;
         };
         if (r == 0) {
@@ -126,7 +130,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         watchdog();
     });
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s); {}", address.engine_id,
-        provider, rails.size(), cuda_hmem_note);
+        provider, rails.size(), memory_.fabric_gpu_note());
     return ok_status();
 }
 
@@ -161,26 +165,11 @@ void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
     for (auto& op : victims) op->fail_now(why);
 }
 
-Result<GpuTransport*> EngineImpl::gpu() {
-    std::lock_guard lk(gpu_mu_);
-    if (!gpu_) {
-        FERRY_ASSIGN_OR_RETURN(gpu_, create_gpu_transport(config));
-    }
-    return gpu_.get();
-}
-
 void EngineImpl::shutdown() {
     if (stopped_.exchange(true)) return;
     Status why = cancelled("the transfer engine was shut down");
-    {
-        // Pending GPU copies fail first; their callbacks may still signal through the rails.
-        std::unique_ptr<GpuTransport> g;
-        {
-            std::lock_guard lk(gpu_mu_);
-            g = std::move(gpu_);
-        }
-        g.reset();
-    }
+    // Pending GPU copies fail first; their callbacks may still signal through the rails.
+    gpu_.shutdown();
     {
         std::lock_guard lk(watchdog_mu_);
     }
@@ -188,16 +177,7 @@ void EngineImpl::shutdown() {
     if (watchdog_.joinable()) watchdog_.join();
     rails.stop(why);
     imm.cancel_all(why);
-    {
-        std::lock_guard lk(mr_mu_);
-        for (auto& [id, mrs] : mrs_) {
-            for (size_t i = 0; i < mrs.size(); ++i) {
-                if (i < rails.size() && rails[i].wedged()) continue;
-                fi_close(&mrs[i]->fid);
-            }
-        }
-        mrs_.clear();
-    }
+    memory_.close_all();
     rails.release();
 }
 
@@ -209,115 +189,18 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
     }
+    FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg, memory_.add(ptr, len, kind, device));
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();
+    region->id_ = reg.id;
     region->ptr_ = ptr;
     region->len_ = len;
-    region->desc_.engine_id = address.engine_id;
-    region->desc_.base = reinterpret_cast<uint64_t>(ptr);
-    region->desc_.length = len;
-    region->desc_.kind = kind;
-    region->desc_.device = device;
-    region->desc_.virt_addr = rails[0].virt_addr();
-    region->local_descs_.assign(rails.size(), nullptr);
-    if (kind == MemoryKind::kCuda && !cuda_hmem) {
-        // GPU memory travels through CUDA IPC only.
-        Status s = export_gpu(*region);
-        if (!s.ok()) {
-            region->engine_.reset();
-            return s.with_context(fmt::format(
-                "registering {} bytes of GPU memory on device {} ({}; CUDA IPC is the only "
-                "way left)",
-                len, device, cuda_hmem_note));
-        }
-        std::lock_guard lk(mr_mu_);
-        region->id_ = next_mr_id_++;
-        return region;
-    }
-    if (kind == MemoryKind::kCuda && config.gpu_ipc) {
-        // Same-host GPU peers still copy over NVLink; without the export they use the fabric.
-        Status s = export_gpu(*region);
-        if (!s.ok()) {
-            log(LogLevel::kWarn, "fabric",
-                "GPU memory at {} ({} bytes, device {}) has no CUDA IPC export, so same-host "
-                "GPU peers reach it through provider {}: {}",
-                ptr, len, device, provider, s.message());
-        }
-    }
-    Status s = register_on_rails(*region, kind == MemoryKind::kCuda ? device : -1);
-    if (!s.ok()) {
-        region->engine_.reset();
-        if (kind == MemoryKind::kCuda) {
-            return s.with_context(
-                fmt::format("provider {} cannot register CUDA memory ({} bytes on device {})",
-                            provider, len, device));
-        }
-        return s.with_context(fmt::format("registering {} bytes", len));
-    }
+    region->desc_ = std::move(reg.desc);
+    region->local_descs_ = std::move(reg.local_descs);
     return region;
 }
 
-Status EngineImpl::export_gpu(MemoryRegion& region) {
-    FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
-    return g->export_memory(region.ptr_, region.len_, region.desc_.device, &region.desc_);
-}
-
-Status EngineImpl::register_on_rails(MemoryRegion& region, int cuda_device) {
-    std::vector<fid_mr*> mrs;
-    uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    for (auto& rail : rails) {
-        fid_mr* mr = nullptr;
-        Rail* rp = rail.get();
-        Status s = rp->run_on_worker(
-            [&]() -> Status {
-                auto r = rp->register_mr(region.ptr_, region.len_, access, cuda_device);
-                if (!r.ok()) return r.status();
-                mr = *r;
-                return ok_status();
-            },
-            kRailTaskTimeout);
-        if (!s.ok()) {
-            for (size_t i = 0; i < mrs.size(); ++i) {
-                Rail* prev = &rails[i];
-                fid_mr* m = mrs[i];
-                (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
-                                          kRailTaskTimeout);
-            }
-            region.desc_.rail_keys.clear();
-            return s.with_context(fmt::format("rail {}", rp->index()));
-        }
-        region.desc_.rail_keys.push_back(fi_mr_key(mr));
-        region.local_descs_[rp->index()] = fi_mr_desc(mr);
-        mrs.push_back(mr);
-    }
-    std::lock_guard lk(mr_mu_);
-    region.id_ = next_mr_id_++;
-    mrs_[region.id_] = std::move(mrs);
-    return ok_status();
-}
-
-void EngineImpl::deregister(uint32_t id) {
-    std::vector<fid_mr*> mrs;
-    {
-        std::lock_guard lk(mr_mu_);
-        auto it = mrs_.find(id);
-        if (it == mrs_.end()) return;  // closed at shutdown already
-        mrs = std::move(it->second);
-        mrs_.erase(it);
-    }
-    for (size_t i = 0; i < mrs.size() && i < rails.size(); ++i) {
-        if (rails[i].wedged()) continue;  // its domain is never closed either
-        fid_mr* m = mrs[i];
-        Status s = rails[i].run_on_worker(
-            [m] {
-                int rc = fi_close(&m->fid);
-                return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
-                          : ok_status();
-            },
-            kRailTaskTimeout);
-        if (!s.ok()) log(LogLevel::kWarn, "fabric", "deregistering memory: {}", s.message());
-    }
-}
+void EngineImpl::deregister(uint32_t id) { memory_.remove(id); }
 
 Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
     if (stopped_) return cancelled("the transfer engine was shut down");
@@ -465,20 +348,19 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
         return invalid_argument(fmt::format(
             "{}: local GPU memory is not registered with the provider ({}); it can only be "
             "copied to GPU memory of peers on this host",
-            what, cuda_hmem_note));
+            what, memory_.fabric_gpu_note()));
     }
     return Path::kFabric;
 }
 
 Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
                                           const MemoryRegion& local) {
-    FERRY_ASSIGN_OR_RETURN(GpuTransport * g, gpu());
-    return g->map_remote(remote, local.descriptor().device);
+    return gpu_.map_peer(remote, local.descriptor().device);
 }
 
 OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
                             std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
-    auto g = gpu();
+    auto g = gpu_.transport();
     if (!g.ok()) {
         state->fail_now(g.status());
         return OpHandle(state);
@@ -486,19 +368,16 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
     state->imm_writes = imm_value ? 1 : 0;
     state->set_pieces(1);
     auto self = shared_from_this();
-    gpu_in_flight_.fetch_add(1, std::memory_order_relaxed);
-    (*g)->submit(device, std::move(copies),
-                 [self, state, peer_id, imm_value](const Status& s) {
-                     self->gpu_in_flight_.fetch_sub(1, std::memory_order_relaxed);
-                     if (!s.ok() || !imm_value) {
-                         state->piece_done(s);
-                         return;
-                     }
-                     // The data is in place: tell the target like a write with immediate.
-                     self->signal(peer_id, *imm_value, [state](const Status& s2) {
-                         state->piece_done(s2.with_context("signalling a finished GPU copy"));
-                     });
-                 });
+    gpu_.submit(*g, device, std::move(copies), [self, state, peer_id, imm_value](const Status& s) {
+        if (!s.ok() || !imm_value) {
+            state->piece_done(s);
+            return;
+        }
+        // The data is in place: tell the target like a write with immediate.
+        self->signal(peer_id, *imm_value, [state](const Status& s2) {
+            state->piece_done(s2.with_context("signalling a finished GPU copy"));
+        });
+    });
     return OpHandle(state);
 }
 

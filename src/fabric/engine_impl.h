@@ -14,8 +14,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fabric/gpu_copy_path.h"
 #include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
+#include "fabric/memory_registry.h"
 #include "fabric/peer_table.h"
 #include "fabric/rail.h"
 #include "fabric/rail_group.h"
@@ -50,21 +52,17 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void expect_arrivals(bool on);
     EngineStats stats() const;
 
+    bool fabric_gpu() const { return memory_.fabric_gpu(); }
+    const std::string& fabric_gpu_note() const { return memory_.fabric_gpu_note(); }
+
     EngineConfig config;
     std::string provider;
-    bool cuda_hmem = false;      // rails opened with FI_HMEM, CUDA memory registered on them
-    std::string cuda_hmem_note;  // why (not), for errors and logs
     EngineAddress address;
     RailGroup rails;
     ImmTable imm;
 
   private:
     const Peer* peer(PeerId id) const { return peers_.peer(id); }
-    // Registers [ptr, len) on every rail (CUDA memory on cuda_device when >= 0), filling the
-    // region's keys and local descriptors; on failure nothing stays registered.
-    Status register_on_rails(MemoryRegion& region, int cuda_device);
-    // kCuda: the CUDA IPC export, into the region's descriptor.
-    Status export_gpu(MemoryRegion& region);
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                        uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);
@@ -81,7 +79,6 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     enum class Path { kFabric, kGpuIpc };
     Result<Path> choose_path(const Peer& p, const MemoryRegion& local,
                              const MemoryDescriptor& remote, const char* what) const;
-    Result<GpuTransport*> gpu();
     // The address of a same-host peer's GPU region as seen from local's device.
     Result<uint64_t> map_gpu_peer(const MemoryDescriptor& remote, const MemoryRegion& local);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
@@ -102,14 +99,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
     PeerTable peers_;
 
-    std::mutex mr_mu_;
-    uint32_t next_mr_id_ = 1;
-    std::map<uint32_t, std::vector<fid_mr*>> mrs_;
-
-    std::mutex gpu_mu_;
-    std::unique_ptr<GpuTransport> gpu_;
-    std::atomic<uint32_t> gpu_in_flight_{0};  // GPU operations not completed yet
-    std::atomic<int32_t> expecting_{0};       // open expect_arrivals(true) calls
+    GpuCopyPath gpu_{config};
+    MemoryRegistry memory_{rails, gpu_};
+    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
 
     std::mutex msg_mu_;
     MessageHandler handler_;
