@@ -22,8 +22,6 @@
 namespace ferry::detail {
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x46524d53;  // "FRMS"
-constexpr size_t kMessageHeader = sizeof(uint32_t) + sizeof(uint64_t);
 
 std::string read_host_id() {
     std::string boot;
@@ -110,7 +108,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
                    expecting_.load(std::memory_order_relaxed) > 0;
         };
         if (r == 0) {
-            hooks.on_message = [this](std::span<const uint8_t> m) { deliver_message(m); };
+            hooks.on_message = [this](std::span<const uint8_t> m) { control_.deliver(m); };
         }
         return hooks;
     });
@@ -657,69 +655,20 @@ OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, O
     auto state = std::make_shared<OpState>(std::move(done));
     const Peer* p = peer(id);
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
-    if (payload.size() > config.max_message_size) {
-        FERRY_FAIL_OP(state, invalid_argument(fmt::format(
-                                 "message of {} bytes exceeds max_message_size {}",
-                                 payload.size(), config.max_message_size)));
-    }
-    auto* op = new FabricOp();
-    op->type = FabricOp::kSend;
-    op->peer = id;
-    op->dest = p->fi_addr[0];
-    op->payload.resize(kMessageHeader + payload.size());
-    std::memcpy(op->payload.data(), &kMessageMagic, 4);
-    std::memcpy(op->payload.data() + 4, &address.engine_id, 8);
-    if (!payload.empty()) {
-        std::memcpy(op->payload.data() + kMessageHeader, payload.data(), payload.size());
-    }
-    op->deadline = deadline_after(config.op_timeout);
+    FERRY_FAIL_OP(state, control_.check_size(payload.size()));
     RailBatch b(rails.size());
-    b.add(0, op);
+    b.add(0, control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
+                                deadline_after(config.op_timeout)));
     return submit(b, state, false);
 }
 
-void EngineImpl::deliver_message(std::span<const uint8_t> wire) {
-    uint32_t magic = 0;
-    if (wire.size() < kMessageHeader ||
-        (std::memcpy(&magic, wire.data(), 4), magic != kMessageMagic)) {
-        held_dropped_.fetch_add(1, std::memory_order_relaxed);
-        log(LogLevel::kWarn, "fabric", "dropped a malformed control message of {} bytes",
-            wire.size());
-        return;
-    }
-    uint64_t sender = 0;
-    std::memcpy(&sender, wire.data() + 4, 8);
-    auto payload = wire.subspan(kMessageHeader);
-    std::lock_guard lk(msg_mu_);
-    if (handler_) {
-        handler_(sender, payload);
-        return;
-    }
-    if (held_.size() >= static_cast<size_t>(config.message_recv_buffers) * 16) {
-        held_dropped_.fetch_add(1, std::memory_order_relaxed);
-        log(LogLevel::kWarn, "fabric", "no message handler set: dropped a message from {:x}",
-            sender);
-        return;
-    }
-    held_.emplace_back(wire.begin(), wire.end());
-}
-
 void EngineImpl::set_message_handler(MessageHandler handler) {
-    std::lock_guard lk(msg_mu_);
-    handler_ = std::move(handler);
-    if (!handler_) return;
-    while (!held_.empty()) {
-        auto m = std::move(held_.front());
-        held_.pop_front();
-        uint64_t sender = 0;
-        std::memcpy(&sender, m.data() + 4, 8);
-        handler_(sender, std::span<const uint8_t>(m).subspan(kMessageHeader));
-    }
+    control_.set_handler(std::move(handler));
 }
 
 EngineStats EngineImpl::stats() const {
     EngineStats s = rails.stats();
-    s.messages_dropped += held_dropped_.load();
+    s.messages_dropped += control_.dropped();
     return s;
 }
 

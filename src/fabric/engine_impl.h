@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fabric/control.h"
 #include "fabric/gpu_copy_path.h"
 #include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
@@ -85,7 +86,6 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     // the data is in place) like a fabric operation.
     OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device,
                     std::vector<GpuCopy> copies, std::optional<uint32_t> imm);
-    void deliver_message(std::span<const uint8_t> wire);
 
     // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
     void watchdog();
@@ -103,10 +103,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     MemoryRegistry memory_{rails, gpu_};
     std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
 
-    std::mutex msg_mu_;
-    MessageHandler handler_;
-    std::deque<std::vector<uint8_t>> held_;
-    std::atomic<uint64_t> held_dropped_{0};
+    ControlChannel control_{config};
 };
 
 }  // namespace ferry::detail
