@@ -1,17 +1,23 @@
-// Internals of TransferEngine: rails, peers, groups, registered memory, arrival counters.
+// Internals of TransferEngine. EngineImpl validates requests and turns them into operations;
+// the state lives in the components it composes, one owner each:
+//   RailGroup       the rails (one domain and worker thread each), how operations are split
+//   PeerTable       connected peers (address per rail) and peer groups
+//   MemoryRegistry  registrations on every rail, region ids, the GPU memory policy
+//   GpuCopyPath     the same-host GPU transport and its copies in flight
+//   ControlChannel  control-message framing, the handler, held messages
+//   ImmTable        arrival counters per immediate and their waiters
+// Files: engine_impl.cc (construction, watchdog, shutdown, entry points), op_checks.cc
+// (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies).
 #pragma once
 
-#include <rdma/fabric.h>
-
-#include <array>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
-#include <thread>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "fabric/control.h"
@@ -98,12 +104,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::condition_variable watchdog_cv_;
 
     PeerTable peers_;
-
     GpuCopyPath gpu_{config};
     MemoryRegistry memory_{rails, gpu_};
-    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
-
     ControlChannel control_{config};
+    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
 };
 
 }  // namespace ferry::detail
