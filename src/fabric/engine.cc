@@ -55,8 +55,8 @@ uint64_t TransferEngine::engine_id() const { return impl_->address.engine_id; }
 const std::string& TransferEngine::provider() const { return impl_->provider; }
 int TransferEngine::num_rails() const { return static_cast<int>(impl_->address.rail_addrs.size()); }
 const EngineConfig& TransferEngine::config() const { return impl_->config; }
-bool TransferEngine::supports_gpu_memory() const { return impl_->cuda_hmem; }
-const std::string& TransferEngine::gpu_memory_note() const { return impl_->cuda_hmem_note; }
+bool TransferEngine::supports_gpu_memory() const { return impl_->fabric_gpu(); }
+const std::string& TransferEngine::gpu_memory_note() const { return impl_->fabric_gpu_note(); }
 
 Result<std::unique_ptr<MemoryRegion>> TransferEngine::register_memory(void* ptr, size_t len,
                                                                       MemoryKind kind,

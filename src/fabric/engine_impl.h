@@ -1,44 +1,39 @@
-// Internals of TransferEngine: rails, peers, groups, registered memory, arrival counters.
+// Internals of TransferEngine. EngineImpl validates requests and turns them into operations;
+// the state lives in the components it composes, one owner each:
+//   RailGroup       the rails (one domain and worker thread each), how operations are split
+//   PeerTable       connected peers (address per rail) and peer groups
+//   MemoryRegistry  registrations on every rail, region ids, the GPU memory policy
+//   GpuCopyPath     the same-host GPU transport and its copies in flight
+//   ControlChannel  control-message framing, the handler, held messages
+//   ImmTable        arrival counters per immediate and their waiters
+// Files: engine_impl.cc (construction, watchdog, shutdown, entry points), op_checks.cc
+// (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies).
 #pragma once
 
-#include <rdma/fabric.h>
-
-#include <array>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
-#include <thread>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "fabric/control.h"
+#include "fabric/gpu_copy_path.h"
 #include "fabric/gpu_transport.h"
 #include "fabric/imm_table.h"
+#include "fabric/memory_registry.h"
+#include "fabric/peer_table.h"
 #include "fabric/rail.h"
+#include "fabric/rail_group.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
 
-struct Peer {
-    PeerId id = 0;
-    uint64_t engine_id = 0;
-    EngineAddress address;
-    std::vector<fi_addr_t> fi_addr;     // per local rail
-    std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
-};
-
-struct Group {
-    std::vector<PeerId> peers;
-    std::vector<MemoryDescriptor> dsts;
-};
-
 class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   public:
-    static constexpr size_t kMaxPeers = 1 << 14;
-    static constexpr size_t kMaxGroups = 1 << 12;
-
     Status init(const EngineConfig& config);
     void shutdown();
     ~EngineImpl();
@@ -64,54 +59,39 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void expect_arrivals(bool on);
     EngineStats stats() const;
 
+    bool fabric_gpu() const { return memory_.fabric_gpu(); }
+    const std::string& fabric_gpu_note() const { return memory_.fabric_gpu_note(); }
+
     EngineConfig config;
     std::string provider;
-    bool cuda_hmem = false;      // rails opened with FI_HMEM, CUDA memory registered on them
-    std::string cuda_hmem_note;  // why (not), for errors and logs
     EngineAddress address;
-    std::vector<std::unique_ptr<Rail>> rails;
+    RailGroup rails;
     ImmTable imm;
 
   private:
-    // A batch of fabric ops per rail, submitted together once the piece count is final.
-    struct Batch {
-        explicit Batch(size_t rails) : first(rails, nullptr), last(rails, nullptr) {}
-        std::vector<FabricOp*> first, last;
-        uint32_t count = 0;
-        void add(int rail, FabricOp* op);
-    };
-    const Peer* peer(PeerId id) const;
-    // Registers [ptr, len) on every rail (CUDA memory on cuda_device when >= 0), filling the
-    // region's keys and local descriptors; on failure nothing stays registered.
-    Status register_on_rails(MemoryRegion& region, int cuda_device);
-    // kCuda: the CUDA IPC export, into the region's descriptor.
-    Status export_gpu(MemoryRegion& region);
+    const Peer* peer(PeerId id) const { return peers_.peer(id); }
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                        uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);
-    // Splits [len] into pieces no larger than max_write_size, spread over rails from `rail`
-    // when striping applies.
-    void add_rma(Batch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
+    // One operation per piece of [len], as the rail group splits it.
+    void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe);
-    OpHandle submit(Batch& b, std::shared_ptr<OpState> state, bool counts_imm);
+    OpHandle submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm);
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
     Status check_runs(const Peer& p, const MemoryRegion* local, const MemoryDescriptor* remote,
                       std::span<const WriteRun> runs, bool local_is_src, const char* what);
-    int next_rail();
     enum class Path { kFabric, kGpuIpc };
     Result<Path> choose_path(const Peer& p, const MemoryRegion& local,
                              const MemoryDescriptor& remote, const char* what) const;
-    Result<GpuTransport*> gpu();
     // The address of a same-host peer's GPU region as seen from local's device.
     Result<uint64_t> map_gpu_peer(const MemoryDescriptor& remote, const MemoryRegion& local);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
     // the data is in place) like a fabric operation.
     OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device,
                     std::vector<GpuCopy> copies, std::optional<uint32_t> imm);
-    void deliver_message(std::span<const uint8_t> wire);
 
     // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
     void watchdog();
@@ -122,29 +102,12 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::thread watchdog_;
     std::mutex watchdog_mu_;
     std::condition_variable watchdog_cv_;
-    std::atomic<uint32_t> rr_{0};
 
-    mutable std::mutex peers_mu_;
-    std::vector<std::unique_ptr<Peer>> peers_owned_;
-    std::unique_ptr<std::atomic<const Peer*>[]> peer_table_;
-    std::unordered_map<uint64_t, PeerId> by_engine_;
-
-    mutable std::mutex groups_mu_;
-    std::vector<std::unique_ptr<Group>> groups_;
-
-    std::mutex mr_mu_;
-    uint32_t next_mr_id_ = 1;
-    std::map<uint32_t, std::vector<fid_mr*>> mrs_;
-
-    std::mutex gpu_mu_;
-    std::unique_ptr<GpuTransport> gpu_;
-    std::atomic<uint32_t> gpu_in_flight_{0};  // GPU operations not completed yet
-    std::atomic<int32_t> expecting_{0};       // open expect_arrivals(true) calls
-
-    std::mutex msg_mu_;
-    MessageHandler handler_;
-    std::deque<std::vector<uint8_t>> held_;
-    std::atomic<uint64_t> held_dropped_{0};
+    PeerTable peers_;
+    GpuCopyPath gpu_{config};
+    MemoryRegistry memory_{rails, gpu_};
+    ControlChannel control_{config};
+    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
 };
 
 }  // namespace ferry::detail

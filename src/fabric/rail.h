@@ -26,6 +26,9 @@
 
 namespace ferry::detail {
 
+// "what failed: provider's words (rc)" as kProviderError.
+Status fi_status(const char* what, int rc);
+
 // shm region names of ferry engines start with this, followed by the process id.
 inline constexpr const char* kShmNamePrefix = "ferry_";
 

@@ -14,6 +14,8 @@
 
 #ifdef FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "common/cuda_check.h"
 #endif
 
 namespace ferry {
@@ -22,10 +24,10 @@ namespace {
 #ifdef FERRY_HAVE_CUDA
 using testing::Exchange;
 
-#define CHILD_CUDA(expr)                                                             \
-    do {                                                                             \
-        cudaError_t e_ = (expr);                                                     \
-        CHILD_CHECK_MSG(e_ == cudaSuccess, "{}: {}", #expr, cudaGetErrorString(e_)); \
+#define CHILD_CUDA(expr)                                 \
+    do {                                                 \
+        ::ferry::Status cuda_s_ = FERRY_CUDA_CHECK(expr);  \
+        CHILD_CHECK_MSG(cuda_s_.ok(), "{}", cuda_s_.message()); \
     } while (0)
 
 // Rank 0's GPU buffer gets random bytes (kept in `host` to check against), the others' are poisoned

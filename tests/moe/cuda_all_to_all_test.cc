@@ -30,6 +30,8 @@
 
 #ifdef FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "common/cuda_check.h"
 #endif
 
 namespace ferry::moe {
@@ -140,12 +142,10 @@ Result<CpuRef> cpu_reference(const CudaCase& k, const std::vector<std::vector<Ra
     return ref;
 }
 
-#define RANK_CUDA(expr)                                                           \
-    do {                                                                          \
-        cudaError_t rank_err_ = (expr);                                           \
-        if (rank_err_ != cudaSuccess)                                             \
-            return fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr, \
-                               cudaGetErrorString(rank_err_));                    \
+#define RANK_CUDA(expr)                                                     \
+    do {                                                                    \
+        if (::ferry::Status cuda_s_ = FERRY_CUDA_CHECK(expr); !cuda_s_.ok()) \
+            return cuda_s_.message();                                       \
     } while (0)
 
 // Device memory of one rank's test: freed on every return path.

@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "common/cuda_check.h"
 #include "fabric/cuda/copy_kernel.h"
 #include "fabric/gpu_transport.h"
 #include "ferry/common/clock.h"
@@ -25,17 +26,6 @@
 
 namespace ferry::detail {
 namespace {
-
-Status cuda_status(cudaError_t e, const char* what) {
-    return provider_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e),
-                                      static_cast<int>(e)));
-}
-
-#define FERRY_CUDA_TRY(expr)                                     \
-    do {                                                         \
-        cudaError_t ferry_cuda_err_ = (expr);                    \
-        if (ferry_cuda_err_ != cudaSuccess) return cuda_status(ferry_cuda_err_, #expr); \
-    } while (0)
 
 // Jobs wait for a busy device unless this much piled up: then a second launch is worth it.
 constexpr uint64_t kLaunchWhileBusyBytes = 256ull << 20;
@@ -226,7 +216,7 @@ Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_
             FERRY_CUDA_TRY(cudaSetDevice(local_device));
             cudaError_t e = cudaDeviceEnablePeerAccess(d.device, 0);
             if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-                return cuda_status(e, "cudaDeviceEnablePeerAccess");
+                return FERRY_CUDA_ERROR(e, "cudaDeviceEnablePeerAccess");
             }
             cudaGetLastError();  // clear a sticky "already enabled"
         }
@@ -242,8 +232,8 @@ Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_
         FERRY_CUDA_TRY(cudaSetDevice(local_device));
         cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
-            return cuda_status(e, "cudaIpcOpenMemHandle (is the peer on this host, and is its "
-                                  "GPU reachable from this one?)");
+            return FERRY_CUDA_ERROR(e, "cudaIpcOpenMemHandle (is the peer on this host, and is "
+                                       "its GPU reachable from this one?)");
         }
         it = opened_.emplace(std::make_pair(local_device, key), reinterpret_cast<uint64_t>(p))
                  .first;
@@ -449,7 +439,7 @@ void CudaTransport::run() {
             busy_[f.device]--;
             if (f.buf.ptr) free_buffers_.push_back(f.buf);
             free_events_.push_back(f.event);
-            Status st = e == cudaSuccess ? ok_status() : cuda_status(e, "GPU copy");
+            Status st = FERRY_CUDA_ERROR(e, "GPU copy");
             for (auto& d : f.done) d(st);
         }
     }

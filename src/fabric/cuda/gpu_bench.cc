@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 
+#include "common/cuda_check.h"
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_bench.h"
@@ -20,13 +21,6 @@
 
 namespace ferry {
 namespace {
-
-#define BENCH_CUDA(expr)                                                                      \
-    do {                                                                                      \
-        cudaError_t e_ = (expr);                                                              \
-        if (e_ != cudaSuccess)                                                                \
-            return provider_error(fmt::format("{} failed: {}", #expr, cudaGetErrorString(e_))); \
-    } while (0)
 
 bool send_blob(int fd, const std::vector<uint8_t>& b) {
     uint32_t n = static_cast<uint32_t>(b.size());
@@ -92,17 +86,17 @@ double median(std::vector<double> v) {
 }
 
 Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBenchReport* rep) {
-    BENCH_CUDA(cudaSetDevice(src_dev));
+    FERRY_CUDA_TRY(cudaSetDevice(src_dev));
     void* src = nullptr;
-    BENCH_CUDA(cudaMalloc(&src, c.bytes));
-    BENCH_CUDA(cudaMemset(src, 0x3C, c.bytes));
+    FERRY_CUDA_TRY(cudaMalloc(&src, c.bytes));
+    FERRY_CUDA_TRY(cudaMemset(src, 0x3C, c.bytes));
     // Ceiling: the plain peer copy a user would write, same size, in this process.
     FERRY_ASSIGN_OR_RETURN(rep->ceiling_gbps,
                            measure_gpu_copy_ceiling(src_dev, dst_dev, c.bytes, c.iters));
     rep->rows.push_back({"ceiling memcpy peer", "copy-engine", c.bytes, rep->ceiling_gbps,
                          c.bytes / rep->ceiling_gbps / 1e3, 1.0});
     if (c.progress) c.progress(fmt::format("ceiling {:.1f} GB/s", rep->ceiling_gbps));
-    BENCH_CUDA(cudaSetDevice(src_dev));
+    FERRY_CUDA_TRY(cudaSetDevice(src_dev));
     std::vector<uint8_t> blob;
     if (!recv_blob(fd, &blob)) return unavailable("gpu bench target died during set-up");
     ByteReader rd(blob);
@@ -153,7 +147,7 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
             if (c.progress) c.progress(fmt::format("paged {} {} B {:.1f} GB/s", mode, page, pg));
         }
     }
-    BENCH_CUDA(cudaFree(src));
+    FERRY_CUDA_TRY(cudaFree(src));
     return ok_status();
 }
 
@@ -186,7 +180,7 @@ Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
         }
         int src_dev = c.src_device % n, dst_dev = n > 1 ? c.dst_device % n : src_dev;
         cudaDeviceProp prop{};
-        BENCH_CUDA(cudaGetDeviceProperties(&prop, src_dev));
+        FERRY_CUDA_TRY(cudaGetDeviceProperties(&prop, src_dev));
         rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev,
                                   dst_dev);
         return measure(c, src_dev, dst_dev, sv[0], &rep);

@@ -6,17 +6,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/cuda_check.h"
+
 namespace ferry {
-namespace {
-Status cuda_error(cudaError_t e, const char* what) {
-    return provider_error(fmt::format("{} failed: {}", what, cudaGetErrorString(e)));
-}
-#define GPU_TRY(expr)                                                  \
-    do {                                                               \
-        cudaError_t e_ = (expr);                                       \
-        if (e_ != cudaSuccess) return cuda_error(e_, #expr);           \
-    } while (0)
-}  // namespace
 
 int gpu_device_count() {
     int n = 0;
@@ -34,8 +26,8 @@ Result<GpuBuffer> GpuBuffer::allocate(size_t bytes, int device) {
         return invalid_argument(fmt::format("GPU {} does not exist ({} visible)", device, n));
     }
     GpuBuffer b;
-    GPU_TRY(cudaSetDevice(device));
-    GPU_TRY(cudaMalloc(&b.ptr_, bytes));
+    FERRY_CUDA_TRY(cudaSetDevice(device));
+    FERRY_CUDA_TRY(cudaMalloc(&b.ptr_, bytes));
     b.len_ = bytes;
     b.device_ = device;
     return b;
@@ -65,49 +57,51 @@ GpuBuffer::~GpuBuffer() {
 
 Status GpuBuffer::copy_from_host(const void* src, size_t n, size_t offset) {
     if (offset > len_ || n > len_ - offset) return out_of_range("copy into GPU buffer overruns it");
-    GPU_TRY(cudaSetDevice(device_));
-    GPU_TRY(cudaMemcpy(static_cast<char*>(ptr_) + offset, src, n, cudaMemcpyHostToDevice));
+    FERRY_CUDA_TRY(cudaSetDevice(device_));
+    FERRY_CUDA_TRY(cudaMemcpy(static_cast<char*>(ptr_) + offset, src, n, cudaMemcpyHostToDevice));
     return ok_status();
 }
 
 Status GpuBuffer::copy_to_host(void* dst, size_t n, size_t offset) const {
     if (offset > len_ || n > len_ - offset) return out_of_range("copy from GPU buffer overruns it");
-    GPU_TRY(cudaSetDevice(device_));
-    GPU_TRY(cudaMemcpy(dst, static_cast<const char*>(ptr_) + offset, n, cudaMemcpyDeviceToHost));
+    FERRY_CUDA_TRY(cudaSetDevice(device_));
+    FERRY_CUDA_TRY(
+        cudaMemcpy(dst, static_cast<const char*>(ptr_) + offset, n, cudaMemcpyDeviceToHost));
     return ok_status();
 }
 
 Status GpuBuffer::fill(uint8_t value) {
-    GPU_TRY(cudaSetDevice(device_));
-    GPU_TRY(cudaMemset(ptr_, value, len_));
-    GPU_TRY(cudaDeviceSynchronize());
+    FERRY_CUDA_TRY(cudaSetDevice(device_));
+    FERRY_CUDA_TRY(cudaMemset(ptr_, value, len_));
+    FERRY_CUDA_TRY(cudaDeviceSynchronize());
     return ok_status();
 }
 
 Result<double> measure_gpu_copy_ceiling(int src_device, int dst_device, size_t bytes, int iters) {
     FERRY_ASSIGN_OR_RETURN(GpuBuffer src, GpuBuffer::allocate(bytes, src_device));
     FERRY_ASSIGN_OR_RETURN(GpuBuffer dst, GpuBuffer::allocate(bytes, dst_device));
-    GPU_TRY(cudaSetDevice(src_device));
+    FERRY_CUDA_TRY(cudaSetDevice(src_device));
     if (src_device != dst_device) {
         cudaError_t e = cudaDeviceEnablePeerAccess(dst_device, 0);
         if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-            return cuda_error(e, "cudaDeviceEnablePeerAccess");
+            return FERRY_CUDA_ERROR(e, "cudaDeviceEnablePeerAccess");
         }
         cudaGetLastError();
     }
     cudaStream_t s;
-    GPU_TRY(cudaStreamCreate(&s));
+    FERRY_CUDA_TRY(cudaStreamCreate(&s));
     cudaEvent_t a, b;
-    GPU_TRY(cudaEventCreate(&a));
-    GPU_TRY(cudaEventCreate(&b));
+    FERRY_CUDA_TRY(cudaEventCreate(&a));
+    FERRY_CUDA_TRY(cudaEventCreate(&b));
     std::vector<double> gbps;
     for (int i = 0; i < iters + 2; ++i) {
-        GPU_TRY(cudaEventRecord(a, s));
-        GPU_TRY(cudaMemcpyPeerAsync(dst.data(), dst_device, src.data(), src_device, bytes, s));
-        GPU_TRY(cudaEventRecord(b, s));
-        GPU_TRY(cudaEventSynchronize(b));
+        FERRY_CUDA_TRY(cudaEventRecord(a, s));
+        FERRY_CUDA_TRY(
+            cudaMemcpyPeerAsync(dst.data(), dst_device, src.data(), src_device, bytes, s));
+        FERRY_CUDA_TRY(cudaEventRecord(b, s));
+        FERRY_CUDA_TRY(cudaEventSynchronize(b));
         float ms = 0;
-        GPU_TRY(cudaEventElapsedTime(&ms, a, b));
+        FERRY_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
         if (i >= 2) gbps.push_back(static_cast<double>(bytes) / (ms * 1e-3) / 1e9);
     }
     cudaEventDestroy(a);

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "ferry/common/bytes.h"
 #include "ferry/moe/numerics.h"
 #include "moe/cuda/kernels.h"
@@ -34,17 +35,6 @@ static_assert(CountsFormat::kSeq == cuda::CountsWords::kSeq &&
 static_assert(kFp8E4M3Max == cuda::kFp8Max && kFp8AmaxFloor == cuda::kFp8Floor);
 
 namespace {
-
-Status cuda_error(cudaError_t e, std::string_view what) {
-    return provider_error(
-        fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), static_cast<int>(e)));
-}
-
-#define FERRY_MOE_CUDA_TRY(expr)                                                     \
-    do {                                                                             \
-        cudaError_t ferry_moe_err_ = (expr);                                         \
-        if (ferry_moe_err_ != cudaSuccess) return cuda_error(ferry_moe_err_, #expr); \
-    } while (0)
 
 constexpr uint32_t kBlobMagic = 0x6d6f6763;  // "mogc"
 
@@ -209,12 +199,12 @@ struct CudaAllToAll::Impl {
                 fmt::format("{} called out of order: the last call was {}; the order per layer is "
                             "dispatch_send, dispatch_recv, combine_send, combine_recv",
                             call, last_call(phase)));
-        FERRY_MOE_CUDA_TRY(cudaSetDevice(device));
+        FERRY_CUDA_TRY(cudaSetDevice(device));
         return ok_status();
     }
 
     Status launched(cudaError_t e, const char* call, Phase next) {
-        if (e != cudaSuccess) return fail(cuda_error(e, call));
+        if (e != cudaSuccess) return fail(FERRY_CUDA_ERROR(e, call));
         phase = next;
         return ok_status();
     }
@@ -268,17 +258,17 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     if (options.device >= 0) {
         impl->device = options.device;
     } else {
-        FERRY_MOE_CUDA_TRY(cudaGetDevice(&impl->device));
+        FERRY_CUDA_TRY(cudaGetDevice(&impl->device));
     }
-    FERRY_MOE_CUDA_TRY(cudaSetDevice(impl->device));
-    FERRY_MOE_CUDA_TRY(cuda::preload_dispatch_kernels());
-    FERRY_MOE_CUDA_TRY(cuda::preload_combine_kernels());
-    FERRY_MOE_CUDA_TRY(cuda::preload_quantize_kernels());
+    FERRY_CUDA_TRY(cudaSetDevice(impl->device));
+    FERRY_CUDA_TRY(cuda::preload_dispatch_kernels());
+    FERRY_CUDA_TRY(cuda::preload_combine_kernels());
+    FERRY_CUDA_TRY(cuda::preload_quantize_kernels());
     // The plan kernel keeps a lane mask per (warp, expert) in shared memory.
     const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
     const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
     int smem_optin = 0;
-    FERRY_MOE_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+    FERRY_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                               impl->device));
     // Static shared memory of the plan kernel (its scan and per-rank words) stays below 8 KiB.
     if (uint64_t{plan_smem} + 8192 > static_cast<uint64_t>(smem_optin) ||
@@ -287,7 +277,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             "cuda all-to-all: {} experts over {} ranks need {} KiB of shared memory in the "
             "dispatch plan kernel; GPU {} allows {} KiB per block",
             cfg.num_experts, w, (plan_smem + 8192) / 1024, impl->device, smem_optin / 1024));
-    FERRY_MOE_CUDA_TRY(cuda::set_dispatch_smem(plan_smem, recv_smem));
+    FERRY_CUDA_TRY(cuda::set_dispatch_smem(plan_smem, recv_smem));
 
     const RowFormat row = RowFormat::of(cfg);
     const CountsFormat cf = CountsFormat::of(cfg);
@@ -334,15 +324,15 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_trace =
         take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
 
-    FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
-    FERRY_MOE_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
-    FERRY_MOE_CUDA_TRY(cudaMalloc(&impl->local, at));
-    FERRY_MOE_CUDA_TRY(cudaMemset(impl->local, 0, at));
-    FERRY_MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&impl->err_host),
+    FERRY_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
+    FERRY_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
+    FERRY_CUDA_TRY(cudaMalloc(&impl->local, at));
+    FERRY_CUDA_TRY(cudaMemset(impl->local, 0, at));
+    FERRY_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&impl->err_host),
                                      sizeof(cuda::DeviceError), cudaHostAllocMapped));
     std::memset(impl->err_host, 0, sizeof(cuda::DeviceError));
     cuda::DeviceError* err_dev = nullptr;
-    FERRY_MOE_CUDA_TRY(
+    FERRY_CUDA_TRY(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
 
     // Remote peers: one outbox slab per remote rank, laid out like its inbox (the region, then
@@ -362,20 +352,20 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     if (has_remote) {
         TransferEngine* engine = options.engine;
         const size_t publish_bytes = sizeof(proxy::Publish) * w * proxy::kParts;
-        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->publish, publish_bytes, cudaHostAllocMapped));
+        FERRY_CUDA_TRY(cudaHostAlloc(&impl->publish, publish_bytes, cudaHostAllocMapped));
         std::memset(impl->publish, 0, publish_bytes);
-        FERRY_MOE_CUDA_TRY(
+        FERRY_CUDA_TRY(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&publish_dev), impl->publish, 0));
         const uint64_t outbox_bytes = slab * remotes.size();
-        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->outbox, outbox_bytes, cudaHostAllocMapped));
+        FERRY_CUDA_TRY(cudaHostAlloc(&impl->outbox, outbox_bytes, cudaHostAllocMapped));
         std::memset(impl->outbox, 0, outbox_bytes);
-        FERRY_MOE_CUDA_TRY(
+        FERRY_CUDA_TRY(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&outbox_dev), impl->outbox, 0));
         // Kernels read remote peers' bytes and counters straight from the inbox: the proxy
         // needs no CUDA stream (see device_proxy.h).
-        FERRY_MOE_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocMapped));
+        FERRY_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocMapped));
         std::memset(impl->inbox, 0, slab);
-        FERRY_MOE_CUDA_TRY(
+        FERRY_CUDA_TRY(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&inbox_dev), impl->inbox, 0));
         FERRY_ASSIGN_OR_RETURN(impl->outbox_mr,
                                engine->register_memory(impl->outbox, outbox_bytes));
@@ -386,7 +376,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         remote_blob = bw.take();
     }
     // Zeroed counters must be in place before any peer learns where they are.
-    FERRY_MOE_CUDA_TRY(cudaDeviceSynchronize());
+    FERRY_CUDA_TRY(cudaDeviceSynchronize());
 
     PeerBlob mine;
     mine.rank = cfg.rank;
@@ -397,10 +387,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     mine.dispatch_blocks = dc.send_blocks;
     mine.combine_blocks = cc.send_blocks;
     int sms = 0;
-    FERRY_MOE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
+    FERRY_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
     mine.sm_count = static_cast<uint32_t>(sms);
     mine.base = reinterpret_cast<uint64_t>(impl->shared);
-    FERRY_MOE_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
+    FERRY_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
     mine.remote_bytes = static_cast<uint32_t>(remote_blob.size());
     std::vector<uint8_t> blob(sizeof(PeerBlob));
     std::memcpy(blob.data(), &mine, sizeof(mine));
@@ -468,7 +458,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             bases[r] = reinterpret_cast<uint8_t*>(p.base);
             if (p.device != impl->device) {
                 int can = 0;
-                FERRY_MOE_CUDA_TRY(cudaDeviceCanAccessPeer(&can, impl->device, p.device));
+                FERRY_CUDA_TRY(cudaDeviceCanAccessPeer(&can, impl->device, p.device));
                 if (!can)
                     return unavailable(
                         fmt::format("cuda all-to-all: GPU {} cannot access GPU {} (no peer access)",
@@ -477,14 +467,14 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                 if (e == cudaErrorPeerAccessAlreadyEnabled) {
                     cudaGetLastError();  // clears the sticky-free "already enabled"
                 } else if (e != cudaSuccess) {
-                    return cuda_error(e, "cudaDeviceEnablePeerAccess");
+                    return FERRY_CUDA_ERROR(e, "cudaDeviceEnablePeerAccess");
                 }
             }
         } else {
             void* ptr = nullptr;
             cudaError_t e = cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess);
             if (e != cudaSuccess)
-                return cuda_error(
+                return FERRY_CUDA_ERROR(
                     e, fmt::format("cudaIpcOpenMemHandle of rank {} (GPU {})", r, p.device));
             impl->opened.push_back(ptr);
             bases[r] = static_cast<uint8_t*>(ptr);
@@ -513,7 +503,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     impl->combine_recv_blocks = fit(cc.recv_blocks);
 
     auto* local = static_cast<uint8_t*>(impl->local);
-    FERRY_MOE_CUDA_TRY(
+    FERRY_CUDA_TRY(
         cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
 
     cuda::KernelArgs& a = impl->args;
@@ -678,8 +668,8 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
         "combine recv end"};
     static_assert(std::size(kNames) == cuda::kTracePoints, "a name per trace point");
     unsigned long long raw[2 * cuda::kTracePoints];
-    FERRY_MOE_CUDA_TRY(cudaSetDevice(m.device));
-    FERRY_MOE_CUDA_TRY(cudaMemcpy(raw, m.args.trace, sizeof(raw), cudaMemcpyDeviceToHost));
+    FERRY_CUDA_TRY(cudaSetDevice(m.device));
+    FERRY_CUDA_TRY(cudaMemcpy(raw, m.args.trace, sizeof(raw), cudaMemcpyDeviceToHost));
     std::vector<CudaTraceStamp> out;
     for (uint32_t p = 0; p < cuda::kTracePoints; ++p) {
         const bool seen = raw[cuda::kTracePoints + p] != 0;
@@ -690,7 +680,7 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
 
 Status CudaAllToAll::synchronize(void* stream) {
     Impl& m = *impl_;
-    FERRY_MOE_CUDA_TRY(cudaSetDevice(m.device));
+    FERRY_CUDA_TRY(cudaSetDevice(m.device));
     // Kernels give up on their own after the timeout; the margin covers several waits in a
     // row plus the kernels' own work.
     TimePoint deadline = deadline_after(m.opt.timeout * 4 + std::chrono::seconds(5));
@@ -698,7 +688,7 @@ Status CudaAllToAll::synchronize(void* stream) {
     for (;;) {
         cudaError_t e = cudaStreamQuery(s);
         if (e == cudaSuccess) break;
-        if (e != cudaErrorNotReady) return m.fail(cuda_error(e, "cuda all-to-all stream"));
+        if (e != cudaErrorNotReady) return m.fail(FERRY_CUDA_ERROR(e, "cuda all-to-all stream"));
         if (Clock::now() > deadline) {
             FERRY_RETURN_IF_ERROR(m.device_status());
             return m.fail(timeout_error(fmt::format(
@@ -720,7 +710,7 @@ Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, ui
                                             kScaleBlock, hidden));
     cudaError_t e =
         cuda::launch_quantize_fp8(x, tokens, hidden, q, scales, static_cast<cudaStream_t>(stream));
-    return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 quantize launch");
+    return FERRY_CUDA_ERROR(e, "fp8 quantize launch");
 }
 
 Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
@@ -733,7 +723,7 @@ Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32
                         kScaleBlock, hidden));
     cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, tokens_dev, hidden, out,
                                                 static_cast<cudaStream_t>(stream));
-    return e == cudaSuccess ? ok_status() : cuda_error(e, "fp8 dequantize launch");
+    return FERRY_CUDA_ERROR(e, "fp8 dequantize launch");
 }
 
 }  // namespace ferry::moe

@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "common/cuda_check.h"
 #include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
@@ -23,16 +24,6 @@
 
 namespace ferry::moe::bench_detail {
 namespace {
-
-Status cuda_error(cudaError_t e, std::string_view what) {
-    return provider_error(fmt::format("bench moe: {} failed: {}", what, cudaGetErrorString(e)));
-}
-
-#define BENCH_CUDA_TRY(expr)                                                 \
-    do {                                                                     \
-        cudaError_t bench_err_ = (expr);                                     \
-        if (bench_err_ != cudaSuccess) return cuda_error(bench_err_, #expr); \
-    } while (0)
 
 // Owns every CUDA object of one rank, released on any return path.
 struct RankResources {
@@ -55,7 +46,8 @@ struct RankResources {
     Result<T*> alloc(size_t count) {
         void* p = nullptr;
         cudaError_t e = cudaMalloc(&p, std::max<size_t>(count * sizeof(T), 16));
-        if (e != cudaSuccess) return cuda_error(e, fmt::format("cudaMalloc of {} bytes", count));
+        if (e != cudaSuccess)
+            return FERRY_CUDA_ERROR(e, fmt::format("cudaMalloc of {} bytes", count));
         mem.push_back(p);
         return static_cast<T*>(p);
     }
@@ -67,9 +59,9 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     cfg.rank = rank;
     RankResources rr;
     rr.device = static_cast<int>(rank % static_cast<uint32_t>(gpus));
-    BENCH_CUDA_TRY(cudaSetDevice(rr.device));
-    BENCH_CUDA_TRY(cudaStreamCreateWithFlags(&rr.stream, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : rr.ev) BENCH_CUDA_TRY(cudaEventCreate(&e));
+    FERRY_CUDA_TRY(cudaSetDevice(rr.device));
+    FERRY_CUDA_TRY(cudaStreamCreateWithFlags(&rr.stream, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : rr.ev) FERRY_CUDA_TRY(cudaEventCreate(&e));
     res->provider = fmt::format("cuda (rank {} on GPU {} of {})", rank, rr.device, gpus);
 
     CudaAllToAllOptions opts;
@@ -140,16 +132,16 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     FERRY_ASSIGN_OR_RETURN(uint16_t * y, rr.alloc<uint16_t>(rows * h));
     FERRY_ASSIGN_OR_RETURN(float* out, rr.alloc<float>(size_t{n} * h));
     cudaStream_t st = rr.stream;
-    BENCH_CUDA_TRY(cudaMemcpyAsync(dx16, x.data(), x.size() * 2, cudaMemcpyHostToDevice, st));
-    BENCH_CUDA_TRY(cudaMemcpyAsync(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, st));
-    BENCH_CUDA_TRY(cudaMemcpyAsync(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice, st));
-    BENCH_CUDA_TRY(cudaMemcpyAsync(dn, &n, 4, cudaMemcpyHostToDevice, st));
+    FERRY_CUDA_TRY(cudaMemcpyAsync(dx16, x.data(), x.size() * 2, cudaMemcpyHostToDevice, st));
+    FERRY_CUDA_TRY(cudaMemcpyAsync(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, st));
+    FERRY_CUDA_TRY(cudaMemcpyAsync(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice, st));
+    FERRY_CUDA_TRY(cudaMemcpyAsync(dn, &n, 4, cudaMemcpyHostToDevice, st));
     if (cfg.dtype == DType::kFp8E4M3) {
         FERRY_RETURN_IF_ERROR(cuda_quantize_fp8(dx16, n, h, dq, ds, st));
     } else {
-        BENCH_CUDA_TRY(cudaMemcpyAsync(dq, dx16, x.size() * 2, cudaMemcpyDeviceToDevice, st));
+        FERRY_CUDA_TRY(cudaMemcpyAsync(dq, dx16, x.size() * 2, cudaMemcpyDeviceToDevice, st));
     }
-    BENCH_CUDA_TRY(cudaStreamSynchronize(st));
+    FERRY_CUDA_TRY(cudaStreamSynchronize(st));
 
     CudaDispatchInput din{dq, spt ? ds : nullptr, didx, dw, dn};
     CudaExpertBatch batch{bx, spt ? bs : nullptr, bcnt, boff, nullptr};
@@ -157,45 +149,45 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     // `timed`: with events between the phases (not inside a graph capture).
     auto enqueue = [&](bool timed) -> Status {
         auto mark = [&](int i) { return timed ? cudaEventRecord(rr.ev[i], st) : cudaSuccess; };
-        BENCH_CUDA_TRY(mark(0));
+        FERRY_CUDA_TRY(mark(0));
         FERRY_RETURN_IF_ERROR(a2a->dispatch_send(din, st));
-        BENCH_CUDA_TRY(mark(1));
+        FERRY_CUDA_TRY(mark(1));
         FERRY_RETURN_IF_ERROR(a2a->dispatch_recv(batch, st));
-        BENCH_CUDA_TRY(mark(2));
+        FERRY_CUDA_TRY(mark(2));
         if (cfg.dtype == DType::kFp8E4M3) {
             FERRY_RETURN_IF_ERROR(cuda_dequantize_fp8_to_bf16(bx, bs, static_cast<uint32_t>(rows),
                                                               h, y, st, boff + nl));
         } else {
-            BENCH_CUDA_TRY(cudaMemcpyAsync(y, bx, rows * pb, cudaMemcpyDeviceToDevice, st));
+            FERRY_CUDA_TRY(cudaMemcpyAsync(y, bx, rows * pb, cudaMemcpyDeviceToDevice, st));
         }
-        BENCH_CUDA_TRY(mark(3));
+        FERRY_CUDA_TRY(mark(3));
         FERRY_RETURN_IF_ERROR(a2a->combine_send(y, st));
-        BENCH_CUDA_TRY(mark(4));
+        FERRY_CUDA_TRY(mark(4));
         FERRY_RETURN_IF_ERROR(a2a->combine_recv(out, st));
-        BENCH_CUDA_TRY(mark(5));
+        FERRY_CUDA_TRY(mark(5));
         return ok_status();
     };
     if (bc.graph) {
         // The token count and call number live on the device, so one capture replays
         // correctly call after call.
-        BENCH_CUDA_TRY(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        FERRY_CUDA_TRY(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         Status s = enqueue(false);
         cudaError_t end = cudaStreamEndCapture(st, &rr.graph);
         FERRY_RETURN_IF_ERROR(s);
-        if (end != cudaSuccess) return cuda_error(end, "cudaStreamEndCapture");
-        BENCH_CUDA_TRY(cudaGraphInstantiate(&rr.exec, rr.graph, 0));
+        if (end != cudaSuccess) return FERRY_CUDA_ERROR(end, "cudaStreamEndCapture");
+        FERRY_CUDA_TRY(cudaGraphInstantiate(&rr.exec, rr.graph, 0));
     }
 
-    BENCH_CUDA_TRY(cuda::preload_host_gate());
+    FERRY_CUDA_TRY(cuda::preload_host_gate());
     const uint64_t gate_timeout_ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(bc.timeout).count());
     for (int it = 0; it < bc.warmup + bc.iters; ++it) {
         const uint32_t want = static_cast<uint32_t>(it + 1);
-        BENCH_CUDA_TRY(cuda::launch_host_gate(gate, want, gate_timeout_ns, st));
+        FERRY_CUDA_TRY(cuda::launch_host_gate(gate, want, gate_timeout_ns, st));
         if (bc.graph) {
-            BENCH_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
-            BENCH_CUDA_TRY(cudaGraphLaunch(rr.exec, st));
-            BENCH_CUDA_TRY(cudaEventRecord(rr.ev[5], st));
+            FERRY_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
+            FERRY_CUDA_TRY(cudaGraphLaunch(rr.exec, st));
+            FERRY_CUDA_TRY(cudaEventRecord(rr.ev[5], st));
         } else {
             FERRY_RETURN_IF_ERROR(enqueue(true));
         }
@@ -225,12 +217,12 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         for (int p = 0; p < kNumPhases; ++p) {
             if (bc.graph && p != bench_detail::kLayer) continue;
             float ms = 0;
-            BENCH_CUDA_TRY(cudaEventElapsedTime(&ms, rr.ev[from[p]], rr.ev[to[p]]));
+            FERRY_CUDA_TRY(cudaEventElapsedTime(&ms, rr.ev[from[p]], rr.ev[to[p]]));
             res->samples[p].push_back(static_cast<double>(ms) * 1e3);
         }
     }
     std::vector<float> got(size_t{n} * h);
-    BENCH_CUDA_TRY(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
+    FERRY_CUDA_TRY(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < got.size(); ++i) {
         float want = bf16_to_float(expected[i]);
         double err = std::fabs(got[i] - want) / std::max(std::fabs(want), 1e-30f);
@@ -256,7 +248,7 @@ Status run_cuda_ranks(const MoeBenchConfig& bc, const AllToAllConfig& cfg,
     if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&gate), sizeof(uint32_t),
                                       cudaHostAllocMapped | cudaHostAllocPortable);
         e != cudaSuccess)
-        return cuda_error(e, "cudaHostAlloc of the start gate");
+        return FERRY_CUDA_ERROR(e, "cudaHostAlloc of the start gate");
     *gate = 0;
     ThreadExchange ex(bc.ranks);
     std::vector<std::thread> threads;

@@ -5,6 +5,7 @@
 // places its header names: grouped per local expert, in the order the CPU backend produces).
 #include <cub/block/block_scan.cuh>
 
+#include "common/cuda_check.h"
 #include "moe/cuda/device_common.cuh"
 #include "moe/cuda/kernels.h"
 
@@ -673,8 +674,7 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
     else
         dispatch_plan_kernel<0>
             <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
         a, static_cast<const uint8_t*>(x), x_scale);
     return cudaGetLastError();

@@ -1,0 +1,124 @@
+#include "fabric/memory_registry.h"
+
+#include <fmt/format.h>
+#include <rdma/fi_errno.h>
+
+#include "ferry/common/log.h"
+
+namespace ferry::detail {
+
+Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, MemoryKind kind,
+                                                         int device) {
+    Registration reg;
+    reg.desc.engine_id = settings_.engine_id;
+    reg.desc.base = reinterpret_cast<uint64_t>(ptr);
+    reg.desc.length = len;
+    reg.desc.kind = kind;
+    reg.desc.device = device;
+    reg.desc.virt_addr = rails_[0].virt_addr();
+    reg.local_descs.assign(rails_.size(), nullptr);
+    if (kind == MemoryKind::kCuda && !settings_.fabric_gpu) {
+        // GPU memory travels through CUDA IPC only.
+        Status s = gpu_.export_memory(ptr, len, &reg.desc);
+        if (!s.ok()) {
+            return s.with_context(fmt::format(
+                "registering {} bytes of GPU memory on device {} ({}; CUDA IPC is the only "
+                "way left)",
+                len, device, settings_.fabric_gpu_note));
+        }
+        std::lock_guard lk(mu_);
+        reg.id = next_id_++;
+        return reg;
+    }
+    if (kind == MemoryKind::kCuda && settings_.gpu_ipc) {
+        // Same-host GPU peers still copy over NVLink; without the export they use the fabric.
+        Status s = gpu_.export_memory(ptr, len, &reg.desc);
+        if (!s.ok()) {
+            log(LogLevel::kWarn, "fabric",
+                "GPU memory at {} ({} bytes, device {}) has no CUDA IPC export, so same-host "
+                "GPU peers reach it through provider {}: {}",
+                ptr, len, device, settings_.provider, s.message());
+        }
+    }
+    Status s = register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1, reg);
+    if (!s.ok()) {
+        if (kind == MemoryKind::kCuda) {
+            return s.with_context(
+                fmt::format("provider {} cannot register CUDA memory ({} bytes on device {})",
+                            settings_.provider, len, device));
+        }
+        return s.with_context(fmt::format("registering {} bytes", len));
+    }
+    return reg;
+}
+
+Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
+                                         Registration& reg) {
+    std::vector<fid_mr*> mrs;
+    uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    for (auto& rail : rails_) {
+        fid_mr* mr = nullptr;
+        Rail* rp = rail.get();
+        Status s = rp->run_on_worker(
+            [&]() -> Status {
+                auto r = rp->register_mr(ptr, len, access, cuda_device);
+                if (!r.ok()) return r.status();
+                mr = *r;
+                return ok_status();
+            },
+            kRailTaskTimeout);
+        if (!s.ok()) {
+            for (size_t i = 0; i < mrs.size(); ++i) {
+                Rail* prev = &rails_[i];
+                fid_mr* m = mrs[i];
+                (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
+                                          kRailTaskTimeout);
+            }
+            reg.desc.rail_keys.clear();
+            return s.with_context(fmt::format("rail {}", rp->index()));
+        }
+        reg.desc.rail_keys.push_back(fi_mr_key(mr));
+        reg.local_descs[rp->index()] = fi_mr_desc(mr);
+        mrs.push_back(mr);
+    }
+    std::lock_guard lk(mu_);
+    reg.id = next_id_++;
+    mrs_[reg.id] = std::move(mrs);
+    return ok_status();
+}
+
+void MemoryRegistry::remove(uint32_t id) {
+    std::vector<fid_mr*> mrs;
+    {
+        std::lock_guard lk(mu_);
+        auto it = mrs_.find(id);
+        if (it == mrs_.end()) return;  // closed at shutdown already
+        mrs = std::move(it->second);
+        mrs_.erase(it);
+    }
+    for (size_t i = 0; i < mrs.size() && i < rails_.size(); ++i) {
+        if (rails_[i].wedged()) continue;  // its domain is never closed either
+        fid_mr* m = mrs[i];
+        Status s = rails_[i].run_on_worker(
+            [m] {
+                int rc = fi_close(&m->fid);
+                return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
+                          : ok_status();
+            },
+            kRailTaskTimeout);
+        if (!s.ok()) log(LogLevel::kWarn, "fabric", "deregistering memory: {}", s.message());
+    }
+}
+
+void MemoryRegistry::close_all() {
+    std::lock_guard lk(mu_);
+    for (auto& [id, mrs] : mrs_) {
+        for (size_t i = 0; i < mrs.size(); ++i) {
+            if (i < rails_.size() && rails_[i].wedged()) continue;
+            fi_close(&mrs[i]->fid);
+        }
+    }
+    mrs_.clear();
+}
+
+}  // namespace ferry::detail

@@ -1,0 +1,68 @@
+// Registered memory: each region's registration on every rail, the ids regions are known by,
+// and where GPU memory goes (registered with the provider under FI_HMEM, exported through
+// CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by the engine.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fabric/gpu_copy_path.h"
+#include "fabric/rail_group.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/fabric/types.h"
+
+namespace ferry::detail {
+
+class MemoryRegistry {
+  public:
+    struct Settings {
+        uint64_t engine_id = 0;
+        std::string provider;
+        bool gpu_ipc = true;          // EngineConfig::gpu_ipc
+        bool fabric_gpu = false;      // rails opened with FI_HMEM, CUDA memory registered there
+        std::string fabric_gpu_note;  // why (not), for errors and logs
+    };
+    // What a region needs to know about its registration.
+    struct Registration {
+        uint32_t id = 0;
+        MemoryDescriptor desc;
+        std::vector<void*> local_descs;  // per rail, fi_mr_desc (null without registration)
+    };
+
+    MemoryRegistry(RailGroup& rails, GpuCopyPath& gpu) : rails_(rails), gpu_(gpu) {}
+    void configure(Settings s) { settings_ = std::move(s); }
+
+    bool fabric_gpu() const { return settings_.fabric_gpu; }
+    const std::string& fabric_gpu_note() const { return settings_.fabric_gpu_note; }
+
+    // Registers [ptr, len): host memory on every rail; kCuda memory through CUDA IPC and, where
+    // the provider takes it, on every rail. On failure nothing stays registered.
+    Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device);
+    // Closes the region's registrations (a no-op once close_all ran).
+    void remove(uint32_t id);
+    // Shutdown, after the rails stopped: closes every registration left, except on wedged
+    // rails (their domain is never closed either).
+    void close_all();
+
+  private:
+    // Registers on every rail (CUDA memory on cuda_device when >= 0), filling keys and local
+    // descriptors; on failure what was registered is closed again.
+    Status register_on_rails(void* ptr, size_t len, int cuda_device, Registration& reg);
+
+    RailGroup& rails_;
+    GpuCopyPath& gpu_;
+    Settings settings_;
+
+    std::mutex mu_;
+    uint32_t next_id_ = 1;
+    std::map<uint32_t, std::vector<fid_mr*>> mrs_;
+};
+
+}  // namespace ferry::detail

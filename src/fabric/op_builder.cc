@@ -1,0 +1,359 @@
+// Turning requests (write, paged_write, write_runs, read, read_runs, scatter, signal, barrier,
+// send_message) into fabric operations per rail, split as the rail group decides, or into GPU
+// copies for same-host GPU pairs, and handing them over with one OpState.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "fabric/engine_impl.h"
+
+namespace ferry::detail {
+
+#define FERRY_FAIL_OP(state, expr)         \
+    do {                                   \
+        Status s_ = (expr);                \
+        if (!s_.ok()) {                    \
+            (state)->fail_now(std::move(s_)); \
+            return OpHandle(state);        \
+        }                                  \
+    } while (0)
+
+namespace {
+Status no_peer(PeerId id, const char* what) {
+    return not_found(fmt::format("{}: peer {} is not connected", what, id));
+}
+}  // namespace
+
+FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
+                               const MemoryRegion& local, uint64_t local_off,
+                               const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                               std::optional<uint32_t> imm, TimePoint deadline) {
+    auto* op = new FabricOp();
+    op->type = type;
+    op->peer = p.id;
+    op->dest = p.fi_addr[rail];
+    op->local = static_cast<uint8_t*>(local.data()) + local_off;
+    op->len = len;
+    op->desc = local.local_desc(rail);
+    op->raddr = remote.wire_address(remote_off);
+    op->rkey = remote.rail_keys[p.remote_rail[rail] % remote.rail_keys.size()];
+    op->has_imm = imm.has_value();
+    op->imm = imm.value_or(0);
+    op->deadline = deadline;
+    return op;
+}
+
+void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
+                         const MemoryRegion& local, uint64_t local_off,
+                         const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                         std::optional<uint32_t> imm, TimePoint deadline, bool stripe) {
+    rails.split(len, stripe, [&](int rail, uint64_t off, uint64_t n) {
+        b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
+                             imm, deadline));
+    });
+}
+
+OpHandle EngineImpl::submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm) {
+    if (counts_imm) state->imm_writes = b.count;
+    if (stopped_) {
+        RailGroup::discard(b);
+        state->fail_now(cancelled("the transfer engine was shut down"));
+        return OpHandle(state);
+    }
+    state->set_pieces(b.count);
+    for (size_t r = 0; r < b.first.size(); ++r) {
+        if (b.first[r]) state->rail_mask |= uint64_t{1} << r;
+    }
+    state->registry = registry_;
+    {
+        std::lock_guard lk(registry_->mu);
+        registry_->live.insert(state.get());
+    }
+    for (size_t r = 0; r < b.first.size(); ++r) {
+        b.for_each(r, [&](FabricOp* op) { op->parent = state; });
+    }
+    rails.post(b);
+    return OpHandle(state);
+}
+
+Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
+                                          const MemoryRegion& local) {
+    return gpu_.map_peer(remote, local.descriptor().device);
+}
+
+OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
+                            std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
+    auto g = gpu_.transport();
+    if (!g.ok()) {
+        state->fail_now(g.status());
+        return OpHandle(state);
+    }
+    state->imm_writes = imm_value ? 1 : 0;
+    state->set_pieces(1);
+    auto self = shared_from_this();
+    gpu_.submit(*g, device, std::move(copies), [self, state, peer_id, imm_value](const Status& s) {
+        if (!s.ok() || !imm_value) {
+            state->piece_done(s);
+            return;
+        }
+        // The data is in place: tell the target like a write with immediate.
+        self->signal(peer_id, *imm_value, [state](const Status& s2) {
+            state->piece_done(s2.with_context("signalling a finished GPU copy"));
+        });
+    });
+    return OpHandle(state);
+}
+
+OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write"));
+    if (w.length == 0 && !w.imm) FERRY_FAIL_OP(state, invalid_argument("write of 0 bytes"));
+    FERRY_FAIL_OP(state, check_local(w.src, w.src_offset, w.length, "write"));
+    FERRY_FAIL_OP(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
+    auto path = choose_path(*p, *w.src, *w.dst, "write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*w.dst, *w.src);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {
+            {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
+             w.length}};
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
+    RailBatch b(rails.size());
+    add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
+            deadline_after(config.op_timeout), true);
+    return submit(b, state, w.imm.has_value());
+}
+
+OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "paged write"));
+    if (w.page_size == 0) FERRY_FAIL_OP(state, invalid_argument("paged write: page_size is 0"));
+    if (w.src_pages.size() != w.dst_pages.size()) {
+        FERRY_FAIL_OP(state, invalid_argument(fmt::format(
+                                 "paged write: {} source pages but {} destination pages",
+                                 w.src_pages.size(), w.dst_pages.size())));
+    }
+    if (w.src_pages.empty()) FERRY_FAIL_OP(state, invalid_argument("paged write: no pages"));
+    uint64_t ss = w.src_stride ? w.src_stride : w.page_size;
+    uint64_t ds = w.dst_stride ? w.dst_stride : w.page_size;
+    FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "paged write"));
+    FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "paged write"));
+    // Bounds of every page before anything is posted: a bad index loses nothing. One pass
+    // for the largest index on each side (pages lists run to 100k+ entries for a long
+    // prompt); the slow per-page check only runs to name the offending page.
+    uint32_t max_src = 0, max_dst = 0;
+    for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        max_src = std::max(max_src, w.src_pages[i]);
+        max_dst = std::max(max_dst, w.dst_pages[i]);
+    }
+    if (!check_local(w.src, w.src_offset + uint64_t{max_src} * ss, w.page_size, "").ok() ||
+        !check_remote(*p, w.dst, w.dst_offset + uint64_t{max_dst} * ds, w.page_size, "").ok()) {
+        for (size_t i = 0; i < w.src_pages.size(); ++i) {
+            uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
+            uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
+            Status s = check_local(w.src, so, w.page_size, "paged write");
+            if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
+            if (!s.ok()) {
+                FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
+                                                                 w.src_pages[i],
+                                                                 w.dst_pages[i])));
+            }
+        }
+    }
+    auto path = choose_path(*p, *w.src, *w.dst, "paged write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    uint64_t gpu_base = 0;
+    std::vector<GpuCopy> copies;
+    if (*path == Path::kGpuIpc) {
+        copies.reserve(w.src_pages.size());
+        auto base = map_gpu_peer(*w.dst, *w.src);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        gpu_base = *base;
+    }
+    RailBatch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
+    size_t i = 0;
+    while (i < w.src_pages.size()) {
+        size_t j = i + 1;
+        if (src_dense && dst_dense) {
+            while (j < w.src_pages.size() && w.src_pages[j] == w.src_pages[j - 1] + 1 &&
+                   w.dst_pages[j] == w.dst_pages[j - 1] + 1) {
+                ++j;
+            }
+        }
+        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
+        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
+        if (*path == Path::kGpuIpc) {
+            copies.push_back({gpu_base + dof, reinterpret_cast<uint64_t>(w.src->data()) + so,
+                              (j - i) * w.page_size});
+        } else {
+            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size,
+                    w.imm, deadline, false);
+        }
+        i = j;
+    }
+    if (*path == Path::kGpuIpc) {
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
+    return submit(b, state, w.imm.has_value());
+}
+
+OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(w.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write_runs"));
+    FERRY_FAIL_OP(state, check_runs(*p, w.src, w.dst, w.runs, true, "write_runs"));
+    auto path = choose_path(*p, *w.src, *w.dst, "write_runs");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*w.dst, *w.src);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        const uint64_t src = reinterpret_cast<uint64_t>(w.src->data());
+        std::vector<GpuCopy> copies;
+        copies.reserve(w.runs.size());
+        for (const WriteRun& r : w.runs)
+            copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+    }
+    RailBatch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const WriteRun& r : w.runs) {
+        add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
+                w.imm, deadline, true);
+    }
+    return submit(b, state, w.imm.has_value());
+}
+
+OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(r.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read"));
+    if (r.length == 0) FERRY_FAIL_OP(state, invalid_argument("read of 0 bytes"));
+    FERRY_FAIL_OP(state, check_local(r.dst, r.dst_offset, r.length, "read"));
+    FERRY_FAIL_OP(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
+    auto path = choose_path(*p, *r.dst, *r.src, "read");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*r.src, *r.dst);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
+                                         *base + r.src_offset, r.length}};
+        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+    }
+    RailBatch b(rails.size());
+    add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
+            std::nullopt, deadline_after(config.op_timeout), true);
+    return submit(b, state, false);
+}
+
+OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(r.peer);
+    if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read_runs"));
+    FERRY_FAIL_OP(state, check_runs(*p, r.dst, r.src, r.runs, false, "read_runs"));
+    auto path = choose_path(*p, *r.dst, *r.src, "read_runs");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*r.src, *r.dst);
+        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        const uint64_t dst = reinterpret_cast<uint64_t>(r.dst->data());
+        std::vector<GpuCopy> copies;
+        copies.reserve(r.runs.size());
+        for (const WriteRun& run : r.runs)
+            copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
+        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+    }
+    RailBatch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const WriteRun& run : r.runs) {
+        add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
+                run.length, std::nullopt, deadline, true);
+    }
+    return submit(b, state, false);
+}
+
+OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Group* g = peers_.group(sc.group);
+    if (!g) FERRY_FAIL_OP(state, not_found(fmt::format("scatter: no group {}", sc.group)));
+    if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
+    for (const auto& s : sc.slices) {
+        if (s.member >= g->peers.size()) {
+            FERRY_FAIL_OP(state, invalid_argument(fmt::format(
+                                     "scatter: slice for member {} but the group has {}",
+                                     s.member, g->peers.size())));
+        }
+        if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
+        FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
+        auto path = choose_path(*peer(g->peers[s.member]), *sc.src, g->dsts[s.member], "scatter");
+        if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+        if (*path != Path::kFabric) {
+            FERRY_FAIL_OP(state, invalid_argument("scatter between GPU regions over CUDA IPC is not "
+                                                  "supported; use paged_write per peer"));
+        }
+        FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
+                                          s.dst_offset, s.length, "scatter"));
+    }
+    RailBatch b(rails.size());
+    auto deadline = deadline_after(config.op_timeout);
+    for (const auto& s : sc.slices) {
+        add_rma(b, FabricOp::kWrite, *peer(g->peers[s.member]), *sc.src, s.src_offset,
+                g->dsts[s.member], s.dst_offset, s.length, sc.imm, deadline, true);
+    }
+    return submit(b, state, sc.imm.has_value());
+}
+
+OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(id);
+    if (!p) FERRY_FAIL_OP(state, no_peer(id, "signal"));
+    RailBatch b(rails.size());
+    int rail = rails.next_rail();
+    auto* op = new FabricOp();
+    op->type = FabricOp::kWrite;
+    op->peer = id;
+    op->dest = p->fi_addr[rail];
+    op->local = rails[rail].signal_base();
+    op->len = 0;
+    op->raddr = p->address.signal.wire_address(0);
+    op->rkey = p->address.signal.rail_keys[p->remote_rail[rail] %
+                                           p->address.signal.rail_keys.size()];
+    op->has_imm = true;
+    op->imm = imm_value;
+    op->deadline = deadline_after(config.op_timeout);
+    b.add(rail, op);
+    return submit(b, state, true);
+}
+
+Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) {
+    const Group* g = peers_.group(group);
+    if (!g) return not_found(fmt::format("barrier: no group {}", group));
+    const std::vector<PeerId>& members = g->peers;
+    auto deadline = deadline_after(timeout);
+    std::vector<OpHandle> sent;
+    for (PeerId m : members) sent.push_back(signal(m, imm_value, {}));
+    Status arrived = imm.wait(imm_value, members.size(), timeout);
+    for (auto& h : sent) {
+        Status s = h.wait(std::max<Duration>(deadline - Clock::now(), Duration::zero()));
+        if (!s.ok()) return s.with_context("barrier");
+    }
+    return arrived.with_context(fmt::format("barrier over {} peers", members.size()));
+}
+
+OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    const Peer* p = peer(id);
+    if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
+    FERRY_FAIL_OP(state, control_.check_size(payload.size()));
+    RailBatch b(rails.size());
+    b.add(0, control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
+                                deadline_after(config.op_timeout)));
+    return submit(b, state, false);
+}
+
+}  // namespace ferry::detail

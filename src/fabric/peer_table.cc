@@ -1,0 +1,83 @@
+#include "fabric/peer_table.h"
+
+#include <fmt/format.h>
+
+namespace ferry::detail {
+
+PeerTable::PeerTable() : peer_table_(std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers)) {}
+
+Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
+    std::lock_guard lk(peers_mu_);
+    if (auto it = by_engine_.find(a.engine_id); it != by_engine_.end()) return it->second;
+    if (peers_owned_.size() >= kMaxPeers) {
+        return resource_exhausted(fmt::format("too many peers (limit {})", kMaxPeers));
+    }
+    auto p = std::make_unique<Peer>();
+    p->id = static_cast<PeerId>(peers_owned_.size());
+    p->engine_id = a.engine_id;
+    p->address = a;
+    for (auto& rail : rails) {
+        uint32_t rr = static_cast<uint32_t>(rail->index() % a.rail_addrs.size());
+        fi_addr_t fa = FI_ADDR_UNSPEC;
+        Rail* rp = rail.get();
+        Status s = rp->run_on_worker(
+            [&]() -> Status {
+                auto r = rp->insert_address(a.rail_addrs[rr]);
+                if (!r.ok()) return r.status();
+                fa = *r;
+                return ok_status();
+            },
+            kRailTaskTimeout);
+        if (!s.ok()) return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
+        p->fi_addr.push_back(fa);
+        p->remote_rail.push_back(rr);
+    }
+    PeerId id = p->id;
+    peer_table_[id].store(p.get(), std::memory_order_release);
+    by_engine_[a.engine_id] = id;
+    peers_owned_.push_back(std::move(p));
+    return id;
+}
+
+std::optional<PeerId> PeerTable::find(uint64_t engine_id) const {
+    std::lock_guard lk(peers_mu_);
+    auto it = by_engine_.find(engine_id);
+    if (it == by_engine_.end()) return std::nullopt;
+    return it->second;
+}
+
+const Peer* PeerTable::peer(PeerId id) const {
+    if (id >= kMaxPeers) return nullptr;
+    return peer_table_[id].load(std::memory_order_acquire);
+}
+
+Result<GroupId> PeerTable::create_group(std::span<const PeerId> peers,
+                                        std::span<const MemoryDescriptor> dsts) {
+    if (peers.size() != dsts.size()) {
+        return invalid_argument(fmt::format("group of {} peers needs {} descriptors, got {}",
+                                            peers.size(), peers.size(), dsts.size()));
+    }
+    auto g = std::make_unique<Group>();
+    for (size_t i = 0; i < peers.size(); ++i) {
+        const Peer* p = peer(peers[i]);
+        if (!p) return not_found(fmt::format("group member {} is not a connected peer", peers[i]));
+        if (dsts[i].engine_id != p->engine_id) {
+            return invalid_argument(fmt::format(
+                "group member {}: descriptor belongs to engine {:x}, peer is engine {:x}", i,
+                dsts[i].engine_id, p->engine_id));
+        }
+        g->peers.push_back(peers[i]);
+        g->dsts.push_back(dsts[i]);
+    }
+    std::lock_guard lk(groups_mu_);
+    if (groups_.size() >= kMaxGroups) return resource_exhausted("too many peer groups");
+    groups_.push_back(std::move(g));
+    return static_cast<GroupId>(groups_.size() - 1);
+}
+
+const Group* PeerTable::group(GroupId id) const {
+    std::lock_guard lk(groups_mu_);
+    return id < groups_.size() ? groups_[id].get() : nullptr;
+}
+
+}  // namespace ferry::detail

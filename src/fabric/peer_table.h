@@ -1,0 +1,66 @@
+// The peers an engine is connected to (their address on every local rail) and the groups of
+// peers that scatter and barrier address. Operations look peers up without a lock.
+#pragma once
+
+#include <rdma/fabric.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "fabric/rail_group.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
+#include "ferry/fabric/types.h"
+
+namespace ferry::detail {
+
+struct Peer {
+    PeerId id = 0;
+    uint64_t engine_id = 0;
+    EngineAddress address;
+    std::vector<fi_addr_t> fi_addr;     // per local rail
+    std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
+};
+
+// Immutable once created.
+struct Group {
+    std::vector<PeerId> peers;
+    std::vector<MemoryDescriptor> dsts;
+};
+
+class PeerTable {
+  public:
+    static constexpr size_t kMaxPeers = 1 << 14;
+    static constexpr size_t kMaxGroups = 1 << 12;
+
+    PeerTable();
+
+    // Inserts the peer's address on every rail (local rail r talks to the peer's rail
+    // r % its rail count); connecting twice returns the same id.
+    Result<PeerId> connect(const EngineAddress& a, RailGroup& rails);
+    std::optional<PeerId> find(uint64_t engine_id) const;
+    // Lock-free; null when no peer has that id. A peer, once connected, stays.
+    const Peer* peer(PeerId id) const;
+
+    Result<GroupId> create_group(std::span<const PeerId> peers,
+                                 std::span<const MemoryDescriptor> dsts);
+    // Null when no group has that id. A group, once created, stays.
+    const Group* group(GroupId id) const;
+
+  private:
+    mutable std::mutex peers_mu_;
+    std::vector<std::unique_ptr<Peer>> peers_owned_;
+    std::unique_ptr<std::atomic<const Peer*>[]> peer_table_;
+    std::unordered_map<uint64_t, PeerId> by_engine_;
+
+    mutable std::mutex groups_mu_;
+    std::vector<std::unique_ptr<Group>> groups_;
+};
+
+}  // namespace ferry::detail

@@ -1,0 +1,120 @@
+// The rails of one engine, and the policy that spreads an operation over them: how long writes
+// are split into pieces, which rail each piece goes to, and handing each rail its pieces.
+// Between the engine (requests, validation) and the rail (one domain, one worker thread).
+#pragma once
+
+#include <rdma/fabric.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "fabric/rail.h"
+#include "ferry/common/clock.h"
+#include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
+
+namespace ferry::detail {
+
+// How long an engine task on a rail worker (registration, address insertion) may take.
+inline constexpr Duration kRailTaskTimeout = std::chrono::seconds(10);
+
+// The fabric operations of one user operation, a chain per rail, handed to the rails together
+// once the piece count is final (the OpState must know it before any piece can complete).
+struct RailBatch {
+    explicit RailBatch(size_t rails) : first(rails, nullptr), last(rails, nullptr) {}
+    std::vector<FabricOp*> first, last;
+    uint32_t count = 0;
+    void add(int rail, FabricOp* op);
+    // Calls fn(op) for every op of rail r's chain, in post order.
+    template <typename Fn>
+    void for_each(size_t r, Fn&& fn) const {
+        for (FabricOp* op = first[r]; op;) {
+            // Read the link before fn: fn may free the op.
+            FabricOp* next = op == last[r]
+                                 ? nullptr
+                                 : static_cast<FabricOp*>(
+                                       op->mpsc_next.load(std::memory_order_relaxed));
+            fn(op);
+            op = next;
+        }
+    }
+};
+
+class RailGroup {
+  public:
+    // Opens one rail per candidate round robin until config.num_rails are open. hooks_for(r)
+    // gives rail r's hooks. On failure the rails opened so far stay for stop().
+    Status open(std::span<const fi_info* const> candidates, const EngineConfig& config,
+                const std::function<RailHooks(int rail)>& hooks_for);
+    void start();
+    // Fails everything outstanding on every rail with `why` and joins the workers.
+    void stop(const Status& why);
+    // Frees the rails; a wedged rail's worker may still be inside the provider, so its objects
+    // are left behind instead.
+    void release();
+
+    size_t size() const { return rails_.size(); }
+    bool empty() const { return rails_.empty(); }
+    Rail& operator[](size_t r) const { return *rails_[r]; }
+    auto begin() const { return rails_.begin(); }
+    auto end() const { return rails_.end(); }
+
+    // The rail for an operation that goes to one rail: successive operations rotate over the
+    // rails, so concurrent small operations still use every NIC.
+    int next_rail() {
+        return static_cast<int>(rr_.fetch_add(1, std::memory_order_relaxed) % rails_.size());
+    }
+
+    // Splits `len` bytes into the pieces one operation posts and picks each piece's rail:
+    // piece(rail, offset, length) is called in post order, at least once (a 0-byte write with
+    // an immediate is one piece).
+    //
+    // Every piece is at most max_write_size. With `stripe`, a transfer above stripe_threshold
+    // on more than one rail becomes one piece per rail (4 KiB aligned, so KV pages stay
+    // whole), each rail's NIC moving its share at once; below the threshold a second rail
+    // would only add a post and a completion to wait for, so the transfer stays on one rail and
+    // operations rotate over rails instead (next_rail). Paged writes pass stripe = false:
+    // their page runs are already many operations, rotated the same way. The 1 MiB default
+    // threshold has not been measured on multi-NIC hardware; see EngineConfig.
+    template <typename PieceFn>
+    void split(uint64_t len, bool stripe, PieceFn&& piece) {
+        int nr = static_cast<int>(rails_.size());
+        uint64_t chunk = max_write_size_;
+        if (stripe && nr > 1 && len > stripe_threshold_) {
+            uint64_t per = (len + nr - 1) / nr;
+            per = (per + 4095) & ~uint64_t{4095};
+            chunk = std::min<uint64_t>(chunk, per);
+        }
+        int rail = next_rail();
+        uint64_t done = 0;
+        do {
+            uint64_t n = std::min<uint64_t>(chunk, len - done);
+            piece(rail, done, n);
+            done += n;
+            rail = (rail + 1) % nr;
+        } while (done < len);
+    }
+
+    // Hands every rail its chain of the batch, rail 0 first.
+    void post(const RailBatch& b);
+    // Frees a batch that will not be posted.
+    static void discard(const RailBatch& b);
+
+    // Ends every rail's nap (the engine's stay-awake condition changed).
+    void wake_all();
+    // Counters summed over the rails.
+    EngineStats stats() const;
+
+  private:
+    std::vector<std::unique_ptr<Rail>> rails_;
+    std::atomic<uint32_t> rr_{0};
+    uint64_t stripe_threshold_ = 0;
+    uint64_t max_write_size_ = 0;
+};
+
+}  // namespace ferry::detail
