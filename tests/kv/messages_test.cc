@@ -62,8 +62,9 @@ TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
     auto refused = [](const KvMessage& m, const char* field) {
         auto r = decode_message(encode_message(m));
         EXPECT_FALSE(r.ok()) << field;
-        if (!r.ok())
+        if (!r.ok()) {
             EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
+        }
     };
     refused(RegisterMsg{1, 1, 0, 1, 0x10, 0, 4, 100, test_address(), test_pool(l), l, {1}},
             "imm_span");

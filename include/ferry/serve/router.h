@@ -71,8 +71,8 @@ class Router {
         EngineAddress address;
         bool probed = false;
         bool ready = false;
-        std::string why;  // not ready: what the probe saw
-        std::string engine_id;
+        std::string why{};  // not ready: what the probe saw
+        std::string engine_id{};
         // Limits (0: not known yet).
         size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
     };
