@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/moe.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
-#include "ferry/moe/bench.h"
 #include "ferry/moe/config.h"
 
 namespace ferry::moe::bench_detail {

@@ -15,11 +15,11 @@
 #include <random>
 #include <thread>
 
+#include "bench/moe_internal.h"
 #include "common/cuda_check.h"
 #include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
-#include "moe/bench_internal.h"
 #include "moe/cuda/kernels.h"
 
 namespace ferry::moe::bench_detail {
