@@ -1,4 +1,4 @@
-// Formatting for `ferry bench gpu` (the measurement itself is in cuda/gpu_bench.cc).
+// Formatting for `ferry bench gpu` (the measurement itself is in cuda/gpu.cc).
 #include <fmt/format.h>
 
 #include "bench/gpu.h"
