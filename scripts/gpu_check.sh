@@ -45,10 +45,11 @@ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} 
   || { tail -30 "$out/configure.log"; exit 3; }
 grep -E "CUDA support" "$out/configure.log" | tee -a "$out/gpu_check.log"
 log "build"
-# FERRY_GPU_QUICK=1: only the targets in FERRY_GPU_TARGETS (default: the ferry tool), no
+# FERRY_GPU_QUICK=1: only the targets in FERRY_GPU_TARGETS (default: the ferry tool, target
+# ferry_cli; target ferry is the library alone, without the benchmarks of src/bench/), no
 # tests and no transfer benchmarks, straight to FERRY_GPU_EXTRA (a quick look at one thing).
 targets=()
-[ -n "${FERRY_GPU_QUICK:-}" ] && targets=(--target ${FERRY_GPU_TARGETS:-ferry})
+[ -n "${FERRY_GPU_QUICK:-}" ] && targets=(--target ${FERRY_GPU_TARGETS:-ferry_cli})
 cmake --build $build -j "$(nproc)" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 4; }
 if [ -n "${FERRY_GPU_QUICK:-}" ]; then
   log "extra: ${FERRY_GPU_EXTRA:-}"

@@ -2,7 +2,8 @@
 # Profiles one MoE kernel with Nsight Compute on a GPU machine (the device tool) and writes two
 # files under $OUT: the summary (with the bench's output) and the per-instruction stall samples
 # (SASS with source lines, CSV). The device tool brings back only a few files per call.
-# Run after gpu_check.sh has built build-gpu (quick mode is enough):
+# Run after gpu_check.sh has built build-gpu (quick mode is enough: it builds ferry_cli, the
+# `ferry` binary with the benchmarks of src/bench/):
 #   bash scripts/gpu_profile.sh <kernel regex> <tokens> [extra bench flags]
 # One rank, so no kernel waits for a peer and the profile shows the kernel's own cost.
 set -uo pipefail

@@ -1,8 +1,8 @@
 #include <cstdio>
 
+#include "bench/gpu.h"
 #include "cli/commands.h"
 #include "cli/util.h"
-#include "ferry/fabric/gpu_bench.h"
 
 namespace ferry::cli {
 

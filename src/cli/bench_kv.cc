@@ -1,8 +1,8 @@
 #include <cstdio>
 
+#include "bench/kv.h"
 #include "cli/commands.h"
 #include "cli/util.h"
-#include "ferry/kv/kv_bench.h"
 
 namespace ferry::cli {
 

@@ -2,9 +2,9 @@
 
 #include <cstdio>
 
+#include "bench/moe.h"
 #include "cli/commands.h"
 #include "cli/util.h"
-#include "ferry/moe/bench.h"
 
 namespace ferry::cli {
 

@@ -1,9 +1,9 @@
 // `ferry bench relay`: the router's work on one request body, relayed against fully parsed.
 #include <cstdio>
 
+#include "bench/relay.h"
 #include "cli/commands.h"
 #include "cli/util.h"
-#include "ferry/serve/relay_bench.h"
 
 namespace ferry::cli {
 

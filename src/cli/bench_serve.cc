@@ -1,5 +1,5 @@
 // `ferry bench serve`: load against a /v1/completions endpoint, results in vllm-bench JSON.
-#include "ferry/serve/bench_serve.h"
+#include "bench/serve.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

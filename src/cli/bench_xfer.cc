@@ -3,9 +3,9 @@
 #include <cstdio>
 #include <fstream>
 
+#include "bench/xfer.h"
 #include "cli/commands.h"
 #include "cli/util.h"
-#include "ferry/fabric/xfer_bench.h"
 
 namespace ferry::cli {
 

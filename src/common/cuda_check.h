@@ -1,6 +1,6 @@
 // One way to check a CUDA runtime call. Host code turns a failure into a Status naming the
 // call, where it was made and CUDA's own words:
-//   "cudaMalloc(&p, n) failed at src/moe/cuda/cuda_bench.cc:57: out of memory
+//   "cudaMalloc(&p, n) failed at src/bench/cuda/moe.cc:57: out of memory
 //    (cudaErrorMemoryAllocation, 2)"
 // Kernel files (.cu, compiled by nvcc without ferry's Status) pass the cudaError_t up to the
 // host code that launched them, which checks it like any other call.

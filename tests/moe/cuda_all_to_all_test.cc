@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "bench/moe_internal.h"
 #include "ferry/moe/local_world.h"
-#include "moe/bench_internal.h"
 #include "moe/test_util.h"
 #include "support/engine_fixture.h"
 #include "support/gpu.h"

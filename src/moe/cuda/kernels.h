@@ -161,7 +161,6 @@ uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world);
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes);
 cudaError_t preload_combine_kernels();
 cudaError_t preload_quantize_kernels();
-cudaError_t preload_host_gate();
 
 // Launches `kernel`, as a programmatic dependent of the kernel before it on the stream when
 // `early` (see let_receiver_start in device_common.cuh).
@@ -199,11 +198,5 @@ cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hid
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,
                                   const uint32_t* tokens_dev, uint32_t hidden, uint16_t* out,
                                   cudaStream_t stream);
-
-// bench_gate.cu: holds `stream` until *flag >= want (mapped pinned host memory) or timeout_ns
-// passed. A benchmark enqueues a whole layer behind it on every rank, then opens the gate, so
-// events time the GPU's work rather than host launch gaps and skew between ranks.
-cudaError_t launch_host_gate(const volatile uint32_t* flag, uint32_t want, uint64_t timeout_ns,
-                             cudaStream_t stream);
 
 }  // namespace ferry::moe::cuda

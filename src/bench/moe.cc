@@ -1,4 +1,4 @@
-#include "ferry/moe/bench.h"
+#include "bench/moe.h"
 
 #include <fmt/format.h>
 
@@ -11,10 +11,10 @@
 #include <random>
 #include <thread>
 
+#include "bench/moe_internal.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/moe/all_to_all.h"
 #include "ferry/moe/numerics.h"
-#include "moe/bench_internal.h"
 
 namespace ferry::moe {
 bench_detail::RandomInputs bench_detail::random_inputs(const AllToAllConfig& cfg, uint32_t n,

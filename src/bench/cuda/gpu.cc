@@ -13,10 +13,10 @@
 #include <numeric>
 #include <random>
 
+#include "bench/gpu.h"
 #include "common/cuda_check.h"
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
-#include "ferry/fabric/gpu_bench.h"
 #include "ferry/fabric/gpu_memory.h"
 
 namespace ferry {

@@ -1,7 +1,7 @@
-// Formatting for `ferry bench gpu` (the measurement itself is in cuda/gpu_bench.cc).
+// Formatting for `ferry bench gpu` (the measurement itself is in cuda/gpu.cc).
 #include <fmt/format.h>
 
-#include "ferry/fabric/gpu_bench.h"
+#include "bench/gpu.h"
 
 namespace ferry {
 

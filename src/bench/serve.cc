@@ -1,4 +1,4 @@
-#include "ferry/serve/bench_serve.h"
+#include "bench/serve.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "ferry/kv/kv_bench.h"
+#include "bench/kv.h"
 
 #include "ferry/fabric/gpu_memory.h"
 
@@ -14,8 +14,8 @@
 #include <random>
 #include <thread>
 
+#include "bench/xfer.h"
 #include "ferry/fabric/engine.h"
-#include "ferry/fabric/xfer_bench.h"
 #include "ferry/kv/block_pool.h"
 #include "ferry/kv/connector.h"
 

@@ -1,5 +1,8 @@
+// The gate kernel waits on the same global timer as the MoE kernels' timeouts (global_ns, from
+// the kernels' internal device_common.cuh: see docs/ARCHITECTURE.md, "Benchmarks").
+#include "bench/cuda/moe_gate.h"
+
 #include "moe/cuda/device_common.cuh"
-#include "moe/cuda/kernels.h"
 
 namespace ferry::moe::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // Builds without CUDA: `ferry bench moe --backend cuda` says why it cannot run.
-#include "moe/bench_internal.h"
+#include "bench/moe_internal.h"
 
 #ifndef FERRY_HAVE_CUDA
 namespace ferry::moe::bench_detail {

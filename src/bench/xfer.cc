@@ -1,4 +1,4 @@
-#include "ferry/fabric/xfer_bench.h"
+#include "bench/xfer.h"
 
 #include <fmt/format.h>
 #include <sys/socket.h>
@@ -15,7 +15,7 @@
 #include <random>
 #include <thread>
 
-#include "fabric/raw_endpoint.h"
+#include "bench/raw_endpoint.h"
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
 

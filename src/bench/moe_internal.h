@@ -1,5 +1,5 @@
-// What `ferry bench moe` collects per rank, shared by the CPU path (bench.cc) and the CUDA
-// path (cuda/cuda_bench.cc, or its fallback without CUDA).
+// What `ferry bench moe` collects per rank, shared by the CPU path (moe.cc) and the CUDA
+// path (cuda/moe.cc, or moe_cuda_fallback.cc without CUDA).
 #pragma once
 
 #include <fmt/format.h>
@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/moe.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
-#include "ferry/moe/bench.h"
 #include "ferry/moe/config.h"
 
 namespace ferry::moe::bench_detail {

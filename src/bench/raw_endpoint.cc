@@ -1,4 +1,4 @@
-#include "fabric/raw_endpoint.h"
+#include "bench/raw_endpoint.h"
 
 #include <fmt/format.h>
 #include <rdma/fi_cm.h>

@@ -1,11 +1,11 @@
-#include "ferry/serve/relay_bench.h"
+#include "bench/relay.h"
 
 #include <fmt/format.h>
 
 #include <random>
 
+#include "bench/serve.h"
 #include "ferry/common/clock.h"
-#include "ferry/serve/bench_serve.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {

@@ -15,12 +15,12 @@
 #include <random>
 #include <thread>
 
+#include "bench/cuda/moe_gate.h"
+#include "bench/moe_internal.h"
 #include "common/cuda_check.h"
 #include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
-#include "moe/bench_internal.h"
-#include "moe/cuda/kernels.h"
 
 namespace ferry::moe::bench_detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/moe/bench.h"
+#include "bench/moe.h"
 
 #include <gtest/gtest.h>
 
