@@ -28,23 +28,6 @@ uint64_t transfer_key(const std::string& id) {
     return h;
 }
 
-kv::KvLayout layout_of(const KvPool& pool) {
-    const KvShape& s = pool.shape();
-    kv::KvLayout l;
-    l.num_layers = uint32_t(s.layers);
-    l.num_kv_heads = uint32_t(s.kv_heads);
-    l.head_dim = uint32_t(s.head_dim);
-    l.elem_size = uint32_t(s.elem_bytes);
-    l.block_size = uint32_t(s.block_size);
-    l.num_blocks = uint32_t(pool.num_blocks());
-    // KvPool: block b at b * block_bytes, [layer][K,V][slot][head][dim] inside.
-    l.placement = kv::KvPlacement::kBlockMajor;
-    l.order = kv::BlockOrder::kNHD;
-    return l;
-}
-
-std::vector<uint32_t> to_u32(const std::vector<BlockId>& b) { return {b.begin(), b.end()}; }
-
 }  // namespace
 
 class FabricKvLink::Impl {
@@ -142,7 +125,7 @@ class FabricKvLink::Impl {
             if (it == recvs.end() || it->second.cancelled) return;
             progress = it->second.progress;
         }
-        if (progress) progress(KvReady{p.tokens, p.partial_end, int(p.partial_layers)});
+        if (progress) progress(kv::KvFrontier{p.tokens, p.partial_end, p.partial_layers});
     }
 
     void on_scheduled(const kv::TransferResult& r) {
@@ -250,12 +233,12 @@ class FabricKvLink::Impl {
         // Cancelled before anything was posted: the blocks may be reused at once.
         if (!begin_issue(recvs, tid, "it started")) return;
         Status st;
-        if (cfg.mode == KvLinkMode::kPush) {
+        if (cfg.mode == kv::TransferMode::kPush) {
             kv::PushRegistration reg;
             reg.transfer_id = tid;
             reg.attempt = params.attempt;
             reg.prefill_ranks = {info->address};
-            reg.blocks = to_u32(blocks);
+            reg.blocks = std::move(blocks);
             reg.num_tokens = uint32_t(tokens);
             st = conn->register_push(std::move(reg));
         } else {
@@ -268,12 +251,12 @@ class FabricKvLink::Impl {
             p.prefill_address = info->address;
             p.pool = info->pool;
             p.layout = info->layout;
-            p.blocks = to_u32(params.remote_block_ids);
+            p.blocks = params.remote_block_ids;
             auto cap = from_hex(params.capability, p.capability.size(),
                                 "kv_transfer_params.ferry_capability");
             if (!cap.ok()) return fail_recv(recvs, tid, cap.status());
             std::copy(cap->begin(), cap->end(), p.capability.begin());
-            st = conn->pull(tid, {std::move(p)}, to_u32(blocks), uint32_t(tokens));
+            st = conn->pull(tid, {std::move(p)}, std::move(blocks), uint32_t(tokens));
         }
         if (!st.ok()) fail_recv(recvs, tid, st);
     }
@@ -311,7 +294,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     Impl* p = impl.get();
     p->cfg = config;
     p->pool = pool;
-    p->layout = layout_of(*pool);
+    p->layout = pool->layout();
     FERRY_RETURN_IF_ERROR(p->layout.validate().with_context("KV pool"));
     EngineConfig ec;
     ec.provider = config.provider;
@@ -325,7 +308,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     // The lease must outlast the engine's op timeout (see ConnectorConfig::lease).
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
     cc.pull_mode =
-        config.mode == KvLinkMode::kPullInline ? kv::PullMode::kInline : kv::PullMode::kBackground;
+        config.mode == kv::TransferMode::kPullInline ? kv::PullMode::kInline : kv::PullMode::kBackground;
     // Segments per transfer are bounded by decode's immediate span (every engine runs the
     // defaults), less the two the connector keeps for on_prefill_done.
     p->max_handovers = std::max<uint32_t>(std::min(cc.imm_span, cc.imm_count), 3) - 2;
@@ -435,20 +418,18 @@ void FabricKvLink::stop() {
 
 void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
     (void)p->conn->prefill_scheduled(transfer_key(params.transfer_id));
 }
 
 size_t FabricKvLink::max_progress_handovers() const { return impl_->max_handovers; }
 
 void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                                       const std::vector<BlockId>& blocks, const KvReady& ready) {
+                                       const std::vector<BlockId>& blocks,
+                                       const kv::KvFrontier& ready) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
-    Status st = p->conn->prefill_progress(
-        transfer_key(params.transfer_id), to_u32(blocks),
-        kv::KvFrontier{uint32_t(ready.tokens), uint32_t(ready.partial_end),
-                       uint32_t(std::max(ready.partial_layers, 0))});
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
+    Status st = p->conn->prefill_progress(transfer_key(params.transfer_id), blocks, ready);
     // Not fatal: what progress did not send, prefill_done sends.
     if (!st.ok())
         log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,
@@ -458,7 +439,7 @@ void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransfe
 void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
                                       const Status& why, KvDoneCallback release) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return release(why);
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return release(why);
     uint64_t tid = transfer_key(params.transfer_id);
     {
         std::lock_guard lk(p->mu);
@@ -499,7 +480,7 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
                                                        std::vector<BlockId> blocks,
                                                        size_t num_tokens, KvDoneCallback release) {
     Impl* p = impl_.get();
-    bool push = p->cfg.mode == KvLinkMode::kPush;
+    bool push = p->cfg.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
     FERRY_RETURN_IF_ERROR(verify_kv_params(p->cfg.secret, params));
@@ -520,9 +501,9 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     out.remote_block_ids = blocks;
     Status st;
     if (push) {
-        st = p->conn->prefill_done(tid, to_u32(blocks), uint32_t(num_tokens));
+        st = p->conn->prefill_done(tid, std::move(blocks), uint32_t(num_tokens));
     } else {
-        auto offer = p->conn->offer_pull(tid, to_u32(blocks), uint32_t(num_tokens));
+        auto offer = p->conn->offer_pull(tid, std::move(blocks), uint32_t(num_tokens));
         st = offer.status();
         if (offer.ok()) out.capability = to_hex(offer->capability);
     }
@@ -547,11 +528,11 @@ Status FabricKvLink::authorize(const KvTransferParams& params) const {
 static Result<uint64_t> decode_leg_key(const FabricKvLinkConfig& cfg,
                                        const KvTransferParams& params) {
     FERRY_RETURN_IF_ERROR(verify_kv_params(cfg.secret, params));
-    KvLinkMode mode = cfg.mode;
+    kv::TransferMode mode = cfg.mode;
     bool pull = !params.remote_block_ids.empty();
-    if (pull && mode == KvLinkMode::kPush)
+    if (pull && mode == kv::TransferMode::kPush)
         return invalid_argument("remote_block_ids given, but this engine runs in push mode");
-    if (!pull && mode != KvLinkMode::kPush)
+    if (!pull && mode != kv::TransferMode::kPush)
         return invalid_argument("pull mode needs remote_block_ids from the prefill response");
     if (params.transfer_id.empty())
         return invalid_argument("kv_transfer_params needs a transfer_id");
@@ -566,7 +547,7 @@ Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
                                              const KvTransferParams& params,
                                              KvDoneCallback scheduled) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush) {
+    if (p->cfg.mode != kv::TransferMode::kPush) {
         scheduled(ok_status());  // pull legs come after prefill finished
         return ok_status();
     }
@@ -605,7 +586,7 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
         p->recvs[tid] = std::move(r);
         p->recv_of_request[request] = tid;
     }
-    if (p->cfg.mode == KvLinkMode::kPullInline) {
+    if (p->cfg.mode == kv::TransferMode::kPullInline) {
         // The baseline: handshake (cached after the first), planning and posting in the loop.
         p->issue(tid, params, std::move(blocks), num_tokens);
         return ok_status();
@@ -638,7 +619,7 @@ void FabricKvLink::cancel(const RequestId& request) {
     // Push: CANCEL to prefill, answered once no write can land (an announcement: at once).
     // Pull: reads are bounded by the op timeout; the result is reported as cancelled when
     // they end.
-    if (p->cfg.mode == KvLinkMode::kPush) (void)p->conn->cancel(tid);
+    if (p->cfg.mode == kv::TransferMode::kPush) (void)p->conn->cancel(tid);
 }
 
 }  // namespace ferry::serve

@@ -23,7 +23,7 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
-#include "ferry/serve/inprocess_kv_link.h"  // KvLinkMode
+#include "ferry/kv/transfer_mode.h"
 #include "ferry/serve/kv_connector.h"
 #include "ferry/serve/kv_pool.h"
 
@@ -31,7 +31,7 @@ namespace ferry::serve {
 
 struct FabricKvLinkConfig {
     std::string engine_id;
-    KvLinkMode mode = KvLinkMode::kPush;
+    kv::TransferMode mode = kv::TransferMode::kPush;
     // libfabric provider: shm between processes of one host, tcp across hosts.
     std::string provider = "shm";
     // Address the side channel listens on and the tcp provider binds to.
@@ -83,7 +83,8 @@ class FabricKvLink : public KvProducer, public KvConsumer {
 
     void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
     void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                             const std::vector<BlockId>& blocks, const KvReady& ready) override;
+                             const std::vector<BlockId>& blocks,
+                             const kv::KvFrontier& ready) override;
     size_t max_progress_handovers() const override;
     Result<KvTransferParams> on_prefill_done(const RequestId& request,
                                              const KvTransferParams& params,
