@@ -308,7 +308,10 @@ TEST(Router, HealthSaysWhetherItCanServeAndNamesWhatIsMissing) {
     RouterConfig rc;
     rc.prefill = {{kHost, pport}};
     rc.decode = {{kHost, dport}};
-    auto router = Router::start(rc).value();
+    rc.secret = Secret::generate().value();  // a router refuses to start without one
+    auto started = Router::start(rc);
+    ASSERT_TRUE(started.ok()) << started.status().to_string();
+    auto router = std::move(started).value();
     std::string body;
     EXPECT_EQ(health_status(router->port(), &body), 503);
     EXPECT_NE(body.find("no prefill engine is ready"), std::string::npos) << body;
