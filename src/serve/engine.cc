@@ -159,7 +159,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
     if (config.engine_id.empty()) return invalid_argument("an engine needs an id");
     if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");
     if (config.num_blocks == 0 || config.num_blocks > UINT32_MAX)
-        return invalid_argument(fmt::format("--num-blocks {} is outside [1, 2^32)", config.num_blocks));
+        return invalid_argument(
+            fmt::format("--num-blocks {} is outside [1, 2^32)", config.num_blocks));
     kv::KvLayout layout = cost.kv_layout(uint32_t(config.block_size), uint32_t(config.num_blocks));
     if (config.head_offset < 0 ||
         config.head_offset + int(layout.num_kv_heads) > cost.model().kv_heads)

@@ -128,7 +128,8 @@ std::vector<int32_t> prompt_of(size_t n, int seed) {
 }
 
 TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
-    for (kv::TransferMode mode : {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
+    for (kv::TransferMode mode :
+         {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
         Cluster c(1, 1, mode);
         auto prompt = prompt_of(70, 1);
         Streamed s =
@@ -148,7 +149,8 @@ TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
 // without bytes used to feed the last relayed bytes to its parser again, so a stream with a pause
 // longer than that got a token twice (one more token than max_tokens).
 TEST(Router, StreamWithPausesLongerThanTheRoutersWaitSliceKeepsEveryTokenOnce) {
-    for (kv::TransferMode mode : {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
+    for (kv::TransferMode mode :
+         {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
         Cluster c(1, 1, mode, seconds(5), milliseconds(300));
         auto prompt = prompt_of(50, 4);
         Streamed s =
