@@ -49,7 +49,7 @@ int run(BenchFlags f) {
             return 2;
         }
         c.verify_slice = {
-            .shape = cost->kv_shape(16), .head_offset = f.head_offset, .vocab = model->vocab};
+            .layout = cost->kv_layout(16, 1), .head_offset = f.head_offset, .vocab = model->vocab};
     }
     c.stop = &stop_requested();
     bool tty = isatty(STDERR_FILENO);

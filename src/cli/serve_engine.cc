@@ -193,7 +193,7 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
     }
     FERRY_ASSIGN_OR_RETURN(auto server, serve::EngineServer::start(&e, so));
     if (link != nullptr) link->set_http_address(f.host, server->port());
-    const serve::KvShape& kv = e.kv_slice().shape;
+    const kv::KvLayout& kv = e.kv_slice().layout;
     const serve::CostModel& cm = e.cost_model();
     fmt::print(stderr,
                "engine {} on http://{}:{}  model {} on {} x TP{} (compute modelled, KV real)\n"
@@ -214,11 +214,11 @@ void wait_for_stop() {
     while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));
 }
 
-Result<serve::KvLinkMode> kv_link_mode(const std::string& mode) {
-    if (mode == "push") return serve::KvLinkMode::kPush;
-    if (mode == "pull") return serve::KvLinkMode::kPull;
-    if (mode == "pull-inline") return serve::KvLinkMode::kPullInline;
-    return invalid_argument("--kv-mode must be push, pull, pull-inline or none, not " + mode);
+Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
+    auto m = kv::parse_transfer_mode(mode);
+    if (!m.ok())
+        return invalid_argument("--kv-mode must be push, pull, pull-inline or none, not " + mode);
+    return m;
 }
 
 int run_engine(const std::string& role, const EngineFlags& f) {
@@ -323,10 +323,9 @@ int run_local(const LocalFlags& f) {
     stop_requested();
     auto mode = router_mode(f.router.mode);
     if (!mode.ok()) return fail(mode.status());
-    serve::KvLinkMode link_mode = f.router.mode == "push"   ? serve::KvLinkMode::kPush
-                                  : f.router.mode == "pull" ? serve::KvLinkMode::kPull
-                                                            : serve::KvLinkMode::kPullInline;
-    serve::InProcessKvLink link({link_mode, std::chrono::duration_cast<Duration>(
+    auto link_mode = kv_link_mode(f.router.mode);
+    if (!link_mode.ok()) return fail(link_mode.status());
+    serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
                                                 std::chrono::duration<double>(f.lease_s))});
     auto pe = make_engine("prefill", f.engine, f.prefill_port);
     if (!pe.ok()) return fail(pe.status());

@@ -12,10 +12,9 @@ BlockPool::BlockPool(uint32_t num_blocks) : allocated_(num_blocks, false) {
     for (uint32_t i = num_blocks; i > 0; --i) free_.push_back(i - 1);
 }
 
-Result<std::vector<uint32_t>> BlockPool::allocate(uint32_t n) {
-    std::lock_guard lk(mu_);
+Result<std::vector<uint32_t>> BlockPool::take_locked(uint32_t n, const std::string& who) {
     if (n > free_.size()) {
-        return resource_exhausted(fmt::format("{} KV blocks requested, {} of {} free", n,
+        return resource_exhausted(fmt::format("{} KV blocks requested{}, {} of {} are free", n, who,
                                               free_.size(), allocated_.size()));
     }
     std::vector<uint32_t> out(free_.end() - n, free_.end());
@@ -23,6 +22,20 @@ Result<std::vector<uint32_t>> BlockPool::allocate(uint32_t n) {
     free_.resize(free_.size() - n);
     for (uint32_t b : out) allocated_[b] = true;
     return out;
+}
+
+Result<std::vector<uint32_t>> BlockPool::allocate(uint32_t n) {
+    std::lock_guard lk(mu_);
+    return take_locked(n, "");
+}
+
+Result<std::vector<uint32_t>> BlockPool::allocate(const std::string& owner, uint32_t n) {
+    std::lock_guard lk(mu_);
+    FERRY_ASSIGN_OR_RETURN(std::vector<uint32_t> got,
+                           take_locked(n, fmt::format(" by request {}", owner)));
+    auto& mine = owned_[owner];
+    mine.insert(mine.end(), got.begin(), got.end());
+    return got;
 }
 
 Status BlockPool::free(std::span<const uint32_t> blocks) {
@@ -41,6 +54,29 @@ Status BlockPool::free(std::span<const uint32_t> blocks) {
     // in the same order (consecutive runs stay consecutive and coalesce).
     free_.insert(free_.end(), blocks.rbegin(), blocks.rend());
     return ok_status();
+}
+
+Status BlockPool::free_owner(const std::string& owner) {
+    std::lock_guard lk(mu_);
+    auto it = owned_.find(owner);
+    if (it == owned_.end()) {
+        return not_found(fmt::format("request {} holds no KV blocks (freed twice?)", owner));
+    }
+    for (uint32_t b : it->second) allocated_[b] = false;
+    free_.insert(free_.end(), it->second.rbegin(), it->second.rend());
+    owned_.erase(it);
+    return ok_status();
+}
+
+std::vector<uint32_t> BlockPool::blocks_of(const std::string& owner) const {
+    std::lock_guard lk(mu_);
+    auto it = owned_.find(owner);
+    return it == owned_.end() ? std::vector<uint32_t>{} : it->second;
+}
+
+size_t BlockPool::num_owners() const {
+    std::lock_guard lk(mu_);
+    return owned_.size();
 }
 
 uint32_t BlockPool::free_count() const {

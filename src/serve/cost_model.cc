@@ -79,12 +79,17 @@ Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostM
     return CostModel(std::move(model), std::move(gpu), tp, config);
 }
 
-KvShape CostModel::kv_shape(int block_size) const {
-    return KvShape{.layers = model_.layers,
-                   .kv_heads = model_.kv_heads / tp_,
-                   .head_dim = model_.head_dim,
-                   .elem_bytes = model_.elem_bytes,
-                   .block_size = block_size};
+kv::KvLayout CostModel::kv_layout(uint32_t block_size, uint32_t num_blocks) const {
+    kv::KvLayout l;
+    l.num_layers = uint32_t(model_.layers);
+    l.num_kv_heads = uint32_t(model_.kv_heads / tp_);
+    l.head_dim = uint32_t(model_.head_dim);
+    l.elem_size = uint32_t(model_.elem_bytes);
+    l.block_size = block_size;
+    l.num_blocks = num_blocks;
+    l.placement = kv::KvPlacement::kBlockMajor;
+    l.order = kv::BlockOrder::kNHD;
+    return l;
 }
 
 CostModel::Roofline CostModel::finish(double flops, double bytes, double tokens) const {

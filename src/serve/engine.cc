@@ -6,17 +6,10 @@
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
+#include "ferry/kv/block_mapping.h"
 #include "ferry/kv/kv_frontier.h"
 
 namespace ferry::serve {
-
-namespace {
-
-kv::KvFrontier to_frontier(const KvReady& r) {
-    return {uint32_t(r.tokens), uint32_t(r.partial_end), uint32_t(std::max(r.partial_layers, 0))};
-}
-
-}  // namespace
 
 // ---- RequestHandle -----------------------------------------------------------------------------
 
@@ -93,11 +86,11 @@ struct Engine::Seq {
     size_t handovers = 0;      // prefill leg: on_prefill_progress calls so far
     // Decode leg.
     TimePoint wait_deadline{};    // for the prefill engine to schedule the transfer (push)
-    KvReady kv_landed;            // what the connector reported in place
+    kv::KvFrontier kv_landed;     // what the connector reported in place
     // Of the chunk [computed, digested_end) after `computed`: layers [0, digested_layers) are
     // digested (a chunk pushed layer by layer).
-    size_t digested_end = 0;
-    int digested_layers = 0;
+    uint32_t digested_end = 0;
+    uint32_t digested_layers = 0;
     bool kv_closed = false;       // the connector gave the blocks back (`arrived` came)
     bool digest_running = false;  // a digest job reads the blocks
 
@@ -125,7 +118,7 @@ struct Engine::InboxEvent {
     RequestId id{};
     Status status{};
     std::unique_ptr<Seq> seq{};
-    KvReady ready{};     // kKvProgress: in place; kDigested: digested up to
+    kv::KvFrontier ready{};  // kKvProgress: in place; kDigested: digested up to
     uint64_t terms = 0;  // kDigested: digest terms of the pieces
 };
 
@@ -139,7 +132,7 @@ struct Engine::Inbox {
         RequestId id;
         std::vector<BlockId> blocks;
         std::vector<kv::KvPiece> pieces;
-        KvReady upto;  // digested once the pieces are
+        kv::KvFrontier upto;  // digested once the pieces are
     };
 
     std::mutex mu;
@@ -164,11 +157,16 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
     if (config.max_model_len == 0) return invalid_argument("--max-model-len must be at least 1");
     if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
     if (config.engine_id.empty()) return invalid_argument("an engine needs an id");
-    KvShape shape = cost.kv_shape(config.block_size);
-    if (config.head_offset < 0 || config.head_offset + shape.kv_heads > cost.model().kv_heads)
+    if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");
+    if (config.num_blocks == 0 || config.num_blocks > UINT32_MAX)
+        return invalid_argument(
+            fmt::format("--num-blocks {} is outside [1, 2^32)", config.num_blocks));
+    kv::KvLayout layout = cost.kv_layout(uint32_t(config.block_size), uint32_t(config.num_blocks));
+    if (config.head_offset < 0 ||
+        config.head_offset + int(layout.num_kv_heads) > cost.model().kv_heads)
         return invalid_argument(fmt::format("head offset {} leaves the model's {} KV heads",
                                             config.head_offset, cost.model().kv_heads));
-    FERRY_ASSIGN_OR_RETURN(auto pool, KvPool::create(shape, config.num_blocks));
+    FERRY_ASSIGN_OR_RETURN(auto pool, KvPool::create(layout));
     return std::unique_ptr<Engine>(new Engine(std::move(config), std::move(cost), std::move(pool)));
 }
 
@@ -176,9 +174,9 @@ Engine::Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool
     : config_(std::move(config)),
       cost_(std::move(cost)),
       pool_(std::move(pool)),
-      blocks_(config_.num_blocks),
+      blocks_(uint32_t(config_.num_blocks)),
       inbox_(std::make_shared<Inbox>()) {
-    slice_.shape = pool_->shape();
+    slice_.layout = pool_->layout();
     slice_.head_offset = config_.head_offset;
     slice_.vocab = cost_.model().vocab;
 }
@@ -216,7 +214,7 @@ size_t Engine::blocks_needed(const GenerateRequest& r) const {
     // Reserved up front: with no preemption, a running request can never run out of blocks.
     size_t tokens = r.kv.do_remote_decode ? r.prompt.size()
                                           : r.prompt.size() + std::max<size_t>(r.max_tokens, 1) - 1;
-    return BlockManager::blocks_for_tokens(tokens, config_.block_size);
+    return kv::blocks_for_tokens(uint32_t(tokens), uint32_t(config_.block_size));
 }
 
 Result<std::shared_ptr<RequestHandle>> Engine::submit(GenerateRequest r) {
@@ -414,8 +412,7 @@ void Engine::handle(InboxEvent& e) {
                 Seq& s = *k->second;
                 kv::KvPiece ahead;
                 if (!s.done && !s.kv_closed &&
-                    kv::next_piece(to_frontier(s.kv_landed), to_frontier(e.ready),
-                                   uint32_t(slice_.shape.layers), &ahead))
+                    kv::next_piece(s.kv_landed, e.ready, slice_.layout.num_layers, &ahead))
                     s.kv_landed = e.ready;
                 advance_kv(e.id);
                 break;
@@ -482,7 +479,7 @@ void Engine::handle(InboxEvent& e) {
                             config_.engine_id, e.id, e.status.to_string());
                     }
                 }
-                (void)blocks_.free(e.id);
+                (void)blocks_.free_owner(e.id);
                 held_.erase(h);
                 break;
             }
@@ -512,7 +509,7 @@ void Engine::cancel_seq(const RequestId& id, const Status& why) {
             abort_prefill(s, why);  // earlier chunks may still be on the wire
         } else {
             finish(s, why);
-            (void)blocks_.free(s.id);
+            (void)blocks_.free_owner(s.id);
         }
         running_seqs_.erase(r);
         return;
@@ -555,7 +552,7 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
         if (status.ok()) {
             counters_.kv_transfers++;
             counters_.kv_transfer_bytes +=
-                BlockManager::blocks_for_tokens(s.req.prompt.size(), config_.block_size) *
+                kv::blocks_for_tokens(uint32_t(s.req.prompt.size()), slice_.layout.block_size) *
                 pool_->block_bytes();
             transfer_latency_.observe(to_ms(now - s.kv_start) / 1000.0);
         } else {
@@ -569,7 +566,7 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
                       : status.with_context(fmt::format("KV transfer for request {}", s.id)));
     } else {
         s.mark(&RequestTiming::kv_ready, now);
-        s.kv_landed = KvReady{s.req.prompt.size()};
+        s.kv_landed = kv::KvFrontier{uint32_t(s.req.prompt.size())};
     }
     advance_kv(id);
 }
@@ -584,16 +581,15 @@ void Engine::advance_kv(const RequestId& id) {
     if (s.digest_running) return;
     if (s.done) {
         if (s.kv_closed) {
-            (void)blocks_.free(s.id);
+            (void)blocks_.free_owner(s.id);
             waiting_kv_.erase(k);
         }
         return;
     }
     // What landed beyond what is digested: whole chunks, and layers of a chunk pushed layer
     // by layer.
-    KvReady digested{s.computed, s.digested_end, s.digested_layers};
-    auto pieces = kv::pieces_between(to_frontier(digested), to_frontier(s.kv_landed),
-                                     uint32_t(slice_.shape.layers));
+    kv::KvFrontier digested{uint32_t(s.computed), s.digested_end, s.digested_layers};
+    auto pieces = kv::pieces_between(digested, s.kv_landed, slice_.layout.num_layers);
     if (!pieces.empty()) {
         s.digest_running = true;
         {
@@ -683,8 +679,8 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
             return;
         size_t need = blocks_needed(s.req);
         // FIFO: the head waits for blocks rather than being overtaken, as vLLM's scheduler does.
-        if (!blocks_.can_allocate(need)) return;
-        auto got = blocks_.allocate(s.id, need);
+        if (!blocks_.can_allocate(uint32_t(need))) return;
+        auto got = blocks_.allocate(s.id, uint32_t(need));
         if (!got.ok()) return;
         s.blocks = std::move(got).value();
         s.mark(&RequestTiming::scheduled, Clock::now());
@@ -705,7 +701,7 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
                                               .id = id,
                                               .status = std::move(arrived)});
                 },
-                [weak, id](const KvReady& landed) {
+                [weak, id](const kv::KvFrontier& landed) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{
                             .kind = Inbox::Kind::kKvProgress, .id = id, .ready = landed});
@@ -714,7 +710,7 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
                 auto it = waiting_kv_.find(id);
                 if (it == waiting_kv_.end()) continue;  // cannot happen: the loop owns the map
                 finish(*it->second, st.with_context("KV connector refused the request"));
-                (void)blocks_.free(id);
+                (void)blocks_.free_owner(id);
                 waiting_kv_.erase(it);
                 std::lock_guard lock(stats_mu_);
                 counters_.kv_transfer_failures++;
@@ -789,7 +785,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
     // digest remain. Earlier chunks used to go out whole at their step's end: at 1k tokens the
     // first chunk's copy then ran into the last chunk's and the backlog, not the last group,
     // was what decode waited for (2026-12-01).
-    const int layers = slice_.shape.layers;
+    const int layers = int(slice_.layout.num_layers);
     const int groups_wanted = std::clamp(config_.push_layer_groups, 1, layers);
     std::vector<int> handovers(step.size(), 1);  // per chunk, the last one at the step's end
     int groups = 1;
@@ -833,7 +829,8 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             s.handovers++;
             producer_->on_prefill_progress(
                 s.id, s.req.kv, s.blocks,
-                KvReady{s.computed, s.computed + step[i].tokens, group.end});
+                kv::KvFrontier{uint32_t(s.computed), uint32_t(s.computed + step[i].tokens),
+                               uint32_t(group.end)});
         }
     }
     TimePoint now = Clock::now();
@@ -856,7 +853,8 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             // Push writes this chunk's KV while the next chunks compute.
             if (s.req.kv.do_remote_decode) {
                 s.handovers++;
-                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks, KvReady{s.computed});
+                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks,
+                                               kv::KvFrontier{uint32_t(s.computed)});
             }
             continue;
         }
@@ -892,8 +890,9 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             // The blocks now belong to the connector until it releases them.
             held_[s.id] = Held{
                 s.blocks, now,
-                uint64_t(BlockManager::blocks_for_tokens(s.req.prompt.size(), config_.block_size) *
-                         pool_->block_bytes()),
+                uint64_t(kv::blocks_for_tokens(uint32_t(s.req.prompt.size()),
+                                               slice_.layout.block_size)) *
+                    pool_->block_bytes(),
                 s.req.kv};
             s.blocks.clear();
             finish(s, ok_status(), std::move(out).value());
@@ -904,7 +903,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
     // Done requests leave; their blocks go back unless the connector holds them.
     std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
         if (!s->done) return false;
-        if (!held_.count(s->id)) (void)blocks_.free(s->id);
+        if (!held_.count(s->id)) (void)blocks_.free_owner(s->id);
         return true;
     });
 }
@@ -946,7 +945,7 @@ void Engine::run_decode() {
     }
     std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
         if (!s->done) return false;
-        (void)blocks_.free(s->id);
+        (void)blocks_.free_owner(s->id);
         return true;
     });
 }
@@ -999,8 +998,8 @@ EngineStats Engine::stats() const {
         st = counters_;
     }
     st.blocks_total = blocks_.num_blocks();
-    st.blocks_used = blocks_.num_used();
-    st.blocks_free = blocks_.num_free();
+    st.blocks_used = blocks_.used_count();
+    st.blocks_free = blocks_.free_count();
     return st;
 }
 

@@ -9,6 +9,7 @@
 #include "ferry/fabric/engine.h"
 #include "ferry/kv/connector.h"
 #include "ferry/kv/handshake.h"
+#include "ferry/kv/transfer_key.h"
 #include "ferry/serve/http.h"
 #include "ferry/serve/kv_params_auth.h"
 
@@ -16,34 +17,6 @@ namespace ferry::serve {
 namespace {
 
 constexpr const char* kLog = "serve.kv";
-
-// The KV layer keys transfers by a 64-bit id; serve's transfer ids are strings the router
-// makes unique. FNV-1a gives both sides the same number without another message.
-uint64_t transfer_key(const std::string& id) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (unsigned char c : id) {
-        h ^= c;
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
-kv::KvLayout layout_of(const KvPool& pool) {
-    const KvShape& s = pool.shape();
-    kv::KvLayout l;
-    l.num_layers = uint32_t(s.layers);
-    l.num_kv_heads = uint32_t(s.kv_heads);
-    l.head_dim = uint32_t(s.head_dim);
-    l.elem_size = uint32_t(s.elem_bytes);
-    l.block_size = uint32_t(s.block_size);
-    l.num_blocks = uint32_t(pool.num_blocks());
-    // KvPool: block b at b * block_bytes, [layer][K,V][slot][head][dim] inside.
-    l.placement = kv::KvPlacement::kBlockMajor;
-    l.order = kv::BlockOrder::kNHD;
-    return l;
-}
-
-std::vector<uint32_t> to_u32(const std::vector<BlockId>& b) { return {b.begin(), b.end()}; }
 
 }  // namespace
 
@@ -62,24 +35,34 @@ class FabricKvLink::Impl {
     std::string http_host = "127.0.0.1";
     int http_port = 0;
 
+    // The link keeps of a transfer only the engine's side of it: the string id and the
+    // callback to answer, and on decode the request, the peer and whether the connector has it
+    // yet. The transfer's own state (attempts, segments, writes, leases) is the connector's.
     struct Send {
+        std::string transfer_id;
         KvDoneCallback release;
     };
-    // A decode-side wait: for SCHEDULED (waits) or for the KV (recvs).
+    // A decode leg, from await_prefill_scheduled (kAwait) or on_blocks_allocated (kRecv) until
+    // its callback ran.
     struct Recv {
+        enum class Phase { kAwait, kRecv };
+        Phase phase = Phase::kRecv;
+        std::string transfer_id;
         RequestId request;
-        KvDoneCallback arrived;  // `scheduled` for a wait
-        std::string peer;        // host:http_port, forgotten when the transfer fails
-        bool issued = false;
+        KvDoneCallback done;  // `scheduled` (kAwait) or `arrived` (kRecv)
+        std::string peer;     // host:http_port, forgotten when the transfer fails
+        bool issued = false;  // handed to the connector
         bool cancelled = false;
         KvProgressCallback progress{};
     };
+    using Phase = Recv::Phase;
     mutable std::mutex mu;
-    std::map<uint64_t, Send> sends;
-    std::map<uint64_t, Recv> recvs;
-    std::map<uint64_t, Recv> waits;
-    std::map<RequestId, uint64_t> recv_of_request;
-    std::map<std::string, int> side_ports;  // peer host:http_port -> side-channel port
+    std::map<uint64_t, Send> sends;                 // by the connector's key
+    std::map<uint64_t, Recv> recvs;                 // by the connector's key
+    std::map<RequestId, uint64_t> recv_of_request;  // for cancel(request)
+    std::map<std::string, int> side_ports;          // peer host:http_port -> side-channel port
+    // String transfer ids to the connector's keys; a second id on a key in use is refused.
+    std::unique_ptr<kv::TransferKeys> keys;
 
     // Orders connector calls of one transfer: a cancel never overtakes its registration.
     std::mutex issue_mu;
@@ -94,30 +77,43 @@ class FabricKvLink::Impl {
 
     void on_send_done(const kv::TransferResult& r) {
         KvDoneCallback release;
+        std::string id;
         {
             std::lock_guard lk(mu);
             auto it = sends.find(r.transfer_id);
             if (it == sends.end()) return;
             release = std::move(it->second.release);
-            sends.erase(it);
+            id = it->second.transfer_id;
+            erase_send_locked(it);
         }
         (r.status.ok() ? ok : failed).fetch_add(1);
         bytes.fetch_add(r.bytes);
         if (!r.status.ok())
-            log(LogLevel::kWarn, kLog, "transfer {:x} (send) failed: {}", r.transfer_id,
-                r.status.to_string());
+            log(LogLevel::kWarn, kLog, "transfer {} (send) failed: {}", id, r.status.to_string());
         release(r.status);
     }
 
-    // Takes a wait or receive out of `m`; the caller calls its callback outside the lock.
-    KvDoneCallback take_locked(std::map<uint64_t, Recv>& m, uint64_t tid, Status* st) {
-        auto it = m.find(tid);
-        if (it == m.end()) return nullptr;
+    void erase_send_locked(std::map<uint64_t, Send>::iterator it) {
+        keys->release(it->second.transfer_id);
+        sends.erase(it);
+    }
+
+    void erase_recv_locked(std::map<uint64_t, Recv>::iterator it) {
+        auto r = recv_of_request.find(it->second.request);
+        if (r != recv_of_request.end() && r->second == it->first) recv_of_request.erase(r);
+        keys->release(it->second.transfer_id);
+        recvs.erase(it);
+    }
+
+    // Takes a decode leg of this phase out (a result of the other phase is stale); the caller
+    // calls its callback outside the lock.
+    KvDoneCallback take_locked(uint64_t tid, Phase phase, Status* st) {
+        auto it = recvs.find(tid);
+        if (it == recvs.end() || it->second.phase != phase) return nullptr;
         if (st->ok() && it->second.cancelled) *st = cancelled("transfer cancelled by decode");
         if (!st->ok()) forget_peer_locked(it->second.peer);
-        KvDoneCallback cb = std::move(it->second.arrived);
-        recv_of_request.erase(it->second.request);
-        m.erase(it);
+        KvDoneCallback cb = std::move(it->second.done);
+        erase_recv_locked(it);
         return cb;
     }
 
@@ -126,7 +122,7 @@ class FabricKvLink::Impl {
         KvDoneCallback arrived;
         {
             std::lock_guard lk(mu);
-            arrived = take_locked(recvs, r.transfer_id, &st);
+            arrived = take_locked(r.transfer_id, Phase::kRecv, &st);
         }
         if (!arrived) return;
         (st.ok() ? ok : failed).fetch_add(1);
@@ -139,10 +135,11 @@ class FabricKvLink::Impl {
         {
             std::lock_guard lk(mu);
             auto it = recvs.find(p.transfer_id);
-            if (it == recvs.end() || it->second.cancelled) return;
+            if (it == recvs.end() || it->second.phase != Phase::kRecv || it->second.cancelled)
+                return;
             progress = it->second.progress;
         }
-        if (progress) progress(KvReady{p.tokens, p.partial_end, int(p.partial_layers)});
+        if (progress) progress(kv::KvFrontier{p.tokens, p.partial_end, p.partial_layers});
     }
 
     void on_scheduled(const kv::TransferResult& r) {
@@ -150,7 +147,7 @@ class FabricKvLink::Impl {
         KvDoneCallback scheduled;
         {
             std::lock_guard lk(mu);
-            scheduled = take_locked(waits, r.transfer_id, &st);
+            scheduled = take_locked(r.transfer_id, Phase::kAwait, &st);
         }
         if (scheduled) scheduled(st);
     }
@@ -163,11 +160,11 @@ class FabricKvLink::Impl {
         side_ports.erase(it);
     }
 
-    void fail_recv(std::map<uint64_t, Recv>& m, uint64_t tid, Status st) {
+    void fail_recv(uint64_t tid, Phase phase, Status st) {
         KvDoneCallback cb;
         {
             std::lock_guard lk(mu);
-            cb = take_locked(m, tid, &st);
+            cb = take_locked(tid, phase, &st);
         }
         if (!cb) return;
         failed.fetch_add(1);
@@ -176,19 +173,18 @@ class FabricKvLink::Impl {
 
     // Marks a queued wait or receive as handed to the connector, unless it was cancelled
     // meanwhile: then it is answered here (nothing was posted) and false comes back.
-    bool begin_issue(std::map<uint64_t, Recv>& m, uint64_t tid, const char* what) {
+    bool begin_issue(uint64_t tid, Phase phase, const char* what) {
         KvDoneCallback cancelled_early;
         {
             std::lock_guard lk(mu);
-            auto it = m.find(tid);
-            if (it == m.end()) return false;
+            auto it = recvs.find(tid);
+            if (it == recvs.end() || it->second.phase != phase) return false;
             if (!it->second.cancelled) {
                 it->second.issued = true;
                 return true;
             }
-            cancelled_early = std::move(it->second.arrived);
-            recv_of_request.erase(it->second.request);
-            m.erase(it);
+            cancelled_early = std::move(it->second.done);
+            erase_recv_locked(it);
         }
         cancelled_early(cancelled(fmt::format("transfer cancelled by decode before {}", what)));
         return false;
@@ -197,11 +193,11 @@ class FabricKvLink::Impl {
     // Decode side, push: handshake, then INTENT to prefill.
     void announce(uint64_t tid, const KvTransferParams& params) {
         auto info = resolve(params.remote_host, params.remote_port);
-        if (!info.ok()) return fail_recv(waits, tid, info.status());
+        if (!info.ok()) return fail_recv(tid, Phase::kAwait, info.status());
         std::lock_guard ilk(issue_mu);
-        if (!begin_issue(waits, tid, "it was announced")) return;
+        if (!begin_issue(tid, Phase::kAwait, "it was announced")) return;
         Status st = conn->announce(tid, params.attempt, {info->address});
-        if (!st.ok()) fail_recv(waits, tid, st);
+        if (!st.ok()) fail_recv(tid, Phase::kAwait, st);
     }
 
     // The peer's side channel: its /health names the port; the handshake result is cached.
@@ -245,17 +241,17 @@ class FabricKvLink::Impl {
     void issue(uint64_t tid, const KvTransferParams& params, std::vector<BlockId> blocks,
                size_t tokens) {
         auto info = resolve(params.remote_host, params.remote_port);
-        if (!info.ok()) return fail_recv(recvs, tid, info.status());
+        if (!info.ok()) return fail_recv(tid, Phase::kRecv, info.status());
         std::lock_guard ilk(issue_mu);
         // Cancelled before anything was posted: the blocks may be reused at once.
-        if (!begin_issue(recvs, tid, "it started")) return;
+        if (!begin_issue(tid, Phase::kRecv, "it started")) return;
         Status st;
-        if (cfg.mode == KvLinkMode::kPush) {
+        if (cfg.mode == kv::TransferMode::kPush) {
             kv::PushRegistration reg;
             reg.transfer_id = tid;
             reg.attempt = params.attempt;
             reg.prefill_ranks = {info->address};
-            reg.blocks = to_u32(blocks);
+            reg.blocks = std::move(blocks);
             reg.num_tokens = uint32_t(tokens);
             st = conn->register_push(std::move(reg));
         } else {
@@ -268,14 +264,14 @@ class FabricKvLink::Impl {
             p.prefill_address = info->address;
             p.pool = info->pool;
             p.layout = info->layout;
-            p.blocks = to_u32(params.remote_block_ids);
+            p.blocks = params.remote_block_ids;
             auto cap = from_hex(params.capability, p.capability.size(),
                                 "kv_transfer_params.ferry_capability");
-            if (!cap.ok()) return fail_recv(recvs, tid, cap.status());
+            if (!cap.ok()) return fail_recv(tid, Phase::kRecv, cap.status());
             std::copy(cap->begin(), cap->end(), p.capability.begin());
-            st = conn->pull(tid, {std::move(p)}, to_u32(blocks), uint32_t(tokens));
+            st = conn->pull(tid, {std::move(p)}, std::move(blocks), uint32_t(tokens));
         }
-        if (!st.ok()) fail_recv(recvs, tid, st);
+        if (!st.ok()) fail_recv(tid, Phase::kRecv, st);
     }
 
     // Queues a job on the link's thread; false when the link is stopping.
@@ -311,7 +307,9 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     Impl* p = impl.get();
     p->cfg = config;
     p->pool = pool;
-    p->layout = layout_of(*pool);
+    p->layout = pool->layout();
+    p->keys = config.transfer_hash ? std::make_unique<kv::TransferKeys>(config.transfer_hash)
+                                   : std::make_unique<kv::TransferKeys>();
     FERRY_RETURN_IF_ERROR(p->layout.validate().with_context("KV pool"));
     EngineConfig ec;
     ec.provider = config.provider;
@@ -324,8 +322,8 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cc.self = {p->layout, 0, 1};
     // The lease must outlast the engine's op timeout (see ConnectorConfig::lease).
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
-    cc.pull_mode =
-        config.mode == KvLinkMode::kPullInline ? kv::PullMode::kInline : kv::PullMode::kBackground;
+    cc.pull_mode = config.mode == kv::TransferMode::kPullInline ? kv::PullMode::kInline
+                                                                : kv::PullMode::kBackground;
     // Segments per transfer are bounded by decode's immediate span (every engine runs the
     // defaults), less the two the connector keeps for on_prefill_done.
     p->max_handovers = std::max<uint32_t>(std::min(cc.imm_span, cc.imm_count), 3) - 2;
@@ -387,7 +385,8 @@ FabricKvLinkStats FabricKvLink::stats() const {
     s.bytes = impl_->bytes.load();
     s.handshakes = impl_->handshakes.load();
     std::lock_guard lk(impl_->mu);
-    s.active = impl_->sends.size() + impl_->recvs.size();
+    s.active = impl_->sends.size();
+    for (auto& [id, r] : impl_->recvs) s.active += r.phase == Impl::Phase::kRecv;
     return s;
 }
 
@@ -419,36 +418,44 @@ void FabricKvLink::stop() {
     p->conn.reset();  // reports every open transfer through the callbacks, joins its thread
     p->side.reset();
     std::map<uint64_t, Impl::Send> sends;
-    std::map<uint64_t, Impl::Recv> recvs, waits;
+    std::map<uint64_t, Impl::Recv> recvs;
     {
         std::lock_guard lk(p->mu);
-        sends.swap(p->sends);
-        recvs.swap(p->recvs);
-        waits.swap(p->waits);
+        while (!p->sends.empty()) {
+            auto leg = p->sends.extract(p->sends.begin());
+            p->keys->release(leg.mapped().transfer_id);
+            sends.insert(std::move(leg));
+        }
+        while (!p->recvs.empty()) {
+            auto leg = p->recvs.extract(p->recvs.begin());
+            p->keys->release(leg.mapped().transfer_id);
+            recvs.insert(std::move(leg));
+        }
         p->recv_of_request.clear();
     }
     Status why = cancelled("KV link stopped");
     for (auto& [id, s] : sends) s.release(why);
-    for (auto& [id, r] : recvs) r.arrived(why);
-    for (auto& [id, r] : waits) r.arrived(why);
+    for (auto& [id, r] : recvs) r.done(why);
 }
 
 void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
-    (void)p->conn->prefill_scheduled(transfer_key(params.transfer_id));
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
+    auto tid = p->keys->key_of(params.transfer_id);
+    // on_prefill_done refuses the leg with this error.
+    if (!tid.ok()) return log(LogLevel::kWarn, kLog, "{}", tid.status().message());
+    (void)p->conn->prefill_scheduled(*tid);
 }
 
 size_t FabricKvLink::max_progress_handovers() const { return impl_->max_handovers; }
 
 void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                                       const std::vector<BlockId>& blocks, const KvReady& ready) {
+                                       const std::vector<BlockId>& blocks,
+                                       const kv::KvFrontier& ready) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return;
-    Status st = p->conn->prefill_progress(
-        transfer_key(params.transfer_id), to_u32(blocks),
-        kv::KvFrontier{uint32_t(ready.tokens), uint32_t(ready.partial_end),
-                       uint32_t(std::max(ready.partial_layers, 0))});
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
+    auto tid = p->keys->key_of(params.transfer_id);
+    Status st = tid.ok() ? p->conn->prefill_progress(*tid, blocks, ready) : tid.status();
     // Not fatal: what progress did not send, prefill_done sends.
     if (!st.ok())
         log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,
@@ -458,12 +465,17 @@ void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransfe
 void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
                                       const Status& why, KvDoneCallback release) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush || params.transfer_id.empty()) return release(why);
-    uint64_t tid = transfer_key(params.transfer_id);
+    if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return release(why);
+    uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
-        if (!p->conn || !p->sends.emplace(tid, Impl::Send{release}).second) {
-            release(why);  // stopped, or the transfer already has a prefill side
+        auto key = p->conn ? p->keys->acquire(params.transfer_id)
+                            : Result<uint64_t>(unavailable("KV link is stopped"));
+        if (!key.ok()) return release(why);  // stopped, or the key is another transfer's
+        tid = *key;
+        if (!p->sends.emplace(tid, Impl::Send{params.transfer_id, release}).second) {
+            p->keys->release(params.transfer_id);
+            release(why);  // the transfer already has a prefill side
             return;
         }
     }
@@ -472,7 +484,7 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
     if (!st.ok()) {
         {
             std::lock_guard lk(p->mu);
-            p->sends.erase(tid);
+            if (auto it = p->sends.find(tid); it != p->sends.end()) p->erase_send_locked(it);
         }
         release(why);
     }
@@ -481,17 +493,21 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
 void FabricKvLink::on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
                                        const Status& why) {
     Impl* p = impl_.get();
-    // The key on_prefill_done used.
-    uint64_t tid = transfer_key(params.transfer_id.empty() ? request : params.transfer_id);
+    // The id on_prefill_done registered.
+    const std::string& id = params.transfer_id.empty() ? request : params.transfer_id;
+    uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
-        if (!p->conn || !p->sends.count(tid)) return;  // released already
+        auto key = p->keys->key_of(id);
+        if (!key.ok()) return;  // the key is another transfer's: this one is not here
+        tid = *key;
+        auto it = p->sends.find(tid);
+        if (!p->conn || it == p->sends.end() || it->second.transfer_id != id) return;  // released
     }
     // on_send_done(why) releases once no write reads the blocks.
     Status st = p->conn->abort_send(tid, why.ok() ? cancelled("transfer aborted") : why);
     if (!st.ok())
-        log(LogLevel::kWarn, kLog, "transfer {}: abort not handed over: {}", params.transfer_id,
-            st.to_string());
+        log(LogLevel::kWarn, kLog, "transfer {}: abort not handed over: {}", id, st.to_string());
 }
 
 Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
@@ -499,18 +515,21 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
                                                        std::vector<BlockId> blocks,
                                                        size_t num_tokens, KvDoneCallback release) {
     Impl* p = impl_.get();
-    bool push = p->cfg.mode == KvLinkMode::kPush;
+    bool push = p->cfg.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
     FERRY_RETURN_IF_ERROR(verify_kv_params(p->cfg.secret, params));
     std::string id = params.transfer_id.empty() ? request : params.transfer_id;
-    uint64_t tid = transfer_key(id);
+    uint64_t tid = 0;
     KvTransferParams out;
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");
-        if (!p->sends.emplace(tid, Impl::Send{std::move(release)}).second)
+        FERRY_ASSIGN_OR_RETURN(tid, p->keys->acquire(id));
+        if (!p->sends.emplace(tid, Impl::Send{id, std::move(release)}).second) {
+            p->keys->release(id);
             return invalid_argument(fmt::format("transfer {} already has a prefill side", id));
+        }
         out.remote_host = p->http_host;
         out.remote_port = p->http_port;
     }
@@ -520,15 +539,16 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     out.remote_block_ids = blocks;
     Status st;
     if (push) {
-        st = p->conn->prefill_done(tid, to_u32(blocks), uint32_t(num_tokens));
+        st = p->conn->prefill_done(tid, std::move(blocks), uint32_t(num_tokens));
     } else {
-        auto offer = p->conn->offer_pull(tid, to_u32(blocks), uint32_t(num_tokens));
+        auto offer = p->conn->offer_pull(tid, std::move(blocks), uint32_t(num_tokens));
         st = offer.status();
         if (offer.ok()) out.capability = to_hex(offer->capability);
     }
     if (!st.ok()) {
         std::lock_guard lk(p->mu);
-        p->sends.erase(tid);  // refused: the engine frees the blocks itself
+        // Refused: the engine frees the blocks itself.
+        if (auto it = p->sends.find(tid); it != p->sends.end()) p->erase_send_locked(it);
         return st;
     }
     // Signed here too, so the offer is proven by its maker; the router signs it again with the
@@ -542,16 +562,13 @@ Status FabricKvLink::authorize(const KvTransferParams& params) const {
 }
 
 // Checks a decode leg's parameters against the link's mode and the deployment secret (again:
-// no connection or read on unsigned parameters even if an engine did not ask authorize());
-// the transfer's 64-bit key.
-static Result<uint64_t> decode_leg_key(const FabricKvLinkConfig& cfg,
-                                       const KvTransferParams& params) {
+// no connection or read on unsigned parameters even if an engine did not ask authorize()).
+static Status check_decode_leg(const FabricKvLinkConfig& cfg, const KvTransferParams& params) {
     FERRY_RETURN_IF_ERROR(verify_kv_params(cfg.secret, params));
-    KvLinkMode mode = cfg.mode;
     bool pull = !params.remote_block_ids.empty();
-    if (pull && mode == KvLinkMode::kPush)
+    if (pull && cfg.mode == kv::TransferMode::kPush)
         return invalid_argument("remote_block_ids given, but this engine runs in push mode");
-    if (!pull && mode != KvLinkMode::kPush)
+    if (!pull && cfg.mode != kv::TransferMode::kPush)
         return invalid_argument("pull mode needs remote_block_ids from the prefill response");
     if (params.transfer_id.empty())
         return invalid_argument("kv_transfer_params needs a transfer_id");
@@ -559,53 +576,65 @@ static Result<uint64_t> decode_leg_key(const FabricKvLinkConfig& cfg,
         return invalid_argument(
             "kv_transfer_params needs remote_host and remote_port (the prefill engine's HTTP "
             "address)");
-    return transfer_key(params.transfer_id);
+    return ok_status();
+}
+
+// Registers a decode leg under the connector's key of its transfer id; an error (nothing
+// registered) when the link stopped, the transfer has a decode side already, or another
+// transfer id in progress holds the key.
+static Result<uint64_t> add_decode_leg(FabricKvLink::Impl& p, FabricKvLink::Impl::Recv leg) {
+    std::lock_guard lk(p.mu);
+    if (!p.conn) return unavailable("KV link is stopped");
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, p.keys->acquire(leg.transfer_id));
+    if (p.recvs.count(tid)) {
+        p.keys->release(leg.transfer_id);
+        return invalid_argument(
+            fmt::format("transfer {} already has a decode side", leg.transfer_id));
+    }
+    p.recv_of_request[leg.request] = tid;
+    p.recvs.emplace(tid, std::move(leg));
+    return tid;
+}
+
+// Undoes add_decode_leg when the job could not be queued.
+static Status drop_decode_leg(FabricKvLink::Impl& p, uint64_t tid) {
+    std::lock_guard lk(p.mu);
+    if (auto it = p.recvs.find(tid); it != p.recvs.end()) p.erase_recv_locked(it);
+    return unavailable("KV link is stopping");
 }
 
 Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
                                              const KvTransferParams& params,
                                              KvDoneCallback scheduled) {
     Impl* p = impl_.get();
-    if (p->cfg.mode != KvLinkMode::kPush) {
+    if (p->cfg.mode != kv::TransferMode::kPush) {
         scheduled(ok_status());  // pull legs come after prefill finished
         return ok_status();
     }
-    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg, params));
-    {
-        std::lock_guard lk(p->mu);
-        if (!p->conn) return unavailable("KV link is stopped");
-        if (p->waits.count(tid) || p->recvs.count(tid))
-            return invalid_argument(
-                fmt::format("transfer {} already has a decode side", params.transfer_id));
-        p->waits[tid] = Impl::Recv{request, std::move(scheduled),
-                                   fmt::format("{}:{}", params.remote_host, params.remote_port)};
-        p->recv_of_request[request] = tid;
-    }
+    FERRY_RETURN_IF_ERROR(check_decode_leg(p->cfg, params));
+    Impl::Recv leg{.phase = Impl::Phase::kAwait,
+                   .transfer_id = params.transfer_id,
+                   .request = request,
+                   .done = std::move(scheduled),
+                   .peer = fmt::format("{}:{}", params.remote_host, params.remote_port)};
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, add_decode_leg(*p, std::move(leg)));
     if (p->enqueue([p, tid, params] { p->announce(tid, params); })) return ok_status();
-    std::lock_guard lk(p->mu);
-    p->recv_of_request.erase(request);
-    p->waits.erase(tid);
-    return unavailable("KV link is stopping");
+    return drop_decode_leg(*p, tid);
 }
 
 Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
                                          std::vector<BlockId> blocks, size_t num_tokens,
                                          KvDoneCallback arrived, KvProgressCallback progress) {
     Impl* p = impl_.get();
-    FERRY_ASSIGN_OR_RETURN(uint64_t tid, decode_leg_key(p->cfg, params));
-    {
-        std::lock_guard lk(p->mu);
-        if (!p->conn) return unavailable("KV link is stopped");
-        if (p->recvs.count(tid) || p->waits.count(tid))
-            return invalid_argument(
-                fmt::format("transfer {} already has a decode side", params.transfer_id));
-        Impl::Recv r{request, std::move(arrived),
-                     fmt::format("{}:{}", params.remote_host, params.remote_port)};
-        r.progress = std::move(progress);
-        p->recvs[tid] = std::move(r);
-        p->recv_of_request[request] = tid;
-    }
-    if (p->cfg.mode == KvLinkMode::kPullInline) {
+    FERRY_RETURN_IF_ERROR(check_decode_leg(p->cfg, params));
+    Impl::Recv leg{.phase = Impl::Phase::kRecv,
+                   .transfer_id = params.transfer_id,
+                   .request = request,
+                   .done = std::move(arrived),
+                   .peer = fmt::format("{}:{}", params.remote_host, params.remote_port),
+                   .progress = std::move(progress)};
+    FERRY_ASSIGN_OR_RETURN(uint64_t tid, add_decode_leg(*p, std::move(leg)));
+    if (p->cfg.mode == kv::TransferMode::kPullInline) {
         // The baseline: handshake (cached after the first), planning and posting in the loop.
         p->issue(tid, params, std::move(blocks), num_tokens);
         return ok_status();
@@ -614,10 +643,7 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
             p->issue(tid, params, std::move(b), num_tokens);
         }))
         return ok_status();
-    std::lock_guard lk(p->mu);
-    p->recv_of_request.erase(request);
-    p->recvs.erase(tid);
-    return unavailable("KV link is stopping");
+    return drop_decode_leg(*p, tid);
 }
 
 void FabricKvLink::cancel(const RequestId& request) {
@@ -629,8 +655,9 @@ void FabricKvLink::cancel(const RequestId& request) {
         auto it = p->recv_of_request.find(request);
         if (it == p->recv_of_request.end()) return;
         tid = it->second;
-        auto w = p->waits.find(tid);
-        Impl::Recv& r = w != p->waits.end() ? w->second : p->recvs[tid];
+        auto leg = p->recvs.find(tid);
+        if (leg == p->recvs.end()) return;
+        Impl::Recv& r = leg->second;
         r.cancelled = true;
         // Not handed to the connector yet: announce() / issue() answer when they get to it.
         if (!r.issued) return;
@@ -638,7 +665,7 @@ void FabricKvLink::cancel(const RequestId& request) {
     // Push: CANCEL to prefill, answered once no write can land (an announcement: at once).
     // Pull: reads are bounded by the op timeout; the result is reported as cancelled when
     // they end.
-    if (p->cfg.mode == KvLinkMode::kPush) (void)p->conn->cancel(tid);
+    if (p->cfg.mode == kv::TransferMode::kPush) (void)p->conn->cancel(tid);
 }
 
 }  // namespace ferry::serve

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ferry/common/thread_name.h"
+#include "ferry/kv/block_mapping.h"
 
 namespace ferry::serve {
 
@@ -141,7 +142,7 @@ Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const Reque
                                                        const KvTransferParams& params,
                                                        std::vector<BlockId> blocks, size_t tokens,
                                                        KvDoneCallback release) {
-    bool push = config_.mode == KvLinkMode::kPush;
+    bool push = config_.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
     std::string key = params.transfer_id.empty() ? request : params.transfer_id;
@@ -179,9 +180,9 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
                                          std::vector<BlockId> blocks, size_t tokens,
                                          KvDoneCallback arrived) {
     bool pull = !params.remote_block_ids.empty();
-    if (pull && config_.mode == KvLinkMode::kPush)
+    if (pull && config_.mode == kv::TransferMode::kPush)
         return invalid_argument("remote_block_ids given, but the link runs in push mode");
-    if (!pull && config_.mode != KvLinkMode::kPush)
+    if (!pull && config_.mode != kv::TransferMode::kPush)
         return invalid_argument("pull mode needs remote_block_ids from the prefill response");
     DecodeSide side{
         ep, request, std::move(blocks), tokens, std::move(arrived), Clock::now() + config_.lease};
@@ -214,7 +215,7 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
                         key, p->second.ep->id));
     Job job{key, std::move(p->second), std::move(side)};
     prefills_.erase(p);
-    if (config_.mode == KvLinkMode::kPull) {
+    if (config_.mode == kv::TransferMode::kPull) {
         in_flight_[request] = key;
         jobs_.push_back(std::move(job));
         lock.unlock();
@@ -250,8 +251,8 @@ void InProcessKvLink::cancel(Endpoint* ep, const RequestId& request) {
 }
 
 Status InProcessKvLink::copy(const PrefillSide& src, const DecodeSide& dst) {
-    const KvShape& a = src.ep->pool->shape();
-    const KvShape& b = dst.ep->pool->shape();
+    const kv::KvLayout& a = src.ep->pool->layout();
+    const kv::KvLayout& b = dst.ep->pool->layout();
     if (a.block_bytes() != b.block_bytes() || a.block_size != b.block_size)
         return invalid_argument(fmt::format(
             "{} and {} have different KV layouts; the in-process link copies whole blocks only",
@@ -259,7 +260,7 @@ Status InProcessKvLink::copy(const PrefillSide& src, const DecodeSide& dst) {
     if (src.tokens != dst.tokens)
         return invalid_argument(
             fmt::format("prefill has {} prompt tokens, decode expects {}", src.tokens, dst.tokens));
-    size_t n = BlockManager::blocks_for_tokens(src.tokens, a.block_size);
+    size_t n = kv::blocks_for_tokens(uint32_t(src.tokens), a.block_size);
     if (n > src.blocks.size() || n > dst.blocks.size())
         return out_of_range(fmt::format("{} tokens need {} blocks; prefill gave {}, decode {}",
                                         src.tokens, n, src.blocks.size(), dst.blocks.size()));

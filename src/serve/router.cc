@@ -8,7 +8,7 @@
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/serve/kv_params_auth.h"
-#include "ferry/serve/kv_pool.h"
+#include "ferry/kv/block_mapping.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -150,7 +150,7 @@ Status check_limits(const RequestShape& r, const Router::EngineState& e, bool pr
                                             r.max_id, e.vocab, role, name));
     if (e.block_size > 0 && e.blocks_total > 0) {
         size_t tokens = prefill ? r.prompt_tokens : r.prompt_tokens + std::max<size_t>(gen, 1) - 1;
-        size_t need = BlockManager::blocks_for_tokens(tokens, int(e.block_size));
+        size_t need = kv::blocks_for_tokens(uint32_t(tokens), uint32_t(e.block_size));
         if (need > e.blocks_total)
             return invalid_argument(fmt::format(
                 "{}: the request needs {} KV blocks, the pool of {} engine {} has {}",

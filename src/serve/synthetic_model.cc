@@ -42,11 +42,11 @@ constexpr WordTables kTables{};
 // transfers they feed, so both are kept at memory speed: a splitmix per word filled at 1.3
 // GB/s, a multiply per word at 5.5 GB/s, this at 13 GB/s (2026-12-01).
 void fill_row_from(const KvSlice& s, uint64_t state, int layer, int kv, uint8_t* out) {
-    const size_t head_bytes = size_t(s.shape.head_dim) * s.shape.elem_bytes;
+    const size_t head_bytes = size_t(s.layout.head_dim) * s.layout.elem_size;
     const size_t words = head_bytes / 8;
     const uint64_t* pattern = kTables.fill;
     uint64_t base = combine(state, uint64_t(layer) * 2 + kv);
-    for (int h = 0; h < s.shape.kv_heads; ++h) {
+    for (int h = 0; h < int(s.layout.num_kv_heads); ++h) {
         // One mix per row, not per head: rows are small (256 bytes at TP 8), so per-row
         // arithmetic costs as much as the words.
         const uint64_t head = uint64_t(s.head_offset + h);
@@ -88,7 +88,7 @@ uint64_t prefix_state(uint64_t previous, int32_t token, int64_t position) {
 }
 
 void fill_kv_row(const KvSlice& slice, uint64_t state, int layer, int kv, std::span<uint8_t> row) {
-    assert(row.size() == slice.shape.row_bytes());
+    assert(row.size() == slice.layout.token_bytes());
     fill_row_from(slice, state, layer, kv, row.data());
 }
 
@@ -131,11 +131,12 @@ Result<uint64_t> write_prompt_kv(KvPool& pool, std::span<const BlockId> blocks,
 Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> blocks,
                                        const KvSlice& slice, std::span<const int32_t> tokens,
                                        size_t first, size_t end, LayerRange layers) {
-    const size_t bs = size_t(slice.shape.block_size);
-    const int layer_end = layers.end < 0 ? slice.shape.layers : layers.end;
-    if (layers.first < 0 || layers.first >= layer_end || layer_end > slice.shape.layers)
+    const size_t bs = size_t(slice.layout.block_size);
+    const int num_layers = int(slice.layout.num_layers);
+    const int layer_end = layers.end < 0 ? num_layers : layers.end;
+    if (layers.first < 0 || layers.first >= layer_end || layer_end > num_layers)
         return invalid_argument(fmt::format("layer range [{}, {}) outside the model's {} layers",
-                                            layers.first, layer_end, slice.shape.layers));
+                                            layers.first, layer_end, slice.layout.num_layers));
     if (first > end || end > tokens.size())
         return invalid_argument(
             fmt::format("token range [{}, {}) outside a prompt of {}", first, end, tokens.size()));
@@ -168,9 +169,9 @@ Result<uint64_t> write_prompt_kv_range(KvPool& pool, std::span<const BlockId> bl
 
 uint64_t prompt_kv_terms(const KvPool& pool, std::span<const BlockId> blocks, const KvSlice& slice,
                          size_t first, size_t end, LayerRange layers) {
-    const size_t bs = size_t(slice.shape.block_size);
-    const int layer_end =
-        layers.end < 0 ? slice.shape.layers : std::min(layers.end, slice.shape.layers);
+    const size_t bs = size_t(slice.layout.block_size);
+    const int num_layers = int(slice.layout.num_layers);
+    const int layer_end = layers.end < 0 ? num_layers : std::min(layers.end, num_layers);
     uint64_t terms = 0;
     for (size_t i = first / bs; i * bs < end; ++i) {
         if (i >= blocks.size() || blocks[i] >= pool.num_blocks()) {
@@ -209,8 +210,8 @@ Result<int32_t> DecodeStream::next(KvPool& pool, std::span<const BlockId> blocks
         size_t pos = prompt_len_ + generated_ - 1;
         prefix_ = prefix_state(prefix_, last_, int64_t(pos));
         FERRY_ASSIGN_OR_RETURN(Where w,
-                               locate(blocks, slice_.shape.block_size, pos, pool.num_blocks()));
-        for (int layer = 0; layer < slice_.shape.layers; ++layer) {
+                               locate(blocks, slice_.layout.block_size, pos, pool.num_blocks()));
+        for (int layer = 0; layer < int(slice_.layout.num_layers); ++layer) {
             for (int kv = 0; kv < 2; ++kv) {
                 auto row = pool.row(w.block, layer, kv, w.slot);
                 fill_row_from(slice_, prefix_, layer, kv, row.data());
@@ -225,10 +226,10 @@ Result<int32_t> DecodeStream::next(KvPool& pool, std::span<const BlockId> blocks
 
 std::vector<int32_t> expected_tokens(const KvSlice& slice, std::span<const int32_t> prompt,
                                      size_t max_tokens) {
-    std::vector<uint8_t> row(slice.shape.row_bytes());
+    std::vector<uint8_t> row(slice.layout.token_bytes());
     uint64_t digest = kEmptyPrefixState, prefix = kEmptyPrefixState;
     auto add_position = [&](uint64_t state, size_t pos) {
-        for (int layer = 0; layer < slice.shape.layers; ++layer) {
+        for (int layer = 0; layer < int(slice.layout.num_layers); ++layer) {
             for (int kv = 0; kv < 2; ++kv) {
                 fill_row_from(slice, state, layer, kv, row.data());
                 digest += row_term(row, pos, layer, kv);

@@ -107,12 +107,15 @@ TEST(CostModel, EfficiencyCalibratesComputeTime) {
     EXPECT_NEAR(b->prefill_roofline(p).compute_s / a->prefill_roofline(p).compute_s, 2.0, 1e-9);
 }
 
-TEST(CostModel, KvShapeSplitsHeadsAcrossRanks) {
-    KvShape kv = qwen(8).kv_shape(16);
-    EXPECT_EQ(kv.kv_heads, 1);
-    EXPECT_EQ(kv.layers, 64);
-    EXPECT_EQ(kv.bytes_per_token(), 64u * 2 * 128 * 2);
-    EXPECT_EQ(kv.block_bytes(), kv.bytes_per_token() * 16);
+TEST(CostModel, KvLayoutSplitsHeadsAcrossRanks) {
+    kv::KvLayout kv = qwen(8).kv_layout(16, 100);
+    EXPECT_EQ(kv.num_kv_heads, 1u);
+    EXPECT_EQ(kv.num_layers, 64u);
+    EXPECT_EQ(kv.token_bytes() * 2 * kv.num_layers, 64u * 2 * 128 * 2);  // one token, all layers
+    EXPECT_EQ(kv.block_bytes(), 64u * 2 * 128 * 2 * 16);
+    EXPECT_EQ(kv.pool_bytes(), kv.block_bytes() * 100);
+    EXPECT_EQ(kv.placement, kv::KvPlacement::kBlockMajor);
+    EXPECT_TRUE(kv.validate().ok());
 }
 
 TEST(CostModel, RejectsTpThatDoesNotDivideHeads) {

@@ -185,7 +185,7 @@ struct PD {
     std::unique_ptr<Engine> prefill, decode;
     std::unique_ptr<InProcessKvLink> link;
 
-    PD(KvLinkMode mode, Duration lease = seconds(10), Duration kv_wait = seconds(10),
+    PD(kv::TransferMode mode, Duration lease = seconds(10), Duration kv_wait = seconds(10),
        EngineConfig decode_config = {.engine_id = "d", .num_blocks = 64}) {
         prefill = make_engine({.engine_id = "p", .num_blocks = 64});
         decode_config.kv_wait_timeout = kv_wait;
@@ -230,7 +230,7 @@ KvTransferParams push_params(const std::string& tid) {
 }
 
 TEST(DisaggregatedEngines, PushDeliversVerifiedTokensInEitherArrivalOrder) {
-    PD pd(KvLinkMode::kPush);
+    PD pd(kv::TransferMode::kPush);
     auto prompt = prompt_of(50, 9);
     auto expected = expected_tokens(pd.decode->kv_slice(), prompt, 8);
     for (bool decode_first : {true, false}) {
@@ -261,7 +261,7 @@ TEST(DisaggregatedEngines, PushDeliversVerifiedTokensInEitherArrivalOrder) {
 }
 
 TEST(DisaggregatedEngines, PullAndPullInlineDeliverVerifiedTokens) {
-    for (KvLinkMode mode : {KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+    for (kv::TransferMode mode : {kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
         PD pd(mode);
         auto prompt = prompt_of(33, 4);
         auto hp = pd.prefill->submit(pd.prefill_leg(prompt, "t1")).value();
@@ -287,7 +287,7 @@ TEST(DisaggregatedEngines, FirstTokenComesWithTheKvOrAfterDecodesFirstStep) {
     for (auto first : {EngineConfig::FirstToken::kPrefill, EngineConfig::FirstToken::kDecode}) {
         bool from_prefill = first == EngineConfig::FirstToken::kPrefill;
         SCOPED_TRACE(from_prefill ? "first token from prefill" : "first token from decode");
-        PD pd(KvLinkMode::kPull, seconds(10), seconds(10),
+        PD pd(kv::TransferMode::kPull, seconds(10), seconds(10),
               {.engine_id = "d",
                .first_token = first,
                .num_blocks = 64,
@@ -309,7 +309,7 @@ TEST(DisaggregatedEngines, FirstTokenComesWithTheKvOrAfterDecodesFirstStep) {
 }
 
 TEST(DisaggregatedEngines, KvCorruptedBeforeTheTransferChangesTheTokens) {
-    PD pd(KvLinkMode::kPull);
+    PD pd(kv::TransferMode::kPull);
     auto prompt = prompt_of(33, 4);
     auto hp = pd.prefill->submit(pd.prefill_leg(prompt, "t1")).value();
     ASSERT_TRUE(collect(*hp).status.ok());
@@ -322,7 +322,7 @@ TEST(DisaggregatedEngines, KvCorruptedBeforeTheTransferChangesTheTokens) {
 }
 
 TEST(DisaggregatedEngines, DecodeLegWhosePrefillNeverComesFailsAndFreesItsBlocks) {
-    PD pd(KvLinkMode::kPush, seconds(10), milliseconds(200));
+    PD pd(kv::TransferMode::kPush, seconds(10), milliseconds(200));
     auto hd = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("lost"))).value();
     Collected cd = collect(*hd, seconds(5));
     EXPECT_EQ(cd.status.code(), StatusCode::kTimeout);
@@ -332,7 +332,7 @@ TEST(DisaggregatedEngines, DecodeLegWhosePrefillNeverComesFailsAndFreesItsBlocks
 }
 
 TEST(DisaggregatedEngines, AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesFirst) {
-    PD pd(KvLinkMode::kPush);
+    PD pd(kv::TransferMode::kPush);
     auto waiting = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, push_params("a1"))).value();
     ASSERT_TRUE(eventually([&] { return pd.decode->stats().blocks_used > 0; }));
     ASSERT_TRUE(pd.decode->abort_transfer("a1", "prefill leg failed").ok());
@@ -347,7 +347,7 @@ TEST(DisaggregatedEngines, AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesF
 }
 
 TEST(DisaggregatedEngines, PrefillLegNobodyCollectsIsReleasedAfterTheLease) {
-    PD pd(KvLinkMode::kPush, milliseconds(200));
+    PD pd(kv::TransferMode::kPush, milliseconds(200));
     auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(20, 1), "orphan")).value();
     ASSERT_TRUE(collect(*hp).status.ok());
     EXPECT_GT(pd.prefill->stats().blocks_used, 0u);
@@ -361,8 +361,8 @@ TEST(DisaggregatedEngines, PrefillLegNobodyCollectsIsReleasedAfterTheLease) {
 // waiting for a registration; pull: offered under the lease), come back at once, not after
 // the 10 s lease. An abort of an unknown or finished transfer changes nothing.
 TEST(DisaggregatedEngines, AbortFreesAHandedOverPrefillLegAtOnceInPushAndPull) {
-    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull}) {
-        SCOPED_TRACE(mode == KvLinkMode::kPush ? "push" : "pull");
+    for (kv::TransferMode mode : {kv::TransferMode::kPush, kv::TransferMode::kPull}) {
+        SCOPED_TRACE(mode == kv::TransferMode::kPush ? "push" : "pull");
         PD pd(mode, seconds(10));
         auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 1), "held")).value();
         ASSERT_TRUE(collect(*hp).status.ok());
@@ -390,7 +390,7 @@ TEST(DisaggregatedEngines, AbortEndsADecodingLegAndFreesItsBlocks) {
     std::vector<int> one_seq = {64};
     EngineConfig dc{.engine_id = "d", .num_blocks = 64};
     dc.time_scale = 0.005 / tiny_cost().decode_seconds(one_seq);
-    PD pd(KvLinkMode::kPull, seconds(10), seconds(10), dc);
+    PD pd(kv::TransferMode::kPull, seconds(10), seconds(10), dc);
     auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 3), "run")).value();
     ASSERT_TRUE(collect(*hp).status.ok());
     auto running = pd.decode->submit(pd.decode_leg(prompt_of(40, 3), 500, hp->kv_out())).value();
@@ -403,7 +403,7 @@ TEST(DisaggregatedEngines, AbortEndsADecodingLegAndFreesItsBlocks) {
 }
 
 TEST(DisaggregatedEngines, PullWithUnknownBlocksIsRefusedCleanly) {
-    PD pd(KvLinkMode::kPull);
+    PD pd(kv::TransferMode::kPull);
     KvTransferParams kv = push_params("never-prefilled");
     kv.remote_block_ids = {1, 2};
     auto hd = pd.decode->submit(pd.decode_leg(prompt_of(20, 1), 4, kv)).value();
@@ -436,10 +436,10 @@ struct RecordingProducer : KvProducer {
     size_t limit = SIZE_MAX;
     size_t max_progress_handovers() const override { return limit; }
     std::mutex mu;
-    std::vector<std::pair<KvReady, TimePoint>> progress;
+    std::vector<std::pair<kv::KvFrontier, TimePoint>> progress;
     TimePoint done_at{};
     void on_prefill_progress(const RequestId&, const KvTransferParams&, const std::vector<BlockId>&,
-                             const KvReady& ready) override {
+                             const kv::KvFrontier& ready) override {
         std::lock_guard lock(mu);
         progress.emplace_back(ready, Clock::now());
     }
@@ -455,7 +455,7 @@ struct RecordingProducer : KvProducer {
     }
 };
 
-using HandOver = std::tuple<size_t, size_t, int>;  // KvReady's tokens, partial_end, layers
+using HandOver = std::tuple<size_t, size_t, int>;  // KvFrontier's tokens, partial_end, layers
 
 // Runs one push prefill leg of `prompt_len` tokens (chunks of 64, 4 layer groups) and returns
 // what the engine handed to `producer`, in order.
@@ -479,7 +479,7 @@ std::vector<HandOver> push_prefill(RecordingProducer& producer, const LayeredSet
     std::lock_guard lock(producer.mu);
     std::vector<HandOver> got;
     for (auto& [ready, at] : producer.progress)
-        got.emplace_back(ready.tokens, ready.partial_end, ready.partial_layers);
+        got.emplace_back(ready.tokens, ready.partial_end, int(ready.partial_layers));
     return got;
 }
 
@@ -556,13 +556,14 @@ struct LayeredConsumer : KvConsumer {
             const size_t chunk = LayeredSetup::kChunk, n = prompt.size();
             Status st =
                 write_prompt_kv_range(engine->pool(), blocks, slice, prompt, 0, chunk).status();
-            progress(KvReady{chunk});
-            for (int l = 0; st.ok() && l < slice.shape.layers; l += 2) {
+            progress(kv::KvFrontier{uint32_t(chunk)});
+            for (int l = 0; st.ok() && l < int(slice.layout.num_layers); l += 2) {
                 std::this_thread::sleep_for(milliseconds(5));
                 st = write_prompt_kv_range(engine->pool(), blocks, slice, prompt, chunk, n,
                                            {l, l + 2})
                          .status();
-                if (l + 2 < slice.shape.layers) progress(KvReady{chunk, n, l + 2});
+                if (l + 2 < int(slice.layout.num_layers))
+                    progress(kv::KvFrontier{uint32_t(chunk), uint32_t(n), uint32_t(l + 2)});
             }
             arrived_ns = Clock::now().time_since_epoch().count();
             arrived(st);

@@ -166,7 +166,7 @@ struct HttpPD {
     Served decode{{.engine_id = "d", .num_blocks = 64, .kv_wait_timeout = milliseconds(300)}};
     InProcessKvLink link;
 
-    explicit HttpPD(KvLinkMode mode) : link({mode, seconds(5)}) {
+    explicit HttpPD(kv::TransferMode mode) : link({mode, seconds(5)}) {
         EXPECT_TRUE(link.add_engine("p", &prefill.engine->pool()).ok());
         EXPECT_TRUE(link.add_engine("d", &decode.engine->pool()).ok());
         prefill.engine->attach_connector(link.producer("p"), nullptr);
@@ -185,7 +185,7 @@ struct HttpPD {
 };
 
 TEST(EngineHttp, PushBothLegsAtOnceReturnsVerifiedTokens) {
-    HttpPD pd(KvLinkMode::kPush);
+    HttpPD pd(kv::TransferMode::kPush);
     auto prompt = prompt_of(45);
     json decode_body = {
         {"prompt", prompt},
@@ -212,7 +212,7 @@ TEST(EngineHttp, PushBothLegsAtOnceReturnsVerifiedTokens) {
 }
 
 TEST(EngineHttp, PullUsesTheParametersThePrefillResponseReturns) {
-    HttpPD pd(KvLinkMode::kPull);
+    HttpPD pd(kv::TransferMode::kPull);
     auto prompt = prompt_of(45);
     json prefill_body = {{"prompt", prompt},
                          {"max_tokens", 1},
@@ -233,7 +233,7 @@ TEST(EngineHttp, PullUsesTheParametersThePrefillResponseReturns) {
 }
 
 TEST(EngineHttp, DecodeLegWithoutItsPrefillGetsAnHttpErrorAndNoBlockLeaks) {
-    HttpPD pd(KvLinkMode::kPush);
+    HttpPD pd(kv::TransferMode::kPush);
     Streamed s = stream_completion(
         pd.decode.port(),
         {{"prompt", prompt_of(20)},

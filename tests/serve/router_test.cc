@@ -32,7 +32,7 @@ struct Cluster {
     std::unique_ptr<Router> router;
 
     // `decode_step`: stretches the decode engines' modelled steps to about this long.
-    Cluster(size_t np, size_t nd, KvLinkMode link_mode, Duration lease = seconds(5),
+    Cluster(size_t np, size_t nd, kv::TransferMode link_mode, Duration lease = seconds(5),
             Duration decode_step = Duration::zero()) {
         auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
         link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{link_mode, lease});
@@ -57,7 +57,7 @@ struct Cluster {
         for (size_t i = 0; i < nd; ++i) decode.push_back(make("d" + std::to_string(i)));
         EXPECT_TRUE(link->start().ok());
         RouterConfig rc;
-        rc.mode = link_mode == KvLinkMode::kPush ? RouterMode::kPush : RouterMode::kPull;
+        rc.mode = link_mode == kv::TransferMode::kPush ? RouterMode::kPush : RouterMode::kPull;
         rc.request_timeout = seconds(10);
         rc.secret = Secret::generate().value();
         for (auto& n : prefill) {
@@ -128,7 +128,8 @@ std::vector<int32_t> prompt_of(size_t n, int seed) {
 }
 
 TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
-    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+    for (kv::TransferMode mode :
+         {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
         Cluster c(1, 1, mode);
         auto prompt = prompt_of(70, 1);
         Streamed s =
@@ -148,7 +149,8 @@ TEST(Router, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
 // without bytes used to feed the last relayed bytes to its parser again, so a stream with a pause
 // longer than that got a token twice (one more token than max_tokens).
 TEST(Router, StreamWithPausesLongerThanTheRoutersWaitSliceKeepsEveryTokenOnce) {
-    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull, KvLinkMode::kPullInline}) {
+    for (kv::TransferMode mode :
+         {kv::TransferMode::kPush, kv::TransferMode::kPull, kv::TransferMode::kPullInline}) {
         Cluster c(1, 1, mode, seconds(5), milliseconds(300));
         auto prompt = prompt_of(50, 4);
         Streamed s =
@@ -161,7 +163,7 @@ TEST(Router, StreamWithPausesLongerThanTheRoutersWaitSliceKeepsEveryTokenOnce) {
 }
 
 TEST(Router, NonStreamedRequestInPush) {
-    Cluster c(1, 1, KvLinkMode::kPush);
+    Cluster c(1, 1, kv::TransferMode::kPush);
     auto prompt = prompt_of(40, 2);
     auto r = http_post_json(kHost, c.router->port(), "/v1/completions",
                             json{{"prompt", prompt}, {"max_tokens", 5}}.dump(), seconds(10));
@@ -173,7 +175,7 @@ TEST(Router, NonStreamedRequestInPush) {
 }
 
 TEST(Router, RelaysTheClientsFieldsAndReplacesItsTransferParameters) {
-    Cluster c(1, 1, KvLinkMode::kPush);
+    Cluster c(1, 1, kv::TransferMode::kPush);
     // A text prompt, fields the router does not know, and transfer parameters of the client's
     // own that would send the legs astray if they reached an engine.
     std::string text = "a \"quoted\" [prompt] {with} brackets";
@@ -194,7 +196,7 @@ TEST(Router, RelaysTheClientsFieldsAndReplacesItsTransferParameters) {
 }
 
 TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
-    Cluster c(2, 2, KvLinkMode::kPush);
+    Cluster c(2, 2, kv::TransferMode::kPush);
     for (int i = 0; i < 4; ++i) {
         auto prompt = prompt_of(30, i);
         Streamed s =
@@ -209,7 +211,7 @@ TEST(Router, TwoPrefillTwoDecodeRoundRobin) {
 
 // An engine known down is skipped while another of its role is ready: every request is served.
 TEST(Router, SkipsAnEngineKnownDownWhileAnotherIsReady) {
-    Cluster c(1, 2, KvLinkMode::kPush);
+    Cluster c(1, 2, kv::TransferMode::kPush);
     c.decode[1].server->stop();
     std::string body;
     ASSERT_TRUE(eventually([&] {
@@ -227,7 +229,7 @@ TEST(Router, SkipsAnEngineKnownDownWhileAnotherIsReady) {
 }
 
 TEST(Router, InvalidBodyGets400) {
-    Cluster c(1, 1, KvLinkMode::kPush);
+    Cluster c(1, 1, kv::TransferMode::kPush);
     auto r =
         http_post_json(kHost, c.router->port(), "/v1/completions", R"({"prompt": 3})", seconds(5));
     ASSERT_TRUE(r.ok());
@@ -244,7 +246,7 @@ int health_status(int port, std::string* body = nullptr) {
 }
 
 TEST(Router, DecodeEngineKnownDownGives503BeforeAnyLegLeaves) {
-    Cluster c(1, 1, KvLinkMode::kPush, milliseconds(300));
+    Cluster c(1, 1, kv::TransferMode::kPush, milliseconds(300));
     c.decode[0].server->stop();
     ASSERT_TRUE(eventually([&] { return health_status(c.router->port()) == 503; }));
     Streamed s = stream(c.router->port(),
@@ -259,8 +261,8 @@ TEST(Router, DecodeEngineKnownDownGives503BeforeAnyLegLeaves) {
 // pull: offered under the lease): the router aborts the prefill leg, whose blocks come back
 // well before the 5 s lease.
 TEST(Router, DecodeLegRefusedAbortsThePrefillLegAtOnce) {
-    for (KvLinkMode mode : {KvLinkMode::kPush, KvLinkMode::kPull}) {
-        SCOPED_TRACE(mode == KvLinkMode::kPush ? "push" : "pull");
+    for (kv::TransferMode mode : {kv::TransferMode::kPush, kv::TransferMode::kPull}) {
+        SCOPED_TRACE(mode == kv::TransferMode::kPush ? "push" : "pull");
         Cluster c(1, 1, mode, seconds(5));
         c.decode[0].engine->stop();  // its server answers 503 "engine is not running"
         Streamed s = stream(c.router->port(),
@@ -277,7 +279,7 @@ TEST(Router, DecodeLegRefusedAbortsThePrefillLegAtOnce) {
 // What decode would refuse (max_model_len, the vocabulary, the pool) is refused before either
 // leg leaves: prefill computes nothing and pins no block.
 TEST(Router, RequestBeyondTheEnginesLimitsIsRefusedBeforeAnyLeg) {
-    Cluster c(1, 1, KvLinkMode::kPush);
+    Cluster c(1, 1, kv::TransferMode::kPush);
     struct Case {
         json body;
         std::vector<std::string> names;
@@ -308,7 +310,7 @@ TEST(Router, HealthSaysWhetherItCanServeAndNamesWhatIsMissing) {
     RouterConfig rc;
     rc.prefill = {{kHost, pport}};
     rc.decode = {{kHost, dport}};
-    rc.secret = Secret::generate().value();
+    rc.secret = Secret::generate().value();  // a router refuses to start without one
     auto started = Router::start(rc);
     ASSERT_TRUE(started.ok()) << started.status().to_string();
     auto router = std::move(started).value();
@@ -374,7 +376,7 @@ TEST(EngineServer, HealthIs503UntilReady) {
 }
 
 TEST(Router, PrefillLegRejectedGivesTheClientItsErrorAndDecodeFreesItsBlocks) {
-    Cluster c(1, 1, KvLinkMode::kPush);
+    Cluster c(1, 1, kv::TransferMode::kPush);
     c.prefill[0].engine->stop();  // prefill answers 503 "engine is not running"
     Streamed s = stream(c.router->port(),
                         {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});

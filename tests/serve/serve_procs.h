@@ -201,7 +201,7 @@ inline std::vector<int32_t> prompt_of(size_t n, int seed) {
 inline std::vector<int32_t> tiny_expected(const std::vector<int32_t>& prompt, int n) {
     auto model = tiny_test_model();
     auto cost = CostModel::create(model, h200(), 1).value();
-    KvSlice slice{.shape = cost.kv_shape(16), .head_offset = 0, .vocab = model.vocab};
+    KvSlice slice{.layout = cost.kv_layout(16, 1), .head_offset = 0, .vocab = model.vocab};
     return expected_tokens(slice, prompt, n);
 }
 

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include "ferry/kv/block_mapping.h"
+#include "ferry/kv/block_pool.h"
+
 #include <numeric>
 
 namespace ferry::serve {
@@ -9,7 +12,13 @@ namespace {
 
 KvSlice tiny_slice() {
     KvSlice s;
-    s.shape = KvShape{.layers = 2, .kv_heads = 2, .head_dim = 16, .elem_bytes = 2, .block_size = 4};
+    s.layout.num_layers = 2;
+    s.layout.num_kv_heads = 2;
+    s.layout.head_dim = 16;
+    s.layout.elem_size = 2;
+    s.layout.block_size = 4;
+    s.layout.num_blocks = 16;
+    s.layout.placement = kv::KvPlacement::kBlockMajor;
     s.vocab = 1000;
     return s;
 }
@@ -17,16 +26,16 @@ KvSlice tiny_slice() {
 struct Fixture {
     KvSlice slice = tiny_slice();
     std::unique_ptr<KvPool> pool;
-    BlockManager bm{16};
+    kv::BlockPool bm{16};
     std::vector<int32_t> prompt;
     std::vector<BlockId> blocks;
 
     explicit Fixture(size_t prompt_len, size_t max_tokens) {
-        pool = std::move(KvPool::create(slice.shape, 16).value());
+        pool = std::move(KvPool::create(slice.layout).value());
         prompt.resize(prompt_len);
         std::iota(prompt.begin(), prompt.end(), 7);
-        blocks = bm.allocate("r", BlockManager::blocks_for_tokens(prompt_len + max_tokens,
-                                                                  slice.shape.block_size))
+        blocks = bm.allocate("r", kv::blocks_for_tokens(uint32_t(prompt_len + max_tokens),
+                                                        slice.layout.block_size))
                      .value();
     }
 
@@ -90,9 +99,9 @@ TEST(SyntheticModel, RanksOfTwoHeadSlicesHoldHalvesOfTheOneHeadPerRankCache) {
     // TP 1 holds heads {0,1}; TP 2's rank 1 holds head 1 alone: same bytes for that head.
     KvSlice full = tiny_slice();
     KvSlice rank1 = full;
-    rank1.shape.kv_heads = 1;
+    rank1.layout.num_kv_heads = 1;
     rank1.head_offset = 1;
-    std::vector<uint8_t> a(full.shape.row_bytes()), b(rank1.shape.row_bytes());
+    std::vector<uint8_t> a(full.layout.token_bytes()), b(rank1.layout.token_bytes());
     fill_kv_row(full, 42, 1, 0, a);
     fill_kv_row(rank1, 42, 1, 0, b);
     EXPECT_TRUE(std::equal(b.begin(), b.end(), a.begin() + a.size() / 2));
@@ -121,9 +130,10 @@ TEST(SyntheticModel, TokensDoNotDependOnTheBlockSize) {
     std::vector<int32_t> first;
     for (int bs : {4, 8, 16}) {
         KvSlice s = tiny_slice();
-        s.shape.block_size = bs;
-        auto pool = std::move(KvPool::create(s.shape, 32).value());
-        std::vector<BlockId> blocks(BlockManager::blocks_for_tokens(37 + 3, bs));
+        s.layout.block_size = uint32_t(bs);
+        s.layout.num_blocks = 32;
+        auto pool = std::move(KvPool::create(s.layout).value());
+        std::vector<BlockId> blocks(kv::blocks_for_tokens(37 + 3, uint32_t(bs)));
         std::iota(blocks.rbegin(), blocks.rend(), 0);  // scattered, descending ids
         auto digest = write_prompt_kv(*pool, blocks, s, prompt);
         ASSERT_TRUE(digest.ok());
@@ -138,7 +148,8 @@ TEST(SyntheticModel, TokensDoNotDependOnTheBlockSize) {
 
 TEST(SyntheticModel, RowsSwappedBetweenSlotsChangeTheTokens) {
     KvSlice s = tiny_slice();
-    auto pool = std::move(KvPool::create(s.shape, 8).value());
+    s.layout.num_blocks = 8;
+    auto pool = std::move(KvPool::create(s.layout).value());
     std::vector<int32_t> prompt{5, 6, 7, 8, 9, 10};
     std::vector<BlockId> blocks{0, 1};
     ASSERT_TRUE(write_prompt_kv(*pool, blocks, s, prompt).ok());

@@ -56,6 +56,8 @@ struct KvLayout {
     uint64_t slab_bytes() const { return token_bytes() * block_size; }
     // Bytes of one layer across all blocks, K and V.
     uint64_t layer_bytes() const { return slab_bytes() * 2 * num_blocks; }
+    // Bytes of one block across all layers, K and V (one contiguous run when kBlockMajor).
+    uint64_t block_bytes() const { return slab_bytes() * 2 * num_layers; }
     // Bytes of the whole pool: what is registered with the TransferEngine.
     uint64_t pool_bytes() const { return layer_bytes() * num_layers; }
 

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "ferry/common/status.h"
+#include "ferry/kv/layout.h"
 
 namespace ferry::serve {
 
@@ -57,20 +58,6 @@ GpuSpec h200();
 Result<ModelShape> model_by_name(std::string_view name);  // "qwen3-32b", "tiny"
 Result<GpuSpec> gpu_by_name(std::string_view name);       // "h200"
 
-// What one tensor-parallel rank stores per token and per block.
-struct KvShape {
-    int layers = 0;
-    int kv_heads = 0;  // KV heads on this rank
-    int head_dim = 0;
-    int elem_bytes = 2;
-    int block_size = 16;  // tokens per block
-
-    // Bytes of one (layer, K or V, token) row: all this rank's heads.
-    size_t row_bytes() const { return size_t(kv_heads) * head_dim * elem_bytes; }
-    size_t bytes_per_token() const { return row_bytes() * 2 * layers; }
-    size_t block_bytes() const { return bytes_per_token() * block_size; }
-};
-
 // One prompt's part of a prefill step: `tokens` new tokens after `context` tokens whose KV is
 // already in the cache (chunked prefill). `last`: the prompt ends with this chunk, so the LM
 // head runs for its final token.
@@ -92,7 +79,9 @@ class CostModel {
     int tp() const { return tp_; }
     const CostModelConfig& config() const { return config_; }
 
-    KvShape kv_shape(int block_size) const;
+    // The KV pool of one tensor-parallel rank of this model: its share of the KV heads,
+    // `num_blocks` blocks of `block_size` tokens, block-major (serve's KvPool).
+    kv::KvLayout kv_layout(uint32_t block_size, uint32_t num_blocks) const;
 
     // One prefill step processing whole prompts of these lengths (no chunking), seconds.
     double prefill_seconds(std::span<const int> prompt_lens) const;

@@ -32,6 +32,7 @@
 
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
+#include "ferry/kv/block_pool.h"
 #include "ferry/serve/cost_model.h"
 #include "ferry/serve/kv_connector.h"
 #include "ferry/serve/kv_pool.h"
@@ -208,7 +209,7 @@ class Engine {
     const CostModel cost_;
     KvSlice slice_;
     std::unique_ptr<KvPool> pool_;
-    BlockManager blocks_;
+    kv::BlockPool blocks_;  // which request holds which block of pool_
     KvProducer* producer_ = nullptr;
     KvConsumer* consumer_ = nullptr;
 

@@ -2,6 +2,12 @@
 // engine's pool registered, a kv::KvConnector, and a HandshakeServer on a side-channel port.
 // One FabricKvLink per engine process; prefill uses it as producer, decode as consumer.
 //
+// The link keeps only what maps the engine's view onto the connector's: which request and
+// callback belong to which transfer key (kv::TransferKeys, so that two transfer ids never
+// share a key silently), and which peer a decode leg came from. The per-transfer state itself
+// (attempts, segments, writes, leases) is the connector's; what a request waits for is the
+// engine's.
+//
 // Peers are named the way the router names them: kv_transfer_params carry the peer's HTTP
 // host:port. The link asks that engine's GET /health for its side-channel port once, then
 // handshakes (address, pool descriptor, layout, compatibility hash; both sides prove the
@@ -19,11 +25,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
-#include "ferry/serve/inprocess_kv_link.h"  // KvLinkMode
+#include "ferry/kv/transfer_mode.h"
 #include "ferry/serve/kv_connector.h"
 #include "ferry/serve/kv_pool.h"
 
@@ -31,7 +38,7 @@ namespace ferry::serve {
 
 struct FabricKvLinkConfig {
     std::string engine_id;
-    KvLinkMode mode = KvLinkMode::kPush;
+    kv::TransferMode mode = kv::TransferMode::kPush;
     // libfabric provider: shm between processes of one host, tcp across hosts.
     std::string provider = "shm";
     // Address the side channel listens on and the tcp provider binds to.
@@ -46,6 +53,9 @@ struct FabricKvLinkConfig {
     // legs' kv_transfer_params are acted on only when signed under it (kv_params_auth.h).
     Secret secret{};
     size_t side_max_connections = 256;  // see kv::HandshakeServerOptions
+    // The connector's 64-bit key of a string transfer id; empty: kv::transfer_key. Tests set
+    // it to force collisions (kv::TransferKeys refuses the second id on a key in use).
+    std::function<uint64_t(std::string_view)> transfer_hash;
 };
 
 struct FabricKvLinkStats {
@@ -83,7 +93,8 @@ class FabricKvLink : public KvProducer, public KvConsumer {
 
     void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
     void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                             const std::vector<BlockId>& blocks, const KvReady& ready) override;
+                             const std::vector<BlockId>& blocks,
+                             const kv::KvFrontier& ready) override;
     size_t max_progress_handovers() const override;
     Result<KvTransferParams> on_prefill_done(const RequestId& request,
                                              const KvTransferParams& params,

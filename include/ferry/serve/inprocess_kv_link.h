@@ -15,18 +15,16 @@
 #include <thread>
 
 #include "ferry/common/clock.h"
+#include "ferry/kv/transfer_mode.h"
 #include "ferry/serve/kv_connector.h"
 
 namespace ferry::serve {
 
-enum class KvLinkMode {
-    kPush,        // decode's allocation and prefill's completion meet; the second starts the copy
-    kPull,        // decode reads after prefill finished, on the link's thread
-    kPullInline,  // decode reads in the engine loop that calls on_blocks_allocated (baseline)
-};
-
 struct InProcessKvLinkConfig {
-    KvLinkMode mode = KvLinkMode::kPush;
+    // kPush: decode's allocation and prefill's completion meet, the second starts the copy;
+    // kPull: decode reads after prefill finished, on the link's thread; kPullInline: decode
+    // reads in the engine loop that calls on_blocks_allocated (the baseline).
+    kv::TransferMode mode = kv::TransferMode::kPush;
     // How long one side waits for the other before giving up and releasing its blocks.
     Duration lease = seconds(30);
 };

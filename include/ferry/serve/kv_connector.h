@@ -1,6 +1,8 @@
 // The seam between an engine's step loop and the KV connector that moves KV between engines.
 //
-// The engine owns its KV pool and block manager; the connector only ever touches the blocks it
+// Its types are kv's (kv::KvFrontier for what is final or in place, kv::BlockPool's block ids);
+// what it adds is the request-level view: a request id and its kv_transfer_params. The engine
+// owns its KV pool and its kv::BlockPool; the connector only ever touches the blocks it
 // is handed, and hands them back through exactly one callback. Callbacks may run on any thread;
 // the engine queues them into its loop. Every method here must return at once: a connector does
 // its work on its own threads (except a deliberately inline baseline, see InProcessKvLink).
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "ferry/common/status.h"
+#include "ferry/kv/kv_frontier.h"
 #include "ferry/serve/kv_pool.h"
 
 namespace ferry::serve {
@@ -36,20 +39,12 @@ struct KvTransferParams {
     bool empty() const { return !do_remote_decode && !do_remote_prefill; }
 };
 
-// How much of a prompt's KV is final (prefill) or in place (decode): tokens [0, tokens) in
-// every layer, and tokens [tokens, partial_end) in layers [0, partial_layers) — the chunk
-// being computed, layer by layer. partial_layers 0: nothing beyond `tokens`.
-struct KvReady {
-    size_t tokens = 0;
-    size_t partial_end = 0;
-    int partial_layers = 0;
-};
-
 // Called exactly once per hand-over.
 using KvDoneCallback = std::function<void(Status)>;
-// Decode, push: what of the prompt's KV is in place; called as it grows while prefill still
-// computes, before `arrived`. Optional for a connector.
-using KvProgressCallback = std::function<void(const KvReady& landed)>;
+// Decode, push: what of the prompt's KV is in place (kv::KvFrontier: whole tokens, and the
+// layers of the chunk under way); called as it grows while prefill still computes, before
+// `arrived`. Optional for a connector.
+using KvProgressCallback = std::function<void(const kv::KvFrontier& landed)>;
 
 // What a prefill engine needs.
 class KvProducer {
@@ -70,7 +65,8 @@ class KvProducer {
     // first layers of the last chunk). Push sends it now, while the rest computes. The engine
     // keeps the blocks until the release of on_prefill_done or on_prefill_aborted.
     virtual void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
-                                     const std::vector<BlockId>& blocks, const KvReady& ready) {}
+                                     const std::vector<BlockId>& blocks,
+                                     const kv::KvFrontier& ready) {}
     // How many on_prefill_progress calls per prompt are sent as pieces of their own; later
     // ones wait for on_prefill_done. The engine spreads its hand-overs within this.
     virtual size_t max_progress_handovers() const { return SIZE_MAX; }

@@ -1,21 +1,17 @@
-// The KV pool of one engine rank and the block manager that hands its blocks to requests.
-//
-// Layout (block-major, so one block is one contiguous run that a transfer can move with a
-// single write): block b starts at b * block_bytes; inside a block the order is
-// [layer][K=0, V=1][token slot][kv head][head dim] elements of elem_bytes each.
+// The KV pool of one engine rank: the memory a kv::KvLayout describes, block-major so that one
+// block is one contiguous run that a transfer can move with a single write (block b starts at
+// b * layout.block_bytes(); inside a block [layer][K=0, V=1][token slot][kv head][head dim]).
+// Which request holds which block is kv::BlockPool's job.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
-#include <vector>
 
 #include "ferry/common/status.h"
-#include "ferry/serve/cost_model.h"
+#include "ferry/kv/layout.h"
 
 namespace ferry::serve {
 
@@ -24,15 +20,16 @@ using RequestId = std::string;
 
 class KvPool {
   public:
-    // Page-aligned so the whole pool can be registered as one memory region.
-    static Result<std::unique_ptr<KvPool>> create(const KvShape& shape, size_t num_blocks);
+    // Page-aligned so the whole pool can be registered as one memory region. The layout must
+    // be block-major and token-major (kBlockMajor, kNHD); layout.num_blocks blocks.
+    static Result<std::unique_ptr<KvPool>> create(const kv::KvLayout& layout);
 
-    const KvShape& shape() const { return shape_; }
-    size_t num_blocks() const { return num_blocks_; }
-    size_t block_bytes() const { return shape_.block_bytes(); }
+    const kv::KvLayout& layout() const { return layout_; }
+    size_t num_blocks() const { return layout_.num_blocks; }
+    size_t block_bytes() const { return layout_.block_bytes(); }
     uint8_t* base() { return mem_.get(); }
     const uint8_t* base() const { return mem_.get(); }
-    size_t size_bytes() const { return num_blocks_ * block_bytes(); }
+    size_t size_bytes() const { return layout_.pool_bytes(); }
 
     std::span<uint8_t> block(BlockId b);
     std::span<const uint8_t> block(BlockId b) const;
@@ -44,43 +41,10 @@ class KvPool {
     struct FreeDeleter {
         void operator()(uint8_t* p) const;
     };
-    KvPool(const KvShape& shape, size_t num_blocks, uint8_t* mem)
-        : shape_(shape), num_blocks_(num_blocks), mem_(mem) {}
+    KvPool(const kv::KvLayout& layout, uint8_t* mem) : layout_(layout), mem_(mem) {}
 
-    KvShape shape_;
-    size_t num_blocks_;
+    kv::KvLayout layout_;
     std::unique_ptr<uint8_t, FreeDeleter> mem_;
-};
-
-// Allocation accounting over a pool of N blocks; no prefix caching, so a block belongs to at
-// most one request. Thread-safe: the engine loop allocates, connector threads and /metrics read
-// and free.
-class BlockManager {
-  public:
-    explicit BlockManager(size_t num_blocks);
-
-    static size_t blocks_for_tokens(size_t tokens, int block_size) {
-        return (tokens + block_size - 1) / block_size;
-    }
-
-    // Gives `request` n more blocks (appended to the ones it holds). Fails without side effects
-    // when fewer than n blocks are free.
-    Result<std::vector<BlockId>> allocate(const RequestId& request, size_t n);
-    // Returns every block of `request` to the pool.
-    Status free(const RequestId& request);
-
-    std::vector<BlockId> blocks_of(const RequestId& request) const;
-    bool can_allocate(size_t n) const;
-    size_t num_blocks() const { return num_blocks_; }
-    size_t num_free() const;
-    size_t num_used() const;
-    size_t num_requests() const;
-
-  private:
-    const size_t num_blocks_;
-    mutable std::mutex mu_;
-    std::vector<BlockId> free_;  // a stack: recently freed blocks are reused first
-    std::map<RequestId, std::vector<BlockId>> owned_;
 };
 
 }  // namespace ferry::serve

@@ -22,7 +22,7 @@ namespace ferry::serve {
 
 // Which part of the model's KV one engine rank holds.
 struct KvSlice {
-    KvShape shape;
+    kv::KvLayout layout;  // this rank's pool (KvPool); num_blocks unused by the model
     int head_offset = 0;  // global index of this rank's first KV head
     int vocab = 1000;
 };
