@@ -473,7 +473,9 @@ TEST_P(KvReliabilityTest, PrefillKilledBetweenChunksFreesDecodeBlocksWithinTheLe
             testing::fill_request(n, id, blocks, kChunkedTokens);
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
-            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            // Time for the first chunk's writes to land before the kill: 200 ms was too little
+            // over tcp on a loaded 2-core machine (decode saw no progress).
+            std::this_thread::sleep_for(std::chrono::milliseconds(600));
             testing::drop_shm_names_of_this_process();
             raise(SIGKILL);
         }
