@@ -181,7 +181,8 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
 
 Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, const EngineFlags& f,
                                                           int port,
-                                                          serve::FabricKvLink* link = nullptr) {
+                                                          serve::FabricKvLink* link = nullptr,
+                                                          const Secret& secret = Secret()) {
     FERRY_RETURN_IF_ERROR(e.start());
     serve::EngineServerOptions so{.http =
                                       http_options(f.host, port, f.http_threads, f.http_limits)};
@@ -190,6 +191,7 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
         so.kv_provider = link->provider();
         so.extra_metrics = [link] { return link->prometheus_text(); };
         so.ready = [link] { return link->ready(); };
+        so.secret = secret;
     }
     FERRY_ASSIGN_OR_RETURN(auto server, serve::EngineServer::start(&e, so));
     if (link != nullptr) link->set_http_address(f.host, server->port());
@@ -226,6 +228,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
     auto engine = make_engine(role, f, f.port);
     if (!engine.ok()) return fail(engine.status());
     std::unique_ptr<serve::FabricKvLink> link;
+    Secret deployment;  // the link's, and the check of /ferry/abort
     if (f.kv_mode != "none") {
         auto mode = kv_link_mode(f.kv_mode);
         if (!mode.ok()) return fail(mode.status());
@@ -242,14 +245,15 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         lc.op_timeout = secs(f.kv_op_timeout_s);
         auto secret = deployment_secret(f.secret_file);
         if (!secret.ok()) return fail(secret.status());
-        lc.secret = std::move(secret).value();
+        lc.secret = *secret;
+        deployment = std::move(secret).value();
         auto l = serve::FabricKvLink::create(lc, &(*engine)->pool());
         if (!l.ok()) return fail(l.status());
         link = std::move(l).value();
         bool prefill = role == "prefill";
         (*engine)->attach_connector(prefill ? link.get() : nullptr, prefill ? nullptr : link.get());
     }
-    auto server = serve_engine(**engine, f, f.port, link.get());
+    auto server = serve_engine(**engine, f, f.port, link.get(), deployment);
     if (!server.ok()) return fail(server.status());
     if (link)
         fmt::print(stderr, "  KV connector: {} over {}, side channel {}:{}\n", f.kv_mode,

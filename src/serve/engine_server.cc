@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -68,8 +69,19 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                               return send_error(reply,
                                                 invalid_argument("body must be {\"transfer_id\": "
                                                                  "\"...\", \"reason\": \"...\"}"));
-                          Status st = p->engine_->abort_transfer(
-                              j["transfer_id"].get<std::string>(), j.value("reason", "aborted"));
+                          const std::string id = j["transfer_id"].get<std::string>();
+                          if (!p->options_.secret.empty()) {
+                              auto tag = j.find("ferry_auth");
+                              Status auth = verify_abort(
+                                  p->options_.secret, id,
+                                  tag != j.end() && tag->is_string() ? tag->get<std::string>()
+                                                                     : std::string());
+                              if (!auth.ok()) return send_error(reply, auth);
+                          }
+                          std::string reason = "aborted";
+                          if (auto r = j.find("reason"); r != j.end() && r->is_string())
+                              reason = r->get<std::string>();
+                          Status st = p->engine_->abort_transfer(id, reason);
                           if (!st.ok()) return send_error(reply, st);
                           reply.body = "{}";
                       }});

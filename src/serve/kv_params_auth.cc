@@ -50,6 +50,25 @@ Status verify_kv_params(const Secret& secret, const KvTransferParams& kv) {
     return ok_status();
 }
 
+std::string abort_tag(const Secret& secret, const std::string& transfer_id) {
+    ByteWriter w;
+    w.put_string("ferry abort v1");
+    w.put_string(transfer_id);
+    return to_hex(hmac_sha256(secret, w.take()));
+}
+
+Status verify_abort(const Secret& secret, const std::string& transfer_id, const std::string& tag) {
+    constexpr const char* kWhat = "POST /ferry/abort is not signed by this deployment's router";
+    if (tag.empty()) return permission_denied(std::string(kWhat) + " (no ferry_auth)");
+    std::string want = abort_tag(secret, transfer_id);
+    if (!constant_time_equal({reinterpret_cast<const uint8_t*>(tag.data()), tag.size()},
+                             {reinterpret_cast<const uint8_t*>(want.data()), want.size()}))
+        return permission_denied(std::string(kWhat) +
+                                 " (ferry_auth does not match the transfer id: altered, or signed "
+                                 "under another secret)");
+    return ok_status();
+}
+
 Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv) {
     if (secret.empty()) return invalid_argument("no deployment secret to sign kv_transfer_params");
     FERRY_ASSIGN_OR_RETURN(KvTransferParams p, kv_params_from_json(*kv));

@@ -344,8 +344,10 @@ void Router::abort_sender() {
         Abort a = std::move(aborts_.front());
         aborts_.pop_front();
         lock.unlock();
-        auto r = http_post_json(a.engine.host, a.engine.port, "/ferry/abort",
-                                json{{"transfer_id", a.transfer_id}, {"reason", a.reason}}.dump(),
+        json body = {{"transfer_id", a.transfer_id},
+                     {"reason", a.reason},
+                     {"ferry_auth", abort_tag(config_.secret, a.transfer_id)}};
+        auto r = http_post_json(a.engine.host, a.engine.port, "/ferry/abort", body.dump(),
                                 config_.abort_timeout);
         if (r.ok() && r->status == 200) {
             aborts_sent_++;

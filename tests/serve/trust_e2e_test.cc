@@ -217,6 +217,39 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
 
 // No --secret-file: every process takes the default file, and the three starting at once
 // (none of them finds it) agree on the one that wins the race.
+TEST(TrustE2E, AbortWithoutTheRoutersTagIsRefusedAndEndsNothing) {
+    TrustStack s("push");
+    ASSERT_TRUE(s.up);
+    auto abort = [&](int port, const json& body) {
+        auto r = http_post_json(kHost, port, "/ferry/abort", body.dump(), seconds(5));
+        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        return r.ok() ? *r : HttpResponse{};
+    };
+    Secret other = Secret::generate().value();
+    for (int port : {s.prefill_port, s.decode_port}) {
+        auto unsigned_abort = abort(port, {{"transfer_id", "t-1"}, {"reason", "x"}});
+        EXPECT_EQ(unsigned_abort.status, 403) << unsigned_abort.body;
+        EXPECT_NE(unsigned_abort.body.find("/ferry/abort is not signed"), std::string::npos)
+            << unsigned_abort.body;
+        auto foreign =
+            abort(port, {{"transfer_id", "t-1"}, {"ferry_auth", abort_tag(other, "t-1")}});
+        EXPECT_EQ(foreign.status, 403) << foreign.body;
+        // A tag of another transfer id does not pass for this one.
+        auto moved =
+            abort(port, {{"transfer_id", "t-2"}, {"ferry_auth", abort_tag(s.secret(), "t-1")}});
+        EXPECT_EQ(moved.status, 403) << moved.body;
+        // The router's own form is taken (an unknown transfer: nothing to end).
+        auto routers =
+            abort(port, {{"transfer_id", "t-1"}, {"ferry_auth", abort_tag(s.secret(), "t-1")}});
+        EXPECT_EQ(routers.status, 200) << routers.body;
+    }
+    // Requests through the router still complete and leave both pools free.
+    auto prompt = prompt_of(80, 3);
+    auto r = post(s.router_port, {{"prompt", prompt}, {"max_tokens", 4}});
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+}
+
 TEST(TrustE2E, DefaultSecretIsGeneratedOnceForProcessesStartingTogether) {
     std::filesystem::path home =
         std::filesystem::temp_directory_path() / fmt::format("ferry-trust-home-{}", ::getpid());

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "ferry/common/auth.h"
 #include "ferry/serve/engine.h"
 #include "ferry/serve/http.h"
 
@@ -26,6 +27,10 @@ struct EngineServerOptions {
     // Readiness beyond the engine itself (the KV link's side channel): /health answers 503
     // with the error's message until this is ok. Empty: ready once the server is up.
     std::function<Status()> ready{};
+    // The deployment's, when the engine has one: POST /ferry/abort must then carry the router's
+    // tag (kv_params_auth.h, abort_tag), so no client can end another's transfer. Empty: any
+    // abort is taken (in-process tests, `ferry serve local`).
+    Secret secret{};
 };
 
 class EngineServer {

@@ -31,4 +31,11 @@ Status verify_kv_params(const Secret& secret, const KvTransferParams& kv);
 // engine parses it, then signed in place (its "ferry_auth" set).
 Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv);
 
+// POST /ferry/abort ends a transfer's leg and frees its blocks, so an engine with a secret
+// takes it only from the router: the body's "ferry_auth" is this tag of the transfer id
+// (its own domain label, so no kv_transfer_params tag can pass for it).
+std::string abort_tag(const Secret& secret, const std::string& transfer_id);
+// ok when `tag` is abort_tag(secret, transfer_id); kPermissionDenied naming the problem.
+Status verify_abort(const Secret& secret, const std::string& transfer_id, const std::string& tag);
+
 }  // namespace ferry::serve
