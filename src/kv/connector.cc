@@ -72,8 +72,13 @@ class KvConnector::Impl {
                                                 static_cast<uint32_t>(reg.prefill_ranks.size()),
                                                 ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
         if (!producers.ok()) return producers.status();
-        return post(
-            [this, r = std::move(reg)]() mutable { receiver_.register_push(std::move(r)); });
+        FERRY_RETURN_IF_ERROR(
+            ctx_.ids.claim(reg.transfer_id, reg.attempt, TransferIds::Kind::kRegistered));
+        uint64_t id = reg.transfer_id;
+        uint32_t attempt = reg.attempt;
+        return claimed(
+            id, attempt, TransferIds::Kind::kRegistered,
+            post([this, r = std::move(reg)]() mutable { receiver_.register_push(std::move(r)); }));
     }
 
     Status announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
@@ -82,9 +87,11 @@ class KvConnector::Impl {
             producers_for_consumer(ctx_.cfg.self.total_heads(), static_cast<uint32_t>(ranks.size()),
                                    ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
         if (!producers.ok()) return producers.status();
-        return post([this, id, attempt, r = std::move(ranks)]() mutable {
-            receiver_.announce(id, attempt, std::move(r));
-        });
+        FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, attempt, TransferIds::Kind::kAnnounced));
+        return claimed(id, attempt, TransferIds::Kind::kAnnounced,
+                       post([this, id, attempt, r = std::move(ranks)]() mutable {
+                           receiver_.announce(id, attempt, std::move(r));
+                       }));
     }
 
     Status cancel(uint64_t id) {
@@ -138,8 +145,11 @@ class KvConnector::Impl {
         m.layout = ctx_.cfg.self.layout;
         m.blocks = std::move(blocks);
         FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
+        FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kOffered));
         // The blocks stay the engine's; the connector only needs the lease and the DONEs.
-        FERRY_RETURN_IF_ERROR(post([this, id, cap = m.capability] { server_.offer(id, cap); }));
+        FERRY_RETURN_IF_ERROR(
+            claimed(id, 0, TransferIds::Kind::kOffered,
+                    post([this, id, cap = m.capability] { server_.offer(id, cap); })));
         return m;
     }
 
@@ -147,6 +157,7 @@ class KvConnector::Impl {
                 uint32_t tokens) {
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
         if (params.empty()) return invalid_argument("pull: no transfer parameters given");
+        FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kPulling));
         auto job = std::make_shared<Puller::Job>();
         job->id = id;
         job->params = std::move(params);
@@ -157,10 +168,10 @@ class KvConnector::Impl {
             puller_.start(job);
             return ok_status();
         }
-        return post([this, job] {
-            ctx_.counters.active_recv.fetch_add(1);
-            puller_.start(job);
-        });
+        return claimed(id, 0, TransferIds::Kind::kPulling, post([this, job] {
+                           ctx_.counters.active_recv.fetch_add(1);
+                           puller_.start(job);
+                       }));
     }
 
     ConnectorStats stats() const { return ctx_.counters.snapshot(); }
@@ -168,6 +179,12 @@ class KvConnector::Impl {
 
    private:
     Status post(Inbox::Task t) { return ctx_.post(std::move(t)); }
+
+    // A claim whose work could not be queued (shut down) ends with it.
+    Status claimed(uint64_t id, uint32_t attempt, TransferIds::Kind kind, Status queued) {
+        if (!queued.ok()) ctx_.ids.release(id, attempt, kind);
+        return queued;
+    }
 
     void run() {
         while (true) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ferry/kv/connector.h"
+#include "transfer_ids.h"
 
 namespace ferry::kv::detail {
 
@@ -89,6 +90,7 @@ class ConnectorContext {
     const ConnectorCallbacks cb;
     const std::shared_ptr<Inbox> inbox;
     Counters counters;
+    TransferIds ids;  // claimed by the public calls, released where a transfer is reported
     std::atomic<uint64_t> flights_open{0};
 };
 

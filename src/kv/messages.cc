@@ -194,7 +194,7 @@ Status decode_body(ByteReader& r, FailMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
     FERRY_RETURN_IF_ERROR(r.get(&m->sender_rank, "sender_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&code, "code"));
-    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kPermissionDenied)) {
+    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kAlreadyExists)) {
         return protocol_error(fmt::format("field 'code' = {} is not an error code", code));
     }
     m->code = static_cast<StatusCode>(code);

@@ -13,6 +13,7 @@ namespace ferry::kv::detail {
 void PullServer::offer(uint64_t id, const PullCapability& capability) {
     auto [it, fresh] = offers_.try_emplace(id);
     if (!fresh) {
+        // offer_pull's id check refuses a second offer of a live id before it comes here.
         log(LogLevel::kWarn, kLog, "transfer {:x}: offered for pull twice; ignored", id);
         return;
     }
@@ -46,6 +47,7 @@ void PullServer::on_done(const DoneMsg& m) {
     (s.ok() ? ctx_.counters.transfers_sent : ctx_.counters.transfers_failed).fetch_add(1);
     ctx_.counters.active_send.fetch_sub(1);
     offers_.erase(it);
+    ctx_.ids.release(m.transfer_id, 0, TransferIds::Kind::kOffered);
     ctx_.send_done({m.transfer_id, 0, s, 0, 0});
 }
 
@@ -60,6 +62,7 @@ bool PullServer::withdraw(uint64_t id, const Status& reason) {
     ctx_.counters.transfers_failed.fetch_add(1);
     ctx_.counters.active_send.fetch_sub(1);
     offers_.erase(o);
+    ctx_.ids.release(id, 0, TransferIds::Kind::kOffered);
     ctx_.send_done({id, 0, reason, 0, 0});
     return true;
 }
@@ -73,6 +76,7 @@ void PullServer::expire(TimePoint now) {
             ctx_.counters.active_send.fetch_sub(1);
             uint64_t id = it->first;
             offers_.erase(it);
+            ctx_.ids.release(id, 0, TransferIds::Kind::kOffered);
             log(LogLevel::kWarn, kLog, "transfer {:x}: pull offer lease expired", id);
             ctx_.send_done({id, 0,
                             timeout_error("no DONE from decode within the lease; blocks released"),
@@ -87,6 +91,7 @@ void PullServer::report_shut_down(const Status& why) {
         auto it = offers_.begin();
         uint64_t id = it->first;
         offers_.erase(it);
+        ctx_.ids.release(id, 0, TransferIds::Kind::kOffered);
         ctx_.counters.transfers_failed.fetch_add(1);
         ctx_.counters.active_send.fetch_sub(1);
         ctx_.send_done({id, 0, why, 0, 0});
@@ -151,6 +156,7 @@ void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
     }
     (s.ok() ? ctx_.counters.transfers_received : ctx_.counters.transfers_failed).fetch_add(1);
     ctx_.counters.active_recv.fetch_sub(1);
+    ctx_.ids.release(job->id, 0, TransferIds::Kind::kPulling);
     ctx_.recv_done({job->id, 0, s, job->bytes, job->reads});
 }
 

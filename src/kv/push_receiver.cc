@@ -11,12 +11,20 @@ namespace ferry::kv::detail {
 
 void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
     auto report_now = [&](const Status& s) {
+        ctx_.ids.release(id, attempt, TransferIds::Kind::kAnnounced);
         if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({id, attempt, s, 0, 0});
     };
     ConsumerKey key{id, attempt};
     if (announces_.count(key)) {
-        return report_now(invalid_argument(
-            fmt::format("transfer {:x} attempt {} is already announced", id, attempt)));
+        // Refused by the id check before it was queued; the claim is the live one's.
+        if (ctx_.cb.on_scheduled) {
+            ctx_.cb.on_scheduled(
+                {id, attempt,
+                 already_exists(
+                     fmt::format("transfer {:x} attempt {} is already announced", id, attempt)),
+                 0, 0});
+        }
+        return;
     }
     auto producers =
         producers_for_consumer(ctx_.cfg.self.total_heads(), static_cast<uint32_t>(ranks.size()),
@@ -48,6 +56,7 @@ void PushReceiver::on_scheduled(const ScheduledMsg& m) {
     }
     if (a.scheduled.size() < a.ranks.size()) return;
     announces_.erase(it);
+    ctx_.ids.release(m.transfer_id, m.attempt, TransferIds::Kind::kAnnounced);
     if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({m.transfer_id, m.attempt, ok_status(), 0, 0});
 }
 
@@ -61,20 +70,27 @@ void PushReceiver::end_announce(AnnounceIt it, const Status& why, bool tell_pref
         }
     }
     announces_.erase(it);
+    ctx_.ids.release(key.first, key.second, TransferIds::Kind::kAnnounced);
     if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({key.first, key.second, why, 0, 0});
 }
 
 void PushReceiver::register_push(PushRegistration reg) {
     auto report_now = [&](const Status& s) {
         ctx_.counters.transfers_failed.fetch_add(1);
+        ctx_.ids.release(reg.transfer_id, reg.attempt, TransferIds::Kind::kRegistered);
         ctx_.recv_done({reg.transfer_id, reg.attempt, s, 0, 0});
     };
     for (auto& [key, c] : consumers_) {
         if (key.first != reg.transfer_id) continue;
         if (key.second >= reg.attempt) {
-            return report_now(invalid_argument(
-                fmt::format("transfer {:x}: attempt {} is not newer than the registered attempt {}",
-                            reg.transfer_id, reg.attempt, key.second)));
+            // Refused by the id check before it was queued; the claim is the live one's.
+            ctx_.counters.transfers_failed.fetch_add(1);
+            return ctx_.recv_done(
+                {reg.transfer_id, reg.attempt,
+                 already_exists(fmt::format(
+                     "transfer {:x}: attempt {} is not newer than the registered attempt {}",
+                     reg.transfer_id, reg.attempt, key.second)),
+                 0, 0});
         }
         if (!c.cancelling) cancel_consumer(key, c);
     }
@@ -317,6 +333,7 @@ void PushReceiver::complete_recv(ConsumerIt it, const TransferResult& r) {
         .fetch_add(1);
     ctx_.counters.active_recv.fetch_sub(1);
     consumers_.erase(it);
+    ctx_.ids.release(r.transfer_id, r.attempt, TransferIds::Kind::kRegistered);
     ctx_.recv_done(r);
 }
 
