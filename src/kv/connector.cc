@@ -27,9 +27,9 @@ using namespace detail;
 
 class KvConnector::Impl {
    public:
-    Impl(TransferEngine* engine, const MemoryRegion* pool, const ConnectorConfig& config,
+    Impl(TransferEngine* engine, KvPoolRegions pool, const ConnectorConfig& config,
          ConnectorCallbacks callbacks)
-        : ctx_(engine, pool, config, std::move(callbacks)),
+        : ctx_(engine, std::move(pool), config, std::move(callbacks)),
           sender_(ctx_),
           receiver_(ctx_),
           server_(ctx_),
@@ -141,7 +141,7 @@ class KvConnector::Impl {
         m.num_tokens = tokens;
         m.lease_ms = to_ms_u32(ctx_.cfg.lease);
         m.prefill_address = ctx_.engine->address();
-        m.pool = ctx_.pool->descriptor();
+        m.pool = ctx_.pool_descriptors;
         m.layout = ctx_.cfg.self.layout;
         m.blocks = std::move(blocks);
         FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
@@ -250,20 +250,23 @@ Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
                                                          const MemoryRegion* pool,
                                                          const ConnectorConfig& config,
                                                          ConnectorCallbacks callbacks) {
-    if (!engine || !pool) return invalid_argument("KvConnector needs an engine and a pool");
+    if (!pool) return invalid_argument("KvConnector needs an engine and a pool");
+    return create(engine, KvPoolRegions::one(pool), config, std::move(callbacks));
+}
+
+Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine, KvPoolRegions pool,
+                                                         const ConnectorConfig& config,
+                                                         ConnectorCallbacks callbacks) {
+    if (!engine) return invalid_argument("KvConnector needs an engine and a pool");
     FERRY_RETURN_IF_ERROR(config.self.layout.validate());
     if (config.self.tp_size == 0 || config.self.tp_rank >= config.self.tp_size) {
         return invalid_argument(fmt::format("TP rank {} is outside TP size {}", config.self.tp_rank,
                                             config.self.tp_size));
     }
-    if (pool->size() < config.self.layout.pool_bytes()) {
-        return invalid_argument(
-            fmt::format("the registered pool has {} bytes, the layout {} needs {}", pool->size(),
-                        config.self.layout.to_string(), config.self.layout.pool_bytes()));
-    }
+    FERRY_RETURN_IF_ERROR(pool.check(config.self.layout));
     if (config.imm_count == 0) return invalid_argument("imm_count must be positive");
     if (config.lease <= Duration::zero()) return invalid_argument("the lease must be positive");
-    auto impl = std::make_unique<Impl>(engine, pool, config, std::move(callbacks));
+    auto impl = std::make_unique<Impl>(engine, std::move(pool), config, std::move(callbacks));
     impl->start();
     return std::unique_ptr<KvConnector>(new KvConnector(std::move(impl)));
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ferry/kv/connector.h"
+#include "ferry/kv/pool.h"
 #include "transfer_ids.h"
 
 namespace ferry::kv::detail {
@@ -64,10 +65,11 @@ struct Counters {
 
 class ConnectorContext {
    public:
-    ConnectorContext(TransferEngine* engine, const MemoryRegion* pool,
-                     const ConnectorConfig& config, ConnectorCallbacks callbacks)
+    ConnectorContext(TransferEngine* engine, KvPoolRegions pool, const ConnectorConfig& config,
+                     ConnectorCallbacks callbacks)
         : engine(engine),
-          pool(pool),
+          pool(std::move(pool)),
+          pool_descriptors(this->pool.descriptors()),
           cfg(config),
           cb(std::move(callbacks)),
           inbox(std::make_shared<Inbox>()) {}
@@ -85,7 +87,8 @@ class ConnectorContext {
     void recv_done(const TransferResult& r);
 
     TransferEngine* const engine;
-    const MemoryRegion* const pool;
+    const KvPoolRegions pool;  // region i holds layout region i
+    const std::vector<MemoryDescriptor> pool_descriptors;
     const ConnectorConfig cfg;
     const ConnectorCallbacks cb;
     const std::shared_ptr<Inbox> inbox;

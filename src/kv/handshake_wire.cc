@@ -14,6 +14,8 @@
 #include <cstring>
 
 #include "ferry/kv/handshake.h"
+#include "ferry/kv/messages.h"
+#include "ferry/kv/pool.h"
 
 namespace ferry::kv {
 namespace handshake_wire {
@@ -158,7 +160,8 @@ std::vector<uint8_t> HandshakeInfo::serialize() const {
     w.put(kVersion);
     w.put(epoch);
     address.encode(w);
-    pool.encode(w);
+    w.put(static_cast<uint32_t>(pool.size()));
+    for (const MemoryDescriptor& d : pool) d.encode(w);
     layout.encode(w);
     w.put(tp_rank);
     w.put(tp_size);
@@ -171,8 +174,18 @@ Result<HandshakeInfo> HandshakeInfo::deserialize(std::span<const uint8_t> blob) 
     HandshakeInfo h;
     FERRY_RETURN_IF_ERROR(r.get(&h.epoch, "epoch"));
     FERRY_ASSIGN_OR_RETURN(h.address, EngineAddress::decode(r));
-    FERRY_ASSIGN_OR_RETURN(h.pool, MemoryDescriptor::decode(r));
+    uint32_t regions = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&regions, "pool.count"));
+    if (regions == 0 || regions > kMaxPoolRegions) {
+        return protocol_error(
+            fmt::format("field 'pool.count' = {} is not in [1, {}]", regions, kMaxPoolRegions));
+    }
+    for (uint32_t i = 0; i < regions; ++i) {
+        FERRY_ASSIGN_OR_RETURN(auto d, MemoryDescriptor::decode(r));
+        h.pool.push_back(std::move(d));
+    }
     FERRY_ASSIGN_OR_RETURN(h.layout, KvLayout::decode(r));
+    FERRY_RETURN_IF_ERROR(check_pool_descriptors(h.pool, h.layout));
     FERRY_RETURN_IF_ERROR(r.get(&h.tp_rank, "tp_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&h.tp_size, "tp_size"));
     if (h.tp_size == 0 || h.tp_rank >= h.tp_size) {

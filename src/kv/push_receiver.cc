@@ -126,7 +126,7 @@ void PushReceiver::register_push(PushRegistration reg) {
         m.num_tokens = reg.num_tokens;
         m.lease_ms = to_ms_u32(ctx_.cfg.lease);
         m.decode_address = ctx_.engine->address();
-        m.pool = ctx_.pool->descriptor();
+        m.pool = ctx_.pool_descriptors;
         m.layout = ctx_.cfg.self.layout;
         m.blocks = reg.blocks;
         ctx_.send(s.peer, m);

@@ -261,8 +261,14 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
     job.in_flight++;
     auto flight = ctx_.new_flight(
         [this, id, key, index](const Status& s) { on_segment_drained(id, key, index, s); });
-    seg.writes = post_writes(*ctx_.engine, ctx_.pool, job.peer, &job.reg.pool, plan->runs,
-                             reg.imm + index, *flight);
+    // One group of operations per (region, region) pair: an engine operation has one source
+    // and one destination region.
+    seg.writes = 0;
+    for (const RegionRuns& g : plan->groups) {
+        std::span<const ByteRun> runs(plan->runs.data() + g.first, g.count);
+        seg.writes += post_writes(*ctx_.engine, ctx_.pool.regions[g.src_region], job.peer,
+                                  &job.reg.pool[g.dst_region], runs, reg.imm + index, *flight);
+    }
     job.writes += seg.writes;
     job.bytes += plan->bytes;
     job.pending[index] = seg;

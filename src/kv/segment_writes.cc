@@ -10,7 +10,7 @@ constexpr size_t kPagesPerOp = 1024;
 }  // namespace
 
 uint32_t post_writes(TransferEngine& engine, const MemoryRegion* src, PeerId peer,
-                     const MemoryDescriptor* dst, const std::vector<ByteRun>& runs, uint32_t imm,
+                     const MemoryDescriptor* dst, std::span<const ByteRun> runs, uint32_t imm,
                      Flight& flight) {
     auto cb = [f = flight.shared_from_this()](const Status& s) { f->done(s); };
     uint32_t writes = 0;

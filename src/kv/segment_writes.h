@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "connector_context.h"
@@ -16,7 +17,7 @@ namespace ferry::kv::detail {
 // push was 128 copies and 128 immediates (2026-12-01). On fabric paths the engine still
 // stripes long runs across rails.
 uint32_t post_writes(TransferEngine& engine, const MemoryRegion* src, PeerId peer,
-                     const MemoryDescriptor* dst, const std::vector<ByteRun>& runs, uint32_t imm,
+                     const MemoryDescriptor* dst, std::span<const ByteRun> runs, uint32_t imm,
                      Flight& flight);
 
 }  // namespace ferry::kv::detail
