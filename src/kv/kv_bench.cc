@@ -234,13 +234,20 @@ class Bench {
                 FERRY_ASSIGN_OR_RETURN(
                     auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
                                               dblocks[d], 0, tokens}));
-                for (const auto& run : plan.runs) {
-                    if (std::memcmp(got.data() + run.dst_offset, src.data() + run.src_offset,
-                                    run.length) != 0) {
-                        return internal_error(fmt::format(
-                            "bench transfer {}: decode rank {} holds wrong KV bytes in the run of "
-                            "{} bytes at offset {} (from prefill rank {})",
-                            id, d, run.length, run.dst_offset, p));
+                // Run offsets are inside the regions the plan's groups name.
+                const uint64_t srb = prefill_[p]->self.layout.region_bytes();
+                const uint64_t drb = decode_[d]->self.layout.region_bytes();
+                for (const RegionRuns& g : plan.groups) {
+                    for (size_t i = g.first; i < g.first + g.count; ++i) {
+                        const ByteRun& run = plan.runs[i];
+                        uint64_t dst = g.dst_region * drb + run.dst_offset;
+                        uint64_t src_at = g.src_region * srb + run.src_offset;
+                        if (std::memcmp(got.data() + dst, src.data() + src_at, run.length) != 0) {
+                            return internal_error(fmt::format(
+                                "bench transfer {}: decode rank {} holds wrong KV bytes in the run "
+                                "of {} bytes at pool offset {} (from prefill rank {})",
+                                id, d, run.length, dst, p));
+                        }
                     }
                 }
             }
