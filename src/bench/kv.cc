@@ -74,10 +74,12 @@ struct Rank {
     std::vector<uint8_t> mem;
     GpuBuffer gmem;  // the pool, when it lives on a GPU
     std::unique_ptr<MemoryRegion> mr;
+    std::vector<std::unique_ptr<MemoryRegion>> region_mrs;  // a pool of several regions
     std::unique_ptr<BlockPool> blocks;
     std::unique_ptr<KvConnector> conn;
     ~Rank() {
         conn.reset();
+        region_mrs.clear();
         mr.reset();
     }
 };
@@ -111,6 +113,7 @@ class Bench {
             l.block_size = c_.block_size;
             // Room for one request of the largest size, plus slack for scattering.
             l.num_blocks = blocks_for_tokens(max_tokens, c_.block_size) * 5 / 4 + 4;
+            l.regions = prefill ? c_.regions_prefill : c_.regions_decode;
             rank->self = {l, r, tp};
             EngineConfig ec;
             ec.provider = c_.provider;
@@ -150,8 +153,26 @@ class Bench {
             ConnectorCallbacks cb;
             cb.on_recv_done = [this](const TransferResult& t) { done_.add(false, t); };
             cb.on_send_done = [this](const TransferResult& t) { done_.add(true, t); };
+            // A pool of several regions is registered region by region, as an engine with one
+            // tensor per layer (or per layer and K/V) registers it.
+            KvPoolRegions pool = KvPoolRegions::one(rank->mr.get());
+            if (l.regions != RegionSplit::kOne) {
+                rank->mr.reset();
+                pool.regions.clear();
+                uint8_t* base = c_.gpu ? static_cast<uint8_t*>(rank->gmem.data()) : rank->mem.data();
+                for (uint32_t i = 0; i < l.region_count(); ++i) {
+                    uint8_t* at = base + i * l.region_bytes();
+                    int dev = prefill || gpu_device_count() < 2 ? 0 : 1;
+                    FERRY_ASSIGN_OR_RETURN(
+                        auto mr, c_.gpu ? rank->engine->register_memory(at, l.region_bytes(),
+                                                                        MemoryKind::kCuda, dev)
+                                        : rank->engine->register_memory(at, l.region_bytes()));
+                    pool.regions.push_back(mr.get());
+                    rank->region_mrs.push_back(std::move(mr));
+                }
+            }
             FERRY_ASSIGN_OR_RETURN(rank->conn,
-                                   KvConnector::create(rank->engine.get(), rank->mr.get(), cc, cb));
+                                   KvConnector::create(rank->engine.get(), pool, cc, cb));
             return rank;
         };
         for (uint32_t r = 0; r < c_.tp_prefill; ++r) {
@@ -213,13 +234,20 @@ class Bench {
                 FERRY_ASSIGN_OR_RETURN(
                     auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
                                               dblocks[d], 0, tokens}));
-                for (const auto& run : plan.runs) {
-                    if (std::memcmp(got.data() + run.dst_offset, src.data() + run.src_offset,
-                                    run.length) != 0) {
-                        return internal_error(fmt::format(
-                            "bench transfer {}: decode rank {} holds wrong KV bytes in the run of "
-                            "{} bytes at offset {} (from prefill rank {})",
-                            id, d, run.length, run.dst_offset, p));
+                // Run offsets are inside the regions the plan's groups name.
+                const uint64_t srb = prefill_[p]->self.layout.region_bytes();
+                const uint64_t drb = decode_[d]->self.layout.region_bytes();
+                for (const RegionRuns& g : plan.groups) {
+                    for (size_t i = g.first; i < g.first + g.count; ++i) {
+                        const ByteRun& run = plan.runs[i];
+                        uint64_t dst = g.dst_region * drb + run.dst_offset;
+                        uint64_t src_at = g.src_region * srb + run.src_offset;
+                        if (std::memcmp(got.data() + dst, src.data() + src_at, run.length) != 0) {
+                            return internal_error(fmt::format(
+                                "bench transfer {}: decode rank {} holds wrong KV bytes in the run "
+                                "of {} bytes at pool offset {} (from prefill rank {})",
+                                id, d, run.length, dst, p));
+                        }
                     }
                 }
             }
@@ -392,9 +420,10 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
 std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
     std::string s = fmt::format(
         "ferry bench kv: provider {}, {} layers x {} KV heads x {} dim x {} B, block {}, "
-        "TP {}->{}, {} blocks, {} iterations\n",
+        "TP {}->{}, {} blocks, {} iterations, regions {}->{}\n",
         r.provider, c.layers, c.kv_heads, c.head_dim, c.elem_size, c.block_size, c.tp_prefill,
-        c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters);
+        c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters,
+        region_split_name(c.regions_prefill), region_split_name(c.regions_decode));
     s += c.gpu ? fmt::format("GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync, 256 MiB): {:.2f} GB/s\n",
                              r.ceiling_gbps)
                : fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);

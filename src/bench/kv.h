@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ferry/common/status.h"
+#include "ferry/kv/layout.h"
 
 namespace ferry::kv {
 
@@ -26,6 +27,9 @@ struct KvBenchConfig {
     uint32_t block_size = 16;
     uint32_t tp_prefill = 1;
     uint32_t tp_decode = 1;
+    // How each side's pool is registered: one region, one per layer, one per layer and K/V.
+    RegionSplit regions_prefill = RegionSplit::kOne;
+    RegionSplit regions_decode = RegionSplit::kOne;
     std::string provider = "shm";
     int iters = 5;
     // Scattered block ids (a long-running server's pool) instead of consecutive ones.

@@ -22,6 +22,24 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_option("--block-size", c->block_size, "tokens per block")->capture_default_str();
     cmd->add_option("--tp-prefill", c->tp_prefill)->capture_default_str();
     cmd->add_option("--tp-decode", c->tp_decode)->capture_default_str();
+    // One region, one per layer (vLLM) or one per layer and K/V (SGLang), on both sides or
+    // on one.
+    auto split_option = [cmd](const std::string& name, std::vector<kv::RegionSplit*> into,
+                              const std::string& help) {
+        cmd->add_option_function<std::string>(
+               name,
+               [into](const std::string& v) {
+                   auto s = kv::parse_region_split(v);
+                   if (!s.ok()) throw CLI::ValidationError(s.status().message());
+                   for (kv::RegionSplit* p : into) *p = *s;
+               },
+               help)
+            ->check(CLI::IsMember({"one", "per-layer", "per-layer-kv"}));
+    };
+    split_option("--regions", {&c->regions_prefill, &c->regions_decode},
+                 "how both sides register their pools: one | per-layer | per-layer-kv");
+    split_option("--regions-prefill", {&c->regions_prefill}, "the prefill side's split only");
+    split_option("--regions-decode", {&c->regions_decode}, "the decode side's split only");
     cmd->add_option("--provider", c->provider, "shm | tcp | efa | verbs | auto")
         ->capture_default_str();
     cmd->add_option("--iters", c->iters, "timed requests per token count")->capture_default_str();

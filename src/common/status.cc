@@ -16,6 +16,7 @@ std::string_view status_code_name(StatusCode code) {
         case StatusCode::kProvider: return "provider error";
         case StatusCode::kInternal: return "internal error";
         case StatusCode::kPermissionDenied: return "permission denied";
+        case StatusCode::kAlreadyExists: return "already exists";
     }
     return "unknown";
 }
@@ -49,5 +50,6 @@ Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(
 Status permission_denied(std::string m) {
     return {StatusCode::kPermissionDenied, std::move(m)};
 }
+Status already_exists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
 
 }  // namespace ferry

@@ -121,7 +121,50 @@ Status check_compatible(const KvRank& src, const KvRank& dst) {
     return ok_status();
 }
 
+namespace {
+
+// Cuts pool-offset runs where either side's regions end and makes the offsets region-local.
+// Runs that coalesced across a boundary (a layer's V ends where the next layer's K starts)
+// become one run per region; within a region they stay whole.
+void cut_at_regions(TransferPlan& plan, const KvLayout& sl, const KvLayout& dl) {
+    if (plan.runs.empty()) return;
+    if (sl.regions == RegionSplit::kOne && dl.regions == RegionSplit::kOne) {
+        plan.groups = {{0, 0, 0, plan.runs.size()}};
+        return;
+    }
+    const uint64_t srb = sl.region_bytes(), drb = dl.region_bytes();
+    std::vector<ByteRun> out;
+    out.reserve(plan.runs.size() + sl.region_count() + dl.region_count());
+    for (const ByteRun& r : plan.runs) {
+        for (uint64_t done = 0; done < r.length;) {
+            auto s = sl.region_of(r.src_offset + done);
+            auto d = dl.region_of(r.dst_offset + done);
+            uint64_t n = std::min({r.length - done, srb - s.offset, drb - d.offset});
+            if (plan.groups.empty() || plan.groups.back().src_region != s.region ||
+                plan.groups.back().dst_region != d.region) {
+                plan.groups.push_back({s.region, d.region, out.size(), 0});
+            }
+            out.push_back({s.offset, d.offset, n});
+            plan.groups.back().count++;
+            done += n;
+        }
+    }
+    plan.runs = std::move(out);
+}
+
+Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec);
+
+}  // namespace
+
 Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
+    FERRY_ASSIGN_OR_RETURN(TransferPlan plan, plan_pool_offsets(spec));
+    cut_at_regions(plan, spec.src.layout, spec.dst.layout);
+    return plan;
+}
+
+namespace {
+
+Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec) {
     const KvLayout& sl = spec.src.layout;
     const KvLayout& dl = spec.dst.layout;
     FERRY_RETURN_IF_ERROR(check_compatible(spec.src, spec.dst));
@@ -237,4 +280,5 @@ Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
     return plan;
 }
 
+}  // namespace
 }  // namespace ferry::kv

@@ -21,6 +21,23 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 
 }  // namespace
 
+const char* region_split_name(RegionSplit s) {
+    switch (s) {
+        case RegionSplit::kOne: return "one";
+        case RegionSplit::kPerLayer: return "per-layer";
+        case RegionSplit::kPerLayerKv: return "per-layer-kv";
+    }
+    return "unknown";
+}
+
+Result<RegionSplit> parse_region_split(const std::string& name) {
+    for (RegionSplit s : {RegionSplit::kOne, RegionSplit::kPerLayer, RegionSplit::kPerLayerKv}) {
+        if (name == region_split_name(s)) return s;
+    }
+    return invalid_argument(
+        fmt::format("unknown region split '{}': one, per-layer or per-layer-kv", name));
+}
+
 uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) const {
     uint64_t p = static_cast<uint64_t>(part);
     if (placement == KvPlacement::kSeparate) {
@@ -45,8 +62,20 @@ Status KvLayout::validate() const {
         block_size == 0 || num_blocks == 0) {
         return invalid_argument(fmt::format("KV layout has a zero dimension: {}", to_string()));
     }
-    if (static_cast<uint8_t>(placement) > 2 || static_cast<uint8_t>(order) > 1) {
-        return invalid_argument("KV layout has an unknown placement or block order");
+    if (static_cast<uint8_t>(placement) > 2 || static_cast<uint8_t>(order) > 1 ||
+        static_cast<uint8_t>(regions) > 2) {
+        return invalid_argument("KV layout has an unknown placement, block order or region split");
+    }
+    // A region must be one contiguous range of the pool's offsets.
+    if (regions != RegionSplit::kOne && placement == KvPlacement::kBlockMajor) {
+        return invalid_argument(fmt::format(
+            "a block-major pool holds every layer in each block, so it cannot be split into "
+            "regions per layer: {}",
+            to_string()));
+    }
+    if (regions == RegionSplit::kPerLayerKv && placement != KvPlacement::kSeparate) {
+        return invalid_argument(fmt::format(
+            "regions per layer and K/V need K and V apart (placement separate): {}", to_string()));
     }
     // Every factor is below 2^32; check the running product stays below 2^63.
     unsigned __int128 total = static_cast<unsigned __int128>(head_bytes()) * num_kv_heads;
@@ -69,12 +98,14 @@ uint64_t KvLayout::compatibility_hash() const {
 }
 
 std::string KvLayout::to_string() const {
-    return fmt::format("{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}}}",
-                       num_layers, num_kv_heads, head_dim, elem_size, block_size, num_blocks,
-                       placement == KvPlacement::kSeparate ? "separate"
-                       : placement == KvPlacement::kJoint  ? "joint"
-                                                           : "block-major",
-                       order == BlockOrder::kNHD ? "NHD" : "HND");
+    return fmt::format(
+        "{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}{}{}}}", num_layers,
+        num_kv_heads, head_dim, elem_size, block_size, num_blocks,
+        placement == KvPlacement::kSeparate ? "separate"
+        : placement == KvPlacement::kJoint  ? "joint"
+                                            : "block-major",
+        order == BlockOrder::kNHD ? "NHD" : "HND", regions == RegionSplit::kOne ? "" : " regions=",
+        regions == RegionSplit::kOne ? "" : region_split_name(regions));
 }
 
 void KvLayout::encode(ByteWriter& w) const {
@@ -88,6 +119,7 @@ void KvLayout::encode(ByteWriter& w) const {
     w.put(num_blocks);
     w.put(static_cast<uint8_t>(placement));
     w.put(static_cast<uint8_t>(order));
+    w.put(static_cast<uint8_t>(regions));
 }
 
 Result<KvLayout> KvLayout::decode(ByteReader& r) {
@@ -105,7 +137,7 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
                         version, kVersion));
     }
     KvLayout l;
-    uint8_t placement = 0, order = 0;
+    uint8_t placement = 0, order = 0, regions = 0;
     FERRY_RETURN_IF_ERROR(r.get(&l.num_layers, "layout.num_layers"));
     FERRY_RETURN_IF_ERROR(r.get(&l.num_kv_heads, "layout.num_kv_heads"));
     FERRY_RETURN_IF_ERROR(r.get(&l.head_dim, "layout.head_dim"));
@@ -114,6 +146,7 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&l.num_blocks, "layout.num_blocks"));
     FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
     FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
+    FERRY_RETURN_IF_ERROR(r.get(&regions, "layout.regions"));
     if (placement > 2) {
         return protocol_error(
             fmt::format("field 'layout.placement' has unknown value {}", placement));
@@ -122,7 +155,11 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
         return protocol_error(fmt::format("field 'layout.order' has unknown value {}", order));
     }
     l.placement = static_cast<KvPlacement>(placement);
+    if (regions > 2) {
+        return protocol_error(fmt::format("field 'layout.regions' has unknown value {}", regions));
+    }
     l.order = static_cast<BlockOrder>(order);
+    l.regions = static_cast<RegionSplit>(regions);
     Status s = l.validate();
     if (!s.ok()) return protocol_error(fmt::format("field 'layout': {}", s.message()));
     return l;

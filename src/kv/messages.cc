@@ -3,23 +3,37 @@
 #include <fmt/format.h>
 
 #include "ferry/common/bytes.h"
+#include "ferry/kv/pool.h"
 
 namespace ferry::kv {
 namespace {
 
 // The part REGISTER and PULL_PARAMS share: where a rank's KV lives and how it is laid out.
-void encode_location(ByteWriter& w, const EngineAddress& address, const MemoryDescriptor& pool,
-                     const KvLayout& layout, const std::vector<uint32_t>& blocks) {
+void encode_location(ByteWriter& w, const EngineAddress& address,
+                     const std::vector<MemoryDescriptor>& pool, const KvLayout& layout,
+                     const std::vector<uint32_t>& blocks) {
     address.encode(w);
-    pool.encode(w);
+    w.put(static_cast<uint32_t>(pool.size()));
+    for (const MemoryDescriptor& d : pool) d.encode(w);
     layout.encode(w);
     w.put_vector(blocks);
 }
 
 Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* address,
-                       MemoryDescriptor* pool, KvLayout* layout, std::vector<uint32_t>* blocks) {
+                       std::vector<MemoryDescriptor>* pool, KvLayout* layout,
+                       std::vector<uint32_t>* blocks) {
     FERRY_ASSIGN_OR_RETURN(*address, EngineAddress::decode(r));
-    FERRY_ASSIGN_OR_RETURN(*pool, MemoryDescriptor::decode(r));
+    uint32_t regions = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&regions, "pool.count"));
+    if (regions == 0 || regions > kMaxPoolRegions) {
+        return protocol_error(
+            fmt::format("field 'pool.count' = {} is not in [1, {}]", regions, kMaxPoolRegions));
+    }
+    pool->clear();
+    for (uint32_t i = 0; i < regions; ++i) {
+        FERRY_ASSIGN_OR_RETURN(auto d, MemoryDescriptor::decode(r));
+        pool->push_back(std::move(d));
+    }
     FERRY_ASSIGN_OR_RETURN(*layout, KvLayout::decode(r));
     FERRY_RETURN_IF_ERROR(r.get_vector(blocks, "blocks", kMaxBlocksPerMessage));
     for (size_t i = 0; i < blocks->size(); ++i) {
@@ -36,13 +50,7 @@ Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* addres
                         "tokens",
                         num_tokens, blocks->size(), layout->block_size));
     }
-    if (pool->length < layout->pool_bytes()) {
-        return protocol_error(
-            fmt::format("field 'pool.length' = {} is smaller than the layout's "
-                        "{} bytes",
-                        pool->length, layout->pool_bytes()));
-    }
-    return ok_status();
+    return check_pool_descriptors(*pool, *layout);
 }
 
 Status check_rank(uint32_t rank, uint32_t tp, const char* rank_field, const char* tp_field) {
@@ -194,7 +202,7 @@ Status decode_body(ByteReader& r, FailMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
     FERRY_RETURN_IF_ERROR(r.get(&m->sender_rank, "sender_rank"));
     FERRY_RETURN_IF_ERROR(r.get(&code, "code"));
-    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kPermissionDenied)) {
+    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kAlreadyExists)) {
         return protocol_error(fmt::format("field 'code' = {} is not an error code", code));
     }
     m->code = static_cast<StatusCode>(code);

@@ -336,7 +336,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
         p->conn, kv::KvConnector::create(p->engine.get(), p->mr.get(), cc, std::move(cb)));
     kv::HandshakeInfo info;
     info.address = p->engine->address();
-    info.pool = p->mr->descriptor();
+    info.pool = {p->mr->descriptor()};
     info.layout = p->layout;
     if (config.secret.empty()) return invalid_argument("the KV link needs the deployment secret");
     kv::HandshakeServerOptions so;

@@ -52,10 +52,11 @@ HandshakeInfo fake_info() {
     h.address.signal.length = 64;
     h.address.signal.rail_keys = {1};
     h.layout = testing::test_layout(2, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 8);
-    h.pool.engine_id = 0x42;
-    h.pool.base = 0x1000;
-    h.pool.length = h.layout.pool_bytes();
-    h.pool.rail_keys = {7};
+    h.pool.resize(1);
+    h.pool[0].engine_id = 0x42;
+    h.pool[0].base = 0x1000;
+    h.pool[0].length = h.layout.pool_bytes();
+    h.pool[0].rail_keys = {7};
     h.tp_rank = 1;
     h.tp_size = 2;
     return h;
@@ -157,7 +158,7 @@ TEST_P(HandshakePushTest, PushWithAddressesFromTheSideChannel) {
             std::unique_ptr<HandshakeServer> server;
             ByteWriter w;
             if (ex.rank() == 0) {
-                HandshakeInfo info{0, n.engine->address(), n.mr->descriptor(), self.layout, 0, 1};
+                HandshakeInfo info{0, n.engine->address(), {n.mr->descriptor()}, self.layout, 0, 1};
                 CHILD_ASSIGN_OK(server, HandshakeServer::start("127.0.0.1", 0, info, options()));
                 w.put<uint16_t>(server->port());
             }
@@ -204,7 +205,7 @@ namespace {
 HandshakeInfo marked_info() {
     HandshakeInfo h = fake_info();
     h.address.host_id = "secret-engine-host";
-    h.pool.base = 0x1234567890abcdefull;
+    h.pool[0].base = 0x1234567890abcdefull;
     return h;
 }
 
@@ -217,7 +218,7 @@ void expect_nothing_revealed(const std::vector<uint8_t>& got, const HandshakeInf
     std::string host = info.address.host_id;
     EXPECT_FALSE(contains(got, {reinterpret_cast<const uint8_t*>(host.data()), host.size()}))
         << "engine address revealed";
-    uint64_t base = info.pool.base;
+    uint64_t base = info.pool[0].base;
     EXPECT_FALSE(contains(got, {reinterpret_cast<const uint8_t*>(&base), 8}))
         << "pool descriptor revealed";
     uint64_t hash = info.layout.compatibility_hash();

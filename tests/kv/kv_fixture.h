@@ -49,6 +49,11 @@ struct KvNode {
     std::unique_ptr<TransferEngine> engine;
     std::vector<uint8_t> mem;
     std::unique_ptr<MemoryRegion> mr;
+    // A pool of several regions (layout.regions not kOne): region i registered on its own over
+    // mem[i * region_bytes, (i + 1) * region_bytes), so `mem` still reads as the whole pool.
+    // An offset taken in the wrong region lands elsewhere in `mem` or outside the region's
+    // registration, and the byte checks or the engine's bounds checks catch it.
+    std::vector<std::unique_ptr<MemoryRegion>> region_mrs;
     std::unique_ptr<BlockPool> blocks;
     ResultLog results;
     ResultLog scheduled;  // on_scheduled, logged as recv results
@@ -178,7 +183,18 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
             raw->partial_layers[p.transfer_id] =
                 std::max(raw->partial_layers[p.transfer_id], p.partial_layers);
     };
-    FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), n->mr.get(), cc, cb));
+    if (self.layout.regions == RegionSplit::kOne) {
+        FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), n->mr.get(), cc, cb));
+    } else {
+        KvPoolRegions pool;
+        const uint64_t rb = self.layout.region_bytes();
+        for (uint32_t i = 0; i < self.layout.region_count(); ++i) {
+            FERRY_ASSIGN_OR_RETURN(auto r, n->engine->register_memory(n->mem.data() + i * rb, rb));
+            pool.regions.push_back(r.get());
+            n->region_mrs.push_back(std::move(r));
+        }
+        FERRY_ASSIGN_OR_RETURN(n->conn, KvConnector::create(n->engine.get(), pool, cc, cb));
+    }
     FERRY_ASSIGN_OR_RETURN(auto all, ex.allgather(n->engine->address().serialize()));
     for (int r = 0; r < ex.size(); ++r) {
         if (all[r].empty()) return unavailable(fmt::format("rank {} is gone", r));

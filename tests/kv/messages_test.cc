@@ -43,8 +43,8 @@ EngineAddress test_address() {
 
 std::vector<KvMessage> all_messages() {
     KvLayout l = test_layout();
-    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 8, 40, 5000, test_address(), test_pool(l), l, {7, 9, 99}};
-    PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), test_pool(l), l, {4, 5}};
+    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 8, 40, 5000, test_address(), {test_pool(l)}, l, {7, 9, 99}};
+    PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), {test_pool(l)}, l, {4, 5}};
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
@@ -66,9 +66,9 @@ TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
             EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
         }
     };
-    refused(RegisterMsg{1, 1, 0, 1, 0x10, 0, 4, 100, test_address(), test_pool(l), l, {1}},
+    refused(RegisterMsg{1, 1, 0, 1, 0x10, 0, 4, 100, test_address(), {test_pool(l)}, l, {1}},
             "imm_span");
-    refused(RegisterMsg{1, 1, 0, 1, 0xffffffffu, 2, 4, 100, test_address(), test_pool(l), l, {1}},
+    refused(RegisterMsg{1, 1, 0, 1, 0xffffffffu, 2, 4, 100, test_address(), {test_pool(l)}, l, {1}},
             "imm_span");
     refused(SegmentMsg{1, 1, 0, 0, 48, 48, 1, 10}, "end_token");
     refused(SegmentMsg{1, 1, 0, kMaxImmSpan, 0, 16, 1, 10}, "index");
@@ -134,8 +134,8 @@ TEST(KvMessages, MalformedFieldsAreNamed) {
     bad.num_tokens = 49;  // 3 blocks of 16
     expect_error(bad, "num_tokens");
     bad = reg;
-    bad.pool.length -= 1;
-    expect_error(bad, "pool.length");
+    bad.pool[0].length -= 1;
+    expect_error(bad, "pool[0].length");
     bad = reg;
     bad.layout.head_dim = 0;
     expect_error(bad, "layout");

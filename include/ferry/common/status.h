@@ -25,6 +25,8 @@ enum class StatusCode {
     // the caller did not prove it may do this (a missing or wrong authentication tag); after
     // kInternal so that codes already on the wire (FAIL messages) keep their values
     kPermissionDenied,
+    // something with that id is already live (a transfer id another transfer holds)
+    kAlreadyExists,
 };
 
 std::string_view status_code_name(StatusCode code);
@@ -63,6 +65,7 @@ Status protocol_error(std::string message);
 Status provider_error(std::string message);
 Status internal_error(std::string message);
 Status permission_denied(std::string message);
+Status already_exists(std::string message);
 
 template <typename T>
 class [[nodiscard]] Result {

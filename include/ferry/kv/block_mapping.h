@@ -36,9 +36,23 @@ Result<std::vector<uint32_t>> consumers_for_producer(uint32_t total_heads, uint3
 // consumer pool.
 using ByteRun = WriteRun;  // what TransferEngine::write_runs takes
 
+// Runs [first, first + count) of a plan go from region src_region of the producer's pool to
+// region dst_region of the consumer's (KvPoolRegions); one engine operation cannot span two.
+struct RegionRuns {
+    uint32_t src_region = 0;
+    uint32_t dst_region = 0;
+    size_t first = 0;
+    size_t count = 0;
+};
+
 struct TransferPlan {
-    std::vector<ByteRun> runs;  // coalesced: no run continues where the previous one ends
-    uint64_t bytes = 0;         // sum of run lengths
+    // Coalesced: no run continues where the previous one ends. Offsets are inside the regions
+    // `groups` names (for one-region pools: pool offsets). No run crosses a region boundary.
+    std::vector<ByteRun> runs;
+    uint64_t bytes = 0;  // sum of run lengths
+    // Consecutive runs of one (src region, dst region) pair, in run order; one group when
+    // both pools are one region.
+    std::vector<RegionRuns> groups;
 
     // Descriptors (writes before any splitting by the engine) this transfer costs.
     size_t descriptor_count() const { return runs.size(); }

@@ -30,6 +30,7 @@
 #include "ferry/kv/block_mapping.h"
 #include "ferry/kv/kv_frontier.h"
 #include "ferry/kv/messages.h"
+#include "ferry/kv/pool.h"
 
 namespace ferry::kv {
 
@@ -123,6 +124,14 @@ class KvConnector {
     // long. Both must outlive the connector.
     static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
                                                        const MemoryRegion* pool,
+                                                       const ConnectorConfig& config,
+                                                       ConnectorCallbacks callbacks);
+    // A pool of several regions (one per layer, or per layer and K/V; config.self.layout's
+    // `regions` says which), each registered with `engine`. A region that does not match the
+    // layout (count, size) is refused with an error naming it. Peers may split their pools
+    // differently.
+    static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
+                                                       KvPoolRegions pool,
                                                        const ConnectorConfig& config,
                                                        ConnectorCallbacks callbacks);
     // Cancels what is still running, waits (bounded by the engine's op_timeout) for posted

@@ -33,11 +33,12 @@ namespace ferry::kv {
 
 struct HandshakeInfo {
     // 2: mutual challenge-response under the deployment secret before the answer.
-    static constexpr uint16_t kVersion = 2;
+    // 3: the pool as one descriptor per region.
+    static constexpr uint16_t kVersion = 3;
 
     uint64_t epoch = 0;  // changes whenever the serving process (re)starts its server
     EngineAddress address;
-    MemoryDescriptor pool;
+    std::vector<MemoryDescriptor> pool;  // one per region, in layout order (KvPoolRegions)
     KvLayout layout;
     uint32_t tp_rank = 0;
     uint32_t tp_size = 1;

@@ -36,8 +36,22 @@ enum class BlockOrder : uint8_t {
 
 enum class KvPart : uint8_t { kK = 0, kV = 1 };
 
+// How the pool is cut into registered regions (KvPoolRegions, pool.h). Offsets stay those of
+// the whole pool; region i holds [i * region_bytes(), (i + 1) * region_bytes()) of them, so a
+// region's strides (per K/V, block, token) are the layout's.
+enum class RegionSplit : uint8_t {
+    kOne = 0,         // one region for the whole pool
+    kPerLayer = 1,    // one per layer (vLLM's per-layer tensors); not with kBlockMajor
+    kPerLayerKv = 2,  // one per (layer, K/V) (SGLang's K and V buffers); kSeparate only
+};
+
+// "one", "per-layer", "per-layer-kv" (the CLI's spelling).
+const char* region_split_name(RegionSplit s);
+Result<RegionSplit> parse_region_split(const std::string& name);
+
 struct KvLayout {
-    static constexpr uint16_t kVersion = 1;
+    // 2: the region split.
+    static constexpr uint16_t kVersion = 2;
 
     uint32_t num_layers = 0;
     uint32_t num_kv_heads = 0;  // KV heads held by this rank (global heads / TP size)
@@ -47,6 +61,7 @@ struct KvLayout {
     uint32_t num_blocks = 0;
     KvPlacement placement = KvPlacement::kSeparate;
     BlockOrder order = BlockOrder::kNHD;
+    RegionSplit regions = RegionSplit::kOne;
 
     // Bytes of one head's vector for one token.
     uint64_t head_bytes() const { return uint64_t{head_dim} * elem_size; }
@@ -61,13 +76,32 @@ struct KvLayout {
     // Bytes of the whole pool: what is registered with the TransferEngine.
     uint64_t pool_bytes() const { return layer_bytes() * num_layers; }
 
+    uint32_t region_count() const {
+        return regions == RegionSplit::kOne        ? 1
+               : regions == RegionSplit::kPerLayer ? num_layers
+                                                   : 2 * num_layers;
+    }
+    // Bytes of each region (all regions of a pool are the same size).
+    uint64_t region_bytes() const { return pool_bytes() / region_count(); }
+    // Which region holds pool offset `offset`, and where in it.
+    struct RegionOffset {
+        uint32_t region = 0;
+        uint64_t offset = 0;
+    };
+    RegionOffset region_of(uint64_t offset) const {
+        if (regions == RegionSplit::kOne) return {0, offset};
+        uint64_t rb = region_bytes();
+        return {static_cast<uint32_t>(offset / rb), offset % rb};
+    }
+
     // Byte offset of the start of a (layer, part, block) slab.
     uint64_t slab_offset(uint32_t layer, KvPart part, uint32_t block) const;
     // Byte offset of element (token slot in block, local head, dim 0) of a slab.
     uint64_t offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot,
                     uint32_t head) const;
 
-    // Rejects zero sizes, unknown enums and pools whose size overflows 64 bits.
+    // Rejects zero sizes, unknown enums, pools whose size overflows 64 bits and region splits
+    // the placement does not keep contiguous.
     Status validate() const;
 
     // Hash of everything two sides must agree on for element-wise compatibility: head dim

@@ -20,7 +20,10 @@ namespace ferry::kv {
 inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 2: chunked push (INTENT, SCHEDULED, SEGMENT; imm_span in REGISTER, segments in FINAL).
 // 4: a pull offer's capability in PULL_PARAMS and DONE.
-inline constexpr uint16_t kKvProtocolVersion = 4;
+// 5: a pool of several regions (one descriptor per region) in REGISTER and PULL_PARAMS.
+inline constexpr uint16_t kKvProtocolVersion = 5;
+// Most regions a pool may have: one per (layer, K/V) of 1024 layers.
+inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
 inline constexpr size_t kMaxBlocksPerMessage = 1u << 20;
 inline constexpr size_t kMaxReasonLength = 1024;
@@ -59,7 +62,7 @@ struct RegisterMsg {
     uint32_t num_tokens = 0;
     uint32_t lease_ms = 0;  // prefill gives up waiting for its own completion after this
     EngineAddress decode_address;
-    MemoryDescriptor pool;
+    std::vector<MemoryDescriptor> pool;  // one per region, in layout order (KvPoolRegions)
     KvLayout layout;
     std::vector<uint32_t> blocks;
 };
@@ -129,7 +132,7 @@ struct PullParamsMsg {
     uint32_t num_tokens = 0;
     uint32_t lease_ms = 0;  // prefill frees the blocks after this even without DONE
     EngineAddress prefill_address;
-    MemoryDescriptor pool;
+    std::vector<MemoryDescriptor> pool;  // one per region, in layout order (KvPoolRegions)
     KvLayout layout;
     std::vector<uint32_t> blocks;
     PullCapability capability{};  // what DONE must carry (see PullCapability)

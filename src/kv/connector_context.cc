@@ -1,0 +1,125 @@
+#include "connector_context.h"
+
+#include <fmt/format.h>
+
+#include "ferry/common/log.h"
+
+namespace ferry::kv::detail {
+
+bool Inbox::post(Task t) {
+    {
+        std::lock_guard lk(mu_);
+        if (closed_) return false;
+        tasks_.push_back(std::move(t));
+    }
+    cv_.notify_one();
+    return true;
+}
+
+std::deque<Inbox::Task> Inbox::take(TimePoint until) {
+    std::unique_lock lk(mu_);
+    cv_.wait_until(lk, until, [&] { return !tasks_.empty() || closed_; });
+    return std::exchange(tasks_, {});
+}
+
+void Inbox::close() {
+    std::lock_guard lk(mu_);
+    closed_ = true;
+    tasks_.clear();
+}
+
+void Flight::done(const Status& s) {
+    if (!s.ok()) {
+        std::lock_guard lk(mu);
+        if (error.ok()) error = s;
+    }
+    if (outstanding.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        Status e;
+        {
+            std::lock_guard lk(mu);
+            e = error;
+        }
+        on_drained(std::move(e));
+    }
+}
+
+ConnectorStats Counters::snapshot() const {
+    ConnectorStats s;
+    s.messages_received = messages_received.load();
+    s.messages_malformed = messages_malformed.load();
+    s.messages_stale = messages_stale.load();
+    s.leases_expired = leases_expired.load();
+    s.transfers_sent = transfers_sent.load();
+    s.transfers_received = transfers_received.load();
+    s.transfers_failed = transfers_failed.load();
+    s.ops_posted = ops_posted.load();
+    s.bytes_posted = bytes_posted.load();
+    s.active_send = active_send.load();
+    s.active_recv = active_recv.load();
+    return s;
+}
+
+Status ConnectorContext::post(Inbox::Task t) {
+    if (!inbox->post(std::move(t))) return cancelled("the KV connector is shut down");
+    return ok_status();
+}
+
+void ConnectorContext::send(PeerId peer, const KvMessage& msg) {
+    auto bytes = encode_message(msg);
+    const char* name = message_name(msg);
+    engine->send_message(peer, bytes, [name, peer](const Status& s) {
+        if (!s.ok()) {
+            log(LogLevel::kWarn, kLog, "sending {} to peer {} failed: {}", name, peer,
+                s.to_string());
+        }
+    });
+}
+
+std::shared_ptr<Flight> ConnectorContext::new_flight(std::function<void(const Status&)> drained) {
+    flights_open.fetch_add(1);
+    std::weak_ptr<Inbox> weak = inbox;
+    return std::make_shared<Flight>([weak, d = std::move(drained), this](const Status& s) {
+        auto in = weak.lock();
+        if (!in) return;
+        in->post([this, d, s] {
+            flights_open.fetch_sub(1);
+            d(s);
+        });
+    });
+}
+
+void ConnectorContext::stale(std::string_view what) {
+    counters.messages_stale.fetch_add(1);
+    log(LogLevel::kDebug, kLog, "dropped a stale KV message: {}", what);
+}
+
+void ConnectorContext::send_done(const TransferResult& r) {
+    if (cb.on_send_done) cb.on_send_done(r);
+}
+
+void ConnectorContext::recv_done(const TransferResult& r) {
+    if (cb.on_recv_done) cb.on_recv_done(r);
+}
+
+Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
+                    uint32_t num_tokens) {
+    if (num_tokens == 0) return invalid_argument("a KV transfer needs at least one token");
+    uint32_t need = blocks_for_tokens(num_tokens, layout.block_size);
+    if (blocks.size() < need) {
+        return invalid_argument(fmt::format("{} tokens need {} blocks of {}, {} given", num_tokens,
+                                            need, layout.block_size, blocks.size()));
+    }
+    for (uint32_t b : blocks) {
+        if (b >= layout.num_blocks) {
+            return out_of_range(
+                fmt::format("block id {} is outside the pool of {} blocks", b, layout.num_blocks));
+        }
+    }
+    return ok_status();
+}
+
+uint32_t to_ms_u32(Duration d) {
+    return static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count());
+}
+
+}  // namespace ferry::kv::detail

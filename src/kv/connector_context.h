@@ -1,0 +1,105 @@
+// What the connector's roles share (private to src/kv): the engine, the pool, the config and
+// callbacks, the inbox into the connector thread and the counters. The connector owns one;
+// every role holds a reference. Nothing here is a transfer's state: that belongs to the role
+// that runs the transfer (PushSender, PushReceiver, PullServer, Puller).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
+#include "ferry/kv/connector.h"
+#include "ferry/kv/pool.h"
+#include "transfer_ids.h"
+
+namespace ferry::kv::detail {
+
+inline constexpr const char* kLog = "kv";
+
+// Hand-off queue into the connector thread. Engine callbacks hold it through a shared_ptr, so
+// a completion that arrives after the connector is gone is dropped instead of touching freed
+// state.
+class Inbox {
+   public:
+    using Task = std::function<void()>;
+
+    bool post(Task t);
+    std::deque<Task> take(TimePoint until);
+    void close();
+
+   private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Task> tasks_;
+    bool closed_ = false;
+};
+
+// The operations of one job in flight: each completion decrements, the last one posts a
+// single task to the connector thread (one task per job, not per write).
+struct Flight : std::enable_shared_from_this<Flight> {
+    explicit Flight(std::function<void(const Status&)> drained) : on_drained(std::move(drained)) {}
+
+    void add() { outstanding.fetch_add(1, std::memory_order_relaxed); }
+    void done(const Status& s);
+
+    std::atomic<uint32_t> outstanding{1};  // the poster holds one until everything is posted
+    std::mutex mu;
+    Status error;
+    std::function<void(const Status&)> on_drained;
+};
+
+// Read from any thread by stats(); written by the roles.
+struct Counters {
+    std::atomic<uint64_t> messages_received{0}, messages_malformed{0}, messages_stale{0};
+    std::atomic<uint64_t> leases_expired{0}, transfers_sent{0}, transfers_received{0};
+    std::atomic<uint64_t> transfers_failed{0}, ops_posted{0}, bytes_posted{0};
+    std::atomic<uint64_t> active_send{0}, active_recv{0};
+
+    ConnectorStats snapshot() const;
+};
+
+class ConnectorContext {
+   public:
+    ConnectorContext(TransferEngine* engine, KvPoolRegions pool, const ConnectorConfig& config,
+                     ConnectorCallbacks callbacks)
+        : engine(engine),
+          pool(std::move(pool)),
+          pool_descriptors(this->pool.descriptors()),
+          cfg(config),
+          cb(std::move(callbacks)),
+          inbox(std::make_shared<Inbox>()) {}
+
+    // Queues a task for the connector thread; fails once the connector is shut down.
+    Status post(Inbox::Task t);
+    // Sends a KV message; a failed send is logged (the peer's lease covers a lost message).
+    void send(PeerId peer, const KvMessage& msg);
+    // Starts a flight whose completion runs `drained` on the connector thread.
+    std::shared_ptr<Flight> new_flight(std::function<void(const Status&)> drained);
+    void stale(std::string_view what);
+
+    // Report a finished side to the engine's callbacks.
+    void send_done(const TransferResult& r);
+    void recv_done(const TransferResult& r);
+
+    TransferEngine* const engine;
+    const KvPoolRegions pool;  // region i holds layout region i
+    const std::vector<MemoryDescriptor> pool_descriptors;
+    const ConnectorConfig cfg;
+    const ConnectorCallbacks cb;
+    const std::shared_ptr<Inbox> inbox;
+    Counters counters;
+    TransferIds ids;  // claimed by the public calls, released where a transfer is reported
+    std::atomic<uint64_t> flights_open{0};
+};
+
+// Checks a block list against the pool before any work is queued.
+Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
+                    uint32_t num_tokens);
+uint32_t to_ms_u32(Duration d);
+
+}  // namespace ferry::kv::detail

@@ -1,0 +1,275 @@
+// HandshakeServer: one poll loop serving every connection within its deadline.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "ferry/common/log.h"
+#include "ferry/common/thread_name.h"
+#include "ferry/kv/handshake.h"
+#include "handshake_wire.h"
+
+namespace ferry::kv {
+
+using namespace handshake_wire;
+
+class HandshakeServer::Impl {
+   public:
+    Impl(Fd listener, uint16_t port, HandshakeInfo info, HandshakeServerOptions opts)
+        : listener_(std::move(listener)),
+          port_(port),
+          info_(std::move(info)),
+          opts_(std::move(opts)) {}
+
+    void start() {
+        thread_ = std::thread([this] {
+            set_thread_name("ferry-handshake");
+            run();
+        });
+    }
+    void stop() {
+        stop_.store(true);
+        if (thread_.joinable()) thread_.join();
+    }
+
+    uint16_t port() const { return port_; }
+    uint64_t epoch() const { return info_.epoch; }
+    uint64_t served() const { return served_.load(); }
+    uint64_t auth_failures() const { return auth_failures_.load(); }
+    uint64_t refused() const { return refused_.load(); }
+
+   private:
+    // One client's exchange, advanced by the poll loop as its bytes come and go.
+    struct Conn {
+        Fd fd;
+        TimePoint deadline;
+        Frame expect = Frame::kHello;
+        std::vector<uint8_t> in;
+        std::vector<uint8_t> out;
+        size_t sent = 0;
+        bool last = false;  // close once `out` is sent
+        Nonce client{}, server{};
+    };
+
+    void run() {
+        std::vector<pollfd> fds;
+        while (!stop_.load()) {
+            fds.clear();
+            fds.push_back({listener_.get(), POLLIN, 0});
+            TimePoint wake = Clock::now() + std::chrono::milliseconds(kPollMs);
+            for (const auto& c : conns_) {
+                short ev = c->sent < c->out.size() ? POLLOUT : POLLIN;
+                fds.push_back({c->fd.get(), ev, 0});
+                wake = std::min(wake, c->deadline);
+            }
+            int rc = ::poll(fds.data(), fds.size(), ms_left(wake));
+            if (rc < 0 && errno != EINTR) {
+                log(LogLevel::kWarn, "kv", "handshake server: poll: {}", strerror(errno));
+                std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
+                continue;
+            }
+            TimePoint now = Clock::now();
+            size_t before = conns_.size();  // accept() below appends; their revents are 0
+            for (size_t i = 0; i < before; ++i) {
+                Conn& c = *conns_[i];
+                short re = rc > 0 ? fds[i + 1].revents : 0;
+                if (re & (POLLERR | POLLNVAL)) c.fd.reset();
+                if (c.fd.get() >= 0 && (re & POLLOUT)) flush(c);
+                if (c.fd.get() >= 0 && (re & (POLLIN | POLLHUP))) receive(c);
+                if (c.fd.get() >= 0 && now >= c.deadline) c.fd.reset();
+            }
+            if (rc > 0 && (fds[0].revents & POLLIN)) accept_all(now);
+            std::erase_if(conns_, [](const auto& c) { return c->fd.get() < 0; });
+        }
+        conns_.clear();
+    }
+
+    void accept_all(TimePoint now) {
+        while (true) {
+            Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+            if (fd.get() < 0) return;  // EAGAIN: drained (or a transient error: next round)
+            if (conns_.size() >= opts_.max_connections) {
+                refused_.fetch_add(1);  // closed by Fd's destructor, now
+                continue;
+            }
+            auto c = std::make_unique<Conn>();
+            c->fd = std::move(fd);
+            c->deadline = now + opts_.connection_deadline;
+            conns_.push_back(std::move(c));
+        }
+    }
+
+    void receive(Conn& c) {
+        uint8_t buf[512];
+        while (c.fd.get() >= 0 && c.out.size() == c.sent && !c.last) {
+            ssize_t r = ::recv(c.fd.get(), buf, sizeof(buf), 0);
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+            if (r <= 0) return c.fd.reset();  // closed, or reset
+            c.in.insert(c.in.end(), buf, buf + r);
+            while (c.in.size() >= 4 && c.out.size() == c.sent && !c.last) {
+                uint32_t len = 0;
+                std::memcpy(&len, c.in.data(), 4);
+                if (len > kMaxClientFrame) return refuse(c, kAuthFailed);
+                if (c.in.size() < 4 + size_t{len}) break;
+                std::vector<uint8_t> frame(c.in.begin() + 4, c.in.begin() + 4 + len);
+                c.in.erase(c.in.begin(), c.in.begin() + 4 + len);
+                on_frame(c, frame);
+            }
+        }
+    }
+
+    void on_frame(Conn& c, std::span<const uint8_t> frame) {
+        ByteReader r(frame);
+        Status header = check_header(r, kRequestMagic, "handshake request");
+        // Only a version mismatch is worth telling an unauthenticated peer about: it says
+        // nothing about this rank, and saves an operator a puzzle.
+        if (!header.ok())
+            return refuse(c, header.message().find("'version'") != std::string::npos
+                                 ? header.message()
+                                 : std::string(kAuthFailed));
+        uint8_t type = 0;
+        if (!r.get(&type, "type").ok() || type != uint8_t(c.expect)) return refuse(c, kAuthFailed);
+        if (c.expect == Frame::kHello) {
+            if (!r.get(&c.client, "nonce").ok() || r.remaining()) return refuse(c, kAuthFailed);
+            if (!random_bytes(c.server).ok()) return c.fd.reset();
+            ByteWriter w;
+            w.put(kReplyMagic);
+            w.put(HandshakeInfo::kVersion);
+            w.put(uint8_t(Frame::kChallenge));
+            w.put(c.server);
+            w.put(proof(opts_.secret, kServerLabel, c.client, c.server));
+            c.expect = Frame::kAuth;
+            return queue(c, w.take(), false);
+        }
+        Digest theirs{};
+        uint64_t hash = 0;
+        if (!r.get(&theirs, "proof").ok() || !r.get(&hash, "compat_hash").ok() || r.remaining())
+            return refuse(c, kAuthFailed);
+        Digest want = proof(opts_.secret, kClientLabel, c.client, c.server);
+        if (!constant_time_equal(theirs, want)) return refuse(c, kAuthFailed);
+        ByteWriter w;
+        w.put(kReplyMagic);
+        w.put(HandshakeInfo::kVersion);
+        w.put(uint8_t(Frame::kAnswer));
+        if (hash != info_.layout.compatibility_hash()) {
+            w.put<uint8_t>(0);
+            w.put_string(
+                fmt::format("incompatible KV layout: this rank holds {} (hash {:#x}), "
+                            "the caller expects hash {:#x}",
+                            info_.layout.to_string(), info_.layout.compatibility_hash(), hash));
+        } else {
+            w.put<uint8_t>(1);
+            w.put_bytes(info_.serialize());
+        }
+        w.put(proof(opts_.secret, kAnswerLabel, c.client, c.server, w.bytes()));
+        // Counted before the answer leaves, so a caller that got it sees the count.
+        served_.fetch_add(1);
+        queue(c, w.take(), true);
+    }
+
+    // One short frame that reveals nothing, then a close.
+    void refuse(Conn& c, const std::string& why) {
+        auth_failures_.fetch_add(1);
+        ByteWriter w;
+        w.put(kReplyMagic);
+        w.put(HandshakeInfo::kVersion);
+        w.put(uint8_t(Frame::kRefused));
+        w.put_string(why);
+        queue(c, w.take(), true);
+    }
+
+    void queue(Conn& c, std::vector<uint8_t> payload, bool last) {
+        uint32_t len = uint32_t(payload.size());
+        c.out.assign(reinterpret_cast<uint8_t*>(&len), reinterpret_cast<uint8_t*>(&len) + 4);
+        c.out.insert(c.out.end(), payload.begin(), payload.end());
+        c.sent = 0;
+        c.last = last;
+        flush(c);
+    }
+
+    void flush(Conn& c) {
+        while (c.sent < c.out.size()) {
+            ssize_t w =
+                ::send(c.fd.get(), c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
+            if (w < 0 && errno == EINTR) continue;
+            if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+            if (w <= 0) return c.fd.reset();
+            c.sent += size_t(w);
+        }
+        c.out.clear();
+        c.sent = 0;
+        if (c.last) c.fd.reset();
+    }
+
+    Fd listener_;
+    uint16_t port_;
+    HandshakeInfo info_;
+    HandshakeServerOptions opts_;
+    std::vector<std::unique_ptr<Conn>> conns_;  // the loop thread's only
+    std::thread thread_;
+    std::atomic<bool> stop_{false};
+    std::atomic<uint64_t> served_{0}, auth_failures_{0}, refused_{0};
+};
+
+Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::string& host,
+                                                                uint16_t port, HandshakeInfo info,
+                                                                HandshakeServerOptions options) {
+    if (options.secret.empty())
+        return invalid_argument("handshake server: no deployment secret given");
+    if (options.max_connections == 0)
+        return invalid_argument("handshake server: max_connections must be at least 1");
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* res = nullptr;
+    std::string service = std::to_string(port);
+    int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
+    if (rc != 0) {
+        return invalid_argument(
+            fmt::format("handshake server: cannot resolve '{}': {}", host, gai_strerror(rc)));
+    }
+    Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                   res->ai_protocol));
+    int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    // The backlog holds connections between two poll rounds; the cap is enforced on accept.
+    bool bound = fd.get() >= 0 && ::bind(fd.get(), res->ai_addr, res->ai_addrlen) == 0 &&
+                 ::listen(fd.get(), 1024) == 0;
+    ::freeaddrinfo(res);
+    if (!bound) {
+        return unavailable(fmt::format("handshake server: cannot listen on {}:{}: {}", host, port,
+                                       strerror(errno)));
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+    uint16_t actual = ss.ss_family == AF_INET6
+                          ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                          : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    std::random_device rd;
+    info.epoch = (uint64_t{rd()} << 32 | rd()) | 1;  // never 0: 0 means "unknown"
+    auto impl = std::make_unique<Impl>(std::move(fd), actual, std::move(info), std::move(options));
+    impl->start();
+    return std::unique_ptr<HandshakeServer>(new HandshakeServer(std::move(impl)));
+}
+
+HandshakeServer::HandshakeServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HandshakeServer::~HandshakeServer() { impl_->stop(); }
+uint16_t HandshakeServer::port() const { return impl_->port(); }
+uint64_t HandshakeServer::epoch() const { return impl_->epoch(); }
+uint64_t HandshakeServer::requests_served() const { return impl_->served(); }
+uint64_t HandshakeServer::auth_failures() const { return impl_->auth_failures(); }
+uint64_t HandshakeServer::refused_over_cap() const { return impl_->refused(); }
+
+}  // namespace ferry::kv

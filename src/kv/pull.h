@@ -1,0 +1,70 @@
+// Pull: PullServer holds what prefill offered until every reader sent DONE (or the lease
+// passed); Puller plans and posts decode's reads and sends the DONEs (private to src/kv).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "connector_context.h"
+
+namespace ferry::kv::detail {
+
+// Prefill side. Runs on the connector thread; owns `offers_`.
+class PullServer {
+   public:
+    explicit PullServer(ConnectorContext& ctx) : ctx_(ctx) {}
+
+    void offer(uint64_t id, const PullCapability& capability);
+    void on_done(const DoneMsg& m);
+    // abort_send of an offered transfer: the offer is withdrawn at once. False: not offered.
+    bool withdraw(uint64_t id, const Status& reason);
+
+    void expire(TimePoint now);
+    void report_shut_down(const Status& why);
+
+   private:
+    struct Offer {
+        TimePoint deadline;
+        PullCapability capability{};  // a DONE without it is ignored
+        std::vector<uint32_t> done_ranks;
+        bool all_ok = true;
+        ArrivalsExpected awake;  // decode's reads need this side's polling to progress
+    };
+
+    ConnectorContext& ctx_;
+    std::map<uint64_t, Offer> offers_;
+};
+
+// Decode side. A pull's state is its job, held by the job's flight, so the reads can be
+// planned and posted on any thread (the caller's, in PullMode::kInline); the result and the
+// DONEs come on the connector thread.
+class Puller {
+   public:
+    struct Job {
+        uint64_t id = 0;
+        std::vector<PullParamsMsg> params;
+        std::vector<uint32_t> blocks;
+        uint32_t tokens = 0;
+        struct Source {
+            PeerId peer = 0;
+            size_t param = 0;
+        };
+        std::vector<Source> sources;
+        uint32_t reads = 0;
+        uint64_t bytes = 0;
+    };
+
+    explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
+
+    // Touches no connector state, only the job, the engine and atomics.
+    void start(const std::shared_ptr<Job>& job);
+
+   private:
+    void finish(const std::shared_ptr<Job>& job, const Status& s);
+
+    ConnectorContext& ctx_;
+};
+
+}  // namespace ferry::kv::detail

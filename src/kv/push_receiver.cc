@@ -1,0 +1,391 @@
+// PushReceiver: see push_receiver.h. Decode's half of the push protocol in docs/PROTOCOL.md.
+#include "push_receiver.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "ferry/common/log.h"
+
+namespace ferry::kv::detail {
+
+void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
+    auto report_now = [&](const Status& s) {
+        ctx_.ids.release(id, attempt, TransferIds::Kind::kAnnounced);
+        if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({id, attempt, s, 0, 0});
+    };
+    ConsumerKey key{id, attempt};
+    if (announces_.count(key)) {
+        // Refused by the id check before it was queued; the claim is the live one's.
+        if (ctx_.cb.on_scheduled) {
+            ctx_.cb.on_scheduled(
+                {id, attempt,
+                 already_exists(
+                     fmt::format("transfer {:x} attempt {} is already announced", id, attempt)),
+                 0, 0});
+        }
+        return;
+    }
+    auto producers =
+        producers_for_consumer(ctx_.cfg.self.total_heads(), static_cast<uint32_t>(ranks.size()),
+                               ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
+    if (!producers.ok()) return report_now(producers.status());
+    Announce a;
+    for (uint32_t rank : *producers) {
+        auto peer = ctx_.engine->connect(ranks[rank]);
+        if (!peer.ok()) {
+            return report_now(
+                peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
+        }
+        a.ranks.emplace_back(rank, *peer);
+    }
+    a.deadline = Clock::now() + ctx_.cfg.lease;
+    for (const auto& [rank, peer] : a.ranks) {
+        ctx_.send(peer, IntentMsg{id, attempt, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size,
+                                  ctx_.engine->address()});
+    }
+    announces_.emplace(key, std::move(a));
+}
+
+void PushReceiver::on_scheduled(const ScheduledMsg& m) {
+    auto it = announces_.find({m.transfer_id, m.attempt});
+    if (it == announces_.end()) return ctx_.stale("SCHEDULED for an unknown announcement");
+    Announce& a = it->second;
+    if (std::find(a.scheduled.begin(), a.scheduled.end(), m.producer_rank) == a.scheduled.end()) {
+        a.scheduled.push_back(m.producer_rank);
+    }
+    if (a.scheduled.size() < a.ranks.size()) return;
+    announces_.erase(it);
+    ctx_.ids.release(m.transfer_id, m.attempt, TransferIds::Kind::kAnnounced);
+    if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({m.transfer_id, m.attempt, ok_status(), 0, 0});
+}
+
+// Ends an announcement that holds no blocks: prefill is told so it does not wait for a
+// registration that will not come.
+void PushReceiver::end_announce(AnnounceIt it, const Status& why, bool tell_prefill) {
+    ConsumerKey key = it->first;
+    if (tell_prefill) {
+        for (const auto& [rank, peer] : it->second.ranks) {
+            ctx_.send(peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank});
+        }
+    }
+    announces_.erase(it);
+    ctx_.ids.release(key.first, key.second, TransferIds::Kind::kAnnounced);
+    if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({key.first, key.second, why, 0, 0});
+}
+
+void PushReceiver::register_push(PushRegistration reg) {
+    auto report_now = [&](const Status& s) {
+        ctx_.counters.transfers_failed.fetch_add(1);
+        ctx_.ids.release(reg.transfer_id, reg.attempt, TransferIds::Kind::kRegistered);
+        ctx_.recv_done({reg.transfer_id, reg.attempt, s, 0, 0});
+    };
+    for (auto& [key, c] : consumers_) {
+        if (key.first != reg.transfer_id) continue;
+        if (key.second >= reg.attempt) {
+            // Refused by the id check before it was queued; the claim is the live one's.
+            ctx_.counters.transfers_failed.fetch_add(1);
+            return ctx_.recv_done(
+                {reg.transfer_id, reg.attempt,
+                 already_exists(fmt::format(
+                     "transfer {:x}: attempt {} is not newer than the registered attempt {}",
+                     reg.transfer_id, reg.attempt, key.second)),
+                 0, 0});
+        }
+        if (!c.cancelling) cancel_consumer(key, c);
+    }
+    uint32_t prefill_tp = static_cast<uint32_t>(reg.prefill_ranks.size());
+    auto producers = producers_for_consumer(ctx_.cfg.self.total_heads(), prefill_tp,
+                                            ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
+    if (!producers.ok()) return report_now(producers.status());
+    uint32_t span = std::max<uint32_t>(1, std::min(ctx_.cfg.imm_span, ctx_.cfg.imm_count));
+    Consumer c;
+    for (uint32_t rank : *producers) {
+        auto peer = ctx_.engine->connect(reg.prefill_ranks[rank]);
+        if (!peer.ok()) {
+            return report_now(
+                peer.status().with_context(fmt::format("connecting to prefill rank {}", rank)));
+        }
+        Slot s;
+        s.rank = rank;
+        s.peer = *peer;
+        // A fresh span of immediates per (transfer, attempt, producer rank).
+        s.imm = ctx_.cfg.imm_base + (next_imm_++ % (ctx_.cfg.imm_count / span)) * span;
+        c.slots.push_back(s);
+    }
+    c.deadline = Clock::now() + ctx_.cfg.lease;
+    c.awake = ArrivalsExpected(ctx_.engine);
+    for (const Slot& s : c.slots) {
+        RegisterMsg m;
+        m.transfer_id = reg.transfer_id;
+        m.attempt = reg.attempt;
+        m.decode_rank = ctx_.cfg.self.tp_rank;
+        m.decode_tp = ctx_.cfg.self.tp_size;
+        m.imm = s.imm;
+        m.imm_span = span;
+        m.num_tokens = reg.num_tokens;
+        m.lease_ms = to_ms_u32(ctx_.cfg.lease);
+        m.decode_address = ctx_.engine->address();
+        m.pool = ctx_.pool_descriptors;
+        m.layout = ctx_.cfg.self.layout;
+        m.blocks = reg.blocks;
+        ctx_.send(s.peer, m);
+    }
+    ctx_.counters.active_recv.fetch_add(1);
+    consumers_.emplace(ConsumerKey{reg.transfer_id, reg.attempt}, std::move(c));
+}
+
+void PushReceiver::cancel_consumer(const ConsumerKey& key, Consumer& c) {
+    c.cancelling = true;
+    for (const Slot& s : c.slots) {
+        // Complete slots need no ack: their FINAL already said every write landed.
+        if (resolved(s.state)) continue;
+        ctx_.send(s.peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank});
+    }
+}
+
+void PushReceiver::cancel(uint64_t id) {
+    for (auto it = announces_.begin(); it != announces_.end(); ++it) {
+        if (it->first.first == id) {
+            return end_announce(it,
+                                cancelled(fmt::format("transfer {:x} was cancelled "
+                                                      "before prefill scheduled it",
+                                                      id)),
+                                true);
+        }
+    }
+    for (auto it = consumers_.begin(); it != consumers_.end(); ++it) {
+        if (it->first.first == id && !it->second.cancelling) {
+            cancel_consumer(it->first, it->second);
+            check_consumer(it);
+            return;
+        }
+    }
+    log(LogLevel::kDebug, kLog, "cancel: transfer {:x} is not registered here", id);
+}
+
+PushReceiver::Slot* PushReceiver::find_slot(const ConsumerKey& key, uint32_t producer_rank,
+                                            ConsumerIt* out) {
+    auto it = consumers_.find(key);
+    if (it == consumers_.end()) return nullptr;
+    for (Slot& s : it->second.slots) {
+        if (s.rank == producer_rank) {
+            *out = it;
+            return &s;
+        }
+    }
+    return nullptr;
+}
+
+void PushReceiver::on_segment(const SegmentMsg& m) {
+    ConsumerIt it;
+    Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+    if (!s || resolved(s->state)) return ctx_.stale("SEGMENT for an unknown or finished transfer");
+    // Nothing to count for a transfer being cancelled: FINAL or CANCEL_ACK ends it.
+    if (it->second.cancelling) return;
+    uint32_t span = std::max<uint32_t>(1, std::min(ctx_.cfg.imm_span, ctx_.cfg.imm_count));
+    if (m.index >= span) {
+        return fail_slot(
+            it, *s,
+            protocol_error(fmt::format("prefill rank {} sent segment {} beyond the span of {}",
+                                       m.producer_rank, m.index, span)));
+    }
+    if (m.writes == 0) return on_segment_counted(it->first, m.producer_rank, m, ok_status());
+    Duration left = std::max<Duration>(it->second.deadline - Clock::now(), Duration::zero());
+    std::weak_ptr<Inbox> inbox = ctx_.inbox;
+    ConsumerKey key = it->first;
+    ctx_.engine->on_imm(s->imm + m.index, m.writes, left, [this, inbox, key, m](const Status& st) {
+        auto in = inbox.lock();
+        if (in) in->post([this, key, m, st] { on_segment_counted(key, m.producer_rank, m, st); });
+    });
+}
+
+void PushReceiver::on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,
+                                      const Status& st) {
+    ConsumerIt it;
+    Slot* s = find_slot(key, rank, &it);
+    if (!s || resolved(s->state)) return;
+    if (!st.ok()) {
+        return fail_slot(it, *s,
+                         st.with_context(fmt::format("counting {} writes of segment {} from "
+                                                     "prefill rank {}",
+                                                     m.writes, m.index, rank)));
+    }
+    s->counted++;
+    const uint32_t layers = ctx_.cfg.self.layout.num_layers;
+    if (m.end_layer == 0 || (m.first_layer == 0 && m.end_layer >= layers)) {
+        s->landed[m.first_token] = m.end_token;
+    } else {
+        auto range = std::make_pair(m.first_token, m.end_token);
+        std::vector<bool>& got = s->layers_landed[range];
+        got.resize(layers);
+        for (uint32_t l = m.first_layer; l < std::min(m.end_layer, layers); ++l) got[l] = true;
+        if (std::find(got.begin(), got.end(), false) == got.end()) {
+            s->layers_landed.erase(range);
+            s->landed[m.first_token] = m.end_token;
+        }
+    }
+    for (auto l = s->landed.find(s->prefix); l != s->landed.end(); l = s->landed.find(s->prefix)) {
+        s->prefix = std::max(s->prefix, l->second);
+        s->landed.erase(l);
+    }
+    Consumer& c = it->second;
+    KvFrontier now = landed_frontier(c);
+    KvPiece ahead;
+    if (!c.cancelling && next_piece(c.progress, now, layers, &ahead)) {
+        c.progress = now;
+        if (ctx_.cb.on_recv_progress)
+            ctx_.cb.on_recv_progress(
+                {key.first, key.second, now.tokens, now.partial_end, now.partial_layers});
+    }
+    if (s->have_final && s->counted == s->final_segments) s->state = SlotState::kComplete;
+    check_consumer(it);
+}
+
+// What landed on every producer's slot: whole tokens up to the smallest prefix, and the
+// layers every slot holds of the chunk after it (conservative where slots differ).
+KvFrontier PushReceiver::landed_frontier(const Consumer& c) const {
+    const uint32_t layers = ctx_.cfg.self.layout.num_layers;
+    uint32_t tokens = UINT32_MAX;
+    for (const Slot& s : c.slots) tokens = std::min(tokens, s.prefix);
+    uint32_t end = UINT32_MAX, got = layers;
+    for (const Slot& s : c.slots) {
+        if (s.prefix > tokens) {
+            end = std::min(end, s.prefix);
+            continue;
+        }
+        auto l = s.layers_landed.lower_bound({s.prefix, 0});
+        if (l == s.layers_landed.end() || l->first.first != s.prefix) return {tokens};
+        uint32_t n = 0;
+        while (n < layers && l->second[n]) ++n;
+        end = std::min(end, l->first.second);
+        got = std::min(got, n);
+    }
+    if (got == 0 || got >= layers || end == UINT32_MAX) return {tokens};
+    return {tokens, end, got};
+}
+
+void PushReceiver::fail_slot(ConsumerIt it, Slot& s, const Status& why) {
+    s.state = SlotState::kFailed;
+    Consumer& c = it->second;
+    if (c.error.ok()) c.error = why;
+    // Other producers may still be writing into these blocks: stop them and wait for
+    // their acknowledgement before handing the blocks back.
+    if (!c.cancelling) cancel_consumer(it->first, c);
+    check_consumer(it);
+}
+
+void PushReceiver::on_final(const FinalMsg& m) {
+    ConsumerIt it;
+    Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+    if (!s || resolved(s->state) || s->have_final) {
+        return ctx_.stale("FINAL for an unknown, finished or superseded transfer");
+    }
+    Consumer& c = it->second;
+    c.bytes += m.bytes;
+    c.writes += m.writes;
+    s->writes = m.writes;
+    s->have_final = true;
+    s->final_segments = m.segments;
+    // FINAL is sent after every write completed at the producer, so even a cancelled
+    // transfer needs no acknowledgement for this rank any more.
+    if (m.segments <= s->counted || c.cancelling) s->state = SlotState::kComplete;
+    check_consumer(it);
+}
+
+void PushReceiver::on_fail(const FailMsg& m) {
+    ConsumerIt it;
+    Slot* s = find_slot({m.transfer_id, m.attempt}, m.sender_rank, &it);
+    if (!s || resolved(s->state)) {
+        auto a = announces_.find({m.transfer_id, m.attempt});
+        if (a == announces_.end()) return ctx_.stale("FAIL for an unknown or finished transfer");
+        return end_announce(
+            a, Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)), false);
+    }
+    fail_slot(it, *s, Status(m.code, fmt::format("prefill rank {}: {}", m.sender_rank, m.reason)));
+}
+
+void PushReceiver::on_cancel_ack(const CancelAckMsg& m) {
+    ConsumerIt it;
+    Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
+    if (!s || resolved(s->state)) return ctx_.stale("CANCEL_ACK for an unknown or finished slot");
+    s->state = SlotState::kAcked;
+    check_consumer(it);
+}
+
+void PushReceiver::check_consumer(ConsumerIt it) {
+    Consumer& c = it->second;
+    for (const Slot& s : c.slots) {
+        if (!resolved(s.state)) return;
+    }
+    TransferResult r{it->first.first, it->first.second, c.error, c.bytes, c.writes};
+    if (r.status.ok() && c.cancelling) {
+        r.status =
+            cancelled(fmt::format("transfer {:x} attempt {} was cancelled or "
+                                  "superseded",
+                                  r.transfer_id, r.attempt));
+    }
+    complete_recv(it, r);
+}
+
+void PushReceiver::complete_recv(ConsumerIt it, const TransferResult& r) {
+    (r.status.ok() ? ctx_.counters.transfers_received : ctx_.counters.transfers_failed)
+        .fetch_add(1);
+    ctx_.counters.active_recv.fetch_sub(1);
+    consumers_.erase(it);
+    ctx_.ids.release(r.transfer_id, r.attempt, TransferIds::Kind::kRegistered);
+    ctx_.recv_done(r);
+}
+
+void PushReceiver::expire_consumer(ConsumerIt it) {
+    Consumer& c = it->second;
+    ctx_.counters.leases_expired.fetch_add(1);
+    std::string missing;
+    for (const Slot& s : c.slots) {
+        if (resolved(s.state)) continue;
+        missing += fmt::format("{}{}", missing.empty() ? "" : ",", s.rank);
+        ctx_.send(s.peer, CancelMsg{it->first.first, it->first.second, ctx_.cfg.self.tp_rank});
+    }
+    Status why = timeout_error(
+        fmt::format("prefill ranks {} did not complete transfer {:x} within the {:.0f} ms lease",
+                    missing, it->first.first, to_ms(ctx_.cfg.lease)));
+    log(LogLevel::kWarn, kLog, "{}", why.message());
+    complete_recv(
+        it, {it->first.first, it->first.second, c.error.ok() ? why : c.error, c.bytes, c.writes});
+}
+
+void PushReceiver::expire(TimePoint now) {
+    for (auto it = consumers_.begin(); it != consumers_.end();) {
+        auto next = std::next(it);
+        if (now > it->second.deadline) expire_consumer(it);
+        it = next;
+    }
+    for (auto it = announces_.begin(); it != announces_.end();) {
+        auto next = std::next(it);
+        if (now > it->second.deadline) {
+            ctx_.counters.leases_expired.fetch_add(1);
+            end_announce(it,
+                         timeout_error(fmt::format("prefill did not schedule transfer {:x} "
+                                                   "within the {:.0f} ms lease",
+                                                   it->first.first, to_ms(ctx_.cfg.lease))),
+                         true);
+        }
+        it = next;
+    }
+}
+
+void PushReceiver::begin_shutdown() {
+    for (auto& [key, c] : consumers_) {
+        if (!c.cancelling) cancel_consumer(key, c);
+    }
+}
+
+void PushReceiver::report_shut_down(const Status& why) {
+    while (!consumers_.empty()) {
+        auto it = consumers_.begin();
+        complete_recv(it, {it->first.first, it->first.second, why, 0, 0});
+    }
+    while (!announces_.empty()) end_announce(announces_.begin(), why, false);
+}
+
+}  // namespace ferry::kv::detail

@@ -1,0 +1,477 @@
+// PushSender: see push_sender.h. Prefill's half of the push protocol in docs/PROTOCOL.md.
+#include "push_sender.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "ferry/common/log.h"
+#include "segment_writes.h"
+
+namespace ferry::kv::detail {
+void PushSender::on_register(RegisterMsg m) {
+    auto peer = ctx_.engine->connect(m.decode_address);
+    if (!peer.ok()) {
+        log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}", m.transfer_id,
+            m.decode_rank, peer.status().to_string());
+        return;
+    }
+    auto refuse = [&](const Status& s) {
+        log(LogLevel::kWarn, kLog, "transfer {:x}: refusing REGISTER from decode rank {}: {}",
+            m.transfer_id, m.decode_rank, s.to_string());
+        ctx_.send(*peer, FailMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank, s.code(),
+                                 s.message().substr(0, kMaxReasonLength)});
+    };
+    KvRank dst{m.layout, m.decode_rank, m.decode_tp};
+    Status compat = check_compatible(ctx_.cfg.self, dst);
+    if (!compat.ok()) return refuse(compat);
+    auto consumers = consumers_for_producer(ctx_.cfg.self.total_heads(), ctx_.cfg.self.tp_size,
+                                            m.decode_tp, ctx_.cfg.self.tp_rank);
+    if (!consumers.ok()) return refuse(consumers.status());
+    if (std::find(consumers->begin(), consumers->end(), m.decode_rank) == consumers->end()) {
+        return refuse(
+            invalid_argument(fmt::format("prefill rank {} holds no KV head of decode rank {}",
+                                         ctx_.cfg.self.tp_rank, m.decode_rank)));
+    }
+
+    auto [it, fresh] = producers_.try_emplace(m.transfer_id);
+    Producer& p = it->second;
+    if (fresh) p.deadline = Clock::now() + ctx_.cfg.lease;
+    if (!p.failure.ok()) return refuse(p.failure);
+    if (p.tombstone) return refuse(cancelled("the transfer already finished on prefill"));
+    if (p.have_attempt && m.attempt < p.attempt) {
+        // The decode side moved on; acknowledging lets its old attempt finish at once.
+        ctx_.send(*peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
+        return ctx_.stale("REGISTER of a superseded attempt");
+    }
+    if (p.have_attempt && m.attempt > p.attempt) {
+        for (auto& [key, job] : p.jobs) {
+            if (key.first < m.attempt) job.cancelled = true;
+        }
+        std::erase_if(p.jobs, [&](const auto& kv) {
+            return kv.first.first < m.attempt && kv.second.in_flight == 0;
+        });
+    }
+    p.have_attempt = true;
+    p.attempt = m.attempt;
+    p.decode_tp = m.decode_tp;
+    JobKey key{m.attempt, m.decode_rank};
+    p.intents.erase(key);
+    if (p.jobs.count(key)) return ctx_.stale("duplicate REGISTER");
+    SendJob& job = p.jobs[key];
+    job.peer = *peer;
+    job.reg = std::move(m);
+    advance_job(it->first, p, key, job);  // what is final already goes out now
+    maybe_finish(it);                     // a job refused while planning is already served
+}
+
+void PushSender::on_intent(IntentMsg m) {
+    auto peer = ctx_.engine->connect(m.decode_address);
+    if (!peer.ok()) {
+        log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}", m.transfer_id,
+            m.decode_rank, peer.status().to_string());
+        return;
+    }
+    auto [it, fresh] = producers_.try_emplace(m.transfer_id);
+    Producer& p = it->second;
+    if (fresh) p.deadline = Clock::now() + ctx_.cfg.lease;
+    Status refused = !p.failure.ok() ? p.failure
+                     : p.tombstone   ? cancelled("the transfer already finished on prefill")
+                                     : ok_status();
+    if (!refused.ok()) {
+        ctx_.send(*peer, FailMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank, refused.code(),
+                                 refused.message().substr(0, kMaxReasonLength)});
+        return;
+    }
+    p.intents[{m.attempt, m.decode_rank}] = Intent{*peer, m.decode_tp};
+    if (p.scheduled)
+        ctx_.send(*peer, ScheduledMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
+}
+
+// Decode ranks that announced the transfer may now reserve their blocks.
+void PushSender::mark_scheduled(uint64_t id, Producer& p) {
+    if (p.scheduled) return;
+    p.scheduled = true;
+    for (const auto& [key, intent] : p.intents) {
+        ctx_.send(intent.peer, ScheduledMsg{id, key.first, ctx_.cfg.self.tp_rank});
+    }
+}
+
+void PushSender::prefill_scheduled(uint64_t id) {
+    auto [it, fresh] = producers_.try_emplace(id);
+    Producer& p = it->second;
+    if (p.tombstone || !p.failure.ok()) return;
+    // Prefill is making progress: the lease counts from here.
+    p.deadline = Clock::now() + ctx_.cfg.lease;
+    mark_scheduled(id, p);
+}
+
+void PushSender::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvFrontier ready) {
+    auto [it, fresh] = producers_.try_emplace(id);
+    Producer& p = it->second;
+    if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+        log(LogLevel::kWarn, kLog,
+            "transfer {:x}: prefill_progress after prefill_done or a failure; ignored", id);
+        return;
+    }
+    KvPiece ahead;
+    if (!next_piece(p.ready, ready, ctx_.cfg.self.layout.num_layers, &ahead)) return;
+    p.blocks = std::move(blocks);
+    p.ready = ready;
+    p.deadline = Clock::now() + ctx_.cfg.lease;
+    mark_scheduled(id, p);
+    for (auto& [key, job] : p.jobs) {
+        if (key.first == p.attempt) advance_job(id, p, key, job);
+    }
+}
+
+void PushSender::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+    auto [it, fresh] = producers_.try_emplace(id);
+    Producer& p = it->second;
+    if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+        log(LogLevel::kWarn, kLog,
+            "transfer {:x}: prefill_done called twice or after a "
+            "failure; ignored",
+            id);
+        return;
+    }
+    p.have_prefill = true;
+    p.blocks = std::move(blocks);
+    p.tokens = tokens;
+    p.ready = KvFrontier{tokens};
+    // The lease counts from when the blocks are held.
+    p.deadline = Clock::now() + ctx_.cfg.lease;
+    ctx_.counters.active_send.fetch_add(1);
+    mark_scheduled(id, p);
+    for (auto& [key, job] : p.jobs) {
+        if (key.first == p.attempt) advance_job(id, p, key, job);
+    }
+    maybe_finish(it);
+}
+
+void PushSender::prefill_failed(uint64_t id, const Status& reason) {
+    auto [it, fresh] = producers_.try_emplace(id);
+    Producer& p = it->second;
+    if (p.have_prefill || p.tombstone) {
+        log(LogLevel::kWarn, kLog,
+            "transfer {:x}: prefill_failed after prefill_done; "
+            "ignored",
+            id);
+        return;
+    }
+    p.failure = reason;
+    p.deadline = Clock::now() + ctx_.cfg.lease;
+    for (const auto& [key, intent] : p.intents) {
+        ctx_.send(intent.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, reason.code(),
+                                       reason.message().substr(0, kMaxReasonLength)});
+    }
+    p.intents.clear();
+    // Jobs with writes in flight send FAIL once they drained: decode must not reuse its
+    // blocks before.
+    for (auto it2 = p.jobs.begin(); it2 != p.jobs.end();) {
+        auto next = std::next(it2);
+        SendJob& job = it2->second;
+        if (!job.resolved && job.error.ok()) job.error = reason;
+        if (job.in_flight == 0) settle_job(id, p, it2->first, job);
+        it2 = next;
+    }
+    maybe_finish(it);
+}
+
+// The engine gave the transfer up after prefill_done (the router aborted it: decode failed
+// or the client left). Without this the blocks stayed held until the lease, and under load
+// a dead decode kept prefill's whole pool (issue 19). Unknown or finished: nothing to do.
+void PushSender::abort(uint64_t id, const Status& reason) {
+    auto it = producers_.find(id);
+    if (it == producers_.end() || it->second.tombstone) return;
+    Producer& p = it->second;
+    if (!p.have_prefill) return prefill_failed(id, reason);
+    if (!p.failure.ok()) return;
+    p.failure = reason;
+    for (const auto& [key, intent] : p.intents) {
+        ctx_.send(intent.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, reason.code(),
+                                       reason.message().substr(0, kMaxReasonLength)});
+    }
+    p.intents.clear();
+    // The blocks are only the source of the writes still in flight: reusing them changes
+    // what lands in decode blocks that FAIL (sent once the writes ended) gives up anyway.
+    // Waiting for those writes kept a dead decode's transfers' blocks for the whole op
+    // timeout (10 s) after the router had aborted them.
+    p.released = true;
+    ctx_.counters.active_send.fetch_sub(1);
+    ctx_.send_done({id, p.attempt, reason, 0, 0});
+    for (auto jt = p.jobs.begin(); jt != p.jobs.end();) {
+        auto next = std::next(jt);
+        SendJob& job = jt->second;
+        if (!job.resolved && job.error.ok()) job.error = reason;
+        if (job.in_flight == 0) settle_job(id, p, jt->first, job);
+        jt = next;
+    }
+    maybe_finish(it);
+}
+
+// Posts what became final since the job's last segment, and sends FINAL once the prompt
+// is complete and every segment drained.
+void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+    if (job.cancelled || job.resolved || !job.error.ok()) return;
+    const uint32_t layers = ctx_.cfg.self.layout.num_layers;
+    KvPiece piece;
+    while (next_piece(job.sent, p.ready, layers, &piece)) {
+        // Immediates prefill_done may still need are kept for it: one for the tokens left,
+        // and one more for the rest of a chunk sent layer by layer.
+        uint32_t keep = 1 + (add_piece(job.sent, piece, layers).has_partial() ? 1 : 0);
+        if (job.segments + 1 + keep > job.reg.imm_span && !p.have_prefill) break;
+        Status posted = post_segment(id, p, key, job, piece);
+        if (!posted.ok()) return fail_job(id, p, key, job, posted);
+    }
+    if (p.have_prefill && job.sent == KvFrontier{p.tokens} && job.in_flight == 0) {
+        ctx_.send(job.peer, FinalMsg{id, key.first, ctx_.cfg.self.tp_rank, job.writes, job.bytes,
+                                     job.segments});
+        job.resolved = true;
+    }
+}
+
+Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job,
+                                const KvPiece& piece) {
+    const RegisterMsg& reg = job.reg;
+    const uint32_t layers = ctx_.cfg.self.layout.num_layers;
+    uint32_t total = p.have_prefill ? p.tokens : reg.num_tokens;
+    uint32_t computed = std::max(p.ready.tokens, p.ready.partial_end);
+    if (computed > reg.num_tokens || total != reg.num_tokens) {
+        return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
+                                            reg.num_tokens, p.have_prefill ? p.tokens : computed));
+    }
+    auto plan = plan_transfer(
+        {ctx_.cfg.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
+         piece.first_token, piece.end_token, piece.first_layer, piece.end_layer});
+    if (!plan.ok()) return plan.status();
+    uint32_t index = job.segments++;
+    bool whole = piece.first_layer == 0 && piece.end_layer == layers;
+    SegmentMsg seg{id,
+                   key.first,
+                   ctx_.cfg.self.tp_rank,
+                   index,
+                   piece.first_token,
+                   piece.end_token,
+                   0,
+                   plan->bytes,
+                   whole ? 0 : piece.first_layer,
+                   whole ? 0 : piece.end_layer};
+    job.sent = add_piece(job.sent, piece, layers);
+    job.in_flight++;
+    auto flight = ctx_.new_flight(
+        [this, id, key, index](const Status& s) { on_segment_drained(id, key, index, s); });
+    // One group of operations per (region, region) pair: an engine operation has one source
+    // and one destination region.
+    seg.writes = 0;
+    for (const RegionRuns& g : plan->groups) {
+        std::span<const ByteRun> runs(plan->runs.data() + g.first, g.count);
+        seg.writes += post_writes(*ctx_.engine, ctx_.pool.regions[g.src_region], job.peer,
+                                  &job.reg.pool[g.dst_region], runs, reg.imm + index, *flight);
+    }
+    job.writes += seg.writes;
+    job.bytes += plan->bytes;
+    job.pending[index] = seg;
+    ctx_.counters.ops_posted.fetch_add(plan->runs.size());
+    ctx_.counters.bytes_posted.fetch_add(plan->bytes);
+    flight->done(ok_status());
+    return ok_status();
+}
+
+void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, const Status& s) {
+    auto it = producers_.find(id);
+    if (it == producers_.end()) return;
+    auto jt = it->second.jobs.find(key);
+    if (jt == it->second.jobs.end()) return;
+    SendJob& job = jt->second;
+    job.in_flight--;
+    SegmentMsg seg = job.pending[index];
+    job.pending.erase(index);
+    if (!s.ok() && job.error.ok()) {
+        job.error = s;
+        log(LogLevel::kWarn, kLog, "transfer {:x} attempt {}: writing to decode rank {} failed: {}",
+            id, key.first, key.second, s.to_string());
+    }
+    if (!job.cancelled && job.error.ok()) ctx_.send(job.peer, seg);
+    if (job.in_flight == 0) settle_job(id, it->second, key, job);
+    maybe_finish(it);
+}
+
+void PushSender::fail_job(uint64_t id, Producer& p, JobKey key, SendJob& job, const Status& s) {
+    if (job.error.ok()) job.error = s;
+    if (job.in_flight == 0) settle_job(id, p, key, job);
+}
+
+// A job with no write in flight: answer a cancel, report an error, or go on. May erase
+// the job (an older attempt's, once answered).
+void PushSender::settle_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
+    if (job.resolved) return;
+    if (job.cancelled) {
+        if (job.ack_wanted) ctx_.send(job.peer, CancelAckMsg{id, key.first, ctx_.cfg.self.tp_rank});
+        job.resolved = true;
+        if (key.first < p.attempt) p.jobs.erase(key);
+        return;
+    }
+    if (!job.error.ok()) {
+        ctx_.send(job.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, job.error.code(),
+                                    job.error.message().substr(0, kMaxReasonLength)});
+        job.resolved = true;
+        return;
+    }
+    advance_job(id, p, key, job);
+}
+
+void PushSender::on_cancel(uint64_t sender, const CancelMsg& m) {
+    auto ack_to_sender = [&] {
+        auto peer = ctx_.engine->find_peer(sender);
+        if (peer) ctx_.send(*peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
+    };
+    auto it = producers_.find(m.transfer_id);
+    if (it == producers_.end()) return ack_to_sender();
+    Producer& p = it->second;
+    JobKey key{m.attempt, m.decode_rank};
+    auto jt = p.jobs.find(key);
+    if (jt == p.jobs.end()) {
+        ack_to_sender();
+        auto in = p.intents.find(key);
+        if (in != p.intents.end()) {
+            // Announced, never registered: this attempt is the one prefill serves.
+            if (!p.have_attempt || m.attempt > p.attempt) {
+                p.have_attempt = true;
+                p.attempt = m.attempt;
+                p.decode_tp = in->second.decode_tp;
+            }
+            p.intents.erase(in);
+        }
+        if (m.attempt >= p.attempt && p.have_attempt) {
+            // Cancelled before this rank registered: remember it, so the transfer can
+            // finish without waiting for a registration that will not come.
+            SendJob& j = p.jobs[key];
+            j.cancelled = j.resolved = true;
+        }
+        return maybe_finish(it);
+    }
+    SendJob& job = jt->second;
+    if (job.in_flight > 0) {
+        job.cancelled = true;
+        job.ack_wanted = true;  // acknowledged when the last write completed
+        return;
+    }
+    ctx_.send(job.peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
+    if (!job.resolved || job.error.ok()) job.cancelled = true;
+    job.resolved = true;
+    if (m.attempt < p.attempt) p.jobs.erase(jt);
+    maybe_finish(it);
+}
+
+// A transfer is finished on prefill once every decode rank of the current attempt was
+// served (FINAL, FAIL or cancelled) and no write of any attempt is in flight; after
+// prefill_failed, once no write is in flight.
+void PushSender::maybe_finish(ProducerIt it) {
+    Producer& p = it->second;
+    if (p.tombstone) return;
+    for (const auto& [key, job] : p.jobs) {
+        if (job.in_flight > 0) return;
+    }
+    if (!p.failure.ok()) {
+        p.jobs.clear();
+        p.tombstone = true;  // kept until the lease, to answer late messages with FAIL
+        ctx_.counters.transfers_failed.fetch_add(1);
+        if (p.released) return;  // abort_send reported it
+        ctx_.send_done({it->first, p.attempt, p.failure, 0, 0});
+        return;
+    }
+    if (!p.have_prefill || !p.have_attempt) return;
+    auto consumers = consumers_for_producer(ctx_.cfg.self.total_heads(), ctx_.cfg.self.tp_size,
+                                            p.decode_tp, ctx_.cfg.self.tp_rank);
+    size_t expected = consumers.ok() ? consumers->size() : 0;
+    size_t served = 0;
+    for (const auto& [key, job] : p.jobs) {
+        if (key.first == p.attempt && job.resolved) ++served;
+    }
+    if (served < expected) return;
+    TransferResult r{it->first, p.attempt, ok_status(), 0, 0};
+    for (const auto& [key, job] : p.jobs) {
+        if (key.first != p.attempt) continue;
+        r.bytes += job.bytes;
+        r.writes += job.writes;
+        if (r.status.ok() && !job.error.ok()) r.status = job.error;
+        if (r.status.ok() && job.cancelled) {
+            r.status = cancelled(fmt::format("decode rank {} cancelled", key.second));
+        }
+    }
+    complete_send(it, r);
+}
+
+void PushSender::complete_send(ProducerIt it, const TransferResult& r) {
+    (r.status.ok() ? ctx_.counters.transfers_sent : ctx_.counters.transfers_failed).fetch_add(1);
+    bool reported = it->second.released;  // abort_send released the blocks already
+    if (it->second.have_prefill && !reported) ctx_.counters.active_send.fetch_sub(1);
+    producers_.erase(it);
+    if (ctx_.cb.on_send_done && !reported) ctx_.cb.on_send_done(r);
+}
+
+void PushSender::expire_producer(ProducerIt it) {
+    Producer& p = it->second;
+    if (p.tombstone) {
+        producers_.erase(it);
+        return;
+    }
+    for (const auto& [key, job] : p.jobs) {
+        // Writes in flight end by the engine's op_timeout; the drain finishes the job.
+        if (job.in_flight > 0) return;
+    }
+    ctx_.counters.leases_expired.fetch_add(1);
+    Status why = p.have_prefill
+                     ? timeout_error(fmt::format(
+                           "no registration from every decode rank within the {:.0f} ms "
+                           "lease; blocks released",
+                           to_ms(ctx_.cfg.lease)))
+                     : timeout_error(fmt::format("prefill did not finish within the {:.0f} "
+                                                 "ms lease",
+                                                 to_ms(ctx_.cfg.lease)));
+    log(LogLevel::kWarn, kLog, "transfer {:x}: {}", it->first, why.message());
+    for (auto& [key, job] : p.jobs) {
+        if (job.resolved) continue;
+        ctx_.send(job.peer,
+                  FailMsg{it->first, key.first, ctx_.cfg.self.tp_rank, why.code(), why.message()});
+        job.resolved = true;
+    }
+    for (const auto& [key, intent] : p.intents) {
+        ctx_.send(intent.peer,
+                  FailMsg{it->first, key.first, ctx_.cfg.self.tp_rank, why.code(), why.message()});
+    }
+    if (!p.have_prefill) {
+        producers_.erase(it);  // no blocks of the engine's are held
+        return;
+    }
+    TransferResult r{it->first, p.attempt, why, 0, 0};
+    complete_send(it, r);
+}
+
+void PushSender::expire(TimePoint now) {
+    for (auto it = producers_.begin(); it != producers_.end();) {
+        auto next = std::next(it);
+        if (now > it->second.deadline) expire_producer(it);
+        it = next;
+    }
+}
+
+void PushSender::begin_shutdown() {
+    for (auto& [id, p] : producers_) {
+        for (auto& [key, job] : p.jobs) job.cancelled = true;
+    }
+}
+
+void PushSender::report_shut_down(const Status& why) {
+    while (!producers_.empty()) {
+        auto it = producers_.begin();
+        if (!it->second.have_prefill || it->second.tombstone) {
+            producers_.erase(it);
+            continue;
+        }
+        complete_send(it, {it->first, it->second.attempt, why, 0, 0});
+    }
+}
+
+}  // namespace ferry::kv::detail
