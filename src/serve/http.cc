@@ -3,8 +3,12 @@
 
 #include <fmt/format.h>
 #include <httplib.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <time.h>
 
+#include <cerrno>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -17,6 +21,43 @@ namespace ferry::serve {
 // ---- clients -----------------------------------------------------------------------------------
 
 namespace {
+
+// Debian's cpp-httplib is built with CPPHTTPLIB_SEND_FLAGS 0: its client writes without
+// MSG_NOSIGNAL, so sending a body to a peer that just died raises SIGPIPE, whose default action
+// ends the whole process silently (seen: a router killed while relaying a leg to a decode engine
+// SIGKILLed under load). Each client call blocks SIGPIPE on its own thread and drops one that
+// became pending meanwhile; the failed write then surfaces as the call's error. The process's
+// signal dispositions are left alone.
+class SigpipeBlocked {
+   public:
+    SigpipeBlocked() {
+        sigemptyset(&pipe_);
+        sigaddset(&pipe_, SIGPIPE);
+        sigset_t pending;
+        sigpending(&pending);
+        was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+        blocked_ = pthread_sigmask(SIG_BLOCK, &pipe_, &old_) == 0;
+    }
+    ~SigpipeBlocked() {
+        if (!blocked_) return;
+        sigset_t pending;
+        sigpending(&pending);
+        if (!was_pending_ && sigismember(&pending, SIGPIPE) == 1) {
+            timespec zero{0, 0};
+            while (sigtimedwait(&pipe_, nullptr, &zero) < 0 && errno == EINTR) {
+            }
+        }
+        pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    }
+    SigpipeBlocked(const SigpipeBlocked&) = delete;
+    SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+   private:
+    sigset_t pipe_{};
+    sigset_t old_{};
+    bool was_pending_ = false;
+    bool blocked_ = false;
+};
 
 std::unique_ptr<httplib::Client> client_for(const std::string& host, int port, Duration timeout) {
     auto c = std::make_unique<httplib::Client>(host, port);
@@ -39,6 +80,7 @@ Status transport_error(const std::string& host, int port, const std::string& pat
 
 Result<HttpResponse> http_get(const std::string& host, int port, const std::string& path,
                               Duration timeout) {
+    SigpipeBlocked no_sigpipe;
     auto c = client_for(host, port, timeout);
     auto r = c->Get(path);
     if (!r) return transport_error(host, port, path, r.error());
@@ -47,6 +89,7 @@ Result<HttpResponse> http_get(const std::string& host, int port, const std::stri
 
 Result<HttpResponse> http_post_json(const std::string& host, int port, const std::string& path,
                                     const std::string& body, Duration timeout) {
+    SigpipeBlocked no_sigpipe;
     auto c = client_for(host, port, timeout);
     auto r = c->Post(path, body, "application/json");
     if (!r) return transport_error(host, port, path, r.error());
@@ -56,6 +99,7 @@ Result<HttpResponse> http_post_json(const std::string& host, int port, const std
 Status http_post_stream(const std::string& host, int port, const std::string& path,
                         const std::string& body, Duration timeout, int* status,
                         const std::function<bool(std::string_view)>& on_data) {
+    SigpipeBlocked no_sigpipe;
     auto c = client_for(host, port, timeout);
     httplib::Request req;
     req.method = "POST";
@@ -103,6 +147,7 @@ std::unique_ptr<HttpStream> HttpStream::post(const std::string& host, int port,
     Impl* p = impl.get();
     // The body moves, not copies, all the way: a 16k-token prompt is 100 KB.
     p->thread = std::thread([p, host, port, path, body = std::move(body)]() mutable {
+        SigpipeBlocked no_sigpipe;  // this thread only makes this call
         httplib::Request req;
         req.method = "POST";
         req.path = path;

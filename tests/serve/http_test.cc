@@ -1,6 +1,12 @@
 // The engine's HTTP API over loopback, the way a client or router uses it.
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <thread>
 
 #include "ferry/serve/engine_server.h"
@@ -248,6 +254,55 @@ TEST(EngineHttp, DecodeLegWithoutItsPrefillGetsAnHttpErrorAndNoBlockLeaks) {
         std::this_thread::sleep_for(milliseconds(10));
     EXPECT_EQ(pd.decode.metric("ferry_kv_blocks_free"), 64);
     EXPECT_EQ(pd.decode.metric("ferry_requests_failed_total"), 1);
+}
+
+}  // namespace
+}  // namespace ferry::serve
+
+namespace ferry::serve {
+namespace {
+
+// A peer that accepts and resets at once, reading nothing: every client form (blocking, streamed,
+// HttpStream) returns an error, none hangs or ends the process. (The calls also block SIGPIPE:
+// cpp-httplib sends without MSG_NOSIGNAL; this test does not force an EPIPE.)
+TEST(HttpClient, BodyToAPeerThatResetsIsAnErrorOfEveryClientForm) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
+    ASSERT_EQ(::listen(fd, 16), 0);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    int port = ntohs(a.sin_port);
+    std::atomic<bool> done{false};
+    std::thread closer([&] {
+        while (!done) {
+            pollfd p{fd, POLLIN, 0};
+            if (::poll(&p, 1, 20) <= 0) continue;
+            int c = ::accept(fd, nullptr, nullptr);
+            if (c < 0) continue;
+            linger l{1, 0};  // a reset, so the client's next write fails at once
+            ::setsockopt(c, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+            ::close(c);
+        }
+    });
+    std::string body(16 << 20, 'x');
+    for (int i = 0; i < 3; ++i) {
+        auto r = http_post_json("127.0.0.1", port, "/v1/completions", body, seconds(5));
+        EXPECT_FALSE(r.ok());
+        int status = 0;
+        Status s = http_post_stream("127.0.0.1", port, "/v1/completions", body, seconds(5),
+                                    &status, [](std::string_view) { return true; });
+        EXPECT_FALSE(s.ok());
+        auto stream = HttpStream::post("127.0.0.1", port, "/v1/completions", body, seconds(5));
+        auto next = stream->next(Clock::now() + seconds(5));
+        EXPECT_FALSE(next.ok());
+    }
+    done = true;
+    closer.join();
+    ::close(fd);
 }
 
 }  // namespace
