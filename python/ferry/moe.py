@@ -339,7 +339,9 @@ class AllToAll:
         they were. ``bound_m``: a one-element tensor on the device holding the token count
         (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
         e, dev = self._e, self._device
-        h, k, spt = e.hidden, e.topk, e.spt
+        h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
+        # Every argument of both halves is checked before anything is sent, so a mistake
+        # leaves no call half done.
         if do_send:
             _check("dp_x", dp_x, self._dtypes(), (None, h), dev)
             t = int(dp_x.shape[0])
@@ -348,16 +350,17 @@ class AllToAll:
                 _check("dp_x_scale", dp_x_scale, (torch.float32,), (t, spt), dev)
             _check("indices", indices, (torch.int32, torch.int64), (t, k), dev)
             _check("weights", weights, (torch.float32,), (t, k), dev)
-            e.send(dp_x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
+        scale = None
         if do_recv:
-            nl = e.local_experts
             _check("out_expert_num_tokens", out_expert_num_tokens, (torch.int32,), (nl,), dev)
             _check("out_expert_x", out_expert_x, self._dtypes(), (nl, None, h), dev)
             _check_min_rows("out_expert_x", out_expert_x, e.capacity)
-            scale = None
             if e.kind == "fp8":
                 scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
                                (nl, out_expert_x.shape[1], spt), dev)
+        if do_send:
+            e.send(dp_x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
+        if do_recv:
             e.recv(out_expert_num_tokens, out_expert_x, scale)
 
     def combine(self, out_tokens: "torch.Tensor", indices: "torch.Tensor",
@@ -373,7 +376,6 @@ class AllToAll:
         if do_send:
             _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
-            e.combine_send(expert_y)
         if do_recv:
             _check("out_tokens", out_tokens, (torch.bfloat16, torch.float32), (None, e.hidden),
                    dev)
@@ -386,6 +388,9 @@ class AllToAll:
                                       f"{e.num_tokens} tokens")
             _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
+        if do_send:
+            e.combine_send(expert_y)
+        if do_recv:
             e.combine_recv(out_tokens, weights)
 
     def synchronize(self) -> None:
