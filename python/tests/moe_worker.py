@@ -95,14 +95,14 @@ class World:
             k.update(rank=self.rank, world_size=self.world, allgather=self.boot["allgather"])
         return k
 
-    def all_to_all(self, fp8: bool) -> Any:
+    def all_to_all(self, fp8: bool, device: str = "cpu") -> Any:
         torch = self.torch
         dt = self.ferry.moe.fp8_dtype() if fp8 else torch.bfloat16
         return self.ferry.moe.AllToAll(
             max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * self.world,
             expert_padding=1, hidden_dim=H, hidden_dim_scale=H // 128 if fp8 else None,
             in_dtype=dt, out_dtype=dt, scale_dtype=torch.float32 if fp8 else None,
-            num_experts_per_token=TOPK, max_private_tokens=PRIVATE, device="cpu",
+            num_experts_per_token=TOPK, max_private_tokens=PRIVATE, device=device,
             **self.kwargs())
 
 
@@ -238,6 +238,154 @@ def run_deepep(w: World, seed: int, fp8: bool, routing: str, calls: int, hook: b
         b.destroy()
 
 
+def _gpu_expert(torch: Any, rank: int, nl: int, rows: Any, scales: Any, y: Any) -> None:
+    """expert_fn of every local expert over whole slabs (static shapes, for graph capture),
+    after the fp8 round trip in torch: value * scale in fp32, then bf16, as ferry's CPU
+    dequantize does."""
+    seen = (rows.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    e = torch.arange(rank * nl, rank * nl + nl, device=y.device, dtype=torch.float32)
+    y.copy_((seen.float() * (1.0 + e / 8.0).view(nl, 1, 1) - (e / 16.0).view(nl, 1, 1))
+            .to(torch.bfloat16))
+
+
+def run_gpu_graph(w: World, seed: int, calls: int = 12) -> None:
+    """Both ranks on GPU 0 (processes): fp8 dispatch and bf16 combine captured in a CUDA graph
+    and replayed, every replay equal to the CPU backend's results on the same inputs."""
+    torch, moe = w.torch, w.ferry.moe
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    g, c = w.all_to_all(True, "cuda:0"), w.all_to_all(True)
+    nl, cap, m = g.num_local_experts, g.max_recv_tokens, MAX_TOKENS
+    z = dict(device=dev)
+    xq = torch.zeros(m, H, dtype=torch.uint8, **z)
+    xq_in = xq.view(moe.fp8_dtype())
+    xs = torch.ones(m, H // 128, dtype=torch.float32, **z)
+    idx = torch.full((m, TOPK), -1, dtype=torch.int64, **z)
+    wts = torch.zeros(m, TOPK, dtype=torch.float32, **z)
+    bound = torch.zeros(1, dtype=torch.int32, **z)
+    cnt = torch.zeros(nl, dtype=torch.int32, **z)
+    ox = torch.zeros(nl, cap, H, dtype=torch.uint8, **z)
+    osc = torch.zeros(nl, cap, H // 128, dtype=torch.float32, **z)
+    y = torch.zeros(nl, cap, H, dtype=torch.bfloat16, **z)
+    out = torch.zeros(m, H, dtype=torch.bfloat16, **z)
+    torch.cuda.synchronize()
+    g._e.allgather(b"")  # every rank's set-up (cudaMalloc) done before any kernel waits
+
+    ox_fp8 = ox.view(moe.fp8_dtype())  # torch 2.x on the GPU machines: float8_e4m3fn
+
+    def layer() -> None:
+        g.dispatch(cnt, ox_fp8, osc, xq_in, xs, idx, wts, bound_m=bound)
+        _gpu_expert(torch, w.rank, nl, ox_fp8, osc, y)
+        g.combine(out, idx, wts, y, bound_m=bound)
+
+    def load(call: int) -> dict:
+        d = make_inputs(torch, seed, call, w.rank, w.world, "uniform")
+        d["q"], d["s"] = moe.quantize_fp8(d["x"])
+        t = d["x"].shape[0]
+        xq.zero_()
+        xq[:t].copy_(d["q"].view(torch.uint8))
+        xs[:t].copy_(d["s"])
+        idx.fill_(-1)
+        idx[:t].copy_(d["idx"])
+        wts[:t].copy_(d["w"])
+        bound.fill_(t)
+        return d
+
+    def cpu_reference(d: dict) -> tuple:
+        t = d["x"].shape[0]
+        ccnt = torch.zeros(nl, dtype=torch.int32)
+        cox = torch.zeros(nl, cap, H, dtype=torch.uint8).view(moe.fp8_dtype())
+        cosc = torch.zeros(nl, cap, H // 128, dtype=torch.float32)
+        c.dispatch(ccnt, cox, cosc, d["q"], d["s"], d["idx"], d["w"])
+        cy = torch.zeros(nl, cap, H, dtype=torch.bfloat16)
+        for le in range(nl):
+            n = int(ccnt[le])
+            if n:
+                cy[le, :n] = expert_fn(torch, w.rank * nl + le,
+                                       moe.dequantize_fp8(cox[le, :n], cosc[le, :n]))
+        cout = torch.zeros(t, H, dtype=torch.bfloat16)
+        c.combine(cout, d["idx"], d["w"], cy)
+        return ccnt, cox.view(torch.uint8), cosc, cout
+
+    def compare(call: int, d: dict) -> None:
+        torch.cuda.synchronize()
+        g.synchronize()
+        ccnt, cox, cosc, cout = cpu_reference(d)
+        t = d["x"].shape[0]
+        if not torch.equal(cnt.cpu(), ccnt):
+            raise AssertionError(f"call {call}: counts {cnt.cpu()} vs CPU {ccnt}")
+        for le in range(nl):
+            n = int(ccnt[le])
+            if not torch.equal(ox[le, :n].cpu(), cox[le, :n]) or \
+                    not torch.equal(osc[le, :n].cpu(), cosc[le, :n]):
+                raise AssertionError(f"call {call}: rows of local expert {le} differ from CPU")
+        got = out[:t].cpu()
+        if not torch.equal(got, cout):
+            err = (got.float() - cout.float()).abs().max().item()
+            raise AssertionError(f"call {call}: combine differs from CPU, max error {err}")
+
+    d = load(0)
+    layer()  # eager, also the warm-up capture needs
+    compare(0, d)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    for call in range(1, calls):
+        d = load(call)
+        graph.replay()
+        compare(call, d)
+    torch.cuda.synchronize()
+    g.close()
+    c.close()
+
+
+def run_gpu_deepep(w: World, seed: int, calls: int = 3) -> None:
+    """DeepEP fp8 dispatch / bf16 combine on GPU 0, equal to the same calls on CPU."""
+    torch, moe = w.torch, w.ferry.moe
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    bg = moe.Buffer(None, low_latency_mode=True, device=dev, **w.kwargs())
+    bc = moe.Buffer(None, low_latency_mode=True, **w.kwargs())
+    try:
+        for call in range(calls):
+            d = make_inputs(torch, seed, call, w.rank, w.world, "uniform")
+            res = []
+            for b, where in ((bg, dev), (bc, torch.device("cpu"))):
+                (rx, rs), cnt, handle, _, hook = b.low_latency_dispatch(
+                    d["x"].to(where), d["idx"].to(where), MAX_TOKENS, EXPERTS_PER_RANK * w.world,
+                    use_fp8=True, return_recv_hook=True)
+                hook()
+                nl, cap = rx.shape[0], rx.shape[1]
+                y = torch.zeros(nl, cap, H, dtype=torch.bfloat16, device=where)
+                raw = rx.view(torch.uint8)
+                for le in range(nl):
+                    n = int(cnt[le])
+                    if n:
+                        seen = moe.dequantize_fp8(rx[le, :n].cpu(), rs[le, :n].cpu())
+                        y[le, :n] = expert_fn(torch, w.rank * nl + le, seen).to(where)
+                out, _, hook = b.low_latency_combine(y, d["idx"].to(where), d["w"].to(where),
+                                                     handle)
+                hook()
+                if where.type == "cuda":
+                    torch.cuda.synchronize()
+                res.append((cnt.cpu(), [raw[le, :int(cnt[le])].cpu() for le in range(nl)],
+                            out.cpu()))
+            (gc, gr, go), (cc, cr, co) = res
+            if not torch.equal(gc, cc) or any(not torch.equal(a, b) for a, b in zip(gr, cr)):
+                raise AssertionError(f"call {call}: GPU dispatch differs from CPU")
+            if not torch.equal(go, co):
+                err = (go.float() - co.float()).abs().max().item()
+                raise AssertionError(f"call {call}: GPU combine differs from CPU, max {err}")
+    finally:
+        bg.destroy()
+        bc.destroy()
+
+
+GPU_SCENARIOS = {
+    "gpu-pplx-fp8-graph": run_gpu_graph,
+    "gpu-deepep-fp8": run_gpu_deepep,
+}
+
 SCENARIOS = {
     "pplx-bf16-holes": lambda w, s: run_pplx(w, s, False, "uniform", 3, False),
     "pplx-fp8-holes": lambda w, s: run_pplx(w, s, True, "uniform", 2, False),
@@ -279,7 +427,7 @@ def main(conn: Any, rank: int, world: int, rpn: int, provider: str, bootstrap: s
         w = World(torch, ferry, rank, world, rpn, provider, boot)
         for name in names:
             try:
-                SCENARIOS[name](w, seed)
+                (SCENARIOS.get(name) or GPU_SCENARIOS[name])(w, seed)
                 results[name] = None
             except Exception:  # reported per scenario; the others still run
                 results[name] = traceback.format_exc()
