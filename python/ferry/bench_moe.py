@@ -69,7 +69,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, q) -> None:
     ox = ox.view(dt) if fp8 else ox
     osc = torch.zeros(nl, cap, h // 128, dtype=torch.float32, device=dev) if fp8 else None
     y = torch.zeros(nl, cap, h, dtype=torch.bfloat16, device=dev)
-    out = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
+    out = torch.zeros(t, h, dtype=torch.float32 if args.out_dtype == "fp32" else torch.bfloat16,
+                      device=dev)
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
@@ -122,6 +123,8 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
+    ap.add_argument("--out-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="combine output (ferry bench moe --backend cpu sums into fp32)")
     ap.add_argument("--private-slots", type=int, default=32)
     ap.add_argument("--provider", default="tcp", help="engine provider between nodes")
     ap.add_argument("--warmup", type=int, default=3)
@@ -153,7 +156,8 @@ def main(argv: List[str] = None) -> int:
     rows = {"dispatch": disp, "combine": comb}
     print(f"ferry.moe from Python, {args.backend}: {args.ranks} ranks "
           f"({args.ranks_per_node or args.ranks} per node), {args.tokens} tokens x {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts, {args.dtype} dispatch, bf16 combine, "
+          f"top-{args.topk} of {args.experts} experts, {args.dtype} dispatch, bf16 combine "
+          f"into {args.out_dtype}, "
           f"{args.iters} iterations after {args.warmup} warm-up")
     print(f"{'phase':<10} {'p50 us':>10} {'p99 us':>10}")
     res = {}
