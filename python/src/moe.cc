@@ -304,10 +304,12 @@ void register_moe(py::module_& m, EngineOf engine_of) {
         .def("device_status", &MoeAllToAll::device_status)
         .def("close", &MoeAllToAll::close)
         .def_property_readonly("is_cuda", &MoeAllToAll::is_cuda)
-        .def_property_readonly("max_expert_rows",
-                               [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
-        .def_property_readonly("num_local_experts",
-                               [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
+        .def_property_readonly(
+            "max_expert_rows",
+            [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
+        .def_property_readonly(
+            "num_local_experts",
+            [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
 
     // fp8 block quantization (numerics.h): bf16 [tokens, hidden] -> e4m3 bytes + fp32 scales.
     m.def("moe_quantize_fp8",

@@ -37,7 +37,8 @@ def gpu_results():
     _gpu_or_skip()
     seed = int(os.environ.get("FERRY_TEST_SEED", random.randrange(1 << 31)))
     print(f"moe gpu: seed {seed}")
-    return run_worlds([CONFIG], seed, list(moe_worker.GPU_SCENARIOS), deadline_s=170.0)[CONFIG], seed
+    res = run_worlds([CONFIG], seed, list(moe_worker.GPU_SCENARIOS), deadline_s=170.0)
+    return res[CONFIG], seed
 
 
 @pytest.mark.parametrize("scenario", list(moe_worker.GPU_SCENARIOS))
