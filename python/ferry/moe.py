@@ -474,6 +474,11 @@ class Buffer:
         dev = x.device if self._device is None else self._device
         key = (int(max_tokens), int(num_experts), int(x.shape[1]), int(k), bool(fp8), str(dev))
         a = self._a2a.get(key)
+        if a is None and self._a2a and self._engine is not None:
+            raise InvalidArgument(
+                "a second call shape on a Buffer given an engine: each all-to-all needs an "
+                "engine of its own (their immediates would collide); pass no engine, or one "
+                "Buffer per shape")
         if a is None:
             if num_experts % self.group_size != 0:
                 raise InvalidArgument(f"num_experts {num_experts} must be a multiple of the "
