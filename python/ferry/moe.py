@@ -186,6 +186,7 @@ class _Engine:
         self.combine_weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
         self.num_tokens_dev = torch.zeros(1, dtype=torch.int32, **z)
         self.num_tokens = 0  # of the dispatch in flight (host count)
+        self.rows = 0  # rows of its dp_x
         # Most rows one local expert can receive: every token of every rank, padded.
         self.capacity = -(-world * self.max_tokens // alignment) * alignment
 
@@ -204,6 +205,7 @@ class _Engine:
             else:
                 self.num_tokens_dev.fill_(t)
         self.num_tokens = n
+        self.rows = t  # on CUDA the count is on the device: t bounds it
         self.a2a.dispatch_send(n, _ptr(self.num_tokens_dev), _ptr(x), _ptr(x_scale),
                                _ptr(self.indices), _ptr(self.weights), _stream(self.device))
 
@@ -383,9 +385,10 @@ class AllToAll:
             if t > e.max_tokens:
                 raise InvalidArgument(f"out_tokens holds {t} tokens, more than max_num_tokens "
                                       f"{e.max_tokens}")
-            if not e.cuda and t < e.num_tokens:
+            need = e.rows if e.cuda else e.num_tokens
+            if t < need:
                 raise InvalidArgument(f"out_tokens holds {t} rows; the dispatch sent "
-                                      f"{e.num_tokens} tokens")
+                                      f"{need} tokens")
             _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
         if do_send:

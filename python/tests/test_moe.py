@@ -187,6 +187,9 @@ def test_combine_refuses_and_order(single):
     with pytest.raises(ferry.InvalidArgument, match="weights.*shape"):
         single.combine(torch.zeros(T, H), d["indices"], d["weights"][:2].contiguous(), None,
                        do_send=False)
+    with pytest.raises(ferry.InvalidArgument, match="out_tokens holds 3 rows; the dispatch sent 5"):
+        single.combine(torch.zeros(3, H), d["indices"][:3], d["weights"][:3], None,
+                       do_send=False)
     single.combine(torch.zeros(T, H), d["indices"], d["weights"], None, do_send=False)
 
 
