@@ -439,6 +439,14 @@ def _refuse(name: str, value: Any, default: Any, why: str) -> None:
         raise InvalidArgument(f"{name}={value!r} is not supported by ferry.moe.Buffer: {why}")
 
 
+def _refuse_others(call: str, extra: dict) -> None:
+    """Arguments of newer DeepEP versions (use_nvfp4, x_global_scale, ...) that ferry does not
+    know: refused by name instead of a TypeError."""
+    if extra:
+        names = ", ".join(sorted(extra))
+        raise InvalidArgument(f"{call}: argument(s) {names} not supported by ferry.moe.Buffer")
+
+
 def _noop() -> None:
     pass
 
@@ -460,7 +468,9 @@ class Buffer:
                  world_size: Optional[int] = None, ranks_per_node: Optional[int] = None,
                  allgather: Optional[Callable[[bytes], List[bytes]]] = None,
                  engine: Any = None, provider: str = "auto", device: Any = None,
-                 private_slots: Optional[int] = None, timeout: float = 10.0) -> None:
+                 private_slots: Optional[int] = None, timeout: float = 10.0,
+                 **unsupported: Any) -> None:
+        _refuse_others("Buffer", unsupported)
         if not low_latency_mode:
             raise InvalidArgument("low_latency_mode=False is not supported by ferry.moe.Buffer: "
                                   "it implements DeepEP's low-latency calls only")
@@ -501,7 +511,8 @@ class Buffer:
                              cumulative_local_expert_recv_stats: Any = None,
                              dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             **unsupported: Any
                              ) -> Tuple[Any, "torch.Tensor", _Handle, EventOverlap,
                                         Callable[[], None]]:
         """Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
@@ -509,6 +520,7 @@ class Buffer:
         (bf16 ``[E_local, max*R, H]`` without), ``recv_count`` int32 ``[E_local]``. Rows of
         expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
         and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
+        _refuse_others("low_latency_dispatch", unsupported)
         _refuse("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None,
                 "no per-expert statistics are kept")
         _refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
@@ -564,11 +576,12 @@ class Buffer:
                             use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional["torch.Tensor"] = None,
-                            combine_wait_recv_cost_stats: Any = None
+                            combine_wait_recv_cost_stats: Any = None, **unsupported: Any
                             ) -> Tuple["torch.Tensor", EventOverlap, Callable[[], None]]:
         """Returns ``(combined_x, event, hook)``: ``combined_x[t] = sum_k topk_weights[t, k] *
         x(t, k)``, bf16 ``[T, H]`` (into ``out`` if given), summed in fp32 in top-k order.
         ``x`` is bf16 ``[E_local, max*R, H]`` laid out like the dispatch's ``recv_x``."""
+        _refuse_others("low_latency_combine", unsupported)
         _refuse("use_logfmt", use_logfmt, False, "combine carries bf16 rows")
         _refuse("zero_copy", zero_copy, False, "there is no exposed send buffer to write into")
         _refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,

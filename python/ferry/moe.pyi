@@ -98,14 +98,16 @@ class Buffer:
                  world_size: Optional[int] = ..., ranks_per_node: Optional[int] = ...,
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., device: Any = ..., private_slots: Optional[int] = ...,
-                 timeout: float = ...) -> None: ...
+                 timeout: float = ..., **unsupported: Any) -> None:
+        """Any other keyword (a newer DeepEP's) is refused by name (ferry.InvalidArgument)."""
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Any = ...,
                              dispatch_wait_recv_cost_stats: Any = ..., use_fp8: bool = ...,
                              round_scale: bool = ..., use_ue8m0: bool = ...,
-                             async_finish: bool = ..., return_recv_hook: bool = ...
+                             async_finish: bool = ..., return_recv_hook: bool = ...,
+                             **unsupported: Any
                              ) -> Tuple[Any, torch.Tensor, Any, EventOverlap,
                                         Callable[[], None]]:
         """x bf16 [T, H], topk_idx int64 [T, k] (-1 allowed) -> (recv_x, recv_count, handle,
@@ -119,7 +121,7 @@ class Buffer:
                             topk_weights: torch.Tensor, handle: Any, use_logfmt: bool = ...,
                             zero_copy: bool = ..., async_finish: bool = ...,
                             return_recv_hook: bool = ..., out: Optional[torch.Tensor] = ...,
-                            combine_wait_recv_cost_stats: Any = ...
+                            combine_wait_recv_cost_stats: Any = ..., **unsupported: Any
                             ) -> Tuple[torch.Tensor, EventOverlap, Callable[[], None]]:
         """x bf16 [E_local, max*R, H] -> (combined_x bf16 [T, H], event, hook). Refused:
         use_logfmt=True, zero_copy=True, combine_wait_recv_cost_stats."""

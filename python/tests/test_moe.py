@@ -218,6 +218,8 @@ def test_buffer_refuses_unsupported():
                       "cumulative_local_expert_recv_stats")):
         with pytest.raises(ferry.InvalidArgument, match=name):
             b.low_latency_dispatch(x, idx, 8, E, **kw)
+    with pytest.raises(ferry.InvalidArgument, match="use_nvfp4 not supported"):
+        b.low_latency_dispatch(x, idx, 8, E, use_nvfp4=True)
     with pytest.raises(ferry.InvalidArgument, match="topk_idx.*dtype"):
         b.low_latency_dispatch(x, idx.float(), 8, E)
     with pytest.raises(ferry.InvalidArgument, match="num_max_dispatch_tokens_per_rank"):
