@@ -54,6 +54,15 @@ class Peer(int):
         return f"ferry.Peer({int(self)})"
 
 
+def __getattr__(name: str) -> Any:
+    # ferry.moe imports torch: only for the programs that use it.
+    if name == "moe":
+        import importlib
+
+        return importlib.import_module(".moe", __name__)
+    raise AttributeError(f"module 'ferry' has no attribute {name!r}")
+
+
 def gpu_device_count() -> int:
     """CUDA devices visible to ferry (0 in builds without CUDA or without a GPU)."""
     return _ferry.gpu_device_count()

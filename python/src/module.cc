@@ -24,6 +24,7 @@
 #include "ferry/fabric/gpu_memory.h"
 #include "ferry/fabric/types.h"
 #include "memory.h"
+#include "moe.h"
 
 namespace py = pybind11;
 
@@ -468,6 +469,8 @@ PYBIND11_MODULE(_ferry, m) {
         .def("imm_available", &Engine::imm_available)
         .def("stats", &Engine::stats)
         .def("close", &Engine::close);
+
+    register_moe(m, [](py::handle engine) { return &engine.cast<Engine&>().get(); });
 
     m.def("gpu_device_count", [] {
         py::gil_scoped_release nogil;

@@ -337,6 +337,9 @@ Status AllToAll::combine_recv(std::span<float> out) { return impl_->backend->com
 Status AllToAll::combine_recv_bf16(std::span<uint16_t> out) {
     return impl_->backend->combine_recv_bf16(out);
 }
+Status AllToAll::set_combine_weights(std::span<const float> weights) {
+    return impl_->backend->set_combine_weights(weights);
+}
 const std::vector<uint32_t>& AllToAll::sent_expert_counts() const {
     return impl_->backend->sent_expert_counts();
 }

@@ -405,6 +405,25 @@ Status CpuBackend::reduce(Sink sink) {
     return ok_status();
 }
 
+Status CpuBackend::set_combine_weights(std::span<const float> weights) {
+    if (phase_ == Phase::kIdle || phase_ == Phase::kBroken)
+        return invalid_argument(
+            "set_combine_weights: no dispatch in flight; call it between dispatch_send and "
+            "combine_recv");
+    if (cfg_.combine != CombineMode::kPerHit)
+        return invalid_argument(
+            "set_combine_weights: per-rank combine weights the partials at the expert's rank "
+            "with the dispatched weights; use CombineMode::kPerHit");
+    const size_t need = size_t{plan_.num_tokens} * cfg_.experts_per_token;
+    if (weights.size() < need)
+        return invalid_argument(fmt::format("set_combine_weights: {} floats given; {} tokens x "
+                                            "top-{} need {}",
+                                            weights.size(), plan_.num_tokens,
+                                            cfg_.experts_per_token, need));
+    weights_.assign(weights.begin(), weights.begin() + need);
+    return ok_status();
+}
+
 Status CpuBackend::check_out_size(size_t have) const {
     size_t need = size_t{plan_.num_tokens} * cfg_.hidden;
     if (have >= need) return ok_status();

@@ -29,6 +29,7 @@ Status CudaAllToAll::dispatch_recv(const CudaExpertBatch&, void*) { return no_cu
 Status CudaAllToAll::combine_send(const uint16_t*, void*) { return no_cuda(); }
 Status CudaAllToAll::combine_recv(float*, void*) { return no_cuda(); }
 Status CudaAllToAll::combine_recv_bf16(uint16_t*, void*) { return no_cuda(); }
+Status CudaAllToAll::set_combine_weights(const float*, void*) { return no_cuda(); }
 Status CudaAllToAll::synchronize(void*) { return no_cuda(); }
 Status CudaAllToAll::device_status() { return no_cuda(); }
 Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() { return no_cuda(); }
@@ -37,6 +38,10 @@ Status cuda_quantize_fp8(const uint16_t*, uint32_t, uint32_t, uint8_t*, float*, 
 }
 Status cuda_dequantize_fp8_to_bf16(const uint8_t*, const float*, uint32_t, uint32_t, uint16_t*,
                                    void*, const uint32_t*) {
+    return no_cuda();
+}
+Status cuda_copy_groups(const void*, void*, const uint32_t*, uint32_t, uint64_t, uint32_t, bool,
+                        void*) {
     return no_cuda();
 }
 }  // namespace ferry::moe

@@ -33,6 +33,9 @@ struct Case {
     int calls = 1;
     bool bf16_out = false;  // combine_recv_bf16 instead of fp32 output
     CombineMode combine = CombineMode::kPerHit;
+    // Dispatch with wrong weights, give the right ones with set_combine_weights (what the
+    // Python interfaces do: DeepEP and pplx-garden pass weights to combine).
+    bool weights_at_combine = false;
 };
 
 AllToAllConfig config_of(const Case& k) {
@@ -71,7 +74,10 @@ void run_case(const Case& k) {
             mine.rank = r;
             // A rank that starts late must not see its buffers overwritten by fast ones.
             std::this_thread::sleep_for(std::chrono::milliseconds(jitter[r]));
-            FERRY_RETURN_IF_ERROR(b.dispatch_send(inputs[r].input()));
+            DispatchInput in = inputs[r].input();
+            std::vector<float> wrong(inputs[r].weights.size(), 0.375f);
+            if (k.weights_at_combine) in.weights = wrong;
+            FERRY_RETURN_IF_ERROR(b.dispatch_send(in));
             // Per-expert counts of what we sent equal a bincount of our routing.
             std::vector<uint32_t> bincount(cfg.num_experts, 0);
             for (int32_t e : inputs[r].indices)
@@ -86,6 +92,8 @@ void run_case(const Case& k) {
             auto expert_out = testing::run_experts(mine, batch, k.per_expert);
             std::this_thread::sleep_for(std::chrono::milliseconds(jitter[(r + 1) % k.world]));
             FERRY_RETURN_IF_ERROR(b.combine_send(expert_out));
+            if (k.weights_at_combine)
+                FERRY_RETURN_IF_ERROR(b.set_combine_weights(inputs[r].weights));
             std::vector<float> out(size_t{inputs[r].num_tokens} * cfg.hidden, -1.0f);
             float tol = 1e-5f;
             if (k.bf16_out) {
@@ -209,6 +217,39 @@ TEST(MoeReference, PerRankCombine) {
               .topk = 3,
               .per_expert = true,
               .combine = CombineMode::kPerRank});
+}
+
+TEST(MoeReference, WeightsGivenAtCombineReplaceTheDispatchedOnes) {
+    run_case({.name = "WeightsAtCombine", .per_expert = true, .calls = 3,
+              .weights_at_combine = true});
+}
+
+TEST(MoeReference, SetCombineWeightsIsRefusedOutsideACallAndForPerRankCombine) {
+    AllToAllConfig cfg = config_of({.name = "", .world = 1, .num_experts = 4, .topk = 2});
+    auto world = LocalWorld::create(cfg, std::chrono::seconds(5));
+    ASSERT_TRUE(world.ok());
+    CpuBackend& b = (*world)->rank(0);
+    std::vector<float> w = {0.5f, 0.5f};
+    Status s = b.set_combine_weights(w);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("between dispatch_send and combine_recv"), std::string::npos)
+        << s.message();
+    std::vector<int32_t> idx = {3, 0};
+    std::vector<uint8_t> x(cfg.payload_bytes());
+    ASSERT_TRUE(b.dispatch_send({1, x, {}, idx, w}).ok());
+    std::vector<float> short_w = {0.5f};
+    s = b.set_combine_weights(short_w);
+    EXPECT_NE(s.message().find("need 2"), std::string::npos) << s.message();
+    EXPECT_TRUE(b.set_combine_weights(w).ok());
+
+    AllToAllConfig pr = cfg;
+    pr.combine = CombineMode::kPerRank;
+    auto world2 = LocalWorld::create(pr, std::chrono::seconds(5));
+    ASSERT_TRUE(world2.ok());
+    CpuBackend& b2 = (*world2)->rank(0);
+    ASSERT_TRUE(b2.dispatch_send({1, x, {}, idx, w}).ok());
+    s = b2.set_combine_weights(w);
+    EXPECT_NE(s.message().find("kPerHit"), std::string::npos) << s.message();
 }
 
 TEST(MoeReference, CallsOutOfOrderAreRefusedWithTheExpectedOrder) {

@@ -61,6 +61,8 @@ class AllToAll {
     Status combine_send(std::span<const uint16_t> expert_out);
     Status combine_recv(std::span<float> out);
     Status combine_recv_bf16(std::span<uint16_t> out);
+    // See CpuBackend::set_combine_weights.
+    Status set_combine_weights(std::span<const float> weights);
 
     const std::vector<uint32_t>& sent_expert_counts() const;
     PhaseBytes last_bytes() const;

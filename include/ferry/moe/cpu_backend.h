@@ -62,6 +62,11 @@ class CpuBackend {
     // each rank's first top-k choice). Tokens with no expert get zeros.
     Status combine_recv(std::span<float> out);
     Status combine_recv_bf16(std::span<uint16_t> out);
+    // Replaces the combine weights given to dispatch_send (num_tokens * top-k floats), for
+    // callers that only know them at combine time (DeepEP's and pplx-garden's combine take
+    // them there). Between dispatch_send and combine_recv; CombineMode::kPerHit only (per-rank
+    // partials are weighted at the expert's rank with the dispatched weights).
+    Status set_combine_weights(std::span<const float> weights);
 
     // Per-expert token counts of the last dispatch_send: a bincount of its valid indices.
     const std::vector<uint32_t>& sent_expert_counts() const { return plan_.expert_counts; }

@@ -147,6 +147,11 @@ class CudaAllToAll {
     // (cfg.combine kPerRank: the sum of the ranks' bf16 partials, see config.h).
     Status combine_recv(float* out, void* stream);
     Status combine_recv_bf16(uint16_t* out, void* stream);
+    // Replaces the combine weights of the call in flight (max_tokens_per_rank * top-k floats
+    // on the device; rows past the call's token count are not read), enqueued on `stream`
+    // (a device-to-device copy, so it can be captured). Between dispatch_send and
+    // combine_recv; CombineMode::kPerHit only, as CpuBackend::set_combine_weights.
+    Status set_combine_weights(const float* weights, void* stream);
 
     // Waits for the stream (bounded by a few timeouts) and reports the first device-side
     // error of any call so far. After an error the object refuses further calls.
@@ -173,5 +178,14 @@ Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, ui
 Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32_t tokens,
                                    uint32_t hidden, uint16_t* out, void* stream,
                                    const uint32_t* tokens_dev = nullptr);
+
+// Grouped batch <-> a padded [experts, capacity, row_bytes] tensor (the layout pplx-garden's
+// and DeepEP's low-latency calls use): group e, rows offsets[e] .. offsets[e + 1] (device
+// memory, read at run time, so a captured graph copies what each call produced), goes to
+// rows 0.. of slab e, cut at capacity. to_padded false copies the other way. Pointers must be
+// aligned to the largest power of two (up to 16) dividing row_bytes.
+Status cuda_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
+                        uint32_t experts, uint64_t row_bytes, uint32_t capacity, bool to_padded,
+                        void* stream);
 
 }  // namespace ferry::moe

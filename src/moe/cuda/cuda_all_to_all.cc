@@ -703,6 +703,39 @@ Status CudaAllToAll::synchronize(void* stream) {
 
 Status CudaAllToAll::device_status() { return impl_->device_status(); }
 
+Status CudaAllToAll::set_combine_weights(const float* weights, void* stream) {
+    Impl& m = *impl_;
+    if (m.phase == Phase::kIdle || m.phase == Phase::kBroken)
+        return invalid_argument(
+            "set_combine_weights: no dispatch in flight; call it between dispatch_send and "
+            "combine_recv");
+    if (m.cfg.combine != CombineMode::kPerHit)
+        return invalid_argument(
+            "set_combine_weights: per-rank combine weights the partials at the expert's rank "
+            "with the dispatched weights; use CombineMode::kPerHit");
+    if (!weights) return invalid_argument("set_combine_weights: weights must be a device pointer");
+    FERRY_CUDA_TRY(cudaSetDevice(m.device));
+    const size_t bytes =
+        sizeof(float) * size_t{m.cfg.max_tokens_per_rank} * m.cfg.experts_per_token;
+    cudaError_t e = cudaMemcpyAsync(m.args.weights, weights, bytes, cudaMemcpyDeviceToDevice,
+                                    static_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess) return m.fail(FERRY_CUDA_ERROR(e, "set_combine_weights copy"));
+    return ok_status();
+}
+
+Status cuda_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
+                        uint32_t experts, uint64_t row_bytes, uint32_t capacity, bool to_padded,
+                        void* stream) {
+    if (!grouped || !padded || !offsets)
+        return invalid_argument("cuda_copy_groups: grouped, padded and offsets must be device "
+                                "pointers");
+    if (experts == 0 || row_bytes == 0 || capacity == 0) return ok_status();
+    cudaError_t e = cuda::launch_copy_groups(grouped, padded, offsets, experts, row_bytes,
+                                             capacity, to_padded,
+                                             static_cast<cudaStream_t>(stream));
+    return FERRY_CUDA_ERROR(e, "copy_groups launch");
+}
+
 Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                          float* scales, void* stream) {
     if (hidden == 0 || hidden % kScaleBlock != 0)

@@ -193,6 +193,9 @@ cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out,
 cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
                                 uint32_t blocks, uint32_t threads, cudaStream_t stream);
 // quantize.cu
+cudaError_t launch_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
+                               uint32_t experts, uint64_t row_bytes, uint32_t capacity,
+                               bool to_padded, cudaStream_t stream);
 cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                                 float* scales, cudaStream_t stream);
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,

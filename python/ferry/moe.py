@@ -1,0 +1,668 @@
+"""Expert-parallel all-to-all over torch tensors: ferry's dispatch/combine from Python.
+
+Two interfaces over one C++ all-to-all per rank (``ferry._ferry.MoeAllToAll``):
+
+- :class:`AllToAll`, shaped after pplx-garden's ``P2PAllToAll``: caller-allocated outputs,
+  split send/receive halves (``do_send`` / ``do_recv``), ``bound_m`` on the device.
+- :class:`Buffer`, DeepEP's low-latency calls (``low_latency_dispatch`` /
+  ``low_latency_combine``), with its shapes and dtypes and ``return_recv_hook``.
+
+CPU tensors run on the CPU backend (ranks of a node through shared memory, other nodes through
+a TransferEngine), CUDA tensors on the CUDA kernels, on the current torch stream. Ranks meet
+through ``torch.distributed`` (any backend that can all-gather objects: gloo on CPU) or a
+caller's ``allgather(bytes) -> list[bytes]``, used at setup only. See docs/PYTHON.md.
+
+Tensors are read through their data pointers, so the extension links no libtorch (torch 1.13
+and 2.x alike). On a torch without ``torch.float8_e4m3fn`` fp8 tensors are ``torch.uint8``
+views holding the e4m3 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _ferry
+from ._ferry import InvalidArgument
+
+__all__ = ["AllToAll", "Buffer", "EventOverlap", "fp8_dtype", "quantize_fp8", "dequantize_fp8"]
+
+SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def fp8_dtype() -> "torch.dtype":
+    """The dtype fp8 tensors have here: torch.float8_e4m3fn, or torch.uint8 (the e4m3 bytes)
+    on a torch that has no float8 dtypes (1.13)."""
+    return _FP8 if _FP8 is not None else torch.uint8
+
+
+def _is_fp8(dtype: Any) -> bool:
+    return dtype == torch.uint8 or (_FP8 is not None and dtype == _FP8)
+
+
+def _kind(name: str, dtype: Any) -> str:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if _is_fp8(dtype):
+        return "fp8"
+    raise InvalidArgument(f"{name} must be torch.bfloat16 or fp8 e4m3 ({fp8_dtype()}), got "
+                          f"{dtype}")
+
+
+def _dtype_text(dtypes: Sequence[Any]) -> str:
+    return " or ".join(str(d) for d in dtypes)
+
+
+def _check(name: str, t: Any, dtypes: Sequence[Any], shape: Sequence[Optional[int]],
+           device: "torch.device") -> "torch.Tensor":
+    """Refuses anything but a contiguous tensor of one of `dtypes`, `shape` (None: any size
+    there) on `device`, naming the argument and what was expected."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise InvalidArgument(f"{name} must have dtype {_dtype_text(dtypes)}, got {t.dtype}")
+    want = tuple("*" if s is None else s for s in shape)
+    if t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape)):
+        raise InvalidArgument(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):
+        raise InvalidArgument(f"{name} must be on {device}, got a tensor on {t.device}")
+    if not t.is_contiguous():
+        raise InvalidArgument(f"{name} must be contiguous (shape {tuple(t.shape)}, stride "
+                              f"{tuple(t.stride())}); pass {name}.contiguous()")
+    return t
+
+
+def _check_min_rows(name: str, t: "torch.Tensor", need: int) -> None:
+    if t.shape[1] < need:
+        raise InvalidArgument(f"{name} must hold at least {need} rows per local expert "
+                              f"(shape[1] >= {need}), got shape {tuple(t.shape)}")
+
+
+def _ptr(t: Optional["torch.Tensor"]) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def _stream(device: "torch.device") -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _allgather_of(group: Any) -> Callable[[bytes], List[bytes]]:
+    import torch.distributed as dist
+
+    def allgather(blob: bytes) -> List[bytes]:
+        out: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, bytes(blob), group=group)
+        return out
+
+    return allgather
+
+
+def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
+               allgather: Optional[Callable[[bytes], List[bytes]]]
+               ) -> Tuple[int, int, Callable[[bytes], List[bytes]]]:
+    """rank, world size and the setup all-gather: the caller's, else torch.distributed's."""
+    if allgather is not None:
+        if rank is None or world_size is None:
+            raise InvalidArgument("allgather given without rank and world_size: pass all three, "
+                                  "or a torch.distributed group instead")
+        if not callable(allgather):
+            raise InvalidArgument("allgather must be a callable bytes -> list[bytes]")
+        return int(rank), int(world_size), allgather
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgument("no way for the ranks to meet: call torch.distributed."
+                              "init_process_group first (gloo on CPU), or pass rank, world_size "
+                              "and allgather")
+    g_rank, g_world = dist.get_rank(group), dist.get_world_size(group)
+    if rank is not None and int(rank) != g_rank:
+        raise InvalidArgument(f"rank {rank} differs from torch.distributed's rank {g_rank}")
+    if world_size is not None and int(world_size) != g_world:
+        raise InvalidArgument(f"world_size {world_size} differs from the group's size {g_world}")
+    return g_rank, g_world, _allgather_of(group)
+
+
+def _device(device: Any) -> "torch.device":
+    d = torch.device("cpu" if device is None else device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    if d.type not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device must be cpu or cuda, got {d}")
+    return d
+
+
+class _Engine:
+    """The C++ all-to-all of one rank plus the buffers it works in (all owned here, on the
+    all-to-all's device, so the pointers handed to C++ stay valid)."""
+
+    def __init__(self, *, max_tokens: int, hidden: int, kind: str, num_experts: int, topk: int,
+                 rank: int, world: int, ranks_per_node: int, private_slots: int,
+                 alignment: int, device: "torch.device", engine: Any, provider: str,
+                 allgather: Callable[[bytes], List[bytes]], timeout: float) -> None:
+        for name, v in (("max_num_tokens", max_tokens), ("hidden_dim", hidden),
+                        ("num_experts", num_experts), ("num_experts_per_token", topk),
+                        ("world_size", world), ("ranks_per_node", ranks_per_node)):
+            if int(v) <= 0:
+                raise InvalidArgument(f"{name} must be > 0, got {v}")
+        if kind == "fp8" and hidden % SCALE_BLOCK != 0:
+            raise InvalidArgument(f"hidden_dim must be a multiple of {SCALE_BLOCK} for fp8 (one "
+                                  f"scale per {SCALE_BLOCK} channels), got {hidden}")
+        self.max_tokens, self.hidden, self.kind = int(max_tokens), int(hidden), kind
+        self.num_experts, self.topk, self.rank, self.world = num_experts, topk, rank, world
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.allgather = allgather
+        needs_engine = not self.cuda or ranks_per_node < world
+        if engine is None and needs_engine:
+            import ferry
+
+            engine = ferry.TransferEngine(provider, same_host=True)
+        self.engine = engine  # kept: the C++ all-to-all uses it until closed
+        raw = None if engine is None else engine._engine
+        self.a2a = _ferry.MoeAllToAll(
+            max_tokens=self.max_tokens, hidden=self.hidden, dtype=kind,
+            num_experts=int(num_experts), topk=int(topk), rank=int(rank), world=int(world),
+            ranks_per_node=int(ranks_per_node), private_slots=int(private_slots),
+            alignment=int(alignment), cuda=self.cuda,
+            device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
+            timeout=float(timeout))
+        self.local_experts = self.a2a.num_local_experts
+        rows = self.a2a.max_expert_rows
+        spt = hidden // SCALE_BLOCK if kind == "fp8" else 0
+        self.spt = spt
+        elem = 1 if kind == "fp8" else 2
+        z = dict(device=device)
+        self.batch_x = torch.zeros(max(rows, 1) * hidden * elem, dtype=torch.uint8, **z)
+        self.batch_scale = torch.zeros(max(rows * spt, 1), dtype=torch.float32, **z)
+        self.batch_y = torch.zeros(max(rows, 1) * hidden, dtype=torch.bfloat16, **z)
+        self.offsets = torch.zeros(self.local_experts + 1, dtype=torch.int32, **z)
+        self.counts = torch.zeros(self.local_experts, dtype=torch.int32, **z)
+        self.indices = torch.zeros(max_tokens, topk, dtype=torch.int32, **z)
+        self.weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
+        self.combine_weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
+        self.num_tokens_dev = torch.zeros(1, dtype=torch.int32, **z)
+        self.num_tokens = 0  # of the dispatch in flight (host count)
+        self.rows = 0  # rows of its dp_x
+        # Most rows one local expert can receive: every token of every rank, padded.
+        self.capacity = -(-world * self.max_tokens // alignment) * alignment
+
+    def send(self, x: "torch.Tensor", x_scale: Optional["torch.Tensor"],
+             indices: "torch.Tensor", weights: Optional["torch.Tensor"], n: int,
+             bound_m: Optional["torch.Tensor"]) -> None:
+        t = x.shape[0]
+        self.indices[:t].copy_(indices)
+        if weights is None:
+            self.weights[:t].fill_(1.0)
+        else:
+            self.weights[:t].copy_(weights)
+        if self.cuda:
+            if bound_m is not None:
+                self.num_tokens_dev.copy_(bound_m.reshape(1))
+            else:
+                self.num_tokens_dev.fill_(t)
+        self.num_tokens = n
+        self.rows = t  # on CUDA the count is on the device: t bounds it
+        self.a2a.dispatch_send(n, _ptr(self.num_tokens_dev), _ptr(x), _ptr(x_scale),
+                               _ptr(self.indices), _ptr(self.weights), _stream(self.device))
+
+    def recv(self, counts: "torch.Tensor", out_x: "torch.Tensor",
+             out_scale: Optional["torch.Tensor"]) -> None:
+        self.a2a.dispatch_recv(_ptr(self.batch_x), _ptr(self.batch_scale), _ptr(self.offsets),
+                               _ptr(counts), _ptr(out_x), _ptr(out_scale), int(out_x.shape[1]),
+                               _stream(self.device))
+
+    def combine_send(self, expert_y: "torch.Tensor") -> None:
+        self.a2a.combine_send(_ptr(expert_y), int(expert_y.shape[1]), _ptr(self.batch_y),
+                              _ptr(self.offsets), _stream(self.device))
+
+    def combine_recv(self, out: "torch.Tensor", weights: Optional["torch.Tensor"]) -> None:
+        w = 0
+        if weights is not None:
+            self.combine_weights[:weights.shape[0]].copy_(weights)
+            w = _ptr(self.combine_weights)
+        self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16, w,
+                              _stream(self.device))
+
+    def close(self) -> None:
+        # Collective: no peer may still write into our buffers when they go.
+        if self.cuda:
+            self.a2a.synchronize(_stream(self.device))
+        self.allgather(b"")
+        self.a2a.close()
+
+
+class AllToAll:
+    """One rank's expert-parallel all-to-all, shaped after pplx-garden's ``P2PAllToAll``.
+
+    Collective constructor: every rank of the group builds one with the same arguments.
+    ``in_dtype`` is the dtype of ``dp_x`` (torch.bfloat16 or fp8 e4m3, see :func:`fp8_dtype`);
+    ``out_dtype`` must equal it (ferry moves the bytes, it does not convert);
+    ``scale_dtype`` torch.float32 with fp8 (one scale per 128 channels). Experts are split
+    evenly over the ranks (rank r holds experts ``r * E/R .. (r + 1) * E/R - 1``).
+    """
+
+    def __init__(self, max_num_tokens: int, num_experts: int, expert_padding: int,
+                 hidden_dim: int, hidden_dim_scale: Optional[int] = None,
+                 in_dtype: Any = torch.bfloat16, out_dtype: Any = None,
+                 scale_dtype: Any = None, num_experts_per_token: int = 8,
+                 max_private_tokens: Optional[int] = None, device: Any = None,
+                 dp_group: Any = None, node_group: Any = None, global_group: Any = None, *,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 ranks_per_node: Optional[int] = None,
+                 allgather: Optional[Callable[[bytes], List[bytes]]] = None,
+                 engine: Any = None, provider: str = "auto", timeout: float = 10.0) -> None:
+        kind = _kind("in_dtype", in_dtype)
+        if out_dtype is not None and _kind("out_dtype", out_dtype) != kind:
+            raise InvalidArgument(f"out_dtype {out_dtype} differs from in_dtype {in_dtype}: "
+                                  "ferry dispatches the input's bytes unchanged")
+        if kind == "fp8":
+            if scale_dtype is not None and scale_dtype != torch.float32:
+                raise InvalidArgument(f"scale_dtype must be torch.float32, got {scale_dtype}")
+            if hidden_dim_scale is not None and int(hidden_dim_scale) != hidden_dim // SCALE_BLOCK:
+                raise InvalidArgument(f"hidden_dim_scale must be hidden_dim / {SCALE_BLOCK} = "
+                                      f"{hidden_dim // SCALE_BLOCK}, got {hidden_dim_scale}")
+        if dp_group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(dp_group) != 1:
+                raise InvalidArgument("dp_group of more than one rank (tokens shared within a "
+                                      "data-parallel group) is not supported: pass None")
+        if int(expert_padding) < 1:
+            raise InvalidArgument(f"expert_padding must be >= 1, got {expert_padding}")
+        rank, world, gather = _bootstrap(global_group, rank, world_size, allgather)
+        if ranks_per_node is None:
+            if node_group is not None:
+                import torch.distributed as dist
+
+                ranks_per_node = dist.get_world_size(node_group)
+            else:
+                ranks_per_node = world
+        if max_private_tokens is None:
+            max_private_tokens = min(int(max_num_tokens), 32)
+        self._dtype = in_dtype
+        self._device = _device(device)
+        self._e = _Engine(max_tokens=max_num_tokens, hidden=hidden_dim, kind=kind,
+                          num_experts=num_experts, topk=num_experts_per_token, rank=rank,
+                          world=world, ranks_per_node=int(ranks_per_node),
+                          private_slots=int(max_private_tokens), alignment=int(expert_padding),
+                          device=self._device, engine=engine, provider=provider,
+                          allgather=gather, timeout=timeout)
+
+    @property
+    def rank(self) -> int:
+        return self._e.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._e.world
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._e.local_experts
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """Rows per local expert that out_expert_x (and expert_y) must hold at least."""
+        return self._e.capacity
+
+    def _dtypes(self) -> Tuple[Any, ...]:
+        return (torch.bfloat16,) if self._e.kind == "bf16" else tuple(
+            d for d in (_FP8, torch.uint8) if d is not None)
+
+    def _tokens(self, name: str, t: int, bound_m: Optional["torch.Tensor"]) -> int:
+        if t > self._e.max_tokens:
+            raise InvalidArgument(f"{name} holds {t} tokens, more than max_num_tokens "
+                                  f"{self._e.max_tokens}")
+        if bound_m is None:
+            return t
+        _check("bound_m", bound_m, (torch.int32, torch.int64), (1,), self._device)
+        if self._e.cuda:
+            return t  # read by the kernels from the device; the host never waits for it
+        m = int(bound_m.item())
+        if not 0 <= m <= t:
+            raise InvalidArgument(f"bound_m holds {m}; it must be in [0, {t}] ({name} rows)")
+        return m
+
+    def dispatch(self, out_expert_num_tokens: "torch.Tensor", out_expert_x: "torch.Tensor",
+                 out_expert_x_scale: Optional["torch.Tensor"], dp_x: "torch.Tensor",
+                 dp_x_scale: Optional["torch.Tensor"], indices: "torch.Tensor",
+                 weights: "torch.Tensor", bound_m: Optional["torch.Tensor"] = None,
+                 do_send: bool = True, do_recv: bool = True) -> None:
+        """Sends each token of ``dp_x`` ``[T, hidden]`` to the ranks of its experts
+        (``indices`` ``[T, k]`` int32/int64, -1 = no expert; ``weights`` ``[T, k]`` fp32, the
+        combine weights unless combine passes others) and receives this rank's rows:
+        ``out_expert_x[e, :n_e]`` (``[local experts, >= max_recv_tokens, hidden]``), their
+        scales in ``out_expert_x_scale`` (fp8), ``n_e`` in ``out_expert_num_tokens`` (int32).
+        Rows past ``n_e`` (padding to ``expert_padding`` aside, which is zeros) are left as
+        they were. ``bound_m``: a one-element tensor on the device holding the token count
+        (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
+        e, dev = self._e, self._device
+        h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
+        # Every argument of both halves is checked before anything is sent, so a mistake
+        # leaves no call half done.
+        if do_send:
+            _check("dp_x", dp_x, self._dtypes(), (None, h), dev)
+            t = int(dp_x.shape[0])
+            n = self._tokens("dp_x", t, bound_m)
+            if e.kind == "fp8":
+                _check("dp_x_scale", dp_x_scale, (torch.float32,), (t, spt), dev)
+            _check("indices", indices, (torch.int32, torch.int64), (t, k), dev)
+            _check("weights", weights, (torch.float32,), (t, k), dev)
+        scale = None
+        if do_recv:
+            _check("out_expert_num_tokens", out_expert_num_tokens, (torch.int32,), (nl,), dev)
+            _check("out_expert_x", out_expert_x, self._dtypes(), (nl, None, h), dev)
+            _check_min_rows("out_expert_x", out_expert_x, e.capacity)
+            if e.kind == "fp8":
+                scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
+                               (nl, out_expert_x.shape[1], spt), dev)
+        if do_send:
+            e.send(dp_x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
+        if do_recv:
+            e.recv(out_expert_num_tokens, out_expert_x, scale)
+
+    def combine(self, out_tokens: "torch.Tensor", indices: "torch.Tensor",
+                weights: "torch.Tensor", expert_y: "torch.Tensor",
+                bound_m: Optional["torch.Tensor"] = None, do_send: bool = True,
+                do_recv: bool = True) -> None:
+        """Sends the expert outputs ``expert_y`` (bf16, laid out like ``out_expert_x``) back and
+        writes ``out_tokens[t] = sum_k weights[t, k] * expert_y(t, k)`` (bf16 or fp32
+        ``[T, hidden]``, summed in fp32 in top-k order). The routing is the last dispatch's:
+        ``indices`` is checked for shape only; ``bound_m`` as in dispatch (the count given there
+        is used)."""
+        e, dev = self._e, self._device
+        if do_send:
+            _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
+            _check_min_rows("expert_y", expert_y, e.capacity)
+        if do_recv:
+            _check("out_tokens", out_tokens, (torch.bfloat16, torch.float32), (None, e.hidden),
+                   dev)
+            t = int(out_tokens.shape[0])
+            if t > e.max_tokens:
+                raise InvalidArgument(f"out_tokens holds {t} tokens, more than max_num_tokens "
+                                      f"{e.max_tokens}")
+            need = e.rows if e.cuda else e.num_tokens
+            if t < need:
+                raise InvalidArgument(f"out_tokens holds {t} rows; the dispatch sent "
+                                      f"{need} tokens")
+            _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
+            _check("weights", weights, (torch.float32,), (t, e.topk), dev)
+        if do_send:
+            e.combine_send(expert_y)
+        if do_recv:
+            e.combine_recv(out_tokens, weights)
+
+    def synchronize(self) -> None:
+        """CUDA: waits for the current stream and raises a device-side error (a peer that
+        timed out, a bad routing entry) as ferry.Error. CPU: nothing to wait for."""
+        self._e.a2a.synchronize(_stream(self._device))
+
+    def close(self) -> None:
+        """Collective: every rank calls it after its last combine."""
+        self._e.close()
+
+    def destroy(self) -> None:  # pplx-garden's name
+        self.close()
+
+
+class EventOverlap:
+    """DeepEP's event type, for code that calls it: ferry's calls run on the current stream
+    (CUDA) or complete before returning (CPU), so there is nothing to wait for."""
+
+    def __init__(self, event: Any = None) -> None:
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        pass
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _Handle:
+    """What low_latency_combine needs from its dispatch (DeepEP's handle is a tuple; this one
+    is opaque)."""
+
+    def __init__(self, engine: _Engine, num_tokens: int, key: Tuple[Any, ...]) -> None:
+        self.engine, self.num_tokens, self.key = engine, num_tokens, key
+
+
+def _refuse(name: str, value: Any, default: Any, why: str) -> None:
+    if value is not default and value != default:
+        raise InvalidArgument(f"{name}={value!r} is not supported by ferry.moe.Buffer: {why}")
+
+
+def _refuse_others(call: str, extra: dict) -> None:
+    """Arguments of newer DeepEP versions (use_nvfp4, x_global_scale, ...) that ferry does not
+    know: refused by name instead of a TypeError."""
+    if extra:
+        names = ", ".join(sorted(extra))
+        raise InvalidArgument(f"{call}: argument(s) {names} not supported by ferry.moe.Buffer")
+
+
+def _noop() -> None:
+    pass
+
+
+class Buffer:
+    """DeepEP's ``deep_ep.Buffer`` in low-latency mode, on ferry's all-to-all.
+
+    ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``num_qps_per_rank`` are accepted and ignored
+    (ferry sizes its buffers from the first call's shape). One all-to-all is built per
+    (max tokens, experts, hidden, top-k, fp8) at the first call with that shape (a collective:
+    all ranks make the same calls, as DeepEP requires). Per shape, calls go dispatch ->
+    (hook) -> combine -> (hook): one micro-batch at a time.
+    """
+
+    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = True, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, ranks_per_node: Optional[int] = None,
+                 allgather: Optional[Callable[[bytes], List[bytes]]] = None,
+                 engine: Any = None, provider: str = "auto", device: Any = None,
+                 private_slots: Optional[int] = None, timeout: float = 10.0,
+                 **unsupported: Any) -> None:
+        _refuse_others("Buffer", unsupported)
+        if not low_latency_mode:
+            raise InvalidArgument("low_latency_mode=False is not supported by ferry.moe.Buffer: "
+                                  "it implements DeepEP's low-latency calls only")
+        _refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink is not implemented")
+        self.rank, self.group_size, self._gather = _bootstrap(group, rank, world_size, allgather)
+        self._rpn = int(ranks_per_node) if ranks_per_node is not None else self.group_size
+        self._engine, self._provider, self._timeout = engine, provider, timeout
+        self._device = None if device is None else _device(device)
+        self._private = private_slots
+        self._a2a: dict = {}
+
+    def _get(self, x: "torch.Tensor", k: int, max_tokens: int, num_experts: int,
+             fp8: bool) -> Tuple[_Engine, Tuple[Any, ...]]:
+        dev = x.device if self._device is None else self._device
+        key = (int(max_tokens), int(num_experts), int(x.shape[1]), int(k), bool(fp8), str(dev))
+        a = self._a2a.get(key)
+        if a is None and self._a2a and self._engine is not None:
+            raise InvalidArgument(
+                "a second call shape on a Buffer given an engine: each all-to-all needs an "
+                "engine of its own (their immediates would collide); pass no engine, or one "
+                "Buffer per shape")
+        if a is None:
+            if num_experts % self.group_size != 0:
+                raise InvalidArgument(f"num_experts {num_experts} must be a multiple of the "
+                                      f"group size {self.group_size}")
+            a = _Engine(max_tokens=int(max_tokens), hidden=int(x.shape[1]),
+                        kind="fp8" if fp8 else "bf16", num_experts=int(num_experts), topk=k,
+                        rank=self.rank, world=self.group_size, ranks_per_node=self._rpn,
+                        private_slots=(min(int(max_tokens), 32) if self._private is None
+                                       else int(self._private)),
+                        alignment=1, device=_device(dev), engine=self._engine,
+                        provider=self._provider, allgather=self._gather, timeout=self._timeout)
+            self._a2a[key] = a
+        return a, key
+
+    def low_latency_dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Any = None,
+                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             **unsupported: Any
+                             ) -> Tuple[Any, "torch.Tensor", _Handle, EventOverlap,
+                                        Callable[[], None]]:
+        """Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
+        ``(e4m3 [E_local, max*R, H], fp32 scales [E_local, max*R, H/128])`` with ``use_fp8``
+        (bf16 ``[E_local, max*R, H]`` without), ``recv_count`` int32 ``[E_local]``. Rows of
+        expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
+        and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
+        _refuse_others("low_latency_dispatch", unsupported)
+        _refuse("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None,
+                "no per-expert statistics are kept")
+        _refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
+                "no wait-time statistics are kept")
+        _refuse("round_scale", round_scale, False, "scales are amax/448, not powers of two")
+        _refuse("use_ue8m0", use_ue8m0, False, "scales are fp32")
+        del async_finish  # the work is on the current stream (CUDA) or done (CPU) either way
+        dev = x.device if self._device is None else self._device
+        _check("x", x, (torch.bfloat16,), (None, None), dev)
+        t, h = int(x.shape[0]), int(x.shape[1])
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            _check("topk_idx", topk_idx, (torch.int64, torch.int32), (t, None), dev)
+        k = int(topk_idx.shape[1])
+        _check("topk_idx", topk_idx, (torch.int64, torch.int32), (t, k), dev)
+        if t > num_max_dispatch_tokens_per_rank:
+            raise InvalidArgument(f"x holds {t} tokens, more than "
+                                  f"num_max_dispatch_tokens_per_rank "
+                                  f"{num_max_dispatch_tokens_per_rank}")
+        if use_fp8 and h % SCALE_BLOCK != 0:
+            raise InvalidArgument(f"x must have a multiple of {SCALE_BLOCK} channels with "
+                                  f"use_fp8, got {h}")
+        e, key = self._get(x, k, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        xs = None
+        if use_fp8:
+            q = torch.empty(t, h, dtype=torch.uint8, device=dev)
+            xs = torch.empty(t, h // SCALE_BLOCK, dtype=torch.float32, device=dev)
+            _quantize(x, q, xs)
+            x = q
+        e.send(x, xs, topk_idx, None, t, None)
+        cap = int(num_max_dispatch_tokens_per_rank) * self.group_size
+        nl = e.local_experts
+        count = torch.zeros(nl, dtype=torch.int32, device=dev)
+        if use_fp8:
+            rx = torch.empty(nl, cap, h, dtype=torch.uint8, device=dev)
+            rs = torch.empty(nl, cap, h // SCALE_BLOCK, dtype=torch.float32, device=dev)
+            recv_x: Any = (rx.view(_FP8) if _FP8 is not None else rx, rs)
+        else:
+            rx = torch.empty(nl, cap, h, dtype=torch.bfloat16, device=dev)
+            rs = None
+            recv_x = rx
+
+        def hook() -> None:
+            e.recv(count, rx, rs)
+
+        handle = _Handle(e, t, key)
+        if return_recv_hook:
+            return recv_x, count, handle, EventOverlap(), hook
+        hook()
+        return recv_x, count, handle, EventOverlap(), _noop
+
+    def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
+                            topk_weights: "torch.Tensor", handle: _Handle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional["torch.Tensor"] = None,
+                            combine_wait_recv_cost_stats: Any = None, **unsupported: Any
+                            ) -> Tuple["torch.Tensor", EventOverlap, Callable[[], None]]:
+        """Returns ``(combined_x, event, hook)``: ``combined_x[t] = sum_k topk_weights[t, k] *
+        x(t, k)``, bf16 ``[T, H]`` (into ``out`` if given), summed in fp32 in top-k order.
+        ``x`` is bf16 ``[E_local, max*R, H]`` laid out like the dispatch's ``recv_x``."""
+        _refuse_others("low_latency_combine", unsupported)
+        _refuse("use_logfmt", use_logfmt, False, "combine carries bf16 rows")
+        _refuse("zero_copy", zero_copy, False, "there is no exposed send buffer to write into")
+        _refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,
+                "no wait-time statistics are kept")
+        del async_finish
+        if not isinstance(handle, _Handle):
+            raise InvalidArgument("handle must be the one low_latency_dispatch returned, got "
+                                  f"{type(handle).__name__}")
+        e, t = handle.engine, handle.num_tokens
+        dev = e.device
+        cap = int(handle.key[0]) * self.group_size
+        _check("x", x, (torch.bfloat16,), (e.local_experts, cap, e.hidden), dev)
+        _check("topk_idx", topk_idx, (torch.int64, torch.int32), (t, e.topk), dev)
+        _check("topk_weights", topk_weights, (torch.float32,), (t, e.topk), dev)
+        if out is None:
+            out = torch.empty(t, e.hidden, dtype=torch.bfloat16, device=dev)
+        else:
+            _check("out", out, (torch.bfloat16,), (t, e.hidden), dev)
+        e.combine_send(x)
+
+        def hook() -> None:
+            e.combine_recv(out, topk_weights)
+
+        if return_recv_hook:
+            return out, EventOverlap(), hook
+        hook()
+        return out, EventOverlap(), _noop
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: ferry's buffers carry call numbers instead of being zeroed."""
+
+    def destroy(self) -> None:
+        """Collective: closes every all-to-all this buffer built (all ranks call it)."""
+        for a in self._a2a.values():
+            a.close()
+        self._a2a.clear()
+
+    close = destroy
+
+
+def _quantize(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor") -> None:
+    t, h = int(x.shape[0]), int(x.shape[1])
+    if t == 0:
+        return
+    _ferry.moe_quantize_fp8(_ptr(x), t, h, _ptr(q), _ptr(scales), x.device.type == "cuda",
+                            _stream(x.device))
+
+
+def quantize_fp8(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:
+    """bf16 ``[T, H]`` -> (e4m3 ``[T, H]`` (see :func:`fp8_dtype`), fp32 scales ``[T, H/128]``),
+    scale = amax / 448 per 128 channels: ferry's fp8 format, bit-identical on CPU and GPU."""
+    _check("x", x, (torch.bfloat16,), (None, None), x.device)
+    t, h = int(x.shape[0]), int(x.shape[1])
+    if h % SCALE_BLOCK != 0:
+        raise InvalidArgument(f"x must have a multiple of {SCALE_BLOCK} channels, got {h}")
+    q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
+    s = torch.empty(t, h // SCALE_BLOCK, dtype=torch.float32, device=x.device)
+    _quantize(x, q, s)
+    return (q.view(_FP8) if _FP8 is not None else q), s
+
+
+def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
+    """The inverse of :func:`quantize_fp8`, to bf16, in torch (any device)."""
+    if not isinstance(q, torch.Tensor) or not _is_fp8(q.dtype):
+        raise InvalidArgument(f"q must be an fp8 tensor ({fp8_dtype()}), got "
+                              f"{getattr(q, 'dtype', type(q).__name__)}")
+    shape = tuple(q.shape)
+    if shape[-1] % SCALE_BLOCK != 0 or tuple(scales.shape) != shape[:-1] + (
+            shape[-1] // SCALE_BLOCK,):
+        raise InvalidArgument(f"scales must have shape {shape[:-1] + (shape[-1] // SCALE_BLOCK,)}"
+                              f" for q of shape {shape}, got {tuple(scales.shape)}")
+    qc = q.contiguous()
+    bytes_ = qc.view(torch.uint8) if qc.dtype != torch.uint8 else qc
+    if bytes_.device.type == "cpu":
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        n = bytes_.numel() // shape[-1]
+        if n:
+            sc = scales.contiguous().to(torch.float32)
+            _ferry.moe_dequantize_fp8(_ptr(bytes_), _ptr(sc), n, shape[-1], _ptr(out))
+        return out
+    vals = bytes_.view(_FP8).to(torch.float32)  # torch 2.x on a GPU machine
+    s = scales.to(torch.float32).repeat_interleave(SCALE_BLOCK, dim=-1)
+    return (vals * s).to(torch.bfloat16)

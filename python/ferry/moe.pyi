@@ -1,0 +1,133 @@
+"""ferry.moe: expert-parallel all-to-all over torch tensors (docs/PYTHON.md, "MoE")."""
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from . import TransferEngine
+
+SCALE_BLOCK: int
+"""Channels per fp8 scale (128)."""
+
+AllGather = Callable[[bytes], List[bytes]]
+"""Setup exchange: every rank's blob, indexed by rank (collective)."""
+
+def fp8_dtype() -> torch.dtype:
+    """torch.float8_e4m3fn, or torch.uint8 (the e4m3 bytes) on a torch without float8."""
+
+def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [T, H] -> (e4m3 [T, H], fp32 scales [T, H/128]), scale = amax/448 per block."""
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp8 [..., H] and scales [..., H/128] -> bf16 [..., H]."""
+
+class AllToAll:
+    """One rank's all-to-all, shaped after pplx-garden's P2PAllToAll. Collective constructor.
+
+    in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
+    torch.float32 (fp8); expert_padding pads each expert's received rows (zeros) to a multiple;
+    max_private_tokens: rows per sender written before the counts are known (default
+    min(max_num_tokens, 32)). device: "cpu" (CPU backend) or a CUDA device (kernels on the
+    current stream). Ranks: torch.distributed (global_group, default WORLD; node_group's size
+    gives ranks_per_node) or rank + world_size + allgather. dp_group of more than one rank is
+    refused. engine: a TransferEngine for other nodes (CPU: always needed; made with
+    `provider` if not given). timeout: seconds every wait inside a call may take.
+    """
+
+    def __init__(self, max_num_tokens: int, num_experts: int, expert_padding: int,
+                 hidden_dim: int, hidden_dim_scale: Optional[int] = ...,
+                 in_dtype: Any = ..., out_dtype: Any = ..., scale_dtype: Any = ...,
+                 num_experts_per_token: int = ..., max_private_tokens: Optional[int] = ...,
+                 device: Any = ..., dp_group: Any = ..., node_group: Any = ...,
+                 global_group: Any = ..., *, rank: Optional[int] = ...,
+                 world_size: Optional[int] = ..., ranks_per_node: Optional[int] = ...,
+                 allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
+                 provider: str = ..., timeout: float = ...) -> None: ...
+    rank: int
+    world_size: int
+    num_local_experts: int
+    max_recv_tokens: int
+    """Rows per local expert that out_expert_x / expert_y must hold at least."""
+
+    def dispatch(self, out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
+                 out_expert_x_scale: Optional[torch.Tensor], dp_x: torch.Tensor,
+                 dp_x_scale: Optional[torch.Tensor], indices: torch.Tensor,
+                 weights: torch.Tensor, bound_m: Optional[torch.Tensor] = ...,
+                 do_send: bool = ..., do_recv: bool = ...) -> None:
+        """dp_x [T, H] (in_dtype), dp_x_scale [T, H/128] fp32 (fp8), indices [T, k] int32/int64
+        (-1: no expert), weights [T, k] fp32 -> out_expert_num_tokens int32 [E_local],
+        out_expert_x [E_local, >= max_recv_tokens, H], out_expert_x_scale [E_local, same, H/128].
+        bound_m: one int32/int64 on the device, the token count (<= T). ferry.InvalidArgument
+        names any argument of the wrong dtype, shape, device or layout before anything moves."""
+
+    def combine(self, out_tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                expert_y: torch.Tensor, bound_m: Optional[torch.Tensor] = ...,
+                do_send: bool = ..., do_recv: bool = ...) -> None:
+        """expert_y bf16 [E_local, >= max_recv_tokens, H] -> out_tokens [T, H] (bf16 or fp32):
+        sum over k of weights[t, k] * expert_y(t, k), fp32 in top-k order. The routing is the
+        dispatch's (indices checked for shape)."""
+
+    def synchronize(self) -> None:
+        """CUDA: waits for the stream, raises a device-side error. CPU: returns."""
+
+    def close(self) -> None:
+        """Collective: after every rank's last combine."""
+
+    def destroy(self) -> None: ...
+
+class EventOverlap:
+    """DeepEP's event type; nothing to wait for (work is on the current stream, or done)."""
+    event: Any
+    def current_stream_wait(self) -> None: ...
+    def __enter__(self) -> "EventOverlap": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+class Buffer:
+    """DeepEP's Buffer, low-latency mode only. num_nvl_bytes / num_rdma_bytes /
+    num_qps_per_rank / allow_nvlink_for_low_latency_mode / explicitly_destroy are accepted and
+    ignored; low_latency_mode=False and allow_mnnvl=True are refused. An all-to-all is built
+    per call shape at its first use (collective)."""
+
+    rank: int
+    group_size: int
+
+    def __init__(self, group: Any = ..., num_nvl_bytes: int = ..., num_rdma_bytes: int = ...,
+                 low_latency_mode: bool = ..., num_qps_per_rank: int = ...,
+                 allow_nvlink_for_low_latency_mode: bool = ..., allow_mnnvl: bool = ...,
+                 explicitly_destroy: bool = ..., *, rank: Optional[int] = ...,
+                 world_size: Optional[int] = ..., ranks_per_node: Optional[int] = ...,
+                 allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
+                 provider: str = ..., device: Any = ..., private_slots: Optional[int] = ...,
+                 timeout: float = ..., **unsupported: Any) -> None:
+        """Any other keyword (a newer DeepEP's) is refused by name (ferry.InvalidArgument)."""
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Any = ...,
+                             dispatch_wait_recv_cost_stats: Any = ..., use_fp8: bool = ...,
+                             round_scale: bool = ..., use_ue8m0: bool = ...,
+                             async_finish: bool = ..., return_recv_hook: bool = ...,
+                             **unsupported: Any
+                             ) -> Tuple[Any, torch.Tensor, Any, EventOverlap,
+                                        Callable[[], None]]:
+        """x bf16 [T, H], topk_idx int64 [T, k] (-1 allowed) -> (recv_x, recv_count, handle,
+        event, hook): recv_x = (e4m3 [E_local, max*R, H], fp32 [E_local, max*R, H/128]) with
+        use_fp8, else bf16 [E_local, max*R, H]; recv_count int32 [E_local]. Refused (named in
+        ferry.InvalidArgument): cumulative_local_expert_recv_stats,
+        dispatch_wait_recv_cost_stats, round_scale=True, use_ue8m0=True. async_finish is
+        ignored. return_recv_hook=True: sent now, received by hook()."""
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: Any, use_logfmt: bool = ...,
+                            zero_copy: bool = ..., async_finish: bool = ...,
+                            return_recv_hook: bool = ..., out: Optional[torch.Tensor] = ...,
+                            combine_wait_recv_cost_stats: Any = ..., **unsupported: Any
+                            ) -> Tuple[torch.Tensor, EventOverlap, Callable[[], None]]:
+        """x bf16 [E_local, max*R, H] -> (combined_x bf16 [T, H], event, hook). Refused:
+        use_logfmt=True, zero_copy=True, combine_wait_recv_cost_stats."""
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None: ...
+    def destroy(self) -> None:
+        """Collective: closes every all-to-all this Buffer built."""
+    def close(self) -> None: ...

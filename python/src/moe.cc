@@ -1,0 +1,343 @@
+// ferry._ferry.MoeAllToAll: one rank's expert-parallel all-to-all for ferry.moe, on the CPU
+// backend (ferry::moe::AllToAll) or the CUDA one (CudaAllToAll). Tensors arrive as raw data
+// pointers: python/ferry/moe.py checks their shapes, dtypes, devices and contiguity (where
+// it can name the argument) and owns every buffer; this layer only builds spans or device
+// pointers and does the layout change between ferry's grouped batch and the padded
+// [local experts, capacity, hidden] tensors the Python interfaces use. The GIL is released
+// around every call that waits; the setup all-gather takes it back to call Python.
+#include "moe.h"
+
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "ferry/moe/all_to_all.h"
+#include "ferry/moe/cuda_all_to_all.h"
+#include "ferry/moe/numerics.h"
+#include "ferry/moe/plan.h"
+
+namespace py = pybind11;
+
+namespace ferry::python {
+namespace {
+
+using moe::AllToAllConfig;
+
+template <typename T>
+T* ptr(uint64_t p) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+}
+
+// The caller's all-gather (bytes -> list of bytes, one per rank) as ferry's AllGatherFn.
+// Runs on the thread that called create(), which released the GIL: take it back.
+moe::AllGatherFn wrap_allgather(py::function fn) {
+    return [fn = std::move(fn)](std::span<const uint8_t> blob)
+               -> Result<std::vector<std::vector<uint8_t>>> {
+        py::gil_scoped_acquire gil;
+        try {
+            py::object got =
+                fn(py::bytes(reinterpret_cast<const char*>(blob.data()), blob.size()));
+            std::vector<std::vector<uint8_t>> out;
+            for (py::handle item : got) {
+                if (item.is_none()) {
+                    out.emplace_back();
+                    continue;
+                }
+                if (!PyBytes_Check(item.ptr()))
+                    return invalid_argument(
+                        "allgather must return a list of bytes (one per rank), got an item of "
+                        "type " +
+                        std::string(py::str(item.get_type().attr("__name__"))));
+                std::string_view s(PyBytes_AS_STRING(item.ptr()),
+                                   static_cast<size_t>(PyBytes_GET_SIZE(item.ptr())));
+                out.emplace_back(s.begin(), s.end());
+            }
+            return out;
+        } catch (py::error_already_set& e) {
+            return unavailable(std::string("the setup all-gather raised: ") + e.what());
+        }
+    };
+}
+
+// Group e of a grouped batch (rows offsets[e] .. offsets[e + 1]) <-> slab e of a padded
+// [experts, capacity, row] tensor, on the host.
+void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets,
+                      uint32_t experts, size_t row_bytes, uint32_t capacity, bool to_padded) {
+    for (uint32_t e = 0; e < experts; ++e) {
+        const size_t rows = std::min<size_t>(offsets[e + 1] - offsets[e], capacity);
+        uint8_t* g = grouped + size_t{offsets[e]} * row_bytes;
+        uint8_t* p = padded + size_t{e} * capacity * row_bytes;
+        if (rows == 0) continue;
+        if (to_padded) {
+            std::memcpy(p, g, rows * row_bytes);
+        } else {
+            std::memcpy(g, p, rows * row_bytes);
+        }
+    }
+}
+
+class MoeAllToAll {
+  public:
+    MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device, TransferEngine* engine,
+                py::function allgather, double timeout_s)
+        : cfg_(cfg), cuda_(cuda) {
+        if (!(timeout_s > 0))
+            throw StatusError(invalid_argument("timeout must be > 0 seconds"));
+        auto timeout =
+            std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
+        moe::AllGatherFn ag = wrap_allgather(std::move(allgather));
+        if (cuda) {
+            moe::CudaAllToAllOptions o;
+            o.timeout = timeout;
+            o.device = device;
+            o.engine = engine;
+            Result<std::unique_ptr<moe::CudaAllToAll>> r = internal_error("unset");
+            {
+                py::gil_scoped_release nogil;
+                r = moe::CudaAllToAll::create(cfg, ag, o);
+            }
+            gpu_ = take(std::move(r));
+        } else {
+            if (!engine)
+                throw StatusError(invalid_argument(
+                    "the CPU all-to-all needs a TransferEngine (it registers its buffers)"));
+            moe::AllToAllOptions o;
+            o.timeout = timeout;
+            Result<std::unique_ptr<moe::AllToAll>> r = internal_error("unset");
+            {
+                py::gil_scoped_release nogil;
+                r = moe::AllToAll::create(cfg, engine, ag, o);
+            }
+            cpu_ = take(std::move(r));
+        }
+    }
+
+    void close() {
+        py::gil_scoped_release nogil;
+        cpu_.reset();
+        gpu_.reset();
+    }
+
+    // num_tokens (CPU) or num_tokens_dev (CUDA: a uint32 on the device).
+    void dispatch_send(uint32_t num_tokens, uint64_t num_tokens_dev, uint64_t x, uint64_t x_scale,
+                       uint64_t indices, uint64_t weights, uint64_t stream) {
+        const size_t n = num_tokens, k = cfg_.experts_per_token;
+        Status s;
+        py::gil_scoped_release nogil;
+        if (cuda_) {
+            moe::CudaDispatchInput in{ptr<const void>(x), ptr<const float>(x_scale),
+                                      ptr<const int32_t>(indices), ptr<const float>(weights),
+                                      ptr<const uint32_t>(num_tokens_dev)};
+            s = gpu().dispatch_send(in, ptr<void>(stream));
+        } else {
+            moe::DispatchInput in;
+            in.num_tokens = num_tokens;
+            in.x = {ptr<const uint8_t>(x), n * cfg_.payload_bytes()};
+            in.x_scale = {ptr<const float>(x_scale), n * cfg_.scales_per_token()};
+            in.indices = {ptr<const int32_t>(indices), n * k};
+            in.weights = {ptr<const float>(weights), n * k};
+            s = cpu().dispatch_send(in);
+        }
+        py::gil_scoped_acquire gil;
+        check(s);
+    }
+
+    // Receives into the grouped batch (batch_*: max_expert_rows rows), then copies every group
+    // into slab e of out_x / out_scale ([local experts, capacity, ...]). counts: the caller's
+    // int32 [local experts], written as uint32 (counts fit in 31 bits).
+    void dispatch_recv(uint64_t batch_x, uint64_t batch_scale, uint64_t offsets, uint64_t counts,
+                       uint64_t out_x, uint64_t out_scale, uint32_t capacity, uint64_t stream) {
+        const uint32_t nl = cfg_.num_local_experts();
+        const size_t rows = moe::max_expert_rows(cfg_), spt = cfg_.scales_per_token();
+        const bool fp8 = cfg_.dtype == moe::DType::kFp8E4M3;
+        Status s;
+        py::gil_scoped_release nogil;
+        if (cuda_) {
+            moe::CudaExpertBatch b{ptr<void>(batch_x), ptr<float>(batch_scale),
+                                   ptr<uint32_t>(counts), ptr<uint32_t>(offsets), nullptr};
+            void* st = ptr<void>(stream);
+            s = gpu().dispatch_recv(b, st);
+            if (s.ok())
+                s = moe::cuda_copy_groups(b.x, ptr<void>(out_x), b.offsets, nl,
+                                          cfg_.payload_bytes(), capacity, true, st);
+            if (s.ok() && fp8)
+                s = moe::cuda_copy_groups(b.x_scale, ptr<void>(out_scale), b.offsets, nl,
+                                          spt * sizeof(float), capacity, true, st);
+        } else {
+            moe::ExpertBatch b;
+            b.x = {ptr<uint8_t>(batch_x), rows * cfg_.payload_bytes()};
+            b.x_scale = {ptr<float>(batch_scale), fp8 ? rows * spt : 0};
+            b.counts = {ptr<uint32_t>(counts), nl};
+            b.offsets = {ptr<uint32_t>(offsets), size_t{nl} + 1};
+            s = cpu().dispatch_recv(b);
+            if (s.ok()) {
+                copy_groups_host(b.x.data(), ptr<uint8_t>(out_x), b.offsets.data(), nl,
+                                 cfg_.payload_bytes(), capacity, true);
+                if (fp8)
+                    copy_groups_host(reinterpret_cast<uint8_t*>(b.x_scale.data()),
+                                     ptr<uint8_t>(out_scale), b.offsets.data(), nl,
+                                     spt * sizeof(float), capacity, true);
+            }
+        }
+        py::gil_scoped_acquire gil;
+        check(s);
+    }
+
+    // expert_y: bf16 [local experts, capacity, hidden]; batch_y: the grouped staging
+    // (max_expert_rows bf16 rows); offsets: those dispatch_recv wrote.
+    void combine_send(uint64_t expert_y, uint32_t capacity, uint64_t batch_y, uint64_t offsets,
+                      uint64_t stream) {
+        const uint32_t nl = cfg_.num_local_experts();
+        const size_t row = size_t{cfg_.hidden} * 2, rows = moe::max_expert_rows(cfg_);
+        Status s;
+        py::gil_scoped_release nogil;
+        if (cuda_) {
+            void* st = ptr<void>(stream);
+            s = moe::cuda_copy_groups(ptr<void>(batch_y), ptr<void>(expert_y),
+                                      ptr<const uint32_t>(offsets), nl, row, capacity, false, st);
+            if (s.ok()) s = gpu().combine_send(ptr<const uint16_t>(batch_y), st);
+        } else {
+            copy_groups_host(ptr<uint8_t>(batch_y), ptr<uint8_t>(expert_y),
+                             ptr<const uint32_t>(offsets), nl, row, capacity, false);
+            s = cpu().combine_send({ptr<const uint16_t>(batch_y), rows * cfg_.hidden});
+        }
+        py::gil_scoped_acquire gil;
+        check(s);
+    }
+
+    // weights: 0 keeps the dispatched ones; else num_tokens * top-k floats (CUDA: a buffer of
+    // max_tokens_per_rank * top-k on the device).
+    void combine_recv(uint32_t num_tokens, uint64_t out, bool bf16, uint64_t weights,
+                      uint64_t stream) {
+        const size_t n = num_tokens, h = cfg_.hidden, k = cfg_.experts_per_token;
+        Status s;
+        py::gil_scoped_release nogil;
+        if (cuda_) {
+            void* st = ptr<void>(stream);
+            if (weights) s = gpu().set_combine_weights(ptr<const float>(weights), st);
+            if (s.ok())
+                s = bf16 ? gpu().combine_recv_bf16(ptr<uint16_t>(out), st)
+                         : gpu().combine_recv(ptr<float>(out), st);
+        } else {
+            if (weights) s = cpu().set_combine_weights({ptr<const float>(weights), n * k});
+            if (s.ok())
+                s = bf16 ? cpu().combine_recv_bf16({ptr<uint16_t>(out), n * h})
+                         : cpu().combine_recv({ptr<float>(out), n * h});
+        }
+        py::gil_scoped_acquire gil;
+        check(s);
+    }
+
+    void synchronize(uint64_t stream) {
+        if (!cuda_) return;
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = gpu().synchronize(ptr<void>(stream));
+        }
+        check(s);
+    }
+
+    void device_status() {
+        if (cuda_) check(gpu().device_status());
+    }
+
+    const AllToAllConfig& config() const { return cfg_; }
+    bool is_cuda() const { return cuda_; }
+
+  private:
+    moe::AllToAll& cpu() {
+        if (!cpu_) throw StatusError(cancelled("the all-to-all is closed"));
+        return *cpu_;
+    }
+    moe::CudaAllToAll& gpu() {
+        if (!gpu_) throw StatusError(cancelled("the all-to-all is closed"));
+        return *gpu_;
+    }
+
+    AllToAllConfig cfg_;
+    bool cuda_;
+    std::unique_ptr<moe::AllToAll> cpu_;
+    std::unique_ptr<moe::CudaAllToAll> gpu_;
+};
+
+}  // namespace
+
+void register_moe(py::module_& m, EngineOf engine_of) {
+    py::class_<MoeAllToAll>(m, "MoeAllToAll")
+        .def(py::init([engine_of](uint32_t max_tokens, uint32_t hidden, const std::string& dtype,
+                                  uint32_t num_experts, uint32_t topk, uint32_t rank,
+                                  uint32_t world, uint32_t ranks_per_node,
+                                  uint32_t private_slots, uint32_t alignment, bool cuda,
+                                  int device, py::object engine, py::function allgather,
+                                  double timeout_s) {
+                 AllToAllConfig c;
+                 c.max_tokens_per_rank = max_tokens;
+                 c.hidden = hidden;
+                 if (!moe::parse_dtype(dtype, &c.dtype))
+                     throw StatusError(invalid_argument("unknown MoE dtype " + dtype));
+                 c.num_experts = num_experts;
+                 c.experts_per_token = topk;
+                 c.rank = rank;
+                 c.world_size = world;
+                 c.ranks_per_node = ranks_per_node;
+                 c.private_slots_per_sender = private_slots;
+                 c.group_alignment = alignment;
+                 c.combine = moe::CombineMode::kPerHit;
+                 TransferEngine* e = engine.is_none() ? nullptr : engine_of(engine);
+                 return std::make_unique<MoeAllToAll>(c, cuda, device, e, std::move(allgather),
+                                                      timeout_s);
+             }),
+             py::arg("max_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("num_experts"),
+             py::arg("topk"), py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"),
+             py::arg("private_slots"), py::arg("alignment"), py::arg("cuda"), py::arg("device"),
+             py::arg("engine"), py::arg("allgather"), py::arg("timeout"))
+        .def("dispatch_send", &MoeAllToAll::dispatch_send)
+        .def("dispatch_recv", &MoeAllToAll::dispatch_recv)
+        .def("combine_send", &MoeAllToAll::combine_send)
+        .def("combine_recv", &MoeAllToAll::combine_recv)
+        .def("synchronize", &MoeAllToAll::synchronize)
+        .def("device_status", &MoeAllToAll::device_status)
+        .def("close", &MoeAllToAll::close)
+        .def_property_readonly("is_cuda", &MoeAllToAll::is_cuda)
+        .def_property_readonly(
+            "max_expert_rows",
+            [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
+        .def_property_readonly(
+            "num_local_experts",
+            [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
+
+    // fp8 block quantization (numerics.h): bf16 [tokens, hidden] -> e4m3 bytes + fp32 scales.
+    m.def("moe_quantize_fp8",
+          [](uint64_t x, uint32_t tokens, uint32_t hidden, uint64_t q, uint64_t scales, bool cuda,
+             uint64_t stream) {
+              Status s;
+              {
+                  py::gil_scoped_release nogil;
+                  if (cuda) {
+                      s = moe::cuda_quantize_fp8(ptr<const uint16_t>(x), tokens, hidden,
+                                                 ptr<uint8_t>(q), ptr<float>(scales),
+                                                 ptr<void>(stream));
+                  } else {
+                      const size_t n = size_t{tokens} * hidden;
+                      s = moe::quantize_fp8_bf16({ptr<const uint16_t>(x), n}, tokens, hidden,
+                                                 {ptr<uint8_t>(q), n},
+                                                 {ptr<float>(scales), n / moe::kScaleBlock});
+                  }
+              }
+              check(s);
+          });
+    m.def("moe_dequantize_fp8",
+          [](uint64_t q, uint64_t scales, uint32_t tokens, uint32_t hidden, uint64_t out) {
+              const size_t n = size_t{tokens} * hidden;
+              check(moe::dequantize_fp8_to_bf16({ptr<const uint8_t>(q), n},
+                                                {ptr<const float>(scales), n / moe::kScaleBlock},
+                                                tokens, hidden, {ptr<uint16_t>(out), n}));
+          });
+}
+
+}  // namespace ferry::python
