@@ -12,6 +12,7 @@ packages=(
   python3-matplotlib
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   iproute2 procps
+  clang-format
 )
 
 missing=()
