@@ -77,6 +77,10 @@ OpHandle TransferEngine::write(const WriteOp& op, OpCallback done) {
 OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
     return impl_->paged_write(op, std::move(done));
 }
+std::vector<OpHandle> TransferEngine::submit_batch(std::span<const BatchEntry> ops,
+                                                   BatchCallback done) {
+    return impl_->submit_batch(ops, std::move(done));
+}
 OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
     return impl_->write_runs(op, std::move(done));
 }

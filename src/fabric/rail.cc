@@ -179,7 +179,7 @@ bool Rail::drain_submissions() {
     return any;
 }
 
-int Rail::post_one(FabricOp* op) {
+int Rail::post_one(FabricOp* op, bool more) {
     op->ctx.kind = FabricCtx::kOp;
     iovec iov{op->local, op->len};
     void* desc = op->desc;
@@ -192,14 +192,18 @@ int Rail::post_one(FabricOp* op) {
     msg.rma_iov = &rma;
     msg.rma_iov_count = 1;
     msg.context = &op->ctx.fi;
+    const uint64_t more_flag = more ? FI_MORE : 0;
     switch (op->type) {
         case FabricOp::kWrite: {
             msg.data = op->imm;
-            uint64_t flags = FI_COMPLETION | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
+            uint64_t flags = FI_COMPLETION | more_flag | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
+            // FI_INJECT, not fi_inject_write: the payload is copied at post time, but the
+            // completion (and with it a dead peer's error) still comes back.
+            if (op->len <= inject_size_) flags |= FI_INJECT;
             return static_cast<int>(fi_writemsg(ep_, &msg, flags));
         }
         case FabricOp::kRead:
-            return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION));
+            return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION | more_flag));
         case FabricOp::kSend:
             return static_cast<int>(fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_),
                                             op->dest, &op->ctx.fi));
@@ -222,6 +226,7 @@ bool Rail::post_pending() {
     auto is_blocked = [&](PeerId p) {
         return std::find(blocked, blocked + nblocked, p) != blocked + nblocked;
     };
+    uint64_t posted = 0, bytes = 0, injected = 0, with_more = 0;
     for (auto it = pending_.begin(); it != pending_.end() && inflight_ < tx_depth_;) {
         FabricOp* op = *it;
         if (is_blocked(op->peer)) {
@@ -237,10 +242,15 @@ bool Rail::post_pending() {
             op->local = dst;
             op->len = op->payload.size();
         }
+        // FI_MORE while another operation follows in this pass (and fits the queue): the
+        // provider may hold its doorbell until the last one. If that next post is pushed
+        // back, the provider's own progress (every fi_cq_read) still sends what it holds.
+        bool more = config_.post_more && std::next(it) != pending_.end() &&
+                    inflight_ + 1 < tx_depth_;
         int rc;
         {
             CallGuard g(call_since_ns_);
-            rc = post_one(op);
+            rc = post_one(op, more);
         }
         if (wedged()) return false;
         if (rc == -FI_EAGAIN) {
@@ -261,8 +271,18 @@ bool Rail::post_pending() {
             continue;
         }
         link_inflight(op);
-        stats_.ops_posted.fetch_add(1, std::memory_order_relaxed);
-        stats_.bytes_posted.fetch_add(op->len, std::memory_order_relaxed);
+        ++posted;
+        bytes += op->len;
+        injected += op->type == FabricOp::kWrite && op->len <= inject_size_;
+        with_more += more;
+    }
+    // Counters once per pass, not per operation (they are read only by stats()).
+    if (posted) {
+        stats_.ops_posted.fetch_add(posted, std::memory_order_relaxed);
+        stats_.bytes_posted.fetch_add(bytes, std::memory_order_relaxed);
+        stats_.ops_injected.fetch_add(injected, std::memory_order_relaxed);
+        stats_.posted_with_more.fetch_add(with_more, std::memory_order_relaxed);
+        stats_.post_rounds.fetch_add(1, std::memory_order_relaxed);
     }
     return any;
 }
