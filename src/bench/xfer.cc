@@ -1,6 +1,7 @@
 #include "bench/xfer.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -101,7 +102,7 @@ constexpr uint8_t kModeEngine = 'e';  // the engine (engine bandwidth points, la
 constexpr uint8_t kQuit = 'q';
 
 size_t rate_slot_bytes(const XferBenchConfig& c) {
-    size_t m = 64;
+    size_t m = 4096;  // scatters use 4 KiB slices
     for (size_t s : c.rate_sizes) m = std::max(m, s);
     return m;
 }
@@ -365,32 +366,77 @@ Status Initiator::setup() {
     return ok_status();
 }
 
+// CPU seconds used so far by the whole process (RUSAGE_SELF) or the calling thread.
+double cpu_seconds(int who) {
+    rusage ru{};
+    getrusage(who, &ru);
+    auto sec = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+    return sec(ru.ru_utime) + sec(ru.ru_stime);
+}
+
+// Runs one measurement and says what it cost in CPU: microseconds per operation of the
+// whole process and of the calling thread (for the engine: the submitter; the rest is the
+// rail worker).
+struct Costed {
+    double ops_per_s = 0;
+    double cpu_us_per_op = 0;
+    double caller_us_per_op = 0;
+};
+Result<Costed> costed(const std::function<Result<double>()>& fn) {
+    double p0 = cpu_seconds(RUSAGE_SELF), t0 = cpu_seconds(RUSAGE_THREAD);
+    auto w0 = Clock::now();
+    FERRY_ASSIGN_OR_RETURN(double rate, fn());
+    double wall = std::chrono::duration<double>(Clock::now() - w0).count();
+    double ops = rate * wall;
+    Costed c;
+    c.ops_per_s = rate;
+    if (ops > 0) {
+        c.cpu_us_per_op = (cpu_seconds(RUSAGE_SELF) - p0) * 1e6 / ops;
+        c.caller_us_per_op = (cpu_seconds(RUSAGE_THREAD) - t0) * 1e6 / ops;
+    }
+    return c;
+}
+
 Status Initiator::point(XferRow& row, double unit_bytes,
                         const std::function<Result<double>()>& raw_ops_per_s,
                         const std::function<Result<double>()>& engine_ops_per_s,
                         bool engine_target) {
     std::string pairs;
+    double raw_cpu = 0, eng_cpu = 0, eng_caller = 0;
     for (int rep = 0; rep < c_.repeat; ++rep) {
         FERRY_RETURN_IF_ERROR(mode(kModeRaw));
-        FERRY_ASSIGN_OR_RETURN(double raw, raw_ops_per_s());
+        FERRY_ASSIGN_OR_RETURN(Costed raw, costed(raw_ops_per_s));
         FERRY_RETURN_IF_ERROR(mode(engine_target ? kModeEngine : kModeRaw));
-        double eng = 0;
+        Costed eng;
         {
             ArrivalsExpected awake(engine_.get());
-            FERRY_ASSIGN_OR_RETURN(eng, engine_ops_per_s());
+            FERRY_ASSIGN_OR_RETURN(eng, costed(engine_ops_per_s));
         }
-        row.raw_ops = std::max(row.raw_ops, raw);
-        row.engine_ops = std::max(row.engine_ops, eng);
-        row.samples.push_back(raw > 0 ? eng / raw : 0);
-        pairs += fmt::format(" {:.2f}", raw > 0 ? eng / raw : 0);
+        if (raw.ops_per_s > row.raw_ops) {
+            row.raw_ops = raw.ops_per_s;
+            raw_cpu = raw.cpu_us_per_op;
+        }
+        if (eng.ops_per_s > row.engine_ops) {
+            row.engine_ops = eng.ops_per_s;
+            eng_cpu = eng.cpu_us_per_op;
+            eng_caller = eng.caller_us_per_op;
+        }
+        double r = raw.ops_per_s > 0 ? eng.ops_per_s / raw.ops_per_s : 0;
+        row.samples.push_back(r);
+        pairs += fmt::format(" {:.2f}", r);
     }
     row.raw_gbps = row.raw_ops * unit_bytes / 1e9;
     row.engine_gbps = row.engine_ops * unit_bytes / 1e9;
+    row.raw_cpu_us = raw_cpu;
+    row.engine_cpu_us = eng_cpu;
+    row.engine_caller_cpu_us = eng_caller;
     note(fmt::format("{:<12} {:>8} B{}: raw {:.0f} ops/s, engine {:.0f} ops/s, best-of-{} "
-                     "ratio {:.2f}x (each pair:{})",
+                     "ratio {:.2f}x (each pair:{}); CPU us/op raw {:.2f}, engine {:.2f} "
+                     "(submitter {:.2f}, worker {:.2f})",
                      row.kind, row.size,
                      row.peers ? fmt::format(" x{} peers", row.peers) : std::string(),
-                     row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs));
+                     row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs, raw_cpu,
+                     eng_cpu, eng_caller, eng_cpu - eng_caller));
     return ok_status();
 }
 
@@ -747,6 +793,9 @@ nlohmann::json xfer_report_json(const XferReport& r) {
                              {"size_bytes", row.size},
                              {"peers", row.peers ? row.peers : 1},
                              {"ratio_samples", row.samples},
+                             {"raw_cpu_us_per_op", row.raw_cpu_us},
+                             {"engine_cpu_us_per_op", row.engine_cpu_us},
+                             {"engine_submitter_cpu_us_per_op", row.engine_caller_cpu_us},
                              {"raw_gbps", row.raw_gbps},
                              {"engine_gbps", row.engine_gbps},
                              {"ratio", row.ratio()},

@@ -48,6 +48,11 @@ struct XferRow {
     double raw_ops = 0;     // operations (writes or pages) per second
     double engine_ops = 0;
     std::vector<double> samples;  // engine/raw ratio of each alternating pair
+    // CPU time per operation (whole initiator process) of the best measurement of each, and
+    // the engine's share spent in the submitting thread (the rest is the rail worker).
+    double raw_cpu_us = 0;
+    double engine_cpu_us = 0;
+    double engine_caller_cpu_us = 0;
     double ratio() const { return raw_ops > 0 ? engine_ops / raw_ops : 0; }
 };
 

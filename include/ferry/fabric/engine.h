@@ -312,6 +312,9 @@ class TransferEngine {
     void set_message_handler(MessageHandler handler);
 
     EngineStats stats() const;
+    // Longest write posted with FI_INJECT (the provider copies the payload while posting):
+    // the provider's inject_size, 0 when EngineConfig::inject is off.
+    size_t inject_size() const;
 
   private:
     explicit TransferEngine(std::shared_ptr<detail::EngineImpl> impl);
