@@ -90,13 +90,18 @@ Result<fi_addr_t> RawEndpoint::insert(std::span<const uint8_t> addr) {
 }
 
 void RawEndpoint::progress() {
+    if (!poll()) std::this_thread::yield();
+}
+
+bool RawEndpoint::poll() {
     fi_cq_data_entry e[16];
     ssize_t n = fi_cq_read(cq_, e, 16);
-    if (n == -FI_EAGAIN) std::this_thread::yield();
     if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
         fi_cq_readerr(cq_, &err, 0);
+        return true;
     }
+    return n > 0;
 }
 
 Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,

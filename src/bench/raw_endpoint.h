@@ -44,8 +44,13 @@ class RawEndpoint {
     };
     Result<double> rate_loop(std::span<const Target> targets, size_t size, bool imm, int window,
                              int slots, Duration duration);
-    // Target side: polls the completion queue (tcp needs the target to drive progress).
+    // Target side: polls the completion queue (tcp needs the target to drive progress),
+    // yielding the core when nothing came.
     void progress();
+    // One poll without yielding; true when it found completions. For a thread that sweeps
+    // many endpoints and yields once per sweep (a yield per empty endpoint starved the busy
+    // one: tcp at 16 KiB fell to 0.07 GB/s with 65 endpoints swept).
+    bool poll();
     bool virt_addr() const { return virt_; }
 
   private:

@@ -32,6 +32,9 @@ struct XferBenchConfig {
     std::vector<int> rate_peers = {1, 8, 64};
     std::vector<int> scatter_peers = {8, 64};
     int rate_batch = 32;
+    // The engine's FI_INJECT and FI_MORE (EngineConfig::inject, post_more), to measure each.
+    bool inject = true;
+    bool post_more = true;
     // Writes rotate over this many bytes of source and destination (0: four slots of the
     // largest size, cache resident). A transfer of gigabytes streams from DRAM, and its
     // ceiling must too.

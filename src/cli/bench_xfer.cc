@@ -36,6 +36,8 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_option("--scatter-peers", c->scatter_peers, "scatter peer counts")->delimiter(',');
     cmd->add_option("--rate-batch", c->rate_batch, "writes per submit_batch in the rate section")
         ->capture_default_str();
+    cmd->add_flag("!--no-inject", c->inject, "post small writes without FI_INJECT");
+    cmd->add_flag("!--no-more", c->post_more, "post batches without FI_MORE");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) {
