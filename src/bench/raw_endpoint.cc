@@ -90,13 +90,18 @@ Result<fi_addr_t> RawEndpoint::insert(std::span<const uint8_t> addr) {
 }
 
 void RawEndpoint::progress() {
+    if (!poll()) std::this_thread::yield();
+}
+
+bool RawEndpoint::poll() {
     fi_cq_data_entry e[16];
     ssize_t n = fi_cq_read(cq_, e, 16);
-    if (n == -FI_EAGAIN) std::this_thread::yield();
     if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
         fi_cq_readerr(cq_, &err, 0);
+        return true;
     }
+    return n > 0;
 }
 
 Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
@@ -151,6 +156,63 @@ Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
     }
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
     return static_cast<double>(completed * size) / secs;
+}
+
+Result<double> RawEndpoint::rate_loop(std::span<const Target> targets, size_t size, bool imm,
+                                      int window, int slots, Duration duration) {
+    if (targets.empty()) return invalid_argument("raw rate loop: no targets");
+    if (size * 4 > len_) return invalid_argument("raw rate loop: buffer too small");
+    void* desc = fi_mr_desc(mr_);
+    int inflight = 0;
+    uint64_t posted = 0, completed = 0;
+    auto start = Clock::now();
+    auto stop_at = start + duration;
+    fi_cq_data_entry entries[64];
+    std::vector<fi_context2> ctxs(window);
+    std::vector<fi_context2*> free_ctx;
+    for (auto& c : ctxs) free_ctx.push_back(&c);
+    bool posting = true;
+    const size_t n = targets.size();
+    while (posting || inflight > 0) {
+        while (posting && inflight < window) {
+            const Target& t = targets[posted % n];
+            uint64_t slot = (posted / n) % slots;
+            void* src = static_cast<uint8_t*>(buf_) + (posted % 4) * size;
+            ssize_t rc = imm ? fi_writedata(ep_, src, size, desc, static_cast<uint32_t>(posted),
+                                            t.dest, t.base + slot * size, t.key, free_ctx.back())
+                             : fi_write(ep_, src, size, desc, t.dest, t.base + slot * size,
+                                        t.key, free_ctx.back());
+            if (rc == -FI_EAGAIN) break;
+            if (rc) return fi_fail(imm ? "fi_writedata" : "fi_write", rc);
+            free_ctx.pop_back();
+            ++inflight;
+            ++posted;
+        }
+        ssize_t got = fi_cq_read(cq_, entries, 64);
+        if (got == -FI_EAGAIN) {
+            std::this_thread::yield();
+        } else if (got > 0) {
+            for (ssize_t i = 0; i < got; ++i) {
+                free_ctx.push_back(static_cast<fi_context2*>(entries[i].op_context));
+            }
+            inflight -= static_cast<int>(got);
+            completed += got;
+        } else if (got == -FI_EAVAIL) {
+            fi_cq_err_entry err{};
+            fi_cq_readerr(cq_, &err, 0);
+            return provider_error(fmt::format("raw rate loop: write failed: {}",
+                                              fi_strerror(err.err)));
+        }
+        auto now = Clock::now();
+        if (now >= stop_at) posting = false;
+        if (now > stop_at + std::chrono::seconds(10)) {
+            return timeout_error(fmt::format(
+                "raw rate loop: {} writes still in flight 10 s after the last was posted",
+                inflight));
+        }
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    return static_cast<double>(completed) / secs;
 }
 
 }  // namespace ferry::detail

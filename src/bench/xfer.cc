@@ -1,6 +1,7 @@
 #include "bench/xfer.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -87,9 +88,35 @@ EngineConfig engine_config(const XferBenchConfig& c) {
     e.provider = c.provider;
     e.num_rails = c.rails;
     e.peers_on_same_host = true;
-    // A benchmark dedicates a core to each worker, as a serving process would.
-    e.busy_poll = true;
+    // Raw and engine points alternate in one run (so both see the same load on a shared
+    // host), and an engine with busy_poll would spin through the raw points beside the raw
+    // loop. So the workers nap between engine points and are held awake during them with
+    // expect_arrivals, which polls exactly like busy_poll.
+    e.busy_poll = false;
+    e.inject = c.inject;
+    e.post_more = c.post_more;
     return e;
+}
+
+// Target commands: which side of this process polls for the next point.
+constexpr uint8_t kModeRaw = 'r';     // the raw endpoint (bandwidth raw loops)
+constexpr uint8_t kModeRate = 'p';    // the rate section's raw endpoints (both loops)
+constexpr uint8_t kModeEngine = 'e';  // the engine (engine bandwidth points, latency)
+constexpr uint8_t kQuit = 'q';
+
+size_t rate_slot_bytes(const XferBenchConfig& c) {
+    size_t m = 4096;  // scatters use 4 KiB slices
+    for (size_t s : c.rate_sizes) m = std::max(m, s);
+    return m;
+}
+constexpr int kRateSlots = 4;
+
+int max_rate_peers(const XferBenchConfig& c) {
+    if (!c.rate) return 0;
+    int m = 0;
+    for (int p : c.rate_peers) m = std::max(m, p);
+    for (int p : c.scatter_peers) m = std::max(m, p);
+    return m;
 }
 
 // ---- target process -------------------------------------------------------------------
@@ -98,49 +125,50 @@ int target_main(int fd, const XferBenchConfig& c) {
     Sizes sz = buffer_sizes(c);
     std::vector<uint8_t> buf(sz.buffer, 0);
     EngineConfig ec = engine_config(c);
-    // The target drives receive progress (shm copies large writes on the receiving side, tcp
-    // reads its sockets there), so it polls all the time, as the raw loop's target does.
-    ec.busy_poll = true;
-    // Phase 1: the raw endpoint, progressed by this thread until the parent says next.
-    {
-        auto raw = detail::RawEndpoint::open(ec, buf.data(), buf.size());
-        ByteWriter w;
-        w.put<uint8_t>(raw.ok());
-        if (raw.ok()) {
-            w.put_bytes((*raw)->name());
-            w.put((*raw)->wire_base());
-            w.put((*raw)->key());
-        } else {
-            w.put_string(raw.status().to_string());
-        }
-        if (!send_frame(fd, w.bytes()) || !raw.ok()) return 1;
-        std::atomic<bool> stop{false};
-        std::thread poller([&] {
-            while (!stop.load(std::memory_order_relaxed)) (*raw)->progress();
-        });
-        std::vector<uint8_t> cmd;
-        bool ok = recv_frame(fd, &cmd);
-        stop = true;
-        poller.join();
-        if (!ok) return 1;
-    }
-    // Phase 2: the engine; answers pings from a completion callback.
-    auto engine = TransferEngine::create(ec);
-    std::unique_ptr<MemoryRegion> mr;
     ByteWriter w;
+    // The raw endpoint for the bandwidth points, and one raw endpoint per rate-section peer
+    // (the many-peer targets of both the raw and the engine rate loops: 64 engines would be
+    // 64 worker threads on the host being measured).
+    auto raw = detail::RawEndpoint::open(ec, buf.data(), buf.size());
+    const int npeers = max_rate_peers(c);
+    const size_t peer_bytes = rate_slot_bytes(c) * kRateSlots;
+    std::vector<uint8_t> peer_buf(peer_bytes * std::max(npeers, 1), 0);
+    std::vector<std::unique_ptr<detail::RawEndpoint>> peers;
+    Status st = raw.ok() ? ok_status() : raw.status();
+    for (int i = 0; i < npeers && st.ok(); ++i) {
+        auto e = detail::RawEndpoint::open(ec, peer_buf.data() + i * peer_bytes, peer_bytes);
+        if (!e.ok()) st = e.status();
+        else peers.push_back(std::move(*e));
+    }
+    auto engine = st.ok() ? TransferEngine::create(ec) : Result<std::unique_ptr<TransferEngine>>(st);
+    std::unique_ptr<MemoryRegion> mr;
     if (engine.ok()) {
         auto r = (*engine)->register_memory(buf.data(), buf.size());
         if (r.ok()) mr = std::move(*r);
-    }
-    w.put<uint8_t>(engine.ok() && mr);
-    if (engine.ok() && mr) {
-        (*engine)->address().encode(w);
-        mr->descriptor().encode(w);
+        else st = r.status();
     } else {
-        w.put_string(engine.ok() ? "registering target memory failed"
-                                 : engine.status().to_string());
+        st = engine.status();
     }
-    if (!send_frame(fd, w.bytes()) || !engine.ok() || !mr) return 1;
+    w.put<uint8_t>(st.ok());
+    if (!st.ok()) {
+        w.put_string(st.to_string());
+        send_frame(fd, w.bytes());
+        return 1;
+    }
+    w.put_bytes((*raw)->name());
+    w.put((*raw)->wire_base());
+    w.put((*raw)->key());
+    w.put<uint32_t>(static_cast<uint32_t>(peers.size()));
+    for (auto& p : peers) {
+        w.put_bytes(p->name());
+        w.put(p->wire_base());
+        w.put(p->key());
+        w.put<uint8_t>(p->virt_addr());
+    }
+    (*engine)->address().encode(w);
+    mr->descriptor().encode(w);
+    if (!send_frame(fd, w.bytes())) return 1;
+
     std::vector<uint8_t> blob;
     if (!recv_frame(fd, &blob)) return 1;
     ByteReader rd(blob);
@@ -159,8 +187,43 @@ int target_main(int fd, const XferBenchConfig& c) {
         eng->on_imm(kPing, 1, std::chrono::hours(1), pong);
     };
     eng->on_imm(kPing, 1, std::chrono::hours(1), pong);
+
+    // Mode loop: the raw endpoints are progressed by a poller thread in raw mode; the engine's
+    // worker is held awake in engine mode. Only one of them polls at a time.
+    std::atomic<uint8_t> polling{0};  // 0, kModeRaw or kModeRate
+    std::atomic<bool> quit{false};
+    std::thread poller([&] {
+        while (!quit.load(std::memory_order_relaxed)) {
+            uint8_t m = polling.load(std::memory_order_acquire);
+            if (m == 0) {
+                std::this_thread::sleep_for(std::chrono::microseconds(200));
+                continue;
+            }
+            bool any = false;
+            if (m == kModeRaw) {
+                any = (*raw)->poll();
+            } else {
+                for (auto& p : peers) any |= p->poll();
+            }
+            if (!any) std::this_thread::yield();
+        }
+    });
+    ArrivalsExpected awake;
     std::vector<uint8_t> cmd;
-    recv_frame(fd, &cmd);  // parent done (or gone)
+    while (recv_frame(fd, &cmd) && !cmd.empty() && cmd[0] != kQuit) {
+        if (cmd[0] == kModeRaw || cmd[0] == kModeRate) {
+            awake.reset();
+            polling = cmd[0];
+        } else {
+            polling = 0;
+            if (!awake.active()) awake = ArrivalsExpected(eng);
+        }
+        uint8_t ack = 1;
+        if (!send_frame(fd, {&ack, 1})) break;
+    }
+    quit = true;
+    poller.join();
+    awake.reset();
     engine->reset();
     return 0;
 }
@@ -181,22 +244,38 @@ class Initiator {
     void note(const std::string& s) {
         if (c_.progress) c_.progress(s);
     }
-    Status raw_phase(XferReport& rep);
-    Status engine_phase(XferReport& rep);
-    Result<double> windowed(int window, const std::function<void(uint64_t, OpCallback)>& submit,
-                            uint64_t* completed);
-    Result<double> engine_write_loop(size_t size, int window, uint64_t* ops);
-    Result<double> engine_paged_loop(size_t page, uint64_t* pages_done);
+    Status setup();
+    Status mode(uint8_t m);
+    // One point measured c_.repeat times, raw and engine alternating; keeps the best of each.
+    Status point(XferRow& row, double unit_bytes,
+                 const std::function<Result<double>()>& raw_ops_per_s,
+                 const std::function<Result<double>()>& engine_ops_per_s, bool engine_target);
+    // Keeps up to `window` operations in flight: submit(n, release) posts the n-th unit of
+    // `unit` operations, each of which calls release(k) for the k it completes. Returns
+    // operations completed per second.
+    Result<double> windowed(int window, int unit,
+                            const std::function<void(uint64_t, std::function<void(int, const Status&)>)>& submit);
+    Result<double> engine_write_loop(size_t size, int window);
+    Result<double> engine_paged_loop(size_t page);
+    Result<double> engine_rate_loop(int npeers, size_t size, int window);
+    Result<double> engine_scatter_loop(int npeers, size_t size, int window);
     Status latency(XferReport& rep);
 
     XferBenchConfig c_;
     int fd_;
     Sizes sz_;
     std::vector<uint8_t> buf_;
+    std::unique_ptr<detail::RawEndpoint> raw_;
+    fi_addr_t raw_dest_ = FI_ADDR_UNSPEC;
+    uint64_t raw_base_ = 0, raw_key_ = 0;
+    std::vector<detail::RawEndpoint::Target> rate_targets_;
     std::unique_ptr<TransferEngine> engine_;
     std::unique_ptr<MemoryRegion> mr_;
     PeerId peer_ = 0;
     MemoryDescriptor remote_;
+    std::vector<PeerId> rate_peers_;             // the target's raw endpoints as engine peers
+    std::vector<MemoryDescriptor> rate_dsts_;
+    std::vector<std::pair<int, GroupId>> groups_;  // scatter groups by size
 };
 
 Duration point_duration(const XferBenchConfig& c) {
@@ -214,102 +293,224 @@ Status read_target_status(ByteReader& rd) {
     return unavailable("bench target: " + why);
 }
 
-Status Initiator::raw_phase(XferReport& rep) {
+Status Initiator::mode(uint8_t m) {
+    uint8_t b = m;
+    std::vector<uint8_t> ack;
+    if (!send_frame(fd_, {&b, 1}) || !recv_frame(fd_, &ack)) {
+        return unavailable("bench target is gone");
+    }
+    return ok_status();
+}
+
+Status Initiator::setup() {
     std::vector<uint8_t> blob;
     if (!recv_frame(fd_, &blob)) return unavailable("bench target died during set-up");
     ByteReader rd(blob);
     FERRY_RETURN_IF_ERROR(read_target_status(rd));
     std::vector<uint8_t> name;
-    uint64_t base = 0, key = 0;
     FERRY_RETURN_IF_ERROR(rd.get_bytes(&name, "name", 1024));
-    FERRY_RETURN_IF_ERROR(rd.get(&base, "base"));
-    FERRY_RETURN_IF_ERROR(rd.get(&key, "key"));
-    FERRY_ASSIGN_OR_RETURN(auto raw,
-                           detail::RawEndpoint::open(engine_config(c_), buf_.data(), buf_.size()));
-    FERRY_ASSIGN_OR_RETURN(fi_addr_t dest, raw->insert(name));
-    Duration d = point_duration(c_);
-    for (size_t size : c_.sizes) {
-        FERRY_ASSIGN_OR_RETURN(double bps, raw->write_loop(dest, base, key, size, c_.window,
-                                                           sz_.slots, d));
-        rep.rows.push_back({"write", size, bps / 1e9, 0, bps / size, 0});
-        note(fmt::format("raw fi_write {:>8} B: {:.2f} GB/s", size, bps / 1e9));
+    FERRY_RETURN_IF_ERROR(rd.get(&raw_base_, "base"));
+    FERRY_RETURN_IF_ERROR(rd.get(&raw_key_, "key"));
+    uint32_t npeers = 0;
+    FERRY_RETURN_IF_ERROR(rd.get(&npeers, "peers"));
+    struct RawPeer {
+        std::vector<uint8_t> name;
+        uint64_t base = 0, key = 0;
+        uint8_t virt = 1;
+    };
+    std::vector<RawPeer> rp(npeers);
+    for (auto& p : rp) {
+        FERRY_RETURN_IF_ERROR(rd.get_bytes(&p.name, "peer name", 1024));
+        FERRY_RETURN_IF_ERROR(rd.get(&p.base, "peer base"));
+        FERRY_RETURN_IF_ERROR(rd.get(&p.key, "peer key"));
+        FERRY_RETURN_IF_ERROR(rd.get(&p.virt, "peer virt"));
     }
-    for (size_t page : c_.pages) {
-        // The ceiling for paged writes is the plain loop at the page size, with destinations
-        // spread over the same region the paged writes scatter into.
-        int slots = static_cast<int>(std::min<size_t>(sz_.buffer / page, 1024));
-        FERRY_ASSIGN_OR_RETURN(double bps,
-                               raw->write_loop(dest, base, key, page, c_.window, slots, d));
-        rep.rows.push_back({"paged write", page, bps / 1e9, 0, bps / page, 0});
-        note(fmt::format("raw fi_write {:>8} B pages: {:.2f} GB/s", page, bps / 1e9));
+    FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
+    FERRY_ASSIGN_OR_RETURN(remote_, MemoryDescriptor::decode(rd));
+
+    FERRY_ASSIGN_OR_RETURN(raw_, detail::RawEndpoint::open(engine_config(c_), buf_.data(),
+                                                           buf_.size()));
+    FERRY_ASSIGN_OR_RETURN(raw_dest_, raw_->insert(name));
+    for (auto& p : rp) {
+        FERRY_ASSIGN_OR_RETURN(fi_addr_t d, raw_->insert(p.name));
+        rate_targets_.push_back({d, p.base, p.key});
     }
-    FERRY_ASSIGN_OR_RETURN(double sbps, raw->write_loop(dest, base, key, 64, 256, 64, d));
-    rep.rows.push_back({"small write", 64, sbps / 1e9, 0, sbps / 64, 0});
-    note(fmt::format("raw fi_write 64 B: {:.2f} Mops/s", sbps / 64 / 1e6));
-    // Raw one-way latency: a window of one.
-    FERRY_ASSIGN_OR_RETURN(double lbps, raw->write_loop(dest, base, key, 8, 1, 1, d / 2));
-    rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
+    FERRY_ASSIGN_OR_RETURN(engine_, TransferEngine::create(engine_config(c_)));
+    FERRY_ASSIGN_OR_RETURN(mr_, engine_->register_memory(buf_.data(), buf_.size()));
+    FERRY_ASSIGN_OR_RETURN(peer_, engine_->connect(taddr));
+    // The target's raw endpoints as engine peers: an address with one rail and a descriptor
+    // naming the raw registration (the signal region too, for immediate-only writes).
+    const size_t peer_bytes = rate_slot_bytes(c_) * kRateSlots;
+    std::mt19937_64 ids(std::random_device{}());
+    for (auto& p : rp) {
+        EngineAddress a;
+        a.engine_id = ids();
+        a.provider = taddr.provider;
+        a.host_id = taddr.host_id;
+        a.rail_addrs = {p.name};
+        MemoryDescriptor d;
+        d.engine_id = a.engine_id;
+        d.base = p.base;
+        d.length = peer_bytes;
+        d.virt_addr = p.virt != 0;
+        d.rail_keys = {p.key};
+        a.signal = d;
+        FERRY_ASSIGN_OR_RETURN(PeerId id, engine_->connect(a));
+        rate_peers_.push_back(id);
+        rate_dsts_.push_back(d);
+    }
+    if (c_.rate) {
+        for (int n : c_.scatter_peers) {
+            if (n > static_cast<int>(rate_peers_.size())) continue;
+            FERRY_ASSIGN_OR_RETURN(GroupId g, engine_->create_group(
+                                                  std::span(rate_peers_).first(n),
+                                                  std::span(rate_dsts_).first(n)));
+            groups_.emplace_back(n, g);
+        }
+    }
+    ByteWriter w;
+    engine_->address().encode(w);
+    mr_->descriptor().encode(w);
+    if (!send_frame(fd_, w.bytes())) return unavailable("bench target is gone");
     return ok_status();
 }
 
-// Keeps up to `window` operations in flight for one measurement period: `submit(n, cb)`
-// posts the n-th operation with completion cb. Returns operations completed per second.
-// The submitter sleeps until half the window drained: one wake-up per half window instead
-// of one per operation.
-Result<double> Initiator::windowed(int window,
-                                   const std::function<void(uint64_t, OpCallback)>& submit,
-                                   uint64_t* completed) {
+// CPU seconds used so far by the whole process (RUSAGE_SELF) or the calling thread.
+double cpu_seconds(int who) {
+    rusage ru{};
+    getrusage(who, &ru);
+    auto sec = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+    return sec(ru.ru_utime) + sec(ru.ru_stime);
+}
+
+// Runs one measurement and says what it cost in CPU: microseconds per operation of the
+// whole process and of the calling thread (for the engine: the submitter; the rest is the
+// rail worker).
+struct Costed {
+    double ops_per_s = 0;
+    double cpu_us_per_op = 0;
+    double caller_us_per_op = 0;
+};
+Result<Costed> costed(const std::function<Result<double>()>& fn) {
+    double p0 = cpu_seconds(RUSAGE_SELF), t0 = cpu_seconds(RUSAGE_THREAD);
+    auto w0 = Clock::now();
+    FERRY_ASSIGN_OR_RETURN(double rate, fn());
+    double wall = std::chrono::duration<double>(Clock::now() - w0).count();
+    double ops = rate * wall;
+    Costed c;
+    c.ops_per_s = rate;
+    if (ops > 0) {
+        c.cpu_us_per_op = (cpu_seconds(RUSAGE_SELF) - p0) * 1e6 / ops;
+        c.caller_us_per_op = (cpu_seconds(RUSAGE_THREAD) - t0) * 1e6 / ops;
+    }
+    return c;
+}
+
+Status Initiator::point(XferRow& row, double unit_bytes,
+                        const std::function<Result<double>()>& raw_ops_per_s,
+                        const std::function<Result<double>()>& engine_ops_per_s,
+                        bool engine_target) {
+    std::string pairs;
+    double raw_cpu = 0, eng_cpu = 0, eng_caller = 0;
+    if (row.peers > 0) {
+        // Unrecorded first pair: tcp;ofi_rxm connects to each peer on first use, which made the
+        // first raw pass to 64 peers run at ~130 writes/s.
+        FERRY_RETURN_IF_ERROR(mode(kModeRate));
+        FERRY_RETURN_IF_ERROR(raw_ops_per_s().status());
+        ArrivalsExpected awake(engine_.get());
+        FERRY_RETURN_IF_ERROR(engine_ops_per_s().status());
+    }
+    for (int rep = 0; rep < c_.repeat; ++rep) {
+        FERRY_RETURN_IF_ERROR(mode(engine_target ? kModeRaw : kModeRate));
+        FERRY_ASSIGN_OR_RETURN(Costed raw, costed(raw_ops_per_s));
+        FERRY_RETURN_IF_ERROR(mode(engine_target ? kModeEngine : kModeRate));
+        Costed eng;
+        {
+            ArrivalsExpected awake(engine_.get());
+            FERRY_ASSIGN_OR_RETURN(eng, costed(engine_ops_per_s));
+        }
+        if (raw.ops_per_s > row.raw_ops) {
+            row.raw_ops = raw.ops_per_s;
+            raw_cpu = raw.cpu_us_per_op;
+        }
+        if (eng.ops_per_s > row.engine_ops) {
+            row.engine_ops = eng.ops_per_s;
+            eng_cpu = eng.cpu_us_per_op;
+            eng_caller = eng.caller_us_per_op;
+        }
+        double r = raw.ops_per_s > 0 ? eng.ops_per_s / raw.ops_per_s : 0;
+        row.samples.push_back(r);
+        pairs += fmt::format(" {:.2f}", r);
+    }
+    row.raw_gbps = row.raw_ops * unit_bytes / 1e9;
+    row.engine_gbps = row.engine_ops * unit_bytes / 1e9;
+    row.raw_cpu_us = raw_cpu;
+    row.engine_cpu_us = eng_cpu;
+    row.engine_caller_cpu_us = eng_caller;
+    note(fmt::format("{:<12} {:>8} B{}: raw {:.0f} ops/s, engine {:.0f} ops/s, best-of-{} "
+                     "ratio {:.2f}x (each pair:{}); CPU us/op raw {:.2f}, engine {:.2f} "
+                     "(submitter {:.2f}, worker {:.2f})",
+                     row.kind, row.size,
+                     row.peers ? fmt::format(" x{} peers", row.peers) : std::string(),
+                     row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs, raw_cpu,
+                     eng_cpu, eng_caller, eng_cpu - eng_caller));
+    return ok_status();
+}
+
+Result<double> Initiator::windowed(
+    int window, int unit,
+    const std::function<void(uint64_t, std::function<void(int, const Status&)>)>& submit) {
     std::atomic<int> inflight{0};
     std::atomic<uint64_t> done{0};
     std::atomic<bool> failed{false};
     Status first_error;
     std::mutex err_mu;
-    auto cb = [&](const Status& s) {
+    // The submitter sleeps until the window drained to `low`: one wake-up per half window
+    // instead of one per operation.
+    const int low = std::max(0, std::min(window / 2, window - unit));
+    auto release = [&](int k, const Status& s) {
         if (!s.ok()) {
             std::lock_guard lk(err_mu);
             if (first_error.ok()) first_error = s;
             failed = true;
         }
-        done.fetch_add(1, std::memory_order_relaxed);
-        if (inflight.fetch_sub(1, std::memory_order_acq_rel) - 1 == window / 2) {
-            inflight.notify_one();
-        }
+        done.fetch_add(k, std::memory_order_relaxed);
+        int before = inflight.fetch_sub(k, std::memory_order_acq_rel);
+        if (before > low && before - k <= low) inflight.notify_one();
     };
     auto start = Clock::now();
     auto stop = start + point_duration(c_);
     uint64_t posted = 0;
     while (!failed) {
         int cur = inflight.load(std::memory_order_acquire);
-        if (cur >= window) {
-            while (cur > window / 2) {
+        if (cur + unit > window) {
+            while (cur > low) {
                 inflight.wait(cur, std::memory_order_acquire);
                 cur = inflight.load(std::memory_order_acquire);
             }
             continue;
         }
         if (Clock::now() >= stop) break;
-        inflight.fetch_add(1, std::memory_order_relaxed);
-        submit(posted++, cb);
+        inflight.fetch_add(unit, std::memory_order_relaxed);
+        submit(posted++, release);
     }
     auto deadline = deadline_after(kWait);
     while (inflight.load() > 0 && Clock::now() < deadline) std::this_thread::yield();
     if (inflight.load() > 0) return timeout_error("bench: operations still in flight after 30 s");
     if (failed) return first_error;
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    *completed = done.load();
-    return static_cast<double>(*completed) / secs;
+    return static_cast<double>(done.load()) / secs;
 }
 
-Result<double> Initiator::engine_write_loop(size_t size, int window, uint64_t* ops) {
-    FERRY_ASSIGN_OR_RETURN(double per_s, windowed(window, [&](uint64_t n, OpCallback cb) {
+Result<double> Initiator::engine_write_loop(size_t size, int window) {
+    return windowed(window, 1, [&](uint64_t n, auto release) {
         size_t slot = n % sz_.slots;
         engine_->write({peer_, mr_.get(), slot * size, &remote_, slot * size, size, std::nullopt},
-                       std::move(cb));
-    }, ops));
-    return per_s * static_cast<double>(size);
+                       [release](const Status& s) { release(1, s); });
+    });
 }
 
-Result<double> Initiator::engine_paged_loop(size_t page, uint64_t* pages_done) {
+Result<double> Initiator::engine_paged_loop(size_t page) {
     // Random, non-adjacent page lists (every other page), as a paged KV cache's blocks are:
     // nothing coalesces, so this measures the per-page cost.
     uint32_t npages = static_cast<uint32_t>(sz_.buffer / page / 2);
@@ -321,9 +522,9 @@ Result<double> Initiator::engine_paged_loop(size_t page, uint64_t* pages_done) {
         std::shuffle(perm.begin(), perm.end(), rng);
         for (int i = 0; i < c_.pages_per_op; ++i) l.push_back(perm[i] * 2);
     }
-    int window_ops = std::max(1, c_.window / c_.pages_per_op) * 2;
-    uint64_t ops = 0;
-    FERRY_ASSIGN_OR_RETURN(double per_s, windowed(window_ops, [&](uint64_t n, OpCallback cb) {
+    const int per = c_.pages_per_op;
+    int window = std::max(1, c_.window / per) * 2 * per;
+    return windowed(window, per, [&](uint64_t n, auto release) {
         PagedWriteOp p;
         p.peer = peer_;
         p.src = mr_.get();
@@ -331,10 +532,42 @@ Result<double> Initiator::engine_paged_loop(size_t page, uint64_t* pages_done) {
         p.page_size = page;
         p.src_pages = lists[n % lists.size()];
         p.dst_pages = lists[(n + 5) % lists.size()];
-        engine_->paged_write(p, std::move(cb));
-    }, &ops));
-    *pages_done = ops * c_.pages_per_op;
-    return per_s * c_.pages_per_op * static_cast<double>(page);
+        engine_->paged_write(p, [release, per](const Status& s) { release(per, s); });
+    });
+}
+
+// Writes with immediates round robin over npeers, handed over rate_batch at a time with
+// submit_batch: the engine's answer to a raw loop that posts one at a time.
+Result<double> Initiator::engine_rate_loop(int npeers, size_t size, int window) {
+    const int batch = std::max(1, std::min(c_.rate_batch, window));
+    std::vector<BatchEntry> entries(batch);
+    uint64_t seq = 0;
+    return windowed(window, batch, [&](uint64_t, auto release) {
+        for (int i = 0; i < batch; ++i, ++seq) {
+            int p = static_cast<int>(seq % npeers);
+            uint64_t slot = (seq / npeers) % kRateSlots;
+            entries[i] = WriteOp{rate_peers_[p], mr_.get(), (seq % 4) * size, &rate_dsts_[p],
+                                 slot * size, size, static_cast<uint32_t>(seq)};
+        }
+        engine_->submit_batch(entries, [release](size_t, const Status& s) { release(1, s); });
+    });
+}
+
+Result<double> Initiator::engine_scatter_loop(int npeers, size_t size, int window) {
+    GroupId g = 0;
+    bool found = false;
+    for (auto& [n, id] : groups_) {
+        if (n == npeers) g = id, found = true;
+    }
+    if (!found) return invalid_argument(fmt::format("bench: no scatter group of {}", npeers));
+    std::vector<ScatterSlice> slices(npeers);
+    return windowed(std::max(window, npeers), npeers, [&](uint64_t n, auto release) {
+        for (int i = 0; i < npeers; ++i) {
+            slices[i] = {static_cast<uint32_t>(i), (i % 4) * size, (n % kRateSlots) * size, size};
+        }
+        engine_->scatter({g, mr_.get(), slices, static_cast<uint32_t>(n)},
+                         [release, npeers](const Status& s) { release(npeers, s); });
+    });
 }
 
 Status Initiator::latency(XferReport& rep) {
@@ -389,57 +622,101 @@ Status Initiator::latency(XferReport& rep) {
     return ok_status();
 }
 
-Status Initiator::engine_phase(XferReport& rep) {
-    if (!send_frame(fd_, {})) return unavailable("bench target is gone");  // next phase
-    std::vector<uint8_t> blob;
-    if (!recv_frame(fd_, &blob)) return unavailable("bench target died starting its engine");
-    ByteReader rd(blob);
-    FERRY_RETURN_IF_ERROR(read_target_status(rd));
-    FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
-    FERRY_ASSIGN_OR_RETURN(remote_, MemoryDescriptor::decode(rd));
-    FERRY_ASSIGN_OR_RETURN(engine_, TransferEngine::create(engine_config(c_)));
-    FERRY_ASSIGN_OR_RETURN(mr_, engine_->register_memory(buf_.data(), buf_.size()));
-    FERRY_ASSIGN_OR_RETURN(peer_, engine_->connect(taddr));
-    ByteWriter w;
-    engine_->address().encode(w);
-    mr_->descriptor().encode(w);
-    if (!send_frame(fd_, w.bytes())) return unavailable("bench target is gone");
-
-    size_t row = 0;
-    for (size_t size : c_.sizes) {
-        uint64_t ops = 0;
-        FERRY_ASSIGN_OR_RETURN(double bps, engine_write_loop(size, c_.window, &ops));
-        rep.rows[row].engine_gbps = bps / 1e9;
-        rep.rows[row].engine_ops = bps / size;
-        note(fmt::format("engine write {:>8} B: {:.2f} GB/s ({:.2f}x raw)", size, bps / 1e9,
-                         rep.rows[row].ratio()));
-        ++row;
-    }
-    for (size_t page : c_.pages) {
-        uint64_t pages = 0;
-        FERRY_ASSIGN_OR_RETURN(double bps, engine_paged_loop(page, &pages));
-        rep.rows[row].engine_gbps = bps / 1e9;
-        rep.rows[row].engine_ops = bps / page;
-        note(fmt::format("engine paged {:>8} B pages: {:.2f} GB/s ({:.2f}x raw)", page, bps / 1e9,
-                         rep.rows[row].ratio()));
-        ++row;
-    }
-    uint64_t ops = 0;
-    FERRY_ASSIGN_OR_RETURN(double sbps, engine_write_loop(64, 256, &ops));
-    rep.rows[row].engine_gbps = sbps / 1e9;
-    rep.rows[row].engine_ops = sbps / 64;
-    note(fmt::format("engine write 64 B: {:.2f} Mops/s", sbps / 64 / 1e6));
-    FERRY_RETURN_IF_ERROR(latency(rep));
-    note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us", rep.latency_p50_us,
-                     rep.latency_p99_us));
-    return ok_status();
-}
-
 Result<XferReport> Initiator::run() {
     XferReport rep;
+    rep.repeat = c_.repeat;
     FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(engine_config(c_)));
-    FERRY_RETURN_IF_ERROR(raw_phase(rep));
-    FERRY_RETURN_IF_ERROR(engine_phase(rep));
+    FERRY_RETURN_IF_ERROR(setup());
+    Duration d = point_duration(c_);
+    for (size_t size : c_.sizes) {
+        XferRow row{"write", size};
+        FERRY_RETURN_IF_ERROR(point(
+            row, static_cast<double>(size),
+            [&]() -> Result<double> {
+                FERRY_ASSIGN_OR_RETURN(double bps, raw_->write_loop(raw_dest_, raw_base_, raw_key_,
+                                                                    size, c_.window, sz_.slots, d));
+                return bps / size;
+            },
+            [&] { return engine_write_loop(size, c_.window); }, true));
+        rep.rows.push_back(row);
+    }
+    for (size_t page : c_.pages) {
+        // The ceiling for paged writes is the plain loop at the page size, with destinations
+        // spread over the same region the paged writes scatter into.
+        int slots = static_cast<int>(std::min<size_t>(sz_.buffer / page, 1024));
+        XferRow row{"paged write", page};
+        FERRY_RETURN_IF_ERROR(point(
+            row, static_cast<double>(page),
+            [&]() -> Result<double> {
+                FERRY_ASSIGN_OR_RETURN(double bps, raw_->write_loop(raw_dest_, raw_base_, raw_key_,
+                                                                    page, c_.window, slots, d));
+                return bps / page;
+            },
+            [&] { return engine_paged_loop(page); }, true));
+        rep.rows.push_back(row);
+    }
+    {
+        XferRow row{"small write", 64};
+        FERRY_RETURN_IF_ERROR(point(
+            row, 64.0,
+            [&]() -> Result<double> {
+                FERRY_ASSIGN_OR_RETURN(double bps,
+                                       raw_->write_loop(raw_dest_, raw_base_, raw_key_, 64, 256,
+                                                        64, d));
+                return bps / 64;
+            },
+            [&] { return engine_write_loop(64, 256); }, true));
+        rep.rows.push_back(row);
+    }
+    if (c_.rate) {
+        // Message rate: writes with immediates to 1..64 peers and scatters, each beside the raw
+        // loop posting the same writes one at a time. Both loops target the same raw
+        // endpoints of the target process, so the target's work is identical.
+        const int window = 256;
+        for (size_t size : c_.rate_sizes) {
+            for (int n : c_.rate_peers) {
+                if (n > static_cast<int>(rate_targets_.size())) continue;
+                XferRow row{"write+imm", size, n};
+                FERRY_RETURN_IF_ERROR(point(
+                    row, static_cast<double>(size),
+                    [&] {
+                        return raw_->rate_loop(std::span(rate_targets_).first(n), size, true,
+                                               window, kRateSlots, d);
+                    },
+                    [&] { return engine_rate_loop(n, size, window); }, false));
+                rep.rows.push_back(row);
+            }
+        }
+        const size_t slice = 4096;
+        for (int n : c_.scatter_peers) {
+            if (n > static_cast<int>(rate_targets_.size())) continue;
+            XferRow row{"scatter", slice, n};
+            FERRY_RETURN_IF_ERROR(point(
+                row, static_cast<double>(slice),
+                [&] {
+                    return raw_->rate_loop(std::span(rate_targets_).first(n), slice, true,
+                                           std::max(window, n), kRateSlots, d);
+                },
+                [&] { return engine_scatter_loop(n, slice, window); }, false));
+            rep.rows.push_back(row);
+        }
+    }
+    FERRY_RETURN_IF_ERROR(mode(kModeRaw));
+    FERRY_ASSIGN_OR_RETURN(double lbps,
+                           raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
+    rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
+    FERRY_RETURN_IF_ERROR(mode(kModeEngine));
+    {
+        ArrivalsExpected awake(engine_.get());
+        FERRY_RETURN_IF_ERROR(latency(rep));
+    }
+    note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us", rep.latency_p50_us,
+                     rep.latency_p99_us));
+    EngineStats es = engine_->stats();
+    rep.ops_posted = es.ops_posted;
+    rep.post_rounds = es.post_rounds;
+    rep.ops_injected = es.ops_injected;
+    rep.posted_with_more = es.posted_with_more;
     return rep;
 }
 
@@ -447,8 +724,19 @@ Result<XferReport> Initiator::run() {
 
 Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (config.sizes.empty()) return invalid_argument("bench xfer: no sizes given");
-    if (config.window < 1 || config.pages_per_op < 1) {
-        return invalid_argument("bench xfer: window and pages per op must be positive");
+    if (config.window < 1 || config.pages_per_op < 1 || config.repeat < 1) {
+        return invalid_argument("bench xfer: window, pages per op and repeat must be positive");
+    }
+    if (config.rate && (config.rate_sizes.empty() || config.rate_batch < 1)) {
+        return invalid_argument("bench xfer: --rate needs rate sizes and a positive batch");
+    }
+    for (int p : config.rate_peers) {
+        if (p < 1 || p > 1024) return invalid_argument("bench xfer: rate peers must be 1..1024");
+    }
+    for (int p : config.scatter_peers) {
+        if (p < 1 || p > 1024) {
+            return invalid_argument("bench xfer: scatter peers must be 1..1024");
+        }
     }
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
@@ -486,19 +774,29 @@ std::string human_size(size_t b) {
 }  // namespace
 
 std::string format_xfer_table(const XferReport& r) {
-    std::string out = fmt::format("ferry bench xfer — provider {} (two processes, one host)\n\n",
-                                  r.provider);
-    out += fmt::format("{:<12} {:>9} {:>12} {:>12} {:>7} {:>14}\n", "operation", "size",
-                       "raw GB/s", "engine GB/s", "ratio", "engine ops/s");
+    std::string out = fmt::format("ferry bench xfer — provider {} (two processes, one host; raw "
+                                  "and engine alternate, best of {} each)\n\n",
+                                  r.provider, r.repeat);
+    out += fmt::format("{:<12} {:>9} {:>6} {:>10} {:>12} {:>7} {:>13} {:>13}\n", "operation",
+                       "size", "peers", "raw GB/s", "engine GB/s", "ratio", "raw ops/s",
+                       "engine ops/s");
     for (const auto& row : r.rows) {
-        out += fmt::format("{:<12} {:>9} {:>12.2f} {:>12.2f} {:>6.2f}x {:>14.0f}\n", row.kind,
-                           human_size(row.size), row.raw_gbps, row.engine_gbps, row.ratio(),
+        out += fmt::format("{:<12} {:>9} {:>6} {:>10.2f} {:>12.2f} {:>6.2f}x {:>13.0f} {:>13.0f}\n",
+                           row.kind, human_size(row.size), row.peers ? row.peers : 1,
+                           row.raw_gbps, row.engine_gbps, row.ratio(), row.raw_ops,
                            row.engine_ops);
     }
     out += fmt::format("\nwrite with immediate, 8 B, one-way (half round trip, {} iterations): "
                        "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
                        r.latency_iters, r.latency_p50_us, r.latency_p99_us,
                        r.raw_latency_p50_us);
+    if (r.post_rounds) {
+        out += fmt::format("engine posts: {} ops in {} worker passes ({:.1f} per pass), {} with "
+                           "FI_INJECT, {} with FI_MORE\n",
+                           r.ops_posted, r.post_rounds,
+                           static_cast<double>(r.ops_posted) / r.post_rounds, r.ops_injected,
+                           r.posted_with_more);
+    }
     return out;
 }
 
@@ -510,12 +808,22 @@ nlohmann::json xfer_report_json(const XferReport& r) {
     for (const auto& row : r.rows) {
         j["rows"].push_back({{"kind", row.kind},
                              {"size_bytes", row.size},
+                             {"peers", row.peers ? row.peers : 1},
+                             {"ratio_samples", row.samples},
+                             {"raw_cpu_us_per_op", row.raw_cpu_us},
+                             {"engine_cpu_us_per_op", row.engine_cpu_us},
+                             {"engine_submitter_cpu_us_per_op", row.engine_caller_cpu_us},
                              {"raw_gbps", row.raw_gbps},
                              {"engine_gbps", row.engine_gbps},
                              {"ratio", row.ratio()},
                              {"raw_ops_per_s", row.raw_ops},
                              {"engine_ops_per_s", row.engine_ops}});
     }
+    j["repeat"] = r.repeat;
+    j["engine_posts"] = {{"ops", r.ops_posted},
+                         {"worker_passes", r.post_rounds},
+                         {"injected", r.ops_injected},
+                         {"with_fi_more", r.posted_with_more}};
     j["latency_us"] = {{"p50", r.latency_p50_us},
                        {"p99", r.latency_p99_us},
                        {"raw_p50", r.raw_latency_p50_us},

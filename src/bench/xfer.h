@@ -21,6 +21,20 @@ struct XferBenchConfig {
     double seconds_per_point = 0.5;
     int latency_iters = 2000;
     int rails = 1;
+    // Each point is measured this many times, raw loop and engine alternating, and the best
+    // of each kept: on a shared host the load moves between a raw and an engine measurement.
+    int repeat = 1;
+    // Message-rate section (opt-in): writes with immediates of rate_sizes to each count of
+    // rate_peers, and 4 KiB scatters to each count of scatter_peers; the engine hands writes
+    // over rate_batch at a time (submit_batch).
+    bool rate = false;
+    std::vector<size_t> rate_sizes = {64, 4096};
+    std::vector<int> rate_peers = {1, 8, 64};
+    std::vector<int> scatter_peers = {8, 64};
+    int rate_batch = 32;
+    // The engine's FI_INJECT and FI_MORE (EngineConfig::inject, post_more), to measure each.
+    bool inject = true;
+    bool post_more = true;
     // Writes rotate over this many bytes of source and destination (0: four slots of the
     // largest size, cache resident). A transfer of gigabytes streams from DRAM, and its
     // ceiling must too.
@@ -29,13 +43,20 @@ struct XferBenchConfig {
 };
 
 struct XferRow {
-    std::string kind;  // "write", "paged write", "small write"
+    std::string kind;  // "write", "paged write", "small write", "write+imm", "scatter"
     size_t size = 0;   // bytes per write or per page
+    int peers = 0;     // rate section: target peers (0: the one bandwidth target)
     double raw_gbps = 0;
     double engine_gbps = 0;
     double raw_ops = 0;     // operations (writes or pages) per second
     double engine_ops = 0;
-    double ratio() const { return raw_gbps > 0 ? engine_gbps / raw_gbps : 0; }
+    std::vector<double> samples;  // engine/raw ratio of each alternating pair
+    // CPU time per operation (whole initiator process) of the best measurement of each, and
+    // the engine's share spent in the submitting thread (the rest is the rail worker).
+    double raw_cpu_us = 0;
+    double engine_cpu_us = 0;
+    double engine_caller_cpu_us = 0;
+    double ratio() const { return raw_ops > 0 ? engine_ops / raw_ops : 0; }
 };
 
 struct XferReport {
@@ -45,6 +66,12 @@ struct XferReport {
     double latency_p99_us = 0;
     double raw_latency_p50_us = 0;
     int latency_iters = 0;
+    int repeat = 1;
+    // The initiator engine's counters at the end: how well posts were batched.
+    uint64_t ops_posted = 0;
+    uint64_t post_rounds = 0;
+    uint64_t ops_injected = 0;
+    uint64_t posted_with_more = 0;
 };
 
 // Forks the target process, runs every point, and returns the report. Call before this

@@ -26,6 +26,18 @@ void register_bench_xfer(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--latency-iters", c->latency_iters)->capture_default_str();
     cmd->add_option("--rails", c->rails, "domains to open")->capture_default_str();
+    cmd->add_option("--repeat", c->repeat,
+                    "measure each point this many times, raw and engine alternating; best kept")
+        ->capture_default_str();
+    cmd->add_flag("--rate", c->rate,
+                  "message-rate section: writes with immediates to 1/8/64 peers, scatters");
+    cmd->add_option("--rate-sizes", c->rate_sizes, "rate section write sizes")->delimiter(',');
+    cmd->add_option("--rate-peers", c->rate_peers, "rate section peer counts")->delimiter(',');
+    cmd->add_option("--scatter-peers", c->scatter_peers, "scatter peer counts")->delimiter(',');
+    cmd->add_option("--rate-batch", c->rate_batch, "writes per submit_batch in the rate section")
+        ->capture_default_str();
+    cmd->add_flag("!--no-inject", c->inject, "post small writes without FI_INJECT");
+    cmd->add_flag("!--no-more", c->post_more, "post batches without FI_MORE");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) {

@@ -77,6 +77,13 @@ OpHandle TransferEngine::write(const WriteOp& op, OpCallback done) {
 OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
     return impl_->paged_write(op, std::move(done));
 }
+size_t TransferEngine::inject_size() const {
+    return impl_->rails.empty() ? 0 : impl_->rails[0].inject_size();
+}
+std::vector<OpHandle> TransferEngine::submit_batch(std::span<const BatchEntry> ops,
+                                                   BatchCallback done) {
+    return impl_->submit_batch(ops, std::move(done));
+}
 OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
     return impl_->write_runs(op, std::move(done));
 }

@@ -154,9 +154,11 @@ void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
     std::vector<std::shared_ptr<OpState>> victims;
     {
         std::lock_guard lk(registry_->mu);
-        for (OpState* op : registry_->live) {
-            if (op->rail_mask & (uint64_t{1} << rail)) victims.push_back(op->shared_from_this());
-        }
+        registry_->for_each([&](OpState* op) {
+            if (!(op->rail_mask & (uint64_t{1} << rail))) return;
+            // The last owner may be letting go right now: it then needs no failing.
+            if (auto sp = op->weak_from_this().lock()) victims.push_back(std::move(sp));
+        });
     }
     for (auto& op : victims) op->fail_now(why);
 }

@@ -52,6 +52,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     OpHandle read(const ReadOp& op, OpCallback done);
     OpHandle read_runs(const ReadRunsOp& op, OpCallback done);
     OpHandle scatter(const ScatterOp& op, OpCallback done);
+    std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done);
     OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);
     Status barrier(GroupId group, uint32_t imm, Duration timeout);
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done);
@@ -72,12 +73,21 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     const Peer* peer(PeerId id) const { return peers_.peer(id); }
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
-                       uint64_t len, std::optional<uint32_t> imm, TimePoint deadline);
-    // One operation per piece of [len], as the rail group splits it.
+                       uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
+                       const std::shared_ptr<OpState>& state);
+    // One operation per piece of [len], as the rail group splits it, owned by `state`.
     void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
-                 uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe);
+                 uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
+                 const std::shared_ptr<OpState>& state);
+    // The pieces of one operation were added to b (b.count - first_piece of them): records
+    // the count on the state and registers it. Before the batch is posted.
+    void arm(const std::shared_ptr<OpState>& state, uint32_t pieces, bool counts_imm);
     OpHandle submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm);
+    // Validates a write or read and adds its fabric pieces to b. False when the operation is
+    // already completed (it failed validation, or went the GPU IPC way).
+    bool build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b);
+    bool build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b);
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;

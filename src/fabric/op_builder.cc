@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <utility>
 
 #include "fabric/engine_impl.h"
 
@@ -27,7 +29,8 @@ Status no_peer(PeerId id, const char* what) {
 FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
                                const MemoryRegion& local, uint64_t local_off,
                                const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
-                               std::optional<uint32_t> imm, TimePoint deadline) {
+                               std::optional<uint32_t> imm, TimePoint deadline,
+                               const std::shared_ptr<OpState>& state) {
     auto* op = new FabricOp();
     op->type = type;
     op->peer = p.id;
@@ -40,37 +43,38 @@ FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
     op->has_imm = imm.has_value();
     op->imm = imm.value_or(0);
     op->deadline = deadline;
+    op->parent = state;
+    state->rail_mask |= uint64_t{1} << rail;
     return op;
 }
 
 void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
                          const MemoryRegion& local, uint64_t local_off,
                          const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
-                         std::optional<uint32_t> imm, TimePoint deadline, bool stripe) {
+                         std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
+                         const std::shared_ptr<OpState>& state) {
     rails.split(len, stripe, [&](int rail, uint64_t off, uint64_t n) {
         b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
-                             imm, deadline));
+                             imm, deadline, state));
     });
 }
 
+void EngineImpl::arm(const std::shared_ptr<OpState>& state, uint32_t pieces, bool counts_imm) {
+    if (counts_imm) state->imm_writes = pieces;
+    state->set_pieces(pieces);
+    state->registry = registry_;
+}
+
 OpHandle EngineImpl::submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm) {
-    if (counts_imm) state->imm_writes = b.count;
     if (stopped_) {
         RailGroup::discard(b);
         state->fail_now(cancelled("the transfer engine was shut down"));
         return OpHandle(state);
     }
-    state->set_pieces(b.count);
-    for (size_t r = 0; r < b.first.size(); ++r) {
-        if (b.first[r]) state->rail_mask |= uint64_t{1} << r;
-    }
-    state->registry = registry_;
+    arm(state, b.count, counts_imm);
     {
         std::lock_guard lk(registry_->mu);
-        registry_->live.insert(state.get());
-    }
-    for (size_t r = 0; r < b.first.size(); ++r) {
-        b.for_each(r, [&](FabricOp* op) { op->parent = state; });
+        registry_->insert(state.get());
     }
     rails.post(b);
     return OpHandle(state);
@@ -104,27 +108,120 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
     return OpHandle(state);
 }
 
-OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+#define FERRY_FAIL_BUILD(state, expr)     \
+    do {                                  \
+        Status s_ = (expr);               \
+        if (!s_.ok()) {                   \
+            (state)->fail_now(std::move(s_)); \
+            return false;                 \
+        }                                 \
+    } while (0)
+
+bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& state,
+                             RailBatch& b) {
     const Peer* p = peer(w.peer);
-    if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write"));
-    if (w.length == 0 && !w.imm) FERRY_FAIL_OP(state, invalid_argument("write of 0 bytes"));
-    FERRY_FAIL_OP(state, check_local(w.src, w.src_offset, w.length, "write"));
-    FERRY_FAIL_OP(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
+    if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
+    if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
+    FERRY_FAIL_BUILD(state, check_local(w.src, w.src_offset, w.length, "write"));
+    FERRY_FAIL_BUILD(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
     auto path = choose_path(*p, *w.src, *w.dst, "write");
-    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    if (!path.ok()) FERRY_FAIL_BUILD(state, path.status());
     if (*path == Path::kGpuIpc) {
         auto base = map_gpu_peer(*w.dst, *w.src);
-        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
+        if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {
             {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
              w.length}};
-        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+        gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+        return false;
     }
-    RailBatch b(rails.size());
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
-            deadline_after(config.op_timeout), true);
+            deadline_after(config.op_timeout), true, state);
+    return true;
+}
+
+OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    RailBatch b(rails.size());
+    if (!build_write(w, state, b)) return OpHandle(state);
     return submit(b, state, w.imm.has_value());
+}
+
+bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state,
+                            RailBatch& b) {
+    const Peer* p = peer(r.peer);
+    if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
+    if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
+    FERRY_FAIL_BUILD(state, check_local(r.dst, r.dst_offset, r.length, "read"));
+    FERRY_FAIL_BUILD(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
+    auto path = choose_path(*p, *r.dst, *r.src, "read");
+    if (!path.ok()) FERRY_FAIL_BUILD(state, path.status());
+    if (*path == Path::kGpuIpc) {
+        auto base = map_gpu_peer(*r.src, *r.dst);
+        if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
+        std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
+                                         *base + r.src_offset, r.length}};
+        gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+        return false;
+    }
+    add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
+            std::nullopt, deadline_after(config.op_timeout), true, state);
+    return true;
+}
+
+namespace {
+// Shared by the per-entry callbacks of one batch; the last entry to finish frees it. The
+// entry callback captures {this, index}: 16 bytes, inside std::function's own storage, so a
+// batch of n entries costs one allocation here instead of n.
+struct BatchDone {
+    BatchCallback cb;
+    std::atomic<size_t> left;
+};
+}  // namespace
+
+std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
+                                               BatchCallback done) {
+    std::vector<OpHandle> handles;
+    handles.reserve(ops.size());
+    if (ops.empty()) return handles;
+    BatchDone* shared = done ? new BatchDone{std::move(done), ops.size()} : nullptr;
+    RailBatch b(rails.size());
+    std::vector<std::pair<std::shared_ptr<OpState>, bool>> armed;  // state, counts imm
+    armed.reserve(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+        OpCallback cb;
+        if (shared) {
+            cb = [shared, i](const Status& s) {
+                shared->cb(i, s);
+                if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
+            };
+        }
+        auto state = std::make_shared<OpState>(std::move(cb));
+        handles.emplace_back(state);
+        uint32_t before = b.count;
+        bool built;
+        bool imm = false;
+        if (const auto* w = std::get_if<WriteOp>(&ops[i])) {
+            built = build_write(*w, state, b);
+            imm = w->imm.has_value();
+        } else {
+            built = build_read(std::get<ReadOp>(ops[i]), state, b);
+        }
+        if (!built) continue;
+        arm(state, b.count - before, imm);
+        armed.emplace_back(std::move(state), imm);
+    }
+    if (stopped_) {
+        RailGroup::discard(b);
+        for (auto& [st, imm] : armed) st->fail_now(cancelled("the transfer engine was shut down"));
+        return handles;
+    }
+    {
+        std::lock_guard lk(registry_->mu);
+        for (auto& [st, imm] : armed) registry_->insert(st.get());
+    }
+    rails.post(b);
+    return handles;
 }
 
 OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
@@ -193,7 +290,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
                               (j - i) * w.page_size});
         } else {
             add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size,
-                    w.imm, deadline, false);
+                    w.imm, deadline, false, state);
         }
         i = j;
     }
@@ -224,30 +321,15 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& r : w.runs) {
         add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
-                w.imm, deadline, true);
+                w.imm, deadline, true, state);
     }
     return submit(b, state, w.imm.has_value());
 }
 
 OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     auto state = std::make_shared<OpState>(std::move(done));
-    const Peer* p = peer(r.peer);
-    if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read"));
-    if (r.length == 0) FERRY_FAIL_OP(state, invalid_argument("read of 0 bytes"));
-    FERRY_FAIL_OP(state, check_local(r.dst, r.dst_offset, r.length, "read"));
-    FERRY_FAIL_OP(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
-    auto path = choose_path(*p, *r.dst, *r.src, "read");
-    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
-    if (*path == Path::kGpuIpc) {
-        auto base = map_gpu_peer(*r.src, *r.dst);
-        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
-        std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
-                                         *base + r.src_offset, r.length}};
-        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
-    }
     RailBatch b(rails.size());
-    add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
-            std::nullopt, deadline_after(config.op_timeout), true);
+    if (!build_read(r, state, b)) return OpHandle(state);
     return submit(b, state, false);
 }
 
@@ -272,7 +354,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
         add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
-                run.length, std::nullopt, deadline, true);
+                run.length, std::nullopt, deadline, true, state);
     }
     return submit(b, state, false);
 }
@@ -282,28 +364,55 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     const Group* g = peers_.group(sc.group);
     if (!g) FERRY_FAIL_OP(state, not_found(fmt::format("scatter: no group {}", sc.group)));
     if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
+    FERRY_FAIL_OP(state, check_local(sc.src, 0, 0, "scatter"));
+    const bool src_gpu = sc.src->descriptor().kind == MemoryKind::kCuda;
+    // Every slice checked before anything is built, against the group's prepared rows (see
+    // Group): from host memory the path of a member is known since the group was created.
     for (const auto& s : sc.slices) {
-        if (s.member >= g->peers.size()) {
+        if (s.member >= g->members.size()) {
             FERRY_FAIL_OP(state, invalid_argument(fmt::format(
                                      "scatter: slice for member {} but the group has {}",
-                                     s.member, g->peers.size())));
+                                     s.member, g->members.size())));
         }
         if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
         FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
-        auto path = choose_path(*peer(g->peers[s.member]), *sc.src, g->dsts[s.member], "scatter");
-        if (!path.ok()) FERRY_FAIL_OP(state, path.status());
-        if (*path != Path::kFabric) {
-            FERRY_FAIL_OP(state, invalid_argument("scatter between GPU regions over CUDA IPC is not "
-                                                  "supported; use paged_write per peer"));
+        const GroupMember& m = g->members[s.member];
+        if (src_gpu || !m.host_reachable) {
+            auto path = choose_path(*peer(m.peer), *sc.src, g->dsts[s.member], "scatter");
+            if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+            if (*path != Path::kFabric) {
+                FERRY_FAIL_OP(state, invalid_argument("scatter between GPU regions over CUDA "
+                                                      "IPC is not supported; use paged_write "
+                                                      "per peer"));
+            }
         }
-        FERRY_FAIL_OP(state, check_remote(*peer(g->peers[s.member]), &g->dsts[s.member],
-                                          s.dst_offset, s.length, "scatter"));
+        if (s.dst_offset > m.dst_length || s.length > m.dst_length - s.dst_offset) {
+            FERRY_FAIL_OP(state, check_remote(*peer(m.peer), &g->dsts[s.member], s.dst_offset,
+                                              s.length, "scatter"));
+        }
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
+    auto* src_base = static_cast<uint8_t*>(sc.src->data());
     for (const auto& s : sc.slices) {
-        add_rma(b, FabricOp::kWrite, *peer(g->peers[s.member]), *sc.src, s.src_offset,
-                g->dsts[s.member], s.dst_offset, s.length, sc.imm, deadline, true);
+        const GroupMember& m = g->members[s.member];
+        rails.split(s.length, true, [&](int rail, uint64_t off, uint64_t n) {
+            auto* op = new FabricOp();
+            op->type = FabricOp::kWrite;
+            op->peer = m.peer;
+            op->dest = g->addr[g->at(s.member, rail)];
+            op->local = src_base + s.src_offset + off;
+            op->len = n;
+            op->desc = sc.src->local_desc(rail);
+            op->raddr = m.dst_wire_base + s.dst_offset + off;
+            op->rkey = g->dst_key[g->at(s.member, rail)];
+            op->has_imm = sc.imm.has_value();
+            op->imm = sc.imm.value_or(0);
+            op->deadline = deadline;
+            op->parent = state;
+            state->rail_mask |= uint64_t{1} << rail;
+            b.add(rail, op);
+        });
     }
     return submit(b, state, sc.imm.has_value());
 }
@@ -326,6 +435,8 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
     op->has_imm = true;
     op->imm = imm_value;
     op->deadline = deadline_after(config.op_timeout);
+    op->parent = state;
+    state->rail_mask |= uint64_t{1} << rail;
     b.add(rail, op);
     return submit(b, state, true);
 }
@@ -333,16 +444,36 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
 Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) {
     const Group* g = peers_.group(group);
     if (!g) return not_found(fmt::format("barrier: no group {}", group));
-    const std::vector<PeerId>& members = g->peers;
     auto deadline = deadline_after(timeout);
-    std::vector<OpHandle> sent;
-    for (PeerId m : members) sent.push_back(signal(m, imm_value, {}));
-    Status arrived = imm.wait(imm_value, members.size(), timeout);
-    for (auto& h : sent) {
-        Status s = h.wait(std::max<Duration>(deadline - Clock::now(), Duration::zero()));
+    // One operation, one hand-off: a signal per member from the group's prepared rows.
+    auto state = std::make_shared<OpState>(OpCallback{});
+    RailBatch b(rails.size());
+    auto op_deadline = deadline_after(config.op_timeout);
+    for (size_t i = 0; i < g->members.size(); ++i) {
+        const GroupMember& m = g->members[i];
+        int rail = rails.next_rail();
+        auto* op = new FabricOp();
+        op->type = FabricOp::kWrite;
+        op->peer = m.peer;
+        op->dest = g->addr[g->at(i, rail)];
+        op->local = rails[rail].signal_base();
+        op->len = 0;
+        op->raddr = m.signal_wire;
+        op->rkey = g->signal_key[g->at(i, rail)];
+        op->has_imm = true;
+        op->imm = imm_value;
+        op->deadline = op_deadline;
+        op->parent = state;
+        state->rail_mask |= uint64_t{1} << rail;
+        b.add(rail, op);
+    }
+    OpHandle sent = g->members.empty() ? OpHandle() : submit(b, state, true);
+    Status arrived = imm.wait(imm_value, g->members.size(), timeout);
+    if (sent.valid()) {
+        Status s = sent.wait(std::max<Duration>(deadline - Clock::now(), Duration::zero()));
         if (!s.ok()) return s.with_context("barrier");
     }
-    return arrived.with_context(fmt::format("barrier over {} peers", members.size()));
+    return arrived.with_context(fmt::format("barrier over {} peers", g->members.size()));
 }
 
 OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {
@@ -351,8 +482,11 @@ OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, O
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
     FERRY_FAIL_OP(state, control_.check_size(payload.size()));
     RailBatch b(rails.size());
-    b.add(0, control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
-                                deadline_after(config.op_timeout)));
+    FabricOp* op = control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
+                                      deadline_after(config.op_timeout));
+    op->parent = state;
+    state->rail_mask |= 1;
+    b.add(0, op);
     return submit(b, state, false);
 }
 

@@ -18,10 +18,16 @@ namespace ferry::detail {
 struct OpState;
 
 // Operations handed to rails and not finished yet, so a watchdog can fail those stuck on a
-// wedged rail.
+// wedged rail. An intrusive list: insert and erase allocate nothing (an unordered_set node
+// per operation was one of the five heap allocations of a 64 B write, 2026-12-01).
 struct OpRegistry {
     std::mutex mu;
-    std::unordered_set<OpState*> live;
+    OpState* head = nullptr;
+    // Both under mu.
+    void insert(OpState* s);
+    void erase(OpState* s);
+    template <typename Fn>
+    void for_each(Fn&& fn);
 };
 
 struct OpState : std::enable_shared_from_this<OpState> {
@@ -51,7 +57,7 @@ struct OpState : std::enable_shared_from_this<OpState> {
         if (finished.exchange(true, std::memory_order_acq_rel)) return;
         if (registry) {
             std::lock_guard lk(registry->mu);
-            registry->live.erase(this);
+            registry->erase(this);
         }
         Status final_status;
         {
@@ -71,11 +77,40 @@ struct OpState : std::enable_shared_from_this<OpState> {
     uint32_t imm_writes = 0;
     uint64_t rail_mask = 0;  // rails holding pieces of this operation
     std::shared_ptr<OpRegistry> registry;
+    OpState* reg_prev = nullptr;  // registry list, under registry->mu
+    OpState* reg_next = nullptr;
+    bool in_registry = false;
     OpCallback callback;
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
     Status status;
 };
+
+template <typename Fn>
+void OpRegistry::for_each(Fn&& fn) {
+    for (OpState* s = head; s;) {
+        OpState* next = s->reg_next;
+        fn(s);
+        s = next;
+    }
+}
+
+inline void OpRegistry::insert(OpState* s) {
+    s->reg_prev = nullptr;
+    s->reg_next = head;
+    if (head) head->reg_prev = s;
+    head = s;
+    s->in_registry = true;
+}
+
+inline void OpRegistry::erase(OpState* s) {
+    if (!s->in_registry) return;
+    if (s->reg_prev) s->reg_prev->reg_next = s->reg_next;
+    else head = s->reg_next;
+    if (s->reg_next) s->reg_next->reg_prev = s->reg_prev;
+    s->reg_prev = s->reg_next = nullptr;
+    s->in_registry = false;
+}
 
 }  // namespace ferry::detail

@@ -68,6 +68,22 @@ Result<GroupId> PeerTable::create_group(std::span<const PeerId> peers,
         }
         g->peers.push_back(peers[i]);
         g->dsts.push_back(dsts[i]);
+        const MemoryDescriptor& d = dsts[i];
+        GroupMember m;
+        m.peer = peers[i];
+        m.dst_wire_base = d.wire_address(0);
+        m.dst_length = d.length;
+        m.signal_wire = p->address.signal.wire_address(0);
+        m.host_reachable = !d.rail_keys.empty();
+        g->members.push_back(m);
+        g->rails = p->fi_addr.size();
+        for (size_t r = 0; r < p->fi_addr.size(); ++r) {
+            uint32_t rr = p->remote_rail[r];
+            g->addr.push_back(p->fi_addr[r]);
+            g->dst_key.push_back(d.rail_keys.empty() ? 0 : d.rail_keys[rr % d.rail_keys.size()]);
+            const auto& sk = p->address.signal.rail_keys;
+            g->signal_key.push_back(sk.empty() ? 0 : sk[rr % sk.size()]);
+        }
     }
     std::lock_guard lk(groups_mu_);
     if (groups_.size() >= kMaxGroups) return resource_exhausted("too many peer groups");

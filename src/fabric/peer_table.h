@@ -28,10 +28,28 @@ struct Peer {
     std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
 };
 
-// Immutable once created.
+// Immutable once created. Besides the members and their descriptors, everything a scatter or
+// barrier puts in a post is laid out here once, at creation: per member the wire address and
+// length of its region and its signal region, per (member, rail) the fabric address and keys.
+// A scatter then validates and builds each slice from one cache-friendly row instead of
+// looking up the peer, its descriptor and the path per slice.
+struct GroupMember {
+    PeerId peer = 0;
+    uint64_t dst_wire_base = 0;  // wire address of byte 0 of the member's region
+    uint64_t dst_length = 0;
+    uint64_t signal_wire = 0;    // wire address of the member's signal region
+    bool host_reachable = false;  // host memory here can write it over the fabric
+};
+
 struct Group {
     std::vector<PeerId> peers;
     std::vector<MemoryDescriptor> dsts;
+    size_t rails = 0;
+    std::vector<GroupMember> members;
+    std::vector<fi_addr_t> addr;         // [member * rails + local rail]
+    std::vector<uint64_t> dst_key;       // [member * rails + local rail]
+    std::vector<uint64_t> signal_key;    // [member * rails + local rail]
+    size_t at(size_t member, size_t rail) const { return member * rails + rail; }
 };
 
 class PeerTable {

@@ -68,6 +68,9 @@ struct FabricOp : MpscNode {
 
 struct RailStats {
     std::atomic<uint64_t> ops_posted{0};
+    std::atomic<uint64_t> ops_injected{0};    // posted with FI_INJECT
+    std::atomic<uint64_t> posted_with_more{0};  // posted with FI_MORE (another op followed)
+    std::atomic<uint64_t> post_rounds{0};     // worker passes that posted at least one op
     std::atomic<uint64_t> bytes_posted{0};
     std::atomic<uint64_t> eagain{0};
     std::atomic<uint64_t> op_errors{0};
@@ -105,6 +108,10 @@ class Rail {
     bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
     fid_domain* domain() const { return domain_; }
     const RailStats& stats() const { return stats_; }
+    // Largest write posted with FI_INJECT (0: none): the provider's tx_attr inject_size.
+    size_t inject_size() const { return inject_size_; }
+    // Whether the provider completes operations in post order (tx comp_order STRICT).
+    bool completions_ordered() const { return comp_ordered_; }
 
     // True when the worker has been inside one provider call for longer than `limit`: the
     // provider is wedged (seen with shm when a peer is killed while holding a lock in shared
@@ -136,7 +143,7 @@ class Rail {
     void run();
     bool drain_submissions();
     bool post_pending();
-    int post_one(FabricOp* op);
+    int post_one(FabricOp* op, bool more);
     bool poll_cq();
     void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
     void handle_error(const fi_cq_err_entry& err);
@@ -160,6 +167,8 @@ class Rail {
     std::atomic<uint64_t> next_key_{1};
     std::vector<uint8_t> name_;
     size_t tx_depth_ = 0;
+    size_t inject_size_ = 0;    // writes of at most this many bytes carry FI_INJECT
+    bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
 
     // Signal region: target of immediate-only writes.
     std::unique_ptr<uint8_t[]> signal_buf_;

@@ -5,9 +5,9 @@
 namespace ferry::detail {
 
 void RailBatch::add(int rail, FabricOp* op) {
-    if (!first[rail]) first[rail] = op;
-    else last[rail]->mpsc_next.store(op, std::memory_order_relaxed);
-    last[rail] = op;
+    if (!first_[rail]) first_[rail] = op;
+    else last_[rail]->mpsc_next.store(op, std::memory_order_relaxed);
+    last_[rail] = op;
     ++count;
 }
 
@@ -43,13 +43,13 @@ void RailGroup::release() {
 }
 
 void RailGroup::post(const RailBatch& b) {
-    for (size_t r = 0; r < b.first.size(); ++r) {
-        if (b.first[r]) rails_[r]->submit(b.first[r], b.last[r]);
+    for (size_t r = 0; r < b.rails(); ++r) {
+        if (b.first(r)) rails_[r]->submit(b.first(r), b.last(r));
     }
 }
 
 void RailGroup::discard(const RailBatch& b) {
-    for (size_t r = 0; r < b.first.size(); ++r) b.for_each(r, [](FabricOp* op) { delete op; });
+    for (size_t r = 0; r < b.rails(); ++r) b.for_each(r, [](FabricOp* op) { delete op; });
 }
 
 void RailGroup::wake_all() {
@@ -61,6 +61,9 @@ EngineStats RailGroup::stats() const {
     for (const auto& r : rails_) {
         const RailStats& rs = r->stats();
         s.ops_posted += rs.ops_posted;
+        s.ops_injected += rs.ops_injected;
+        s.posted_with_more += rs.posted_with_more;
+        s.post_rounds += rs.post_rounds;
         s.bytes_posted += rs.bytes_posted;
         s.eagain += rs.eagain;
         s.op_errors += rs.op_errors;

@@ -26,16 +26,33 @@ inline constexpr Duration kRailTaskTimeout = std::chrono::seconds(10);
 // The fabric operations of one user operation, a chain per rail, handed to the rails together
 // once the piece count is final (the OpState must know it before any piece can complete).
 struct RailBatch {
-    explicit RailBatch(size_t rails) : first(rails, nullptr), last(rails, nullptr) {}
-    std::vector<FabricOp*> first, last;
+    // Chains live inline for up to kInline rails: two std::vectors per operation were two of
+    // the five heap allocations of a 64 B write (2026-12-01).
+    static constexpr size_t kInline = 8;
+    explicit RailBatch(size_t rails) : n_(rails) {
+        if (rails > kInline) {
+            heap_.assign(2 * rails, nullptr);
+            first_ = heap_.data();
+            last_ = heap_.data() + rails;
+        } else {
+            first_ = inline_first_;
+            last_ = inline_last_;
+        }
+    }
+    RailBatch(const RailBatch&) = delete;
+    RailBatch& operator=(const RailBatch&) = delete;
+
+    size_t rails() const { return n_; }
+    FabricOp* first(size_t r) const { return first_[r]; }
+    FabricOp* last(size_t r) const { return last_[r]; }
     uint32_t count = 0;
     void add(int rail, FabricOp* op);
     // Calls fn(op) for every op of rail r's chain, in post order.
     template <typename Fn>
     void for_each(size_t r, Fn&& fn) const {
-        for (FabricOp* op = first[r]; op;) {
+        for (FabricOp* op = first_[r]; op;) {
             // Read the link before fn: fn may free the op.
-            FabricOp* next = op == last[r]
+            FabricOp* next = op == last_[r]
                                  ? nullptr
                                  : static_cast<FabricOp*>(
                                        op->mpsc_next.load(std::memory_order_relaxed));
@@ -43,6 +60,14 @@ struct RailBatch {
             op = next;
         }
     }
+
+  private:
+    size_t n_;
+    FabricOp* inline_first_[kInline] = {};
+    FabricOp* inline_last_[kInline] = {};
+    std::vector<FabricOp*> heap_;
+    FabricOp** first_;
+    FabricOp** last_;
 };
 
 class RailGroup {

@@ -94,6 +94,11 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     // Queue depth from the provider, capped: above ~1k outstanding operations per rail tcp
     // and shm gain nothing and completions get slower to drain.
     tx_depth_ = std::clamp<size_t>(info_->tx_attr->size, 16, 1024);
+    // Writes up to inject_size go with FI_INJECT (shm 4096, tcp;ofi_rxm 64 in libfabric 1.17).
+    inject_size_ = config.inject ? info_->tx_attr->inject_size : 0;
+    // Recorded for describe/docs only: neither shm nor tcp;ofi_rxm orders completions
+    // (tx comp_order FI_ORDER_NONE), so the engine never leans on selective completions.
+    comp_ordered_ = (info_->tx_attr->comp_order & FI_ORDER_STRICT) != 0;
 
     signal_buf_ = std::make_unique<uint8_t[]>(64);
     FERRY_ASSIGN_OR_RETURN(signal_mr_, register_mr(signal_buf_.get(), 64,

@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ferry/common/clock.h"
@@ -58,6 +59,13 @@ struct EngineConfig {
     // between polls then, so threads with work get it.
     // busy_poll never naps: lowest latency, one core per rail.
     bool busy_poll = false;
+    // Writes no longer than the provider's inject_size (tx_attr) are posted with FI_INJECT:
+    // the provider copies the payload at post time. They keep FI_COMPLETION, so a write to a
+    // dead peer still fails (fi_inject_write would report nothing at all).
+    bool inject = true;
+    // Operations the worker posts back to back carry FI_MORE on all but the last of a pass,
+    // so a provider that honours it can ring one doorbell for the lot.
+    bool post_more = true;
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
     std::string gpu_copy = "auto";
@@ -186,6 +194,12 @@ struct ReadRunsOp {
     std::span<const WriteRun> runs;
 };
 
+// One entry of a batch (TransferEngine::submit_batch): a write or a read, each its own
+// operation with its own completion.
+using BatchEntry = std::variant<WriteOp, ReadOp>;
+// Completion of entry `index` of a batch.
+using BatchCallback = std::function<void(size_t index, const Status&)>;
+
 struct ScatterSlice {
     uint32_t member = 0;  // index into the group's peers
     uint64_t src_offset = 0;
@@ -206,6 +220,9 @@ using MessageHandler = std::function<void(uint64_t sender_engine_id, std::span<c
 
 struct EngineStats {
     uint64_t ops_posted = 0;       // fabric operations handed to the provider
+    uint64_t ops_injected = 0;     // of those, posted with FI_INJECT
+    uint64_t posted_with_more = 0;  // of those, posted with FI_MORE
+    uint64_t post_rounds = 0;      // worker passes that posted: ops_posted / this = batch size
     uint64_t bytes_posted = 0;
     uint64_t eagain = 0;           // times the provider pushed back
     uint64_t op_errors = 0;
@@ -260,6 +277,14 @@ class TransferEngine {
     OpHandle read(const ReadOp& op, OpCallback done = {});
     OpHandle read_runs(const ReadRunsOp& op, OpCallback done = {});
     OpHandle scatter(const ScatterOp& op, OpCallback done = {});
+    // Many writes and reads, to any peers, handed to each rail's worker in one queue hand-off
+    // and posted back to back (FI_MORE between them where the provider honours it). Every
+    // entry is an operation of its own: one handle each, in order, and done(index, status)
+    // once per entry; an entry that fails validation fails alone, and one peer's failure
+    // does not touch the others' entries. Same-host GPU entries go the CUDA IPC way, one
+    // by one. (Single write() calls coalesce too: the worker posts whatever queued up since
+    // its last pass back to back.)
+    std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done = {});
     // Sends one immediate-only write to every member, then waits until as many writes with
     // `imm` arrived here. Members call it with the same imm; consecutive rounds need no reset.
     Status barrier(GroupId group, uint32_t imm, Duration timeout);
@@ -287,6 +312,9 @@ class TransferEngine {
     void set_message_handler(MessageHandler handler);
 
     EngineStats stats() const;
+    // Longest write posted with FI_INJECT (the provider copies the payload while posting):
+    // the provider's inject_size, 0 when EngineConfig::inject is off.
+    size_t inject_size() const;
 
   private:
     explicit TransferEngine(std::shared_ptr<detail::EngineImpl> impl);
