@@ -104,13 +104,23 @@ bool RawEndpoint::poll() {
     return n > 0;
 }
 
-Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
-                                       uint64_t remote_key, size_t size, int window, int slots,
-                                       Duration duration) {
-    if (size * slots > len_) return invalid_argument("raw loop: buffer too small");
-    void* desc = fi_mr_desc(mr_);
+namespace {
+
+// What a window loop did: writes completed and the seconds from its start to the last.
+struct WindowRun {
+    uint64_t completed = 0;
+    double seconds = 0;
+};
+
+// Keeps up to `window` writes in flight for `duration` through `post(index, context)` (which
+// returns fi_write's code), reading completions from `cq`; the same loop for the bandwidth and
+// the rate ceilings, so they differ only in what they post.
+template <typename Post>
+Result<WindowRun> window_loop(fid_cq* cq, int window, Duration duration, const char* what,
+                              const char* call, Post post) {
     int inflight = 0;
-    uint64_t posted = 0, completed = 0;
+    uint64_t posted = 0;
+    WindowRun run;
     auto start = Clock::now();
     auto stop_at = start + duration;
     fi_cq_data_entry entries[64];
@@ -121,16 +131,14 @@ Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
     bool posting = true;
     while (posting || inflight > 0) {
         while (posting && inflight < window) {
-            size_t slot = posted % slots;
-            ssize_t rc = fi_write(ep_, static_cast<uint8_t*>(buf_) + slot * size, size, desc,
-                                  dest, remote_base + slot * size, remote_key, free_ctx.back());
+            ssize_t rc = post(posted, free_ctx.back());
             if (rc == -FI_EAGAIN) break;
-            if (rc) return fi_fail("fi_write", rc);
+            if (rc) return fi_fail(call, rc);
             free_ctx.pop_back();
             ++inflight;
             ++posted;
         }
-        ssize_t n = fi_cq_read(cq_, entries, 64);
+        ssize_t n = fi_cq_read(cq, entries, 64);
         if (n == -FI_EAGAIN) {
             // Same courtesy as the engine's worker, so on a machine with fewer cores than
             // busy threads the ceiling is not handicapped against the engine.
@@ -140,22 +148,39 @@ Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
                 free_ctx.push_back(static_cast<fi_context2*>(entries[i].op_context));
             }
             inflight -= static_cast<int>(n);
-            completed += n;
+            run.completed += n;
         } else if (n == -FI_EAVAIL) {
             fi_cq_err_entry err{};
-            fi_cq_readerr(cq_, &err, 0);
-            return provider_error(fmt::format("raw loop: write failed: {}",
-                                              fi_strerror(err.err)));
+            fi_cq_readerr(cq, &err, 0);
+            return provider_error(fmt::format("{}: write failed: {}", what, fi_strerror(err.err)));
         }
         auto now = Clock::now();
         if (now >= stop_at) posting = false;
         if (now > stop_at + std::chrono::seconds(10)) {
             return timeout_error(fmt::format(
-                "raw loop: {} writes still in flight 10 s after the last was posted", inflight));
+                "{}: {} writes still in flight 10 s after the last was posted", what, inflight));
         }
     }
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    return static_cast<double>(completed * size) / secs;
+    run.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    return run;
+}
+
+}  // namespace
+
+Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
+                                       uint64_t remote_key, size_t size, int window, int slots,
+                                       Duration duration) {
+    if (size * slots > len_) return invalid_argument("raw loop: buffer too small");
+    void* desc = fi_mr_desc(mr_);
+    FERRY_ASSIGN_OR_RETURN(
+        WindowRun run,
+        window_loop(cq_, window, duration, "raw loop", "fi_write",
+                    [&](uint64_t posted, fi_context2* ctx) {
+                        size_t slot = posted % slots;
+                        return fi_write(ep_, static_cast<uint8_t*>(buf_) + slot * size, size, desc,
+                                        dest, remote_base + slot * size, remote_key, ctx);
+                    }));
+    return static_cast<double>(run.completed * size) / run.seconds;
 }
 
 Result<double> RawEndpoint::rate_loop(std::span<const Target> targets, size_t size, bool imm,
@@ -163,56 +188,21 @@ Result<double> RawEndpoint::rate_loop(std::span<const Target> targets, size_t si
     if (targets.empty()) return invalid_argument("raw rate loop: no targets");
     if (size * 4 > len_) return invalid_argument("raw rate loop: buffer too small");
     void* desc = fi_mr_desc(mr_);
-    int inflight = 0;
-    uint64_t posted = 0, completed = 0;
-    auto start = Clock::now();
-    auto stop_at = start + duration;
-    fi_cq_data_entry entries[64];
-    std::vector<fi_context2> ctxs(window);
-    std::vector<fi_context2*> free_ctx;
-    for (auto& c : ctxs) free_ctx.push_back(&c);
-    bool posting = true;
     const size_t n = targets.size();
-    while (posting || inflight > 0) {
-        while (posting && inflight < window) {
-            const Target& t = targets[posted % n];
-            uint64_t slot = (posted / n) % slots;
-            void* src = static_cast<uint8_t*>(buf_) + (posted % 4) * size;
-            ssize_t rc = imm ? fi_writedata(ep_, src, size, desc, static_cast<uint32_t>(posted),
-                                            t.dest, t.base + slot * size, t.key, free_ctx.back())
-                             : fi_write(ep_, src, size, desc, t.dest, t.base + slot * size,
-                                        t.key, free_ctx.back());
-            if (rc == -FI_EAGAIN) break;
-            if (rc) return fi_fail(imm ? "fi_writedata" : "fi_write", rc);
-            free_ctx.pop_back();
-            ++inflight;
-            ++posted;
-        }
-        ssize_t got = fi_cq_read(cq_, entries, 64);
-        if (got == -FI_EAGAIN) {
-            std::this_thread::yield();
-        } else if (got > 0) {
-            for (ssize_t i = 0; i < got; ++i) {
-                free_ctx.push_back(static_cast<fi_context2*>(entries[i].op_context));
-            }
-            inflight -= static_cast<int>(got);
-            completed += got;
-        } else if (got == -FI_EAVAIL) {
-            fi_cq_err_entry err{};
-            fi_cq_readerr(cq_, &err, 0);
-            return provider_error(fmt::format("raw rate loop: write failed: {}",
-                                              fi_strerror(err.err)));
-        }
-        auto now = Clock::now();
-        if (now >= stop_at) posting = false;
-        if (now > stop_at + std::chrono::seconds(10)) {
-            return timeout_error(fmt::format(
-                "raw rate loop: {} writes still in flight 10 s after the last was posted",
-                inflight));
-        }
-    }
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    return static_cast<double>(completed) / secs;
+    FERRY_ASSIGN_OR_RETURN(
+        WindowRun run,
+        window_loop(cq_, window, duration, "raw rate loop", imm ? "fi_writedata" : "fi_write",
+                    [&](uint64_t posted, fi_context2* ctx) {
+                        const Target& t = targets[posted % n];
+                        uint64_t slot = (posted / n) % slots;
+                        void* src = static_cast<uint8_t*>(buf_) + (posted % 4) * size;
+                        return imm ? fi_writedata(ep_, src, size, desc,
+                                                  static_cast<uint32_t>(posted), t.dest,
+                                                  t.base + slot * size, t.key, ctx)
+                                   : fi_write(ep_, src, size, desc, t.dest, t.base + slot * size,
+                                              t.key, ctx);
+                    }));
+    return static_cast<double>(run.completed) / run.seconds;
 }
 
 }  // namespace ferry::detail
