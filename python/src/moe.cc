@@ -35,12 +35,11 @@ T* ptr(uint64_t p) {
 // The caller's all-gather (bytes -> list of bytes, one per rank) as ferry's AllGatherFn.
 // Runs on the thread that called create(), which released the GIL: take it back.
 moe::AllGatherFn wrap_allgather(py::function fn) {
-    return [fn = std::move(fn)](std::span<const uint8_t> blob)
-               -> Result<std::vector<std::vector<uint8_t>>> {
+    return [fn = std::move(fn)](
+               std::span<const uint8_t> blob) -> Result<std::vector<std::vector<uint8_t>>> {
         py::gil_scoped_acquire gil;
         try {
-            py::object got =
-                fn(py::bytes(reinterpret_cast<const char*>(blob.data()), blob.size()));
+            py::object got = fn(py::bytes(reinterpret_cast<const char*>(blob.data()), blob.size()));
             std::vector<std::vector<uint8_t>> out;
             for (py::handle item : got) {
                 if (item.is_none()) {
@@ -65,8 +64,8 @@ moe::AllGatherFn wrap_allgather(py::function fn) {
 
 // Group e of a grouped batch (rows offsets[e] .. offsets[e + 1]) <-> slab e of a padded
 // [experts, capacity, row] tensor, on the host.
-void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets,
-                      uint32_t experts, size_t row_bytes, uint32_t capacity, bool to_padded) {
+void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets, uint32_t experts,
+                      size_t row_bytes, uint32_t capacity, bool to_padded) {
     for (uint32_t e = 0; e < experts; ++e) {
         const size_t rows = std::min<size_t>(offsets[e + 1] - offsets[e], capacity);
         uint8_t* g = grouped + size_t{offsets[e]} * row_bytes;
@@ -85,8 +84,7 @@ class MoeAllToAll {
     MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device, TransferEngine* engine,
                 py::function allgather, double timeout_s)
         : cfg_(cfg), cuda_(cuda) {
-        if (!(timeout_s > 0))
-            throw StatusError(invalid_argument("timeout must be > 0 seconds"));
+        if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
         auto timeout =
             std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
         moe::AllGatherFn ag = wrap_allgather(std::move(allgather));
@@ -271,10 +269,9 @@ void register_moe(py::module_& m, EngineOf engine_of) {
     py::class_<MoeAllToAll>(m, "MoeAllToAll")
         .def(py::init([engine_of](uint32_t max_tokens, uint32_t hidden, const std::string& dtype,
                                   uint32_t num_experts, uint32_t topk, uint32_t rank,
-                                  uint32_t world, uint32_t ranks_per_node,
-                                  uint32_t private_slots, uint32_t alignment, bool cuda,
-                                  int device, py::object engine, py::function allgather,
-                                  double timeout_s) {
+                                  uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
+                                  uint32_t alignment, bool cuda, int device, py::object engine,
+                                  py::function allgather, double timeout_s) {
                  AllToAllConfig c;
                  c.max_tokens_per_rank = max_tokens;
                  c.hidden = hidden;
@@ -307,30 +304,27 @@ void register_moe(py::module_& m, EngineOf engine_of) {
         .def_property_readonly(
             "max_expert_rows",
             [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
-        .def_property_readonly(
-            "num_local_experts",
-            [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
+        .def_property_readonly("num_local_experts",
+                               [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
 
     // fp8 block quantization (numerics.h): bf16 [tokens, hidden] -> e4m3 bytes + fp32 scales.
-    m.def("moe_quantize_fp8",
-          [](uint64_t x, uint32_t tokens, uint32_t hidden, uint64_t q, uint64_t scales, bool cuda,
-             uint64_t stream) {
-              Status s;
-              {
-                  py::gil_scoped_release nogil;
-                  if (cuda) {
-                      s = moe::cuda_quantize_fp8(ptr<const uint16_t>(x), tokens, hidden,
-                                                 ptr<uint8_t>(q), ptr<float>(scales),
-                                                 ptr<void>(stream));
-                  } else {
-                      const size_t n = size_t{tokens} * hidden;
-                      s = moe::quantize_fp8_bf16({ptr<const uint16_t>(x), n}, tokens, hidden,
-                                                 {ptr<uint8_t>(q), n},
-                                                 {ptr<float>(scales), n / moe::kScaleBlock});
-                  }
-              }
-              check(s);
-          });
+    m.def("moe_quantize_fp8", [](uint64_t x, uint32_t tokens, uint32_t hidden, uint64_t q,
+                                 uint64_t scales, bool cuda, uint64_t stream) {
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            if (cuda) {
+                s = moe::cuda_quantize_fp8(ptr<const uint16_t>(x), tokens, hidden, ptr<uint8_t>(q),
+                                           ptr<float>(scales), ptr<void>(stream));
+            } else {
+                const size_t n = size_t{tokens} * hidden;
+                s = moe::quantize_fp8_bf16({ptr<const uint16_t>(x), n}, tokens, hidden,
+                                           {ptr<uint8_t>(q), n},
+                                           {ptr<float>(scales), n / moe::kScaleBlock});
+            }
+        }
+        check(s);
+    });
     m.def("moe_dequantize_fp8",
           [](uint64_t q, uint64_t scales, uint32_t tokens, uint32_t hidden, uint64_t out) {
               const size_t n = size_t{tokens} * hidden;

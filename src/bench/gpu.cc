@@ -1,7 +1,7 @@
 // Formatting for `ferry bench gpu` (the measurement itself is in cuda/gpu.cc).
-#include <fmt/format.h>
-
 #include "bench/gpu.h"
+
+#include <fmt/format.h>
 
 namespace ferry {
 
@@ -12,9 +12,10 @@ Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig&) {
 #endif
 
 std::string format_gpu_table(const GpuBenchReport& r) {
-    std::string out = fmt::format("ferry bench gpu — {} (two processes, CUDA IPC)\n"
-                                  "GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync): {:.1f} GB/s\n\n",
-                                  r.devices, r.ceiling_gbps);
+    std::string out = fmt::format(
+        "ferry bench gpu — {} (two processes, CUDA IPC)\n"
+        "GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync): {:.1f} GB/s\n\n",
+        r.devices, r.ceiling_gbps);
     out += fmt::format("{:<22} {:<12} {:>9} {:>10} {:>10} {:>7}\n", "operation", "copy mode",
                        "size", "GB/s", "time us", "ratio");
     for (const auto& row : r.rows) {

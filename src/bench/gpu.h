@@ -2,9 +2,8 @@
 // (CUDA IPC over NVLink), beside the GPU-to-GPU copy ceiling measured in the same run.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -13,7 +12,7 @@
 namespace ferry {
 
 struct GpuBenchConfig {
-    size_t bytes = 256ull << 20;                    // per transfer
+    size_t bytes = 256ull << 20;  // per transfer
     std::vector<size_t> pages = {4096, 16384, 65536};
     std::vector<std::string> copy_modes = {"kernel", "copy-engine"};
     int iters = 10;
@@ -23,12 +22,12 @@ struct GpuBenchConfig {
 };
 
 struct GpuBenchRow {
-    std::string kind;     // "ceiling memcpy peer", "write", "paged write"
-    std::string mode;     // copy mode
-    size_t size = 0;      // page size for paged writes, bytes for writes
+    std::string kind;  // "ceiling memcpy peer", "write", "paged write"
+    std::string mode;  // copy mode
+    size_t size = 0;   // page size for paged writes, bytes for writes
     double gbps_median = 0;
     double us_median = 0;
-    double ratio = 0;     // against the ceiling
+    double ratio = 0;  // against the ceiling
 };
 
 struct GpuBenchReport {

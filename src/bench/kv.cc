@@ -1,13 +1,11 @@
 #include "bench/kv.h"
 
-#include "ferry/fabric/gpu_memory.h"
-
 #include <fmt/format.h>
 #include <time.h>
 
 #include <algorithm>
-#include <cstring>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -16,6 +14,7 @@
 
 #include "bench/xfer.h"
 #include "ferry/fabric/engine.h"
+#include "ferry/fabric/gpu_memory.h"
 #include "ferry/kv/block_pool.h"
 #include "ferry/kv/connector.h"
 
@@ -26,7 +25,7 @@ const Duration kWait = std::chrono::seconds(120);
 
 // Completion times of transfers, by (side, id).
 class Completions {
-   public:
+  public:
     void add(bool send, const TransferResult& r) {
         {
             std::lock_guard lk(mu_);
@@ -50,7 +49,7 @@ class Completions {
         return last;
     }
 
-   private:
+  private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::map<std::pair<bool, uint64_t>, std::vector<std::pair<TimePoint, Status>>> done_;
@@ -98,7 +97,7 @@ double percentile(std::vector<double> v, double p) {
 }
 
 class Bench {
-   public:
+  public:
     explicit Bench(const KvBenchConfig& c) : c_(c) {}
 
     Status setup() {
@@ -131,9 +130,9 @@ class Bench {
                 int dev = prefill || n < 2 ? 0 : 1;
                 FERRY_ASSIGN_OR_RETURN(rank->gmem, GpuBuffer::allocate(init.size(), dev));
                 FERRY_RETURN_IF_ERROR(rank->gmem.copy_from_host(init.data(), init.size()));
-                FERRY_ASSIGN_OR_RETURN(
-                    rank->mr, rank->engine->register_memory(rank->gmem.data(), init.size(),
-                                                            MemoryKind::kCuda, dev));
+                FERRY_ASSIGN_OR_RETURN(rank->mr,
+                                       rank->engine->register_memory(rank->gmem.data(), init.size(),
+                                                                     MemoryKind::kCuda, dev));
             } else {
                 rank->mem = std::move(init);
                 FERRY_ASSIGN_OR_RETURN(
@@ -159,7 +158,8 @@ class Bench {
             if (l.regions != RegionSplit::kOne) {
                 rank->mr.reset();
                 pool.regions.clear();
-                uint8_t* base = c_.gpu ? static_cast<uint8_t*>(rank->gmem.data()) : rank->mem.data();
+                uint8_t* base =
+                    c_.gpu ? static_cast<uint8_t*>(rank->gmem.data()) : rank->mem.data();
                 for (uint32_t i = 0; i < l.region_count(); ++i) {
                     uint8_t* at = base + i * l.region_bytes();
                     int dev = prefill || gpu_device_count() < 2 ? 0 : 1;
@@ -210,7 +210,7 @@ class Bench {
         return row;
     }
 
-   private:
+  private:
     struct Sample {
         double latency_ms;
         double caller_us;      // wall time in the busiest rank's calls
@@ -424,9 +424,10 @@ std::string format_kv_table(const KvBenchConfig& c, const KvBenchReport& r) {
         r.provider, c.layers, c.kv_heads, c.head_dim, c.elem_size, c.block_size, c.tp_prefill,
         c.tp_decode, c.random_blocks ? "scattered" : "consecutive", c.iters,
         region_split_name(c.regions_prefill), region_split_name(c.regions_decode));
-    s += c.gpu ? fmt::format("GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync, 256 MiB): {:.2f} GB/s\n",
-                             r.ceiling_gbps)
-               : fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
+    s += c.gpu
+             ? fmt::format("GPU-to-GPU copy ceiling (cudaMemcpyPeerAsync, 256 MiB): {:.2f} GB/s\n",
+                           r.ceiling_gbps)
+             : fmt::format("raw ceiling (fi_write 1 MiB): {:.2f} GB/s\n", r.ceiling_gbps);
     s += fmt::format("{:<12} {:>7} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>10} {:>10} {:>10}\n",
                      "mode", "tokens", "MB/req", "descr", "p50 ms", "p99 ms", "GB/s", "x ceil",
                      "caller us", "caller p99", "caller cpu");

@@ -55,9 +55,8 @@ using bench_detail::kNumPhases;
 using bench_detail::RankResult;
 using bench_detail::ThreadExchange;
 
-const char* kPhaseNames[kNumPhases] = {"dispatch_send", "dispatch_recv", "dispatch",
-                                       "combine_send",  "combine_recv",  "combine",
-                                       "layer"};
+const char* kPhaseNames[kNumPhases] = {"dispatch_send", "dispatch_recv", "dispatch", "combine_send",
+                                       "combine_recv",  "combine",       "layer"};
 
 double percentile(std::vector<double> v, double p) {
     if (v.empty()) return 0;
@@ -125,9 +124,8 @@ Status run_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint32_t r
         FERRY_RETURN_IF_ERROR(a2a->combine_recv(out));
         TimePoint t5 = Clock::now();
         if (it < bc.warmup) continue;
-        double us[kNumPhases] = {to_us(t1 - t0), to_us(t2 - t1), to_us(t2 - t0),
-                                 to_us(t4 - t3), to_us(t5 - t4), to_us(t5 - t3),
-                                 to_us(t5 - t0)};
+        double us[kNumPhases] = {to_us(t1 - t0), to_us(t2 - t1), to_us(t2 - t0), to_us(t4 - t3),
+                                 to_us(t5 - t4), to_us(t5 - t3), to_us(t5 - t0)};
         for (int p = 0; p < kNumPhases; ++p) res->samples[p].push_back(us[p]);
         res->dispatch_bytes = a2a->last_bytes().dispatch;
         res->combine_bytes = a2a->last_bytes().combine;
@@ -217,8 +215,8 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
             last.insert(last.end(), r.trace_last[i].begin(), r.trace_last[i].end());
         }
         if (first.empty()) continue;
-        rep.trace.push_back({results[0].trace_points[i], percentile(first, 0.5),
-                             percentile(last, 0.5)});
+        rep.trace.push_back(
+            {results[0].trace_points[i], percentile(first, 0.5), percentile(last, 0.5)});
     }
     return rep;
 }

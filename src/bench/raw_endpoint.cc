@@ -6,15 +6,15 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
-#include "fabric/provider.h"
-
 #include <thread>
+
+#include "fabric/provider.h"
 
 namespace ferry::detail {
 namespace {
 Status fi_fail(const char* what, long rc) {
-    return provider_error(fmt::format("raw loop: {} failed: {}", what,
-                                      fi_strerror(static_cast<int>(-rc))));
+    return provider_error(
+        fmt::format("raw loop: {} failed: {}", what, fi_strerror(static_cast<int>(-rc))));
 }
 }  // namespace
 
@@ -55,8 +55,8 @@ Result<std::unique_ptr<RawEndpoint>> RawEndpoint::open(const EngineConfig& confi
     if ((rc = fi_enable(e->ep_))) return fi_fail("fi_enable", rc);
     uint64_t mr_mode = e->info_->domain_attr->mr_mode;
     e->virt_ = mr_mode & FI_MR_VIRT_ADDR;
-    rc = fi_mr_reg(e->domain_, buf, len, FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ,
-                   0, (mr_mode & FI_MR_PROV_KEY) ? 0 : 1, 0, &e->mr_, nullptr);
+    rc = fi_mr_reg(e->domain_, buf, len, FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ, 0,
+                   (mr_mode & FI_MR_PROV_KEY) ? 0 : 1, 0, &e->mr_, nullptr);
     if (rc) return fi_fail("fi_mr_reg", rc);
     if (mr_mode & FI_MR_ENDPOINT) {
         if ((rc = fi_mr_bind(e->mr_, &e->ep_->fid, 0)) || (rc = fi_mr_enable(e->mr_))) {
@@ -167,19 +167,18 @@ Result<WindowRun> window_loop(fid_cq* cq, int window, Duration duration, const c
 
 }  // namespace
 
-Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base,
-                                       uint64_t remote_key, size_t size, int window, int slots,
-                                       Duration duration) {
+Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base, uint64_t remote_key,
+                                       size_t size, int window, int slots, Duration duration) {
     if (size * slots > len_) return invalid_argument("raw loop: buffer too small");
     void* desc = fi_mr_desc(mr_);
     FERRY_ASSIGN_OR_RETURN(
-        WindowRun run,
-        window_loop(cq_, window, duration, "raw loop", "fi_write",
-                    [&](uint64_t posted, fi_context2* ctx) {
-                        size_t slot = posted % slots;
-                        return fi_write(ep_, static_cast<uint8_t*>(buf_) + slot * size, size, desc,
-                                        dest, remote_base + slot * size, remote_key, ctx);
-                    }));
+        WindowRun run, window_loop(cq_, window, duration, "raw loop", "fi_write",
+                                   [&](uint64_t posted, fi_context2* ctx) {
+                                       size_t slot = posted % slots;
+                                       return fi_write(
+                                           ep_, static_cast<uint8_t*>(buf_) + slot * size, size,
+                                           desc, dest, remote_base + slot * size, remote_key, ctx);
+                                   }));
     return static_cast<double>(run.completed * size) / run.seconds;
 }
 

@@ -10,8 +10,8 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
-#include <mutex>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -61,7 +61,7 @@ bool recv_frame(int fd, std::vector<uint8_t>* out) {
 }
 
 struct Sizes {
-    size_t slot = 0;     // bytes per rotating slot
+    size_t slot = 0;  // bytes per rotating slot
     int slots = 4;
     size_t buffer = 0;
 };
@@ -137,15 +137,20 @@ int target_main(int fd, const XferBenchConfig& c) {
     Status st = raw.ok() ? ok_status() : raw.status();
     for (int i = 0; i < npeers && st.ok(); ++i) {
         auto e = detail::RawEndpoint::open(ec, peer_buf.data() + i * peer_bytes, peer_bytes);
-        if (!e.ok()) st = e.status();
-        else peers.push_back(std::move(*e));
+        if (!e.ok())
+            st = e.status();
+        else
+            peers.push_back(std::move(*e));
     }
-    auto engine = st.ok() ? TransferEngine::create(ec) : Result<std::unique_ptr<TransferEngine>>(st);
+    auto engine =
+        st.ok() ? TransferEngine::create(ec) : Result<std::unique_ptr<TransferEngine>>(st);
     std::unique_ptr<MemoryRegion> mr;
     if (engine.ok()) {
         auto r = (*engine)->register_memory(buf.data(), buf.size());
-        if (r.ok()) mr = std::move(*r);
-        else st = r.status();
+        if (r.ok())
+            mr = std::move(*r);
+        else
+            st = r.status();
     } else {
         st = engine.status();
     }
@@ -253,8 +258,9 @@ class Initiator {
     // Keeps up to `window` operations in flight: submit(n, release) posts the n-th unit of
     // `unit` operations, each of which calls release(k) for the k it completes. Returns
     // operations completed per second.
-    Result<double> windowed(int window, int unit,
-                            const std::function<void(uint64_t, std::function<void(int, const Status&)>)>& submit);
+    Result<double> windowed(
+        int window, int unit,
+        const std::function<void(uint64_t, std::function<void(int, const Status&)>)>& submit);
     Result<double> engine_write_loop(size_t size, int window);
     Result<double> engine_paged_loop(size_t page);
     Result<double> engine_rate_loop(int npeers, size_t size, int window);
@@ -273,14 +279,13 @@ class Initiator {
     std::unique_ptr<MemoryRegion> mr_;
     PeerId peer_ = 0;
     MemoryDescriptor remote_;
-    std::vector<PeerId> rate_peers_;             // the target's raw endpoints as engine peers
+    std::vector<PeerId> rate_peers_;  // the target's raw endpoints as engine peers
     std::vector<MemoryDescriptor> rate_dsts_;
     std::vector<std::pair<int, GroupId>> groups_;  // scatter groups by size
 };
 
 Duration point_duration(const XferBenchConfig& c) {
-    return std::chrono::duration_cast<Duration>(
-        std::chrono::duration<double>(c.seconds_per_point));
+    return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(c.seconds_per_point));
 }
 
 // Every set-up frame from the target starts with an ok byte, followed by its error on failure.
@@ -328,8 +333,8 @@ Status Initiator::setup() {
     FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
     FERRY_ASSIGN_OR_RETURN(remote_, MemoryDescriptor::decode(rd));
 
-    FERRY_ASSIGN_OR_RETURN(raw_, detail::RawEndpoint::open(engine_config(c_), buf_.data(),
-                                                           buf_.size()));
+    FERRY_ASSIGN_OR_RETURN(raw_,
+                           detail::RawEndpoint::open(engine_config(c_), buf_.data(), buf_.size()));
     FERRY_ASSIGN_OR_RETURN(raw_dest_, raw_->insert(name));
     for (auto& p : rp) {
         FERRY_ASSIGN_OR_RETURN(fi_addr_t d, raw_->insert(p.name));
@@ -362,9 +367,9 @@ Status Initiator::setup() {
     if (c_.rate) {
         for (int n : c_.scatter_peers) {
             if (n > static_cast<int>(rate_peers_.size())) continue;
-            FERRY_ASSIGN_OR_RETURN(GroupId g, engine_->create_group(
-                                                  std::span(rate_peers_).first(n),
-                                                  std::span(rate_dsts_).first(n)));
+            FERRY_ASSIGN_OR_RETURN(GroupId g,
+                                   engine_->create_group(std::span(rate_peers_).first(n),
+                                                         std::span(rate_dsts_).first(n)));
             groups_.emplace_back(n, g);
         }
     }
@@ -447,13 +452,13 @@ Status Initiator::point(XferRow& row, double unit_bytes,
     row.raw_cpu_us = raw_cpu;
     row.engine_cpu_us = eng_cpu;
     row.engine_caller_cpu_us = eng_caller;
-    note(fmt::format("{:<12} {:>8} B{}: raw {:.0f} ops/s, engine {:.0f} ops/s, best-of-{} "
-                     "ratio {:.2f}x (each pair:{}); CPU us/op raw {:.2f}, engine {:.2f} "
-                     "(submitter {:.2f}, worker {:.2f})",
-                     row.kind, row.size,
-                     row.peers ? fmt::format(" x{} peers", row.peers) : std::string(),
-                     row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs, raw_cpu,
-                     eng_cpu, eng_caller, eng_cpu - eng_caller));
+    note(fmt::format(
+        "{:<12} {:>8} B{}: raw {:.0f} ops/s, engine {:.0f} ops/s, best-of-{} "
+        "ratio {:.2f}x (each pair:{}); CPU us/op raw {:.2f}, engine {:.2f} "
+        "(submitter {:.2f}, worker {:.2f})",
+        row.kind, row.size, row.peers ? fmt::format(" x{} peers", row.peers) : std::string(),
+        row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs, raw_cpu, eng_cpu, eng_caller,
+        eng_cpu - eng_caller));
     return ok_status();
 }
 
@@ -546,8 +551,9 @@ Result<double> Initiator::engine_rate_loop(int npeers, size_t size, int window) 
         for (int i = 0; i < batch; ++i, ++seq) {
             int p = static_cast<int>(seq % npeers);
             uint64_t slot = (seq / npeers) % kRateSlots;
-            entries[i] = WriteOp{rate_peers_[p], mr_.get(), (seq % 4) * size, &rate_dsts_[p],
-                                 slot * size, size, static_cast<uint32_t>(seq)};
+            entries[i] =
+                WriteOp{rate_peers_[p], mr_.get(), (seq % 4) * size,          &rate_dsts_[p],
+                        slot * size,    size,      static_cast<uint32_t>(seq)};
         }
         engine_->submit_batch(entries, [release](size_t, const Status& s) { release(1, s); });
     });
@@ -595,8 +601,10 @@ Status Initiator::latency(XferReport& rep) {
             st.cv.notify_all();
             return;
         }
-        if (st.warmup > 0) --st.warmup;
-        else st.us.push_back(to_us(now - st.t0) / 2);
+        if (st.warmup > 0)
+            --st.warmup;
+        else
+            st.us.push_back(to_us(now - st.t0) / 2);
         if (--st.left == 0) {
             std::lock_guard lk(st.mu);
             st.done = true;
@@ -660,9 +668,8 @@ Result<XferReport> Initiator::run() {
         FERRY_RETURN_IF_ERROR(point(
             row, 64.0,
             [&]() -> Result<double> {
-                FERRY_ASSIGN_OR_RETURN(double bps,
-                                       raw_->write_loop(raw_dest_, raw_base_, raw_key_, 64, 256,
-                                                        64, d));
+                FERRY_ASSIGN_OR_RETURN(
+                    double bps, raw_->write_loop(raw_dest_, raw_base_, raw_key_, 64, 256, 64, d));
                 return bps / 64;
             },
             [&] { return engine_write_loop(64, 256); }, true));
@@ -774,28 +781,28 @@ std::string human_size(size_t b) {
 }  // namespace
 
 std::string format_xfer_table(const XferReport& r) {
-    std::string out = fmt::format("ferry bench xfer — provider {} (two processes, one host; raw "
-                                  "and engine alternate, best of {} each)\n\n",
-                                  r.provider, r.repeat);
-    out += fmt::format("{:<12} {:>9} {:>6} {:>10} {:>12} {:>7} {:>13} {:>13}\n", "operation",
-                       "size", "peers", "raw GB/s", "engine GB/s", "ratio", "raw ops/s",
-                       "engine ops/s");
+    std::string out = fmt::format(
+        "ferry bench xfer — provider {} (two processes, one host; raw "
+        "and engine alternate, best of {} each)\n\n",
+        r.provider, r.repeat);
+    out +=
+        fmt::format("{:<12} {:>9} {:>6} {:>10} {:>12} {:>7} {:>13} {:>13}\n", "operation", "size",
+                    "peers", "raw GB/s", "engine GB/s", "ratio", "raw ops/s", "engine ops/s");
     for (const auto& row : r.rows) {
         out += fmt::format("{:<12} {:>9} {:>6} {:>10.2f} {:>12.2f} {:>6.2f}x {:>13.0f} {:>13.0f}\n",
-                           row.kind, human_size(row.size), row.peers ? row.peers : 1,
-                           row.raw_gbps, row.engine_gbps, row.ratio(), row.raw_ops,
-                           row.engine_ops);
+                           row.kind, human_size(row.size), row.peers ? row.peers : 1, row.raw_gbps,
+                           row.engine_gbps, row.ratio(), row.raw_ops, row.engine_ops);
     }
-    out += fmt::format("\nwrite with immediate, 8 B, one-way (half round trip, {} iterations): "
-                       "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
-                       r.latency_iters, r.latency_p50_us, r.latency_p99_us,
-                       r.raw_latency_p50_us);
+    out += fmt::format(
+        "\nwrite with immediate, 8 B, one-way (half round trip, {} iterations): "
+        "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
+        r.latency_iters, r.latency_p50_us, r.latency_p99_us, r.raw_latency_p50_us);
     if (r.post_rounds) {
-        out += fmt::format("engine posts: {} ops in {} worker passes ({:.1f} per pass), {} with "
-                           "FI_INJECT, {} with FI_MORE\n",
-                           r.ops_posted, r.post_rounds,
-                           static_cast<double>(r.ops_posted) / r.post_rounds, r.ops_injected,
-                           r.posted_with_more);
+        out += fmt::format(
+            "engine posts: {} ops in {} worker passes ({:.1f} per pass), {} with "
+            "FI_INJECT, {} with FI_MORE\n",
+            r.ops_posted, r.post_rounds, static_cast<double>(r.ops_posted) / r.post_rounds,
+            r.ops_injected, r.posted_with_more);
     }
     return out;
 }

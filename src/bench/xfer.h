@@ -2,9 +2,8 @@
 // plain libfabric write loop on the same provider measured in the same run as the ceiling.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -16,8 +15,8 @@ struct XferBenchConfig {
     std::string provider = "shm";
     std::vector<size_t> sizes = {4096, 16384, 65536, 262144, 1048576, 4194304};
     std::vector<size_t> pages = {4096, 16384, 65536};
-    int window = 64;              // fabric writes in flight
-    int pages_per_op = 32;        // pages in one paged write
+    int window = 64;        // fabric writes in flight
+    int pages_per_op = 32;  // pages in one paged write
     double seconds_per_point = 0.5;
     int latency_iters = 2000;
     int rails = 1;
@@ -48,7 +47,7 @@ struct XferRow {
     int peers = 0;     // rate section: target peers (0: the one bandwidth target)
     double raw_gbps = 0;
     double engine_gbps = 0;
-    double raw_ops = 0;     // operations (writes or pages) per second
+    double raw_ops = 0;  // operations (writes or pages) per second
     double engine_ops = 0;
     std::vector<double> samples;  // engine/raw ratio of each alternating pair
     // CPU time per operation (whole initiator process) of the best measurement of each, and

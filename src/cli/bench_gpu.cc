@@ -7,8 +7,9 @@
 namespace ferry::cli {
 
 void register_bench_gpu(CLI::App& bench) {
-    auto* cmd = bench.add_subcommand("gpu", "TransferEngine between GPU memory of two processes "
-                                            "(CUDA IPC over NVLink) beside the peer-copy ceiling");
+    auto* cmd = bench.add_subcommand("gpu",
+                                     "TransferEngine between GPU memory of two processes "
+                                     "(CUDA IPC over NVLink) beside the peer-copy ceiling");
     auto c = std::make_shared<GpuBenchConfig>();
     auto json_path = std::make_shared<std::string>();
     cmd->add_option("--bytes", c->bytes, "bytes per transfer")->capture_default_str();

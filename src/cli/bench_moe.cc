@@ -60,8 +60,7 @@ void register_bench_moe(CLI::App& bench) {
             return;
         }
         if (!moe::parse_combine_mode(*combine, &c->combine)) {
-            fail(invalid_argument(
-                fmt::format("--combine {}: use per-hit or per-rank", *combine)));
+            fail(invalid_argument(fmt::format("--combine {}: use per-hit or per-rank", *combine)));
             return;
         }
         auto rep = moe::run_moe_bench(*c);

@@ -1,6 +1,4 @@
 // `ferry bench serve`: load against a /v1/completions endpoint, results in vllm-bench JSON.
-#include "bench/serve.h"
-
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -8,6 +6,7 @@
 #include <fstream>
 #include <mutex>
 
+#include "bench/serve.h"
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
 #include "ferry/serve/cost_model.h"

@@ -11,8 +11,9 @@ namespace ferry::cli {
 
 void register_bench_xfer(CLI::App& bench) {
     auto* cmd = bench.add_subcommand(
-        "xfer", "TransferEngine bandwidth and latency between two local processes, beside a "
-                "plain fi_write loop on the same provider");
+        "xfer",
+        "TransferEngine bandwidth and latency between two local processes, beside a "
+        "plain fi_write loop on the same provider");
     auto c = std::make_shared<XferBenchConfig>();
     auto json_path = std::make_shared<std::string>();
     cmd->add_option("--provider", c->provider, "shm | tcp | efa | verbs | auto")
@@ -40,9 +41,7 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_flag("!--no-more", c->post_more, "post batches without FI_MORE");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
-        c->progress = [](const std::string& line) {
-            std::fprintf(stderr, "  %s\n", line.c_str());
-        };
+        c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
         auto rep = run_xfer_bench(*c);
         if (!rep.ok()) {
             fail(rep.status());

@@ -146,11 +146,11 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "is in (SGLang-style); decode = compute it in decode's first step "
                     "(vLLM-style)")
         ->transform(CLI::CheckedTransformer(
-            std::map<std::string, serve::EngineConfig::FirstToken>{
-                {"prefill", serve::EngineConfig::FirstToken::kPrefill},
-                {"decode", serve::EngineConfig::FirstToken::kDecode}},
-            CLI::ignore_case)
-                       .description(""))
+                        std::map<std::string, serve::EngineConfig::FirstToken>{
+                            {"prefill", serve::EngineConfig::FirstToken::kPrefill},
+                            {"decode", serve::EngineConfig::FirstToken::kDecode}},
+                        CLI::ignore_case)
+                        .description(""))
         ->type_name("prefill|decode")
         ->default_str("prefill");
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
@@ -330,7 +330,7 @@ int run_local(const LocalFlags& f) {
     auto link_mode = kv_link_mode(f.router.mode);
     if (!link_mode.ok()) return fail(link_mode.status());
     serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
-                                                std::chrono::duration<double>(f.lease_s))});
+                                                 std::chrono::duration<double>(f.lease_s))});
     auto pe = make_engine("prefill", f.engine, f.prefill_port);
     if (!pe.ok()) return fail(pe.status());
     auto de = make_engine("decode", f.engine, f.decode_port);

@@ -5,9 +5,10 @@
 namespace ferry {
 
 Status ByteReader::truncated(std::string_view field, size_t need) const {
-    return protocol_error(fmt::format("truncated message: field '{}' needs {} bytes at offset {}, "
-                                      "only {} left",
-                                      field, need, pos_, remaining()));
+    return protocol_error(
+        fmt::format("truncated message: field '{}' needs {} bytes at offset {}, "
+                    "only {} left",
+                    field, need, pos_, remaining()));
 }
 
 Status ByteReader::count_too_large(std::string_view field, size_t n, size_t max) {

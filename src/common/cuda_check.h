@@ -10,9 +10,9 @@
 
 // Kernel-file form: returns the error from the enclosing cudaError_t function (a launch
 // check is FERRY_CUDA_RETURN_IF_ERROR(cudaGetLastError())).
-#define FERRY_CUDA_RETURN_IF_ERROR(expr)                      \
-    do {                                                      \
-        cudaError_t ferry_cuda_rc_ = (expr);                  \
+#define FERRY_CUDA_RETURN_IF_ERROR(expr)                          \
+    do {                                                          \
+        cudaError_t ferry_cuda_rc_ = (expr);                      \
         if (ferry_cuda_rc_ != cudaSuccess) return ferry_cuda_rc_; \
     } while (0)
 

@@ -15,12 +15,18 @@ void set_log_level(LogLevel level) { g_level.store(level, std::memory_order_rela
 LogLevel log_level() { return g_level.load(std::memory_order_relaxed); }
 
 bool parse_log_level(std::string_view name, LogLevel* out) {
-    if (name == "debug") *out = LogLevel::kDebug;
-    else if (name == "info") *out = LogLevel::kInfo;
-    else if (name == "warn") *out = LogLevel::kWarn;
-    else if (name == "error") *out = LogLevel::kError;
-    else if (name == "off") *out = LogLevel::kOff;
-    else return false;
+    if (name == "debug")
+        *out = LogLevel::kDebug;
+    else if (name == "info")
+        *out = LogLevel::kInfo;
+    else if (name == "warn")
+        *out = LogLevel::kWarn;
+    else if (name == "error")
+        *out = LogLevel::kError;
+    else if (name == "off")
+        *out = LogLevel::kOff;
+    else
+        return false;
     return true;
 }
 

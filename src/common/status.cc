@@ -4,19 +4,32 @@ namespace ferry {
 
 std::string_view status_code_name(StatusCode code) {
     switch (code) {
-        case StatusCode::kOk: return "ok";
-        case StatusCode::kInvalidArgument: return "invalid argument";
-        case StatusCode::kOutOfRange: return "out of range";
-        case StatusCode::kNotFound: return "not found";
-        case StatusCode::kTimeout: return "timeout";
-        case StatusCode::kUnavailable: return "unavailable";
-        case StatusCode::kCancelled: return "cancelled";
-        case StatusCode::kResourceExhausted: return "resource exhausted";
-        case StatusCode::kProtocol: return "protocol error";
-        case StatusCode::kProvider: return "provider error";
-        case StatusCode::kInternal: return "internal error";
-        case StatusCode::kPermissionDenied: return "permission denied";
-        case StatusCode::kAlreadyExists: return "already exists";
+        case StatusCode::kOk:
+            return "ok";
+        case StatusCode::kInvalidArgument:
+            return "invalid argument";
+        case StatusCode::kOutOfRange:
+            return "out of range";
+        case StatusCode::kNotFound:
+            return "not found";
+        case StatusCode::kTimeout:
+            return "timeout";
+        case StatusCode::kUnavailable:
+            return "unavailable";
+        case StatusCode::kCancelled:
+            return "cancelled";
+        case StatusCode::kResourceExhausted:
+            return "resource exhausted";
+        case StatusCode::kProtocol:
+            return "protocol error";
+        case StatusCode::kProvider:
+            return "provider error";
+        case StatusCode::kInternal:
+            return "internal error";
+        case StatusCode::kPermissionDenied:
+            return "permission denied";
+        case StatusCode::kAlreadyExists:
+            return "already exists";
     }
     return "unknown";
 }
@@ -47,9 +60,7 @@ Status resource_exhausted(std::string m) { return {StatusCode::kResourceExhauste
 Status protocol_error(std::string m) { return {StatusCode::kProtocol, std::move(m)}; }
 Status provider_error(std::string m) { return {StatusCode::kProvider, std::move(m)}; }
 Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
-Status permission_denied(std::string m) {
-    return {StatusCode::kPermissionDenied, std::move(m)};
-}
+Status permission_denied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
 Status already_exists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
 
 }  // namespace ferry

@@ -8,7 +8,6 @@
 
 namespace ferry {
 
-
 Result<std::string> resolve_provider(const EngineConfig& config) {
     return detail::resolve_provider_name(config);
 }
@@ -23,8 +22,8 @@ Status OpHandle::wait(Duration timeout) const {
     if (!state_) return invalid_argument("waiting on an empty OpHandle");
     std::unique_lock lk(state_->mu);
     if (!state_->cv.wait_for(lk, timeout, [&] { return state_->done; })) {
-        return timeout_error(fmt::format("operation still running after {:.0f} ms",
-                                         to_ms(timeout)));
+        return timeout_error(
+            fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
     }
     return state_->status;
 }
@@ -45,8 +44,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const EngineConfi
     return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
 }
 
-TransferEngine::TransferEngine(std::shared_ptr<detail::EngineImpl> impl)
-    : impl_(std::move(impl)) {}
+TransferEngine::TransferEngine(std::shared_ptr<detail::EngineImpl> impl) : impl_(std::move(impl)) {}
 
 TransferEngine::~TransferEngine() { impl_->shutdown(); }
 
@@ -59,8 +57,7 @@ bool TransferEngine::supports_gpu_memory() const { return impl_->fabric_gpu(); }
 const std::string& TransferEngine::gpu_memory_note() const { return impl_->fabric_gpu_note(); }
 
 Result<std::unique_ptr<MemoryRegion>> TransferEngine::register_memory(void* ptr, size_t len,
-                                                                      MemoryKind kind,
-                                                                      int device) {
+                                                                      MemoryKind kind, int device) {
     return impl_->register_memory(ptr, len, kind, device);
 }
 Result<PeerId> TransferEngine::connect(const EngineAddress& peer) { return impl_->connect(peer); }

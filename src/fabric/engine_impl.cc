@@ -20,7 +20,6 @@
 namespace ferry::detail {
 namespace {
 
-
 std::string read_host_id() {
     std::string boot;
     std::ifstream f("/proc/sys/kernel/random/boot_id");
@@ -95,8 +94,8 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;
     address.signal.length = 64;
-    memory_.configure({address.engine_id, provider, config.gpu_ipc, fabric_gpu,
-                       std::move(fabric_gpu_note)});
+    memory_.configure(
+        {address.engine_id, provider, config.gpu_ipc, fabric_gpu, std::move(fabric_gpu_note)});
 
     Status opened = rails.open(candidates, config, [this](int r) {
         RailHooks hooks;
@@ -168,9 +167,7 @@ void EngineImpl::shutdown() {
     Status why = cancelled("the transfer engine was shut down");
     // Pending GPU copies fail first; their callbacks may still signal through the rails.
     gpu_.shutdown();
-    {
-        std::lock_guard lk(watchdog_mu_);
-    }
+    { std::lock_guard lk(watchdog_mu_); }
     watchdog_cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
     rails.stop(why);

@@ -38,8 +38,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void shutdown();
     ~EngineImpl();
 
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
-                                                          MemoryKind kind, int device);
+    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len, MemoryKind kind,
+                                                          int device);
     void deregister(uint32_t id);
     Result<PeerId> connect(const EngineAddress& peer);
     std::optional<PeerId> find_peer(uint64_t engine_id) const;

@@ -4,8 +4,9 @@
 #ifndef FERRY_HAVE_CUDA
 namespace ferry::detail {
 Result<std::unique_ptr<GpuTransport>> create_gpu_transport(const EngineConfig&) {
-    return unavailable("this build of ferry has no CUDA support (nvcc was not found at build "
-                       "time); GPU memory cannot be registered");
+    return unavailable(
+        "this build of ferry has no CUDA support (nvcc was not found at build "
+        "time); GPU memory cannot be registered");
 }
 }  // namespace ferry::detail
 #endif

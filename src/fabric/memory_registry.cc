@@ -71,8 +71,12 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
             for (size_t i = 0; i < mrs.size(); ++i) {
                 Rail* prev = &rails_[i];
                 fid_mr* m = mrs[i];
-                (void)prev->run_on_worker([m] { fi_close(&m->fid); return ok_status(); },
-                                          kRailTaskTimeout);
+                (void)prev->run_on_worker(
+                    [m] {
+                        fi_close(&m->fid);
+                        return ok_status();
+                    },
+                    kRailTaskTimeout);
             }
             reg.desc.rail_keys.clear();
             return s.with_context(fmt::format("rail {}", rp->index()));

@@ -51,8 +51,7 @@ class MpscQueue {
     }
 
     bool empty_hint() const {
-        return tail_ == &stub_ ? stub_.mpsc_next.load(std::memory_order_acquire) == nullptr
-                               : false;
+        return tail_ == &stub_ ? stub_.mpsc_next.load(std::memory_order_acquire) == nullptr : false;
     }
 
   private:

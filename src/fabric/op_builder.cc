@@ -11,13 +11,13 @@
 
 namespace ferry::detail {
 
-#define FERRY_FAIL_OP(state, expr)         \
-    do {                                   \
-        Status s_ = (expr);                \
-        if (!s_.ok()) {                    \
+#define FERRY_FAIL_OP(state, expr)            \
+    do {                                      \
+        Status s_ = (expr);                   \
+        if (!s_.ok()) {                       \
             (state)->fail_now(std::move(s_)); \
-            return OpHandle(state);        \
-        }                                  \
+            return OpHandle(state);           \
+        }                                     \
     } while (0)
 
 namespace {
@@ -108,13 +108,13 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
     return OpHandle(state);
 }
 
-#define FERRY_FAIL_BUILD(state, expr)     \
-    do {                                  \
-        Status s_ = (expr);               \
-        if (!s_.ok()) {                   \
+#define FERRY_FAIL_BUILD(state, expr)         \
+    do {                                      \
+        Status s_ = (expr);                   \
+        if (!s_.ok()) {                       \
             (state)->fail_now(std::move(s_)); \
-            return false;                 \
-        }                                 \
+            return false;                     \
+        }                                     \
     } while (0)
 
 bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& state,
@@ -129,9 +129,9 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
     if (*path == Path::kGpuIpc) {
         auto base = map_gpu_peer(*w.dst, *w.src);
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
-        std::vector<GpuCopy> copies = {
-            {*base + w.dst_offset, reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
-             w.length}};
+        std::vector<GpuCopy> copies = {{*base + w.dst_offset,
+                                        reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
+                                        w.length}};
         gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
         return false;
     }
@@ -147,8 +147,7 @@ OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     return submit(b, state, w.imm.has_value());
 }
 
-bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state,
-                            RailBatch& b) {
+bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b) {
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
@@ -160,7 +159,7 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
         auto base = map_gpu_peer(*r.src, *r.dst);
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
-                                         *base + r.src_offset, r.length}};
+                                        *base + r.src_offset, r.length}};
         gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
         return false;
     }
@@ -256,8 +255,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
             if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
             if (!s.ok()) {
                 FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
-                                                                 w.src_pages[i],
-                                                                 w.dst_pages[i])));
+                                                                w.src_pages[i], w.dst_pages[i])));
             }
         }
     }
@@ -289,8 +287,8 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
             copies.push_back({gpu_base + dof, reinterpret_cast<uint64_t>(w.src->data()) + so,
                               (j - i) * w.page_size});
         } else {
-            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size,
-                    w.imm, deadline, false, state);
+            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
+                    deadline, false, state);
         }
         i = j;
     }
@@ -353,8 +351,8 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
-        add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
-                run.length, std::nullopt, deadline, true, state);
+        add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset, run.length,
+                std::nullopt, deadline, true, state);
     }
     return submit(b, state, false);
 }
@@ -371,10 +369,11 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     for (const auto& s : sc.slices) {
         if (s.member >= g->members.size()) {
             FERRY_FAIL_OP(state, invalid_argument(fmt::format(
-                                     "scatter: slice for member {} but the group has {}",
-                                     s.member, g->members.size())));
+                                     "scatter: slice for member {} but the group has {}", s.member,
+                                     g->members.size())));
         }
-        if (s.length == 0 && !sc.imm) FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
+        if (s.length == 0 && !sc.imm)
+            FERRY_FAIL_OP(state, invalid_argument("scatter: empty slice"));
         FERRY_FAIL_OP(state, check_local(sc.src, s.src_offset, s.length, "scatter"));
         const GroupMember& m = g->members[s.member];
         if (src_gpu || !m.host_reachable) {
@@ -430,8 +429,8 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
     op->local = rails[rail].signal_base();
     op->len = 0;
     op->raddr = p->address.signal.wire_address(0);
-    op->rkey = p->address.signal.rail_keys[p->remote_rail[rail] %
-                                           p->address.signal.rail_keys.size()];
+    op->rkey =
+        p->address.signal.rail_keys[p->remote_rail[rail] % p->address.signal.rail_keys.size()];
     op->has_imm = true;
     op->imm = imm_value;
     op->deadline = deadline_after(config.op_timeout);

@@ -31,14 +31,16 @@ Status EngineImpl::check_local(const MemoryRegion* r, uint64_t off, uint64_t len
                                const char* what) const {
     if (!r) return invalid_argument(fmt::format("{}: no local region given", what));
     if (r->engine_.get() != this) {
-        return invalid_argument(fmt::format("{}: the local region was registered with another "
-                                            "engine",
-                                            what));
+        return invalid_argument(
+            fmt::format("{}: the local region was registered with another "
+                        "engine",
+                        what));
     }
     if (off > r->size() || len > r->size() - off) {
-        return out_of_range(fmt::format("{}: {} bytes at offset {} overrun the local region of {} "
-                                        "bytes",
-                                        what, len, off, r->size()));
+        return out_of_range(
+            fmt::format("{}: {} bytes at offset {} overrun the local region of {} "
+                        "bytes",
+                        what, len, off, r->size()));
     }
     return ok_status();
 }

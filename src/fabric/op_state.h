@@ -106,8 +106,10 @@ inline void OpRegistry::insert(OpState* s) {
 
 inline void OpRegistry::erase(OpState* s) {
     if (!s->in_registry) return;
-    if (s->reg_prev) s->reg_prev->reg_next = s->reg_next;
-    else head = s->reg_next;
+    if (s->reg_prev)
+        s->reg_prev->reg_next = s->reg_next;
+    else
+        head = s->reg_next;
     if (s->reg_next) s->reg_next->reg_prev = s->reg_prev;
     s->reg_prev = s->reg_next = nullptr;
     s->in_registry = false;

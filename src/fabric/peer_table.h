@@ -37,7 +37,7 @@ struct GroupMember {
     PeerId peer = 0;
     uint64_t dst_wire_base = 0;  // wire address of byte 0 of the member's region
     uint64_t dst_length = 0;
-    uint64_t signal_wire = 0;    // wire address of the member's signal region
+    uint64_t signal_wire = 0;     // wire address of the member's signal region
     bool host_reachable = false;  // host memory here can write it over the fabric
 };
 
@@ -46,9 +46,9 @@ struct Group {
     std::vector<MemoryDescriptor> dsts;
     size_t rails = 0;
     std::vector<GroupMember> members;
-    std::vector<fi_addr_t> addr;         // [member * rails + local rail]
-    std::vector<uint64_t> dst_key;       // [member * rails + local rail]
-    std::vector<uint64_t> signal_key;    // [member * rails + local rail]
+    std::vector<fi_addr_t> addr;       // [member * rails + local rail]
+    std::vector<uint64_t> dst_key;     // [member * rails + local rail]
+    std::vector<uint64_t> signal_key;  // [member * rails + local rail]
     size_t at(size_t member, size_t rail) const { return member * rails + rail; }
 };
 

@@ -42,8 +42,8 @@ Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& con
     int rc = fi_getinfo(FI_VERSION(1, 17), uses_node ? config.node.c_str() : nullptr, nullptr,
                         uses_node ? FI_SOURCE : 0, hints.get(), &out);
     if (rc || !out) {
-        return unavailable(fmt::format("provider '{}' is not available here: {}", provider,
-                                       fi_strerror(-rc)));
+        return unavailable(
+            fmt::format("provider '{}' is not available here: {}", provider, fi_strerror(-rc)));
     }
     return FiInfoPtr(out);
 }

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,8 +59,8 @@ class CallGuard {
 
 bool is_peer_gone(int err) {
     return err == FI_ECONNREFUSED || err == FI_ECONNRESET || err == FI_EHOSTUNREACH ||
-           err == FI_ENOTCONN || err == FI_ECONNABORTED || err == FI_ESHUTDOWN ||
-           err == EPIPE || err == FI_ETIMEDOUT || err == FI_EIO;
+           err == FI_ENOTCONN || err == FI_ECONNABORTED || err == FI_ESHUTDOWN || err == EPIPE ||
+           err == FI_ETIMEDOUT || err == FI_EIO;
 }
 
 }  // namespace
@@ -101,16 +100,14 @@ void Rail::wake() {
 
 bool Rail::stuck_for(Duration limit, TimePoint now) const {
     int64_t since = call_since_ns_.load(std::memory_order_relaxed);
-    return since != 0 && steady_ns(now) - since > std::chrono::duration_cast<
-                                                       std::chrono::nanoseconds>(limit)
-                                                       .count();
+    return since != 0 && steady_ns(now) - since >
+                             std::chrono::duration_cast<std::chrono::nanoseconds>(limit).count();
 }
 
 void Rail::submit(FabricOp* first, FabricOp* last) {
     if (wedged()) {
         for (FabricOp* op = first; op;) {
-            FabricOp* next = op == last ? nullptr
-                                        : static_cast<FabricOp*>(op->mpsc_next.load());
+            FabricOp* next = op == last ? nullptr : static_cast<FabricOp*>(op->mpsc_next.load());
             op->parent->piece_done(unavailable(fmt::format(
                 "rail {} is wedged inside the provider (a peer died mid-operation?); create a "
                 "new engine to continue",
@@ -145,9 +142,10 @@ Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
 std::string Rail::describe(const FabricOp* op) const {
     switch (op->type) {
         case FabricOp::kWrite:
-            return op->has_imm ? fmt::format("write of {} bytes with immediate {:#x} to peer {} "
-                                              "on rail {}",
-                                              op->len, op->imm, op->peer, index_)
+            return op->has_imm ? fmt::format(
+                                     "write of {} bytes with immediate {:#x} to peer {} "
+                                     "on rail {}",
+                                     op->len, op->imm, op->peer, index_)
                                : fmt::format("write of {} bytes to peer {} on rail {}", op->len,
                                              op->peer, index_);
         case FabricOp::kRead:
@@ -164,17 +162,23 @@ std::string Rail::describe(const FabricOp* op) const {
 void Rail::link_inflight(FabricOp* op) {
     op->in_prev = in_tail_;
     op->in_next = nullptr;
-    if (in_tail_) in_tail_->in_next = op;
-    else in_head_ = op;
+    if (in_tail_)
+        in_tail_->in_next = op;
+    else
+        in_head_ = op;
     in_tail_ = op;
     ++inflight_;
 }
 
 void Rail::unlink_inflight(FabricOp* op) {
-    if (op->in_prev) op->in_prev->in_next = op->in_next;
-    else in_head_ = op->in_next;
-    if (op->in_next) op->in_next->in_prev = op->in_prev;
-    else in_tail_ = op->in_prev;
+    if (op->in_prev)
+        op->in_prev->in_next = op->in_next;
+    else
+        in_head_ = op->in_next;
+    if (op->in_next)
+        op->in_next->in_prev = op->in_prev;
+    else
+        in_tail_ = op->in_prev;
     op->in_prev = op->in_next = nullptr;
     --inflight_;
 }
@@ -226,8 +230,8 @@ int Rail::post_one(FabricOp* op, bool more) {
         case FabricOp::kRead:
             return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION | more_flag));
         case FabricOp::kSend:
-            return static_cast<int>(fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_),
-                                            op->dest, &op->ctx.fi));
+            return static_cast<int>(
+                fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_), op->dest, &op->ctx.fi));
         case FabricOp::kTask:
             break;
     }
@@ -268,8 +272,8 @@ bool Rail::post_pending() {
         // FI_MORE while another operation follows in this pass (and fits the queue): the
         // provider may hold its doorbell until the last one. If that next post is pushed
         // back, the provider's own progress (every fi_cq_read) still sends what it holds.
-        bool more = config_.post_more && std::next(it) != pending_.end() &&
-                    inflight_ + 1 < tx_depth_;
+        bool more =
+            config_.post_more && std::next(it) != pending_.end() && inflight_ + 1 < tx_depth_;
         span.begin();
         int rc = post_one(op, more);
         if (wedged()) return false;
@@ -348,15 +352,15 @@ void Rail::handle_error(const fi_cq_err_entry& err) {
     char prov[256] = {0};
     const char* prov_text = fi_cq_strerror(cq_, err.prov_errno, err.err_data, prov, sizeof(prov));
     if (!ctx) {
-        log(LogLevel::kWarn, "fabric", "rail {}: completion error without context: {} ({})",
-            index_, fi_strerror(err.err), prov_text ? prov_text : "");
+        log(LogLevel::kWarn, "fabric", "rail {}: completion error without context: {} ({})", index_,
+            fi_strerror(err.err), prov_text ? prov_text : "");
         return;
     }
     if (ctx->kind == FabricCtx::kRecv) {
         if (err.err == FI_ECANCELED || !running_) return;
         stats_.messages_dropped.fetch_add(1, std::memory_order_relaxed);
-        log(LogLevel::kWarn, "fabric", "rail {}: receive failed: {} ({}); buffer reposted",
-            index_, fi_strerror(err.err), prov_text ? prov_text : "");
+        log(LogLevel::kWarn, "fabric", "rail {}: receive failed: {} ({}); buffer reposted", index_,
+            fi_strerror(err.err), prov_text ? prov_text : "");
         int slot = static_cast<int>(ctx - recv_ctx_.data());
         Status s = post_recv(slot);
         if (!s.ok()) log(LogLevel::kError, "fabric", "reposting receive buffer: {}", s.message());
@@ -382,8 +386,8 @@ bool Rail::poll_cq() {
         if (n > 0) {
             any = true;
             for (ssize_t i = 0; i < n; ++i) {
-                handle_completion(static_cast<FabricCtx*>(entries[i].op_context),
-                                  entries[i].flags, entries[i].len, entries[i].data);
+                handle_completion(static_cast<FabricCtx*>(entries[i].op_context), entries[i].flags,
+                                  entries[i].len, entries[i].data);
             }
             if (static_cast<size_t>(n) < kCqBatch) break;
         } else if (n == -FI_EAVAIL) {

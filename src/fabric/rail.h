@@ -37,7 +37,7 @@ struct FabricOp;
 struct FabricCtx {
     fi_context2 fi;  // first member: libfabric writes into it and returns its address
     enum Kind : uint8_t { kOp = 1, kRecv = 2 } kind;
-    FabricOp* op;    // the owner, for kOp
+    FabricOp* op;  // the owner, for kOp
 };
 
 // One fabric operation (or a task to run on the worker).
@@ -59,18 +59,18 @@ struct FabricOp : MpscNode {
     PeerId peer = 0;
     TimePoint deadline{};
     std::shared_ptr<OpState> parent;
-    std::vector<uint8_t> payload;         // kSend: message bytes until copied to a slot
-    int slot = -1;                        // kSend: registered send slot in use
-    std::function<Status()> task;         // kTask
-    FabricOp* in_prev = nullptr;          // in-flight list, in post order
+    std::vector<uint8_t> payload;  // kSend: message bytes until copied to a slot
+    int slot = -1;                 // kSend: registered send slot in use
+    std::function<Status()> task;  // kTask
+    FabricOp* in_prev = nullptr;   // in-flight list, in post order
     FabricOp* in_next = nullptr;
 };
 
 struct RailStats {
     std::atomic<uint64_t> ops_posted{0};
-    std::atomic<uint64_t> ops_injected{0};    // posted with FI_INJECT
+    std::atomic<uint64_t> ops_injected{0};      // posted with FI_INJECT
     std::atomic<uint64_t> posted_with_more{0};  // posted with FI_MORE (another op followed)
-    std::atomic<uint64_t> post_rounds{0};     // worker passes that posted at least one op
+    std::atomic<uint64_t> post_rounds{0};       // worker passes that posted at least one op
     std::atomic<uint64_t> bytes_posted{0};
     std::atomic<uint64_t> eagain{0};
     std::atomic<uint64_t> op_errors{0};
@@ -167,7 +167,7 @@ class Rail {
     std::atomic<uint64_t> next_key_{1};
     std::vector<uint8_t> name_;
     size_t tx_depth_ = 0;
-    size_t inject_size_ = 0;    // writes of at most this many bytes carry FI_INJECT
+    size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
     bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
 
     // Signal region: target of immediate-only writes.
@@ -185,8 +185,8 @@ class Rail {
     std::vector<int> free_send_slots_;
 
     MpscQueue queue_;
-    std::deque<FabricOp*> pending_;          // popped from the queue, not yet posted
-    FabricOp* in_head_ = nullptr;            // in flight, oldest first
+    std::deque<FabricOp*> pending_;  // popped from the queue, not yet posted
+    FabricOp* in_head_ = nullptr;    // in flight, oldest first
     FabricOp* in_tail_ = nullptr;
     size_t inflight_ = 0;
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them

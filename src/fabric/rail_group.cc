@@ -5,8 +5,10 @@
 namespace ferry::detail {
 
 void RailBatch::add(int rail, FabricOp* op) {
-    if (!first_[rail]) first_[rail] = op;
-    else last_[rail]->mpsc_next.store(op, std::memory_order_relaxed);
+    if (!first_[rail])
+        first_[rail] = op;
+    else
+        last_[rail]->mpsc_next.store(op, std::memory_order_relaxed);
     last_[rail] = op;
     ++count;
 }
@@ -16,8 +18,8 @@ Status RailGroup::open(std::span<const fi_info* const> candidates, const EngineC
     stripe_threshold_ = config.stripe_threshold;
     max_write_size_ = config.max_write_size;
     for (int r = 0; r < config.num_rails; ++r) {
-        FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()],
-                                                     config, hooks_for(r)));
+        FERRY_ASSIGN_OR_RETURN(
+            auto rail, Rail::open(r, candidates[r % candidates.size()], config, hooks_for(r)));
         rails_.push_back(std::move(rail));
     }
     return ok_status();
@@ -34,8 +36,7 @@ void RailGroup::stop(const Status& why) {
 void RailGroup::release() {
     for (auto& r : rails_) {
         if (r->wedged()) {
-            log(LogLevel::kWarn, "fabric", "leaving wedged rail {} behind at shutdown",
-                r->index());
+            log(LogLevel::kWarn, "fabric", "leaving wedged rail {} behind at shutdown", r->index());
             (void)r.release();
         }
     }

@@ -52,10 +52,10 @@ struct RailBatch {
     void for_each(size_t r, Fn&& fn) const {
         for (FabricOp* op = first_[r]; op;) {
             // Read the link before fn: fn may free the op.
-            FabricOp* next = op == last_[r]
-                                 ? nullptr
-                                 : static_cast<FabricOp*>(
-                                       op->mpsc_next.load(std::memory_order_relaxed));
+            FabricOp* next =
+                op == last_[r]
+                    ? nullptr
+                    : static_cast<FabricOp*>(op->mpsc_next.load(std::memory_order_relaxed));
             fn(op);
             op = next;
         }

@@ -26,15 +26,15 @@ void close_fid(T*& obj) {
 
 }  // namespace
 
-Result<std::unique_ptr<Rail>> Rail::open(int index, const fi_info* info,
-                                         const EngineConfig& config, RailHooks hooks) {
+Result<std::unique_ptr<Rail>> Rail::open(int index, const fi_info* info, const EngineConfig& config,
+                                         RailHooks hooks) {
     std::unique_ptr<Rail> rail(new Rail());
     rail->hooks_ = std::move(hooks);
     Status s = rail->init(index, info, config);
     if (!s.ok()) {
         rail->stop(s);
-        return s.with_context(fmt::format("opening rail {} ({})", index,
-                                          info->fabric_attr->prov_name));
+        return s.with_context(
+            fmt::format("opening rail {} ({})", index, info->fabric_attr->prov_name));
     }
     return rail;
 }
@@ -48,8 +48,8 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
         // shm names its region "<pid>:<n>:<m>" by default; a process killed with SIGKILL
         // leaves that file behind and a later process given the same pid fails fi_enable
         // with EBUSY. A name unique to this engine avoids the collision.
-        std::string name = fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(),
-                                       config.shm_name_salt, index);
+        std::string name =
+            fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(), config.shm_name_salt, index);
         free(info_->src_addr);
         info_->src_addr = strdup(name.c_str());
         info_->src_addrlen = name.size() + 1;
@@ -69,8 +69,8 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     if (rc) return fi_status("fi_cq_open", rc);
 
     fi_av_attr av_attr{};
-    av_attr.type = info_->domain_attr->av_type == FI_AV_UNSPEC ? FI_AV_TABLE
-                                                                : info_->domain_attr->av_type;
+    av_attr.type =
+        info_->domain_attr->av_type == FI_AV_UNSPEC ? FI_AV_TABLE : info_->domain_attr->av_type;
     rc = fi_av_open(domain_, &av_attr, &av_, nullptr);
     if (rc) return fi_status("fi_av_open", rc);
 
@@ -101,8 +101,8 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     comp_ordered_ = (info_->tx_attr->comp_order & FI_ORDER_STRICT) != 0;
 
     signal_buf_ = std::make_unique<uint8_t[]>(64);
-    FERRY_ASSIGN_OR_RETURN(signal_mr_, register_mr(signal_buf_.get(), 64,
-                                                   FI_REMOTE_WRITE | FI_WRITE));
+    FERRY_ASSIGN_OR_RETURN(signal_mr_,
+                           register_mr(signal_buf_.get(), 64, FI_REMOTE_WRITE | FI_WRITE));
     signal_key_ = fi_mr_key(signal_mr_);
 
     slot_size_ = config.max_message_size + 16;

@@ -17,14 +17,14 @@ Status check_header(ByteReader& r, uint32_t magic, uint16_t version, const char*
     uint16_t v = 0;
     FERRY_RETURN_IF_ERROR(r.get(&m, "magic"));
     if (m != magic) {
-        return protocol_error(fmt::format("not a ferry {} (magic {:#x}, expected {:#x})", what, m,
-                                          magic));
+        return protocol_error(
+            fmt::format("not a ferry {} (magic {:#x}, expected {:#x})", what, m, magic));
     }
     FERRY_RETURN_IF_ERROR(r.get(&v, "version"));
     if (v != version) {
         return protocol_error(fmt::format(
-            "{} version {} is not supported by this build (version {}); upgrade both sides",
-            what, v, version));
+            "{} version {} is not supported by this build (version {}); upgrade both sides", what,
+            v, version));
     }
     return ok_status();
 }
@@ -110,8 +110,8 @@ Result<EngineAddress> EngineAddress::decode(ByteReader& r) {
     uint32_t n = 0;
     FERRY_RETURN_IF_ERROR(r.get(&n, "rail count"));
     if (n == 0 || n > kMaxRails) {
-        return protocol_error(fmt::format("engine address has {} rails (1..{} allowed)", n,
-                                          kMaxRails));
+        return protocol_error(
+            fmt::format("engine address has {} rails (1..{} allowed)", n, kMaxRails));
     }
     a.rail_addrs.resize(n);
     for (auto& ra : a.rail_addrs) {

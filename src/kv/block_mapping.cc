@@ -32,7 +32,7 @@ std::vector<uint32_t> overlapping_ranks(uint32_t first, uint32_t count, uint32_t
 
 // Appends runs, extending the previous one when the new one continues it on both sides.
 class Coalescer {
-   public:
+  public:
     explicit Coalescer(TransferPlan* plan) : plan_(plan) {}
     void add(uint64_t src, uint64_t dst, uint64_t len) {
         plan_->bytes += len;
@@ -46,7 +46,7 @@ class Coalescer {
         plan_->runs.push_back({src, dst, len});
     }
 
-   private:
+  private:
     TransferPlan* plan_;
 };
 

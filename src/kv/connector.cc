@@ -26,7 +26,7 @@ namespace ferry::kv {
 using namespace detail;
 
 class KvConnector::Impl {
-   public:
+  public:
     Impl(TransferEngine* engine, KvPoolRegions pool, const ConnectorConfig& config,
          ConnectorCallbacks callbacks)
         : ctx_(engine, std::move(pool), config, std::move(callbacks)),
@@ -177,7 +177,7 @@ class KvConnector::Impl {
     ConnectorStats stats() const { return ctx_.counters.snapshot(); }
     const ConnectorConfig& config() const { return ctx_.cfg; }
 
-   private:
+  private:
     Status post(Inbox::Task t) { return ctx_.post(std::move(t)); }
 
     // A claim whose work could not be queued (shut down) ends with it.

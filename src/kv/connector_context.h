@@ -25,14 +25,14 @@ inline constexpr const char* kLog = "kv";
 // a completion that arrives after the connector is gone is dropped instead of touching freed
 // state.
 class Inbox {
-   public:
+  public:
     using Task = std::function<void()>;
 
     bool post(Task t);
     std::deque<Task> take(TimePoint until);
     void close();
 
-   private:
+  private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;
@@ -64,7 +64,7 @@ struct Counters {
 };
 
 class ConnectorContext {
-   public:
+  public:
     ConnectorContext(TransferEngine* engine, KvPoolRegions pool, const ConnectorConfig& config,
                      ConnectorCallbacks callbacks)
         : engine(engine),

@@ -23,7 +23,7 @@ namespace ferry::kv {
 using namespace handshake_wire;
 
 class HandshakeServer::Impl {
-   public:
+  public:
     Impl(Fd listener, uint16_t port, HandshakeInfo info, HandshakeServerOptions opts)
         : listener_(std::move(listener)),
           port_(port),
@@ -47,7 +47,7 @@ class HandshakeServer::Impl {
     uint64_t auth_failures() const { return auth_failures_.load(); }
     uint64_t refused() const { return refused_.load(); }
 
-   private:
+  private:
     // One client's exchange, advanced by the poll loop as its bytes come and go.
     struct Conn {
         Fd fd;

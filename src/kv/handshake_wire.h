@@ -43,7 +43,7 @@ inline constexpr std::string_view kAnswerLabel = "ferry-handshake-v2 answer";
 
 // Owns a socket descriptor.
 class Fd {
-   public:
+  public:
     Fd() = default;
     explicit Fd(int fd) : fd_(fd) {}
     Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
@@ -59,7 +59,7 @@ class Fd {
         fd_ = -1;
     }
 
-   private:
+  private:
     int fd_ = -1;
 };
 

@@ -23,9 +23,12 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 
 const char* region_split_name(RegionSplit s) {
     switch (s) {
-        case RegionSplit::kOne: return "one";
-        case RegionSplit::kPerLayer: return "per-layer";
-        case RegionSplit::kPerLayerKv: return "per-layer-kv";
+        case RegionSplit::kOne:
+            return "one";
+        case RegionSplit::kPerLayer:
+            return "per-layer";
+        case RegionSplit::kPerLayerKv:
+            return "per-layer-kv";
     }
     return "unknown";
 }

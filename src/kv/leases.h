@@ -11,7 +11,7 @@
 namespace ferry::kv::detail {
 
 class Leases {
-   public:
+  public:
     // How often leases are checked when nothing else happens.
     static constexpr Duration kTick = std::chrono::milliseconds(5);
 
@@ -27,7 +27,7 @@ class Leases {
     // Reports every transfer still open as cancelled; the thread then ends.
     void report_all_as_shut_down();
 
-   private:
+  private:
     ConnectorContext& ctx_;
     PushSender& sender_;
     PushReceiver& receiver_;

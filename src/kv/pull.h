@@ -13,7 +13,7 @@ namespace ferry::kv::detail {
 
 // Prefill side. Runs on the connector thread; owns `offers_`.
 class PullServer {
-   public:
+  public:
     explicit PullServer(ConnectorContext& ctx) : ctx_(ctx) {}
 
     void offer(uint64_t id, const PullCapability& capability);
@@ -24,7 +24,7 @@ class PullServer {
     void expire(TimePoint now);
     void report_shut_down(const Status& why);
 
-   private:
+  private:
     struct Offer {
         TimePoint deadline;
         PullCapability capability{};  // a DONE without it is ignored
@@ -41,7 +41,7 @@ class PullServer {
 // planned and posted on any thread (the caller's, in PullMode::kInline); the result and the
 // DONEs come on the connector thread.
 class Puller {
-   public:
+  public:
     struct Job {
         uint64_t id = 0;
         std::vector<PullParamsMsg> params;
@@ -61,7 +61,7 @@ class Puller {
     // Touches no connector state, only the job, the engine and atomics.
     void start(const std::shared_ptr<Job>& job);
 
-   private:
+  private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
 
     ConnectorContext& ctx_;

@@ -13,7 +13,7 @@
 namespace ferry::kv::detail {
 
 class PushReceiver {
-   public:
+  public:
     explicit PushReceiver(ConnectorContext& ctx) : ctx_(ctx) {}
 
     // The engine's calls, queued by KvConnector.
@@ -32,7 +32,7 @@ class PushReceiver {
     void begin_shutdown();
     void report_shut_down(const Status& why);
 
-   private:
+  private:
     // One producer rank of a registration. Open until FINAL came and every segment it
     // announced was counted (or FAIL, or CANCEL_ACK).
     enum class SlotState { kOpen, kComplete, kFailed, kAcked };

@@ -13,7 +13,7 @@
 namespace ferry::kv::detail {
 
 class PushSender {
-   public:
+  public:
     explicit PushSender(ConnectorContext& ctx) : ctx_(ctx) {}
 
     // Messages from decode ranks.
@@ -34,7 +34,7 @@ class PushSender {
     void begin_shutdown();
     void report_shut_down(const Status& why);
 
-   private:
+  private:
     // One decode rank of one attempt. Its writes go out in segments, one per
     // prefill_progress (or prefill_done) that found new final tokens.
     struct SendJob {

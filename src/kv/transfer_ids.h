@@ -21,7 +21,7 @@
 namespace ferry::kv::detail {
 
 class TransferIds {
-   public:
+  public:
     enum class Kind : uint8_t { kAnnounced, kRegistered, kPulling, kOffered };
 
     // Claims (id, attempt) for `kind`, or says which live transfer holds the id.
@@ -30,7 +30,7 @@ class TransferIds {
     void release(uint64_t id, uint32_t attempt, Kind kind);
     size_t live() const;
 
-   private:
+  private:
     mutable std::mutex mu_;
     std::set<std::tuple<uint64_t, uint32_t, Kind>> claims_;
 };

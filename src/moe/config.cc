@@ -88,8 +88,8 @@ Status AllToAllConfig::validate() const {
         return bad(fmt::format("private_slots_per_sender {} exceeds max_tokens_per_rank {}",
                                private_slots_per_sender, max_tokens_per_rank));
     if (combine != CombineMode::kPerHit && combine != CombineMode::kPerRank)
-        return bad(fmt::format("combine mode {} is not per-hit or per-rank",
-                               static_cast<int>(combine)));
+        return bad(
+            fmt::format("combine mode {} is not per-hit or per-rank", static_cast<int>(combine)));
     if (group_alignment == 0 || group_alignment > 4096)
         return bad(fmt::format("group_alignment {} must be in [1, 4096]", group_alignment));
     return ok_status();

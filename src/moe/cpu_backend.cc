@@ -302,9 +302,10 @@ Status CpuBackend::dispatch_recv(const ExpertBatch& out) {
             if (per_rank) part_begin_.push_back(static_cast<uint32_t>(part_hits_.size()));
         }
         if (stage_pos != hits_from_[s])
-            return fail(protocol_error(fmt::format("rank {} announced {} hits but its rows "
-                                                   "carry {}",
-                                                   s, hits_from_[s], stage_pos)));
+            return fail(
+                protocol_error(fmt::format("rank {} announced {} hits but its rows "
+                                           "carry {}",
+                                           s, hits_from_[s], stage_pos)));
     }
     for (uint32_t e = 0; e < nl; ++e) {
         // Zero padding so a grouped GEMM over whole groups reads defined values.
@@ -363,9 +364,9 @@ Status CpuBackend::combine_send(std::span<const uint16_t> expert_out) {
     }
     for (uint32_t i = 0; i < w; ++i) {
         uint32_t s = (cfg_.rank + i) % w;
-        Status st = tr_->put(s, Region::kCombine, uint64_t{combine_base_[s]} * crow,
-                             stage_begin_[s] * crow,
-                             (stage_begin_[s + 1] - stage_begin_[s]) * crow);
+        Status st =
+            tr_->put(s, Region::kCombine, uint64_t{combine_base_[s]} * crow, stage_begin_[s] * crow,
+                     (stage_begin_[s + 1] - stage_begin_[s]) * crow);
         if (!st.ok()) return fail(st.with_context("combine_send"));
     }
     bytes_.combine = stage_begin_[w] * crow;
@@ -416,10 +417,10 @@ Status CpuBackend::set_combine_weights(std::span<const float> weights) {
             "with the dispatched weights; use CombineMode::kPerHit");
     const size_t need = size_t{plan_.num_tokens} * cfg_.experts_per_token;
     if (weights.size() < need)
-        return invalid_argument(fmt::format("set_combine_weights: {} floats given; {} tokens x "
-                                            "top-{} need {}",
-                                            weights.size(), plan_.num_tokens,
-                                            cfg_.experts_per_token, need));
+        return invalid_argument(
+            fmt::format("set_combine_weights: {} floats given; {} tokens x "
+                        "top-{} need {}",
+                        weights.size(), plan_.num_tokens, cfg_.experts_per_token, need));
     weights_.assign(weights.begin(), weights.begin() + need);
     return ok_status();
 }

@@ -100,8 +100,7 @@ Result<SendPlan> plan_send(const AllToAllConfig& cfg, std::span<const int32_t> i
     p.combine_begin.assign(w + 1, 0);
     for (uint32_t d = 0; d < w; ++d) {
         p.row_begin[d + 1] = p.row_begin[d] + p.rows_to[d];
-        p.combine_begin[d + 1] =
-            p.combine_begin[d] + (per_rank ? p.rows_to[d] : p.hits_to[d]);
+        p.combine_begin[d + 1] = p.combine_begin[d] + (per_rank ? p.rows_to[d] : p.hits_to[d]);
     }
     p.row_token.assign(p.row_begin[w], 0);
     // Second pass in token order, top-k order inside a token: the order the receiver walks
@@ -122,8 +121,7 @@ Result<SendPlan> plan_send(const AllToAllConfig& cfg, std::span<const int32_t> i
                     p.combine_slot[size_t{t} * k + j] =
                         static_cast<int32_t>(p.combine_begin[d] + (r - p.row_begin[d]));
             }
-            if (!per_rank)
-                p.combine_slot[size_t{t} * k + j] = static_cast<int32_t>(next_slot[d]++);
+            if (!per_rank) p.combine_slot[size_t{t} * k + j] = static_cast<int32_t>(next_slot[d]++);
         }
     }
     return p;

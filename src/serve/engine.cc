@@ -85,8 +85,8 @@ struct Engine::Seq {
     bool remote_told = false;  // prefill leg: the producer heard on_prefill_scheduled
     size_t handovers = 0;      // prefill leg: on_prefill_progress calls so far
     // Decode leg.
-    TimePoint wait_deadline{};    // for the prefill engine to schedule the transfer (push)
-    kv::KvFrontier kv_landed;     // what the connector reported in place
+    TimePoint wait_deadline{};  // for the prefill engine to schedule the transfer (push)
+    kv::KvFrontier kv_landed;   // what the connector reported in place
     // Of the chunk [computed, digested_end) after `computed`: layers [0, digested_layers) are
     // digested (a chunk pushed layer by layer).
     uint32_t digested_end = 0;
@@ -119,7 +119,7 @@ struct Engine::InboxEvent {
     Status status{};
     std::unique_ptr<Seq> seq{};
     kv::KvFrontier ready{};  // kKvProgress: in place; kDigested: digested up to
-    uint64_t terms = 0;  // kDigested: digest terms of the pieces
+    uint64_t terms = 0;      // kDigested: digest terms of the pieces
 };
 
 // Events reach the loop through here. Shared with connector callbacks, so a callback that fires
@@ -435,8 +435,8 @@ void Engine::handle(InboxEvent& e) {
                     if (s->req.kv.transfer_id == e.id) ids.push_back(id);
                 for (auto& s : running_seqs_)
                     if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
-                Status why = cancelled(
-                    fmt::format("transfer {} aborted: {}", e.id, e.status.message()));
+                Status why =
+                    cancelled(fmt::format("transfer {} aborted: {}", e.id, e.status.message()));
                 for (auto& id : ids) cancel_seq(id, why);
                 // Prefill legs already handed over: the connector holds their blocks for
                 // decode (push: writes; pull: the offer's lease) and must let them go now.
@@ -888,12 +888,11 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
                 continue;
             }
             // The blocks now belong to the connector until it releases them.
-            held_[s.id] = Held{
-                s.blocks, now,
-                uint64_t(kv::blocks_for_tokens(uint32_t(s.req.prompt.size()),
-                                               slice_.layout.block_size)) *
-                    pool_->block_bytes(),
-                s.req.kv};
+            held_[s.id] = Held{s.blocks, now,
+                               uint64_t(kv::blocks_for_tokens(uint32_t(s.req.prompt.size()),
+                                                              slice_.layout.block_size)) *
+                                   pool_->block_bytes(),
+                               s.req.kv};
             s.blocks.clear();
             finish(s, ok_status(), std::move(out).value());
         } else if (s.generated >= s.req.max_tokens) {

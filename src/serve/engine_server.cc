@@ -62,29 +62,28 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
                           reply.body = p->health(&reply.status);
                       }});
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
-    routes.push_back({"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
-                          nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
-                          if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
-                              !j["transfer_id"].is_string())
-                              return send_error(reply,
-                                                invalid_argument("body must be {\"transfer_id\": "
-                                                                 "\"...\", \"reason\": \"...\"}"));
-                          const std::string id = j["transfer_id"].get<std::string>();
-                          if (!p->options_.secret.empty()) {
-                              auto tag = j.find("ferry_auth");
-                              Status auth = verify_abort(
-                                  p->options_.secret, id,
-                                  tag != j.end() && tag->is_string() ? tag->get<std::string>()
-                                                                     : std::string());
-                              if (!auth.ok()) return send_error(reply, auth);
-                          }
-                          std::string reason = "aborted";
-                          if (auto r = j.find("reason"); r != j.end() && r->is_string())
-                              reason = r->get<std::string>();
-                          Status st = p->engine_->abort_transfer(id, reason);
-                          if (!st.ok()) return send_error(reply, st);
-                          reply.body = "{}";
-                      }});
+    routes.push_back(
+        {"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
+             nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+             if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
+                 !j["transfer_id"].is_string())
+                 return send_error(reply, invalid_argument("body must be {\"transfer_id\": "
+                                                           "\"...\", \"reason\": \"...\"}"));
+             const std::string id = j["transfer_id"].get<std::string>();
+             if (!p->options_.secret.empty()) {
+                 auto tag = j.find("ferry_auth");
+                 Status auth = verify_abort(
+                     p->options_.secret, id,
+                     tag != j.end() && tag->is_string() ? tag->get<std::string>() : std::string());
+                 if (!auth.ok()) return send_error(reply, auth);
+             }
+             std::string reason = "aborted";
+             if (auto r = j.find("reason"); r != j.end() && r->is_string())
+                 reason = r->get<std::string>();
+             Status st = p->engine_->abort_transfer(id, reason);
+             if (!st.ok()) return send_error(reply, st);
+             reply.body = "{}";
+         }});
     routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->engine_->prometheus_text();

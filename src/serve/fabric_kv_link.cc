@@ -21,7 +21,7 @@ constexpr const char* kLog = "serve.kv";
 }  // namespace
 
 class FabricKvLink::Impl {
-   public:
+  public:
     FabricKvLinkConfig cfg;
     KvPool* pool = nullptr;
     kv::KvLayout layout;
@@ -470,7 +470,7 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
     {
         std::lock_guard lk(p->mu);
         auto key = p->conn ? p->keys->acquire(params.transfer_id)
-                            : Result<uint64_t>(unavailable("KV link is stopped"));
+                           : Result<uint64_t>(unavailable("KV link is stopped"));
         if (!key.ok()) return release(why);  // stopped, or the key is another transfer's
         tid = *key;
         if (!p->sends.emplace(tid, Impl::Send{params.transfer_id, release}).second) {

@@ -29,7 +29,7 @@ namespace {
 // became pending meanwhile; the failed write then surfaces as the call's error. The process's
 // signal dispositions are left alone.
 class SigpipeBlocked {
-   public:
+  public:
     SigpipeBlocked() {
         sigemptyset(&pipe_);
         sigaddset(&pipe_, SIGPIPE);
@@ -52,7 +52,7 @@ class SigpipeBlocked {
     SigpipeBlocked(const SigpipeBlocked&) = delete;
     SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
 
-   private:
+  private:
     sigset_t pipe_{};
     sigset_t old_{};
     bool was_pending_ = false;

@@ -7,8 +7,8 @@
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
-#include "ferry/serve/kv_params_auth.h"
 #include "ferry/kv/block_mapping.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -145,16 +145,17 @@ Status check_limits(const RequestShape& r, const Router::EngineState& e, bool pr
                                   "{} of decode engine {}",
                                   r.prompt_tokens, r.max_tokens, e.max_model_len, name));
     if (e.vocab > 0 && r.max_id >= int64_t(e.vocab))
-        return invalid_argument(fmt::format("prompt: token id {} outside the vocabulary [0, {}) of "
-                                            "{} engine {}",
-                                            r.max_id, e.vocab, role, name));
+        return invalid_argument(
+            fmt::format("prompt: token id {} outside the vocabulary [0, {}) of "
+                        "{} engine {}",
+                        r.max_id, e.vocab, role, name));
     if (e.block_size > 0 && e.blocks_total > 0) {
         size_t tokens = prefill ? r.prompt_tokens : r.prompt_tokens + std::max<size_t>(gen, 1) - 1;
         size_t need = kv::blocks_for_tokens(uint32_t(tokens), uint32_t(e.block_size));
         if (need > e.blocks_total)
-            return invalid_argument(fmt::format(
-                "{}: the request needs {} KV blocks, the pool of {} engine {} has {}",
-                prefill ? "prompt" : "max_tokens", need, role, name, e.blocks_total));
+            return invalid_argument(
+                fmt::format("{}: the request needs {} KV blocks, the pool of {} engine {} has {}",
+                            prefill ? "prompt" : "max_tokens", need, role, name, e.blocks_total));
     }
     return ok_status();
 }

@@ -1,7 +1,8 @@
+#include "ferry/common/status.h"
+
 #include <gtest/gtest.h>
 
 #include "ferry/common/bytes.h"
-#include "ferry/common/status.h"
 #include "ferry/fabric/types.h"
 
 namespace ferry {

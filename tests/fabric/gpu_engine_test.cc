@@ -24,9 +24,9 @@ namespace {
 #ifdef FERRY_HAVE_CUDA
 using testing::Exchange;
 
-#define CHILD_CUDA(expr)                                 \
-    do {                                                 \
-        ::ferry::Status cuda_s_ = FERRY_CUDA_CHECK(expr);  \
+#define CHILD_CUDA(expr)                                        \
+    do {                                                        \
+        ::ferry::Status cuda_s_ = FERRY_CUDA_CHECK(expr);       \
         CHILD_CHECK_MSG(cuda_s_.ok(), "{}", cuda_s_.message()); \
     } while (0)
 

@@ -45,8 +45,9 @@ std::string check_pattern(const std::vector<uint8_t>& b, size_t off, size_t len,
 
 std::string check_fill(const std::vector<uint8_t>& b, size_t off, size_t len, uint8_t v) {
     for (size_t k = 0; k < len; ++k) {
-        if (b[off + k] != v) return fmt::format("byte {} of {}: got {:#x} want {:#x}", off + k,
-                                                b.size(), b[off + k], v);
+        if (b[off + k] != v)
+            return fmt::format("byte {} of {}: got {:#x} want {:#x}", off + k, b.size(), b[off + k],
+                               v);
     }
     return "";
 }
@@ -75,197 +76,211 @@ EntryLens lens_for(uint64_t seed, int t) {
 TEST_P(HotPathTest, BatchesToSeveralPeersSurviveOneDyingMidBatch) {
     uint64_t seed = testing::test_seed("BatchKill");
     const int kVictim = 2;
-    auto results = run_processes(4, [&](Exchange& ex) -> std::string {
-        EngineConfig c = config();
-        c.op_timeout = std::chrono::seconds(2);
-        const uint8_t fill = ex.rank() == 0 ? 0 : kPoison;
-        CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, kBuf, fill));
-        if (ex.rank() != 0) {
-            for (size_t i = 0; i < kHalf; ++i) n.buf[i] = pattern(seed + ex.rank(), i);
-        } else {
-            for (size_t i = 0; i < kHalf; ++i) n.buf[i] = pattern(seed, i);
-        }
-        CHILD_CHECK(ex.barrier().ok());  // patterns in place before anyone reads
-        if (ex.rank() == kVictim) {
-            CHILD_CHECK_OK(n.engine->wait_imm(10 + kVictim, 20, kWait));
-            raise(SIGKILL);  // dies with batch entries for it still being posted
-        }
-        if (ex.rank() == 0) {
-            // Per target: a write to slot 0, a write with immediate to slot 1, a read of
-            // target bytes into this side's read area for that target.
-            auto entries_for = [&](int t, std::vector<BatchEntry>& out) {
-                EntryLens l = lens_for(seed, t);
-                out.push_back(WriteOp{n.peer[t], n.mr.get(), 0, &n.desc[t], kHalf, l.write,
-                                      std::nullopt});
-                out.push_back(WriteOp{n.peer[t], n.mr.get(), kSlot, &n.desc[t], kHalf + kSlot,
-                                      l.write_imm, 10u + t});
-                out.push_back(ReadOp{n.peer[t], n.mr.get(), kHalf + t * 2 * kSlot, &n.desc[t],
-                                     64, l.read});
-            };
-            int victim_failures = 0, live_ok = 0, live_lost = 0, rounds = 0;
-            bool round_clean = true;
-            bool wedged = false;
-            auto start = Clock::now();
-            // Bounded: until the victim's entries fail and three more rounds after that.
-            int after = 0;
-            while (Clock::now() - start < std::chrono::seconds(40) && after < 3) {
-                std::vector<BatchEntry> batch;
-                std::vector<int> target;
-                for (int t = 1; t <= 3; ++t) {
-                    entries_for(t, batch);
-                    target.insert(target.end(), 3, t);
-                }
-                round_clean = true;
-                std::vector<Status> got(batch.size());
-                std::vector<TimePoint> done_at(batch.size());
-                auto posted_at = Clock::now();
-                std::vector<OpHandle> hs = n.engine->submit_batch(
-                    batch, [&](size_t i, const Status&) { done_at[i] = Clock::now(); });
-                CHILD_CHECK(hs.size() == batch.size());
-                for (size_t i = 0; i < hs.size(); ++i) {
-                    got[i] = hs[i].wait(c.op_timeout + std::chrono::seconds(8));
-                    CHILD_CHECK_MSG(hs[i].done(), "entry {} to target {} did not finish within "
-                                    "the op timeout + 8 s: {}", i, target[i], got[i].to_string());
-                }
-                ++rounds;
-                for (size_t i = 0; i < hs.size(); ++i) {
-                    if (target[i] == kVictim) {
-                        if (!got[i].ok()) {
-                            ++victim_failures;
-                            // Failed within the op timeout (plus the sweep period and slack
-                            // for a loaded host), not after some unbounded hang.
-                            CHILD_CHECK_MSG(done_at[i] - posted_at <
-                                                c.op_timeout + std::chrono::seconds(3),
-                                            "victim entry failed only after {:.0f} ms",
-                                            to_ms(done_at[i] - posted_at));
-                        }
-                        continue;
-                    }
-                    if (got[i].ok()) {
-                        ++live_ok;
-                        continue;
-                    }
-                    if (got[i].message().find("wedged") != std::string::npos) {
-                        wedged = true;  // shm itself wedged on the dead peer (see below)
-                        continue;
-                    }
-                    // Known defect on shm (libfabric 1.17), found by this test and reproduced
-                    // on the engine before batching (one write()/read() per entry): once a peer
-                    // is SIGKILLed, writes with immediates above inject_size to the live peers
-                    // keep timing out on this engine (the rail logs error completions without a
-                    // context); a fresh engine reaches them. They fail within the deadline and
-                    // say so; tcp loses nothing.
-                    CHILD_CHECK_MSG(GetParam() == "shm" && got[i].code() == StatusCode::kTimeout,
-                                    "live target {} entry {} failed: {}", target[i], i,
-                                    got[i].to_string());
-                    ++live_lost;
-                    round_clean = false;
-                }
-                if (victim_failures > 0) ++after;
-                if (wedged) break;
-                if (!round_clean) continue;
-                // Reads of live targets fetched their pattern.
-                for (int t : {1, 3}) {
-                    EntryLens l = lens_for(seed, t);
-                    std::string d = check_pattern(n.buf, kHalf + t * 2 * kSlot, l.read,
-                                                  seed + t, 64);
-                    CHILD_CHECK_MSG(d.empty(), "read from target {}: {}", t, d);
-                }
-            }
-            CHILD_CHECK_MSG(victim_failures > 0, "no entry to the killed target failed in {} "
-                            "rounds", rounds);
-            CHILD_CHECK_MSG(wedged || round_clean || GetParam() == "shm",
-                            "the last round still lost live entries");
-            CHILD_CHECK_MSG(wedged || live_ok + live_lost >= 6 * rounds,
-                            "{} live entries ok in {} rounds", live_ok, rounds);
-            std::fprintf(stderr,
-                         "[batch-kill] %d rounds, %d victim failures, %d live ok, %d live lost%s\n",
-                         rounds, victim_failures, live_ok, live_lost,
-                         wedged ? ", rail wedged" : "");
-            if (wedged || live_lost > 0) {
-                // A fresh engine reaches the live targets (as in TargetKilledMidStream).
-                CHILD_ASSIGN_OK(auto fresh, TransferEngine::create(c));
-                CHILD_ASSIGN_OK(auto mr2, fresh->register_memory(n.buf.data(), n.buf.size()));
-                for (int t : {1, 3}) {
-                    CHILD_ASSIGN_OK(PeerId p, fresh->connect(n.addr[t]));
-                    EntryLens l = lens_for(seed, t);
-                    CHILD_CHECK_OK(fresh->write({p, mr2.get(), 0, &n.desc[t], kHalf, l.write, {}})
-                                       .wait(kWait));
-                    CHILD_CHECK_OK(fresh->write({p, mr2.get(), kSlot, &n.desc[t], kHalf + kSlot,
-                                                 l.write_imm, 10u + t})
-                                       .wait(kWait));
-                    CHILD_CHECK_OK(fresh->signal(p, 99).wait(kWait));
-                }
-                mr2.reset();
-                fresh.reset();
+    auto results = run_processes(
+        4,
+        [&](Exchange& ex) -> std::string {
+            EngineConfig c = config();
+            c.op_timeout = std::chrono::seconds(2);
+            const uint8_t fill = ex.rank() == 0 ? 0 : kPoison;
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, kBuf, fill));
+            if (ex.rank() != 0) {
+                for (size_t i = 0; i < kHalf; ++i) n.buf[i] = pattern(seed + ex.rank(), i);
             } else {
-                // One last signal per live target: everything before it has completed here.
-                for (int t : {1, 3}) CHILD_CHECK_OK(n.engine->signal(n.peer[t], 99).wait(kWait));
+                for (size_t i = 0; i < kHalf; ++i) n.buf[i] = pattern(seed, i);
             }
-            n.mr.reset();
-            n.engine.reset();
-        }
-        if (ex.rank() == 1 || ex.rank() == 3) {
-            CHILD_CHECK_OK(n.engine->wait_imm(99, 1, std::chrono::seconds(90)));
-            EntryLens l = lens_for(seed, ex.rank());
-            // Writes landed intact, and nothing past their lengths was touched.
-            std::string d = check_pattern(n.buf, kHalf, l.write, seed, 0);
-            CHILD_CHECK_MSG(d.empty(), "write: {}", d);
-            d = check_fill(n.buf, kHalf + l.write, kSlot - l.write, kPoison);
-            CHILD_CHECK_MSG(d.empty(), "past the write: {}", d);
-            d = check_pattern(n.buf, kHalf + kSlot, l.write_imm, seed, kSlot);
-            CHILD_CHECK_MSG(d.empty(), "write with immediate: {}", d);
-            d = check_fill(n.buf, kHalf + kSlot + l.write_imm, kBuf - kHalf - kSlot - l.write_imm,
-                           kPoison);
-            CHILD_CHECK_MSG(d.empty(), "past the write with immediate: {}", d);
-            CHILD_CHECK(n.engine->imm_available(10 + ex.rank()) >= 1);
-        }
-        return "";
-    }, kRunTimeout);
+            CHILD_CHECK(ex.barrier().ok());  // patterns in place before anyone reads
+            if (ex.rank() == kVictim) {
+                CHILD_CHECK_OK(n.engine->wait_imm(10 + kVictim, 20, kWait));
+                raise(SIGKILL);  // dies with batch entries for it still being posted
+            }
+            if (ex.rank() == 0) {
+                // Per target: a write to slot 0, a write with immediate to slot 1, a read of
+                // target bytes into this side's read area for that target.
+                auto entries_for = [&](int t, std::vector<BatchEntry>& out) {
+                    EntryLens l = lens_for(seed, t);
+                    out.push_back(WriteOp{n.peer[t], n.mr.get(), 0, &n.desc[t], kHalf, l.write,
+                                          std::nullopt});
+                    out.push_back(WriteOp{n.peer[t], n.mr.get(), kSlot, &n.desc[t], kHalf + kSlot,
+                                          l.write_imm, 10u + t});
+                    out.push_back(ReadOp{n.peer[t], n.mr.get(), kHalf + t * 2 * kSlot, &n.desc[t],
+                                         64, l.read});
+                };
+                int victim_failures = 0, live_ok = 0, live_lost = 0, rounds = 0;
+                bool round_clean = true;
+                bool wedged = false;
+                auto start = Clock::now();
+                // Bounded: until the victim's entries fail and three more rounds after that.
+                int after = 0;
+                while (Clock::now() - start < std::chrono::seconds(40) && after < 3) {
+                    std::vector<BatchEntry> batch;
+                    std::vector<int> target;
+                    for (int t = 1; t <= 3; ++t) {
+                        entries_for(t, batch);
+                        target.insert(target.end(), 3, t);
+                    }
+                    round_clean = true;
+                    std::vector<Status> got(batch.size());
+                    std::vector<TimePoint> done_at(batch.size());
+                    auto posted_at = Clock::now();
+                    std::vector<OpHandle> hs = n.engine->submit_batch(
+                        batch, [&](size_t i, const Status&) { done_at[i] = Clock::now(); });
+                    CHILD_CHECK(hs.size() == batch.size());
+                    for (size_t i = 0; i < hs.size(); ++i) {
+                        got[i] = hs[i].wait(c.op_timeout + std::chrono::seconds(8));
+                        CHILD_CHECK_MSG(hs[i].done(),
+                                        "entry {} to target {} did not finish within "
+                                        "the op timeout + 8 s: {}",
+                                        i, target[i], got[i].to_string());
+                    }
+                    ++rounds;
+                    for (size_t i = 0; i < hs.size(); ++i) {
+                        if (target[i] == kVictim) {
+                            if (!got[i].ok()) {
+                                ++victim_failures;
+                                // Failed within the op timeout (plus the sweep period and slack
+                                // for a loaded host), not after some unbounded hang.
+                                CHILD_CHECK_MSG(
+                                    done_at[i] - posted_at < c.op_timeout + std::chrono::seconds(3),
+                                    "victim entry failed only after {:.0f} ms",
+                                    to_ms(done_at[i] - posted_at));
+                            }
+                            continue;
+                        }
+                        if (got[i].ok()) {
+                            ++live_ok;
+                            continue;
+                        }
+                        if (got[i].message().find("wedged") != std::string::npos) {
+                            wedged = true;  // shm itself wedged on the dead peer (see below)
+                            continue;
+                        }
+                        // Known defect on shm (libfabric 1.17), found by this test and reproduced
+                        // on the engine before batching (one write()/read() per entry): once a peer
+                        // is SIGKILLed, writes with immediates above inject_size to the live peers
+                        // keep timing out on this engine (the rail logs error completions without a
+                        // context); a fresh engine reaches them. They fail within the deadline and
+                        // say so; tcp loses nothing.
+                        CHILD_CHECK_MSG(
+                            GetParam() == "shm" && got[i].code() == StatusCode::kTimeout,
+                            "live target {} entry {} failed: {}", target[i], i, got[i].to_string());
+                        ++live_lost;
+                        round_clean = false;
+                    }
+                    if (victim_failures > 0) ++after;
+                    if (wedged) break;
+                    if (!round_clean) continue;
+                    // Reads of live targets fetched their pattern.
+                    for (int t : {1, 3}) {
+                        EntryLens l = lens_for(seed, t);
+                        std::string d =
+                            check_pattern(n.buf, kHalf + t * 2 * kSlot, l.read, seed + t, 64);
+                        CHILD_CHECK_MSG(d.empty(), "read from target {}: {}", t, d);
+                    }
+                }
+                CHILD_CHECK_MSG(victim_failures > 0,
+                                "no entry to the killed target failed in {} "
+                                "rounds",
+                                rounds);
+                CHILD_CHECK_MSG(wedged || round_clean || GetParam() == "shm",
+                                "the last round still lost live entries");
+                CHILD_CHECK_MSG(wedged || live_ok + live_lost >= 6 * rounds,
+                                "{} live entries ok in {} rounds", live_ok, rounds);
+                std::fprintf(
+                    stderr,
+                    "[batch-kill] %d rounds, %d victim failures, %d live ok, %d live lost%s\n",
+                    rounds, victim_failures, live_ok, live_lost, wedged ? ", rail wedged" : "");
+                if (wedged || live_lost > 0) {
+                    // A fresh engine reaches the live targets (as in TargetKilledMidStream).
+                    CHILD_ASSIGN_OK(auto fresh, TransferEngine::create(c));
+                    CHILD_ASSIGN_OK(auto mr2, fresh->register_memory(n.buf.data(), n.buf.size()));
+                    for (int t : {1, 3}) {
+                        CHILD_ASSIGN_OK(PeerId p, fresh->connect(n.addr[t]));
+                        EntryLens l = lens_for(seed, t);
+                        CHILD_CHECK_OK(
+                            fresh->write({p, mr2.get(), 0, &n.desc[t], kHalf, l.write, {}})
+                                .wait(kWait));
+                        CHILD_CHECK_OK(fresh
+                                           ->write({p, mr2.get(), kSlot, &n.desc[t], kHalf + kSlot,
+                                                    l.write_imm, 10u + t})
+                                           .wait(kWait));
+                        CHILD_CHECK_OK(fresh->signal(p, 99).wait(kWait));
+                    }
+                    mr2.reset();
+                    fresh.reset();
+                } else {
+                    // One last signal per live target: everything before it has completed here.
+                    for (int t : {1, 3})
+                        CHILD_CHECK_OK(n.engine->signal(n.peer[t], 99).wait(kWait));
+                }
+                n.mr.reset();
+                n.engine.reset();
+            }
+            if (ex.rank() == 1 || ex.rank() == 3) {
+                CHILD_CHECK_OK(n.engine->wait_imm(99, 1, std::chrono::seconds(90)));
+                EntryLens l = lens_for(seed, ex.rank());
+                // Writes landed intact, and nothing past their lengths was touched.
+                std::string d = check_pattern(n.buf, kHalf, l.write, seed, 0);
+                CHILD_CHECK_MSG(d.empty(), "write: {}", d);
+                d = check_fill(n.buf, kHalf + l.write, kSlot - l.write, kPoison);
+                CHILD_CHECK_MSG(d.empty(), "past the write: {}", d);
+                d = check_pattern(n.buf, kHalf + kSlot, l.write_imm, seed, kSlot);
+                CHILD_CHECK_MSG(d.empty(), "write with immediate: {}", d);
+                d = check_fill(n.buf, kHalf + kSlot + l.write_imm,
+                               kBuf - kHalf - kSlot - l.write_imm, kPoison);
+                CHILD_CHECK_MSG(d.empty(), "past the write with immediate: {}", d);
+                CHILD_CHECK(n.engine->imm_available(10 + ex.rank()) >= 1);
+            }
+            return "";
+        },
+        kRunTimeout);
     ASSERT_EQ(results.size(), 4u);
     EXPECT_EQ(results[kVictim].term_signal, SIGKILL);
-    for (int r : {0, 1, 3}) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": "
-                                                         << results[r].error;
+    for (int r : {0, 1, 3})
+        EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].error;
 }
 
 TEST_P(HotPathTest, WritesAtAndJustPastTheInjectSizeArriveIntact) {
     uint64_t seed = testing::test_seed("Inject");
-    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
-        CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), 1 << 16, kPoison));
-        const size_t inj = n.engine->inject_size();
-        // Both providers here inject (shm 4096, tcp;ofi_rxm 64 in libfabric 1.17).
-        CHILD_CHECK_MSG(inj > 0 && inj + 1 < 8192, "inject size {}", inj);
-        const size_t at = 0, past = 16384;  // destinations of the two writes
-        if (ex.rank() == 0) {
-            for (size_t i = 0; i < n.buf.size(); ++i) n.buf[i] = pattern(seed, i);
-            EngineStats before = n.engine->stats();
-            CHILD_CHECK_OK(n.engine->write({n.peer[1], n.mr.get(), 100, &n.desc[1], at, inj, 7u})
-                               .wait(kWait));
-            EngineStats mid = n.engine->stats();
-            CHILD_CHECK_OK(n.engine->write({n.peer[1], n.mr.get(), 100, &n.desc[1], past, inj + 1,
-                                            7u})
-                               .wait(kWait));
-            EngineStats after = n.engine->stats();
-            // Exactly inject_size bytes went with FI_INJECT, one byte more did not.
-            CHILD_CHECK_MSG(mid.ops_injected == before.ops_injected + 1, "{} -> {}",
-                            before.ops_injected, mid.ops_injected);
-            CHILD_CHECK_MSG(after.ops_injected == mid.ops_injected, "{} -> {}", mid.ops_injected,
-                            after.ops_injected);
-            CHILD_CHECK(ex.barrier().ok());
-        } else {
-            CHILD_CHECK_OK(n.engine->wait_imm(7, 2, kWait));
-            std::string d = check_pattern(n.buf, at, inj, seed, 100);
-            CHILD_CHECK_MSG(d.empty(), "write of inject_size {}: {}", inj, d);
-            d = check_fill(n.buf, at + inj, past - at - inj, kPoison);
-            CHILD_CHECK_MSG(d.empty(), "after the inject-size write: {}", d);
-            d = check_pattern(n.buf, past, inj + 1, seed, 100);
-            CHILD_CHECK_MSG(d.empty(), "write of inject_size + 1: {}", d);
-            d = check_fill(n.buf, past + inj + 1, n.buf.size() - past - inj - 1, kPoison);
-            CHILD_CHECK_MSG(d.empty(), "after the inject_size + 1 write: {}", d);
-            CHILD_CHECK(ex.barrier().ok());
-        }
-        return "";
-    }, kRunTimeout);
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, config(), 1 << 16, kPoison));
+            const size_t inj = n.engine->inject_size();
+            // Both providers here inject (shm 4096, tcp;ofi_rxm 64 in libfabric 1.17).
+            CHILD_CHECK_MSG(inj > 0 && inj + 1 < 8192, "inject size {}", inj);
+            const size_t at = 0, past = 16384;  // destinations of the two writes
+            if (ex.rank() == 0) {
+                for (size_t i = 0; i < n.buf.size(); ++i) n.buf[i] = pattern(seed, i);
+                EngineStats before = n.engine->stats();
+                CHILD_CHECK_OK(
+                    n.engine->write({n.peer[1], n.mr.get(), 100, &n.desc[1], at, inj, 7u})
+                        .wait(kWait));
+                EngineStats mid = n.engine->stats();
+                CHILD_CHECK_OK(
+                    n.engine->write({n.peer[1], n.mr.get(), 100, &n.desc[1], past, inj + 1, 7u})
+                        .wait(kWait));
+                EngineStats after = n.engine->stats();
+                // Exactly inject_size bytes went with FI_INJECT, one byte more did not.
+                CHILD_CHECK_MSG(mid.ops_injected == before.ops_injected + 1, "{} -> {}",
+                                before.ops_injected, mid.ops_injected);
+                CHILD_CHECK_MSG(after.ops_injected == mid.ops_injected, "{} -> {}",
+                                mid.ops_injected, after.ops_injected);
+                CHILD_CHECK(ex.barrier().ok());
+            } else {
+                CHILD_CHECK_OK(n.engine->wait_imm(7, 2, kWait));
+                std::string d = check_pattern(n.buf, at, inj, seed, 100);
+                CHILD_CHECK_MSG(d.empty(), "write of inject_size {}: {}", inj, d);
+                d = check_fill(n.buf, at + inj, past - at - inj, kPoison);
+                CHILD_CHECK_MSG(d.empty(), "after the inject-size write: {}", d);
+                d = check_pattern(n.buf, past, inj + 1, seed, 100);
+                CHILD_CHECK_MSG(d.empty(), "write of inject_size + 1: {}", d);
+                d = check_fill(n.buf, past + inj + 1, n.buf.size() - past - inj - 1, kPoison);
+                CHILD_CHECK_MSG(d.empty(), "after the inject_size + 1 write: {}", d);
+                CHILD_CHECK(ex.barrier().ok());
+            }
+            return "";
+        },
+        kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
@@ -279,94 +294,99 @@ TEST_P(HotPathTest, ScatterToSixtyFourPeersDeliversEveryByte) {
     // tcp;ofi_rxm takes ~50 s here on the 2-core dev machine (64 engines set up, 64
     // connections made on first use), so this one gets more than kRunTimeout.
     const auto kScatterTimeout = std::chrono::seconds(250);
-    auto results = run_processes(2, [&](Exchange& ex) -> std::string {
-        EngineConfig c = config();
-        // Slices: 1 to 3 per member, random lengths (1 B .. 16 KiB), disjoint destinations.
-        std::mt19937_64 rng(seed);
-        std::vector<ScatterSlice> slices;
-        std::vector<int> per_member(kPeers, 0);
-        for (uint32_t m = 0; m < kPeers; ++m) {
-            int k = 1 + static_cast<int>(rng() % 3);
-            for (int j = 0; j < k; ++j) {
-                uint64_t len = 1 + rng() % 16384;
-                uint64_t dst = j * 20000 + rng() % (20000 - 16384);
-                slices.push_back({m, rng() % (kSrc - len), dst, len});
-                ++per_member[m];
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            EngineConfig c = config();
+            // Slices: 1 to 3 per member, random lengths (1 B .. 16 KiB), disjoint destinations.
+            std::mt19937_64 rng(seed);
+            std::vector<ScatterSlice> slices;
+            std::vector<int> per_member(kPeers, 0);
+            for (uint32_t m = 0; m < kPeers; ++m) {
+                int k = 1 + static_cast<int>(rng() % 3);
+                for (int j = 0; j < k; ++j) {
+                    uint64_t len = 1 + rng() % 16384;
+                    uint64_t dst = j * 20000 + rng() % (20000 - 16384);
+                    slices.push_back({m, rng() % (kSrc - len), dst, len});
+                    ++per_member[m];
+                }
             }
-        }
-        if (ex.rank() == 1) {
-            std::vector<std::unique_ptr<TransferEngine>> engines;
-            std::vector<std::vector<uint8_t>> bufs(kPeers, std::vector<uint8_t>(kPeerBuf, kPoison));
-            std::vector<std::unique_ptr<MemoryRegion>> mrs;
-            ByteWriter w;
-            for (int i = 0; i < kPeers; ++i) {
+            if (ex.rank() == 1) {
+                std::vector<std::unique_ptr<TransferEngine>> engines;
+                std::vector<std::vector<uint8_t>> bufs(kPeers,
+                                                       std::vector<uint8_t>(kPeerBuf, kPoison));
+                std::vector<std::unique_ptr<MemoryRegion>> mrs;
+                ByteWriter w;
+                for (int i = 0; i < kPeers; ++i) {
+                    CHILD_ASSIGN_OK(auto e, TransferEngine::create(c));
+                    CHILD_ASSIGN_OK(auto mr, e->register_memory(bufs[i].data(), bufs[i].size()));
+                    e->address().encode(w);
+                    mr->descriptor().encode(w);
+                    engines.push_back(std::move(e));
+                    mrs.push_back(std::move(mr));
+                }
+                CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+                ByteReader rd(all[0]);
+                CHILD_ASSIGN_OK(EngineAddress a0, EngineAddress::decode(rd));
+                for (auto& e : engines) CHILD_CHECK(e->connect(a0).ok());
+                CHILD_CHECK(ex.barrier().ok());
+                for (int i = 0; i < kPeers; ++i) {
+                    CHILD_CHECK_OK(engines[i]->wait_imm(5, per_member[i], kWait));
+                    std::vector<uint8_t> want(kPeerBuf, kPoison);
+                    for (const auto& s : slices) {
+                        if (s.member != static_cast<uint32_t>(i)) continue;
+                        for (uint64_t k = 0; k < s.length; ++k) {
+                            want[s.dst_offset + k] = pattern(seed, s.src_offset + k);
+                        }
+                    }
+                    if (bufs[i] != want) {
+                        for (size_t k = 0; k < kPeerBuf; ++k) {
+                            CHILD_CHECK_MSG(bufs[i][k] == want[k],
+                                            "peer {} byte {}: got {:#x} want {:#x}", i, k,
+                                            bufs[i][k], want[k]);
+                        }
+                    }
+                }
+                CHILD_CHECK(ex.barrier().ok());
+                mrs.clear();
+                engines.clear();
+            } else {
                 CHILD_ASSIGN_OK(auto e, TransferEngine::create(c));
-                CHILD_ASSIGN_OK(auto mr, e->register_memory(bufs[i].data(), bufs[i].size()));
+                std::vector<uint8_t> src(kSrc);
+                for (size_t i = 0; i < kSrc; ++i) src[i] = pattern(seed, i);
+                CHILD_ASSIGN_OK(auto mr, e->register_memory(src.data(), src.size()));
+                ByteWriter w;
                 e->address().encode(w);
-                mr->descriptor().encode(w);
-                engines.push_back(std::move(e));
-                mrs.push_back(std::move(mr));
-            }
-            CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
-            ByteReader rd(all[0]);
-            CHILD_ASSIGN_OK(EngineAddress a0, EngineAddress::decode(rd));
-            for (auto& e : engines) CHILD_CHECK(e->connect(a0).ok());
-            CHILD_CHECK(ex.barrier().ok());
-            for (int i = 0; i < kPeers; ++i) {
-                CHILD_CHECK_OK(engines[i]->wait_imm(5, per_member[i], kWait));
-                std::vector<uint8_t> want(kPeerBuf, kPoison);
-                for (const auto& s : slices) {
-                    if (s.member != static_cast<uint32_t>(i)) continue;
-                    for (uint64_t k = 0; k < s.length; ++k) {
-                        want[s.dst_offset + k] = pattern(seed, s.src_offset + k);
-                    }
+                CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+                ByteReader rd(all[1]);
+                std::vector<PeerId> peers;
+                std::vector<MemoryDescriptor> dsts;
+                for (int i = 0; i < kPeers; ++i) {
+                    CHILD_ASSIGN_OK(EngineAddress a, EngineAddress::decode(rd));
+                    CHILD_ASSIGN_OK(MemoryDescriptor d, MemoryDescriptor::decode(rd));
+                    CHILD_ASSIGN_OK(PeerId p, e->connect(a));
+                    peers.push_back(p);
+                    dsts.push_back(d);
                 }
-                if (bufs[i] != want) {
-                    for (size_t k = 0; k < kPeerBuf; ++k) {
-                        CHILD_CHECK_MSG(bufs[i][k] == want[k],
-                                        "peer {} byte {}: got {:#x} want {:#x}", i, k,
-                                        bufs[i][k], want[k]);
-                    }
-                }
+                CHILD_ASSIGN_OK(GroupId g, e->create_group(peers, dsts));
+                CHILD_CHECK(ex.barrier().ok());
+                OpHandle h = e->scatter({g, mr.get(), slices, 5u});
+                CHILD_CHECK_OK(h.wait(kWait));
+                CHILD_CHECK(h.imm_writes() == slices.size());
+                // A slice past a member's region is refused before anything moves.
+                std::vector<ScatterSlice> bad = {{0, 0, 0, 16}, {kPeers - 1, 0, kPeerBuf - 8, 16}};
+                Status s = e->scatter({g, mr.get(), bad, 6u}).wait(kWait);
+                CHILD_CHECK_MSG(
+                    s.code() == StatusCode::kOutOfRange &&
+                        s.message().find("overrun the remote region") != std::string::npos,
+                    "{}", s.to_string());
+                CHILD_CHECK(ex.barrier().ok());
+                mr.reset();
+                e.reset();
             }
-            CHILD_CHECK(ex.barrier().ok());
-            mrs.clear();
-            engines.clear();
-        } else {
-            CHILD_ASSIGN_OK(auto e, TransferEngine::create(c));
-            std::vector<uint8_t> src(kSrc);
-            for (size_t i = 0; i < kSrc; ++i) src[i] = pattern(seed, i);
-            CHILD_ASSIGN_OK(auto mr, e->register_memory(src.data(), src.size()));
-            ByteWriter w;
-            e->address().encode(w);
-            CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
-            ByteReader rd(all[1]);
-            std::vector<PeerId> peers;
-            std::vector<MemoryDescriptor> dsts;
-            for (int i = 0; i < kPeers; ++i) {
-                CHILD_ASSIGN_OK(EngineAddress a, EngineAddress::decode(rd));
-                CHILD_ASSIGN_OK(MemoryDescriptor d, MemoryDescriptor::decode(rd));
-                CHILD_ASSIGN_OK(PeerId p, e->connect(a));
-                peers.push_back(p);
-                dsts.push_back(d);
-            }
-            CHILD_ASSIGN_OK(GroupId g, e->create_group(peers, dsts));
-            CHILD_CHECK(ex.barrier().ok());
-            OpHandle h = e->scatter({g, mr.get(), slices, 5u});
-            CHILD_CHECK_OK(h.wait(kWait));
-            CHILD_CHECK(h.imm_writes() == slices.size());
-            // A slice past a member's region is refused before anything moves.
-            std::vector<ScatterSlice> bad = {{0, 0, 0, 16}, {kPeers - 1, 0, kPeerBuf - 8, 16}};
-            Status s = e->scatter({g, mr.get(), bad, 6u}).wait(kWait);
-            CHILD_CHECK_MSG(s.code() == StatusCode::kOutOfRange &&
-                                s.message().find("overrun the remote region") != std::string::npos,
-                            "{}", s.to_string());
-            CHILD_CHECK(ex.barrier().ok());
-            mr.reset();
-            e.reset();
-        }
-        return "";
-    }, kScatterTimeout);
+            return "";
+        },
+        kScatterTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 

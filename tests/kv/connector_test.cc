@@ -82,7 +82,7 @@ std::vector<EngineAddress> prefill_addrs(const Topology& t, const KvNode& n) {
 }
 
 class KvConnectorTest : public ::testing::TestWithParam<std::tuple<std::string, Topology>> {
-   protected:
+  protected:
     std::string provider() const { return std::get<0>(GetParam()); }
     const Topology& topo() const { return std::get<1>(GetParam()); }
     void expect_all_ok(const std::vector<::ferry::testing::ChildResult>& results) {

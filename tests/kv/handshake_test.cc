@@ -340,7 +340,7 @@ TEST(HandshakeAuth, WrongSecretIsRefusedWithoutLearningAnything) {
 
 // A relay between a real client and the server that records what the client sent.
 class RecordingProxy {
-   public:
+  public:
     explicit RecordingProxy(uint16_t upstream) : upstream_(upstream) {
         listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
         sockaddr_in a{};
@@ -363,7 +363,7 @@ class RecordingProxy {
         return from_client_;
     }
 
-   private:
+  private:
     void relay_once() {
         pollfd lp{listener_, POLLIN, 0};
         if (::poll(&lp, 1, 5000) <= 0) return;

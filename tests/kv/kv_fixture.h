@@ -31,14 +31,14 @@ inline constexpr uint8_t kPoison = 0xa5;
 
 // Results delivered by the connector callbacks, waited for with a deadline.
 class ResultLog {
-   public:
+  public:
     void add(bool send_side, const TransferResult& r);
     // The first result for (side, transfer id[, attempt]) not taken yet; kTimeout otherwise.
     Result<TransferResult> wait(bool send_side, uint64_t id, Duration timeout,
                                 int64_t attempt = -1);
     size_t size() const;
 
-   private:
+  private:
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::pair<bool, TransferResult>> items_;

@@ -43,7 +43,8 @@ EngineAddress test_address() {
 
 std::vector<KvMessage> all_messages() {
     KvLayout l = test_layout();
-    RegisterMsg reg{1234, 3, 1, 2, 0xabc, 8, 40, 5000, test_address(), {test_pool(l)}, l, {7, 9, 99}};
+    RegisterMsg reg{1234,           3, 1,         2, 0xabc, 8, 40, 5000, test_address(),
+                    {test_pool(l)}, l, {7, 9, 99}};
     PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), {test_pool(l)}, l, {4, 5}};
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},

@@ -26,7 +26,7 @@ constexpr int kPrefill = 0;
 constexpr int kDecode = 1;
 
 class KvReliabilityTest : public ::testing::TestWithParam<std::string> {
-   protected:
+  protected:
     // 1 prefill rank (process 0) and 1 decode rank (process 1) with the small test layout.
     std::vector<::ferry::testing::ChildResult> run_1p1d(
         Duration lease, const std::function<std::string(Exchange&, KvNode&)>& body,

@@ -1,8 +1,7 @@
 #include "ferry/kv/transfer_key.h"
 
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <map>
 

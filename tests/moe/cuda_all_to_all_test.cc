@@ -142,10 +142,10 @@ Result<CpuRef> cpu_reference(const CudaCase& k, const std::vector<std::vector<Ra
     return ref;
 }
 
-#define RANK_CUDA(expr)                                                     \
-    do {                                                                    \
+#define RANK_CUDA(expr)                                                      \
+    do {                                                                     \
         if (::ferry::Status cuda_s_ = FERRY_CUDA_CHECK(expr); !cuda_s_.ok()) \
-            return cuda_s_.message();                                       \
+            return cuda_s_.message();                                        \
     } while (0)
 
 // Device memory of one rank's test: freed on every return path.

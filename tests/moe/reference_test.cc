@@ -220,8 +220,8 @@ TEST(MoeReference, PerRankCombine) {
 }
 
 TEST(MoeReference, WeightsGivenAtCombineReplaceTheDispatchedOnes) {
-    run_case({.name = "WeightsAtCombine", .per_expert = true, .calls = 3,
-              .weights_at_combine = true});
+    run_case(
+        {.name = "WeightsAtCombine", .per_expert = true, .calls = 3, .weights_at_combine = true});
 }
 
 TEST(MoeReference, SetCombineWeightsIsRefusedOutsideACallAndForPerRankCombine) {

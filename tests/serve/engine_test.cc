@@ -532,8 +532,8 @@ TEST(Engine, PushHandOversStayWithinTheConnectorsLimitAndTheLastChunkGetsEveryGr
     auto got = push_prefill(producer, setup, 300, "t-limited");
     // The first chunk gets the two hand-overs the limit leaves after reserving one per later
     // chunk and three for the last; every earlier chunk ends with one.
-    std::vector<HandOver> want = {{0, 64, 6},   {64, 0, 0},    {128, 0, 0},   {192, 0, 0},
-                                  {256, 0, 0},  {256, 300, 3}, {256, 300, 6}, {256, 300, 7}};
+    std::vector<HandOver> want = {{0, 64, 6},  {64, 0, 0},    {128, 0, 0},   {192, 0, 0},
+                                  {256, 0, 0}, {256, 300, 3}, {256, 300, 6}, {256, 300, 7}};
     EXPECT_EQ(got, want);
     EXPECT_LE(got.size(), producer.limit);
 }

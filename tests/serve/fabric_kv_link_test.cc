@@ -65,13 +65,13 @@ TEST(FabricKvLink, ASecondTransferIdOnAKeyInUseIsRefusedNotMixedIn) {
     LinkFixture f([](std::string_view) { return uint64_t{7}; });
     ASSERT_TRUE(f.link);
     Calls first, second, decode;
-    auto out = f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0, 1}, 20,
-                                       first.callback());
+    auto out =
+        f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0, 1}, 20, first.callback());
     ASSERT_TRUE(out.ok()) << out.status().to_string();
     EXPECT_EQ(f.link->stats().active, 1u);
 
-    auto refused = f.link->on_prefill_done("req-b", f.prefill_leg("nonce-2"), {2, 3}, 20,
-                                           second.callback());
+    auto refused =
+        f.link->on_prefill_done("req-b", f.prefill_leg("nonce-2"), {2, 3}, 20, second.callback());
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find("nonce-2"), std::string::npos);
@@ -79,8 +79,8 @@ TEST(FabricKvLink, ASecondTransferIdOnAKeyInUseIsRefusedNotMixedIn) {
     EXPECT_NE(refused.status().message().find("another transfer id"), std::string::npos);
 
     // A decode leg of yet another id on the same key: refused before anything is queued.
-    Status st = f.link->await_prefill_scheduled("req-c", f.decode_leg("nonce-3"),
-                                                decode.callback());
+    Status st =
+        f.link->await_prefill_scheduled("req-c", f.decode_leg("nonce-3"), decode.callback());
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("nonce-1"), std::string::npos);
 
@@ -102,8 +102,7 @@ TEST(FabricKvLink, AKeyIsFreeAgainOnceItsTransferReleasedTheBlocks) {
     ASSERT_TRUE(f.link);
     Calls first, second;
     ASSERT_TRUE(
-        f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0}, 10, first.callback())
-            .ok());
+        f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0}, 10, first.callback()).ok());
     // The router gives the transfer up: the connector lets the blocks go, and the key with them.
     f.link->on_transfer_aborted("req-a", f.prefill_leg("nonce-1"), cancelled("decode failed"));
     for (int i = 0; i < 200 && first.n.load() == 0; ++i)

@@ -27,14 +27,14 @@ struct FaultStack {
         decode_port = free_port();
         decode_kv_port = free_port();
         router_port = free_port();
-        prefill = Proc::spawn(engine_argv("prefill", prefill_port, 0),
-                              (dir / "prefill.log").string());
+        prefill =
+            Proc::spawn(engine_argv("prefill", prefill_port, 0), (dir / "prefill.log").string());
         start_decode();
-        router = Proc::spawn({ferry_binary(), "serve", "router", "--port",
-                              std::to_string(router_port), "--prefill",
-                              fmt::format("{}:{}", kHost, prefill_port), "--decode",
-                              fmt::format("{}:{}", kHost, decode_port), "--request-timeout", "20"},
-                             (dir / "router.log").string());
+        router =
+            Proc::spawn({ferry_binary(), "serve", "router", "--port", std::to_string(router_port),
+                         "--prefill", fmt::format("{}:{}", kHost, prefill_port), "--decode",
+                         fmt::format("{}:{}", kHost, decode_port), "--request-timeout", "20"},
+                        (dir / "router.log").string());
     }
     ~FaultStack() {
         router.stop();
@@ -43,9 +43,19 @@ struct FaultStack {
         if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
     }
     static std::vector<std::string> engine_argv(const char* role, int port, int kv_port) {
-        return {ferry_binary(), "serve",     role,     "--port", std::to_string(port),
-                "--model",      "tiny",      "--tp",   "1",      "--provider",
-                "shm",          "--kv-port", std::to_string(kv_port)};
+        return {ferry_binary(),
+                "serve",
+                role,
+                "--port",
+                std::to_string(port),
+                "--model",
+                "tiny",
+                "--tp",
+                "1",
+                "--provider",
+                "shm",
+                "--kv-port",
+                std::to_string(kv_port)};
     }
     void start_decode() {
         decode = Proc::spawn(engine_argv("decode", decode_port, decode_kv_port),
@@ -123,8 +133,8 @@ TEST(FaultE2E, DecodeKilledUnderLoadAndRestartedServesAgainAndPrefillsPoolRecove
             Outcome o;
             o.sent_s = now_s();
             json body = {{"prompt", load.prompts[k]}, {"max_tokens", Prompts::kMaxTokens}};
-            auto r = http_post_json(kHost, s.router_port, "/v1/completions", body.dump(),
-                                    seconds(25));
+            auto r =
+                http_post_json(kHost, s.router_port, "/v1/completions", body.dump(), seconds(25));
             o.answered_s = now_s();
             if (!r.ok()) {
                 o.error = r.status().to_string();
@@ -175,9 +185,10 @@ TEST(FaultE2E, DecodeKilledUnderLoadAndRestartedServesAgainAndPrefillsPoolRecove
     double recovery = recovered_s < 0 ? 1e9 : std::max(0.0, recovered_s - last_failure);
     double ratio = after ? double(after_ok) / double(after) : 0;
     // One line the repetition loop greps (docs/BENCHMARKS.md).
-    fmt::print("FAULT_RESULT sent={} failed_around_fault={} after_restart={}/{} ratio={:.4f} "
-               "pool_before={} pool_recovery_ms={:.0f}\n",
-               outcomes.size(), failed, after_ok, after, ratio, before, recovery * 1000);
+    fmt::print(
+        "FAULT_RESULT sent={} failed_around_fault={} after_restart={}/{} ratio={:.4f} "
+        "pool_before={} pool_recovery_ms={:.0f}\n",
+        outcomes.size(), failed, after_ok, after, ratio, before, recovery * 1000);
     EXPECT_GE(after, 40u);
     EXPECT_GE(ratio, 0.99) << first_error << "\n" << s.logs();
     EXPECT_LE(recovery, 2.0) << "prefill's pool used " << before << " blocks before the kill";
@@ -214,10 +225,10 @@ TEST(FaultE2E, RouterHealthIsReadinessOverRealProcesses) {
         return r.ok() ? r->status : 0;
     };
     EXPECT_EQ(completion(), 503);
-    Proc prefill = Proc::spawn(FaultStack::engine_argv("prefill", pport, 0),
-                               (dir / "prefill.log").string());
-    Proc decode = Proc::spawn(FaultStack::engine_argv("decode", dport, 0),
-                              (dir / "decode.log").string());
+    Proc prefill =
+        Proc::spawn(FaultStack::engine_argv("prefill", pport, 0), (dir / "prefill.log").string());
+    Proc decode =
+        Proc::spawn(FaultStack::engine_argv("decode", dport, 0), (dir / "decode.log").string());
     ASSERT_TRUE(eventually([&] { return health(&body) == 200; }, seconds(15))) << body;
     // Ready means servable: the first request succeeds.
     EXPECT_EQ(completion(), 200);

@@ -1,6 +1,5 @@
 // The engine's HTTP API over loopback, the way a client or router uses it.
 #include <gtest/gtest.h>
-
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -293,8 +292,8 @@ TEST(HttpClient, BodyToAPeerThatResetsIsAnErrorOfEveryClientForm) {
         auto r = http_post_json("127.0.0.1", port, "/v1/completions", body, seconds(5));
         EXPECT_FALSE(r.ok());
         int status = 0;
-        Status s = http_post_stream("127.0.0.1", port, "/v1/completions", body, seconds(5),
-                                    &status, [](std::string_view) { return true; });
+        Status s = http_post_stream("127.0.0.1", port, "/v1/completions", body, seconds(5), &status,
+                                    [](std::string_view) { return true; });
         EXPECT_FALSE(s.ok());
         auto stream = HttpStream::post("127.0.0.1", port, "/v1/completions", body, seconds(5));
         auto next = stream->next(Clock::now() + seconds(5));

@@ -291,8 +291,8 @@ TEST(Router, RequestBeyondTheEnginesLimitsIsRefusedBeforeAnyLeg) {
         {{{"prompt", prompt_of(64 * 16 + 1, 1)}, {"max_tokens", 1}}, {"prompt", "KV blocks"}},
     };
     for (const Case& k : cases) {
-        auto r = http_post_json(kHost, c.router->port(), "/v1/completions", k.body.dump(),
-                                seconds(5));
+        auto r =
+            http_post_json(kHost, c.router->port(), "/v1/completions", k.body.dump(), seconds(5));
         ASSERT_TRUE(r.ok());
         EXPECT_EQ(r->status, 400) << r->body;
         for (const auto& n : k.names) EXPECT_NE(r->body.find(n), std::string::npos) << r->body;

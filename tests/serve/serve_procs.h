@@ -50,7 +50,7 @@ inline int free_port(const std::string& host = "127.0.0.1") {
 }
 
 class Proc {
-   public:
+  public:
     Proc() = default;
     Proc(const Proc&) = delete;
     Proc& operator=(const Proc&) = delete;
@@ -115,7 +115,7 @@ class Proc {
         return ss.str();
     }
 
-   private:
+  private:
     pid_t pid_ = -1;
     std::string log_;
 };

@@ -2,10 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <numeric>
+
 #include "ferry/kv/block_mapping.h"
 #include "ferry/kv/block_pool.h"
-
-#include <numeric>
 
 namespace ferry::serve {
 namespace {

@@ -261,19 +261,21 @@ TEST(TrustE2E, DefaultSecretIsGeneratedOnceForProcessesStartingTogether) {
     int pp = free_port(), dp = free_port(), rp = free_port();
     std::vector<Proc> procs;
     auto engine = [&](const char* role, int port) {
-        procs.push_back(Proc::spawn({ferry_binary(), "serve", role, "--port", std::to_string(port),
-                                     "--model", "tiny", "--tp", "1", "--num-blocks", "128",
-                                     "--kv-port", "0"},
-                                    (home / fmt::format("{}.log", role)).string()));
+        procs.push_back(
+            Proc::spawn({ferry_binary(), "serve", role, "--port", std::to_string(port), "--model",
+                         "tiny", "--tp", "1", "--num-blocks", "128", "--kv-port", "0"},
+                        (home / fmt::format("{}.log", role)).string()));
     };
     engine("prefill", pp);
     engine("decode", dp);
-    procs.push_back(Proc::spawn({ferry_binary(), "serve", "router", "--port", std::to_string(rp),
-                                 "--prefill", fmt::format("{}:{}", kHost, pp), "--decode",
-                                 fmt::format("{}:{}", kHost, dp)},
-                                (home / "router.log").string()));
-    if (old) ::setenv("XDG_CONFIG_HOME", saved.c_str(), 1);
-    else ::unsetenv("XDG_CONFIG_HOME");
+    procs.push_back(
+        Proc::spawn({ferry_binary(), "serve", "router", "--port", std::to_string(rp), "--prefill",
+                     fmt::format("{}:{}", kHost, pp), "--decode", fmt::format("{}:{}", kHost, dp)},
+                    (home / "router.log").string()));
+    if (old)
+        ::setenv("XDG_CONFIG_HOME", saved.c_str(), 1);
+    else
+        ::unsetenv("XDG_CONFIG_HOME");
     auto logs = [&] {
         std::string out;
         for (const auto& p : procs) out += p.log_text() + "\n";
@@ -287,8 +289,8 @@ TEST(TrustE2E, DefaultSecretIsGeneratedOnceForProcessesStartingTogether) {
     EXPECT_EQ(st.st_mode & 0777, 0600u);
     EXPECT_EQ(st.st_size, off_t(Secret::kGeneratedBytes));
     auto prompt = prompt_of(70, 2);
-    Streamed r = stream(kHost, rp, {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}},
-                        seconds(20));
+    Streamed r =
+        stream(kHost, rp, {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
     ASSERT_EQ(r.status, 200) << r.raw << logs();
     EXPECT_EQ(r.tokens, tiny_expected(prompt, 4));
     procs.clear();

@@ -15,9 +15,9 @@ struct MeshNode {
     std::unique_ptr<TransferEngine> engine;
     std::vector<uint8_t> buf;
     std::unique_ptr<MemoryRegion> mr;
-    std::vector<PeerId> peer;                // by rank; own rank unset
-    std::vector<MemoryDescriptor> desc;      // by rank, own included
-    std::vector<EngineAddress> addr;         // by rank, own included
+    std::vector<PeerId> peer;            // by rank; own rank unset
+    std::vector<MemoryDescriptor> desc;  // by rank, own included
+    std::vector<EngineAddress> addr;     // by rank, own included
 };
 
 EngineConfig test_engine_config(const std::string& provider);

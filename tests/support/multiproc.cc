@@ -109,7 +109,8 @@ std::vector<ChildResult> run_processes(int n, const ChildFn& fn, Duration timeou
         pid_t pid = fork();
         if (pid == 0) {
             ::close(sv[0]);
-            for (int j = 0; j < i; ++j) if (fds[j] >= 0) ::close(fds[j]);
+            for (int j = 0; j < i; ++j)
+                if (fds[j] >= 0) ::close(fds[j]);
             Exchange ex(i, n, sv[1]);
             std::string err;
             try {
@@ -117,8 +118,7 @@ std::vector<ChildResult> run_processes(int n, const ChildFn& fn, Duration timeou
             } catch (const std::exception& e) {
                 err = std::string("exception: ") + e.what();
             }
-            send_frame(sv[1], kResult,
-                       {reinterpret_cast<const uint8_t*>(err.data()), err.size()});
+            send_frame(sv[1], kResult, {reinterpret_cast<const uint8_t*>(err.data()), err.size()});
             std::fflush(stdout);
             std::fflush(stderr);
             _exit(err.empty() ? 0 : 1);

@@ -38,9 +38,9 @@ using ChildFn = std::function<std::string(Exchange&)>;
 
 struct ChildResult {
     int rank = 0;
-    int exit_code = -1;    // exit status, -1 if killed by a signal
-    int term_signal = 0;   // signal that ended it, 0 if it exited
-    std::string error;     // what the body returned, or why the parent judged it failed
+    int exit_code = -1;   // exit status, -1 if killed by a signal
+    int term_signal = 0;  // signal that ended it, 0 if it exited
+    std::string error;    // what the body returned, or why the parent judged it failed
     bool ok() const { return exit_code == 0 && error.empty(); }
 };
 
@@ -58,28 +58,28 @@ uint64_t test_seed(const char* test_name);
 }  // namespace ferry::testing
 
 // Checks for child bodies: return a message naming the place and the failed condition.
-#define CHILD_CHECK(cond)                                                                   \
-    do {                                                                                    \
+#define CHILD_CHECK(cond)                                                                        \
+    do {                                                                                         \
         if (!(cond)) return ::fmt::format("{}:{}: check failed: {}", __FILE__, __LINE__, #cond); \
     } while (0)
-#define CHILD_CHECK_MSG(cond, ...)                                                            \
-    do {                                                                                      \
-        if (!(cond))                                                                          \
-            return ::fmt::format("{}:{}: check failed: {}: {}", __FILE__, __LINE__, #cond,    \
-                                 ::fmt::format(__VA_ARGS__));                                 \
+#define CHILD_CHECK_MSG(cond, ...)                                                         \
+    do {                                                                                   \
+        if (!(cond))                                                                       \
+            return ::fmt::format("{}:{}: check failed: {}: {}", __FILE__, __LINE__, #cond, \
+                                 ::fmt::format(__VA_ARGS__));                              \
     } while (0)
-#define CHILD_CHECK_OK(expr)                                                                  \
-    do {                                                                                      \
-        ::ferry::Status child_status_ = (expr);                                               \
-        if (!child_status_.ok())                                                              \
-            return ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr,           \
-                                 child_status_.to_string());                                  \
+#define CHILD_CHECK_OK(expr)                                                        \
+    do {                                                                            \
+        ::ferry::Status child_status_ = (expr);                                     \
+        if (!child_status_.ok())                                                    \
+            return ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr, \
+                                 child_status_.to_string());                        \
     } while (0)
 #define CHILD_ASSIGN_OK(lhs, expr) \
     CHILD_ASSIGN_OK_IMPL(FERRY_CONCAT(child_result_, __LINE__), lhs, expr)
-#define CHILD_ASSIGN_OK_IMPL(tmp, lhs, expr)                                                  \
-    auto tmp = (expr);                                                                        \
-    if (!tmp.ok())                                                                            \
-        return ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr,               \
-                             tmp.status().to_string());                                       \
+#define CHILD_ASSIGN_OK_IMPL(tmp, lhs, expr)                                    \
+    auto tmp = (expr);                                                          \
+    if (!tmp.ok())                                                              \
+        return ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #expr, \
+                             tmp.status().to_string());                         \
     lhs = std::move(tmp).value()

@@ -20,7 +20,7 @@ using Digest = std::array<uint8_t, 32>;  // an HMAC-SHA256 tag
 
 // Key bytes; wiped on destruction and never printed.
 class Secret {
-   public:
+  public:
     static constexpr size_t kMinBytes = 16;        // 128 bits: below this a secret is refused
     static constexpr size_t kGeneratedBytes = 32;  // what generate() and new secret files hold
     static constexpr size_t kMaxBytes = 4096;
@@ -39,7 +39,7 @@ class Secret {
     bool empty() const { return key_.empty(); }
     std::span<const uint8_t> bytes() const { return key_; }
 
-   private:
+  private:
     std::vector<uint8_t> key_;
 };
 

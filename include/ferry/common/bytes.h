@@ -18,7 +18,7 @@ namespace ferry {
 class ByteWriter {
   public:
     template <typename T>
-        requires std::is_trivially_copyable_v<T>
+    requires std::is_trivially_copyable_v<T>
     void put(T v) {
         size_t at = buf_.size();
         buf_.resize(at + sizeof(T));
@@ -32,7 +32,7 @@ class ByteWriter {
         put_bytes({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
     }
     template <typename T>
-        requires std::is_trivially_copyable_v<T>
+    requires std::is_trivially_copyable_v<T>
     void put_vector(const std::vector<T>& v) {
         put<uint32_t>(static_cast<uint32_t>(v.size()));
         size_t at = buf_.size();
@@ -52,8 +52,7 @@ class ByteReader {
     explicit ByteReader(std::span<const uint8_t> data) : data_(data) {}
 
     template <typename T>
-        requires std::is_trivially_copyable_v<T>
-    Status get(T* out, std::string_view field) {
+    requires std::is_trivially_copyable_v<T> Status get(T* out, std::string_view field) {
         if (remaining() < sizeof(T)) return truncated(field, sizeof(T));
         std::memcpy(out, data_.data() + pos_, sizeof(T));
         pos_ += sizeof(T);
@@ -62,8 +61,9 @@ class ByteReader {
     Status get_bytes(std::vector<uint8_t>* out, std::string_view field, size_t max_len);
     Status get_string(std::string* out, std::string_view field, size_t max_len);
     template <typename T>
-        requires std::is_trivially_copyable_v<T>
-    Status get_vector(std::vector<T>* out, std::string_view field, size_t max_count) {
+    requires std::is_trivially_copyable_v<T> Status get_vector(std::vector<T>* out,
+                                                               std::string_view field,
+                                                               size_t max_count) {
         uint32_t n = 0;
         FERRY_RETURN_IF_ERROR(get(&n, field));
         if (n > max_count) return count_too_large(field, n, max_count);

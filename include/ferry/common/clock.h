@@ -15,12 +15,8 @@ using std::chrono::seconds;
 
 inline TimePoint deadline_after(Duration d) { return Clock::now() + d; }
 
-inline double to_us(Duration d) {
-    return std::chrono::duration<double, std::micro>(d).count();
-}
-inline double to_ms(Duration d) {
-    return std::chrono::duration<double, std::milli>(d).count();
-}
+inline double to_us(Duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+inline double to_ms(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 inline uint64_t now_ns() {
     return static_cast<uint64_t>(

@@ -19,8 +19,8 @@ enum class StatusCode {
     kUnavailable,      // peer dead or unreachable, provider missing
     kCancelled,        // the operation was cancelled by a user or by shutdown
     kResourceExhausted,
-    kProtocol,         // a message that does not parse or does not fit the protocol
-    kProvider,         // libfabric or CUDA reported an error
+    kProtocol,  // a message that does not parse or does not fit the protocol
+    kProvider,  // libfabric or CUDA reported an error
     kInternal,
     // the caller did not prove it may do this (a missing or wrong authentication tag); after
     // kInternal so that codes already on the wire (FAIL messages) keep their values
@@ -70,7 +70,7 @@ Status already_exists(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
   public:
-    Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+    Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
     Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
         assert(!status_.ok() && "a Result holding no value needs an error status");
         if (status_.ok()) status_ = internal_error("Result built from an ok Status");
@@ -98,9 +98,9 @@ class [[nodiscard]] Result {
 #define FERRY_CONCAT(a, b) FERRY_CONCAT_INNER(a, b)
 
 // Returns the status from the enclosing function if it is an error.
-#define FERRY_RETURN_IF_ERROR(expr)                   \
-    do {                                              \
-        ::ferry::Status ferry_status_ = (expr);       \
+#define FERRY_RETURN_IF_ERROR(expr)                    \
+    do {                                               \
+        ::ferry::Status ferry_status_ = (expr);        \
         if (!ferry_status_.ok()) return ferry_status_; \
     } while (0)
 

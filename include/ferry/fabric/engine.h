@@ -219,12 +219,12 @@ struct ScatterOp {
 using MessageHandler = std::function<void(uint64_t sender_engine_id, std::span<const uint8_t>)>;
 
 struct EngineStats {
-    uint64_t ops_posted = 0;       // fabric operations handed to the provider
-    uint64_t ops_injected = 0;     // of those, posted with FI_INJECT
+    uint64_t ops_posted = 0;        // fabric operations handed to the provider
+    uint64_t ops_injected = 0;      // of those, posted with FI_INJECT
     uint64_t posted_with_more = 0;  // of those, posted with FI_MORE
-    uint64_t post_rounds = 0;      // worker passes that posted: ops_posted / this = batch size
+    uint64_t post_rounds = 0;       // worker passes that posted: ops_posted / this = batch size
     uint64_t bytes_posted = 0;
-    uint64_t eagain = 0;           // times the provider pushed back
+    uint64_t eagain = 0;  // times the provider pushed back
     uint64_t op_errors = 0;
     uint64_t op_timeouts = 0;
     uint64_t imm_arrivals = 0;

@@ -21,7 +21,6 @@ struct WriteRun {
     bool operator==(const WriteRun&) const = default;
 };
 
-
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
 // Which remote memory an operation targets: base address, length, one key per rail of the
@@ -34,8 +33,8 @@ struct MemoryDescriptor {
     uint64_t base = 0;       // address of byte 0 in the owner's address space
     uint64_t length = 0;
     MemoryKind kind = MemoryKind::kHost;
-    int32_t device = -1;     // CUDA device ordinal for kCuda
-    bool virt_addr = true;   // provider addresses remote memory by virtual address, else offset
+    int32_t device = -1;    // CUDA device ordinal for kCuda
+    bool virt_addr = true;  // provider addresses remote memory by virtual address, else offset
     std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
     // Same-host GPU peers: the CUDA IPC handle of the allocation holding the region, and the
     // region's offset inside that allocation.
@@ -59,8 +58,8 @@ struct EngineAddress {
     static constexpr uint16_t kVersion = 1;
 
     uint64_t engine_id = 0;
-    std::string provider;   // libfabric provider name, e.g. "tcp;ofi_rxm"
-    std::string host_id;    // identifies the host, to pick same-host transports
+    std::string provider;  // libfabric provider name, e.g. "tcp;ofi_rxm"
+    std::string host_id;   // identifies the host, to pick same-host transports
     std::vector<std::vector<uint8_t>> rail_addrs;
     MemoryDescriptor signal;
 

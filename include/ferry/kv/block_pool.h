@@ -15,7 +15,7 @@ namespace ferry::kv {
 
 // Thread-safe: an engine loop allocates while connector threads and /metrics read and free.
 class BlockPool {
-   public:
+  public:
     explicit BlockPool(uint32_t num_blocks);
 
     // n free blocks, in an order that is not contiguous in general (freed blocks come back
@@ -40,7 +40,7 @@ class BlockPool {
     uint32_t free_count() const;
     uint32_t used_count() const { return num_blocks() - free_count(); }
 
-   private:
+  private:
     Result<std::vector<uint32_t>> take_locked(uint32_t n, const std::string& why);
 
     mutable std::mutex mu_;

@@ -119,7 +119,7 @@ struct ConnectorStats {
 };
 
 class KvConnector {
-   public:
+  public:
     // `pool` is this rank's KV pool, registered with `engine`, at least layout.pool_bytes()
     // long. Both must outlive the connector.
     static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
@@ -130,8 +130,7 @@ class KvConnector {
     // `regions` says which), each registered with `engine`. A region that does not match the
     // layout (count, size) is refused with an error naming it. Peers may split their pools
     // differently.
-    static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
-                                                       KvPoolRegions pool,
+    static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine, KvPoolRegions pool,
                                                        const ConnectorConfig& config,
                                                        ConnectorCallbacks callbacks);
     // Cancels what is still running, waits (bounded by the engine's op_timeout) for posted
@@ -191,7 +190,7 @@ class KvConnector {
 
     class Impl;
 
-   private:
+  private:
     explicit KvConnector(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };

@@ -56,7 +56,7 @@ struct HandshakeServerOptions {
 };
 
 class HandshakeServer {
-   public:
+  public:
     // Listens on host:port (port 0 picks a free one; see port()). info.epoch is replaced by
     // a fresh random value.
     static Result<std::unique_ptr<HandshakeServer>> start(const std::string& host, uint16_t port,
@@ -74,7 +74,7 @@ class HandshakeServer {
 
     class Impl;
 
-   private:
+  private:
     explicit HandshakeServer(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };
@@ -88,7 +88,7 @@ Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
-   public:
+  public:
     HandshakeCache(uint64_t expected_compat_hash, Secret secret)
         : hash_(expected_compat_hash), secret_(std::move(secret)) {}
 
@@ -105,7 +105,7 @@ class HandshakeCache {
     void forget(const std::string& host, uint16_t port);
     size_t size() const;
 
-   private:
+  private:
     uint64_t hash_;
     Secret secret_;
     mutable std::mutex mu_;

@@ -21,7 +21,7 @@ uint64_t transfer_key(std::string_view id);
 
 // Thread-safe.
 class TransferKeys {
-   public:
+  public:
     using Hash = std::function<uint64_t(std::string_view)>;
     // `hash` is transfer_key unless a test forces collisions.
     explicit TransferKeys(Hash hash = transfer_key);
@@ -37,7 +37,7 @@ class TransferKeys {
     // Ids held now.
     size_t size() const;
 
-   private:
+  private:
     Result<uint64_t> check_locked(const std::string& id) const;
 
     const Hash hash_;

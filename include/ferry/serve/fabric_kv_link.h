@@ -67,7 +67,7 @@ struct FabricKvLinkStats {
 };
 
 class FabricKvLink : public KvProducer, public KvConsumer {
-   public:
+  public:
     // `pool` must outlive the link.
     static Result<std::unique_ptr<FabricKvLink>> create(const FabricKvLinkConfig& config,
                                                         KvPool* pool);
@@ -115,7 +115,7 @@ class FabricKvLink : public KvProducer, public KvConsumer {
 
     class Impl;
 
-   private:
+  private:
     explicit FabricKvLink(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };

@@ -1,5 +1,7 @@
 // `ferry bench gpu` measurement: two processes, one GPU each, engine over shm for signals and
 // CUDA IPC for data.
+#include "bench/gpu.h"
+
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <sys/socket.h>
@@ -13,7 +15,6 @@
 #include <numeric>
 #include <random>
 
-#include "bench/gpu.h"
 #include "common/cuda_check.h"
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
@@ -117,9 +118,10 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
             }
             return median(us);
         };
-        FERRY_ASSIGN_OR_RETURN(double us, timed([&] {
-            return engine->write({peer, mr.get(), 0, &tdesc, 0, c.bytes, std::nullopt});
-        }));
+        FERRY_ASSIGN_OR_RETURN(
+            double us, timed([&] {
+                return engine->write({peer, mr.get(), 0, &tdesc, 0, c.bytes, std::nullopt});
+            }));
         double gbps = c.bytes / us / 1e3;
         rep->rows.push_back({"write", mode, c.bytes, gbps, us, gbps / rep->ceiling_gbps});
         if (c.progress) c.progress(fmt::format("write {} {:.1f} GB/s", mode, gbps));
@@ -142,8 +144,8 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
             p.imm = 1u;
             FERRY_ASSIGN_OR_RETURN(double pus, timed([&] { return engine->paged_write(p); }));
             double pg = c.bytes / pus / 1e3;
-            rep->rows.push_back({"paged write (random)", mode, page, pg, pus,
-                                 pg / rep->ceiling_gbps});
+            rep->rows.push_back(
+                {"paged write (random)", mode, page, pg, pus, pg / rep->ceiling_gbps});
             if (c.progress) c.progress(fmt::format("paged {} {} B {:.1f} GB/s", mode, page, pg));
         }
     }
@@ -174,15 +176,14 @@ Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
         int n = 0;
         cudaError_t e = cudaGetDeviceCount(&n);
         if (e != cudaSuccess || n == 0) {
-            return unavailable(fmt::format("bench gpu needs a GPU: {}",
-                                           e == cudaSuccess ? "none visible"
-                                                            : cudaGetErrorString(e)));
+            return unavailable(
+                fmt::format("bench gpu needs a GPU: {}",
+                            e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
         }
         int src_dev = c.src_device % n, dst_dev = n > 1 ? c.dst_device % n : src_dev;
         cudaDeviceProp prop{};
         FERRY_CUDA_TRY(cudaGetDeviceProperties(&prop, src_dev));
-        rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev,
-                                  dst_dev);
+        rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev, dst_dev);
         return measure(c, src_dev, dst_dev, sv[0], &rep);
     }();
     send_blob(sv[0], {1});

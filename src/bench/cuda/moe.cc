@@ -105,8 +105,8 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     for (uint32_t d = 0; d < cfg.world_size; ++d) {
         uint64_t db = uint64_t{plan.rows_to[d]} * row.row_bytes;
         // Results coming back from d: a row per hit, or per dispatched row (per-rank).
-        const uint32_t back = cfg.combine == CombineMode::kPerRank ? plan.rows_to[d]
-                                                                   : plan.hits_to[d];
+        const uint32_t back =
+            cfg.combine == CombineMode::kPerRank ? plan.rows_to[d] : plan.hits_to[d];
         uint64_t cb = uint64_t{back} * crow;
         res->dispatch_bytes += db;
         res->combine_bytes += cb;

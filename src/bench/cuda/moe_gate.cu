@@ -1,7 +1,6 @@
 // The gate kernel waits on the same global timer as the MoE kernels' timeouts (global_ns, from
 // the kernels' internal device_common.cuh: see docs/ARCHITECTURE.md, "Benchmarks").
 #include "bench/cuda/moe_gate.h"
-
 #include "moe/cuda/device_common.cuh"
 
 namespace ferry::moe::cuda {

@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -14,8 +15,6 @@
 #include <map>
 #include <mutex>
 #include <thread>
-
-#include <unistd.h>
 
 #include "common/cuda_check.h"
 #include "fabric/cuda/copy_kernel.h"
@@ -116,9 +115,10 @@ Status CudaTransport::init() {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
-        return unavailable(fmt::format("no CUDA device is visible ({}); GPU memory cannot be "
-                                       "registered on this host",
-                                       e == cudaSuccess ? "0 devices" : cudaGetErrorString(e)));
+        return unavailable(
+            fmt::format("no CUDA device is visible ({}); GPU memory cannot be "
+                        "registered on this host",
+                        e == cudaSuccess ? "0 devices" : cudaGetErrorString(e)));
     }
     worker_ = std::thread([this] {
         set_thread_name("ferry-gpucopy");
@@ -161,13 +161,14 @@ Status CudaTransport::export_memory(void* ptr, size_t len, int device, MemoryDes
     cudaPointerAttributes attr{};
     FERRY_CUDA_TRY(cudaPointerGetAttributes(&attr, ptr));
     if (attr.type != cudaMemoryTypeDevice) {
-        return invalid_argument(fmt::format("{} is not device memory (cudaMalloc it, or register "
-                                            "it as host memory)",
-                                            ptr));
+        return invalid_argument(
+            fmt::format("{} is not device memory (cudaMalloc it, or register "
+                        "it as host memory)",
+                        ptr));
     }
     if (device >= 0 && attr.device != device) {
-        return invalid_argument(fmt::format("memory at {} lives on GPU {}, not GPU {}", ptr,
-                                            attr.device, device));
+        return invalid_argument(
+            fmt::format("memory at {} lives on GPU {}, not GPU {}", ptr, attr.device, device));
     }
     // IPC handles name whole allocations: find the allocation and our offset inside it.
     // Through the runtime's entry point: ferry does not link the driver library, so the same
@@ -176,8 +177,8 @@ Status CudaTransport::export_memory(void* ptr, size_t len, int device, MemoryDes
     static GetRange get_range = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                             cudaEnableDefault, &q) != cudaSuccess ||
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
             q != cudaDriverEntryPointSuccess) {
             fn = nullptr;
         }
@@ -188,12 +189,14 @@ Status CudaTransport::export_memory(void* ptr, size_t len, int device, MemoryDes
     size_t alloc_len = 0;
     CUresult cr = get_range(&base, &alloc_len, reinterpret_cast<CUdeviceptr>(ptr));
     if (cr != CUDA_SUCCESS) {
-        return provider_error(fmt::format("cuMemGetAddressRange failed ({})", static_cast<int>(cr)));
+        return provider_error(
+            fmt::format("cuMemGetAddressRange failed ({})", static_cast<int>(cr)));
     }
     if (reinterpret_cast<CUdeviceptr>(ptr) + len > base + alloc_len) {
-        return out_of_range(fmt::format("registering {} bytes at {} runs past the end of its "
-                                        "allocation ({} bytes)",
-                                        len, ptr, alloc_len));
+        return out_of_range(
+            fmt::format("registering {} bytes at {} runs past the end of its "
+                        "allocation ({} bytes)",
+                        len, ptr, alloc_len));
     }
     cudaIpcMemHandle_t h;
     FERRY_CUDA_TRY(cudaSetDevice(attr.device));
@@ -232,11 +235,12 @@ Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_
         FERRY_CUDA_TRY(cudaSetDevice(local_device));
         cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
-            return FERRY_CUDA_ERROR(e, "cudaIpcOpenMemHandle (is the peer on this host, and is "
-                                       "its GPU reachable from this one?)");
+            return FERRY_CUDA_ERROR(e,
+                                    "cudaIpcOpenMemHandle (is the peer on this host, and is "
+                                    "its GPU reachable from this one?)");
         }
-        it = opened_.emplace(std::make_pair(local_device, key), reinterpret_cast<uint64_t>(p))
-                 .first;
+        it =
+            opened_.emplace(std::make_pair(local_device, key), reinterpret_cast<uint64_t>(p)).first;
     }
     return it->second + d.ipc_offset;
 }
@@ -317,10 +321,10 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(device));
     FERRY_CUDA_TRY(cudaSetDevice(device));
     for (auto& j : jobs) out->done.push_back(std::move(j.done));
-    bool copy_engine = config_.gpu_copy == "copy-engine" ||
-                       (config_.gpu_copy == "auto" && jobs.size() == 1 &&
-                        jobs[0].copies.size() == 1 &&
-                        jobs[0].copies[0].len >= kCopyEngineThreshold);
+    bool copy_engine =
+        config_.gpu_copy == "copy-engine" ||
+        (config_.gpu_copy == "auto" && jobs.size() == 1 && jobs[0].copies.size() == 1 &&
+         jobs[0].copies[0].len >= kCopyEngineThreshold);
     if (copy_engine) {
         for (const auto& j : jobs) {
             for (const auto& c : j.copies) {
@@ -357,8 +361,8 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
         FERRY_CUDA_TRY(cudaMemcpyAsync(out->buf.dev, out->buf.ptr, n * sizeof(CopyChunk),
                                        cudaMemcpyHostToDevice, stream));
         // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
-        FERRY_CUDA_TRY(launch_batched_copy(out->buf.dev, static_cast<int>(n),
-                                           kCopyBlocksPerSm * sms, stream));
+        FERRY_CUDA_TRY(
+            launch_batched_copy(out->buf.dev, static_cast<int>(n), kCopyBlocksPerSm * sms, stream));
     }
     if (free_events_.empty()) {
         cudaEvent_t ev;

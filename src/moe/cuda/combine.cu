@@ -14,7 +14,8 @@ namespace {
 // word `count_word`). 0/0, with an error recorded once, when that would leave the area.
 __device__ inline uint2 remote_combine_run(const KernelArgs& a, uint32_t peer, uint32_t seq,
                                            uint32_t count_word) {
-    const uint32_t base = ld_peer_u32(counts_word(a.inbox, a, peer, CountsWords::kCombineBase), true);
+    const uint32_t base =
+        ld_peer_u32(counts_word(a.inbox, a, peer, CountsWords::kCombineBase), true);
     const uint32_t rows = ld_peer_u32(counts_word(a.inbox, a, peer, count_word), true);
     if (uint64_t{base} + rows <= a.remote_combine) return make_uint2(base, rows);
     if (blockIdx.x == 0)

@@ -14,14 +14,13 @@ constexpr uint32_t kBlocksPerExpert = 8;
 template <typename Word>
 __global__ void copy_groups_kernel(const uint8_t* grouped_in, uint8_t* grouped_out,
                                    const uint8_t* padded_in, uint8_t* padded_out,
-                                   const uint32_t* offsets, uint64_t row_words,
-                                   uint32_t capacity) {
+                                   const uint32_t* offsets, uint64_t row_words, uint32_t capacity) {
     const uint32_t e = blockIdx.y;
     const uint32_t begin = offsets[e];
     const uint32_t end = offsets[e + 1];
     const uint64_t rows = end > begin ? min(end - begin, capacity) : 0u;
     const uint64_t total = rows * row_words;
-    const uint64_t g = uint64_t{begin} * row_words;  // first word of the group
+    const uint64_t g = uint64_t{begin} * row_words;         // first word of the group
     const uint64_t p = uint64_t{e} * capacity * row_words;  // first word of the slab
     for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
          i += uint64_t{gridDim.x} * blockDim.x) {
@@ -43,11 +42,11 @@ cudaError_t launch(const void* grouped, void* padded, const uint32_t* offsets, u
     auto* g = static_cast<uint8_t*>(const_cast<void*>(grouped));
     auto* pd = static_cast<uint8_t*>(padded);
     if (to_padded) {
-        copy_groups_kernel<Word><<<grid, kThreads, 0, stream>>>(g, nullptr, nullptr, pd, offsets,
-                                                               words, capacity);
+        copy_groups_kernel<Word>
+            <<<grid, kThreads, 0, stream>>>(g, nullptr, nullptr, pd, offsets, words, capacity);
     } else {
-        copy_groups_kernel<Word><<<grid, kThreads, 0, stream>>>(nullptr, g, pd, nullptr, offsets,
-                                                               words, capacity);
+        copy_groups_kernel<Word>
+            <<<grid, kThreads, 0, stream>>>(nullptr, g, pd, nullptr, offsets, words, capacity);
     }
     return cudaGetLastError();
 }

@@ -9,10 +9,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <iterator>
 #include <atomic>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -268,8 +268,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
     const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
     int smem_optin = 0;
-    FERRY_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                              impl->device));
+    FERRY_CUDA_TRY(
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device));
     // Static shared memory of the plan kernel (its scan and per-rank words) stays below 8 KiB.
     if (uint64_t{plan_smem} + 8192 > static_cast<uint64_t>(smem_optin) ||
         uint64_t{recv_smem} + 8192 > static_cast<uint64_t>(smem_optin))
@@ -329,11 +329,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     FERRY_CUDA_TRY(cudaMalloc(&impl->local, at));
     FERRY_CUDA_TRY(cudaMemset(impl->local, 0, at));
     FERRY_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&impl->err_host),
-                                     sizeof(cuda::DeviceError), cudaHostAllocMapped));
+                                 sizeof(cuda::DeviceError), cudaHostAllocMapped));
     std::memset(impl->err_host, 0, sizeof(cuda::DeviceError));
     cuda::DeviceError* err_dev = nullptr;
-    FERRY_CUDA_TRY(
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
+    FERRY_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
 
     // Remote peers: one outbox slab per remote rank, laid out like its inbox (the region, then
     // the record slots), so kernels address remote and mapped peers alike.
@@ -659,12 +658,10 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
     if (!m.args.trace)
         return invalid_argument("cuda all-to-all: last_trace needs options.trace at create()");
     static constexpr const char* kNames[] = {
-        "plan begin",         "plan routed",       "plan ranked",
-        "plan tiles done",    "plan counts out",   "plan end",
-        "send begin",
-        "send counts in",     "send end",          "recv begin",
-        "recv rows in",       "recv end",          "combine send begin",
-        "combine send end",   "combine recv begin", "combine recv rows in",
+        "plan begin",         "plan routed",      "plan ranked",        "plan tiles done",
+        "plan counts out",    "plan end",         "send begin",         "send counts in",
+        "send end",           "recv begin",       "recv rows in",       "recv end",
+        "combine send begin", "combine send end", "combine recv begin", "combine recv rows in",
         "combine recv end"};
     static_assert(std::size(kNames) == cuda::kTracePoints, "a name per trace point");
     unsigned long long raw[2 * cuda::kTracePoints];
@@ -727,12 +724,12 @@ Status cuda_copy_groups(const void* grouped, void* padded, const uint32_t* offse
                         uint32_t experts, uint64_t row_bytes, uint32_t capacity, bool to_padded,
                         void* stream) {
     if (!grouped || !padded || !offsets)
-        return invalid_argument("cuda_copy_groups: grouped, padded and offsets must be device "
-                                "pointers");
+        return invalid_argument(
+            "cuda_copy_groups: grouped, padded and offsets must be device "
+            "pointers");
     if (experts == 0 || row_bytes == 0 || capacity == 0) return ok_status();
-    cudaError_t e = cuda::launch_copy_groups(grouped, padded, offsets, experts, row_bytes,
-                                             capacity, to_padded,
-                                             static_cast<cudaStream_t>(stream));
+    cudaError_t e = cuda::launch_copy_groups(grouped, padded, offsets, experts, row_bytes, capacity,
+                                             to_padded, static_cast<cudaStream_t>(stream));
     return FERRY_CUDA_ERROR(e, "copy_groups launch");
 }
 

@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(kPlanThreads)
     extern __shared__ uint32_t plan_smem[];
     const uint32_t tid = threadIdx.x, w = a.world, k = kTopk ? kTopk : a.topk;
     const uint32_t nl = a.local_experts, ne = a.num_experts, lane = tid & 31u, warp = tid / 32;
-    uint32_t* s_bits = plan_smem;               // [warp][expert] lanes that chose the expert
-    uint32_t* s_pre = s_bits + kPlanWarps * ne;  // [warp][expert] earlier tokens' choices
+    uint32_t* s_bits = plan_smem;                  // [warp][expert] lanes that chose the expert
+    uint32_t* s_pre = s_bits + kPlanWarps * ne;    // [warp][expert] earlier tokens' choices
     uint32_t* s_ecount = s_pre + kPlanWarps * ne;  // [expert] tokens so far
     uint32_t* s_rbits = s_ecount + ne;             // [warp][dest] lanes sending to d
     uint32_t* s_rpre = s_rbits + kPlanWarps * w;   // [warp][dest] earlier tokens' rows to d
@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(kPlanThreads)
                 if (e < 0) continue;
                 const uint32_t d = static_cast<uint32_t>(e) / nl;
                 if (is_remote(a, d) && !((seen >> d) & 1u))
-                    a.combine_slot[t * k + j] = a.remote_combine + s_combine_base[d] +
-                                                a.row_pos[uint64_t{t} * w + d];
+                    a.combine_slot[t * k + j] =
+                        a.remote_combine + s_combine_base[d] + a.row_pos[uint64_t{t} * w + d];
                 seen |= 1ull << d;
             }
         }
@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kRecvThreads)
     const uint32_t tid = threadIdx.x, lane = tid & 31u;
     const uint32_t w = a.world, nl = a.local_experts, k = a.topk, p = a.private_slots;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq);
-    uint32_t* s_before = recv_smem;       // [expert][sender] hits of earlier senders
+    uint32_t* s_before = recv_smem;         // [expert][sender] hits of earlier senders
     uint32_t* s_total = s_before + nl * w;  // [expert] hits of all senders
     uint32_t* s_off = s_total + nl;         // [expert + 1] group offsets, padding included
     uint32_t* s_start = s_off + nl + 1;     // [sender + 1] first row of each sender
@@ -479,9 +479,10 @@ __global__ void __launch_bounds__(kRecvThreads)
         s_total[e] = tot;
     }
     if (tid < w)
-        s_ovf[tid] = min(ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kRowsTo + a.rank),
-                                     is_remote(a, tid)),
-                         a.max_tokens);
+        s_ovf[tid] =
+            min(ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kRowsTo + a.rank),
+                            is_remote(a, tid)),
+                a.max_tokens);
     __syncthreads();
     if (tid == 0) {
         uint32_t rows = 0, ob = w * p;
@@ -641,8 +642,8 @@ __global__ void __launch_bounds__(kRecvThreads)
 }  // namespace
 
 uint32_t dispatch_plan_smem(uint32_t num_experts, uint32_t world, uint32_t topk) {
-    return sizeof(uint32_t) * (2 * kPlanWarps * num_experts + num_experts +
-                               2 * kPlanWarps * world + world + kPlanThreads * (topk + 1));
+    return sizeof(uint32_t) * (2 * kPlanWarps * num_experts + num_experts + 2 * kPlanWarps * world +
+                               world + kPlanThreads * (topk + 1));
 }
 
 uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
@@ -651,9 +652,9 @@ uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
 }
 
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
-    cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel<0>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(plan_bytes));
+    cudaError_t e =
+        cudaFuncSetAttribute(dispatch_plan_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(plan_bytes));
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(dispatch_plan_kernel<8>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,

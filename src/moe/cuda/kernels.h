@@ -121,10 +121,10 @@ struct KernelArgs {
 // waits for peers ended. The plan kernel clears the stamps of the previous call.
 enum TracePoint : uint32_t {
     kTrPlanBegin,
-    kTrPlanRouted,   // the first tile's routing is in shared memory
-    kTrPlanRanked,   // the first tile's prefix over warps is done
-    kTrPlanTiles,    // every tile is done
-    kTrPlanCounts,   // counts messages stored, before the fence and the signal
+    kTrPlanRouted,  // the first tile's routing is in shared memory
+    kTrPlanRanked,  // the first tile's prefix over warps is done
+    kTrPlanTiles,   // every tile is done
+    kTrPlanCounts,  // counts messages stored, before the fence and the signal
     kTrPlanEnd,
     kTrSendBegin,
     kTrSendCountsIn,  // every peer's counts are here
