@@ -298,20 +298,21 @@ TEST(HttpLimits, A50MBBodyReallySentGets413AndMemoryStaysBounded) {
     for (bool chunked : {false, true}) {
         size_t before = rss_bytes();
         Raw c(f.port());
-        std::atomic<int64_t> headers_at{0};
+        // Stamped before the headers go out: the 413 can reach the reader before send() returns
+        // in the sender, so a stamp taken after it could still be unset when the reader looks.
+        const int64_t headers_at = int64_t(now_ns());
         std::thread sender([&] {
             c.send(chunked ? "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                            : fmt::format("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: "
                                          "{}\r\n\r\n",
                                          kBody));
-            headers_at = int64_t(now_ns());
             std::string frame = fmt::format("{:x}\r\n", block.size()) + block + "\r\n";
             for (size_t sent = 0; sent < kBody; sent += block.size())
                 if (!c.send(chunked ? std::string_view(frame) : std::string_view(block))) break;
             if (chunked) c.send("0\r\n\r\n");
         });
         auto r = c.read(seconds(10));
-        double ms = double(int64_t(now_ns()) - headers_at.load()) / 1e6;
+        double ms = double(int64_t(now_ns()) - headers_at) / 1e6;
         size_t growth = rss_bytes() - std::min(before, rss_bytes());
         ::shutdown(c.fd(), SHUT_RDWR);  // ends the sender
         sender.join();
