@@ -12,6 +12,7 @@
 
 #include "ferry/common/bytes.h"
 #include "kv/kv_fixture.h"
+#include "support/timing.h"
 
 namespace ferry::kv {
 namespace {
@@ -444,12 +445,16 @@ TEST(HandshakeConcurrency, IdleConnectionsDoNotDelayAHandshake) {
         idle.push_back(fd);
     }
     std::this_thread::sleep_for(milliseconds(100));  // all accepted and idling
-    TimePoint t0 = Clock::now();
-    auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
-                             kTimeout);
-    double ms = to_ms(Clock::now() - t0);
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    std::printf("handshake with 100 idle side-channel connections open: %.2f ms\n", ms);
+    // Served one connection at a time, each idle one would hold a handshake for its whole
+    // budget (1 s): every attempt would miss the target, not only an unlucky one.
+    double ms = ferry::testing::best_of(
+        3, 100.0, "handshake with 100 idle side-channel connections open", [&] {
+            TimePoint t0 = Clock::now();
+            auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(),
+                                     test_secret(), kTimeout);
+            EXPECT_TRUE(r.ok()) << r.status().to_string();
+            return r.ok() ? to_ms(Clock::now() - t0) : 1e9;
+        });
     EXPECT_LT(ms, 100.0);
     for (int fd : idle) ::close(fd);
 }
