@@ -66,6 +66,9 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     for (uint32_t o = blockIdx.x * warps + tid / 32; o < rows && o < a.max_rows;
          o += gridDim.x * warps) {
         const RowSource src = a.row_src[o];
+        // Loaded beside the source rather than after the checks below, which wait for it: so
+        // a row pays one load round trip, not two in a row.
+        const uint64_t in_row = slabs ? a.out_row[o] : o;
         if (src.rank == RowSource::kPadding) continue;
         if (src.rank >= w || src.token >= a.max_tokens || src.k >= k) {
             if (lane == 0)
@@ -85,7 +88,6 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
             slot = uint64_t{a.remote_combine} + s_base[src.rank] + pos;
         }
         uint8_t* dst = a.peers[src.rank] + a.lay.combine + slot * row_bytes;
-        const uint64_t in_row = slabs ? a.out_row[o] : o;
         warp_copy16(reinterpret_cast<int4*>(dst),
                     reinterpret_cast<const int4*>(expert_out + in_row * a.hidden), n16, lane);
     }
