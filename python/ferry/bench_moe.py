@@ -125,6 +125,32 @@ def _rank(rank: int, args: argparse.Namespace, port: int, gate, threads: Optiona
         # Ranks sharing a GPU: every allocation is done before any rank's kernels wait for a
         # peer (cuda_all_to_all.h).
         barrier()
+        if cuda:
+            # Identity experts on the GPU write the rows received, as `ferry bench moe`'s do
+            # (dequantized fp8, or the bf16 rows): the combine then reads expert outputs just
+            # written, as after a real expert GEMM, not a buffer gone cold. The routing is the
+            # same every call, so one untimed layer tells which slab rows are real.
+            a.dispatch(cnt, ox, osc, x, xs, idx, w)
+            a.combine(out, idx, w, y)
+            a.synchronize()
+            counts = cnt.cpu().tolist()
+            real = torch.tensor([e * cap + r for e in range(nl) for r in range(counts[e])],
+                                dtype=torch.int64, device=dev)
+            yv, oxv = y.view(nl * cap, h), ox.view(torch.uint8 if fp8 else torch.bfloat16)
+            oxv = oxv.view(nl * cap, -1)
+
+            def experts() -> None:
+                rows = oxv.index_select(0, real)
+                if fp8:
+                    sc = osc.view(nl * cap, h // 128).index_select(0, real)
+                    rows = moe.dequantize_fp8(rows.view(dt), sc)
+                yv.index_copy_(0, real, rows)
+
+            # Once now, so that the allocator holds its temporaries before any rank's layer
+            # waits behind a gate (an allocation may wait for the whole device).
+            experts()
+            torch.cuda.synchronize(dev)
+            barrier()
 
         disp: List[float] = []
         comb: List[float] = []
@@ -138,8 +164,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, gate, threads: Optiona
                 ev[0].record()
                 a.dispatch(cnt, ox, osc, x, xs, idx, w)
                 ev[1].record()
-                if not fp8:  # identity experts, as on CPU below
-                    y.copy_(ox)
+                experts()
                 ev[2].record()
                 a.combine(out, idx, w, y)
                 ev[3].record()
