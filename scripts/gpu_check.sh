@@ -112,6 +112,14 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
     timeout 180 python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
       --json "$out/nccl_alltoall_$t.json" 2>&1 | tee "$out/nccl_alltoall_$t.txt" || status=1
   done
+  # The same decode layer from Python (ferry.moe over torch tensors), in the same run.
+  if ls $build/python/ferry/_ferry*.so > /dev/null 2>&1; then
+    py=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' $build/CMakeCache.txt); py=${py:-python3}
+    log "python ferry.bench_moe cuda, 128 tokens"
+    PYTHONPATH=$build/python timeout 180 "$py" -m ferry.bench_moe --backend cuda --ranks 2 \
+      --tokens 128 --dtype fp8 --out-dtype bf16 --warmup 20 --iters 200 \
+      --json "$out/bench_moe_python_128.json" 2>&1 | tee "$out/bench_moe_python_128.txt" || status=1
+  fi
   log "bench moe cuda, 128 tokens, graph replay"
   timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
     --json "$out/bench_moe_cuda_128_graph.json" 2>&1 | tee "$out/bench_moe_cuda_128_graph.txt" \

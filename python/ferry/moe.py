@@ -176,15 +176,23 @@ class _Engine:
         self.spt = spt
         elem = 1 if kind == "fp8" else 2
         z = dict(device=device)
-        self.batch_x = torch.zeros(max(rows, 1) * hidden * elem, dtype=torch.uint8, **z)
-        self.batch_scale = torch.zeros(max(rows * spt, 1), dtype=torch.float32, **z)
-        self.batch_y = torch.zeros(max(rows, 1) * hidden, dtype=torch.bfloat16, **z)
         self.offsets = torch.zeros(self.local_experts + 1, dtype=torch.int32, **z)
-        self.counts = torch.zeros(self.local_experts, dtype=torch.int32, **z)
-        self.indices = torch.zeros(max_tokens, topk, dtype=torch.int32, **z)
-        self.weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
-        self.combine_weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
-        self.num_tokens_dev = torch.zeros(1, dtype=torch.int32, **z)
+        if self.cuda:
+            # Nothing is copied per call on the GPU: the kernels read the caller's routing
+            # (int32 or int64) and weights, write and read the caller's [experts, capacity]
+            # slabs, and take the token count from this table (entry t holds t) or bound_m.
+            # Each copy or fill was a launch of its own, ~2-5 us apiece at the decode shape
+            # (issue 16).
+            self.token_counts = torch.arange(self.max_tokens + 1, dtype=torch.int32, **z)
+            self.ones = torch.ones(self.max_tokens, topk, dtype=torch.float32, **z)
+            self.num_tokens_dev = torch.zeros(1, dtype=torch.int32, **z)  # an int64 bound_m
+        else:
+            # The CPU backend works on its grouped batch and int32 routing.
+            self.batch_x = torch.zeros(max(rows, 1) * hidden * elem, dtype=torch.uint8, **z)
+            self.batch_scale = torch.zeros(max(rows * spt, 1), dtype=torch.float32, **z)
+            self.batch_y = torch.zeros(max(rows, 1) * hidden, dtype=torch.bfloat16, **z)
+            self.indices = torch.zeros(max_tokens, topk, dtype=torch.int32, **z)
+            self.weights = torch.zeros(max_tokens, topk, dtype=torch.float32, **z)
         self.num_tokens = 0  # of the dispatch in flight (host count)
         self.rows = 0  # rows of its dp_x
         # Most rows one local expert can receive: every token of every rank, padded.
@@ -194,38 +202,44 @@ class _Engine:
              indices: "torch.Tensor", weights: Optional["torch.Tensor"], n: int,
              bound_m: Optional["torch.Tensor"]) -> None:
         t = x.shape[0]
+        self.num_tokens = n
+        self.rows = t  # on CUDA the count is on the device: t bounds it
+        if self.cuda:
+            if bound_m is None:
+                count = _ptr(self.token_counts) + 4 * t
+            elif bound_m.dtype == torch.int32:
+                count = _ptr(bound_m)
+            else:
+                self.num_tokens_dev.copy_(bound_m.reshape(1))
+                count = _ptr(self.num_tokens_dev)
+            w = self.ones if weights is None else weights
+            self.a2a.dispatch_send(n, count, _ptr(x), _ptr(x_scale), _ptr(indices),
+                                   indices.dtype == torch.int64, _ptr(w), _stream(self.device))
+            return
         self.indices[:t].copy_(indices)
         if weights is None:
             self.weights[:t].fill_(1.0)
         else:
             self.weights[:t].copy_(weights)
-        if self.cuda:
-            if bound_m is not None:
-                self.num_tokens_dev.copy_(bound_m.reshape(1))
-            else:
-                self.num_tokens_dev.fill_(t)
-        self.num_tokens = n
-        self.rows = t  # on CUDA the count is on the device: t bounds it
-        self.a2a.dispatch_send(n, _ptr(self.num_tokens_dev), _ptr(x), _ptr(x_scale),
-                               _ptr(self.indices), _ptr(self.weights), _stream(self.device))
+        self.a2a.dispatch_send(n, 0, _ptr(x), _ptr(x_scale), _ptr(self.indices), False,
+                               _ptr(self.weights), 0)
 
     def recv(self, counts: "torch.Tensor", out_x: "torch.Tensor",
              out_scale: Optional["torch.Tensor"]) -> None:
-        self.a2a.dispatch_recv(_ptr(self.batch_x), _ptr(self.batch_scale), _ptr(self.offsets),
-                               _ptr(counts), _ptr(out_x), _ptr(out_scale), int(out_x.shape[1]),
+        staging = (0, 0) if self.cuda else (_ptr(self.batch_x), _ptr(self.batch_scale))
+        self.a2a.dispatch_recv(staging[0], staging[1], _ptr(self.offsets), _ptr(counts),
+                               _ptr(out_x), _ptr(out_scale), int(out_x.shape[1]),
                                _stream(self.device))
 
     def combine_send(self, expert_y: "torch.Tensor") -> None:
-        self.a2a.combine_send(_ptr(expert_y), int(expert_y.shape[1]), _ptr(self.batch_y),
-                              _ptr(self.offsets), _stream(self.device))
+        self.a2a.combine_send(_ptr(expert_y), int(expert_y.shape[1]),
+                              0 if self.cuda else _ptr(self.batch_y), _ptr(self.offsets),
+                              _stream(self.device))
 
     def combine_recv(self, out: "torch.Tensor", weights: Optional["torch.Tensor"]) -> None:
-        w = 0
-        if weights is not None:
-            self.combine_weights[:weights.shape[0]].copy_(weights)
-            w = _ptr(self.combine_weights)
-        self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16, w,
-                              _stream(self.device))
+        # weights: contiguous fp32 [T >= the dispatch's tokens, k], checked by the callers.
+        self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16,
+                              _ptr(weights), _stream(self.device))
 
     def close(self) -> None:
         # Collective: no peer may still write into our buffers when they go.

@@ -120,16 +120,22 @@ class MoeAllToAll {
         gpu_.reset();
     }
 
-    // num_tokens (CPU) or num_tokens_dev (CUDA: a uint32 on the device).
+    // num_tokens (CPU) or num_tokens_dev (CUDA: a uint32 on the device). indices: int32, or
+    // int64 where indices64 (CUDA only: the kernel narrows them, no copy before the call).
     void dispatch_send(uint32_t num_tokens, uint64_t num_tokens_dev, uint64_t x, uint64_t x_scale,
-                       uint64_t indices, uint64_t weights, uint64_t stream) {
+                       uint64_t indices, bool indices64, uint64_t weights, uint64_t stream) {
         const size_t n = num_tokens, k = cfg_.experts_per_token;
+        if (indices64 && !cuda_)
+            throw StatusError(invalid_argument("int64 indices are narrowed on the GPU only"));
         Status s;
         py::gil_scoped_release nogil;
         if (cuda_) {
-            moe::CudaDispatchInput in{ptr<const void>(x), ptr<const float>(x_scale),
-                                      ptr<const int32_t>(indices), ptr<const float>(weights),
-                                      ptr<const uint32_t>(num_tokens_dev)};
+            moe::CudaDispatchInput in{ptr<const void>(x),
+                                      ptr<const float>(x_scale),
+                                      indices64 ? nullptr : ptr<const int32_t>(indices),
+                                      ptr<const float>(weights),
+                                      ptr<const uint32_t>(num_tokens_dev),
+                                      indices64 ? ptr<const int64_t>(indices) : nullptr};
             s = gpu().dispatch_send(in, ptr<void>(stream));
         } else {
             moe::DispatchInput in;
@@ -144,9 +150,10 @@ class MoeAllToAll {
         check(s);
     }
 
-    // Receives into the grouped batch (batch_*: max_expert_rows rows), then copies every group
-    // into slab e of out_x / out_scale ([local experts, capacity, ...]). counts: the caller's
-    // int32 [local experts], written as uint32 (counts fit in 31 bits).
+    // Receives into slab e of out_x / out_scale ([local experts, capacity, ...]): on the GPU
+    // the kernel writes there itself (CudaExpertBatch::capacity); on the CPU into the grouped
+    // batch (batch_*: max_expert_rows rows), then every group is copied into its slab. counts:
+    // the caller's int32 [local experts], written as uint32 (counts fit in 31 bits).
     void dispatch_recv(uint64_t batch_x, uint64_t batch_scale, uint64_t offsets, uint64_t counts,
                        uint64_t out_x, uint64_t out_scale, uint32_t capacity, uint64_t stream) {
         const uint32_t nl = cfg_.num_local_experts();
@@ -155,16 +162,15 @@ class MoeAllToAll {
         Status s;
         py::gil_scoped_release nogil;
         if (cuda_) {
-            moe::CudaExpertBatch b{ptr<void>(batch_x), ptr<float>(batch_scale),
-                                   ptr<uint32_t>(counts), ptr<uint32_t>(offsets), nullptr};
-            void* st = ptr<void>(stream);
-            s = gpu().dispatch_recv(b, st);
-            if (s.ok())
-                s = moe::cuda_copy_groups(b.x, ptr<void>(out_x), b.offsets, nl,
-                                          cfg_.payload_bytes(), capacity, true, st);
-            if (s.ok() && fp8)
-                s = moe::cuda_copy_groups(b.x_scale, ptr<void>(out_scale), b.offsets, nl,
-                                          spt * sizeof(float), capacity, true, st);
+            // At the decode shape the copy into slabs after a grouped receive was a pass over
+            // 2048 rows per rank each way (docs/BENCHMARKS.md, issue 16).
+            moe::CudaExpertBatch b{ptr<void>(out_x),
+                                   ptr<float>(out_scale),
+                                   ptr<uint32_t>(counts),
+                                   ptr<uint32_t>(offsets),
+                                   nullptr,
+                                   capacity};
+            s = gpu().dispatch_recv(b, ptr<void>(stream));
         } else {
             moe::ExpertBatch b;
             b.x = {ptr<uint8_t>(batch_x), rows * cfg_.payload_bytes()};
@@ -185,8 +191,9 @@ class MoeAllToAll {
         check(s);
     }
 
-    // expert_y: bf16 [local experts, capacity, hidden]; batch_y: the grouped staging
-    // (max_expert_rows bf16 rows); offsets: those dispatch_recv wrote.
+    // expert_y: bf16 [local experts, capacity, hidden], the slabs of dispatch_recv (the GPU
+    // kernel reads them there); on the CPU copied into batch_y, the grouped staging
+    // (max_expert_rows bf16 rows), by offsets, those dispatch_recv wrote.
     void combine_send(uint64_t expert_y, uint32_t capacity, uint64_t batch_y, uint64_t offsets,
                       uint64_t stream) {
         const uint32_t nl = cfg_.num_local_experts();
@@ -194,10 +201,7 @@ class MoeAllToAll {
         Status s;
         py::gil_scoped_release nogil;
         if (cuda_) {
-            void* st = ptr<void>(stream);
-            s = moe::cuda_copy_groups(ptr<void>(batch_y), ptr<void>(expert_y),
-                                      ptr<const uint32_t>(offsets), nl, row, capacity, false, st);
-            if (s.ok()) s = gpu().combine_send(ptr<const uint16_t>(batch_y), st);
+            s = gpu().combine_send(ptr<const uint16_t>(expert_y), ptr<void>(stream));
         } else {
             copy_groups_host(ptr<uint8_t>(batch_y), ptr<uint8_t>(expert_y),
                              ptr<const uint32_t>(offsets), nl, row, capacity, false);
@@ -207,8 +211,8 @@ class MoeAllToAll {
         check(s);
     }
 
-    // weights: 0 keeps the dispatched ones; else num_tokens * top-k floats (CUDA: a buffer of
-    // max_tokens_per_rank * top-k on the device).
+    // weights: 0 keeps the dispatched ones; else num_tokens * top-k floats (CUDA: at least
+    // as many rows as the dispatch's token count, read by the combine kernel).
     void combine_recv(uint32_t num_tokens, uint64_t out, bool bf16, uint64_t weights,
                       uint64_t stream) {
         const size_t n = num_tokens, h = cfg_.hidden, k = cfg_.experts_per_token;
@@ -216,10 +220,9 @@ class MoeAllToAll {
         py::gil_scoped_release nogil;
         if (cuda_) {
             void* st = ptr<void>(stream);
-            if (weights) s = gpu().set_combine_weights(ptr<const float>(weights), st);
-            if (s.ok())
-                s = bf16 ? gpu().combine_recv_bf16(ptr<uint16_t>(out), st)
-                         : gpu().combine_recv(ptr<float>(out), st);
+            const float* w = ptr<const float>(weights);
+            s = bf16 ? gpu().combine_recv_bf16(ptr<uint16_t>(out), st, w)
+                     : gpu().combine_recv(ptr<float>(out), st, w);
         } else {
             if (weights) s = cpu().set_combine_weights({ptr<const float>(weights), n * k});
             if (s.ok())
@@ -306,6 +309,20 @@ void register_moe(py::module_& m, EngineOf engine_of) {
             [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
         .def_property_readonly("num_local_experts",
                                [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
+
+    // The benchmarks' start gate (cuda_host_gate): flag is pinned host memory (a pinned torch
+    // tensor's data pointer).
+    m.def("cuda_host_gate", [](uint64_t flag, uint32_t want, double timeout_s, uint64_t stream) {
+        if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
+        auto timeout =
+            std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = moe::cuda_host_gate(ptr<const uint32_t>(flag), want, timeout, ptr<void>(stream));
+        }
+        check(s);
+    });
 
     // fp8 block quantization (numerics.h): bf16 [tokens, hidden] -> e4m3 bytes + fp32 scales.
     m.def("moe_quantize_fp8", [](uint64_t x, uint32_t tokens, uint32_t hidden, uint64_t q,

@@ -27,8 +27,8 @@ int CudaAllToAll::device() const { return -1; }
 Status CudaAllToAll::dispatch_send(const CudaDispatchInput&, void*) { return no_cuda(); }
 Status CudaAllToAll::dispatch_recv(const CudaExpertBatch&, void*) { return no_cuda(); }
 Status CudaAllToAll::combine_send(const uint16_t*, void*) { return no_cuda(); }
-Status CudaAllToAll::combine_recv(float*, void*) { return no_cuda(); }
-Status CudaAllToAll::combine_recv_bf16(uint16_t*, void*) { return no_cuda(); }
+Status CudaAllToAll::combine_recv(float*, void*, const float*) { return no_cuda(); }
+Status CudaAllToAll::combine_recv_bf16(uint16_t*, void*, const float*) { return no_cuda(); }
 Status CudaAllToAll::set_combine_weights(const float*, void*) { return no_cuda(); }
 Status CudaAllToAll::synchronize(void*) { return no_cuda(); }
 Status CudaAllToAll::device_status() { return no_cuda(); }
@@ -40,9 +40,6 @@ Status cuda_dequantize_fp8_to_bf16(const uint8_t*, const float*, uint32_t, uint3
                                    void*, const uint32_t*) {
     return no_cuda();
 }
-Status cuda_copy_groups(const void*, void*, const uint32_t*, uint32_t, uint64_t, uint32_t, bool,
-                        void*) {
-    return no_cuda();
-}
+Status cuda_host_gate(const uint32_t*, uint32_t, Duration, void*) { return no_cuda(); }
 }  // namespace ferry::moe
 #endif

@@ -65,6 +65,11 @@ struct CudaCase {
     // share hardware queues, where work waits behind another stream's running kernel.
     int hw_queues = 0;
     CombineMode combine = CombineMode::kPerHit;
+    // dispatch_recv writes per-expert slabs (CudaExpertBatch::capacity) and combine_send reads
+    // the expert outputs there: the layout of the Python interfaces.
+    bool slabs = false;
+    bool indices64 = false;        // the routing as int64 (CudaDispatchInput::indices64)
+    bool combine_weights = false;  // dispatch wrong weights, give the right ones at combine
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
@@ -200,20 +205,27 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
     auto* idx = mem.alloc<int32_t>(size_t{t} * kk);
     auto* wt = mem.alloc<float>(size_t{t} * kk);
     auto* ntok = mem.alloc<uint32_t>(1);
-    auto* bx = mem.alloc<uint8_t>(rows * pb);
-    auto* bs = mem.alloc<float>(rows * spt);
     auto* bc = mem.alloc<uint32_t>(nl);
     auto* bo = mem.alloc<uint32_t>(nl + 1);
     auto* bsrc = mem.alloc<RowSource>(rows);
-    auto* y = mem.alloc<uint16_t>(rows * h);
     auto* out = mem.alloc<float>(size_t{t} * h);
     auto* out16 = mem.alloc<uint16_t>(size_t{t} * h);
+    // Slabs: every token of every rank may land in one expert.
+    const uint32_t cap = k.slabs ? (k.world * t + k.alignment - 1) / k.alignment * k.alignment : 0;
+    const size_t xrows = k.slabs ? size_t{nl} * cap : rows;  // rows of bx, bs and y
+    auto* bx = mem.alloc<uint8_t>(xrows * pb);
+    auto* bs = mem.alloc<float>(xrows * spt);
+    auto* y = mem.alloc<uint16_t>(xrows * h);
+    auto* idx64 = mem.alloc<int64_t>(size_t{t} * kk);
+    auto* cwt = mem.alloc<float>(size_t{t} * kk);
     if (!x || !xs || !idx || !wt || !ntok || !bx || !bs || !bc || !bo || !bsrc || !y || !out ||
-        !out16)
+        !out16 || !idx64 || !cwt)
         return "cudaMalloc failed";
 
-    CudaDispatchInput din{x, spt ? xs : nullptr, idx, wt, ntok};
-    CudaExpertBatch batch{bx, spt ? bs : nullptr, bc, bo, bsrc};
+    CudaDispatchInput din{x,    spt ? xs : nullptr,           k.indices64 ? nullptr : idx, wt,
+                          ntok, k.indices64 ? idx64 : nullptr};
+    CudaExpertBatch batch{bx, spt ? bs : nullptr, bc, bo, bsrc, cap};
+    const float* combine_w = k.combine_weights ? cwt : nullptr;
     // Graph mode: the calls run once on the host while capturing; replays then rely on the
     // token count and the call number living on the device.
     struct Graphs {
@@ -245,8 +257,8 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         if (!err.empty()) return err;
         err = capture(&graphs.combine, [&]() -> Status {
             FERRY_RETURN_IF_ERROR(a2a.combine_send(y, stream));
-            return k.bf16_out ? a2a.combine_recv_bf16(out16, stream)
-                              : a2a.combine_recv(out, stream);
+            return k.bf16_out ? a2a.combine_recv_bf16(out16, stream, combine_w)
+                              : a2a.combine_recv(out, stream, combine_w);
         });
         if (!err.empty()) return err;
     }
@@ -264,12 +276,23 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
                                       cudaMemcpyHostToDevice, stream));
         RANK_CUDA(cudaMemcpyAsync(idx, mine.indices.data(), mine.indices.size() * 4,
                                   cudaMemcpyHostToDevice, stream));
-        RANK_CUDA(cudaMemcpyAsync(wt, mine.weights.data(), mine.weights.size() * 4,
+        const std::vector<int64_t> wide(mine.indices.begin(), mine.indices.end());
+        RANK_CUDA(
+            cudaMemcpyAsync(idx64, wide.data(), wide.size() * 8, cudaMemcpyHostToDevice, stream));
+        // combine_weights: the dispatch carries wrong weights; the right ones come at combine.
+        std::vector<float> dispatched = mine.weights;
+        if (k.combine_weights)
+            for (float& v : dispatched) v = v * 3.0f + 0.25f;
+        RANK_CUDA(cudaMemcpyAsync(wt, dispatched.data(), dispatched.size() * 4,
                                   cudaMemcpyHostToDevice, stream));
+        RANK_CUDA(cudaMemcpyAsync(cwt, mine.weights.data(), mine.weights.size() * 4,
+                                  cudaMemcpyHostToDevice, stream));
+        // The host copies above read vectors that die with this iteration.
+        RANK_CUDA(cudaStreamSynchronize(stream));
         RANK_CUDA(cudaMemcpyAsync(ntok, &n, 4, cudaMemcpyHostToDevice, stream));
         // Poison: every byte compared below must have been written by this call.
-        RANK_CUDA(cudaMemsetAsync(bx, 0xa5, rows * pb, stream));
-        if (spt) RANK_CUDA(cudaMemsetAsync(bs, 0xa5, rows * spt * 4, stream));
+        RANK_CUDA(cudaMemsetAsync(bx, 0xa5, xrows * pb, stream));
+        if (spt) RANK_CUDA(cudaMemsetAsync(bs, 0xa5, xrows * spt * 4, stream));
         RANK_CUDA(cudaMemsetAsync(bsrc, 0xa5, rows * sizeof(RowSource), stream));
         RANK_CUDA(cudaMemsetAsync(out, 0xff, size_t{t} * h * 4, stream));
         RANK_CUDA(cudaMemsetAsync(out16, 0xff, size_t{t} * h * 2, stream));
@@ -286,9 +309,33 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
         RANK_CUDA(cudaMemcpy(got.offsets.data(), bo, (nl + 1) * 4, cudaMemcpyDeviceToHost));
         const uint32_t total = got.offsets[nl];
         CHILD_CHECK_MSG(total <= rows, "call {}: {} rows exceed the maximum {}", c, total, rows);
-        RANK_CUDA(cudaMemcpy(got.x.data(), bx, total * pb, cudaMemcpyDeviceToHost));
-        if (spt)
-            RANK_CUDA(cudaMemcpy(got.scales.data(), bs, total * spt * 4, cudaMemcpyDeviceToHost));
+        if (k.slabs) {
+            // Each slab holds its group (padding included) at its start and nothing after.
+            std::vector<uint8_t> px(xrows * pb);
+            std::vector<float> ps(xrows * spt);
+            RANK_CUDA(cudaMemcpy(px.data(), bx, px.size(), cudaMemcpyDeviceToHost));
+            if (spt) RANK_CUDA(cudaMemcpy(ps.data(), bs, ps.size() * 4, cudaMemcpyDeviceToHost));
+            for (uint32_t e = 0; e < nl; ++e) {
+                const uint32_t g0 = got.offsets[e], g1 = got.offsets[e + 1];
+                CHILD_CHECK_MSG(g1 - g0 <= cap, "call {}: group {} of {} rows > capacity {}", c, e,
+                                g1 - g0, cap);
+                const size_t slab = size_t{e} * cap;
+                std::memcpy(got.x.data() + size_t{g0} * pb, px.data() + slab * pb,
+                            size_t{g1 - g0} * pb);
+                if (spt)
+                    std::memcpy(got.scales.data() + size_t{g0} * spt, ps.data() + slab * spt,
+                                size_t{g1 - g0} * spt * 4);
+                for (size_t b = (slab + g1 - g0) * pb; b < (slab + cap) * pb; ++b)
+                    CHILD_CHECK_MSG(px[b] == 0xa5,
+                                    "call {} rank {}: slab {} written past its group (byte {})", c,
+                                    rank, e, b - slab * pb);
+            }
+        } else {
+            RANK_CUDA(cudaMemcpy(got.x.data(), bx, total * pb, cudaMemcpyDeviceToHost));
+            if (spt)
+                RANK_CUDA(
+                    cudaMemcpy(got.scales.data(), bs, total * spt * 4, cudaMemcpyDeviceToHost));
+        }
         RANK_CUDA(cudaMemcpy(got.sources.data(), bsrc, total * sizeof(RowSource),
                              cudaMemcpyDeviceToHost));
 
@@ -313,16 +360,26 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
                             want.sources[o].rank, want.sources[o].token, want.sources[o].k);
 
         std::vector<uint16_t> ys = testing::run_experts(cfg, got, true);
-        if (!ys.empty())
+        if (k.slabs && !ys.empty()) {
+            // The expert outputs in slabs too; the rest of each slab is poison, never read.
+            std::vector<uint16_t> py(xrows * h, 0xffff);
+            for (uint32_t e = 0; e < nl; ++e)
+                std::memcpy(py.data() + size_t{e} * cap * h, ys.data() + size_t{got.offsets[e]} * h,
+                            size_t{got.offsets[e + 1] - got.offsets[e]} * h * 2);
+            ys = std::move(py);
+        }
+        if (!ys.empty()) {
             RANK_CUDA(cudaMemcpyAsync(y, ys.data(), ys.size() * 2, cudaMemcpyHostToDevice, stream));
+            RANK_CUDA(cudaStreamSynchronize(stream));  // ys dies with this iteration
+        }
         if (k.graph) {
             RANK_CUDA(cudaGraphLaunch(graphs.combine, stream));
         } else {
             CHILD_CHECK_OK(a2a.combine_send(y, stream));
             if (k.bf16_out) {
-                CHILD_CHECK_OK(a2a.combine_recv_bf16(out16, stream));
+                CHILD_CHECK_OK(a2a.combine_recv_bf16(out16, stream, combine_w));
             } else {
-                CHILD_CHECK_OK(a2a.combine_recv(out, stream));
+                CHILD_CHECK_OK(a2a.combine_recv(out, stream, combine_w));
             }
         }
         CHILD_CHECK_OK(a2a.synchronize(stream));
@@ -553,7 +610,30 @@ INSTANTIATE_TEST_SUITE_P(
                  .calls = 4,
                  .graph = true,
                  .ranks_per_node = 2,
-                 .combine = CombineMode::kPerRank}),
+                 .combine = CombineMode::kPerRank},
+        // The Python interfaces' calls: slabs, int64 routing, weights given at combine.
+        CudaCase{.name = "ep2_slabs_int64_combine_weights",
+                 .alignment = 4,
+                 .routing = Routing::kSkewed,
+                 .slabs = true,
+                 .indices64 = true,
+                 .combine_weights = true},
+        decode_shape(CudaCase{.name = "ep2_slabs_decode_graph_processes",
+                              .full = true,
+                              .calls = 3,
+                              .processes = true,
+                              .bf16_out = true,
+                              .graph = true,
+                              .slabs = true,
+                              .indices64 = true,
+                              .combine_weights = true}),
+        CudaCase{.name = "ep4_two_nodes_per_rank_slabs",
+                 .world = 4,
+                 .alignment = 8,
+                 .hole = 0.3,
+                 .ranks_per_node = 2,
+                 .combine = CombineMode::kPerRank,
+                 .slabs = true}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return std::string(i.param.name); });
 
 // A rank that never calls turns into a timeout that names it, not a hang.

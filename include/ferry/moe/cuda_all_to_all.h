@@ -104,22 +104,33 @@ struct CudaTraceStamp {
 
 // Device pointers. x: num_tokens rows of payload_bytes; x_scale: hidden/128 floats per token
 // (fp8 only); indices/weights: top-k per token, -1 = no expert; num_tokens: one uint32 on the
-// device, at most max_tokens_per_rank. x must be 16-byte aligned.
+// device, at most max_tokens_per_rank. x must be 16-byte aligned. The routing is read once, by
+// dispatch_send's first kernel, and copied: the inputs may change once that kernel has run.
 struct CudaDispatchInput {
     const void* x = nullptr;
     const float* x_scale = nullptr;
     const int32_t* indices = nullptr;
     const float* weights = nullptr;
     const uint32_t* num_tokens = nullptr;
+    // Instead of indices: int64 routing (torch's index dtype, DeepEP's topk_idx), narrowed on
+    // the device; a value outside [-1, experts) is reported as for int32.
+    const int64_t* indices64 = nullptr;
 };
 
-// Device pointers, sized like ExpertBatch (max_expert_rows(cfg) rows). sources is optional.
+// Device pointers. counts and offsets always describe the grouped batch: group e is rows
+// offsets[e] .. offsets[e] + counts[e] of it, padded to the alignment. Where the rows go:
+// - capacity 0: that grouped batch, max_expert_rows(cfg) rows of x (and x_scale), back to back;
+// - capacity > 0: per-expert slabs, the layout of pplx-garden's and DeepEP's calls: row j of
+//   group e at row e * capacity + j of x ([local experts, capacity, row]); rows of a slab past
+//   the group's padding are not written, and a group larger than capacity is an error.
+// sources (optional, max_expert_rows(cfg) entries) is in grouped numbering either way.
 struct CudaExpertBatch {
     void* x = nullptr;
     float* x_scale = nullptr;
     uint32_t* counts = nullptr;   // [local experts]
     uint32_t* offsets = nullptr;  // [local experts + 1]
     RowSource* sources = nullptr;
+    uint32_t capacity = 0;
 };
 
 class CudaAllToAll {
@@ -141,12 +152,15 @@ class CudaAllToAll {
 
     Status dispatch_send(const CudaDispatchInput& in, void* stream);
     Status dispatch_recv(const CudaExpertBatch& out, void* stream);
-    // expert_out: bf16 rows laid out like the batch of dispatch_recv (padding ignored).
+    // expert_out: bf16 rows laid out like the batch of dispatch_recv (grouped or slabs, as that
+    // call's capacity said; padding ignored).
     Status combine_send(const uint16_t* expert_out, void* stream);
     // out: num_tokens * hidden, sum over the token's experts of weight * output in fp32
-    // (cfg.combine kPerRank: the sum of the ranks' bf16 partials, see config.h).
-    Status combine_recv(float* out, void* stream);
-    Status combine_recv_bf16(uint16_t* out, void* stream);
+    // (cfg.combine kPerRank: the sum of the ranks' bf16 partials, see config.h). weights:
+    // null for the dispatched ones, else num_tokens * top-k floats on the device that replace
+    // them for this call (read by the kernel; CombineMode::kPerHit only).
+    Status combine_recv(float* out, void* stream, const float* weights = nullptr);
+    Status combine_recv_bf16(uint16_t* out, void* stream, const float* weights = nullptr);
     // Replaces the combine weights of the call in flight (max_tokens_per_rank * top-k floats
     // on the device; rows past the call's token count are not read), enqueued on `stream`
     // (a device-to-device copy, so it can be captured). Between dispatch_send and
@@ -179,13 +193,11 @@ Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32
                                    uint32_t hidden, uint16_t* out, void* stream,
                                    const uint32_t* tokens_dev = nullptr);
 
-// Grouped batch <-> a padded [experts, capacity, row_bytes] tensor (the layout pplx-garden's
-// and DeepEP's low-latency calls use): group e, rows offsets[e] .. offsets[e + 1] (device
-// memory, read at run time, so a captured graph copies what each call produced), goes to
-// rows 0.. of slab e, cut at capacity. to_padded false copies the other way. Pointers must be
-// aligned to the largest power of two (up to 16) dividing row_bytes.
-Status cuda_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
-                        uint32_t experts, uint64_t row_bytes, uint32_t capacity, bool to_padded,
-                        void* stream);
+// For benchmarks that time work enqueued ahead (`ferry bench moe`, `python3 -m
+// ferry.bench_moe`): holds `stream` until the uint32 at `flag`, pinned host memory mapped
+// into the device, is at least `want`, or `timeout` passed. Every rank enqueues its layer
+// behind one, then one host store opens them all: events then time the GPU's work rather than
+// host launch gaps and the ranks' skew.
+Status cuda_host_gate(const uint32_t* flag, uint32_t want, Duration timeout, void* stream);
 
 }  // namespace ferry::moe

@@ -15,7 +15,6 @@
 #include <random>
 #include <thread>
 
-#include "bench/cuda/moe_gate.h"
 #include "bench/moe_internal.h"
 #include "common/cuda_check.h"
 #include "ferry/moe/cuda_all_to_all.h"
@@ -178,12 +177,10 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
         FERRY_CUDA_TRY(cudaGraphInstantiate(&rr.exec, rr.graph, 0));
     }
 
-    FERRY_CUDA_TRY(cuda::preload_host_gate());
-    const uint64_t gate_timeout_ns = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(bc.timeout).count());
     for (int it = 0; it < bc.warmup + bc.iters; ++it) {
         const uint32_t want = static_cast<uint32_t>(it + 1);
-        FERRY_CUDA_TRY(cuda::launch_host_gate(gate, want, gate_timeout_ns, st));
+        FERRY_RETURN_IF_ERROR(
+            cuda_host_gate(const_cast<const uint32_t*>(gate), want, bc.timeout, st));
         if (bc.graph) {
             FERRY_CUDA_TRY(cudaEventRecord(rr.ev[0], st));
             FERRY_CUDA_TRY(cudaGraphLaunch(rr.exec, st));

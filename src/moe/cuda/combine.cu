@@ -50,6 +50,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
+    const bool slabs = a.state->out_capacity != 0;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
     trace_point(a, kTrCombineSendBegin);
@@ -65,6 +66,9 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     for (uint32_t o = blockIdx.x * warps + tid / 32; o < rows && o < a.max_rows;
          o += gridDim.x * warps) {
         const RowSource src = a.row_src[o];
+        // Loaded beside the source rather than after the checks below, which wait for it: so
+        // a row pays one load round trip, not two in a row.
+        const uint64_t in_row = slabs ? a.out_row[o] : o;
         if (src.rank == RowSource::kPadding) continue;
         if (src.rank >= w || src.token >= a.max_tokens || src.k >= k) {
             if (lane == 0)
@@ -85,7 +89,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         }
         uint8_t* dst = a.peers[src.rank] + a.lay.combine + slot * row_bytes;
         warp_copy16(reinterpret_cast<int4*>(dst),
-                    reinterpret_cast<const int4*>(expert_out + uint64_t{o} * a.hidden), n16, lane);
+                    reinterpret_cast<const int4*>(expert_out + in_row * a.hidden), n16, lane);
     }
     finish_combine_send(a, seq, s_base, s_hits);
 }
@@ -106,6 +110,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t lane = tid & 31u, warp = tid / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), out_rows = a.state->out_rows;
+    const bool slabs = a.state->out_capacity != 0;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = a.hidden / 8;
     trace_point(a, kTrCombineSendBegin);
@@ -146,7 +151,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                                      : uint64_t{token} * k + (__ffs(hm) - 1);
         int4* dst = reinterpret_cast<int4*>(a.peers[s] + a.lay.combine + slot * row_bytes);
         if (lane < kMaxCudaTopk) {
-            s_o[warp][lane] = my_o;
+            // In the caller's layout (slabs: where dispatch_recv wrote the row).
+            s_o[warp][lane] = slabs && my_o != ~0u ? a.out_row[my_o] : my_o;
             s_w[warp][lane] = my_w;
         }
         __syncwarp();
@@ -197,8 +203,11 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
 // remote ranks' results sit in a compact area after the slots, in the inbox.
+// weights: the caller's for this combine ([num_tokens * top-k]), or null for the dispatched
+// ones; read here rather than copied in first, which would cost a launch per call.
 template <bool kBf16Out, bool kSlots>
-__global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16) {
+__global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16,
+                                    const float* weights) {
     __shared__ int s_ok;
     __shared__ float s_wt[kMaxCudaTopk];
     __shared__ int s_use[kMaxCudaTopk];
@@ -237,7 +246,9 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
                                                   static_cast<uint32_t>(e) / a.local_experts);
                 }
             s_use[tid] = use;
-            s_wt[tid] = a.combine_per_rank ? 1.0f : a.weights[t * k + tid];
+            s_wt[tid] = a.combine_per_rank ? 1.0f
+                        : weights          ? weights[t * k + tid]
+                                           : a.weights[t * k + tid];
             if constexpr (kSlots) s_slot[tid] = a.combine_slot[t * k + tid];
         }
         __syncthreads();
@@ -294,19 +305,20 @@ cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out,
 }
 
 cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
-                                uint32_t blocks, uint32_t threads, cudaStream_t stream) {
+                                const float* weights, uint32_t blocks, uint32_t threads,
+                                cudaStream_t stream) {
     const bool slots = a.remote_mask != 0, early = a.early_launch != 0;
     if (out_bf16 && slots)
         return launch_after(early, combine_recv_kernel<true, true>, blocks, threads, 0, stream, a,
-                            static_cast<float*>(nullptr), out_bf16);
+                            static_cast<float*>(nullptr), out_bf16, weights);
     if (out_bf16)
         return launch_after(early, combine_recv_kernel<true, false>, blocks, threads, 0, stream, a,
-                            static_cast<float*>(nullptr), out_bf16);
+                            static_cast<float*>(nullptr), out_bf16, weights);
     if (slots)
         return launch_after(early, combine_recv_kernel<false, true>, blocks, threads, 0, stream, a,
-                            out_f32, static_cast<uint16_t*>(nullptr));
+                            out_f32, static_cast<uint16_t*>(nullptr), weights);
     return launch_after(early, combine_recv_kernel<false, false>, blocks, threads, 0, stream, a,
-                        out_f32, static_cast<uint16_t*>(nullptr));
+                        out_f32, static_cast<uint16_t*>(nullptr), weights);
 }
 
 cudaError_t preload_combine_kernels() {

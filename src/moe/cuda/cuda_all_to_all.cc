@@ -175,6 +175,12 @@ struct CudaAllToAll::Impl {
                 return fail(invalid_argument(fmt::format(
                     "{}: rank {} runs a different AllToAllConfig (hash {:08x}, ours {:08x})", where,
                     peer, value, want)));
+            case cuda::DeviceError::kCapacity:
+                return fail(invalid_argument(fmt::format(
+                    "{}: a local expert got row {} from rank {}, past the {} rows per expert of "
+                    "the batch's slabs (CudaExpertBatch::capacity); size it for every token of "
+                    "every rank (does a token name one expert twice?)",
+                    where, value, peer, want)));
             case cuda::DeviceError::kTooMany:
                 return fail(invalid_argument(
                     fmt::format("{}: the device token count is {}, above max_tokens_per_rank {}",
@@ -201,6 +207,26 @@ struct CudaAllToAll::Impl {
                             call, last_call(phase)));
         FERRY_CUDA_TRY(cudaSetDevice(device));
         return ok_status();
+    }
+
+    // combine_recv (bf16 false: out is fp32) and combine_recv_bf16.
+    Status combine_recv(bool bf16, void* out, const float* weights, void* stream) {
+        const char* call = bf16 ? "combine_recv_bf16" : "combine_recv";
+        FERRY_RETURN_IF_ERROR(begin(Phase::kCombineSent, call));
+        if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+            return invalid_argument(
+                fmt::format("{}: out must be a 16-byte aligned device pointer", call));
+        if (weights && cfg.combine != CombineMode::kPerHit)
+            return invalid_argument(fmt::format(
+                "{}: per-rank combine weights the partials at the expert's rank with the "
+                "dispatched weights; pass no weights, or use CombineMode::kPerHit",
+                call));
+        float* out_f32 = bf16 ? nullptr : static_cast<float*>(out);
+        uint16_t* out_bf16 = bf16 ? static_cast<uint16_t*>(out) : nullptr;
+        cudaError_t e =
+            cuda::launch_combine_recv(args, out_f32, out_bf16, weights, combine_recv_blocks,
+                                      opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
+        return launched(e, call, Phase::kIdle);
     }
 
     Status launched(cudaError_t e, const char* call, Phase next) {
@@ -264,6 +290,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     FERRY_CUDA_TRY(cuda::preload_dispatch_kernels());
     FERRY_CUDA_TRY(cuda::preload_combine_kernels());
     FERRY_CUDA_TRY(cuda::preload_quantize_kernels());
+    FERRY_CUDA_TRY(cuda::preload_host_gate());
     // The plan kernel keeps a lane mask per (warp, expert) in shared memory.
     const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
     const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
@@ -309,6 +336,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_idx = take(sizeof(int32_t) * uint64_t{t} * k);
     const uint64_t o_wt = take(sizeof(float) * uint64_t{t} * k);
     const uint64_t o_src = take(sizeof(cuda::RowSource) * max_rows);
+    const uint64_t o_out_row = take(sizeof(uint32_t) * max_rows);
     const uint64_t o_tickets = take(sizeof(unsigned long long) * cuda::kTickets);
     const uint64_t o_cslot = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * k : 0);
     const uint64_t o_cpos = take(has_remote ? sizeof(uint32_t) * max_rows : 0);
@@ -551,6 +579,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.indices = reinterpret_cast<int32_t*>(local + o_idx);
     a.weights = reinterpret_cast<float*>(local + o_wt);
     a.row_src = reinterpret_cast<cuda::RowSource*>(local + o_src);
+    a.out_row = reinterpret_cast<uint32_t*>(local + o_out_row);
     a.remote_mask = remote_mask;
     a.publish = publish_dev;
     a.inbox = inbox_dev;
@@ -593,16 +622,18 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
 Status CudaAllToAll::dispatch_send(const CudaDispatchInput& in, void* stream) {
     Impl& m = *impl_;
     FERRY_RETURN_IF_ERROR(m.begin(Phase::kIdle, "dispatch_send"));
-    if (!in.x || !in.indices || !in.weights || !in.num_tokens ||
+    if (!in.x || (!in.indices && !in.indices64) || !in.weights || !in.num_tokens ||
         (m.cfg.dtype == DType::kFp8E4M3 && !in.x_scale))
         return invalid_argument(
-            "dispatch_send: x, indices, weights, num_tokens (and x_scale for fp8) must be "
-            "device pointers");
+            "dispatch_send: x, indices or indices64, weights, num_tokens (and x_scale for fp8) "
+            "must be device pointers");
+    if (in.indices && in.indices64)
+        return invalid_argument("dispatch_send: give indices or indices64, not both");
     if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0)
         return invalid_argument("dispatch_send: x must be 16-byte aligned");
     cudaError_t e = cuda::launch_dispatch_send(
-        m.args, in.x, in.x_scale, in.indices, in.weights, in.num_tokens, m.dispatch_send_blocks,
-        m.opt.dispatch.send_threads, static_cast<cudaStream_t>(stream));
+        m.args, in.x, in.x_scale, in.indices, in.indices64, in.weights, in.num_tokens,
+        m.dispatch_send_blocks, m.opt.dispatch.send_threads, static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_send launch", Phase::kDispatchSent);
 }
 
@@ -613,9 +644,13 @@ Status CudaAllToAll::dispatch_recv(const CudaExpertBatch& out, void* stream) {
         return invalid_argument(
             "dispatch_recv: x, counts, offsets (and x_scale for fp8) must be device pointers "
             "sized for max_expert_rows(cfg) rows");
+    if (uint64_t{out.capacity} * m.cfg.num_local_experts() > UINT32_MAX)
+        return invalid_argument(
+            fmt::format("dispatch_recv: {} local experts x capacity {} rows exceed 2^32 rows",
+                        m.cfg.num_local_experts(), out.capacity));
     cudaError_t e = cuda::launch_dispatch_recv(m.args, out.x, out.x_scale, out.counts, out.offsets,
                                                reinterpret_cast<cuda::RowSource*>(out.sources),
-                                               static_cast<cudaStream_t>(stream));
+                                               out.capacity, static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_recv launch", Phase::kDispatchReceived);
 }
 
@@ -631,26 +666,12 @@ Status CudaAllToAll::combine_send(const uint16_t* expert_out, void* stream) {
     return m.launched(e, "combine_send launch", Phase::kCombineSent);
 }
 
-Status CudaAllToAll::combine_recv(float* out, void* stream) {
-    Impl& m = *impl_;
-    FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv"));
-    if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
-        return invalid_argument("combine_recv: out must be a 16-byte aligned device pointer");
-    cudaError_t e =
-        cuda::launch_combine_recv(m.args, out, nullptr, m.combine_recv_blocks,
-                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
-    return m.launched(e, "combine_recv launch", Phase::kIdle);
+Status CudaAllToAll::combine_recv(float* out, void* stream, const float* weights) {
+    return impl_->combine_recv(false, out, weights, stream);
 }
 
-Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream) {
-    Impl& m = *impl_;
-    FERRY_RETURN_IF_ERROR(m.begin(Phase::kCombineSent, "combine_recv_bf16"));
-    if (!out || reinterpret_cast<uintptr_t>(out) % 16 != 0)
-        return invalid_argument("combine_recv_bf16: out must be a 16-byte aligned device pointer");
-    cudaError_t e =
-        cuda::launch_combine_recv(m.args, nullptr, out, m.combine_recv_blocks,
-                                  m.opt.combine.recv_threads, static_cast<cudaStream_t>(stream));
-    return m.launched(e, "combine_recv_bf16 launch", Phase::kIdle);
+Status CudaAllToAll::combine_recv_bf16(uint16_t* out, void* stream, const float* weights) {
+    return impl_->combine_recv(true, out, weights, stream);
 }
 
 Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
@@ -720,19 +741,6 @@ Status CudaAllToAll::set_combine_weights(const float* weights, void* stream) {
     return ok_status();
 }
 
-Status cuda_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
-                        uint32_t experts, uint64_t row_bytes, uint32_t capacity, bool to_padded,
-                        void* stream) {
-    if (!grouped || !padded || !offsets)
-        return invalid_argument(
-            "cuda_copy_groups: grouped, padded and offsets must be device "
-            "pointers");
-    if (experts == 0 || row_bytes == 0 || capacity == 0) return ok_status();
-    cudaError_t e = cuda::launch_copy_groups(grouped, padded, offsets, experts, row_bytes, capacity,
-                                             to_padded, static_cast<cudaStream_t>(stream));
-    return FERRY_CUDA_ERROR(e, "copy_groups launch");
-}
-
 Status cuda_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                          float* scales, void* stream) {
     if (hidden == 0 || hidden % kScaleBlock != 0)
@@ -754,6 +762,20 @@ Status cuda_dequantize_fp8_to_bf16(const uint8_t* q, const float* scales, uint32
     cudaError_t e = cuda::launch_dequantize_fp8(q, scales, tokens, tokens_dev, hidden, out,
                                                 static_cast<cudaStream_t>(stream));
     return FERRY_CUDA_ERROR(e, "fp8 dequantize launch");
+}
+
+Status cuda_host_gate(const uint32_t* flag, uint32_t want, Duration timeout, void* stream) {
+    uint32_t* dev = nullptr;
+    if (cudaError_t e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev),
+                                                 const_cast<uint32_t*>(flag), 0);
+        e != cudaSuccess)
+        return FERRY_CUDA_ERROR(
+            e, "cuda_host_gate: the flag must be pinned host memory mapped into the device");
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+    cudaError_t e =
+        cuda::launch_host_gate(dev, want, static_cast<uint64_t>(std::max<int64_t>(ns, 0)),
+                               static_cast<cudaStream_t>(stream));
+    return FERRY_CUDA_ERROR(e, "host gate launch");
 }
 
 }  // namespace ferry::moe

@@ -69,8 +69,8 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
 // loops fold; 0: read from the arguments.
 template <uint32_t kTopk>
 __global__ void __launch_bounds__(kPlanThreads)
-    dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const float* weights,
-                         const uint32_t* num_tokens) {
+    dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const int64_t* indices64,
+                         const float* weights, const uint32_t* num_tokens) {
     __shared__ PlanScan::TempStorage scan_tmp;
     __shared__ uint32_t s_seq, s_n;
     __shared__ uint32_t s_hits_to[kMaxCudaWorld], s_combine_base[kMaxCudaWorld];
@@ -132,7 +132,16 @@ __global__ void __launch_bounds__(kPlanThreads)
         for (uint32_t r = 0; r < kMaxCudaTopk; ++r) {
             const uint32_t i = tid + r * blockDim.x;
             if (r < k && i < entries) {
-                v[r] = __ldg(indices + first + i);
+                // int64 routing (torch's index dtype) is narrowed here rather than by a
+                // conversion kernel before the call; a value no int32 holds becomes -2, which
+                // the range check below reports.
+                if (indices64) {
+                    const long long e64 =
+                        __ldg(reinterpret_cast<const long long*>(indices64) + first + i);
+                    v[r] = e64 >= -1 && e64 <= INT32_MAX ? static_cast<int32_t>(e64) : -2;
+                } else {
+                    v[r] = __ldg(indices + first + i);
+                }
                 wv[r] = __ldg(weights + first + i);
             }
         }
@@ -437,7 +446,7 @@ __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
 // backends produce byte-identical batches from the same inputs.
 __global__ void __launch_bounds__(kRecvThreads)
     dispatch_recv_kernel(KernelArgs a, uint8_t* out_x, float* out_scale, uint32_t* out_counts,
-                         uint32_t* out_offsets, RowSource* out_sources) {
+                         uint32_t* out_offsets, RowSource* out_sources, uint32_t capacity) {
     using Scan = cub::BlockScan<uint32_t, kRecvThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ int s_ok;
@@ -517,9 +526,14 @@ __global__ void __launch_bounds__(kRecvThreads)
             out_offsets[e] = offset;
         }
         for (uint32_t o = offset + total; o < end && o < a.max_rows; ++o) {
-            int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{o} * a.payload_bytes);
-            for (uint32_t i = tid; i < pb16; i += blockDim.x) dst[i] = make_int4(0, 0, 0, 0);
-            for (uint32_t i = tid; i < spt; i += blockDim.x) out_scale[uint64_t{o} * spt + i] = 0;
+            // Slabs: the group's padding rows are the slab's rows total.., inside it.
+            const uint32_t in_group = o - offset;
+            if (!capacity || in_group < capacity) {
+                const uint64_t po = capacity ? uint64_t{e} * capacity + in_group : o;
+                int4* dst = reinterpret_cast<int4*>(out_x + po * a.payload_bytes);
+                for (uint32_t i = tid; i < pb16; i += blockDim.x) dst[i] = make_int4(0, 0, 0, 0);
+                for (uint32_t i = tid; i < spt; i += blockDim.x) out_scale[po * spt + i] = 0;
+            }
             if (tid == 0) {
                 a.row_src[o] = RowSource{};
                 if (out_sources) out_sources[o] = RowSource{};
@@ -529,6 +543,7 @@ __global__ void __launch_bounds__(kRecvThreads)
     if (blockIdx.x == 0 && tid == 0) {
         out_offsets[nl] = s_off[nl];
         a.state->out_rows = s_off[nl];
+        a.state->out_capacity = capacity;
     }
     if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
 
@@ -559,7 +574,9 @@ __global__ void __launch_bounds__(kRecvThreads)
                              (uint64_t{head.y} << 32) | token, seq);
             continue;
         }
-        uint32_t o = 0;
+        // o: the grouped row (the numbering of offsets, sources and the combine's
+        // bookkeeping); po: where the row goes in out_x, the same unless writing slabs.
+        uint32_t o = 0, po = 0, in_group = 0;
         bool bad = false;
         if (id >= 0) {
             const uint32_t e = static_cast<uint32_t>(id);
@@ -568,7 +585,9 @@ __global__ void __launch_bounds__(kRecvThreads)
             } else {
                 const uint32_t before = s_before[e * w + s];
                 const uint32_t hits = (s + 1 < w ? s_before[e * w + s + 1] : s_total[e]) - before;
-                o = s_off[e] + before + place;
+                in_group = before + place;
+                o = s_off[e] + in_group;
+                po = capacity ? e * capacity + in_group : o;
                 bad = place >= hits || o >= a.max_rows;
             }
         }
@@ -577,6 +596,13 @@ __global__ void __launch_bounds__(kRecvThreads)
             if (lane == __ffs(bad_lanes) - 1)
                 record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, s, seq,
                              (uint64_t{static_cast<uint32_t>(id)} << 32) | place, nl);
+            continue;
+        }
+        const uint32_t full_lanes = __ballot_sync(0xffffffffu, capacity && in_group >= capacity);
+        if (full_lanes) {
+            if (lane == __ffs(full_lanes) - 1)
+                record_error(a, DeviceError::kCapacity, DeviceError::kRecvRows, s, seq, in_group,
+                             capacity);
             continue;
         }
         const uint32_t hm = __ballot_sync(0xffffffffu, id >= 0);
@@ -593,6 +619,7 @@ __global__ void __launch_bounds__(kRecvThreads)
         if (id >= 0) {
             const RowSource meta{s, token, lane};
             a.row_src[o] = meta;
+            if (capacity) a.out_row[o] = po;
             if (out_sources) out_sources[o] = meta;
             if (remote) a.combine_pos[o] = hit_base + __popc(hm & lanemask_lt(lane));
         }
@@ -606,7 +633,7 @@ __global__ void __launch_bounds__(kRecvThreads)
             for (uint32_t u = 0; u < 4; ++u)
                 if (c + 32 * u < pb16) v[u] = ld_peer(src16 + c + 32 * u, remote);
             for (uint32_t m = hm; m; m &= m - 1) {
-                const uint32_t oh = __shfl_sync(0xffffffffu, o, __ffs(m) - 1);
+                const uint32_t oh = __shfl_sync(0xffffffffu, po, __ffs(m) - 1);
                 int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{oh} * a.payload_bytes);
 #pragma unroll
                 for (uint32_t u = 0; u < 4; ++u)
@@ -618,7 +645,7 @@ __global__ void __launch_bounds__(kRecvThreads)
             const uint32_t c = c0 + lane;
             const float v = c < spt ? ld_peer(ssrc + c, remote) : 0.0f;
             for (uint32_t m = hm; m; m &= m - 1) {
-                const uint32_t oh = __shfl_sync(0xffffffffu, o, __ffs(m) - 1);
+                const uint32_t oh = __shfl_sync(0xffffffffu, po, __ffs(m) - 1);
                 if (c < spt) out_scale[uint64_t{oh} * spt + c] = v;
             }
         }
@@ -666,15 +693,15 @@ cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
 }
 
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
-                                 const int32_t* indices, const float* weights,
-                                 const uint32_t* num_tokens, uint32_t send_blocks,
-                                 uint32_t send_threads, cudaStream_t stream) {
+                                 const int32_t* indices, const int64_t* indices64,
+                                 const float* weights, const uint32_t* num_tokens,
+                                 uint32_t send_blocks, uint32_t send_threads, cudaStream_t stream) {
     if (a.topk == 8)
         dispatch_plan_kernel<8>
-            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
+            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, indices64, weights, num_tokens);
     else
         dispatch_plan_kernel<0>
-            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, weights, num_tokens);
+            <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, indices64, weights, num_tokens);
     FERRY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
         a, static_cast<const uint8_t*>(x), x_scale);
@@ -682,10 +709,11 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
 }
 
 cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
-                                 uint32_t* offsets, RowSource* sources, cudaStream_t stream) {
+                                 uint32_t* offsets, RowSource* sources, uint32_t capacity,
+                                 cudaStream_t stream) {
     return launch_after(a.early_launch != 0, dispatch_recv_kernel, a.dispatch_recv_blocks,
                         kRecvThreads, a.recv_smem, stream, a, static_cast<uint8_t*>(x), x_scale,
-                        counts, offsets, sources);
+                        counts, offsets, sources, capacity);
 }
 
 cudaError_t preload_dispatch_kernels() {

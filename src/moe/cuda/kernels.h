@@ -35,7 +35,14 @@ inline constexpr float kFp8Floor = 1e-4f;
 // Written once per failure (first writer wins) into mapped pinned host memory, so the host can
 // read it even while a kernel is stuck.
 struct DeviceError {
-    enum Code : uint32_t { kNone = 0, kTimeout = 1, kProtocol = 2, kConfig = 3, kTooMany = 4 };
+    enum Code : uint32_t {
+        kNone = 0,
+        kTimeout = 1,
+        kProtocol = 2,
+        kConfig = 3,
+        kTooMany = 4,
+        kCapacity = 5,  // more rows for a local expert than its slab holds
+    };
     enum Phase : uint32_t {
         kPlan = 1,
         kSendWaitCounts = 2,
@@ -57,6 +64,7 @@ struct DeviceState {
     uint64_t seq;
     uint32_t num_tokens;
     uint32_t out_rows;       // rows of the last dispatch_recv, padding included
+    uint32_t out_capacity;   // its CudaExpertBatch::capacity (0: grouped back to back)
     uint32_t error_claimed;  // set once by the first failure (see record_error)
 };
 
@@ -91,6 +99,10 @@ struct KernelArgs {
     int32_t* indices;         // [max_tokens * top-k] copy of the call's routing
     float* weights;           // [max_tokens * top-k]
     RowSource* row_src;       // [max_rows] where each grouped row came from
+    // [max_rows] the row of the caller's batch that grouped row o was written to, when the
+    // last dispatch_recv wrote per-expert slabs (out_capacity != 0): combine_send reads the
+    // expert output there.
+    uint32_t* out_row;
 
     // Peers on other nodes, reached through the host proxy (all zero/null without them).
     uint64_t remote_mask;     // bit d: rank d is remote
@@ -181,21 +193,29 @@ cudaError_t launch_after(bool early, void (*kernel)(Params...), uint32_t blocks,
 }
 
 // dispatch.cu
+// indices or indices64 (the other null): the call's routing as int32 or int64.
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
-                                 const int32_t* indices, const float* weights,
-                                 const uint32_t* num_tokens, uint32_t send_blocks,
-                                 uint32_t send_threads, cudaStream_t stream);
+                                 const int32_t* indices, const int64_t* indices64,
+                                 const float* weights, const uint32_t* num_tokens,
+                                 uint32_t send_blocks, uint32_t send_threads, cudaStream_t stream);
+// capacity 0: rows grouped back to back (offsets); else group e at rows e * capacity.. of x
+// and x_scale (CudaExpertBatch::capacity).
 cudaError_t launch_dispatch_recv(const KernelArgs& a, void* x, float* x_scale, uint32_t* counts,
-                                 uint32_t* offsets, RowSource* sources, cudaStream_t stream);
+                                 uint32_t* offsets, RowSource* sources, uint32_t capacity,
+                                 cudaStream_t stream);
 // combine.cu
 cudaError_t launch_combine_send(const KernelArgs& a, const uint16_t* expert_out, uint32_t blocks,
                                 uint32_t threads, cudaStream_t stream);
+// weights: null, the dispatched ones; else [num_tokens * top-k] on the device.
 cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* out_bf16,
-                                uint32_t blocks, uint32_t threads, cudaStream_t stream);
+                                const float* weights, uint32_t blocks, uint32_t threads,
+                                cudaStream_t stream);
+// host_gate.cu: holds `stream` until *flag >= want (device view of mapped host memory) or
+// timeout_ns passed.
+cudaError_t launch_host_gate(const volatile uint32_t* flag, uint32_t want, uint64_t timeout_ns,
+                             cudaStream_t stream);
+cudaError_t preload_host_gate();
 // quantize.cu
-cudaError_t launch_copy_groups(const void* grouped, void* padded, const uint32_t* offsets,
-                               uint32_t experts, uint64_t row_bytes, uint32_t capacity,
-                               bool to_padded, cudaStream_t stream);
 cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                                 float* scales, cudaStream_t stream);
 cudaError_t launch_dequantize_fp8(const uint8_t* q, const float* scales, uint32_t tokens,

@@ -1,7 +1,9 @@
-// The gate kernel waits on the same global timer as the MoE kernels' timeouts (global_ns, from
-// the kernels' internal device_common.cuh: see docs/ARCHITECTURE.md, "Benchmarks").
-#include "bench/cuda/moe_gate.h"
+// The start gate of the MoE benchmarks (cuda_host_gate in cuda_all_to_all.h): in the library
+// because both `ferry bench moe` and `python3 -m ferry.bench_moe` need it, and the Python
+// extension sees only the library. It waits on the same global timer as the MoE kernels'
+// timeouts.
 #include "moe/cuda/device_common.cuh"
+#include "moe/cuda/kernels.h"
 
 namespace ferry::moe::cuda {
 namespace {
