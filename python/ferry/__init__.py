@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _ferry
 from ._ferry import (
+    AlreadyExists,
     Cancelled,
     Error,
     ImmExpectation,
@@ -25,6 +26,7 @@ from ._ferry import (
     NotFound,
     Op,
     OutOfRange,
+    PermissionDenied,
     ProtocolError,
     ProviderError,
     Region,
@@ -40,6 +42,7 @@ __all__ = [
     "TransferEngine", "Peer", "Region", "RemoteRegion", "Op", "ImmExpectation",
     "Error", "InvalidArgument", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
     "Cancelled", "ResourceExhausted", "ProtocolError", "ProviderError", "InternalError",
+    "PermissionDenied", "AlreadyExists",
     "gpu_device_count", "__version__",
 ]
 
@@ -55,8 +58,8 @@ class Peer(int):
 
 
 def __getattr__(name: str) -> Any:
-    # ferry.moe imports torch: only for the programs that use it.
-    if name == "moe":
+    # ferry.moe imports torch: only for the programs that use it; ferry.kv likewise on demand.
+    if name in ("moe", "kv"):
         import importlib
 
         return importlib.import_module(".moe", __name__)
