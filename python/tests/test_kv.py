@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from conftest import PROVIDERS, torch_or_skip
+from conftest import PROVIDERS
 from kv_worker import KvPeer, KvSide
 
-torch = torch_or_skip()
+torch = pytest.importorskip("torch", reason="ferry.kv's tests use torch tensor pools")
 
 import ferry  # noqa: E402
 import ferry.kv as fkv  # noqa: E402
@@ -256,3 +256,15 @@ def test_closed_connector(engine):
     conn.close()
     with pytest.raises(ferry.Cancelled, match="KV connector is closed"):
         conn.cancel(1)
+
+
+def test_refused_config_leaves_nothing(engine):
+    """A connector ferry refuses (a TP rank outside the TP size) leaves no region registered
+    and no message handler behind: the same engine and tensors serve the next one."""
+    pool = per_layer_pool()
+    with pytest.raises(ferry.InvalidArgument, match="TP rank 2 is outside TP size 2"):
+        fkv.KvConnector(engine, layout(), pool, fkv.KvConfig(tp_rank=2, tp_size=2))
+    with pytest.raises(ferry.InvalidArgument, match="lease must be a finite number"):
+        fkv.KvConnector(engine, layout(), pool, fkv.KvConfig(lease=float("nan")))
+    with fkv.KvConnector(engine, layout(), pool) as conn:
+        assert len(conn.handshake_info().pool) == LAYERS
