@@ -154,6 +154,24 @@ def test_cancel_before_prefill_done(provider, prefill_proc, rng):
         decode.close()
 
 
+def test_prefill_failed(provider, prefill_proc, rng):
+    """Prefill reports that it cannot produce the KV: decode's receive fails carrying the
+    reason, nothing lands, both sides hold nothing."""
+    decode, addr, pblocks, _ = open_pair(provider, prefill_proc, SPLITS[1], rng)
+    try:
+        tid = rng.randrange(1 << 63)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("register_push", tid, 1, [addr], dblocks, TOKENS)
+        prefill_proc.call("call", "prefill_failed", tid, "the model ran out of memory")
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 20)
+        assert not ok and "the model ran out of memory" in msg, f"{code}: {msg}"
+        assert decode.all_poison(), "a write landed for a failed prefill"
+        assert decode.stats()["active_recv"] == 0
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
 def test_prefill_killed_mid_transfer(provider, rng):
     """Prefill dies after its first chunk: decode's receive ends in an error within the lease,
     and decode holds no transfer (its blocks are all free)."""
