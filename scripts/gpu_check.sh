@@ -81,7 +81,7 @@ fi
 if ls $build/python/ferry/_ferry*.so > /dev/null 2>&1; then
   py=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' $build/CMakeCache.txt); py=${py:-python3}
   log "python GPU tests ($py)"
-  PYTHONPATH=$build/python timeout 400 "$py" -m pytest python/tests/test_gpu.py python/tests/test_moe_gpu.py -q -rs -p no:cacheprovider \
+  PYTHONPATH=$build/python timeout 400 "$py" -m pytest python/tests/test_gpu.py python/tests/test_moe_gpu.py python/tests/test_kv_gpu.py -q -rs -p no:cacheprovider \
     > "$out/python_gpu.log" 2>&1 || status=1
   tail -3 "$out/python_gpu.log" | tee -a "$out/gpu_check.log"
 fi

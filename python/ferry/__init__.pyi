@@ -3,6 +3,7 @@
 from typing import Any, Optional, Sequence, Tuple, Union
 
 from ._ferry import (
+    AlreadyExists as AlreadyExists,
     Cancelled as Cancelled,
     Error as Error,
     ImmExpectation as ImmExpectation,
@@ -11,6 +12,7 @@ from ._ferry import (
     NotFound as NotFound,
     Op as Op,
     OutOfRange as OutOfRange,
+    PermissionDenied as PermissionDenied,
     ProtocolError as ProtocolError,
     ProviderError as ProviderError,
     Region as Region,

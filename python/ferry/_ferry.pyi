@@ -2,7 +2,7 @@
 arguments and turns Python objects (tensors, arrays, page lists) into what this module takes."""
 
 import builtins
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -37,6 +37,12 @@ class ProtocolError(Error):
 
 class ProviderError(Error):
     """libfabric or CUDA reported an error."""
+
+class PermissionDenied(Error, builtins.PermissionError):
+    """The peer did not prove the deployment secret (KV handshake)."""
+
+class AlreadyExists(Error):
+    """Something with that id is live already (a transfer id in use)."""
 
 class InternalError(Error):
     """A bug in ferry; please report it with the message."""
@@ -174,5 +180,126 @@ def moe_quantize_fp8(x: int, tokens: int, hidden: int, q: int, scales: int, cuda
 def moe_dequantize_fp8(q: int, scales: int, tokens: int, hidden: int, out: int) -> None: ...
 def cuda_host_gate(flag: int, want: int, timeout_s: float, stream: int) -> None:
     """Holds `stream` until the uint32 at `flag` (pinned host memory) is >= want (benchmarks)."""
+
+class KvLayout:
+    """Where each (layer, K/V, block, token, head) of one rank's pool lives (ferry::kv::KvLayout).
+
+    placement: "separate" (per layer, K of all blocks then V: vLLM's [2, blocks, ...] per layer),
+        "joint" ([blocks, 2, ...] per layer) or "block-major" (each block holds every layer).
+    order: "NHD" ([block_size, heads, head_dim] per block slab) or "HND".
+    regions: "one", "per-layer" or "per-layer-kv": how the pool is split into tensors.
+    Sizes are this rank's: num_kv_heads is the heads this TP rank holds. Raises InvalidArgument
+    for zero sizes, unknown names and splits the placement does not keep contiguous. Two sides
+    may differ in block size, heads per rank, order and split; head_dim and elem_size must agree
+    (compatibility_hash).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, elem_size: int,
+                 block_size: int, num_blocks: int, placement: str = "separate",
+                 order: str = "NHD", regions: str = "one") -> None: ...
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    elem_size: int
+    block_size: int
+    num_blocks: int
+    placement: str
+    order: str
+    regions: str
+    token_bytes: int
+    """Bytes of one token's K (or V) across this rank's heads."""
+    slab_bytes: int
+    """Bytes of one block's K (or V) for one layer."""
+    layer_bytes: int
+    block_bytes: int
+    pool_bytes: int
+    """Bytes of the whole pool, all regions together."""
+    region_count: int
+    region_bytes: int
+    """Bytes each pool tensor must hold at least."""
+    compatibility_hash: int
+    """What two sides must agree on (head_dim, elem_size); the handshake checks it."""
+    def slab_offset(self, layer: int, part: int, block: int) -> int:
+        """Pool byte offset of a (layer, K=0/V=1, block) slab."""
+
+class KvEvent:
+    """What the connector reports, drained by KvConnector.poll().
+
+    kind: "recv" (decode: the transfer attempt is over; ok means the KV is complete and intact,
+        and either way the blocks are the engine's again), "send" (prefill: ferry no longer
+        reads the blocks; free them), "scheduled" (decode: every prefill rank of an announce()
+        scheduled the transfer, or why not), "progress" (decode, push: tokens [0, tokens) landed,
+        plus [tokens, partial_end) in layers [0, partial_layers)).
+    code: "ok" or the status code's name ("cancelled", "timeout", "unavailable", ...);
+    message: ferry's message. bytes / writes: what this rank moved (recv, send).
+    """
+
+    kind: str
+    transfer_id: int
+    attempt: int
+    ok: bool
+    code: str
+    message: str
+    bytes: int
+    writes: int
+    tokens: int
+    partial_end: int
+    partial_layers: int
+    def raise_if_error(self) -> None:
+        """Raises the ferry.Error subclass of the event's status (nothing when ok)."""
+
+class HandshakeInfo:
+    """A rank's side-channel answer: how to reach it and what its pool looks like."""
+
+    epoch: int
+    """Random per server start: a new value means the peer restarted."""
+    address: bytes
+    """The rank's TransferEngine.address: pass it as a prefill_ranks entry."""
+    pool: List[bytes]
+    """One region descriptor per pool region, in layout order."""
+    layout: KvLayout
+    tp_rank: int
+    tp_size: int
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(blob: bytes) -> HandshakeInfo: ...
+
+class KvConnector:
+    """ferry::kv::KvConnector over raw (ptr, nbytes, device) regions; ferry.kv checks the pool's
+    tensors first. Events are queued by ferry's thread and drained by poll()."""
+    def __init__(self, engine: Engine, layout: KvLayout, tp_rank: int, tp_size: int,
+                 regions: List[Tuple[int, int, int]], owners: Any, lease: float, imm_base: int,
+                 imm_count: int, imm_span: int, pull_inline: bool) -> None: ...
+    layout: KvLayout
+    def announce(self, transfer_id: int, attempt: int, prefill_ranks: List[bytes]) -> None: ...
+    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: List[bytes],
+                      blocks: np.ndarray, num_tokens: int) -> None: ...
+    def cancel(self, transfer_id: int) -> None: ...
+    def prefill_scheduled(self, transfer_id: int) -> None: ...
+    def prefill_progress(self, transfer_id: int, blocks: np.ndarray, tokens: int,
+                         partial_end: int, partial_layers: int) -> None: ...
+    def prefill_done(self, transfer_id: int, blocks: np.ndarray, num_tokens: int) -> None: ...
+    def prefill_failed(self, transfer_id: int, reason: str) -> None: ...
+    def abort_send(self, transfer_id: int, reason: str) -> None: ...
+    def offer_pull(self, transfer_id: int, blocks: np.ndarray, num_tokens: int) -> bytes: ...
+    def pull(self, transfer_id: int, params: List[bytes], blocks: np.ndarray,
+             num_tokens: int) -> None: ...
+    def poll(self) -> List[KvEvent]: ...
+    def wait(self, timeout: float) -> bool: ...
+    def handshake_info(self) -> HandshakeInfo: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+class HandshakeServer:
+    def __init__(self, host: str, port: int, info: HandshakeInfo, secret: bytes,
+                 connection_deadline: float) -> None: ...
+    port: int
+    epoch: int
+    requests_served: int
+    auth_failures: int
+    def close(self) -> None: ...
+
+def fetch_handshake(host: str, port: int, expected_hash: int, secret: bytes,
+                    timeout: float) -> HandshakeInfo: ...
 
 def gpu_device_count() -> int: ...

@@ -17,7 +17,7 @@ struct ErrorClass {
 
 // Python class objects, indexed by StatusCode; created once at import and kept for the
 // interpreter's life (module attributes hold them too).
-std::array<PyObject*, static_cast<size_t>(StatusCode::kInternal) + 1> g_classes{};
+std::array<PyObject*, static_cast<size_t>(StatusCode::kAlreadyExists) + 1> g_classes{};
 PyObject* g_base = nullptr;
 
 PyObject* class_for(StatusCode code) {
@@ -51,6 +51,10 @@ void register_errors(py::module_& m) {
          "A blob or message that does not parse (wrong version, truncated).", nullptr},
         {StatusCode::kProvider, "ProviderError", "libfabric or CUDA reported an error.", nullptr},
         {StatusCode::kInternal, "InternalError", "A bug in ferry; please report it.", nullptr},
+        {StatusCode::kPermissionDenied, "PermissionDenied",
+         "The peer did not prove the deployment secret (handshake).", PyExc_PermissionError},
+        {StatusCode::kAlreadyExists, "AlreadyExists",
+         "Something with that id is live already (a transfer id in use).", nullptr},
     };
     for (const auto& c : classes) {
         std::string qualified = std::string("ferry.") + c.name;

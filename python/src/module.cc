@@ -19,10 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "convert.h"
 #include "errors.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_memory.h"
 #include "ferry/fabric/types.h"
+#include "kv.h"
 #include "memory.h"
 #include "moe.h"
 
@@ -33,27 +35,6 @@ namespace {
 
 using Pages = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 using Runs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-
-Duration seconds_to_duration(double s, const char* what) {
-    if (!std::isfinite(s) || s < 0) {
-        throw StatusError(invalid_argument(std::string(what) +
-                                           " must be a finite number of "
-                                           "seconds >= 0, got " +
-                                           std::to_string(s)));
-    }
-    return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
-}
-
-std::span<const uint8_t> bytes_span(const py::bytes& b) {
-    char* data = nullptr;
-    Py_ssize_t len = 0;
-    if (PyBytes_AsStringAndSize(b.ptr(), &data, &len) != 0) throw py::error_already_set();
-    return {reinterpret_cast<const uint8_t*>(data), static_cast<size_t>(len)};
-}
-
-py::bytes to_bytes(const std::vector<uint8_t>& v) {
-    return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
-}
 
 // A peer's region, parsed once from its descriptor bytes.
 struct RemoteRegion {
@@ -155,7 +136,7 @@ class Engine {
             py::gil_scoped_release nogil;
             r = TransferEngine::create(config);
         }
-        engine_ = take(std::move(r));
+        engine_ = std::shared_ptr<TransferEngine>(take(std::move(r)));
     }
 
     TransferEngine& get() const {
@@ -163,8 +144,15 @@ class Engine {
         return *engine_;
     }
 
+    // A KV connector shares the engine (it must not outlive it): the engine's workers are
+    // joined when the last of this object and its connectors lets go.
+    std::shared_ptr<TransferEngine> share() const {
+        get();
+        return engine_;
+    }
+
     void close() {
-        std::unique_ptr<TransferEngine> e = std::move(engine_);
+        std::shared_ptr<TransferEngine> e = std::move(engine_);
         py::gil_scoped_release nogil;
         e.reset();  // joins the workers; nothing there waits for the GIL
     }
@@ -353,7 +341,7 @@ class Engine {
         return op;
     }
 
-    std::unique_ptr<TransferEngine> engine_;
+    std::shared_ptr<TransferEngine> engine_;
 };
 
 EngineConfig make_config(const std::string& provider, bool same_host, const std::string& node,
@@ -471,6 +459,7 @@ PYBIND11_MODULE(_ferry, m) {
         .def("close", &Engine::close);
 
     register_moe(m, [](py::handle engine) { return &engine.cast<Engine&>().get(); });
+    register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
 
     m.def("gpu_device_count", [] {
         py::gil_scoped_release nogil;

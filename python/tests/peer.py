@@ -10,7 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,6 +53,28 @@ def _set_bytes(buf: Any, data: bytes) -> None:
         buf.view(torch.uint8).copy_(src.to(buf.device))
 
 
+def command_loop(conn: Any, handle: Callable[[str, list], Any]) -> None:
+    """Answers the parent's commands with handle(cmd, args) until ("exit",), a closed pipe or
+    300 s (a parent that vanished must not leave us behind). Replies ("ok", value) or ("err",
+    class name, message)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if not conn.poll(1.0):
+            continue
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            break
+        if cmd == "exit":
+            conn.send(("ok", None))
+            break
+        try:
+            result = handle(cmd, args)
+            conn.send(("ok", result))
+        except Exception as e:  # reported to the parent, which fails the test with it
+            conn.send(("err", type(e).__name__, str(e)))
+
+
 def serve(conn: Any, provider: str, op_timeout: float) -> None:
     import ferry
 
@@ -63,66 +85,52 @@ def serve(conn: Any, provider: str, op_timeout: float) -> None:
     peers: dict = {}
     expectations: dict = {}
     conn.send(("ok", engine.address))
-    deadline = time.monotonic() + 300  # a parent that vanished must not leave us behind
-    while time.monotonic() < deadline:
-        if not conn.poll(1.0):
-            continue
-        try:
-            cmd, *args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "exit":
-                conn.send(("ok", None))
-                break
-            elif cmd == "connect":
-                peers[args[0]] = engine.connect(args[1])
-                result = int(peers[args[0]])
-            elif cmd == "alloc":
-                name, kind, nbytes, fill = args
-                buffers[name] = _make_buffer(kind, nbytes, fill)
-                regions[name] = engine.register(buffers[name])
-                result = regions[name].descriptor
-            elif cmd == "get":
-                result = _to_bytes(buffers[args[0]])
-            elif cmd == "set":
-                _set_bytes(buffers[args[0]], args[1])
-                result = None
-            elif cmd == "wait_imm":
-                imm, count, timeout = args
-                engine.wait_imm(imm, count, timeout)
-                result = None
-            elif cmd == "expect_imm":
-                expectations[args[0]] = engine.expect_imm(args[0], args[1], args[2])
-                result = None
-            elif cmd == "expectation_done":
-                result = expectations[args[0]].done()
-            elif cmd == "write":
-                # write(peer name, src region name, src_offset, dst descriptor, dst_offset, n, imm)
-                peer, src, so, dst, do, n, imm = args
-                op = engine.write(peers[peer], regions[src], so, dst, do, n, imm=imm)
-                op.wait(10.0)
-                result = op.imm_writes
-            elif cmd == "pid":
-                result = os.getpid()
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", result))
-        except Exception as e:  # reported to the parent, which fails the test with it
-            conn.send(("err", type(e).__name__, str(e)))
+
+    def handle(cmd: str, args: list) -> Any:
+        if cmd == "connect":
+            peers[args[0]] = engine.connect(args[1])
+            return int(peers[args[0]])
+        if cmd == "alloc":
+            name, kind, nbytes, fill = args
+            buffers[name] = _make_buffer(kind, nbytes, fill)
+            regions[name] = engine.register(buffers[name])
+            return regions[name].descriptor
+        if cmd == "get":
+            return _to_bytes(buffers[args[0]])
+        if cmd == "set":
+            return _set_bytes(buffers[args[0]], args[1])
+        if cmd == "wait_imm":
+            imm, count, timeout = args
+            return engine.wait_imm(imm, count, timeout)
+        if cmd == "expect_imm":
+            expectations[args[0]] = engine.expect_imm(args[0], args[1], args[2])
+            return None
+        if cmd == "expectation_done":
+            return expectations[args[0]].done()
+        if cmd == "write":
+            # write(peer name, src region name, src_offset, dst descriptor, dst_offset, n, imm)
+            peer, src, so, dst, do, n, imm = args
+            op = engine.write(peers[peer], regions[src], so, dst, do, n, imm=imm)
+            op.wait(10.0)
+            return op.imm_writes
+        if cmd == "pid":
+            return os.getpid()
+        raise ValueError(f"unknown command {cmd}")
+
+    command_loop(conn, handle)
     engine.close()
 
 
-class PeerProcess:
-    """The parent's handle on a spawned peer."""
+class SpawnedPeer:
+    """The parent's handle on a spawned process running target(conn, *args), which answers each
+    command sent over the pipe with ("ok", value) or ("err", class name, message)."""
 
-    def __init__(self, provider: str, op_timeout: float = 5.0) -> None:
+    def __init__(self, target: Any, args: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, provider, op_timeout), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
         child.close()
-        self.address = self.call_timeout(60.0)
 
     def call_timeout(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
@@ -150,3 +158,11 @@ class PeerProcess:
             self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
+
+
+class PeerProcess(SpawnedPeer):
+    """A spawned engine peer (serve above); its engine address is ready once constructed."""
+
+    def __init__(self, provider: str, op_timeout: float = 5.0) -> None:
+        super().__init__(serve, (provider, op_timeout))
+        self.address = self.call_timeout(60.0)

@@ -93,9 +93,14 @@ def test_wrong_dtype_for_pages(engine):
         engine.paged_write(0, src, [0], 4096, dst, [-1], 4096, 4096)
 
 
-def test_negative_offset_and_bad_imm(engine):
+@pytest.mark.parametrize("remote", [False, True], ids=["descriptor", "RemoteRegion"])
+def test_negative_offset_and_bad_imm(engine, remote):
+    # With a RemoteRegion, write() hands its arguments to the binding unchecked and checks them
+    # only when the binding refuses one: the error must name the argument all the same.
     src = engine.register(bytearray(64))
-    dst = src.descriptor
+    dst = ferry.RemoteRegion.from_bytes(src.descriptor) if remote else src.descriptor
+    with pytest.raises(ferry.InvalidArgument, match="peer must be in"):
+        engine.write(1 << 40, src, 0, dst, 0, 8)
     with pytest.raises(ferry.InvalidArgument, match="src_offset must be in"):
         engine.write(0, src, -1, dst, 0, 8)
     with pytest.raises(ferry.InvalidArgument, match="imm must be in"):

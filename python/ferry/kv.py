@@ -1,0 +1,288 @@
+"""ferry.kv: KV-cache transfer between a prefill engine and a decode engine, from Python.
+
+A :class:`KvConnector` runs on a :class:`ferry.TransferEngine` over the engine's KV pool: one
+tensor (``regions="one"``), one tensor per layer (vLLM's ``[2, num_blocks, block_size, heads,
+head_dim]`` per layer, ``regions="per-layer"``) or a K and a V tensor per layer (SGLang's
+buffers, ``regions="per-layer-kv"``), described by a :class:`KvLayout`. Two sides may use
+different block sizes and region splits; ferry maps block ids to bytes on both.
+
+Push (decode registers its blocks while prefill computes; prefill writes as the KV becomes
+final): decode calls ``announce`` / ``register_push`` / ``cancel``, prefill calls
+``prefill_scheduled`` / ``prefill_progress`` / ``prefill_done`` / ``prefill_failed``. Pull:
+prefill's ``offer_pull`` returns bytes that decode passes to ``pull``. Results come back through
+``poll()``, which the engine loop calls each step: a :class:`KvEvent` per finished send
+(prefill may reuse the blocks), finished receive (decode's KV is complete, or why not),
+scheduled announcement, or progress. ferry's thread never calls into Python; it queues events
+that ``poll()`` drains. See docs/PYTHON.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+from . import _ferry
+from . import (
+    _U32_MAX,
+    InvalidArgument,
+    TransferEngine,
+    _device_index,
+    _index_array,
+    _is_tensor,
+    _uint,
+)
+from ._ferry import HandshakeInfo, KvEvent, KvLayout
+
+__all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
+           "fetch_handshake"]
+
+
+@dataclasses.dataclass
+class KvConfig:
+    """A connector's settings (ferry::kv::ConnectorConfig)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    lease: float = 30.0
+    imm_base: int = 0x4B000000
+    imm_count: int = 1 << 20
+    imm_span: int = 64
+    pull_mode: str = "background"
+
+
+def _describe(obj: Any) -> str:
+    if _is_tensor(obj):
+        return f"{type(obj).__name__} of shape {tuple(obj.shape)} and dtype {obj.dtype}"
+    shape = getattr(obj, "shape", None)
+    return f"{type(obj).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+
+
+def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
+    """(ptr, nbytes, device) of one pool tensor or array, checked against the layout."""
+    if _is_tensor(obj) and not hasattr(obj, "__array_interface__"):
+        contiguous = bool(obj.is_contiguous())
+        elem = int(obj.element_size())
+        nbytes = elem * int(obj.numel())
+        ptr, device = int(obj.data_ptr()), _device_index(obj.device)
+        how = "t.contiguous()"
+    elif hasattr(obj, "__array_interface__") and hasattr(obj, "ctypes"):
+        contiguous = bool(obj.flags.c_contiguous)
+        if not obj.flags.writeable:
+            raise InvalidArgument(f"{name}: a read-only {_describe(obj)}: peers write into a KV "
+                                  "pool; pass a writable array")
+        elem, nbytes = int(obj.itemsize), int(obj.nbytes)
+        ptr, device = int(obj.ctypes.data), -1
+        how = "numpy.ascontiguousarray(a)"
+    else:
+        raise InvalidArgument(f"{name}: a KV pool is torch tensors or numpy arrays, got "
+                              f"{type(obj).__name__}")
+    if not contiguous:
+        raise InvalidArgument(f"{name}: a non-contiguous {_describe(obj)}: a KV region must be "
+                              f"one contiguous range of bytes; pass {how}")
+    if elem != layout.elem_size:
+        raise InvalidArgument(f"{name}: wrong dtype, a {_describe(obj)} has {elem}-byte "
+                              f"elements but the layout says elem_size={layout.elem_size}")
+    if nbytes < layout.region_bytes:
+        raise InvalidArgument(
+            f"{name}: region too small, a {_describe(obj)} holds {nbytes} bytes but one region "
+            f"of the layout ({layout.regions}, {layout.num_layers} layers x {layout.num_blocks} "
+            f"blocks of {layout.block_size} tokens) needs {layout.region_bytes}")
+    return ptr, nbytes, device
+
+
+def _pool_items(pool: Any, layout: KvLayout) -> Tuple[str, List[Any]]:
+    """The pool's tensors in layout order (layer-major, K before V) and the split they make."""
+    if not isinstance(pool, (list, tuple)):
+        return "one", [pool]
+    items = list(pool)
+    if items and all(isinstance(p, (list, tuple)) for p in items):
+        if any(len(p) != 2 for p in items):
+            raise InvalidArgument("pool: per-layer (K, V) pairs must each hold two tensors")
+        return "per-layer-kv", [t for kv in items for t in kv]
+    if len(items) == layout.num_layers and layout.regions != "per-layer-kv":
+        return "per-layer", items
+    if len(items) == 2 * layout.num_layers:
+        return "per-layer-kv", items
+    raise InvalidArgument(
+        f"pool: {len(items)} tensors for a layout of {layout.num_layers} layers: pass one "
+        f"tensor, one per layer ({layout.num_layers}), one per layer and K/V "
+        f"({2 * layout.num_layers}, K before V) or a (K, V) pair per layer")
+
+
+def _blobs(name: str, items: Any, what: str) -> List[bytes]:
+    """A list of bytes objects from one or a sequence of them (addresses, pull parameters)."""
+    if isinstance(items, (bytes, bytearray, memoryview)):
+        items = [items]
+    out = []
+    for i, a in enumerate(items):
+        if not isinstance(a, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"{name}[{i}] must be {what} (bytes), got {type(a).__name__}")
+        out.append(bytes(a))
+    return out
+
+
+def _addresses(name: str, ranks: Any) -> List[bytes]:
+    return _blobs(name, ranks, "a TransferEngine.address")
+
+
+class _Closing:
+    """`with` support for the classes below: close() on exit."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class KvConnector(_Closing):
+    """One engine rank's KV transfers, push and pull, on a TransferEngine it shares.
+
+    The connector registers the pool's tensors with the engine and keeps them alive until
+    :meth:`close`. It keeps the engine alive as well: the engine's threads stop when both the
+    engine and its connectors are closed.
+    """
+
+    def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Any,
+                 config: Optional[KvConfig] = None) -> None:
+        if not isinstance(engine, TransferEngine):
+            raise InvalidArgument("engine must be a ferry.TransferEngine, got "
+                                  f"{type(engine).__name__}")
+        if not isinstance(layout, KvLayout):
+            raise InvalidArgument(f"layout must be a ferry.kv.KvLayout, got "
+                                  f"{type(layout).__name__}")
+        config = config or KvConfig()
+        if config.pull_mode not in ("background", "inline"):
+            raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
+                                  f"{config.pull_mode!r}")
+        split, items = _pool_items(pool, layout)
+        if split != layout.regions:
+            raise InvalidArgument(
+                f"pool is split {split!r} ({len(items)} tensors) but the layout says regions="
+                f"{layout.regions!r}: build KvLayout(..., regions={split!r}) for this pool")
+        regions = [_region_of(f"pool[{i}]", t, layout) for i, t in enumerate(items)]
+        self._layout = layout
+        self._conn = _ferry.KvConnector(
+            engine._engine, layout, _uint("tp_rank", config.tp_rank, _U32_MAX),
+            _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
+            float(config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
+            _uint("imm_count", config.imm_count, _U32_MAX),
+            _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    # Push, decode side --------------------------------------------------------------------
+    def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
+        self._conn.announce(_uint("transfer_id", transfer_id), _uint("attempt", attempt, _U32_MAX),
+                            _addresses("prefill_ranks", prefill_ranks))
+
+    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes],
+                      blocks: Any, num_tokens: int) -> None:
+        self._conn.register_push(_uint("transfer_id", transfer_id),
+                                 _uint("attempt", attempt, _U32_MAX),
+                                 _addresses("prefill_ranks", prefill_ranks),
+                                 _index_array("blocks", blocks),
+                                 _uint("num_tokens", num_tokens, _U32_MAX))
+
+    def cancel(self, transfer_id: int) -> None:
+        self._conn.cancel(_uint("transfer_id", transfer_id))
+
+    # Push, prefill side -------------------------------------------------------------------
+    def prefill_scheduled(self, transfer_id: int) -> None:
+        self._conn.prefill_scheduled(_uint("transfer_id", transfer_id))
+
+    def prefill_progress(self, transfer_id: int, blocks: Any, tokens_ready: int, *,
+                         partial_end: int = 0, partial_layers: int = 0) -> None:
+        self._conn.prefill_progress(_uint("transfer_id", transfer_id),
+                                    _index_array("blocks", blocks),
+                                    _uint("tokens_ready", tokens_ready, _U32_MAX),
+                                    _uint("partial_end", partial_end, _U32_MAX),
+                                    _uint("partial_layers", partial_layers, _U32_MAX))
+
+    def prefill_done(self, transfer_id: int, blocks: Any, num_tokens: int) -> None:
+        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks),
+                                _uint("num_tokens", num_tokens, _U32_MAX))
+
+    def prefill_failed(self, transfer_id: int, reason: str) -> None:
+        self._conn.prefill_failed(_uint("transfer_id", transfer_id), str(reason))
+
+    def abort_send(self, transfer_id: int, reason: str) -> None:
+        self._conn.abort_send(_uint("transfer_id", transfer_id), str(reason))
+
+    # Pull ---------------------------------------------------------------------------------
+    def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:
+        return self._conn.offer_pull(_uint("transfer_id", transfer_id),
+                                     _index_array("blocks", blocks),
+                                     _uint("num_tokens", num_tokens, _U32_MAX))
+
+    def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Any,
+             num_tokens: int) -> None:
+        self._conn.pull(_uint("transfer_id", transfer_id),
+                        _blobs("params", params, "what offer_pull returned"),
+                        _index_array("blocks", blocks), _uint("num_tokens", num_tokens, _U32_MAX))
+
+    # Results ------------------------------------------------------------------------------
+    def poll(self) -> List[KvEvent]:
+        return self._conn.poll()
+
+    def wait(self, timeout: float) -> bool:
+        return self._conn.wait(float(timeout))
+
+    def handshake_info(self) -> HandshakeInfo:
+        return self._conn.handshake_info()
+
+    def stats(self) -> dict:
+        return self._conn.stats()
+
+    # Lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _secret(secret: Any) -> bytes:
+    if not isinstance(secret, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"secret must be bytes, got {type(secret).__name__}")
+    return bytes(secret)
+
+
+class HandshakeServer(_Closing):
+    """The side channel of one connector: tells peers that prove the deployment secret its
+    engine address, pool descriptors, layout and TP position."""
+
+    def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
+                 port: int = 0, connection_deadline: float = 1.0) -> None:
+        self._server = _ferry.HandshakeServer(str(host), _uint("port", port, 0xFFFF),
+                                              connector.handshake_info(), _secret(secret),
+                                              float(connection_deadline))
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def epoch(self) -> int:
+        return self._server.epoch
+
+    @property
+    def requests_served(self) -> int:
+        return self._server.requests_served
+
+    @property
+    def auth_failures(self) -> int:
+        return self._server.auth_failures
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
+                    timeout: float = 5.0) -> HandshakeInfo:
+    if not isinstance(layout, KvLayout):
+        raise InvalidArgument(f"layout must be this side's KvLayout, got {type(layout).__name__}")
+    return _ferry.fetch_handshake(str(host), _uint("port", port, 0xFFFF),
+                                  layout.compatibility_hash, _secret(secret), float(timeout))

@@ -1,0 +1,132 @@
+"""ferry.kv: KV-cache transfer between prefill and decode engines (docs/PYTHON.md, "KV")."""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Union
+
+from . import TransferEngine
+from ._ferry import HandshakeInfo as HandshakeInfo
+from ._ferry import KvEvent as KvEvent
+from ._ferry import KvLayout as KvLayout
+
+Blocks = Any
+"""Block ids in token order: a sequence of ints, or a one-dimensional integer numpy array /
+torch tensor."""
+
+Pool = Any
+"""The KV pool: one tensor (regions="one"), a list of one tensor per layer (regions=
+"per-layer", vLLM's [2, num_blocks, block_size, heads, head_dim]), or a list of 2 * layers
+tensors, K before V, or of (K, V) pairs per layer (regions="per-layer-kv", SGLang's buffers).
+Torch tensors (CPU or CUDA) or numpy arrays; each contiguous, with elements of the layout's
+elem_size, at least layout.region_bytes long."""
+
+@dataclass
+class KvConfig:
+    """A connector's settings (ferry::kv::ConnectorConfig).
+
+    tp_rank, tp_size: this rank's TP position (heads tp_rank * num_kv_heads onwards).
+    lease: seconds a side holds blocks for a transfer that does not progress; a dead peer ends
+        in an error event within it. Keep it above the engine's op_timeout.
+    imm_base, imm_count: the immediates this connector uses on its engine.
+    imm_span: immediates per push registration (one per prefill_progress chunk).
+    pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    lease: float = 30.0
+    imm_base: int = 0x4B000000
+    imm_count: int = 1 << 20
+    imm_span: int = 64
+    pull_mode: str = "background"
+
+class KvConnector:
+    """One engine rank's KV transfers, push and pull, on a TransferEngine.
+
+    Registers the pool's tensors with the engine and keeps them (and the engine) alive until
+    close(). Every call only validates and hands work to ferry's background thread, with the GIL
+    released; results come back as KvEvents through poll(). Errors in the arguments raise
+    ferry.Error subclasses naming the problem (a wrong dtype, a non-contiguous tensor, a region
+    too small for the layout, a pool split other than layout.regions, a bad address or pull
+    parameters); errors of the transfer itself (a dead peer, a lease that passed) come back as
+    events. One connector per engine: it owns the engine's messages.
+    """
+
+    def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Pool,
+                 config: Optional[KvConfig] = None) -> None: ...
+    @property
+    def layout(self) -> KvLayout: ...
+
+    # Push, decode side
+    def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
+        """Before holding blocks: ask the prefill ranks (their TransferEngine.address, in rank
+        order) to say when they schedule the transfer; a "scheduled" event follows."""
+    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes],
+                      blocks: Blocks, num_tokens: int) -> None:
+        """Destination blocks (token order) for the transfer; prefill writes into them as the KV
+        becomes final. A larger attempt supersedes a smaller one. A "recv" event ends it."""
+    def cancel(self, transfer_id: int) -> None:
+        """Stop the transfer; its "recv" event (code "cancelled") comes once no write can land
+        any more, and only then may the blocks be reused."""
+
+    # Push, prefill side
+    def prefill_scheduled(self, transfer_id: int) -> None:
+        """Prefill admitted the request: announced decode ranks may reserve their blocks."""
+    def prefill_progress(self, transfer_id: int, blocks: Blocks, tokens_ready: int, *,
+                         partial_end: int = 0, partial_layers: int = 0) -> None:
+        """Tokens [0, tokens_ready) are final (a chunk was computed), and [tokens_ready,
+        partial_end) in layers [0, partial_layers): registered decode ranks get them now. Keep
+        the blocks until the transfer's "send" event."""
+    def prefill_done(self, transfer_id: int, blocks: Blocks, num_tokens: int) -> None:
+        """The KV is computed: write it to the decode ranks that registered (or will, within the
+        lease). A "send" event says when the blocks are free."""
+    def prefill_failed(self, transfer_id: int, reason: str) -> None:
+        """Prefill could not produce the KV: decode ranks get a failure carrying `reason`."""
+    def abort_send(self, transfer_id: int, reason: str) -> None:
+        """Give up a transfer after prefill_done / offer_pull (its other leg failed)."""
+
+    # Pull
+    def offer_pull(self, transfer_id: int, blocks: Blocks, num_tokens: int) -> bytes:
+        """Prefill: hold the blocks under the lease; returns what decode's pull() needs (hand it
+        over through the router). A "send" event comes when decode finished reading."""
+    def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Blocks,
+             num_tokens: int) -> None:
+        """Decode: read the KV from every prefill rank's offer_pull() bytes into `blocks`; a
+        "recv" event ends it."""
+
+    # Results
+    def poll(self) -> List[KvEvent]:
+        """Every event since the last poll, in the order ferry produced them; never blocks."""
+    def wait(self, timeout: float) -> bool:
+        """Block (GIL released) until an event is queued or `timeout` seconds passed; True when
+        one is there."""
+    def handshake_info(self) -> HandshakeInfo:
+        """What this rank's HandshakeServer tells peers."""
+    def stats(self) -> dict:
+        """Counters (ferry::kv::ConnectorStats): transfers_sent/received/failed, ops_posted,
+        bytes_posted, leases_expired, active_send/active_recv (transfers holding blocks)."""
+    def close(self) -> None:
+        """Cancel what still runs (reported as events), unregister the pool, release the
+        tensors."""
+    def __enter__(self) -> KvConnector: ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+class HandshakeServer:
+    """The side channel of one connector: a small TCP service that tells peers proving the
+    deployment secret (>= 16 bytes) this rank's engine address, pool and layout."""
+
+    def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
+                 port: int = 0, connection_deadline: float = 1.0) -> None: ...
+    port: int
+    """The port listened on (a free one when 0 was asked)."""
+    epoch: int
+    requests_served: int
+    auth_failures: int
+    def close(self) -> None: ...
+    def __enter__(self) -> HandshakeServer: ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
+                    timeout: float = 5.0) -> HandshakeInfo:
+    """Ask a peer's HandshakeServer. Raises PermissionDenied when the secrets differ, an error
+    naming both layouts when they are incompatible with `layout`, Unavailable or TimeoutError
+    naming host:port when nobody answers."""

@@ -1,0 +1,584 @@
+// ferry._ferry's KV side: KvLayout, KvConnector over a pool of registered regions, and the
+// handshake side channel (include/ferry/kv/). python/ferry/kv.py checks the pool's tensors
+// (dtype, contiguity, size, how they split the pool) where it can name the argument and hands
+// this layer raw (ptr, nbytes, device) regions plus the objects that own them. Rules, as in
+// module.cc:
+// - the connector's callbacks run on its background thread and never touch Python: they queue
+//   events under a C++ mutex, and poll() / wait() drain them on the caller's thread;
+// - the GIL is released around every call that can block (create, close, handshakes, waits,
+//   and the connector calls, which take the connector's lock);
+// - every Status becomes a ferry.Error subclass carrying ferry's message.
+#include "kv.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "convert.h"
+#include "errors.h"
+#include "ferry/common/auth.h"
+#include "ferry/kv/connector.h"
+#include "ferry/kv/handshake.h"
+#include "ferry/kv/layout.h"
+#include "ferry/kv/messages.h"
+#include "ferry/kv/pool.h"
+
+namespace py = pybind11;
+
+namespace ferry::python {
+namespace {
+
+using kv::BlockOrder;
+using kv::KvLayout;
+using kv::KvPlacement;
+using kv::RegionSplit;
+
+using Blocks = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+
+std::vector<uint32_t> to_blocks(const Blocks& b) {
+    if (b.ndim() != 1) {
+        throw StatusError(
+            invalid_argument("blocks must be a one-dimensional sequence of block "
+                             "ids, got " +
+                             std::to_string(b.ndim()) + " dimensions"));
+    }
+    return {b.data(), b.data() + b.size()};
+}
+
+const char* placement_name(KvPlacement p) {
+    switch (p) {
+        case KvPlacement::kSeparate:
+            return "separate";
+        case KvPlacement::kJoint:
+            return "joint";
+        case KvPlacement::kBlockMajor:
+            return "block-major";
+    }
+    return "?";
+}
+
+KvPlacement parse_placement(const std::string& s) {
+    if (s == "separate") return KvPlacement::kSeparate;
+    if (s == "joint") return KvPlacement::kJoint;
+    if (s == "block-major") return KvPlacement::kBlockMajor;
+    throw StatusError(invalid_argument("unknown KV placement '" + s +
+                                       "': separate (vLLM's [2, blocks, ...] per layer), joint "
+                                       "([blocks, 2, ...]) or block-major"));
+}
+
+BlockOrder parse_order(const std::string& s) {
+    if (s == "NHD") return BlockOrder::kNHD;
+    if (s == "HND") return BlockOrder::kHND;
+    throw StatusError(invalid_argument("unknown block order '" + s +
+                                       "': NHD ([block_size, heads, head_dim]) or HND"));
+}
+
+KvLayout make_layout(uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_dim,
+                     uint32_t elem_size, uint32_t block_size, uint32_t num_blocks,
+                     const std::string& placement, const std::string& order,
+                     const std::string& regions) {
+    KvLayout l;
+    l.num_layers = num_layers;
+    l.num_kv_heads = num_kv_heads;
+    l.head_dim = head_dim;
+    l.elem_size = elem_size;
+    l.block_size = block_size;
+    l.num_blocks = num_blocks;
+    l.placement = parse_placement(placement);
+    l.order = parse_order(order);
+    l.regions = take(kv::parse_region_split(regions));
+    check(l.validate());
+    return l;
+}
+
+EngineAddress parse_address(const py::bytes& b, const std::string& what) {
+    auto span = bytes_span(b);
+    auto a = EngineAddress::deserialize(span);
+    if (!a.ok()) {
+        check(a.status().with_context("bad engine address in " + what + " (" +
+                                      std::to_string(span.size()) +
+                                      " bytes; pass TransferEngine.address of the peer, "
+                                      "unchanged)"));
+    }
+    return std::move(a).value();
+}
+
+std::vector<EngineAddress> parse_addresses(const std::vector<py::bytes>& v) {
+    std::vector<EngineAddress> out;
+    for (size_t i = 0; i < v.size(); ++i) {
+        out.push_back(parse_address(v[i], "prefill_ranks[" + std::to_string(i) + "]"));
+    }
+    return out;
+}
+
+Secret parse_secret(const py::bytes& b) {
+    auto r = Secret::from_bytes(bytes_span(b));
+    if (!r.ok()) check(r.status().with_context("deployment secret"));
+    return std::move(r).value();
+}
+
+// What the connector reported, as poll() hands it to Python.
+struct Event {
+    std::string kind;  // "recv", "send", "scheduled", "progress"
+    uint64_t transfer_id = 0;
+    uint32_t attempt = 0;
+    Status status;
+    uint64_t bytes = 0;
+    uint32_t writes = 0;
+    uint32_t tokens = 0;
+    uint32_t partial_end = 0;
+    uint32_t partial_layers = 0;
+
+    static Event of(const char* kind, const kv::TransferResult& r) {
+        Event e;
+        e.kind = kind;
+        e.transfer_id = r.transfer_id;
+        e.attempt = r.attempt;
+        e.status = r.status;
+        e.bytes = r.bytes;
+        e.writes = r.writes;
+        return e;
+    }
+
+    std::string repr() const {
+        std::string s = "ferry.kv.KvEvent(" + kind +
+                        ", transfer_id=" + std::to_string(transfer_id) +
+                        ", attempt=" + std::to_string(attempt);
+        if (kind == "progress") {
+            s += ", tokens=" + std::to_string(tokens);
+        } else {
+            s += ", status=" + (status.ok() ? std::string("ok") : status.to_string());
+        }
+        if (kind == "recv" || kind == "send") {
+            s += ", bytes=" + std::to_string(bytes) + ", writes=" + std::to_string(writes);
+        }
+        return s + ")";
+    }
+};
+
+// Filled by the connector's thread, drained by the caller's.
+struct EventQueue {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Event> events;
+
+    void push(Event e) {
+        {
+            std::lock_guard<std::mutex> l(mu);
+            events.push_back(std::move(e));
+        }
+        cv.notify_all();
+    }
+    std::vector<Event> drain() {
+        std::lock_guard<std::mutex> l(mu);
+        std::vector<Event> out(std::make_move_iterator(events.begin()),
+                               std::make_move_iterator(events.end()));
+        events.clear();
+        return out;
+    }
+    bool wait(Duration t) {
+        std::unique_lock<std::mutex> l(mu);
+        return cv.wait_for(l, t, [&] { return !events.empty(); });
+    }
+};
+
+struct PoolRegion {
+    uint64_t ptr = 0;
+    uint64_t nbytes = 0;
+    int device = -1;
+};
+
+class Connector {
+  public:
+    Connector(std::shared_ptr<TransferEngine> engine, const KvLayout& layout, uint32_t tp_rank,
+              uint32_t tp_size, const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+              py::object owners, double lease_s, uint32_t imm_base, uint32_t imm_count,
+              uint32_t imm_span, bool pull_inline)
+        : engine_(std::move(engine)), owners_(std::move(owners)) {
+        kv::ConnectorConfig cc;
+        cc.self = {layout, tp_rank, tp_size};
+        cc.lease = seconds_to_duration(lease_s, "lease");
+        cc.imm_base = imm_base;
+        cc.imm_count = imm_count;
+        cc.imm_span = imm_span;
+        cc.pull_mode = pull_inline ? kv::PullMode::kInline : kv::PullMode::kBackground;
+        kv::ConnectorCallbacks cb;
+        auto q = events_;
+        cb.on_recv_done = [q](const kv::TransferResult& r) { q->push(Event::of("recv", r)); };
+        cb.on_send_done = [q](const kv::TransferResult& r) { q->push(Event::of("send", r)); };
+        cb.on_scheduled = [q](const kv::TransferResult& r) { q->push(Event::of("scheduled", r)); };
+        cb.on_recv_progress = [q](const kv::TransferProgress& p) {
+            Event e;
+            e.kind = "progress";
+            e.transfer_id = p.transfer_id;
+            e.attempt = p.attempt;
+            e.tokens = p.tokens;
+            e.partial_end = p.partial_end;
+            e.partial_layers = p.partial_layers;
+            q->push(std::move(e));
+        };
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = open(regions, cc, std::move(cb));
+        }
+        if (!s.ok()) {
+            {
+                py::gil_scoped_release nogil;
+                mrs_.clear();  // nothing registered stays behind a refused pool
+            }
+            check(s);
+        }
+    }
+
+    kv::KvConnector& get() const {
+        if (!conn_) throw StatusError(cancelled("KV connector is closed (KvConnector.close())"));
+        return *conn_;
+    }
+
+    void close() {
+        {
+            py::gil_scoped_release nogil;
+            conn_.reset();  // reports open transfers as cancelled, into events_
+            mrs_.clear();
+            engine_.reset();
+        }
+        owners_ = py::none();
+    }
+
+    void announce(uint64_t id, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks) {
+        auto addrs = parse_addresses(prefill_ranks);
+        call([&](kv::KvConnector& c) { return c.announce(id, attempt, std::move(addrs)); });
+    }
+
+    void register_push(uint64_t id, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks,
+                       const Blocks& blocks, uint32_t num_tokens) {
+        kv::PushRegistration r{id, attempt, parse_addresses(prefill_ranks), to_blocks(blocks),
+                               num_tokens};
+        call([&](kv::KvConnector& c) { return c.register_push(std::move(r)); });
+    }
+
+    void cancel(uint64_t id) {
+        call([&](kv::KvConnector& c) { return c.cancel(id); });
+    }
+
+    void prefill_scheduled(uint64_t id) {
+        call([&](kv::KvConnector& c) { return c.prefill_scheduled(id); });
+    }
+
+    void prefill_progress(uint64_t id, const Blocks& blocks, uint32_t tokens, uint32_t partial_end,
+                          uint32_t partial_layers) {
+        auto b = to_blocks(blocks);
+        kv::KvFrontier f{tokens, partial_end, partial_layers};
+        call([&](kv::KvConnector& c) { return c.prefill_progress(id, std::move(b), f); });
+    }
+
+    void prefill_done(uint64_t id, const Blocks& blocks, uint32_t num_tokens) {
+        auto b = to_blocks(blocks);
+        call([&](kv::KvConnector& c) { return c.prefill_done(id, std::move(b), num_tokens); });
+    }
+
+    void prefill_failed(uint64_t id, const std::string& reason) {
+        call([&](kv::KvConnector& c) { return c.prefill_failed(id, unavailable(reason)); });
+    }
+
+    void abort_send(uint64_t id, const std::string& reason) {
+        call([&](kv::KvConnector& c) { return c.abort_send(id, cancelled(reason)); });
+    }
+
+    py::bytes offer_pull(uint64_t id, const Blocks& blocks, uint32_t num_tokens) {
+        auto b = to_blocks(blocks);
+        Result<kv::PullParamsMsg> r = internal_error("unset");
+        kv::KvConnector& c = get();
+        {
+            py::gil_scoped_release nogil;
+            r = c.offer_pull(id, std::move(b), num_tokens);
+        }
+        return to_bytes(kv::encode_message(take(std::move(r))));
+    }
+
+    void pull(uint64_t id, const std::vector<py::bytes>& params, const Blocks& blocks,
+              uint32_t num_tokens) {
+        std::vector<kv::PullParamsMsg> ps;
+        for (size_t i = 0; i < params.size(); ++i) {
+            auto span = bytes_span(params[i]);
+            auto m = kv::decode_message(span);
+            if (!m.ok() || !std::holds_alternative<kv::PullParamsMsg>(*m)) {
+                Status why = m.ok() ? protocol_error(std::string("a ") + kv::message_name(*m) +
+                                                     " message, not pull parameters")
+                                    : m.status();
+                check(why.with_context("bad pull parameters in params[" + std::to_string(i) +
+                                       "] (" + std::to_string(span.size()) +
+                                       " bytes; pass what the prefill rank's offer_pull "
+                                       "returned, unchanged)"));
+            }
+            ps.push_back(std::get<kv::PullParamsMsg>(std::move(*m)));
+        }
+        auto b = to_blocks(blocks);
+        call([&](kv::KvConnector& c) {
+            return c.pull(id, std::move(ps), std::move(b), num_tokens);
+        });
+    }
+
+    std::vector<Event> poll() { return events_->drain(); }
+
+    bool wait(double timeout_s) {
+        Duration t = seconds_to_duration(timeout_s, "timeout");
+        py::gil_scoped_release nogil;
+        return events_->wait(t);
+    }
+
+    kv::HandshakeInfo handshake_info() const {
+        kv::HandshakeInfo info;
+        info.address = engine_->address();
+        for (const auto& mr : mrs_) info.pool.push_back(mr->descriptor());
+        const kv::ConnectorConfig& c = get().config();
+        info.layout = c.self.layout;
+        info.tp_rank = c.self.tp_rank;
+        info.tp_size = c.self.tp_size;
+        return info;
+    }
+
+    py::dict stats() const {
+        kv::ConnectorStats s = get().stats();
+        py::dict d;
+        d["messages_received"] = s.messages_received;
+        d["messages_malformed"] = s.messages_malformed;
+        d["messages_stale"] = s.messages_stale;
+        d["leases_expired"] = s.leases_expired;
+        d["transfers_sent"] = s.transfers_sent;
+        d["transfers_received"] = s.transfers_received;
+        d["transfers_failed"] = s.transfers_failed;
+        d["ops_posted"] = s.ops_posted;
+        d["bytes_posted"] = s.bytes_posted;
+        d["active_send"] = s.active_send;
+        d["active_recv"] = s.active_recv;
+        return d;
+    }
+
+    const KvLayout& layout() const { return get().config().self.layout; }
+
+  private:
+    Status open(const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+                const kv::ConnectorConfig& cc, kv::ConnectorCallbacks cb) {
+        kv::KvPoolRegions pool;
+        for (size_t i = 0; i < regions.size(); ++i) {
+            auto [ptr, nbytes, device] = regions[i];
+            auto mr = engine_->register_memory(reinterpret_cast<void*>(ptr), nbytes,
+                                               device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost,
+                                               device);
+            if (!mr.ok()) return mr.status().with_context("pool[" + std::to_string(i) + "]");
+            pool.regions.push_back(mr->get());
+            mrs_.push_back(std::move(mr).value());
+        }
+        auto c = kv::KvConnector::create(engine_.get(), pool, cc, std::move(cb));
+        if (!c.ok()) return c.status();
+        conn_ = std::move(c).value();
+        return ok_status();
+    }
+
+    template <typename F>
+    void call(F&& fn) {
+        kv::KvConnector& c = get();
+        Status s;
+        {
+            py::gil_scoped_release nogil;
+            s = fn(c);
+        }
+        check(s);
+    }
+
+    // Destroyed bottom-up: the connector, then the regions it writes, then (maybe) the engine.
+    std::shared_ptr<TransferEngine> engine_;
+    py::object owners_;  // the tensors behind the regions
+    std::vector<std::unique_ptr<MemoryRegion>> mrs_;
+    std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
+    std::unique_ptr<kv::KvConnector> conn_;
+};
+
+class HandshakeServer {
+  public:
+    HandshakeServer(const std::string& host, uint16_t port, kv::HandshakeInfo info,
+                    const py::bytes& secret, double connection_deadline_s) {
+        kv::HandshakeServerOptions o;
+        o.secret = parse_secret(secret);
+        o.connection_deadline = seconds_to_duration(connection_deadline_s, "connection_deadline");
+        Result<std::unique_ptr<kv::HandshakeServer>> r = internal_error("unset");
+        {
+            py::gil_scoped_release nogil;
+            r = kv::HandshakeServer::start(host, port, std::move(info), std::move(o));
+        }
+        server_ = take(std::move(r));
+    }
+    kv::HandshakeServer& get() const {
+        if (!server_) throw StatusError(cancelled("handshake server is closed"));
+        return *server_;
+    }
+    void close() {
+        py::gil_scoped_release nogil;
+        server_.reset();  // joins its thread
+    }
+
+  private:
+    std::unique_ptr<kv::HandshakeServer> server_;
+};
+
+py::list descriptors_of(const kv::HandshakeInfo& i) {
+    py::list out;
+    for (const auto& d : i.pool) out.append(to_bytes(d.serialize()));
+    return out;
+}
+
+}  // namespace
+
+void register_kv(py::module_& m, EngineShare engine_share) {
+    py::class_<KvLayout>(m, "KvLayout")
+        .def(py::init(&make_layout), py::arg("num_layers"), py::arg("num_kv_heads"),
+             py::arg("head_dim"), py::arg("elem_size"), py::arg("block_size"),
+             py::arg("num_blocks"), py::arg("placement") = "separate", py::arg("order") = "NHD",
+             py::arg("regions") = "one")
+        .def_readonly("num_layers", &KvLayout::num_layers)
+        .def_readonly("num_kv_heads", &KvLayout::num_kv_heads)
+        .def_readonly("head_dim", &KvLayout::head_dim)
+        .def_readonly("elem_size", &KvLayout::elem_size)
+        .def_readonly("block_size", &KvLayout::block_size)
+        .def_readonly("num_blocks", &KvLayout::num_blocks)
+        .def_property_readonly("placement",
+                               [](const KvLayout& l) { return placement_name(l.placement); })
+        .def_property_readonly(
+            "order", [](const KvLayout& l) { return l.order == BlockOrder::kNHD ? "NHD" : "HND"; })
+        .def_property_readonly("regions",
+                               [](const KvLayout& l) { return kv::region_split_name(l.regions); })
+        .def_property_readonly("token_bytes", &KvLayout::token_bytes)
+        .def_property_readonly("slab_bytes", &KvLayout::slab_bytes)
+        .def_property_readonly("layer_bytes", &KvLayout::layer_bytes)
+        .def_property_readonly("block_bytes", &KvLayout::block_bytes)
+        .def_property_readonly("pool_bytes", &KvLayout::pool_bytes)
+        .def_property_readonly("region_count", &KvLayout::region_count)
+        .def_property_readonly("region_bytes", &KvLayout::region_bytes)
+        .def_property_readonly("compatibility_hash", &KvLayout::compatibility_hash)
+        .def("slab_offset",
+             [](const KvLayout& l, uint32_t layer, uint32_t part, uint32_t block) {
+                 if (part > 1) throw StatusError(invalid_argument("part is 0 (K) or 1 (V)"));
+                 return l.slab_offset(layer, static_cast<kv::KvPart>(part), block);
+             })
+        .def("__eq__", [](const KvLayout& a, const KvLayout& b) { return a == b; })
+        .def("__repr__",
+             [](const KvLayout& l) { return "ferry.kv.KvLayout(" + l.to_string() + ")"; })
+        .def(py::pickle(
+            [](const KvLayout& l) {
+                return py::make_tuple(l.num_layers, l.num_kv_heads, l.head_dim, l.elem_size,
+                                      l.block_size, l.num_blocks, placement_name(l.placement),
+                                      l.order == BlockOrder::kNHD ? "NHD" : "HND",
+                                      kv::region_split_name(l.regions));
+            },
+            [](const py::tuple& t) {
+                if (t.size() != 9) throw StatusError(protocol_error("bad pickled KvLayout"));
+                return make_layout(
+                    t[0].cast<uint32_t>(), t[1].cast<uint32_t>(), t[2].cast<uint32_t>(),
+                    t[3].cast<uint32_t>(), t[4].cast<uint32_t>(), t[5].cast<uint32_t>(),
+                    t[6].cast<std::string>(), t[7].cast<std::string>(), t[8].cast<std::string>());
+            }));
+
+    py::class_<Event>(m, "KvEvent")
+        .def_readonly("kind", &Event::kind)
+        .def_readonly("transfer_id", &Event::transfer_id)
+        .def_readonly("attempt", &Event::attempt)
+        .def_property_readonly("ok", [](const Event& e) { return e.status.ok(); })
+        .def_property_readonly(
+            "code", [](const Event& e) { return std::string(status_code_name(e.status.code())); })
+        .def_property_readonly("message", [](const Event& e) { return e.status.message(); })
+        .def_readonly("bytes", &Event::bytes)
+        .def_readonly("writes", &Event::writes)
+        .def_readonly("tokens", &Event::tokens)
+        .def_readonly("partial_end", &Event::partial_end)
+        .def_readonly("partial_layers", &Event::partial_layers)
+        .def("raise_if_error", [](const Event& e) { check(e.status); })
+        .def("__repr__", &Event::repr);
+
+    py::class_<kv::HandshakeInfo>(m, "HandshakeInfo")
+        .def_readonly("epoch", &kv::HandshakeInfo::epoch)
+        .def_property_readonly(
+            "address", [](const kv::HandshakeInfo& i) { return to_bytes(i.address.serialize()); })
+        .def_property_readonly("pool", &descriptors_of)
+        .def_readonly("layout", &kv::HandshakeInfo::layout)
+        .def_readonly("tp_rank", &kv::HandshakeInfo::tp_rank)
+        .def_readonly("tp_size", &kv::HandshakeInfo::tp_size)
+        .def("to_bytes", [](const kv::HandshakeInfo& i) { return to_bytes(i.serialize()); })
+        .def_static("from_bytes", [](const py::bytes& b) {
+            auto r = kv::HandshakeInfo::deserialize(bytes_span(b));
+            if (!r.ok()) check(r.status().with_context("bad handshake info"));
+            return std::move(r).value();
+        });
+
+    py::class_<Connector>(m, "KvConnector")
+        .def(
+            py::init([engine_share](py::handle engine, const KvLayout& layout, uint32_t tp_rank,
+                                    uint32_t tp_size,
+                                    const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+                                    py::object owners, double lease, uint32_t imm_base,
+                                    uint32_t imm_count, uint32_t imm_span, bool pull_inline) {
+                return std::make_unique<Connector>(engine_share(engine), layout, tp_rank, tp_size,
+                                                   regions, std::move(owners), lease, imm_base,
+                                                   imm_count, imm_span, pull_inline);
+            }),
+            py::arg("engine"), py::arg("layout"), py::arg("tp_rank"), py::arg("tp_size"),
+            py::arg("regions"), py::arg("owners"), py::arg("lease"), py::arg("imm_base"),
+            py::arg("imm_count"), py::arg("imm_span"), py::arg("pull_inline"))
+        .def_property_readonly("layout", &Connector::layout)
+        .def("announce", &Connector::announce)
+        .def("register_push", &Connector::register_push)
+        .def("cancel", &Connector::cancel)
+        .def("prefill_scheduled", &Connector::prefill_scheduled)
+        .def("prefill_progress", &Connector::prefill_progress)
+        .def("prefill_done", &Connector::prefill_done)
+        .def("prefill_failed", &Connector::prefill_failed)
+        .def("abort_send", &Connector::abort_send)
+        .def("offer_pull", &Connector::offer_pull)
+        .def("pull", &Connector::pull)
+        .def("poll", &Connector::poll)
+        .def("wait", &Connector::wait)
+        .def("handshake_info", &Connector::handshake_info)
+        .def("stats", &Connector::stats)
+        .def("close", &Connector::close);
+
+    py::class_<HandshakeServer>(m, "HandshakeServer")
+        .def(py::init<const std::string&, uint16_t, kv::HandshakeInfo, const py::bytes&, double>(),
+             py::arg("host"), py::arg("port"), py::arg("info"), py::arg("secret"),
+             py::arg("connection_deadline"))
+        .def_property_readonly("port", [](const HandshakeServer& s) { return s.get().port(); })
+        .def_property_readonly("epoch", [](const HandshakeServer& s) { return s.get().epoch(); })
+        .def_property_readonly("requests_served",
+                               [](const HandshakeServer& s) { return s.get().requests_served(); })
+        .def_property_readonly("auth_failures",
+                               [](const HandshakeServer& s) { return s.get().auth_failures(); })
+        .def("close", &HandshakeServer::close);
+
+    m.def(
+        "fetch_handshake",
+        [](const std::string& host, uint16_t port, uint64_t expected_hash, const py::bytes& secret,
+           double timeout_s) {
+            Secret s = parse_secret(secret);
+            Duration t = seconds_to_duration(timeout_s, "timeout");
+            Result<kv::HandshakeInfo> r = internal_error("unset");
+            {
+                py::gil_scoped_release nogil;
+                r = kv::fetch_handshake(host, port, expected_hash, s, t);
+            }
+            return take(std::move(r));
+        },
+        py::arg("host"), py::arg("port"), py::arg("expected_hash"), py::arg("secret"),
+        py::arg("timeout"));
+}
+
+}  // namespace ferry::python

@@ -1,0 +1,288 @@
+"""ferry.kv between two processes over tcp and shm: push (both arrival orders, through the
+handshake side channel) and pull with per-layer torch tensors on each side, different block
+sizes and region splits on the two sides, every KV byte of the decode pool checked (the written
+ones and the poisoned rest); cancel; a prefill process killed mid-transfer; and the mistakes a
+Python user makes, each an exception naming the problem."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import PROVIDERS
+from kv_worker import KvPeer, KvSide
+
+torch = pytest.importorskip("torch", reason="ferry.kv's tests use torch tensor pools")
+
+import ferry  # noqa: E402
+import ferry.kv as fkv  # noqa: E402
+
+SECRET = b"ferry-test-deployment-secret-32b"
+
+# Small model shape: 4 layers, 2 KV heads of 16 int16 elements. Prefill uses 16-token blocks,
+# decode 8-token ones; 100 tokens fill neither side's last block.
+LAYERS, HEADS, HEAD_DIM = 4, 2, 16
+PREFILL = dict(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, elem_size=2,
+               block_size=16, num_blocks=24)
+DECODE = dict(PREFILL, block_size=8, num_blocks=40)
+TOKENS = 100
+
+# (prefill split, decode split): vLLM per-layer tensors against SGLang K/V buffers, and one
+# tensor against per-layer tensors.
+SPLITS = [("per-layer", "per-layer-kv"), ("one", "per-layer")]
+
+
+@pytest.fixture(scope="module", params=PROVIDERS)
+def provider(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def prefill_proc():
+    peer = KvPeer()
+    yield peer
+    peer.close()
+
+
+def blocks_for(rng, num_blocks, block_size, tokens):
+    """Scattered block ids, as a long-running engine's pool hands them out."""
+    return rng.sample(range(num_blocks), -(-tokens // block_size))
+
+
+def open_pair(provider, prefill_proc, splits, rng, *, lease=10.0):
+    """(decode KvSide here, prefill address, prefill blocks, prefill's logical KV)."""
+    psplit, dsplit = splits
+    addr = prefill_proc.call("open", provider, PREFILL, psplit, {"lease": lease})
+    seed = rng.randrange(1 << 31)
+    prefill_proc.call("fill_random", seed)
+    decode = KvSide(provider, DECODE, dsplit, lease=lease)
+    pblocks = blocks_for(rng, PREFILL["num_blocks"], PREFILL["block_size"], TOKENS)
+    logical = torch.from_numpy(prefill_proc.call("gather", pblocks, TOKENS))
+    return decode, addr, pblocks, logical
+
+
+def assert_landed(decode, dblocks, logical):
+    expected = decode.expected_after(logical, dblocks, TOKENS)
+    problem = decode.check_pool(expected)
+    assert problem == "", problem
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{s[0]}-to-{s[1]}")
+def test_push_registration_first(provider, prefill_proc, rng, splits):
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, splits, rng)
+    try:
+        # Decode learns prefill's address through the side channel, as a deployment does.
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        assert info.layout.block_size == PREFILL["block_size"]
+        assert len(info.pool) == info.layout.region_count
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        tid = rng.randrange(1 << 63)
+        decode.call("announce", tid, 1, [info.address])
+        prefill_proc.call("call", "prefill_scheduled", tid)
+        ok, code, msg, _, _ = decode.next_event("scheduled", tid, 20)
+        assert ok, msg
+        decode.call("register_push", tid, 1, [info.address], dblocks, TOKENS)
+        # A chunk first, the rest at done: both segments must land.
+        prefill_proc.call("call", "prefill_progress", tid, pblocks, 48)
+        prefill_proc.call("call", "prefill_done", tid, pblocks, TOKENS)
+        ok, code, msg, nbytes, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert nbytes == LAYERS * 2 * TOKENS * HEADS * HEAD_DIM * 2
+        sent = prefill_proc.call("next_event", "send", tid, 30)
+        assert sent[0], sent
+        assert_landed(decode, dblocks, logical)
+        assert decode.stats()["active_recv"] == 0
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("splits", SPLITS[:1], ids=lambda s: f"{s[0]}-to-{s[1]}")
+def test_push_prefill_done_first(provider, prefill_proc, rng, splits):
+    decode, addr, pblocks, logical = open_pair(provider, prefill_proc, splits, rng)
+    try:
+        tid = rng.randrange(1 << 63)
+        prefill_proc.call("call", "prefill_done", tid, pblocks, TOKENS)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("register_push", tid, 1, [addr], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+        assert_landed(decode, dblocks, logical)
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{s[0]}-to-{s[1]}")
+def test_pull(provider, prefill_proc, rng, splits):
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, splits, rng)
+    try:
+        tid = rng.randrange(1 << 63)
+        params = prefill_proc.call("call", "offer_pull", tid, pblocks, TOKENS)
+        assert isinstance(params, bytes)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS)
+        ok, code, msg, _, reads = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert reads > 0
+        # DONE frees prefill's blocks.
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+        assert prefill_proc.call("stats")["active_send"] == 0
+        assert_landed(decode, dblocks, logical)
+    finally:
+        decode.close()
+
+
+def test_cancel_before_prefill_done(provider, prefill_proc, rng):
+    decode, addr, pblocks, _ = open_pair(provider, prefill_proc, SPLITS[0], rng)
+    try:
+        tid = rng.randrange(1 << 63)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("register_push", tid, 1, [addr], dblocks, TOKENS)
+        decode.call("cancel", tid)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 20)
+        assert not ok and code == "cancelled", f"{code}: {msg}"
+        # Prefill finishes after the cancel: nothing is written, its blocks come back.
+        prefill_proc.call("call", "prefill_done", tid, pblocks, TOKENS)
+        ok, code, msg, _, writes = prefill_proc.call("next_event", "send", tid, 20)
+        assert code == "cancelled" and writes == 0, f"{code}: {msg}, {writes} writes"
+        assert decode.all_poison(), "a write landed after the cancel"
+        assert decode.stats()["active_recv"] == 0
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
+def test_prefill_failed(provider, prefill_proc, rng):
+    """Prefill reports that it cannot produce the KV: decode's receive fails carrying the
+    reason, nothing lands, both sides hold nothing."""
+    decode, addr, pblocks, _ = open_pair(provider, prefill_proc, SPLITS[1], rng)
+    try:
+        tid = rng.randrange(1 << 63)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("register_push", tid, 1, [addr], dblocks, TOKENS)
+        prefill_proc.call("call", "prefill_failed", tid, "the model ran out of memory")
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 20)
+        assert not ok and "the model ran out of memory" in msg, f"{code}: {msg}"
+        assert decode.all_poison(), "a write landed for a failed prefill"
+        assert decode.stats()["active_recv"] == 0
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
+def test_prefill_killed_mid_transfer(provider, rng):
+    """Prefill dies after its first chunk: decode's receive ends in an error within the lease,
+    and decode holds no transfer (its blocks are all free)."""
+    lease = 3.0
+    victim = KvPeer()
+    try:
+        decode, addr, pblocks, _ = open_pair(provider, victim, SPLITS[0], rng, lease=lease)
+        try:
+            tid = rng.randrange(1 << 63)
+            dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+            decode.call("register_push", tid, 1, [addr], dblocks, TOKENS)
+            victim.call("call", "prefill_progress", tid, pblocks, 48)
+            decode.next_event("progress", tid, 20)  # the first chunk is in
+            victim.kill()
+            t0 = time.monotonic()
+            ok, code, msg, _, _ = decode.next_event("recv", tid, lease + 10)
+            took = time.monotonic() - t0
+            print(f"decode's receive ended after {took:.2f} s: {code}: {msg}")
+            assert not ok, "a transfer whose producer died reported success"
+            assert took <= lease + 2, f"the error came {took:.1f} s after the kill"
+            assert decode.stats()["active_recv"] == 0
+        finally:
+            decode.close()
+    finally:
+        victim.close()
+
+
+# Mistakes a Python user makes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = ferry.TransferEngine("tcp", same_host=True, op_timeout=2.0)
+    yield e
+    e.close()
+
+
+def layout(regions="per-layer", **kw):
+    return fkv.KvLayout(**dict(PREFILL, **kw), regions=regions)
+
+
+def per_layer_pool(dtype=None, blocks=PREFILL["num_blocks"]):
+    return [torch.zeros((2, blocks, 16, HEADS, HEAD_DIM), dtype=dtype or torch.bfloat16)
+            for _ in range(LAYERS)]
+
+
+def test_wrong_dtype(engine):
+    with pytest.raises(ferry.InvalidArgument, match="wrong dtype.*elem_size=2"):
+        fkv.KvConnector(engine, layout(), per_layer_pool(torch.float32))
+
+
+def test_non_contiguous(engine):
+    pool = per_layer_pool()
+    pool[2] = pool[2].transpose(3, 4)
+    with pytest.raises(ferry.InvalidArgument, match=r"pool\[2\]: a non-contiguous"):
+        fkv.KvConnector(engine, layout(), pool)
+
+
+def test_region_too_small(engine):
+    with pytest.raises(ferry.InvalidArgument, match=r"pool\[0\]: region too small"):
+        fkv.KvConnector(engine, layout(), per_layer_pool(blocks=PREFILL["num_blocks"] - 1))
+
+
+def test_pool_split_differs_from_layout(engine):
+    with pytest.raises(ferry.InvalidArgument, match="split 'per-layer'.*regions='one'"):
+        fkv.KvConnector(engine, layout("one"), per_layer_pool())
+
+
+def test_bad_layout():
+    with pytest.raises(ferry.InvalidArgument, match="region split"):
+        fkv.KvLayout(**PREFILL, regions="per-head")
+
+
+def test_bad_descriptors(engine):
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        with pytest.raises(ferry.Error, match=r"bad engine address in prefill_ranks\[0\]"):
+            conn.register_push(1, 1, [b"not an address"], [0, 1], 20)
+        with pytest.raises(ferry.Error, match=r"bad pull parameters in params\[0\]"):
+            conn.pull(2, [b"\x00" * 40], [0, 1], 20)
+        with pytest.raises(ferry.InvalidArgument, match="blocks"):
+            conn.prefill_done(3, [0, -1], 20)
+        # Nothing was left behind by the refused calls.
+        assert conn.stats()["active_recv"] == 0 and conn.stats()["active_send"] == 0
+
+
+def test_dead_peer_handshake(engine):
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        server = fkv.HandshakeServer(conn, SECRET)
+        port = server.port
+        with pytest.raises(ferry.PermissionDenied):
+            fkv.fetch_handshake("127.0.0.1", port, conn.layout, b"another-secret-of-32-bytes-long")
+        server.close()
+        # Nobody listens any more: the error names the endpoint.
+        with pytest.raises(ferry.Error, match=f"127.0.0.1:{port}"):
+            fkv.fetch_handshake("127.0.0.1", port, conn.layout, SECRET, timeout=2.0)
+
+
+def test_closed_connector(engine):
+    conn = fkv.KvConnector(engine, layout(), per_layer_pool())
+    conn.close()
+    with pytest.raises(ferry.Cancelled, match="KV connector is closed"):
+        conn.cancel(1)
+
+
+def test_refused_config_leaves_nothing(engine):
+    """A connector ferry refuses (a TP rank outside the TP size) leaves no region registered
+    and no message handler behind: the same engine and tensors serve the next one."""
+    pool = per_layer_pool()
+    with pytest.raises(ferry.InvalidArgument, match="TP rank 2 is outside TP size 2"):
+        fkv.KvConnector(engine, layout(), pool, fkv.KvConfig(tp_rank=2, tp_size=2))
+    with pytest.raises(ferry.InvalidArgument, match="lease must be a finite number"):
+        fkv.KvConnector(engine, layout(), pool, fkv.KvConfig(lease=float("nan")))
+    with fkv.KvConnector(engine, layout(), pool) as conn:
+        assert len(conn.handshake_info().pool) == LAYERS
