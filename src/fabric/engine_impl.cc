@@ -130,19 +130,20 @@ Status EngineImpl::init(const EngineConfig& cfg) {
 }
 
 void EngineImpl::watchdog() {
+    const Duration limit = wedge_threshold(config.op_timeout);
     std::unique_lock lk(watchdog_mu_);
     while (!stopped_) {
         watchdog_cv_.wait_for(lk, std::chrono::milliseconds(1));
         TimePoint now = Clock::now();
         imm.expire(now);
         for (auto& r : rails) {
-            if (r->wedged() || !r->stuck_for(config.op_timeout, now)) continue;
+            if (r->wedged() || !r->stuck_for(limit, now)) continue;
             r->mark_wedged();
             Status why = unavailable(fmt::format(
                 "rail {} ({}) has been stuck inside one provider call for over {:.0f} ms, most "
                 "likely because a peer died while holding a lock in shared memory; its "
                 "operations are failed and it takes no new work: create a new engine",
-                r->index(), provider, to_ms(config.op_timeout)));
+                r->index(), provider, to_ms(limit)));
             log(LogLevel::kError, "fabric", "{}", why.message());
             fail_ops_on_rail(r->index(), why);
         }
