@@ -196,8 +196,8 @@ class Rail {
     // An in-flight operation timed out: on a provider whose initiator completions queue
     // behind each other, decide whether the peer died and move on to a fresh endpoint.
     void on_inflight_timeout(const FabricOp* op);
-    // Closes retired initiator endpoints that no operation in flight uses any more (their
-    // shm regions are several MB each).
+    // Closes retired initiator endpoints that no operation in flight uses any more (each holds
+    // a 16 MiB shm file, about 4 MiB of it touched: ls -s of /dev/shm, 2026-12-02).
     void close_idle_retired();
     bool peer_dead(fi_addr_t dest) const {
         return !dead_peers_.empty() && dead_peers_.count(dest) != 0;
@@ -242,12 +242,12 @@ class Rail {
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
 
     // Initiator endpoints. shm completes every operation that needs an answer from its target
-    // (RMA above inject_size, reads, sends above it) through one response queue per endpoint,
-    // in the initiator's own region, drained strictly in order: an entry owed by a peer that
-    // died stays busy forever and holds every later completion of that endpoint, to any peer.
-    // The cure is a fresh endpoint (a fresh queue) on the same domain, AV and CQ for new
-    // operations; ep_ stays open and keeps receiving, so the published address stays valid
-    // (a target's work never touches its own response queue).
+    // (writes with immediates above inject_size, 4 KiB, among them: what KV transfers post)
+    // through one response queue per endpoint in the initiator's own region, drained strictly in
+    // order: an entry owed by a peer that died stays busy forever and holds every later completion
+    // of that endpoint, to any peer. The cure is a fresh endpoint (a fresh queue) on the same
+    // domain, AV and CQ for new operations; ep_ stays open and keeps receiving, so the published
+    // address stays valid (a target's work never touches its own response queue).
     struct FidEpCloser {
         void operator()(fid_ep* ep) const;
     };
