@@ -3,9 +3,11 @@
 #include "fabric/rail.h"
 
 #include <fmt/format.h>
+#include <pthread.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -83,6 +85,17 @@ void Rail::start() {
         set_thread_name(fmt::format("ferry-rail{}", index_).c_str());
         run();
     });
+    clockid_t id;
+    if (pthread_getcpuclockid(worker_.native_handle(), &id) == 0) {
+        cpu_clock_ = id;
+        has_cpu_clock_ = true;
+    }
+}
+
+std::optional<Duration> Rail::worker_cpu_time() const {
+    timespec ts{};
+    if (!has_cpu_clock_ || clock_gettime(cpu_clock_, &ts) != 0) return std::nullopt;
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
 }
 
 void Rail::wake() {

@@ -6,6 +6,7 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <time.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -152,6 +154,9 @@ class Rail {
     // provider is wedged (seen with shm when a peer is killed while holding a lock in shared
     // memory). Called by the engine's watchdog thread only.
     bool stuck_for(Duration limit, TimePoint now) { return calls_.inside_for(now) > limit; }
+    // CPU time the worker thread has used so far (none before start()): tells a worker spinning
+    // inside the provider from one the scheduler left off the CPU on an overloaded host.
+    std::optional<Duration> worker_cpu_time() const;
     // Marks the rail wedged: new work fails at once, and the worker, if its call ever returns,
     // exits without touching anything. The rail is then never freed (see stop()).
     void mark_wedged() { wedged_.store(true, std::memory_order_release); }
@@ -268,6 +273,8 @@ class Rail {
     std::unordered_set<fi_addr_t> dead_peers_;
 
     std::thread worker_;
+    clockid_t cpu_clock_{};  // the worker's CPU-time clock, set by start()
+    bool has_cpu_clock_ = false;
     std::atomic<bool> running_{false};
     std::atomic<bool> wedged_{false};
     CallMonitor calls_;
