@@ -130,19 +130,36 @@ Status EngineImpl::init(const EngineConfig& cfg) {
 }
 
 void EngineImpl::watchdog() {
+    const Duration limit = wedge_threshold(config.op_timeout);
+    // Per rail: the worker's CPU time when it was first seen inside one call for half the
+    // limit, so a wedge report can say whether it spun (a provider stuck on a dead peer's lock)
+    // or hardly ran (a host so overloaded that the threshold itself is in question).
+    std::vector<std::optional<Duration>> cpu_at_half(rails.size());
     std::unique_lock lk(watchdog_mu_);
     while (!stopped_) {
         watchdog_cv_.wait_for(lk, std::chrono::milliseconds(1));
         TimePoint now = Clock::now();
         imm.expire(now);
         for (auto& r : rails) {
-            if (r->wedged() || !r->stuck_for(config.op_timeout, now)) continue;
+            if (r->wedged()) continue;
+            auto& half = cpu_at_half[r->index()];
+            if (!r->stuck_for(limit / 2, now)) {
+                half.reset();
+                continue;
+            }
+            if (!half) half = r->worker_cpu_time().value_or(Duration::zero());
+            if (!r->stuck_for(limit, now)) continue;
             r->mark_wedged();
+            auto cpu = r->worker_cpu_time();
+            std::string used =
+                cpu ? fmt::format("; its worker used {:.0f} ms of CPU in the last {:.0f} ms",
+                                  to_ms(*cpu - *half), to_ms(limit / 2))
+                    : "";
             Status why = unavailable(fmt::format(
-                "rail {} ({}) has been stuck inside one provider call for over {:.0f} ms, most "
+                "rail {} ({}) has been stuck inside one provider call for over {:.0f} ms{}, most "
                 "likely because a peer died while holding a lock in shared memory; its "
                 "operations are failed and it takes no new work: create a new engine",
-                r->index(), provider, to_ms(config.op_timeout)));
+                r->index(), provider, to_ms(limit), used));
             log(LogLevel::kError, "fabric", "{}", why.message());
             fail_ops_on_rail(r->index(), why);
         }

@@ -10,6 +10,7 @@
 // (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -31,6 +32,16 @@
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {
+
+// How long a rail's worker may stay inside one provider call before the watchdog declares the
+// rail wedged. One call on a healthy rail returns in microseconds (a 1 MiB shm write copies in
+// well under a millisecond) and a worker descheduled on a loaded host resumes within
+// milliseconds; declaring a rail wedged is final, so the threshold never drops below 5 s,
+// whatever op_timeout a test or a user picks.
+inline constexpr Duration kMinWedgeTime = std::chrono::seconds(5);
+inline Duration wedge_threshold(Duration op_timeout) {
+    return std::max<Duration>(op_timeout, kMinWedgeTime);
+}
 
 class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   public:

@@ -3,12 +3,19 @@
 #include "fabric/rail.h"
 
 #include <fmt/format.h>
+#include <pthread.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
@@ -20,42 +27,31 @@ constexpr size_t kCqBatch = 64;
 constexpr size_t kMessageHeader = 0;  // the engine frames messages itself
 const auto kTickPeriod = std::chrono::milliseconds(1);
 
-int64_t steady_ns(TimePoint t) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
-// Marks the span of provider calls for the watchdog. A pass of posts holds one span (begun
-// at the first post, ended before any callback runs) instead of one per call: two clock
-// reads per post were 2.4% of the worker's samples at 64 B writes with immediates (perf,
-// shm, 2026-12-01). A pass is bounded by the tx depth, far below op_timeout.
-class CallSpan {
-  public:
-    explicit CallSpan(std::atomic<int64_t>& since) : since_(since) {}
-    ~CallSpan() { end(); }
-    void begin() {
-        if (open_) return;
-        since_.store(steady_ns(Clock::now()), std::memory_order_relaxed);
-        open_ = true;
-    }
-    void end() {
-        if (!open_) return;
-        since_.store(0, std::memory_order_relaxed);
-        open_ = false;
-    }
-
-  private:
-    std::atomic<int64_t>& since_;
-    bool open_ = false;
-};
-
-// One provider call.
+// Marks one provider call for the watchdog (CallMonitor: two relaxed stores, no clock read).
 class CallGuard {
   public:
-    explicit CallGuard(std::atomic<int64_t>& since) : span_(since) { span_.begin(); }
+    explicit CallGuard(CallMonitor& m) : m_(m) { m_.enter(); }
+    ~CallGuard() { m_.leave(); }
+    CallGuard(const CallGuard&) = delete;
+    CallGuard& operator=(const CallGuard&) = delete;
 
   private:
-    CallSpan span_;
+    CallMonitor& m_;
 };
+
+// Whether a process of this host with that id still runs. A zombie does not: killed, it
+// answers nothing, though its parent may reap it much later (the test harness reaps its
+// children only at the end; a supervisor may be slow).
+bool process_alive(long pid) {
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+    // /proc/<pid>/stat: "pid (comm) S ...", the state after the last ')'.
+    std::ifstream f(fmt::format("/proc/{}/stat", pid));
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    size_t close = stat.rfind(')');
+    if (close == std::string::npos || close + 2 >= stat.size()) return true;  // cannot tell
+    char state = stat[close + 2];
+    return state != 'Z' && state != 'X';
+}
 
 bool is_peer_gone(int err) {
     return err == FI_ECONNREFUSED || err == FI_ECONNRESET || err == FI_EHOSTUNREACH ||
@@ -71,7 +67,7 @@ Status fi_status(const char* what, int rc) {
 
 Status Rail::post_recv(int slot) {
     void* desc = recv_mr_ ? fi_mr_desc(recv_mr_) : nullptr;
-    CallGuard g(call_since_ns_);
+    CallGuard g(calls_);
     while (true) {
         ssize_t rc = fi_recv(ep_, recv_pool_.data() + slot * slot_size_, slot_size_, desc,
                              FI_ADDR_UNSPEC, &recv_ctx_[slot].fi);
@@ -89,6 +85,17 @@ void Rail::start() {
         set_thread_name(fmt::format("ferry-rail{}", index_).c_str());
         run();
     });
+    clockid_t id;
+    if (pthread_getcpuclockid(worker_.native_handle(), &id) == 0) {
+        cpu_clock_ = id;
+        has_cpu_clock_ = true;
+    }
+}
+
+std::optional<Duration> Rail::worker_cpu_time() const {
+    timespec ts{};
+    if (!has_cpu_clock_ || clock_gettime(cpu_clock_, &ts) != 0) return std::nullopt;
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
 }
 
 void Rail::wake() {
@@ -96,12 +103,6 @@ void Rail::wake() {
     std::lock_guard lk(nap_mu_);
     wake_ = true;
     nap_cv_.notify_one();
-}
-
-bool Rail::stuck_for(Duration limit, TimePoint now) const {
-    int64_t since = call_since_ns_.load(std::memory_order_relaxed);
-    return since != 0 && steady_ns(now) - since >
-                             std::chrono::duration_cast<std::chrono::nanoseconds>(limit).count();
 }
 
 void Rail::submit(FabricOp* first, FabricOp* last) {
@@ -225,13 +226,13 @@ int Rail::post_one(FabricOp* op, bool more) {
             // FI_INJECT, not fi_inject_write: the payload is copied at post time, but the
             // completion (and with it a dead peer's error) still comes back.
             if (op->len <= inject_size_) flags |= FI_INJECT;
-            return static_cast<int>(fi_writemsg(ep_, &msg, flags));
+            return static_cast<int>(fi_writemsg(tx_ep_, &msg, flags));
         }
         case FabricOp::kRead:
-            return static_cast<int>(fi_readmsg(ep_, &msg, FI_COMPLETION | more_flag));
+            return static_cast<int>(fi_readmsg(tx_ep_, &msg, FI_COMPLETION | more_flag));
         case FabricOp::kSend:
             return static_cast<int>(
-                fi_send(ep_, op->local, op->len, fi_mr_desc(send_mr_), op->dest, &op->ctx.fi));
+                fi_send(tx_ep_, op->local, op->len, fi_mr_desc(send_mr_), op->dest, &op->ctx.fi));
         case FabricOp::kTask:
             break;
     }
@@ -253,11 +254,16 @@ bool Rail::post_pending() {
     };
     uint64_t posted = 0, bytes = 0, injected = 0, with_more = 0;
     if (pending_.empty()) return false;
-    CallSpan span(call_since_ns_);
     for (auto it = pending_.begin(); it != pending_.end() && inflight_ < tx_depth_;) {
         FabricOp* op = *it;
         if (is_blocked(op->peer)) {
             ++it;
+            continue;
+        }
+        if (peer_dead(op->dest)) {
+            it = pending_.erase(it);
+            any = true;
+            fail_dead_peer_op(op);
             continue;
         }
         if (op->type == FabricOp::kSend && op->slot < 0) {
@@ -274,8 +280,11 @@ bool Rail::post_pending() {
         // back, the provider's own progress (every fi_cq_read) still sends what it holds.
         bool more =
             config_.post_more && std::next(it) != pending_.end() && inflight_ + 1 < tx_depth_;
-        span.begin();
-        int rc = post_one(op, more);
+        int rc;
+        {
+            CallGuard g(calls_);
+            rc = post_one(op, more);
+        }
         if (wedged()) return false;
         if (rc == -FI_EAGAIN) {
             stats_.eagain.fetch_add(1, std::memory_order_relaxed);
@@ -287,7 +296,6 @@ bool Rail::post_pending() {
         it = pending_.erase(it);
         any = true;
         if (rc != 0) {
-            span.end();  // the callback below is no provider call
             stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
             if (op->slot >= 0) free_send_slots_.push_back(op->slot);
             op->parent->piece_done(provider_error(
@@ -295,6 +303,7 @@ bool Rail::post_pending() {
             delete op;
             continue;
         }
+        op->tx_gen = tx_gen_;
         link_inflight(op);
         ++posted;
         bytes += op->len;
@@ -379,7 +388,7 @@ bool Rail::poll_cq() {
     for (int round = 0; round < 8; ++round) {
         ssize_t n;
         {
-            CallGuard g(call_since_ns_);
+            CallGuard g(calls_);
             n = fi_cq_read(cq_, entries, kCqBatch);
         }
         if (wedged()) return false;
@@ -395,7 +404,7 @@ bool Rail::poll_cq() {
             fi_cq_err_entry err{};
             ssize_t got;
             {
-                CallGuard g(call_since_ns_);
+                CallGuard g(calls_);
                 got = fi_cq_readerr(cq_, &err, 0);
             }
             if (wedged()) return false;
@@ -411,18 +420,25 @@ bool Rail::poll_cq() {
     return any;
 }
 
+void Rail::abandon(FabricOp* op, const Status& why) {
+    unlink_inflight(op);
+    op->abandoned = true;
+    abandoned_.insert(op);
+    auto parent = std::move(op->parent);
+    parent->piece_done(why);
+}
+
 void Rail::sweep_timeouts(TimePoint now) {
     while (in_head_ && in_head_->deadline <= now) {
         FabricOp* op = in_head_;
-        unlink_inflight(op);
-        op->abandoned = true;
-        abandoned_.insert(op);
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
-        auto parent = std::move(op->parent);
-        parent->piece_done(timeout_error(fmt::format(
-            "{} did not complete within {} ms; the peer may have died or the network is down",
-            describe(op), to_ms(config_.op_timeout))));
+        abandon(op, timeout_error(fmt::format(
+                        "{} did not complete within {} ms; the peer may have died or the network "
+                        "is down",
+                        describe(op), to_ms(config_.op_timeout))));
+        if (renew_on_stall_) on_inflight_timeout(op);
     }
+    if (!retired_.empty()) close_idle_retired();
     // Not only the front: operations to a peer that pushes back wait behind those posted
     // past them.
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -433,6 +449,13 @@ void Rail::sweep_timeouts(TimePoint now) {
         }
         it = pending_.erase(it);
         if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+        if (renew_on_stall_ && !peer_dead(op->dest)) {
+            // Pushed back until its deadline: a dead shm peer's full command queue, likely.
+            auto pid = peer_pid_.find(op->dest);
+            if (pid != peer_pid_.end() && !process_alive(pid->second)) {
+                dead_peers_.insert(op->dest);
+            }
+        }
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
         op->parent->piece_done(timeout_error(fmt::format(
             "{} could not be posted within {} ms: the provider kept pushing back (peer dead or "
@@ -440,6 +463,50 @@ void Rail::sweep_timeouts(TimePoint now) {
             describe(op), to_ms(config_.op_timeout))));
         delete op;
     }
+}
+
+void Rail::fail_dead_peer_op(FabricOp* op) {
+    if (op->slot >= 0) free_send_slots_.push_back(op->slot);
+    stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+    stats_.dead_peer_failures.fetch_add(1, std::memory_order_relaxed);
+    op->parent->piece_done(unavailable(fmt::format(
+        "{} failed: the peer's process is gone (an operation to it timed out and its process "
+        "no longer exists); reconnect to its new incarnation",
+        describe(op))));
+    delete op;
+}
+
+void Rail::on_inflight_timeout(const FabricOp* op) {
+    const uint32_t gen = op->tx_gen;
+    if (gen != tx_gen_) return;  // its endpoint was already given up on
+    auto pid = peer_pid_.find(op->dest);
+    const bool dead = pid != peer_pid_.end() && !process_alive(pid->second);
+    if (dead) dead_peers_.insert(op->dest);
+    Status renewed = renew_initiator();
+    if (!renewed.ok()) {
+        log(LogLevel::kError, "fabric", "rail {}: {}", index_, renewed.message());
+        return;
+    }
+    log(LogLevel::kWarn, "fabric",
+        "rail {}: {} timed out{}; new operations go through a fresh initiator endpoint", index_,
+        describe(op), dead ? " and its peer's process is gone" : "");
+    if (!dead) return;  // a slow peer: what follows it may still complete, by its deadline
+    // Everything posted on that endpoint after the dead peer's operation waits behind its
+    // response entry, which will never be answered: fail it now rather than at its deadline.
+    for (FabricOp* o = in_head_; o;) {
+        FabricOp* next = o->in_next;
+        if (o->tx_gen == gen) {
+            stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+            abandon(o,
+                    unavailable(fmt::format(
+                        "{} was given up: its completion waits behind an operation to a peer whose "
+                        "process died, which will never be answered; it may or may not have been "
+                        "carried out, retry it",
+                        describe(o))));
+        }
+        o = next;
+    }
+    close_idle_retired();
 }
 
 void Rail::run() {

@@ -6,6 +6,7 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <time.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -14,8 +15,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -61,6 +64,7 @@ struct FabricOp : MpscNode {
     std::shared_ptr<OpState> parent;
     std::vector<uint8_t> payload;  // kSend: message bytes until copied to a slot
     int slot = -1;                 // kSend: registered send slot in use
+    uint32_t tx_gen = 0;           // the initiator endpoint it was posted on (Rail::tx_gen_)
     std::function<Status()> task;  // kTask
     FabricOp* in_prev = nullptr;   // in-flight list, in post order
     FabricOp* in_next = nullptr;
@@ -78,6 +82,39 @@ struct RailStats {
     std::atomic<uint64_t> imm_arrivals{0};
     std::atomic<uint64_t> messages_received{0};
     std::atomic<uint64_t> messages_dropped{0};
+    std::atomic<uint64_t> initiator_renewals{0};  // fresh initiator endpoints opened
+    std::atomic<uint64_t> dead_peer_failures{0};  // ops failed because the peer process is gone
+};
+
+// Tells the watchdog whether a rail's worker is stuck inside one provider call. The worker
+// bumps a counter on entering and on leaving every call (odd: inside), two relaxed stores and
+// no clock read; the watchdog notes when it last saw the counter change. Timing a whole pass
+// of posts instead (one span, to save the two clock reads per post that were 2.4% of the
+// worker's samples at 64 B writes, perf, shm, 2026-12-01) declared a healthy tcp rail wedged
+// when a starved 2-core CI host stretched one pass past the 3 s op_timeout.
+class CallMonitor {
+  public:
+    // Worker thread.
+    void enter() {
+        seq_.store(seq_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    }
+    void leave() { enter(); }
+    // Watchdog thread only: how long the worker has been inside the same call, as far as the
+    // watchdog's observations tell (zero when it is outside any call or moved on since).
+    Duration inside_for(TimePoint now) {
+        uint64_t s = seq_.load(std::memory_order_relaxed);
+        if (s != seen_) {
+            seen_ = s;
+            seen_at_ = now;
+            return Duration::zero();
+        }
+        return (s & 1) ? now - seen_at_ : Duration::zero();
+    }
+
+  private:
+    alignas(64) std::atomic<uint64_t> seq_{0};
+    alignas(64) uint64_t seen_ = 0;  // watchdog's: the last value seen, and when it changed
+    TimePoint seen_at_{};
 };
 
 // Called by the worker for arrivals; set by the engine.
@@ -115,8 +152,11 @@ class Rail {
 
     // True when the worker has been inside one provider call for longer than `limit`: the
     // provider is wedged (seen with shm when a peer is killed while holding a lock in shared
-    // memory). Called by the engine's watchdog.
-    bool stuck_for(Duration limit, TimePoint now) const;
+    // memory). Called by the engine's watchdog thread only.
+    bool stuck_for(Duration limit, TimePoint now) { return calls_.inside_for(now) > limit; }
+    // CPU time the worker thread has used so far (none before start()): tells a worker spinning
+    // inside the provider from one the scheduler left off the CPU on an overloaded host.
+    std::optional<Duration> worker_cpu_time() const;
     // Marks the rail wedged: new work fails at once, and the worker, if its call ever returns,
     // exits without touching anything. The rail is then never freed (see stop()).
     void mark_wedged() { wedged_.store(true, std::memory_order_release); }
@@ -149,10 +189,25 @@ class Rail {
     void handle_error(const fi_cq_err_entry& err);
     void finish_op(FabricOp* op, const Status& s);
     void sweep_timeouts(TimePoint now);
+    // Reports an in-flight operation failed while libfabric still owns its context: the op
+    // stays in abandoned_ until its completion comes back or the endpoint is closed.
+    void abandon(FabricOp* op, const Status& why);
     void link_inflight(FabricOp* op);
     void unlink_inflight(FabricOp* op);
     Status post_recv(int slot);
     std::string describe(const FabricOp* op) const;
+    // shm recovery (see renew_on_stall_): a fresh initiator endpoint for new operations.
+    Status renew_initiator();
+    // An in-flight operation timed out: on a provider whose initiator completions queue
+    // behind each other, decide whether the peer died and move on to a fresh endpoint.
+    void on_inflight_timeout(const FabricOp* op);
+    // Closes retired initiator endpoints that no operation in flight uses any more (each holds
+    // a 16 MiB shm file, about 4 MiB of it touched: ls -s of /dev/shm, 2026-12-02).
+    void close_idle_retired();
+    bool peer_dead(fi_addr_t dest) const {
+        return !dead_peers_.empty() && dead_peers_.count(dest) != 0;
+    }
+    void fail_dead_peer_op(FabricOp* op);
 
     int index_ = 0;
     EngineConfig config_;
@@ -160,7 +215,7 @@ class Rail {
     fi_info* info_ = nullptr;
     fid_fabric* fabric_ = nullptr;
     fid_domain* domain_ = nullptr;
-    fid_ep* ep_ = nullptr;
+    fid_ep* ep_ = nullptr;  // the published endpoint: receives, and posts until renewed
     fid_av* av_ = nullptr;
     fid_cq* cq_ = nullptr;
     uint64_t mr_mode_ = 0;
@@ -191,10 +246,38 @@ class Rail {
     size_t inflight_ = 0;
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
 
+    // Initiator endpoints. shm completes every operation that needs an answer from its target
+    // (writes with immediates above inject_size, 4 KiB, among them: what KV transfers post)
+    // through one response queue per endpoint in the initiator's own region, drained strictly in
+    // order: an entry owed by a peer that died stays busy forever and holds every later completion
+    // of that endpoint, to any peer. The cure is a fresh endpoint (a fresh queue) on the same
+    // domain, AV and CQ for new operations; ep_ stays open and keeps receiving, so the published
+    // address stays valid (a target's work never touches its own response queue).
+    struct FidEpCloser {
+        void operator()(fid_ep* ep) const;
+    };
+    using EpPtr = std::unique_ptr<fid_ep, FidEpCloser>;
+    struct RetiredEp {
+        EpPtr ep;
+        uint32_t gen;
+    };
+    bool renew_on_stall_ = false;  // shm, and registrations are not bound to an endpoint
+    fid_ep* tx_ep_ = nullptr;      // where operations are posted: ep_ or fresh_tx_
+    uint32_t tx_gen_ = 0;          // bumped with every fresh initiator endpoint
+    EpPtr fresh_tx_;
+    std::vector<RetiredEp> retired_;
+    // shm: peers' process ids, from their region names (same host), to tell a peer that died
+    // from one that is only slow; and the peers known dead, whose operations fail at once
+    // instead of poisoning the fresh endpoint's queue.
+    std::unordered_map<fi_addr_t, long> peer_pid_;
+    std::unordered_set<fi_addr_t> dead_peers_;
+
     std::thread worker_;
+    clockid_t cpu_clock_{};  // the worker's CPU-time clock, set by start()
+    bool has_cpu_clock_ = false;
     std::atomic<bool> running_{false};
     std::atomic<bool> wedged_{false};
-    std::atomic<int64_t> call_since_ns_{0};  // when the current provider call began, 0 if none
+    CallMonitor calls_;
     std::atomic<bool> sleeping_{false};
     std::mutex nap_mu_;
     std::condition_variable nap_cv_;

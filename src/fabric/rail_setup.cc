@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <string_view>
 
 #include "fabric/rail.h"
@@ -24,7 +26,35 @@ void close_fid(T*& obj) {
     }
 }
 
+// The process id in a ferry shm region name (kShmNamePrefix, pid, '_'), 0 if it is none.
+long shm_name_pid(const std::vector<uint8_t>& addr) {
+    std::string_view name(reinterpret_cast<const char*>(addr.data()), addr.size());
+    size_t at = name.find(kShmNamePrefix);
+    if (at == std::string_view::npos) return 0;
+    std::string digits;
+    for (size_t i = at + std::strlen(kShmNamePrefix);
+         i < name.size() && name[i] >= '0' && name[i] <= '9' && digits.size() < 10; ++i) {
+        digits += name[i];
+    }
+    return digits.empty() ? 0 : std::strtol(digits.c_str(), nullptr, 10);
+}
+
+std::string shm_region_name(uint64_t salt, int rail, uint32_t gen) {
+    std::string name = fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(), salt, rail);
+    if (gen) name += fmt::format("_t{}", gen);
+    return name;
+}
+
+void set_src_name(fi_info* info, const std::string& name) {
+    free(info->src_addr);
+    info->src_addr = strdup(name.c_str());
+    info->src_addrlen = name.size() + 1;
+    info->addr_format = FI_ADDR_STR;
+}
+
 }  // namespace
+
+void Rail::FidEpCloser::operator()(fid_ep* ep) const { close_fid(ep); }
 
 Result<std::unique_ptr<Rail>> Rail::open(int index, const fi_info* info, const EngineConfig& config,
                                          RailHooks hooks) {
@@ -48,12 +78,7 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
         // shm names its region "<pid>:<n>:<m>" by default; a process killed with SIGKILL
         // leaves that file behind and a later process given the same pid fails fi_enable
         // with EBUSY. A name unique to this engine avoids the collision.
-        std::string name =
-            fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(), config.shm_name_salt, index);
-        free(info_->src_addr);
-        info_->src_addr = strdup(name.c_str());
-        info_->src_addrlen = name.size() + 1;
-        info_->addr_format = FI_ADDR_STR;
+        set_src_name(info_, shm_region_name(config.shm_name_salt, index, 0));
     }
     int rc = fi_fabric(info_->fabric_attr, &fabric_, nullptr);
     if (rc) return fi_status("fi_fabric", rc);
@@ -82,6 +107,11 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     if (rc) return fi_status("fi_ep_bind(cq)", rc);
     rc = fi_enable(ep_);
     if (rc) return fi_status("fi_enable", rc);
+    tx_ep_ = ep_;
+    // Only shm queues initiator completions behind each other (see renew_initiator); a fresh
+    // endpoint needs registrations that are not bound to one (shm binds none).
+    renew_on_stall_ = std::string_view(info_->fabric_attr->prov_name) == "shm" &&
+                      !(info_->domain_attr->mr_mode & FI_MR_ENDPOINT);
 
     size_t len = 0;
     rc = fi_getname(&ep_->fid, nullptr, &len);
@@ -150,7 +180,47 @@ Result<fi_addr_t> Rail::insert_address(const std::vector<uint8_t>& addr) {
     fi_addr_t fa = FI_ADDR_UNSPEC;
     int rc = fi_av_insert(av_, addr.data(), 1, &fa, 0, nullptr);
     if (rc != 1) return fi_status("fi_av_insert", rc < 0 ? rc : -FI_EINVAL);
+    if (renew_on_stall_) {
+        if (long pid = shm_name_pid(addr); pid > 0) peer_pid_[fa] = pid;
+    }
     return fa;
+}
+
+Status Rail::renew_initiator() {
+    fi_info* dup = fi_dupinfo(info_);
+    if (!dup) return resource_exhausted("fi_dupinfo: out of memory");
+    set_src_name(dup, shm_region_name(config_.shm_name_salt, index_, tx_gen_ + 1));
+    fid_ep* raw = nullptr;
+    int rc = fi_endpoint(domain_, dup, &raw, nullptr);
+    fi_freeinfo(dup);
+    if (rc) return fi_status("opening a fresh initiator endpoint: fi_endpoint", rc);
+    EpPtr ep(raw);
+    // Same AV (peers keep their fi_addr_t: shm lets several endpoints share one, each
+    // introducing itself to a peer on first contact) and same CQ (the worker polls one).
+    rc = fi_ep_bind(ep.get(), &av_->fid, 0);
+    if (!rc) rc = fi_ep_bind(ep.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (!rc) rc = fi_enable(ep.get());
+    if (rc) return fi_status("enabling a fresh initiator endpoint", rc);
+    if (fresh_tx_) retired_.push_back({std::move(fresh_tx_), tx_gen_});
+    fresh_tx_ = std::move(ep);
+    tx_ep_ = fresh_tx_.get();
+    ++tx_gen_;
+    stats_.initiator_renewals.fetch_add(1, std::memory_order_relaxed);
+    return ok_status();
+}
+
+void Rail::close_idle_retired() {
+    for (auto it = retired_.begin(); it != retired_.end();) {
+        bool busy = false;
+        for (FabricOp* o = in_head_; o && !busy; o = o->in_next) busy = o->tx_gen == it->gen;
+        if (busy) {
+            ++it;
+            continue;
+        }
+        // Its abandoned operations stay in abandoned_: a completion of theirs may already sit
+        // in the shared CQ, and is then matched to them as usual; the rest go at stop().
+        it = retired_.erase(it);
+    }
 }
 
 void Rail::stop(const Status& why) {
@@ -170,8 +240,11 @@ void Rail::stop(const Status& why) {
         worker_.join();
     }
     running_ = false;
-    // The worker is gone: this thread owns the rail now. Close the endpoint first so that
+    // The worker is gone: this thread owns the rail now. Close the endpoints first so that
     // libfabric lets go of every context, then fail what was still outstanding.
+    retired_.clear();
+    fresh_tx_.reset();
+    tx_ep_ = nullptr;
     close_fid(ep_);
     while (auto* op = static_cast<FabricOp*>(queue_.pop())) pending_.push_back(op);
     for (FabricOp* op : pending_) {

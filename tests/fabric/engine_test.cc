@@ -660,13 +660,42 @@ TEST_P(EngineTest, ControlMessagesCarryPayloadAndSender) {
     expect_all_ok(results);
 }
 
+// Rank 1 is killed while rank 0 streams writes with immediates above the inject size into it.
+// Rank 0 must get errors, not a hang; then reach the live rank 2 and a peer started after the
+// kill (rank 3, a process whose engine is created only then: a restarted peer at a new
+// address) with the same engine, writes above the inject size, bytes verified. On shm this
+// needs the fresh initiator endpoint (see Rail::renew_initiator): the dead rank's unanswered
+// write blocks the old one's response queue for every peer.
 TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
+    uint64_t seed = testing::test_seed("TargetKilled");
+    const size_t kBuf = 1 << 20, kLen = 65536;
+    const int kLate[] = {3};
     auto results = run_processes(
-        3,
+        4,
         [&](Exchange& ex) -> std::string {
             EngineConfig c = config();
             c.op_timeout = std::chrono::seconds(2);
-            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, 1 << 20, 0));
+            if (ex.rank() == 3) {
+                CHILD_CHECK_OK(ex.allgather({}).status());  // not started yet
+                CHILD_CHECK(ex.barrier().ok());
+                CHILD_CHECK_OK(ex.allgather({}).status());  // rank 0 saw the victim fail
+                // "Restart": this process's first engine, at an address never seen before.
+                CHILD_ASSIGN_OK(auto e, TransferEngine::create(c));
+                std::vector<uint8_t> buf(kBuf, kPoison);
+                CHILD_ASSIGN_OK(auto mr, e->register_memory(buf.data(), buf.size()));
+                ByteWriter w;
+                e->address().encode(w);
+                mr->descriptor().encode(w);
+                CHILD_CHECK_OK(ex.allgather(w.bytes()).status());
+                CHILD_CHECK_OK(e->wait_imm(3, 1, std::chrono::seconds(60)));
+                std::vector<uint8_t> want(kBuf, kPoison);
+                for (size_t i = 0; i < kLen; ++i) want[4096 + i] = pattern(seed, i);
+                std::string diff = compare(buf, want);
+                CHILD_CHECK_MSG(diff.empty(), "restarted peer: {}", diff);
+                CHILD_CHECK(ex.barrier().ok());
+                return "";
+            }
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, kBuf, 0, kLate));
             if (ex.rank() == 1) {
                 CHILD_CHECK(ex.barrier().ok());
                 CHILD_CHECK_OK(n.engine->wait_imm(1, 50, kWait));
@@ -682,7 +711,7 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
                     std::vector<OpHandle> hs;
                     for (int i = 0; i < 16; ++i) {
                         hs.push_back(
-                            n.engine->write({n.peer[1], n.mr.get(), 0, &n.desc[1], 0, 65536, 1u}));
+                            n.engine->write({n.peer[1], n.mr.get(), 0, &n.desc[1], 0, kLen, 1u}));
                     }
                     for (auto& h : hs) {
                         Status s = h.wait(std::chrono::seconds(10));
@@ -702,20 +731,33 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
                                 "no error within 30 s of the target dying ({} ok)", ok_count);
                 CHILD_CHECK_MSG(ok_count >= 48, "only {} writes succeeded; first error: {}",
                                 ok_count, first_error.to_string());
-                // The initiator stays healthy: traffic to a live peer still works. Where the
-                // provider itself wedged on the dead peer (shm, when the victim died holding a
-                // lock), the error says so and a fresh engine carries on.
-                std::fill(n.buf.begin(), n.buf.end(), 0x5A);
-                Status s = n.engine->write({n.peer[2], n.mr.get(), 0, &n.desc[2], 0, 4096, 2u})
+                // The initiator stays healthy: writes above the inject size reach a live peer
+                // and a restarted one. Only where the provider itself wedged on the dead peer
+                // (shm, when the victim died holding a lock in its region) does the error say
+                // so, and a fresh engine carries on.
+                for (size_t i = 0; i < kLen; ++i) n.buf[i] = pattern(seed, i);
+                Status s = n.engine->write({n.peer[2], n.mr.get(), 0, &n.desc[2], 4096, kLen, 2u})
                                .wait(kWait);
-                if (!s.ok()) {
+                CHILD_ASSIGN_OK(auto late, ex.allgather({}));
+                CHILD_ASSIGN_OK(auto joined, ex.allgather({}));
+                ByteReader rd(joined[3]);
+                CHILD_ASSIGN_OK(EngineAddress addr3, EngineAddress::decode(rd));
+                CHILD_ASSIGN_OK(MemoryDescriptor desc3, MemoryDescriptor::decode(rd));
+                if (s.ok()) {
+                    CHILD_ASSIGN_OK(PeerId p3, n.engine->connect(addr3));
+                    CHILD_CHECK_OK(
+                        n.engine->write({p3, n.mr.get(), 0, &desc3, 4096, kLen, 3u}).wait(kWait));
+                } else {
                     CHILD_CHECK_MSG(s.message().find("wedged") != std::string::npos, "{}",
                                     s.to_string());
                     CHILD_ASSIGN_OK(auto fresh, TransferEngine::create(c));
                     CHILD_ASSIGN_OK(auto mr2, fresh->register_memory(n.buf.data(), n.buf.size()));
                     CHILD_ASSIGN_OK(PeerId p2, fresh->connect(n.addr[2]));
                     CHILD_CHECK_OK(
-                        fresh->write({p2, mr2.get(), 0, &n.desc[2], 0, 4096, 2u}).wait(kWait));
+                        fresh->write({p2, mr2.get(), 0, &n.desc[2], 4096, kLen, 2u}).wait(kWait));
+                    CHILD_ASSIGN_OK(PeerId p3, fresh->connect(addr3));
+                    CHILD_CHECK_OK(
+                        fresh->write({p3, mr2.get(), 0, &desc3, 4096, kLen, 3u}).wait(kWait));
                     mr2.reset();
                     fresh.reset();
                 }
@@ -727,17 +769,22 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
             }
             if (ex.rank() == 2) {
                 CHILD_CHECK(ex.barrier().ok());
+                CHILD_CHECK_OK(ex.allgather({}).status());
+                CHILD_CHECK_OK(ex.allgather({}).status());
                 CHILD_CHECK_OK(n.engine->wait_imm(2, 1, std::chrono::seconds(60)));
-                for (size_t i = 0; i < 4096; ++i) CHILD_CHECK(n.buf[i] == 0x5A);
+                std::vector<uint8_t> want(kBuf, 0);
+                for (size_t i = 0; i < kLen; ++i) want[4096 + i] = pattern(seed, i);
+                std::string diff = compare(n.buf, want);
+                CHILD_CHECK_MSG(diff.empty(), "live peer: {}", diff);
                 CHILD_CHECK(ex.barrier().ok());
             }
             return "";
         },
         kRunTimeout);
-    ASSERT_EQ(results.size(), 3u);
+    ASSERT_EQ(results.size(), 4u);
     EXPECT_EQ(results[1].term_signal, SIGKILL);
-    EXPECT_TRUE(results[0].ok()) << results[0].error;
-    EXPECT_TRUE(results[2].ok()) << results[2].error;
+    for (int r : {0, 2, 3})
+        EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].error;
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, EngineTest, ::testing::ValuesIn(testing::test_providers()),

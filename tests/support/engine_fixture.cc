@@ -1,5 +1,6 @@
 #include "support/engine_fixture.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "ferry/common/bytes.h"
@@ -18,7 +19,7 @@ EngineConfig test_engine_config(const std::string& provider) {
 std::vector<std::string> test_providers() { return {"tcp", "shm"}; }
 
 Result<MeshNode> make_mesh_node(Exchange& ex, const EngineConfig& config, size_t buf_size,
-                                uint8_t fill) {
+                                uint8_t fill, std::span<const int> late) {
     MeshNode n;
     FERRY_ASSIGN_OR_RETURN(n.engine, TransferEngine::create(config));
     n.buf.assign(buf_size, fill);
@@ -31,6 +32,7 @@ Result<MeshNode> make_mesh_node(Exchange& ex, const EngineConfig& config, size_t
     n.desc.resize(ex.size());
     n.addr.resize(ex.size());
     for (int r = 0; r < ex.size(); ++r) {
+        if (std::find(late.begin(), late.end(), r) != late.end()) continue;
         if (all[r].empty()) return unavailable("rank " + std::to_string(r) + " is gone");
         ByteReader rd(all[r]);
         FERRY_ASSIGN_OR_RETURN(n.addr[r], EngineAddress::decode(rd));

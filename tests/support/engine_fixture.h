@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,9 +24,11 @@ struct MeshNode {
 EngineConfig test_engine_config(const std::string& provider);
 
 // Creates the engine, registers a buffer of buf_size bytes filled with `fill`, exchanges
-// addresses and descriptors with every rank and connects to all of them.
+// addresses and descriptors with every rank and connects to all of them. Ranks listed in
+// `late` (a peer started later, e.g. a restarted one) take part in the exchange with an empty
+// blob instead of calling this, and are left out.
 Result<MeshNode> make_mesh_node(Exchange& ex, const EngineConfig& config, size_t buf_size,
-                                uint8_t fill);
+                                uint8_t fill, std::span<const int> late = {});
 
 // Providers the engine tests run on.
 std::vector<std::string> test_providers();
