@@ -111,8 +111,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Result<uint64_t> map_gpu_peer(const MemoryDescriptor& remote, const MemoryRegion& local);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
     // the data is in place) like a fabric operation.
-    OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device,
-                    std::vector<GpuCopy> copies, std::optional<uint32_t> imm);
+    OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device, GpuWork work,
+                    std::optional<uint32_t> imm);
 
     // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
     void watchdog();

@@ -20,10 +20,17 @@ Result<uint64_t> GpuCopyPath::map_peer(const MemoryDescriptor& remote, int local
     return t->map_remote(remote, local_device);
 }
 
-void GpuCopyPath::submit(GpuTransport* t, int device, std::vector<GpuCopy> copies,
+uint64_t GpuWork::bytes() const {
+    uint64_t b = 0;
+    for (const auto& c : copies) b += c.len;
+    for (const auto& p : paged) b += p.page_size * p.src_pages.size();
+    return b;
+}
+
+void GpuCopyPath::submit(GpuTransport* t, int device, GpuWork work,
                          std::function<void(const Status&)> done) {
     in_flight_.fetch_add(1, std::memory_order_relaxed);
-    t->submit(device, std::move(copies), [this, done = std::move(done)](const Status& s) {
+    t->submit(device, std::move(work), [this, done = std::move(done)](const Status& s) {
         in_flight_.fetch_sub(1, std::memory_order_relaxed);
         done(s);
     });

@@ -28,8 +28,7 @@ class GpuCopyPath {
     Result<uint64_t> map_peer(const MemoryDescriptor& remote, int local_device);
     // Runs the copies on `device`; done runs on the transport's thread once they completed.
     // The caller keeps this object alive until then (done holds the engine).
-    void submit(GpuTransport* t, int device, std::vector<GpuCopy> copies,
-                std::function<void(const Status&)> done);
+    void submit(GpuTransport* t, int device, GpuWork work, std::function<void(const Status&)> done);
     // Copies in flight: the rail workers must not nap (their signals follow).
     bool busy() const { return in_flight_.load(std::memory_order_relaxed) > 0; }
     // Fails pending copies and frees the transport; their callbacks may still signal through

@@ -20,6 +20,26 @@ struct GpuCopy {
     uint64_t len;
 };
 
+// Pages of one size: page k goes from src + src_pages[k] * src_stride to
+// dst + dst_pages[k] * dst_stride. The device computes the addresses from the ids, so a paged
+// write costs the host 8 bytes a page instead of a copy descriptor per run.
+struct GpuPagedCopy {
+    uint64_t dst;  // device-visible addresses of page 0
+    uint64_t src;
+    uint64_t page_size;
+    uint64_t src_stride;
+    uint64_t dst_stride;
+    std::vector<uint32_t> src_pages;
+    std::vector<uint32_t> dst_pages;
+};
+
+// What one operation hands the transport: irregular runs, paged copies, or both.
+struct GpuWork {
+    std::vector<GpuCopy> copies;
+    std::vector<GpuPagedCopy> paged;
+    uint64_t bytes() const;
+};
+
 class GpuTransport {
   public:
     virtual ~GpuTransport() = default;
@@ -30,8 +50,7 @@ class GpuTransport {
     virtual Result<uint64_t> map_remote(const MemoryDescriptor& d, int local_device) = 0;
     // Runs the copies on `device` (the source of a push, the destination of a pull) and calls
     // done once they all completed. Never blocks the caller.
-    virtual void submit(int device, std::vector<GpuCopy> copies,
-                        std::function<void(const Status&)> done) = 0;
+    virtual void submit(int device, GpuWork work, std::function<void(const Status&)> done) = 0;
     // Jobs submitted and not completed yet.
     virtual size_t in_flight() const = 0;
 };

@@ -86,7 +86,7 @@ Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
 }
 
 OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
-                            std::vector<GpuCopy> copies, std::optional<uint32_t> imm_value) {
+                            GpuWork work, std::optional<uint32_t> imm_value) {
     auto g = gpu_.transport();
     if (!g.ok()) {
         state->fail_now(g.status());
@@ -95,7 +95,7 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
     state->imm_writes = imm_value ? 1 : 0;
     state->set_pieces(1);
     auto self = shared_from_this();
-    gpu_.submit(*g, device, std::move(copies), [self, state, peer_id, imm_value](const Status& s) {
+    gpu_.submit(*g, device, std::move(work), [self, state, peer_id, imm_value](const Status& s) {
         if (!s.ok() || !imm_value) {
             state->piece_done(s);
             return;
@@ -132,7 +132,7 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
         std::vector<GpuCopy> copies = {{*base + w.dst_offset,
                                         reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
                                         w.length}};
-        gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+        gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}}, w.imm);
         return false;
     }
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
@@ -160,7 +160,8 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
                                         *base + r.src_offset, r.length}};
-        gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+        gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}},
+               std::nullopt);
         return false;
     }
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
@@ -261,13 +262,16 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     }
     auto path = choose_path(*p, *w.src, *w.dst, "paged write");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
-    uint64_t gpu_base = 0;
-    std::vector<GpuCopy> copies;
     if (*path == Path::kGpuIpc) {
-        copies.reserve(w.src_pages.size());
+        // The page ids go to the device as they are; the copy kernel computes the addresses.
         auto base = map_gpu_peer(*w.dst, *w.src);
         if (!base.ok()) FERRY_FAIL_OP(state, base.status());
-        gpu_base = *base;
+        GpuWork work;
+        work.paged.push_back({*base + w.dst_offset,
+                              reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset, w.page_size,
+                              ss, ds, std::vector<uint32_t>(w.src_pages.begin(), w.src_pages.end()),
+                              std::vector<uint32_t>(w.dst_pages.begin(), w.dst_pages.end())});
+        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(work), w.imm);
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
@@ -283,17 +287,9 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         }
         uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
         uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        if (*path == Path::kGpuIpc) {
-            copies.push_back({gpu_base + dof, reinterpret_cast<uint64_t>(w.src->data()) + so,
-                              (j - i) * w.page_size});
-        } else {
-            add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                    deadline, false, state);
-        }
+        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
+                deadline, false, state);
         i = j;
-    }
-    if (*path == Path::kGpuIpc) {
-        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
     }
     return submit(b, state, w.imm.has_value());
 }
@@ -313,7 +309,8 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
         copies.reserve(w.runs.size());
         for (const WriteRun& r : w.runs)
             copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
-        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(copies), w.imm);
+        return gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}},
+                      w.imm);
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
@@ -346,7 +343,8 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
         copies.reserve(r.runs.size());
         for (const WriteRun& run : r.runs)
             copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
-        return gpu_op(state, r.peer, r.dst->descriptor().device, std::move(copies), std::nullopt);
+        return gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}},
+                      std::nullopt);
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);

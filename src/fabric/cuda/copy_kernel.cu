@@ -4,12 +4,47 @@ namespace ferry::detail {
 namespace {
 
 constexpr int kWarpsPerBlock = kCopyWarpsPerBlock;
+constexpr int kThreads = kWarpsPerBlock * 32;
 
-// One warp per chunk, chunks taken grid-stride. 16-byte vectors when both ends are aligned,
-// unrolled 8x so each lane keeps eight loads in flight (a 4 KiB page is one round of loads;
-// NVLink latency is ~1 us), and the next chunk's descriptor is fetched before this one's
-// copy starts.
-__global__ void batched_copy_kernel(const CopyChunk* __restrict__ chunks, int n) {
+// A warp copies [src, src + len). 16-byte vectors when both ends are aligned, unrolled 8x so
+// each lane keeps eight loads in flight (a 4 KiB page is one round of loads; NVLink latency is
+// ~1 us). With the page ids already on the device this loop, 512 threads x 2 blocks per SM,
+// copied 256 MiB as one run or as random 4/16/64 KiB pages at 1824-1846 GB/s against
+// 2030 GB/s for cudaMemcpyAsync (0.90-0.91x, one H200, 2026-12-02); streaming stores
+// (st.global.cs), 4 KiB pieces, 4x unrolling over 256x8 threads and 16x over 256x4 were no
+// faster (1520-1869 GB/s), so what the engine loses beyond that is on the host.
+__device__ __forceinline__ void warp_copy(const char* src, char* dst, uint64_t len, int lane) {
+    uint64_t done = 0;
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+        const int4* s4 = reinterpret_cast<const int4*>(src);
+        int4* d4 = reinterpret_cast<int4*>(dst);
+        uint64_t n4 = len / 16;
+        uint64_t i = lane;
+        for (; i + 224 < n4; i += 256) {
+            int4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = s4[i + 32 * u];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) d4[i + 32 * u] = v[u];
+        }
+        for (; i + 96 < n4; i += 128) {
+            int4 a = s4[i], b = s4[i + 32], x = s4[i + 64], y = s4[i + 96];
+            d4[i] = a;
+            d4[i + 32] = b;
+            d4[i + 64] = x;
+            d4[i + 96] = y;
+        }
+        for (; i < n4; i += 32) d4[i] = s4[i];
+        done = n4 * 16;
+    }
+    for (uint64_t i = done + lane; i < len; i += 32) dst[i] = src[i];
+}
+
+// One warp per chunk, chunks taken grid-stride; the next chunk's descriptor is fetched before
+// this one's copy starts. The bounds keep two blocks of 16 warps resident per SM (64
+// registers a thread), the occupancy the chunk sizes are planned for.
+__global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
+    batched_copy_kernel(const CopyChunk* __restrict__ chunks, int n) {
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * kWarpsPerBlock) + (threadIdx.x >> 5);
     const int num_warps = gridDim.x * kWarpsPerBlock;
@@ -17,33 +52,29 @@ __global__ void batched_copy_kernel(const CopyChunk* __restrict__ chunks, int n)
     for (int c = warp; c < n; c += num_warps) {
         const CopyChunk ch = next;
         if (c + num_warps < n) next = chunks[c + num_warps];
-        const char* src = static_cast<const char*>(ch.src);
-        char* dst = static_cast<char*>(ch.dst);
-        uint64_t len = ch.len;
-        uint64_t done = 0;
-        if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
-            const int4* s4 = reinterpret_cast<const int4*>(src);
-            int4* d4 = reinterpret_cast<int4*>(dst);
-            uint64_t n4 = len / 16;
-            uint64_t i = lane;
-            for (; i + 224 < n4; i += 256) {
-                int4 v[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = s4[i + 32 * u];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) d4[i + 32 * u] = v[u];
-            }
-            for (; i + 96 < n4; i += 128) {
-                int4 a = s4[i], b = s4[i + 32], x = s4[i + 64], y = s4[i + 96];
-                d4[i] = a;
-                d4[i + 32] = b;
-                d4[i + 64] = x;
-                d4[i + 96] = y;
-            }
-            for (; i < n4; i += 32) d4[i] = s4[i];
-            done = n4 * 16;
-        }
-        for (uint64_t i = done + lane; i < len; i += 32) dst[i] = src[i];
+        warp_copy(static_cast<const char*>(ch.src), static_cast<char*>(ch.dst), ch.len, lane);
+    }
+}
+
+// One warp per piece of a page, pieces taken grid-stride across every segment of the launch.
+// A warp's items only grow, so it finds its segment by walking forward from the last one.
+// Loading the next item's page ids before copying this piece measured no better (random
+// 16/64 KiB pages 0.58/0.69x against 0.65/0.75x without, one H200, 2026-12-02).
+__global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
+    paged_copy_kernel(const PagedSegment* __restrict__ segs, int num_segs, uint64_t total) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (uint64_t{blockIdx.x} * kWarpsPerBlock) + (threadIdx.x >> 5);
+    const uint64_t num_warps = uint64_t{gridDim.x} * kWarpsPerBlock;
+    int s = 0;
+    for (uint64_t item = warp; item < total; item += num_warps) {
+        while (s + 1 < num_segs && segs[s + 1].first_item <= item) ++s;
+        const PagedSegment& g = segs[s];
+        const uint64_t local = item - g.first_item;
+        const uint64_t page = local / g.pieces_per_page;
+        const uint64_t off = (local - page * g.pieces_per_page) * kPagePiece;
+        const uint64_t len = g.page_size - off < kPagePiece ? g.page_size - off : kPagePiece;
+        warp_copy(g.src + g.src_pages[page] * g.src_stride + off,
+                  g.dst + g.dst_pages[page] * g.dst_stride + off, len, lane);
     }
 }
 
@@ -55,7 +86,16 @@ cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num
     int blocks = num_blocks;
     int needed = (num_chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
     if (blocks > needed) blocks = needed;
-    batched_copy_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(chunks, num_chunks);
+    batched_copy_kernel<<<blocks, kThreads, 0, stream>>>(chunks, num_chunks);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
+                              int num_blocks, cudaStream_t stream) {
+    if (num_segments <= 0 || total_items == 0) return cudaSuccess;
+    uint64_t needed = (total_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    int blocks = needed < static_cast<uint64_t>(num_blocks) ? static_cast<int>(needed) : num_blocks;
+    paged_copy_kernel<<<blocks, kThreads, 0, stream>>>(segments, num_segments, total_items);
     return cudaGetLastError();
 }
 

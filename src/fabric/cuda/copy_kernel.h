@@ -1,6 +1,9 @@
-// Batched device copy: many (src, dst, len) pieces in one launch. Over NVLink a kernel moves
-// thousands of small KV blocks where one cudaMemcpy per block would pay ~2 us of copy-engine
-// launch each.
+// Device copies for the CUDA IPC transport, two forms in one launch each:
+// - batched runs: many (src, dst, len) pieces listed by the host, for irregular runs;
+// - paged copies: pages of one size at index * stride on both sides, where the host uploads
+//   only the page ids (8 bytes a page) and the kernel computes the addresses. Listing every
+//   page as a 24-byte chunk on the host was what held random 4 KiB pages at 0.10x of the copy
+//   ceiling (2026-12-01).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,15 +18,36 @@ struct CopyChunk {
     uint64_t len;
 };
 
+// One paged copy inside a launch: page k goes from src + src_pages[k] * src_stride to
+// dst + dst_pages[k] * dst_stride. A page is cut into pieces of at most kPagePiece bytes, one
+// warp each; first_item numbers the segment's first piece across the launch.
+struct PagedSegment {
+    const char* src;
+    char* dst;
+    const uint32_t* src_pages;  // device memory, num_pages entries each
+    const uint32_t* dst_pages;
+    uint64_t page_size;
+    uint64_t src_stride;
+    uint64_t dst_stride;
+    uint64_t first_item;
+    uint32_t pieces_per_page;
+    uint32_t num_pages;
+};
+
 // One warp copies one chunk, so a copy must be cut into many chunks for the whole GPU to
 // work on it: a 4 MiB KV run cut at 256 KiB kept 16 warps busy and moved 35 GB/s over NVLink
 // (2026-11-30). 16 KiB gives a 4 MiB run 256 warps, and 256 MiB 16k chunks.
 constexpr uint64_t kMaxChunk = 16 * 1024;  // the smallest chunk; large launches use more
+constexpr uint64_t kPagePiece = 16 * 1024;
 constexpr int kCopyWarpsPerBlock = 16;
 constexpr int kCopyBlocksPerSm = 2;
 
 // `chunks` must be readable by the device (mapped pinned host memory or device memory).
 cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num_blocks,
                                 cudaStream_t stream);
+
+// `segments` (device memory) hold num_segments entries whose pieces add up to total_items.
+cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
+                              int num_blocks, cudaStream_t stream);
 
 }  // namespace ferry::detail

@@ -18,6 +18,7 @@
 
 #include "common/cuda_check.h"
 #include "fabric/cuda/copy_kernel.h"
+#include "fabric/cuda/copy_launch.h"
 #include "fabric/gpu_transport.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/log.h"
@@ -32,16 +33,6 @@ constexpr uint64_t kLaunchWhileBusyBytes = 256ull << 20;
 // Above this a single contiguous copy goes to the copy engine when the mode is auto.
 constexpr uint64_t kCopyEngineThreshold = 64ull << 20;
 
-// The chunk list is built in pinned host memory and uploaded to a device buffer before the
-// kernel runs: read straight from mapped host memory, each warp paid a PCIe round trip per
-// chunk (random 4 KiB pages ran at 0.27x of the NVLink ceiling, 2026-11-30).
-struct PinnedBuffer {
-    CopyChunk* ptr = nullptr;
-    CopyChunk* dev = nullptr;  // device copy, on the device the buffer was taken for
-    int device = -1;
-    size_t capacity = 0;  // chunks
-};
-
 class CudaTransport final : public GpuTransport {
   public:
     explicit CudaTransport(const EngineConfig& config) : config_(config) {}
@@ -50,14 +41,13 @@ class CudaTransport final : public GpuTransport {
 
     Status export_memory(void* ptr, size_t len, int device, MemoryDescriptor* d) override;
     Result<uint64_t> map_remote(const MemoryDescriptor& d, int local_device) override;
-    void submit(int device, std::vector<GpuCopy> copies,
-                std::function<void(const Status&)> done) override;
+    void submit(int device, GpuWork work, std::function<void(const Status&)> done) override;
     size_t in_flight() const override { return pending_.load(std::memory_order_relaxed); }
 
   private:
     struct Job {
         int device;
-        std::vector<GpuCopy> copies;
+        GpuWork work;
         std::function<void(const Status&)> done;
         TimePoint submitted = Clock::now();
     };
@@ -76,7 +66,6 @@ class CudaTransport final : public GpuTransport {
     // Launches every job in `jobs` (one device) as one kernel, or copy-engine copies.
     Status launch(int device, std::vector<Job>& jobs, InFlight* out);
     Result<cudaStream_t> stream_for(int device);
-    PinnedBuffer take_buffer(size_t chunks, int device);
 
     EngineConfig config_;
     // FERRY_GPU_TRACE=1: one line per launch on stderr (jobs merged, bytes, waits), to see
@@ -93,16 +82,12 @@ class CudaTransport final : public GpuTransport {
     // Worker-thread state.
     std::map<int, cudaStream_t> streams_;
     std::map<int, int> sm_count_;
-    std::vector<PinnedBuffer> free_buffers_;
+    PinnedBufferPool buffers_;
     std::deque<InFlight> inflight_;
     std::map<int, std::vector<Job>> waiting_;  // jobs held while their device copies
     std::map<int, uint64_t> waiting_bytes_;
     std::map<int, int> busy_;  // launches in flight per device
-    static uint64_t job_bytes(const Job& j) {
-        uint64_t b = 0;
-        for (const auto& c : j.copies) b += c.len;
-        return b;
-    }
+    static uint64_t job_bytes(const Job& j) { return j.work.bytes(); }
     std::vector<cudaEvent_t> free_events_;
 
     std::atomic<size_t> pending_{0};  // submitted, not completed
@@ -138,16 +123,11 @@ CudaTransport::~CudaTransport() {
         cudaEventSynchronize(f.event);
         for (auto& d : f.done) d(cancelled("the transfer engine was shut down"));
         cudaEventDestroy(f.event);
-        cudaFreeHost(f.buf.ptr);
-        cudaFree(f.buf.dev);
+        PinnedBufferPool::free(f.buf);
     }
     for (auto& j : jobs_) j.done(cancelled("the transfer engine was shut down"));
     for (auto& [dev, group] : waiting_) {
         for (auto& j : group) j.done(cancelled("the transfer engine was shut down"));
-    }
-    for (auto& b : free_buffers_) {
-        cudaFreeHost(b.ptr);
-        cudaFree(b.dev);
     }
     for (auto ev : free_events_) cudaEventDestroy(ev);
     for (auto& [dev, s] : streams_) cudaStreamDestroy(s);
@@ -245,8 +225,7 @@ Result<uint64_t> CudaTransport::map_remote(const MemoryDescriptor& d, int local_
     return it->second + d.ipc_offset;
 }
 
-void CudaTransport::submit(int device, std::vector<GpuCopy> copies,
-                           std::function<void(const Status&)> done) {
+void CudaTransport::submit(int device, GpuWork work, std::function<void(const Status&)> done) {
     {
         std::lock_guard lk(mu_);
         if (!stop_) {
@@ -255,7 +234,7 @@ void CudaTransport::submit(int device, std::vector<GpuCopy> copies,
                 pending_.fetch_sub(1, std::memory_order_relaxed);
                 d(s);
             };
-            jobs_.push_back({device, std::move(copies), std::move(counted)});
+            jobs_.push_back({device, std::move(work), std::move(counted)});
             cv_.notify_one();
             return;
         }
@@ -276,31 +255,6 @@ Result<cudaStream_t> CudaTransport::stream_for(int device) {
     return s;
 }
 
-PinnedBuffer CudaTransport::take_buffer(size_t chunks, int device) {
-    for (size_t i = 0; i < free_buffers_.size(); ++i) {
-        if (free_buffers_[i].capacity >= chunks && free_buffers_[i].device == device) {
-            PinnedBuffer b = free_buffers_[i];
-            free_buffers_.erase(free_buffers_.begin() + i);
-            return b;
-        }
-    }
-    size_t cap = 1024;
-    while (cap < chunks) cap *= 2;
-    PinnedBuffer b;
-    if (cudaHostAlloc(reinterpret_cast<void**>(&b.ptr), cap * sizeof(CopyChunk),
-                      cudaHostAllocPortable) != cudaSuccess) {
-        return b;
-    }
-    if (cudaMalloc(reinterpret_cast<void**>(&b.dev), cap * sizeof(CopyChunk)) != cudaSuccess) {
-        cudaFreeHost(b.ptr);
-        b.ptr = nullptr;
-        return b;
-    }
-    b.device = device;
-    b.capacity = cap;
-    return b;
-}
-
 void CudaTransport::trace_completion(const InFlight& f) const {
     auto at = [&](TimePoint t) { return to_us(t - trace_epoch_); };
     std::fprintf(stderr,
@@ -315,7 +269,8 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     out->first_submitted = out->launch_begin;
     for (const auto& j : jobs) {
         out->first_submitted = std::min(out->first_submitted, j.submitted);
-        out->copies += j.copies.size();
+        out->copies += j.work.copies.size();
+        for (const auto& p : j.work.paged) out->copies += p.src_pages.size();
         out->bytes += job_bytes(j);
     }
     FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(device));
@@ -323,47 +278,23 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     for (auto& j : jobs) out->done.push_back(std::move(j.done));
     bool copy_engine =
         config_.gpu_copy == "copy-engine" ||
-        (config_.gpu_copy == "auto" && jobs.size() == 1 && jobs[0].copies.size() == 1 &&
-         jobs[0].copies[0].len >= kCopyEngineThreshold);
+        (config_.gpu_copy == "auto" && jobs.size() == 1 && jobs[0].work.paged.empty() &&
+         jobs[0].work.copies.size() == 1 && jobs[0].work.copies[0].len >= kCopyEngineThreshold);
+    std::vector<const GpuWork*> works;
+    works.reserve(jobs.size());
+    for (const auto& j : jobs) works.push_back(&j.work);
     if (copy_engine) {
         for (const auto& j : jobs) {
-            for (const auto& c : j.copies) {
+            for (const auto& c : j.work.copies) {
                 FERRY_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
                                                reinterpret_cast<const void*>(c.src), c.len,
                                                cudaMemcpyDefault, stream));
             }
         }
-    } else {
-        // Chunks of 16 KiB give every warp work even for one 4 MiB run; for hundreds of MiB
-        // they only lengthen the list the host builds and uploads (32k entries took ~150 us
-        // for a 512 MiB KV push, 2026-12-01), so large launches use larger chunks, still about
-        // two per warp.
-        const int sms = sm_count_[device];
-        const uint64_t warps = uint64_t(kCopyBlocksPerSm) * sms * kCopyWarpsPerBlock;
-        const uint64_t chunk = std::clamp<uint64_t>(
-            out->bytes / (2 * warps) / kMaxChunk * kMaxChunk, kMaxChunk, 16 * kMaxChunk);
-        size_t n = 0;
-        for (const auto& j : jobs) {
-            for (const auto& c : j.copies) n += (c.len + chunk - 1) / chunk;
-        }
-        out->buf = take_buffer(n, device);
-        if (!out->buf.ptr) return resource_exhausted("allocating the copy list failed");
-        size_t k = 0;
-        for (const auto& j : jobs) {
-            for (const auto& c : j.copies) {
-                for (uint64_t off = 0; off < c.len; off += chunk) {
-                    out->buf.ptr[k++] = {reinterpret_cast<const void*>(c.src + off),
-                                         reinterpret_cast<void*>(c.dst + off),
-                                         std::min<uint64_t>(chunk, c.len - off)};
-                }
-            }
-        }
-        FERRY_CUDA_TRY(cudaMemcpyAsync(out->buf.dev, out->buf.ptr, n * sizeof(CopyChunk),
-                                       cudaMemcpyHostToDevice, stream));
-        // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
-        FERRY_CUDA_TRY(
-            launch_batched_copy(out->buf.dev, static_cast<int>(n), kCopyBlocksPerSm * sms, stream));
     }
+    // Paged copies always go to the kernel: the copy engine would take a call per page.
+    FERRY_RETURN_IF_ERROR(launch_copy_work(works, out->bytes, device, sm_count_[device],
+                                           !copy_engine, stream, buffers_, &out->buf));
     if (free_events_.empty()) {
         cudaEvent_t ev;
         FERRY_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -422,7 +353,7 @@ void CudaTransport::run() {
             group.clear();
             if (!s.ok()) {
                 busy_[device]--;
-                if (f.buf.ptr) free_buffers_.push_back(f.buf);
+                buffers_.give(f.buf);
                 for (auto& d : f.done) d(s);
                 for (auto& j : launched) {
                     if (j.done) j.done(s);
@@ -441,7 +372,7 @@ void CudaTransport::run() {
             inflight_.pop_front();
             if (trace_) trace_completion(f);
             busy_[f.device]--;
-            if (f.buf.ptr) free_buffers_.push_back(f.buf);
+            buffers_.give(f.buf);
             free_events_.push_back(f.event);
             Status st = FERRY_CUDA_ERROR(e, "GPU copy");
             for (auto& d : f.done) d(st);

@@ -1,0 +1,151 @@
+#include "fabric/cuda/copy_launch.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/cuda_check.h"
+#include "fabric/cuda/copy_kernel.h"
+
+namespace ferry::detail {
+namespace {
+
+// Runs at least this long go to the paged kernel as one page each rather than being cut into
+// chunks on the host: listing a 256 MiB write as 16k chunks and uploading them before the
+// kernel could start held it at 0.60x of the copy ceiling; as one page it ran at 0.77x
+// (165.8 us, one H200, 2026-12-02).
+constexpr uint64_t kRunAsPage = 1 << 20;
+
+size_t align8(size_t n) { return (n + 7) & ~size_t{7}; }
+
+}  // namespace
+
+PinnedBufferPool::~PinnedBufferPool() {
+    for (auto& b : free_) free(b);
+}
+
+void PinnedBufferPool::free(PinnedBuffer& b) {
+    if (b.ptr) cudaFreeHost(b.ptr);
+    if (b.dev) cudaFree(b.dev);
+    b = PinnedBuffer{};
+}
+
+PinnedBuffer PinnedBufferPool::take(size_t bytes, int device) {
+    for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].capacity >= bytes && free_[i].device == device) {
+            PinnedBuffer b = free_[i];
+            free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+            return b;
+        }
+    }
+    size_t cap = 64 * 1024;
+    while (cap < bytes) cap *= 2;
+    PinnedBuffer b;
+    if (cudaHostAlloc(reinterpret_cast<void**>(&b.ptr), cap, cudaHostAllocPortable) !=
+        cudaSuccess) {
+        b.ptr = nullptr;
+        return b;
+    }
+    if (cudaMalloc(reinterpret_cast<void**>(&b.dev), cap) != cudaSuccess) {
+        cudaFreeHost(b.ptr);
+        return PinnedBuffer{};
+    }
+    b.device = device;
+    b.capacity = cap;
+    return b;
+}
+
+void PinnedBufferPool::give(PinnedBuffer b) {
+    if (b.ptr) free_.push_back(b);
+}
+
+Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes, int device,
+                        int sms, bool with_runs, cudaStream_t stream, PinnedBufferPool& pool,
+                        PinnedBuffer* buf) {
+    // Chunks of 16 KiB give every warp work even for one 4 MiB run; for hundreds of MiB they
+    // only lengthen the list the host builds and uploads (32k entries took ~150 us for a
+    // 512 MiB KV push, 2026-12-01), so large launches use larger chunks, still about two per
+    // warp.
+    const uint64_t warps = uint64_t(kCopyBlocksPerSm) * sms * kCopyWarpsPerBlock;
+    const uint64_t chunk = std::clamp<uint64_t>(bytes / (2 * warps) / kMaxChunk * kMaxChunk,
+                                                kMaxChunk, 16 * kMaxChunk);
+    size_t num_chunks = 0, num_segs = 0, num_ids = 0;
+    for (const GpuWork* w : works) {
+        for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
+            const uint64_t len = w->copies[r].len;
+            if (len >= kRunAsPage) {
+                num_segs++;
+                num_ids += 2;
+            } else {
+                num_chunks += (len + chunk - 1) / chunk;
+            }
+        }
+        for (const auto& p : w->paged) {
+            if (p.src_pages.empty()) continue;
+            num_segs++;
+            num_ids += 2 * p.src_pages.size();
+        }
+    }
+    // One buffer, one upload: [chunks][segments][page ids].
+    const size_t seg_at = align8(num_chunks * sizeof(CopyChunk));
+    const size_t ids_at = seg_at + num_segs * sizeof(PagedSegment);
+    const size_t total = ids_at + num_ids * sizeof(uint32_t);
+    if (total == 0) return ok_status();
+    *buf = pool.take(total, device);
+    if (!buf->ptr) return resource_exhausted("allocating the GPU copy list failed");
+    auto* chunks = reinterpret_cast<CopyChunk*>(buf->ptr);
+    auto* segs = reinterpret_cast<PagedSegment*>(buf->ptr + seg_at);
+    auto* ids = reinterpret_cast<uint32_t*>(buf->ptr + ids_at);
+    const auto* dev_ids = reinterpret_cast<const uint32_t*>(buf->dev + ids_at);
+    size_t k = 0, s = 0, id = 0;
+    uint64_t items = 0;
+    const uint32_t zero = 0;
+    auto add_segment = [&](uint64_t src, uint64_t dst, uint64_t page_size, uint64_t src_stride,
+                           uint64_t dst_stride, const uint32_t* src_ids, const uint32_t* dst_ids,
+                           size_t n) {
+        if (n == 0) return;
+        const auto pieces = static_cast<uint32_t>((page_size + kPagePiece - 1) / kPagePiece);
+        std::memcpy(ids + id, src_ids, n * sizeof(uint32_t));
+        std::memcpy(ids + id + n, dst_ids, n * sizeof(uint32_t));
+        segs[s++] = {reinterpret_cast<const char*>(src),
+                     reinterpret_cast<char*>(dst),
+                     dev_ids + id,
+                     dev_ids + id + n,
+                     page_size,
+                     src_stride,
+                     dst_stride,
+                     items,
+                     pieces,
+                     static_cast<uint32_t>(n)};
+        items += uint64_t{pieces} * n;
+        id += 2 * n;
+    };
+    for (const GpuWork* w : works) {
+        for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
+            const GpuCopy& c = w->copies[r];
+            if (c.len >= kRunAsPage) {
+                add_segment(c.src, c.dst, c.len, 0, 0, &zero, &zero, 1);
+                continue;
+            }
+            for (uint64_t off = 0; off < c.len; off += chunk) {
+                chunks[k++] = {reinterpret_cast<const void*>(c.src + off),
+                               reinterpret_cast<void*>(c.dst + off),
+                               std::min<uint64_t>(chunk, c.len - off)};
+            }
+        }
+        for (const auto& p : w->paged) {
+            add_segment(p.src, p.dst, p.page_size, p.src_stride, p.dst_stride, p.src_pages.data(),
+                        p.dst_pages.data(), p.src_pages.size());
+        }
+    }
+    FERRY_CUDA_TRY(cudaMemcpyAsync(buf->dev, buf->ptr, total, cudaMemcpyHostToDevice, stream));
+    // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
+    FERRY_CUDA_TRY(launch_batched_copy(reinterpret_cast<const CopyChunk*>(buf->dev),
+                                       static_cast<int>(num_chunks), kCopyBlocksPerSm * sms,
+                                       stream));
+    FERRY_CUDA_TRY(launch_paged_copy(reinterpret_cast<const PagedSegment*>(buf->dev + seg_at),
+                                     static_cast<int>(num_segs), items, kCopyBlocksPerSm * sms,
+                                     stream));
+    return ok_status();
+}
+
+}  // namespace ferry::detail
