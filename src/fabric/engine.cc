@@ -77,6 +77,10 @@ OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
 size_t TransferEngine::inject_size() const {
     return impl_->rails.empty() ? 0 : impl_->rails[0].inject_size();
 }
+void TransferEngine::when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
+                                   std::function<void(size_t)> then) {
+    impl_->when_released(std::move(spans), timeout, std::move(then));
+}
 std::vector<OpHandle> TransferEngine::submit_batch(std::span<const BatchEntry> ops,
                                                    BatchCallback done) {
     return impl_->submit_batch(ops, std::move(done));

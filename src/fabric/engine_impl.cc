@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -94,8 +95,8 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;
     address.signal.length = 64;
-    memory_.configure(
-        {address.engine_id, provider, config.gpu_ipc, fabric_gpu, std::move(fabric_gpu_note)});
+    memory_.configure({address.engine_id, provider, config.gpu_ipc, fabric_gpu,
+                       std::move(fabric_gpu_note), config.op_timeout});
 
     Status opened = rails.open(candidates, config, [this](int r) {
         RailHooks hooks;
@@ -236,6 +237,57 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
 }
 
 void EngineImpl::deregister(uint32_t id) { memory_.remove(id); }
+
+void EngineImpl::when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
+                               std::function<void(size_t)> then) {
+    // Sorted and merged once here; each rail searches them for every operation it holds.
+    std::sort(spans.begin(), spans.end(),
+              [](const auto& a, const auto& b) { return a.data() < b.data(); });
+    std::vector<std::span<const uint8_t>> merged;
+    for (const auto& sp : spans) {
+        if (sp.empty()) continue;
+        if (!merged.empty() && sp.data() <= merged.back().data() + merged.back().size()) {
+            const uint8_t* end =
+                std::max(merged.back().data() + merged.back().size(), sp.data() + sp.size());
+            merged.back() = {merged.back().data(), static_cast<size_t>(end - merged.back().data())};
+        } else {
+            merged.push_back(sp);
+        }
+    }
+    struct Countdown {
+        std::atomic<size_t> rails_left;
+        std::atomic<size_t> held{0};
+        std::function<void(size_t)> then;
+        void rail_done(size_t n) {
+            held.fetch_add(n);
+            if (rails_left.fetch_sub(1) == 1) then(held.load());
+        }
+    };
+    std::vector<Rail*> live;
+    for (size_t r = 0; r < rails.size(); ++r) {
+        if (!rails[r].wedged()) live.push_back(&rails[r]);
+    }
+    if (merged.empty() || live.empty() || stopped_) return then(0);
+    auto cd = std::make_shared<Countdown>();
+    cd->rails_left = live.size();
+    cd->then = std::move(then);
+    const TimePoint deadline = deadline_after(timeout);
+    for (Rail* rail : live) {
+        auto reported = std::make_shared<std::atomic<bool>>(false);
+        auto once = [cd, reported](size_t n) {
+            if (!reported->exchange(true)) cd->rail_done(n);
+        };
+        rail->post_task(
+            [rail, merged, deadline, once] {
+                rail->watch_release(merged, deadline, once);
+                return ok_status();
+            },
+            // The task never ran (the rail stopped): its endpoints are closed, nothing is held.
+            [once](const Status& s) {
+                if (!s.ok()) once(0);
+            });
+    }
+}
 
 Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
     if (stopped_) return cancelled("the transfer engine was shut down");

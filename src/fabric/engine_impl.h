@@ -52,6 +52,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len, MemoryKind kind,
                                                           int device);
     void deregister(uint32_t id);
+    void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
+                       std::function<void(size_t)> then);
     Result<PeerId> connect(const EngineAddress& peer);
     std::optional<PeerId> find_peer(uint64_t engine_id) const;
     Result<GroupId> create_group(std::span<const PeerId> peers,

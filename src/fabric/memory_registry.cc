@@ -87,39 +87,46 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
     }
     std::lock_guard lk(mu_);
     reg.id = next_id_++;
-    mrs_[reg.id] = std::move(mrs);
+    mrs_[reg.id] = {ptr, len, std::move(mrs)};
     return ok_status();
 }
 
 void MemoryRegistry::remove(uint32_t id) {
-    std::vector<fid_mr*> mrs;
+    Registered r;
     {
         std::lock_guard lk(mu_);
         auto it = mrs_.find(id);
         if (it == mrs_.end()) return;  // closed at shutdown already
-        mrs = std::move(it->second);
+        r = std::move(it->second);
         mrs_.erase(it);
     }
-    for (size_t i = 0; i < mrs.size() && i < rails_.size(); ++i) {
+    // The owner frees the memory once this returns. An operation that timed out was reported
+    // failed but may still be held by the provider, and a software provider (tcp) copies a late
+    // read's data into the buffer, registered or not: seen as heap corruption in a KV pull over
+    // tcp that timed out under load (2026-12-01). Each rail first waits for those.
+    const TimePoint settle_by = deadline_after(settings_.op_timeout);
+    for (size_t i = 0; i < r.mrs.size() && i < rails_.size(); ++i) {
         if (rails_[i].wedged()) continue;  // its domain is never closed either
-        fid_mr* m = mrs[i];
-        Status s = rails_[i].run_on_worker(
-            [m] {
+        fid_mr* m = r.mrs[i];
+        Rail* rail = &rails_[i];
+        Status s = rail->run_on_worker(
+            [m, rail, base = r.base, len = r.len, settle_by] {
+                rail->settle_local(base, len, settle_by);
                 int rc = fi_close(&m->fid);
                 return rc ? provider_error(fmt::format("fi_close(mr): {}", fi_strerror(-rc)))
                           : ok_status();
             },
-            kRailTaskTimeout);
+            settings_.op_timeout + kRailTaskTimeout);
         if (!s.ok()) log(LogLevel::kWarn, "fabric", "deregistering memory: {}", s.message());
     }
 }
 
 void MemoryRegistry::close_all() {
     std::lock_guard lk(mu_);
-    for (auto& [id, mrs] : mrs_) {
-        for (size_t i = 0; i < mrs.size(); ++i) {
+    for (auto& [id, r] : mrs_) {
+        for (size_t i = 0; i < r.mrs.size(); ++i) {
             if (i < rails_.size() && rails_[i].wedged()) continue;
-            fi_close(&mrs[i]->fid);
+            fi_close(&r.mrs[i]->fid);
         }
     }
     mrs_.clear();

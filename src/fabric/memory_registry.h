@@ -28,6 +28,9 @@ class MemoryRegistry {
         bool gpu_ipc = true;          // EngineConfig::gpu_ipc
         bool fabric_gpu = false;      // rails opened with FI_HMEM, CUDA memory registered there
         std::string fabric_gpu_note;  // why (not), for errors and logs
+        // EngineConfig::op_timeout: how long remove() waits, at most, for operations on the
+        // memory that libfabric still holds (Rail::settle_local).
+        Duration op_timeout = std::chrono::seconds(10);
     };
     // What a region needs to know about its registration.
     struct Registration {
@@ -45,7 +48,8 @@ class MemoryRegistry {
     // Registers [ptr, len): host memory on every rail; kCuda memory through CUDA IPC and, where
     // the provider takes it, on every rail. On failure nothing stays registered.
     Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device);
-    // Closes the region's registrations (a no-op once close_all ran).
+    // Closes the region's registrations (a no-op once close_all ran), once libfabric has
+    // returned every operation on its memory (timed-out ones too), or after op_timeout.
     void remove(uint32_t id);
     // Shutdown, after the rails stopped: closes every registration left, except on wedged
     // rails (their domain is never closed either).
@@ -62,7 +66,12 @@ class MemoryRegistry {
 
     std::mutex mu_;
     uint32_t next_id_ = 1;
-    std::map<uint32_t, std::vector<fid_mr*>> mrs_;
+    struct Registered {
+        const void* base = nullptr;
+        size_t len = 0;
+        std::vector<fid_mr*> mrs;  // per rail
+    };
+    std::map<uint32_t, Registered> mrs_;
 };
 
 }  // namespace ferry::detail

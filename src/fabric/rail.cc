@@ -26,7 +26,6 @@ namespace {
 
 constexpr size_t kCqBatch = 64;
 constexpr size_t kMessageHeader = 0;  // the engine frames messages itself
-const auto kTickPeriod = std::chrono::milliseconds(1);
 
 // Marks one provider call for the watchdog (CallMonitor: two relaxed stores, no clock read).
 class CallGuard {
@@ -125,6 +124,17 @@ Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
     submit(op);
     OpHandle h(state);
     return h.wait(timeout);
+}
+
+void Rail::post_task(std::function<Status()> fn, OpCallback done) {
+    auto state = std::make_shared<OpState>(std::move(done));
+    state->set_pieces(1);
+    auto* op = new FabricOp();
+    op->type = FabricOp::kTask;
+    op->task = std::move(fn);
+    op->parent = std::move(state);
+    op->deadline = TimePoint::max();
+    submit(op);
 }
 
 std::string Rail::describe(const FabricOp* op) const {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -117,6 +118,9 @@ class CallMonitor {
     TimePoint seen_at_{};
 };
 
+// How often the worker sweeps deadlines (and closes idle retired endpoints).
+inline constexpr auto kTickPeriod = std::chrono::milliseconds(1);
+
 // Called by the worker for arrivals; set by the engine.
 struct RailHooks {
     std::function<void(uint32_t imm)> on_imm;
@@ -172,6 +176,21 @@ class Rail {
     // memory on that device (FI_HMEM_CUDA; the domain must have been opened with FI_HMEM).
     Result<fid_mr*> register_mr(void* ptr, size_t len, uint64_t access, int cuda_device = -1);
     Result<fi_addr_t> insert_address(const std::vector<uint8_t>& addr);
+    // Worker-thread only: before local memory is deregistered and handed back to its owner,
+    // waits (completing and posting as usual) until libfabric has returned every operation
+    // whose local buffer lies in [base, base + len), those that timed out and were already
+    // reported failed included, or until `deadline`. Returns how many it still holds. A
+    // software provider (tcp) copies a late read's data into the buffer whether or not it is
+    // still registered: freed memory would be overwritten.
+    size_t settle_local(const void* base, size_t len, TimePoint deadline);
+    // Worker-thread only: calls then(still_held) on the worker once libfabric has returned
+    // every operation whose local buffer overlaps one of `spans` (sorted by address, disjoint),
+    // timed-out ones included, or at `deadline` with how many it still holds; at stop() with 0.
+    void watch_release(std::vector<std::span<const uint8_t>> spans, TimePoint deadline,
+                       std::function<void(size_t)> then);
+    // Runs fn on the worker without waiting for it; done gets fn's status, or why it never
+    // ran (the rail stopped first).
+    void post_task(std::function<Status()> fn, OpCallback done);
 
     // Signal region registration (done at open, before start).
     uint64_t signal_key() const { return signal_key_; }
@@ -208,6 +227,10 @@ class Rail {
         return !dead_peers_.empty() && dead_peers_.count(dest) != 0;
     }
     void fail_dead_peer_op(FabricOp* op);
+    // Operations libfabric still holds (in flight, or abandoned on an endpoint still open)
+    // whose local buffer overlaps one of the sorted, disjoint spans.
+    size_t held_in(std::span<const std::span<const uint8_t>> spans) const;
+    void check_release_watches(TimePoint now);
 
     int index_ = 0;
     EngineConfig config_;
@@ -245,6 +268,12 @@ class Rail {
     FabricOp* in_tail_ = nullptr;
     size_t inflight_ = 0;
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
+    struct ReleaseWatch {
+        std::vector<std::span<const uint8_t>> spans;
+        TimePoint deadline;
+        std::function<void(size_t)> then;
+    };
+    std::vector<ReleaseWatch> release_watches_;  // see watch_release
 
     // Initiator endpoints. shm completes every operation that needs an answer from its target
     // (writes with immediates above inject_size, 4 KiB, among them: what KV transfers post)

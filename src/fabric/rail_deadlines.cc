@@ -6,10 +6,12 @@
 #include <fmt/format.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 
 #include "fabric/rail.h"
 #include "ferry/common/log.h"
@@ -52,6 +54,7 @@ void Rail::sweep_timeouts(TimePoint now) {
         if (renew_on_stall_) on_inflight_timeout(op);
     }
     if (!retired_.empty()) close_idle_retired();
+    if (!release_watches_.empty()) check_release_watches(now);
     // Not only the front: operations to a peer that pushes back wait behind those posted
     // past them.
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -120,6 +123,84 @@ void Rail::on_inflight_timeout(const FabricOp* op) {
         o = next;
     }
     close_idle_retired();
+}
+
+size_t Rail::held_in(std::span<const std::span<const uint8_t>> spans) const {
+    auto touches = [&](const FabricOp* op) {
+        if (op->len == 0 || spans.empty()) return false;
+        const auto* lo = static_cast<const uint8_t*>(op->local);
+        const uint8_t* hi = lo + op->len;
+        // The first span ending after lo is the only candidate that can start before hi.
+        auto it = std::upper_bound(spans.begin(), spans.end(), lo,
+                                   [](const uint8_t* p, const std::span<const uint8_t>& s) {
+                                       return p < s.data() + s.size();
+                                   });
+        return it != spans.end() && it->data() < hi;
+    };
+    // An abandoned operation of an initiator endpoint already closed is out of libfabric's
+    // hands; one of the current endpoint or of a retired one still open is not.
+    auto endpoint_open = [&](uint32_t gen) {
+        if (gen == tx_gen_) return true;
+        for (const auto& r : retired_) {
+            if (r.gen == gen) return true;
+        }
+        return false;
+    };
+    size_t n = 0;
+    for (const FabricOp* o = in_head_; o; o = o->in_next) n += touches(o);
+    for (const FabricOp* o : abandoned_) n += touches(o) && endpoint_open(o->tx_gen);
+    return n;
+}
+
+size_t Rail::settle_local(const void* base, size_t len, TimePoint deadline) {
+    const std::span<const uint8_t> one[] = {{static_cast<const uint8_t*>(base), len}};
+    size_t n = held_in(one);
+    TimePoint next_tick = Clock::now() + kTickPeriod;
+    while (n > 0 && !wedged()) {
+        TimePoint now = Clock::now();
+        if (now >= deadline) break;
+        if (now >= next_tick) {
+            sweep_timeouts(now);
+            next_tick = now + kTickPeriod;
+        }
+        bool active = post_pending();
+        active |= poll_cq();
+        if (!active) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        n = held_in(one);
+    }
+    if (n > 0) {
+        log(LogLevel::kError, "fabric",
+            "rail {}: memory at {} ({} bytes) is deregistered while the provider still holds {} "
+            "operation(s) on it that timed out earlier; their late data may still land there",
+            index_, base, len, n);
+    }
+    return n;
+}
+
+void Rail::watch_release(std::vector<std::span<const uint8_t>> spans, TimePoint deadline,
+                         std::function<void(size_t)> then) {
+    release_watches_.push_back({std::move(spans), deadline, std::move(then)});
+    check_release_watches(Clock::now());
+}
+
+void Rail::check_release_watches(TimePoint now) {
+    for (size_t i = 0; i < release_watches_.size();) {
+        ReleaseWatch& w = release_watches_[i];
+        size_t held = held_in(w.spans);
+        if (held > 0 && now < w.deadline) {
+            ++i;
+            continue;
+        }
+        if (held > 0) {
+            log(LogLevel::kWarn, "fabric",
+                "rail {}: {} operation(s) that timed out earlier still hold memory handed back "
+                "for reuse; their late data may still land there",
+                index_, held);
+        }
+        auto then = std::move(w.then);
+        release_watches_.erase(release_watches_.begin() + static_cast<std::ptrdiff_t>(i));
+        then(held);
+    }
 }
 
 }  // namespace ferry::detail

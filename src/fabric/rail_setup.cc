@@ -260,6 +260,10 @@ void Rail::stop(const Status& why) {
     }
     for (FabricOp* op : abandoned_) delete op;
     abandoned_.clear();
+    // The endpoints are closed: libfabric holds nothing any more.
+    auto watches = std::move(release_watches_);
+    release_watches_.clear();
+    for (auto& w : watches) w.then(0);
 }
 
 Rail::~Rail() {

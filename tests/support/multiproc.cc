@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -233,6 +235,22 @@ uint64_t test_seed(const char* test_name) {
                 static_cast<unsigned long long>(seed));
     std::fflush(stdout);
     return seed;
+}
+
+bool stop_process(long pid, Duration timeout) {
+    if (::kill(static_cast<pid_t>(pid), SIGSTOP) != 0) return false;
+    TimePoint until = Clock::now() + timeout;
+    do {
+        // /proc/<pid>/stat: "pid (comm) S ...", the state after the last ')'; 'T' once stopped.
+        std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+        std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+        size_t close = stat.rfind(')');
+        if (close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'T') {
+            return true;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    } while (Clock::now() < until);
+    return false;
 }
 
 }  // namespace ferry::testing

@@ -51,6 +51,10 @@ std::vector<ChildResult> run_processes(int n, const ChildFn& fn, Duration timeou
 // Formats all failures of a run, for a gtest message; empty when every child succeeded.
 std::string describe_failures(const std::vector<ChildResult>& results);
 
+// Stops process pid (SIGSTOP) and waits until it is stopped, up to timeout; false if it did
+// not stop. SIGCONT lets it go on.
+bool stop_process(long pid, Duration timeout);
+
 // Random seed for a test: FERRY_TEST_SEED if set, otherwise random; printed either way so a
 // failing run can be repeated.
 uint64_t test_seed(const char* test_name);

@@ -261,6 +261,15 @@ class TransferEngine {
     // Why or why not, naming the provider ("provider tcp;ofi_rxm does not offer FI_HMEM").
     const std::string& gpu_memory_note() const;
 
+    // Memory about to be reused after a failed transfer: calls then(still_held) once
+    // libfabric has given back every operation whose local buffer overlaps one of `spans`,
+    // those that timed out and were reported failed included, or after `timeout` with how
+    // many it still holds (0: nothing can land there any more). A software provider (tcp)
+    // carries out a timed-out read when its answer comes, whenever that is. Runs on an engine
+    // thread (or at once): keep it short.
+    void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
+                       std::function<void(size_t still_held)> then);
+
     // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
     Result<PeerId> connect(const EngineAddress& peer);
     // The peer id of an engine connected before, if any.
