@@ -153,10 +153,33 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         ctx_.counters.ops_posted.fetch_add(plan.runs.size());
         ctx_.counters.bytes_posted.fetch_add(plan.bytes);
     }
+    for (auto& p : plans) job->plans.push_back(std::move(p.second));
     flight->done(ok_status());
 }
 
 void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
+    if (!s.ok() && !job->plans.empty() && !job->released) {
+        // A read that timed out was reported failed, yet a software provider (tcp) still
+        // carries it out when prefill answers, however late: the blocks would be handed back
+        // for reuse and then overwritten. Report once the engine holds no read into them (or
+        // after one more op_timeout, logged).
+        std::vector<std::span<const uint8_t>> spans;
+        for (const TransferPlan& plan : job->plans) {
+            for (const RegionRuns& g : plan.groups) {
+                const auto* base =
+                    static_cast<const uint8_t*>(ctx_.pool.regions[g.dst_region]->data());
+                for (size_t i = g.first; i < g.first + g.count; ++i) {
+                    spans.emplace_back(base + plan.runs[i].dst_offset, plan.runs[i].length);
+                }
+            }
+        }
+        job->released = true;
+        auto flight = ctx_.new_flight([this, job, s](const Status&) { finish(job, s); });
+        ctx_.engine->when_released(std::move(spans), ctx_.engine->config().op_timeout,
+                                   [flight](size_t) { flight->done(ok_status()); });
+        return;
+    }
+    job->plans.clear();
     for (const Job::Source& src : job->sources) {
         ctx_.send(src.peer, DoneMsg{job->id, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size, s.ok(),
                                     job->params[src.param].capability});

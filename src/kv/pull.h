@@ -54,6 +54,10 @@ class Puller {
         std::vector<Source> sources;
         uint32_t reads = 0;
         uint64_t bytes = 0;
+        // The reads' plans, kept until the result: a failed pull is reported (and its blocks
+        // handed back) only once the engine holds no read into them.
+        std::vector<TransferPlan> plans;
+        bool released = false;  // the engine was asked to let go (see finish)
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "kv/kv_fixture.h"
 
@@ -296,6 +297,103 @@ TEST_P(KvReliabilityTest, CancelWithWritesInFlightNeverTouchesReusedBlocks) {
             return "";
         },
         big);
+    EXPECT_ALL_OK(results);
+}
+
+// Prefill's process is stopped while decode pulls: the reads time out and the pull fails, but
+// tcp still carries the reads out when prefill resumes. Decode must report the failure only
+// once no read can land any more, so blocks reused right after the report keep their data.
+TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
+    constexpr uint64_t kWarm = 0x51, kId = 0x52;
+    constexpr uint32_t kTokens = 64;
+    KvLayout layout = testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64);
+    auto results = run_1p1d(
+        std::chrono::seconds(20),
+        [&](Exchange& ex, KvNode& n) -> std::string {
+            CHILD_ASSIGN_OK(auto warm, n.blocks->allocate(kTokens / 16));
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+            ByteWriter w;
+            if (ex.rank() == kPrefill) {
+                const long pid = static_cast<long>(getpid());
+                w.put_bytes({reinterpret_cast<const uint8_t*>(&pid), sizeof(pid)});
+                for (auto [id, b] : {std::pair{kWarm, &warm}, std::pair{kId, &blocks}}) {
+                    testing::fill_request(n, id, *b, kTokens);
+                    CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(id, *b, kTokens));
+                    w.put_bytes(encode_message(offer));
+                }
+            }
+            CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+            if (ex.rank() == kDecode) {
+                ByteReader rd(all[kPrefill]);
+                std::vector<uint8_t> pid_bytes, warm_offer, offer;
+                CHILD_CHECK_OK(rd.get_bytes(&pid_bytes, "pid", 8));
+                CHILD_CHECK_OK(rd.get_bytes(&warm_offer, "offer", 1 << 20));
+                CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+                long prefill_pid = 0;
+                std::memcpy(&prefill_pid, pid_bytes.data(), sizeof(prefill_pid));
+                auto params = [](const std::vector<uint8_t>& m) -> Result<PullParamsMsg> {
+                    FERRY_ASSIGN_OR_RETURN(auto msg, decode_message(m));
+                    return std::get<PullParamsMsg>(msg);
+                };
+                // The connection exists before prefill stops.
+                CHILD_ASSIGN_OK(auto wp, params(warm_offer));
+                CHILD_CHECK_OK(n.conn->pull(kWarm, {wp}, warm, kTokens));
+                CHILD_ASSIGN_OK(auto wr, n.results.wait(false, kWarm, kWait));
+                CHILD_CHECK_MSG(wr.status.ok(), "{}", wr.status.to_string());
+
+                CHILD_CHECK(::ferry::testing::stop_process(prefill_pid, std::chrono::seconds(2)));
+                CHILD_ASSIGN_OK(auto p, params(offer));
+                CHILD_CHECK_OK(n.conn->pull(kId, {p}, blocks, kTokens));
+                // Resumed after the reads timed out (op_timeout 3 s).
+                std::thread resume([prefill_pid] {
+                    std::this_thread::sleep_for(std::chrono::seconds(4));
+                    ::kill(static_cast<pid_t>(prefill_pid), SIGCONT);
+                });
+                auto r = n.results.wait(false, kId, std::chrono::seconds(30));
+                bool failed = r.ok() && !r->status.ok();
+                if (failed) {
+                    // Reused at once: another request's data, which must survive.
+                    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+                        for (KvPart part : {KvPart::kK, KvPart::kV}) {
+                            for (uint32_t b : blocks) {
+                                std::memset(n.mem.data() + layout.slab_offset(l, part, b), 0x3c,
+                                            layout.slab_bytes());
+                            }
+                        }
+                    }
+                }
+                resume.join();
+                CHILD_CHECK_OK(r.status());
+                // shm may serve reads without the target (CMA); tcp cannot.
+                CHILD_CHECK_MSG(failed || GetParam() != "tcp",
+                                "a pull from a stopped prefill "
+                                "succeeded over tcp");
+                std::this_thread::sleep_for(std::chrono::milliseconds(500));
+                for (uint32_t l = 0; failed && l < layout.num_layers; ++l) {
+                    for (KvPart part : {KvPart::kK, KvPart::kV}) {
+                        for (uint32_t b : blocks) {
+                            const uint8_t* p = n.mem.data() + layout.slab_offset(l, part, b);
+                            for (uint64_t i = 0; i < layout.slab_bytes(); ++i) {
+                                CHILD_CHECK_MSG(p[i] == 0x3c,
+                                                "a late read landed in block {} (layer {}) after "
+                                                "the failed pull was reported",
+                                                b, l);
+                            }
+                        }
+                    }
+                }
+            } else {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, kWarm, kWait));
+                CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                CHILD_ASSIGN_OK(auto r2, n.results.wait(true, kId, std::chrono::seconds(40)));
+                (void)r2;  // cancelled (decode gave up) or ok (shm read it all)
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_CHECK_OK(n.blocks->free(warm));
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return "";
+        },
+        layout);
     EXPECT_ALL_OK(results);
 }
 
