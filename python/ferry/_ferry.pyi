@@ -102,7 +102,8 @@ class Op:
     def done(self) -> bool:
         """True once the operation completed, successfully or not (never blocks)."""
     def wait(self, timeout: float = 30.0) -> None:
-        """Waits up to ``timeout`` seconds, GIL released. Returns when the operation
+        """Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us
+        before it sleeps). Returns when the operation
         succeeded; raises its error (OutOfRange, Unavailable, TimeoutError...) otherwise, or
         TimeoutError when ``timeout`` passed first. Completion of a write means the source may
         be reused; the bytes are known to be at the target once it counted the immediate."""
@@ -118,15 +119,17 @@ class ImmExpectation:
     def done(self) -> bool:
         """True once the writes arrived (or the expectation's own timeout passed)."""
     def wait(self, timeout: float = 30.0) -> None:
-        """Waits up to ``timeout`` seconds, GIL released; raises TimeoutError if the writes are
+        """Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us
+        before it sleeps); raises TimeoutError if the writes are
         not all there (the expectation stays armed), or the expectation's error."""
 
 class Engine:
     def __init__(self, provider: str, same_host: bool, node: str, rails: int,
                  op_timeout: float, busy_poll: bool, stripe_threshold: int,
                  max_write_size: int, gpu_copy: str, fabric_gpu_memory: bool, gpu_ipc: bool,
-                 idle_spin_us: float) -> None: ...
+                 idle_spin_us: float, wait_spin_us: float) -> None: ...
     address: bytes
+    wait_spin_us: float
     engine_id: int
     provider: str
     num_rails: int

@@ -9,6 +9,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -21,6 +23,7 @@
 
 #include "convert.h"
 #include "errors.h"
+#include "ferry/common/spin.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_memory.h"
 #include "ferry/fabric/types.h"
@@ -32,6 +35,9 @@ namespace py = pybind11;
 
 namespace ferry::python {
 namespace {
+
+// A wait that spins longer than this is a mistake (a second of a core per wait).
+constexpr double kMaxWaitSpinUs = 1e6;
 
 using Pages = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 using Runs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
@@ -81,6 +87,7 @@ struct Op {
     OpHandle handle;
     py::object keep_src;
     py::object keep_dst;
+    Duration spin{};  // the engine's wait_spin_us
 
     bool done() const { return handle.done(); }  // a flag read: keeps the GIL
     void wait(double timeout_s) const {
@@ -88,7 +95,7 @@ struct Op {
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = handle.wait(t);
+            s = handle.wait(t, spin);
         }
         check(s);
     }
@@ -101,20 +108,20 @@ struct ImmExpectation {
         std::mutex mu;
         std::condition_variable cv;
         std::optional<Status> result;
+        std::atomic<bool> done{false};  // set under mu with result; read without it
     };
     std::shared_ptr<State> state = std::make_shared<State>();
     uint32_t imm = 0;
     uint64_t count = 0;
+    Duration spin{};  // the engine's wait_spin_us
 
-    bool done() const {
-        std::lock_guard<std::mutex> l(state->mu);
-        return state->result.has_value();
-    }
+    bool done() const { return state->done.load(std::memory_order_acquire); }
     void wait(double timeout_s) const {
         Duration t = seconds_to_duration(timeout_s, "timeout");
         Status s;
         {
             py::gil_scoped_release nogil;
+            spin_until([&] { return done(); }, std::min(spin, t));
             std::unique_lock<std::mutex> l(state->mu);
             if (!state->cv.wait_for(l, t, [&] { return state->result.has_value(); })) {
                 s = timeout_error("waiting for " + std::to_string(count) +
@@ -130,7 +137,7 @@ struct ImmExpectation {
 
 class Engine {
   public:
-    explicit Engine(const EngineConfig& config) {
+    Engine(const EngineConfig& config, Duration wait_spin) : wait_spin_(wait_spin) {
         Result<std::unique_ptr<TransferEngine>> r = internal_error("unset");
         {
             py::gil_scoped_release nogil;
@@ -256,7 +263,7 @@ class Engine {
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = e.wait_imm(imm, count, t);
+            s = e.wait_imm(imm, count, t, wait_spin_);
         }
         check(s);
     }
@@ -266,6 +273,7 @@ class Engine {
         ImmExpectation x;
         x.imm = imm;
         x.count = count;
+        x.spin = wait_spin_;
         TransferEngine& e = get();
         auto state = x.state;
         py::gil_scoped_release nogil;
@@ -273,6 +281,7 @@ class Engine {
             {
                 std::lock_guard<std::mutex> l(state->mu);
                 state->result = s;
+                state->done.store(true, std::memory_order_release);
             }
             state->cv.notify_all();
         });
@@ -280,6 +289,8 @@ class Engine {
     }
 
     uint64_t imm_available(uint32_t imm) const { return get().imm_available(imm); }
+
+    double wait_spin_us() const { return to_us(wait_spin_); }
 
     py::dict stats() const {
         EngineStats s = get().stats();
@@ -338,10 +349,12 @@ class Engine {
         }
         op.keep_src = std::move(keep_src);
         op.keep_dst = std::move(keep_dst);
+        op.spin = wait_spin_;
         return op;
     }
 
     std::shared_ptr<TransferEngine> engine_;
+    Duration wait_spin_{};  // how long waits poll before they sleep
 };
 
 EngineConfig make_config(const std::string& provider, bool same_host, const std::string& node,
@@ -361,7 +374,7 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
     c.gpu_copy = gpu_copy;
     c.fabric_gpu_memory = fabric_gpu_memory;
     c.gpu_ipc = gpu_ipc;
-    c.idle_spin = seconds_to_duration(idle_spin_us * 1e-6, "idle_spin_us");
+    c.idle_spin = micros_to_duration(idle_spin_us, "idle_spin_us", 1e9);
     return c;
 }
 
@@ -425,15 +438,19 @@ PYBIND11_MODULE(_ferry, m) {
         .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
                          int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
                          uint64_t max_write_size, const std::string& gpu_copy,
-                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
-                 return std::make_unique<Engine>(make_config(
-                     provider, same_host, node, rails, op_timeout, busy_poll, stripe_threshold,
-                     max_write_size, gpu_copy, fabric_gpu_memory, gpu_ipc, idle_spin_us));
+                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us,
+                         double wait_spin_us) {
+                 return std::make_unique<Engine>(
+                     make_config(provider, same_host, node, rails, op_timeout, busy_poll,
+                                 stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
+                                 gpu_ipc, idle_spin_us),
+                     micros_to_duration(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs));
              }),
              py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
              py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
              py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
-             py::arg("gpu_ipc"), py::arg("idle_spin_us"))
+             py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"))
+        .def_property_readonly("wait_spin_us", &Engine::wait_spin_us)
         .def_property_readonly("address", &Engine::address)
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
         .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
