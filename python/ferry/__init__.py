@@ -272,15 +272,14 @@ class TransferEngine:
     # Operations ---------------------------------------------------------------------------
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,
               nbytes: int, imm: Optional[int] = None) -> Op:
-        # The hot path for small writes: the binding's own conversions refuse what does not fit
-        # (a TypeError, before anything is posted), and only then are the arguments checked
-        # one by one to name the bad one. The checks up front cost about 2 us per call on the
-        # 2-core dev machine, as much as the rest of the call (docs/BENCHMARKS.md).
-        if type(dst) is RemoteRegion and type(src) is Region:
-            try:
-                return self._engine.write(peer, src, src_offset, dst, dst_offset, nbytes, imm)
-            except TypeError:
-                pass
+        # The hot path for small writes: the extension's write parses exact types itself
+        # (ints, Region, RemoteRegion, None or an int) without pybind11's dispatch, and raises
+        # TypeError for anything else; only then are the arguments checked one by one here, to
+        # convert what can be (descriptor bytes, numpy ints) and name the bad one.
+        try:
+            return self._engine.write(peer, src, src_offset, dst, dst_offset, nbytes, imm)
+        except TypeError:
+            pass
         return self._engine.write(_uint("peer", peer, _U32_MAX), _region("src", src),
                                   _uint("src_offset", src_offset), _remote("dst", dst),
                                   _uint("dst_offset", dst_offset), _uint("nbytes", nbytes),

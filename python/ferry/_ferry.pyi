@@ -140,7 +140,9 @@ class Engine:
     def register_ptr(self, ptr: int, nbytes: int, device: int, owner: Any,
                      read_only: bool) -> Region: ...
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteRegion,
-              dst_offset: int, nbytes: int, imm: Optional[int]) -> Op: ...
+              dst_offset: int, nbytes: int, imm: Optional[int]) -> Op:
+        """Positional, exact types only (ints, a Region, a RemoteRegion, None or an int);
+        TypeError otherwise. Parsed without pybind11's dispatch: the small-write hot path."""
     def paged_write(self, peer: int, src: Region, src_pages: np.ndarray, src_stride: int,
                     dst: RemoteRegion, dst_pages: np.ndarray, dst_stride: int, page_bytes: int,
                     src_offset: int, dst_offset: int, imm: Optional[int]) -> Op: ...
