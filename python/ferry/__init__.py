@@ -11,6 +11,7 @@ GIL, and ferry never calls into Python from its own threads. See docs/PYTHON.md.
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -83,6 +84,31 @@ def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
 
 def _imm(imm: Optional[int]) -> Optional[int]:
     return None if imm is None else _uint("imm", imm, _U32_MAX)
+
+
+# Waits spin before they sleep where this process may run on at least this many CPUs: the two
+# sides of a ping-pong then spin on 4 threads (each side's waiter and engine worker) with cores
+# to spare. On a 2-core host a spinning waiter takes the core its own worker needs (3.7 ms p50
+# latency measured there, against 13 us sleeping; docs/BENCHMARKS.md).
+_SPIN_MIN_CPUS = 8
+_AUTO_WAIT_SPIN_US = 50.0
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _wait_spin_us(value: Optional[float]) -> float:
+    if value is None:
+        return _AUTO_WAIT_SPIN_US if _usable_cpus() >= _SPIN_MIN_CPUS else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument("wait_spin_us must be a number of microseconds or None (auto), "
+                              f"got {type(value).__name__}")
+    return float(value)  # the extension checks the range
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -181,12 +207,12 @@ class TransferEngine:
                  busy_poll: bool = False, stripe_threshold: int = 1 << 20,
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
-                 idle_spin_us: float = 200.0) -> None:
+                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
         self._engine = _ferry.Engine(
             str(provider), bool(same_host), str(node), int(rails), float(op_timeout),
             bool(busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), str(gpu_copy), bool(fabric_gpu_memory),
-            bool(gpu_ipc), float(idle_spin_us))
+            bool(gpu_ipc), float(idle_spin_us), _wait_spin_us(wait_spin_us))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -208,6 +234,10 @@ class TransferEngine:
     @property
     def supports_gpu_memory(self) -> bool:
         return self._engine.supports_gpu_memory
+
+    @property
+    def wait_spin_us(self) -> float:
+        return self._engine.wait_spin_us
 
     @property
     def gpu_memory_note(self) -> str:
@@ -242,15 +272,14 @@ class TransferEngine:
     # Operations ---------------------------------------------------------------------------
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,
               nbytes: int, imm: Optional[int] = None) -> Op:
-        # The hot path for small writes: the binding's own conversions refuse what does not fit
-        # (a TypeError, before anything is posted), and only then are the arguments checked
-        # one by one to name the bad one. The checks up front cost about 2 us per call on the
-        # 2-core dev machine, as much as the rest of the call (docs/BENCHMARKS.md).
-        if type(dst) is RemoteRegion and type(src) is Region:
-            try:
-                return self._engine.write(peer, src, src_offset, dst, dst_offset, nbytes, imm)
-            except TypeError:
-                pass
+        # The hot path for small writes: the extension's write parses exact types itself
+        # (ints, Region, RemoteRegion, None or an int) without pybind11's dispatch, and raises
+        # TypeError for anything else; only then are the arguments checked one by one here, to
+        # convert what can be (descriptor bytes, numpy ints) and name the bad one.
+        try:
+            return self._engine.write(peer, src, src_offset, dst, dst_offset, nbytes, imm)
+        except TypeError:
+            pass
         return self._engine.write(_uint("peer", peer, _U32_MAX), _region("src", src),
                                   _uint("src_offset", src_offset), _remote("dst", dst),
                                   _uint("dst_offset", dst_offset), _uint("nbytes", nbytes),

@@ -54,7 +54,7 @@ class TransferEngine:
                  busy_poll: bool = False, stripe_threshold: int = 1 << 20,
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
-                 idle_spin_us: float = 200.0) -> None:
+                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
         """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
 
         provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
@@ -66,6 +66,13 @@ class TransferEngine:
             an error, not a hang).
         busy_poll: workers never nap (lowest latency, one core per rail).
         idle_spin_us: how long workers spin after activity before napping.
+        wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
+            before they sleep until the worker wakes them: a wait that ends within it skips
+            the wake-up, which was most of a small write's latency from Python, at the cost
+            of a core while it polls. None (the default): 50 where this process may run on
+            8 CPUs or more, else 0 (on 2 cores a polling waiter takes the core its engine's
+            worker needs). Raises InvalidArgument for a negative, non-finite or non-numeric
+            value, or one above 1000000 (a second).
         Raises Unavailable when the provider is missing, ferry.Error otherwise.
         """
     @property
@@ -85,6 +92,10 @@ class TransferEngine:
     @property
     def gpu_memory_note(self) -> str:
         """Why or why not supports_gpu_memory."""
+    @property
+    def wait_spin_us(self) -> float:
+        """How long waits poll before they sleep: the constructor's value, or what None
+        chose for this host."""
 
     def connect(self, address: bytes) -> Peer:
         """Connects to a peer by its address bytes (GIL released); the same peer twice gives
@@ -136,8 +147,8 @@ class TransferEngine:
         """An immediate-only write (no bytes) the peer counts like any other."""
 
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
-        """Waits (GIL released) until ``count`` writes carrying ``imm`` arrived and consumes
-        them; raises TimeoutError naming the immediate and how many arrived otherwise.
+        """Waits (GIL released; polling for wait_spin_us, then sleeping) until ``count``
+        writes carrying ``imm`` arrived and consumes them; raises TimeoutError naming the immediate and how many arrived otherwise.
         Arrivals accumulate per immediate, so consecutive rounds need no reset."""
 
     def expect_imm(self, imm: int, count: int = 1, timeout: float = 600.0) -> ImmExpectation:

@@ -102,7 +102,8 @@ class Op:
     def done(self) -> bool:
         """True once the operation completed, successfully or not (never blocks)."""
     def wait(self, timeout: float = 30.0) -> None:
-        """Waits up to ``timeout`` seconds, GIL released. Returns when the operation
+        """Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us
+        before it sleeps). Returns when the operation
         succeeded; raises its error (OutOfRange, Unavailable, TimeoutError...) otherwise, or
         TimeoutError when ``timeout`` passed first. Completion of a write means the source may
         be reused; the bytes are known to be at the target once it counted the immediate."""
@@ -118,15 +119,17 @@ class ImmExpectation:
     def done(self) -> bool:
         """True once the writes arrived (or the expectation's own timeout passed)."""
     def wait(self, timeout: float = 30.0) -> None:
-        """Waits up to ``timeout`` seconds, GIL released; raises TimeoutError if the writes are
+        """Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us
+        before it sleeps); raises TimeoutError if the writes are
         not all there (the expectation stays armed), or the expectation's error."""
 
 class Engine:
     def __init__(self, provider: str, same_host: bool, node: str, rails: int,
                  op_timeout: float, busy_poll: bool, stripe_threshold: int,
                  max_write_size: int, gpu_copy: str, fabric_gpu_memory: bool, gpu_ipc: bool,
-                 idle_spin_us: float) -> None: ...
+                 idle_spin_us: float, wait_spin_us: float) -> None: ...
     address: bytes
+    wait_spin_us: float
     engine_id: int
     provider: str
     num_rails: int
@@ -137,7 +140,9 @@ class Engine:
     def register_ptr(self, ptr: int, nbytes: int, device: int, owner: Any,
                      read_only: bool) -> Region: ...
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteRegion,
-              dst_offset: int, nbytes: int, imm: Optional[int]) -> Op: ...
+              dst_offset: int, nbytes: int, imm: Optional[int]) -> Op:
+        """Positional, exact types only (ints, a Region, a RemoteRegion, None or an int);
+        TypeError otherwise. Parsed without pybind11's dispatch: the small-write hot path."""
     def paged_write(self, peer: int, src: Region, src_pages: np.ndarray, src_stride: int,
                     dst: RemoteRegion, dst_pages: np.ndarray, dst_stride: int, page_bytes: int,
                     src_offset: int, dst_offset: int, imm: Optional[int]) -> Op: ...

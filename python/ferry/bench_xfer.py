@@ -4,8 +4,10 @@
 
 Two spawned processes, one engine each (workers nap when idle, as `ferry bench xfer`'s engines
 do between points). Latency: a ping-pong of 64-byte writes with immediates, each side waiting
-for the other's immediate with wait_imm (its thread sleeps until the engine's worker wakes it);
-half the round trip, p50 and p99 over --iters, and the time of the write() call alone. Rate:
+for the other's immediate with wait_imm (polling for the engine's wait_spin_us, then sleeping
+until the engine's worker wakes it); half the round trip, p50 and p99 over --iters, and where
+it goes: the write() call alone, and from its return to the peer's wait_imm return (delivery
+and wake-up; both processes read one monotonic clock). Rate:
 4 KiB writes with immediates to the one peer, one TransferEngine.write call per write, --window
 in flight (the oldest waited for before the next is posted), for --seconds; then the same
 writes --batch at a time through write_runs (each run a write carrying the immediate). The
@@ -21,28 +23,32 @@ import collections
 import multiprocessing as mp
 import sys
 import time
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from ._bench import percentile, run_ferry_bench, write_json
 
 PING, PONG, RATE = 0x50490000, 0x504F0000, 0x52410000
 
 
-def _target(conn: Any, provider: str, busy_poll: bool) -> None:
+def _target(conn: Any, provider: str, busy_poll: bool, wait_spin_us: Optional[float]) -> None:
     import numpy as np
 
     import ferry
 
-    with ferry.TransferEngine(provider, same_host=True, busy_poll=busy_poll) as e:
+    with ferry.TransferEngine(provider, same_host=True, busy_poll=busy_poll,
+                              wait_spin_us=wait_spin_us) as e:
         buf = np.zeros(1 << 20, dtype=np.uint8)
         region = e.register(buf)
         conn.send((e.address, region.descriptor))
         peer_addr, peer_desc, iters, rate_writes = conn.recv()
         peer = e.connect(peer_addr)
-        for _ in range(iters):
+        woke = [0.0] * iters
+        clock = time.perf_counter
+        for i in range(iters):
             e.wait_imm(PING, 1, 10.0)
+            woke[i] = clock()
             e.write(peer, region, 0, peer_desc, 0, 64, imm=PONG)
-        conn.send("latency done")
+        conn.send(woke)
         while True:  # each rate loop's writes, counted before it is kept
             n = conn.recv()
             if n is None:
@@ -77,17 +83,19 @@ def _rate_loop(e: Any, seconds: float, window: int, post: Callable[[int], Any], 
 
 
 def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
-        batch: int) -> dict:
+        batch: int, wait_spin_us: Optional[float] = None) -> dict:
     import numpy as np
 
     import ferry
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, provider, busy_poll), daemon=True)
+    proc = ctx.Process(target=_target, args=(child, provider, busy_poll, wait_spin_us),
+                       daemon=True)
     proc.start()
     try:
-        with ferry.TransferEngine(provider, same_host=True, busy_poll=busy_poll) as e:
+        with ferry.TransferEngine(provider, same_host=True, busy_poll=busy_poll,
+                                  wait_spin_us=wait_spin_us) as e:
             buf = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
             region = e.register(buf)
             if not conn.poll(60):
@@ -96,16 +104,19 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
             dst = ferry.RemoteRegion.from_bytes(desc)
             peer = e.connect(addr)
             conn.send((e.address, region.descriptor, iters, 0))
-            us, submit_us = [], []
-            for _ in range(iters):
-                t0 = time.perf_counter()
+            us, submit_us, posted = [], [], [0.0] * iters
+            clock = time.perf_counter
+            for i in range(iters):
+                t0 = clock()
                 e.write(peer, region, 0, dst, 0, 64, imm=PING)
-                t1 = time.perf_counter()
+                t1 = posted[i] = clock()
                 e.wait_imm(PONG, 1, 10.0)
-                us.append((time.perf_counter() - t0) * 1e6 / 2)
+                us.append((clock() - t0) * 1e6 / 2)
                 submit_us.append((t1 - t0) * 1e6)
-            conn.recv()
-            warm = us[min(len(us) // 10, 200):]
+            woke = conn.recv()
+            skip = min(len(us) // 10, 200)
+            warm = us[skip:]
+            to_wake = [(w - p) * 1e6 for p, w in zip(posted[skip:], woke[skip:])]
             single = _rate_loop(e, seconds, window, lambda off: e.write(
                 peer, region, off, dst, off, 4096, imm=RATE), 1, conn)
             # write_runs: `batch` writes of 4 KiB per call, each carrying the immediate, as
@@ -121,6 +132,7 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
             proc.kill()
     return {"latency_p50_us": percentile(warm, 0.5), "latency_p99_us": percentile(warm, 0.99),
             "write_call_p50_us": percentile(submit_us, 0.5), "latency_iters": len(warm),
+            "call_return_to_peer_wake_p50_us": percentile(to_wake, 0.5),
             "rate_4k_ops_per_s": single, "rate_4k_runs_ops_per_s": batched}
 
 
@@ -151,6 +163,9 @@ def main(argv: List[str] = None) -> int:
                     help="rate: writes per write_runs call in the batched loop")
     ap.add_argument("--busy-poll", action="store_true",
                     help="engine workers never nap (default: they nap after idle_spin_us)")
+    ap.add_argument("--wait-spin-us", type=float, default=None,
+                    help="TransferEngine(wait_spin_us=...) on both sides (default: the engine's "
+                         "own choice, which depends on the CPUs this process may use)")
     ap.add_argument("--ferry", help="the ferry binary: run `ferry bench xfer` beside")
     ap.add_argument("--repeat", type=int, default=3,
                     help="Python and C++ runs alternate this many times and the best figure of "
@@ -160,16 +175,23 @@ def main(argv: List[str] = None) -> int:
     pys, cpps = [], []
     for _ in range(max(1, args.repeat)):
         pys.append(run(args.provider, args.iters, args.seconds, args.window, args.busy_poll,
-                       args.batch))
+                       args.batch, args.wait_spin_us))
         if args.ferry:
             cpps.append(run_cpp(args.ferry, args.provider, args.seconds / 4))
     py, cpp = _best(pys), _best(cpps) if cpps else None
     res = {"provider": args.provider, "python": py, "python_runs": pys}
     if cpp:
         res["cpp"], res["cpp_runs"] = cpp, cpps
-    print(f"ferry.TransferEngine from Python, provider {args.provider}, best of {len(pys)}")
+    from . import _usable_cpus, _wait_spin_us
+
+    spin, cpus = _wait_spin_us(args.wait_spin_us), _usable_cpus()
+    res["wait_spin_us"], res["usable_cpus"] = spin, cpus
+    print(f"ferry.TransferEngine from Python, provider {args.provider}, best of {len(pys)}; "
+          f"wait_spin_us {spin:g} ({cpus} usable CPUs)")
     print(f"{'':<28} {'Python':>12} {'C++':>12}")
     print(f"{'write() call p50 us':<28} {py['write_call_p50_us']:>12.1f} {'-':>12}")
+    print(f"{'  return to peer wake p50':<28} {py['call_return_to_peer_wake_p50_us']:>12.1f} "
+          f"{'-':>12}")
     for key, label in [("latency_p50_us", "write+imm latency p50 us"),
                        ("latency_p99_us", "write+imm latency p99 us"),
                        ("rate_4k_ops_per_s", "4 KiB write+imm rate op/s"),

@@ -27,6 +27,16 @@ inline Duration seconds_to_duration(double s, const char* what) {
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
 }
 
+// Microseconds in [0, max_us] as a Duration (a spin or nap length).
+inline Duration micros_to_duration(double us, const char* what, double max_us) {
+    if (!std::isfinite(us) || us < 0 || us > max_us) {
+        throw StatusError(invalid_argument(
+            std::string(what) + " must be a number of microseconds in [0, " +
+            std::to_string(static_cast<uint64_t>(max_us)) + "], got " + std::to_string(us)));
+    }
+    return std::chrono::duration_cast<Duration>(std::chrono::duration<double, std::micro>(us));
+}
+
 inline std::span<const uint8_t> bytes_span(const pybind11::bytes& b) {
     char* data = nullptr;
     Py_ssize_t len = 0;

@@ -71,16 +71,20 @@ void register_errors(py::module_& m) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const StatusError& e) {
-            PyObject* cls = class_for(e.status().code());
-            py::object exc = py::reinterpret_steal<py::object>(
-                PyObject_CallFunction(cls, "s", e.status().message().c_str()));
-            if (!exc) return;  // the call set its own Python error
-            // e.code: the status code's name ("timeout"), for callers that switch on it.
-            std::string code(status_code_name(e.status().code()));
-            PyObject_SetAttrString(exc.ptr(), "code", py::str(code).ptr());
-            PyErr_SetObject(cls, exc.ptr());
+            set_python_error(e.status());
         }
     });
+}
+
+void set_python_error(const Status& status) {
+    PyObject* cls = class_for(status.code());
+    py::object exc = py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(cls, "s", status.message().c_str()));
+    if (!exc) return;  // the call set its own Python error
+    // e.code: the status code's name ("timeout"), for callers that switch on it.
+    std::string code(status_code_name(status.code()));
+    PyObject_SetAttrString(exc.ptr(), "code", py::str(code).ptr());
+    PyErr_SetObject(cls, exc.ptr());
 }
 
 }  // namespace ferry::python

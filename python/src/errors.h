@@ -37,4 +37,8 @@ T take(Result<T>&& result) {
 // Creates ferry.Error and its subclasses in module `m` and registers the translator.
 void register_errors(pybind11::module_& m);
 
+// Sets the Python error for `status` (its ferry.Error subclass, carrying the message), for
+// code that returns to the interpreter without pybind11 (the write fast path).
+void set_python_error(const Status& status);
+
 }  // namespace ferry::python

@@ -3,6 +3,8 @@ destination poisoned first so that a byte written where it should not be is seen
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -189,3 +191,40 @@ def test_descriptor_pickles_and_round_trips(pair):
     op.wait(10.0)
     child.call("wait_imm", 21, op.imm_writes, 10.0)
     check_bytes(child.call("get", "pickle"), src)
+
+
+def test_spinning_waits(pair, rng):
+    # wait_spin_us: Op.wait, wait_imm and ImmExpectation.wait poll before they sleep. The bytes
+    # land as with sleeping waits, and a wait that times out still ends at its timeout.
+    engine, _, child = pair
+    with ferry.TransferEngine(engine.provider, same_host=True, op_timeout=5.0,
+                              wait_spin_us=200) as e:
+        assert e.wait_spin_us == 200
+        peer = e.connect(child.address)
+        child.call("connect", "spinner", e.address)
+        size = 1 << 16
+        src = np.frombuffer(rng.randbytes(size), dtype=np.uint8).copy()
+        desc = child.call("alloc", "spin-dst", "numpy", size, POISON)
+        n = rng.randint(1, size)
+        # numpy integers and descriptor bytes: the checked path converts them.
+        op = e.write(peer, e.register(src), np.uint64(0), desc, np.int64(size - n), n, imm=31)
+        op.wait(10.0)
+        child.call("wait_imm", 31, op.imm_writes, 10.0)
+        check_bytes(child.call("get", "spin-dst"), expected_after(size, [(size - n, src[:n])]))
+
+        dst = np.full(size, POISON, dtype=np.uint8)
+        region = e.register(dst)
+        child.call("alloc", "spin-src", "numpy", size, 9)
+        expectation = e.expect_imm(32, 1, timeout=10.0)
+        child.call("write", "spinner", "spin-src", 0, region.descriptor, 0, 100, 32)
+        expectation.wait(10.0)
+        child.call("write", "spinner", "spin-src", 0, region.descriptor, 200, 100, 33)
+        e.wait_imm(33, 1, 10.0)
+        check_bytes(dst.tobytes(), expected_after(size, [(0, bytes([9]) * 100),
+                                                        (200, bytes([9]) * 100)]))
+
+    with ferry.TransferEngine("tcp", wait_spin_us=1e6) as e:
+        start = time.monotonic()
+        with pytest.raises(ferry.TimeoutError, match="immediate 0x34"):
+            e.wait_imm(0x34, 1, timeout=0.2)
+        assert time.monotonic() - start < 0.9, "a spin of 1 s must end at the 0.2 s timeout"

@@ -176,8 +176,45 @@ def test_wait_imm_timeout_names_the_immediate(engine):
         engine.expect_imm(0x78, 1, timeout=5.0).wait(0.1)
 
 
+def test_bad_wait_spin_us():
+    for bad in (-1, -0.5, float("nan"), float("inf"), 2e6):
+        with pytest.raises(ferry.InvalidArgument,
+                           match=r"wait_spin_us must be a number of microseconds in \[0, 1000000\]"):
+            ferry.TransferEngine("tcp", wait_spin_us=bad)
+    for bad in ("50", [50], True):
+        with pytest.raises(ferry.InvalidArgument,
+                           match="wait_spin_us must be a number of microseconds or None"):
+            ferry.TransferEngine("tcp", wait_spin_us=bad)
+
+
+def test_wait_spin_us_default_follows_the_cpus():
+    import os
+
+    with ferry.TransferEngine("tcp") as e:
+        assert e.wait_spin_us == (50.0 if len(os.sched_getaffinity(0)) >= 8 else 0.0)
+    with ferry.TransferEngine("tcp", wait_spin_us=0) as e:
+        assert e.wait_spin_us == 0.0
+
+
+def test_fast_write_refuses_other_types(engine):
+    # The extension's write takes exact types only and says so; TransferEngine.write then
+    # checks and names the argument (test_negative_offset_and_bad_imm).
+    src = engine.register(bytearray(64))
+    dst = ferry.RemoteRegion.from_bytes(src.descriptor)
+    with pytest.raises(TypeError, match="takes ints, a Region, a RemoteRegion"):
+        engine._engine.write(0, src, 0, dst.to_bytes(), 0, 8, None)
+    with pytest.raises(TypeError, match="takes ints"):
+        engine._engine.write(0, src, 0, dst)
+    with pytest.raises(ferry.InvalidArgument, match="src must be a Region"):
+        engine.write(0, dst, 0, dst, 0, 8)
+
+
 def test_closed_engine():
     e = ferry.TransferEngine("tcp")
+    src = e.register(bytearray(64))
+    dst = ferry.RemoteRegion.from_bytes(src.descriptor)
     e.close()
+    with pytest.raises(ferry.Cancelled, match="engine is closed"):
+        e.write(0, src, 0, dst, 0, 8, imm=1)  # the fast path's error, translated
     with pytest.raises(ferry.Cancelled, match="engine is closed"):
         e.address

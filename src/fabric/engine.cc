@@ -3,8 +3,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "fabric/engine_impl.h"
 #include "fabric/provider.h"
+#include "ferry/common/spin.h"
 
 namespace ferry {
 
@@ -12,20 +15,19 @@ Result<std::string> resolve_provider(const EngineConfig& config) {
     return detail::resolve_provider_name(config);
 }
 
-bool OpHandle::done() const {
-    if (!state_) return false;
-    std::lock_guard lk(state_->mu);
-    return state_->done;
-}
+bool OpHandle::done() const { return state_ && state_->done.load(std::memory_order_acquire); }
 
-Status OpHandle::wait(Duration timeout) const {
+Status OpHandle::wait(Duration timeout, Duration spin) const {
     if (!state_) return invalid_argument("waiting on an empty OpHandle");
-    std::unique_lock lk(state_->mu);
-    if (!state_->cv.wait_for(lk, timeout, [&] { return state_->done; })) {
+    detail::OpState& st = *state_;
+    TimePoint deadline = deadline_after(timeout);
+    spin_until([&] { return st.done.load(std::memory_order_acquire); }, std::min(spin, timeout));
+    std::unique_lock lk(st.mu);
+    if (!st.cv.wait_until(lk, deadline, [&] { return st.done.load(std::memory_order_relaxed); })) {
         return timeout_error(
             fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
     }
-    return state_->status;
+    return st.status;
 }
 
 uint32_t OpHandle::imm_writes() const { return state_ ? state_->imm_writes : 0; }
@@ -103,8 +105,8 @@ Status TransferEngine::barrier(GroupId group, uint32_t imm, Duration timeout) {
 OpHandle TransferEngine::signal(PeerId peer, uint32_t imm, OpCallback done) {
     return impl_->signal(peer, imm, std::move(done));
 }
-Status TransferEngine::wait_imm(uint32_t imm, uint64_t count, Duration timeout) {
-    return impl_->imm.wait(imm, count, timeout);
+Status TransferEngine::wait_imm(uint32_t imm, uint64_t count, Duration timeout, Duration spin) {
+    return impl_->imm.wait(imm, count, timeout, spin);
 }
 void TransferEngine::on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done) {
     impl_->imm.add_waiter(imm, count, deadline_after(timeout), std::move(done));

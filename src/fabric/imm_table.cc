@@ -2,7 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
+
+#include "ferry/common/spin.h"
 
 namespace ferry::detail {
 
@@ -40,24 +44,27 @@ void ImmTable::add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCa
     for (auto& [c, s] : fired) c(s);
 }
 
-Status ImmTable::wait(uint32_t imm, uint64_t count, Duration timeout) {
+Status ImmTable::wait(uint32_t imm, uint64_t count, Duration timeout, Duration spin) {
     struct Sync {
         std::mutex mu;
         std::condition_variable cv;
-        bool done = false;
+        std::atomic<bool> done{false};  // written under mu, read without it while spinning
         Status status;
     };
     auto sync = std::make_shared<Sync>();
-    add_waiter(imm, count, deadline_after(timeout), [sync](const Status& s) {
+    TimePoint deadline = deadline_after(timeout);
+    add_waiter(imm, count, deadline, [sync](const Status& s) {
         std::lock_guard lk(sync->mu);
         sync->status = s;
-        sync->done = true;
+        sync->done.store(true, std::memory_order_release);
         sync->cv.notify_all();
     });
+    spin_until([&] { return sync->done.load(std::memory_order_acquire); }, std::min(spin, timeout));
     std::unique_lock lk(sync->mu);
     // The expiry sweep fires the timeout; the extra second only guards against a stopped
     // engine, so this wait is bounded even then.
-    if (!sync->cv.wait_for(lk, timeout + std::chrono::seconds(1), [&] { return sync->done; })) {
+    if (!sync->cv.wait_until(lk, deadline + std::chrono::seconds(1),
+                             [&] { return sync->done.load(std::memory_order_relaxed); })) {
         return timeout_error(fmt::format(
             "waiting for {} writes with immediate {:#x}: engine stopped sweeping", count, imm));
     }

@@ -19,7 +19,9 @@ class ImmTable {
     // Registers a waiter; it fires (consuming `count`) as soon as enough arrived, possibly
     // right away on this thread, or with kTimeout at the deadline.
     void add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCallback cb);
-    Status wait(uint32_t imm, uint64_t count, Duration timeout);
+    // Blocks until `count` arrivals of imm are consumed or the timeout passes, polling for
+    // `spin` before it sleeps.
+    Status wait(uint32_t imm, uint64_t count, Duration timeout, Duration spin = Duration::zero());
     // Fires the waiters whose deadline passed. Called periodically by a worker.
     void expire(TimePoint now);
     uint64_t available(uint32_t imm) const;

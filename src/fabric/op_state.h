@@ -66,8 +66,8 @@ struct OpState : std::enable_shared_from_this<OpState> {
         }
         if (callback) callback(final_status);
         {
-            std::lock_guard lk(mu);
-            done = true;
+            std::lock_guard lk(mu);  // a waiter between its check and its sleep sees it
+            done.store(true, std::memory_order_release);
         }
         cv.notify_all();
     }
@@ -83,7 +83,9 @@ struct OpState : std::enable_shared_from_this<OpState> {
     OpCallback callback;
     std::mutex mu;
     std::condition_variable cv;
-    bool done = false;
+    // Atomic so that OpHandle::done() and a spinning wait read it without the lock; written
+    // under mu so that a waiter going to sleep cannot miss it.
+    std::atomic<bool> done{false};
     Status status;
 };
 

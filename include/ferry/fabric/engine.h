@@ -96,8 +96,11 @@ class OpHandle {
     bool valid() const { return state_ != nullptr; }
     bool done() const;
     // Waits until the operation completed or the timeout passed; returns its final status,
-    // or kTimeout (the operation itself keeps its own deadline and fails on its own).
-    Status wait(Duration timeout = std::chrono::seconds(30)) const;
+    // or kTimeout (the operation itself keeps its own deadline and fails on its own). With
+    // `spin`, the caller polls for that long before it sleeps (spin_until in clock.h): no
+    // wake-up to pay when the operation completes soon, a core used meanwhile.
+    Status wait(Duration timeout = std::chrono::seconds(30),
+                Duration spin = Duration::zero()) const;
     // Number of writes carrying the immediate that this operation put on the wire: what the
     // target must count.
     uint32_t imm_writes() const;
@@ -302,7 +305,9 @@ class TransferEngine {
 
     // Target-side counters. Credit style: arrivals accumulate per immediate value; a waiter
     // for n consumes n of them, so consecutive rounds need no reset, in any arrival order.
-    Status wait_imm(uint32_t imm, uint64_t count, Duration timeout);
+    // `spin`: poll for that long before sleeping, as OpHandle::wait.
+    Status wait_imm(uint32_t imm, uint64_t count, Duration timeout,
+                    Duration spin = Duration::zero());
     // Calls done(ok) once `count` arrivals of imm are available (consuming them), or
     // done(timeout) when the timeout passes first. Runs on a worker thread.
     void on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done);
