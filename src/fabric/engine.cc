@@ -12,18 +12,20 @@ Result<std::string> resolve_provider(const EngineConfig& config) {
     return detail::resolve_provider_name(config);
 }
 
-bool OpHandle::done() const {
-    if (!state_) return false;
-    std::lock_guard lk(state_->mu);
-    return state_->done;
-}
+bool OpHandle::done() const { return state_ && state_->done.load(std::memory_order_acquire); }
 
 Status OpHandle::wait(Duration timeout) const {
     if (!state_) return invalid_argument("waiting on an empty OpHandle");
     std::unique_lock lk(state_->mu);
-    if (!state_->cv.wait_for(lk, timeout, [&] { return state_->done; })) {
-        return timeout_error(
-            fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
+    if (!state_->done.load(std::memory_order_acquire)) {
+        // Counted before done is read again (both seq_cst): OpState::finish then notifies.
+        state_->waiters.fetch_add(1);
+        bool finished = state_->cv.wait_for(lk, timeout, [&] { return state_->done.load(); });
+        state_->waiters.fetch_sub(1);
+        if (!finished) {
+            return timeout_error(
+                fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
+        }
     }
     return state_->status;
 }
