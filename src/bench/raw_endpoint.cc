@@ -8,6 +8,7 @@
 
 #include <thread>
 
+#include "common/idle_wait.h"
 #include "fabric/provider.h"
 
 namespace ferry::detail {
@@ -129,6 +130,7 @@ Result<WindowRun> window_loop(fid_cq* cq, int window, Duration duration, const c
     std::vector<fi_context2*> free_ctx;
     for (auto& c : ctxs) free_ctx.push_back(&c);
     bool posting = true;
+    IdleWait idle;
     while (posting || inflight > 0) {
         while (posting && inflight < window) {
             ssize_t rc = post(posted, free_ctx.back());
@@ -140,9 +142,9 @@ Result<WindowRun> window_loop(fid_cq* cq, int window, Duration duration, const c
         }
         ssize_t n = fi_cq_read(cq, entries, 64);
         if (n == -FI_EAGAIN) {
-            // Same courtesy as the engine's worker, so on a machine with fewer cores than
-            // busy threads the ceiling is not handicapped against the engine.
-            std::this_thread::yield();
+            // The engine's worker's policy (IdleWait), so that neither side is handicapped:
+            // on a machine with fewer cores than busy threads a yield, else a pause.
+            idle();
         } else if (n > 0) {
             for (ssize_t i = 0; i < n; ++i) {
                 free_ctx.push_back(static_cast<fi_context2*>(entries[i].op_context));

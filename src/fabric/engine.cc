@@ -22,10 +22,16 @@ Status OpHandle::wait(Duration timeout, Duration spin) const {
     detail::OpState& st = *state_;
     TimePoint deadline = deadline_after(timeout);
     spin_until([&] { return st.done.load(std::memory_order_acquire); }, std::min(spin, timeout));
-    std::unique_lock lk(st.mu);
-    if (!st.cv.wait_until(lk, deadline, [&] { return st.done.load(std::memory_order_relaxed); })) {
-        return timeout_error(
-            fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
+    if (!st.done.load(std::memory_order_acquire)) {
+        std::unique_lock lk(st.mu);
+        // Counted before done is read again (both seq_cst): OpState::finish then notifies.
+        st.waiters.fetch_add(1);
+        bool finished = st.cv.wait_until(lk, deadline, [&] { return st.done.load(); });
+        st.waiters.fetch_sub(1);
+        if (!finished) {
+            return timeout_error(
+                fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
+        }
     }
     return st.status;
 }

@@ -62,7 +62,7 @@ void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
 void EngineImpl::arm(const std::shared_ptr<OpState>& state, uint32_t pieces, bool counts_imm) {
     if (counts_imm) state->imm_writes = pieces;
     state->set_pieces(pieces);
-    state->registry = registry_;
+    state->registry = registry_.get();
 }
 
 OpHandle EngineImpl::submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm) {
@@ -141,7 +141,7 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
 }
 
 OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
     if (!build_write(w, state, b)) return OpHandle(state);
     return submit(b, state, w.imm.has_value());
@@ -196,7 +196,7 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
                 if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
             };
         }
-        auto state = std::make_shared<OpState>(std::move(cb));
+        auto state = make_op_state(std::move(cb));
         handles.emplace_back(state);
         uint32_t before = b.count;
         bool built;
@@ -225,7 +225,7 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
 }
 
 OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "paged write"));
     if (w.page_size == 0) FERRY_FAIL_OP(state, invalid_argument("paged write: page_size is 0"));
@@ -295,7 +295,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
 }
 
 OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_OP(state, no_peer(w.peer, "write_runs"));
     FERRY_FAIL_OP(state, check_runs(*p, w.src, w.dst, w.runs, true, "write_runs"));
@@ -322,14 +322,14 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
 }
 
 OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
     if (!build_read(r, state, b)) return OpHandle(state);
     return submit(b, state, false);
 }
 
 OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_OP(state, no_peer(r.peer, "read_runs"));
     FERRY_FAIL_OP(state, check_runs(*p, r.dst, r.src, r.runs, false, "read_runs"));
@@ -356,7 +356,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
 }
 
 OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Group* g = peers_.group(sc.group);
     if (!g) FERRY_FAIL_OP(state, not_found(fmt::format("scatter: no group {}", sc.group)));
     if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
@@ -415,7 +415,7 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
 }
 
 OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Peer* p = peer(id);
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "signal"));
     RailBatch b(rails.size());
@@ -443,7 +443,7 @@ Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) 
     if (!g) return not_found(fmt::format("barrier: no group {}", group));
     auto deadline = deadline_after(timeout);
     // One operation, one hand-off: a signal per member from the group's prepared rows.
-    auto state = std::make_shared<OpState>(OpCallback{});
+    auto state = make_op_state(OpCallback{});
     RailBatch b(rails.size());
     auto op_deadline = deadline_after(config.op_timeout);
     for (size_t i = 0; i < g->members.size(); ++i) {
@@ -474,7 +474,7 @@ Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) 
 }
 
 OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     const Peer* p = peer(id);
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
     FERRY_FAIL_OP(state, control_.check_size(payload.size()));

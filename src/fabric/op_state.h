@@ -10,6 +10,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "fabric/op_pool.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 
@@ -37,22 +38,22 @@ struct OpState : std::enable_shared_from_this<OpState> {
     void set_pieces(uint32_t n) { remaining.store(n, std::memory_order_relaxed); }
 
     void piece_done(const Status& s) {
-        if (!s.ok()) {
-            std::lock_guard lk(mu);
-            if (status.ok()) status = s;
-        }
+        if (!s.ok()) record(s);
         if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish();
     }
 
     // Completes an operation that never reached the wire, or one given up on.
     void fail_now(Status s) {
-        {
-            std::lock_guard lk(mu);
-            if (status.ok()) status = std::move(s);
-        }
+        record(std::move(s));
         finish();
     }
 
+    // The worker finishes most operations while the submitting thread makes the next ones, so
+    // finish() touches what it must and no more: the status under the lock only when a piece
+    // failed, and the condition variable only when a thread waits on the handle. (It took the
+    // mutex twice and notified every time; with the registry's lock that was four lock/unlock
+    // pairs per operation on the worker. Not measured on its own: it went in with OpPool and
+    // the worker's prefetch, measured together in docs/BENCHMARKS.md, 2026-12-02.)
     void finish() {
         if (finished.exchange(true, std::memory_order_acq_rel)) return;
         if (registry) {
@@ -60,34 +61,52 @@ struct OpState : std::enable_shared_from_this<OpState> {
             registry->erase(this);
         }
         Status final_status;
-        {
+        if (failed.load(std::memory_order_acquire)) {
             std::lock_guard lk(mu);
             final_status = status;
         }
         if (callback) callback(final_status);
-        {
-            std::lock_guard lk(mu);  // a waiter between its check and its sleep sees it
-            done.store(true, std::memory_order_release);
+        // seq_cst store, then load: pairs with OpHandle::wait's increment, then load, so that
+        // either the waiter sees done or this sees the waiter.
+        done.store(true);
+        if (waiters.load() > 0) {
+            { std::lock_guard lk(mu); }
+            cv.notify_all();
         }
-        cv.notify_all();
     }
 
     std::atomic<uint32_t> remaining{0};
     std::atomic<bool> finished{false};
+    std::atomic<bool> failed{false};  // status holds an error (written under mu)
     uint32_t imm_writes = 0;
     uint64_t rail_mask = 0;  // rails holding pieces of this operation
-    std::shared_ptr<OpRegistry> registry;
+    // The engine's; it outlives every operation it registered (shutdown fails them all first).
+    // Not a shared_ptr: the count on one shared control block went up on the submitting thread
+    // and down on the worker for every operation.
+    OpRegistry* registry = nullptr;
     OpState* reg_prev = nullptr;  // registry list, under registry->mu
     OpState* reg_next = nullptr;
     bool in_registry = false;
     OpCallback callback;
     std::mutex mu;
     std::condition_variable cv;
-    // Atomic so that OpHandle::done() and a spinning wait read it without the lock; written
-    // under mu so that a waiter going to sleep cannot miss it.
+    // Atomic so that OpHandle::done() and a spinning wait read it without the lock.
     std::atomic<bool> done{false};
+    std::atomic<uint32_t> waiters{0};  // threads asleep (or going to sleep) in OpHandle::wait
     Status status;
+
+  private:
+    void record(Status s) {
+        std::lock_guard lk(mu);
+        if (status.ok()) status = std::move(s);
+        failed.store(true, std::memory_order_release);
+    }
 };
+
+// OpStates come from OpPool: made by the submitting thread, most are freed by a rail's worker.
+inline std::shared_ptr<OpState> make_op_state(OpCallback cb) {
+    return std::allocate_shared<OpState>(PoolAllocator<OpState>(), std::move(cb));
+}
 
 template <typename Fn>
 void OpRegistry::for_each(Fn&& fn) {

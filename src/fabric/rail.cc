@@ -39,6 +39,22 @@ class CallGuard {
     CallMonitor& m_;
 };
 
+// Asks for an operation's other lines, and its owner's, while the worker is still popping the
+// rest of the batch: the submitting thread wrote them all, so each is a miss on this core, and
+// the post and the completion would otherwise take them one by one. Single 64 B writes on the
+// 16-core host (shm, 2026-12-02, one build): 425k writes/s (0.65x) without, 564k (0.80x) with.
+void prefetch_op(const FabricOp* op) {
+    const auto* p = reinterpret_cast<const char*>(op);
+    for (size_t off = 64; off < sizeof(FabricOp); off += 64) __builtin_prefetch(p + off, 1, 3);
+    if (const OpState* s = op->parent.get()) {
+        // The OpState shares a block of whole lines with its shared_ptr control block.
+        auto base = reinterpret_cast<uintptr_t>(s) & ~uintptr_t{63};
+        for (uintptr_t off = 0; off < sizeof(OpState) + 16; off += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(base + off), 1, 3);
+        }
+    }
+}
+
 bool is_peer_gone(int err) {
     return err == FI_ECONNREFUSED || err == FI_ECONNRESET || err == FI_EHOSTUNREACH ||
            err == FI_ENOTCONN || err == FI_ECONNABORTED || err == FI_ESHUTDOWN || err == EPIPE ||
@@ -114,7 +130,7 @@ void Rail::submit(FabricOp* first, FabricOp* last) {
 }
 
 Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
-    auto state = std::make_shared<OpState>(OpCallback{});
+    auto state = make_op_state(OpCallback{});
     state->set_pieces(1);
     auto* op = new FabricOp();
     op->type = FabricOp::kTask;
@@ -127,7 +143,7 @@ Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
 }
 
 void Rail::post_task(std::function<Status()> fn, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    auto state = make_op_state(std::move(done));
     state->set_pieces(1);
     auto* op = new FabricOp();
     op->type = FabricOp::kTask;
@@ -188,6 +204,7 @@ bool Rail::drain_submissions() {
         auto* op = static_cast<FabricOp*>(queue_.pop());
         if (!op) break;
         any = true;
+        prefetch_op(op);
         if (op->type == FabricOp::kTask) {
             // Tasks (registration, address insertion) are local and may legitimately take long
             // (pinning a large buffer): the watchdog does not time them.
@@ -440,10 +457,7 @@ void Rail::run() {
         // progress, and a nap on either side stretches every step of it.
         if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty() ||
             inflight_ > 0 || (hooks_.stay_awake && hooks_.stay_awake())) {
-            // Polling with nothing to do: give the core to a runnable thread if there is one
-            // (the submitter, on a machine with fewer cores than busy threads). Costs well
-            // under a microsecond when nobody else wants the core.
-            std::this_thread::yield();
+            idle_();
             continue;
         }
         // Idle: nap, woken at once by a submission. Arrivals wait at most one nap; naps grow
