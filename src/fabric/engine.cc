@@ -99,6 +99,13 @@ OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
 OpHandle TransferEngine::read_runs(const ReadRunsOp& op, OpCallback done) {
     return impl_->read_runs(op, std::move(done));
 }
+OpHandle TransferEngine::copy_blocks(const BlockCopyOp& op, OpCallback done) {
+    return impl_->copy_blocks(op, std::move(done));
+}
+bool TransferEngine::copies_on_gpu(PeerId peer, const MemoryRegion& local,
+                                   const MemoryDescriptor& remote) const {
+    return impl_->copies_on_gpu(peer, local, remote);
+}
 OpHandle TransferEngine::read(const ReadOp& op, OpCallback done) {
     return impl_->read(op, std::move(done));
 }

@@ -7,7 +7,8 @@
 //   ControlChannel  control-message framing, the handler, held messages
 //   ImmTable        arrival counters per immediate and their waiters
 // Files: engine_impl.cc (construction, watchdog, shutdown, entry points), op_checks.cc
-// (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies).
+// (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies),
+// op_block_copy.cc (block copies from block ids, GPU only).
 #pragma once
 
 #include <algorithm>
@@ -64,6 +65,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     OpHandle write_runs(const WriteRunsOp& op, OpCallback done);
     OpHandle read(const ReadOp& op, OpCallback done);
     OpHandle read_runs(const ReadRunsOp& op, OpCallback done);
+    OpHandle copy_blocks(const BlockCopyOp& op, OpCallback done);
+    bool copies_on_gpu(PeerId peer, const MemoryRegion& local,
+                       const MemoryDescriptor& remote) const;
     OpHandle scatter(const ScatterOp& op, OpCallback done);
     std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done);
     OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "fabric/block_copy_geom.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
@@ -33,10 +34,21 @@ struct GpuPagedCopy {
     std::vector<uint32_t> dst_pages;
 };
 
-// What one operation hands the transport: irregular runs, paged copies, or both.
+// A block copy (BlockCopyOp): the kernel computes each piece's addresses from the geometry,
+// the block ids and the planes' addresses (block 0, first head applied; device-visible).
+struct GpuBlockCopy {
+    BlockCopyGeom geom;
+    std::vector<uint32_t> src_blocks;
+    std::vector<uint32_t> dst_blocks;
+    std::vector<uint64_t> src_planes;
+    std::vector<uint64_t> dst_planes;
+};
+
+// What one operation hands the transport: irregular runs, paged copies, block copies.
 struct GpuWork {
     std::vector<GpuCopy> copies;
     std::vector<GpuPagedCopy> paged;
+    std::vector<GpuBlockCopy> blocks;
     uint64_t bytes() const;
 };
 

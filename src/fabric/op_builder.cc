@@ -132,7 +132,8 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
         std::vector<GpuCopy> copies = {{*base + w.dst_offset,
                                         reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
                                         w.length}};
-        gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}}, w.imm);
+        gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}, {}},
+               w.imm);
         return false;
     }
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
@@ -160,7 +161,7 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
                                         *base + r.src_offset, r.length}};
-        gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}},
+        gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}, {}},
                std::nullopt);
         return false;
     }
@@ -309,7 +310,7 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
         copies.reserve(w.runs.size());
         for (const WriteRun& r : w.runs)
             copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
-        return gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}},
+        return gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}, {}},
                       w.imm);
     }
     RailBatch b(rails.size());
@@ -343,7 +344,7 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
         copies.reserve(r.runs.size());
         for (const WriteRun& run : r.runs)
             copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
-        return gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}},
+        return gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}, {}},
                       std::nullopt);
     }
     RailBatch b(rails.size());

@@ -156,15 +156,7 @@ Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec);
 
 }  // namespace
 
-Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
-    FERRY_ASSIGN_OR_RETURN(TransferPlan plan, plan_pool_offsets(spec));
-    cut_at_regions(plan, spec.src.layout, spec.dst.layout);
-    return plan;
-}
-
-namespace {
-
-Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec) {
+Result<SharedHeads> check_transfer(const TransferSpec& spec) {
     const KvLayout& sl = spec.src.layout;
     const KvLayout& dl = spec.dst.layout;
     FERRY_RETURN_IF_ERROR(check_compatible(spec.src, spec.dst));
@@ -177,21 +169,38 @@ Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec) {
         return invalid_argument(fmt::format("layer range [{}, {}) is not inside the {} layers",
                                             spec.first_layer, layer_end, sl.num_layers));
     }
-    TransferPlan plan;
-    if (spec.first_token == spec.end_token) return plan;
-    FERRY_RETURN_IF_ERROR(check_blocks(
-        spec.src_blocks, blocks_for_tokens(spec.end_token, sl.block_size), sl, "producer"));
-    FERRY_RETURN_IF_ERROR(check_blocks(
-        spec.dst_blocks, blocks_for_tokens(spec.end_token, dl.block_size), dl, "consumer"));
-
+    if (spec.first_token < spec.end_token) {
+        FERRY_RETURN_IF_ERROR(check_blocks(
+            spec.src_blocks, blocks_for_tokens(spec.end_token, sl.block_size), sl, "producer"));
+        FERRY_RETURN_IF_ERROR(check_blocks(
+            spec.dst_blocks, blocks_for_tokens(spec.end_token, dl.block_size), dl, "consumer"));
+    }
     // Heads both ranks hold, in each side's local numbering.
-    uint32_t lo = std::max(spec.src.first_head(), spec.dst.first_head());
-    uint32_t hi =
+    const uint32_t lo = std::max(spec.src.first_head(), spec.dst.first_head());
+    const uint32_t hi =
         std::min(spec.src.first_head() + sl.num_kv_heads, spec.dst.first_head() + dl.num_kv_heads);
-    if (lo >= hi) return plan;
-    uint32_t heads = hi - lo;
-    uint32_t src_h0 = lo - spec.src.first_head();
-    uint32_t dst_h0 = lo - spec.dst.first_head();
+    if (lo >= hi) return SharedHeads{};
+    return SharedHeads{hi - lo, lo - spec.src.first_head(), lo - spec.dst.first_head()};
+}
+
+Result<TransferPlan> plan_transfer(const TransferSpec& spec) {
+    FERRY_ASSIGN_OR_RETURN(TransferPlan plan, plan_pool_offsets(spec));
+    cut_at_regions(plan, spec.src.layout, spec.dst.layout);
+    return plan;
+}
+
+namespace {
+
+Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec) {
+    const KvLayout& sl = spec.src.layout;
+    const KvLayout& dl = spec.dst.layout;
+    FERRY_ASSIGN_OR_RETURN(const SharedHeads shared, check_transfer(spec));
+    const uint32_t layer_end = spec.end_layer == 0 ? sl.num_layers : spec.end_layer;
+    TransferPlan plan;
+    if (spec.first_token == spec.end_token || shared.count == 0) return plan;
+    const uint32_t heads = shared.count;
+    const uint32_t src_h0 = shared.src_first;
+    const uint32_t dst_h0 = shared.dst_first;
     uint64_t hb = sl.head_bytes();
     bool all_heads = heads == sl.num_kv_heads && heads == dl.num_kv_heads;
 

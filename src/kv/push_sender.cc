@@ -241,9 +241,10 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
         return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
                                             reg.num_tokens, p.have_prefill ? p.tokens : computed));
     }
-    auto plan = plan_transfer(
+    auto plan = plan_segment(
         {ctx_.cfg.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
-         piece.first_token, piece.end_token, piece.first_layer, piece.end_layer});
+         piece.first_token, piece.end_token, piece.first_layer, piece.end_layer},
+        pools_on_gpu(*ctx_.engine, job.peer, ctx_.pool, reg.pool));
     if (!plan.ok()) return plan.status();
     uint32_t index = job.segments++;
     bool whole = piece.first_layer == 0 && piece.end_layer == layers;
@@ -254,7 +255,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
                    piece.first_token,
                    piece.end_token,
                    0,
-                   plan->bytes,
+                   plan->bytes(),
                    whole ? 0 : piece.first_layer,
                    whole ? 0 : piece.end_layer};
     job.sent = add_piece(job.sent, piece, layers);
@@ -263,17 +264,22 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
         [this, id, key, index](const Status& s) { on_segment_drained(id, key, index, s); });
     // One group of operations per (region, region) pair: an engine operation has one source
     // and one destination region.
+    // Between GPUs of this host, one block copy for every region.
     seg.writes = 0;
-    for (const RegionRuns& g : plan->groups) {
-        std::span<const ByteRun> runs(plan->runs.data() + g.first, g.count);
+    if (plan->on_gpu) {
+        seg.writes = post_block_copy(*ctx_.engine, *plan, job.peer, false, ctx_.pool, job.reg.pool,
+                                     reg.imm + index, *flight);
+    }
+    for (const RegionRuns& g : plan->runs.groups) {
+        std::span<const ByteRun> runs(plan->runs.runs.data() + g.first, g.count);
         seg.writes += post_writes(*ctx_.engine, ctx_.pool.regions[g.src_region], job.peer,
                                   &job.reg.pool[g.dst_region], runs, reg.imm + index, *flight);
     }
     job.writes += seg.writes;
-    job.bytes += plan->bytes;
+    job.bytes += plan->bytes();
     job.pending[index] = seg;
-    ctx_.counters.ops_posted.fetch_add(plan->runs.size());
-    ctx_.counters.bytes_posted.fetch_add(plan->bytes);
+    ctx_.counters.ops_posted.fetch_add(plan->operations());
+    ctx_.counters.bytes_posted.fetch_add(plan->bytes());
     flight->done(ok_status());
     return ok_status();
 }

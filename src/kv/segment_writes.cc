@@ -63,4 +63,45 @@ uint32_t post_writes(TransferEngine& engine, const MemoryRegion* src, PeerId pee
     return writes;
 }
 
+bool pools_on_gpu(TransferEngine& engine, PeerId peer, const KvPoolRegions& local,
+                  std::span<const MemoryDescriptor> remote) {
+    if (local.regions.empty() || remote.empty()) return false;
+    const int device = local.regions[0]->descriptor().device;
+    for (const MemoryRegion* r : local.regions) {
+        if (r->descriptor().device != device || !engine.copies_on_gpu(peer, *r, remote[0])) {
+            return false;
+        }
+    }
+    for (const MemoryDescriptor& d : remote) {
+        if (!engine.copies_on_gpu(peer, *local.regions[0], d)) return false;
+    }
+    return true;
+}
+
+Result<SegmentPlan> plan_segment(const TransferSpec& spec, bool on_gpu) {
+    SegmentPlan plan;
+    plan.on_gpu = on_gpu;
+    if (on_gpu) {
+        FERRY_ASSIGN_OR_RETURN(plan.copy, plan_block_copy(spec));
+    } else {
+        FERRY_ASSIGN_OR_RETURN(plan.runs, plan_transfer(spec));
+    }
+    return plan;
+}
+
+uint32_t post_block_copy(TransferEngine& engine, const SegmentPlan& plan, PeerId peer, bool read,
+                         const KvPoolRegions& local, std::span<const MemoryDescriptor> remote,
+                         std::optional<uint32_t> imm, Flight& flight) {
+    if (plan.copy.bytes == 0) return 0;
+    BlockCopyOp op = plan.copy.op();
+    op.peer = peer;
+    op.read = read;
+    op.local = local.regions;
+    op.remote = remote;
+    op.imm = imm;
+    flight.add();
+    return engine.copy_blocks(op, [f = flight.shared_from_this()](const Status& s) { f->done(s); })
+        .imm_writes();
+}
+
 }  // namespace ferry::kv::detail

@@ -197,6 +197,53 @@ struct ReadRunsOp {
     std::span<const WriteRun> runs;
 };
 
+// One plane of a block copy (BlockCopySide): in a KV cache, the slabs of one (layer, K/V)
+// across all blocks. Block 0 of the plane starts `offset` bytes into region `region` of the
+// side's regions.
+struct BlockPlane {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+};
+
+// One side of a block copy as address strides: in plane p, token slot t of block b, head h
+// starts at planes[p].offset + b * block_stride + t * token_stride + h * head_stride of its
+// region. A KV pool's layout (kv::KvLayout) comes down to this, whatever its placement, block
+// order or region split; the KV connector makes it (kv::plan_block_copy).
+struct BlockCopySide {
+    std::span<const uint32_t>
+        blocks;  // block ids in token order: token t is in blocks[t / block_size]
+    std::span<const BlockPlane> planes;
+    uint32_t block_size = 0;  // tokens per block
+    uint64_t block_stride = 0;
+    uint64_t token_stride = 0;
+    uint64_t head_stride = 0;
+    uint32_t first_head = 0;  // the first head copied, in this side's numbering
+};
+
+// Tokens [first_token, end_token) of every plane, `heads` heads of head_bytes each, from the
+// src side's blocks into the dst side's (planes paired in order). Between GPUs of one host
+// (CUDA IPC) the copy kernel computes every address from the block ids, so the host hands over
+// O(blocks) ids, not a run per (plane, block): a 16k-token KV push planned and uploaded as
+// 130,816 runs of 4 KiB ran at 0.09x of the copy ceiling, bound by the host (2026-12-02).
+// Only that path exists: elsewhere the operation fails (kInvalidArgument) and the runs go
+// through write_runs / read_runs (copies_on_gpu says which applies). One completion; a write
+// delivers `imm` once, after every byte is in place.
+struct BlockCopyOp {
+    PeerId peer = 0;
+    // false: a write, the src side in `local` and the dst side in `remote`; true: a read,
+    // the other way round (no immediate).
+    bool read = false;
+    std::span<const MemoryRegion* const> local;
+    std::span<const MemoryDescriptor> remote;
+    BlockCopySide src;
+    BlockCopySide dst;
+    uint32_t first_token = 0;
+    uint32_t end_token = 0;
+    uint32_t heads = 0;
+    uint64_t head_bytes = 0;
+    std::optional<uint32_t> imm;
+};
+
 // One entry of a batch (TransferEngine::submit_batch): a write or a read, each its own
 // operation with its own completion.
 using BatchEntry = std::variant<WriteOp, ReadOp>;
@@ -288,6 +335,7 @@ class TransferEngine {
     OpHandle write_runs(const WriteRunsOp& op, OpCallback done = {});
     OpHandle read(const ReadOp& op, OpCallback done = {});
     OpHandle read_runs(const ReadRunsOp& op, OpCallback done = {});
+    OpHandle copy_blocks(const BlockCopyOp& op, OpCallback done = {});
     OpHandle scatter(const ScatterOp& op, OpCallback done = {});
     // Many writes and reads, to any peers, handed to each rail's worker in one queue hand-off
     // and posted back to back (FI_MORE between them where the provider honours it). Every
@@ -297,6 +345,10 @@ class TransferEngine {
     // by one. (Single write() calls coalesce too: the worker posts whatever queued up since
     // its last pass back to back.)
     std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done = {});
+    // True when operations between `local` and the peer's `remote` region are copies between
+    // GPUs of this host (CUDA IPC), the path copy_blocks takes.
+    bool copies_on_gpu(PeerId peer, const MemoryRegion& local,
+                       const MemoryDescriptor& remote) const;
     // Sends one immediate-only write to every member, then waits until as many writes with
     // `imm` arrived here. Members call it with the same imm; consecutive rounds need no reset.
     Status barrier(GroupId group, uint32_t imm, Duration timeout);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/common/status.h"
+#include "ferry/fabric/engine.h"
 #include "ferry/fabric/types.h"
 #include "ferry/kv/layout.h"
 
@@ -73,10 +74,44 @@ struct TransferSpec {
     uint32_t end_layer = 0;
 };
 
+// The heads two ranks share, in each side's local numbering; count 0 when none.
+struct SharedHeads {
+    uint32_t count = 0;
+    uint32_t src_first = 0;
+    uint32_t dst_first = 0;
+};
+
+// What plan_transfer and plan_block_copy check before planning: compatible layouts, token and
+// layer ranges inside the request and the layers, enough block ids, every id inside its pool
+// (ids only when the token range is not empty). Returns the heads the ranks share.
+Result<SharedHeads> check_transfer(const TransferSpec& spec);
+
 // The runs that copy the heads the two ranks share, for every layer of the range, K and V,
 // token of the range. An empty plan when the ranks share no head. Errors name what does not fit
 // (incompatible layouts, too few blocks, block id out of the pool).
 Result<TransferPlan> plan_transfer(const TransferSpec& spec);
+
+// The same transfer as plan_transfer's, in the form TransferEngine::copy_blocks takes: both
+// layouts as strides, one plane per (layer, K/V) of the layer range on each side (K first,
+// layer-major), each in the region of the pool that holds it, and the spec's block lists as
+// they are. Made in O(layers) whatever the number of blocks: between GPUs of one host the copy
+// kernel computes every address, where the runs cost the host a run per (layer, K/V, block).
+struct BlockCopyPlan {
+    BlockCopySide src;  // planes left empty: op() points them at src_planes / dst_planes
+    BlockCopySide dst;
+    std::vector<BlockPlane> src_planes;
+    std::vector<BlockPlane> dst_planes;
+    uint32_t first_token = 0;
+    uint32_t end_token = 0;
+    uint32_t heads = 0;
+    uint64_t head_bytes = 0;
+    uint64_t bytes = 0;  // what plan_transfer's runs add up to; 0: nothing to copy
+
+    // The operation without peer, direction, regions and immediate. It points into this plan
+    // and the spec's block lists, which must outlive posting it.
+    BlockCopyOp op() const;
+};
+Result<BlockCopyPlan> plan_block_copy(const TransferSpec& spec);
 
 // Checks that two layouts can exchange KV at all (same hash, same total heads).
 Status check_compatible(const KvRank& src, const KvRank& dst);

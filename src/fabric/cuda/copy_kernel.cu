@@ -56,29 +56,70 @@ __global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
     }
 }
 
-// One warp per piece of a page, pieces taken grid-stride across every segment of the launch.
-// A warp's items only grow, so it finds its segment by walking forward from the last one.
-// Loading the next item's page ids before copying this piece measured no better (random
-// 16/64 KiB pages 0.58/0.69x against 0.65/0.75x without, one H200, 2026-12-02).
-__global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
-    paged_copy_kernel(const PagedSegment* __restrict__ segs, int num_segs, uint64_t total) {
+// Items [0, total) of a launch, one warp each, taken grid-stride across every segment; body
+// gets the item's segment, its index in the segment and the lane. A warp's items only grow, so
+// it finds its segment by walking forward from the last one.
+template <typename Segment, typename Body>
+__device__ __forceinline__ void for_each_item(const Segment* __restrict__ segs, int num_segs,
+                                              uint64_t total, Body body) {
     const int lane = threadIdx.x & 31;
     const uint64_t warp = (uint64_t{blockIdx.x} * kWarpsPerBlock) + (threadIdx.x >> 5);
     const uint64_t num_warps = uint64_t{gridDim.x} * kWarpsPerBlock;
     int s = 0;
     for (uint64_t item = warp; item < total; item += num_warps) {
         while (s + 1 < num_segs && segs[s + 1].first_item <= item) ++s;
-        const PagedSegment& g = segs[s];
-        const uint64_t local = item - g.first_item;
+        body(segs[s], item - segs[s].first_item, lane);
+    }
+}
+
+// One warp per piece of a page. Loading the next item's page ids before copying this piece
+// measured no better (random 16/64 KiB pages 0.58/0.69x against 0.65/0.75x without, one H200,
+// 2026-12-02).
+__global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
+    paged_copy_kernel(const PagedSegment* __restrict__ segs, int num_segs, uint64_t total) {
+    for_each_item(segs, num_segs, total, [](const PagedSegment& g, uint64_t local, int lane) {
         const uint64_t page = local / g.pieces_per_page;
         const uint64_t off = (local - page * g.pieces_per_page) * kPagePiece;
         const uint64_t len = g.page_size - off < kPagePiece ? g.page_size - off : kPagePiece;
         warp_copy(g.src + g.src_pages[page] * g.src_stride + off,
                   g.dst + g.dst_pages[page] * g.dst_stride + off, len, lane);
-    }
+    });
+}
+
+// One warp per item of a block copy; the addresses come from block_copy_geom.h, the functions
+// the host tests run against the KV planner.
+__global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
+    block_copy_kernel(const BlockCopySegment* __restrict__ segs, int num_segs, uint64_t total) {
+    for_each_item(segs, num_segs, total, [](const BlockCopySegment& seg, uint64_t local, int lane) {
+        BlockCopyItem it;
+        if (!block_copy_item(seg.g, seg.src_blocks, seg.dst_blocks, seg.src_planes, seg.dst_planes,
+                             local, &it)) {
+            return;
+        }
+        for (uint32_t r = it.row_begin; r < it.row_end; ++r) {
+            uint64_t so = 0, dof = 0;
+            block_copy_row(seg.g, r, &so, &dof);
+            warp_copy(reinterpret_cast<const char*>(it.src + so),
+                      reinterpret_cast<char*>(it.dst + dof), it.len, lane);
+        }
+    });
+}
+
+// Blocks for a launch of `items` one-warp items, at most num_blocks.
+int grid_for(uint64_t items, int num_blocks) {
+    const uint64_t needed = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    return needed < static_cast<uint64_t>(num_blocks) ? static_cast<int>(needed) : num_blocks;
 }
 
 }  // namespace
+
+cudaError_t launch_block_copy(const BlockCopySegment* segments, int num_segments,
+                              uint64_t total_items, int num_blocks, cudaStream_t stream) {
+    if (num_segments <= 0 || total_items == 0) return cudaSuccess;
+    block_copy_kernel<<<grid_for(total_items, num_blocks), kThreads, 0, stream>>>(
+        segments, num_segments, total_items);
+    return cudaGetLastError();
+}
 
 cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num_blocks,
                                 cudaStream_t stream) {
@@ -93,9 +134,8 @@ cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num
 cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
                               int num_blocks, cudaStream_t stream) {
     if (num_segments <= 0 || total_items == 0) return cudaSuccess;
-    uint64_t needed = (total_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
-    int blocks = needed < static_cast<uint64_t>(num_blocks) ? static_cast<int>(needed) : num_blocks;
-    paged_copy_kernel<<<blocks, kThreads, 0, stream>>>(segments, num_segments, total_items);
+    paged_copy_kernel<<<grid_for(total_items, num_blocks), kThreads, 0, stream>>>(
+        segments, num_segments, total_items);
     return cudaGetLastError();
 }
 

@@ -1,14 +1,18 @@
-// Device copies for the CUDA IPC transport, two forms in one launch each:
+// Device copies for the CUDA IPC transport, three forms in one launch each:
 // - batched runs: many (src, dst, len) pieces listed by the host, for irregular runs;
 // - paged copies: pages of one size at index * stride on both sides, where the host uploads
 //   only the page ids (8 bytes a page) and the kernel computes the addresses. Listing every
 //   page as a 24-byte chunk on the host was what held random 4 KiB pages at 0.10x of the copy
-//   ceiling (2026-12-01).
+//   ceiling (2026-12-01);
+// - block copies: a KV transfer's block ids of both sides and both sides' strides, the kernel
+//   computing every (plane, chunk, row) address (block_copy_geom.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "fabric/block_copy_geom.h"
 
 namespace ferry::detail {
 
@@ -34,6 +38,16 @@ struct PagedSegment {
     uint32_t num_pages;
 };
 
+// One block copy inside a launch; first_item numbers its first item across the launch.
+struct BlockCopySegment {
+    BlockCopyGeom g;
+    const uint32_t* src_blocks;  // device memory
+    const uint32_t* dst_blocks;
+    const uint64_t* src_planes;
+    const uint64_t* dst_planes;
+    uint64_t first_item;
+};
+
 // One warp copies one chunk, so a copy must be cut into many chunks for the whole GPU to
 // work on it: a 4 MiB KV run cut at 256 KiB kept 16 warps busy and moved 35 GB/s over NVLink
 // (2026-11-30). 16 KiB gives a 4 MiB run 256 warps, and 256 MiB 16k chunks.
@@ -49,5 +63,9 @@ cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num
 // `segments` (device memory) hold num_segments entries whose pieces add up to total_items.
 cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
                               int num_blocks, cudaStream_t stream);
+
+// `segments` (device memory) hold num_segments entries whose items add up to total_items.
+cudaError_t launch_block_copy(const BlockCopySegment* segments, int num_segments,
+                              uint64_t total_items, int num_blocks, cudaStream_t stream);
 
 }  // namespace ferry::detail

@@ -68,7 +68,7 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     const uint64_t warps = uint64_t(kCopyBlocksPerSm) * sms * kCopyWarpsPerBlock;
     const uint64_t chunk = std::clamp<uint64_t>(bytes / (2 * warps) / kMaxChunk * kMaxChunk,
                                                 kMaxChunk, 16 * kMaxChunk);
-    size_t num_chunks = 0, num_segs = 0, num_ids = 0;
+    size_t num_chunks = 0, num_segs = 0, num_ids = 0, num_block_segs = 0, num_planes = 0;
     for (const GpuWork* w : works) {
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
             const uint64_t len = w->copies[r].len;
@@ -84,10 +84,17 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             num_segs++;
             num_ids += 2 * p.src_pages.size();
         }
+        for (const auto& b : w->blocks) {
+            num_block_segs++;
+            num_planes += b.src_planes.size() + b.dst_planes.size();
+            num_ids += b.src_blocks.size() + b.dst_blocks.size();
+        }
     }
-    // One buffer, one upload: [chunks][segments][page ids].
+    // One buffer, one upload: [chunks][paged segments][block segments][plane addresses][ids].
     const size_t seg_at = align8(num_chunks * sizeof(CopyChunk));
-    const size_t ids_at = seg_at + num_segs * sizeof(PagedSegment);
+    const size_t block_seg_at = seg_at + num_segs * sizeof(PagedSegment);
+    const size_t planes_at = block_seg_at + num_block_segs * sizeof(BlockCopySegment);
+    const size_t ids_at = planes_at + num_planes * sizeof(uint64_t);
     const size_t total = ids_at + num_ids * sizeof(uint32_t);
     if (total == 0) return ok_status();
     *buf = pool.take(total, device);
@@ -137,6 +144,28 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
                         p.dst_pages.data(), p.src_pages.size());
         }
     }
+    auto* block_segs = reinterpret_cast<BlockCopySegment*>(buf->ptr + block_seg_at);
+    auto* planes = reinterpret_cast<uint64_t*>(buf->ptr + planes_at);
+    const auto* dev_planes = reinterpret_cast<const uint64_t*>(buf->dev + planes_at);
+    size_t bs = 0, pl = 0;
+    uint64_t block_items = 0;
+    auto put = [&](auto* host, const auto* dev, size_t& at, const auto& v) {
+        std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
+        at += v.size();
+        return dev + at - v.size();
+    };
+    for (const GpuWork* w : works) {
+        for (const auto& b : w->blocks) {
+            BlockCopySegment& seg = block_segs[bs++];
+            seg.g = b.geom;
+            seg.src_planes = put(planes, dev_planes, pl, b.src_planes);
+            seg.dst_planes = put(planes, dev_planes, pl, b.dst_planes);
+            seg.src_blocks = put(ids, dev_ids, id, b.src_blocks);
+            seg.dst_blocks = put(ids, dev_ids, id, b.dst_blocks);
+            seg.first_item = block_items;
+            block_items += b.geom.items;
+        }
+    }
     FERRY_CUDA_TRY(cudaMemcpyAsync(buf->dev, buf->ptr, total, cudaMemcpyHostToDevice, stream));
     // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
     FERRY_CUDA_TRY(launch_batched_copy(reinterpret_cast<const CopyChunk*>(buf->dev),
@@ -145,6 +174,9 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     FERRY_CUDA_TRY(launch_paged_copy(reinterpret_cast<const PagedSegment*>(buf->dev + seg_at),
                                      static_cast<int>(num_segs), items, kCopyBlocksPerSm * sms,
                                      stream));
+    FERRY_CUDA_TRY(launch_block_copy(
+        reinterpret_cast<const BlockCopySegment*>(buf->dev + block_seg_at),
+        static_cast<int>(num_block_segs), block_items, kCopyBlocksPerSm * sms, stream));
     return ok_status();
 }
 

@@ -271,6 +271,7 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
         out->first_submitted = std::min(out->first_submitted, j.submitted);
         out->copies += j.work.copies.size();
         for (const auto& p : j.work.paged) out->copies += p.src_pages.size();
+        for (const auto& b : j.work.blocks) out->copies += b.geom.items;
         out->bytes += job_bytes(j);
     }
     FERRY_ASSIGN_OR_RETURN(cudaStream_t stream, stream_for(device));
@@ -279,7 +280,8 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     bool copy_engine =
         config_.gpu_copy == "copy-engine" ||
         (config_.gpu_copy == "auto" && jobs.size() == 1 && jobs[0].work.paged.empty() &&
-         jobs[0].work.copies.size() == 1 && jobs[0].work.copies[0].len >= kCopyEngineThreshold);
+         jobs[0].work.blocks.empty() && jobs[0].work.copies.size() == 1 &&
+         jobs[0].work.copies[0].len >= kCopyEngineThreshold);
     std::vector<const GpuWork*> works;
     works.reserve(jobs.size());
     for (const auto& j : jobs) works.push_back(&j.work);
