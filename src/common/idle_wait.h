@@ -7,6 +7,8 @@
 
 #include <thread>
 
+#include "ferry/common/spin.h"
+
 namespace ferry {
 
 // CPUs this process may run on (its affinity mask), at least 1.
@@ -19,14 +21,6 @@ inline int usable_cpus() {
     }
     int n = CPU_COUNT(&set);
     return n > 0 ? n : 1;
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield" ::: "memory");
-#endif
 }
 
 // An empty pass costs a sched_yield system call when cores are scarce (the submitter may be

@@ -160,7 +160,9 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         ctx_.counters.ops_posted.fetch_add(plan.operations());
         ctx_.counters.bytes_posted.fetch_add(plan.bytes());
     }
-    for (auto& p : plans) job->plans.push_back(std::move(p.second));
+    for (auto& p : plans) {
+        if (!p.second.on_gpu) job->plans.push_back(std::move(p.second.runs));
+    }
     flight->done(ok_status());
 }
 
