@@ -278,7 +278,9 @@ class Bench {
                     auto plan, plan_transfer({prefill_[p]->self, pblocks[p], decode_[d]->self,
                                               dblocks[d], 0, tokens}));
                 row->bytes += plan.bytes;
-                row->descriptors += plan.descriptor_count();
+                // Between GPUs of this host the connector posts one block copy (the kernel
+                // finds every run itself); otherwise one descriptor per run.
+                row->descriptors += c_.gpu ? 1 : plan.descriptor_count();
             }
         }
         std::vector<double> caller(prefill_.size() + decode_.size(), 0);

@@ -8,8 +8,8 @@
 
 #include <thread>
 
-#include "common/idle_wait.h"
 #include "fabric/provider.h"
+#include "ferry/common/spin.h"
 
 namespace ferry::detail {
 namespace {

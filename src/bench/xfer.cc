@@ -17,8 +17,8 @@
 #include <thread>
 
 #include "bench/raw_endpoint.h"
-#include "common/idle_wait.h"
 #include "ferry/common/bytes.h"
+#include "ferry/common/spin.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry {

@@ -23,11 +23,11 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common/idle_wait.h"
 #include "fabric/mpsc_queue.h"
 #include "fabric/op_pool.h"
 #include "fabric/op_state.h"
 #include "ferry/common/clock.h"
+#include "ferry/common/spin.h"
 #include "ferry/fabric/engine.h"
 
 namespace ferry::detail {

@@ -112,6 +112,7 @@ TEST(DisaggE2E, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
 TEST(DisaggE2E, TwoPrefillTwoDecodeRoundRobin) {
     Stack s("push", 2, 2);
     ASSERT_TRUE(s.up);
+    ASSERT_TRUE(wait_router_sees_all(kHost, s.router_port)) << s.logs();
     for (int i = 0; i < 4; ++i) {
         auto prompt = prompt_of(64 + i, i);
         Streamed r = stream(kHost, s.router_port,

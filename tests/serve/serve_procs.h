@@ -16,6 +16,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -129,6 +130,30 @@ inline bool wait_healthy(const std::string& host, int port, Duration budget = se
     while (Clock::now() < deadline) {
         auto r = http_get(host, port, "/health", milliseconds(500));
         if (r.ok() && r->status == 200) return true;
+        std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+}
+
+// Until a router's /health lists every engine of both roles as ready. 200 needs only one of
+// each: a test that counts how requests were spread waits for all, or the router's prober may
+// not have seen the second engine yet and send every request to the first.
+inline bool wait_router_sees_all(const std::string& host, int port, Duration budget = seconds(15)) {
+    TimePoint deadline = Clock::now() + budget;
+    while (Clock::now() < deadline) {
+        auto r = http_get(host, port, "/health", milliseconds(500));
+        if (r.ok() && r->status == 200) {
+            auto j = nlohmann::json::parse(r->body, nullptr, false);
+            bool all = !j.is_discarded();
+            for (const char* role : {"prefill", "decode"}) {
+                if (!all || !j.contains(role)) {
+                    all = false;
+                    break;
+                }
+                for (const auto& e : j[role]) all = all && e.value("ready", false);
+            }
+            if (all) return true;
+        }
         std::this_thread::sleep_for(milliseconds(50));
     }
     return false;
