@@ -130,27 +130,19 @@ void Rail::submit(FabricOp* first, FabricOp* last) {
 }
 
 Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
-    auto state = make_op_state(OpCallback{});
-    state->set_pieces(1);
-    auto* op = new FabricOp();
-    op->type = FabricOp::kTask;
-    op->task = std::move(fn);
-    op->parent = state;
-    op->deadline = deadline_after(timeout);
-    submit(op);
-    OpHandle h(state);
-    return h.wait(timeout);
+    return OpHandle(post_task(std::move(fn), OpCallback{})).wait(timeout);
 }
 
-void Rail::post_task(std::function<Status()> fn, OpCallback done) {
+std::shared_ptr<OpState> Rail::post_task(std::function<Status()> fn, OpCallback done) {
     auto state = make_op_state(std::move(done));
     state->set_pieces(1);
     auto* op = new FabricOp();
     op->type = FabricOp::kTask;
     op->task = std::move(fn);
-    op->parent = std::move(state);
-    op->deadline = TimePoint::max();
+    op->parent = state;
+    op->deadline = TimePoint::max();  // tasks run when popped; stop() fails those left
     submit(op);
+    return state;
 }
 
 std::string Rail::describe(const FabricOp* op) const {

@@ -203,7 +203,7 @@ class Rail {
                        std::function<void(size_t)> then);
     // Runs fn on the worker without waiting for it; done gets fn's status, or why it never
     // ran (the rail stopped first).
-    void post_task(std::function<Status()> fn, OpCallback done);
+    std::shared_ptr<OpState> post_task(std::function<Status()> fn, OpCallback done);
 
     // Signal region registration (done at open, before start).
     uint64_t signal_key() const { return signal_key_; }
