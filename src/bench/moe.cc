@@ -207,6 +207,18 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
         rep.max_rel_error = std::max(rep.max_rel_error, r.max_rel_error);
     }
     rep.verified = rep.max_rel_error <= (bc.combine == CombineMode::kPerRank ? 1.0 / 128 : 1e-5);
+    std::vector<double> floor_write, mapped_layer, pageable;
+    for (auto& r : results) {
+        floor_write.insert(floor_write.end(), r.floor_write.begin(), r.floor_write.end());
+        pageable.insert(pageable.end(), r.floor_write_pageable.begin(),
+                        r.floor_write_pageable.end());
+        mapped_layer.insert(mapped_layer.end(), r.mapped_layer.begin(), r.mapped_layer.end());
+    }
+    if (!floor_write.empty() && !mapped_layer.empty()) {
+        rep.floor_write_us = percentile(floor_write, 0.5);
+        rep.mapped_layer_us = percentile(mapped_layer, 0.5);
+        if (!pageable.empty()) rep.floor_write_pageable_us = percentile(pageable, 0.5);
+    }
     for (size_t i = 0; i < results[0].trace_points.size(); ++i) {
         std::vector<double> first, last;
         for (auto& r : results) {
@@ -252,11 +264,26 @@ std::string format_moe_table(const MoeBenchReport& rep) {
             rate(rep.combine_bytes, "combine"), rate(rep.combine_remote_bytes, "combine"));
     s += fmt::format("combine check (identity experts): max relative error {:.2e} -> {}\n",
                      rep.max_rel_error, rep.verified ? "ok" : "FAILED");
+    if (rep.floor_write_us > 0) {
+        const double floor = rep.floor_write_us + rep.mapped_layer_us;
+        double layer = 0;
+        for (const auto& p : rep.phases)
+            if (p.name == "layer") layer = p.p50_us;
+        s += fmt::format(
+            "floor: write loop {:.1f} us (each rank's remote bytes on {}, dispatch then combine) "
+            "+ mapped layer {:.1f} us = {:.1f} us; layer p50 / floor = {:.2f}x\n",
+            rep.floor_write_us, c.provider, rep.mapped_layer_us, floor, layer / floor);
+        s += fmt::format(
+            "floor, from pinned host memory as the proxy's buffers (proxy writes of {} bytes); "
+            "the same loop from pageable memory: {:.1f} us\n",
+            c.proxy_chunk, rep.floor_write_pageable_us);
+    }
     if (!rep.trace.empty()) {
-        s += "kernel stamps, us after the call's first kernel began (p50 over ranks and calls):\n";
-        s += fmt::format("{:<22} {:>12} {:>12}\n", "point", "first block", "last block");
+        s += "kernel (and host proxy) stamps, us after the call's first kernel began (p50 over "
+             "ranks and calls; proxy rows: first and last remote peer):\n";
+        s += fmt::format("{:<26} {:>12} {:>12}\n", "point", "first block", "last block");
         for (const auto& t : rep.trace)
-            s += fmt::format("{:<22} {:>12.1f} {:>12.1f}\n", t.point, t.first_us, t.last_us);
+            s += fmt::format("{:<26} {:>12.1f} {:>12.1f}\n", t.point, t.first_us, t.last_us);
     }
     return s;
 }
@@ -275,7 +302,10 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
     j["dtype"] = std::string(dtype_name(c.dtype));
     j["combine"] = std::string(combine_mode_name(c.combine));
     j["private_slots"] = c.private_slots;
-    if (c.backend == "cuda") j["early_launch"] = c.early_launch;
+    if (c.backend == "cuda") {
+        j["early_launch"] = c.early_launch;
+        j["proxy_chunk"] = c.proxy_chunk;
+    }
     j["iters"] = c.iters;
     j["warmup"] = c.warmup;
     for (const auto& p : rep.phases)
@@ -290,6 +320,11 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
         for (const auto& t : rep.trace)
             tr.push_back({{"point", t.point}, {"first_us", t.first_us}, {"last_us", t.last_us}});
         j["trace"] = tr;
+    }
+    if (rep.floor_write_us > 0) {
+        j["floor_write_us"] = rep.floor_write_us;
+        j["mapped_layer_us"] = rep.mapped_layer_us;
+        j["floor_write_pageable_us"] = rep.floor_write_pageable_us;
     }
     j["verified"] = rep.verified;
     return j;

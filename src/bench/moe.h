@@ -38,6 +38,11 @@ struct MoeBenchConfig {
     uint32_t send_blocks = 0;  // cuda: blocks of the dispatch and combine send kernels (0: default)
     bool trace = false;        // cuda: stamps inside the kernels (CudaAllToAllOptions::trace)
     bool early_launch = false;  // cuda: CudaAllToAllOptions::early_launch
+    // cuda with ranks on other nodes: also time the floor of the proxied path in the same run,
+    // a plain write loop moving each rank's remote bytes on `provider` plus the mapped path's
+    // layer (the same ranks as one node).
+    bool floor = false;
+    uint64_t proxy_chunk = 256 * 1024;  // cuda: CudaAllToAllOptions::proxy_chunk_bytes
     std::function<void(const std::string&)> progress;
 };
 
@@ -68,6 +73,10 @@ struct MoeBenchReport {
     // max_rel_error within 1e-5, or 1/128 with per-rank partials (a bf16 rounding each)
     bool verified = false;
     std::vector<MoeTraceRow> trace;  // --trace only
+    // --floor: the write loop's p50 (both rounds of a layer) and the mapped path's layer p50.
+    double floor_write_us = 0;
+    double mapped_layer_us = 0;
+    double floor_write_pageable_us = 0;  // the write loop from pageable memory (for reference)
 };
 
 // Runs warm-up and timed iterations and checks the last combine against the input (identity

@@ -93,6 +93,9 @@ struct RankResult {
     // --trace: per stamp, microseconds after the call's first stamp (first block, last block).
     std::vector<std::string> trace_points;
     std::vector<std::vector<double>> trace_first, trace_last;
+    // --floor: the plain write loop's time per layer, and the mapped path's layer time (us).
+    std::vector<double> floor_write, mapped_layer;
+    std::vector<double> floor_write_pageable;  // the same loop from pageable host memory
 };
 
 // Runs every rank of `cfg` on the GPUs of this host (rank r on GPU r % count), one thread per

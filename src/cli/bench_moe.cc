@@ -50,6 +50,14 @@ void register_bench_moe(CLI::App& bench) {
     cmd->add_option("--send-blocks", c->send_blocks,
                     "cuda: blocks of the dispatch and combine send kernels (0: library default)")
         ->capture_default_str();
+    cmd->add_flag("--floor", c->floor,
+                  "cuda, ranks on other nodes: also time the proxied path's floor in the same run "
+                  "(a plain write loop of each rank's remote bytes on --provider, plus the mapped "
+                  "path's layer) and print layer p50 / floor");
+    cmd->add_option("--proxy-chunk", c->proxy_chunk,
+                    "cuda: bytes per host proxy write (longer puts go as several; 0: one write "
+                    "per put); the --floor loop writes the same pieces")
+        ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, dtype, json_path, per_node, combine] {

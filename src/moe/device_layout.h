@@ -29,11 +29,13 @@ inline constexpr uint32_t kParts = 4;
 // Written by a kernel into mapped host memory, [peer][part], once its bytes for that put are
 // in the peer's outbox: offset and len first, then (after a system fence) the call number.
 // The outbox is laid out like the peer's region, so offset is the same on both sides.
+// stamp_ns: the GPU's global timer when the kernel published (CudaAllToAllOptions::trace).
 struct Publish {
     uint64_t offset;
     uint64_t len;
     uint32_t seq;
-    uint32_t reserved[3];
+    uint32_t reserved;
+    uint64_t stamp_ns;
 };
 
 // What the sender's proxy writes into the receiver's record slot [part][sender] after the

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "ferry/common/log.h"
@@ -63,6 +64,48 @@ DeviceProxy::DeviceProxy(DeviceProxySetup setup)
       raised_dispatch_(s_.world, 0) {
     for (uint32_t r = 0; r < s_.world; ++r)
         if (s_.remote[r]) remotes_.push_back(r);
+    if (s_.trace) {
+        const size_t n = size_t{s_.world} * proxy::kParts * kStamps;
+        stamps_ = std::make_unique<std::atomic<uint64_t>[]>(n);
+        for (size_t i = 0; i < n; ++i) stamps_[i].store(0, std::memory_order_relaxed);
+    }
+}
+
+uint64_t system_clock_ns() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+}
+
+uint64_t DeviceProxy::gpu_now() const {
+    return static_cast<uint64_t>(static_cast<int64_t>(system_clock_ns()) + s_.clock_offset_ns);
+}
+
+void DeviceProxy::stamp(uint32_t peer, uint32_t part, Stamp what, uint64_t gpu_ns) {
+    if (!stamps_) return;
+    auto* at = &stamps_[(size_t{peer} * proxy::kParts + part) * kStamps];
+    // A new call's first stamp clears what the last call left behind.
+    if (what == kPublished)
+        for (uint32_t i = kSeen; i < kStamps; ++i)
+            if (i != kArrived) at[i].store(0, std::memory_order_relaxed);
+    if (what == kArrived && part == proxy::kCounts)
+        for (uint32_t p = proxy::kCounts + 1; p < proxy::kParts; ++p)
+            stamps_[(size_t{peer} * proxy::kParts + p) * kStamps + kArrived].store(
+                0, std::memory_order_relaxed);
+    at[what].store(gpu_ns ? gpu_ns : gpu_now(), std::memory_order_relaxed);
+}
+
+std::vector<ProxyStamps> DeviceProxy::last_stamps() const {
+    std::vector<ProxyStamps> out;
+    if (!stamps_) return out;
+    for (uint32_t d : remotes_)
+        for (uint32_t part = 0; part < proxy::kParts; ++part) {
+            const auto* at = &stamps_[(size_t{d} * proxy::kParts + part) * kStamps];
+            auto get = [&](Stamp w) { return at[w].load(std::memory_order_relaxed); };
+            out.push_back(
+                {d, part, get(kPublished), get(kSeen), get(kPosted), get(kWritten), get(kArrived)});
+        }
+    return out;
 }
 
 DeviceProxy::~DeviceProxy() { stop(); }
@@ -158,6 +201,9 @@ bool DeviceProxy::reap() {
         if (!st.ok())
             fail(st.with_context(fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
                                              part_name(f.part), f.seq, f.peer)));
+        Outgoing& o = out_[size_t{f.peer} * proxy::kParts + f.part];
+        if (f.data && f.seq == o.sent_seq && o.data_left > 0 && --o.data_left == 0)
+            stamp(f.peer, f.part, kWritten);
         inflight_[i] = std::move(inflight_.back());
         inflight_.pop_back();
     }
@@ -191,6 +237,10 @@ bool DeviceProxy::send() {
             if (o.record.valid() && !o.record.done()) continue;
             std::atomic_thread_fence(std::memory_order_acquire);
             const uint64_t offset = pub.offset, len = pub.len;
+            if (stamps_) {
+                stamp(d, part, kPublished, pub.stamp_ns);
+                stamp(d, part, kSeen);
+            }
             std::string what = fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
                                            part_name(part), seq, d);
             if (seq != o.sent_seq + 1) {
@@ -207,13 +257,16 @@ bool DeviceProxy::send() {
             }
             const uint64_t slab = s_.outbox_offset[d];
             uint32_t pieces = 0;
-            if (len > 0) {
-                OpHandle h =
-                    write(d, slab + offset, offset, len, data_imm(s_.imm_base, part, s_.rank));
+            const uint64_t chunk = s_.chunk_bytes ? s_.chunk_bytes : len;
+            o.data_left = 0;
+            for (uint64_t at = 0; at < len; at += chunk) {
+                const uint64_t n = std::min(chunk, len - at);
+                OpHandle h = write(d, slab + offset + at, offset + at, n,
+                                   data_imm(s_.imm_base, part, s_.rank));
                 // The record announces what the engine's split rule says; a write that failed
                 // at once or split otherwise must not be announced (the receiver would take
                 // stale inbox bytes for this call's).
-                const uint64_t want = write_pieces(engine.config(), engine.num_rails(), len);
+                const uint64_t want = write_pieces(engine.config(), engine.num_rails(), n);
                 Status posted = h.done() ? h.wait(Duration::zero()) : ok_status();
                 if (!posted.ok()) {
                     fail(posted.with_context(what));
@@ -222,11 +275,12 @@ bool DeviceProxy::send() {
                 if (h.imm_writes() != want && !h.done()) {
                     fail(internal_error(fmt::format(
                         "{}: the engine put {} immediates on the wire for {} bytes, expected {}",
-                        what, h.imm_writes(), len, want)));
+                        what, h.imm_writes(), n, want)));
                     return true;
                 }
-                pieces = static_cast<uint32_t>(want);
-                inflight_.push_back({std::move(h), d, part, seq});
+                pieces += static_cast<uint32_t>(want);
+                ++o.data_left;
+                inflight_.push_back({std::move(h), d, part, seq, true});
             }
             const uint64_t rec_at = proxy_record_offset(s_.layout, s_.world, part, s_.rank);
             proxy::PutRecord rec{offset, len, seq, pieces, 0};
@@ -234,8 +288,9 @@ bool DeviceProxy::send() {
                         sizeof(rec));
             o.record = write(d, slab + rec_at, rec_at, sizeof(rec),
                              record_imm(s_.imm_base, part, s_.rank));
-            inflight_.push_back({o.record, d, part, seq});
+            inflight_.push_back({o.record, d, part, seq, false});
             o.sent_seq = seq;
+            stamp(d, part, kPosted);
             any = true;
         }
     }
@@ -311,6 +366,7 @@ void DeviceProxy::raise(uint64_t offset, uint64_t value) {
 
 void DeviceProxy::complete(uint32_t part, uint32_t s, const proxy::PutRecord& rec) {
     const SharedLayout& l = s_.layout;
+    stamp(s, part, kArrived);
     switch (part) {
         case proxy::kCounts:
             raise(l.ctr_counts + 8ull * s, rec.seq);

@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -56,6 +57,13 @@ struct DeviceProxySetup {
     // Polling: spin (yielding the core) this long after the last activity, then nap 20 us at
     // a time; nothing can wake a nap, since the kernels signal through host memory.
     Duration idle_spin = std::chrono::microseconds(200);
+    // Largest single write: a put above it goes as several writes, each with the data
+    // immediate (the record counts them all). 0: one write per put.
+    uint64_t chunk_bytes = 0;
+    // Stamps of the last call per (peer, part), for CudaAllToAllOptions::trace: host clock
+    // (system_clock ns) plus clock_offset_ns, the GPU global timer's lead over it.
+    bool trace = false;
+    int64_t clock_offset_ns = 0;
     std::vector<bool> remote;             // [world] peers reached through the proxy
     std::vector<PeerId> peer;             // [world] engine peers, where remote
     std::vector<MemoryDescriptor> inbox;  // [world] peers' inboxes, where remote
@@ -71,6 +79,9 @@ struct DeviceProxySetup {
     uint8_t* inbox_data = nullptr;
 };
 
+// The host clock the proxy stamps with (system_clock, ns since the epoch).
+uint64_t system_clock_ns();
+
 // Bytes of an inbox (an outbox slab is the same size: its PutRecords fit in the same area).
 uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world);
 // Offset of the record slot (part, sender) in an inbox.
@@ -79,6 +90,16 @@ uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_
 // Offset of the inbox's abort word (uint32): set to 1 when the proxy fails, so the rank's
 // waiting kernels give up at once.
 uint64_t proxy_abort_offset(const SharedLayout& layout, uint32_t world);
+
+// Where one put of the last call got to, in GPU global-timer ns (0: not there yet).
+// published: the kernel handed it over (its stamp); seen: the proxy read the record; posted:
+// its writes were handed to the engine; written: its last data write completed here;
+// arrived: (the receiving side, from `peer`) record and every data write were in and the
+// counter raised or the part counted.
+struct ProxyStamps {
+    uint32_t peer = 0, part = 0;
+    uint64_t published = 0, seen = 0, posted = 0, written = 0, arrived = 0;
+};
 
 class DeviceProxy {
   public:
@@ -97,16 +118,24 @@ class DeviceProxy {
     void stop();
     // The first failure (a fabric write, a bad record, a copy), naming rank, peer and part.
     Status error() const;
+    // setup.trace: per remote peer and part, the last call's stamps. Read while the proxy
+    // runs (each stamp is an atomic); a put still under way shows zeros where it is not yet.
+    std::vector<ProxyStamps> last_stamps() const;
 
   private:
     struct Outgoing {
         uint32_t sent_seq = 0;
+        uint32_t data_left = 0;  // data writes of the last put not yet completed
         OpHandle record;  // the last record write; its slot is rewritten only after it is done
     };
     struct Inflight {
         OpHandle op;
         uint32_t peer, part, seq;
+        bool data;
     };
+    enum Stamp : uint32_t { kPublished, kSeen, kPosted, kWritten, kArrived, kStamps };
+    void stamp(uint32_t peer, uint32_t part, Stamp what, uint64_t gpu_ns = 0);
+    uint64_t gpu_now() const;
     struct Incoming {
         uint32_t next_seq = 1;
         bool have_record = false;
@@ -134,6 +163,7 @@ class DeviceProxy {
     std::vector<Incoming> in_;               // [world * kParts]
     std::vector<uint32_t> raised_dispatch_;  // [world] call whose dispatch counter is set
     std::vector<Inflight> inflight_;         // data and record writes, owned by the thread
+    std::unique_ptr<std::atomic<uint64_t>[]> stamps_;  // [world][kParts][kStamps], trace only
 
     std::atomic<bool> stop_{false};
     std::atomic<bool> failed_{false};

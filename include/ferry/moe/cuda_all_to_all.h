@@ -81,6 +81,13 @@ struct CudaAllToAllOptions {
     // first put after a nap waits for its end (tens of microseconds with the scheduler's
     // granularity). Set it above the gap between layers to keep the proxy spinning.
     Duration proxy_idle_spin = std::chrono::microseconds(200);
+    // The host proxy's largest write: a longer put goes as several writes, posted at once (its
+    // record counts them all). On shm a lone 256 KiB write moved 17 GB/s against 11 GB/s at
+    // 4 MiB (`ferry bench xfer`, 16-core host, 2026-12-02); in the proxied decode layer, where
+    // two ranks copy at once at ~5 GB/s each, 256 KiB pieces and whole puts timed within the
+    // run-to-run spread (layer p50 2641 against 2756 us, one H200, 2026-12-02). 0: one write
+    // per put.
+    uint64_t proxy_chunk_bytes = 256 * 1024;
     // Kernels stamp the GPU's global timer where each kernel starts and ends and where its
     // waits for peers end (first and last block each); last_trace() reads the last call's
     // stamps. A few atomics per block; for finding where a call spends its time.
@@ -172,8 +179,11 @@ class CudaAllToAll {
     Status synchronize(void* stream);
     // The device-side error record only, without waiting (e.g. after a graph replay).
     Status device_status();
-    // The stamps of the last call, in kernel order (synchronize first). Fails unless created
-    // with options.trace.
+    // The stamps of the last call, in kernel order (synchronize first), then, with ranks on
+    // other nodes, the host proxy's per part ("proxy <part> <stage>": published by the kernel,
+    // seen by the proxy, posted to the engine, written (its last write completed), arrived
+    // (here, from the peer)), first and last over remote peers, converted to the GPU's timer
+    // with an offset measured at create(). Fails unless created with options.trace.
     Result<std::vector<CudaTraceStamp>> last_trace();
 
   private:

@@ -12,12 +12,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <thread>
 
 #include "bench/moe_internal.h"
 #include "common/cuda_check.h"
+#include "ferry/common/bytes.h"
+#include "ferry/fabric/engine.h"
 #include "ferry/moe/cuda_all_to_all.h"
+#include "ferry/moe/host_proxy.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
 
@@ -68,6 +72,7 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     opts.device = rr.device;
     opts.trace = bc.trace;
     opts.early_launch = bc.early_launch;
+    opts.proxy_chunk_bytes = bc.proxy_chunk;
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;
@@ -232,6 +237,134 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     return ok_status();
 }
 
+// --floor: what the fabric alone costs for one layer of the proxied path. Each rank writes its
+// bytes for every rank of another node (bytes[0]: dispatch rows, bytes[1]: combine rows,
+// [sender * world + receiver]) from pinned host memory into pinned host memory of the peer, on
+// the same provider and in the same pieces as the host proxy, in the layer's two rounds: the
+// combine round starts once this rank's dispatch writes completed and every peer's arrived.
+// No GPU work and no proxy: a plain write loop. `pinned`: buffers from cudaHostAlloc, as the
+// proxy's outboxes and inbox; else pageable memory (for reference).
+Status run_floor_rank(const MoeBenchConfig& bc, const AllToAllConfig& cfg, uint32_t rank,
+                      const std::vector<uint64_t> (&bytes)[2], bool pinned, ThreadExchange& ex,
+                      std::vector<double>* samples) {
+    const uint32_t w = cfg.world_size;
+    EngineConfig ec;
+    ec.provider = bc.provider;
+    ec.op_timeout = bc.timeout;
+    ec.busy_poll = true;
+    FERRY_ASSIGN_OR_RETURN(auto engine, TransferEngine::create(ec));
+    // Sources: this rank's bytes for every receiver, back to back; destinations: every sender's
+    // bytes for this rank, back to back; the larger round sizes both.
+    uint64_t src_bytes = 16, dst_bytes = 16;
+    for (const auto& b : bytes) {
+        uint64_t out = 0, in = 0;
+        for (uint32_t q = 0; q < w; ++q) {
+            out += b[uint64_t{rank} * w + q];
+            in += b[uint64_t{q} * w + rank];
+        }
+        src_bytes = std::max(src_bytes, out);
+        dst_bytes = std::max(dst_bytes, in);
+    }
+    struct HostBuffer {
+        void* p = nullptr;
+        bool pinned = false;
+        std::vector<uint8_t> pageable;
+        Status alloc(uint64_t n) {
+            if (!pinned) {
+                pageable.assign(n, 0);
+                p = pageable.data();
+                return ok_status();
+            }
+            FERRY_CUDA_TRY(cudaHostAlloc(&p, n, cudaHostAllocMapped));
+            return ok_status();
+        }
+        ~HostBuffer() {
+            if (pinned && p) cudaFreeHost(p);
+        }
+    } src, dst;
+    src.pinned = dst.pinned = pinned;
+    FERRY_RETURN_IF_ERROR(src.alloc(src_bytes));
+    FERRY_RETURN_IF_ERROR(dst.alloc(dst_bytes));
+    std::memset(src.p, 1, src_bytes);
+    std::memset(dst.p, 0, dst_bytes);
+    FERRY_ASSIGN_OR_RETURN(auto src_mr, engine->register_memory(src.p, src_bytes));
+    FERRY_ASSIGN_OR_RETURN(auto dst_mr, engine->register_memory(dst.p, dst_bytes));
+    ByteWriter bw;
+    engine->address().encode(bw);
+    dst_mr->descriptor().encode(bw);
+    const std::vector<uint8_t> mine = bw.take();
+    FERRY_ASSIGN_OR_RETURN(auto blobs, ex.allgather(rank, mine, bc.timeout));
+    std::vector<PeerId> peer(w);
+    std::vector<MemoryDescriptor> desc(w);
+    for (uint32_t q = 0; q < w; ++q) {
+        if (cfg.same_node(q, rank)) continue;
+        ByteReader rd(std::span<const uint8_t>(blobs[q]));
+        FERRY_ASSIGN_OR_RETURN(auto address, EngineAddress::decode(rd));
+        FERRY_ASSIGN_OR_RETURN(desc[q], MemoryDescriptor::decode(rd));
+        FERRY_ASSIGN_OR_RETURN(peer[q], engine->connect(address));
+    }
+    const uint64_t chunk = bc.proxy_chunk ? bc.proxy_chunk : UINT64_MAX;
+    auto pieces = [&](uint64_t len) {
+        uint64_t n = 0;
+        for (uint64_t at = 0; at < len; at += chunk)
+            n += write_pieces(engine->config(), engine->num_rails(), std::min(chunk, len - at));
+        return n;
+    };
+    const uint32_t imm[2] = {0x666c0000, 0x666c0001};
+    for (int it = 0; it < bc.warmup + bc.iters; ++it) {
+        FERRY_ASSIGN_OR_RETURN(auto sync, ex.allgather(rank, {}, bc.timeout));
+        (void)sync;
+        const TimePoint t0 = Clock::now();
+        for (int k = 0; k < 2; ++k) {
+            const std::vector<uint64_t>& b = bytes[k];
+            std::vector<OpHandle> ops;
+            uint64_t src_at = 0, expect = 0;
+            for (uint32_t d = 0; d < w; ++d) {
+                const uint64_t len = b[uint64_t{rank} * w + d];
+                const uint64_t len_in = b[uint64_t{d} * w + rank];
+                expect += pieces(len_in);
+                if (len == 0) continue;
+                uint64_t dst_at = 0;  // after the bytes of senders before this rank
+                for (uint32_t s = 0; s < rank; ++s) dst_at += b[uint64_t{s} * w + d];
+                for (uint64_t at = 0; at < len; at += chunk) {
+                    WriteOp op;
+                    op.peer = peer[d];
+                    op.src = src_mr.get();
+                    op.src_offset = src_at + at;
+                    op.dst = &desc[d];
+                    op.dst_offset = dst_at + at;
+                    op.length = std::min(chunk, len - at);
+                    op.imm = imm[k];
+                    ops.push_back(engine->write(op));
+                }
+                src_at += len;
+            }
+            for (OpHandle& op : ops) FERRY_RETURN_IF_ERROR(op.wait(bc.timeout));
+            if (expect) FERRY_RETURN_IF_ERROR(engine->wait_imm(imm[k], expect, bc.timeout));
+        }
+        if (it >= bc.warmup) samples->push_back(to_us(Clock::now() - t0));
+    }
+    // Nobody deregisters while a peer may still write into it.
+    FERRY_ASSIGN_OR_RETURN(auto done, ex.allgather(rank, {}, bc.timeout));
+    (void)done;
+    return ok_status();
+}
+
+// Runs `fn(rank, result)` on one thread per rank; a failed rank releases the others.
+template <typename Fn>
+void on_rank_threads(uint32_t ranks, ThreadExchange& ex, std::vector<RankResult>* results, Fn fn) {
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < ranks; ++r) {
+        threads.emplace_back([&, r] {
+            RankResult& res = (*results)[r];
+            res.status = fn(r, &res);
+            if (!res.status.ok())
+                ex.abort(res.status.with_context(fmt::format("rank {} failed", r)));
+        });
+    }
+    for (auto& t : threads) t.join();
+}
+
 }  // namespace
 
 Status run_cuda_ranks(const MoeBenchConfig& bc, const AllToAllConfig& cfg,
@@ -247,17 +380,66 @@ Status run_cuda_ranks(const MoeBenchConfig& bc, const AllToAllConfig& cfg,
         e != cudaSuccess)
         return FERRY_CUDA_ERROR(e, "cudaHostAlloc of the start gate");
     *gate = 0;
-    ThreadExchange ex(bc.ranks);
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < bc.ranks; ++r) {
-        threads.emplace_back([&, r] {
-            RankResult& res = (*results)[r];
-            res.status = run_cuda_rank(bc, cfg, r, gpus, gate, ex, &res);
-            if (!res.status.ok())
-                ex.abort(res.status.with_context(fmt::format("rank {} failed", r)));
+    {
+        ThreadExchange ex(bc.ranks);
+        on_rank_threads(bc.ranks, ex, results, [&](uint32_t r, RankResult* res) {
+            return run_cuda_rank(bc, cfg, r, gpus, gate, ex, res);
         });
     }
-    for (auto& t : threads) t.join();
+    const uint32_t w = cfg.world_size;
+    bool ok = true;
+    for (auto& r : *results) ok = ok && r.status.ok();
+    if (ok && bc.floor && w > cfg.ranks_per_node) {
+        // The mapped path's layer: the same ranks as one node.
+        MoeBenchConfig mb = bc;
+        mb.trace = false;
+        AllToAllConfig mc = cfg;
+        mc.ranks_per_node = w;
+        std::vector<RankResult> mapped(bc.ranks);
+        *gate = 0;
+        ThreadExchange ex(bc.ranks);
+        on_rank_threads(bc.ranks, ex, &mapped, [&](uint32_t r, RankResult* res) {
+            return run_cuda_rank(mb, mc, r, gpus, gate, ex, res);
+        });
+        // Each rank's remote bytes of one layer, as the proxied run moves them.
+        const RowFormat row = RowFormat::of(cfg);
+        const uint64_t crow = uint64_t{cfg.hidden} * sizeof(uint16_t);
+        std::vector<uint64_t> bytes[2] = {std::vector<uint64_t>(uint64_t{w} * w),
+                                          std::vector<uint64_t>(uint64_t{w} * w)};
+        for (uint32_t s = 0; s < w && ok; ++s) {
+            auto in = random_inputs(cfg, bc.tokens, bc.seed, s);
+            auto plan = plan_send(cfg, in.idx, bc.tokens);
+            if (!plan.ok()) return plan.status();
+            for (uint32_t d = 0; d < w; ++d) {
+                if (cfg.same_node(s, d)) continue;
+                bytes[0][uint64_t{s} * w + d] = uint64_t{plan->rows_to[d]} * row.row_bytes;
+                // d's results for s's tokens: a row per hit, or per dispatched row (per-rank).
+                const uint32_t back =
+                    cfg.combine == CombineMode::kPerRank ? plan->rows_to[d] : plan->hits_to[d];
+                bytes[1][uint64_t{d} * w + s] = uint64_t{back} * crow;
+            }
+        }
+        std::vector<RankResult> floor(bc.ranks);
+        for (bool pinned : {true, false}) {
+            ThreadExchange fex(bc.ranks);
+            on_rank_threads(bc.ranks, fex, &floor, [&](uint32_t r, RankResult* res) {
+                if (!res->status.ok()) return res->status;
+                return run_floor_rank(bc, cfg, r, bytes, pinned, fex,
+                                      pinned ? &res->floor_write : &res->floor_write_pageable);
+            });
+        }
+        for (uint32_t r = 0; r < bc.ranks; ++r) {
+            RankResult& res = (*results)[r];
+            if (!mapped[r].status.ok()) {
+                res.status = mapped[r].status.with_context("the mapped run of --floor");
+            } else if (!floor[r].status.ok()) {
+                res.status = floor[r].status.with_context("the write loop of --floor");
+            }
+            res.mapped_layer = mapped[r].samples[kLayer];
+            res.floor_write = floor[r].floor_write;
+            res.floor_write_pageable = floor[r].floor_write_pageable;
+        }
+    }
     cudaFreeHost(gate);
     return ok_status();
 }

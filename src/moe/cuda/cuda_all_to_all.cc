@@ -86,6 +86,55 @@ const char* phase_name(uint32_t phase) {
     }
 }
 
+// The GPU global timer's lead over the host's system clock, so the proxy's stamps and the
+// kernels' share one time line: a kernel stores the timer when it sees a flag that the host
+// sets between two clock reads. Of five tries the narrowest window counts (a PCIe round trip,
+// a few us; the error is at most half of it).
+Status gpu_clock_offset(int64_t* offset) {
+    struct Probe {
+        uint32_t flag;
+        uint32_t pad;
+        unsigned long long stamp;
+    };
+    Probe* p = nullptr;
+    FERRY_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&p), sizeof(Probe), cudaHostAllocMapped));
+    cudaStream_t st = nullptr;
+    auto cleanup = [&] {
+        if (st) cudaStreamDestroy(st);
+        cudaFreeHost(p);
+    };
+    Probe* dev = nullptr;
+    cudaError_t e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), p, 0);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    uint64_t best = UINT64_MAX;
+    for (int i = 0; i < 5 && e == cudaSuccess; ++i) {
+        auto* flag = reinterpret_cast<volatile uint32_t*>(&p->flag);
+        auto* stamp = reinterpret_cast<volatile unsigned long long*>(&p->stamp);
+        *flag = 0;
+        *stamp = 0;
+        e = cuda::launch_clock_probe(&dev->flag, &dev->stamp, 1000000000ull, st);
+        if (e != cudaSuccess) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the kernel is running
+        const uint64_t t0 = system_clock_ns();
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        *flag = 1;
+        const TimePoint deadline = deadline_after(std::chrono::seconds(2));
+        while (*stamp == 0 && Clock::now() < deadline) {
+        }
+        const uint64_t t1 = system_clock_ns();
+        e = cudaStreamSynchronize(st);
+        if (e == cudaSuccess && *stamp != 0 && t1 - t0 < best) {
+            best = t1 - t0;
+            *offset = static_cast<int64_t>(*stamp) - static_cast<int64_t>(t0 + (t1 - t0) / 2);
+        }
+    }
+    cleanup();
+    if (e != cudaSuccess) return FERRY_CUDA_ERROR(e, "cuda all-to-all trace: GPU clock probe");
+    if (best == UINT64_MAX)
+        return internal_error("cuda all-to-all trace: the GPU clock probe never answered");
+    return ok_status();
+}
+
 enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent, kBroken };
 
 const char* last_call(Phase p) {
@@ -291,6 +340,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     FERRY_CUDA_TRY(cuda::preload_combine_kernels());
     FERRY_CUDA_TRY(cuda::preload_quantize_kernels());
     FERRY_CUDA_TRY(cuda::preload_host_gate());
+    int64_t clock_offset = 0;
+    if (options.trace && has_remote) FERRY_RETURN_IF_ERROR(gpu_clock_offset(&clock_offset));
     // The plan kernel keeps a lane mask per (warp, expert) in shared memory.
     const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
     const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
@@ -608,6 +659,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         ps.combine_blocks = impl->combine_send_blocks;
         ps.timeout = options.timeout;
         ps.idle_spin = options.proxy_idle_spin;
+        ps.chunk_bytes = options.proxy_chunk_bytes;
+        ps.trace = options.trace;
+        ps.clock_offset_ns = clock_offset;
         ps.remote.resize(w);
         for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
         ps.publish = static_cast<const proxy::Publish*>(impl->publish);
@@ -692,6 +746,36 @@ Result<std::vector<CudaTraceStamp>> CudaAllToAll::last_trace() {
     for (uint32_t p = 0; p < cuda::kTracePoints; ++p) {
         const bool seen = raw[cuda::kTracePoints + p] != 0;
         out.push_back({kNames[p], seen ? raw[p] : 0, seen ? raw[cuda::kTracePoints + p] : 0});
+    }
+    if (!m.proxy) return out;
+    static constexpr const char* kProxyNames[proxy::kParts][5] = {
+        {"proxy counts published", "proxy counts seen", "proxy counts posted",
+         "proxy counts written", "proxy counts arrived"},
+        {"proxy private published", "proxy private seen", "proxy private posted",
+         "proxy private written", "proxy private arrived"},
+        {"proxy overflow published", "proxy overflow seen", "proxy overflow posted",
+         "proxy overflow written", "proxy overflow arrived"},
+        {"proxy combine published", "proxy combine seen", "proxy combine posted",
+         "proxy combine written", "proxy combine arrived"}};
+    const std::vector<ProxyStamps> stamps = m.proxy->last_stamps();
+    for (uint32_t part = 0; part < proxy::kParts; ++part) {
+        for (uint32_t stage = 0; stage < 5; ++stage) {
+            uint64_t first = 0, last = 0;
+            bool all = true;
+            for (const ProxyStamps& s : stamps) {
+                if (s.part != part) continue;
+                const uint64_t v = stage == 0   ? s.published
+                                   : stage == 1 ? s.seen
+                                   : stage == 2 ? s.posted
+                                   : stage == 3 ? s.written
+                                                : s.arrived;
+                all = all && v != 0;
+                first = first == 0 ? v : std::min(first, v);
+                last = std::max(last, v);
+            }
+            // A stage some peer has not reached (an empty put has no written) counts as none.
+            out.push_back({kProxyNames[part][stage], all ? first : 0, all ? last : 0});
+        }
     }
     return out;
 }

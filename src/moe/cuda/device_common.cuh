@@ -126,6 +126,7 @@ __device__ inline void publish_put(const KernelArgs& a, uint32_t peer, uint32_t 
     volatile proxy::Publish* p = a.publish + uint64_t{peer} * proxy::kParts + part;
     p->offset = offset;
     p->len = len;
+    if (a.trace) p->stamp_ns = global_ns();
     __threadfence_system();
     p->seq = seq;
 }

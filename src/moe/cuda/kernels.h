@@ -215,6 +215,10 @@ cudaError_t launch_combine_recv(const KernelArgs& a, float* out_f32, uint16_t* o
 cudaError_t launch_host_gate(const volatile uint32_t* flag, uint32_t want, uint64_t timeout_ns,
                              cudaStream_t stream);
 cudaError_t preload_host_gate();
+// One thread waits until *flag != 0 (or timeout_ns passes), then stores the global timer into
+// *out: the host, stamping its clock around the flag store, learns the timer's offset.
+cudaError_t launch_clock_probe(const volatile uint32_t* flag, unsigned long long* out,
+                               uint64_t timeout_ns, cudaStream_t stream);
 // quantize.cu
 cudaError_t launch_quantize_fp8(const uint16_t* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                                 float* scales, cudaStream_t stream);
