@@ -115,6 +115,11 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                              const MemoryDescriptor& remote, const char* what) const;
     // The address of a same-host peer's GPU region as seen from local's device.
     Result<uint64_t> map_gpu_peer(const MemoryDescriptor& remote, const MemoryRegion& local);
+    // A paged write's pages inside both regions, given each side's largest page id.
+    Status check_pages(const PagedWriteOp& w, const Peer& p, uint32_t max_src,
+                       uint32_t max_dst) const;
+    // A paged write between GPUs of this host: the page ids go to the copy kernel.
+    OpHandle paged_write_gpu(const PagedWriteOp& w, const Peer& p, std::shared_ptr<OpState> state);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
     // the data is in place) like a fabric operation.
     OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device, GpuWork work,

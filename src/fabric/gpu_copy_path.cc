@@ -23,7 +23,7 @@ Result<uint64_t> GpuCopyPath::map_peer(const MemoryDescriptor& remote, int local
 uint64_t GpuWork::bytes() const {
     uint64_t b = 0;
     for (const auto& c : copies) b += c.len;
-    for (const auto& p : paged) b += p.page_size * p.src_pages.size();
+    for (const auto& p : paged) b += p.page_size * p.pages();
     for (const auto& c : blocks) b += c.geom.bytes();
     return b;
 }

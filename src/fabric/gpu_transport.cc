@@ -3,6 +3,8 @@
 
 #ifndef FERRY_HAVE_CUDA
 namespace ferry::detail {
+void* staging_alloc(size_t bytes) { return ::operator new(bytes); }
+void staging_free(void* p, size_t) noexcept { ::operator delete(p); }
 Result<std::unique_ptr<GpuTransport>> create_gpu_transport(const EngineConfig&) {
     return unavailable(
         "this build of ferry has no CUDA support (nvcc was not found at build "

@@ -2,9 +2,12 @@
 // the engine compiles the same with or without CUDA. Created on first use of GPU memory.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "fabric/block_copy_geom.h"
@@ -15,14 +18,44 @@
 
 namespace ferry::detail {
 
+// Host memory the GPU transport uploads from as it is, without another copy: page-locked with
+// CUDA (taken from a process-wide pool, given back when freed), plain heap memory without.
+// Page ids were copied twice on the host before their upload (into the operation, then into
+// the launch's pinned list), and the vectors' fresh pages faulted on every call.
+void* staging_alloc(size_t bytes);
+void staging_free(void* p, size_t bytes) noexcept;
+
+template <typename T>
+struct StagingAllocator {
+    using value_type = T;
+    StagingAllocator() = default;
+    template <typename U>
+    StagingAllocator(const StagingAllocator<U>&) {}  // NOLINT: allocator rebinding
+    T* allocate(size_t n) { return static_cast<T*>(staging_alloc(n * sizeof(T))); }
+    void deallocate(T* p, size_t n) noexcept { staging_free(p, n * sizeof(T)); }
+    // resize() leaves the ids unset: the caller writes every one (no zeroing pass first).
+    template <typename U>
+    void construct(U* p) noexcept {
+        ::new (static_cast<void*>(p)) U;
+    }
+    template <typename U, typename... A>
+    void construct(U* p, A&&... a) {
+        ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+    }
+    friend bool operator==(const StagingAllocator&, const StagingAllocator&) { return true; }
+    friend bool operator!=(const StagingAllocator&, const StagingAllocator&) { return false; }
+};
+
+using StagedIds = std::vector<uint32_t, StagingAllocator<uint32_t>>;
+
 struct GpuCopy {
     uint64_t dst;  // device-visible addresses
     uint64_t src;
     uint64_t len;
 };
 
-// Pages of one size: page k goes from src + src_pages[k] * src_stride to
-// dst + dst_pages[k] * dst_stride. The device computes the addresses from the ids, so a paged
+// Pages of one size: page k goes from src + ids[k] * src_stride to
+// dst + ids[pages() + k] * dst_stride. The device computes the addresses from the ids, so a paged
 // write costs the host 8 bytes a page instead of a copy descriptor per run.
 struct GpuPagedCopy {
     uint64_t dst;  // device-visible addresses of page 0
@@ -30,8 +63,10 @@ struct GpuPagedCopy {
     uint64_t page_size;
     uint64_t src_stride;
     uint64_t dst_stride;
-    std::vector<uint32_t> src_pages;
-    std::vector<uint32_t> dst_pages;
+    // Every page's source id, then every page's destination id (2 x pages() entries), staged:
+    // the launch uploads them straight from here, one copy for both.
+    StagedIds ids;
+    size_t pages() const { return ids.size() / 2; }
 };
 
 // A block copy (BlockCopyOp): the kernel computes each piece's addresses from the geometry,

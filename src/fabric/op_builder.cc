@@ -240,6 +240,10 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     uint64_t ds = w.dst_stride ? w.dst_stride : w.page_size;
     FERRY_FAIL_OP(state, check_local(w.src, 0, 0, "paged write"));
     FERRY_FAIL_OP(state, check_remote(*p, w.dst, 0, 0, "paged write"));
+    auto path = choose_path(*p, *w.src, *w.dst, "paged write");
+    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
+    // Between GPUs of this host the page ids go to the device (op_paged.cc).
+    if (*path == Path::kGpuIpc) return paged_write_gpu(w, *p, state);
     // Bounds of every page before anything is posted: a bad index loses nothing. One pass
     // for the largest index on each side (pages lists run to 100k+ entries for a long
     // prompt); the slow per-page check only runs to name the offending page.
@@ -248,32 +252,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         max_src = std::max(max_src, w.src_pages[i]);
         max_dst = std::max(max_dst, w.dst_pages[i]);
     }
-    if (!check_local(w.src, w.src_offset + uint64_t{max_src} * ss, w.page_size, "").ok() ||
-        !check_remote(*p, w.dst, w.dst_offset + uint64_t{max_dst} * ds, w.page_size, "").ok()) {
-        for (size_t i = 0; i < w.src_pages.size(); ++i) {
-            uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
-            uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-            Status s = check_local(w.src, so, w.page_size, "paged write");
-            if (s.ok()) s = check_remote(*p, w.dst, dof, w.page_size, "paged write");
-            if (!s.ok()) {
-                FERRY_FAIL_OP(state, s.with_context(fmt::format("page {} ({} -> {})", i,
-                                                                w.src_pages[i], w.dst_pages[i])));
-            }
-        }
-    }
-    auto path = choose_path(*p, *w.src, *w.dst, "paged write");
-    if (!path.ok()) FERRY_FAIL_OP(state, path.status());
-    if (*path == Path::kGpuIpc) {
-        // The page ids go to the device as they are; the copy kernel computes the addresses.
-        auto base = map_gpu_peer(*w.dst, *w.src);
-        if (!base.ok()) FERRY_FAIL_OP(state, base.status());
-        GpuWork work;
-        work.paged.push_back({*base + w.dst_offset,
-                              reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset, w.page_size,
-                              ss, ds, std::vector<uint32_t>(w.src_pages.begin(), w.src_pages.end()),
-                              std::vector<uint32_t>(w.dst_pages.begin(), w.dst_pages.end())});
-        return gpu_op(state, w.peer, w.src->descriptor().device, std::move(work), w.imm);
-    }
+    FERRY_FAIL_OP(state, check_pages(w, *p, max_src, max_dst));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;

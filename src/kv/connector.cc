@@ -117,7 +117,9 @@ class KvConnector::Impl {
 
     Status prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
+        kv_trace("prefill_done called", id);
         return post([this, id, b = std::move(blocks), tokens]() mutable {
+            kv_trace("prefill_done runs", id);
             sender_.prefill_done(id, std::move(b), tokens);
         });
     }
@@ -187,9 +189,17 @@ class KvConnector::Impl {
     }
 
     void run() {
+        TimePoint last_task = Clock::now();
         while (true) {
-            for (auto& task : ctx_.inbox->take(Clock::now() + Leases::kTick)) task();
+            // Poll instead of sleeping while a transfer is active (ConnectorConfig::idle_spin).
+            const bool active = ctx_.flights_open.load(std::memory_order_relaxed) > 0 ||
+                                ctx_.counters.active_send.load(std::memory_order_relaxed) > 0 ||
+                                ctx_.counters.active_recv.load(std::memory_order_relaxed) > 0;
+            const TimePoint poll_until = active ? last_task + ctx_.cfg.idle_spin : TimePoint{};
+            auto tasks = ctx_.inbox->take(Clock::now() + Leases::kTick, poll_until);
+            for (auto& task : tasks) task();
             TimePoint now = Clock::now();
+            if (!tasks.empty()) last_task = now;
             leases_.sweep(now);
             if (leases_.shut_down(now)) break;
         }

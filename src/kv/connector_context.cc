@@ -2,23 +2,53 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
 #include "ferry/common/log.h"
+#include "ferry/common/spin.h"
 
 namespace ferry::kv::detail {
 
+bool kv_trace_on() {
+    static const bool on = std::getenv("FERRY_KV_TRACE") != nullptr;
+    return on;
+}
+
+void kv_trace(const char* what, uint64_t id) {
+    if (!kv_trace_on()) return;
+    std::fprintf(stderr, "ferry kv trace: %.1f us %s %llx\n",
+                 to_us(Clock::now().time_since_epoch()), what, static_cast<unsigned long long>(id));
+}
+
 bool Inbox::post(Task t) {
+    if (kv_trace_on()) {
+        t = [t = std::move(t), at = Clock::now()] {
+            std::fprintf(stderr, "ferry kv trace: %.1f us task after %.1f us in the inbox\n",
+                         to_us(Clock::now().time_since_epoch()), to_us(Clock::now() - at));
+            t();
+        };
+    }
     {
         std::lock_guard lk(mu_);
         if (closed_) return false;
         tasks_.push_back(std::move(t));
+        queued_.store(tasks_.size(), std::memory_order_release);
     }
     cv_.notify_one();
     return true;
 }
 
-std::deque<Inbox::Task> Inbox::take(TimePoint until) {
+std::deque<Inbox::Task> Inbox::take(TimePoint until, TimePoint poll_until) {
+    const TimePoint spin_end = std::min(until, poll_until);
+    const TimePoint now = Clock::now();
+    if (spin_end > now) {
+        spin_until([&] { return queued_.load(std::memory_order_acquire) > 0; }, spin_end - now);
+    }
     std::unique_lock lk(mu_);
     cv_.wait_until(lk, until, [&] { return !tasks_.empty() || closed_; });
+    queued_.store(0, std::memory_order_relaxed);
     return std::exchange(tasks_, {});
 }
 
@@ -26,6 +56,7 @@ void Inbox::close() {
     std::lock_guard lk(mu_);
     closed_ = true;
     tasks_.clear();
+    queued_.store(0, std::memory_order_relaxed);
 }
 
 void Flight::done(const Status& s) {

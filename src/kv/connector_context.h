@@ -21,6 +21,12 @@ namespace ferry::kv::detail {
 
 inline constexpr const char* kLog = "kv";
 
+// FERRY_KV_TRACE=1: one line per step of a transfer on stderr (the step, the transfer id, us
+// of the steady clock, the time base of FERRY_GPU_TRACE; for tasks, how long they waited in the
+// inbox), to see where a transfer's time goes between threads without a profiler.
+bool kv_trace_on();
+void kv_trace(const char* what, uint64_t id);
+
 // Hand-off queue into the connector thread. Engine callbacks hold it through a shared_ptr, so
 // a completion that arrives after the connector is gone is dropped instead of touching freed
 // state.
@@ -29,10 +35,12 @@ class Inbox {
     using Task = std::function<void()>;
 
     bool post(Task t);
-    std::deque<Task> take(TimePoint until);
+    // The tasks queued by `until`; polls for them up to `poll_until` before it sleeps.
+    std::deque<Task> take(TimePoint until, TimePoint poll_until = {});
     void close();
 
   private:
+    std::atomic<size_t> queued_{0};  // tasks_.size(), read without the lock while polling
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;

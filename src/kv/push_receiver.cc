@@ -178,6 +178,7 @@ PushReceiver::Slot* PushReceiver::find_slot(const ConsumerKey& key, uint32_t pro
 }
 
 void PushReceiver::on_segment(const SegmentMsg& m) {
+    kv_trace("SEGMENT in", m.transfer_id);
     ConsumerIt it;
     Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
     if (!s || resolved(s->state)) return ctx_.stale("SEGMENT for an unknown or finished transfer");
@@ -202,6 +203,7 @@ void PushReceiver::on_segment(const SegmentMsg& m) {
 
 void PushReceiver::on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,
                                       const Status& st) {
+    kv_trace("segment counted", m.transfer_id);
     ConsumerIt it;
     Slot* s = find_slot(key, rank, &it);
     if (!s || resolved(s->state)) return;
@@ -276,6 +278,7 @@ void PushReceiver::fail_slot(ConsumerIt it, Slot& s, const Status& why) {
 }
 
 void PushReceiver::on_final(const FinalMsg& m) {
+    kv_trace("FINAL in", m.transfer_id);
     ConsumerIt it;
     Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
     if (!s || resolved(s->state) || s->have_final) {
@@ -334,6 +337,7 @@ void PushReceiver::complete_recv(ConsumerIt it, const TransferResult& r) {
     ctx_.counters.active_recv.fetch_sub(1);
     consumers_.erase(it);
     ctx_.ids.release(r.transfer_id, r.attempt, TransferIds::Kind::kRegistered);
+    kv_trace("recv_done", r.transfer_id);
     ctx_.recv_done(r);
 }
 

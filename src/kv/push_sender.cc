@@ -281,6 +281,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
     ctx_.counters.ops_posted.fetch_add(plan->operations());
     ctx_.counters.bytes_posted.fetch_add(plan->bytes());
     flight->done(ok_status());
+    kv_trace("segment posted", id);
     return ok_status();
 }
 
@@ -298,6 +299,7 @@ void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, con
         log(LogLevel::kWarn, kLog, "transfer {:x} attempt {}: writing to decode rank {} failed: {}",
             id, key.first, key.second, s.to_string());
     }
+    kv_trace("segment drained", id);
     if (!job.cancelled && job.error.ok()) ctx_.send(job.peer, seg);
     if (job.in_flight == 0) settle_job(id, it->second, key, job);
     maybe_finish(it);

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <new>
+#include <unordered_set>
 
 #include "common/cuda_check.h"
 #include "fabric/cuda/copy_kernel.h"
@@ -17,7 +20,72 @@ constexpr uint64_t kRunAsPage = 1 << 20;
 
 size_t align8(size_t n) { return (n + 7) & ~size_t{7}; }
 
+// Pinned host memory for staged ids, in power-of-two classes from 4 KiB, kept for reuse: the
+// same sizes come back call after call. Taken on the callers' threads, freed on the
+// transport's. Where pinning fails the memory comes from the heap (the upload then goes
+// through the driver's own staging).
+class StagingPool {
+  public:
+    void* take(size_t bytes) {
+        const int k = size_class(bytes);
+        {
+            std::lock_guard lk(mu_);
+            if (!free_[k].empty()) {
+                void* p = free_[k].back();
+                free_[k].pop_back();
+                return p;
+            }
+        }
+        void* p = nullptr;
+        if (cudaHostAlloc(&p, kMin << k, cudaHostAllocPortable) != cudaSuccess) {
+            cudaGetLastError();
+            p = ::operator new(kMin << k);
+            std::lock_guard lk(mu_);
+            heap_.insert(p);
+        }
+        return p;
+    }
+    void give(void* p, size_t bytes) noexcept {
+        const int k = size_class(bytes);
+        std::unique_lock lk(mu_);
+        if (heap_.erase(p) > 0) {
+            lk.unlock();
+            ::operator delete(p);
+            return;
+        }
+        if (free_[k].size() < kKeep) {
+            free_[k].push_back(p);
+            return;
+        }
+        lk.unlock();
+        cudaFreeHost(p);
+    }
+
+  private:
+    static constexpr size_t kMin = 4096;
+    static constexpr size_t kKeep = 16;  // per class
+    static int size_class(size_t bytes) {
+        int k = 0;
+        while ((kMin << k) < bytes) ++k;
+        return k;
+    }
+    std::mutex mu_;
+    std::vector<void*> free_[48];
+    std::unordered_set<void*> heap_;
+};
+
+// Never destroyed: pinned memory may still be freed by threads ending at exit.
+StagingPool& staging_pool() {
+    static auto* pool = new StagingPool();
+    return *pool;
+}
+
 }  // namespace
+
+void* staging_alloc(size_t bytes) { return staging_pool().take(bytes); }
+void staging_free(void* p, size_t bytes) noexcept {
+    if (p) staging_pool().give(p, bytes);
+}
 
 PinnedBufferPool::~PinnedBufferPool() {
     for (auto& b : free_) free(b);
@@ -60,7 +128,7 @@ void PinnedBufferPool::give(PinnedBuffer b) {
 
 Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes, int device,
                         int sms, bool with_runs, cudaStream_t stream, PinnedBufferPool& pool,
-                        PinnedBuffer* buf) {
+                        PinnedBuffer* buf, LaunchStamps* stamps) {
     // Chunks of 16 KiB give every warp work even for one 4 MiB run; for hundreds of MiB they
     // only lengthen the list the host builds and uploads (32k entries took ~150 us for a
     // 512 MiB KV push, 2026-12-01), so large launches use larger chunks, still about two per
@@ -69,6 +137,7 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     const uint64_t chunk = std::clamp<uint64_t>(bytes / (2 * warps) / kMaxChunk * kMaxChunk,
                                                 kMaxChunk, 16 * kMaxChunk);
     size_t num_chunks = 0, num_segs = 0, num_ids = 0, num_block_segs = 0, num_planes = 0;
+    size_t num_staged = 0;  // paged copies' ids, uploaded from where the operation staged them
     for (const GpuWork* w : works) {
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
             const uint64_t len = w->copies[r].len;
@@ -80,9 +149,9 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             }
         }
         for (const auto& p : w->paged) {
-            if (p.src_pages.empty()) continue;
+            if (p.pages() == 0) continue;
             num_segs++;
-            num_ids += 2 * p.src_pages.size();
+            num_staged += p.ids.size();
         }
         for (const auto& b : w->blocks) {
             num_block_segs++;
@@ -90,33 +159,40 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             num_ids += b.src_blocks.size() + b.dst_blocks.size();
         }
     }
-    // One buffer, one upload: [chunks][paged segments][block segments][plane addresses][ids].
+    // One buffer: [chunks][paged segments][block segments][plane addresses][ids], uploaded in
+    // one copy, then on the device only [staged ids], each paged copy's uploaded from its
+    // staging.
     const size_t seg_at = align8(num_chunks * sizeof(CopyChunk));
     const size_t block_seg_at = seg_at + num_segs * sizeof(PagedSegment);
     const size_t planes_at = block_seg_at + num_block_segs * sizeof(BlockCopySegment);
     const size_t ids_at = planes_at + num_planes * sizeof(uint64_t);
-    const size_t total = ids_at + num_ids * sizeof(uint32_t);
-    if (total == 0) return ok_status();
+    const size_t list_bytes = ids_at + num_ids * sizeof(uint32_t);
+    const size_t staged_at = (list_bytes + 15) & ~size_t{15};
+    const size_t total = staged_at + num_staged * sizeof(uint32_t);
+    if (list_bytes == 0 && num_staged == 0) return ok_status();
     *buf = pool.take(total, device);
     if (!buf->ptr) return resource_exhausted("allocating the GPU copy list failed");
     auto* chunks = reinterpret_cast<CopyChunk*>(buf->ptr);
     auto* segs = reinterpret_cast<PagedSegment*>(buf->ptr + seg_at);
     auto* ids = reinterpret_cast<uint32_t*>(buf->ptr + ids_at);
     const auto* dev_ids = reinterpret_cast<const uint32_t*>(buf->dev + ids_at);
-    size_t k = 0, s = 0, id = 0;
+    auto* dev_staged = reinterpret_cast<uint32_t*>(buf->dev + staged_at);
+    struct Upload {
+        void* dst;
+        const void* src;
+        size_t bytes;
+    };
+    std::vector<Upload> uploads;
+    size_t k = 0, s = 0, id = 0, staged = 0;
     uint64_t items = 0;
-    const uint32_t zero = 0;
     auto add_segment = [&](uint64_t src, uint64_t dst, uint64_t page_size, uint64_t src_stride,
                            uint64_t dst_stride, const uint32_t* src_ids, const uint32_t* dst_ids,
                            size_t n) {
-        if (n == 0) return;
         const auto pieces = static_cast<uint32_t>((page_size + kPagePiece - 1) / kPagePiece);
-        std::memcpy(ids + id, src_ids, n * sizeof(uint32_t));
-        std::memcpy(ids + id + n, dst_ids, n * sizeof(uint32_t));
         segs[s++] = {reinterpret_cast<const char*>(src),
                      reinterpret_cast<char*>(dst),
-                     dev_ids + id,
-                     dev_ids + id + n,
+                     src_ids,
+                     dst_ids,
                      page_size,
                      src_stride,
                      dst_stride,
@@ -124,13 +200,15 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
                      pieces,
                      static_cast<uint32_t>(n)};
         items += uint64_t{pieces} * n;
-        id += 2 * n;
     };
     for (const GpuWork* w : works) {
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
             const GpuCopy& c = w->copies[r];
             if (c.len >= kRunAsPage) {
-                add_segment(c.src, c.dst, c.len, 0, 0, &zero, &zero, 1);
+                ids[id] = 0;
+                ids[id + 1] = 0;
+                add_segment(c.src, c.dst, c.len, 0, 0, dev_ids + id, dev_ids + id + 1, 1);
+                id += 2;
                 continue;
             }
             for (uint64_t off = 0; off < c.len; off += chunk) {
@@ -140,8 +218,12 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             }
         }
         for (const auto& p : w->paged) {
-            add_segment(p.src, p.dst, p.page_size, p.src_stride, p.dst_stride, p.src_pages.data(),
-                        p.dst_pages.data(), p.src_pages.size());
+            const size_t n = p.pages();
+            if (n == 0) continue;
+            uint32_t* at = dev_staged + staged;
+            add_segment(p.src, p.dst, p.page_size, p.src_stride, p.dst_stride, at, at + n, n);
+            uploads.push_back({at, p.ids.data(), p.ids.size() * sizeof(uint32_t)});
+            staged += p.ids.size();
         }
     }
     auto* block_segs = reinterpret_cast<BlockCopySegment*>(buf->ptr + block_seg_at);
@@ -166,7 +248,15 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             block_items += b.geom.items;
         }
     }
-    FERRY_CUDA_TRY(cudaMemcpyAsync(buf->dev, buf->ptr, total, cudaMemcpyHostToDevice, stream));
+    if (stamps) stamps->list_built = Clock::now();
+    if (list_bytes > 0) {
+        FERRY_CUDA_TRY(
+            cudaMemcpyAsync(buf->dev, buf->ptr, list_bytes, cudaMemcpyHostToDevice, stream));
+    }
+    for (const Upload& u : uploads) {
+        FERRY_CUDA_TRY(cudaMemcpyAsync(u.dst, u.src, u.bytes, cudaMemcpyHostToDevice, stream));
+    }
+    if (stamps) stamps->uploaded = Clock::now();
     // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
     FERRY_CUDA_TRY(launch_batched_copy(reinterpret_cast<const CopyChunk*>(buf->dev),
                                        static_cast<int>(num_chunks), kCopyBlocksPerSm * sms,
@@ -177,6 +267,7 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     FERRY_CUDA_TRY(launch_block_copy(
         reinterpret_cast<const BlockCopySegment*>(buf->dev + block_seg_at),
         static_cast<int>(num_block_segs), block_items, kCopyBlocksPerSm * sms, stream));
+    if (stamps) stamps->launched = Clock::now();
     return ok_status();
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fabric/gpu_transport.h"
+#include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 
 namespace ferry::detail {
@@ -39,11 +40,18 @@ class PinnedBufferPool {
     std::vector<PinnedBuffer> free_;
 };
 
+// When the steps of a launch ended (FERRY_GPU_TRACE): the lists built on the host, their
+// uploads queued, the kernels queued.
+struct LaunchStamps {
+    TimePoint list_built, uploaded, launched;
+};
+
 // Launches `works` (on `device`, current, with `sms` SMs) as at most one batched-copy kernel
 // (for their runs, unless !with_runs: the caller copied those) and one paged-copy kernel; *buf
-// holds their lists until the stream passed the kernels.
+// holds their lists until the stream passed the kernels, and the works their staged ids until
+// the stream passed the uploads.
 Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes, int device,
                         int sms, bool with_runs, cudaStream_t stream, PinnedBufferPool& pool,
-                        PinnedBuffer* buf);
+                        PinnedBuffer* buf, LaunchStamps* stamps = nullptr);
 
 }  // namespace ferry::detail

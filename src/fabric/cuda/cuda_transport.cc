@@ -56,9 +56,11 @@ class CudaTransport final : public GpuTransport {
         cudaEvent_t event;
         PinnedBuffer buf;
         std::vector<std::function<void(const Status&)>> done;
-        uint64_t bytes = 0;  // of every job launched together (sizes the copy chunks)
+        uint64_t bytes = 0;          // of every job launched together (sizes the copy chunks)
+        std::vector<GpuWork> works;  // their staged ids, until the stream passed the uploads
         // For FERRY_GPU_TRACE: what went out together and when.
         TimePoint first_submitted, launch_begin, launch_end;
+        LaunchStamps steps;
         size_t copies = 0;
     };
     void trace_completion(const InFlight& f) const;
@@ -71,7 +73,6 @@ class CudaTransport final : public GpuTransport {
     // FERRY_GPU_TRACE=1: one line per launch on stderr (jobs merged, bytes, waits), to see
     // where a transfer's time goes without a profiler.
     const bool trace_ = std::getenv("FERRY_GPU_TRACE") != nullptr;
-    const TimePoint trace_epoch_ = Clock::now();
     uint64_t trace_launches_ = 0;
     std::mutex mu_;
     std::condition_variable cv_;
@@ -256,12 +257,18 @@ Result<cudaStream_t> CudaTransport::stream_for(int device) {
 }
 
 void CudaTransport::trace_completion(const InFlight& f) const {
-    auto at = [&](TimePoint t) { return to_us(t - trace_epoch_); };
+    // Microseconds of the steady clock, the time base of FERRY_KV_TRACE too.
+    auto at = [](TimePoint t) { return to_us(t.time_since_epoch()); };
+    auto span = [](TimePoint a, TimePoint b) { return b > a ? to_us(b - a) : 0.0; };
     std::fprintf(stderr,
                  "ferry gpu trace: device %d, %zu jobs, %zu copies, %.2f MiB: first job in at "
-                 "%.1f us, launch %.1f-%.1f us, done by %.1f us\n",
+                 "%.1f us, launch %.1f-%.1f us (list %.1f, uploads %.1f, kernels %.1f, event "
+                 "%.1f), done by %.1f us\n",
                  f.device, f.done.size(), f.copies, f.bytes / 1048576.0, at(f.first_submitted),
-                 at(f.launch_begin), at(f.launch_end), at(Clock::now()));
+                 at(f.launch_begin), at(f.launch_end), span(f.launch_begin, f.steps.list_built),
+                 span(f.steps.list_built, f.steps.uploaded),
+                 span(f.steps.uploaded, f.steps.launched), span(f.steps.launched, f.launch_end),
+                 at(Clock::now()));
 }
 
 Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) {
@@ -270,7 +277,7 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     for (const auto& j : jobs) {
         out->first_submitted = std::min(out->first_submitted, j.submitted);
         out->copies += j.work.copies.size();
-        for (const auto& p : j.work.paged) out->copies += p.src_pages.size();
+        for (const auto& p : j.work.paged) out->copies += p.pages();
         for (const auto& b : j.work.blocks) out->copies += b.geom.items;
         out->bytes += job_bytes(j);
     }
@@ -296,7 +303,8 @@ Status CudaTransport::launch(int device, std::vector<Job>& jobs, InFlight* out) 
     }
     // Paged copies always go to the kernel: the copy engine would take a call per page.
     FERRY_RETURN_IF_ERROR(launch_copy_work(works, out->bytes, device, sm_count_[device],
-                                           !copy_engine, stream, buffers_, &out->buf));
+                                           !copy_engine, stream, buffers_, &out->buf,
+                                           trace_ ? &out->steps : nullptr));
     if (free_events_.empty()) {
         cudaEvent_t ev;
         FERRY_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -362,6 +370,7 @@ void CudaTransport::run() {
                 }
                 continue;
             }
+            for (auto& j : launched) f.works.push_back(std::move(j.work));
             inflight_.push_back(std::move(f));
         }
         // Copies in flight: poll their events without sleeping (a timed wait sleeps ~60 us
