@@ -275,7 +275,10 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
     j["dtype"] = std::string(dtype_name(c.dtype));
     j["combine"] = std::string(combine_mode_name(c.combine));
     j["private_slots"] = c.private_slots;
-    if (c.backend == "cuda") j["early_launch"] = c.early_launch;
+    if (c.backend == "cuda") {
+        j["early_launch"] = c.early_launch;
+        j["separate_plan"] = c.separate_plan;
+    }
     j["iters"] = c.iters;
     j["warmup"] = c.warmup;
     for (const auto& p : rep.phases)

@@ -68,6 +68,7 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     opts.device = rr.device;
     opts.trace = bc.trace;
     opts.early_launch = bc.early_launch;
+    opts.fuse_plan = !bc.separate_plan;
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;
