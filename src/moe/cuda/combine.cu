@@ -216,6 +216,19 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
     trace_point(a, kTrCombineRecvBegin);
+    // Thread kk < top-k holds choice kk of the block's next token, loaded while the block
+    // sums the current one: a token then waits for no load of its routing (a round trip per
+    // token, and a block sums 63 tokens one after another at 4096 tokens on a shared GPU).
+    int32_t next_e = -1;
+    float next_w = 0.0f;
+    uint32_t next_slot = 0;
+    auto fetch = [&](uint32_t t) {
+        if (tid >= k || t >= n) return;
+        next_e = a.indices[t * k + tid];
+        next_w = weights ? weights[t * k + tid] : a.weights[t * k + tid];
+        if constexpr (kSlots) next_slot = a.combine_slot[t * k + tid];
+    };
+    fetch(blockIdx.x);  // local data: loaded while thread 0 waits for the peers
     if (tid == 0) {
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
@@ -234,19 +247,6 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint8_t* recv = a.self + a.lay.combine;
     const uint8_t* recv_remote = kSlots ? a.inbox + a.lay.combine : nullptr;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
-    // Thread kk < top-k holds choice kk of the block's next token, loaded while the block
-    // sums the current one: a token then waits for no load of its routing (a round trip per
-    // token, and a block sums 63 tokens one after another at 4096 tokens on a shared GPU).
-    int32_t next_e = -1;
-    float next_w = 0.0f;
-    uint32_t next_slot = 0;
-    auto fetch = [&](uint32_t t) {
-        if (tid >= k || t >= n) return;
-        next_e = a.indices[t * k + tid];
-        next_w = weights ? weights[t * k + tid] : a.weights[t * k + tid];
-        if constexpr (kSlots) next_slot = a.combine_slot[t * k + tid];
-    };
-    fetch(blockIdx.x);
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         if (tid < k) {
             s_e[tid] = next_e;

@@ -406,43 +406,12 @@ __device__ inline void send_rows(const KernelArgs& a, const uint8_t* x, const fl
     }
 }
 
-// kTopk: the plan's (see dispatch_plan_kernel); used when fused.
-// kFused: block 0 runs the plan first (no plan kernel, so no kernel boundary before the
-// send: 3.2 us at 128 tokens, 2026-12-01), the other blocks wait until it is done. The
-// grid fits on the GPU at once (see create()), so block 0 always runs.
-template <uint32_t kTopk, bool kFused>
-__global__ void __launch_bounds__(kFused ? kPlanThreads : 1024)
-    dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale,
-                         const int32_t* indices, const int64_t* indices64, const float* weights,
-                         const uint32_t* num_tokens) {
+// The send after the plan: private rows, every peer's counts, overflow rows, signals.
+__device__ __forceinline__ void send_after_plan(const KernelArgs& a, const uint8_t* x,
+                                                const float* x_scale, uint32_t seq, uint32_t n) {
     __shared__ uint64_t s_overflow[kMaxCudaWorld];
     __shared__ int s_ok;
-    __shared__ uint32_t s_call;
     const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
-    uint32_t seq, n;
-    if constexpr (kFused) {
-        if (blockIdx.x == 0) {
-            seq = plan_block<kTopk, true>(a, indices, indices64, weights, num_tokens);
-        } else {
-            // The call number from the blocks that entered before (every call launches
-            // this grid once): block 0 bumps state->seq, perhaps before this block reads it.
-            if (tid == 0) {
-                const unsigned long long before = atomicAdd(&a.tickets[kTicketSendEntry], 1ull);
-                s_call = static_cast<uint32_t>(before / (gridDim.x - 1) + 1);
-                if (!wait_counter(a, reinterpret_cast<const uint64_t*>(a.tickets + kTicketPlan),
-                                  s_call, DeviceError::kPlan, a.rank, s_call))
-                    s_call = 0;
-            }
-            __syncthreads();
-            seq = s_call;
-            if (seq == 0) return;  // recorded; receivers time out naming this rank
-        }
-        n = __ldcg(&a.state->num_tokens);
-    } else {
-        // Written by the plan kernel earlier on this stream.
-        seq = static_cast<uint32_t>(a.state->seq);
-        n = a.state->num_tokens;
-    }
     trace_point(a, kTrSendBegin);
     let_receiver_start(a);
     send_rows(a, x, x_scale, n, seq, false, nullptr);
@@ -506,6 +475,41 @@ __global__ void __launch_bounds__(kFused ? kPlanThreads : 1024)
     trace_point(a, kTrSendEnd);
 }
 
+__global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
+    // Written by the plan kernel earlier on this stream.
+    send_after_plan(a, x, x_scale, static_cast<uint32_t>(a.state->seq), a.state->num_tokens);
+}
+
+// The plan fused into the send (KernelArgs::fused_plan): block 0 plans the call first, the
+// other blocks wait until it is done; no plan kernel, so no kernel boundary before the send
+// (3.2 us at 128 tokens, 2026-12-01). The grid fits on the GPU at once (see create()), so
+// block 0 always runs. kTopk as for dispatch_plan_kernel.
+template <uint32_t kTopk>
+__global__ void __launch_bounds__(kPlanThreads)
+    dispatch_plan_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale,
+                              const int32_t* indices, const int64_t* indices64,
+                              const float* weights, const uint32_t* num_tokens) {
+    __shared__ uint32_t s_call;
+    uint32_t seq;
+    if (blockIdx.x == 0) {
+        seq = plan_block<kTopk, true>(a, indices, indices64, weights, num_tokens);
+    } else {
+        // The call number from the blocks that entered before (every call launches this
+        // grid once): block 0 bumps state->seq, perhaps before this block would read it.
+        if (threadIdx.x == 0) {
+            const unsigned long long before = atomicAdd(&a.tickets[kTicketSendEntry], 1ull);
+            s_call = static_cast<uint32_t>(before / (gridDim.x - 1) + 1);
+            if (!wait_counter(a, reinterpret_cast<const uint64_t*>(a.tickets + kTicketPlan), s_call,
+                              DeviceError::kPlan, a.rank, s_call))
+                s_call = 0;
+        }
+        __syncthreads();
+        seq = s_call;
+        if (seq == 0) return;  // recorded; receivers time out naming this rank
+    }
+    send_after_plan(a, x, x_scale, seq, __ldcg(&a.state->num_tokens));
+}
+
 __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
     return (v + al - 1) / al * al;
 }
@@ -533,23 +537,8 @@ __global__ void __launch_bounds__(kRecvThreads)
     uint32_t* s_ovf = s_start + w + 1;      // [sender] where its overflow rows begin
     uint32_t* s_got = s_ovf + w;            // [sender] hits this block placed
     trace_point(a, kTrRecvBegin);
-    if (tid == 0) s_ok = 1;
-    if (tid < w) s_got[tid] = 0;
-    __syncthreads();
-    if (tid < w) {
-        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
-                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
-                          seq))
-            s_ok = 0;
-    }
-    __syncthreads();
-    trace_point(a, kTrRecvRowsIn);
-    if (!s_ok) {
-        finish_after_sender();
-        return;
-    }
-
-    // The layout, from the counts messages (all here: dispatch_send waited for them).
+    // The layout, from the counts messages, before waiting for the rows: they are all here
+    // (this rank's dispatch_send waited for them), so this work overlaps the peers' sends.
     const uint32_t hw = a.counts_hits_word;
     for (uint32_t e = tid; e < nl; e += blockDim.x) {
         uint32_t tot = 0;
@@ -618,6 +607,22 @@ __global__ void __launch_bounds__(kRecvThreads)
         a.state->out_capacity = capacity;
     }
     if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
+
+    if (tid == 0) s_ok = 1;
+    if (tid < w) s_got[tid] = 0;
+    __syncthreads();
+    if (tid < w) {
+        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
+                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
+                          seq))
+            s_ok = 0;
+    }
+    __syncthreads();
+    trace_point(a, kTrRecvRowsIn);
+    if (!s_ok) {
+        finish_after_sender();
+        return;
+    }
 
     // Rows, a warp each; warps numbered across blocks first.
     const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
@@ -769,8 +774,8 @@ cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
     const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
     cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel<0>, attr, pb);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_kernel<8>, attr, pb);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_send_kernel<0, true>, attr, pb);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_send_kernel<8, true>, attr, pb);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_send_kernel<0>, attr, pb);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_send_kernel<8>, attr, pb);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(dispatch_recv_kernel, attr, static_cast<int>(recv_bytes));
     return e;
@@ -784,7 +789,7 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
                                  uint32_t send_blocks, uint32_t send_threads, cudaStream_t stream) {
     const auto* xb = static_cast<const uint8_t*>(x);
     if (a.fused_plan) {
-        auto* kernel = a.topk == 8 ? dispatch_send_kernel<8, true> : dispatch_send_kernel<0, true>;
+        auto* kernel = a.topk == 8 ? dispatch_plan_send_kernel<8> : dispatch_plan_send_kernel<0>;
         kernel<<<send_blocks, kPlanThreads, a.plan_smem, stream>>>(a, xb, x_scale, indices,
                                                                    indices64, weights, num_tokens);
         return cudaGetLastError();
@@ -796,8 +801,7 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
         dispatch_plan_kernel<0>
             <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, indices64, weights, num_tokens);
     FERRY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    dispatch_send_kernel<0, false><<<send_blocks, send_threads, 0, stream>>>(
-        a, xb, x_scale, nullptr, nullptr, nullptr, nullptr);
+    dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(a, xb, x_scale);
     return cudaGetLastError();
 }
 
@@ -813,9 +817,9 @@ cudaError_t preload_dispatch_kernels() {
     cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<0>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<8>);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel<0, false>);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel<0, true>);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel<8, true>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_send_kernel<0>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_send_kernel<8>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_recv_kernel);
     return e;
 }
