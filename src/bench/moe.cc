@@ -305,6 +305,7 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
     if (c.backend == "cuda") {
         j["early_launch"] = c.early_launch;
         j["proxy_chunk"] = c.proxy_chunk;
+        j["separate_plan"] = c.separate_plan;
     }
     j["iters"] = c.iters;
     j["warmup"] = c.warmup;

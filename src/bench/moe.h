@@ -37,7 +37,8 @@ struct MoeBenchConfig {
     bool graph = false;        // cuda: replay each layer as a captured CUDA graph
     uint32_t send_blocks = 0;  // cuda: blocks of the dispatch and combine send kernels (0: default)
     bool trace = false;        // cuda: stamps inside the kernels (CudaAllToAllOptions::trace)
-    bool early_launch = false;  // cuda: CudaAllToAllOptions::early_launch
+    bool early_launch = false;   // cuda: CudaAllToAllOptions::early_launch
+    bool separate_plan = false;  // cuda: !CudaAllToAllOptions::fuse_plan
     // cuda with ranks on other nodes: also time the floor of the proxied path in the same run,
     // a plain write loop moving each rank's remote bytes on `provider` plus the mapped path's
     // layer (the same ranks as one node).

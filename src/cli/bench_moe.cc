@@ -45,6 +45,9 @@ void register_bench_moe(CLI::App& bench) {
     cmd->add_flag("--early-launch", c->early_launch,
                   "cuda: start the receive kernels while the send kernels run (programmatic "
                   "dependent launch; ignored when ranks share a GPU)");
+    cmd->add_flag("--separate-plan", c->separate_plan,
+                  "cuda: plan each call in a one-block kernel of its own rather than in the "
+                  "dispatch send kernel's first block");
     cmd->add_flag("--trace", c->trace,
                   "cuda: print when each kernel's first and last block reached each phase");
     cmd->add_option("--send-blocks", c->send_blocks,

@@ -99,6 +99,12 @@ struct CudaAllToAllOptions {
     // 94 us without (2026-12-01), and its waiting blocks can keep a peer's kernel from an SM
     // when ranks share a GPU, so create() turns it off there. Not yet timed one rank per GPU.
     bool early_launch = false;
+    // dispatch_send plans the call in the first block of its send kernel instead of a
+    // one-block kernel before it, which saves a kernel boundary per call. Used with the
+    // default send_threads (512) where at most two ranks share a GPU: with more, a send block
+    // holding the plan's registers and shared memory for its whole run could keep a peer's
+    // kernel off the SMs it waits on.
+    bool fuse_plan = true;
 };
 
 // One stamp of the last call (CudaAllToAllOptions::trace), in GPU global-timer nanoseconds:

@@ -73,6 +73,7 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     opts.trace = bc.trace;
     opts.early_launch = bc.early_launch;
     opts.proxy_chunk_bytes = bc.proxy_chunk;
+    opts.fuse_plan = !bc.separate_plan;
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;
@@ -149,7 +150,9 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
 
     CudaDispatchInput din{dq, spt ? ds : nullptr, didx, dw, dn};
     CudaExpertBatch batch{bx, spt ? bs : nullptr, bcnt, boff, nullptr};
-    // One layer: dispatch, identity experts (untimed: between events 2 and 3), combine.
+    // One layer: dispatch, identity experts (between events 2 and 3: no phase of its own, but
+    // inside `layer`; fp8 -> bf16 of every received row, padding included, the least a real
+    // expert reads and writes), combine.
     // `timed`: with events between the phases (not inside a graph capture).
     auto enqueue = [&](bool timed) -> Status {
         auto mark = [&](int i) { return timed ? cudaEventRecord(rr.ev[i], st) : cudaSuccess; };

@@ -210,11 +210,25 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
                                     const float* weights) {
     __shared__ int s_ok;
     __shared__ float s_wt[kMaxCudaTopk];
+    __shared__ int32_t s_e[kMaxCudaTopk];
     __shared__ int s_use[kMaxCudaTopk];
     __shared__ uint32_t s_slot[kMaxCudaTopk];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
     trace_point(a, kTrCombineRecvBegin);
+    // Thread kk < top-k holds choice kk of the block's next token, loaded while the block
+    // sums the current one: a token then waits for no load of its routing (a round trip per
+    // token, and a block sums 63 tokens one after another at 4096 tokens on a shared GPU).
+    int32_t next_e = -1;
+    float next_w = 0.0f;
+    uint32_t next_slot = 0;
+    auto fetch = [&](uint32_t t) {
+        if (tid >= k || t >= n) return;
+        next_e = a.indices[t * k + tid];
+        next_w = weights ? weights[t * k + tid] : a.weights[t * k + tid];
+        if constexpr (kSlots) next_slot = a.combine_slot[t * k + tid];
+    };
+    fetch(blockIdx.x);  // local data: loaded while thread 0 waits for the peers
     if (tid == 0) {
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
@@ -235,21 +249,23 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         if (tid < k) {
-            const int32_t e = a.indices[t * k + tid];
+            s_e[tid] = next_e;
+            // Per-rank partials are weighted already (and 1 * x is x exactly, so the sum
+            // below is the plain sum of the partials).
+            s_wt[tid] = a.combine_per_rank ? 1.0f : next_w;
+            if constexpr (kSlots) s_slot[tid] = next_slot;
+        }
+        fetch(t + gridDim.x);
+        __syncthreads();
+        if (tid < k) {
+            const int32_t e = s_e[tid];
             bool use = e >= 0;
-            // Per-rank partials: one per rank, at its first choice, weighted already (and
-            // 1 * x is x exactly, so the sum below is the plain sum of the partials).
+            // Per-rank partials: one per rank, at its first choice.
             if (a.combine_per_rank && use)
-                for (uint32_t j = 0; j < tid; ++j) {
-                    const int32_t e0 = a.indices[t * k + j];
-                    use = use && !(e0 >= 0 && static_cast<uint32_t>(e0) / a.local_experts ==
-                                                  static_cast<uint32_t>(e) / a.local_experts);
-                }
+                for (uint32_t j = 0; j < tid; ++j)
+                    use = use && !(s_e[j] >= 0 && static_cast<uint32_t>(s_e[j]) / a.local_experts ==
+                                                      static_cast<uint32_t>(e) / a.local_experts);
             s_use[tid] = use;
-            s_wt[tid] = a.combine_per_rank ? 1.0f
-                        : weights          ? weights[t * k + tid]
-                                           : a.weights[t * k + tid];
-            if constexpr (kSlots) s_slot[tid] = a.combine_slot[t * k + tid];
         }
         __syncthreads();
         const uint8_t* rows_t = recv + uint64_t{t} * k * row_bytes;

@@ -646,6 +646,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.recv_token = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_token) : nullptr;
     a.recv_start = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_start) : nullptr;
     a.early_launch = options.early_launch && share == 1 ? 1u : 0u;
+    a.fused_plan =
+        options.fuse_plan && share <= 2 && cuda::dispatch_send_fuses_plan(dc.send_threads) ? 1u
+                                                                                           : 0u;
     a.trace = options.trace ? reinterpret_cast<unsigned long long*>(local + o_trace) : nullptr;
 
     if (has_remote) {

@@ -46,12 +46,13 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
     return v;
 }
 
-// Publishes everything this thread (and, after a __syncthreads, its block) wrote before:
-// the fence orders the data before the counter at system scope, which covers NVLink peers.
+// Publishes everything this thread (and, after a __syncthreads, its block) wrote before: a
+// release add at system scope (which covers NVLink peers) orders the data before the counter,
+// and is cumulative over what the barrier made this thread's. Receivers load with acquire.
+// (A sequentially consistent __threadfence_system before a relaxed add did the same, at the
+// price of a full fence per signal.)
 __device__ __forceinline__ void signal_add(uint64_t* counter, uint64_t n) {
-    __threadfence_system();
-    atomicAdd_system(reinterpret_cast<unsigned long long*>(counter),
-                     static_cast<unsigned long long>(n));
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(counter), "l"(n) : "memory");
 }
 
 // Whether any wait or check of this rank failed, or its host proxy did. The claim flag is in

@@ -67,10 +67,14 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
 //
 // kTopk: top-k known at compile time (the common 8), so the routing's index arithmetic and
 // loops fold; 0: read from the arguments.
-template <uint32_t kTopk>
-__global__ void __launch_bounds__(kPlanThreads)
-    dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const int64_t* indices64,
-                         const float* weights, const uint32_t* num_tokens) {
+//
+// kFused: run by block 0 of the fused send kernel, which tells the grid's other blocks that
+// the plan is done (a.tickets[kTicketPlan] = call number) as soon as what the send needs is
+// stored, before the counts messages go out. Returns the call number.
+template <uint32_t kTopk, bool kFused>
+__device__ __forceinline__ uint32_t plan_block(const KernelArgs& a, const int32_t* indices,
+                                               const int64_t* indices64, const float* weights,
+                                               const uint32_t* num_tokens) {
     __shared__ PlanScan::TempStorage scan_tmp;
     __shared__ uint32_t s_seq, s_n;
     __shared__ uint32_t s_hits_to[kMaxCudaWorld], s_combine_base[kMaxCudaWorld];
@@ -273,6 +277,15 @@ __global__ void __launch_bounds__(kPlanThreads)
         __syncthreads();
     }
 
+    if (kFused && tid == 0) {
+        // Every store of the block above is before the barrier that ended it (each path
+        // ends in one); the fence then orders them before the flag, at GPU scope.
+        __threadfence();
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a.tickets + kTicketPlan),
+                     "l"(uint64_t{seq})
+                     : "memory");
+    }
+
     // Counts message to every rank (the CountsFormat words; same-node ranks need no combine
     // base: their results come back into slot token * top-k + k).
     const uint32_t words = a.counts_hits_word + nl;
@@ -307,39 +320,65 @@ __global__ void __launch_bounds__(kPlanThreads)
         }
     }
     trace_point(a, kTrPlanEnd);
+    return seq;
+}
+
+template <uint32_t kTopk>
+__global__ void __launch_bounds__(kPlanThreads)
+    dispatch_plan_kernel(KernelArgs a, const int32_t* indices, const int64_t* indices64,
+                         const float* weights, const uint32_t* num_tokens) {
+    plan_block<kTopk, false>(a, indices, indices64, weights, num_tokens);
 }
 
 // Piece `piece` of `pieces` of one row, written by one warp; piece 0 writes the header
 // (token, call, then per top-k choice the local expert at d or -1 and its place, then the hit
-// base) and the scales.
+// base) and the scales. Every load (header fields, scales, payload) is issued before the
+// first store: a store may alias a later load, which would then wait out the round trip of
+// the one before (three round trips per row, 2026-12-01).
 __device__ inline void write_row(const KernelArgs& a, uint32_t d, uint64_t slot, uint32_t t,
                                  uint32_t seq, const uint8_t* x, const float* x_scale,
                                  uint32_t lane, uint32_t piece, uint32_t pieces) {
     uint8_t* dst = a.peers[d] + a.lay.dispatch + slot * a.row_bytes;
-    const uint32_t k = a.topk, nl = a.local_experts;
+    const uint32_t k = a.topk, nl = a.local_experts, spt = a.scales_per_token;
     const uint32_t n16 = a.payload_bytes / 16;
     const uint32_t lo = n16 * piece / pieces, hi = n16 * (piece + 1) / pieces;
+    const bool head = piece == 0;
+    int32_t e = -1;
+    uint32_t place = 0, hit_base = 0;
+    float weight = 0.0f, sc[2] = {0.0f, 0.0f};
+    if (head) {
+        if (lane < k) {  // top-k <= kMaxCudaTopk < 32
+            e = a.indices[t * k + lane];
+            place = a.place[t * k + lane];
+            weight = a.weights[t * k + lane];
+        }
+        // Only ranks on other nodes read the hit base: same-node results go to fixed slots.
+        if (lane == 0 && is_remote(a, d)) hit_base = a.hit_base[uint64_t{t} * a.world + d];
+#pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            if (lane + 32 * u < spt) sc[u] = x_scale[uint64_t{t} * spt + lane + 32 * u];
+    }
     warp_copy16(reinterpret_cast<int4*>(dst + a.payload_offset) + lo,
                 reinterpret_cast<const int4*>(x + uint64_t{t} * a.payload_bytes) + lo, hi - lo,
                 lane);
-    if (piece != 0) return;
+    if (!head) return;
     if (lane == 0) {
         *reinterpret_cast<uint2*>(dst) = make_uint2(t, seq);
-        // Only ranks on other nodes read the hit base: same-node results go to fixed slots.
-        *reinterpret_cast<uint32_t*>(dst + a.hit_base_offset) =
-            is_remote(a, d) ? a.hit_base[uint64_t{t} * a.world + d] : 0u;
+        *reinterpret_cast<uint32_t*>(dst + a.hit_base_offset) = hit_base;
     }
-    for (uint32_t j = lane; j < k; j += 32) {
-        int32_t e = a.indices[t * k + j];
-        bool here = e >= 0 && static_cast<uint32_t>(e) / nl == d;
-        reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[j] =
+    if (lane < k) {
+        const bool here = e >= 0 && static_cast<uint32_t>(e) / nl == d;
+        reinterpret_cast<int16_t*>(dst + kRowHeaderBytes)[lane] =
             here ? static_cast<int16_t>(static_cast<uint32_t>(e) % nl) : int16_t{-1};
-        reinterpret_cast<uint32_t*>(dst + a.place_offset)[j] = here ? a.place[t * k + j] : 0u;
-        reinterpret_cast<float*>(dst + a.weight_offset)[j] = here ? a.weights[t * k + j] : 0.0f;
+        reinterpret_cast<uint32_t*>(dst + a.place_offset)[lane] = here ? place : 0u;
+        reinterpret_cast<float*>(dst + a.weight_offset)[lane] = here ? weight : 0.0f;
     }
     float* so = reinterpret_cast<float*>(dst + a.scale_offset);
-    for (uint32_t i = lane; i < a.scales_per_token; i += 32)
-        so[i] = x_scale[uint64_t{t} * a.scales_per_token + i];
+#pragma unroll
+    for (uint32_t u = 0; u < 2; ++u)
+        if (lane + 32 * u < spt) so[lane + 32 * u] = sc[u];
+    for (uint32_t i = lane + 64; i < spt; i += 32)  // hidden above 8192
+        so[i] = x_scale[uint64_t{t} * spt + i];
 }
 
 // Work items are (token, destination) rows, each cut into `pieces` so that a small call still
@@ -356,8 +395,10 @@ __device__ inline void send_rows(const KernelArgs& a, const uint8_t* x, const fl
     for (uint32_t u = gw; u < items * pieces; u += num_warps) {
         const uint32_t item = u / pieces, piece = u % pieces;
         const uint32_t t = item / w, d = item % w;
-        if (!((a.dest_mask[t] >> d) & 1u)) continue;
+        // Both loads at once (row_pos of a destination the token skips is never used).
+        const uint64_t mask = a.dest_mask[t];
         const uint32_t j = a.row_pos[uint64_t{t} * w + d];
+        if (!((mask >> d) & 1u)) continue;
         if (!overflow && j < p)
             write_row(a, d, uint64_t{a.rank} * p + j, t, seq, x, x_scale, lane, piece, pieces);
         else if (overflow && j >= p)
@@ -365,12 +406,12 @@ __device__ inline void send_rows(const KernelArgs& a, const uint8_t* x, const fl
     }
 }
 
-__global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
+// The send after the plan: private rows, every peer's counts, overflow rows, signals.
+__device__ __forceinline__ void send_after_plan(const KernelArgs& a, const uint8_t* x,
+                                                const float* x_scale, uint32_t seq, uint32_t n) {
     __shared__ uint64_t s_overflow[kMaxCudaWorld];
     __shared__ int s_ok;
     const uint32_t tid = threadIdx.x, w = a.world, p = a.private_slots;
-    // Written by the plan kernel earlier on this stream.
-    const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
     trace_point(a, kTrSendBegin);
     let_receiver_start(a);
     send_rows(a, x, x_scale, n, seq, false, nullptr);
@@ -434,6 +475,41 @@ __global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float
     trace_point(a, kTrSendEnd);
 }
 
+__global__ void dispatch_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale) {
+    // Written by the plan kernel earlier on this stream.
+    send_after_plan(a, x, x_scale, static_cast<uint32_t>(a.state->seq), a.state->num_tokens);
+}
+
+// The plan fused into the send (KernelArgs::fused_plan): block 0 plans the call first, the
+// other blocks wait until it is done; no plan kernel, so no kernel boundary before the send
+// (3.2 us at 128 tokens, 2026-12-01). The grid fits on the GPU at once (see create()), so
+// block 0 always runs. kTopk as for dispatch_plan_kernel.
+template <uint32_t kTopk>
+__global__ void __launch_bounds__(kPlanThreads)
+    dispatch_plan_send_kernel(KernelArgs a, const uint8_t* x, const float* x_scale,
+                              const int32_t* indices, const int64_t* indices64,
+                              const float* weights, const uint32_t* num_tokens) {
+    __shared__ uint32_t s_call;
+    uint32_t seq;
+    if (blockIdx.x == 0) {
+        seq = plan_block<kTopk, true>(a, indices, indices64, weights, num_tokens);
+    } else {
+        // The call number from the blocks that entered before (every call launches this
+        // grid once): block 0 bumps state->seq, perhaps before this block would read it.
+        if (threadIdx.x == 0) {
+            const unsigned long long before = atomicAdd(&a.tickets[kTicketSendEntry], 1ull);
+            s_call = static_cast<uint32_t>(before / (gridDim.x - 1) + 1);
+            if (!wait_counter(a, reinterpret_cast<const uint64_t*>(a.tickets + kTicketPlan), s_call,
+                              DeviceError::kPlan, a.rank, s_call))
+                s_call = 0;
+        }
+        __syncthreads();
+        seq = s_call;
+        if (seq == 0) return;  // recorded; receivers time out naming this rank
+    }
+    send_after_plan(a, x, x_scale, seq, __ldcg(&a.state->num_tokens));
+}
+
 __device__ __forceinline__ uint32_t align_up(uint32_t v, uint32_t al) {
     return (v + al - 1) / al * al;
 }
@@ -461,23 +537,8 @@ __global__ void __launch_bounds__(kRecvThreads)
     uint32_t* s_ovf = s_start + w + 1;      // [sender] where its overflow rows begin
     uint32_t* s_got = s_ovf + w;            // [sender] hits this block placed
     trace_point(a, kTrRecvBegin);
-    if (tid == 0) s_ok = 1;
-    if (tid < w) s_got[tid] = 0;
-    __syncthreads();
-    if (tid < w) {
-        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
-                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
-                          seq))
-            s_ok = 0;
-    }
-    __syncthreads();
-    trace_point(a, kTrRecvRowsIn);
-    if (!s_ok) {
-        finish_after_sender();
-        return;
-    }
-
-    // The layout, from the counts messages (all here: dispatch_send waited for them).
+    // The layout, from the counts messages, before waiting for the rows: they are all here
+    // (this rank's dispatch_send waited for them), so this work overlaps the peers' sends.
     const uint32_t hw = a.counts_hits_word;
     for (uint32_t e = tid; e < nl; e += blockDim.x) {
         uint32_t tot = 0;
@@ -547,6 +608,22 @@ __global__ void __launch_bounds__(kRecvThreads)
     }
     if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
 
+    if (tid == 0) s_ok = 1;
+    if (tid < w) s_got[tid] = 0;
+    __syncthreads();
+    if (tid < w) {
+        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
+                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
+                          seq))
+            s_ok = 0;
+    }
+    __syncthreads();
+    trace_point(a, kTrRecvRowsIn);
+    if (!s_ok) {
+        finish_after_sender();
+        return;
+    }
+
     // Rows, a warp each; warps numbered across blocks first.
     const uint32_t num_warps = gridDim.x * (blockDim.x / 32);
     const uint32_t gw = (tid / 32) * gridDim.x + blockIdx.x;
@@ -558,7 +635,19 @@ __global__ void __launch_bounds__(kRecvThreads)
         const bool remote = is_remote(a, s);
         const uint64_t ri = i < p ? uint64_t{s} * p + i : uint64_t{s_ovf[s]} + (i - p);
         const uint8_t* row = from(a, s) + a.lay.dispatch + ri * a.row_bytes;
-        // The whole header in one round of loads: lane j reads choice j's expert and place.
+        // The whole header in one round of loads (lane j reads choice j's expert and place),
+        // together with the payload's first round and the scales: the checks below wait for
+        // the header, the copy then for nothing more (a round trip per row saved).
+        const int4* src16 = reinterpret_cast<const int4*>(row + a.payload_offset);
+        const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
+        int4 v[8];
+#pragma unroll
+        for (uint32_t u = 0; u < 8; ++u)
+            if (lane + 32 * u < pb16) v[u] = ld_peer(src16 + lane + 32 * u, remote);
+        float sv[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            if (lane + 32 * u < spt) sv[u] = ld_peer(ssrc + lane + 32 * u, remote);
         const uint2 head = ld_peer(reinterpret_cast<const uint2*>(row), remote);
         const uint32_t hit_base = ld_peer_u32(row + a.hit_base_offset, remote);
         int32_t id = -1;
@@ -623,30 +712,32 @@ __global__ void __launch_bounds__(kRecvThreads)
             if (out_sources) out_sources[o] = meta;
             if (remote) a.combine_pos[o] = hit_base + __popc(hm & lanemask_lt(lane));
         }
-        // The payload read once, written to every place. Loop bounds are the same in every
-        // lane: the shuffles need the whole warp.
-        const int4* src16 = reinterpret_cast<const int4*>(row + a.payload_offset);
-        for (uint32_t c0 = 0; c0 < pb16; c0 += 4 * 32) {
+        // The payload read once, written to every place, eight vectors per lane at a time.
+        // Loop bounds are the same in every lane: the shuffles need the whole warp.
+        for (uint32_t c0 = 0; c0 < pb16; c0 += 8 * 32) {
             const uint32_t c = c0 + lane;
-            int4 v[4];
+            if (c0 != 0) {
 #pragma unroll
-            for (uint32_t u = 0; u < 4; ++u)
-                if (c + 32 * u < pb16) v[u] = ld_peer(src16 + c + 32 * u, remote);
+                for (uint32_t u = 0; u < 8; ++u)
+                    if (c + 32 * u < pb16) v[u] = ld_peer(src16 + c + 32 * u, remote);
+            }
             for (uint32_t m = hm; m; m &= m - 1) {
                 const uint32_t oh = __shfl_sync(0xffffffffu, po, __ffs(m) - 1);
                 int4* dst = reinterpret_cast<int4*>(out_x + uint64_t{oh} * a.payload_bytes);
 #pragma unroll
-                for (uint32_t u = 0; u < 4; ++u)
+                for (uint32_t u = 0; u < 8; ++u)
                     if (c + 32 * u < pb16) dst[c + 32 * u] = v[u];
             }
         }
-        const float* ssrc = reinterpret_cast<const float*>(row + a.scale_offset);
         for (uint32_t c0 = 0; c0 < spt; c0 += 32) {
             const uint32_t c = c0 + lane;
-            const float v = c < spt ? ld_peer(ssrc + c, remote) : 0.0f;
+            const float sc = c0 == 0    ? sv[0]
+                             : c0 == 32 ? sv[1]
+                             : c < spt  ? ld_peer(ssrc + c, remote)
+                                        : 0.0f;
             for (uint32_t m = hm; m; m &= m - 1) {
                 const uint32_t oh = __shfl_sync(0xffffffffu, po, __ffs(m) - 1);
-                if (c < spt) out_scale[uint64_t{oh} * spt + c] = v;
+                if (c < spt) out_scale[uint64_t{oh} * spt + c] = sc;
             }
         }
         if (lane == 0) atomicAdd(&s_got[s], __popc(hm));
@@ -679,23 +770,30 @@ uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
 }
 
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {
-    cudaError_t e =
-        cudaFuncSetAttribute(dispatch_plan_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(plan_bytes));
+    const int pb = static_cast<int>(plan_bytes);
+    const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaError_t e = cudaFuncSetAttribute(dispatch_plan_kernel<0>, attr, pb);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_kernel<8>, attr, pb);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_send_kernel<0>, attr, pb);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_plan_send_kernel<8>, attr, pb);
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(dispatch_plan_kernel<8>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(plan_bytes));
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(recv_bytes));
+        e = cudaFuncSetAttribute(dispatch_recv_kernel, attr, static_cast<int>(recv_bytes));
     return e;
 }
+
+bool dispatch_send_fuses_plan(uint32_t send_threads) { return send_threads == kPlanThreads; }
 
 cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float* x_scale,
                                  const int32_t* indices, const int64_t* indices64,
                                  const float* weights, const uint32_t* num_tokens,
                                  uint32_t send_blocks, uint32_t send_threads, cudaStream_t stream) {
+    const auto* xb = static_cast<const uint8_t*>(x);
+    if (a.fused_plan) {
+        auto* kernel = a.topk == 8 ? dispatch_plan_send_kernel<8> : dispatch_plan_send_kernel<0>;
+        kernel<<<send_blocks, kPlanThreads, a.plan_smem, stream>>>(a, xb, x_scale, indices,
+                                                                   indices64, weights, num_tokens);
+        return cudaGetLastError();
+    }
     if (a.topk == 8)
         dispatch_plan_kernel<8>
             <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, indices64, weights, num_tokens);
@@ -703,8 +801,7 @@ cudaError_t launch_dispatch_send(const KernelArgs& a, const void* x, const float
         dispatch_plan_kernel<0>
             <<<1, kPlanThreads, a.plan_smem, stream>>>(a, indices, indices64, weights, num_tokens);
     FERRY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(
-        a, static_cast<const uint8_t*>(x), x_scale);
+    dispatch_send_kernel<<<send_blocks, send_threads, 0, stream>>>(a, xb, x_scale);
     return cudaGetLastError();
 }
 
@@ -721,6 +818,8 @@ cudaError_t preload_dispatch_kernels() {
     cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<0>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_kernel<8>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_send_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_send_kernel<0>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_plan_send_kernel<8>);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, dispatch_recv_kernel);
     return e;
 }

@@ -127,6 +127,9 @@ struct KernelArgs {
     // CudaAllToAllOptions::early_launch: dispatch_recv and combine_recv start while the send
     // kernel before them runs (programmatic dependent launch).
     uint32_t early_launch;
+    // Block 0 of dispatch_send plans the call (no plan kernel before it): set by create()
+    // when dispatch_send_fuses_plan(send threads) and at most two ranks share a GPU.
+    uint32_t fused_plan;
 };
 
 // Where the kernels stamp the trace: each kernel's first and last block, and the moments its
@@ -158,7 +161,11 @@ enum Ticket : uint32_t {
     kTicketDispatch = 1,
     kTicketCombine = 2,
     kTicketRecv = 3,  // the last dispatch_recv block checks every announced hit was placed
-    kTickets = 4
+    // The fused dispatch send (KernelArgs::fused_plan): the call number whose plan block 0
+    // finished, and how many of the other blocks entered so far (their call number).
+    kTicketPlan = 4,
+    kTicketSendEntry = 5,
+    kTickets = 6
 };
 
 // Every kernel of a family loaded into the current device's context. CUDA loads modules
@@ -171,6 +178,8 @@ cudaError_t preload_dispatch_kernels();
 uint32_t dispatch_plan_smem(uint32_t num_experts, uint32_t world, uint32_t topk);
 uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world);
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes);
+// Whether dispatch_send can plan in its own block 0 with this many threads per block.
+bool dispatch_send_fuses_plan(uint32_t send_threads);
 cudaError_t preload_combine_kernels();
 cudaError_t preload_quantize_kernels();
 
