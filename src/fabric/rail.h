@@ -257,7 +257,8 @@ class Rail {
     // A write the provider completes while posting it, so it goes without a completion and
     // finishes as soon as the post returns (see inject_done_at_post_).
     bool completes_at_post(const FabricOp* op) const {
-        return inject_done_at_post_ && op->type == FabricOp::kWrite && op->len <= inject_size_;
+        return inject_done_at_post_ && op->type == FabricOp::kWrite && op->has_imm &&
+               op->len <= inject_size_;
     }
     bool poll_cq();
     void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
@@ -303,12 +304,18 @@ class Rail {
     size_t tx_depth_ = 0;
     size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
     bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
-    // shm writes their completion of a write of at most inject_size while posting it (the
-    // inline and inject protocols of smr_generic_rma, libfabric 1.17): it carries nothing the
-    // post's return code did not (a dead peer's write "completes" just the same; its full
-    // command queue pushes back instead). Such writes are posted with fi_inject_write(data),
-    // which writes no completion, and finish when the post returns: no CQ entry to write and
-    // read, no in-flight list. EngineConfig::inject_completions turns it off.
+    // shm writes the completion of a write with immediate of at most inject_size while
+    // posting it (the inline and inject protocols of smr_generic_rma, libfabric 1.17): it
+    // carries nothing the post's return code did not (a dead peer's write "completes" just
+    // the same; its full command queue pushes back instead). Such writes are posted with
+    // fi_inject_writedata, which writes no completion, and finish when the post returns: no CQ
+    // entry to write and read, no in-flight list. Not writes without an immediate: shm may
+    // copy those straight into the peer (process_vm_writev, "fast RMA"), and when that fails
+    // (the peer died) it reports an error without the operation's context; with the
+    // completion requested such a write at least times out and fails, and whether the inject
+    // call reports that failure differs between shm versions. (The "completion error without
+    // context" the batch-kill test logs with some seeds is that path, before this change too.)
+    // EngineConfig::inject_completions turns it off.
     bool inject_done_at_post_ = false;
 
     // Signal region: target of immediate-only writes.

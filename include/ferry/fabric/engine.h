@@ -61,11 +61,11 @@ struct EngineConfig {
     bool busy_poll = false;
     // Writes no longer than the provider's inject_size (tx_attr) are posted with FI_INJECT:
     // the provider copies the payload at post time. They keep FI_COMPLETION, so a write to a
-    // dead peer still fails (fi_inject_write would report nothing at all) -- except on shm,
-    // which writes that completion while posting, whatever the peer's state: there they go
-    // as fi_inject_write(data) with no completion and finish when the post returns (a dead
-    // shm peer's writes are pushed back once its queue is full and fail at op_timeout, as
-    // before). inject_completions keeps the completion on shm too.
+    // dead peer still fails (fi_inject_write would report nothing at all) -- except writes
+    // with an immediate on shm, whose completion shm writes while posting, whatever the
+    // peer's state: they go as fi_inject_writedata with no completion and finish when the
+    // post returns (a dead shm peer's writes are pushed back once its queue is full and fail
+    // at op_timeout, as before). inject_completions keeps the completion for them too.
     bool inject = true;
     bool inject_completions = false;
     // Operations the worker posts back to back carry FI_MORE on all but the last of a pass,
