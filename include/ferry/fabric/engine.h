@@ -350,6 +350,14 @@ class TransferEngine {
     // by one. (Single write() calls coalesce too: the worker posts whatever queued up since
     // its last pass back to back.)
     std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done = {});
+    // Many writes and reads, to any peers, as ONE operation: one handle, one completion once
+    // every entry is done, with the first failure's status if any failed (the other entries
+    // still run to completion; imm_writes() counts every write carrying an immediate).
+    // Every entry is validated before anything is posted: an invalid one fails the whole
+    // operation and nothing moves. Entries between GPUs of this host (CUDA IPC) are refused
+    // (use submit_batch). What a dispatch to many peers wants: per entry it costs a post and
+    // nothing else (no state, callback or handle of its own).
+    OpHandle submit_all(std::span<const BatchEntry> ops, OpCallback done = {});
     // True when operations between `local` and the peer's `remote` region are copies between
     // GPUs of this host (CUDA IPC), the path copy_blocks takes.
     bool copies_on_gpu(PeerId peer, const MemoryRegion& local,
