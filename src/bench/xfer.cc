@@ -96,6 +96,7 @@ EngineConfig engine_config(const XferBenchConfig& c) {
     e.busy_poll = false;
     e.inject = c.inject;
     e.post_more = c.post_more;
+    e.inject_completions = c.inject_completions;
     return e;
 }
 
@@ -268,7 +269,7 @@ class Initiator {
                             const std::function<void(uint64_t, const Release*)>& submit);
     Result<double> engine_write_loop(size_t size, int window);
     Result<double> engine_paged_loop(size_t page);
-    Result<double> engine_rate_loop(int npeers, size_t size, int window);
+    Result<double> engine_rate_loop(int npeers, size_t size, int window, bool one_op);
     Result<double> engine_scatter_loop(int npeers, size_t size, int window);
     Status latency(XferReport& rep);
 
@@ -552,9 +553,10 @@ Result<double> Initiator::engine_paged_loop(size_t page) {
     });
 }
 
-// Writes with immediates round robin over npeers, handed over rate_batch at a time with
-// submit_batch: the engine's answer to a raw loop that posts one at a time.
-Result<double> Initiator::engine_rate_loop(int npeers, size_t size, int window) {
+// Writes with immediates round robin over npeers, handed over rate_batch at a time: with
+// submit_batch (a handle and a completion per write), or with one_op, submit_all (one
+// completion per batch). The engine's answer to a raw loop that posts one at a time.
+Result<double> Initiator::engine_rate_loop(int npeers, size_t size, int window, bool one_op) {
     const int batch = std::max(1, std::min(c_.rate_batch, window));
     std::vector<BatchEntry> entries(batch);
     uint64_t seq = 0;
@@ -566,7 +568,13 @@ Result<double> Initiator::engine_rate_loop(int npeers, size_t size, int window) 
                 WriteOp{rate_peers_[p], mr_.get(), (seq % 4) * size,          &rate_dsts_[p],
                         slot * size,    size,      static_cast<uint32_t>(seq)};
         }
-        engine_->submit_batch(entries, [release](size_t, const Status& s) { (*release)(1, s); });
+        if (one_op) {
+            engine_->submit_all(entries,
+                                [release, batch](const Status& s) { (*release)(batch, s); });
+        } else {
+            engine_->submit_batch(entries,
+                                  [release](size_t, const Status& s) { (*release)(1, s); });
+        }
     });
 }
 
@@ -691,18 +699,22 @@ Result<XferReport> Initiator::run() {
         // loop posting the same writes one at a time. Both loops target the same raw
         // endpoints of the target process, so the target's work is identical.
         const int window = 256;
-        for (size_t size : c_.rate_sizes) {
-            for (int n : c_.rate_peers) {
-                if (n > static_cast<int>(rate_targets_.size())) continue;
-                XferRow row{"write+imm", size, n};
-                FERRY_RETURN_IF_ERROR(point(
-                    row, static_cast<double>(size),
-                    [&] {
-                        return raw_->rate_loop(std::span(rate_targets_).first(n), size, true,
-                                               window, kRateSlots, d);
-                    },
-                    [&] { return engine_rate_loop(n, size, window); }, false));
-                rep.rows.push_back(row);
+        // "write+imm": submit_batch, a completion per write; "batch+imm": submit_all, one
+        // completion per rate_batch writes.
+        for (bool one_op : {false, true}) {
+            for (size_t size : c_.rate_sizes) {
+                for (int n : c_.rate_peers) {
+                    if (n > static_cast<int>(rate_targets_.size())) continue;
+                    XferRow row{one_op ? "batch+imm" : "write+imm", size, n};
+                    FERRY_RETURN_IF_ERROR(point(
+                        row, static_cast<double>(size),
+                        [&] {
+                            return raw_->rate_loop(std::span(rate_targets_).first(n), size, true,
+                                                   window, kRateSlots, d);
+                        },
+                        [&] { return engine_rate_loop(n, size, window, one_op); }, false));
+                    rep.rows.push_back(row);
+                }
             }
         }
         const size_t slice = 4096;

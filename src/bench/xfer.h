@@ -25,7 +25,7 @@ struct XferBenchConfig {
     int repeat = 1;
     // Message-rate section (opt-in): writes with immediates of rate_sizes to each count of
     // rate_peers, and 4 KiB scatters to each count of scatter_peers; the engine hands writes
-    // over rate_batch at a time (submit_batch).
+    // over rate_batch at a time (submit_batch, and again as one operation with submit_all).
     bool rate = false;
     std::vector<size_t> rate_sizes = {64, 4096};
     std::vector<int> rate_peers = {1, 8, 64};
@@ -34,6 +34,7 @@ struct XferBenchConfig {
     // The engine's FI_INJECT and FI_MORE (EngineConfig::inject, post_more), to measure each.
     bool inject = true;
     bool post_more = true;
+    bool inject_completions = false;
     // Writes rotate over this many bytes of source and destination (0: four slots of the
     // largest size, cache resident). A transfer of gigabytes streams from DRAM, and its
     // ceiling must too.
@@ -42,7 +43,8 @@ struct XferBenchConfig {
 };
 
 struct XferRow {
-    std::string kind;  // "write", "paged write", "small write", "write+imm", "scatter"
+    std::string kind;  // "write", "paged write", "small write", "write+imm", "batch+imm",
+                       // "scatter"
     size_t size = 0;   // bytes per write or per page
     int peers = 0;     // rate section: target peers (0: the one bandwidth target)
     double raw_gbps = 0;

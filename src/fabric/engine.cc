@@ -93,6 +93,9 @@ std::vector<OpHandle> TransferEngine::submit_batch(std::span<const BatchEntry> o
                                                    BatchCallback done) {
     return impl_->submit_batch(ops, std::move(done));
 }
+OpHandle TransferEngine::submit_all(std::span<const BatchEntry> ops, OpCallback done) {
+    return impl_->submit_all(ops, std::move(done));
+}
 OpHandle TransferEngine::write_runs(const WriteRunsOp& op, OpCallback done) {
     return impl_->write_runs(op, std::move(done));
 }

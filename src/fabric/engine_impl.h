@@ -8,6 +8,7 @@
 //   ImmTable        arrival counters per immediate and their waiters
 // Files: engine_impl.cc (construction, watchdog, shutdown, entry points), op_checks.cc
 // (validation, path choice), op_builder.cc (requests into per-rail operations or GPU copies),
+// op_batch.cc (submit_batch, submit_all),
 // op_block_copy.cc (block copies from block ids, GPU only).
 #pragma once
 
@@ -70,6 +71,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                        const MemoryDescriptor& remote) const;
     OpHandle scatter(const ScatterOp& op, OpCallback done);
     std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done);
+    OpHandle submit_all(std::span<const BatchEntry> ops, OpCallback done);
     OpHandle signal(PeerId peer, uint32_t imm, OpCallback done);
     Status barrier(GroupId group, uint32_t imm, Duration timeout);
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done);
@@ -103,8 +105,11 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     OpHandle submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm);
     // Validates a write or read and adds its fabric pieces to b. False when the operation is
     // already completed (it failed validation, or went the GPU IPC way).
-    bool build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b);
-    bool build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b);
+    // gpu_ok false: a pair that would go the CUDA IPC way fails instead (submit_all).
+    bool build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b,
+                     TimePoint deadline, bool gpu_ok);
+    bool build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b,
+                    TimePoint deadline, bool gpu_ok);
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;

@@ -1,6 +1,6 @@
 // Turning requests (write, paged_write, write_runs, read, read_runs, scatter, signal, barrier,
-// send_message) into fabric operations per rail, split as the rail group decides, or into GPU
-// copies for same-host GPU pairs, and handing them over with one OpState.
+// send_message; batches in op_batch.cc) into fabric operations per rail, split as the rail group
+// decides, or into GPU copies for same-host GPU pairs, and handing them over with one OpState.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -23,6 +23,12 @@ namespace ferry::detail {
 namespace {
 Status no_peer(PeerId id, const char* what) {
     return not_found(fmt::format("{}: peer {} is not connected", what, id));
+}
+Status gpu_in_batch_op(const char* what) {
+    return invalid_argument(
+        fmt::format("submit_all: a {} between GPUs of this host (CUDA IPC) cannot be part of one "
+                    "batch operation; use submit_batch",
+                    what));
 }
 }  // namespace
 
@@ -117,8 +123,8 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
         }                                     \
     } while (0)
 
-bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& state,
-                             RailBatch& b) {
+bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b,
+                             TimePoint deadline, bool gpu_ok) {
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
     if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
@@ -127,6 +133,7 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
     auto path = choose_path(*p, *w.src, *w.dst, "write");
     if (!path.ok()) FERRY_FAIL_BUILD(state, path.status());
     if (*path == Path::kGpuIpc) {
+        if (!gpu_ok) FERRY_FAIL_BUILD(state, gpu_in_batch_op("write"));
         auto base = map_gpu_peer(*w.dst, *w.src);
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{*base + w.dst_offset,
@@ -137,18 +144,19 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
         return false;
     }
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
-            deadline_after(config.op_timeout), true, state);
+            deadline, true, state);
     return true;
 }
 
 OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
-    if (!build_write(w, state, b)) return OpHandle(state);
+    if (!build_write(w, state, b, deadline_after(config.op_timeout), true)) return OpHandle(state);
     return submit(b, state, w.imm.has_value());
 }
 
-bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b) {
+bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b,
+                            TimePoint deadline, bool gpu_ok) {
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
@@ -157,6 +165,7 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
     auto path = choose_path(*p, *r.dst, *r.src, "read");
     if (!path.ok()) FERRY_FAIL_BUILD(state, path.status());
     if (*path == Path::kGpuIpc) {
+        if (!gpu_ok) FERRY_FAIL_BUILD(state, gpu_in_batch_op("read"));
         auto base = map_gpu_peer(*r.src, *r.dst);
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
@@ -166,63 +175,8 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
         return false;
     }
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
-            std::nullopt, deadline_after(config.op_timeout), true, state);
+            std::nullopt, deadline, true, state);
     return true;
-}
-
-namespace {
-// Shared by the per-entry callbacks of one batch; the last entry to finish frees it. The
-// entry callback captures {this, index}: 16 bytes, inside std::function's own storage, so a
-// batch of n entries costs one allocation here instead of n.
-struct BatchDone {
-    BatchCallback cb;
-    std::atomic<size_t> left;
-};
-}  // namespace
-
-std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
-                                               BatchCallback done) {
-    std::vector<OpHandle> handles;
-    handles.reserve(ops.size());
-    if (ops.empty()) return handles;
-    BatchDone* shared = done ? new BatchDone{std::move(done), ops.size()} : nullptr;
-    RailBatch b(rails.size());
-    std::vector<std::pair<std::shared_ptr<OpState>, bool>> armed;  // state, counts imm
-    armed.reserve(ops.size());
-    for (size_t i = 0; i < ops.size(); ++i) {
-        OpCallback cb;
-        if (shared) {
-            cb = [shared, i](const Status& s) {
-                shared->cb(i, s);
-                if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
-            };
-        }
-        auto state = make_op_state(std::move(cb));
-        handles.emplace_back(state);
-        uint32_t before = b.count;
-        bool built;
-        bool imm = false;
-        if (const auto* w = std::get_if<WriteOp>(&ops[i])) {
-            built = build_write(*w, state, b);
-            imm = w->imm.has_value();
-        } else {
-            built = build_read(std::get<ReadOp>(ops[i]), state, b);
-        }
-        if (!built) continue;
-        arm(state, b.count - before, imm);
-        armed.emplace_back(std::move(state), imm);
-    }
-    if (stopped_) {
-        RailGroup::discard(b);
-        for (auto& [st, imm] : armed) st->fail_now(cancelled("the transfer engine was shut down"));
-        return handles;
-    }
-    {
-        std::lock_guard lk(registry_->mu);
-        for (auto& [st, imm] : armed) registry_->insert(st.get());
-    }
-    rails.post(b);
-    return handles;
 }
 
 OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
@@ -304,7 +258,7 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
 OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
-    if (!build_read(r, state, b)) return OpHandle(state);
+    if (!build_read(r, state, b, deadline_after(config.op_timeout), true)) return OpHandle(state);
     return submit(b, state, false);
 }
 

@@ -165,30 +165,6 @@ std::string Rail::describe(const FabricOp* op) const {
     return "operation";
 }
 
-void Rail::link_inflight(FabricOp* op) {
-    op->in_prev = in_tail_;
-    op->in_next = nullptr;
-    if (in_tail_)
-        in_tail_->in_next = op;
-    else
-        in_head_ = op;
-    in_tail_ = op;
-    ++inflight_;
-}
-
-void Rail::unlink_inflight(FabricOp* op) {
-    if (op->in_prev)
-        op->in_prev->in_next = op->in_next;
-    else
-        in_head_ = op->in_next;
-    if (op->in_next)
-        op->in_next->in_prev = op->in_prev;
-    else
-        in_tail_ = op->in_prev;
-    op->in_prev = op->in_next = nullptr;
-    --inflight_;
-}
-
 bool Rail::drain_submissions() {
     bool any = false;
     // Bounded so a flood of submissions cannot starve completion polling.
@@ -211,7 +187,7 @@ bool Rail::drain_submissions() {
     return any;
 }
 
-int Rail::post_one(FabricOp* op, bool more) {
+int Rail::post_one(FabricOp* op, bool more, bool unsignaled) {
     op->ctx.kind = FabricCtx::kOp;
     iovec iov{op->local, op->len};
     void* desc = op->desc;
@@ -227,6 +203,16 @@ int Rail::post_one(FabricOp* op, bool more) {
     const uint64_t more_flag = more ? FI_MORE : 0;
     switch (op->type) {
         case FabricOp::kWrite: {
+            // No completion (completes_at_post). 16-core host, shm, 2026-12-02, one call: 4 KiB
+            // scatter to 64 peers 0.93x of the raw loop this way, 0.65x with completions; 64 B
+            // writes with immediates to one peer through submit_all 1.01x against 0.85x.
+            if (unsignaled) {
+                return static_cast<int>(
+                    op->has_imm ? fi_inject_writedata(tx_ep_, op->local, op->len, op->imm, op->dest,
+                                                      op->raddr, op->rkey)
+                                : fi_inject_write(tx_ep_, op->local, op->len, op->dest, op->raddr,
+                                                  op->rkey));
+            }
             msg.data = op->imm;
             uint64_t flags = FI_COMPLETION | more_flag | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
             // FI_INJECT, not fi_inject_write: the payload is copied at post time, but the
@@ -260,16 +246,16 @@ bool Rail::post_pending() {
     };
     uint64_t posted = 0, bytes = 0, injected = 0, with_more = 0;
     if (pending_.empty()) return false;
-    for (auto it = pending_.begin(); it != pending_.end() && inflight_ < tx_depth_;) {
-        FabricOp* op = *it;
+    for (FabricOp* op = pending_.head; op && inflight_.size < tx_depth_;) {
         if (is_blocked(op->peer)) {
-            ++it;
+            op = op->in_next;
             continue;
         }
         if (peer_dead(op->dest)) {
-            it = pending_.erase(it);
+            FabricOp* next = pending_.erase(op);
             any = true;
             fail_dead_peer_op(op);
+            op = next;
             continue;
         }
         if (op->type == FabricOp::kSend && op->slot < 0) {
@@ -284,22 +270,22 @@ bool Rail::post_pending() {
         // FI_MORE while another operation follows in this pass (and fits the queue): the
         // provider may hold its doorbell until the last one. If that next post is pushed
         // back, the provider's own progress (every fi_cq_read) still sends what it holds.
-        bool more =
-            config_.post_more && std::next(it) != pending_.end() && inflight_ + 1 < tx_depth_;
+        const bool more = config_.post_more && op->in_next && inflight_.size + 1 < tx_depth_;
+        const bool done_at_post = completes_at_post(op);
         int rc;
         {
             CallGuard g(calls_);
-            rc = post_one(op, more);
+            rc = post_one(op, more, done_at_post);
         }
         if (wedged()) return false;
         if (rc == -FI_EAGAIN) {
             stats_.eagain.fetch_add(1, std::memory_order_relaxed);
             blocked[nblocked++] = op->peer;
             if (nblocked == kMaxPushbacksPerRound) break;
-            ++it;
+            op = op->in_next;
             continue;
         }
-        it = pending_.erase(it);
+        FabricOp* next = pending_.erase(op);
         any = true;
         if (rc != 0) {
             stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
@@ -307,14 +293,21 @@ bool Rail::post_pending() {
             op->parent->piece_done(provider_error(
                 fmt::format("posting {} failed: {}", describe(op), fi_strerror(-rc))));
             delete op;
+            op = next;
             continue;
         }
-        op->tx_gen = tx_gen_;
-        link_inflight(op);
         ++posted;
         bytes += op->len;
         injected += op->type == FabricOp::kWrite && op->len <= inject_size_;
         with_more += more;
+        if (done_at_post) {
+            op->parent->piece_done(ok_status());
+            delete op;
+        } else {
+            op->tx_gen = tx_gen_;
+            link_inflight(op);
+        }
+        op = next;
     }
     // Counters once per pass, not per operation (they are read only by stats()).
     if (posted) {
@@ -448,7 +441,7 @@ void Rail::run() {
         // In flight or expected: both sides of a shm or tcp transfer must poll for it to
         // progress, and a nap on either side stretches every step of it.
         if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty() ||
-            inflight_ > 0 || (hooks_.stay_awake && hooks_.stay_awake())) {
+            !inflight_.empty() || (hooks_.stay_awake && hooks_.stay_awake())) {
             idle_();
             continue;
         }

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -77,11 +76,49 @@ struct alignas(64) FabricOp : MpscNode {
     TimePoint deadline{};
     int slot = -1;                // kSend: registered send slot in use
     uint32_t tx_gen = 0;          // the initiator endpoint it was posted on (Rail::tx_gen_)
-    FabricOp* in_prev = nullptr;  // in-flight list, in post order
+    FabricOp* in_prev = nullptr;  // the rail's pending or in-flight list (OpList)
     FabricOp* in_next = nullptr;
     FabricCtx ctx{};
     std::vector<uint8_t> payload;  // kSend: message bytes until copied to a slot
     std::function<Status()> task;  // kTask
+};
+
+// The worker's lists of operations (popped and not yet posted; in flight, in post order),
+// linked through the operations themselves: an operation is in at most one of them. Erasing
+// from the middle (a peer that pushed back, a dead peer's, a timed-out one) costs two stores.
+// The pending list was a std::deque, whose erase took ~115 instructions of the worker's ~1460
+// per 64 B write with immediate (callgrind, shm, 2026-12-02).
+struct OpList {
+    FabricOp* head = nullptr;
+    FabricOp* tail = nullptr;
+    size_t size = 0;
+
+    bool empty() const { return head == nullptr; }
+    void push_back(FabricOp* op) {
+        op->in_prev = tail;
+        op->in_next = nullptr;
+        if (tail)
+            tail->in_next = op;
+        else
+            head = op;
+        tail = op;
+        ++size;
+    }
+    // Unlinks op and returns the one that followed it.
+    FabricOp* erase(FabricOp* op) {
+        FabricOp* next = op->in_next;
+        if (op->in_prev)
+            op->in_prev->in_next = next;
+        else
+            head = next;
+        if (next)
+            next->in_prev = op->in_prev;
+        else
+            tail = op->in_prev;
+        op->in_prev = op->in_next = nullptr;
+        --size;
+        return next;
+    }
 };
 
 struct RailStats {
@@ -215,7 +252,14 @@ class Rail {
     void run();
     bool drain_submissions();
     bool post_pending();
-    int post_one(FabricOp* op, bool more);
+    // unsignaled: as fi_inject_write(data), which writes no completion (completes_at_post).
+    int post_one(FabricOp* op, bool more, bool unsignaled);
+    // A write the provider completes while posting it, so it goes without a completion and
+    // finishes as soon as the post returns (see inject_done_at_post_).
+    bool completes_at_post(const FabricOp* op) const {
+        return inject_done_at_post_ && op->type == FabricOp::kWrite && op->has_imm &&
+               op->len <= inject_size_;
+    }
     bool poll_cq();
     void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
     void handle_error(const fi_cq_err_entry& err);
@@ -224,8 +268,8 @@ class Rail {
     // Reports an in-flight operation failed while libfabric still owns its context: the op
     // stays in abandoned_ until its completion comes back or the endpoint is closed.
     void abandon(FabricOp* op, const Status& why);
-    void link_inflight(FabricOp* op);
-    void unlink_inflight(FabricOp* op);
+    void link_inflight(FabricOp* op) { inflight_.push_back(op); }
+    void unlink_inflight(FabricOp* op) { inflight_.erase(op); }
     Status post_recv(int slot);
     std::string describe(const FabricOp* op) const;
     // shm recovery (see renew_on_stall_): a fresh initiator endpoint for new operations.
@@ -260,6 +304,19 @@ class Rail {
     size_t tx_depth_ = 0;
     size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
     bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
+    // shm writes the completion of a write with immediate of at most inject_size while
+    // posting it (the inline and inject protocols of smr_generic_rma, libfabric 1.17): it
+    // carries nothing the post's return code did not (a dead peer's write "completes" just
+    // the same; its full command queue pushes back instead). Such writes are posted with
+    // fi_inject_writedata, which writes no completion, and finish when the post returns: no CQ
+    // entry to write and read, no in-flight list. Not writes without an immediate: shm may
+    // copy those straight into the peer (process_vm_writev, "fast RMA"), and when that fails
+    // (the peer died) it reports an error without the operation's context; with the
+    // completion requested such a write at least times out and fails, and whether the inject
+    // call reports that failure differs between shm versions. (The "completion error without
+    // context" the batch-kill test logs with some seeds is that path, before this change too.)
+    // EngineConfig::inject_completions turns it off.
+    bool inject_done_at_post_ = false;
 
     // Signal region: target of immediate-only writes.
     std::unique_ptr<uint8_t[]> signal_buf_;
@@ -276,10 +333,8 @@ class Rail {
     std::vector<int> free_send_slots_;
 
     MpscQueue queue_;
-    std::deque<FabricOp*> pending_;  // popped from the queue, not yet posted
-    FabricOp* in_head_ = nullptr;    // in flight, oldest first
-    FabricOp* in_tail_ = nullptr;
-    size_t inflight_ = 0;
+    OpList pending_;   // popped from the queue, not yet posted
+    OpList inflight_;  // in flight, oldest first
     IdleWait idle_;
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
     struct ReleaseWatch {

@@ -44,8 +44,8 @@ void Rail::abandon(FabricOp* op, const Status& why) {
 }
 
 void Rail::sweep_timeouts(TimePoint now) {
-    while (in_head_ && in_head_->deadline <= now) {
-        FabricOp* op = in_head_;
+    while (inflight_.head && inflight_.head->deadline <= now) {
+        FabricOp* op = inflight_.head;
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
         abandon(op, timeout_error(fmt::format(
                         "{} did not complete within {} ms; the peer may have died or the network "
@@ -57,13 +57,12 @@ void Rail::sweep_timeouts(TimePoint now) {
     if (!release_watches_.empty()) check_release_watches(now);
     // Not only the front: operations to a peer that pushes back wait behind those posted
     // past them.
-    for (auto it = pending_.begin(); it != pending_.end();) {
-        FabricOp* op = *it;
+    for (FabricOp* op = pending_.head; op;) {
         if (op->deadline > now) {
-            ++it;
+            op = op->in_next;
             continue;
         }
-        it = pending_.erase(it);
+        FabricOp* next = pending_.erase(op);
         if (op->slot >= 0) free_send_slots_.push_back(op->slot);
         if (renew_on_stall_ && !peer_dead(op->dest)) {
             // Pushed back until its deadline: a dead shm peer's full command queue, likely.
@@ -78,6 +77,7 @@ void Rail::sweep_timeouts(TimePoint now) {
             "overloaded?)",
             describe(op), to_ms(config_.op_timeout))));
         delete op;
+        op = next;
     }
 }
 
@@ -109,7 +109,7 @@ void Rail::on_inflight_timeout(const FabricOp* op) {
     if (!dead) return;  // a slow peer: what follows it may still complete, by its deadline
     // Everything posted on that endpoint after the dead peer's operation waits behind its
     // response entry, which will never be answered: fail it now rather than at its deadline.
-    for (FabricOp* o = in_head_; o;) {
+    for (FabricOp* o = inflight_.head; o;) {
         FabricOp* next = o->in_next;
         if (o->tx_gen == gen) {
             stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
@@ -147,7 +147,7 @@ size_t Rail::held_in(std::span<const std::span<const uint8_t>> spans) const {
         return false;
     };
     size_t n = 0;
-    for (const FabricOp* o = in_head_; o; o = o->in_next) n += touches(o);
+    for (const FabricOp* o = inflight_.head; o; o = o->in_next) n += touches(o);
     for (const FabricOp* o : abandoned_) n += touches(o) && endpoint_open(o->tx_gen);
     return n;
 }

@@ -92,6 +92,8 @@ class RailGroup {
     // The rail for an operation that goes to one rail: successive operations rotate over the
     // rails, so concurrent small operations still use every NIC.
     int next_rail() {
+        // One rail: no shared counter to bump (an atomic add per operation on the submitter).
+        if (rails_.size() == 1) return 0;
         return static_cast<int>(rr_.fetch_add(1, std::memory_order_relaxed) % rails_.size());
     }
 

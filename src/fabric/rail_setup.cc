@@ -129,6 +129,8 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     // Recorded for describe/docs only: neither shm nor tcp;ofi_rxm orders completions
     // (tx comp_order FI_ORDER_NONE), so the engine never leans on selective completions.
     comp_ordered_ = (info_->tx_attr->comp_order & FI_ORDER_STRICT) != 0;
+    inject_done_at_post_ = inject_size_ > 0 && !config.inject_completions &&
+                           std::string_view(info_->fabric_attr->prov_name) == "shm";
 
     signal_buf_ = std::make_unique<uint8_t[]>(64);
     FERRY_ASSIGN_OR_RETURN(signal_mr_,
@@ -212,7 +214,7 @@ Status Rail::renew_initiator() {
 void Rail::close_idle_retired() {
     for (auto it = retired_.begin(); it != retired_.end();) {
         bool busy = false;
-        for (FabricOp* o = in_head_; o && !busy; o = o->in_next) busy = o->tx_gen == it->gen;
+        for (FabricOp* o = inflight_.head; o && !busy; o = o->in_next) busy = o->tx_gen == it->gen;
         if (busy) {
             ++it;
             continue;
@@ -247,16 +249,12 @@ void Rail::stop(const Status& why) {
     tx_ep_ = nullptr;
     close_fid(ep_);
     while (auto* op = static_cast<FabricOp*>(queue_.pop())) pending_.push_back(op);
-    for (FabricOp* op : pending_) {
-        op->parent->piece_done(why);
-        delete op;
-    }
-    pending_.clear();
-    while (in_head_) {
-        FabricOp* op = in_head_;
-        unlink_inflight(op);
-        op->parent->piece_done(why);
-        delete op;
+    for (OpList* l : {&pending_, &inflight_}) {
+        while (FabricOp* op = l->head) {
+            l->erase(op);
+            op->parent->piece_done(why);
+            delete op;
+        }
     }
     for (FabricOp* op : abandoned_) delete op;
     abandoned_.clear();

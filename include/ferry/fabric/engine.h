@@ -61,8 +61,13 @@ struct EngineConfig {
     bool busy_poll = false;
     // Writes no longer than the provider's inject_size (tx_attr) are posted with FI_INJECT:
     // the provider copies the payload at post time. They keep FI_COMPLETION, so a write to a
-    // dead peer still fails (fi_inject_write would report nothing at all).
+    // dead peer still fails (fi_inject_write would report nothing at all) -- except writes
+    // with an immediate on shm, whose completion shm writes while posting, whatever the
+    // peer's state: they go as fi_inject_writedata with no completion and finish when the
+    // post returns (a dead shm peer's writes are pushed back once its queue is full and fail
+    // at op_timeout, as before). inject_completions keeps the completion for them too.
     bool inject = true;
+    bool inject_completions = false;
     // Operations the worker posts back to back carry FI_MORE on all but the last of a pass,
     // so a provider that honours it can ring one doorbell for the lot.
     bool post_more = true;
@@ -345,6 +350,14 @@ class TransferEngine {
     // by one. (Single write() calls coalesce too: the worker posts whatever queued up since
     // its last pass back to back.)
     std::vector<OpHandle> submit_batch(std::span<const BatchEntry> ops, BatchCallback done = {});
+    // Many writes and reads, to any peers, as ONE operation: one handle, one completion once
+    // every entry is done, with the first failure's status if any failed (the other entries
+    // still run to completion; imm_writes() counts every write carrying an immediate).
+    // Every entry is validated before anything is posted: an invalid one fails the whole
+    // operation and nothing moves. Entries between GPUs of this host (CUDA IPC) are refused
+    // (use submit_batch). What a dispatch to many peers wants: per entry it costs a post and
+    // nothing else (no state, callback or handle of its own).
+    OpHandle submit_all(std::span<const BatchEntry> ops, OpCallback done = {});
     // True when operations between `local` and the peer's `remote` region are copies between
     // GPUs of this host (CUDA IPC), the path copy_blocks takes.
     bool copies_on_gpu(PeerId peer, const MemoryRegion& local,

@@ -1,0 +1,107 @@
+// Batches: submit_batch (many operations, one handle and one completion each, handed to the
+// rails together) and submit_all (many writes and reads as one operation, one completion).
+#include <fmt/format.h>
+
+#include <atomic>
+#include <utility>
+
+#include "fabric/engine_impl.h"
+
+namespace ferry::detail {
+
+namespace {
+// Shared by the per-entry callbacks of one batch; the last entry to finish frees it. The
+// entry callback captures {this, index}: 16 bytes, inside std::function's own storage, so a
+// batch of n entries costs one allocation here instead of n.
+struct BatchDone {
+    BatchCallback cb;
+    std::atomic<size_t> left;
+};
+}  // namespace
+
+std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
+                                               BatchCallback done) {
+    std::vector<OpHandle> handles;
+    handles.reserve(ops.size());
+    if (ops.empty()) return handles;
+    BatchDone* shared = done ? new BatchDone{std::move(done), ops.size()} : nullptr;
+    RailBatch b(rails.size());
+    // Raw pointers: the handles keep the states alive. Shared copies here were dropped after
+    // the hand-off, one atomic decrement per entry on a count the worker was decrementing too.
+    std::vector<OpState*> armed;
+    armed.reserve(ops.size());
+    // One deadline for the batch, not a clock read per entry (not measured on its own; it
+    // went in with the changes measured in docs/BENCHMARKS.md, issue 18, 2026-12-02).
+    const TimePoint deadline = deadline_after(config.op_timeout);
+    for (size_t i = 0; i < ops.size(); ++i) {
+        OpCallback cb;
+        if (shared) {
+            cb = [shared, i](const Status& s) {
+                shared->cb(i, s);
+                if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
+            };
+        }
+        auto state = make_op_state(std::move(cb));
+        handles.emplace_back(state);
+        uint32_t before = b.count;
+        bool built;
+        bool imm = false;
+        if (const auto* w = std::get_if<WriteOp>(&ops[i])) {
+            built = build_write(*w, state, b, deadline, true);
+            imm = w->imm.has_value();
+        } else {
+            built = build_read(std::get<ReadOp>(ops[i]), state, b, deadline, true);
+        }
+        if (!built) continue;
+        arm(state, b.count - before, imm);
+        armed.push_back(state.get());
+    }
+    if (stopped_) {
+        RailGroup::discard(b);
+        for (OpState* st : armed) st->fail_now(cancelled("the transfer engine was shut down"));
+        return handles;
+    }
+    {
+        std::lock_guard lk(registry_->mu);
+        for (OpState* st : armed) registry_->insert(st);
+    }
+    rails.post(b);
+    return handles;
+}
+
+// One OpState for the whole batch: each entry costs a FabricOp and its post, nothing else
+// (submit_batch's per-entry state, callback, handle and registry entry were ~375 instructions
+// of the worker's ~1460 per 64 B write, callgrind, 2026-12-02). 64 B writes with immediates
+// to one peer, 32 per call, 16-core host, shm: 1.01x of the raw fi_writedata loop this way,
+// 0.77x through submit_batch; to 64 peers 0.80x against 0.48x (docs/BENCHMARKS.md,
+// 2026-12-02). Entries are validated and built in order into one RailBatch; the first that
+// fails validation fails the operation, and the ones built before it are freed unposted.
+OpHandle EngineImpl::submit_all(std::span<const BatchEntry> ops, OpCallback done) {
+    auto state = make_op_state(std::move(done));
+    if (ops.empty()) {
+        state->fail_now(invalid_argument("submit_all: no operations given"));
+        return OpHandle(state);
+    }
+    RailBatch b(rails.size());
+    const TimePoint deadline = deadline_after(config.op_timeout);
+    uint32_t imm_writes = 0;
+    for (const BatchEntry& e : ops) {
+        uint32_t before = b.count;
+        bool built;
+        const auto* w = std::get_if<WriteOp>(&e);
+        if (w) {
+            built = build_write(*w, state, b, deadline, false);
+        } else {
+            built = build_read(std::get<ReadOp>(e), state, b, deadline, false);
+        }
+        if (!built) {  // failed validation: the state is finished with its error
+            RailGroup::discard(b);
+            return OpHandle(state);
+        }
+        if (w && w->imm) imm_writes += b.count - before;
+    }
+    state->imm_writes = imm_writes;
+    return submit(b, state, false);
+}
+
+}  // namespace ferry::detail
