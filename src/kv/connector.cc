@@ -15,6 +15,7 @@
 #include "connector_context.h"
 #include "ferry/common/auth.h"
 #include "ferry/common/log.h"
+#include "ferry/common/spin.h"
 #include "ferry/common/thread_name.h"
 #include "leases.h"
 #include "pull.h"
@@ -190,12 +191,15 @@ class KvConnector::Impl {
 
     void run() {
         TimePoint last_task = Clock::now();
+        // Polling takes a core: where polling threads would outnumber the cores, always sleep.
+        const Duration idle_spin =
+            usable_cpus() >= IdleWait::kSpinFromCpus ? ctx_.cfg.idle_spin : Duration::zero();
         while (true) {
             // Poll instead of sleeping while a transfer is active (ConnectorConfig::idle_spin).
             const bool active = ctx_.flights_open.load(std::memory_order_relaxed) > 0 ||
                                 ctx_.counters.active_send.load(std::memory_order_relaxed) > 0 ||
                                 ctx_.counters.active_recv.load(std::memory_order_relaxed) > 0;
-            const TimePoint poll_until = active ? last_task + ctx_.cfg.idle_spin : TimePoint{};
+            const TimePoint poll_until = active ? last_task + idle_spin : TimePoint{};
             auto tasks = ctx_.inbox->take(Clock::now() + Leases::kTick, poll_until);
             for (auto& task : tasks) task();
             TimePoint now = Clock::now();

@@ -60,7 +60,8 @@ struct ConnectorConfig {
     // connector thread polls for its next task for up to this long after its last one before
     // it sleeps: a push hands over between threads three times (prefill_done in, the writes'
     // completion back, decode's SEGMENT and FINAL in), and each wake from a sleep took
-    // 15-55 us. It costs a core meanwhile; zero always sleeps.
+    // 15-55 us. It costs a core meanwhile; zero always sleeps, and so does a host with fewer
+    // than 4 usable CPUs (IdleWait::kSpinFromCpus), where the poll would take a busy core.
     Duration idle_spin = std::chrono::milliseconds(1);
 };
 
