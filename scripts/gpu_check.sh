@@ -108,9 +108,12 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
     log "bench moe cuda, $t tokens"
     timeout 120 $build/ferry bench moe $moe --tokens $t --warmup 20 --iters 200 \
       --json "$out/bench_moe_cuda_$t.json" 2>&1 | tee "$out/bench_moe_cuda_$t.txt" || status=1
-    log "nccl all_to_all, $t tokens"
-    timeout 180 python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
-      --json "$out/nccl_alltoall_$t.json" 2>&1 | tee "$out/nccl_alltoall_$t.txt" || status=1
+    # NCCL refuses two ranks on one GPU.
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      log "nccl all_to_all, $t tokens"
+      timeout 180 python3 scripts/nccl_alltoall.py --ranks 2 --tokens $t --iters 200 \
+        --json "$out/nccl_alltoall_$t.json" 2>&1 | tee "$out/nccl_alltoall_$t.txt" || status=1
+    fi
   done
   # The same decode layer from Python (ferry.moe over torch tensors), in the same run.
   if ls $build/python/ferry/_ferry*.so > /dev/null 2>&1; then
@@ -139,6 +142,23 @@ if [ -n "${FERRY_GPU_MOE:-}" ]; then
   timeout 120 $build/ferry bench moe $moe --tokens 128 --warmup 20 --iters 200 --graph \
     --combine per-rank 2>&1 | grep -E "^layer" | sed 's/^/per-rank graph: /' \
     | tee -a "$out/bench_moe_cuda_128_graph.txt"
+  # Ranks of other nodes through the host proxy over shm, against the floor measured in the
+  # same run (a plain write loop for each rank's remote bytes plus the mapped layer):
+  # EP2 as 2 nodes x 1, EP4 as 2 x 2, EP8 as 4 x 2 (issue 17 part 2).
+  proxied="--backend cuda --hidden 7168 --topk 8 --experts 256 --dtype fp8 --provider shm"
+  for rn in "2 1" "4 2" "8 2"; do
+    set -- $rn
+    log "bench moe cuda proxied, EP$1, $2 rank(s) per node, 128 tokens"
+    timeout 180 $build/ferry bench moe $proxied --ranks $1 --ranks-per-node $2 --tokens 128 \
+      --warmup 10 --iters 100 --floor 2>&1 | tee "$out/bench_moe_proxied_ep$1.txt" || status=1
+  done
+fi
+
+# The engine's host path against a raw fi_write loop on this host's cores (issue 18).
+if [ -n "${FERRY_GPU_XFER:-}" ]; then
+  log "bench xfer shm, message rate"
+  timeout 120 $build/ferry bench xfer --provider shm --repeat 3 --seconds 0.2 --rate 2>&1 \
+    | tee "$out/bench_xfer_shm.txt" || status=1
 fi
 
 if [ -n "${FERRY_GPU_EXTRA:-}" ]; then
