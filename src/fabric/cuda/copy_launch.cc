@@ -257,16 +257,16 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
         FERRY_CUDA_TRY(cudaMemcpyAsync(u.dst, u.src, u.bytes, cudaMemcpyHostToDevice, stream));
     }
     if (stamps) stamps->uploaded = Clock::now();
-    // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency.
+    // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency; the
+    // grid asks for kCopyGridFactor times that.
+    const int grid = kCopyGridFactor * kCopyBlocksPerSm * sms;
     FERRY_CUDA_TRY(launch_batched_copy(reinterpret_cast<const CopyChunk*>(buf->dev),
-                                       static_cast<int>(num_chunks), kCopyBlocksPerSm * sms,
-                                       stream));
+                                       static_cast<int>(num_chunks), grid, stream));
     FERRY_CUDA_TRY(launch_paged_copy(reinterpret_cast<const PagedSegment*>(buf->dev + seg_at),
-                                     static_cast<int>(num_segs), items, kCopyBlocksPerSm * sms,
-                                     stream));
-    FERRY_CUDA_TRY(launch_block_copy(
-        reinterpret_cast<const BlockCopySegment*>(buf->dev + block_seg_at),
-        static_cast<int>(num_block_segs), block_items, kCopyBlocksPerSm * sms, stream));
+                                     static_cast<int>(num_segs), items, grid, stream));
+    FERRY_CUDA_TRY(
+        launch_block_copy(reinterpret_cast<const BlockCopySegment*>(buf->dev + block_seg_at),
+                          static_cast<int>(num_block_segs), block_items, grid, stream));
     if (stamps) stamps->launched = Clock::now();
     return ok_status();
 }
