@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "fabric/block_copy.h"
+#include "fabric/checked_offset.h"
 #include "fabric/engine_impl.h"
 
 namespace ferry::detail {
@@ -100,9 +101,14 @@ Result<BlockCopyGeom> make_block_copy_geom(const BlockCopyOp& op) {
 
 uint64_t block_copy_reach(const BlockCopySide& side, uint32_t heads, uint64_t head_bytes,
                           uint32_t max_block) {
-    return uint64_t{max_block} * side.block_stride +
-           uint64_t{side.block_size - 1} * side.token_stride +
-           uint64_t{side.first_head + heads - 1} * side.head_stride + head_bytes;
+    // Where the sum does not fit in 64 bits the reach is the largest offset there is, so the
+    // bounds check that follows names the plane as overrunning its region (checked_offset.h).
+    std::optional<uint64_t> reach = checked_offset(head_bytes, max_block, side.block_stride);
+    if (reach) reach = checked_offset(*reach, uint64_t{side.block_size} - 1, side.token_stride);
+    if (reach) {
+        reach = checked_offset(*reach, uint64_t{side.first_head} + heads - 1, side.head_stride);
+    }
+    return reach ? *reach : UINT64_MAX;
 }
 
 bool EngineImpl::copies_on_gpu(PeerId peer_id, const MemoryRegion& local,

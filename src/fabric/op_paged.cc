@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "fabric/checked_offset.h"
 #include "fabric/engine_impl.h"
 #include "fabric/page_ids.h"
 
@@ -13,16 +14,25 @@ Status EngineImpl::check_pages(const PagedWriteOp& w, const Peer& p, uint32_t ma
                                uint32_t max_dst) const {
     const uint64_t ss = w.src_stride ? w.src_stride : w.page_size;
     const uint64_t ds = w.dst_stride ? w.dst_stride : w.page_size;
-    if (check_local(w.src, w.src_offset + uint64_t{max_src} * ss, w.page_size, "").ok() &&
-        check_remote(p, w.dst, w.dst_offset + uint64_t{max_dst} * ds, w.page_size, "").ok()) {
+    const std::optional<uint64_t> src_end = checked_offset(w.src_offset, max_src, ss);
+    const std::optional<uint64_t> dst_end = checked_offset(w.dst_offset, max_dst, ds);
+    if (src_end && dst_end && check_local(w.src, *src_end, w.page_size, "").ok() &&
+        check_remote(p, w.dst, *dst_end, w.page_size, "").ok()) {
         return ok_status();
     }
     // Only to name the offending page.
     for (size_t i = 0; i < w.src_pages.size(); ++i) {
-        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
-        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        Status s = check_local(w.src, so, w.page_size, "paged write");
-        if (s.ok()) s = check_remote(p, w.dst, dof, w.page_size, "paged write");
+        const std::optional<uint64_t> so = checked_offset(w.src_offset, w.src_pages[i], ss);
+        const std::optional<uint64_t> dof = checked_offset(w.dst_offset, w.dst_pages[i], ds);
+        Status s = ok_status();
+        if (!so || !dof) {
+            s = out_of_range(fmt::format(
+                "paged write: offset + page id x stride does not fit in 64 bits (source "
+                "offset {}, stride {}; destination offset {}, stride {})",
+                w.src_offset, ss, w.dst_offset, ds));
+        }
+        if (s.ok()) s = check_local(w.src, *so, w.page_size, "paged write");
+        if (s.ok()) s = check_remote(p, w.dst, *dof, w.page_size, "paged write");
         if (!s.ok()) {
             return s.with_context(
                 fmt::format("page {} ({} -> {})", i, w.src_pages[i], w.dst_pages[i]));

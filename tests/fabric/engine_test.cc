@@ -559,6 +559,27 @@ TEST_P(EngineTest, OutOfRangeAndForeignDescriptorsAreRejectedBeforePosting) {
                 s = n.engine->paged_write(p).wait(kWait);
                 CHILD_CHECK(s.code() == StatusCode::kOutOfRange);
                 CHILD_CHECK_MSG(s.message().find("page 2") != std::string::npos, "{}", s.message());
+                // A stride whose page offsets wrap past 2^64 (page 2 x 2^63 = 0): refused by
+                // name, never posted (the wrapped offset passed the bounds check and the
+                // provider copied from a wild address).
+                std::vector<uint32_t> wrap_src = {0, 2, 1}, wrap_dst = {0, 2, 4};
+                p.dst_pages = pages;
+                p.src_pages = wrap_src;
+                p.src_stride = uint64_t{1} << 63;
+                s = n.engine->paged_write(p).wait(kWait);
+                CHILD_CHECK(s.code() == StatusCode::kOutOfRange);
+                CHILD_CHECK_MSG(s.message().find("does not fit in 64 bits") != std::string::npos &&
+                                    s.message().find("page 1 (2 -> 1)") != std::string::npos,
+                                "{}", s.message());
+                p.src_pages = pages;
+                p.src_stride = 0;
+                p.dst_stride = (uint64_t{1} << 63) + 512;
+                p.dst_pages = wrap_dst;
+                s = n.engine->paged_write(p).wait(kWait);
+                CHILD_CHECK(s.code() == StatusCode::kOutOfRange);
+                CHILD_CHECK_MSG(s.message().find("does not fit in 64 bits") != std::string::npos &&
+                                    s.message().find("page 1 (1 -> 2)") != std::string::npos,
+                                "{}", s.message());
                 // A callback is told too.
                 std::atomic<int> code{-1};
                 n.engine->write(w, [&](const Status& st) { code = static_cast<int>(st.code()); });

@@ -209,6 +209,25 @@ TEST(KvBlockCopyPlanTest, BadBlockListsAreRefusedByName) {
         << plan.status().message();
 }
 
+// The reach a bounds check compares with each region: exact where it fits in 64 bits, the
+// largest offset there is where block id x stride does not (a wrapped reach would pass the
+// check and let the kernel write anywhere).
+TEST(KvBlockCopyPlanTest, BlockReachThatOverflowsIsOutOfEveryRegion) {
+    BlockCopySide side;
+    side.block_size = 16;
+    side.block_stride = 1 << 20;
+    side.token_stride = 256;
+    side.head_stride = 64;
+    side.first_head = 2;
+    // Block 9's last token, heads 2..3, 64 bytes each.
+    EXPECT_EQ(detail::block_copy_reach(side, 2, 64, 9), 9u * (1 << 20) + 15 * 256 + 3 * 64 + 64);
+    side.block_stride = uint64_t{1} << 63;
+    EXPECT_EQ(detail::block_copy_reach(side, 2, 64, 2), UINT64_MAX);
+    side.block_stride = 1;
+    side.head_stride = UINT64_MAX / 2;
+    EXPECT_EQ(detail::block_copy_reach(side, 2, 64, 0), UINT64_MAX);
+}
+
 // Host memory: no GPU path, so copy_blocks refuses with a message that says where the runs go.
 TEST(KvBlockCopyPlanTest, CopyBlocksOutsideGpuMemoryIsRefusedClearly) {
     auto a = TransferEngine::create(::ferry::testing::test_engine_config("tcp"));
