@@ -26,6 +26,8 @@ import torch
 from . import _ferry
 from ._ferry import InvalidArgument
 
+_U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
+
 __all__ = ["AllToAll", "Buffer", "EventOverlap", "fp8_dtype", "quantize_fp8", "dequantize_fp8"]
 
 SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
@@ -148,6 +150,12 @@ class _Engine:
                         ("world_size", world), ("ranks_per_node", ranks_per_node)):
             if int(v) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {v}")
+            if int(v) > _U32_MAX:
+                raise InvalidArgument(f"{name} must be at most {_U32_MAX}, got {v}")
+        for name, v in (("rank", rank), ("max_private_tokens", private_slots),
+                        ("expert_padding", alignment)):
+            if not 0 <= int(v) <= _U32_MAX:
+                raise InvalidArgument(f"{name} must be in [0, {_U32_MAX}], got {v}")
         if kind == "fp8" and hidden % SCALE_BLOCK != 0:
             raise InvalidArgument(f"hidden_dim must be a multiple of {SCALE_BLOCK} for fp8 (one "
                                   f"scale per {SCALE_BLOCK} channels), got {hidden}")

@@ -204,6 +204,13 @@ def test_constructor_refuses():
         ferry.moe.AllToAll(8, E, 1, 100, in_dtype=ferry.moe.fp8_dtype(), **kw)
     with pytest.raises(ferry.InvalidArgument, match="without rank and world_size"):
         ferry.moe.AllToAll(8, E, 1, H, allgather=lambda b: [b])
+    # Sizes past 32 bits and negative ranks: a clear error, not pybind11's argument dump.
+    with pytest.raises(ferry.InvalidArgument, match="hidden_dim must be at most 4294967295"):
+        ferry.moe.AllToAll(8, E, 1, 2**40, **kw)
+    with pytest.raises(ferry.InvalidArgument, match="max_num_tokens must be at most"):
+        ferry.moe.AllToAll(2**40, E, 1, H, **kw)
+    with pytest.raises(ferry.InvalidArgument, match=r"rank must be in \[0, 4294967295\], got -1"):
+        ferry.moe.AllToAll(8, E, 1, H, **dict(kw, rank=-1))
     with pytest.raises(ferry.Error, match="num_experts"):
         ferry.moe.AllToAll(8, 3, 1, H, world_size=2, rank=0, allgather=lambda b: [b, b],
                            provider="tcp")
