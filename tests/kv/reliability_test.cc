@@ -470,11 +470,14 @@ TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
             CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(4));
             if (ex.rank() == kDecode) {
                 CHILD_CHECK_OK(n.conn->register_push({0x7c, 1, {n.addrs[kPrefill]}, blocks, 60}));
-                std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                // Die only once prefill has the REGISTER: a fixed 200 ms was too little over tcp
+                // on a loaded 2-core machine (the message was never sent).
+                CHILD_CHECK_OK(ex.barrier());
                 testing::drop_shm_names_of_this_process();
                 raise(SIGKILL);
             }
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+            CHILD_CHECK_OK(ex.barrier());
             // Let the decode process die before prefill writes into it.
             std::this_thread::sleep_for(std::chrono::milliseconds(400));
             TimePoint t0 = Clock::now();
@@ -571,14 +574,16 @@ TEST_P(KvReliabilityTest, PrefillKilledBetweenChunksFreesDecodeBlocksWithinTheLe
             testing::fill_request(n, id, blocks, kChunkedTokens);
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
             CHILD_CHECK_OK(n.conn->prefill_progress(id, blocks, 40));
-            // Time for the first chunk's writes to land before the kill: 200 ms was too little
+            // Die only once decode has seen the first chunk land: fixed sleeps were too little
             // over tcp on a loaded 2-core machine (decode saw no progress).
-            std::this_thread::sleep_for(std::chrono::milliseconds(600));
+            CHILD_CHECK_OK(ex.barrier());
             testing::drop_shm_names_of_this_process();
             raise(SIGKILL);
         }
         TimePoint t0 = Clock::now();
         CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kChunkedTokens}));
+        CHILD_CHECK_OK(testing::wait_progress(n, id, 40, kWait));
+        CHILD_CHECK_OK(ex.barrier());  // prefill dies now
         CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
         Duration took = Clock::now() - t0;
         CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
