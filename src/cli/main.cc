@@ -11,7 +11,9 @@ int main(int argc, char** argv) {
     app.add_option("--log-level", level, "debug|info|warn|error|off")->capture_default_str();
     app.parse_complete_callback([&] {
         ferry::LogLevel l;
-        if (!ferry::parse_log_level(level, &l)) throw CLI::ValidationError("--log-level", level);
+        if (!ferry::parse_log_level(level, &l))
+            throw CLI::ValidationError("--log-level",
+                                       "must be debug, info, warn, error or off, not " + level);
         ferry::set_log_level(l);
     });
 
