@@ -94,6 +94,11 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
          "provider 'bogus' is not available"},
         {{"bench", "moe", "--ranks", "0"}, "world_size 0"},
         {{"--log-level", "loud", "bench", "relay"}, "--log-level"},
+        {{}, "ferry: a command is required: one of bench, serve"},
+        {{"serv", "prefill"}, "ferry: unknown command 'serv': use one of bench, serve"},
+        {{"--log-level", "info", "bench", "nosuch"},
+         "ferry bench: unknown command 'nosuch': use one of xfer"},
+        {{"serve"}, "ferry serve: a command is required: one of prefill, decode, router, local"},
     };
     // All at once: each should end within a fraction of a second.
     std::vector<Proc> procs;
