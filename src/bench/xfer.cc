@@ -35,7 +35,9 @@ bool send_frame(int fd, std::span<const uint8_t> b) {
     f.insert(f.end(), b.begin(), b.end());
     size_t off = 0;
     while (off < f.size()) {
-        ssize_t w = ::write(fd, f.data() + off, f.size() - off);
+        // Not write(): a target that exited (provider missing, bad flags) must not kill this
+        // process with SIGPIPE before it prints why the run failed.
+        ssize_t w = ::send(fd, f.data() + off, f.size() - off, MSG_NOSIGNAL);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) return false;
         off += w;

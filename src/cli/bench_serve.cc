@@ -2,8 +2,14 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 
 #include "bench/serve.h"
@@ -27,10 +33,22 @@ int run(BenchFlags f) {
     if (f.request_rate == "inf") {
         c.request_rate = std::numeric_limits<double>::infinity();
     } else {
-        try {
-            c.request_rate = std::stod(f.request_rate);
-        } catch (...) {
-            fmt::print(stderr, "error: --request-rate must be a number or inf\n");
+        char* end = nullptr;
+        c.request_rate = std::strtod(f.request_rate.c_str(), &end);
+        // NaN fails the comparison too; a negative or zero rate never sends anything.
+        if (f.request_rate.empty() || *end != '\0' || !(c.request_rate > 0)) {
+            fmt::print(stderr, "error: --request-rate must be a number above 0 or inf, not '{}'\n",
+                       f.request_rate);
+            return 2;
+        }
+    }
+    if (!f.result_file.empty()) {
+        // Checked before the run, which may take minutes, not after it.
+        std::filesystem::path dir = std::filesystem::path(f.result_file).parent_path();
+        if (dir.empty()) dir = ".";
+        if (::access(dir.c_str(), W_OK) != 0) {
+            fmt::print(stderr, "error: --result-file {}: cannot write in {}: {}\n", f.result_file,
+                       dir.string(), std::strerror(errno));
             return 2;
         }
     }
@@ -97,6 +115,18 @@ int run(BenchFlags f) {
                    j["mean_wait_share"].get<double>(), j["median_wait_share"].get<double>(),
                    j["p99_wait_share"].get<double>());
     }
+    // What failed, not only how many: the distinct errors, most frequent first.
+    std::map<std::string, size_t> errors;
+    for (const auto& e : j["errors"])
+        if (e.is_string() && !e.get<std::string>().empty()) errors[e.get<std::string>()]++;
+    std::vector<std::pair<size_t, std::string>> by_count;
+    for (auto& [e, n] : errors) by_count.emplace_back(n, e);
+    std::sort(by_count.rbegin(), by_count.rend());
+    for (size_t i = 0; i < std::min<size_t>(by_count.size(), 3); ++i)
+        fmt::print(stderr, "failed x{}: {}\n", by_count[i].first, by_count[i].second);
+    if (by_count.size() > 3)
+        fmt::print(stderr, "... and {} other errors (all in the result file)\n",
+                   by_count.size() - 3);
     if (!f.result_file.empty()) {
         std::ofstream out(f.result_file);
         out << j.dump(2) << "\n";

@@ -14,6 +14,11 @@ void register_bench_serve(CLI::App& bench);
 void register_bench_relay(CLI::App& bench);
 void register_serve(CLI::App& app);
 
+// For flags where 0 means nothing useful (threads, body limit, timeouts): "must be greater
+// than 0". Negative and non-finite values of every numeric flag are refused anyway
+// (register_commands).
+CLI::Validator positive_number();
+
 // Exit status set by the subcommand that ran.
 int exit_code();
 void set_exit_code(int code);

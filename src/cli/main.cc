@@ -1,8 +1,55 @@
 // The `ferry` binary: argument parsing and printing only; the work is in the library.
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
+#include <optional>
 
 #include "cli/commands.h"
 #include "ferry/common/log.h"
+
+namespace {
+
+std::vector<CLI::App*> subcommands_of(CLI::App* app) {
+    return app->get_subcommands([](CLI::App*) { return true; });
+}
+
+// The command path argv names, checked before CLI11 parses it: CLI11 answers an unknown or a
+// missing command alike with "A subcommand is required", naming neither the word it did not
+// know nor the commands there are.
+std::optional<std::string> command_error(CLI::App& app, int argc, char** argv) {
+    CLI::App* at = &app;
+    std::string path = "ferry";
+    auto names = [](const std::vector<CLI::App*>& subs) {
+        std::string s;
+        for (const CLI::App* sub : subs) s += (s.empty() ? "" : ", ") + sub->get_name();
+        return s;
+    };
+    for (int i = 1; i < argc; ++i) {
+        std::string arg = argv[i];
+        if (subcommands_of(at).empty()) return std::nullopt;  // a command: its own flags follow
+        if (arg == "-h" || arg == "--help" || arg == "--help-all") return std::nullopt;
+        if (arg.starts_with("-")) {
+            // An option of this level (--log-level): its value is not a command.
+            size_t eq = arg.find('=');
+            CLI::Option* opt = at->get_option_no_throw(arg.substr(0, eq));
+            if (opt != nullptr && eq == std::string::npos && opt->get_items_expected_min() > 0) ++i;
+            continue;
+        }
+        CLI::App* next = nullptr;
+        for (CLI::App* sub : subcommands_of(at))
+            if (sub->check_name(arg)) next = sub;
+        if (next == nullptr)
+            return fmt::format("{}: unknown command '{}': use one of {} ({} --help)", path, arg,
+                               names(subcommands_of(at)), path);
+        at = next;
+        path += " " + arg;
+    }
+    if (subcommands_of(at).empty()) return std::nullopt;
+    return fmt::format("{}: a command is required: one of {} ({} --help)", path,
+                       names(subcommands_of(at)), path);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
     CLI::App app{"ferry: data movement for disaggregated and expert-parallel LLM inference"};
@@ -11,7 +58,9 @@ int main(int argc, char** argv) {
     app.add_option("--log-level", level, "debug|info|warn|error|off")->capture_default_str();
     app.parse_complete_callback([&] {
         ferry::LogLevel l;
-        if (!ferry::parse_log_level(level, &l)) throw CLI::ValidationError("--log-level", level);
+        if (!ferry::parse_log_level(level, &l))
+            throw CLI::ValidationError("--log-level",
+                                       "must be debug, info, warn, error or off, not " + level);
         ferry::set_log_level(l);
     });
 
@@ -19,6 +68,10 @@ int main(int argc, char** argv) {
     bench->require_subcommand(1);
     ferry::cli::register_commands(app, *bench);
 
+    if (auto error = command_error(app, argc, argv)) {
+        fmt::print(stderr, "{}\n", *error);
+        return 2;
+    }
     CLI11_PARSE(app, argc, argv);
     return ferry::cli::exit_code();
 }

@@ -29,13 +29,16 @@ struct HttpLimitFlags {
 void add_http_limit_flags(CLI::App* cmd, HttpLimitFlags& f) {
     cmd->add_option("--max-body-bytes", f.o.max_body_bytes,
                     "largest request body; larger gets 413 before it is read")
+        ->check(positive_number())
         ->capture_default_str();
     cmd->add_option("--header-timeout", f.header_timeout_s,
                     "seconds for a request's whole header block (408 after)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     cmd->add_option("--body-timeout", f.body_timeout_s,
                     "seconds for a request's whole body (408 after)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     cmd->add_option("--idle-timeout", f.idle_timeout_s,
                     "seconds an idle keep-alive connection stays open")
         ->capture_default_str();
@@ -162,9 +165,11 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
         ->capture_default_str();
     cmd->add_option("--kv-wait-timeout", f.kv_wait_timeout_s,
                     "seconds a decode leg waits for its KV")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     cmd->add_option("--http-threads", f.http_threads, "concurrent HTTP requests")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     add_http_limit_flags(cmd, f.http_limits);
 }
 
@@ -377,8 +382,11 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
     cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
     cmd->add_option("--mode", f.mode, "push | pull | pull-inline")->capture_default_str();
     cmd->add_option("--router-threads", f.http_threads, "concurrent HTTP requests")
-        ->capture_default_str();
-    cmd->add_option("--request-timeout", f.timeout_s, "seconds per request")->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
+    cmd->add_option("--request-timeout", f.timeout_s, "seconds per request")
+        ->capture_default_str()
+        ->check(positive_number());
     // `serve local` takes the engines' limit flags for its router too (one set per command).
     if (with_engines) add_http_limit_flags(cmd, f.http_limits);
     if (with_engines) {
@@ -423,10 +431,12 @@ void register_serve(CLI::App& app) {
                         "KV side-channel port (default: HTTP port + 1000)");
         cmd->add_option("--kv-lease", flags->kv_lease_s,
                         "seconds a side holds blocks for a transfer that does not progress")
-            ->capture_default_str();
+            ->capture_default_str()
+            ->check(positive_number());
         cmd->add_option("--kv-op-timeout", flags->kv_op_timeout_s,
                         "seconds before a KV write or read to a dead peer fails")
-            ->capture_default_str();
+            ->capture_default_str()
+            ->check(positive_number());
         add_secret_flag(cmd, flags->secret_file);
         std::string r = role;
         cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });
@@ -445,7 +455,8 @@ void register_serve(CLI::App& app) {
     local->add_option("--prefill-port", lf->prefill_port)->capture_default_str();
     local->add_option("--decode-port", lf->decode_port)->capture_default_str();
     local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     local->callback([lf] { set_exit_code(run_local(*lf)); });
 }
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 namespace ferry::serve {
@@ -68,8 +69,10 @@ Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostM
         return invalid_argument(fmt::format("model shape '{}' has an empty dimension", model.name));
     if (model.q_heads % tp != 0 || model.kv_heads % tp != 0)
         return invalid_argument(
-            fmt::format("TP {} does not divide the {} query heads and {} KV heads of '{}'", tp,
-                        model.q_heads, model.kv_heads, model.name));
+            fmt::format("TP {} does not divide the {} query heads and {} KV heads of '{}': "
+                        "pick a TP degree that divides both (--tp {} works)",
+                        tp, model.q_heads, model.kv_heads, model.name,
+                        std::gcd(model.q_heads, model.kv_heads)));
     if (gpu.peak_tflops <= 0 || gpu.hbm_tbps <= 0)
         return invalid_argument(
             fmt::format("GPU '{}' needs positive peak and bandwidth", gpu.name));

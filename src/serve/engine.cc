@@ -155,6 +155,11 @@ struct Engine::Inbox {
 Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
     if (config.max_num_seqs == 0) return invalid_argument("--max-num-seqs must be at least 1");
     if (config.max_model_len == 0) return invalid_argument("--max-model-len must be at least 1");
+    // Token counts become 32-bit block math (kv::blocks_for_tokens): a larger limit would let a
+    // request's block count wrap and pass the pool check.
+    if (config.max_model_len > size_t(INT32_MAX))
+        return invalid_argument(fmt::format("--max-model-len {} is above the limit of {} tokens",
+                                            config.max_model_len, INT32_MAX));
     if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
     if (config.engine_id.empty()) return invalid_argument("an engine needs an id");
     if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");

@@ -79,6 +79,8 @@ const char* reason_phrase(int status) {
             return "Method Not Allowed";
         case 408:
             return "Request Timeout";
+        case 415:
+            return "Unsupported Media Type";
         case 413:
             return "Content Too Large";
         case 429:
@@ -105,14 +107,20 @@ const char* reason_phrase(int status) {
 // The names Status codes have (status_code_name), as the handlers' own errors carry them.
 std::string_view error_type(int status) {
     switch (status) {
+        case 403:
+            return status_code_name(StatusCode::kPermissionDenied);
         case 404:
             return status_code_name(StatusCode::kNotFound);
         case 408:
+        case 504:
             return status_code_name(StatusCode::kTimeout);
+        case 499:  // the client went away
+            return status_code_name(StatusCode::kCancelled);
         case 413:
         case 429:
         case 431:
             return status_code_name(StatusCode::kResourceExhausted);
+        case 502:
         case 503:
             return status_code_name(StatusCode::kUnavailable);
         default:
@@ -121,13 +129,16 @@ std::string_view error_type(int status) {
     }
 }
 
-// The shape every ferry error has: {"error": {"message": ..., "type": ..., "code": N}}.
-std::string error_json(int status, const std::string& message) {
+}  // namespace
+
+std::string http_error_body(int status, const std::string& message) {
     nlohmann::json j = {
         {"error",
          {{"message", message}, {"type", std::string(error_type(status))}, {"code", status}}}};
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
+
+namespace {
 
 std::string status_line_and_headers(int status, const std::string& content_type,
                                     std::string_view framing, bool keep_alive) {
@@ -431,7 +442,7 @@ void HttpServer::Impl::close_conn(const ConnPtr& c) {
 // and the socket buffer empty), then the connection drains what the client still sends for a
 // moment, so that closing with unread bytes does not reset the connection under the response.
 void HttpServer::Impl::refuse(const ConnPtr& c, int status, const std::string& message) {
-    std::string body = error_json(status, message);
+    std::string body = http_error_body(status, message);
     std::string out =
         status_line_and_headers(status, "application/json",
                                 fmt::format("Content-Length: {}\r\n", body.size()), false) +
@@ -718,6 +729,8 @@ std::optional<Refusal> HttpServer::Impl::parse_head(Conn& c, std::string_view he
                                                 "chunked or a Content-Length",
                                                 std::string(value.substr(0, 40)))};
             has_te = true;
+        } else if (iequals(name, "Content-Type")) {
+            c.req.content_type = std::string(value);
         } else if (iequals(name, "Connection")) {
             if (iequals(value, "close")) c.keep_alive = false;
         } else if (iequals(name, "Expect")) {
@@ -828,21 +841,49 @@ bool HttpServer::Impl::write_all(Conn& c, std::string_view data, TimePoint deadl
     return true;
 }
 
+namespace {
+
+// Every POST route takes a JSON body. A body sent as another media type (a form, text) is
+// refused rather than guessed at; a body without a Content-Type is taken as JSON.
+bool json_media_type(std::string_view content_type) {
+    std::string_view type = trim(content_type.substr(0, content_type.find(';')));
+    if (type.empty()) return true;
+    if (iequals(type, "application/json")) return true;
+    size_t slash = type.find('/');
+    return slash != std::string_view::npos && iequals(type.substr(0, slash), "application") &&
+           type.size() >= 5 && iequals(type.substr(type.size() - 5), "+json");
+}
+
+}  // namespace
+
 void HttpServer::Impl::serve(const ConnPtr& c) {
     HttpRequest req = std::move(c->req);
     c->req = HttpRequest{};
     req.client_gone = [gone = c->gone] { return gone->load(); };
     HttpReply reply;
     const HttpRoute* route = nullptr;
-    for (const HttpRoute& r : routes)
-        if (r.method == req.method && r.path == req.path) route = &r;
+    std::string allowed;  // methods the path has, for a 405
+    for (const HttpRoute& r : routes) {
+        if (r.path != req.path) continue;
+        if (r.method == req.method) route = &r;
+        allowed += (allowed.empty() ? "" : ", ") + r.method;
+    }
+    std::string extra_headers;
     auto fail = [&](int status, std::string message) {
         reply = HttpReply{};
         reply.status = status;
-        reply.body = error_json(status, message);
+        reply.body = http_error_body(status, message);
     };
-    if (route == nullptr) {
+    if (route == nullptr && allowed.empty()) {
         fail(404, fmt::format("no route {} {}", req.method, req.path));
+    } else if (route == nullptr) {
+        fail(405,
+             fmt::format("method {} not allowed on {}: use {}", req.method, req.path, allowed));
+        extra_headers = fmt::format("Allow: {}\r\n", allowed);
+    } else if (route->method == "POST" && !json_media_type(req.content_type)) {
+        fail(415, fmt::format("Content-Type '{}' not supported on POST {}: send the body as "
+                              "application/json",
+                              req.content_type.substr(0, 80), req.path));
     } else {
         try {
             route->handler(req, reply);
@@ -856,9 +897,9 @@ void HttpServer::Impl::serve(const ConnPtr& c) {
     }
     bool keep = c->keep_alive && !stopping.load();
     if (!reply.stream) {
-        std::string out =
-            status_line_and_headers(reply.status, reply.content_type,
-                                    fmt::format("Content-Length: {}\r\n", reply.body.size()), keep);
+        std::string out = status_line_and_headers(
+            reply.status, reply.content_type,
+            extra_headers + fmt::format("Content-Length: {}\r\n", reply.body.size()), keep);
         out += reply.body;
         bool ok = write_all(*c, out, Clock::now() + options.write_timeout);
         c->close_after = !ok || !keep || c->peer_shut_write.load() || c->gone->load();

@@ -221,7 +221,10 @@ Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt
         if (!j["stream"].is_boolean()) return field_error("stream", "must be true or false");
         r.stream = j["stream"].get<bool>();
     }
-    if (j.contains("model") && j["model"].is_string()) r.model = j["model"].get<std::string>();
+    if (j.contains("model") && !j["model"].is_null()) {
+        if (!j["model"].is_string()) return field_error("model", "must be a string");
+        r.model = j["model"].get<std::string>();
+    }
     if (j.contains("n") && !(j["n"].is_number_integer() && j["n"].get<int64_t>() == 1))
         return field_error("n", "must be 1: one completion per request");
     if (j.contains("kv_transfer_params")) {

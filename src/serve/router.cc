@@ -38,7 +38,7 @@ namespace {
 
 void send_error(HttpReply& reply, int status, const std::string& message) {
     reply.status = status;
-    reply.body = json{{"error", {{"message", message}, {"code", status}}}}.dump();
+    reply.body = http_error_body(status, message);
 }
 
 // An engine's error body carries {"error": {"message": ...}}; keep its message, say which leg.

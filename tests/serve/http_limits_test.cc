@@ -418,42 +418,58 @@ TEST(HttpLimits, IdleKeepAliveConnectionIsClosedAfterTheIdleTimeout) {
     EXPECT_LT(to_ms(Clock::now() - t0), 500.0);
 }
 
-TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
-    Fixture f;
-    struct Case {
-        std::string request;
-        int status;
-        std::string says;
-    };
-    std::vector<Case> cases = {
-        {"GARBAGE\r\n\r\n", 400, "malformed request line"},
-        {"GET nopath HTTP/1.1\r\n\r\n", 400, "malformed request line"},
-        {"GET / HTTP/9.9\r\n\r\n", 505, "HTTP version"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "invalid Content-Length '-1'"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "invalid Content-Length"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
-         "conflicting Content-Length values 2 and 3"},
-        {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
-         "both Content-Length and Transfer-Encoding"},
-        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not supported"},
-        {"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header line"},
-        {"GET /health HTTP/1.1\r\nX-Big: " + std::string(70000, 'b') + "\r\n\r\n", 431,
-         "exceed the limit of 65536 bytes"},
-        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
-         "invalid chunk size"},
-        {"GET /nope HTTP/1.1\r\n\r\n", 404, "no route GET /nope"},
-        {"DELETE /health HTTP/1.1\r\n\r\n", 404, "no route DELETE /health"},
-        {"GET /throw HTTP/1.1\r\n\r\n", 500, "boom in the handler"},
-    };
-    for (const Case& k : cases) {
-        Raw c(f.port());
+struct Answer {
+    std::string request;
+    int status;
+    std::string says;  // in the error's message, or in the body of a success
+};
+
+// Sends each request on a connection of its own: the status, and for an error the shape every
+// ferry error has, its message naming the problem.
+void expect_answers(int port, const std::vector<Answer>& cases) {
+    for (const Answer& k : cases) {
+        Raw c(port);
         c.send(k.request);
         auto r = c.read(seconds(2));
-        std::string what = k.request.substr(0, 60);
+        std::string what = k.request.substr(0, 70);
         EXPECT_EQ(r.status, k.status) << what;
+        if (k.status < 400) {
+            EXPECT_NE(r.body.find(k.says), std::string::npos) << what << ": " << r.body;
+            continue;
+        }
         EXPECT_NE(message_of(r.body).find(k.says), std::string::npos) << what << ": " << r.body;
-        EXPECT_EQ(json::parse(r.body, nullptr, false)["error"]["code"], k.status) << what;
+        json j = json::parse(r.body, nullptr, false);
+        EXPECT_EQ(j["error"]["code"], k.status) << what;
+        EXPECT_TRUE(j["error"]["type"].is_string()) << what << ": " << r.body;
     }
+}
+
+TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
+    Fixture f;
+    expect_answers(
+        f.port(),
+        {
+            {"GARBAGE\r\n\r\n", 400, "malformed request line"},
+            {"GET nopath HTTP/1.1\r\n\r\n", 400, "malformed request line"},
+            {"GET / HTTP/9.9\r\n\r\n", 505, "HTTP version"},
+            {"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400,
+             "invalid Content-Length '-1'"},
+            {"POST /echo HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "invalid Content-Length"},
+            {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
+             "conflicting Content-Length values 2 and 3"},
+            {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+             "both Content-Length and Transfer-Encoding"},
+            {"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not supported"},
+            {"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header line"},
+            {"GET /health HTTP/1.1\r\nX-Big: " + std::string(70000, 'b') + "\r\n\r\n", 431,
+             "exceed the limit of 65536 bytes"},
+            {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
+             "invalid chunk size"},
+            {"GET /nope HTTP/1.1\r\n\r\n", 404, "no route GET /nope"},
+            {"DELETE /health HTTP/1.1\r\n\r\n", 405,
+             "method DELETE not allowed on /health: use GET"},
+            {"GET /throw HTTP/1.1\r\n\r\n", 500, "boom in the handler"},
+        });
     // A good chunked body still works, as does the server after all of the above.
     Raw c(f.port());
     c.send(
@@ -462,6 +478,41 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
     auto r = c.read();
     EXPECT_EQ(r.status, 200);
     EXPECT_EQ(r.body, R"({"bytes":8})");
+}
+
+// A known path asked with another method is 405 naming the method to use (404 "no route" said
+// the path did not exist), and a POST body sent as something other than JSON (curl -d sends a
+// form) is 415 naming the type, before the handler runs; JSON with parameters, a +json type or
+// no Content-Type at all are taken.
+TEST(HttpLimits, WrongMethodIs405AndANonJsonBodyIs415) {
+    Fixture f;
+    auto with_type = [](const std::string& type) {
+        return fmt::format(
+            "POST /echo HTTP/1.1\r\nContent-Type: {}\r\nContent-Length: 2\r\n\r\n{{}}", type);
+    };
+    const std::string echoed = R"({"bytes":2})";
+    expect_answers(
+        f.port(),
+        {
+            {"GET /echo HTTP/1.1\r\n\r\n", 405, "method GET not allowed on /echo: use POST"},
+            {"PUT /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 405, "use POST"},
+            {"POST /health HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 405, "use GET"},
+            {with_type("application/x-www-form-urlencoded"), 415,
+             "Content-Type 'application/x-www-form-urlencoded' not supported on POST /echo"},
+            {with_type("text/plain"), 415, "send the body as application/json"},
+            {with_type("application/json; charset=utf-8"), 200, echoed},
+            {with_type("Application/JSON"), 200, echoed},
+            {with_type("application/merge-patch+json"), 200, echoed},
+            {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 200, echoed},
+        });
+    // The 405 says which methods the path has in an Allow header too.
+    Raw c(f.port());
+    c.send("GET /echo HTTP/1.1\r\n\r\n");
+    std::string head(4096, '\0');
+    pollfd p{c.fd(), POLLIN, 2000};
+    ASSERT_EQ(::poll(&p, 1, 2000), 1);
+    head.resize(size_t(std::max<ssize_t>(0, ::recv(c.fd(), head.data(), head.size(), 0))));
+    EXPECT_NE(head.find("\r\nAllow: POST\r\n"), std::string::npos) << head;
 }
 
 TEST(HttpLimits, HalfCloseAfterTheRequestStillGetsTheWholeResponse) {

@@ -198,6 +198,8 @@ TEST(CompletionRelay, InvalidBodiesGetTheEnginesMessages) {
         {R"({"prompt": [1], "max_tokens": 0})", "'max_tokens'"},
         {R"({"prompt": [1], "max_tokens": tru})", "not valid JSON (in 'max_tokens')"},
         {R"({"prompt": [1], "stream": "yes"})", "'stream'"},
+        {R"({"prompt": [1], "model": 5})", "'model' must be a string"},
+        {R"({"prompt": "x", "model": ["tiny"]})", "'model' must be a string"},
         {R"({"prompt": [1], "kv_transfer_params": {"remote_block_ids": [-1]}})",
          "kv_transfer_params.remote_block_ids"},
         {R"({"prompt": [1], "kv_transfer_params": {"a": }})", "not valid JSON"},

@@ -234,7 +234,12 @@ TEST(Router, InvalidBodyGets400) {
         http_post_json(kHost, c.router->port(), "/v1/completions", R"({"prompt": 3})", seconds(5));
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(r->status, 400);
-    EXPECT_NE(r->body.find("'prompt'"), std::string::npos);
+    // The router's own errors have the engines' shape: message, type and code.
+    json j = json::parse(r->body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r->body;
+    EXPECT_NE(j["error"].value("message", "").find("'prompt'"), std::string::npos) << r->body;
+    EXPECT_EQ(j["error"].value("type", ""), "invalid argument") << r->body;
+    EXPECT_EQ(j["error"].value("code", 0), 400) << r->body;
     EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
 }
 

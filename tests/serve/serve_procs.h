@@ -96,6 +96,22 @@ class Proc {
         ::waitpid(pid_, nullptr, 0);
         pid_ = -1;
     }
+    // Waits up to `budget` for the process to end by itself: its exit status, 128 + the signal
+    // that ended it, or -1 when it still ran (it is killed then).
+    int wait_exit(Duration budget) {
+        if (pid_ <= 0) return -1;
+        TimePoint deadline = Clock::now() + budget;
+        while (Clock::now() < deadline) {
+            int st = 0;
+            if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+                pid_ = -1;
+                return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        kill_now();
+        return -1;
+    }
     // SIGTERM, then SIGKILL after 5 s.
     void stop() {
         if (pid_ <= 0) return;

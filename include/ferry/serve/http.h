@@ -51,6 +51,9 @@ struct HttpRequest {
     std::string method{};
     std::string path{};
     std::string body{};
+    // The Content-Type header as sent (empty: none). POST routes take JSON: a body of another
+    // media type is refused with 415 before the handler runs.
+    std::string content_type{};
     // True once the client closed or reset its connection (a half-close, shutdown(SHUT_WR) after
     // the request, is not gone: it still gets its response). Empty: unknown.
     std::function<bool()> client_gone{};
@@ -96,6 +99,10 @@ class HttpServer {
     explicit HttpServer(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };
+
+// The body of every ferry error, {"error": {"message": ..., "type": ..., "code": status}}, the
+// type being the name of the Status code the HTTP status stands for (404 "not found", ...).
+std::string http_error_body(int status, const std::string& message);
 
 struct HttpResponse {
     int status = 0;

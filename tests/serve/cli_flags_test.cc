@@ -1,0 +1,144 @@
+// The `ferry` binary as a new user or a script with a typo runs it: every bad flag value ends
+// the process at once with a non-zero status and a line naming the flag, never an abort, a
+// hang or a run with a wrapped value (`--num-prompts -1` was 2^64 - 1 prompts and took the
+// machine's memory; `--port 70000` listened on 4464; `bench xfer` with an unknown provider died
+// of SIGPIPE without a word).
+#include <gtest/gtest.h>
+
+#include "serve_procs.h"
+
+namespace ferry::serve::testing {
+namespace {
+
+struct Bad {
+    std::vector<std::string> args;
+    std::string says;  // in the output
+};
+
+class CliFlags : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        dir_ = std::filesystem::temp_directory_path() / fmt::format("ferry-cli-{}", ::getpid());
+        std::filesystem::create_directories(dir_);
+    }
+    void TearDown() override { std::filesystem::remove_all(dir_); }
+
+    Proc start(const std::vector<std::string>& args) {
+        std::vector<std::string> argv = {ferry_binary()};
+        argv.insert(argv.end(), args.begin(), args.end());
+        return Proc::spawn(argv, (dir_ / fmt::format("run{}.log", runs_++)).string());
+    }
+    // Runs `ferry args...`; its exit status (-1: still running after the budget) and output.
+    std::pair<int, std::string> run(const std::vector<std::string>& args,
+                                    Duration budget = seconds(20)) {
+        Proc p = start(args);
+        int code = p.wait_exit(budget);
+        return {code, p.log_text()};
+    }
+
+    std::filesystem::path dir_;
+    int runs_ = 0;
+};
+
+std::string joined(const std::vector<std::string>& args) {
+    std::string s;
+    for (const auto& a : args) s += a + " ";
+    return s;
+}
+
+TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
+    // The engines' flags are checked before any pool is allocated; tiny keeps a case that gets
+    // further cheap.
+    const std::vector<std::string> tiny = {"--model", "tiny", "--tp", "1", "--port", "0"};
+    auto engine = [&](std::vector<std::string> extra) {
+        std::vector<std::string> a = {"serve", "prefill"};
+        a.insert(a.end(), tiny.begin(), tiny.end());
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    };
+    const std::vector<Bad> cases = {
+        {engine({"--port", "-5"}), "--port: must not be negative, got -5"},
+        {engine({"--port", "70000"}), "--port: Value 70000 not in range 0 to 65535"},
+        {engine({"--kv-port", "70000"}), "--kv-port: Value 70000 not in range"},
+        {engine({"--max-num-seqs", "-1"}), "--max-num-seqs: must not be negative"},
+        {engine({"--num-blocks", "-3"}), "--num-blocks: must not be negative"},
+        {engine({"--max-num-seqs", "ten"}), "--max-num-seqs"},
+        {engine({"--http-threads", "0"}), "--http-threads: must be greater than 0"},
+        {engine({"--max-body-bytes", "0"}), "--max-body-bytes: must be greater than 0"},
+        {engine({"--header-timeout", "-1"}), "--header-timeout: must be greater than 0"},
+        {engine({"--body-timeout", "nan"}), "--body-timeout"},
+        {engine({"--kv-lease", "0"}), "--kv-lease: must be greater than 0"},
+        {engine({"--kv-op-timeout", "-2"}), "--kv-op-timeout"},
+        {engine({"--kv-wait-timeout", "0"}), "--kv-wait-timeout: must be greater than 0"},
+        {engine({"--time-scale", "nan"}), "--time-scale: must be a finite number, not nan"},
+        {engine({"--time-scale", "inf"}), "--time-scale: must be a finite number, not inf"},
+        {engine({"--max-model-len", "10000000000"}), "--max-model-len 10000000000 is above"},
+        {engine({"--kv-mode", "bogus"}), "--kv-mode must be push, pull, pull-inline or none"},
+        {{"serve", "prefill", "--model", "gpt5"}, "unknown model shape 'gpt5'"},
+        {engine({"--secret-file", "/nonexistent/ferry.secret"}), "/nonexistent/ferry.secret"},
+        {{"serve", "router", "--port", "0", "--request-timeout", "0"},
+         "--request-timeout: must be greater than 0"},
+        {{"serve", "router", "--port", "0", "--router-threads", "-1"}, "--router-threads"},
+        {{"serve", "router", "--port", "0", "--prefill", "nohost"}, "'nohost' is not HOST:PORT"},
+        {{"serve", "local", "--prefill-port", "99999"}, "--prefill-port: Value 99999"},
+        {{"bench", "serve", "--num-prompts", "-1"}, "--num-prompts: must not be negative"},
+        {{"bench", "serve", "--port", "1", "--request-rate", "-1"},
+         "--request-rate must be a number above 0 or inf, not '-1'"},
+        {{"bench", "serve", "--port", "1", "--request-rate", "nan"}, "--request-rate"},
+        {{"bench", "serve", "--port", "1", "--result-file", "/nonexistent/dir/r.json"},
+         "--result-file /nonexistent/dir/r.json: cannot write in /nonexistent/dir"},
+        {{"bench", "relay", "--input-len", "-5"}, "--input-len: must not be negative"},
+        {{"bench", "relay", "--input-len", "0"}, "input lengths must be at least 1"},
+        {{"bench", "xfer", "--sizes", "-1"}, "--sizes: must not be negative"},
+        {{"bench", "xfer", "--provider", "bogus", "--sizes", "4096", "--pages", "4096"},
+         "provider 'bogus' is not available"},
+        {{"bench", "moe", "--ranks", "0"}, "world_size 0"},
+        {{"--log-level", "loud", "bench", "relay"}, "--log-level"},
+        {{}, "ferry: a command is required: one of bench, serve"},
+        {{"serv", "prefill"}, "ferry: unknown command 'serv': use one of bench, serve"},
+        {{"--log-level", "info", "bench", "nosuch"},
+         "ferry bench: unknown command 'nosuch': use one of xfer"},
+        {{"serve"}, "ferry serve: a command is required: one of prefill, decode, router, local"},
+    };
+    // All at once: each should end within a fraction of a second.
+    std::vector<Proc> procs;
+    for (const Bad& k : cases) procs.push_back(start(k.args));
+    for (size_t i = 0; i < cases.size(); ++i) {
+        const Bad& k = cases[i];
+        int code = procs[i].wait_exit(seconds(20));
+        std::string out = procs[i].log_text();
+        SCOPED_TRACE(joined(k.args));
+        EXPECT_GT(code, 0) << out;    // failed, and did not run on (-1)
+        EXPECT_LT(code, 128) << out;  // by itself, not by a signal (abort, SIGPIPE)
+        EXPECT_NE(out.find(k.says), std::string::npos) << out;
+        EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+    }
+}
+
+TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::listen(fd, 1), 0);
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    std::string port = std::to_string(ntohs(a.sin_port));
+    auto [code, out] = run({"serve", "router", "--port", port});
+    EXPECT_GT(code, 0) << out;
+    EXPECT_LT(code, 128) << out;
+    EXPECT_NE(out.find("cannot bind 127.0.0.1:" + port), std::string::npos) << out;
+    ::close(fd);
+
+    for (std::vector<std::string> args : {std::vector<std::string>{"--help"},
+                                          {"serve", "prefill", "--help"},
+                                          {"bench", "serve", "--help"}}) {
+        auto [help_code, help] = run(args);
+        EXPECT_EQ(help_code, 0) << joined(args) << help;
+        EXPECT_NE(help.find("Usage:"), std::string::npos) << help;
+    }
+}
+
+}  // namespace
+}  // namespace ferry::serve::testing
