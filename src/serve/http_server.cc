@@ -843,12 +843,15 @@ bool HttpServer::Impl::write_all(Conn& c, std::string_view data, TimePoint deadl
 
 namespace {
 
-// Every POST route takes a JSON body. A body sent as another media type (a form, text) is
-// refused rather than guessed at; a body without a Content-Type is taken as JSON.
+// Every POST route takes a JSON body. A body sent as another media type (text, multipart) is
+// refused rather than guessed at; a body without a Content-Type is taken as JSON, and so is
+// a form's type: `curl -d '{...}'` sends JSON under it, and a body that is not JSON still
+// gets a 400 from the handler's parser.
 bool json_media_type(std::string_view content_type) {
     std::string_view type = trim(content_type.substr(0, content_type.find(';')));
     if (type.empty()) return true;
     if (iequals(type, "application/json")) return true;
+    if (iequals(type, "application/x-www-form-urlencoded")) return true;
     size_t slash = type.find('/');
     return slash != std::string_view::npos && iequals(type.substr(0, slash), "application") &&
            type.size() >= 5 && iequals(type.substr(type.size() - 5), "+json");

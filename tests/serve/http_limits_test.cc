@@ -481,9 +481,9 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
 }
 
 // A known path asked with another method is 405 naming the method to use (404 "no route" said
-// the path did not exist), and a POST body sent as something other than JSON (curl -d sends a
-// form) is 415 naming the type, before the handler runs; JSON with parameters, a +json type or
-// no Content-Type at all are taken.
+// the path did not exist), and a POST body sent as something other than JSON is 415 naming the
+// type, before the handler runs; JSON with parameters, a +json type, a form's type (what
+// `curl -d` sends) or no Content-Type at all are taken.
 TEST(HttpLimits, WrongMethodIs405AndANonJsonBodyIs415) {
     Fixture f;
     auto with_type = [](const std::string& type) {
@@ -497,9 +497,10 @@ TEST(HttpLimits, WrongMethodIs405AndANonJsonBodyIs415) {
             {"GET /echo HTTP/1.1\r\n\r\n", 405, "method GET not allowed on /echo: use POST"},
             {"PUT /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 405, "use POST"},
             {"POST /health HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 405, "use GET"},
-            {with_type("application/x-www-form-urlencoded"), 415,
-             "Content-Type 'application/x-www-form-urlencoded' not supported on POST /echo"},
-            {with_type("text/plain"), 415, "send the body as application/json"},
+            {with_type("text/plain"), 415, "Content-Type 'text/plain' not supported on POST /echo"},
+            {with_type("multipart/form-data; boundary=x"), 415,
+             "send the body as application/json"},
+            {with_type("application/x-www-form-urlencoded"), 200, echoed},
             {with_type("application/json; charset=utf-8"), 200, echoed},
             {with_type("Application/JSON"), 200, echoed},
             {with_type("application/merge-patch+json"), 200, echoed},
