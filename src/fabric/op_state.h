@@ -8,12 +8,10 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <unordered_set>
 #include <utility>
 
 #include "fabric/op_pool.h"
-#include "ferry/common/spin.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 
@@ -21,36 +19,11 @@ namespace ferry::detail {
 
 struct OpState;
 
-// The registry's lock: held for a few stores (an insert, an erase), or by the watchdog for a
-// walk of the list when a rail wedged. The worker takes it once per operation it finishes: a
-// std::mutex's lock and unlock there were ~70 of the worker's instructions per 64 B write with
-// immediate through submit_batch, callgrind, shm, dev machine, 2026-12-02 (measured below).
-class RegistryLock {
-  public:
-    void lock() {
-        while (locked_.exchange(true, std::memory_order_acquire)) {
-            // Held by a thread the scheduler took off its core (2 cores, 3 busy threads): give
-            // the core back rather than spin through its time slice.
-            for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
-                if (spins < 64) {
-                    cpu_relax();
-                } else {
-                    std::this_thread::yield();
-                }
-            }
-        }
-    }
-    void unlock() { locked_.store(false, std::memory_order_release); }
-
-  private:
-    std::atomic<bool> locked_{false};
-};
-
 // Operations handed to rails and not finished yet, so a watchdog can fail those stuck on a
 // wedged rail. An intrusive list: insert and erase allocate nothing (an unordered_set node
 // per operation was one of the five heap allocations of a 64 B write, 2026-12-01).
 struct OpRegistry {
-    RegistryLock mu;
+    std::mutex mu;
     OpState* head = nullptr;
     // Both under mu.
     void insert(OpState* s);
