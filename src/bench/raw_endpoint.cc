@@ -181,6 +181,7 @@ Result<double> RawEndpoint::write_loop(fi_addr_t dest, uint64_t remote_base, uin
                                            ep_, static_cast<uint8_t*>(buf_) + slot * size, size,
                                            desc, dest, remote_base + slot * size, remote_key, ctx);
                                    }));
+    completed_ += run.completed;
     return static_cast<double>(run.completed * size) / run.seconds;
 }
 
@@ -203,6 +204,7 @@ Result<double> RawEndpoint::rate_loop(std::span<const Target> targets, size_t si
                                    : fi_write(ep_, src, size, desc, t.dest, t.base + slot * size,
                                               t.key, ctx);
                     }));
+    completed_ += run.completed;
     return static_cast<double>(run.completed) / run.seconds;
 }
 

@@ -52,6 +52,9 @@ class RawEndpoint {
     // one: tcp at 16 KiB fell to 0.07 GB/s with 65 endpoints swept).
     bool poll();
     bool virt_addr() const { return virt_; }
+    // Writes completed by write_loop and rate_loop so far: with the engine's ops_posted, what a
+    // per-operation cost (CPU time, or instructions under callgrind) is divided by.
+    uint64_t completed() const { return completed_; }
 
   private:
     RawEndpoint() = default;
@@ -67,6 +70,7 @@ class RawEndpoint {
     uint64_t key_ = 0;
     bool virt_ = true;
     std::vector<uint8_t> name_;
+    uint64_t completed_ = 0;
 };
 
 }  // namespace ferry::detail

@@ -115,6 +115,10 @@ size_t rate_slot_bytes(const XferBenchConfig& c) {
 }
 constexpr int kRateSlots = 4;
 
+bool wants_rows(const XferBenchConfig& c, const std::string& which) {
+    return std::find(c.rate_rows.begin(), c.rate_rows.end(), which) != c.rate_rows.end();
+}
+
 int max_rate_peers(const XferBenchConfig& c) {
     if (!c.rate) return 0;
     int m = 0;
@@ -251,6 +255,8 @@ class Initiator {
     Result<XferReport> run();
 
   private:
+    // The write, paged-write and small-write points (all but the rate section).
+    Status bandwidth_points(XferReport& rep);
     void note(const std::string& s) {
         if (c_.progress) c_.progress(s);
     }
@@ -425,6 +431,7 @@ Status Initiator::point(XferRow& row, double unit_bytes,
                         bool engine_target) {
     std::string pairs;
     double raw_cpu = 0, eng_cpu = 0, eng_caller = 0;
+    const uint64_t raw_before = raw_->completed(), eng_before = engine_->stats().ops_posted;
     if (row.peers > 0) {
         // Unrecorded first pair: tcp;ofi_rxm connects to each peer on first use, which made the
         // first raw pass to 64 peers run at ~130 writes/s.
@@ -460,13 +467,16 @@ Status Initiator::point(XferRow& row, double unit_bytes,
     row.raw_cpu_us = raw_cpu;
     row.engine_cpu_us = eng_cpu;
     row.engine_caller_cpu_us = eng_caller;
+    // Every write of the point, warm-up pass included: what an instruction count of the whole
+    // point (callgrind) is divided by.
     note(fmt::format(
         "{:<12} {:>8} B{}: raw {:.0f} ops/s, engine {:.0f} ops/s, best-of-{} "
         "ratio {:.2f}x (each pair:{}); CPU us/op raw {:.2f}, engine {:.2f} "
-        "(submitter {:.2f}, worker {:.2f})",
+        "(submitter {:.2f}, worker {:.2f}); writes in all passes: raw {}, engine {}",
         row.kind, row.size, row.peers ? fmt::format(" x{} peers", row.peers) : std::string(),
         row.raw_ops, row.engine_ops, c_.repeat, row.ratio(), pairs, raw_cpu, eng_cpu, eng_caller,
-        eng_cpu - eng_caller));
+        eng_cpu - eng_caller, raw_->completed() - raw_before,
+        engine_->stats().ops_posted - eng_before));
     return ok_status();
 }
 
@@ -651,11 +661,7 @@ Status Initiator::latency(XferReport& rep) {
     return ok_status();
 }
 
-Result<XferReport> Initiator::run() {
-    XferReport rep;
-    rep.repeat = c_.repeat;
-    FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(engine_config(c_)));
-    FERRY_RETURN_IF_ERROR(setup());
+Status Initiator::bandwidth_points(XferReport& rep) {
     Duration d = point_duration(c_);
     for (size_t size : c_.sizes) {
         XferRow row{"write", size};
@@ -696,6 +702,16 @@ Result<XferReport> Initiator::run() {
             [&] { return engine_write_loop(64, 256); }, true));
         rep.rows.push_back(row);
     }
+    return ok_status();
+}
+
+Result<XferReport> Initiator::run() {
+    XferReport rep;
+    rep.repeat = c_.repeat;
+    FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(engine_config(c_)));
+    FERRY_RETURN_IF_ERROR(setup());
+    Duration d = point_duration(c_);
+    if (!c_.rate_only) FERRY_RETURN_IF_ERROR(bandwidth_points(rep));
     if (c_.rate) {
         // Message rate: writes with immediates to 1..64 peers and scatters, each beside the raw
         // loop posting the same writes one at a time. Both loops target the same raw
@@ -704,6 +720,7 @@ Result<XferReport> Initiator::run() {
         // "write+imm": submit_batch, a completion per write; "batch+imm": submit_all, one
         // completion per rate_batch writes.
         for (bool one_op : {false, true}) {
+            if (!wants_rows(c_, one_op ? "all" : "batch")) continue;
             for (size_t size : c_.rate_sizes) {
                 for (int n : c_.rate_peers) {
                     if (n > static_cast<int>(rate_targets_.size())) continue;
@@ -721,7 +738,7 @@ Result<XferReport> Initiator::run() {
         }
         const size_t slice = 4096;
         for (int n : c_.scatter_peers) {
-            if (n > static_cast<int>(rate_targets_.size())) continue;
+            if (n > static_cast<int>(rate_targets_.size()) || !wants_rows(c_, "scatter")) continue;
             XferRow row{"scatter", slice, n};
             FERRY_RETURN_IF_ERROR(point(
                 row, static_cast<double>(slice),
@@ -733,17 +750,19 @@ Result<XferReport> Initiator::run() {
             rep.rows.push_back(row);
         }
     }
-    FERRY_RETURN_IF_ERROR(mode(kModeRaw));
-    FERRY_ASSIGN_OR_RETURN(double lbps,
-                           raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
-    rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
-    FERRY_RETURN_IF_ERROR(mode(kModeEngine));
-    {
-        ArrivalsExpected awake(engine_.get());
-        FERRY_RETURN_IF_ERROR(latency(rep));
+    if (!c_.rate_only) {
+        FERRY_RETURN_IF_ERROR(mode(kModeRaw));
+        FERRY_ASSIGN_OR_RETURN(double lbps,
+                               raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
+        rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
+        FERRY_RETURN_IF_ERROR(mode(kModeEngine));
+        {
+            ArrivalsExpected awake(engine_.get());
+            FERRY_RETURN_IF_ERROR(latency(rep));
+        }
+        note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us",
+                         rep.latency_p50_us, rep.latency_p99_us));
     }
-    note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us", rep.latency_p50_us,
-                     rep.latency_p99_us));
     EngineStats es = engine_->stats();
     rep.ops_posted = es.ops_posted;
     rep.post_rounds = es.post_rounds;
@@ -755,7 +774,12 @@ Result<XferReport> Initiator::run() {
 }  // namespace
 
 Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
-    if (config.sizes.empty()) return invalid_argument("bench xfer: no sizes given");
+    if (config.sizes.empty() && !config.rate_only) {
+        return invalid_argument("bench xfer: no sizes given");
+    }
+    if (config.rate_only && !config.rate) {
+        return invalid_argument("bench xfer: rate_only needs the rate section (rate)");
+    }
     if (config.window < 1 || config.pages_per_op < 1 || config.repeat < 1) {
         return invalid_argument("bench xfer: window, pages per op and repeat must be positive");
     }
@@ -764,6 +788,12 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     }
     for (int p : config.rate_peers) {
         if (p < 1 || p > 1024) return invalid_argument("bench xfer: rate peers must be 1..1024");
+    }
+    for (const std::string& r : config.rate_rows) {
+        if (r != "batch" && r != "all" && r != "scatter") {
+            return invalid_argument(fmt::format(
+                "bench xfer: rate rows are batch, all and scatter; '{}' is none of them", r));
+        }
     }
     for (int p : config.scatter_peers) {
         if (p < 1 || p > 1024) {
@@ -818,10 +848,13 @@ std::string format_xfer_table(const XferReport& r) {
                            row.kind, human_size(row.size), row.peers ? row.peers : 1, row.raw_gbps,
                            row.engine_gbps, row.ratio(), row.raw_ops, row.engine_ops);
     }
-    out += fmt::format(
-        "\nwrite with immediate, 8 B, one-way (half round trip, {} iterations): "
-        "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
-        r.latency_iters, r.latency_p50_us, r.latency_p99_us, r.raw_latency_p50_us);
+    out += "\n";
+    if (r.latency_iters > 0) {
+        out += fmt::format(
+            "write with immediate, 8 B, one-way (half round trip, {} iterations): "
+            "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
+            r.latency_iters, r.latency_p50_us, r.latency_p99_us, r.raw_latency_p50_us);
+    }
     if (r.post_rounds) {
         out += fmt::format(
             "engine posts: {} ops in {} worker passes ({:.1f} per pass), {} with "

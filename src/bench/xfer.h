@@ -31,6 +31,12 @@ struct XferBenchConfig {
     std::vector<int> rate_peers = {1, 8, 64};
     std::vector<int> scatter_peers = {8, 64};
     int rate_batch = 32;
+    // Which rows of the rate section run: "batch" (write+imm, submit_batch), "all" (batch+imm,
+    // submit_all), "scatter".
+    std::vector<std::string> rate_rows = {"batch", "all", "scatter"};
+    // Only the rate section: no bandwidth points, no latency (a quick message-rate run, or one
+    // under callgrind whose counts cover nothing else).
+    bool rate_only = false;
     // The engine's FI_INJECT and FI_MORE (EngineConfig::inject, post_more), to measure each.
     bool inject = true;
     bool post_more = true;

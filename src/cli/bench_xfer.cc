@@ -35,6 +35,13 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_option("--rate-sizes", c->rate_sizes, "rate section write sizes")->delimiter(',');
     cmd->add_option("--rate-peers", c->rate_peers, "rate section peer counts")->delimiter(',');
     cmd->add_option("--scatter-peers", c->scatter_peers, "scatter peer counts")->delimiter(',');
+    cmd->add_flag("--rate-only", c->rate_only,
+                  "the message-rate section alone (implies --rate): no bandwidth points, no "
+                  "latency");
+    cmd->add_option("--rate-rows", c->rate_rows,
+                    "rate section rows to run: batch (write+imm through submit_batch), all "
+                    "(batch+imm through submit_all), scatter")
+        ->delimiter(',');
     cmd->add_option("--rate-batch", c->rate_batch, "writes per submit_batch in the rate section")
         ->capture_default_str();
     cmd->add_flag("!--no-inject", c->inject, "post small writes without FI_INJECT");
@@ -44,6 +51,7 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_option("--json", *json_path, "write the results as JSON to this file");
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+        if (c->rate_only) c->rate = true;
         auto rep = run_xfer_bench(*c);
         if (!rep.ok()) {
             fail(rep.status());

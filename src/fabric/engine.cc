@@ -15,6 +15,19 @@ Result<std::string> resolve_provider(const EngineConfig& config) {
     return detail::resolve_provider_name(config);
 }
 
+OpHandle::OpHandle(detail::OpRef state) : state_(state.release_ref()) {}
+OpHandle::OpHandle(const OpHandle& o) : state_(o.state_) {
+    if (state_) state_->add_ref();
+}
+OpHandle& OpHandle::operator=(const OpHandle& o) {
+    OpHandle copy(o);
+    std::swap(state_, copy.state_);
+    return *this;
+}
+OpHandle::~OpHandle() {
+    if (state_) state_->release();
+}
+
 bool OpHandle::done() const { return state_ && state_->done.load(std::memory_order_acquire); }
 
 Status OpHandle::wait(Duration timeout, Duration spin) const {

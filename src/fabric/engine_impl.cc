@@ -191,13 +191,13 @@ void EngineImpl::watchdog() {
 }
 
 void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
-    std::vector<std::shared_ptr<OpState>> victims;
+    std::vector<OpRef> victims;
     {
         std::lock_guard lk(registry_->mu);
         registry_->for_each([&](OpState* op) {
             if (!(op->rail_mask & (uint64_t{1} << rail))) return;
             // The last owner may be letting go right now: it then needs no failing.
-            if (auto sp = op->weak_from_this().lock()) victims.push_back(std::move(sp));
+            if (op->try_add_ref()) victims.push_back(OpRef::adopt(op));
         });
     }
     for (auto& op : victims) op->fail_now(why);

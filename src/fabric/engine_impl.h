@@ -93,23 +93,22 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
                        uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                        uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
-                       const std::shared_ptr<OpState>& state);
+                       OpState* state);
     // One operation per piece of [len], as the rail group splits it, owned by `state`.
     void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                 const std::shared_ptr<OpState>& state);
+                 OpState* state);
     // The pieces of one operation were added to b (b.count - first_piece of them): records
     // the count on the state and registers it. Before the batch is posted.
-    void arm(const std::shared_ptr<OpState>& state, uint32_t pieces, bool counts_imm);
-    OpHandle submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm);
+    void arm(OpState* state, uint32_t pieces, bool counts_imm);
+    OpHandle submit(RailBatch& b, OpRef state, bool counts_imm);
     // Validates a write or read and adds its fabric pieces to b. False when the operation is
     // already completed (it failed validation, or went the GPU IPC way).
     // gpu_ok false: a pair that would go the CUDA IPC way fails instead (submit_all).
-    bool build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b,
-                     TimePoint deadline, bool gpu_ok);
-    bool build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b,
-                    TimePoint deadline, bool gpu_ok);
+    bool build_write(const WriteOp& w, OpState* state, RailBatch& b, TimePoint deadline,
+                     bool gpu_ok);
+    bool build_read(const ReadOp& r, OpState* state, RailBatch& b, TimePoint deadline, bool gpu_ok);
     Status check_remote(const Peer& p, const MemoryDescriptor* d, uint64_t off, uint64_t len,
                         const char* what) const;
     Status check_local(const MemoryRegion* r, uint64_t off, uint64_t len, const char* what) const;
@@ -124,10 +123,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Status check_pages(const PagedWriteOp& w, const Peer& p, uint32_t max_src,
                        uint32_t max_dst) const;
     // A paged write between GPUs of this host: the page ids go to the copy kernel.
-    OpHandle paged_write_gpu(const PagedWriteOp& w, const Peer& p, std::shared_ptr<OpState> state);
+    OpHandle paged_write_gpu(const PagedWriteOp& w, const Peer& p, OpRef state);
     // Runs copies on the GPU transport; completion (and the immediate, sent as a signal once
     // the data is in place) like a fabric operation.
-    OpHandle gpu_op(std::shared_ptr<OpState> state, PeerId peer, int device, GpuWork work,
+    OpHandle gpu_op(OpRef state, PeerId peer, int device, GpuWork work,
                     std::optional<uint32_t> imm);
 
     // Watchdog: expires immediate waiters and detects rails wedged inside the provider.

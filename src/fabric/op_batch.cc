@@ -26,10 +26,16 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
     if (ops.empty()) return handles;
     BatchDone* shared = done ? new BatchDone{std::move(done), ops.size()} : nullptr;
     RailBatch b(rails.size());
-    // Raw pointers: the handles keep the states alive. Shared copies here were dropped after
-    // the hand-off, one atomic decrement per entry on a count the worker was decrementing too.
-    std::vector<OpState*> armed;
-    armed.reserve(ops.size());
+    // The states to arm and their piece counts. Armed only once the engine is known to be
+    // running, so that a batch refused at shutdown leaves no piece reference behind. Raw
+    // pointers: the handles hold the states.
+    struct Built {
+        OpState* state;
+        uint32_t pieces;
+        bool imm;
+    };
+    std::vector<Built> built;
+    built.reserve(ops.size());
     // One deadline for the batch, not a clock read per entry (not measured on its own; it
     // went in with the changes measured in docs/BENCHMARKS.md, issue 18, 2026-12-02).
     const TimePoint deadline = deadline_after(config.op_timeout);
@@ -41,29 +47,31 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
                 if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
             };
         }
-        auto state = make_op_state(std::move(cb));
-        handles.emplace_back(state);
+        OpRef state = make_op_state(std::move(cb));
+        OpState* st = state.get();
+        // The handle takes the creator's reference: no count changes hands here.
+        handles.emplace_back(std::move(state));
         uint32_t before = b.count;
-        bool built;
+        bool ok;
         bool imm = false;
         if (const auto* w = std::get_if<WriteOp>(&ops[i])) {
-            built = build_write(*w, state, b, deadline, true);
+            ok = build_write(*w, st, b, deadline, true);
             imm = w->imm.has_value();
         } else {
-            built = build_read(std::get<ReadOp>(ops[i]), state, b, deadline, true);
+            ok = build_read(std::get<ReadOp>(ops[i]), st, b, deadline, true);
         }
-        if (!built) continue;
-        arm(state, b.count - before, imm);
-        armed.push_back(state.get());
+        if (ok) built.push_back({st, b.count - before, imm});
     }
     if (stopped_) {
         RailGroup::discard(b);
-        for (OpState* st : armed) st->fail_now(cancelled("the transfer engine was shut down"));
+        for (const Built& e : built)
+            e.state->fail_now(cancelled("the transfer engine was shut down"));
         return handles;
     }
+    for (const Built& e : built) arm(e.state, e.pieces, e.imm);
     {
         std::lock_guard lk(registry_->mu);
-        for (OpState* st : armed) registry_->insert(st);
+        for (const Built& e : built) registry_->insert(e.state);
     }
     rails.post(b);
     return handles;
@@ -80,7 +88,7 @@ OpHandle EngineImpl::submit_all(std::span<const BatchEntry> ops, OpCallback done
     auto state = make_op_state(std::move(done));
     if (ops.empty()) {
         state->fail_now(invalid_argument("submit_all: no operations given"));
-        return OpHandle(state);
+        return OpHandle(std::move(state));
     }
     RailBatch b(rails.size());
     const TimePoint deadline = deadline_after(config.op_timeout);
@@ -90,18 +98,18 @@ OpHandle EngineImpl::submit_all(std::span<const BatchEntry> ops, OpCallback done
         bool built;
         const auto* w = std::get_if<WriteOp>(&e);
         if (w) {
-            built = build_write(*w, state, b, deadline, false);
+            built = build_write(*w, state.get(), b, deadline, false);
         } else {
-            built = build_read(std::get<ReadOp>(e), state, b, deadline, false);
+            built = build_read(std::get<ReadOp>(e), state.get(), b, deadline, false);
         }
         if (!built) {  // failed validation: the state is finished with its error
             RailGroup::discard(b);
-            return OpHandle(state);
+            return OpHandle(std::move(state));
         }
         if (w && w->imm) imm_writes += b.count - before;
     }
     state->imm_writes = imm_writes;
-    return submit(b, state, false);
+    return submit(b, std::move(state), false);
 }
 
 }  // namespace ferry::detail

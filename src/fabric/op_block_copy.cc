@@ -120,7 +120,7 @@ bool EngineImpl::copies_on_gpu(PeerId peer_id, const MemoryRegion& local,
 }
 
 OpHandle EngineImpl::copy_blocks(const BlockCopyOp& op, OpCallback done) {
-    auto state = std::make_shared<OpState>(std::move(done));
+    OpRef state = make_op_state(std::move(done));
     auto fail = [&](Status s) {
         state->fail_now(std::move(s));
         return OpHandle(state);
@@ -207,7 +207,7 @@ OpHandle EngineImpl::copy_blocks(const BlockCopyOp& op, OpCallback done) {
                          op.dst.blocks.begin() + block_copy_ids(op.dst, op.end_token));
     GpuWork work;
     work.blocks.push_back(std::move(bc));
-    return gpu_op(state, op.peer, device, std::move(work), op.imm);
+    return gpu_op(std::move(state), op.peer, device, std::move(work), op.imm);
 }
 
 }  // namespace ferry::detail

@@ -11,13 +11,13 @@
 
 namespace ferry::detail {
 
-#define FERRY_FAIL_OP(state, expr)            \
-    do {                                      \
-        Status s_ = (expr);                   \
-        if (!s_.ok()) {                       \
-            (state)->fail_now(std::move(s_)); \
-            return OpHandle(state);           \
-        }                                     \
+#define FERRY_FAIL_OP(state, expr)             \
+    do {                                       \
+        Status s_ = (expr);                    \
+        if (!s_.ok()) {                        \
+            (state)->fail_now(std::move(s_));  \
+            return OpHandle(std::move(state)); \
+        }                                      \
     } while (0)
 
 namespace {
@@ -35,8 +35,7 @@ Status gpu_in_batch_op(const char* what) {
 FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
                                const MemoryRegion& local, uint64_t local_off,
                                const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
-                               std::optional<uint32_t> imm, TimePoint deadline,
-                               const std::shared_ptr<OpState>& state) {
+                               std::optional<uint32_t> imm, TimePoint deadline, OpState* state) {
     auto* op = new FabricOp();
     op->type = type;
     op->peer = p.id;
@@ -58,32 +57,32 @@ void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
                          const MemoryRegion& local, uint64_t local_off,
                          const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
                          std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                         const std::shared_ptr<OpState>& state) {
+                         OpState* state) {
     rails.split(len, stripe, [&](int rail, uint64_t off, uint64_t n) {
         b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
                              imm, deadline, state));
     });
 }
 
-void EngineImpl::arm(const std::shared_ptr<OpState>& state, uint32_t pieces, bool counts_imm) {
+void EngineImpl::arm(OpState* state, uint32_t pieces, bool counts_imm) {
     if (counts_imm) state->imm_writes = pieces;
     state->set_pieces(pieces);
     state->registry = registry_.get();
 }
 
-OpHandle EngineImpl::submit(RailBatch& b, std::shared_ptr<OpState> state, bool counts_imm) {
+OpHandle EngineImpl::submit(RailBatch& b, OpRef state, bool counts_imm) {
     if (stopped_) {
         RailGroup::discard(b);
         state->fail_now(cancelled("the transfer engine was shut down"));
-        return OpHandle(state);
+        return OpHandle(std::move(state));
     }
-    arm(state, b.count, counts_imm);
+    arm(state.get(), b.count, counts_imm);
     {
         std::lock_guard lk(registry_->mu);
         registry_->insert(state.get());
     }
     rails.post(b);
-    return OpHandle(state);
+    return OpHandle(std::move(state));
 }
 
 Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
@@ -91,12 +90,12 @@ Result<uint64_t> EngineImpl::map_gpu_peer(const MemoryDescriptor& remote,
     return gpu_.map_peer(remote, local.descriptor().device);
 }
 
-OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int device,
-                            GpuWork work, std::optional<uint32_t> imm_value) {
+OpHandle EngineImpl::gpu_op(OpRef state, PeerId peer_id, int device, GpuWork work,
+                            std::optional<uint32_t> imm_value) {
     auto g = gpu_.transport();
     if (!g.ok()) {
         state->fail_now(g.status());
-        return OpHandle(state);
+        return OpHandle(std::move(state));
     }
     state->imm_writes = imm_value ? 1 : 0;
     state->set_pieces(1);
@@ -111,7 +110,7 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
             state->piece_done(s2.with_context("signalling a finished GPU copy"));
         });
     });
-    return OpHandle(state);
+    return OpHandle(std::move(state));
 }
 
 #define FERRY_FAIL_BUILD(state, expr)         \
@@ -123,8 +122,8 @@ OpHandle EngineImpl::gpu_op(std::shared_ptr<OpState> state, PeerId peer_id, int 
         }                                     \
     } while (0)
 
-bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& state, RailBatch& b,
-                             TimePoint deadline, bool gpu_ok) {
+bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, TimePoint deadline,
+                             bool gpu_ok) {
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
     if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
@@ -139,8 +138,8 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
         std::vector<GpuCopy> copies = {{*base + w.dst_offset,
                                         reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset,
                                         w.length}};
-        gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}, {}},
-               w.imm);
+        gpu_op(OpRef::share(state), w.peer, w.src->descriptor().device,
+               GpuWork{std::move(copies), {}, {}}, w.imm);
         return false;
     }
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
@@ -151,12 +150,13 @@ bool EngineImpl::build_write(const WriteOp& w, const std::shared_ptr<OpState>& s
 OpHandle EngineImpl::write(const WriteOp& w, OpCallback done) {
     auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
-    if (!build_write(w, state, b, deadline_after(config.op_timeout), true)) return OpHandle(state);
-    return submit(b, state, w.imm.has_value());
+    if (!build_write(w, state.get(), b, deadline_after(config.op_timeout), true))
+        return OpHandle(std::move(state));
+    return submit(b, std::move(state), w.imm.has_value());
 }
 
-bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& state, RailBatch& b,
-                            TimePoint deadline, bool gpu_ok) {
+bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimePoint deadline,
+                            bool gpu_ok) {
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
@@ -170,8 +170,8 @@ bool EngineImpl::build_read(const ReadOp& r, const std::shared_ptr<OpState>& sta
         if (!base.ok()) FERRY_FAIL_BUILD(state, base.status());
         std::vector<GpuCopy> copies = {{reinterpret_cast<uint64_t>(r.dst->data()) + r.dst_offset,
                                         *base + r.src_offset, r.length}};
-        gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}, {}},
-               std::nullopt);
+        gpu_op(OpRef::share(state), r.peer, r.dst->descriptor().device,
+               GpuWork{std::move(copies), {}, {}}, std::nullopt);
         return false;
     }
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
@@ -197,7 +197,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     auto path = choose_path(*p, *w.src, *w.dst, "paged write");
     if (!path.ok()) FERRY_FAIL_OP(state, path.status());
     // Between GPUs of this host the page ids go to the device (op_paged.cc).
-    if (*path == Path::kGpuIpc) return paged_write_gpu(w, *p, state);
+    if (*path == Path::kGpuIpc) return paged_write_gpu(w, *p, std::move(state));
     // Bounds of every page before anything is posted: a bad index loses nothing. One pass
     // for the largest index on each side (pages lists run to 100k+ entries for a long
     // prompt); the slow per-page check only runs to name the offending page.
@@ -222,10 +222,10 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
         uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
         add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                deadline, false, state);
+                deadline, false, state.get());
         i = j;
     }
-    return submit(b, state, w.imm.has_value());
+    return submit(b, std::move(state), w.imm.has_value());
 }
 
 OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
@@ -243,23 +243,24 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
         copies.reserve(w.runs.size());
         for (const WriteRun& r : w.runs)
             copies.push_back({*base + r.dst_offset, src + r.src_offset, r.length});
-        return gpu_op(state, w.peer, w.src->descriptor().device, GpuWork{std::move(copies), {}, {}},
-                      w.imm);
+        return gpu_op(std::move(state), w.peer, w.src->descriptor().device,
+                      GpuWork{std::move(copies), {}, {}}, w.imm);
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& r : w.runs) {
         add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
-                w.imm, deadline, true, state);
+                w.imm, deadline, true, state.get());
     }
-    return submit(b, state, w.imm.has_value());
+    return submit(b, std::move(state), w.imm.has_value());
 }
 
 OpHandle EngineImpl::read(const ReadOp& r, OpCallback done) {
     auto state = make_op_state(std::move(done));
     RailBatch b(rails.size());
-    if (!build_read(r, state, b, deadline_after(config.op_timeout), true)) return OpHandle(state);
-    return submit(b, state, false);
+    if (!build_read(r, state.get(), b, deadline_after(config.op_timeout), true))
+        return OpHandle(std::move(state));
+    return submit(b, std::move(state), false);
 }
 
 OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
@@ -277,16 +278,16 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
         copies.reserve(r.runs.size());
         for (const WriteRun& run : r.runs)
             copies.push_back({dst + run.dst_offset, *base + run.src_offset, run.length});
-        return gpu_op(state, r.peer, r.dst->descriptor().device, GpuWork{std::move(copies), {}, {}},
-                      std::nullopt);
+        return gpu_op(std::move(state), r.peer, r.dst->descriptor().device,
+                      GpuWork{std::move(copies), {}, {}}, std::nullopt);
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
         add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset, run.length,
-                std::nullopt, deadline, true, state);
+                std::nullopt, deadline, true, state.get());
     }
-    return submit(b, state, false);
+    return submit(b, std::move(state), false);
 }
 
 OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
@@ -340,12 +341,12 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
             op->has_imm = sc.imm.has_value();
             op->imm = sc.imm.value_or(0);
             op->deadline = deadline;
-            op->parent = state;
+            op->parent = state.get();
             state->rail_mask |= uint64_t{1} << rail;
             b.add(rail, op);
         });
     }
-    return submit(b, state, sc.imm.has_value());
+    return submit(b, std::move(state), sc.imm.has_value());
 }
 
 OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
@@ -366,10 +367,10 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
     op->has_imm = true;
     op->imm = imm_value;
     op->deadline = deadline_after(config.op_timeout);
-    op->parent = state;
+    op->parent = state.get();
     state->rail_mask |= uint64_t{1} << rail;
     b.add(rail, op);
-    return submit(b, state, true);
+    return submit(b, std::move(state), true);
 }
 
 Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) {
@@ -394,11 +395,11 @@ Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) 
         op->has_imm = true;
         op->imm = imm_value;
         op->deadline = op_deadline;
-        op->parent = state;
+        op->parent = state.get();
         state->rail_mask |= uint64_t{1} << rail;
         b.add(rail, op);
     }
-    OpHandle sent = g->members.empty() ? OpHandle() : submit(b, state, true);
+    OpHandle sent = g->members.empty() ? OpHandle() : submit(b, std::move(state), true);
     Status arrived = imm.wait(imm_value, g->members.size(), timeout);
     if (sent.valid()) {
         Status s = sent.wait(std::max<Duration>(deadline - Clock::now(), Duration::zero()));
@@ -415,10 +416,10 @@ OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, O
     RailBatch b(rails.size());
     FabricOp* op = control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
                                       deadline_after(config.op_timeout));
-    op->parent = state;
+    op->parent = state.get();
     state->rail_mask |= 1;
     b.add(0, op);
-    return submit(b, state, false);
+    return submit(b, std::move(state), false);
 }
 
 }  // namespace ferry::detail

@@ -46,8 +46,7 @@ Status EngineImpl::check_pages(const PagedWriteOp& w, const Peer& p, uint32_t ma
 // posted. Before, the ids were read for their maximum, copied into the operation, then copied
 // again into the launch's list: ~100 us of host work per 65,536-page write ahead of a copy of
 // ~150 us (random 4 KiB pages, one H200, 2026-12-02).
-OpHandle EngineImpl::paged_write_gpu(const PagedWriteOp& w, const Peer& p,
-                                     std::shared_ptr<OpState> state) {
+OpHandle EngineImpl::paged_write_gpu(const PagedWriteOp& w, const Peer& p, OpRef state) {
     const size_t n = w.src_pages.size();
     GpuPagedCopy pc;
     pc.ids.resize(2 * n);
@@ -56,12 +55,12 @@ OpHandle EngineImpl::paged_write_gpu(const PagedWriteOp& w, const Peer& p,
     Status bounds = check_pages(w, p, largest.src, largest.dst);
     if (!bounds.ok()) {
         state->fail_now(std::move(bounds));
-        return OpHandle(state);
+        return OpHandle(std::move(state));
     }
     auto base = map_gpu_peer(*w.dst, *w.src);
     if (!base.ok()) {
         state->fail_now(base.status());
-        return OpHandle(state);
+        return OpHandle(std::move(state));
     }
     pc.dst = *base + w.dst_offset;
     pc.src = reinterpret_cast<uint64_t>(w.src->data()) + w.src_offset;

@@ -46,12 +46,10 @@ class CallGuard {
 void prefetch_op(const FabricOp* op) {
     const auto* p = reinterpret_cast<const char*>(op);
     for (size_t off = 64; off < sizeof(FabricOp); off += 64) __builtin_prefetch(p + off, 1, 3);
-    if (const OpState* s = op->parent.get()) {
-        // The OpState shares a block of whole lines with its shared_ptr control block.
-        auto base = reinterpret_cast<uintptr_t>(s) & ~uintptr_t{63};
-        for (uintptr_t off = 0; off < sizeof(OpState) + 16; off += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(base + off), 1, 3);
-        }
+    if (const OpState* s = op->parent) {
+        // An OpState is a block of whole lines of its own (OpPool, 64-byte aligned).
+        const auto* base = reinterpret_cast<const char*>(s);
+        for (size_t off = 0; off < sizeof(OpState); off += 64) __builtin_prefetch(base + off, 1, 3);
     }
 }
 
@@ -133,13 +131,13 @@ Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
     return OpHandle(post_task(std::move(fn), OpCallback{})).wait(timeout);
 }
 
-std::shared_ptr<OpState> Rail::post_task(std::function<Status()> fn, OpCallback done) {
-    auto state = make_op_state(std::move(done));
+OpRef Rail::post_task(std::function<Status()> fn, OpCallback done) {
+    OpRef state = make_op_state(std::move(done));
     state->set_pieces(1);
     auto* op = new FabricOp();
     op->type = FabricOp::kTask;
     op->task = std::move(fn);
-    op->parent = state;
+    op->parent = state.get();
     op->deadline = TimePoint::max();  // tasks run when popped; stop() fails those left
     submit(op);
     return state;

@@ -61,7 +61,9 @@ struct alignas(64) FabricOp : MpscNode {
         OpPool<sizeof(FabricOp), alignof(FabricOp)>::release(p);
     }
 
-    std::shared_ptr<OpState> parent;
+    // The operation this is a piece of; the pieces hold one reference between them (see
+    // OpState::set_pieces), so a piece costs no count of its own.
+    OpState* parent = nullptr;
     fi_addr_t dest = FI_ADDR_UNSPEC;
     void* local = nullptr;
     size_t len = 0;
@@ -240,7 +242,7 @@ class Rail {
                        std::function<void(size_t)> then);
     // Runs fn on the worker without waiting for it; done gets fn's status, or why it never
     // ran (the rail stopped first).
-    std::shared_ptr<OpState> post_task(std::function<Status()> fn, OpCallback done);
+    OpRef post_task(std::function<Status()> fn, OpCallback done);
 
     // Signal region registration (done at open, before start).
     uint64_t signal_key() const { return signal_key_; }

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "fabric/rail.h"
 #include "ferry/common/log.h"
@@ -39,7 +40,8 @@ void Rail::abandon(FabricOp* op, const Status& why) {
     unlink_inflight(op);
     op->abandoned = true;
     abandoned_.insert(op);
-    auto parent = std::move(op->parent);
+    // The op stays until libfabric returns it, but is no piece of its operation any more.
+    OpState* parent = std::exchange(op->parent, nullptr);
     parent->piece_done(why);
 }
 

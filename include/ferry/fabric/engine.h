@@ -31,6 +31,7 @@ namespace ferry {
 namespace detail {
 class EngineImpl;
 struct OpState;
+class OpRef;
 }  // namespace detail
 
 struct EngineConfig {
@@ -96,7 +97,16 @@ using OpCallback = std::function<void(const Status&)>;
 class OpHandle {
   public:
     OpHandle() = default;
-    explicit OpHandle(std::shared_ptr<detail::OpState> state) : state_(std::move(state)) {}
+    // Takes the reference (the engine's; OpState counts its references itself).
+    explicit OpHandle(detail::OpRef state);
+    OpHandle(const OpHandle& o);
+    OpHandle& operator=(const OpHandle& o);
+    OpHandle(OpHandle&& o) noexcept : state_(std::exchange(o.state_, nullptr)) {}
+    OpHandle& operator=(OpHandle&& o) noexcept {
+        std::swap(state_, o.state_);
+        return *this;
+    }
+    ~OpHandle();
 
     bool valid() const { return state_ != nullptr; }
     bool done() const;
@@ -111,7 +121,7 @@ class OpHandle {
     uint32_t imm_writes() const;
 
   private:
-    std::shared_ptr<detail::OpState> state_;
+    detail::OpState* state_ = nullptr;
 };
 
 class TransferEngine;
