@@ -29,6 +29,8 @@ from . import (
     _device_index,
     _index_array,
     _is_tensor,
+    _seconds,
+    _str,
     _uint,
 )
 from ._ferry import HandshakeInfo, KvEvent, KvLayout
@@ -113,6 +115,9 @@ def _blobs(name: str, items: Any, what: str) -> List[bytes]:
     """A list of bytes objects from one or a sequence of them (addresses, pull parameters)."""
     if isinstance(items, (bytes, bytearray, memoryview)):
         items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgument(f"{name} must be a list of {what} (bytes), got "
+                              f"{type(items).__name__}")
     out = []
     for i, a in enumerate(items):
         if not isinstance(a, (bytes, bytearray, memoryview)):
@@ -154,7 +159,10 @@ class KvConnector(_Closing):
         if not isinstance(layout, KvLayout):
             raise InvalidArgument(f"layout must be a ferry.kv.KvLayout, got "
                                   f"{type(layout).__name__}")
-        config = config or KvConfig()
+        config = KvConfig() if config is None else config
+        if not isinstance(config, KvConfig):
+            raise InvalidArgument(f"config must be a ferry.kv.KvConfig, got "
+                                  f"{type(config).__name__}")
         if config.pull_mode not in ("background", "inline"):
             raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
                                   f"{config.pull_mode!r}")
@@ -168,7 +176,7 @@ class KvConnector(_Closing):
         self._conn = _ferry.KvConnector(
             engine._engine, layout, _uint("tp_rank", config.tp_rank, _U32_MAX),
             _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
-            float(config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
+            _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
             _uint("imm_count", config.imm_count, _U32_MAX),
             _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
 
@@ -231,7 +239,7 @@ class KvConnector(_Closing):
         return self._conn.poll()
 
     def wait(self, timeout: float) -> bool:
-        return self._conn.wait(float(timeout))
+        return self._conn.wait(_seconds("timeout", timeout))
 
     def handshake_info(self) -> HandshakeInfo:
         return self._conn.handshake_info()
@@ -256,9 +264,13 @@ class HandshakeServer(_Closing):
 
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
                  port: int = 0, connection_deadline: float = 1.0) -> None:
-        self._server = _ferry.HandshakeServer(str(host), _uint("port", port, 0xFFFF),
+        if not isinstance(connector, KvConnector):
+            raise InvalidArgument("connector must be a ferry.kv.KvConnector, got "
+                                  f"{type(connector).__name__}")
+        self._server = _ferry.HandshakeServer(_str("host", host), _uint("port", port, 0xFFFF),
                                               connector.handshake_info(), _secret(secret),
-                                              float(connection_deadline))
+                                              _seconds("connection_deadline",
+                                                       connection_deadline))
 
     @property
     def port(self) -> int:
@@ -284,5 +296,6 @@ def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float = 5.0) -> HandshakeInfo:
     if not isinstance(layout, KvLayout):
         raise InvalidArgument(f"layout must be this side's KvLayout, got {type(layout).__name__}")
-    return _ferry.fetch_handshake(str(host), _uint("port", port, 0xFFFF),
-                                  layout.compatibility_hash, _secret(secret), float(timeout))
+    return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
+                                  layout.compatibility_hash, _secret(secret),
+                                  _seconds("timeout", timeout))
