@@ -109,7 +109,11 @@ def _number(name: str, value: Any, unit: str) -> float:
 
 
 def _seconds(name: str, value: Any) -> float:
-    return _number(name, value, "seconds")
+    s = _number(name, value, "seconds")
+    if not 0 <= s <= 1e9:  # also NaN; past 1e9 a deadline in ns overflows (convert.h)
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0 (at most 1e9), "
+                              f"got {s}")
+    return s
 
 
 def _imm(imm: Optional[int]) -> Optional[int]:

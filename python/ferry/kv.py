@@ -19,11 +19,13 @@ that ``poll()`` drains. See docs/PYTHON.md.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
 from . import (
     _U32_MAX,
+    AlreadyExists,
     InvalidArgument,
     TransferEngine,
     _device_index,
@@ -172,13 +174,24 @@ class KvConnector(_Closing):
                 f"pool is split {split!r} ({len(items)} tensors) but the layout says regions="
                 f"{layout.regions!r}: build KvLayout(..., regions={split!r}) for this pool")
         regions = [_region_of(f"pool[{i}]", t, layout) for i, t in enumerate(items)]
+        args = (_uint("tp_rank", config.tp_rank, _U32_MAX),
+                _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
+                _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
+                _uint("imm_count", config.imm_count, _U32_MAX),
+                _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+        # The connector takes the engine's message handler: a second one would silently take
+        # it from the first, whose transfers would then wait out their lease.
+        ref = getattr(engine, "_kv_connector", None)
+        other = ref() if ref is not None else None
+        if other is not None and not other._closed:
+            raise AlreadyExists("this TransferEngine has a KV connector already (one per "
+                                "engine: it owns the engine's messages); close it first or "
+                                "use another engine")
+        self._closed = True  # until the C++ connector runs
         self._layout = layout
-        self._conn = _ferry.KvConnector(
-            engine._engine, layout, _uint("tp_rank", config.tp_rank, _U32_MAX),
-            _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
-            _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
-            _uint("imm_count", config.imm_count, _U32_MAX),
-            _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+        self._conn = _ferry.KvConnector(engine._engine, layout, *args)
+        self._closed = False
+        engine._kv_connector = weakref.ref(self)
 
     @property
     def layout(self) -> KvLayout:
@@ -249,6 +262,7 @@ class KvConnector(_Closing):
 
     # Lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
+        self._closed = True
         self._conn.close()
 
 

@@ -338,6 +338,18 @@ def test_kv_connector_arguments_refused(connector):
     assert conn.stats()["active_recv"] == 0 and conn.poll() == []  # nothing left behind
 
 
+def test_second_kv_connector_on_one_engine_refused(connector):
+    engine, layout, pool, conn = connector
+    other_pool = np.zeros(layout.region_bytes // 2, dtype=np.int16)
+    with pytest.raises(ferry.AlreadyExists, match="KV connector already"):
+        fkv.KvConnector(engine, layout, other_pool)
+    assert engine.stats()["regions_registered"] == 1  # the refused one registered nothing
+    conn.close()
+    second = fkv.KvConnector(engine, layout, other_pool)  # the first is closed: fine
+    assert len(second.handshake_info().pool) == 1
+    second.close()
+
+
 def test_closed_kv_connector_handshake_info():
     # handshake_info() on a closed connector dereferenced its released engine (SIGSEGV).
     torch_or_skip()
