@@ -851,6 +851,55 @@ TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
+TEST(EngineConfigTest, UnknownGpuCopyModeIsAClearError) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            EngineConfig c = testing::test_engine_config("tcp");
+            c.gpu_copy = "fastest";  // was taken silently as "kernel"
+            auto e = TransferEngine::create(c);
+            CHILD_CHECK(!e.ok());
+            CHILD_CHECK(e.status().code() == StatusCode::kInvalidArgument);
+            CHILD_CHECK_MSG(e.status().message().find("gpu_copy must be") != std::string::npos,
+                            "{}", e.status().message());
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// shutdown() from another thread ends a wait in progress with kCancelled, refuses later calls,
+// and leaves the object valid (regions outlive it); regions_registered counts registrations.
+TEST(EngineConfigTest, ShutdownEndsWaitsAndRegistrationsAreCounted) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            CHILD_ASSIGN_OK(auto e, TransferEngine::create(testing::test_engine_config("tcp")));
+            std::vector<uint8_t> b(4096);
+            CHILD_ASSIGN_OK(auto r1, e->register_memory(b.data(), b.size()));
+            CHILD_ASSIGN_OK(auto r2, e->register_memory(b.data(), 64));  // same memory again
+            CHILD_CHECK(e->stats().regions_registered == 2);
+            r2.reset();
+            CHILD_CHECK(e->stats().regions_registered == 1);
+            std::thread closer([&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                e->shutdown();
+            });
+            auto t0 = Clock::now();
+            Status s = e->wait_imm(5, 1, std::chrono::seconds(10));
+            closer.join();
+            CHILD_CHECK_MSG(s.code() == StatusCode::kCancelled, "{}", s.to_string());
+            CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+            e->shutdown();  // idempotent
+            CHILD_CHECK(e->register_memory(b.data(), 64).status().code() == StatusCode::kCancelled);
+            r1.reset();  // after shutdown: nothing to deregister, no crash
+            e.reset();
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
 }  // namespace
 }  // namespace ferry
 
