@@ -811,22 +811,27 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
 INSTANTIATE_TEST_SUITE_P(Providers, EngineTest, ::testing::ValuesIn(testing::test_providers()),
                          [](const auto& info) { return info.param; });
 
-TEST(EngineConfigTest, UnknownProviderIsAClearError) {
+// Creating an engine with `c` (in a child) fails with `code`, the message holding `words`.
+void expect_create_refused(const EngineConfig& c, StatusCode code, const std::string& words) {
     auto results = run_processes(
         1,
-        [](Exchange&) -> std::string {
-            EngineConfig c;
-            c.provider = "nosuchprovider";
+        [&](Exchange&) -> std::string {
             auto e = TransferEngine::create(c);
             CHILD_CHECK(!e.ok());
-            CHILD_CHECK(e.status().code() == StatusCode::kUnavailable);
-            CHILD_CHECK_MSG(e.status().message().find(
-                                "provider 'nosuchprovider' is not available") != std::string::npos,
-                            "{}", e.status().message());
+            CHILD_CHECK(e.status().code() == code);
+            CHILD_CHECK_MSG(e.status().message().find(words) != std::string::npos, "{}",
+                            e.status().message());
             return "";
         },
         kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+TEST(EngineConfigTest, UnknownProviderIsAClearError) {
+    EngineConfig c;
+    c.provider = "nosuchprovider";
+    expect_create_refused(c, StatusCode::kUnavailable,
+                          "provider 'nosuchprovider' is not available");
 }
 
 TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
@@ -852,20 +857,9 @@ TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
 }
 
 TEST(EngineConfigTest, UnknownGpuCopyModeIsAClearError) {
-    auto results = run_processes(
-        1,
-        [](Exchange&) -> std::string {
-            EngineConfig c = testing::test_engine_config("tcp");
-            c.gpu_copy = "fastest";  // was taken silently as "kernel"
-            auto e = TransferEngine::create(c);
-            CHILD_CHECK(!e.ok());
-            CHILD_CHECK(e.status().code() == StatusCode::kInvalidArgument);
-            CHILD_CHECK_MSG(e.status().message().find("gpu_copy must be") != std::string::npos,
-                            "{}", e.status().message());
-            return "";
-        },
-        kRunTimeout);
-    EXPECT_EQ(testing::describe_failures(results), "");
+    EngineConfig c = testing::test_engine_config("tcp");
+    c.gpu_copy = "fastest";  // was taken silently as "kernel"
+    expect_create_refused(c, StatusCode::kInvalidArgument, "gpu_copy must be");
 }
 
 // shutdown() from another thread ends a wait in progress with kCancelled, refuses later calls,
