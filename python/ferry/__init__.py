@@ -10,6 +10,7 @@ GIL, and ferry never calls into Python from its own threads. See docs/PYTHON.md.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 from typing import Any, Optional, Sequence, Tuple, Union
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _U32_MAX = 0xFFFFFFFF
+_I32_MAX = 0x7FFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 
@@ -63,7 +65,7 @@ def __getattr__(name: str) -> Any:
     if name in ("moe", "kv"):
         import importlib
 
-        return importlib.import_module(".moe", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'ferry' has no attribute {name!r}")
 
 
@@ -72,14 +74,46 @@ def gpu_device_count() -> int:
     return _ferry.gpu_device_count()
 
 
-def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    """An int in [lo, hi] (numpy integers too; bool and float refused), or InvalidArgument."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an integer, got bool")
     try:
         v = operator.index(value)
     except TypeError:
         raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}") from None
-    if v < 0 or v > limit:
-        raise InvalidArgument(f"{name} must be in [0, {limit}], got {v}")
+    if v < lo or v > hi:
+        raise InvalidArgument(f"{name} must be in [{lo}, {hi}], got {v}")
     return v
+
+
+def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
+    return _int(name, value, 0, limit)
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _number(name: str, value: Any, unit: str) -> float:
+    """A real number as a float, or InvalidArgument naming the argument (the extension checks
+    the range: finite, >= 0, not absurdly large)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} must be a number of {unit}, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument(f"{name} must be a finite number of {unit}, got {value}") from None
+
+
+def _seconds(name: str, value: Any) -> float:
+    s = _number(name, value, "seconds")
+    if not 0 <= s <= 1e9:  # also NaN; past 1e9 a deadline in ns overflows (convert.h)
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0 (at most 1e9), "
+                              f"got {s}")
+    return s
 
 
 def _imm(imm: Optional[int]) -> Optional[int]:
@@ -105,10 +139,10 @@ def _usable_cpus() -> int:
 def _wait_spin_us(value: Optional[float]) -> float:
     if value is None:
         return _AUTO_WAIT_SPIN_US if _usable_cpus() >= _SPIN_MIN_CPUS else 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgument("wait_spin_us must be a number of microseconds or None (auto), "
                               f"got {type(value).__name__}")
-    return float(value)  # the extension checks the range
+    return _number("wait_spin_us", value, "microseconds")  # the extension checks the range
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -121,20 +155,55 @@ def _device_index(device: Any) -> int:
     """-1 for host memory, the CUDA ordinal for GPU memory."""
     if device is None:
         return -1
-    if isinstance(device, int):
-        return device
+    if isinstance(device, bool):
+        raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                              "ordinal N >= 0, got bool")
+    if isinstance(device, numbers.Integral):
+        if device == -1:
+            return -1
+        return _int("device (a CUDA ordinal, or -1 for host memory)", device, 0, _I32_MAX)
     kind = getattr(device, "type", None)
     index = getattr(device, "index", None)
     if kind is None:  # a string: "cpu", "cuda", "cuda:1"
-        text = str(device)
-        kind, _, idx = text.partition(":")
-        index = int(idx) if idx else None
+        if not isinstance(device, str):
+            raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                                  f"ordinal N >= 0, got {type(device).__name__}")
+        kind, colon, idx = device.partition(":")
+        index = None
+        if colon:
+            if not idx.isdigit():
+                raise InvalidArgument(f"cannot register memory on device '{device}': a device "
+                                      "is 'cpu', 'cuda' or 'cuda:N' with N a CUDA ordinal")
+            index = int(idx)
     if kind == "cpu":
         return -1
     if kind == "cuda":
-        return 0 if index is None else int(index)
+        return 0 if index is None else _int("device", index, 0, _I32_MAX)
     raise InvalidArgument(f"cannot register memory on device '{device}': ferry handles host "
                           "memory and CUDA memory")
+
+
+def _int_array(name: str, values: Any, what: str) -> np.ndarray:
+    """np.asarray(values), with what numpy refuses (ragged nesting, ints past 64 bits, which
+    numpy keeps as Python objects) named as the caller's argument."""
+    if values is None or isinstance(values, (str, bytes)):
+        raise InvalidArgument(f"{name}: {what} must be a sequence or array of integers, got "
+                              f"{type(values).__name__}")
+    try:
+        a = np.asarray(values)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(f"{name}: {what} must be a sequence or array of integers: "
+                              f"{e}") from None
+    if a.dtype == object:
+        flat = a.ravel()
+        bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+        if bad or a.ndim == 0:
+            raise InvalidArgument(f"{name}: {what} must be integers, got "
+                                  f"{type(bad[0] if bad else values).__name__}")
+        lo, hi = min(int(v) for v in flat), max(int(v) for v in flat)
+        raise InvalidArgument(f"{name}: {what} must be in [0, {_U64_MAX}], got "
+                              f"{lo if lo < 0 else hi}")
+    return a
 
 
 def _index_array(name: str, pages: Any) -> np.ndarray:
@@ -146,7 +215,7 @@ def _index_array(name: str, pages: Any) -> np.ndarray:
             raise InvalidArgument(f"{name}: page indices must be integers, got a tensor of "
                                   f"dtype {dtype}")
         pages = pages.detach().cpu().numpy()
-    a = np.asarray(pages)
+    a = _int_array(name, pages, "page indices")
     if a.size == 0:
         return np.empty(0, dtype=np.uint32)
     if a.dtype.kind not in "iu":
@@ -165,7 +234,7 @@ def _runs_array(runs: Any) -> np.ndarray:
     """(src_offset, dst_offset, length) triples as an n x 3 uint64 array."""
     if _is_tensor(runs):
         runs = runs.detach().cpu().numpy()
-    a = np.asarray(runs)
+    a = _int_array("runs", runs, "offsets and lengths")
     if a.size == 0:
         return np.empty((0, 3), dtype=np.uint64)
     if a.dtype.kind not in "iu":
@@ -209,10 +278,12 @@ class TransferEngine:
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
         self._engine = _ferry.Engine(
-            str(provider), bool(same_host), str(node), int(rails), float(op_timeout),
+            _str("provider", provider), bool(same_host), _str("node", node),
+            _int("rails", rails, 1, _I32_MAX), _seconds("op_timeout", op_timeout),
             bool(busy_poll), _uint("stripe_threshold", stripe_threshold),
-            _uint("max_write_size", max_write_size), str(gpu_copy), bool(fabric_gpu_memory),
-            bool(gpu_ipc), float(idle_spin_us), _wait_spin_us(wait_spin_us))
+            _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
+            bool(fabric_gpu_memory), bool(gpu_ipc),
+            _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -319,11 +390,11 @@ class TransferEngine:
     # Target side --------------------------------------------------------------------------
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
         self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
-                              float(timeout))
+                              _seconds("timeout", timeout))
 
     def expect_imm(self, imm: int, count: int = 1, timeout: float = 600.0) -> ImmExpectation:
         return self._engine.expect_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
-                                       float(timeout))
+                                       _seconds("timeout", timeout))
 
     def imm_available(self, imm: int) -> int:
         return self._engine.imm_available(_uint("imm", imm, _U32_MAX))

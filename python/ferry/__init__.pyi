@@ -161,7 +161,8 @@ class TransferEngine:
 
     def stats(self) -> dict:
         """Counters: ops_posted, bytes_posted, eagain, op_errors, op_timeouts, imm_arrivals,
-        messages_received, messages_dropped."""
+        messages_received, messages_dropped, and regions_registered (regions live now: one
+        per Region not closed, plus those of KV connectors and all-to-alls on the engine)."""
 
     def close(self) -> None:
         """Stops the engine's workers and frees its fabric resources (GIL released); calls

@@ -2,7 +2,7 @@
 arguments and turns Python objects (tensors, arrays, page lists) into what this module takes."""
 
 import builtins
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -50,9 +50,10 @@ class InternalError(Error):
 class RemoteRegion:
     """A peer's registered region, parsed from its descriptor bytes. Picklable."""
     @staticmethod
-    def from_bytes(descriptor: bytes) -> RemoteRegion:
+    def from_bytes(descriptor: Union[bytes, bytearray, memoryview]) -> RemoteRegion:
         """Parses ``Region.descriptor`` bytes of a peer; raises ProtocolError when they are
-        truncated, corrupted or from an incompatible build."""
+        truncated, corrupted or from an incompatible build, InvalidArgument when they are not
+        bytes."""
     def to_bytes(self) -> bytes:
         """The descriptor bytes this was parsed from."""
     @property
@@ -106,7 +107,8 @@ class Op:
         before it sleeps). Returns when the operation
         succeeded; raises its error (OutOfRange, Unavailable, TimeoutError...) otherwise, or
         TimeoutError when ``timeout`` passed first. Completion of a write means the source may
-        be reused; the bytes are known to be at the target once it counted the immediate."""
+        be reused; the bytes are known to be at the target once it counted the immediate.
+        ``timeout``: a number of seconds in [0, 1e9], else InvalidArgument."""
     @property
     def imm_writes(self) -> int:
         """Number of writes carrying the immediate that this operation put on the wire: the
@@ -225,7 +227,7 @@ class KvLayout:
     compatibility_hash: int
     """What two sides must agree on (head_dim, elem_size); the handshake checks it."""
     def slab_offset(self, layer: int, part: int, block: int) -> int:
-        """Pool byte offset of a (layer, K=0/V=1, block) slab."""
+        """Pool byte offset of a (layer, K=0/V=1, block) slab; OutOfRange past the layout."""
 
 class KvEvent:
     """What the connector reports, drained by KvConnector.poll().
@@ -267,7 +269,7 @@ class HandshakeInfo:
     tp_size: int
     def to_bytes(self) -> bytes: ...
     @staticmethod
-    def from_bytes(blob: bytes) -> HandshakeInfo: ...
+    def from_bytes(blob: Union[bytes, bytearray, memoryview]) -> HandshakeInfo: ...
 
 class KvConnector:
     """ferry::kv::KvConnector over raw (ptr, nbytes, device) regions; ferry.kv checks the pool's

@@ -19,16 +19,20 @@ that ``poll()`` drains. See docs/PYTHON.md.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
 from . import (
     _U32_MAX,
+    AlreadyExists,
     InvalidArgument,
     TransferEngine,
     _device_index,
     _index_array,
     _is_tensor,
+    _seconds,
+    _str,
     _uint,
 )
 from ._ferry import HandshakeInfo, KvEvent, KvLayout
@@ -113,6 +117,9 @@ def _blobs(name: str, items: Any, what: str) -> List[bytes]:
     """A list of bytes objects from one or a sequence of them (addresses, pull parameters)."""
     if isinstance(items, (bytes, bytearray, memoryview)):
         items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgument(f"{name} must be a list of {what} (bytes), got "
+                              f"{type(items).__name__}")
     out = []
     for i, a in enumerate(items):
         if not isinstance(a, (bytes, bytearray, memoryview)):
@@ -154,7 +161,10 @@ class KvConnector(_Closing):
         if not isinstance(layout, KvLayout):
             raise InvalidArgument(f"layout must be a ferry.kv.KvLayout, got "
                                   f"{type(layout).__name__}")
-        config = config or KvConfig()
+        config = KvConfig() if config is None else config
+        if not isinstance(config, KvConfig):
+            raise InvalidArgument(f"config must be a ferry.kv.KvConfig, got "
+                                  f"{type(config).__name__}")
         if config.pull_mode not in ("background", "inline"):
             raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
                                   f"{config.pull_mode!r}")
@@ -164,13 +174,24 @@ class KvConnector(_Closing):
                 f"pool is split {split!r} ({len(items)} tensors) but the layout says regions="
                 f"{layout.regions!r}: build KvLayout(..., regions={split!r}) for this pool")
         regions = [_region_of(f"pool[{i}]", t, layout) for i, t in enumerate(items)]
+        args = (_uint("tp_rank", config.tp_rank, _U32_MAX),
+                _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
+                _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
+                _uint("imm_count", config.imm_count, _U32_MAX),
+                _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+        # The connector takes the engine's message handler: a second one would silently take
+        # it from the first, whose transfers would then wait out their lease.
+        ref = getattr(engine, "_kv_connector", None)
+        other = ref() if ref is not None else None
+        if other is not None and not other._closed:
+            raise AlreadyExists("this TransferEngine has a KV connector already (one per "
+                                "engine: it owns the engine's messages); close it first or "
+                                "use another engine")
+        self._closed = True  # until the C++ connector runs
         self._layout = layout
-        self._conn = _ferry.KvConnector(
-            engine._engine, layout, _uint("tp_rank", config.tp_rank, _U32_MAX),
-            _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
-            float(config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
-            _uint("imm_count", config.imm_count, _U32_MAX),
-            _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+        self._conn = _ferry.KvConnector(engine._engine, layout, *args)
+        self._closed = False
+        engine._kv_connector = weakref.ref(self)
 
     @property
     def layout(self) -> KvLayout:
@@ -231,7 +252,7 @@ class KvConnector(_Closing):
         return self._conn.poll()
 
     def wait(self, timeout: float) -> bool:
-        return self._conn.wait(float(timeout))
+        return self._conn.wait(_seconds("timeout", timeout))
 
     def handshake_info(self) -> HandshakeInfo:
         return self._conn.handshake_info()
@@ -241,6 +262,7 @@ class KvConnector(_Closing):
 
     # Lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
+        self._closed = True
         self._conn.close()
 
 
@@ -256,9 +278,13 @@ class HandshakeServer(_Closing):
 
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
                  port: int = 0, connection_deadline: float = 1.0) -> None:
-        self._server = _ferry.HandshakeServer(str(host), _uint("port", port, 0xFFFF),
+        if not isinstance(connector, KvConnector):
+            raise InvalidArgument("connector must be a ferry.kv.KvConnector, got "
+                                  f"{type(connector).__name__}")
+        self._server = _ferry.HandshakeServer(_str("host", host), _uint("port", port, 0xFFFF),
                                               connector.handshake_info(), _secret(secret),
-                                              float(connection_deadline))
+                                              _seconds("connection_deadline",
+                                                       connection_deadline))
 
     @property
     def port(self) -> int:
@@ -284,5 +310,6 @@ def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float = 5.0) -> HandshakeInfo:
     if not isinstance(layout, KvLayout):
         raise InvalidArgument(f"layout must be this side's KvLayout, got {type(layout).__name__}")
-    return _ferry.fetch_handshake(str(host), _uint("port", port, 0xFFFF),
-                                  layout.compatibility_hash, _secret(secret), float(timeout))
+    return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
+                                  layout.compatibility_hash, _secret(secret),
+                                  _seconds("timeout", timeout))

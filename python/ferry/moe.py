@@ -19,11 +19,12 @@ views holding the e4m3 bytes.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _ferry
+from . import _ferry, _seconds
 from ._ferry import InvalidArgument
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
@@ -128,6 +129,15 @@ def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
     return g_rank, g_world, _allgather_of(group)
 
 
+def _integers(optional: bool = False, **values: Any) -> None:
+    """Refuses, naming it, an argument that is not an int (optional: None means "not given")."""
+    for name, v in values.items():
+        if v is None and optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidArgument(f"{name} must be an integer, got {type(v).__name__}")
+
+
 def _device(device: Any) -> "torch.device":
     d = torch.device("cpu" if device is None else device)
     if d.type == "cuda" and d.index is None:
@@ -145,6 +155,14 @@ class _Engine:
                  rank: int, world: int, ranks_per_node: int, private_slots: int,
                  alignment: int, device: "torch.device", engine: Any, provider: str,
                  allgather: Callable[[bytes], List[bytes]], timeout: float) -> None:
+        _integers(max_num_tokens=max_tokens, hidden_dim=hidden, num_experts=num_experts,
+                  num_experts_per_token=topk, rank=rank, world_size=world,
+                  ranks_per_node=ranks_per_node, max_private_tokens=private_slots,
+                  expert_padding=alignment)
+        timeout = _seconds("timeout", timeout)
+        if engine is not None and not isinstance(getattr(engine, "_engine", None), _ferry.Engine):
+            raise InvalidArgument(f"engine must be a ferry.TransferEngine, got "
+                                  f"{type(engine).__name__}")
         for name, v in (("max_num_tokens", max_tokens), ("hidden_dim", hidden),
                         ("num_experts", num_experts), ("num_experts_per_token", topk),
                         ("world_size", world), ("ranks_per_node", ranks_per_node)):
@@ -277,6 +295,12 @@ class AllToAll:
                  ranks_per_node: Optional[int] = None,
                  allgather: Optional[Callable[[bytes], List[bytes]]] = None,
                  engine: Any = None, provider: str = "auto", timeout: float = 10.0) -> None:
+        _integers(max_num_tokens=max_num_tokens, num_experts=num_experts,
+                  expert_padding=expert_padding, hidden_dim=hidden_dim,
+                  num_experts_per_token=num_experts_per_token)
+        _integers(optional=True, hidden_dim_scale=hidden_dim_scale,
+                  max_private_tokens=max_private_tokens, rank=rank, world_size=world_size,
+                  ranks_per_node=ranks_per_node)
         kind = _kind("in_dtype", in_dtype)
         if out_dtype is not None and _kind("out_dtype", out_dtype) != kind:
             raise InvalidArgument(f"out_dtype {out_dtype} differs from in_dtype {in_dtype}: "

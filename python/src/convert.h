@@ -8,23 +8,97 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "errors.h"
 #include "ferry/common/clock.h"
+#include "ferry/fabric/engine.h"
 
 namespace ferry::python {
 
+// Turns a _ferry.Engine into a share of its TransferEngine (module.cc owns that class): a KV
+// connector or an all-to-all keeps the engine running for as long as it runs on it.
+using EngineShare = std::shared_ptr<TransferEngine> (*)(pybind11::handle engine);
+
+inline std::string type_name(pybind11::handle obj) {
+    return pybind11::str(pybind11::type::handle_of(obj).attr("__name__"));
+}
+
+// Longer than any wait means (about 31 years): a bigger value would overflow the deadline
+// (now + timeout in nanoseconds) into the past, and a wait would end at once or never.
+constexpr double kMaxSeconds = 1e9;
+
 inline Duration seconds_to_duration(double s, const char* what) {
-    if (!std::isfinite(s) || s < 0) {
+    if (!std::isfinite(s) || s < 0 || s > kMaxSeconds) {
         throw StatusError(invalid_argument(std::string(what) +
                                            " must be a finite number of "
-                                           "seconds >= 0, got " +
+                                           "seconds >= 0 (at most 1e9), got " +
                                            std::to_string(s)));
     }
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+}
+
+// A Python number of seconds (int, float, numpy scalar) as a Duration; anything else (None,
+// a string, a bool) is an InvalidArgument naming `what`, not pybind11's TypeError.
+inline Duration seconds_arg(pybind11::handle v, const char* what) {
+    double s = PyBool_Check(v.ptr()) ? -1.0 : PyFloat_AsDouble(v.ptr());
+    if (PyBool_Check(v.ptr()) || (s == -1.0 && PyErr_Occurred())) {
+        PyErr_Clear();
+        throw StatusError(invalid_argument(std::string(what) +
+                                           " must be a number of seconds, got " + type_name(v)));
+    }
+    return seconds_to_duration(s, what);
+}
+
+// A Python int in [0, 2^32) (numpy integers too); None, a bool, a float, a string or an
+// int out of range is an InvalidArgument naming `what`, not pybind11's TypeError.
+inline uint32_t u32_arg(pybind11::handle v, const char* what) {
+    constexpr unsigned long long kMax = 0xFFFFFFFFull;
+    if (!PyBool_Check(v.ptr()) && PyIndex_Check(v.ptr())) {
+        pybind11::object i = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(v.ptr()));
+        if (i) {
+            int overflow = 0;
+            long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+            if (overflow == 0 && x >= 0 && static_cast<unsigned long long>(x) <= kMax) {
+                return static_cast<uint32_t>(x);
+            }
+            if (!PyErr_Occurred()) {
+                throw StatusError(invalid_argument(std::string(what) + " must be in [0, " +
+                                                   std::to_string(kMax) + "], got " +
+                                                   std::string(pybind11::str(i))));
+            }
+        }
+        PyErr_Clear();
+    }
+    throw StatusError(
+        invalid_argument(std::string(what) + " must be an integer, got " + type_name(v)));
+}
+
+inline std::string str_arg(pybind11::handle v, const char* what) {
+    if (!PyUnicode_Check(v.ptr())) {
+        throw StatusError(
+            invalid_argument(std::string(what) + " must be a string, got " + type_name(v)));
+    }
+    return v.cast<std::string>();
+}
+
+// Bytes-like Python objects (bytes, bytearray, memoryview) as a copy of their bytes; anything
+// else is an InvalidArgument naming `what`.
+inline std::vector<uint8_t> bytes_arg(pybind11::handle v, const char* what) {
+    if (PyBytes_Check(v.ptr()) || PyByteArray_Check(v.ptr()) || PyMemoryView_Check(v.ptr())) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(v.ptr(), &view, PyBUF_C_CONTIGUOUS) == 0) {
+            const auto* p = static_cast<const uint8_t*>(view.buf);
+            std::vector<uint8_t> out(p, p + view.len);
+            PyBuffer_Release(&view);
+            return out;
+        }
+        PyErr_Clear();
+    }
+    throw StatusError(invalid_argument(std::string(what) + " must be bytes, got " + type_name(v)));
 }
 
 // Microseconds in [0, max_us] as a Duration (a spin or nap length).

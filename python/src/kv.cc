@@ -198,13 +198,34 @@ struct PoolRegion {
     int device = -1;
 };
 
+// What a running connector holds, destroyed bottom-up: the connector, then the regions it
+// writes, then the tensors behind them (with the GIL), then (maybe) the engine. Every call that
+// releases the GIL holds a share, so close() on another thread frees nothing under it.
+struct LiveConnector {
+    std::shared_ptr<TransferEngine> engine;
+    py::object owners;  // the tensors behind the regions
+    std::vector<std::unique_ptr<MemoryRegion>> mrs;
+    std::unique_ptr<kv::KvConnector> conn;
+
+    LiveConnector(std::shared_ptr<TransferEngine> e, py::object o)
+        : engine(std::move(e)), owners(std::move(o)) {}
+    LiveConnector(const LiveConnector&) = delete;
+    LiveConnector& operator=(const LiveConnector&) = delete;
+    ~LiveConnector() {
+        conn.reset();  // reports open transfers as cancelled; joins its thread
+        mrs.clear();
+        py::gil_scoped_acquire gil;
+        owners = py::object();
+    }
+};
+
 class Connector {
   public:
     Connector(std::shared_ptr<TransferEngine> engine, const KvLayout& layout, uint32_t tp_rank,
               uint32_t tp_size, const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
               py::object owners, double lease_s, uint32_t imm_base, uint32_t imm_count,
-              uint32_t imm_span, bool pull_inline)
-        : engine_(std::move(engine)), owners_(std::move(owners)) {
+              uint32_t imm_span, bool pull_inline) {
+        auto live = std::make_shared<LiveConnector>(std::move(engine), std::move(owners));
         kv::ConnectorConfig cc;
         cc.self = {layout, tp_rank, tp_size};
         cc.lease = seconds_to_duration(lease_s, "lease");
@@ -230,30 +251,25 @@ class Connector {
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = open(regions, cc, std::move(cb));
+            s = open(*live, regions, cc, std::move(cb));
+            if (!s.ok()) live.reset();  // nothing registered stays behind a refused pool
         }
-        if (!s.ok()) {
-            {
-                py::gil_scoped_release nogil;
-                mrs_.clear();  // nothing registered stays behind a refused pool
-            }
-            check(s);
-        }
+        check(s);
+        live_ = std::move(live);
     }
 
-    kv::KvConnector& get() const {
-        if (!conn_) throw StatusError(cancelled("KV connector is closed (KvConnector.close())"));
-        return *conn_;
+    // A share of the running connector, for a call; Cancelled once closed.
+    std::shared_ptr<LiveConnector> live() const {
+        if (!live_) throw StatusError(cancelled("KV connector is closed (KvConnector.close())"));
+        return live_;
     }
+
+    kv::KvConnector& get() const { return *live()->conn; }
 
     void close() {
-        {
-            py::gil_scoped_release nogil;
-            conn_.reset();  // reports open transfers as cancelled, into events_
-            mrs_.clear();
-            engine_.reset();
-        }
-        owners_ = py::none();
+        std::shared_ptr<LiveConnector> live = std::move(live_);
+        py::gil_scoped_release nogil;
+        live.reset();  // the last share reports open transfers as cancelled, into events_
     }
 
     void announce(uint64_t id, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks) {
@@ -299,10 +315,11 @@ class Connector {
     py::bytes offer_pull(uint64_t id, const Blocks& blocks, uint32_t num_tokens) {
         auto b = to_blocks(blocks);
         Result<kv::PullParamsMsg> r = internal_error("unset");
-        kv::KvConnector& c = get();
+        std::shared_ptr<LiveConnector> l = live();
         {
             py::gil_scoped_release nogil;
-            r = c.offer_pull(id, std::move(b), num_tokens);
+            r = l->conn->offer_pull(id, std::move(b), num_tokens);
+            l.reset();
         }
         return to_bytes(kv::encode_message(take(std::move(r))));
     }
@@ -339,10 +356,11 @@ class Connector {
     }
 
     kv::HandshakeInfo handshake_info() const {
+        std::shared_ptr<LiveConnector> l = live();
         kv::HandshakeInfo info;
-        info.address = engine_->address();
-        for (const auto& mr : mrs_) info.pool.push_back(mr->descriptor());
-        const kv::ConnectorConfig& c = get().config();
+        info.address = l->engine->address();
+        for (const auto& mr : l->mrs) info.pool.push_back(mr->descriptor());
+        const kv::ConnectorConfig& c = l->conn->config();
         info.layout = c.self.layout;
         info.tp_rank = c.self.tp_rank;
         info.tp_size = c.self.tp_size;
@@ -366,44 +384,42 @@ class Connector {
         return d;
     }
 
-    const KvLayout& layout() const { return get().config().self.layout; }
+    KvLayout layout() const { return get().config().self.layout; }
 
   private:
-    Status open(const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
-                const kv::ConnectorConfig& cc, kv::ConnectorCallbacks cb) {
+    static Status open(LiveConnector& live,
+                       const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+                       const kv::ConnectorConfig& cc, kv::ConnectorCallbacks cb) {
         kv::KvPoolRegions pool;
         for (size_t i = 0; i < regions.size(); ++i) {
             auto [ptr, nbytes, device] = regions[i];
-            auto mr = engine_->register_memory(reinterpret_cast<void*>(ptr), nbytes,
-                                               device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost,
-                                               device);
+            auto mr = live.engine->register_memory(
+                reinterpret_cast<void*>(ptr), nbytes,
+                device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost, device);
             if (!mr.ok()) return mr.status().with_context("pool[" + std::to_string(i) + "]");
             pool.regions.push_back(mr->get());
-            mrs_.push_back(std::move(mr).value());
+            live.mrs.push_back(std::move(mr).value());
         }
-        auto c = kv::KvConnector::create(engine_.get(), pool, cc, std::move(cb));
+        auto c = kv::KvConnector::create(live.engine.get(), pool, cc, std::move(cb));
         if (!c.ok()) return c.status();
-        conn_ = std::move(c).value();
+        live.conn = std::move(c).value();
         return ok_status();
     }
 
     template <typename F>
     void call(F&& fn) {
-        kv::KvConnector& c = get();
+        std::shared_ptr<LiveConnector> l = live();
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = fn(c);
+            s = fn(*l->conn);
+            l.reset();  // the last share (close() ran meanwhile) is let go without the GIL
         }
         check(s);
     }
 
-    // Destroyed bottom-up: the connector, then the regions it writes, then (maybe) the engine.
-    std::shared_ptr<TransferEngine> engine_;
-    py::object owners_;  // the tensors behind the regions
-    std::vector<std::unique_ptr<MemoryRegion>> mrs_;
     std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
-    std::unique_ptr<kv::KvConnector> conn_;
+    std::shared_ptr<LiveConnector> live_;
 };
 
 class HandshakeServer {
@@ -443,9 +459,18 @@ py::list descriptors_of(const kv::HandshakeInfo& i) {
 
 void register_kv(py::module_& m, EngineShare engine_share) {
     py::class_<KvLayout>(m, "KvLayout")
-        .def(py::init(&make_layout), py::arg("num_layers"), py::arg("num_kv_heads"),
-             py::arg("head_dim"), py::arg("elem_size"), py::arg("block_size"),
-             py::arg("num_blocks"), py::arg("placement") = "separate", py::arg("order") = "NHD",
+        .def(py::init([](py::handle layers, py::handle heads, py::handle head_dim,
+                         py::handle elem_size, py::handle block_size, py::handle blocks,
+                         py::handle placement, py::handle order, py::handle regions) {
+                 return make_layout(u32_arg(layers, "num_layers"), u32_arg(heads, "num_kv_heads"),
+                                    u32_arg(head_dim, "head_dim"), u32_arg(elem_size, "elem_size"),
+                                    u32_arg(block_size, "block_size"),
+                                    u32_arg(blocks, "num_blocks"), str_arg(placement, "placement"),
+                                    str_arg(order, "order"), str_arg(regions, "regions"));
+             }),
+             py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
+             py::arg("elem_size"), py::arg("block_size"), py::arg("num_blocks"),
+             py::arg("placement") = "separate", py::arg("order") = "NHD",
              py::arg("regions") = "one")
         .def_readonly("num_layers", &KvLayout::num_layers)
         .def_readonly("num_kv_heads", &KvLayout::num_kv_heads)
@@ -467,12 +492,28 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def_property_readonly("region_count", &KvLayout::region_count)
         .def_property_readonly("region_bytes", &KvLayout::region_bytes)
         .def_property_readonly("compatibility_hash", &KvLayout::compatibility_hash)
-        .def("slab_offset",
-             [](const KvLayout& l, uint32_t layer, uint32_t part, uint32_t block) {
-                 if (part > 1) throw StatusError(invalid_argument("part is 0 (K) or 1 (V)"));
-                 return l.slab_offset(layer, static_cast<kv::KvPart>(part), block);
+        .def(
+            "slab_offset",
+            [](const KvLayout& l, py::handle layer_arg, py::handle part_arg, py::handle block_arg) {
+                uint32_t layer = u32_arg(layer_arg, "layer"), part = u32_arg(part_arg, "part"),
+                         block = u32_arg(block_arg, "block");
+                if (part > 1) throw StatusError(invalid_argument("part is 0 (K) or 1 (V)"));
+                if (layer >= l.num_layers || block >= l.num_blocks) {
+                    throw StatusError(out_of_range("slab_offset(layer " + std::to_string(layer) +
+                                                   ", block " + std::to_string(block) +
+                                                   ") is outside the layout's " +
+                                                   std::to_string(l.num_layers) + " layers x " +
+                                                   std::to_string(l.num_blocks) + " blocks"));
+                }
+                return l.slab_offset(layer, static_cast<kv::KvPart>(part), block);
+            },
+            py::arg("layer"), py::arg("part"), py::arg("block"))
+        .def("__eq__",
+             [](const KvLayout& a, py::handle b) -> py::object {
+                 if (!py::isinstance<KvLayout>(b))
+                     return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+                 return py::bool_(a == b.cast<const KvLayout&>());
              })
-        .def("__eq__", [](const KvLayout& a, const KvLayout& b) { return a == b; })
         .def("__repr__",
              [](const KvLayout& l) { return "ferry.kv.KvLayout(" + l.to_string() + ")"; })
         .def(py::pickle(
@@ -484,10 +525,11 @@ void register_kv(py::module_& m, EngineShare engine_share) {
             },
             [](const py::tuple& t) {
                 if (t.size() != 9) throw StatusError(protocol_error("bad pickled KvLayout"));
-                return make_layout(
-                    t[0].cast<uint32_t>(), t[1].cast<uint32_t>(), t[2].cast<uint32_t>(),
-                    t[3].cast<uint32_t>(), t[4].cast<uint32_t>(), t[5].cast<uint32_t>(),
-                    t[6].cast<std::string>(), t[7].cast<std::string>(), t[8].cast<std::string>());
+                return make_layout(u32_arg(t[0], "num_layers"), u32_arg(t[1], "num_kv_heads"),
+                                   u32_arg(t[2], "head_dim"), u32_arg(t[3], "elem_size"),
+                                   u32_arg(t[4], "block_size"), u32_arg(t[5], "num_blocks"),
+                                   str_arg(t[6], "placement"), str_arg(t[7], "order"),
+                                   str_arg(t[8], "regions"));
             }));
 
     py::class_<Event>(m, "KvEvent")
@@ -515,8 +557,8 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def_readonly("tp_rank", &kv::HandshakeInfo::tp_rank)
         .def_readonly("tp_size", &kv::HandshakeInfo::tp_size)
         .def("to_bytes", [](const kv::HandshakeInfo& i) { return to_bytes(i.serialize()); })
-        .def_static("from_bytes", [](const py::bytes& b) {
-            auto r = kv::HandshakeInfo::deserialize(bytes_span(b));
+        .def_static("from_bytes", [](py::handle b) {
+            auto r = kv::HandshakeInfo::deserialize(bytes_arg(b, "handshake info"));
             if (!r.ok()) check(r.status().with_context("bad handshake info"));
             return std::move(r).value();
         });

@@ -2,15 +2,12 @@
 
 #include <string>
 
+#include "convert.h"
 #include "errors.h"
 
 namespace py = pybind11;
 
 namespace ferry::python {
-
-namespace {
-std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
-}  // namespace
 
 BufferHold BufferHold::acquire(py::handle obj, bool writable) {
     if (!PyObject_CheckBuffer(obj.ptr())) {

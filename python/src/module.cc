@@ -47,38 +47,52 @@ struct RemoteRegion {
     MemoryDescriptor desc;
     std::vector<uint8_t> blob;
 
-    static std::shared_ptr<RemoteRegion> from_bytes(const py::bytes& b) {
+    static std::shared_ptr<RemoteRegion> from_bytes(py::handle b) {
         auto r = std::make_shared<RemoteRegion>();
-        auto span = bytes_span(b);
-        auto d = MemoryDescriptor::deserialize(span);
+        r->blob = bytes_arg(b, "descriptor");
+        auto d = MemoryDescriptor::deserialize(r->blob);
         if (!d.ok()) {
             check(d.status().with_context(
-                "bad region descriptor (" + std::to_string(span.size()) +
+                "bad region descriptor (" + std::to_string(r->blob.size()) +
                 " bytes; pass Region.descriptor of the peer's region, unchanged)"));
         }
         r->desc = std::move(d).value();
-        r->blob.assign(span.begin(), span.end());
         return r;
     }
 };
 
 // A registered local region. Holds what keeps the memory valid: the buffer (BufferHold) or
-// the Python owner of a tensor / pointer.
+// the Python owner of a tensor / pointer, in a Held that every call posting on the region
+// shares until it has posted, so close() on another thread frees nothing under it.
 struct Region {
-    std::unique_ptr<MemoryRegion> mr;
-    BufferHold buffer;
-    py::object owner;
+    struct Held {
+        std::unique_ptr<MemoryRegion> mr;
+        BufferHold buffer;
+        py::object owner;
+
+        Held() = default;
+        Held(const Held&) = delete;
+        Held& operator=(const Held&) = delete;
+        ~Held() {
+            mr.reset();  // waits (up to op_timeout) for operations libfabric still holds on it
+            py::gil_scoped_acquire gil;
+            buffer.release();
+            owner = py::object();
+        }
+    };
+    std::shared_ptr<Held> held = std::make_shared<Held>();
     bool read_only = false;
 
-    const MemoryRegion& get() const {
-        if (!mr)
+    const MemoryRegion& get() const { return *hold()->mr; }
+    std::shared_ptr<Held> hold() const {
+        if (!held || !held->mr)
             throw StatusError(invalid_argument("region is closed (Region.close() was called)"));
-        return *mr;
+        return held;
     }
     void close() {
-        mr.reset();
-        buffer.release();
-        owner = py::none();
+        std::shared_ptr<Held> h = std::move(held);
+        py::gil_scoped_release nogil;
+        h.reset();  // the last share deregisters, then lets the memory go
     }
 };
 
@@ -90,8 +104,8 @@ struct Op {
     Duration spin{};  // the engine's wait_spin_us
 
     bool done() const { return handle.done(); }  // a flag read: keeps the GIL
-    void wait(double timeout_s) const {
-        Duration t = seconds_to_duration(timeout_s, "timeout");
+    void wait(py::handle timeout) const {
+        Duration t = seconds_arg(timeout, "timeout");
         Status s;
         {
             py::gil_scoped_release nogil;
@@ -116,8 +130,8 @@ struct ImmExpectation {
     Duration spin{};  // the engine's wait_spin_us
 
     bool done() const { return state->done.load(std::memory_order_acquire); }
-    void wait(double timeout_s) const {
-        Duration t = seconds_to_duration(timeout_s, "timeout");
+    void wait(py::handle timeout) const {
+        Duration t = seconds_arg(timeout, "timeout");
         Status s;
         {
             py::gil_scoped_release nogil;
@@ -135,6 +149,11 @@ struct ImmExpectation {
     }
 };
 
+// Two references to one TransferEngine: users_ is held by this object and by the KV
+// connectors and all-to-alls built on it, and shuts the engine down when the last of them
+// lets go; core_ keeps the object itself alive, and every call that releases the GIL holds a
+// copy of it. So close() on one thread while another waits in wait_imm (or connects,
+// registers, posts) ends that wait with Cancelled instead of freeing the engine under it.
 class Engine {
   public:
     Engine(const EngineConfig& config, Duration wait_spin) : wait_spin_(wait_spin) {
@@ -143,25 +162,36 @@ class Engine {
             py::gil_scoped_release nogil;
             r = TransferEngine::create(config);
         }
-        engine_ = std::shared_ptr<TransferEngine>(take(std::move(r)));
+        core_ = std::shared_ptr<TransferEngine>(take(std::move(r)));
+        std::shared_ptr<TransferEngine> core = core_;
+        users_ = std::shared_ptr<TransferEngine>(core.get(),
+                                                 [core](TransferEngine* e) { e->shutdown(); });
     }
 
     TransferEngine& get() const {
-        if (!engine_) throw StatusError(cancelled("engine is closed (TransferEngine.close())"));
-        return *engine_;
+        if (!users_) throw StatusError(cancelled("engine is closed (TransferEngine.close())"));
+        return *users_;
     }
 
-    // A KV connector shares the engine (it must not outlive it): the engine's workers are
-    // joined when the last of this object and its connectors lets go.
+    // For a call that releases the GIL: the engine stays a valid object until the copy goes.
+    std::shared_ptr<TransferEngine> hold() const {
+        get();
+        return core_;
+    }
+
+    // A KV connector or an all-to-all shares the engine (it must not outlive it): the engine's
+    // workers are joined when the last of this object and those lets go.
     std::shared_ptr<TransferEngine> share() const {
         get();
-        return engine_;
+        return users_;
     }
 
     void close() {
-        std::shared_ptr<TransferEngine> e = std::move(engine_);
+        std::shared_ptr<TransferEngine> users = std::move(users_);
+        std::shared_ptr<TransferEngine> core = std::move(core_);
         py::gil_scoped_release nogil;
-        e.reset();  // joins the workers; nothing there waits for the GIL
+        users.reset();  // the last user shuts down: joins the workers, ends waits elsewhere
+        core.reset();   // nothing there waits for the GIL
     }
 
     py::bytes address() const { return to_bytes(get().address().serialize()); }
@@ -175,27 +205,29 @@ class Engine {
                 " bytes; pass TransferEngine.address of the peer, unchanged)"));
         }
         Result<PeerId> p = internal_error("unset");
+        std::shared_ptr<TransferEngine> e = hold();
         {
             py::gil_scoped_release nogil;
-            p = get().connect(*a);
+            p = e->connect(*a);
         }
         return take(std::move(p));
     }
 
     std::shared_ptr<Region> register_buffer(py::handle obj, bool read_only) {
         auto region = std::make_shared<Region>();
-        region->buffer = BufferHold::acquire(obj, !read_only);
-        region->read_only = region->buffer.read_only();
-        region->owner = py::reinterpret_borrow<py::object>(obj);
-        return finish_register(region, region->buffer.data(), region->buffer.size(),
+        region->held->buffer = BufferHold::acquire(obj, !read_only);
+        region->read_only = region->held->buffer.read_only();
+        region->held->owner = py::reinterpret_borrow<py::object>(obj);
+        return finish_register(region, region->held->buffer.data(), region->held->buffer.size(),
                                MemoryKind::kHost, -1);
     }
 
     std::shared_ptr<Region> register_ptr(uint64_t ptr, uint64_t nbytes, int device,
                                          py::object owner, bool read_only) {
+        if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
         if (ptr == 0) throw StatusError(invalid_argument("cannot register a null pointer"));
         auto region = std::make_shared<Region>();
-        region->owner = std::move(owner);
+        region->held->owner = std::move(owner);
         region->read_only = read_only;
         return finish_register(region, reinterpret_cast<void*>(ptr), nbytes,
                                device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost, device);
@@ -205,7 +237,8 @@ class Engine {
     Op write(PeerId peer, const Region& src, py::handle src_obj, const RemoteRegion& dst,
              py::handle dst_obj, uint64_t src_offset, uint64_t dst_offset, uint64_t nbytes,
              std::optional<uint32_t> imm) {
-        WriteOp w{peer, &src.get(), src_offset, &dst.desc, dst_offset, nbytes, imm};
+        auto keep = src.hold();
+        WriteOp w{peer, keep->mr.get(), src_offset, &dst.desc, dst_offset, nbytes, imm};
         return submit(py::reinterpret_borrow<py::object>(src_obj),
                       py::reinterpret_borrow<py::object>(dst_obj),
                       [&](TransferEngine& e) { return e.write(w); });
@@ -215,9 +248,10 @@ class Engine {
                    uint64_t src_stride, std::shared_ptr<RemoteRegion> dst, const Pages& dst_pages,
                    uint64_t dst_stride, uint64_t page_bytes, uint64_t src_offset,
                    uint64_t dst_offset, std::optional<uint32_t> imm) {
+        auto keep = src->hold();
         PagedWriteOp w;
         w.peer = peer;
-        w.src = &src->get();
+        w.src = keep->mr.get();
         w.dst = &dst->desc;
         w.page_size = page_bytes;
         w.src_stride = src_stride;
@@ -234,7 +268,8 @@ class Engine {
     Op write_runs(PeerId peer, std::shared_ptr<Region> src, std::shared_ptr<RemoteRegion> dst,
                   const Runs& runs, std::optional<uint32_t> imm) {
         std::vector<WriteRun> rs = to_runs(runs);
-        WriteRunsOp w{peer, &src->get(), &dst->desc, rs, imm};
+        auto keep = src->hold();
+        WriteRunsOp w{peer, keep->mr.get(), &dst->desc, rs, imm};
         return submit(py::cast(src), py::cast(dst),
                       [&](TransferEngine& e) { return e.write_runs(w); });
     }
@@ -242,7 +277,8 @@ class Engine {
     Op read(PeerId peer, std::shared_ptr<Region> dst, uint64_t dst_offset,
             std::shared_ptr<RemoteRegion> src, uint64_t src_offset, uint64_t nbytes) {
         refuse_read_only(*dst, "read");
-        ReadOp r{peer, &dst->get(), dst_offset, &src->desc, src_offset, nbytes};
+        auto keep = dst->hold();
+        ReadOp r{peer, keep->mr.get(), dst_offset, &src->desc, src_offset, nbytes};
         return submit(py::cast(src), py::cast(dst), [&](TransferEngine& e) { return e.read(r); });
     }
 
@@ -250,7 +286,8 @@ class Engine {
                  const Runs& runs) {
         refuse_read_only(*dst, "read_runs");
         std::vector<WriteRun> rs = to_runs(runs);
-        ReadRunsOp r{peer, &dst->get(), &src->desc, rs};
+        auto keep = dst->hold();
+        ReadRunsOp r{peer, keep->mr.get(), &src->desc, rs};
         return submit(py::cast(src), py::cast(dst),
                       [&](TransferEngine& e) { return e.read_runs(r); });
     }
@@ -262,11 +299,11 @@ class Engine {
 
     void wait_imm(uint32_t imm, uint64_t count, double timeout_s) {
         Duration t = seconds_to_duration(timeout_s, "timeout");
-        TransferEngine& e = get();
+        std::shared_ptr<TransferEngine> e = hold();
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = e.wait_imm(imm, count, t, wait_spin_);
+            s = e->wait_imm(imm, count, t, wait_spin_);
         }
         check(s);
     }
@@ -277,10 +314,10 @@ class Engine {
         x.imm = imm;
         x.count = count;
         x.spin = wait_spin_;
-        TransferEngine& e = get();
+        std::shared_ptr<TransferEngine> e = hold();
         auto state = x.state;
         py::gil_scoped_release nogil;
-        e.on_imm(imm, count, t, [state](const Status& s) {
+        e->on_imm(imm, count, t, [state](const Status& s) {
             {
                 std::lock_guard<std::mutex> l(state->mu);
                 state->result = s;
@@ -306,6 +343,7 @@ class Engine {
         d["imm_arrivals"] = s.imm_arrivals;
         d["messages_received"] = s.messages_received;
         d["messages_dropped"] = s.messages_dropped;
+        d["regions_registered"] = s.regions_registered;
         return d;
     }
 
@@ -313,13 +351,13 @@ class Engine {
     std::shared_ptr<Region> finish_register(std::shared_ptr<Region> region, void* ptr,
                                             uint64_t nbytes, MemoryKind kind, int device) {
         if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
-        TransferEngine& e = get();
+        std::shared_ptr<TransferEngine> e = hold();
         Result<std::unique_ptr<MemoryRegion>> r = internal_error("unset");
         {
             py::gil_scoped_release nogil;
-            r = e.register_memory(ptr, nbytes, kind, device);
+            r = e->register_memory(ptr, nbytes, kind, device);
         }
-        region->mr = take(std::move(r));
+        region->held->mr = take(std::move(r));
         return region;
     }
 
@@ -344,11 +382,11 @@ class Engine {
 
     template <typename F>
     Op submit(py::object keep_src, py::object keep_dst, F&& post) {
-        TransferEngine& e = get();
+        std::shared_ptr<TransferEngine> e = hold();
         Op op;
         {
             py::gil_scoped_release nogil;
-            op.handle = post(e);
+            op.handle = post(*e);
         }
         op.keep_src = std::move(keep_src);
         op.keep_dst = std::move(keep_dst);
@@ -356,7 +394,8 @@ class Engine {
         return op;
     }
 
-    std::shared_ptr<TransferEngine> engine_;
+    std::shared_ptr<TransferEngine> users_;
+    std::shared_ptr<TransferEngine> core_;
     Duration wait_spin_{};  // how long waits poll before they sleep
 };
 
@@ -485,7 +524,7 @@ PYBIND11_MODULE(_ferry, m) {
                             if (t.size() != 1) {
                                 throw StatusError(protocol_error("bad pickled RemoteRegion"));
                             }
-                            return RemoteRegion::from_bytes(t[0].cast<py::bytes>());
+                            return RemoteRegion::from_bytes(t[0]);
                         }));
 
     py::class_<Region, std::shared_ptr<Region>>(m, "Region")
@@ -504,8 +543,9 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("device",
                                [](const Region& r) { return r.get().descriptor().device; })
         .def_property_readonly("read_only", [](const Region& r) { return r.read_only; })
-        .def_property_readonly("owner", [](const Region& r) { return r.owner; })
-        .def_property_readonly("closed", [](const Region& r) { return r.mr == nullptr; })
+        .def_property_readonly("owner",
+                               [](const Region& r) { return r.held ? r.held->owner : py::none(); })
+        .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
         .def("close", &Region::close);
 
     py::class_<Op>(m, "Op")
@@ -562,7 +602,7 @@ PYBIND11_MODULE(_ferry, m) {
 
     FastWrite::install(engine_class);
 
-    register_moe(m, [](py::handle engine) { return &engine.cast<Engine&>().get(); });
+    register_moe(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
     register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
 
     m.def("gpu_device_count", [] {

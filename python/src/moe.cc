@@ -81,18 +81,17 @@ void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets
 
 class MoeAllToAll {
   public:
-    MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device, TransferEngine* engine,
-                py::function allgather, double timeout_s)
-        : cfg_(cfg), cuda_(cuda) {
+    MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device,
+                std::shared_ptr<TransferEngine> engine, py::function allgather, double timeout_s)
+        : cfg_(cfg), cuda_(cuda), engine_(std::move(engine)) {
         if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
-        auto timeout =
-            std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
+        Duration timeout = seconds_to_duration(timeout_s, "timeout");
         moe::AllGatherFn ag = wrap_allgather(std::move(allgather));
         if (cuda) {
             moe::CudaAllToAllOptions o;
             o.timeout = timeout;
             o.device = device;
-            o.engine = engine;
+            o.engine = engine_.get();
             Result<std::unique_ptr<moe::CudaAllToAll>> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
@@ -100,7 +99,7 @@ class MoeAllToAll {
             }
             gpu_ = take(std::move(r));
         } else {
-            if (!engine)
+            if (!engine_)
                 throw StatusError(invalid_argument(
                     "the CPU all-to-all needs a TransferEngine (it registers its buffers)"));
             moe::AllToAllOptions o;
@@ -108,7 +107,7 @@ class MoeAllToAll {
             Result<std::unique_ptr<moe::AllToAll>> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
-                r = moe::AllToAll::create(cfg, engine, ag, o);
+                r = moe::AllToAll::create(cfg, engine_.get(), ag, o);
             }
             cpu_ = take(std::move(r));
         }
@@ -118,6 +117,7 @@ class MoeAllToAll {
         py::gil_scoped_release nogil;
         cpu_.reset();
         gpu_.reset();
+        engine_.reset();
     }
 
     // num_tokens (CPU) or num_tokens_dev (CUDA: a uint32 on the device). indices: int32, or
@@ -262,40 +262,44 @@ class MoeAllToAll {
 
     AllToAllConfig cfg_;
     bool cuda_;
+    // Destroyed bottom-up: the all-to-all, then (maybe) the engine it runs on.
+    std::shared_ptr<TransferEngine> engine_;
     std::unique_ptr<moe::AllToAll> cpu_;
     std::unique_ptr<moe::CudaAllToAll> gpu_;
 };
 
 }  // namespace
 
-void register_moe(py::module_& m, EngineOf engine_of) {
+void register_moe(py::module_& m, EngineShare engine_share) {
     py::class_<MoeAllToAll>(m, "MoeAllToAll")
-        .def(py::init([engine_of](uint32_t max_tokens, uint32_t hidden, const std::string& dtype,
-                                  uint32_t num_experts, uint32_t topk, uint32_t rank,
-                                  uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
-                                  uint32_t alignment, bool cuda, int device, py::object engine,
-                                  py::function allgather, double timeout_s) {
-                 AllToAllConfig c;
-                 c.max_tokens_per_rank = max_tokens;
-                 c.hidden = hidden;
-                 if (!moe::parse_dtype(dtype, &c.dtype))
-                     throw StatusError(invalid_argument("unknown MoE dtype " + dtype));
-                 c.num_experts = num_experts;
-                 c.experts_per_token = topk;
-                 c.rank = rank;
-                 c.world_size = world;
-                 c.ranks_per_node = ranks_per_node;
-                 c.private_slots_per_sender = private_slots;
-                 c.group_alignment = alignment;
-                 c.combine = moe::CombineMode::kPerHit;
-                 TransferEngine* e = engine.is_none() ? nullptr : engine_of(engine);
-                 return std::make_unique<MoeAllToAll>(c, cuda, device, e, std::move(allgather),
-                                                      timeout_s);
-             }),
-             py::arg("max_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("num_experts"),
-             py::arg("topk"), py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"),
-             py::arg("private_slots"), py::arg("alignment"), py::arg("cuda"), py::arg("device"),
-             py::arg("engine"), py::arg("allgather"), py::arg("timeout"))
+        .def(
+            py::init([engine_share](uint32_t max_tokens, uint32_t hidden, const std::string& dtype,
+                                    uint32_t num_experts, uint32_t topk, uint32_t rank,
+                                    uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
+                                    uint32_t alignment, bool cuda, int device, py::object engine,
+                                    py::function allgather, double timeout_s) {
+                AllToAllConfig c;
+                c.max_tokens_per_rank = max_tokens;
+                c.hidden = hidden;
+                if (!moe::parse_dtype(dtype, &c.dtype))
+                    throw StatusError(invalid_argument("unknown MoE dtype " + dtype));
+                c.num_experts = num_experts;
+                c.experts_per_token = topk;
+                c.rank = rank;
+                c.world_size = world;
+                c.ranks_per_node = ranks_per_node;
+                c.private_slots_per_sender = private_slots;
+                c.group_alignment = alignment;
+                c.combine = moe::CombineMode::kPerHit;
+                std::shared_ptr<TransferEngine> e =
+                    engine.is_none() ? nullptr : engine_share(engine);
+                return std::make_unique<MoeAllToAll>(c, cuda, device, std::move(e),
+                                                     std::move(allgather), timeout_s);
+            }),
+            py::arg("max_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("num_experts"),
+            py::arg("topk"), py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"),
+            py::arg("private_slots"), py::arg("alignment"), py::arg("cuda"), py::arg("device"),
+            py::arg("engine"), py::arg("allgather"), py::arg("timeout"))
         .def("dispatch_send", &MoeAllToAll::dispatch_send)
         .def("dispatch_recv", &MoeAllToAll::dispatch_recv)
         .def("combine_send", &MoeAllToAll::combine_send)

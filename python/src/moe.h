@@ -3,12 +3,10 @@
 
 #include <pybind11/pybind11.h>
 
-#include "ferry/fabric/engine.h"
+#include "convert.h"
 
 namespace ferry::python {
 
-// engine_of turns a _ferry.Engine into its TransferEngine (module.cc owns that class).
-using EngineOf = TransferEngine* (*)(pybind11::handle engine);
-void register_moe(pybind11::module_& m, EngineOf engine_of);
+void register_moe(pybind11::module_& m, EngineShare engine_share);
 
 }  // namespace ferry::python

@@ -68,6 +68,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const EngineConfi
 TransferEngine::TransferEngine(std::shared_ptr<detail::EngineImpl> impl) : impl_(std::move(impl)) {}
 
 TransferEngine::~TransferEngine() { impl_->shutdown(); }
+void TransferEngine::shutdown() { impl_->shutdown(); }
 
 const EngineAddress& TransferEngine::address() const { return impl_->address; }
 uint64_t TransferEngine::engine_id() const { return impl_->address.engine_id; }

@@ -65,6 +65,12 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         return invalid_argument(fmt::format("num_rails must be 1..32, got {}", config.num_rails));
     }
     if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
+    if (config.gpu_copy != "auto" && config.gpu_copy != "kernel" &&
+        config.gpu_copy != "copy-engine") {
+        return invalid_argument(
+            fmt::format("gpu_copy must be \"auto\", \"kernel\" or \"copy-engine\", got \"{}\"",
+                        config.gpu_copy));
+    }
     FERRY_ASSIGN_OR_RETURN(provider, resolve_provider_name(config));
     FERRY_ASSIGN_OR_RETURN(auto infos, get_infos(provider, config));
     bool fabric_gpu = false;
@@ -325,6 +331,7 @@ void EngineImpl::set_message_handler(MessageHandler handler) {
 EngineStats EngineImpl::stats() const {
     EngineStats s = rails.stats();
     s.messages_dropped += control_.dropped();
+    s.regions_registered = memory_.count();
     return s;
 }
 

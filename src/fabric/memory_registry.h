@@ -54,6 +54,11 @@ class MemoryRegistry {
     // Shutdown, after the rails stopped: closes every registration left, except on wedged
     // rails (their domain is never closed either).
     void close_all();
+    // Registrations live now.
+    size_t count() const {
+        std::lock_guard lk(mu_);
+        return mrs_.size();
+    }
 
   private:
     // Registers on every rail (CUDA memory on cuda_device when >= 0), filling keys and local
@@ -64,7 +69,7 @@ class MemoryRegistry {
     GpuCopyPath& gpu_;
     Settings settings_;
 
-    std::mutex mu_;
+    mutable std::mutex mu_;
     uint32_t next_id_ = 1;
     struct Registered {
         const void* base = nullptr;

@@ -811,22 +811,27 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
 INSTANTIATE_TEST_SUITE_P(Providers, EngineTest, ::testing::ValuesIn(testing::test_providers()),
                          [](const auto& info) { return info.param; });
 
-TEST(EngineConfigTest, UnknownProviderIsAClearError) {
+// Creating an engine with `c` (in a child) fails with `code`, the message holding `words`.
+void expect_create_refused(const EngineConfig& c, StatusCode code, const std::string& words) {
     auto results = run_processes(
         1,
-        [](Exchange&) -> std::string {
-            EngineConfig c;
-            c.provider = "nosuchprovider";
+        [&](Exchange&) -> std::string {
             auto e = TransferEngine::create(c);
             CHILD_CHECK(!e.ok());
-            CHILD_CHECK(e.status().code() == StatusCode::kUnavailable);
-            CHILD_CHECK_MSG(e.status().message().find(
-                                "provider 'nosuchprovider' is not available") != std::string::npos,
-                            "{}", e.status().message());
+            CHILD_CHECK(e.status().code() == code);
+            CHILD_CHECK_MSG(e.status().message().find(words) != std::string::npos, "{}",
+                            e.status().message());
             return "";
         },
         kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+TEST(EngineConfigTest, UnknownProviderIsAClearError) {
+    EngineConfig c;
+    c.provider = "nosuchprovider";
+    expect_create_refused(c, StatusCode::kUnavailable,
+                          "provider 'nosuchprovider' is not available");
 }
 
 TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
@@ -845,6 +850,44 @@ TEST(EngineConfigTest, GpuMemoryWithoutAGpuIsRefusedClearly) {
             CHILD_CHECK_MSG(m.find("CUDA") != std::string::npos ||
                                 m.find("is not device memory") != std::string::npos,
                             "{}", m);
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+TEST(EngineConfigTest, UnknownGpuCopyModeIsAClearError) {
+    EngineConfig c = testing::test_engine_config("tcp");
+    c.gpu_copy = "fastest";  // was taken silently as "kernel"
+    expect_create_refused(c, StatusCode::kInvalidArgument, "gpu_copy must be");
+}
+
+// shutdown() from another thread ends a wait in progress with kCancelled, refuses later calls,
+// and leaves the object valid (regions outlive it); regions_registered counts registrations.
+TEST(EngineConfigTest, ShutdownEndsWaitsAndRegistrationsAreCounted) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            CHILD_ASSIGN_OK(auto e, TransferEngine::create(testing::test_engine_config("tcp")));
+            std::vector<uint8_t> b(4096);
+            CHILD_ASSIGN_OK(auto r1, e->register_memory(b.data(), b.size()));
+            CHILD_ASSIGN_OK(auto r2, e->register_memory(b.data(), 64));  // same memory again
+            CHILD_CHECK(e->stats().regions_registered == 2);
+            r2.reset();
+            CHILD_CHECK(e->stats().regions_registered == 1);
+            std::thread closer([&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                e->shutdown();
+            });
+            auto t0 = Clock::now();
+            Status s = e->wait_imm(5, 1, std::chrono::seconds(10));
+            closer.join();
+            CHILD_CHECK_MSG(s.code() == StatusCode::kCancelled, "{}", s.to_string());
+            CHILD_CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+            e->shutdown();  // idempotent
+            CHILD_CHECK(e->register_memory(b.data(), 64).status().code() == StatusCode::kCancelled);
+            r1.reset();  // after shutdown: nothing to deregister, no crash
+            e.reset();
             return "";
         },
         kRunTimeout);

@@ -295,12 +295,18 @@ struct EngineStats {
     uint64_t imm_arrivals = 0;
     uint64_t messages_received = 0;
     uint64_t messages_dropped = 0;
+    uint64_t regions_registered = 0;  // memory regions registered now (none leak: tests count)
 };
 
 class TransferEngine {
   public:
     static Result<std::unique_ptr<TransferEngine>> create(const EngineConfig& config);
     ~TransferEngine();  // stops and joins every worker, frees every libfabric object
+    // Stops and joins every worker now: pending operations and waits (wait_imm, on_imm) end
+    // with kCancelled and later calls are refused with it. The object itself stays valid, so
+    // a thread still inside one of its calls returns from it safely; the destructor then only
+    // frees memory. Idempotent.
+    void shutdown();
 
     TransferEngine(const TransferEngine&) = delete;
     TransferEngine& operator=(const TransferEngine&) = delete;
