@@ -475,3 +475,23 @@ def test_moe_constructor_arguments_refused():
         ferry.moe.AllToAll(8, 4, 1, 128, in_dtype=torch.bfloat16, **dict(kw, timeout=None))
     with pytest.raises(ferry.InvalidArgument, match="engine must be a ferry.TransferEngine"):
         ferry.moe.AllToAll(8, 4, 1, 128, in_dtype=torch.bfloat16, engine="tcp", **kw)
+
+
+def test_block_listed_twice_refused_everywhere(connector):
+    """A block id listed twice would take two token ranges, the later overwriting the earlier:
+    every call that takes a request's blocks refuses it, naming the block and both places."""
+    engine, layout, pool, conn = connector
+    twice = [3, 1, 3]  # block_size 4: 12 tokens, 3 blocks
+    words = r"block id 3 is listed twice \(at 0 and 2\)"
+    with pytest.raises(ferry.InvalidArgument, match=words):
+        conn.register_push(1, 1, [engine.address], twice, 12)
+    with pytest.raises(ferry.InvalidArgument, match=words):
+        conn.prefill_done(2, twice, 12)
+    with pytest.raises(ferry.InvalidArgument, match=words):
+        conn.prefill_progress(3, twice, 8)
+    with pytest.raises(ferry.InvalidArgument, match=words):
+        conn.offer_pull(4, twice, 12)
+    offer = conn.offer_pull(5, [0, 1, 2], 12)
+    with pytest.raises(ferry.InvalidArgument, match=words):
+        conn.pull(5, [offer], twice, 12)
+    assert conn.stats()["active_recv"] == 0  # nothing refused was taken half-way

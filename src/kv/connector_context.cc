@@ -146,6 +146,19 @@ Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
                 fmt::format("block id {} is outside the pool of {} blocks", b, layout.num_blocks));
         }
     }
+    // A block listed twice would take two token ranges, and the later would overwrite the
+    // earlier without a word: a block table never repeats a block.
+    std::vector<std::pair<uint32_t, uint32_t>> sorted;  // (block id, index)
+    sorted.reserve(blocks.size());
+    for (uint32_t i = 0; i < blocks.size(); ++i) sorted.emplace_back(blocks[i], i);
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 1; i < sorted.size(); ++i) {
+        if (sorted[i].first == sorted[i - 1].first) {
+            return invalid_argument(fmt::format("block id {} is listed twice (at {} and {})",
+                                                sorted[i].first, sorted[i - 1].second,
+                                                sorted[i].second));
+        }
+    }
     return ok_status();
 }
 
