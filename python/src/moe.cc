@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -83,7 +84,9 @@ class MoeAllToAll {
   public:
     MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device,
                 std::shared_ptr<TransferEngine> engine, py::function allgather, double timeout_s)
-        : cfg_(cfg), cuda_(cuda), engine_(std::move(engine)) {
+        : cfg_(cfg), cuda_(cuda), parts_(std::make_shared<Parts>()) {
+        parts_->engine = std::move(engine);
+        TransferEngine* engine_ptr = parts_->engine.get();
         if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
         Duration timeout = seconds_to_duration(timeout_s, "timeout");
         moe::AllGatherFn ag = wrap_allgather(std::move(allgather));
@@ -91,15 +94,15 @@ class MoeAllToAll {
             moe::CudaAllToAllOptions o;
             o.timeout = timeout;
             o.device = device;
-            o.engine = engine_.get();
+            o.engine = engine_ptr;
             Result<std::unique_ptr<moe::CudaAllToAll>> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
                 r = moe::CudaAllToAll::create(cfg, ag, o);
             }
-            gpu_ = take(std::move(r));
+            parts_->gpu = take(std::move(r));
         } else {
-            if (!engine_)
+            if (!engine_ptr)
                 throw StatusError(invalid_argument(
                     "the CPU all-to-all needs a TransferEngine (it registers its buffers)"));
             moe::AllToAllOptions o;
@@ -107,17 +110,21 @@ class MoeAllToAll {
             Result<std::unique_ptr<moe::AllToAll>> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
-                r = moe::AllToAll::create(cfg, engine_.get(), ag, o);
+                r = moe::AllToAll::create(cfg, engine_ptr, ag, o);
             }
-            cpu_ = take(std::move(r));
+            parts_->cpu = take(std::move(r));
         }
     }
 
+    // A call running on another thread keeps what it uses: the last of them frees it.
     void close() {
+        std::shared_ptr<Parts> parts;
+        {
+            std::lock_guard lk(mu_);
+            parts = std::move(parts_);
+        }
         py::gil_scoped_release nogil;
-        cpu_.reset();
-        gpu_.reset();
-        engine_.reset();
+        parts.reset();
     }
 
     // num_tokens (CPU) or num_tokens_dev (CUDA: a uint32 on the device). indices: int32, or
@@ -136,7 +143,7 @@ class MoeAllToAll {
                                       ptr<const float>(weights),
                                       ptr<const uint32_t>(num_tokens_dev),
                                       indices64 ? ptr<const int64_t>(indices) : nullptr};
-            s = gpu().dispatch_send(in, ptr<void>(stream));
+            s = gpu()->dispatch_send(in, ptr<void>(stream));
         } else {
             moe::DispatchInput in;
             in.num_tokens = num_tokens;
@@ -144,7 +151,7 @@ class MoeAllToAll {
             in.x_scale = {ptr<const float>(x_scale), n * cfg_.scales_per_token()};
             in.indices = {ptr<const int32_t>(indices), n * k};
             in.weights = {ptr<const float>(weights), n * k};
-            s = cpu().dispatch_send(in);
+            s = cpu()->dispatch_send(in);
         }
         py::gil_scoped_acquire gil;
         check(s);
@@ -170,14 +177,14 @@ class MoeAllToAll {
                                    ptr<uint32_t>(offsets),
                                    nullptr,
                                    capacity};
-            s = gpu().dispatch_recv(b, ptr<void>(stream));
+            s = gpu()->dispatch_recv(b, ptr<void>(stream));
         } else {
             moe::ExpertBatch b;
             b.x = {ptr<uint8_t>(batch_x), rows * cfg_.payload_bytes()};
             b.x_scale = {ptr<float>(batch_scale), fp8 ? rows * spt : 0};
             b.counts = {ptr<uint32_t>(counts), nl};
             b.offsets = {ptr<uint32_t>(offsets), size_t{nl} + 1};
-            s = cpu().dispatch_recv(b);
+            s = cpu()->dispatch_recv(b);
             if (s.ok()) {
                 copy_groups_host(b.x.data(), ptr<uint8_t>(out_x), b.offsets.data(), nl,
                                  cfg_.payload_bytes(), capacity, true);
@@ -201,11 +208,11 @@ class MoeAllToAll {
         Status s;
         py::gil_scoped_release nogil;
         if (cuda_) {
-            s = gpu().combine_send(ptr<const uint16_t>(expert_y), ptr<void>(stream));
+            s = gpu()->combine_send(ptr<const uint16_t>(expert_y), ptr<void>(stream));
         } else {
             copy_groups_host(ptr<uint8_t>(batch_y), ptr<uint8_t>(expert_y),
                              ptr<const uint32_t>(offsets), nl, row, capacity, false);
-            s = cpu().combine_send({ptr<const uint16_t>(batch_y), rows * cfg_.hidden});
+            s = cpu()->combine_send({ptr<const uint16_t>(batch_y), rows * cfg_.hidden});
         }
         py::gil_scoped_acquire gil;
         check(s);
@@ -221,13 +228,13 @@ class MoeAllToAll {
         if (cuda_) {
             void* st = ptr<void>(stream);
             const float* w = ptr<const float>(weights);
-            s = bf16 ? gpu().combine_recv_bf16(ptr<uint16_t>(out), st, w)
-                     : gpu().combine_recv(ptr<float>(out), st, w);
+            s = bf16 ? gpu()->combine_recv_bf16(ptr<uint16_t>(out), st, w)
+                     : gpu()->combine_recv(ptr<float>(out), st, w);
         } else {
-            if (weights) s = cpu().set_combine_weights({ptr<const float>(weights), n * k});
+            if (weights) s = cpu()->set_combine_weights({ptr<const float>(weights), n * k});
             if (s.ok())
-                s = bf16 ? cpu().combine_recv_bf16({ptr<uint16_t>(out), n * h})
-                         : cpu().combine_recv({ptr<float>(out), n * h});
+                s = bf16 ? cpu()->combine_recv_bf16({ptr<uint16_t>(out), n * h})
+                         : cpu()->combine_recv({ptr<float>(out), n * h});
         }
         py::gil_scoped_acquire gil;
         check(s);
@@ -238,34 +245,46 @@ class MoeAllToAll {
         Status s;
         {
             py::gil_scoped_release nogil;
-            s = gpu().synchronize(ptr<void>(stream));
+            s = gpu()->synchronize(ptr<void>(stream));
         }
         check(s);
     }
 
     void device_status() {
-        if (cuda_) check(gpu().device_status());
+        if (cuda_) check(gpu()->device_status());
     }
 
     const AllToAllConfig& config() const { return cfg_; }
     bool is_cuda() const { return cuda_; }
 
   private:
-    moe::AllToAll& cpu() {
-        if (!cpu_) throw StatusError(cancelled("the all-to-all is closed"));
-        return *cpu_;
+    // What close() lets go of, shared with the calls still inside one (a close() on another
+    // thread during a dispatch frees nothing in use). Destroyed bottom-up: the all-to-all, then
+    // (maybe) the engine it runs on.
+    struct Parts {
+        std::shared_ptr<TransferEngine> engine;
+        std::unique_ptr<moe::AllToAll> cpu;
+        std::unique_ptr<moe::CudaAllToAll> gpu;
+    };
+    std::shared_ptr<Parts> parts() {
+        std::lock_guard lk(mu_);
+        if (!parts_) throw StatusError(cancelled("the all-to-all is closed"));
+        return parts_;
     }
-    moe::CudaAllToAll& gpu() {
-        if (!gpu_) throw StatusError(cancelled("the all-to-all is closed"));
-        return *gpu_;
+    // A reference to the all-to-all that keeps it (and its engine) alive for one call.
+    std::shared_ptr<moe::AllToAll> cpu() {
+        std::shared_ptr<Parts> p = parts();
+        return std::shared_ptr<moe::AllToAll>(p, p->cpu.get());
+    }
+    std::shared_ptr<moe::CudaAllToAll> gpu() {
+        std::shared_ptr<Parts> p = parts();
+        return std::shared_ptr<moe::CudaAllToAll>(p, p->gpu.get());
     }
 
     AllToAllConfig cfg_;
     bool cuda_;
-    // Destroyed bottom-up: the all-to-all, then (maybe) the engine it runs on.
-    std::shared_ptr<TransferEngine> engine_;
-    std::unique_ptr<moe::AllToAll> cpu_;
-    std::unique_ptr<moe::CudaAllToAll> gpu_;
+    std::mutex mu_;  // parts_
+    std::shared_ptr<Parts> parts_;
 };
 
 }  // namespace

@@ -495,3 +495,43 @@ def test_block_listed_twice_refused_everywhere(connector):
     with pytest.raises(ferry.InvalidArgument, match=words):
         conn.pull(5, [offer], twice, 12)
     assert conn.stats()["active_recv"] == 0  # nothing refused was taken half-way
+
+
+def test_moe_close_from_another_thread_during_dispatch():
+    """close() while another thread is inside dispatch/combine: the running call finishes on
+    what it holds, later ones raise Cancelled; nothing is freed under a call (a crash here
+    is a use after free)."""
+    torch_or_skip()
+    r = _run(
+        "import threading, torch, ferry\n"
+        "H, K, E, T = 256, 2, 4, 5\n"
+        "for i in range(3):\n"
+        "    a = ferry.moe.AllToAll(8, E, 1, H, in_dtype=torch.bfloat16, num_experts_per_token=K,\n"
+        "                           rank=0, world_size=1, allgather=lambda b: [b], provider='tcp')\n"
+        "    x = torch.ones(T, H, dtype=torch.bfloat16)\n"
+        "    idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1]])\n"
+        "    w = torch.ones(T, K)\n"
+        "    cnt = torch.zeros(E, dtype=torch.int32)\n"
+        "    ox = torch.zeros(E, a.max_recv_tokens, H, dtype=torch.bfloat16)\n"
+        "    errors, done = [], [0]\n"
+        "    def loop():\n"
+        "        try:\n"
+        "            while True:\n"
+        "                a.dispatch(out_expert_num_tokens=cnt, out_expert_x=ox,\n"
+        "                           out_expert_x_scale=None, dp_x=x, dp_x_scale=None,\n"
+        "                           indices=idx, weights=w)\n"
+        "                a.combine(torch.zeros(T, H), idx, w, ox)\n"
+        "                done[0] += 1\n"
+        "        except ferry.Cancelled as e:\n"
+        "            errors.append(str(e))\n"
+        "        except Exception as e:\n"
+        "            errors.append('unexpected %s: %s' % (type(e).__name__, e))\n"
+        "    t = threading.Thread(target=loop)\n"
+        "    t.start()\n"
+        "    threading.Event().wait(0.01 * (i + 1))\n"
+        "    a.close()\n"
+        "    t.join(30)\n"
+        "    assert not t.is_alive(), 'the loop did not end after close()'\n"
+        "    assert len(errors) == 1 and 'closed' in errors[0], errors\n"
+        "print('ok')\n")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
