@@ -147,17 +147,28 @@ Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
         }
     }
     // A block listed twice would take two token ranges, and the later would overwrite the
-    // earlier without a word: a block table never repeats a block.
-    std::vector<std::pair<uint32_t, uint32_t>> sorted;  // (block id, index)
-    sorted.reserve(blocks.size());
-    for (uint32_t i = 0; i < blocks.size(); ++i) sorted.emplace_back(blocks[i], i);
-    std::sort(sorted.begin(), sorted.end());
-    for (size_t i = 1; i < sorted.size(); ++i) {
-        if (sorted[i].first == sorted[i - 1].first) {
-            return invalid_argument(fmt::format("block id {} is listed twice (at {} and {})",
-                                                sorted[i].first, sorted[i - 1].second,
-                                                sorted[i].second));
+    // earlier without a word: a block table never repeats a block. One bit per pool block,
+    // set and then cleared again, so the check is linear: sorting (id, index) pairs cost the
+    // caller of prefill_done ~20 us for 1024 consecutive and ~50 us for 1024 scattered blocks
+    // (16k tokens, one H200 host, 2026-12-02).
+    thread_local std::vector<uint64_t> seen;
+    if (seen.size() < layout.num_blocks / 64 + 1) seen.resize(layout.num_blocks / 64 + 1);
+    size_t repeat = blocks.size();
+    for (size_t i = 0; i < blocks.size(); ++i) {
+        uint64_t& word = seen[blocks[i] / 64];
+        const uint64_t bit = uint64_t{1} << (blocks[i] % 64);
+        if (word & bit) {
+            repeat = i;
+            break;
         }
+        word |= bit;
+    }
+    for (size_t i = 0; i < repeat; ++i) seen[blocks[i] / 64] = 0;
+    if (repeat < blocks.size()) {
+        const size_t first =
+            std::find(blocks.begin(), blocks.end(), blocks[repeat]) - blocks.begin();
+        return invalid_argument(fmt::format("block id {} is listed twice (at {} and {})",
+                                            blocks[repeat], first, repeat));
     }
     return ok_status();
 }
