@@ -137,8 +137,11 @@ OpHandle EngineImpl::copy_blocks(const BlockCopyOp& op, OpCallback done) {
     }
     const BlockCopySide& here = op.read ? op.dst : op.src;
     const BlockCopySide& there = op.read ? op.src : op.dst;
-    // Every region the planes name: ours, the peer's, one GPU path between each pair used.
+    // Every region the planes name: ours, the peer's, one GPU path between each pair used,
+    // checked once per pair (a KV push names the same pair for all 128 planes of a 64-layer
+    // pool in one region).
     const int device = op.local[0] ? op.local[0]->descriptor().device : -1;
+    std::vector<std::pair<uint32_t, uint32_t>> checked;
     for (size_t i = 0; i < here.planes.size(); ++i) {
         const uint32_t lr = here.planes[i].region, rr = there.planes[i].region;
         if (lr >= op.local.size() || rr >= op.remote.size()) {
@@ -147,6 +150,11 @@ OpHandle EngineImpl::copy_blocks(const BlockCopyOp& op, OpCallback done) {
                 "were given",
                 i, lr, rr, op.local.size(), op.remote.size())));
         }
+        if ((!checked.empty() && checked.back() == std::pair{lr, rr}) ||
+            std::find(checked.begin(), checked.end(), std::pair{lr, rr}) != checked.end()) {
+            continue;
+        }
+        checked.emplace_back(lr, rr);
         Status s = check_local(op.local[lr], 0, 0, "copy_blocks");
         if (s.ok()) s = check_remote(*p, &op.remote[rr], 0, 0, "copy_blocks");
         if (!s.ok()) return fail(s);

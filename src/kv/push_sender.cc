@@ -246,6 +246,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
          piece.first_token, piece.end_token, piece.first_layer, piece.end_layer},
         pools_on_gpu(*ctx_.engine, job.peer, ctx_.pool, reg.pool));
     if (!plan.ok()) return plan.status();
+    kv_trace("segment planned", id);
     uint32_t index = job.segments++;
     bool whole = piece.first_layer == 0 && piece.end_layer == layers;
     SegmentMsg seg{id,
