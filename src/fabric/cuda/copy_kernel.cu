@@ -1,3 +1,5 @@
+#include <cstring>
+
 #include "fabric/cuda/copy_kernel.h"
 
 namespace ferry::detail {
@@ -40,11 +42,25 @@ __device__ __forceinline__ void warp_copy(const char* src, char* dst, uint64_t l
     for (uint64_t i = done + lane; i < len; i += 32) dst[i] = src[i];
 }
 
+// A launch's list as the kernels get it: a pointer to the uploaded list, or the list itself as
+// the kernel's parameter. Passed as __grid_constant__, so base() of the inline form is the
+// parameter's own address (no per-thread copy).
+struct UploadedList {
+    const char* at;
+    __device__ const char* base() const { return at; }
+};
+struct InlineList {
+    alignas(16) char bytes[kInlineList];
+    __device__ const char* base() const { return bytes; }
+};
+
 // One warp per chunk, chunks taken grid-stride; the next chunk's descriptor is fetched before
 // this one's copy starts. The bounds keep two blocks of 16 warps resident per SM (64
 // registers a thread), the occupancy the chunk sizes are planned for.
+template <typename List>
 __global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
-    batched_copy_kernel(const CopyChunk* __restrict__ chunks, int n) {
+    batched_copy_kernel(const __grid_constant__ List list, size_t offset, int n) {
+    const CopyChunk* __restrict__ chunks = reinterpret_cast<const CopyChunk*>(list.base() + offset);
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * kWarpsPerBlock) + (threadIdx.x >> 5);
     const int num_warps = gridDim.x * kWarpsPerBlock;
@@ -75,34 +91,46 @@ __device__ __forceinline__ void for_each_item(const Segment* __restrict__ segs, 
 // One warp per piece of a page. Loading the next item's page ids before copying this piece
 // measured no better (random 16/64 KiB pages 0.58/0.69x against 0.65/0.75x without, one H200,
 // 2026-12-02).
+template <typename List>
 __global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
-    paged_copy_kernel(const PagedSegment* __restrict__ segs, int num_segs, uint64_t total) {
+    paged_copy_kernel(const __grid_constant__ List list, size_t offset, int num_segs,
+                      uint64_t total) {
+    const auto* segs = reinterpret_cast<const PagedSegment*>(list.base() + offset);
     for_each_item(segs, num_segs, total, [](const PagedSegment& g, uint64_t local, int lane) {
         const uint64_t page = local / g.pieces_per_page;
         const uint64_t off = (local - page * g.pieces_per_page) * kPagePiece;
         const uint64_t len = g.page_size - off < kPagePiece ? g.page_size - off : kPagePiece;
-        warp_copy(g.src + g.src_pages[page] * g.src_stride + off,
-                  g.dst + g.dst_pages[page] * g.dst_stride + off, len, lane);
+        const uint64_t sp = g.src_pages ? g.src_pages[page] : page;
+        const uint64_t dp = g.dst_pages ? g.dst_pages[page] : page;
+        warp_copy(g.src + sp * g.src_stride + off, g.dst + dp * g.dst_stride + off, len, lane);
     });
 }
 
 // One warp per item of a block copy; the addresses come from block_copy_geom.h, the functions
 // the host tests run against the KV planner.
+template <typename List>
 __global__ void __launch_bounds__(kThreads, kCopyBlocksPerSm)
-    block_copy_kernel(const BlockCopySegment* __restrict__ segs, int num_segs, uint64_t total) {
-    for_each_item(segs, num_segs, total, [](const BlockCopySegment& seg, uint64_t local, int lane) {
-        BlockCopyItem it;
-        if (!block_copy_item(seg.g, seg.src_blocks, seg.dst_blocks, seg.src_planes, seg.dst_planes,
-                             local, &it)) {
-            return;
-        }
-        for (uint32_t r = it.row_begin; r < it.row_end; ++r) {
-            uint64_t so = 0, dof = 0;
-            block_copy_row(seg.g, r, &so, &dof);
-            warp_copy(reinterpret_cast<const char*>(it.src + so),
-                      reinterpret_cast<char*>(it.dst + dof), it.len, lane);
-        }
-    });
+    block_copy_kernel(const __grid_constant__ List list, size_t offset, int num_segs,
+                      uint64_t total) {
+    const char* base = list.base();
+    const auto* segs = reinterpret_cast<const BlockCopySegment*>(base + offset);
+    for_each_item(
+        segs, num_segs, total, [base](const BlockCopySegment& seg, uint64_t local, int lane) {
+            BlockCopyItem it;
+            if (!block_copy_item(seg.g, reinterpret_cast<const uint32_t*>(base + seg.src_blocks_at),
+                                 reinterpret_cast<const uint32_t*>(base + seg.dst_blocks_at),
+                                 reinterpret_cast<const uint64_t*>(base + seg.src_planes_at),
+                                 reinterpret_cast<const uint64_t*>(base + seg.dst_planes_at), local,
+                                 &it)) {
+                return;
+            }
+            for (uint32_t r = it.row_begin; r < it.row_end; ++r) {
+                uint64_t so = 0, dof = 0;
+                block_copy_row(seg.g, r, &so, &dof);
+                warp_copy(reinterpret_cast<const char*>(it.src + so),
+                          reinterpret_cast<char*>(it.dst + dof), it.len, lane);
+            }
+        });
 }
 
 // Blocks for a launch of `items` one-warp items, at most num_blocks.
@@ -111,32 +139,48 @@ int grid_for(uint64_t items, int num_blocks) {
     return needed < static_cast<uint64_t>(num_blocks) ? static_cast<int>(needed) : num_blocks;
 }
 
+// Launches kernel<UploadedList> or kernel<InlineList> on `list`, grid blocks of kThreads.
+template <typename Launch>
+cudaError_t launch_on(const CopyList& list, int grid, cudaStream_t stream, Launch launch) {
+    if (list.device) return launch(UploadedList{list.device}, grid, stream);
+    if (list.bytes > kInlineList) return cudaErrorInvalidValue;
+    InlineList inline_list;
+    memcpy(inline_list.bytes, list.host, list.bytes);
+    return launch(inline_list, grid, stream);
+}
+
 }  // namespace
 
-cudaError_t launch_block_copy(const BlockCopySegment* segments, int num_segments,
+cudaError_t launch_block_copy(const CopyList& list, size_t offset, int num_segments,
                               uint64_t total_items, int num_blocks, cudaStream_t stream) {
     if (num_segments <= 0 || total_items == 0) return cudaSuccess;
-    block_copy_kernel<<<grid_for(total_items, num_blocks), kThreads, 0, stream>>>(
-        segments, num_segments, total_items);
-    return cudaGetLastError();
+    return launch_on(list, grid_for(total_items, num_blocks), stream,
+                     [&](const auto& l, int grid, cudaStream_t st) {
+                         block_copy_kernel<<<grid, kThreads, 0, st>>>(l, offset, num_segments,
+                                                                      total_items);
+                         return cudaGetLastError();
+                     });
 }
 
-cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num_blocks,
+cudaError_t launch_batched_copy(const CopyList& list, size_t offset, int num_chunks, int num_blocks,
                                 cudaStream_t stream) {
     if (num_chunks <= 0) return cudaSuccess;
-    int blocks = num_blocks;
-    int needed = (num_chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
-    if (blocks > needed) blocks = needed;
-    batched_copy_kernel<<<blocks, kThreads, 0, stream>>>(chunks, num_chunks);
-    return cudaGetLastError();
+    return launch_on(list, grid_for(num_chunks, num_blocks), stream,
+                     [&](const auto& l, int grid, cudaStream_t st) {
+                         batched_copy_kernel<<<grid, kThreads, 0, st>>>(l, offset, num_chunks);
+                         return cudaGetLastError();
+                     });
 }
 
-cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
-                              int num_blocks, cudaStream_t stream) {
+cudaError_t launch_paged_copy(const CopyList& list, size_t offset, int num_segments,
+                              uint64_t total_items, int num_blocks, cudaStream_t stream) {
     if (num_segments <= 0 || total_items == 0) return cudaSuccess;
-    paged_copy_kernel<<<grid_for(total_items, num_blocks), kThreads, 0, stream>>>(
-        segments, num_segments, total_items);
-    return cudaGetLastError();
+    return launch_on(list, grid_for(total_items, num_blocks), stream,
+                     [&](const auto& l, int grid, cudaStream_t st) {
+                         paged_copy_kernel<<<grid, kThreads, 0, st>>>(l, offset, num_segments,
+                                                                      total_items);
+                         return cudaGetLastError();
+                     });
 }
 
 }  // namespace ferry::detail

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "fabric/block_copy_geom.h"
@@ -23,12 +24,13 @@ struct CopyChunk {
 };
 
 // One paged copy inside a launch: page k goes from src + src_pages[k] * src_stride to
-// dst + dst_pages[k] * dst_stride. A page is cut into pieces of at most kPagePiece bytes, one
-// warp each; first_item numbers the segment's first piece across the launch.
+// dst + dst_pages[k] * dst_stride (null id lists: page k is k, as for one long run). A page is
+// cut into pieces of at most kPagePiece bytes, one warp each; first_item numbers the segment's
+// first piece across the launch.
 struct PagedSegment {
     const char* src;
     char* dst;
-    const uint32_t* src_pages;  // device memory, num_pages entries each
+    const uint32_t* src_pages;  // device memory, num_pages entries each, or null
     const uint32_t* dst_pages;
     uint64_t page_size;
     uint64_t src_stride;
@@ -38,14 +40,28 @@ struct PagedSegment {
     uint32_t num_pages;
 };
 
-// One block copy inside a launch; first_item numbers its first item across the launch.
+// One block copy inside a launch; first_item numbers its first item across the launch. Its
+// block ids and plane addresses are in the launch's list, at these byte offsets from the
+// list's start: the list is the same whether it was uploaded or passed as the kernel's
+// parameter (CopyList).
 struct BlockCopySegment {
     BlockCopyGeom g;
-    const uint32_t* src_blocks;  // device memory
-    const uint32_t* dst_blocks;
-    const uint64_t* src_planes;
-    const uint64_t* dst_planes;
+    uint64_t src_blocks_at;  // uint32_t ids
+    uint64_t dst_blocks_at;
+    uint64_t src_planes_at;  // uint64_t addresses
+    uint64_t dst_planes_at;
     uint64_t first_item;
+};
+
+// Where a launch's list is: uploaded to `device`, or, when it is at most kInlineList bytes,
+// at `host`, from where the launchers pass it by value as the kernels' parameter (no upload
+// before the kernels: copying a short list to the device took 4-6 us of each launch,
+// 2026-12-02). Each launcher reads its section at an offset from the list's start.
+constexpr size_t kInlineList = 3840;  // within the 4 KiB of parameters every CUDA allows
+struct CopyList {
+    const char* device = nullptr;
+    const char* host = nullptr;
+    size_t bytes = 0;
 };
 
 // One warp copies one chunk, so a copy must be cut into many chunks for the whole GPU to
@@ -62,16 +78,16 @@ constexpr int kCopyBlocksPerSm = 2;
 // 4 / 16 / 64 KiB pages 0.42-0.47 / 0.67-0.70 / 0.76-0.77x -> 0.51-0.53 / 0.71-0.72 / 0.79x.
 constexpr int kCopyGridFactor = 4;
 
-// `chunks` must be readable by the device (mapped pinned host memory or device memory).
-cudaError_t launch_batched_copy(const CopyChunk* chunks, int num_chunks, int num_blocks,
+// Each launcher reads its section at `offset` in `list` (list.at, when set, else list.bytes).
+cudaError_t launch_batched_copy(const CopyList& list, size_t offset, int num_chunks, int num_blocks,
                                 cudaStream_t stream);
 
-// `segments` (device memory) hold num_segments entries whose pieces add up to total_items.
-cudaError_t launch_paged_copy(const PagedSegment* segments, int num_segments, uint64_t total_items,
-                              int num_blocks, cudaStream_t stream);
+// num_segments entries whose pieces add up to total_items.
+cudaError_t launch_paged_copy(const CopyList& list, size_t offset, int num_segments,
+                              uint64_t total_items, int num_blocks, cudaStream_t stream);
 
-// `segments` (device memory) hold num_segments entries whose items add up to total_items.
-cudaError_t launch_block_copy(const BlockCopySegment* segments, int num_segments,
+// num_segments entries whose items add up to total_items.
+cudaError_t launch_block_copy(const CopyList& list, size_t offset, int num_segments,
                               uint64_t total_items, int num_blocks, cudaStream_t stream);
 
 }  // namespace ferry::detail

@@ -143,7 +143,6 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             const uint64_t len = w->copies[r].len;
             if (len >= kRunAsPage) {
                 num_segs++;
-                num_ids += 2;
             } else {
                 num_chunks += (len + chunk - 1) / chunk;
             }
@@ -159,9 +158,9 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             num_ids += b.src_blocks.size() + b.dst_blocks.size();
         }
     }
-    // One buffer: [chunks][paged segments][block segments][plane addresses][ids], uploaded in
-    // one copy, then on the device only [staged ids], each paged copy's uploaded from its
-    // staging.
+    // One list: [chunks][paged segments][block segments][plane addresses][ids], passed to the
+    // kernels as their parameter when it is short, else uploaded in one copy; then on the
+    // device only [staged ids], each paged copy's uploaded from its staging.
     const size_t seg_at = align8(num_chunks * sizeof(CopyChunk));
     const size_t block_seg_at = seg_at + num_segs * sizeof(PagedSegment);
     const size_t planes_at = block_seg_at + num_block_segs * sizeof(BlockCopySegment);
@@ -170,13 +169,17 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     const size_t staged_at = (list_bytes + 15) & ~size_t{15};
     const size_t total = staged_at + num_staged * sizeof(uint32_t);
     if (list_bytes == 0 && num_staged == 0) return ok_status();
-    *buf = pool.take(total, device);
-    if (!buf->ptr) return resource_exhausted("allocating the GPU copy list failed");
-    auto* chunks = reinterpret_cast<CopyChunk*>(buf->ptr);
-    auto* segs = reinterpret_cast<PagedSegment*>(buf->ptr + seg_at);
-    auto* ids = reinterpret_cast<uint32_t*>(buf->ptr + ids_at);
-    const auto* dev_ids = reinterpret_cast<const uint32_t*>(buf->dev + ids_at);
-    auto* dev_staged = reinterpret_cast<uint32_t*>(buf->dev + staged_at);
+    const bool inline_list = list_bytes <= kInlineList;
+    alignas(16) char inline_bytes[kInlineList];
+    if (!inline_list || num_staged > 0) {
+        *buf = pool.take(total, device);
+        if (!buf->ptr) return resource_exhausted("allocating the GPU copy list failed");
+    }
+    char* host = inline_list ? inline_bytes : buf->ptr;
+    auto* chunks = reinterpret_cast<CopyChunk*>(host);
+    auto* segs = reinterpret_cast<PagedSegment*>(host + seg_at);
+    auto* ids = reinterpret_cast<uint32_t*>(host + ids_at);
+    auto* dev_staged = buf->dev ? reinterpret_cast<uint32_t*>(buf->dev + staged_at) : nullptr;
     struct Upload {
         void* dst;
         const void* src;
@@ -205,10 +208,7 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
             const GpuCopy& c = w->copies[r];
             if (c.len >= kRunAsPage) {
-                ids[id] = 0;
-                ids[id + 1] = 0;
-                add_segment(c.src, c.dst, c.len, 0, 0, dev_ids + id, dev_ids + id + 1, 1);
-                id += 2;
+                add_segment(c.src, c.dst, c.len, 0, 0, nullptr, nullptr, 1);
                 continue;
             }
             for (uint64_t off = 0; off < c.len; off += chunk) {
@@ -226,30 +226,36 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             staged += p.ids.size();
         }
     }
-    auto* block_segs = reinterpret_cast<BlockCopySegment*>(buf->ptr + block_seg_at);
-    auto* planes = reinterpret_cast<uint64_t*>(buf->ptr + planes_at);
-    const auto* dev_planes = reinterpret_cast<const uint64_t*>(buf->dev + planes_at);
+    auto* block_segs = reinterpret_cast<BlockCopySegment*>(host + block_seg_at);
+    auto* planes = reinterpret_cast<uint64_t*>(host + planes_at);
     size_t bs = 0, pl = 0;
     uint64_t block_items = 0;
-    auto put = [&](auto* host, const auto* dev, size_t& at, const auto& v) {
-        std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
+    // Copies v into the list at *at (counted in v's elements from `first`, the section's
+    // offset) and returns where it went as a byte offset from the list's start.
+    auto put = [&](auto* section, size_t first, size_t& at, const auto& v) {
+        std::memcpy(section + at, v.data(), v.size() * sizeof(v[0]));
         at += v.size();
-        return dev + at - v.size();
+        return first + (at - v.size()) * sizeof(v[0]);
     };
     for (const GpuWork* w : works) {
         for (const auto& b : w->blocks) {
             BlockCopySegment& seg = block_segs[bs++];
             seg.g = b.geom;
-            seg.src_planes = put(planes, dev_planes, pl, b.src_planes);
-            seg.dst_planes = put(planes, dev_planes, pl, b.dst_planes);
-            seg.src_blocks = put(ids, dev_ids, id, b.src_blocks);
-            seg.dst_blocks = put(ids, dev_ids, id, b.dst_blocks);
+            seg.src_planes_at = put(planes, planes_at, pl, b.src_planes);
+            seg.dst_planes_at = put(planes, planes_at, pl, b.dst_planes);
+            seg.src_blocks_at = put(ids, ids_at, id, b.src_blocks);
+            seg.dst_blocks_at = put(ids, ids_at, id, b.dst_blocks);
             seg.first_item = block_items;
             block_items += b.geom.items;
         }
     }
     if (stamps) stamps->list_built = Clock::now();
-    if (list_bytes > 0) {
+    CopyList list;
+    list.bytes = list_bytes;
+    if (inline_list) {
+        list.host = inline_bytes;
+    } else {
+        list.device = buf->dev;
         FERRY_CUDA_TRY(
             cudaMemcpyAsync(buf->dev, buf->ptr, list_bytes, cudaMemcpyHostToDevice, stream));
     }
@@ -260,13 +266,11 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     // Two blocks of 16 warps per SM keep enough stores in flight to hide NVLink latency; the
     // grid asks for kCopyGridFactor times that.
     const int grid = kCopyGridFactor * kCopyBlocksPerSm * sms;
-    FERRY_CUDA_TRY(launch_batched_copy(reinterpret_cast<const CopyChunk*>(buf->dev),
-                                       static_cast<int>(num_chunks), grid, stream));
-    FERRY_CUDA_TRY(launch_paged_copy(reinterpret_cast<const PagedSegment*>(buf->dev + seg_at),
-                                     static_cast<int>(num_segs), items, grid, stream));
+    FERRY_CUDA_TRY(launch_batched_copy(list, 0, static_cast<int>(num_chunks), grid, stream));
     FERRY_CUDA_TRY(
-        launch_block_copy(reinterpret_cast<const BlockCopySegment*>(buf->dev + block_seg_at),
-                          static_cast<int>(num_block_segs), block_items, grid, stream));
+        launch_paged_copy(list, seg_at, static_cast<int>(num_segs), items, grid, stream));
+    FERRY_CUDA_TRY(launch_block_copy(list, block_seg_at, static_cast<int>(num_block_segs),
+                                     block_items, grid, stream));
     if (stamps) stamps->launched = Clock::now();
     return ok_status();
 }
