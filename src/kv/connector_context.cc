@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 
 #include "ferry/common/log.h"
 #include "ferry/common/spin.h"
@@ -152,7 +153,15 @@ Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
     // caller of prefill_done ~20 us for 1024 consecutive and ~50 us for 1024 scattered blocks
     // (16k tokens, one H200 host, 2026-12-02).
     thread_local std::vector<uint64_t> seen;
-    if (seen.size() < layout.num_blocks / 64 + 1) seen.resize(layout.num_blocks / 64 + 1);
+    if (seen.size() < layout.num_blocks / 64 + 1) {
+        try {
+            seen.resize(layout.num_blocks / 64 + 1);
+        } catch (const std::bad_alloc&) {
+            return resource_exhausted(
+                fmt::format("no memory to check {} block ids against a pool of {} blocks",
+                            blocks.size(), layout.num_blocks));
+        }
+    }
     size_t repeat = blocks.size();
     for (size_t i = 0; i < blocks.size(); ++i) {
         uint64_t& word = seen[blocks[i] / 64];
