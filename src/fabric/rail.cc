@@ -299,7 +299,7 @@ bool Rail::post_pending() {
         injected += op->type == FabricOp::kWrite && op->len <= inject_size_;
         with_more += more;
         if (done_at_post) {
-            op->parent->piece_done(ok_status());
+            piece_done(op, ok_status());
             delete op;
         } else {
             op->tx_gen = tx_gen_;
@@ -329,8 +329,25 @@ void Rail::finish_op(FabricOp* op, const Status& s) {
     unlink_inflight(op);
     if (op->slot >= 0) free_send_slots_.push_back(op->slot);
     if (!s.ok()) stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
-    op->parent->piece_done(s);
+    piece_done(op, s);
     delete op;
+}
+
+void Rail::retire_finished() {
+    OpState* first = std::exchange(finished_ops_, nullptr);
+    if (!first) return;
+    // Every operation on a rail is its engine's: one registry (none for engine tasks).
+    OpRegistry* registry = nullptr;
+    for (OpState* s = first; s && !registry; s = s->retired_next) registry = s->registry;
+    if (registry) {
+        std::lock_guard lk(registry->mu);
+        for (OpState* s = first; s; s = s->retired_next) registry->erase(s);
+    }
+    while (first) {
+        OpState* next = first->retired_next;
+        first->release();  // the pieces' reference
+        first = next;
+    }
 }
 
 void Rail::handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data) {
@@ -427,6 +444,7 @@ void Rail::run() {
         active |= poll_cq();
         TimePoint now = Clock::now();
         if (wedged()) return;
+        retire_finished();
         if (now >= next_tick) {
             sweep_timeouts(now);
             next_tick = now + kTickPeriod;

@@ -266,6 +266,18 @@ class Rail {
     void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
     void handle_error(const fi_cq_err_entry& err);
     void finish_op(FabricOp* op, const Status& s);
+    // OpState::piece_done on the worker's hot paths: an operation this finishes waits in
+    // finished_ops_ for retire_finished.
+    void piece_done(FabricOp* op, const Status& s) {
+        OpState* state = op->parent;
+        if (state->last_piece_done(s)) {
+            state->retired_next = finished_ops_;
+            finished_ops_ = state;
+        }
+    }
+    // Unregisters the operations finished since the last call, under one registry lock, and
+    // lets go of their pieces' references. Once per worker pass, and at stop().
+    void retire_finished();
     void sweep_timeouts(TimePoint now);
     // Reports an in-flight operation failed while libfabric still owns its context: the op
     // stays in abandoned_ until its completion comes back or the endpoint is closed.
@@ -335,8 +347,9 @@ class Rail {
     std::vector<int> free_send_slots_;
 
     MpscQueue queue_;
-    OpList pending_;   // popped from the queue, not yet posted
-    OpList inflight_;  // in flight, oldest first
+    OpList pending_;                   // popped from the queue, not yet posted
+    OpList inflight_;                  // in flight, oldest first
+    OpState* finished_ops_ = nullptr;  // finished, not yet retired (linked by retired_next)
     IdleWait idle_;
     std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
     struct ReleaseWatch {

@@ -242,6 +242,7 @@ void Rail::stop(const Status& why) {
         worker_.join();
     }
     running_ = false;
+    retire_finished();
     // The worker is gone: this thread owns the rail now. Close the endpoints first so that
     // libfabric lets go of every context, then fail what was still outstanding.
     retired_.clear();
