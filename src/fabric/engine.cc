@@ -36,10 +36,11 @@ Status OpHandle::wait(Duration timeout, Duration spin) const {
     TimePoint deadline = deadline_after(timeout);
     spin_until([&] { return st.done.load(std::memory_order_acquire); }, std::min(spin, timeout));
     if (!st.done.load(std::memory_order_acquire)) {
-        std::unique_lock lk(st.mu);
+        detail::WaitSlot& slot = detail::wait_slot(&st);
+        std::unique_lock lk(slot.mu);
         // Counted before done is read again (both seq_cst): OpState::finish then notifies.
         st.waiters.fetch_add(1);
-        bool finished = st.cv.wait_until(lk, deadline, [&] { return st.done.load(); });
+        bool finished = slot.cv.wait_until(lk, deadline, [&] { return st.done.load(); });
         st.waiters.fetch_sub(1);
         if (!finished) {
             return timeout_error(
