@@ -127,6 +127,11 @@ bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, Tim
     const Peer* p = peer(w.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
     if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
+    if (host_fabric_ok(*p, w.src, w.src_offset, w.dst, w.dst_offset, w.length)) {
+        add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length,
+                w.imm, deadline, true, state);
+        return true;
+    }
     FERRY_FAIL_BUILD(state, check_local(w.src, w.src_offset, w.length, "write"));
     FERRY_FAIL_BUILD(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
     auto path = choose_path(*p, *w.src, *w.dst, "write");
@@ -160,6 +165,11 @@ bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimeP
     const Peer* p = peer(r.peer);
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
+    if (host_fabric_ok(*p, r.dst, r.dst_offset, r.src, r.src_offset, r.length)) {
+        add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
+                std::nullopt, deadline, true, state);
+        return true;
+    }
     FERRY_FAIL_BUILD(state, check_local(r.dst, r.dst_offset, r.length, "read"));
     FERRY_FAIL_BUILD(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
     auto path = choose_path(*p, *r.dst, *r.src, "read");
