@@ -57,7 +57,9 @@ struct OpRegistry {
 // weak count, the handle's copy, the piece's copy and the drops of each), a good part of them on
 // the worker; now two: the pieces' release on the worker and the handle's.
 struct OpState {
-    explicit OpState(OpCallback cb) : callback(std::move(cb)) {}
+    // The callback is taken by reference to an rvalue down from make_op_state: one move of a
+    // std::function per operation instead of three (~20 instructions per submit_batch entry).
+    explicit OpState(OpCallback&& cb) : callback(std::move(cb)) {}
     OpState(const OpState&) = delete;
     OpState& operator=(const OpState&) = delete;
 
@@ -173,7 +175,7 @@ struct OpState {
 class OpRef {
   public:
     OpRef() = default;
-    static OpRef make(OpCallback cb) { return OpRef(new OpState(std::move(cb))); }
+    static OpRef make(OpCallback&& cb) { return OpRef(new OpState(std::move(cb))); }
     // Takes over a reference already counted (OpState::try_add_ref).
     static OpRef adopt(OpState* s) { return OpRef(s); }
     // A new reference to a state some other reference keeps alive.
@@ -204,7 +206,7 @@ class OpRef {
     OpState* s_ = nullptr;
 };
 
-inline OpRef make_op_state(OpCallback cb) { return OpRef::make(std::move(cb)); }
+inline OpRef make_op_state(OpCallback&& cb) { return OpRef::make(std::move(cb)); }
 
 template <typename Fn>
 void OpRegistry::for_each(Fn&& fn) {
