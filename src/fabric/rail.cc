@@ -180,7 +180,7 @@ bool Rail::drain_submissions() {
             delete op;
             continue;
         }
-        pending_.push_back(op);
+        add_pending(op);
     }
     return any;
 }
@@ -280,7 +280,7 @@ bool Rail::post_pending() {
         if (rc == -FI_EAGAIN) {
             stats_.eagain.fetch_add(1, std::memory_order_relaxed);
             blocked[nblocked++] = op->peer;
-            if (nblocked == kMaxPushbacksPerRound) break;
+            if (!pending_mixed_ || nblocked == kMaxPushbacksPerRound) break;
             op = op->in_next;
             continue;
         }
@@ -474,7 +474,7 @@ void Rail::run() {
                 op->parent->piece_done(ts);
                 delete op;
             } else {
-                pending_.push_back(op);
+                add_pending(op);
             }
             continue;
         }
