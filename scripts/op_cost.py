@@ -32,7 +32,8 @@ WORKER_PARTS = [
     "ferry::detail::Rail::drain_submissions()",
     "ferry::detail::Rail::post_pending()",
     "ferry::detail::Rail::poll_cq()",
-    "ferry::detail::OpState::finish()",
+    "ferry::detail::OpState::finish(",
+    "ferry::detail::Rail::retire_finished()",
     "ferry::detail::Rail::sweep_timeouts(",
 ]
 
