@@ -149,8 +149,8 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
     std::string dead = std::to_string(ntohs(a.sin_port));
     TimePoint t0 = Clock::now();
-    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1",
-                            "--num-prompts", "1", "--input-len", "8", "--output-len", "2"});
+    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1", "--num-prompts",
+                            "1", "--input-len", "8", "--output-len", "2"});
     double ms = to_ms(Clock::now() - t0);
     ::close(fd);
     EXPECT_EQ(code, 2) << out;
@@ -180,8 +180,8 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     auto server = HttpServer::start({}, std::move(routes));
     ASSERT_TRUE(server.ok()) << server.status().to_string();
     std::string port = std::to_string((*server)->port());
-    auto [code2, out2] = run({"bench", "serve", "--port", port, "--num-prompts", "2",
-                              "--input-len", "8", "--output-len", "2"});
+    auto [code2, out2] = run({"bench", "serve", "--port", port, "--num-prompts", "2", "--input-len",
+                              "8", "--output-len", "2"});
     EXPECT_EQ(code2, 3) << out2;  // ran, and both requests failed (the test server's 400)
     EXPECT_NE(out2.find("engines not ready"), std::string::npos) << out2;
     EXPECT_NE(out2.find("/health is up after"), std::string::npos) << out2;
