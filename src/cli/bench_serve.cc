@@ -90,7 +90,7 @@ int run(BenchFlags f) {
     auto r = serve::run_bench_serve(c);
     if (!r.ok()) {
         fmt::print(stderr, "error: {}\n", r.status().to_string());
-        return 2;
+        return stop_requested().load() ? 130 : 2;  // interrupted while waiting for /health
     }
     nlohmann::json j = r->to_json();
     fmt::print("{:<28}{:>12}\n", "completed / failed",

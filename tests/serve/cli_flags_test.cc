@@ -158,7 +158,6 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1", "--num-prompts",
                             "1", "--input-len", "8", "--output-len", "2"});
     double ms = to_ms(Clock::now() - t0);
-    ::close(fd);
     EXPECT_EQ(code, 2) << out;
     EXPECT_NE(out.find("waiting up to 1 s for http://127.0.0.1:" + dead + "/health"),
               std::string::npos)
@@ -167,6 +166,18 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
               std::string::npos)
         << out;
     EXPECT_LT(ms, 5000.0);
+
+    // Ctrl-C while it waits: it stops at once, with the status of an interrupted run.
+    Proc waiting = start({"bench", "serve", "--port", dead, "--wait-health", "60"});
+    EXPECT_TRUE(
+        eventually([&] { return waiting.log_text().find("waiting up to") != std::string::npos; },
+                   seconds(10)));
+    waiting.interrupt();
+    EXPECT_EQ(waiting.wait_exit(seconds(3)), 130) << waiting.log_text();
+    EXPECT_NE(waiting.log_text().find("interrupted while waiting for http://127.0.0.1:" + dead),
+              std::string::npos)
+        << waiting.log_text();
+    ::close(fd);
 
     // Healthy after 1.5 s: no request before that.
     TimePoint healthy_at = Clock::now() + milliseconds(1500);
