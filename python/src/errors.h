@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <exception>
+#include <string>
 #include <utility>
 
 #include "ferry/common/status.h"
@@ -32,6 +33,17 @@ template <typename T>
 T take(Result<T>&& result) {
     if (!result.ok()) throw StatusError(result.status());
     return std::move(result).value();
+}
+
+// For a type the user gets from a call and never constructs: calling it raises a TypeError
+// saying where such objects come from, not pybind11's "No constructor defined".
+template <typename Class>
+void obtained_from(Class& cls, const std::string& name, const std::string& how) {
+    std::string message = name + " objects cannot be created directly: " + how;
+    cls.def("__init__",
+            [message](pybind11::handle, const pybind11::args&, const pybind11::kwargs&) {
+                throw pybind11::type_error(message);
+            });
 }
 
 // Creates ferry.Error and its subclasses in module `m` and registers the translator.

@@ -532,8 +532,10 @@ void register_kv(py::module_& m, EngineShare engine_share) {
                                    str_arg(t[8], "regions"));
             }));
 
-    py::class_<Event>(m, "KvEvent")
-        .def_readonly("kind", &Event::kind)
+    py::class_<Event> event(m, "KvEvent");
+    obtained_from(event, "ferry.kv.KvEvent",
+                  "KvConnector.poll() returns the finished transfers' events");
+    event.def_readonly("kind", &Event::kind)
         .def_readonly("transfer_id", &Event::transfer_id)
         .def_readonly("attempt", &Event::attempt)
         .def_property_readonly("ok", [](const Event& e) { return e.status.ok(); })
@@ -548,8 +550,11 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def("raise_if_error", [](const Event& e) { check(e.status); })
         .def("__repr__", &Event::repr);
 
-    py::class_<kv::HandshakeInfo>(m, "HandshakeInfo")
-        .def_readonly("epoch", &kv::HandshakeInfo::epoch)
+    py::class_<kv::HandshakeInfo> handshake_info(m, "HandshakeInfo");
+    obtained_from(handshake_info, "ferry.kv.HandshakeInfo",
+                  "KvConnector.handshake_info(), ferry.kv.fetch_handshake(...) or "
+                  "HandshakeInfo.from_bytes(blob) give one");
+    handshake_info.def_readonly("epoch", &kv::HandshakeInfo::epoch)
         .def_property_readonly(
             "address", [](const kv::HandshakeInfo& i) { return to_bytes(i.address.serialize()); })
         .def_property_readonly("pool", &descriptors_of)

@@ -511,8 +511,10 @@ PYBIND11_MODULE(_ferry, m) {
     m.doc() = "ferry's C++ TransferEngine; use the `ferry` package, not this module directly.";
     register_errors(m);
 
-    py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>>(m, "RemoteRegion")
-        .def_static("from_bytes", &RemoteRegion::from_bytes, py::arg("descriptor"))
+    py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>> remote_region(m, "RemoteRegion");
+    obtained_from(remote_region, "ferry.RemoteRegion",
+                  "use RemoteRegion.from_bytes(descriptor) with a peer's Region.descriptor");
+    remote_region.def_static("from_bytes", &RemoteRegion::from_bytes, py::arg("descriptor"))
         .def("to_bytes", [](const RemoteRegion& r) { return to_bytes(r.blob); })
         .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.desc.engine_id; })
         .def_property_readonly("length", [](const RemoteRegion& r) { return r.desc.length; })
@@ -527,7 +529,10 @@ PYBIND11_MODULE(_ferry, m) {
                             return RemoteRegion::from_bytes(t[0]);
                         }));
 
-    py::class_<Region, std::shared_ptr<Region>>(m, "Region")
+    py::class_<Region, std::shared_ptr<Region>> region(m, "Region");
+    obtained_from(region, "ferry.Region",
+                  "TransferEngine.register(buffer) registers a buffer and returns its Region");
+    region
         .def_property_readonly("descriptor",
                                [](const Region& r) {
                                    if (r.read_only) {
@@ -548,13 +553,18 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
         .def("close", &Region::close);
 
-    py::class_<Op>(m, "Op")
-        .def("done", &Op::done)
+    py::class_<Op> op(m, "Op");
+    obtained_from(op, "ferry.Op",
+                  "every transfer call of a TransferEngine (write, read, write_paged, signal, "
+                  "...) returns the Op to wait on");
+    op.def("done", &Op::done)
         .def("wait", &Op::wait, py::arg("timeout") = 30.0)
         .def_property_readonly("imm_writes", [](const Op& o) { return o.handle.imm_writes(); });
 
-    py::class_<ImmExpectation>(m, "ImmExpectation")
-        .def("done", &ImmExpectation::done)
+    py::class_<ImmExpectation> imm_expectation(m, "ImmExpectation");
+    obtained_from(imm_expectation, "ferry.ImmExpectation",
+                  "TransferEngine.expect_imm(imm, count) returns one");
+    imm_expectation.def("done", &ImmExpectation::done)
         .def("wait", &ImmExpectation::wait, py::arg("timeout") = 30.0)
         .def_readonly("imm", &ImmExpectation::imm)
         .def_readonly("count", &ImmExpectation::count);

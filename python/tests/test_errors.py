@@ -218,3 +218,21 @@ def test_closed_engine():
         e.write(0, src, 0, dst, 0, 8, imm=1)  # the fast path's error, translated
     with pytest.raises(ferry.Cancelled, match="engine is closed"):
         e.address
+
+
+@pytest.mark.parametrize("cls, says", [
+    (ferry.Region, "TransferEngine.register"),
+    (ferry.Op, "every transfer call of a TransferEngine"),
+    (ferry.ImmExpectation, "TransferEngine.expect_imm"),
+    (ferry.RemoteRegion, "RemoteRegion.from_bytes"),
+    (ferry.kv.KvEvent, "KvConnector.poll()"),
+    (ferry.kv.HandshakeInfo, "HandshakeInfo.from_bytes"),
+])
+def test_objects_handed_out_by_calls_say_where_they_come_from(cls, says):
+    # Constructed directly, pybind11 alone said "No constructor defined!".
+    for args, kwargs in [((), {}), ((1, 2), {}), ((), {"nbytes": 4})]:
+        with pytest.raises(TypeError) as e:
+            cls(*args, **kwargs)
+        assert "cannot be created directly" in str(e.value)
+        assert says in str(e.value)
+        assert "No constructor" not in str(e.value)

@@ -5,8 +5,21 @@
 
 namespace ferry {
 
+Status check_gpu_bench_config(const GpuBenchConfig& c) {
+    if (c.bytes == 0) return invalid_argument("bench gpu: --bytes must be at least 1");
+    if (c.iters < 1) return invalid_argument("bench gpu: --iters must be at least 1");
+    for (size_t p : c.pages) {
+        if (p == 0 || p > c.bytes)
+            return invalid_argument(
+                fmt::format("bench gpu: --pages: {} is not in [1, --bytes {}]", p, c.bytes));
+    }
+    if (c.copy_modes.empty()) return invalid_argument("bench gpu: --modes: give at least one");
+    return ok_status();
+}
+
 #ifndef FERRY_HAVE_CUDA
-Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig&) {
+Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
+    FERRY_RETURN_IF_ERROR(check_gpu_bench_config(c));
     return unavailable("this build of ferry has no CUDA support; build where nvcc is found");
 }
 #endif

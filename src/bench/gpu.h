@@ -37,6 +37,8 @@ struct GpuBenchReport {
 };
 
 Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& config);
+// The flags' values, checked before anything looks for a GPU (run_gpu_bench calls it).
+Status check_gpu_bench_config(const GpuBenchConfig& config);
 std::string format_gpu_table(const GpuBenchReport& r);
 nlohmann::json gpu_report_json(const GpuBenchReport& r);
 

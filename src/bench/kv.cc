@@ -369,6 +369,17 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
                         "pull-inline)",
                         c.mode));
     }
+    for (auto [flag, v] : {std::pair<const char*, uint64_t>{"--layers", c.layers},
+                           {"--kv-heads", c.kv_heads},
+                           {"--head-dim", c.head_dim},
+                           {"--elem-size", c.elem_size},
+                           {"--block-size", c.block_size}}) {
+        // --block-size 0 divided by zero (SIGFPE); the others failed later as "cannot
+        // register 0 bytes".
+        if (v == 0) return invalid_argument(fmt::format("bench kv: {} must be at least 1", flag));
+    }
+    for (uint32_t t : c.tokens)
+        if (t == 0) return invalid_argument("bench kv: --tokens: every count must be at least 1");
     if (c.tokens.empty() || c.iters < 1) {
         return invalid_argument("bench kv: give at least one token count and one iteration");
     }

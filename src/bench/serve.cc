@@ -149,13 +149,75 @@ RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
 
 }  // namespace
 
+namespace {
+
+// Polls GET /health until 200: kTimeout naming the URL and the last answer after
+// c.wait_health, kCancelled when *c.stop is set.
+Status wait_until_healthy(const BenchServeConfig& c) {
+    const std::string url = fmt::format("http://{}:{}/health", c.host, c.port);
+    auto say = [&](const std::string& line) {
+        if (c.on_wait) c.on_wait(line);
+    };
+    TimePoint start = Clock::now();
+    TimePoint deadline = start + c.wait_health;
+    TimePoint next_note = start + seconds(5);
+    std::string last;
+    bool announced = false;
+    while (true) {
+        Duration left = deadline - Clock::now();
+        auto r = http_get(c.host, c.port, "/health",
+                          std::clamp<Duration>(left, milliseconds(100), seconds(2)));
+        if (r.ok() && r->status == 200) {
+            if (announced)
+                say(fmt::format("{} is up after {:.1f} s", url, to_ms(Clock::now() - start) / 1e3));
+            return ok_status();
+        }
+        last = r.ok() ? fmt::format("HTTP {} {}", r->status, r->body.substr(0, 200))
+                      : r.status().message();
+        if (!announced) {
+            say(fmt::format("waiting up to {:.0f} s for {} to answer 200 (now: {})",
+                            to_ms(c.wait_health) / 1e3, url, last));
+            announced = true;
+        }
+        if (c.stop && c.stop->load()) return cancelled("interrupted while waiting for " + url);
+        TimePoint now = Clock::now();
+        if (now >= deadline)
+            return timeout_error(fmt::format(
+                "{} did not answer 200 within {:.0f} s (last: {}): is the router running on "
+                "that port? (--host, --port; --wait-health to wait longer, 0 not to wait)",
+                url, to_ms(c.wait_health) / 1e3, last));
+        if (now >= next_note) {
+            say(fmt::format("still waiting for {} ({:.0f} s; now: {})", url,
+                            to_ms(now - start) / 1e3, last));
+            next_note = now + seconds(5);
+        }
+        std::this_thread::sleep_for(std::min<Duration>(milliseconds(250), deadline - now));
+    }
+}
+
+}  // namespace
+
 Result<BenchServeResult> run_bench_serve(const BenchServeConfig& c) {
     if (c.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
+    // Each prompt is a thread of its own and keeps its tokens: 10^11 prompts ran out of
+    // memory planning them, slowly.
+    if (c.num_prompts > kMaxBenchPrompts)
+        return invalid_argument(fmt::format("--num-prompts {} is above the limit of {}",
+                                            c.num_prompts, kMaxBenchPrompts));
+    for (auto [flag, v] : {std::pair<const char*, size_t>{"--input-len", c.input_len},
+                           {"--input-len-max", c.input_len_max},
+                           {"--output-len", c.output_len},
+                           {"--output-len-max", c.output_len_max}}) {
+        if (v > kMaxBenchTokens)
+            return invalid_argument(
+                fmt::format("{} {} is above the limit of {} tokens", flag, v, kMaxBenchTokens));
+    }
     if (c.input_len == 0) return invalid_argument("--input-len must be at least 1");
     if (c.output_len == 0) return invalid_argument("--output-len must be at least 1");
     if (c.vocab < 1) return invalid_argument("vocabulary must not be empty");
     if (c.verify && c.verify_slice.vocab != c.vocab)
         return invalid_argument("verification needs the model's vocabulary for prompts too");
+    if (c.wait_health > Duration::zero()) FERRY_RETURN_IF_ERROR(wait_until_healthy(c));
     std::vector<Planned> planned = plan(c);
 
     BenchServeResult result;

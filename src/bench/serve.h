@@ -24,6 +24,9 @@ struct BenchProgress {
     double elapsed_s = 0;
 };
 
+inline constexpr size_t kMaxBenchPrompts = 100000;
+inline constexpr size_t kMaxBenchTokens = size_t(1) << 24;
+
 struct BenchServeConfig {
     std::string host = "127.0.0.1";
     int port = 8000;
@@ -43,6 +46,12 @@ struct BenchServeConfig {
     bool verify = false;
     KvSlice verify_slice{};
     Duration request_timeout = seconds(600);
+    // Before the first request, GET /health is polled until it answers 200, for at most this
+    // long (0: not at all); engines answer 503 while they allocate their KV pools, and requests
+    // sent then would only count as failed. on_wait gets a line when the wait starts and every
+    // few seconds of it.
+    Duration wait_health = Duration::zero();
+    std::function<void(const std::string&)> on_wait{};
     std::function<void(const BenchProgress&)> on_progress{};
     // Set from another thread (Ctrl-C) to stop issuing requests and abandon those in flight.
     const std::atomic<bool>* stop = nullptr;

@@ -780,6 +780,20 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (config.rate_only && !config.rate) {
         return invalid_argument("bench xfer: rate_only needs the rate section (rate)");
     }
+    for (size_t n : config.sizes) {
+        // Found only by the engine, as "write of 0 bytes", after the target process started.
+        if (n == 0) return invalid_argument("bench xfer: --sizes: every size must be at least 1");
+    }
+    for (size_t n : config.pages) {
+        if (n == 0) return invalid_argument("bench xfer: --pages: every size must be at least 1");
+    }
+    if (config.rails < 1 || config.rails > 32) {
+        return invalid_argument(
+            fmt::format("bench xfer: --rails must be 1..32, got {}", config.rails));
+    }
+    if (!(config.seconds_per_point > 0)) {
+        return invalid_argument("bench xfer: --seconds must be above 0");
+    }
     if (config.window < 1 || config.pages_per_op < 1 || config.repeat < 1) {
         return invalid_argument("bench xfer: window, pages per op and repeat must be positive");
     }

@@ -26,6 +26,7 @@ struct BenchFlags {
     int tp = 8;
     int head_offset = 0;
     std::string result_file;
+    double wait_health_s = 120;
 };
 
 int run(BenchFlags f) {
@@ -69,6 +70,9 @@ int run(BenchFlags f) {
             .layout = cost->kv_layout(16, 1), .head_offset = f.head_offset, .vocab = model->vocab};
     }
     c.stop = &stop_requested();
+    c.wait_health =
+        std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.wait_health_s));
+    c.on_wait = [](const std::string& line) { fmt::print(stderr, "bench serve: {}\n", line); };
     bool tty = isatty(STDERR_FILENO);
     std::mutex mu;
     c.on_progress = [&](const serve::BenchProgress& p) {
@@ -86,7 +90,7 @@ int run(BenchFlags f) {
     auto r = serve::run_bench_serve(c);
     if (!r.ok()) {
         fmt::print(stderr, "error: {}\n", r.status().to_string());
-        return 2;
+        return stop_requested().load() ? 130 : 2;  // interrupted while waiting for /health
     }
     nlohmann::json j = r->to_json();
     fmt::print("{:<28}{:>12}\n", "completed / failed",
@@ -172,6 +176,10 @@ void register_bench_serve(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--label", c.label, "mode label stored in the result (push, pull, ...)");
     cmd->add_option("--result-file", f->result_file, "write the JSON result here");
+    cmd->add_option("--wait-health", f->wait_health_s,
+                    "seconds to wait for GET /health to answer 200 before the first request "
+                    "(0: do not wait)")
+        ->capture_default_str();
     cmd->callback([f] { set_exit_code(run(*f)); });
 }
 

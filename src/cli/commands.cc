@@ -21,6 +21,16 @@ std::string finite_non_negative(std::string& text) {
     return {};
 }
 
+// Seconds flags become nanosecond durations: 1e300 overflowed into a negative one
+// (`bench serve --wait-health 1e300` did not wait at all). 1e9 s is 31 years.
+std::string not_absurd(std::string& text) {
+    const char* begin = text.c_str();
+    char* end = nullptr;
+    double v = std::strtod(begin, &end);
+    if (end != begin && v > 1e9) return "must be at most 1e9, got " + text;
+    return {};
+}
+
 void check_numeric_flags(CLI::App& app) {
     for (CLI::Option* opt : app.get_options()) {
         // The type name is INT, UINT or FLOAT for numbers, followed by ":..." for validators.
@@ -28,6 +38,7 @@ void check_numeric_flags(CLI::App& app) {
         const std::string base = type.substr(0, type.find(':'));
         if (base != "INT" && base != "UINT" && base != "FLOAT") continue;
         opt->check(CLI::Validator(finite_non_negative, ""));
+        if (base == "FLOAT") opt->check(CLI::Validator(not_absurd, ""));
         if (opt->get_name().find("port") != std::string::npos)
             opt->check(CLI::Range(0, 65535).description(""));
     }

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <exception>
+#include <new>
 #include <optional>
 
 #include "cli/commands.h"
@@ -72,6 +74,21 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "{}\n", *error);
         return 2;
     }
-    CLI11_PARSE(app, argc, argv);
+    // Not CLI11_PARSE: it lets anything but a parse error escape, and an exception out of a
+    // command (std::bad_alloc from `bench relay --input-len 100000000000`) ended the process
+    // with "terminate called" and a backtrace instead of a line saying what happened.
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+        return app.exit(e);
+    } catch (const std::bad_alloc&) {
+        fmt::print(stderr,
+                   "ferry: out of memory: a size or count flag asks for more than this machine "
+                   "has\n");
+        return 1;
+    } catch (const std::exception& e) {
+        fmt::print(stderr, "ferry: {}\n", e.what());
+        return 1;
+    }
     return ferry::cli::exit_code();
 }

@@ -24,6 +24,7 @@ struct HttpLimitFlags {
     double header_timeout_s = to_ms(o.header_timeout) / 1000;
     double body_timeout_s = to_ms(o.body_timeout) / 1000;
     double idle_timeout_s = to_ms(o.idle_timeout) / 1000;
+    double queue_timeout_s = to_ms(o.queue_timeout) / 1000;
 };
 
 void add_http_limit_flags(CLI::App* cmd, HttpLimitFlags& f) {
@@ -37,6 +38,10 @@ void add_http_limit_flags(CLI::App* cmd, HttpLimitFlags& f) {
         ->check(positive_number());
     cmd->add_option("--body-timeout", f.body_timeout_s,
                     "seconds for a request's whole body (408 after)")
+        ->capture_default_str()
+        ->check(positive_number());
+    cmd->add_option("--queue-timeout", f.queue_timeout_s,
+                    "seconds a complete request waits for a free worker (503 after)")
         ->capture_default_str()
         ->check(positive_number());
     cmd->add_option("--idle-timeout", f.idle_timeout_s,
@@ -62,6 +67,7 @@ serve::HttpServerOptions http_options(const std::string& host, int port, size_t 
     o.header_timeout = secs(f.header_timeout_s);
     o.body_timeout = secs(f.body_timeout_s);
     o.idle_timeout = secs(f.idle_timeout_s);
+    o.queue_timeout = secs(f.queue_timeout_s);
     return o;
 }
 

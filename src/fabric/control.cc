@@ -51,10 +51,7 @@ void ControlChannel::deliver(std::span<const uint8_t> wire) {
     std::memcpy(&sender, wire.data() + 4, 8);
     auto payload = wire.subspan(kMessageHeader);
     std::lock_guard lk(mu_);
-    if (handler_) {
-        handler_(sender, payload);
-        return;
-    }
+    if (handler_) return call(sender, payload);
     if (held_.size() >= static_cast<size_t>(config_.message_recv_buffers) * 16) {
         dropped_.fetch_add(1, std::memory_order_relaxed);
         log(LogLevel::kWarn, "fabric", "no message handler set: dropped a message from {:x}",
@@ -64,16 +61,34 @@ void ControlChannel::deliver(std::span<const uint8_t> wire) {
     held_.emplace_back(wire.begin(), wire.end());
 }
 
+void ControlChannel::call(uint64_t sender, std::span<const uint8_t> payload) {
+    std::shared_ptr<const MessageHandler> h = handler_;
+    std::thread::id outer = delivering_.exchange(std::this_thread::get_id());
+    try {
+        (*h)(sender, payload);
+    } catch (const std::exception& e) {
+        // Thrown into rail 0's worker it would end the process.
+        dropped_.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kError, "fabric", "the message handler threw on a message from {:x}: {}",
+            sender, e.what());
+    } catch (...) {
+        dropped_.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kError, "fabric", "the message handler threw on a message from {:x}", sender);
+    }
+    delivering_.store(outer);
+}
+
 void ControlChannel::set_handler(MessageHandler handler) {
-    std::lock_guard lk(mu_);
-    handler_ = std::move(handler);
-    if (!handler_) return;
-    while (!held_.empty()) {
+    auto h = handler ? std::make_shared<const MessageHandler>(std::move(handler)) : nullptr;
+    std::unique_lock lk(mu_, std::defer_lock);
+    if (delivering_.load() != std::this_thread::get_id()) lk.lock();  // else held: a handler
+    handler_ = std::move(h);
+    while (handler_ && !held_.empty()) {
         auto m = std::move(held_.front());
         held_.pop_front();
         uint64_t sender = 0;
         std::memcpy(&sender, m.data() + 4, 8);
-        handler_(sender, std::span<const uint8_t>(m).subspan(kMessageHeader));
+        call(sender, std::span<const uint8_t>(m).subspan(kMessageHeader));
     }
 }
 

@@ -6,8 +6,10 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "fabric/rail.h"
@@ -29,15 +31,24 @@ class ControlChannel {
                         std::span<const uint8_t> payload, TimePoint deadline) const;
     // Runs on rail 0's worker for every message received: to the handler, or held.
     void deliver(std::span<const uint8_t> wire);
-    // Delivers the held messages to the new handler first, in arrival order.
+    // Delivers the held messages to the new handler first, in arrival order. Called by a
+    // handler, it takes effect at once (the running one finishes its call); from another
+    // thread, it returns once no call of the old handler is running.
     void set_handler(MessageHandler handler);
-    // Malformed messages and those dropped because too many were held.
+    // Malformed messages, those dropped because too many were held, and those whose handler
+    // threw.
     uint64_t dropped() const { return dropped_.load(); }
 
   private:
+    // With mu_ held: the handler, kept alive for the call even if it replaces itself.
+    void call(uint64_t sender, std::span<const uint8_t> payload);
+
     const EngineConfig& config_;
     std::mutex mu_;
-    MessageHandler handler_;
+    std::shared_ptr<const MessageHandler> handler_;
+    // The thread running a handler (it holds mu_), so that set_handler from inside a handler
+    // does not lock mu_ again: that deadlocked rail 0's worker for good.
+    std::atomic<std::thread::id> delivering_{};
     std::deque<std::vector<uint8_t>> held_;
     std::atomic<uint64_t> dropped_{0};
 };

@@ -64,8 +64,10 @@ class HandshakeServer::Impl {
         std::vector<pollfd> fds;
         while (!stop_.load()) {
             fds.clear();
-            fds.push_back({listener_.get(), POLLIN, 0});
             TimePoint wake = Clock::now() + std::chrono::milliseconds(kPollMs);
+            bool paused = Clock::now() < accept_paused_until_;
+            fds.push_back({listener_.get(), short(paused ? 0 : POLLIN), 0});
+            if (paused) wake = std::min(wake, accept_paused_until_);
             for (const auto& c : conns_) {
                 short ev = c->sent < c->out.size() ? POLLOUT : POLLIN;
                 fds.push_back({c->fd.get(), ev, 0});
@@ -96,7 +98,22 @@ class HandshakeServer::Impl {
     void accept_all(TimePoint now) {
         while (true) {
             Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+            if (fd.get() < 0 && errno == EINTR) continue;
+            if (fd.get() < 0 &&
+                (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+                // The connection stays queued and the listener readable: polled again at once,
+                // the loop took a whole core until descriptors came back.
+                if (!accept_failing_)
+                    log(LogLevel::kWarn, "kv",
+                        "handshake server: accept failed ({}); retrying every {} ms until "
+                        "descriptors are free",
+                        strerror(errno), kPollMs);
+                accept_failing_ = true;
+                accept_paused_until_ = now + std::chrono::milliseconds(kPollMs);
+                return;
+            }
             if (fd.get() < 0) return;  // EAGAIN: drained (or a transient error: next round)
+            accept_failing_ = false;
             if (conns_.size() >= opts_.max_connections) {
                 refused_.fetch_add(1);  // closed by Fd's destructor, now
                 continue;
@@ -216,6 +233,8 @@ class HandshakeServer::Impl {
     HandshakeInfo info_;
     HandshakeServerOptions opts_;
     std::vector<std::unique_ptr<Conn>> conns_;  // the loop thread's only
+    TimePoint accept_paused_until_{};           // the loop thread's only
+    bool accept_failing_ = false;               // the loop thread's only: warned once
     std::thread thread_;
     std::atomic<bool> stop_{false};
     std::atomic<uint64_t> served_{0}, auth_failures_{0}, refused_{0};
@@ -228,6 +247,10 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::strin
         return invalid_argument("handshake server: no deployment secret given");
     if (options.max_connections == 0)
         return invalid_argument("handshake server: max_connections must be at least 1");
+    if (options.connection_deadline <= Duration::zero())
+        return invalid_argument(
+            "handshake server: connection_deadline must be above 0 (every connection would be "
+            "closed before its first frame)");
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;

@@ -208,6 +208,7 @@ struct Conn {
     std::mutex write_mu;                       // orders the probe against the response
     bool response_started = false;             // guarded by write_mu
     bool close_after = false;                  // set by the worker
+    bool queued = false;                       // in `work`, no worker yet; guarded by work_mu
 };
 
 using ConnPtr = std::shared_ptr<Conn>;
@@ -250,6 +251,7 @@ struct HttpServer::Impl {
     void parse_chunks(const ConnPtr& c);
     std::optional<Refusal> parse_head(Conn& c, std::string_view head);
     void dispatch(const ConnPtr& c);
+    bool unqueue(Conn& c);
     void refuse(const ConnPtr& c, int status, const std::string& message);
     void close_conn(const ConnPtr& c);
     void on_back(const ConnPtr& c);
@@ -319,7 +321,12 @@ void HttpServer::Impl::sweep(TimePoint now) {
     TimePoint next = now + milliseconds(100);
     std::vector<ConnPtr> expired;
     for (auto& [fd, c] : conns) {
+        if (c->phase == Phase::kHandling && c->deadline <= now && unqueue(*c)) {
+            expired.push_back(c);
+            continue;
+        }
         if (c->phase == Phase::kHandling) {
+            if (c->deadline != TimePoint::max()) next = std::min(next, c->deadline);
             if (c->next_probe == TimePoint{} || c->next_probe == TimePoint::max() ||
                 c->gone->load())
                 continue;
@@ -333,7 +340,15 @@ void HttpServer::Impl::sweep(TimePoint now) {
             next = std::min(next, c->deadline);
     }
     for (const ConnPtr& c : expired) {
-        if (c->phase == Phase::kDraining || (c->phase == Phase::kHeaders && c->idle))
+        if (c->phase == Phase::kHandling && c->gone->load())
+            close_conn(c);
+        else if (c->phase == Phase::kHandling)
+            refuse(c, 503,
+                   fmt::format("no worker became free within {}: all {} are busy (queue_timeout, "
+                               "--queue-timeout; threads, --http-threads/--router-threads); retry "
+                               "later",
+                               ms_text(options.queue_timeout), options.threads));
+        else if (c->phase == Phase::kDraining || (c->phase == Phase::kHeaders && c->idle))
             close_conn(c);
         else if (c->phase == Phase::kHeaders)
             refuse(c, 408,
@@ -754,13 +769,29 @@ std::optional<Refusal> HttpServer::Impl::parse_head(Conn& c, std::string_view he
     return std::nullopt;
 }
 
+// Takes a request whose queue_timeout passed out of the queue: true if no worker had it yet.
+// Once a worker has it, its deadline is dropped (the handler's own deadlines apply).
+bool HttpServer::Impl::unqueue(Conn& c) {
+    std::lock_guard lock(work_mu);
+    if (!c.queued) {
+        c.deadline = TimePoint::max();
+        return false;
+    }
+    c.queued = false;
+    std::erase_if(work, [&](const ConnPtr& w) { return w.get() == &c; });
+    return true;
+}
+
 void HttpServer::Impl::dispatch(const ConnPtr& c) {
     c->phase = Phase::kHandling;
+    c->deadline = Clock::now() + options.queue_timeout;
+    next_sweep = std::min(next_sweep, c->deadline);
     // Only a close matters now; edge-triggered so that bytes of a pipelined next request,
     // left unread until this one is answered, do not wake the loop again and again.
     watch(*c, EPOLLRDHUP | EPOLLET);
     {
         std::lock_guard lock(work_mu);
+        c->queued = true;
         work.push_back(c);
         // Each idle worker takes one request; any beyond them needs a new worker.
         if (work.size() > idle_workers && workers.size() < options.threads)
@@ -806,6 +837,7 @@ void HttpServer::Impl::worker_loop() {
             if (stopping.load()) return;  // requests not started are dropped with their conns
             c = std::move(work.front());
             work.pop_front();
+            c->queued = false;
         }
         serve(c);
         {
@@ -958,6 +990,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
             return invalid_argument("HTTP routes are GET or POST, not " + r.method);
     if (options.max_connections == 0 || options.max_connections_per_client == 0)
         return invalid_argument("max_connections and max_connections_per_client must be >= 1");
+    if (options.queue_timeout <= Duration::zero())
+        return invalid_argument("queue_timeout must be above 0 (every request would get 503)");
     options.threads = std::max<size_t>(options.threads, 1);
     // Each connection is a descriptor: a cap above the process's limit would turn into failed
     // accepts instead of a clear 503.

@@ -3,11 +3,15 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <random>
 #include <thread>
 
 #include "ferry/common/bytes.h"
@@ -242,6 +246,20 @@ int connect_loopback(uint16_t port) {
     return fd;
 }
 
+// A listening socket on a free loopback port.
+int listen_loopback(uint16_t* port) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), len);
+    ::listen(fd, 4);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    *port = ntohs(a.sin_port);
+    return fd;
+}
+
 void send_frame_raw(int fd, const std::vector<uint8_t>& payload) {
     uint32_t len = uint32_t(payload.size());
     std::vector<uint8_t> b(reinterpret_cast<uint8_t*>(&len), reinterpret_cast<uint8_t*>(&len) + 4);
@@ -343,15 +361,7 @@ TEST(HandshakeAuth, WrongSecretIsRefusedWithoutLearningAnything) {
 class RecordingProxy {
   public:
     explicit RecordingProxy(uint16_t upstream) : upstream_(upstream) {
-        listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        socklen_t len = sizeof a;
-        ::bind(listener_, reinterpret_cast<sockaddr*>(&a), len);
-        ::listen(listener_, 1);
-        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len);
-        port_ = ntohs(a.sin_port);
+        listener_ = listen_loopback(&port_);
         thread_ = std::thread([this] { relay_once(); });
     }
     ~RecordingProxy() {
@@ -506,6 +516,317 @@ TEST(HandshakeConcurrency, ConnectionsBeyondTheCapAreClosedAtOnce) {
                                seconds(1))
             .ok();
     }));
+}
+
+// ---- hostile clients and servers ---------------------------------------------------------------
+
+// Open descriptors of this process (the directory's own descriptor not counted).
+size_t open_fds() {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+    return n - 1;
+}
+
+// Waits until this process holds `want` descriptors again; the count it saw last otherwise.
+size_t fds_settle_at(size_t want, Duration budget = seconds(3)) {
+    size_t now = open_fds();
+    TimePoint deadline = Clock::now() + budget;
+    while (now != want && Clock::now() < deadline) {
+        std::this_thread::sleep_for(milliseconds(20));
+        now = open_fds();
+    }
+    return now;
+}
+
+std::vector<uint8_t> length_prefix(uint32_t len) {
+    return std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&len),
+                                reinterpret_cast<uint8_t*>(&len) + 4);
+}
+
+std::vector<uint8_t> framed(std::vector<uint8_t> payload) {
+    std::vector<uint8_t> b = length_prefix(uint32_t(payload.size()));
+    b.insert(b.end(), payload.begin(), payload.end());
+    return b;
+}
+
+std::vector<uint8_t> concat(std::vector<uint8_t> a, const std::vector<uint8_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+}
+
+// What a hostile client sends, and what it must see.
+struct HostileClient {
+    std::string name;
+    std::vector<uint8_t> bytes;
+    enum { kRefused, kCutAtDeadline, kHangsUp } outcome;
+    Duration drip = {};  // sends a byte at a time this far apart
+    bool reset = false;  // kHangsUp: an RST (SO_LINGER 0) rather than a FIN
+};
+
+// Runs one hostile client against `port`; "" when it saw what it must, else what it saw.
+std::string run_hostile(const HostileClient& h, uint16_t port, Duration deadline) {
+    int fd = connect_loopback(port);
+    if (fd < 0) return "could not connect";
+    TimePoint t0 = Clock::now();
+    for (size_t i = 0; i < h.bytes.size();) {
+        size_t n = h.drip > Duration{} ? 1 : h.bytes.size() - i;
+        // The server may close in between; a failed send is not this client's business.
+        if (::send(fd, h.bytes.data() + i, n, MSG_NOSIGNAL) <= 0) break;
+        i += n;
+        if (h.drip > Duration{} && i < h.bytes.size()) std::this_thread::sleep_for(h.drip);
+    }
+    if (h.outcome == HostileClient::kHangsUp) {
+        if (h.reset) {
+            linger l{1, 0};
+            ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+        }
+        ::close(fd);
+        return "";
+    }
+    bool closed = false;
+    auto got = read_until_close(fd, deadline + seconds(3), &closed);
+    double ms = to_ms(Clock::now() - t0);
+    ::close(fd);
+    std::string text(got.begin(), got.end());
+    if (!closed) return fmt::format("not closed after {:.0f} ms", ms);
+    if (h.outcome == HostileClient::kRefused) {
+        if (text.find("authentication failed") == std::string::npos)
+            return fmt::format("closed after {:.0f} ms without the refusal ({} bytes)", ms,
+                               got.size());
+        if (ms > 300) return fmt::format("refused only after {:.0f} ms", ms);
+        return "";
+    }
+    // Cut at the deadline: no refusal (nothing was wrong yet), on time, not later for a drip.
+    double want = to_ms(deadline);
+    if (ms < want - 50 || ms > want + 700)
+        return fmt::format("closed after {:.0f} ms, the deadline is {:.0f} ms", ms, want);
+    if (text.find("authentication failed") != std::string::npos) return "refused, not cut";
+    return "";
+}
+
+TEST(HandshakeHostile, MalformedSlowAndVanishingClientsAreRefusedOrCutAndOthersAreServed) {
+    unsigned seed = std::random_device{}();
+    std::printf("seed %u\n", seed);
+    std::mt19937 rng(seed);
+    std::vector<uint8_t> garbage(60);
+    for (auto& b : garbage) b = uint8_t(rng());
+    std::vector<uint8_t> hello = hello_frame(3);
+    std::vector<uint8_t> wrong_magic = hello;
+    wrong_magic[0] ^= 0xff;
+    std::vector<uint8_t> long_hello = hello;
+    long_hello.push_back(0);
+    std::vector<uint8_t> half_hello = framed(hello);
+    half_hello.resize(20);
+    const std::vector<HostileClient> kinds = {
+        {"length prefix 2^32-1", concat(length_prefix(0xffffffffu), garbage),
+         HostileClient::kRefused},
+        {"length prefix 257 (cap + 1)", length_prefix(257), HostileClient::kRefused},
+        {"random garbage of a plausible length", framed(garbage), HostileClient::kRefused},
+        {"zero-length frame", length_prefix(0), HostileClient::kRefused},
+        {"wrong magic", framed(wrong_magic), HostileClient::kRefused},
+        {"HELLO with a trailing byte", framed(long_hello), HostileClient::kRefused},
+        {"AUTH before HELLO", framed(auth_frame(Digest{}, 1)), HostileClient::kRefused},
+        {"two HELLOs", concat(framed(hello), framed(hello)), HostileClient::kRefused},
+        {"a length, then silence", length_prefix(uint32_t(hello.size())),
+         HostileClient::kCutAtDeadline},
+        {"half a HELLO, then silence", half_hello, HostileClient::kCutAtDeadline},
+        {"HELLO a byte every 30 ms (longer than the deadline)", framed(hello),
+         HostileClient::kCutAtDeadline, milliseconds(30)},
+        {"half a HELLO, then FIN", half_hello, HostileClient::kHangsUp},
+        {"half a HELLO, then RST", half_hello, HostileClient::kHangsUp, {}, true},
+        {"HELLO, then RST before the challenge is read",
+         framed(hello),
+         HostileClient::kHangsUp,
+         {},
+         true},
+    };
+    const size_t before = open_fds();
+    {
+        HandshakeServerOptions o = options();
+        o.connection_deadline = milliseconds(500);
+        HandshakeInfo info = fake_info();
+        auto server = HandshakeServer::start("127.0.0.1", 0, info, std::move(o));
+        ASSERT_TRUE(server.ok()) << server.status().to_string();
+        uint16_t port = (*server)->port();
+        const size_t serving = open_fds();
+
+        // Three of each at once, while an honest client handshakes again and again.
+        std::vector<std::string> failures(kinds.size() * 3);
+        std::vector<std::thread> clients;
+        for (size_t i = 0; i < failures.size(); ++i) {
+            clients.emplace_back([&, i] {
+                const HostileClient& h = kinds[i % kinds.size()];
+                std::string why = run_hostile(h, port, milliseconds(500));
+                if (!why.empty()) failures[i] = h.name + ": " + why;
+            });
+        }
+        const int kHonest = 20;
+        double worst_ms = 0;
+        for (int i = 0; i < kHonest; ++i) {
+            TimePoint t0 = Clock::now();
+            auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(),
+                                     test_secret(), seconds(2));
+            worst_ms = std::max(worst_ms, to_ms(Clock::now() - t0));
+            EXPECT_TRUE(r.ok()) << r.status().to_string();
+            std::this_thread::sleep_for(milliseconds(20));
+        }
+        for (auto& t : clients) t.join();
+        for (const std::string& f : failures) EXPECT_EQ(f, "");
+        // Not held up by any of them: served from the same loop, none waits for another.
+        EXPECT_LT(worst_ms, 400.0);
+        EXPECT_EQ((*server)->requests_served(), uint64_t(kHonest));
+        EXPECT_GE((*server)->auth_failures(), 3u * 8);
+        // Every connection the server accepted is closed again.
+        EXPECT_EQ(fds_settle_at(serving), serving);
+    }
+    EXPECT_EQ(fds_settle_at(before), before) << "descriptors left after the server stopped";
+}
+
+TEST(HandshakeHostile, OptionsThatWouldServeNobodyAreRefused) {
+    HandshakeServerOptions o = options();
+    o.connection_deadline = Duration::zero();
+    auto r = HandshakeServer::start("127.0.0.1", 0, fake_info(), o);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("connection_deadline"), std::string::npos)
+        << r.status().to_string();
+    o.connection_deadline = -milliseconds(5);
+    EXPECT_EQ(HandshakeServer::start("127.0.0.1", 0, fake_info(), o).status().code(),
+              StatusCode::kInvalidArgument);
+}
+
+// Lowers this process's descriptor limit for as long as it lives.
+class FdLimit {
+  public:
+    explicit FdLimit(rlim_t soft) {
+        ::getrlimit(RLIMIT_NOFILE, &saved_);
+        rlimit l = saved_;
+        l.rlim_cur = soft;
+        ok_ = ::setrlimit(RLIMIT_NOFILE, &l) == 0;
+    }
+    ~FdLimit() { ::setrlimit(RLIMIT_NOFILE, &saved_); }
+    bool ok() const { return ok_; }
+
+  private:
+    rlimit saved_{};
+    bool ok_ = false;
+};
+
+double process_cpu_ms() {
+    timespec ts{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) / 1e6;
+}
+
+TEST(HandshakeHostile, OutOfDescriptorsTheServerBacksOffRatherThanSpin) {
+    HandshakeInfo info = fake_info();
+    HandshakeServerOptions o = options();
+    o.connection_deadline = seconds(5);
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, std::move(o));
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    uint16_t port = (*server)->port();
+    // Client sockets made first: they connect under the lowered limit, the server cannot
+    // accept them all.
+    std::vector<int> clients;
+    for (int i = 0; i < 16; ++i) {
+        clients.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        ASSERT_GE(clients.back(), 0);
+    }
+    {
+        FdLimit limit(open_fds() + 4);
+        ASSERT_TRUE(limit.ok());
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons(port);
+        for (int fd : clients)
+            ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+        std::this_thread::sleep_for(milliseconds(200));  // accepted what it could
+        // The server's thread is the only one that could be busy meanwhile.
+        double cpu0 = process_cpu_ms();
+        TimePoint t0 = Clock::now();
+        std::this_thread::sleep_for(milliseconds(1000));
+        double cpu = process_cpu_ms() - cpu0;
+        double wall = to_ms(Clock::now() - t0);
+        EXPECT_LT(cpu, 0.2 * wall) << "the server's loop used " << cpu << " ms of CPU in " << wall
+                                   << " ms while it could not accept";
+    }
+    // Descriptors again: the waiting connections are taken and served.
+    auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
+                             seconds(3));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    for (int fd : clients) ::close(fd);
+}
+
+// A server that answers the first connection's HELLO with `reply`, then holds or closes it.
+class FakeServer {
+  public:
+    FakeServer(std::vector<uint8_t> reply, bool close_after) {
+        listener_ = listen_loopback(&port_);
+        thread_ = std::thread([this, reply = std::move(reply), close_after] {
+            pollfd lp{listener_, POLLIN, 0};
+            if (::poll(&lp, 1, 5000) <= 0) return;
+            int c = ::accept(listener_, nullptr, nullptr);
+            std::vector<uint8_t> hello(4 + 39);
+            ::recv(c, hello.data(), hello.size(), MSG_WAITALL);
+            ::send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+            if (!close_after) read_until_close(c, seconds(5));  // until the client gives up
+            ::close(c);
+        });
+    }
+    ~FakeServer() {
+        if (thread_.joinable()) thread_.join();
+        ::close(listener_);
+    }
+    uint16_t port() const { return port_; }
+
+  private:
+    int listener_ = -1;
+    uint16_t port_ = 0;
+    std::thread thread_;
+};
+
+TEST(HandshakeHostile, AHostileServerGivesTheClientAClearErrorOnTime) {
+    ByteWriter bad_type;
+    bad_type.put<uint32_t>(0x46524852);
+    bad_type.put<uint16_t>(HandshakeInfo::kVersion);
+    bad_type.put<uint8_t>(9);
+    struct Case {
+        std::string name;
+        std::vector<uint8_t> reply;
+        bool close_after;
+        StatusCode code;
+        std::string says;
+    };
+    const std::vector<Case> cases = {
+        {"length prefix 2^32-1", length_prefix(0xffffffffu), false, StatusCode::kProtocol,
+         "exceeds"},
+        {"garbage", framed({1, 2, 3, 4, 5, 6, 7, 8}), false, StatusCode::kProtocol,
+         "not a ferry handshake reply"},
+        {"an unknown frame type", framed(bad_type.take()), false, StatusCode::kProtocol,
+         "field 'type' is 9"},
+        {"a client's frame sent back", framed(hello_frame(1)), false, StatusCode::kProtocol,
+         "not a ferry handshake reply"},
+        {"a length, then silence", length_prefix(100), false, StatusCode::kTimeout, "timed out"},
+        {"half a frame, then a close", concat(length_prefix(100), {1, 2, 3}), true,
+         StatusCode::kUnavailable, "closed the connection"},
+    };
+    const size_t before = open_fds();
+    for (const Case& k : cases) {
+        SCOPED_TRACE(k.name);
+        FakeServer fake(k.reply, k.close_after);
+        TimePoint t0 = Clock::now();
+        auto r = fetch_handshake("127.0.0.1", fake.port(), 1, test_secret(), milliseconds(400));
+        double ms = to_ms(Clock::now() - t0);
+        ASSERT_FALSE(r.ok());
+        EXPECT_EQ(r.status().code(), k.code) << r.status().to_string();
+        EXPECT_NE(r.status().message().find(k.says), std::string::npos) << r.status().to_string();
+        EXPECT_NE(r.status().message().find(fmt::format("127.0.0.1:{}", fake.port())),
+                  std::string::npos)
+            << r.status().to_string();
+        EXPECT_LT(ms, 1000.0);
+    }
+    EXPECT_EQ(fds_settle_at(before), before);
 }
 
 }  // namespace

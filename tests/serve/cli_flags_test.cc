@@ -67,6 +67,8 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--max-body-bytes", "0"}), "--max-body-bytes: must be greater than 0"},
         {engine({"--header-timeout", "-1"}), "--header-timeout: must be greater than 0"},
         {engine({"--body-timeout", "nan"}), "--body-timeout"},
+        {engine({"--queue-timeout", "0"}), "--queue-timeout: must be greater than 0"},
+        {engine({"--queue-timeout", "1e12"}), "--queue-timeout: must be at most 1e9"},
         {engine({"--kv-lease", "0"}), "--kv-lease: must be greater than 0"},
         {engine({"--kv-op-timeout", "-2"}), "--kv-op-timeout"},
         {engine({"--kv-wait-timeout", "0"}), "--kv-wait-timeout: must be greater than 0"},
@@ -93,6 +95,32 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"bench", "xfer", "--provider", "bogus", "--sizes", "4096", "--pages", "4096"},
          "provider 'bogus' is not available"},
         {{"bench", "moe", "--ranks", "0"}, "world_size 0"},
+        {{"bench", "moe", "--backend", "bogus"}, "unknown backend 'bogus' (cpu or cuda)"},
+        {{"bench", "moe", "--dtype", "fp4"}, "--dtype fp4: use fp8 or bf16"},
+        {{"bench", "gpu", "--bytes", "0"}, "bench gpu: --bytes must be at least 1"},
+        {{"bench", "gpu", "--iters", "0"}, "bench gpu: --iters must be at least 1"},
+        {{"bench", "gpu", "--bytes", "4096", "--pages", "8192"},
+         "bench gpu: --pages: 8192 is not in [1, --bytes 4096]"},
+        {{"bench", "kv", "--block-size", "0"}, "bench kv: --block-size must be at least 1"},
+        {{"bench", "kv", "--layers", "0"}, "bench kv: --layers must be at least 1"},
+        {{"bench", "kv", "--elem-size", "0"}, "bench kv: --elem-size must be at least 1"},
+        {{"bench", "kv", "--tokens", "0"}, "bench kv: --tokens: every count must be at least 1"},
+        {{"bench", "kv", "--tokens", "1000000000000"}, "--tokens"},
+        {{"bench", "kv", "--mode", "bogus"}, "unknown mode 'bogus'"},
+        {{"bench", "kv", "--regions", "bogus"}, "--regions"},
+        {{"bench", "xfer", "--sizes", "0"}, "bench xfer: --sizes: every size must be at least 1"},
+        {{"bench", "xfer", "--pages", "0"}, "bench xfer: --pages: every size must be at least 1"},
+        {{"bench", "xfer", "--rails", "0"}, "bench xfer: --rails must be 1..32, got 0"},
+        {{"bench", "xfer", "--seconds", "0"}, "bench xfer: --seconds must be above 0"},
+        {{"bench", "xfer", "--sizes"}, "--sizes: 1 required"},
+        {{"bench", "relay", "--input-len", "100000000000"},
+         "ferry: out of memory: a size or count flag asks for more than this machine has"},
+        {{"bench", "serve", "--port", "1", "--num-prompts", "100000000000"},
+         "--num-prompts 100000000000 is above the limit of 100000"},
+        {{"bench", "serve", "--port", "1", "--input-len", "100000000000"},
+         "--input-len 100000000000 is above the limit"},
+        {{"bench", "serve", "--port", "1", "--wait-health", "1e300"},
+         "--wait-health: must be at most 1e9, got 1e300"},
         {{"--log-level", "loud", "bench", "relay"}, "--log-level"},
         {{}, "ferry: a command is required: one of bench, serve"},
         {{"serv", "prefill"}, "ferry: unknown command 'serv': use one of bench, serve"},
@@ -113,6 +141,69 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         EXPECT_NE(out.find(k.says), std::string::npos) << out;
         EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
     }
+}
+
+// bench serve waits for the router's /health itself, saying so, and gives up at its deadline
+// naming the URL; requests go out only once it answers 200.
+TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);  // bound, not listening
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    std::string dead = std::to_string(ntohs(a.sin_port));
+    TimePoint t0 = Clock::now();
+    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1", "--num-prompts",
+                            "1", "--input-len", "8", "--output-len", "2"});
+    double ms = to_ms(Clock::now() - t0);
+    EXPECT_EQ(code, 2) << out;
+    EXPECT_NE(out.find("waiting up to 1 s for http://127.0.0.1:" + dead + "/health"),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("http://127.0.0.1:" + dead + "/health did not answer 200 within 1 s"),
+              std::string::npos)
+        << out;
+    EXPECT_LT(ms, 5000.0);
+
+    // Ctrl-C while it waits: it stops at once, with the status of an interrupted run.
+    Proc waiting = start({"bench", "serve", "--port", dead, "--wait-health", "60"});
+    EXPECT_TRUE(
+        eventually([&] { return waiting.log_text().find("waiting up to") != std::string::npos; },
+                   seconds(10)));
+    waiting.interrupt();
+    EXPECT_EQ(waiting.wait_exit(seconds(3)), 130) << waiting.log_text();
+    EXPECT_NE(waiting.log_text().find("interrupted while waiting for http://127.0.0.1:" + dead),
+              std::string::npos)
+        << waiting.log_text();
+    ::close(fd);
+
+    // Healthy after 1.5 s: no request before that.
+    TimePoint healthy_at = Clock::now() + milliseconds(1500);
+    std::atomic<int> early{0}, requests{0};
+    std::vector<HttpRoute> routes;
+    routes.push_back({"GET", "/health", [&](const HttpRequest&, HttpReply& r) {
+                          if (Clock::now() >= healthy_at) return;
+                          r.status = 503;
+                          r.body = R"({"error": {"message": "engines not ready"}})";
+                      }});
+    routes.push_back({"POST", "/v1/completions", [&](const HttpRequest&, HttpReply& r) {
+                          if (Clock::now() < healthy_at) ++early;
+                          ++requests;
+                          r.status = 400;
+                          r.body = R"({"error": {"message": "test server"}})";
+                      }});
+    auto server = HttpServer::start({}, std::move(routes));
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    std::string port = std::to_string((*server)->port());
+    auto [code2, out2] = run({"bench", "serve", "--port", port, "--num-prompts", "2", "--input-len",
+                              "8", "--output-len", "2"});
+    EXPECT_EQ(code2, 3) << out2;  // ran, and both requests failed (the test server's 400)
+    EXPECT_NE(out2.find("engines not ready"), std::string::npos) << out2;
+    EXPECT_NE(out2.find("/health is up after"), std::string::npos) << out2;
+    EXPECT_EQ(requests.load(), 2);
+    EXPECT_EQ(early.load(), 0);
 }
 
 TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {

@@ -551,6 +551,43 @@ TEST(HttpLimits, FullCloseWhileAHandlerWaitsIsSeenWithin100Ms) {
     }
 }
 
+// Every worker busy (here the one worker holds /wait until its client leaves): a complete
+// request waiting for one gets 503 naming the limit at queue_timeout, not whenever a worker
+// frees up; a queued request whose client left is dropped; once a worker is free, requests
+// are served again.
+TEST(HttpLimits, ARequestQueuedBehindBusyWorkersGets503AtTheQueueTimeout) {
+    HttpServerOptions o;
+    o.threads = 1;
+    o.queue_timeout = milliseconds(300);
+    Fixture f(o);
+    Raw busy(f.port());
+    ASSERT_TRUE(busy.send(post("/wait", "{}")));
+    ASSERT_TRUE(eventually([&] { return f.waiting.load(); }, seconds(2)));
+    Raw queued(f.port()), leaves(f.port());
+    TimePoint t0 = Clock::now();
+    ASSERT_TRUE(queued.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+    ASSERT_TRUE(leaves.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+    leaves.close();
+    Raw::Response r = queued.read(seconds(3));
+    double ms = to_ms(Clock::now() - t0);
+    EXPECT_EQ(r.status, 503) << r.body;
+    EXPECT_NE(r.body.find("queue_timeout"), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("--queue-timeout"), std::string::npos) << r.body;
+    EXPECT_GT(ms, 250.0);
+    EXPECT_LT(ms, 1500.0);
+    EXPECT_FALSE(f.saw_gone.load());  // the busy one is still being handled
+    busy.close();
+    ASSERT_TRUE(eventually([&] { return f.saw_gone.load(); }, seconds(2)));
+    auto h = http_get(kHost, f.port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    EXPECT_EQ(h->status, 200);
+
+    o.queue_timeout = Duration::zero();
+    auto bad = HttpServer::start(o, {});
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("queue_timeout"), std::string::npos);
+}
+
 // An engine's non-streamed completion whose client went away: cancelled, blocks freed.
 TEST(HttpLimits, EngineCancelsANonStreamedRequestWhoseClientLeft) {
     auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();

@@ -404,6 +404,10 @@ class TransferEngine {
     // Small two-sided control messages over rail 0, with receive buffers kept posted.
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done = {});
     // Messages received before a handler is set are held (up to message_recv_buffers * 16).
+    // The handler runs on rail 0's worker, one message at a time. It may set another handler
+    // itself (a one-shot handler): the next message goes to that one. Set from another
+    // thread, this returns once the old handler's running call (if any) has returned. A
+    // handler that throws loses that message (logged, counted in messages_dropped).
     void set_message_handler(MessageHandler handler);
 
     EngineStats stats() const;

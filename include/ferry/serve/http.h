@@ -40,6 +40,11 @@ struct HttpServerOptions {
     Duration idle_timeout = seconds(5);
     // A response (or one chunk of a stream) the client does not take within this is abandoned.
     Duration write_timeout = seconds(30);
+    // A complete request waiting this long for a worker (all `threads` busy, e.g. holding
+    // streams) gets 503 and a close, rather than waiting for as long as they run. As long as a
+    // router's request_timeout: a router opens up to 256 streams to an engine of 128 workers,
+    // and a shorter wait would fail requests of a loaded sweep that are served today.
+    Duration queue_timeout = seconds(600);
     // Open connections in all (503 beyond) and from one client address (429 beyond). The per-client
     // cap stays above the 256 streams a router opens to an engine at its default --router-threads,
     // all from one address.

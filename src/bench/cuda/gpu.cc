@@ -159,6 +159,7 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
 }  // namespace
 
 Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
+    FERRY_RETURN_IF_ERROR(check_gpu_bench_config(c));
     // Fork before this process touches CUDA: a child of a CUDA-initialised process cannot use
     // the GPU. The target picks its own device.
     int sv[2];
