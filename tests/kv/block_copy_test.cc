@@ -345,9 +345,12 @@ std::string run_gpu_case(const Case& c, std::mt19937_64& rng, bool pull, uint64_
         for (size_t p = 0; p < prefill.size(); ++p) {
             CHILD_ASSIGN_OK(auto readers, consumers_for_producer(c.total_heads, c.ptp, c.dtp,
                                                                  static_cast<uint32_t>(p)));
-            // REGISTER in place first, so that the first half goes out as a segment of its own.
+            // REGISTER in place first, so that the first half goes out as a segment of its own
+            // (a one-token request has no first half: progress needs at least one token).
             CHILD_CHECK_OK(wait_registers(*prefill[p]->conn, readers.size(), wait));
-            CHILD_CHECK_OK(prefill[p]->conn->prefill_progress(id, pblocks[p], c.tokens / 2));
+            if (c.tokens / 2 > 0) {
+                CHILD_CHECK_OK(prefill[p]->conn->prefill_progress(id, pblocks[p], c.tokens / 2));
+            }
             CHILD_CHECK_OK(prefill[p]->conn->prefill_done(id, pblocks[p], c.tokens));
         }
     }
