@@ -268,6 +268,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
     // Between GPUs of this host, one block copy for every region.
     seg.writes = 0;
     if (plan->on_gpu) {
+        kv_trace("block copy to the engine", id);
         seg.writes = post_block_copy(*ctx_.engine, *plan, job.peer, false, ctx_.pool, job.reg.pool,
                                      reg.imm + index, *flight);
     }
