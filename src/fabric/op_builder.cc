@@ -34,7 +34,8 @@ Status gpu_in_batch_op(const char* what) {
 
 // make_rma and add_rma are inline (every caller is in this file): out of line, the twelve
 // arguments of each went through the stack for every piece, ~60 of build_write's ~294
-// instructions per 64 B write (callgrind, shm, 2026-12-02).
+// instructions per 64 B write (callgrind, shm, 2026-12-02). GCC keeps add_rma out of line
+// unless told (it has seven callers), hence always_inline.
 inline FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int rail,
                                       const MemoryRegion& local, uint64_t local_off,
                                       const MemoryDescriptor& remote, uint64_t remote_off,
@@ -57,11 +58,10 @@ inline FabricOp* EngineImpl::make_rma(FabricOp::Type type, const Peer& p, int ra
     return op;
 }
 
-inline void EngineImpl::add_rma(RailBatch& b, FabricOp::Type type, const Peer& p,
-                                const MemoryRegion& local, uint64_t local_off,
-                                const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
-                                std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                                OpState* state) {
+[[gnu::always_inline]] inline void EngineImpl::add_rma(
+    RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local, uint64_t local_off,
+    const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len, std::optional<uint32_t> imm,
+    TimePoint deadline, bool stripe, OpState* state) {
     // One piece: made here, without the closure of twelve references that split would call
     // (~40 instructions per 64 B write, callgrind, shm, 2026-12-02).
     if (rails.one_piece(len, stripe)) {
