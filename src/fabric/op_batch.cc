@@ -9,16 +9,6 @@
 
 namespace ferry::detail {
 
-namespace {
-// Shared by the per-entry callbacks of one batch; the last entry to finish frees it. The
-// entry callback captures {this, index}: 16 bytes, inside std::function's own storage, so a
-// batch of n entries costs one allocation here instead of n.
-struct BatchDone {
-    BatchCallback cb;
-    std::atomic<size_t> left;
-};
-}  // namespace
-
 std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
                                                BatchCallback done) {
     std::vector<OpHandle> handles;
@@ -40,14 +30,9 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
     // went in with the changes measured in docs/BENCHMARKS.md, issue 18, 2026-12-02).
     const TimePoint deadline = deadline_after(config.op_timeout);
     for (size_t i = 0; i < ops.size(); ++i) {
-        OpCallback cb;
-        if (shared) {
-            cb = [shared, i](const Status& s) {
-                shared->cb(i, s);
-                if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
-            };
-        }
-        OpRef state = make_op_state(std::move(cb));
+        // One BatchDone for the batch (one allocation, not one per entry); each state points
+        // at it with its index.
+        OpRef state = shared ? OpRef::make(shared, i) : make_op_state(OpCallback{});
         OpState* st = state.get();
         // The handle takes the creator's reference: no count changes hands here.
         handles.emplace_back(std::move(state));

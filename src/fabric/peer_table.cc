@@ -46,11 +46,6 @@ std::optional<PeerId> PeerTable::find(uint64_t engine_id) const {
     return it->second;
 }
 
-const Peer* PeerTable::peer(PeerId id) const {
-    if (id >= kMaxPeers) return nullptr;
-    return peer_table_[id].load(std::memory_order_acquire);
-}
-
 Result<GroupId> PeerTable::create_group(std::span<const PeerId> peers,
                                         std::span<const MemoryDescriptor> dsts) {
     if (peers.size() != dsts.size()) {

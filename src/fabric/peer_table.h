@@ -63,8 +63,12 @@ class PeerTable {
     // r % its rail count); connecting twice returns the same id.
     Result<PeerId> connect(const EngineAddress& a, RailGroup& rails);
     std::optional<PeerId> find(uint64_t engine_id) const;
-    // Lock-free; null when no peer has that id. A peer, once connected, stays.
-    const Peer* peer(PeerId id) const;
+    // Lock-free; null when no peer has that id. A peer, once connected, stays. Inline: every
+    // write and read looks its peer up (a call was ~7 instructions per 64 B write, 2026-12-02).
+    const Peer* peer(PeerId id) const {
+        if (id >= kMaxPeers) return nullptr;
+        return peer_table_[id].load(std::memory_order_acquire);
+    }
 
     Result<GroupId> create_group(std::span<const PeerId> peers,
                                  std::span<const MemoryDescriptor> dsts);

@@ -4,15 +4,6 @@
 
 namespace ferry::detail {
 
-void RailBatch::add(int rail, FabricOp* op) {
-    if (!first_[rail])
-        first_[rail] = op;
-    else
-        last_[rail]->mpsc_next.store(op, std::memory_order_relaxed);
-    last_[rail] = op;
-    ++count;
-}
-
 Status RailGroup::open(std::span<const fi_info* const> candidates, const EngineConfig& config,
                        const std::function<RailHooks(int rail)>& hooks_for) {
     stripe_threshold_ = config.stripe_threshold;

@@ -46,7 +46,14 @@ struct RailBatch {
     FabricOp* first(size_t r) const { return first_[r]; }
     FabricOp* last(size_t r) const { return last_[r]; }
     uint32_t count = 0;
-    void add(int rail, FabricOp* op);
+    void add(int rail, FabricOp* op) {
+        if (!first_[rail])
+            first_[rail] = op;
+        else
+            last_[rail]->mpsc_next.store(op, std::memory_order_relaxed);
+        last_[rail] = op;
+        ++count;
+    }
     // Calls fn(op) for every op of rail r's chain, in post order.
     template <typename Fn>
     void for_each(size_t r, Fn&& fn) const {
@@ -108,9 +115,20 @@ class RailGroup {
     // operations rotate over rails instead (next_rail). Paged writes pass stripe = false:
     // their page runs are already many operations, rotated the same way. The 1 MiB default
     // threshold has not been measured on multi-NIC hardware; see EngineConfig.
+    // Whether split makes one piece of `len` bytes (every small transfer): callers may then
+    // build it on next_rail() themselves.
+    bool one_piece(uint64_t len, bool stripe) const {
+        return len <= max_write_size_ &&
+               (rails_.size() == 1 || !stripe || len <= stripe_threshold_);
+    }
+
     template <typename PieceFn>
     void split(uint64_t len, bool stripe, PieceFn&& piece) {
         int nr = static_cast<int>(rails_.size());
+        if (one_piece(len, stripe)) {
+            piece(next_rail(), 0, len);
+            return;
+        }
         uint64_t chunk = max_write_size_;
         if (stripe && nr > 1 && len > stripe_threshold_) {
             uint64_t per = (len + nr - 1) / nr;
