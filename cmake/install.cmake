@@ -34,9 +34,8 @@ set(FERRY_PC_CFLAGS)
 foreach(def ${FERRY_PUBLIC_DEFINITIONS})
   string(APPEND FERRY_PC_CFLAGS " -D${def}")
 endforeach()
-set(FERRY_PC_REQUIRES_PRIVATE)
-if(FERRY_BUILD_SERVE)
-  set(FERRY_PC_REQUIRES_PRIVATE "cpp-httplib")
-endif()
+# No Requires.private: only libferry.so is installed, which carries its private dependencies
+# (cpp-httplib, OpenSSL) itself; naming cpp-httplib there made `pkg-config --cflags ferry` fail
+# on a machine without its development package, which the headers never include.
 configure_file(cmake/ferry.pc.in ${CMAKE_CURRENT_BINARY_DIR}/ferry.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/ferry.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

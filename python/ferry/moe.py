@@ -77,6 +77,28 @@ def _check(name: str, t: Any, dtypes: Sequence[Any], shape: Sequence[Optional[in
     return t
 
 
+def _check_experts(indices: "torch.Tensor", num_experts: int) -> None:
+    """CPU: every routing entry in [-1, num_experts) before int64 indices are narrowed to the
+    int32 the CPU all-to-all reads (2**32 + 1 became expert 1, silently)."""
+    bad = (indices < -1) | (indices >= num_experts)
+    if indices.numel() and bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise InvalidArgument(f"indices[{t}, {j}] is {int(indices[t, j])}; expert indices must "
+                              f"be in [-1, {num_experts}) (-1: no expert)")
+
+
+def _check_finite(name: str, w: "torch.Tensor") -> None:
+    """CPU: the combine's weights, before its send half goes (the C++ check comes after it, and
+    a refused receive half left the call not repeatable: "combine_send called out of order")."""
+    if w.device.type != "cpu" or not w.numel():
+        return
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise InvalidArgument(f"{name}[{t}, {j}] is {float(w[t, j])}; combine weights must be "
+                              "finite numbers")
+
+
 def _check_min_rows(name: str, t: "torch.Tensor", need: int) -> None:
     if t.shape[1] < need:
         raise InvalidArgument(f"{name} must hold at least {need} rows per local expert "
@@ -228,8 +250,6 @@ class _Engine:
              indices: "torch.Tensor", weights: Optional["torch.Tensor"], n: int,
              bound_m: Optional["torch.Tensor"]) -> None:
         t = x.shape[0]
-        self.num_tokens = n
-        self.rows = t  # on CUDA the count is on the device: t bounds it
         if self.cuda:
             if bound_m is None:
                 count = _ptr(self.token_counts) + 4 * t
@@ -241,7 +261,9 @@ class _Engine:
             w = self.ones if weights is None else weights
             self.a2a.dispatch_send(n, count, _ptr(x), _ptr(x_scale), _ptr(indices),
                                    indices.dtype == torch.int64, _ptr(w), _stream(self.device))
+            self._sent(n, t)
             return
+        _check_experts(indices[:n], self.num_experts)
         self.indices[:t].copy_(indices)
         if weights is None:
             self.weights[:t].fill_(1.0)
@@ -249,6 +271,13 @@ class _Engine:
             self.weights[:t].copy_(weights)
         self.a2a.dispatch_send(n, 0, _ptr(x), _ptr(x_scale), _ptr(self.indices), False,
                                _ptr(self.weights), 0)
+        self._sent(n, t)
+
+    def _sent(self, n: int, t: int) -> None:
+        # Only once the call was taken: a refused second dispatch (out of order) left the count
+        # of the first's combine changed to its own.
+        self.num_tokens = n
+        self.rows = t  # on CUDA the count is on the device: t bounds it
 
     def recv(self, counts: "torch.Tensor", out_x: "torch.Tensor",
              out_scale: Optional["torch.Tensor"]) -> None:
@@ -437,6 +466,7 @@ class AllToAll:
                                       f"{need} tokens")
             _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
+            _check_finite("weights", weights[:need])
         if do_send:
             e.combine_send(expert_y)
         if do_recv:
@@ -642,6 +672,7 @@ class Buffer:
         _check("x", x, (torch.bfloat16,), (e.local_experts, cap, e.hidden), dev)
         _check("topk_idx", topk_idx, (torch.int64, torch.int32), (t, e.topk), dev)
         _check("topk_weights", topk_weights, (torch.float32,), (t, e.topk), dev)
+        _check_finite("topk_weights", topk_weights)
         if out is None:
             out = torch.empty(t, e.hidden, dtype=torch.bfloat16, device=dev)
         else:

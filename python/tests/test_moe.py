@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import re
 import socket
 import time
 
@@ -252,3 +253,134 @@ def test_quantize_round_trip():
     assert q.dtype == ferry.moe.fp8_dtype() and s.shape == (7, H // 128)
     back = ferry.moe.dequantize_fp8(q, s)
     assert torch.allclose(back.float(), x.float(), rtol=0.07, atol=0.02)
+
+
+# Bad routing, bad weights and calls out of order: each refused by name, and the all-to-all
+# still right for the next call (checked against torch, destinations poisoned).
+
+@pytest.fixture
+def fresh():
+    """An all-to-all of its own per test: one left mid-call by a failure fails no other test."""
+    a = ferry.moe.AllToAll(8, E, 1, H, in_dtype=torch.bfloat16, num_experts_per_token=K,
+                           rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    yield a
+    a.close()
+
+
+def _round_trip(a, seed):
+    """One dispatch and combine with identity experts; asserts out = sum_k w * x (valid k)."""
+    g = torch.Generator().manual_seed(seed)
+    d = _args(a)
+    d["dp_x"] = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    d["weights"] = torch.rand(T, K, generator=g)
+    a.dispatch(**d)
+    out = torch.full((T, H), float("nan"))
+    a.combine(out, d["indices"], d["weights"], d["out_expert_x"])
+    w = d["weights"] * (d["indices"] >= 0)
+    want = w.sum(1, keepdim=True) * d["dp_x"].float()
+    assert torch.allclose(out, want, rtol=0.02, atol=0.02), f"seed {seed}"
+
+
+BAD_ROUTING = [
+    ("expert 4 of 4", [[0, 4]], "indices[0, 1] is 4; expert indices must be in [-1, 4)"),
+    ("negative", [[-2, 0]], "indices[0, 0] is -2"),
+    ("int64 past 32 bits", [[2**32 + 1, 0]], "indices[0, 0] is 4294967297"),
+    ("int64 far negative", [[0, -(2**40)]], "indices[0, 1] is -1099511627776"),
+]
+
+
+@pytest.mark.parametrize("row,words", [(r, w) for _, r, w in BAD_ROUTING],
+                         ids=[n for n, _, _ in BAD_ROUTING])
+def test_dispatch_refuses_experts_out_of_range(fresh, row, words):
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    d = _args(fresh)
+    d["indices"] = torch.tensor(row * T, dtype=torch.int64)
+    with pytest.raises(ferry.InvalidArgument) as e:
+        fresh.dispatch(**d)
+    assert words in str(e.value), str(e.value)
+    _round_trip(fresh, seed)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_refused(fresh, bad):
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    d = _args(fresh)
+    d["weights"][3, 1] = bad
+    with pytest.raises(ferry.InvalidArgument, match=rf"weights\[3, 1\] is {bad}.*finite"):
+        fresh.dispatch(**d)
+    _round_trip(fresh, seed)
+    # The combine's own weights, after a good dispatch: refused before anything is sent, so
+    # the call can be made again, right (whole, or the receive half alone).
+    d = _args(fresh)
+    fresh.dispatch(**d)
+    nan_w = d["weights"].index_fill(1, torch.tensor([1]), bad)
+    for halves in (dict(), dict(do_send=False)):
+        if halves:
+            fresh.combine(None, d["indices"], d["weights"], d["out_expert_x"], do_recv=False)
+        with pytest.raises(ferry.InvalidArgument, match=r"weights\[0, 1\] is .*finite"):
+            fresh.combine(torch.zeros(T, H), d["indices"], nan_w, d["out_expert_x"], **halves)
+        fresh.combine(torch.zeros(T, H), d["indices"], d["weights"], d["out_expert_x"],
+                       **halves)
+        if not halves:
+            fresh.dispatch(**d)
+    _round_trip(fresh, seed + 1)
+
+
+def test_non_contiguous_and_wrong_dtype_arguments(fresh):
+    d = _args(fresh)
+    for name, bad, words in (
+            ("indices", d["indices"].t().contiguous().t(), "contiguous"),
+            ("weights", torch.ones(K, T).t(), "contiguous"),
+            ("out_expert_x", d["out_expert_x"].transpose(0, 1).contiguous().transpose(0, 1),
+             "contiguous"),
+            ("out_expert_num_tokens", torch.zeros(E, dtype=torch.int64), "dtype torch.int32"),
+            ("indices", d["indices"].to(torch.int16), "dtype"),
+            ("dp_x", torch.zeros(T, H, dtype=torch.float16), "dtype torch.bfloat16")):
+        bad_args = dict(d, **{name: bad})
+        with pytest.raises(ferry.InvalidArgument) as e:
+            fresh.dispatch(**bad_args)
+        assert name in str(e.value) and words in str(e.value), str(e.value)
+    _round_trip(fresh, random.randrange(1 << 30))
+
+
+def test_dispatch_twice_refused_and_first_combine_still_right(fresh):
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    d = _args(fresh)
+    d["dp_x"] = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    fresh.dispatch(**d)
+    again = _args(fresh)
+    again["dp_x"], again["indices"], again["weights"] = (again["dp_x"][:2], again["indices"][:2],
+                                                         again["weights"][:2])
+    with pytest.raises(ferry.InvalidArgument, match="dispatch_send called out of order"):
+        fresh.dispatch(**again)
+    # The refused call changed nothing: the first dispatch's combine wants its 5 rows.
+    out = torch.full((T, H), float("nan"))
+    fresh.combine(out, d["indices"], d["weights"], d["out_expert_x"])
+    want = (d["indices"] >= 0).sum(1, keepdim=True) * d["dp_x"].float()
+    assert torch.allclose(out, want, rtol=0.02, atol=0.02), f"seed {seed}"
+    with pytest.raises(ferry.InvalidArgument, match="out of order"):
+        fresh.combine(out, d["indices"], d["weights"], d["out_expert_x"])
+
+
+def test_buffer_bad_routing_and_combine_twice():
+    b = ferry.moe.Buffer(None, rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    x = torch.ones(T, H, dtype=torch.bfloat16)
+    for bad, words in ((E, "indices[0, 0] is 4"), (-3, "indices[0, 0] is -3"),
+                       (2**33, "indices[0, 0] is 8589934592")):
+        with pytest.raises(ferry.InvalidArgument, match=re.escape(words)):
+            b.low_latency_dispatch(x, torch.tensor([[bad, 0]] * T), 8, E, use_fp8=False)
+    idx = torch.tensor([[0, 1]] * T)
+    recv, _, handle, _, _ = b.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
+    w = torch.ones(T, K)
+    w[2, 0] = float("nan")
+    with pytest.raises(ferry.InvalidArgument, match=r"weights\[2, 0\] is nan"):
+        b.low_latency_combine(recv, idx, w, handle)
+    out, _, _ = b.low_latency_combine(recv, idx, torch.ones(T, K), handle)
+    assert torch.equal(out.float(), torch.full((T, H), 2.0))
+    with pytest.raises(ferry.InvalidArgument, match="out of order"):
+        b.low_latency_combine(recv, idx, torch.ones(T, K), handle)
+    b.destroy()

@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/limits.h"
 #include "bench/xfer.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_memory.h"
@@ -380,9 +381,12 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
     }
     for (uint32_t t : c.tokens)
         if (t == 0) return invalid_argument("bench kv: --tokens: every count must be at least 1");
-    if (c.tokens.empty() || c.iters < 1) {
-        return invalid_argument("bench kv: give at least one token count and one iteration");
-    }
+    if (c.tokens.empty()) return invalid_argument("bench kv: give at least one token count");
+    FERRY_RETURN_IF_ERROR(bench::check_bench_range("kv", "--iters", c.iters, 1, bench::kMaxIters));
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("kv", "--tp-prefill", c.tp_prefill, 1, bench::kMaxRanks));
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("kv", "--tp-decode", c.tp_decode, 1, bench::kMaxRanks));
     if (c.tp_prefill == 0 || c.tp_decode == 0 || c.kv_heads % c.tp_prefill ||
         c.kv_heads % c.tp_decode) {
         return invalid_argument(fmt::format("bench kv: {} KV heads do not split over TP {} and {}",
@@ -393,6 +397,12 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
     ec.provider = c.provider;
     ec.peers_on_same_host = true;
     FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(ec));
+    {
+        // A provider that is not there fails here in milliseconds; found by the ceiling's
+        // target instead, it cost 30 s of filling a 1 GiB region first.
+        FERRY_ASSIGN_OR_RETURN(auto probe, TransferEngine::create(ec));
+        (void)probe;
+    }
     if (c.gpu && c.measure_ceiling) {
         int n = gpu_device_count();
         FERRY_ASSIGN_OR_RETURN(rep.ceiling_gbps,

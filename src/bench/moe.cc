@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/limits.h"
 #include "bench/moe_internal.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/moe/all_to_all.h"
@@ -148,10 +149,17 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     if (bc.backend != "cpu" && bc.backend != "cuda")
         return invalid_argument(
             fmt::format("bench moe: unknown backend '{}' (cpu or cuda)", bc.backend));
-    if (bc.iters < 1 || bc.warmup < 0)
-        return invalid_argument("bench moe: iters must be at least 1 and warmup at least 0");
+    // --tokens 0 ran (as one token of buffers) and reported 0 bytes moved as a result.
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("moe", "--tokens", bc.tokens, 1, bench::kMaxMoeTokens));
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("moe", "--ranks", bc.ranks, 1, bench::kMaxRanks));
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("moe", "--iters", bc.iters, 1, bench::kMaxIters));
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("moe", "--warmup", bc.warmup, 0, bench::kMaxIters));
     AllToAllConfig cfg;
-    cfg.max_tokens_per_rank = std::max(bc.tokens, 1u);
+    cfg.max_tokens_per_rank = bc.tokens;
     cfg.hidden = bc.hidden;
     cfg.dtype = bc.dtype;
     cfg.num_experts = bc.experts;

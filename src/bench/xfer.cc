@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/limits.h"
 #include "bench/raw_endpoint.h"
 #include "ferry/common/bytes.h"
 #include "ferry/common/spin.h"
@@ -164,7 +165,10 @@ int target_main(int fd, const XferBenchConfig& c) {
     }
     w.put<uint8_t>(st.ok());
     if (!st.ok()) {
-        w.put_string(st.to_string());
+        // Code and message apart: the initiator rebuilds the status with its own code, where
+        // the whole string under a second code read "unavailable: bench target: unavailable:".
+        w.put<uint8_t>(static_cast<uint8_t>(st.code()));
+        w.put_string(st.message());
         send_frame(fd, w.bytes());
         return 1;
     }
@@ -307,9 +311,13 @@ Status read_target_status(ByteReader& rd) {
     uint8_t ok = 0;
     FERRY_RETURN_IF_ERROR(rd.get(&ok, "ok"));
     if (ok) return ok_status();
+    uint8_t code = 0;
     std::string why;
+    FERRY_RETURN_IF_ERROR(rd.get(&code, "code"));
     (void)rd.get_string(&why, "error", 4096);
-    return unavailable("bench target: " + why);
+    if (code == 0 || code > static_cast<uint8_t>(StatusCode::kAlreadyExists))
+        code = static_cast<uint8_t>(StatusCode::kUnavailable);
+    return Status(static_cast<StatusCode>(code), "bench target: " + why);
 }
 
 Status Initiator::mode(uint8_t m) {
@@ -794,9 +802,13 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (!(config.seconds_per_point > 0)) {
         return invalid_argument("bench xfer: --seconds must be above 0");
     }
-    if (config.window < 1 || config.pages_per_op < 1 || config.repeat < 1) {
-        return invalid_argument("bench xfer: window, pages per op and repeat must be positive");
+    if (config.window < 1 || config.pages_per_op < 1) {
+        return invalid_argument("bench xfer: --window and --pages-per-op must be positive");
     }
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("xfer", "--repeat", config.repeat, 1, bench::kMaxIters));
+    FERRY_RETURN_IF_ERROR(bench::check_bench_range("xfer", "--latency-iters", config.latency_iters,
+                                                   0, bench::kMaxIters));
     if (config.rate && (config.rate_sizes.empty() || config.rate_batch < 1)) {
         return invalid_argument("bench xfer: --rate needs rate sizes and a positive batch");
     }

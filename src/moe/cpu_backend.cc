@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "ferry/moe/numerics.h"
@@ -14,6 +15,19 @@ const char* phase_call(int phase) {
     static const char* names[] = {"combine_recv (or nothing yet)", "dispatch_send", "dispatch_recv",
                                   "combine_send", "a failed call"};
     return names[phase];
+}
+
+// A NaN or infinite weight turned every output row it touched into NaN without a word. All
+// tokens x top-k weights are checked, those of -1 entries too: it costs one pass over a few
+// thousand floats, and garbage there is a bug in the caller's router as well.
+Status check_finite_weights(const char* call, std::span<const float> weights, uint32_t k) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+        if (!std::isfinite(weights[i]))
+            return invalid_argument(
+                fmt::format("{}: weights[{}, {}] is {}; combine weights must be finite numbers",
+                            call, i / k, i % k, weights[i]));
+    }
+    return ok_status();
 }
 
 }  // namespace
@@ -63,6 +77,8 @@ Status CpuBackend::dispatch_send(const DispatchInput& in) {
     if (in.weights.size() < size_t{n} * k)
         return invalid_argument(fmt::format("dispatch_send: weights hold {} floats; need {}",
                                             in.weights.size(), size_t{n} * k));
+    FERRY_RETURN_IF_ERROR(
+        check_finite_weights("dispatch_send", in.weights.first(size_t{n} * k), k));
     FERRY_ASSIGN_OR_RETURN(plan_, plan_send(cfg_, in.indices, n));
     weights_.assign(in.weights.begin(), in.weights.begin() + size_t{n} * k);
     ++seq_;
@@ -421,6 +437,8 @@ Status CpuBackend::set_combine_weights(std::span<const float> weights) {
             fmt::format("set_combine_weights: {} floats given; {} tokens x "
                         "top-{} need {}",
                         weights.size(), plan_.num_tokens, cfg_.experts_per_token, need));
+    FERRY_RETURN_IF_ERROR(
+        check_finite_weights("set_combine_weights", weights.first(need), cfg_.experts_per_token));
     weights_.assign(weights.begin(), weights.begin() + need);
     return ok_status();
 }

@@ -1,7 +1,9 @@
 // The full protocol, every rank a thread of this process (LocalWorld).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <thread>
 #include <vector>
@@ -250,6 +252,32 @@ TEST(MoeReference, SetCombineWeightsIsRefusedOutsideACallAndForPerRankCombine) {
     ASSERT_TRUE(b2.dispatch_send({1, x, {}, idx, w}).ok());
     s = b2.set_combine_weights(w);
     EXPECT_NE(s.message().find("kPerHit"), std::string::npos) << s.message();
+}
+
+// A NaN or infinite weight made every output row it touched NaN, silently; refused by position,
+// at dispatch and at combine, and the call then goes through with finite ones.
+TEST(MoeReference, NonFiniteWeightsAreRefusedNamingTheEntry) {
+    AllToAllConfig cfg = config_of({.name = "", .world = 1, .num_experts = 4, .topk = 2});
+    auto world = LocalWorld::create(cfg, std::chrono::seconds(5));
+    ASSERT_TRUE(world.ok());
+    CpuBackend& b = (*world)->rank(0);
+    std::vector<int32_t> idx = {3, 0, 1, -1};
+    std::vector<uint8_t> x(2 * cfg.payload_bytes());
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+        std::vector<float> w = {0.5f, 0.5f, 1.0f, bad};
+        Status s = b.dispatch_send({2, x, {}, idx, w});
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+        EXPECT_NE(s.message().find(fmt::format("dispatch_send: weights[1, 1] is {}", bad)),
+                  std::string::npos)
+            << s.message();
+    }
+    std::vector<float> w = {0.5f, 0.5f, 1.0f, 0.0f};
+    ASSERT_TRUE(b.dispatch_send({2, x, {}, idx, w}).ok());
+    std::vector<float> nan_w = {std::nanf(""), 0.5f, 1.0f, 0.0f};
+    Status s = b.set_combine_weights(nan_w);
+    EXPECT_NE(s.message().find("set_combine_weights: weights[0, 0] is nan"), std::string::npos)
+        << s.message();
+    EXPECT_TRUE(b.set_combine_weights(w).ok());
 }
 
 TEST(MoeReference, CallsOutOfOrderAreRefusedWithTheExpectedOrder) {

@@ -94,9 +94,29 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"bench", "xfer", "--sizes", "-1"}, "--sizes: must not be negative"},
         {{"bench", "xfer", "--provider", "bogus", "--sizes", "4096", "--pages", "4096"},
          "provider 'bogus' is not available"},
-        {{"bench", "moe", "--ranks", "0"}, "world_size 0"},
+        {{"bench", "moe", "--ranks", "0"}, "bench moe: --ranks must be in [1, 64], got 0"},
         {{"bench", "moe", "--backend", "bogus"}, "unknown backend 'bogus' (cpu or cuda)"},
         {{"bench", "moe", "--dtype", "fp4"}, "--dtype fp4: use fp8 or bf16"},
+        // --tokens 0 ran and reported 0 bytes moved; the counts below ran for days or spawned
+        // a thread and its buffers per rank.
+        {{"bench", "moe", "--tokens", "0"}, "bench moe: --tokens must be in [1, 65536], got 0"},
+        {{"bench", "moe", "--ranks", "1024", "--experts", "1024"},
+         "bench moe: --ranks must be in [1, 64], got 1024"},
+        {{"bench", "moe", "--iters", "1000000000"},
+         "bench moe: --iters must be in [1, 1000000], got 1000000000"},
+        {{"bench", "moe", "--iters", "1e11"}, "--iters"},
+        {{"bench", "moe", "--warmup", "-1"}, "--warmup: must not be negative, got -1"},
+        {{"bench", "moe", "--warmup", "2000000"},
+         "bench moe: --warmup must be in [0, 1000000], got 2000000"},
+        {{"bench", "kv", "--iters", "1000000000"},
+         "bench kv: --iters must be in [1, 1000000], got 1000000000"},
+        {{"bench", "kv", "--iters", "1e11"}, "--iters"},
+        {{"bench", "kv", "--tp-prefill", "1024", "--kv-heads", "1024"},
+         "bench kv: --tp-prefill must be in [1, 64], got 1024"},
+        {{"bench", "xfer", "--repeat", "1000000000"},
+         "bench xfer: --repeat must be in [1, 1000000], got 1000000000"},
+        {{"bench", "xfer", "--latency-iters", "1000000000"},
+         "bench xfer: --latency-iters must be in [0, 1000000], got 1000000000"},
         {{"bench", "gpu", "--bytes", "0"}, "bench gpu: --bytes must be at least 1"},
         {{"bench", "gpu", "--iters", "0"}, "bench gpu: --iters must be at least 1"},
         {{"bench", "gpu", "--bytes", "4096", "--pages", "8192"},
@@ -140,6 +160,22 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         EXPECT_LT(code, 128) << out;  // by itself, not by a signal (abort, SIGPIPE)
         EXPECT_NE(out.find(k.says), std::string::npos) << out;
         EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+    }
+}
+
+// A provider that does not exist is named once, under one code: the benchmarks' target process
+// sent its whole error string, which the parent wrapped under a second code ("unavailable:
+// bench target: unavailable: ..."), and at once: bench kv filled a 1 GiB region for its ceiling
+// (30 s) before the ceiling's target found the provider missing.
+TEST_F(CliFlags, AnUnknownProviderIsOneErrorUnderOneCode) {
+    for (const std::string bench : {"kv", "xfer"}) {
+        auto [code, out] = run({"bench", bench, "--provider", "bogus"}, seconds(10));
+        SCOPED_TRACE(bench + ": " + out);
+        EXPECT_EQ(code, 1);
+        EXPECT_NE(out.find("provider 'bogus' is not available"), std::string::npos);
+        const size_t first = out.find("unavailable:");
+        ASSERT_NE(first, std::string::npos);
+        EXPECT_EQ(out.find("unavailable:", first + 1), std::string::npos);
     }
 }
 
