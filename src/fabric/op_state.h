@@ -20,7 +20,8 @@ namespace ferry::detail {
 struct OpState;
 
 // The status handed to every callback of an operation that succeeded.
-inline const Status kOkStatus;
+// constinit: initialised at compile time, before any static constructor could use it.
+inline constinit const Status kOkStatus{};
 
 // Where threads sleep on operations, and what guards an operation's error status: a fixed set
 // of mutex and condition-variable pairs that all operations share (each state uses the pair its
