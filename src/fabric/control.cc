@@ -28,12 +28,13 @@ FabricOp* ControlChannel::make_send(uint64_t sender, PeerId peer, fi_addr_t dest
     op->type = FabricOp::kSend;
     op->peer = peer;
     op->dest = dest;
-    op->payload.resize(kMessageHeader + payload.size());
-    std::memcpy(op->payload.data(), &kMessageMagic, 4);
-    std::memcpy(op->payload.data() + 4, &sender, 8);
-    if (!payload.empty()) {
-        std::memcpy(op->payload.data() + kMessageHeader, payload.data(), payload.size());
-    }
+    op->extra = std::make_unique<FabricOpExtra>();
+    std::vector<uint8_t>& bytes = op->extra->payload;
+    bytes.resize(kMessageHeader + payload.size());
+    std::memcpy(bytes.data(), &kMessageMagic, 4);
+    std::memcpy(bytes.data() + 4, &sender, 8);
+    if (!payload.empty())
+        std::memcpy(bytes.data() + kMessageHeader, payload.data(), payload.size());
     op->deadline = deadline;
     return op;
 }

@@ -47,7 +47,7 @@ Status OpHandle::wait(Duration timeout, Duration spin) const {
                 fmt::format("operation still running after {:.0f} ms", to_ms(timeout)));
         }
     }
-    return st.status;
+    return st.result();
 }
 
 uint32_t OpHandle::imm_writes() const { return state_ ? state_->imm_writes : 0; }

@@ -19,6 +19,10 @@ namespace ferry::detail {
 
 struct OpState;
 
+// The status handed to every callback of an operation that succeeded.
+// constinit: initialised at compile time, before any static constructor could use it.
+inline constinit const Status kOkStatus{};
+
 // Where threads sleep on operations, and what guards an operation's error status: a fixed set
 // of mutex and condition-variable pairs that all operations share (each state uses the pair its
 // address picks), instead of a pair in every OpState. Both are needed only when a piece fails
@@ -105,7 +109,7 @@ struct OpState {
 
     void piece_done(const Status& s) {
         if (!s.ok()) record(s);
-        if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        if (count_down()) {
             finish();
             release();  // the pieces' reference
         }
@@ -118,7 +122,7 @@ struct OpState {
     // were ~60 of the worker's instructions per 64 B write (callgrind, shm, 2026-12-02).
     bool last_piece_done(const Status& s) {
         if (!s.ok()) record(s);
-        if (remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
+        if (!count_down()) return false;
         finish(/*unregister=*/false);
         return true;
     }
@@ -143,11 +147,10 @@ struct OpState {
             std::lock_guard lk(registry->mu);
             registry->erase(this);
         }
-        Status final_status;
-        if (failed.load(std::memory_order_acquire)) {
-            std::lock_guard lk(wait_slot(this).mu);
-            final_status = status;
-        }
+        // The error, once set, is never replaced (record): after failed is seen it is read
+        // without the lock. Success passes the one shared ok status: no Status built and
+        // destroyed per operation on the worker.
+        const Status& final_status = failed.load(std::memory_order_acquire) ? *status : kOkStatus;
         if (batch)
             batch->entry_done(batch_index, final_status);
         else if (callback)
@@ -182,12 +185,29 @@ struct OpState {
     // Atomic so that OpHandle::done() and a spinning wait read it without the lock.
     std::atomic<bool> done{false};
     std::atomic<uint32_t> waiters{0};  // threads asleep (or going to sleep) in OpHandle::wait
-    Status status;                     // under wait_slot(this).mu
+    // The first error, under wait_slot(this).mu; none while every piece succeeds. A pointer,
+    // not a Status in place: a Status (its std::string) is 40 bytes, and building it wrote a
+    // third cache line of every operation for the worker to fetch; the state is now two
+    // lines (docs/BENCHMARKS.md, issue 18, third round).
+    std::unique_ptr<Status> status;
+    // The final status (after done).
+    Status result() const { return status ? *status : ok_status(); }
 
   private:
+    // Counts one piece done; true for the last. Only pieces count down, so a piece that reads
+    // 1 is the last and alone: it skips the locked read-modify-write, as every operation of one
+    // piece (every small write) does. The acquire pairs with the other pieces' count-down (and
+    // what record() wrote before it).
+    bool count_down() {
+        if (remaining.load(std::memory_order_acquire) == 1) {
+            remaining.store(0, std::memory_order_relaxed);
+            return true;
+        }
+        return remaining.fetch_sub(1, std::memory_order_acq_rel) == 1;
+    }
     void record(Status s) {
         std::lock_guard lk(wait_slot(this).mu);
-        if (status.ok()) status = std::move(s);
+        if (!status) status = std::make_unique<Status>(std::move(s));
         failed.store(true, std::memory_order_release);
     }
 };

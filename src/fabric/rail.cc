@@ -1,6 +1,6 @@
-// Rail: the worker loop (submissions, posting, completions, naps). Opening and closing a rail
-// (and its fresh initiator endpoints) are in rail_setup.cc; deadlines and dead peers in
-// rail_deadlines.cc.
+// Rail: the worker loop (submissions, posting, naps). Completions are in rail_completions.cc;
+// opening and closing a rail (and its fresh initiator endpoints) in rail_setup.cc; deadlines
+// and dead peers in rail_deadlines.cc.
 #include "fabric/rail.h"
 
 #include <fmt/format.h>
@@ -24,39 +24,19 @@
 namespace ferry::detail {
 namespace {
 
-constexpr size_t kCqBatch = 64;
-constexpr size_t kMessageHeader = 0;  // the engine frames messages itself
-
-// Marks one provider call for the watchdog (CallMonitor: two relaxed stores, no clock read).
-class CallGuard {
-  public:
-    explicit CallGuard(CallMonitor& m) : m_(m) { m_.enter(); }
-    ~CallGuard() { m_.leave(); }
-    CallGuard(const CallGuard&) = delete;
-    CallGuard& operator=(const CallGuard&) = delete;
-
-  private:
-    CallMonitor& m_;
-};
-
 // Asks for an operation's other lines, and its owner's, while the worker is still popping the
 // rest of the batch: the submitting thread wrote them all, so each is a miss on this core, and
 // the post and the completion would otherwise take them one by one. Single 64 B writes on the
 // 16-core host (shm, 2026-12-02, one build): 425k writes/s (0.65x) without, 564k (0.80x) with.
+// Only the lines the submitting thread wrote: the context's (FabricOp::ctx) are this thread's.
 void prefetch_op(const FabricOp* op) {
     const auto* p = reinterpret_cast<const char*>(op);
-    for (size_t off = 64; off < sizeof(FabricOp); off += 64) __builtin_prefetch(p + off, 1, 3);
+    for (size_t off = 64; off < kFabricOpSharedBytes; off += 64) __builtin_prefetch(p + off, 1, 3);
     if (const OpState* s = op->parent) {
         // An OpState is a block of whole lines of its own (OpPool, 64-byte aligned).
         const auto* base = reinterpret_cast<const char*>(s);
         for (size_t off = 0; off < sizeof(OpState); off += 64) __builtin_prefetch(base + off, 1, 3);
     }
-}
-
-bool is_peer_gone(int err) {
-    return err == FI_ECONNREFUSED || err == FI_ECONNRESET || err == FI_EHOSTUNREACH ||
-           err == FI_ENOTCONN || err == FI_ECONNABORTED || err == FI_ESHUTDOWN || err == EPIPE ||
-           err == FI_ETIMEDOUT || err == FI_EIO;
 }
 
 }  // namespace
@@ -136,7 +116,8 @@ OpRef Rail::post_task(std::function<Status()> fn, OpCallback done) {
     state->set_pieces(1);
     auto* op = new FabricOp();
     op->type = FabricOp::kTask;
-    op->task = std::move(fn);
+    op->extra = std::make_unique<FabricOpExtra>();
+    op->extra->task = std::move(fn);
     op->parent = state.get();
     op->deadline = TimePoint::max();  // tasks run when popped; stop() fails those left
     submit(op);
@@ -156,7 +137,8 @@ std::string Rail::describe(const FabricOp* op) const {
             return fmt::format("read of {} bytes from peer {} on rail {}", op->len, op->peer,
                                index_);
         case FabricOp::kSend:
-            return fmt::format("message of {} bytes to peer {}", op->payload.size(), op->peer);
+            return fmt::format("message of {} bytes to peer {}", op->extra->payload.size(),
+                               op->peer);
         case FabricOp::kTask:
             return "engine task";
     }
@@ -174,7 +156,7 @@ bool Rail::drain_submissions() {
         if (op->type == FabricOp::kTask) {
             // Tasks (registration, address insertion) are local and may legitimately take long
             // (pinning a large buffer): the watchdog does not time them.
-            Status s = op->task();
+            Status s = op->extra->task();
             if (wedged()) return false;
             op->parent->piece_done(s);
             delete op;
@@ -198,6 +180,7 @@ int Rail::post_one(FabricOp* op, bool more, bool unsignaled) {
                 : fi_inject_write(tx_ep_, op->local, op->len, op->dest, op->raddr, op->rkey));
     }
     op->ctx.kind = FabricCtx::kOp;
+    op->ctx.op = op;
     iovec iov{op->local, op->len};
     void* desc = op->desc;
     fi_rma_iov rma{op->raddr, op->len, op->rkey};
@@ -258,7 +241,7 @@ bool Rail::post_pending() {
         }
         for (FabricOp* op = done_at_post_ops.head; op;) {
             FabricOp* next = op->in_next;
-            piece_done(op, ok_status());
+            piece_done(op, kOkStatus);
             delete op;
             op = next;
         }
@@ -281,15 +264,21 @@ bool Rail::post_pending() {
             op->slot = free_send_slots_.back();
             free_send_slots_.pop_back();
             uint8_t* dst = send_pool_.data() + op->slot * slot_size_;
-            std::memcpy(dst, op->payload.data(), op->payload.size());
+            const std::vector<uint8_t>& bytes = op->extra->payload;
+            std::memcpy(dst, bytes.data(), bytes.size());
             op->local = dst;
-            op->len = op->payload.size();
+            op->len = bytes.size();
         }
         // FI_MORE while another operation follows in this pass (and fits the queue): the
         // provider may hold its doorbell until the last one. If that next post is pushed
         // back, the provider's own progress (every fi_cq_read) still sends what it holds.
-        const bool more = config_.post_more && op->in_next && inflight_.size + 1 < tx_depth_;
+        // A write done at its post goes as fi_inject_writedata, which takes no flags: no
+        // FI_MORE, and not counted as posted with it (the bench's 64 B rows counted nearly
+        // every write so); the test is skipped (~11 of the worker's instructions per 64 B
+        // write with immediate, callgrind, shm, 2026-12-03).
         const bool done_at_post = completes_at_post(op);
+        const bool more =
+            !done_at_post && config_.post_more && op->in_next && inflight_.size + 1 < tx_depth_;
         int rc;
         {
             CallGuard g(calls_);
@@ -333,122 +322,6 @@ bool Rail::post_pending() {
     return any;
 }
 
-void Rail::finish_op(FabricOp* op, const Status& s) {
-    if (op->abandoned) {
-        // Timed out earlier and already reported; libfabric is done with it only now.
-        abandoned_.erase(op);
-        if (op->slot >= 0) free_send_slots_.push_back(op->slot);
-        delete op;
-        return;
-    }
-    unlink_inflight(op);
-    if (op->slot >= 0) free_send_slots_.push_back(op->slot);
-    if (!s.ok()) stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
-    piece_done(op, s);
-    delete op;
-}
-
-void Rail::retire_finished() {
-    OpState* first = std::exchange(finished_ops_, nullptr);
-    if (!first) return;
-    // Every operation on a rail is its engine's: one registry (none for engine tasks).
-    OpRegistry* registry = nullptr;
-    for (OpState* s = first; s && !registry; s = s->retired_next) registry = s->registry;
-    if (registry) {
-        std::lock_guard lk(registry->mu);
-        for (OpState* s = first; s; s = s->retired_next) registry->erase(s);
-    }
-    while (first) {
-        OpState* next = first->retired_next;
-        first->release();  // the pieces' reference
-        first = next;
-    }
-}
-
-void Rail::handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data) {
-    if ((flags & FI_REMOTE_CQ_DATA) && (flags & FI_REMOTE_WRITE)) {
-        stats_.imm_arrivals.fetch_add(1, std::memory_order_relaxed);
-        if (hooks_.on_imm) hooks_.on_imm(static_cast<uint32_t>(data));
-        return;
-    }
-    if (!ctx) return;
-    if (ctx->kind == FabricCtx::kRecv) {
-        int slot = static_cast<int>(ctx - recv_ctx_.data());
-        stats_.messages_received.fetch_add(1, std::memory_order_relaxed);
-        if (hooks_.on_message) {
-            hooks_.on_message({recv_pool_.data() + slot * slot_size_ + kMessageHeader, len});
-        }
-        Status s = post_recv(slot);
-        if (!s.ok()) log(LogLevel::kError, "fabric", "reposting receive buffer: {}", s.message());
-        return;
-    }
-    finish_op(ctx->op, ok_status());
-}
-
-void Rail::handle_error(const fi_cq_err_entry& err) {
-    auto* ctx = static_cast<FabricCtx*>(err.op_context);
-    char prov[256] = {0};
-    const char* prov_text = fi_cq_strerror(cq_, err.prov_errno, err.err_data, prov, sizeof(prov));
-    if (!ctx) {
-        log(LogLevel::kWarn, "fabric", "rail {}: completion error without context: {} ({})", index_,
-            fi_strerror(err.err), prov_text ? prov_text : "");
-        return;
-    }
-    if (ctx->kind == FabricCtx::kRecv) {
-        if (err.err == FI_ECANCELED || !running_) return;
-        stats_.messages_dropped.fetch_add(1, std::memory_order_relaxed);
-        log(LogLevel::kWarn, "fabric", "rail {}: receive failed: {} ({}); buffer reposted", index_,
-            fi_strerror(err.err), prov_text ? prov_text : "");
-        int slot = static_cast<int>(ctx - recv_ctx_.data());
-        Status s = post_recv(slot);
-        if (!s.ok()) log(LogLevel::kError, "fabric", "reposting receive buffer: {}", s.message());
-        return;
-    }
-    FabricOp* op = ctx->op;
-    std::string text = fmt::format("{} failed: {} ({})", describe(op), fi_strerror(err.err),
-                                   prov_text ? prov_text : "no provider detail");
-    finish_op(op, is_peer_gone(err.err) ? unavailable(text + "; the peer is unreachable or died")
-                                        : provider_error(text));
-}
-
-bool Rail::poll_cq() {
-    fi_cq_data_entry entries[kCqBatch];
-    bool any = false;
-    for (int round = 0; round < 8; ++round) {
-        ssize_t n;
-        {
-            CallGuard g(calls_);
-            n = fi_cq_read(cq_, entries, kCqBatch);
-        }
-        if (wedged()) return false;
-        if (n > 0) {
-            any = true;
-            for (ssize_t i = 0; i < n; ++i) {
-                handle_completion(static_cast<FabricCtx*>(entries[i].op_context), entries[i].flags,
-                                  entries[i].len, entries[i].data);
-            }
-            if (static_cast<size_t>(n) < kCqBatch) break;
-        } else if (n == -FI_EAVAIL) {
-            any = true;
-            fi_cq_err_entry err{};
-            ssize_t got;
-            {
-                CallGuard g(calls_);
-                got = fi_cq_readerr(cq_, &err, 0);
-            }
-            if (wedged()) return false;
-            if (got > 0) handle_error(err);
-        } else {
-            if (n != -FI_EAGAIN) {
-                log(LogLevel::kError, "fabric", "rail {}: fi_cq_read: {}", index_,
-                    fi_strerror(static_cast<int>(-n)));
-            }
-            break;
-        }
-    }
-    return any;
-}
-
 void Rail::run() {
     TimePoint last_active = Clock::now();
     TimePoint next_tick = last_active + kTickPeriod;
@@ -483,7 +356,7 @@ void Rail::run() {
         if (auto* op = static_cast<FabricOp*>(queue_.pop())) {
             sleeping_.store(false, std::memory_order_relaxed);
             if (op->type == FabricOp::kTask) {
-                Status ts = op->task();
+                Status ts = op->extra->task();
                 if (wedged()) return;
                 op->parent->piece_done(ts);
                 delete op;

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,6 +39,7 @@ Status fi_status(const char* what, int rc);
 inline constexpr const char* kShmNamePrefix = "ferry_";
 
 // Every libfabric context we hand out starts with this, so a completion can tell what it is.
+// Not initialised in a FabricOp: the worker fills kind and op when it posts with a context.
 struct FabricOp;
 struct FabricCtx {
     fi_context2 fi;  // first member: libfabric writes into it and returns its address
@@ -45,15 +47,28 @@ struct FabricCtx {
     FabricOp* op;  // the owner, for kOp
 };
 
+// What a control message or a worker task carries besides the common fields.
+struct FabricOpExtra {
+    std::vector<uint8_t> payload;  // kSend: message bytes until copied to a slot
+    std::function<Status()> task;  // kTask
+};
+
 // One fabric operation (or a task to run on the worker). Made by the submitting thread and
-// read, posted and freed by the worker: every cache line of it crosses between their cores, so
-// what the worker needs comes first (the queue link, the owner, the post's arguments: drain
-// prefetches from line 0 what the post and the completion will touch), the block is 64-byte
-// aligned (four lines, not five as malloc's 16-byte alignment made most of them), and it is
-// recycled through OpPool.
+// read, posted and freed by the worker: every cache line of it that the submitting thread
+// writes crosses to the worker's core and back. So what a write needs fits the first two lines
+// (the queue link, the owner, the post's arguments, then the bookkeeping): the submitter
+// writes those two and nothing else. The libfabric context, which only operations posted with
+// a completion use, is on lines of its own that only the worker touches (the constructor
+// leaves it alone), and a message's bytes or a task's function live in `extra`. Before, the
+// constructor zeroed the context and built a vector and a std::function, so the submitter
+// wrote all four lines of every operation and the worker fetched all four (see
+// docs/BENCHMARKS.md, issue 18, third round). 64-byte aligned, recycled through OpPool.
+inline constexpr size_t kFabricOpSharedBytes = 128;  // the lines both threads touch
 struct alignas(64) FabricOp : MpscNode {
     enum Type : uint8_t { kWrite, kRead, kSend, kTask };
-    FabricOp() { ctx.op = this; }
+    // User-provided, so that `new FabricOp()` does not zero the whole block first (it would
+    // with an implicit constructor) and leaves the context's lines alone.
+    FabricOp() {}
     static void* operator new(size_t) {
         return OpPool<sizeof(FabricOp), alignof(FabricOp)>::allocate();
     }
@@ -61,8 +76,8 @@ struct alignas(64) FabricOp : MpscNode {
         OpPool<sizeof(FabricOp), alignof(FabricOp)>::release(p);
     }
 
-    // The operation this is a piece of; the pieces hold one reference between them (see
-    // OpState::set_pieces), so a piece costs no count of its own.
+    // Line 0: the post's arguments. The operation this is a piece of; the pieces hold one
+    // reference between them (see OpState::set_pieces), so a piece costs no count of its own.
     OpState* parent = nullptr;
     fi_addr_t dest = FI_ADDR_UNSPEC;
     void* local = nullptr;
@@ -70,6 +85,7 @@ struct alignas(64) FabricOp : MpscNode {
     void* desc = nullptr;
     uint64_t raddr = 0;
     uint64_t rkey = 0;
+    // Line 1.
     uint32_t imm = 0;
     Type type = kWrite;
     bool has_imm = false;
@@ -80,10 +96,17 @@ struct alignas(64) FabricOp : MpscNode {
     uint32_t tx_gen = 0;          // the initiator endpoint it was posted on (Rail::tx_gen_)
     FabricOp* in_prev = nullptr;  // the rail's pending or in-flight list (OpList)
     FabricOp* in_next = nullptr;
-    FabricCtx ctx{};
-    std::vector<uint8_t> payload;  // kSend: message bytes until copied to a slot
-    std::function<Status()> task;  // kTask
+    std::unique_ptr<FabricOpExtra> extra;  // kSend and kTask only
+    // Lines 2 and 3: the worker's alone.
+    alignas(64) FabricCtx ctx;
 };
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+static_assert(offsetof(FabricOp, extra) + sizeof(FabricOp::extra) <= kFabricOpSharedBytes,
+              "what a write needs must fit the first two lines");
+static_assert(offsetof(FabricOp, ctx) == kFabricOpSharedBytes,
+              "the context starts on a line of its own");
+#pragma GCC diagnostic pop
 
 // The worker's lists of operations (popped and not yet posted; in flight, in post order),
 // linked through the operations themselves: an operation is in at most one of them. Erasing
@@ -168,6 +191,18 @@ class CallMonitor {
     alignas(64) std::atomic<uint64_t> seq_{0};
     alignas(64) uint64_t seen_ = 0;  // watchdog's: the last value seen, and when it changed
     TimePoint seen_at_{};
+};
+
+// Marks one provider call for the watchdog (CallMonitor: two relaxed stores, no clock read).
+class CallGuard {
+  public:
+    explicit CallGuard(CallMonitor& m) : m_(m) { m_.enter(); }
+    ~CallGuard() { m_.leave(); }
+    CallGuard(const CallGuard&) = delete;
+    CallGuard& operator=(const CallGuard&) = delete;
+
+  private:
+    CallMonitor& m_;
 };
 
 // How often the worker sweeps deadlines (and closes idle retired endpoints).
