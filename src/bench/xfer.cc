@@ -792,6 +792,12 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (!(config.seconds_per_point > 0)) {
         return invalid_argument("bench xfer: --seconds must be above 0");
     }
+    // Per point, and a run has dozens of points, each measured --repeat times both ways.
+    if (config.seconds_per_point > 3600) {
+        return invalid_argument(
+            fmt::format("bench xfer: --seconds is per measurement, at most 3600, got {}",
+                        config.seconds_per_point));
+    }
     if (config.window < 1 || config.pages_per_op < 1) {
         return invalid_argument("bench xfer: --window and --pages-per-op must be positive");
     }

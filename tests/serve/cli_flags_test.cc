@@ -143,6 +143,8 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"bench", "xfer", "--pages", "0"}, "bench xfer: --pages: every size must be at least 1"},
         {{"bench", "xfer", "--rails", "0"}, "bench xfer: --rails must be 1..32, got 0"},
         {{"bench", "xfer", "--seconds", "0"}, "bench xfer: --seconds must be above 0"},
+        {{"bench", "xfer", "--seconds", "1e9"},
+         "bench xfer: --seconds is per measurement, at most 3600, got 1000000000"},
         {{"bench", "xfer", "--sizes"}, "--sizes: 1 required"},
         {{"bench", "relay", "--input-len", "100000000000"},
          "ferry: out of memory: a size or count flag asks for more than this machine has"},
