@@ -535,3 +535,44 @@ def test_moe_close_from_another_thread_during_dispatch():
         "    assert len(errors) == 1 and 'closed' in errors[0], errors\n"
         "print('ok')\n")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+# --- signals -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig,expect", [("SIGINT", "KeyboardInterrupt"), ("SIGTERM", None)])
+def test_importing_ferry_keeps_the_processs_signal_handlers(sig, expect):
+    """libfabric's libinfinipath installs handlers for SIGINT, SIGTERM, SIGSEGV, ... that print a
+    backtrace and exit(1): Ctrl-C in a program that imported ferry ended it with status 1, never
+    raising KeyboardInterrupt, and SIGTERM ran exit handlers inside a signal handler."""
+    import signal
+
+    code = ("import faulthandler, re, sys, time\n"
+            "faulthandler.enable()\n"
+            "def cgt():\n"
+            "    m = re.search(r'SigCgt:\\s*(\\w+)', open('/proc/self/status').read())\n"
+            "    return int(m.group(1), 16) & 0xFFFFFFFF  # 1..31: glibc's own are above\n"
+            "before = cgt()\n"
+            "import ferry, ferry.kv\n"
+            "e = ferry.TransferEngine('tcp')\n"
+            "print(before == cgt(), flush=True)\n"
+            "try:\n"
+            "    time.sleep(30)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('KeyboardInterrupt', flush=True)\n"
+            "    e.close()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "True"  # the same handlers as before the import
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if expect:
+        assert expect in out and p.returncode == 0, (p.returncode, out, err)
+    else:
+        assert p.returncode == -signal.SIGTERM, (p.returncode, out, err)
+        assert "Backtrace" not in err, err

@@ -238,6 +238,19 @@ TEST_F(CliFlags, SizesPastTheHostsMemoryAreRefusedBeforeAnythingRuns) {
     }
 }
 
+// Every ferry process had libinfinipath's handlers (loaded with libfabric) for SIGINT, SIGTERM
+// and the crash signals, which print a backtrace and call exit(1): Ctrl-C ended a benchmark with
+// status 1, and SIGTERM ran the exit path inside the handler, once hanging on a lock (a
+// benchmark left running after `timeout`). Now a signal ends the process as that signal.
+TEST_F(CliFlags, ASignalEndsABenchmarkAsThatSignal) {
+    Proc p = start({"bench", "relay", "--input-len", "4096", "--iters", "1000000"});
+    std::this_thread::sleep_for(milliseconds(500));
+    p.interrupt();
+    int code = p.wait_exit(seconds(5));
+    EXPECT_EQ(code, 128 + SIGINT) << p.log_text();
+    EXPECT_EQ(p.log_text().find("Backtrace"), std::string::npos) << p.log_text();
+}
+
 // bench serve waits for the router's /health itself, saying so, and gives up at its deadline
 // naming the URL; requests go out only once it answers 200.
 TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
