@@ -576,3 +576,31 @@ def test_importing_ferry_keeps_the_processs_signal_handlers(sig, expect):
     else:
         assert p.returncode == -signal.SIGTERM, (p.returncode, out, err)
         assert "Backtrace" not in err, err
+
+
+# --- python3 -m ferry.bench_* ----------------------------------------------------------------
+
+@pytest.mark.parametrize("module,args,words", [
+    ("bench_moe", ["--ranks", "0"], "--ranks: must be in [1, 64], got 0"),
+    ("bench_moe", ["--tokens", "-5"], "--tokens: must be in [1, 65536], got -5"),
+    ("bench_moe", ["--topk", "9", "--experts", "8"], "--topk 9 is more than --experts 8"),
+    ("bench_moe", ["--experts", "12", "--ranks", "8"],
+     "--experts 12 do not split evenly over --ranks 8"),
+    ("bench_moe", ["--hidden", "200"], "--hidden 200 must be a multiple of 128"),
+    ("bench_kv", ["--tokens", "0"], "--tokens: must be in [1, 1048576], got 0"),
+    ("bench_kv", ["--iters", "-1"], "--iters: must be in [1, 1000000], got -1"),
+    ("bench_kv", ["--tokens", "1000000"], "GiB of KV pools, more than half of this host's"),
+    ("bench_kv", ["--ferry", "/nonexistent/ferry"], "'/nonexistent/ferry' is not an executable"),
+    ("bench_xfer", ["--iters", "0"], "--iters: must be in [1, 1000000], got 0"),
+    ("bench_xfer", ["--seconds", "nan"], "--seconds: must be a number of seconds in (0, 3600]"),
+    ("bench_xfer", ["--window", "x"], "--window: an integer, not 'x'"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
+def test_bench_module_flags_refused_before_anything_runs(module, args, words):
+    """Out of range, these ran a table of zeros (--ranks 0, --iters 0), ran for ever (--seconds
+    nan), or raised in a spawned rank while the others waited for it (--tokens -5: a hang)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "ferry." + module, *args], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
