@@ -604,3 +604,36 @@ def test_bench_module_flags_refused_before_anything_runs(module, args, words):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
     assert words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_repeated_transfer_id_is_named_unmistakably(connector):
+    """Transfer ids were printed in hex without a prefix: id 16 read "transfer id 10", id 12
+    "transfer id c"."""
+    engine, layout, pool, conn = connector
+    conn.offer_pull(16, [0], 4)
+    with pytest.raises(ferry.AlreadyExists, match=r"transfer id 0x10 already exists on this "
+                                                  r"rank: attempt 0 of it is offered for pull"):
+        conn.offer_pull(16, [1], 4)
+    assert conn.stats()["active_send"] == 1  # the refused offer took nothing
+
+
+def test_moe_combine_rows_that_disagree_name_both():
+    torch = torch_or_skip()
+    import ferry.moe
+
+    H, K, E, T = 256, 2, 4, 5
+    a = ferry.moe.AllToAll(8, E, 1, H, in_dtype=torch.bfloat16, num_experts_per_token=K,
+                           rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1]])
+    w = torch.ones(T, K)
+    ox = torch.zeros(E, a.max_recv_tokens, H, dtype=torch.bfloat16)
+    a.dispatch(torch.zeros(E, dtype=torch.int32), ox, None, torch.ones(T, H, dtype=torch.bfloat16),
+               None, idx, w)
+    with pytest.raises(ferry.InvalidArgument, match=r"indices has 5 rows but out_tokens has 6"):
+        a.combine(torch.zeros(T + 1, H), idx, w, ox)
+    with pytest.raises(ferry.InvalidArgument, match=r"weights has 4 rows but out_tokens has 5"):
+        a.combine(torch.zeros(T, H), idx, w[:4], ox)
+    out = torch.zeros(T, H)
+    a.combine(out, idx, w, ox)  # the refused calls left the combine to be made
+    assert out[0].eq(2).all() and out[4].eq(0).all()
+    a.close()
