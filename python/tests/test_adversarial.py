@@ -614,7 +614,7 @@ def test_repeated_transfer_id_is_named_unmistakably(connector):
     with pytest.raises(ferry.AlreadyExists, match=r"transfer id 0x10 already exists on this "
                                                   r"rank: attempt 0 of it is offered for pull"):
         conn.offer_pull(16, [1], 4)
-    assert conn.stats()["active_send"] == 1  # the refused offer took nothing
+    assert len(conn.offer_pull(17, [1], 4)) > 0  # the block the refused offer named is free
 
 
 def test_moe_combine_rows_that_disagree_name_both():
