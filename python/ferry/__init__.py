@@ -17,7 +17,41 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _ferry
+
+def _load_extension() -> Any:
+    """Imports ferry._ferry without letting it take the process's fatal-signal handlers.
+
+    libfabric links libinfinipath (its psm provider), whose constructor installs handlers for
+    SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL and SIGABRT that print a backtrace and call
+    exit(1): Ctrl-C in a program that imported ferry ended it with status 1 instead of raising
+    KeyboardInterrupt, and SIGTERM ran exit handlers from a signal handler (it could hang). The
+    dispositions from before the import (Python's, faulthandler's) are put back after it.
+    """
+    import ctypes
+    import signal as _signal
+
+    sigs = [_signal.SIGINT, _signal.SIGTERM, _signal.SIGSEGV, _signal.SIGBUS, _signal.SIGILL,
+            _signal.SIGABRT]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sigaction = libc.sigaction
+    except (OSError, AttributeError):  # not glibc-like: nothing to keep
+        from . import _ferry as ext
+        return ext
+    saved = {}
+    for sig in sigs:
+        buf = ctypes.create_string_buffer(512)  # >= any struct sigaction; copied back as is
+        if sigaction(int(sig), None, buf) == 0:
+            saved[sig] = buf
+    try:
+        from . import _ferry as ext
+    finally:
+        for sig, buf in saved.items():
+            sigaction(int(sig), buf, None)
+    return ext
+
+
+_ferry = _load_extension()
 from ._ferry import (
     AlreadyExists,
     Cancelled,

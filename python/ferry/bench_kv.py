@@ -15,11 +15,12 @@ both are printed side by side (target: within 5%).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, List
 
-from ._bench import percentile, run_ferry_bench, write_json
+from ._bench import binary, count, percentile, run_ferry_bench, write_json
 
 
 def _wait_event(conn: Any, kind: str, tid: int, timeout: float) -> Any:
@@ -112,19 +113,28 @@ def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m ferry.bench_kv",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", default="shm")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--tokens", type=count(1, 1 << 20), default=16384)
+    ap.add_argument("--layers", type=count(1, 1024), default=16)
+    ap.add_argument("--kv-heads", type=count(1, 1024), default=8)
+    ap.add_argument("--head-dim", type=count(1, 1 << 16), default=128)
+    ap.add_argument("--block-size", type=count(1, 1 << 16), default=16)
+    ap.add_argument("--iters", type=count(1, 1000000), default=5)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--ferry", help="the ferry binary: run `ferry bench kv` beside")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--ferry", type=binary, help="the ferry binary: run `ferry bench kv` beside")
+    ap.add_argument("--repeat", type=count(1, 1000), default=3,
                     help="Python and C++ runs alternate this many times and the run with the "
                          "best p50 of each is kept (on a shared host the load moves between runs)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    # Two pools (prefill, decode) of about the request's size, int16 K and V: checked before
+    # torch fills them (past the host's memory that was minutes of filling, then the OOM killer).
+    blocks = -(-args.tokens // args.block_size) * 5 // 4 + 4  # as run() sizes them
+    need = 2 * blocks * args.block_size * args.layers * 2 * args.kv_heads * args.head_dim * 2
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > host // 2:
+        ap.error(f"--tokens {args.tokens} x --layers {args.layers} x --kv-heads {args.kv_heads} "
+                 f"x --head-dim {args.head_dim} need {need / 2**30:.1f} GiB of KV pools, more "
+                 f"than half of this host's {host / 2**30:.1f} GiB; use smaller values")
     pys, cpps = [], []
     for _ in range(max(1, args.repeat)):
         pys.append(run(args))

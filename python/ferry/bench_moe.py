@@ -27,6 +27,8 @@ import sys
 import threading
 from typing import List, Optional, Tuple
 
+from ._bench import count
+
 
 def _percentile(v: List[float], p: float) -> float:
     v = sorted(v)
@@ -216,25 +218,36 @@ def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m ferry.bench_moe",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--ranks-per-node", type=int, default=0, help="default: all ranks")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--ranks", type=count(1, 64), default=2)
+    ap.add_argument("--ranks-per-node", type=count(0, 64), default=0, help="default: all ranks")
+    ap.add_argument("--tokens", type=count(1, 65536), default=128)
+    ap.add_argument("--hidden", type=count(128, 1 << 16), default=7168)
+    ap.add_argument("--topk", type=count(1, 64), default=8)
+    ap.add_argument("--experts", type=count(1, 1 << 16), default=256)
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
     ap.add_argument("--out-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="combine output (ferry bench moe --backend cpu sums into fp32)")
-    ap.add_argument("--private-slots", type=int, default=32)
+    ap.add_argument("--private-slots", type=count(0, 65536), default=32)
     ap.add_argument("--provider", default="tcp", help="engine provider between nodes")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=count(0, 1000000), default=3)
+    ap.add_argument("--iters", type=count(1, 1000000), default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--launch", choices=["auto", "processes", "threads"], default="auto",
                     help="ranks as processes or as threads of this one; auto: threads where "
                          "CUDA ranks share a GPU, else processes")
     ap.add_argument("--json", help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    # Checked here, before any rank starts: a rank whose AllToAll refused its arguments died
+    # with a traceback while the others waited for it in the all-gather, for ever.
+    if args.topk > args.experts:
+        ap.error(f"--topk {args.topk} is more than --experts {args.experts}")
+    if args.experts % args.ranks:
+        ap.error(f"--experts {args.experts} do not split evenly over --ranks {args.ranks}")
+    if args.ranks_per_node and args.ranks % args.ranks_per_node:
+        ap.error(f"--ranks {args.ranks} are not whole nodes of --ranks-per-node "
+                 f"{args.ranks_per_node}")
+    if args.hidden % 128:
+        ap.error(f"--hidden {args.hidden} must be a multiple of 128 (one fp8 scale per 128)")
     import torch
     import torch.multiprocessing as tmp
 

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Any, Callable, List, Optional
 
-from ._bench import percentile, run_ferry_bench, write_json
+from ._bench import binary, count, percentile, run_ferry_bench, write_json
+from ._bench import seconds as seconds_flag
 
 PING, PONG, RATE = 0x50490000, 0x504F0000, 0x52410000
 
@@ -156,18 +157,18 @@ def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m ferry.bench_xfer",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", default="tcp")
-    ap.add_argument("--iters", type=int, default=2000, help="latency ping-pongs")
-    ap.add_argument("--seconds", type=float, default=2.0, help="rate measurement")
-    ap.add_argument("--window", type=int, default=64, help="rate: writes in flight")
-    ap.add_argument("--batch", type=int, default=32,
+    ap.add_argument("--iters", type=count(1, 1000000), default=2000, help="latency ping-pongs")
+    ap.add_argument("--seconds", type=seconds_flag(3600), default=2.0, help="rate measurement")
+    ap.add_argument("--window", type=count(1, 65536), default=64, help="rate: writes in flight")
+    ap.add_argument("--batch", type=count(1, 65536), default=32,
                     help="rate: writes per write_runs call in the batched loop")
     ap.add_argument("--busy-poll", action="store_true",
                     help="engine workers never nap (default: they nap after idle_spin_us)")
     ap.add_argument("--wait-spin-us", type=float, default=None,
                     help="TransferEngine(wait_spin_us=...) on both sides (default: the engine's "
                          "own choice, which depends on the CPUs this process may use)")
-    ap.add_argument("--ferry", help="the ferry binary: run `ferry bench xfer` beside")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--ferry", type=binary, help="the ferry binary: run `ferry bench xfer` beside")
+    ap.add_argument("--repeat", type=count(1, 1000), default=3,
                     help="Python and C++ runs alternate this many times and the best figure of "
                          "each is kept (on a shared host the load moves between runs)")
     ap.add_argument("--json", help="write the results as JSON to this file")

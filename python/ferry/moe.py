@@ -464,6 +464,13 @@ class AllToAll:
             if t < need:
                 raise InvalidArgument(f"out_tokens holds {t} rows; the dispatch sent "
                                       f"{need} tokens")
+            for name, v in (("indices", indices), ("weights", weights)):
+                # One row per token of out_tokens: named as such, not as a wrong shape of v
+                # derived from out_tokens ("indices must have shape (6, 2)" for 6 output rows).
+                rows = getattr(v, "shape", (t,))[:1]
+                if len(rows) == 1 and int(rows[0]) != t:
+                    raise InvalidArgument(f"{name} has {int(rows[0])} rows but out_tokens has {t}: "
+                                          "combine takes one row of each per token")
             _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
             _check_finite("weights", weights[:need])

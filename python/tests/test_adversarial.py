@@ -535,3 +535,105 @@ def test_moe_close_from_another_thread_during_dispatch():
         "    assert len(errors) == 1 and 'closed' in errors[0], errors\n"
         "print('ok')\n")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+# --- signals -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig,expect", [("SIGINT", "KeyboardInterrupt"), ("SIGTERM", None)])
+def test_importing_ferry_keeps_the_processs_signal_handlers(sig, expect):
+    """libfabric's libinfinipath installs handlers for SIGINT, SIGTERM, SIGSEGV, ... that print a
+    backtrace and exit(1): Ctrl-C in a program that imported ferry ended it with status 1, never
+    raising KeyboardInterrupt, and SIGTERM ran exit handlers inside a signal handler."""
+    import signal
+
+    code = ("import faulthandler, re, sys, time\n"
+            "faulthandler.enable()\n"
+            "def cgt():\n"
+            "    m = re.search(r'SigCgt:\\s*(\\w+)', open('/proc/self/status').read())\n"
+            "    return int(m.group(1), 16) & 0xFFFFFFFF  # 1..31: glibc's own are above\n"
+            "before = cgt()\n"
+            "import ferry, ferry.kv\n"
+            "e = ferry.TransferEngine('tcp')\n"
+            "print(before == cgt(), flush=True)\n"
+            "try:\n"
+            "    time.sleep(30)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('KeyboardInterrupt', flush=True)\n"
+            "    e.close()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "True"  # the same handlers as before the import
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if expect:
+        assert expect in out and p.returncode == 0, (p.returncode, out, err)
+    else:
+        assert p.returncode == -signal.SIGTERM, (p.returncode, out, err)
+        assert "Backtrace" not in err, err
+
+
+# --- python3 -m ferry.bench_* ----------------------------------------------------------------
+
+@pytest.mark.parametrize("module,args,words", [
+    ("bench_moe", ["--ranks", "0"], "--ranks: must be in [1, 64], got 0"),
+    ("bench_moe", ["--tokens", "-5"], "--tokens: must be in [1, 65536], got -5"),
+    ("bench_moe", ["--topk", "9", "--experts", "8"], "--topk 9 is more than --experts 8"),
+    ("bench_moe", ["--experts", "12", "--ranks", "8"],
+     "--experts 12 do not split evenly over --ranks 8"),
+    ("bench_moe", ["--hidden", "200"], "--hidden 200 must be a multiple of 128"),
+    ("bench_kv", ["--tokens", "0"], "--tokens: must be in [1, 1048576], got 0"),
+    ("bench_kv", ["--iters", "-1"], "--iters: must be in [1, 1000000], got -1"),
+    ("bench_kv", ["--tokens", "1000000"], "GiB of KV pools, more than half of this host's"),
+    ("bench_kv", ["--ferry", "/nonexistent/ferry"], "'/nonexistent/ferry' is not an executable"),
+    ("bench_xfer", ["--iters", "0"], "--iters: must be in [1, 1000000], got 0"),
+    ("bench_xfer", ["--seconds", "nan"], "--seconds: must be a number of seconds in (0, 3600]"),
+    ("bench_xfer", ["--window", "x"], "--window: an integer, not 'x'"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
+def test_bench_module_flags_refused_before_anything_runs(module, args, words):
+    """Out of range, these ran a table of zeros (--ranks 0, --iters 0), ran for ever (--seconds
+    nan), or raised in a spawned rank while the others waited for it (--tokens -5: a hang)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "ferry." + module, *args], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_repeated_transfer_id_is_named_unmistakably(connector):
+    """Transfer ids were printed in hex without a prefix: id 16 read "transfer id 10", id 12
+    "transfer id c"."""
+    engine, layout, pool, conn = connector
+    conn.offer_pull(16, [0], 4)
+    with pytest.raises(ferry.AlreadyExists, match=r"transfer id 0x10 already exists on this "
+                                                  r"rank: attempt 0 of it is offered for pull"):
+        conn.offer_pull(16, [1], 4)
+    assert len(conn.offer_pull(17, [1], 4)) > 0  # the block the refused offer named is free
+
+
+def test_moe_combine_rows_that_disagree_name_both():
+    torch = torch_or_skip()
+    import ferry.moe
+
+    H, K, E, T = 256, 2, 4, 5
+    a = ferry.moe.AllToAll(8, E, 1, H, in_dtype=torch.bfloat16, num_experts_per_token=K,
+                           rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1]])
+    w = torch.ones(T, K)
+    ox = torch.zeros(E, a.max_recv_tokens, H, dtype=torch.bfloat16)
+    a.dispatch(torch.zeros(E, dtype=torch.int32), ox, None, torch.ones(T, H, dtype=torch.bfloat16),
+               None, idx, w)
+    with pytest.raises(ferry.InvalidArgument, match=r"indices has 5 rows but out_tokens has 6"):
+        a.combine(torch.zeros(T + 1, H), idx, w, ox)
+    with pytest.raises(ferry.InvalidArgument, match=r"weights has 4 rows but out_tokens has 5"):
+        a.combine(torch.zeros(T, H), idx, w[:4], ox)
+    out = torch.zeros(T, H)
+    a.combine(out, idx, w, ox)  # the refused calls left the combine to be made
+    assert out[0].eq(2).all() and out[4].eq(0).all()
+    a.close()

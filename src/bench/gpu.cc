@@ -3,17 +3,43 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdint>
+
+#include "bench/limits.h"
+
 namespace ferry {
+namespace {
+// The largest --bytes: the target holds twice it on one GPU (an H200 has 141 GB).
+constexpr int64_t kMaxGpuBenchBytes = int64_t{64} << 30;
+// Pages of one paged write: each has a 32-bit id on both sides, in host vectors built per
+// page size (16 Mi pages are 128 MiB of ids; 1-byte pages of 64 GiB would be 512 GiB).
+constexpr size_t kMaxGpuBenchPages = size_t{1} << 24;
+}  // namespace
 
 Status check_gpu_bench_config(const GpuBenchConfig& c) {
-    if (c.bytes == 0) return invalid_argument("bench gpu: --bytes must be at least 1");
-    if (c.iters < 1) return invalid_argument("bench gpu: --iters must be at least 1");
+    // Both before anything looks for a GPU: `--iters 1000000000` ran for days on a GPU host,
+    // `--bytes 1e19` overflowed the target's 2 x --bytes allocation.
+    FERRY_RETURN_IF_ERROR(bench::check_bench_range(
+        "gpu", "--bytes", static_cast<int64_t>(std::min<size_t>(c.bytes, INT64_MAX)), 1,
+        kMaxGpuBenchBytes));
+    FERRY_RETURN_IF_ERROR(bench::check_bench_range("gpu", "--iters", c.iters, 1, bench::kMaxIters));
     for (size_t p : c.pages) {
         if (p == 0 || p > c.bytes)
             return invalid_argument(
                 fmt::format("bench gpu: --pages: {} is not in [1, --bytes {}]", p, c.bytes));
+        if (c.bytes / p > kMaxGpuBenchPages)
+            return invalid_argument(fmt::format(
+                "bench gpu: --pages: {} B pages make {} pages of --bytes {}, at most {}; use "
+                "larger pages",
+                p, c.bytes / p, c.bytes, kMaxGpuBenchPages));
     }
     if (c.copy_modes.empty()) return invalid_argument("bench gpu: --modes: give at least one");
+    for (const std::string& m : c.copy_modes) {
+        if (m != "kernel" && m != "copy-engine" && m != "auto")
+            return invalid_argument(fmt::format(
+                "bench gpu: --modes: '{}' is not a copy mode (kernel, copy-engine or auto)", m));
+    }
     return ok_status();
 }
 

@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -391,6 +392,20 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
         c.kv_heads % c.tp_decode) {
         return invalid_argument(fmt::format("bench kv: {} KV heads do not split over TP {} and {}",
                                             c.kv_heads, c.tp_prefill, c.tp_decode));
+    }
+    {
+        // Each side's pools hold the largest request and a quarter more (Bench::setup), in
+        // memory of this process; checked in doubles, before any product can wrap.
+        const double max_tokens = *std::max_element(c.tokens.begin(), c.tokens.end());
+        const double blocks = std::ceil(max_tokens / c.block_size) * 5 / 4 + 4;
+        const double side =
+            blocks * c.block_size * c.layers * 2.0 * c.kv_heads * c.head_dim * c.elem_size;
+        FERRY_RETURN_IF_ERROR(bench::check_bench_memory(
+            "kv",
+            fmt::format("the prefill and decode pools for --tokens {:.0f} x --layers {} x "
+                        "--kv-heads {} x --head-dim {} x --elem-size {} (K and V)",
+                        max_tokens, c.layers, c.kv_heads, c.head_dim, c.elem_size),
+            2 * side));
     }
     KvBenchReport rep;
     EngineConfig ec;

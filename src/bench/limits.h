@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <string_view>
@@ -26,6 +27,27 @@ inline Status check_bench_range(std::string_view bench, std::string_view flag, i
     if (value >= lo && value <= hi) return ok_status();
     return invalid_argument(
         fmt::format("bench {}: {} must be in [{}, {}], got {}", bench, flag, lo, hi, value));
+}
+
+// What one benchmark may allocate: half of this host's memory, the rest left to the system and
+// to whatever else runs there. A size flag past it was a std::bad_alloc out of the forked
+// target (or, below what overcommit refuses, minutes of zero-filling and the OOM killer).
+inline double bench_memory_limit() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return 1e300;  // unknown: let the allocation tell
+    return 0.5 * static_cast<double>(pages) * static_cast<double>(page);
+}
+
+// `what` names the flags and how they add up; `bytes` is a double so that no product of
+// flag values overflows before it is checked.
+inline Status check_bench_memory(std::string_view bench, std::string_view what, double bytes) {
+    const double limit = bench_memory_limit();
+    if (bytes <= limit) return ok_status();
+    constexpr double kGiB = 1024.0 * 1024 * 1024;
+    return resource_exhausted(fmt::format(
+        "bench {}: {} need {:.1f} GiB of memory, more than half of this host's {:.1f} GiB; "
+        "use smaller values",
+        bench, what, bytes / kGiB, 2 * limit / kGiB));
 }
 
 }  // namespace ferry::bench

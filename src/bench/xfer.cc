@@ -2,22 +2,21 @@
 
 #include <fmt/format.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <random>
 #include <thread>
 
 #include "bench/limits.h"
 #include "bench/raw_endpoint.h"
+#include "bench/target_process.h"
 #include "ferry/common/bytes.h"
 #include "ferry/common/spin.h"
 #include "ferry/fabric/engine.h"
@@ -28,41 +27,10 @@ namespace {
 constexpr uint32_t kPing = 0x50494e47;
 constexpr uint32_t kPong = 0x504f4e47;
 const Duration kWait = std::chrono::seconds(30);
+const Duration kSetupWait = std::chrono::seconds(120);
 
-// Parent <-> target control channel over a socketpair: length-prefixed frames.
-bool send_frame(int fd, std::span<const uint8_t> b) {
-    uint32_t n = static_cast<uint32_t>(b.size());
-    std::vector<uint8_t> f(reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
-    f.insert(f.end(), b.begin(), b.end());
-    size_t off = 0;
-    while (off < f.size()) {
-        // Not write(): a target that exited (provider missing, bad flags) must not kill this
-        // process with SIGPIPE before it prints why the run failed.
-        ssize_t w = ::send(fd, f.data() + off, f.size() - off, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return false;
-        off += w;
-    }
-    return true;
-}
-
-bool recv_frame(int fd, std::vector<uint8_t>* out) {
-    auto read_all = [fd](void* p, size_t n) {
-        auto* c = static_cast<uint8_t*>(p);
-        while (n) {
-            ssize_t r = ::read(fd, c, n);
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) return false;
-            c += r;
-            n -= r;
-        }
-        return true;
-    };
-    uint32_t n = 0;
-    if (!read_all(&n, 4)) return false;
-    out->resize(n);
-    return read_all(out->data(), n);
-}
+using bench::recv_frame;
+using bench::send_frame;
 
 struct Sizes {
     size_t slot = 0;  // bytes per rotating slot
@@ -126,6 +94,26 @@ int max_rate_peers(const XferBenchConfig& c) {
     for (int p : c.rate_peers) m = std::max(m, p);
     for (int p : c.scatter_peers) m = std::max(m, p);
     return m;
+}
+
+// Both processes' buffers, checked before the target is forked.
+Status check_xfer_memory(const XferBenchConfig& c) {
+    double largest = 4096, page = 0, rate = 4096;
+    for (size_t x : c.sizes) largest = std::max(largest, static_cast<double>(x));
+    for (size_t p : c.pages) page = std::max(page, static_cast<double>(p));
+    for (size_t r : c.rate_sizes) rate = std::max(rate, static_cast<double>(r));
+    const double buffer =
+        std::max({largest * 4, static_cast<double>(c.region_bytes), page * 1024, double{64 << 20}});
+    const double peers = c.rate ? rate * kRateSlots * std::max(max_rate_peers(c), 1) : 0;
+    return bench::check_bench_memory(
+        "xfer",
+        fmt::format("the buffers for --sizes up to {:.0f} (4 slots of the largest), --pages up "
+                    "to {:.0f} (1024 pages of the largest) in each of two processes{}",
+                    largest, page,
+                    c.rate ? fmt::format(" and --rate-sizes up to {:.0f} for {} peers", rate,
+                                         max_rate_peers(c))
+                           : ""),
+        2 * buffer + peers);
 }
 
 // ---- target process -------------------------------------------------------------------
@@ -323,7 +311,7 @@ Status read_target_status(ByteReader& rd) {
 Status Initiator::mode(uint8_t m) {
     uint8_t b = m;
     std::vector<uint8_t> ack;
-    if (!send_frame(fd_, {&b, 1}) || !recv_frame(fd_, &ack)) {
+    if (!send_frame(fd_, {&b, 1}) || !recv_frame(fd_, &ack, kWait)) {
         return unavailable("bench target is gone");
     }
     return ok_status();
@@ -331,7 +319,9 @@ Status Initiator::mode(uint8_t m) {
 
 Status Initiator::setup() {
     std::vector<uint8_t> blob;
-    if (!recv_frame(fd_, &blob)) return unavailable("bench target died during set-up");
+    // The target allocates and fills its buffers and opens its endpoints first.
+    if (!recv_frame(fd_, &blob, kSetupWait))
+        return unavailable("bench target died or did not answer during set-up");
     ByteReader rd(blob);
     FERRY_RETURN_IF_ERROR(read_target_status(rd));
     std::vector<uint8_t> name;
@@ -802,6 +792,12 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (!(config.seconds_per_point > 0)) {
         return invalid_argument("bench xfer: --seconds must be above 0");
     }
+    // Per point, and a run has dozens of points, each measured --repeat times both ways.
+    if (config.seconds_per_point > 3600) {
+        return invalid_argument(
+            fmt::format("bench xfer: --seconds is per measurement, at most 3600, got {}",
+                        config.seconds_per_point));
+    }
     if (config.window < 1 || config.pages_per_op < 1) {
         return invalid_argument("bench xfer: --window and --pages-per-op must be positive");
     }
@@ -826,30 +822,21 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
             return invalid_argument("bench xfer: scatter peers must be 1..1024");
         }
     }
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
-        return unavailable(std::string("socketpair: ") + std::strerror(errno));
-    }
-    std::fflush(stdout);
-    std::fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0) return unavailable(std::string("fork: ") + std::strerror(errno));
-    if (pid == 0) {
-        ::close(sv[0]);
-        _exit(target_main(sv[1], config));
-    }
-    ::close(sv[1]);
+    FERRY_RETURN_IF_ERROR(check_xfer_memory(config));
+    FERRY_ASSIGN_OR_RETURN(auto target, bench::TargetProcess::start(
+                                            [&config](int fd) { return target_main(fd, config); }));
     Result<XferReport> rep = [&]() -> Result<XferReport> {
-        Initiator init(config, sv[0]);
-        return init.run();
+        try {
+            Initiator init(config, target.fd());
+            return init.run();
+        } catch (const std::bad_alloc&) {
+            return resource_exhausted(
+                "bench xfer: out of memory for the buffers; use smaller --sizes or --pages");
+        }
     }();
-    send_frame(sv[0], {});  // tells the target to finish
-    ::close(sv[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (rep.ok() && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-        return internal_error("bench target exited abnormally");
-    }
+    send_frame(target.fd(), {});  // tells the target to finish
+    const int status = target.finish(kWait);
+    if (rep.ok() && status != 0) return internal_error("bench target exited abnormally");
     return rep;
 }
 

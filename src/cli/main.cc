@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <exception>
 #include <new>
 #include <optional>
@@ -54,6 +55,12 @@ std::optional<std::string> command_error(CLI::App& app, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // libfabric links libinfinipath (its psm provider), whose constructor installs handlers for
+    // these that print a backtrace and call exit(1) inside the handler: SIGTERM ran the exit
+    // path beside running threads (a benchmark left behind by `timeout`, hung on a lock; an
+    // abort), Ctrl-C ended a run with status 1, a crash looked like a failed run. The defaults
+    // come back before anything runs; serve installs its own for SIGINT and SIGTERM.
+    for (int sig : {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT}) std::signal(sig, SIG_DFL);
     CLI::App app{"ferry: data movement for disaggregated and expert-parallel LLM inference"};
     app.require_subcommand(1);
     std::string level = "warn";

@@ -15,7 +15,7 @@ void PullServer::offer(uint64_t id, const PullCapability& capability) {
     auto [it, fresh] = offers_.try_emplace(id);
     if (!fresh) {
         // offer_pull's id check refuses a second offer of a live id before it comes here.
-        log(LogLevel::kWarn, kLog, "transfer {:x}: offered for pull twice; ignored", id);
+        log(LogLevel::kWarn, kLog, "transfer {:#x}: offered for pull twice; ignored", id);
         return;
     }
     it->second.deadline = Clock::now() + ctx_.cfg.lease;
@@ -31,7 +31,7 @@ void PullServer::on_done(const DoneMsg& m) {
     // A DONE naming a transfer it was not offered must not free (or end) that transfer.
     if (!constant_time_equal(o.capability, m.capability)) {
         log(LogLevel::kWarn, kLog,
-            "transfer {:x}: DONE with a wrong capability (not the reader it was offered "
+            "transfer {:#x}: DONE with a wrong capability (not the reader it was offered "
             "to); ignored",
             m.transfer_id);
         return ctx_.stale("DONE with a wrong capability");
@@ -78,7 +78,7 @@ void PullServer::expire(TimePoint now) {
             uint64_t id = it->first;
             offers_.erase(it);
             ctx_.ids.release(id, 0, TransferIds::Kind::kOffered);
-            log(LogLevel::kWarn, kLog, "transfer {:x}: pull offer lease expired", id);
+            log(LogLevel::kWarn, kLog, "transfer {:#x}: pull offer lease expired", id);
             ctx_.send_done({id, 0,
                             timeout_error("no DONE from decode within the lease; blocks released"),
                             0, 0});

@@ -21,7 +21,7 @@ void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAdd
             ctx_.cb.on_scheduled(
                 {id, attempt,
                  already_exists(
-                     fmt::format("transfer {:x} attempt {} is already announced", id, attempt)),
+                     fmt::format("transfer {:#x} attempt {} is already announced", id, attempt)),
                  0, 0});
         }
         return;
@@ -88,7 +88,7 @@ void PushReceiver::register_push(PushRegistration reg) {
             return ctx_.recv_done(
                 {reg.transfer_id, reg.attempt,
                  already_exists(fmt::format(
-                     "transfer {:x}: attempt {} is not newer than the registered attempt {}",
+                     "transfer {:#x}: attempt {} is not newer than the registered attempt {}",
                      reg.transfer_id, reg.attempt, key.second)),
                  0, 0});
         }
@@ -148,7 +148,7 @@ void PushReceiver::cancel(uint64_t id) {
     for (auto it = announces_.begin(); it != announces_.end(); ++it) {
         if (it->first.first == id) {
             return end_announce(it,
-                                cancelled(fmt::format("transfer {:x} was cancelled "
+                                cancelled(fmt::format("transfer {:#x} was cancelled "
                                                       "before prefill scheduled it",
                                                       id)),
                                 true);
@@ -161,7 +161,7 @@ void PushReceiver::cancel(uint64_t id) {
             return;
         }
     }
-    log(LogLevel::kDebug, kLog, "cancel: transfer {:x} is not registered here", id);
+    log(LogLevel::kDebug, kLog, "cancel: transfer {:#x} is not registered here", id);
 }
 
 PushReceiver::Slot* PushReceiver::find_slot(const ConsumerKey& key, uint32_t producer_rank,
@@ -324,7 +324,7 @@ void PushReceiver::check_consumer(ConsumerIt it) {
     TransferResult r{it->first.first, it->first.second, c.error, c.bytes, c.writes};
     if (r.status.ok() && c.cancelling) {
         r.status =
-            cancelled(fmt::format("transfer {:x} attempt {} was cancelled or "
+            cancelled(fmt::format("transfer {:#x} attempt {} was cancelled or "
                                   "superseded",
                                   r.transfer_id, r.attempt));
     }
@@ -351,7 +351,7 @@ void PushReceiver::expire_consumer(ConsumerIt it) {
         ctx_.send(s.peer, CancelMsg{it->first.first, it->first.second, ctx_.cfg.self.tp_rank});
     }
     Status why = timeout_error(
-        fmt::format("prefill ranks {} did not complete transfer {:x} within the {:.0f} ms lease",
+        fmt::format("prefill ranks {} did not complete transfer {:#x} within the {:.0f} ms lease",
                     missing, it->first.first, to_ms(ctx_.cfg.lease)));
     log(LogLevel::kWarn, kLog, "{}", why.message());
     complete_recv(
@@ -369,7 +369,7 @@ void PushReceiver::expire(TimePoint now) {
         if (now > it->second.deadline) {
             ctx_.counters.leases_expired.fetch_add(1);
             end_announce(it,
-                         timeout_error(fmt::format("prefill did not schedule transfer {:x} "
+                         timeout_error(fmt::format("prefill did not schedule transfer {:#x} "
                                                    "within the {:.0f} ms lease",
                                                    it->first.first, to_ms(ctx_.cfg.lease))),
                          true);

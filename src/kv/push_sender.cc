@@ -12,12 +12,12 @@ namespace ferry::kv::detail {
 void PushSender::on_register(RegisterMsg m) {
     auto peer = ctx_.engine->connect(m.decode_address);
     if (!peer.ok()) {
-        log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}", m.transfer_id,
+        log(LogLevel::kWarn, kLog, "transfer {:#x}: cannot reach decode rank {}: {}", m.transfer_id,
             m.decode_rank, peer.status().to_string());
         return;
     }
     auto refuse = [&](const Status& s) {
-        log(LogLevel::kWarn, kLog, "transfer {:x}: refusing REGISTER from decode rank {}: {}",
+        log(LogLevel::kWarn, kLog, "transfer {:#x}: refusing REGISTER from decode rank {}: {}",
             m.transfer_id, m.decode_rank, s.to_string());
         ctx_.send(*peer, FailMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank, s.code(),
                                  s.message().substr(0, kMaxReasonLength)});
@@ -68,7 +68,7 @@ void PushSender::on_register(RegisterMsg m) {
 void PushSender::on_intent(IntentMsg m) {
     auto peer = ctx_.engine->connect(m.decode_address);
     if (!peer.ok()) {
-        log(LogLevel::kWarn, kLog, "transfer {:x}: cannot reach decode rank {}: {}", m.transfer_id,
+        log(LogLevel::kWarn, kLog, "transfer {:#x}: cannot reach decode rank {}: {}", m.transfer_id,
             m.decode_rank, peer.status().to_string());
         return;
     }
@@ -111,7 +111,7 @@ void PushSender::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvF
     Producer& p = it->second;
     if (p.have_prefill || p.tombstone || !p.failure.ok()) {
         log(LogLevel::kWarn, kLog,
-            "transfer {:x}: prefill_progress after prefill_done or a failure; ignored", id);
+            "transfer {:#x}: prefill_progress after prefill_done or a failure; ignored", id);
         return;
     }
     KvPiece ahead;
@@ -130,7 +130,7 @@ void PushSender::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_
     Producer& p = it->second;
     if (p.have_prefill || p.tombstone || !p.failure.ok()) {
         log(LogLevel::kWarn, kLog,
-            "transfer {:x}: prefill_done called twice or after a "
+            "transfer {:#x}: prefill_done called twice or after a "
             "failure; ignored",
             id);
         return;
@@ -154,7 +154,7 @@ void PushSender::prefill_failed(uint64_t id, const Status& reason) {
     Producer& p = it->second;
     if (p.have_prefill || p.tombstone) {
         log(LogLevel::kWarn, kLog,
-            "transfer {:x}: prefill_failed after prefill_done; "
+            "transfer {:#x}: prefill_failed after prefill_done; "
             "ignored",
             id);
         return;
@@ -298,8 +298,9 @@ void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, con
     job.pending.erase(index);
     if (!s.ok() && job.error.ok()) {
         job.error = s;
-        log(LogLevel::kWarn, kLog, "transfer {:x} attempt {}: writing to decode rank {} failed: {}",
-            id, key.first, key.second, s.to_string());
+        log(LogLevel::kWarn, kLog,
+            "transfer {:#x} attempt {}: writing to decode rank {} failed: {}", id, key.first,
+            key.second, s.to_string());
     }
     kv_trace("segment drained", id);
     if (!job.cancelled && job.error.ok()) ctx_.send(job.peer, seg);
@@ -440,7 +441,7 @@ void PushSender::expire_producer(ProducerIt it) {
                      : timeout_error(fmt::format("prefill did not finish within the {:.0f} "
                                                  "ms lease",
                                                  to_ms(ctx_.cfg.lease)));
-    log(LogLevel::kWarn, kLog, "transfer {:x}: {}", it->first, why.message());
+    log(LogLevel::kWarn, kLog, "transfer {:#x}: {}", it->first, why.message());
     for (auto& [key, job] : p.jobs) {
         if (job.resolved) continue;
         ctx_.send(job.peer,

@@ -42,7 +42,7 @@ Status TransferIds::claim(uint64_t id, uint32_t attempt, Kind kind) {
         auto [_, held_attempt, held] = *it;
         if (compatible(held_attempt, held, attempt, kind)) continue;
         return already_exists(fmt::format(
-            "transfer id {:x} already exists on this rank: attempt {} of it is {}; a transfer "
+            "transfer id {:#x} already exists on this rank: attempt {} of it is {}; a transfer "
             "id must be unique among live transfers (another request with the same id, or a "
             "repeated call for this one?)",
             id, held_attempt, kind_name(held)));

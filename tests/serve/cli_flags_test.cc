@@ -117,8 +117,19 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
          "bench xfer: --repeat must be in [1, 1000000], got 1000000000"},
         {{"bench", "xfer", "--latency-iters", "1000000000"},
          "bench xfer: --latency-iters must be in [0, 1000000], got 1000000000"},
-        {{"bench", "gpu", "--bytes", "0"}, "bench gpu: --bytes must be at least 1"},
-        {{"bench", "gpu", "--iters", "0"}, "bench gpu: --iters must be at least 1"},
+        // bench gpu refuses these before it looks for a GPU (there is none here).
+        {{"bench", "gpu", "--bytes", "0"}, "bench gpu: --bytes must be in [1, 68719476736], got 0"},
+        {{"bench", "gpu", "--bytes", "100000000000"},
+         "bench gpu: --bytes must be in [1, 68719476736], got 100000000000"},
+        {{"bench", "gpu", "--iters", "0"}, "bench gpu: --iters must be in [1, 1000000], got 0"},
+        {{"bench", "gpu", "--iters", "1000000000"},
+         "bench gpu: --iters must be in [1, 1000000], got 1000000000"},
+        {{"bench", "gpu", "--iters", "-1"}, "--iters: must not be negative, got -1"},
+        {{"bench", "gpu", "--iters", "1e11"}, "--iters"},
+        {{"bench", "gpu", "--pages", "1"},
+         "bench gpu: --pages: 1 B pages make 268435456 pages of --bytes 268435456, at most"},
+        {{"bench", "gpu", "--modes", "fastest"},
+         "bench gpu: --modes: 'fastest' is not a copy mode (kernel, copy-engine or auto)"},
         {{"bench", "gpu", "--bytes", "4096", "--pages", "8192"},
          "bench gpu: --pages: 8192 is not in [1, --bytes 4096]"},
         {{"bench", "kv", "--block-size", "0"}, "bench kv: --block-size must be at least 1"},
@@ -132,6 +143,8 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"bench", "xfer", "--pages", "0"}, "bench xfer: --pages: every size must be at least 1"},
         {{"bench", "xfer", "--rails", "0"}, "bench xfer: --rails must be 1..32, got 0"},
         {{"bench", "xfer", "--seconds", "0"}, "bench xfer: --seconds must be above 0"},
+        {{"bench", "xfer", "--seconds", "1e9"},
+         "bench xfer: --seconds is per measurement, at most 3600, got 1000000000"},
         {{"bench", "xfer", "--sizes"}, "--sizes: 1 required"},
         {{"bench", "relay", "--input-len", "100000000000"},
          "ferry: out of memory: a size or count flag asks for more than this machine has"},
@@ -177,6 +190,65 @@ TEST_F(CliFlags, AnUnknownProviderIsOneErrorUnderOneCode) {
         ASSERT_NE(first, std::string::npos);
         EXPECT_EQ(out.find("unavailable:", first + 1), std::string::npos);
     }
+}
+
+// bench gpu's target exits at once where there is no GPU: the parent's first frame to it died of
+// SIGPIPE (status 141) in about half of the runs, without a word. Here it says why, every time;
+// on a GPU host the tiny run succeeds.
+TEST_F(CliFlags, BenchGpuWithoutAGpuSaysSoEveryTime) {
+    std::vector<Proc> procs;
+    for (int i = 0; i < 8; ++i)
+        procs.push_back(start({"bench", "gpu", "--bytes", "65536", "--pages", "4096", "--iters",
+                               "1", "--modes", "kernel"}));
+    for (Proc& p : procs) {
+        int code = p.wait_exit(seconds(60));
+        std::string out = p.log_text();
+        if (code == 0) continue;  // a GPU is there
+        EXPECT_EQ(code, 1) << out;
+        EXPECT_TRUE(out.find("bench gpu needs a GPU") != std::string::npos ||
+                    out.find("no CUDA support") != std::string::npos)
+            << out;
+    }
+}
+
+// A size flag that asks for more memory than the host has is refused before the target
+// process is forked, naming the flags and the sum: it was a std::bad_alloc out of both
+// processes (two "ferry:" lines, one from the child's copy of the CLI), and below what
+// overcommit refuses, minutes of zero-filling and the OOM killer.
+TEST_F(CliFlags, SizesPastTheHostsMemoryAreRefusedBeforeAnythingRuns) {
+    const std::vector<Bad> cases = {
+        {{"bench", "xfer", "--sizes", "99999999999999999999"},
+         "bench xfer: the buffers for --sizes up to"},
+        {{"bench", "xfer", "--pages", "1099511627776"}, "--pages up to 1099511627776"},
+        {{"bench", "xfer", "--rate", "--rate-sizes", "1099511627776"},
+         "--rate-sizes up to 1099511627776 for 64 peers"},
+        {{"bench", "kv", "--tokens", "4000000000"},
+         "bench kv: the prefill and decode pools for --tokens 4000000000 x --layers 64"},
+        {{"bench", "kv", "--tokens", "16", "--layers", "4000000000"}, "--layers 4000000000"},
+    };
+    for (const Bad& k : cases) {
+        auto [code, out] = run(k.args, seconds(10));
+        SCOPED_TRACE(joined(k.args));
+        EXPECT_EQ(code, 1) << out;
+        EXPECT_NE(out.find(k.says), std::string::npos) << out;
+        EXPECT_NE(out.find("of this host's"), std::string::npos) << out;
+        const size_t first = out.find("ferry:");
+        ASSERT_NE(first, std::string::npos) << out;
+        EXPECT_EQ(out.find("ferry:", first + 1), std::string::npos) << out;  // one process
+    }
+}
+
+// Every ferry process had libinfinipath's handlers (loaded with libfabric) for SIGINT, SIGTERM
+// and the crash signals, which print a backtrace and call exit(1): Ctrl-C ended a benchmark with
+// status 1, and SIGTERM ran the exit path inside the handler, once hanging on a lock (a
+// benchmark left running after `timeout`). Now a signal ends the process as that signal.
+TEST_F(CliFlags, ASignalEndsABenchmarkAsThatSignal) {
+    Proc p = start({"bench", "relay", "--input-len", "4096", "--iters", "1000000"});
+    std::this_thread::sleep_for(milliseconds(500));
+    p.interrupt();
+    int code = p.wait_exit(seconds(5));
+    EXPECT_EQ(code, 128 + SIGINT) << p.log_text();
+    EXPECT_EQ(p.log_text().find("Backtrace"), std::string::npos) << p.log_text();
 }
 
 // bench serve waits for the router's /health itself, saying so, and gives up at its deadline

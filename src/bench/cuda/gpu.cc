@@ -4,8 +4,6 @@
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +13,7 @@
 #include <numeric>
 #include <random>
 
+#include "bench/target_process.h"
 #include "common/cuda_check.h"
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
@@ -23,35 +22,8 @@
 namespace ferry {
 namespace {
 
-bool send_blob(int fd, const std::vector<uint8_t>& b) {
-    uint32_t n = static_cast<uint32_t>(b.size());
-    if (::write(fd, &n, 4) != 4) return false;
-    size_t off = 0;
-    while (off < b.size()) {
-        ssize_t w = ::write(fd, b.data() + off, b.size() - off);
-        if (w <= 0) return false;
-        off += w;
-    }
-    return true;
-}
-
-bool recv_blob(int fd, std::vector<uint8_t>* b) {
-    uint32_t n = 0;
-    size_t got = 0;
-    while (got < 4) {
-        ssize_t r = ::read(fd, reinterpret_cast<char*>(&n) + got, 4 - got);
-        if (r <= 0) return false;
-        got += r;
-    }
-    b->resize(n);
-    got = 0;
-    while (got < n) {
-        ssize_t r = ::read(fd, b->data() + got, n - got);
-        if (r <= 0) return false;
-        got += r;
-    }
-    return true;
-}
+using bench::recv_frame;
+using bench::send_frame;
 
 EngineConfig bench_engine(const std::string& mode) {
     EngineConfig c;
@@ -72,9 +44,9 @@ int target_main(int fd, const GpuBenchConfig& c, int dev) {
     ByteWriter w;
     (*engine)->address().encode(w);
     (*mr)->descriptor().encode(w);
-    if (!send_blob(fd, w.bytes())) return 1;
+    if (!send_frame(fd, w.bytes())) return 1;
     std::vector<uint8_t> done;
-    recv_blob(fd, &done);
+    recv_frame(fd, &done);
     mr->reset();
     engine->reset();
     cudaFree(d);
@@ -99,7 +71,8 @@ Status measure(const GpuBenchConfig& c, int src_dev, int dst_dev, int fd, GpuBen
     if (c.progress) c.progress(fmt::format("ceiling {:.1f} GB/s", rep->ceiling_gbps));
     FERRY_CUDA_TRY(cudaSetDevice(src_dev));
     std::vector<uint8_t> blob;
-    if (!recv_blob(fd, &blob)) return unavailable("gpu bench target died during set-up");
+    if (!recv_frame(fd, &blob, std::chrono::seconds(120)))
+        return unavailable("gpu bench target died or did not answer during set-up");
     ByteReader rd(blob);
     FERRY_ASSIGN_OR_RETURN(auto taddr, EngineAddress::decode(rd));
     FERRY_ASSIGN_OR_RETURN(auto tdesc, MemoryDescriptor::decode(rd));
@@ -162,19 +135,12 @@ Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
     FERRY_RETURN_IF_ERROR(check_gpu_bench_config(c));
     // Fork before this process touches CUDA: a child of a CUDA-initialised process cannot use
     // the GPU. The target picks its own device.
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return unavailable("socketpair failed");
-    std::fflush(stdout);
-    std::fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0) return unavailable("fork failed");
-    if (pid == 0) {
-        ::close(sv[0]);
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(1);
-        _exit(target_main(sv[1], c, n > 1 ? c.dst_device % n : c.src_device % n));
-    }
-    ::close(sv[1]);
+    FERRY_ASSIGN_OR_RETURN(auto target, bench::TargetProcess::start([&c](int fd) {
+                               int n = 0;
+                               if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return 1;
+                               return target_main(fd, c,
+                                                  n > 1 ? c.dst_device % n : c.src_device % n);
+                           }));
     GpuBenchReport rep;
     Status s = [&]() -> Status {
         int n = 0;
@@ -188,12 +154,11 @@ Result<GpuBenchReport> run_gpu_bench(const GpuBenchConfig& c) {
         cudaDeviceProp prop{};
         FERRY_CUDA_TRY(cudaGetDeviceProperties(&prop, src_dev));
         rep.devices = fmt::format("{} GPU(s) {}; GPU {} -> GPU {}", n, prop.name, src_dev, dst_dev);
-        return measure(c, src_dev, dst_dev, sv[0], &rep);
+        return measure(c, src_dev, dst_dev, target.fd(), &rep);
     }();
-    send_blob(sv[0], {1});
-    ::close(sv[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
+    const uint8_t done = 1;
+    send_frame(target.fd(), {&done, 1});
+    (void)target.finish(std::chrono::seconds(30));
     if (!s.ok()) return s;
     return rep;
 }
