@@ -9,6 +9,13 @@
 // Completion at the target is signalled by writes carrying a 32-bit immediate: the target
 // counts arrivals per immediate value (wait_imm / on_imm). Writes are never ordered relative
 // to each other, so a target must count, not rely on the last write arriving last.
+//
+// A write's successful completion means the provider took it off the initiator's hands; it
+// does not prove the bytes landed. A write into a region its owner has already closed is
+// dropped at the target and still completes without error on tcp and shm (measured 2026-12-03).
+// Whatever must know that bytes arrived counts their immediates at the target, as the KV
+// connector does: a write that never lands leaves its count short, and the target's wait ends
+// in an error at its deadline, never in wrong data taken for right.
 #pragma once
 
 #include <chrono>
