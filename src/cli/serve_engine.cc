@@ -236,6 +236,12 @@ Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
 
 int run_engine(const std::string& role, const EngineFlags& f) {
     stop_requested();  // handlers in place before anything starts
+    // libfabric 1.17's shm copies a large write with CMA while holding the target region's
+    // spinlock, and the initiator's next post spins on that lock for the whole copy. With more
+    // busy threads than cores the spinner takes the copier's CPU and a loaded stack never
+    // recovers (8 QPS of 4096-token prompts on 2 cores: transfer wait ~1 s instead of ~2 ms).
+    // Its bounce-buffer path holds the lock only per chunk. A value the user set wins.
+    if (f.provider == "shm") ::setenv("FI_SHM_DISABLE_CMA", "1", 0);
     auto engine = make_engine(role, f, f.port);
     if (!engine.ok()) return fail(engine.status());
     std::unique_ptr<serve::FabricKvLink> link;
