@@ -9,6 +9,7 @@
 
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
+#include "ferry/common/spin.h"
 #include "ferry/serve/engine_server.h"
 #include "ferry/serve/fabric_kv_link.h"
 #include "ferry/serve/inprocess_kv_link.h"
@@ -240,8 +241,11 @@ int run_engine(const std::string& role, const EngineFlags& f) {
     // spinlock, and the initiator's next post spins on that lock for the whole copy. With more
     // busy threads than cores the spinner takes the copier's CPU and a loaded stack never
     // recovers (8 QPS of 4096-token prompts on 2 cores: transfer wait ~1 s instead of ~2 ms).
-    // Its bounce-buffer path holds the lock only per chunk. A value the user set wins.
-    if (f.provider == "shm") ::setenv("FI_SHM_DISABLE_CMA", "1", 0);
+    // Its bounce-buffer path holds the lock only per chunk. Only where busy threads can
+    // outnumber the cores (as IdleWait decides; hosts of 4+ CPUs were measured with CMA and
+    // keep it). A value the user set wins.
+    if (f.provider == "shm" && usable_cpus() < IdleWait::kSpinFromCpus)
+        ::setenv("FI_SHM_DISABLE_CMA", "1", 0);
     auto engine = make_engine(role, f, f.port);
     if (!engine.ok()) return fail(engine.status());
     std::unique_ptr<serve::FabricKvLink> link;
