@@ -314,6 +314,7 @@ nlohmann::json moe_report_json(const MoeBenchReport& rep) {
         j["early_launch"] = c.early_launch;
         j["proxy_chunk"] = c.proxy_chunk;
         j["separate_plan"] = c.separate_plan;
+        j["whole_combine"] = c.whole_combine;
     }
     j["iters"] = c.iters;
     j["warmup"] = c.warmup;

@@ -39,6 +39,7 @@ struct MoeBenchConfig {
     bool trace = false;        // cuda: stamps inside the kernels (CudaAllToAllOptions::trace)
     bool early_launch = false;   // cuda: CudaAllToAllOptions::early_launch
     bool separate_plan = false;  // cuda: !CudaAllToAllOptions::fuse_plan
+    bool whole_combine = false;  // cuda: !CudaAllToAllOptions::stream_combine
     // cuda with ranks on other nodes: also time the floor of the proxied path in the same run,
     // a plain write loop moving each rank's remote bytes on `provider` plus the mapped path's
     // layer (the same ranks as one node).

@@ -48,6 +48,9 @@ void register_bench_moe(CLI::App& bench) {
     cmd->add_flag("--separate-plan", c->separate_plan,
                   "cuda: plan each call in a one-block kernel of its own rather than in the "
                   "dispatch send kernel's first block");
+    cmd->add_flag("--whole-combine", c->whole_combine,
+                  "cuda, ranks on other nodes: hand each remote rank's combine rows to the host "
+                  "proxy once the kernel wrote them all, rather than piece by piece as written");
     cmd->add_flag("--trace", c->trace,
                   "cuda: print when each kernel's first and last block reached each phase");
     cmd->add_option("--send-blocks", c->send_blocks,

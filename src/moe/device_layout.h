@@ -29,12 +29,16 @@ inline constexpr uint32_t kParts = 4;
 // Written by a kernel into mapped host memory, [peer][part], once its bytes for that put are
 // in the peer's outbox: offset and len first, then (after a system fence) the call number.
 // The outbox is laid out like the peer's region, so offset is the same on both sides.
+// streamed != 0: published before the bytes are there; they follow in pieces of the proxy's
+// stream_piece_bytes, piece i ready once its word in the stream flags ([peer][piece], mapped
+// host memory) holds the call number, so the proxy posts each piece as the kernel finishes
+// it rather than after the whole put.
 // stamp_ns: the GPU's global timer when the kernel published (CudaAllToAllOptions::trace).
 struct Publish {
     uint64_t offset;
     uint64_t len;
     uint32_t seq;
-    uint32_t reserved;
+    uint32_t streamed;
     uint64_t stamp_ns;
 };
 

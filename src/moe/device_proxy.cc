@@ -202,7 +202,8 @@ bool DeviceProxy::reap() {
             fail(st.with_context(fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
                                              part_name(f.part), f.seq, f.peer)));
         Outgoing& o = out_[size_t{f.peer} * proxy::kParts + f.part];
-        if (f.data && f.seq == o.sent_seq && o.data_left > 0 && --o.data_left == 0)
+        // Written: the last data write of a put whose writes are all posted completed.
+        if (f.data && f.seq == o.call && o.data_left > 0 && --o.data_left == 0 && !o.streaming)
             stamp(f.peer, f.part, kWritten);
         inflight_[i] = std::move(inflight_.back());
         inflight_.pop_back();
@@ -223,75 +224,130 @@ OpHandle DeviceProxy::write(uint32_t d, uint64_t src_offset, uint64_t dst_offset
     return s_.engine->write(op);
 }
 
+std::string DeviceProxy::put_name(uint32_t d, uint32_t part, uint32_t seq) const {
+    return fmt::format("rank {}, {} put of call {} to rank {}", s_.rank, part_name(part), seq, d);
+}
+
+bool DeviceProxy::post_data(uint32_t d, uint32_t part, Outgoing& o, uint64_t offset, uint64_t len) {
+    TransferEngine& engine = *s_.engine;
+    const uint64_t slab = s_.outbox_offset[d];
+    const uint64_t chunk = s_.chunk_bytes ? s_.chunk_bytes : len;
+    for (uint64_t at = 0; at < len; at += chunk) {
+        const uint64_t n = std::min(chunk, len - at);
+        OpHandle h =
+            write(d, slab + offset + at, offset + at, n, data_imm(s_.imm_base, part, s_.rank));
+        // The record announces what the engine's split rule says; a write that failed at once
+        // or split otherwise must not be announced (the receiver would take stale inbox bytes
+        // for this call's).
+        const uint64_t want = write_pieces(engine.config(), engine.num_rails(), n);
+        Status posted = h.done() ? h.wait(Duration::zero()) : ok_status();
+        if (!posted.ok()) {
+            fail(posted.with_context(put_name(d, part, o.call)));
+            return false;
+        }
+        if (h.imm_writes() != want && !h.done()) {
+            fail(internal_error(fmt::format(
+                "{}: the engine put {} immediates on the wire for {} bytes, expected {}",
+                put_name(d, part, o.call), h.imm_writes(), n, want)));
+            return false;
+        }
+        o.pieces += static_cast<uint32_t>(want);
+        ++o.data_left;
+        inflight_.push_back({std::move(h), d, part, o.call, true});
+    }
+    return true;
+}
+
+void DeviceProxy::post_record(uint32_t d, uint32_t part, Outgoing& o, uint64_t offset,
+                              uint64_t len) {
+    const uint64_t slab = s_.outbox_offset[d];
+    const uint64_t rec_at = proxy_record_offset(s_.layout, s_.world, part, s_.rank);
+    proxy::PutRecord rec{offset, len, o.call, o.pieces, 0};
+    std::memcpy(static_cast<uint8_t*>(s_.outbox->data()) + slab + rec_at, &rec, sizeof(rec));
+    o.record = write(d, slab + rec_at, rec_at, sizeof(rec), record_imm(s_.imm_base, part, s_.rank));
+    inflight_.push_back({o.record, d, part, o.call, false});
+    o.sent_seq = o.call;
+    stamp(d, part, kPosted);
+}
+
+bool DeviceProxy::stream(uint32_t d, uint32_t part, Outgoing& o) {
+    bool any = false;
+    const uint32_t* ready = s_.stream_ready + size_t{d} * s_.stream_max_pieces;
+    while (o.stream_posted < o.stream_pieces) {
+        const uint32_t i = o.stream_posted;
+        if (std::atomic_ref<const uint32_t>(ready[i]).load(std::memory_order_acquire) != o.call)
+            return any;
+        const uint64_t at = uint64_t{i} * s_.stream_piece_bytes;
+        const uint64_t n = std::min(s_.stream_piece_bytes, o.len - at);
+        if (!post_data(d, part, o, o.offset + at, n)) return true;
+        ++o.stream_posted;
+        any = true;
+    }
+    o.streaming = false;
+    post_record(d, part, o, o.offset, o.len);
+    return true;
+}
+
 bool DeviceProxy::send() {
     bool any = false;
-    TransferEngine& engine = *s_.engine;
     for (uint32_t d : remotes_) {
         for (uint32_t part = 0; part < proxy::kParts; ++part) {
+            Outgoing& o = out_[size_t{d} * proxy::kParts + part];
+            if (o.streaming) {
+                if (stream(d, part, o)) any = true;
+                if (failed_.load(std::memory_order_relaxed)) return true;
+                continue;
+            }
             const volatile proxy::Publish& pub = s_.publish[size_t{d} * proxy::kParts + part];
             const uint32_t seq = pub.seq;
-            Outgoing& o = out_[size_t{d} * proxy::kParts + part];
             if (seq == o.sent_seq) continue;
             // The record slot is rewritten below: its last write must be done. By the
             // protocol's order it always is by now; if not, look again next round.
             if (o.record.valid() && !o.record.done()) continue;
             std::atomic_thread_fence(std::memory_order_acquire);
             const uint64_t offset = pub.offset, len = pub.len;
+            const bool streamed = pub.streamed != 0;
             if (stamps_) {
                 stamp(d, part, kPublished, pub.stamp_ns);
                 stamp(d, part, kSeen);
             }
-            std::string what = fmt::format("rank {}, {} put of call {} to rank {}", s_.rank,
-                                           part_name(part), seq, d);
             if (seq != o.sent_seq + 1) {
                 fail(protocol_error(fmt::format(
-                    "{}: the kernels published call {} after call {}; a call was skipped", what,
-                    seq, o.sent_seq)));
+                    "{}: the kernels published call {} after call {}; a call was skipped",
+                    put_name(d, part, seq), seq, o.sent_seq)));
                 return true;
             }
             if (!in_bounds(part, s_.rank, offset, len)) {
                 fail(protocol_error(
-                    fmt::format("{}: {} bytes at offset {} fall outside the part's region", what,
-                                len, offset)));
+                    fmt::format("{}: {} bytes at offset {} fall outside the part's region",
+                                put_name(d, part, seq), len, offset)));
                 return true;
             }
-            const uint64_t slab = s_.outbox_offset[d];
-            uint32_t pieces = 0;
-            const uint64_t chunk = s_.chunk_bytes ? s_.chunk_bytes : len;
+            o.call = seq;
             o.data_left = 0;
-            for (uint64_t at = 0; at < len; at += chunk) {
-                const uint64_t n = std::min(chunk, len - at);
-                OpHandle h = write(d, slab + offset + at, offset + at, n,
-                                   data_imm(s_.imm_base, part, s_.rank));
-                // The record announces what the engine's split rule says; a write that failed
-                // at once or split otherwise must not be announced (the receiver would take
-                // stale inbox bytes for this call's).
-                const uint64_t want = write_pieces(engine.config(), engine.num_rails(), n);
-                Status posted = h.done() ? h.wait(Duration::zero()) : ok_status();
-                if (!posted.ok()) {
-                    fail(posted.with_context(what));
-                    return true;
-                }
-                if (h.imm_writes() != want && !h.done()) {
-                    fail(internal_error(fmt::format(
-                        "{}: the engine put {} immediates on the wire for {} bytes, expected {}",
-                        what, h.imm_writes(), n, want)));
-                    return true;
-                }
-                pieces += static_cast<uint32_t>(want);
-                ++o.data_left;
-                inflight_.push_back({std::move(h), d, part, seq, true});
-            }
-            const uint64_t rec_at = proxy_record_offset(s_.layout, s_.world, part, s_.rank);
-            proxy::PutRecord rec{offset, len, seq, pieces, 0};
-            std::memcpy(static_cast<uint8_t*>(s_.outbox->data()) + slab + rec_at, &rec,
-                        sizeof(rec));
-            o.record = write(d, slab + rec_at, rec_at, sizeof(rec),
-                             record_imm(s_.imm_base, part, s_.rank));
-            inflight_.push_back({o.record, d, part, seq, false});
-            o.sent_seq = seq;
-            stamp(d, part, kPosted);
+            o.pieces = 0;
             any = true;
+            if (streamed) {
+                const uint64_t piece = s_.stream_piece_bytes;
+                const uint64_t pieces = piece ? (len + piece - 1) / piece : 0;
+                if (!s_.stream_ready || pieces > s_.stream_max_pieces) {
+                    fail(protocol_error(fmt::format(
+                        "{}: a streamed put of {} bytes, but this proxy streams at most {} "
+                        "pieces of {} bytes",
+                        put_name(d, part, seq), len, s_.stream_max_pieces, piece)));
+                    return true;
+                }
+                o.streaming = true;
+                o.offset = offset;
+                o.len = len;
+                o.stream_posted = 0;
+                o.stream_pieces = static_cast<uint32_t>(pieces);
+                stream(d, part, o);
+                if (failed_.load(std::memory_order_relaxed)) return true;
+                continue;
+            }
+            if (!post_data(d, part, o, offset, len)) return true;
+            post_record(d, part, o, offset, len);
         }
     }
     return any;

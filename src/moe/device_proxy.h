@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -71,6 +72,12 @@ struct DeviceProxySetup {
     // Sending: the kernels' records [world][kParts]; the outboxes, registered, one per remote
     // peer at outbox_offset[peer], each followed by kParts PutRecords to send from.
     const proxy::Publish* publish = nullptr;
+    // Streamed puts (Publish::streamed): pieces of stream_piece_bytes (the last one shorter),
+    // piece i of the put to peer d ready once stream_ready[d * stream_max_pieces + i] holds
+    // the call number. Null/0: the kernels publish whole puts only.
+    const uint32_t* stream_ready = nullptr;
+    uint64_t stream_piece_bytes = 0;
+    uint32_t stream_max_pieces = 0;
     const MemoryRegion* outbox = nullptr;
     std::vector<uint64_t> outbox_offset;
     // Receiving: this rank's inbox (proxy_inbox_bytes: layout.total bytes, the record slots,
@@ -124,9 +131,15 @@ class DeviceProxy {
 
   private:
     struct Outgoing {
-        uint32_t sent_seq = 0;
-        uint32_t data_left = 0;  // data writes of the last put not yet completed
+        uint32_t sent_seq = 0;   // the last call whose put is posted whole, record included
+        uint32_t call = 0;       // the call being posted, or the last one
+        uint32_t data_left = 0;  // data writes of that call not yet completed
+        uint32_t pieces = 0;     // immediates its data writes put on the wire so far
         OpHandle record;  // the last record write; its slot is rewritten only after it is done
+        // A streamed put under way (streaming): its bytes, and pieces posted of how many.
+        bool streaming = false;
+        uint64_t offset = 0, len = 0;
+        uint32_t stream_posted = 0, stream_pieces = 0;
     };
     struct Inflight {
         OpHandle op;
@@ -145,6 +158,15 @@ class DeviceProxy {
 
     void loop();
     bool send();
+    // Posts the pieces of a streamed put to peer d that the kernels finished since last time;
+    // the record once every piece is posted.
+    bool stream(uint32_t d, uint32_t part, Outgoing& o);
+    // Posts [offset, offset + len) of the put to d as writes of at most chunk_bytes, each
+    // with the data immediate. False once the proxy failed.
+    bool post_data(uint32_t d, uint32_t part, Outgoing& o, uint64_t offset, uint64_t len);
+    // The put's record, after its last data write was posted.
+    void post_record(uint32_t d, uint32_t part, Outgoing& o, uint64_t offset, uint64_t len);
+    std::string put_name(uint32_t d, uint32_t part, uint32_t seq) const;
     // Outbox bytes (offset into the outbox region) to peer d's inbox, carrying imm.
     OpHandle write(uint32_t d, uint64_t src_offset, uint64_t dst_offset, uint64_t len,
                    uint32_t imm);

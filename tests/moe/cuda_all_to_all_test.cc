@@ -70,6 +70,10 @@ struct CudaCase {
     bool slabs = false;
     bool indices64 = false;        // the routing as int64 (CudaDispatchInput::indices64)
     bool combine_weights = false;  // dispatch wrong weights, give the right ones at combine
+    // Remote ranks: the proxy's write size (0: the default), which also sets the streamed
+    // combine's pieces (whole rows within it); whole_combine: no streaming.
+    uint64_t proxy_chunk = 0;
+    bool whole_combine = false;
 };
 
 void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
@@ -179,6 +183,8 @@ std::string run_gpu_rank(const CudaCase& k, uint32_t rank, int device, const All
     // shape) while keeping a broken case well inside gpu_check.sh's time bound.
     opts.timeout = std::chrono::seconds(8);
     opts.device = device;
+    if (k.proxy_chunk) opts.proxy_chunk_bytes = k.proxy_chunk;
+    opts.stream_combine = !k.whole_combine;
     std::unique_ptr<TransferEngine> engine;  // outlives the all-to-all
     if (cfg.world_size > cfg.ranks_per_node) {
         auto e = TransferEngine::create(ferry::testing::test_engine_config(k.provider));
@@ -627,6 +633,19 @@ INSTANTIATE_TEST_SUITE_P(
                               .slabs = true,
                               .indices64 = true,
                               .combine_weights = true}),
+        // The streamed combine in pieces of three rows (every run many pieces, finished out of
+        // order by the warps), into slabs; and the whole-put combine it replaces.
+        CudaCase{.name = "ep4_two_nodes_streamed_small_pieces_slabs",
+                 .world = 4,
+                 .routing = Routing::kSkewed,
+                 .full = true,
+                 .ranks_per_node = 2,
+                 .slabs = true,
+                 .proxy_chunk = 3 * 512 * 2},
+        CudaCase{.name = "ep2_remote_whole_combine",
+                 .calls = 2,
+                 .ranks_per_node = 1,
+                 .whole_combine = true},
         CudaCase{.name = "ep4_two_nodes_per_rank_slabs",
                  .world = 4,
                  .alignment = 8,

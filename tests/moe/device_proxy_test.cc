@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -27,6 +28,7 @@ using ferry::testing::Exchange;
 constexpr uint64_t kCountsBytes = 64;
 constexpr uint64_t kDispatchBlocks = 3, kCombineBlocks = 5;
 constexpr uint8_t kPoison = 0xee;
+constexpr uint32_t kStreamMaxPieces = 64;
 
 // Room for every sender's runs of puts_of (the counts messages up to world 12).
 SharedLayout test_layout(uint32_t world) {
@@ -50,6 +52,8 @@ struct ProxyRank {
     std::vector<uint8_t> outbox;
     std::unique_ptr<MemoryRegion> outbox_mr;
     std::vector<proxy::Publish> publish;
+    std::vector<uint32_t> stream_ready;  // [world][kStreamMaxPieces] piece flags
+    uint64_t stream_piece = 0;           // DeviceProxySetup::stream_piece_bytes
     std::unique_ptr<DeviceProxy> proxy;
     std::vector<bool> remote;  // [world] ranks on other nodes, reached through the proxy
 
@@ -61,12 +65,23 @@ struct ProxyRank {
         std::memset(outbox_of(peer) + offset, fill, len);
         publish_only(peer, part, seq, offset, len);
     }
-    void publish_only(uint32_t peer, uint32_t part, uint32_t seq, uint64_t offset, uint64_t len) {
+    void publish_only(uint32_t peer, uint32_t part, uint32_t seq, uint64_t offset, uint64_t len,
+                      bool streamed = false) {
         volatile proxy::Publish& p = publish[size_t{peer} * proxy::kParts + part];
         p.offset = offset;
         p.len = len;
+        p.streamed = streamed ? 1 : 0;
         std::atomic_thread_fence(std::memory_order_release);
         p.seq = seq;
+    }
+    // What the streamed combine kernel does once piece i of a put published streamed is in the
+    // outbox: its bytes, then its flag.
+    void stream_piece_ready(uint32_t peer, uint32_t seq, uint64_t offset, uint64_t len, uint32_t i,
+                            uint8_t fill) {
+        const uint64_t at = i * stream_piece, n = std::min(stream_piece, len - at);
+        std::memset(outbox_of(peer) + offset + at, fill, n);
+        std::atomic_ref<uint32_t>(stream_ready[size_t{peer} * kStreamMaxPieces + i])
+            .store(seq, std::memory_order_release);
     }
     // What kernels read: the inbox, its counters (acquire) and its abort word.
     const uint8_t* inbox() const { return mesh.buf.data(); }
@@ -82,10 +97,11 @@ struct ProxyRank {
     }
 };
 
-// ranks_per_node 0: every other rank is remote. chunk_bytes: DeviceProxySetup's.
+// ranks_per_node 0: every other rank is remote. chunk_bytes, stream_piece: DeviceProxySetup's
+// chunk_bytes and stream_piece_bytes (0: streamed puts refused).
 Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& ec,
-                                             uint32_t ranks_per_node = 0,
-                                             uint64_t chunk_bytes = 0) {
+                                             uint32_t ranks_per_node = 0, uint64_t chunk_bytes = 0,
+                                             uint64_t stream_piece = 0) {
     auto r = std::make_unique<ProxyRank>();
     r->rank = static_cast<uint32_t>(ex.rank());
     r->world = static_cast<uint32_t>(ex.size());
@@ -97,6 +113,8 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     FERRY_ASSIGN_OR_RETURN(r->outbox_mr,
                            r->mesh.engine->register_memory(r->outbox.data(), r->outbox.size()));
     r->publish.assign(size_t{r->world} * proxy::kParts, proxy::Publish{});
+    r->stream_ready.assign(size_t{r->world} * kStreamMaxPieces, 0);
+    r->stream_piece = stream_piece;
     // Zeroed like the real inbox (the rest stays poisoned); nobody puts before the proxies run.
     std::memset(r->mesh.buf.data(), 0, 24ull * r->world);  // the counters
     std::memset(r->mesh.buf.data() + proxy_abort_offset(r->lay, r->world), 0, 4);
@@ -117,6 +135,11 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     s.peer = r->mesh.peer;
     s.inbox = r->mesh.desc;
     s.publish = r->publish.data();
+    if (stream_piece) {
+        s.stream_ready = r->stream_ready.data();
+        s.stream_piece_bytes = stream_piece;
+        s.stream_max_pieces = kStreamMaxPieces;
+    }
     s.outbox = r->outbox_mr.get();
     for (uint32_t p = 0; p < r->world; ++p) s.outbox_offset.push_back(r->slab * p);
     s.inbox_data = r->mesh.buf.data();
@@ -162,8 +185,10 @@ bool wait_for(Pred pred, Duration timeout) {
     return true;
 }
 
+// streamed: the combine parts are published first and their pieces made ready afterwards in
+// a random order, as the streamed combine kernel does.
 std::string run_calls(Exchange& ex, const std::string& provider, bool split,
-                      uint32_t ranks_per_node, uint64_t seed) {
+                      uint32_t ranks_per_node, uint64_t seed, bool streamed = false) {
     EngineConfig ec = ferry::testing::test_engine_config(provider);
     if (split) {
         ec.num_rails = 2;
@@ -173,7 +198,10 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split,
     // Split runs also cut puts into several proxy writes (of several engine pieces each: the
     // record must count them all); shm at world 3 cuts them into single-piece writes.
     const uint64_t chunk = split ? 3000 : provider == "shm" && ex.size() == 3 ? 5000 : 0;
-    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec, ranks_per_node, chunk));
+    // Pieces that a proxy chunk cuts again (split), or one write each.
+    const uint64_t piece = !streamed ? 0 : split ? 4500 : 1000;
+    CHILD_ASSIGN_OK(auto r, make_rank(ex, ec, ranks_per_node, chunk, piece));
+    std::mt19937_64 order_rng(seed ^ 0x5eed ^ ex.rank());
     if (split) CHILD_CHECK(write_pieces(r->mesh.engine->config(), 2, 28000) > 4);
     const SharedLayout& l = r->lay;
     const uint32_t me = r->rank, w = r->world;
@@ -215,8 +243,18 @@ std::string run_calls(Exchange& ex, const std::string& provider, bool split,
             CallPuts p = puts_of(seed, me, d, c, l);
             r->put(d, proxy::kOverflow, c, p.overflow_at, p.overflow_len,
                    fill_of(me, c, proxy::kOverflow));
-            r->put(d, proxy::kCombine, c, p.combine_at, p.combine_len,
-                   fill_of(me, c, proxy::kCombine));
+            if (!streamed) {
+                r->put(d, proxy::kCombine, c, p.combine_at, p.combine_len,
+                       fill_of(me, c, proxy::kCombine));
+                continue;
+            }
+            r->publish_only(d, proxy::kCombine, c, p.combine_at, p.combine_len, true);
+            std::vector<uint32_t> order((p.combine_len + piece - 1) / piece);
+            for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+            std::shuffle(order.begin(), order.end(), order_rng);
+            for (uint32_t i : order)
+                r->stream_piece_ready(d, c, p.combine_at, p.combine_len, i,
+                                      fill_of(me, c, proxy::kCombine));
         }
         for (uint32_t s = 0; s < w; ++s) {
             if (!r->remote[s]) continue;
@@ -253,6 +291,13 @@ using Param = std::tuple<std::string, uint32_t, bool, uint32_t>;
 
 class DeviceProxyTest : public ::testing::TestWithParam<Param> {};
 
+std::string param_name(const ::testing::TestParamInfo<Param>& i) {
+    const uint32_t rpn = std::get<3>(i.param);
+    return fmt::format("{}_world{}{}{}", std::get<0>(i.param), std::get<1>(i.param),
+                       rpn ? fmt::format("_{}_per_node", rpn) : "",
+                       std::get<2>(i.param) ? "_split" : "");
+}
+
 TEST_P(DeviceProxyTest, PutsArriveWholeAndCountersFollowTheirBytes) {
     auto [provider, world, split, ranks_per_node] = GetParam();
     uint64_t seed =
@@ -264,18 +309,32 @@ TEST_P(DeviceProxyTest, PutsArriveWholeAndCountersFollowTheirBytes) {
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
 }
 
+// The same calls with every combine put streamed: pieces made ready in a random order arrive
+// whole, and the counter follows the last of them.
+class DeviceProxyStreamTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(DeviceProxyStreamTest, StreamedPutsArriveWholeInAnyPieceOrder) {
+    auto [provider, world, split, ranks_per_node] = GetParam();
+    uint64_t seed =
+        ferry::testing::test_seed(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    auto results = ferry::testing::run_processes(
+        static_cast<int>(world),
+        [&](Exchange& ex) { return run_calls(ex, provider, split, ranks_per_node, seed, true); },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, DeviceProxyTest,
                          // World 8 in four nodes of two: the CUDA EP8 case's shape.
                          ::testing::Values(Param{"tcp", 2, false, 0}, Param{"tcp", 3, true, 0},
                                            Param{"shm", 2, false, 0}, Param{"shm", 3, false, 0},
                                            Param{"tcp", 8, false, 2}, Param{"shm", 8, true, 2}),
-                         [](const ::testing::TestParamInfo<Param>& i) {
-                             const uint32_t rpn = std::get<3>(i.param);
-                             return fmt::format("{}_world{}{}{}", std::get<0>(i.param),
-                                                std::get<1>(i.param),
-                                                rpn ? fmt::format("_{}_per_node", rpn) : "",
-                                                std::get<2>(i.param) ? "_split" : "");
-                         });
+                         param_name);
+
+INSTANTIATE_TEST_SUITE_P(Providers, DeviceProxyStreamTest,
+                         ::testing::Values(Param{"tcp", 3, true, 0}, Param{"shm", 2, false, 0},
+                                           Param{"shm", 8, true, 2}),
+                         param_name);
 
 // A kernel record pointing outside its part's region is refused and stops the rank's waits.
 TEST(DeviceProxySetup, AnOutOfBoundsPutIsRefusedAndAbortsTheKernels) {
@@ -336,6 +395,76 @@ TEST(DeviceProxySetup, APeerWhoseEngineIsGoneTurnsIntoAnErrorNamingIt) {
         },
         std::chrono::seconds(60));
     EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+// A streamed put's first piece is on the wire while the kernel still writes the rest: the
+// peer sees its bytes before the other pieces are ready, and the counter only after all.
+TEST(DeviceProxySetup, AStreamedPutsFirstPieceArrivesBeforeTheRestIsReady) {
+    constexpr uint64_t kPiece = 3000, kLen = 4 * kPiece - 500;
+    auto results = ferry::testing::run_processes(
+        2,
+        [](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(auto r,
+                            make_rank(ex, ferry::testing::test_engine_config("shm"), 0, 0, kPiece));
+            const SharedLayout& l = r->lay;
+            const uint64_t at = l.combine + 64;
+            if (ex.rank() == 0) {
+                r->publish_only(1, proxy::kCombine, 1, at, kLen, true);
+                r->stream_piece_ready(1, 1, at, kLen, 0, 0x31);
+                CHILD_CHECK_OK(ex.barrier());  // the peer saw piece 0
+                for (uint32_t i = 1; i < 4; ++i) r->stream_piece_ready(1, 1, at, kLen, i, 0x31);
+                CHILD_CHECK_OK(ex.barrier());
+            } else {
+                CHILD_CHECK_MSG(wait_for([&] { return all_equal(r->inbox() + at, kPiece, 0x31); },
+                                         std::chrono::seconds(10)),
+                                "the first piece did not arrive while the others were not ready");
+                CHILD_CHECK_MSG(all_equal(r->inbox() + at + kPiece, kLen - kPiece, kPoison),
+                                "bytes of pieces not ready yet arrived");
+                CHILD_CHECK(r->counter(l.ctr_combine, 0) == 0);
+                CHILD_CHECK_OK(ex.barrier());
+                CHILD_CHECK_MSG(
+                    wait_for([&] { return r->counter(l.ctr_combine, 0) == kCombineBlocks; },
+                             std::chrono::seconds(10)),
+                    "combine counter at {}", r->counter(l.ctr_combine, 0));
+                CHILD_CHECK(all_equal(r->inbox() + at, kLen, 0x31));
+                CHILD_CHECK(r->inbox()[at + kLen] == kPoison);
+                CHILD_CHECK_OK(ex.barrier());
+            }
+            CHILD_CHECK_OK(r->proxy->error());
+            return "";
+        },
+        std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+}
+
+// A streamed put longer than the proxy's piece flags can describe, or to a proxy set up
+// without them, is a protocol error naming the put.
+TEST(DeviceProxySetup, AStreamedPutThatTheProxyCannotFollowIsRefused) {
+    for (uint64_t piece : {uint64_t{0}, uint64_t{100}}) {
+        auto results = ferry::testing::run_processes(
+            2,
+            [piece](Exchange& ex) -> std::string {
+                CHILD_ASSIGN_OK(
+                    auto r, make_rank(ex, ferry::testing::test_engine_config("tcp"), 0, 0, piece));
+                if (ex.rank() == 0) {
+                    // 65 pieces of 100 bytes: one more than the flags hold.
+                    r->publish_only(1, proxy::kCombine, 1, r->lay.combine, 6410, true);
+                    CHILD_CHECK(
+                        wait_for([&] { return !r->proxy->error().ok(); }, std::chrono::seconds(5)));
+                    Status st = r->proxy->error();
+                    CHILD_CHECK_MSG(st.code() == StatusCode::kProtocol &&
+                                        st.message().find("rank 0, combine put of call 1 to "
+                                                          "rank 1") != std::string::npos &&
+                                        st.message().find("streamed") != std::string::npos,
+                                    "{}", st.to_string());
+                    CHILD_CHECK(r->aborted());
+                }
+                CHILD_CHECK_OK(ex.barrier());
+                return "";
+            },
+            std::chrono::seconds(60));
+        EXPECT_EQ(ferry::testing::describe_failures(results), "") << "piece bytes " << piece;
+    }
 }
 
 }  // namespace

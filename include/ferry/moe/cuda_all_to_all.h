@@ -88,6 +88,12 @@ struct CudaAllToAllOptions {
     // run-to-run spread (layer p50 2641 against 2756 us, one H200, 2026-12-02). 0: one write
     // per put.
     uint64_t proxy_chunk_bytes = 256 * 1024;
+    // Per-hit combine with remote ranks: the combine send kernel writes each remote rank's
+    // rows in order and hands them to the proxy in pieces of whole rows (as many as fit in
+    // proxy_chunk_bytes), each as soon as it is in the outbox, so the fabric's copies run
+    // beside the kernel's writes to host memory instead of after them. Needs
+    // proxy_chunk_bytes of at least one row (hidden * 2 bytes); off: one put per call.
+    bool stream_combine = true;
     // Kernels stamp the GPU's global timer where each kernel starts and ends and where its
     // waits for peers end (first and last block each); last_trace() reads the last call's
     // stamps. A few atomics per block; for finding where a call spends its time.

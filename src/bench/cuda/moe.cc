@@ -74,6 +74,7 @@ Status run_cuda_rank(const MoeBenchConfig& bc, const AllToAllConfig& base, uint3
     opts.early_launch = bc.early_launch;
     opts.proxy_chunk_bytes = bc.proxy_chunk;
     opts.fuse_plan = !bc.separate_plan;
+    opts.stream_combine = !bc.whole_combine;
     if (bc.send_blocks) {
         opts.dispatch.send_blocks = bc.send_blocks;
         opts.combine.send_blocks = bc.send_blocks;

@@ -26,45 +26,129 @@ __device__ inline uint2 remote_combine_run(const KernelArgs& a, uint32_t peer, u
 
 // End of a combine send block: +1 on every same-node peer's combine counter (after the
 // barrier, signal_add's fence covers every warp's rows); the last block of the call hands each
-// remote rank's run (rows [base, base + rows) of the remote area) to the proxy.
+// remote rank's run (rows [base, base + rows) of the remote area) to the proxy, unless the
+// run was streamed (handed over piece by piece already).
 __device__ inline void finish_combine_send(const KernelArgs& a, uint32_t seq,
-                                           const uint32_t* s_base, const uint32_t* s_rows) {
+                                           const uint32_t* s_base, const uint32_t* s_rows,
+                                           bool streamed) {
     const uint32_t tid = threadIdx.x, w = a.world;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     __syncthreads();
     if (tid < w && !is_remote(a, tid))
         signal_add(counter_at(a.peers[tid], a.lay.ctr_combine, a.rank), 1);
-    if (a.remote_mask && last_block_of_call(a, kTicketCombine, seq) && tid < w && is_remote(a, tid))
+    if (a.remote_mask && !streamed && last_block_of_call(a, kTicketCombine, seq) && tid < w &&
+        is_remote(a, tid))
         publish_put(a, tid, proxy::kCombine, seq,
                     a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
                     uint64_t{s_rows[tid]} * row_bytes);
     trace_point(a, kTrCombineSendEnd);
 }
 
+// A streamed combine's remote rows (KernelArgs::piece_rows): item j of the remote runs (back
+// to back in rank order, s_rstart) is row combine_inv[j]; warp gw < rwarps writes items gw,
+// gw + rwarps, ... one after another, so the runs fill in order, a few pieces at a time, and
+// the warp that completes a piece hands it to the proxy. A row that fails its checks is still
+// counted (its error fails the call; the proxy must not wait for it).
+__device__ inline void send_streamed_rows(const KernelArgs& a, const uint16_t* expert_out,
+                                          uint32_t seq, uint32_t rows, bool slabs,
+                                          const uint32_t* s_base, const uint32_t* s_hits,
+                                          const uint32_t* s_rstart, uint32_t gw, uint32_t rwarps) {
+    const uint32_t lane = threadIdx.x & 31u, w = a.world;
+    const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
+    const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
+    for (uint32_t j = gw; j < s_rstart[w]; j += rwarps) {
+        uint32_t d = 0;
+        while (d + 1 < w && j >= s_rstart[d + 1]) ++d;
+        const uint32_t pos = j - s_rstart[d];
+        const uint32_t o = j < a.max_rows ? a.combine_inv[j] : ~0u;
+        const RowSource src = o < rows && o < a.max_rows ? a.row_src[o] : RowSource{};
+        const uint32_t at = o < rows && o < a.max_rows ? a.combine_pos[o] : ~0u;
+        if (src.rank != d || at != pos || src.token >= a.max_tokens || src.k >= a.topk) {
+            if (lane == 0)
+                record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, d, seq, pos, o);
+        } else {
+            const uint64_t in_row = slabs ? a.out_row[o] : o;
+            uint8_t* dst = a.peers[d] + a.lay.combine +
+                           (uint64_t{a.remote_combine} + s_base[d] + pos) * row_bytes;
+            warp_copy16(reinterpret_cast<int4*>(dst),
+                        reinterpret_cast<const int4*>(expert_out + in_row * a.hidden), n16, lane);
+        }
+        // Every lane's stores out to host memory before the row counts.
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0) {
+            const uint32_t piece = pos / a.piece_rows;
+            const uint32_t in_piece = min(a.piece_rows, s_hits[d] - piece * a.piece_rows);
+            const uint64_t at_piece = uint64_t{d} * a.max_pieces + piece;
+            if (atomicAdd(&a.piece_done[at_piece], 1u) + 1 == in_piece) {
+                a.piece_done[at_piece] = 0;  // the next call's rows count from zero
+                __threadfence_system();
+                *reinterpret_cast<volatile uint32_t*>(&a.stream_ready[at_piece]) = seq;
+            }
+        }
+    }
+}
+
 // One warp per expert output row, rows grid-stride. Remote ranks get their results as one
 // compact run each (see assign_remote_combine_rows), into their outbox; the others straight
-// into slot (token * top-k + k).
+// into slot (token * top-k + k). Streamed (KernelArgs::piece_rows): the remote runs are
+// announced to the proxy first, written in run order by the first warps (send_streamed_rows),
+// the other rows by the rest.
 __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     // Remote ranks' runs, in rows: where each wants ours, and how many.
     __shared__ uint32_t s_base[kMaxCudaWorld], s_hits[kMaxCudaWorld];
+    __shared__ uint32_t s_rstart[kMaxCudaWorld + 1];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t lane = tid & 31u, warps = blockDim.x / 32;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), rows = a.state->out_rows;
     const bool slabs = a.state->out_capacity != 0;
+    const bool streamed = a.remote_mask && a.piece_rows;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
     const uint32_t n16 = static_cast<uint32_t>(row_bytes / 16);
     trace_point(a, kTrCombineSendBegin);
     let_receiver_start(a);
     if (a.remote_mask) {
-        if (tid < w && is_remote(a, tid)) {
-            const uint2 run = remote_combine_run(a, tid, seq, CountsWords::kHits);
+        if (tid < w) {
+            const uint2 run = is_remote(a, tid)
+                                  ? remote_combine_run(a, tid, seq, CountsWords::kHits)
+                                  : make_uint2(0, 0);
             s_base[tid] = run.x;
             s_hits[tid] = run.y;
         }
         __syncthreads();
     }
-    for (uint32_t o = blockIdx.x * warps + tid / 32; o < rows && o < a.max_rows;
-         o += gridDim.x * warps) {
+    // Rows o of this warp: all of them, or (streamed) those the remote runs leave to it.
+    uint32_t first = blockIdx.x * warps + tid / 32, stride = gridDim.x * warps;
+    if (streamed) {
+        if (tid == 0) {
+            uint32_t r = 0;
+            for (uint32_t d = 0; d < w; ++d) {
+                s_rstart[d] = r;
+                r += s_hits[d];
+            }
+            s_rstart[w] = r;
+        }
+        __syncthreads();
+        if (blockIdx.x == 0 && tid < w && is_remote(a, tid))
+            publish_put(a, tid, proxy::kCombine, seq,
+                        a.lay.combine + (uint64_t{a.remote_combine} + s_base[tid]) * row_bytes,
+                        uint64_t{s_hits[tid]} * row_bytes, true);
+        // About eight rows per streaming warp: enough warps to keep the host link busy, few
+        // enough that the runs complete piece by piece rather than all at the end.
+        const uint32_t num_warps = gridDim.x * warps;
+        const uint32_t rwarps = max(1u, min(num_warps, (s_rstart[w] + 7) / 8));
+        const uint32_t gw = (tid / 32) * gridDim.x + blockIdx.x;  // SMs first
+        if (gw < rwarps)
+            send_streamed_rows(a, expert_out, seq, rows, slabs, s_base, s_hits, s_rstart, gw,
+                               rwarps);
+        if (rwarps < num_warps) {
+            first = gw < rwarps ? rows : gw - rwarps;
+            stride = num_warps - rwarps;
+        } else {
+            first = gw;
+        }
+    }
+    for (uint32_t o = first; o < rows && o < a.max_rows; o += stride) {
         const RowSource src = a.row_src[o];
         // Loaded beside the source rather than after the checks below, which wait for it: so
         // a row pays one load round trip, not two in a row.
@@ -78,6 +162,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         }
         uint64_t slot = uint64_t{src.token} * k + src.k;
         if (is_remote(a, src.rank)) {
+            if (streamed) continue;  // send_streamed_rows wrote it
             const uint32_t pos = a.combine_pos[o];
             if (pos >= s_hits[src.rank]) {
                 if (lane == 0)
@@ -91,7 +176,7 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
         warp_copy16(reinterpret_cast<int4*>(dst),
                     reinterpret_cast<const int4*>(expert_out + in_row * a.hidden), n16, lane);
     }
-    finish_combine_send(a, seq, s_base, s_hits);
+    finish_combine_send(a, seq, s_base, s_hits, streamed);
 }
 
 // CombineMode::kPerRank: a warp per (received row, piece of it) sums weight * output over the
@@ -198,7 +283,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         }
         __syncwarp();  // s_o and s_w are rewritten for the warp's next row
     }
-    finish_combine_send(a, seq, s_base, s_rows);
+    finish_combine_send(a, seq, s_base, s_rows, false);
 }
 
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since

@@ -169,6 +169,7 @@ struct CudaAllToAll::Impl {
     // Remote peers: kernels' records, outboxes and the inbox they read (all mapped pinned),
     // their registrations, and the proxy.
     void* publish = nullptr;
+    void* stream_ready = nullptr;  // the streamed combine's piece flags
     void* outbox = nullptr;
     void* inbox = nullptr;
     std::unique_ptr<MemoryRegion> outbox_mr, inbox_mr;
@@ -186,6 +187,7 @@ struct CudaAllToAll::Impl {
         if (local) cudaFree(local);
         if (err_host) cudaFreeHost(err_host);
         if (publish) cudaFreeHost(publish);
+        if (stream_ready) cudaFreeHost(stream_ready);
         if (outbox) cudaFreeHost(outbox);
         if (inbox) cudaFreeHost(inbox);
     }
@@ -400,6 +402,17 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_recv_w = take(per_rank ? sizeof(float) * recv_rows * k : 0);
     const uint64_t o_recv_token = take(per_rank ? sizeof(uint32_t) * recv_rows : 0);
     const uint64_t o_recv_start = take(per_rank ? sizeof(uint32_t) * (w + 1) : 0);
+    // Streamed combine (KernelArgs::piece_rows): pieces of whole rows within a proxy write.
+    const uint64_t combine_row = uint64_t{cfg.hidden} * sizeof(uint16_t);
+    const uint32_t piece_rows = has_remote && !per_rank && options.stream_combine &&
+                                        options.proxy_chunk_bytes >= combine_row
+                                    ? static_cast<uint32_t>(std::min<uint64_t>(
+                                          options.proxy_chunk_bytes / combine_row, uint64_t{t} * k))
+                                    : 0;
+    const uint32_t max_pieces = piece_rows ? (t * k + piece_rows - 1) / piece_rows : 0;
+    const uint64_t stream_words = uint64_t{w} * max_pieces;
+    const uint64_t o_piece_done = take(sizeof(uint32_t) * stream_words);
+    const uint64_t o_cinv = take(piece_rows ? sizeof(uint32_t) * max_rows : 0);
     const uint64_t o_trace =
         take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
 
@@ -424,6 +437,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     }
     const uint64_t slab = align4k(proxy_inbox_bytes(lay, w));
     proxy::Publish* publish_dev = nullptr;
+    uint32_t* stream_ready_dev = nullptr;
     uint8_t* outbox_dev = nullptr;
     uint8_t* inbox_dev = nullptr;
     std::vector<uint8_t> remote_blob;
@@ -434,6 +448,13 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         std::memset(impl->publish, 0, publish_bytes);
         FERRY_CUDA_TRY(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&publish_dev), impl->publish, 0));
+        if (stream_words) {
+            const size_t bytes = sizeof(uint32_t) * stream_words;
+            FERRY_CUDA_TRY(cudaHostAlloc(&impl->stream_ready, bytes, cudaHostAllocMapped));
+            std::memset(impl->stream_ready, 0, bytes);
+            FERRY_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&stream_ready_dev),
+                                                    impl->stream_ready, 0));
+        }
         const uint64_t outbox_bytes = slab * remotes.size();
         FERRY_CUDA_TRY(cudaHostAlloc(&impl->outbox, outbox_bytes, cudaHostAllocMapped));
         std::memset(impl->outbox, 0, outbox_bytes);
@@ -641,6 +662,11 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
     a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
     a.remote_combine = t * k;
+    a.piece_rows = piece_rows;
+    a.max_pieces = max_pieces;
+    a.piece_done = piece_rows ? reinterpret_cast<uint32_t*>(local + o_piece_done) : nullptr;
+    a.stream_ready = stream_ready_dev;
+    a.combine_inv = piece_rows ? reinterpret_cast<uint32_t*>(local + o_cinv) : nullptr;
     a.recv_o = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_o) : nullptr;
     a.recv_w = per_rank ? reinterpret_cast<float*>(local + o_recv_w) : nullptr;
     a.recv_token = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_token) : nullptr;
@@ -668,6 +694,9 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
         ps.remote.resize(w);
         for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
         ps.publish = static_cast<const proxy::Publish*>(impl->publish);
+        ps.stream_ready = static_cast<const uint32_t*>(impl->stream_ready);
+        ps.stream_piece_bytes = uint64_t{piece_rows} * combine_row;
+        ps.stream_max_pieces = max_pieces;
         ps.outbox = impl->outbox_mr.get();
         ps.inbox_data = static_cast<uint8_t*>(impl->inbox);
         impl->proxy = std::make_unique<DeviceProxy>(std::move(ps));

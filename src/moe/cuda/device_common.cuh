@@ -120,13 +120,14 @@ __device__ __forceinline__ uint8_t* from(const KernelArgs& a, uint32_t sender) {
 }
 
 // Hands a put to the host proxy once its bytes are in the peer's outbox (fenced by the
-// caller): offset and length first, the call number last, so a proxy that sees the call
-// sees the rest.
+// caller), or a streamed one before them (proxy::Publish::streamed): offset and length first,
+// the call number last, so a proxy that sees the call sees the rest.
 __device__ inline void publish_put(const KernelArgs& a, uint32_t peer, uint32_t part, uint32_t seq,
-                                   uint64_t offset, uint64_t len) {
+                                   uint64_t offset, uint64_t len, bool streamed = false) {
     volatile proxy::Publish* p = a.publish + uint64_t{peer} * proxy::kParts + part;
     p->offset = offset;
     p->len = len;
+    p->streamed = streamed ? 1u : 0u;
     if (a.trace) p->stamp_ns = global_ns();
     __threadfence_system();
     p->seq = seq;

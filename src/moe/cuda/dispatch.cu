@@ -536,6 +536,9 @@ __global__ void __launch_bounds__(kRecvThreads)
     uint32_t* s_start = s_off + nl + 1;     // [sender + 1] first row of each sender
     uint32_t* s_ovf = s_start + w + 1;      // [sender] where its overflow rows begin
     uint32_t* s_got = s_ovf + w;            // [sender] hits this block placed
+    // [sender + 1] where each remote sender's run starts in combine_inv (remote senders' hits
+    // back to back in rank order; combine_send derives the same from the same counts words)
+    uint32_t* s_rstart = s_got + w;
     trace_point(a, kTrRecvBegin);
     // The layout, from the counts messages, before waiting for the rows: they are all here
     // (this rank's dispatch_send waited for them), so this work overlaps the peers' sends.
@@ -555,15 +558,19 @@ __global__ void __launch_bounds__(kRecvThreads)
                 a.max_tokens);
     __syncthreads();
     if (tid == 0) {
-        uint32_t rows = 0, ob = w * p;
+        uint32_t rows = 0, ob = w * p, rrun = 0;
         for (uint32_t s = 0; s < w; ++s) {
             const uint32_t r = s_ovf[s];
             s_start[s] = rows;
             rows += r;
             s_ovf[s] = ob;
             ob += r > p ? r - p : 0;
+            s_rstart[s] = rrun;
+            if (a.combine_inv && is_remote(a, s))
+                rrun += ld_peer_u32(counts_word(from(a, s), a, s, CountsWords::kHits), true);
         }
         s_start[w] = rows;
+        s_rstart[w] = rrun;
     }
     uint32_t carry = 0;
     for (uint32_t base = 0; base < nl; base += blockDim.x) {
@@ -710,7 +717,13 @@ __global__ void __launch_bounds__(kRecvThreads)
             a.row_src[o] = meta;
             if (capacity) a.out_row[o] = po;
             if (out_sources) out_sources[o] = meta;
-            if (remote) a.combine_pos[o] = hit_base + __popc(hm & lanemask_lt(lane));
+            if (remote) {
+                const uint32_t pos = hit_base + __popc(hm & lanemask_lt(lane));
+                a.combine_pos[o] = pos;
+                // A position past the announced hits is caught by combine_send's checks.
+                const uint64_t at = uint64_t{s_rstart[s]} + pos;
+                if (a.combine_inv && at < s_rstart[s + 1] && at < a.max_rows) a.combine_inv[at] = o;
+            }
         }
         // The payload read once, written to every place, eight vectors per lane at a time.
         // Loop bounds are the same in every lane: the shuffles need the whole warp.
@@ -766,7 +779,7 @@ uint32_t dispatch_plan_smem(uint32_t num_experts, uint32_t world, uint32_t topk)
 
 uint32_t dispatch_recv_smem(uint32_t num_experts, uint32_t world) {
     const uint32_t nl = num_experts / world;
-    return sizeof(uint32_t) * (num_experts + nl + nl + 1 + 3 * world + 1);
+    return sizeof(uint32_t) * (num_experts + nl + nl + 1 + 4 * world + 2);
 }
 
 cudaError_t set_dispatch_smem(uint32_t plan_bytes, uint32_t recv_bytes) {

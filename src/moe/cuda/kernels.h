@@ -115,6 +115,15 @@ struct KernelArgs {
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
     uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
+    // Streamed combine (piece_rows != 0: per-hit combine with remote ranks and proxy pieces):
+    // a few warps write the remote runs in run order, and each piece of piece_rows rows goes
+    // to the proxy as soon as its rows are in the outbox (proxy::Publish::streamed), so the
+    // proxy's writes run beside the kernel's instead of after it.
+    uint32_t piece_rows, max_pieces;
+    uint32_t* piece_done;    // [world * max_pieces] rows of each piece written (reset when full)
+    uint32_t* stream_ready;  // [world * max_pieces] device view of the proxy's piece flags
+    uint32_t* combine_inv;   // [max_rows] received row at each remote run position (runs of
+                             // the remote senders back to back in rank order)
     // CombineMode::kPerRank only (null otherwise): what dispatch_recv leaves combine_send
     // about every received row g (senders in rank order, a sender's rows in its order).
     uint32_t* recv_o;      // [world * max_tokens * top-k] batch row of each choice, ~0u: none
