@@ -9,14 +9,14 @@
 namespace ferry::moe::cuda {
 namespace {
 
-// Remote rank `peer`'s run of our combine rows, from its counts message of this call (in the
-// inbox: it is remote): x = the first row it wants them at, y = how many (the count at counts
-// word `count_word`). 0/0, with an error recorded once, when that would leave the area.
+// Remote rank `peer`'s run of our combine rows, from its counts message of this call (as
+// dispatch_recv left it in remote_runs): x = the first row it wants them at, y = how many
+// (its hits here, or with `rows_sent` the rows it sent here). 0/0, with an error recorded
+// once, when that would leave the area.
 __device__ inline uint2 remote_combine_run(const KernelArgs& a, uint32_t peer, uint32_t seq,
-                                           uint32_t count_word) {
-    const uint32_t base =
-        ld_peer_u32(counts_word(a.inbox, a, peer, CountsWords::kCombineBase), true);
-    const uint32_t rows = ld_peer_u32(counts_word(a.inbox, a, peer, count_word), true);
+                                           bool rows_sent) {
+    const uint32_t base = __ldcg(&a.remote_runs[3 * peer]);
+    const uint32_t rows = __ldcg(&a.remote_runs[3 * peer + (rows_sent ? 2 : 1)]);
     if (uint64_t{base} + rows <= a.remote_combine) return make_uint2(base, rows);
     if (blockIdx.x == 0)
         record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, peer, seq,
@@ -109,9 +109,8 @@ __global__ void combine_send_kernel(KernelArgs a, const uint16_t* expert_out) {
     let_receiver_start(a);
     if (a.remote_mask) {
         if (tid < w) {
-            const uint2 run = is_remote(a, tid)
-                                  ? remote_combine_run(a, tid, seq, CountsWords::kHits)
-                                  : make_uint2(0, 0);
+            const uint2 run =
+                is_remote(a, tid) ? remote_combine_run(a, tid, seq, false) : make_uint2(0, 0);
             s_base[tid] = run.x;
             s_hits[tid] = run.y;
         }
@@ -203,9 +202,8 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (tid <= w) s_start[tid] = min(a.recv_start[tid], w * a.max_tokens);
     if (tid < w) {
         // A partial per row rank tid sent us.
-        const uint2 run = is_remote(a, tid)
-                              ? remote_combine_run(a, tid, seq, CountsWords::kRowsTo + a.rank)
-                              : make_uint2(0, 0);
+        const uint2 run =
+            is_remote(a, tid) ? remote_combine_run(a, tid, seq, true) : make_uint2(0, 0);
         s_base[tid] = run.x;
         s_rows[tid] = run.y;
     }

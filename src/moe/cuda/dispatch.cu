@@ -614,6 +614,14 @@ __global__ void __launch_bounds__(kRecvThreads)
         a.state->out_capacity = capacity;
     }
     if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
+    if (blockIdx.x == 0 && tid < w && is_remote(a, tid)) {
+        uint8_t* c = a.inbox;
+        a.remote_runs[3 * tid] =
+            ld_peer_u32(counts_word(c, a, tid, CountsWords::kCombineBase), true);
+        a.remote_runs[3 * tid + 1] = ld_peer_u32(counts_word(c, a, tid, CountsWords::kHits), true);
+        a.remote_runs[3 * tid + 2] =
+            ld_peer_u32(counts_word(c, a, tid, CountsWords::kRowsTo + a.rank), true);
+    }
 
     if (tid == 0) s_ok = 1;
     if (tid < w) s_got[tid] = 0;

@@ -115,6 +115,12 @@ struct KernelArgs {
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
     uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
+    // [world * 3] from each remote rank's counts message of this call: the combine base it
+    // announced, its hits here, the rows it sent here. dispatch_recv copies them into device
+    // memory so that combine_send reads no host memory: a read of host memory waits behind
+    // the GPU's earlier writes to it, and combine_send writes megabytes there (90 us late to
+    // publish at EP2, 2026-12-03).
+    uint32_t* remote_runs;
     // Streamed combine (piece_rows != 0: per-hit combine with remote ranks and proxy pieces):
     // a few warps write the remote runs in run order, and each piece of piece_rows rows goes
     // to the proxy as soon as its rows are in the outbox (proxy::Publish::streamed), so the
