@@ -125,6 +125,16 @@ def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
     return _int(name, value, 0, limit)
 
 
+def _bool(name: str, value: Any) -> bool:
+    """True or False (numpy's bool_ and the ints 0 and 1 too): a string such as "false" is
+    truthy, so bool(value) would take it for True."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise InvalidArgument(f"{name} must be True or False, got {value!r}"[:200])
+
+
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise InvalidArgument(f"{name} must be a string, got {type(value).__name__}")
@@ -183,6 +193,20 @@ def _is_tensor(obj: Any) -> bool:
     # Duck-typed so that no torch import (or link) is needed: torch 1.13 and 2.x alike.
     return all(hasattr(obj, a) for a in ("data_ptr", "is_contiguous", "element_size", "numel",
                                          "device"))
+
+
+def _tensor_data_ptr(name: str, t: Any) -> int:
+    """t.data_ptr(), or InvalidArgument naming `name` for a tensor without one dense range of
+    memory (sparse, quantized, ...: torch raises its own RuntimeError)."""
+    layout = str(getattr(t, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        raise InvalidArgument(f"{name}: a tensor of layout {layout} has no dense memory to "
+                              "register; pass t.to_dense()")
+    try:
+        return int(t.data_ptr())
+    except RuntimeError as e:
+        raise InvalidArgument(f"{name}: cannot take the data pointer of this tensor: {e}") \
+            from None
 
 
 def _device_index(device: Any) -> int:
@@ -312,11 +336,11 @@ class TransferEngine:
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
         self._engine = _ferry.Engine(
-            _str("provider", provider), bool(same_host), _str("node", node),
+            _str("provider", provider), _bool("same_host", same_host), _str("node", node),
             _int("rails", rails, 1, _I32_MAX), _seconds("op_timeout", op_timeout),
-            bool(busy_poll), _uint("stripe_threshold", stripe_threshold),
+            _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
-            bool(fabric_gpu_memory), bool(gpu_ipc),
+            _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
             _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us))
 
     # Identity -----------------------------------------------------------------------------
@@ -362,17 +386,20 @@ class TransferEngine:
                                       f"{len(obj)} items")
             ptr, nbytes, device = obj
             return self._engine.register_ptr(_uint("ptr", ptr), _uint("nbytes", nbytes),
-                                             _device_index(device), None, bool(read_only))
+                                             _device_index(device), None,
+                                             _bool("read_only", read_only))
         if _is_tensor(obj) and not isinstance(obj, np.ndarray):
+            ptr = _tensor_data_ptr("obj", obj)
             if not obj.is_contiguous():
                 raise InvalidArgument(
                     f"cannot register a non-contiguous tensor (shape {tuple(obj.shape)}, "
                     f"stride {tuple(obj.stride())}): ferry moves contiguous bytes; pass "
                     "t.contiguous()")
             nbytes = int(obj.element_size()) * int(obj.numel())
-            return self._engine.register_ptr(int(obj.data_ptr()), nbytes,
-                                             _device_index(obj.device), obj, bool(read_only))
-        return self._engine.register_buffer(obj, bool(read_only))
+            return self._engine.register_ptr(ptr, nbytes,
+                                             _device_index(obj.device), obj,
+                                             _bool("read_only", read_only))
+        return self._engine.register_buffer(obj, _bool("read_only", read_only))
 
     # Operations ---------------------------------------------------------------------------
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,

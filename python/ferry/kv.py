@@ -33,6 +33,7 @@ from . import (
     _is_tensor,
     _seconds,
     _str,
+    _tensor_data_ptr,
     _uint,
 )
 from ._ferry import HandshakeInfo, KvEvent, KvLayout
@@ -64,16 +65,19 @@ def _describe(obj: Any) -> str:
 def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
     """(ptr, nbytes, device) of one pool tensor or array, checked against the layout."""
     if _is_tensor(obj) and not hasattr(obj, "__array_interface__"):
+        ptr, device = _tensor_data_ptr(name, obj), _device_index(obj.device)
         contiguous = bool(obj.is_contiguous())
         elem = int(obj.element_size())
         nbytes = elem * int(obj.numel())
-        ptr, device = int(obj.data_ptr()), _device_index(obj.device)
         how = "t.contiguous()"
     elif hasattr(obj, "__array_interface__") and hasattr(obj, "ctypes"):
         contiguous = bool(obj.flags.c_contiguous)
         if not obj.flags.writeable:
             raise InvalidArgument(f"{name}: a read-only {_describe(obj)}: peers write into a KV "
                                   "pool; pass a writable array")
+        if obj.dtype.hasobject:
+            raise InvalidArgument(f"{name}: an array of Python objects (dtype {obj.dtype}): its "
+                                  "bytes are object pointers; a KV pool holds numbers")
         elem, nbytes = int(obj.itemsize), int(obj.nbytes)
         ptr, device = int(obj.ctypes.data), -1
         how = "numpy.ascontiguousarray(a)"
@@ -92,6 +96,20 @@ def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
             f"of the layout ({layout.regions}, {layout.num_layers} layers x {layout.num_blocks} "
             f"blocks of {layout.block_size} tokens) needs {layout.region_bytes}")
     return ptr, nbytes, device
+
+
+def _refuse_overlaps(regions: List[Tuple[int, int, int]], layout: KvLayout) -> None:
+    """Two pool tensors over the same bytes (``[torch.zeros(...)] * num_layers`` repeats one
+    tensor) would make layers overwrite each other's KV, silently: refused, naming both."""
+    spans = sorted((device, ptr, i) for i, (ptr, _, device) in enumerate(regions))
+    for (d0, p0, i), (d1, p1, j) in zip(spans, spans[1:]):
+        if d0 == d1 and p1 < p0 + layout.region_bytes:
+            first, second = min(i, j), max(i, j)
+            same = "is the same memory as" if p0 == p1 else "overlaps"
+            raise InvalidArgument(
+                f"pool[{second}] {same} pool[{first}]: each region of the pool needs bytes of "
+                f"its own ({layout.region_bytes} per region), or layers overwrite each other's "
+                "KV; a list built as [t] * n repeats one tensor n times")
 
 
 def _pool_items(pool: Any, layout: KvLayout) -> Tuple[str, List[Any]]:
@@ -174,6 +192,7 @@ class KvConnector(_Closing):
                 f"pool is split {split!r} ({len(items)} tensors) but the layout says regions="
                 f"{layout.regions!r}: build KvLayout(..., regions={split!r}) for this pool")
         regions = [_region_of(f"pool[{i}]", t, layout) for i, t in enumerate(items)]
+        _refuse_overlaps(regions, layout)
         args = (_uint("tp_rank", config.tp_rank, _U32_MAX),
                 _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
                 _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
