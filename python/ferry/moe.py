@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _ferry, _seconds
-from ._ferry import InvalidArgument
+from ._ferry import Cancelled, InvalidArgument
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
 
@@ -204,6 +204,7 @@ class _Engine:
         self.device = device
         self.cuda = device.type == "cuda"
         self.allgather = allgather
+        self.closed = True  # until the C++ all-to-all runs
         needs_engine = not self.cuda or ranks_per_node < world
         if engine is None and needs_engine:
             import ferry
@@ -218,6 +219,7 @@ class _Engine:
             alignment=int(alignment), cuda=self.cuda,
             device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
             timeout=float(timeout))
+        self.closed = False
         self.local_experts = self.a2a.num_local_experts
         rows = self.a2a.max_expert_rows
         spt = hidden // SCALE_BLOCK if kind == "fp8" else 0
@@ -296,12 +298,23 @@ class _Engine:
         self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16,
                               _ptr(weights), _stream(self.device))
 
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise Cancelled(f"{what} is closed (close() was called)")
+
     def close(self) -> None:
-        # Collective: no peer may still write into our buffers when they go.
-        if self.cuda:
-            self.a2a.synchronize(_stream(self.device))
-        self.allgather(b"")
-        self.a2a.close()
+        # Collective, once: a second close() would wait in the all-gather for peers that
+        # made theirs already (a hang under torch.distributed).
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            # No peer may still write into our buffers when they go.
+            if self.cuda:
+                self.a2a.synchronize(_stream(self.device))
+            self.allgather(b"")
+        finally:
+            self.a2a.close()
 
 
 class AllToAll:
@@ -416,6 +429,7 @@ class AllToAll:
         they were. ``bound_m``: a one-element tensor on the device holding the token count
         (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
         e, dev = self._e, self._device
+        e.check_open("ferry.moe.AllToAll")
         h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
         # Every argument of both halves is checked before anything is sent, so a mistake
         # leaves no call half done.
@@ -450,6 +464,7 @@ class AllToAll:
         ``indices`` is checked for shape only; ``bound_m`` as in dispatch (the count given there
         is used)."""
         e, dev = self._e, self._device
+        e.check_open("ferry.moe.AllToAll")
         if do_send:
             _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
@@ -482,13 +497,21 @@ class AllToAll:
     def synchronize(self) -> None:
         """CUDA: waits for the current stream and raises a device-side error (a peer that
         timed out, a bad routing entry) as ferry.Error. CPU: nothing to wait for."""
+        self._e.check_open("ferry.moe.AllToAll")
         self._e.a2a.synchronize(_stream(self._device))
 
     def close(self) -> None:
-        """Collective: every rank calls it after its last combine."""
+        """Collective: every rank calls it after its last combine. Later calls raise
+        ferry.Cancelled; a second close() does nothing."""
         self._e.close()
 
     def destroy(self) -> None:  # pplx-garden's name
+        self.close()
+
+    def __enter__(self) -> "AllToAll":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
@@ -564,6 +587,7 @@ class Buffer:
         self._device = None if device is None else _device(device)
         self._private = private_slots
         self._a2a: dict = {}
+        self._closed = False
 
     def _get(self, x: "torch.Tensor", k: int, max_tokens: int, num_experts: int,
              fp8: bool) -> Tuple[_Engine, Tuple[Any, ...]]:
@@ -603,6 +627,7 @@ class Buffer:
         (bf16 ``[E_local, max*R, H]`` without), ``recv_count`` int32 ``[E_local]``. Rows of
         expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
         and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
+        self._check_open()
         _refuse_others("low_latency_dispatch", unsupported)
         _refuse("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None,
                 "no per-expert statistics are kept")
@@ -664,6 +689,7 @@ class Buffer:
         """Returns ``(combined_x, event, hook)``: ``combined_x[t] = sum_k topk_weights[t, k] *
         x(t, k)``, bf16 ``[T, H]`` (into ``out`` if given), summed in fp32 in top-k order.
         ``x`` is bf16 ``[E_local, max*R, H]`` laid out like the dispatch's ``recv_x``."""
+        self._check_open()
         _refuse_others("low_latency_combine", unsupported)
         _refuse("use_logfmt", use_logfmt, False, "combine carries bf16 rows")
         _refuse("zero_copy", zero_copy, False, "there is no exposed send buffer to write into")
@@ -674,6 +700,7 @@ class Buffer:
             raise InvalidArgument("handle must be the one low_latency_dispatch returned, got "
                                   f"{type(handle).__name__}")
         e, t = handle.engine, handle.num_tokens
+        e.check_open("the all-to-all of this handle")
         dev = e.device
         cap = int(handle.key[0]) * self.group_size
         _check("x", x, (torch.bfloat16,), (e.local_experts, cap, e.hidden), dev)
@@ -698,13 +725,25 @@ class Buffer:
                                  num_experts: int) -> None:
         """Nothing to clean: ferry's buffers carry call numbers instead of being zeroed."""
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Cancelled("ferry.moe.Buffer is closed (destroy() was called)")
+
     def destroy(self) -> None:
-        """Collective: closes every all-to-all this buffer built (all ranks call it)."""
+        """Collective: closes every all-to-all this buffer built (all ranks call it). Later
+        calls raise ferry.Cancelled; a second destroy() does nothing."""
+        self._closed = True
         for a in self._a2a.values():
             a.close()
         self._a2a.clear()
 
     close = destroy
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
 
 
 def _quantize(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor") -> None:

@@ -71,9 +71,12 @@ class AllToAll:
         """CUDA: waits for the stream, raises a device-side error. CPU: returns."""
 
     def close(self) -> None:
-        """Collective: after every rank's last combine."""
+        """Collective: after every rank's last combine. Later calls raise Cancelled; a second
+        close() does nothing."""
 
     def destroy(self) -> None: ...
+    def __enter__(self) -> "AllToAll": ...
+    def __exit__(self, *exc: Any) -> None: ...
 
 class EventOverlap:
     """DeepEP's event type; nothing to wait for (work is on the current stream, or done)."""
@@ -129,5 +132,8 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None: ...
     def destroy(self) -> None:
-        """Collective: closes every all-to-all this Buffer built."""
+        """Collective: closes every all-to-all this Buffer built. Later calls raise Cancelled;
+        a second destroy() does nothing."""
     def close(self) -> None: ...
+    def __enter__(self) -> "Buffer": ...
+    def __exit__(self, *exc: Any) -> None: ...
