@@ -13,6 +13,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import sys
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -478,3 +479,9 @@ class TransferEngine:
             return f"ferry.TransferEngine(provider={self.provider!r}, id={self.engine_id:#x})"
         except Error:
             return "ferry.TransferEngine(closed)"
+
+
+from . import _docs  # noqa: E402
+
+_docs.attach(_ferry, "_ferry.pyi")
+_docs.attach(sys.modules[__name__], "__init__.pyi")

@@ -79,12 +79,14 @@ class TransferEngine:
     def address(self) -> bytes:
         """This engine's address: give it to peers, who pass it to connect()."""
     @property
-    def engine_id(self) -> int: ...
+    def engine_id(self) -> int:
+        """Random 64-bit id of this engine (its regions' descriptors carry it)."""
     @property
     def provider(self) -> str:
         """The libfabric provider in use, e.g. "tcp;ofi_rxm"."""
     @property
-    def num_rails(self) -> int: ...
+    def num_rails(self) -> int:
+        """NICs (libfabric domains) the engine opened."""
     @property
     def supports_gpu_memory(self) -> bool:
         """True when the provider registers CUDA memory (FI_HMEM), so GPU regions reach peers

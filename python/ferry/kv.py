@@ -19,10 +19,11 @@ that ``poll()`` drains. See docs/PYTHON.md.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from . import _ferry
+from . import _docs, _ferry
 from . import (
     _U32_MAX,
     AlreadyExists,
@@ -332,3 +333,6 @@ def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
     return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
                                   layout.compatibility_hash, _secret(secret),
                                   _seconds("timeout", timeout))
+
+
+_docs.attach(sys.modules[__name__], "kv.pyi")

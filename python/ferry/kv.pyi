@@ -54,7 +54,8 @@ class KvConnector:
     def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Pool,
                  config: Optional[KvConfig] = None) -> None: ...
     @property
-    def layout(self) -> KvLayout: ...
+    def layout(self) -> KvLayout:
+        """The layout the connector was built with."""
 
     # Push, decode side
     def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
@@ -119,9 +120,13 @@ class HandshakeServer:
     port: int
     """The port listened on (a free one when 0 was asked)."""
     epoch: int
+    """Random per server start: peers see a new value after a restart."""
     requests_served: int
+    """Answers sent to peers that proved the secret."""
     auth_failures: int
-    def close(self) -> None: ...
+    """Connections refused: a peer without the secret (or garbage)."""
+    def close(self) -> None:
+        """Stops serving and joins the server's thread; a second close() does nothing."""
     def __enter__(self) -> HandshakeServer: ...
     def __exit__(self, *exc: Any) -> None: ...
 

@@ -20,11 +20,12 @@ views holding the e4m3 bytes.
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _ferry, _seconds
+from . import _docs, _ferry, _seconds
 from ._ferry import Cancelled, InvalidArgument
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
@@ -789,3 +790,6 @@ def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     vals = bytes_.view(_FP8).to(torch.float32)  # torch 2.x on a GPU machine
     s = scales.to(torch.float32).repeat_interleave(SCALE_BLOCK, dim=-1)
     return (vals * s).to(torch.bfloat16)
+
+
+_docs.attach(sys.modules[__name__], "moe.pyi")

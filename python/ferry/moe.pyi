@@ -44,8 +44,11 @@ class AllToAll:
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., timeout: float = ...) -> None: ...
     rank: int
+    """This rank's index in the group."""
     world_size: int
+    """Ranks in the group."""
     num_local_experts: int
+    """Experts this rank holds (num_experts / world_size)."""
     max_recv_tokens: int
     """Rows per local expert that out_expert_x / expert_y must hold at least."""
 
@@ -74,14 +77,16 @@ class AllToAll:
         """Collective: after every rank's last combine. Later calls raise Cancelled; a second
         close() does nothing."""
 
-    def destroy(self) -> None: ...
+    def destroy(self) -> None:
+        """pplx-garden's name for close()."""
     def __enter__(self) -> "AllToAll": ...
     def __exit__(self, *exc: Any) -> None: ...
 
 class EventOverlap:
     """DeepEP's event type; nothing to wait for (work is on the current stream, or done)."""
     event: Any
-    def current_stream_wait(self) -> None: ...
+    def current_stream_wait(self) -> None:
+        """Returns: nothing to wait for."""
     def __enter__(self) -> "EventOverlap": ...
     def __exit__(self, *exc: Any) -> None: ...
 

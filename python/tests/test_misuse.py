@@ -6,11 +6,14 @@ return as if nothing happened, hang, crash, or leave a registration or a thread 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -264,3 +267,45 @@ def test_engine_sizes_of_zero_refused(kw, words):
     failed every operation before it was posted."""
     with pytest.raises(ferry.InvalidArgument, match=words):
         ferry.TransferEngine("tcp", **kw)
+
+
+# --- help() --------------------------------------------------------------------------------
+
+_PYBIND_SIGNATURE = re.compile(r"^\w+\(self: ferry\._ferry\.")
+
+
+def _undocumented(module_name):
+    """Public names of the module (its __all__), and their public methods and properties,
+    whose help() text says nothing beyond a signature."""
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    missing = []
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        if not callable(obj) or isinstance(obj, type) and issubclass(obj, BaseException):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        if not doc or _PYBIND_SIGNATURE.match(doc):
+            missing.append(name)
+        if not isinstance(obj, type):
+            continue
+        for attr, value in vars(obj).items():
+            if attr.startswith("_") and attr != "__init__":
+                continue
+            if attr == "__init__" and not isinstance(value, types.FunctionType):
+                continue  # pybind11 classes made by calls: __init__ says where they come from
+            text = inspect.getdoc(value) or ""
+            listed = f"\n{attr}(" in "\n" + doc  # a pybind11 method, listed in the class's doc
+            if (not text or _PYBIND_SIGNATURE.match(text)) and not listed:
+                missing.append(f"{name}.{attr}")
+    return missing
+
+
+@pytest.mark.parametrize("module_name", ["ferry", "ferry.kv", "ferry.moe"])
+def test_help_documents_every_public_call(module_name):
+    """help(ferry.TransferEngine.write) printed the comment line above the method, help(ferry.Op)
+    bare pybind11 signatures: the docstrings were in the .pyi stubs only."""
+    if module_name == "ferry.moe":
+        torch_or_skip()
+    assert _undocumented(module_name) == []
