@@ -250,10 +250,10 @@ class KvConnector(_Closing):
                                 _uint("num_tokens", num_tokens, _U32_MAX))
 
     def prefill_failed(self, transfer_id: int, reason: str) -> None:
-        self._conn.prefill_failed(_uint("transfer_id", transfer_id), str(reason))
+        self._conn.prefill_failed(_uint("transfer_id", transfer_id), _str("reason", reason))
 
     def abort_send(self, transfer_id: int, reason: str) -> None:
-        self._conn.abort_send(_uint("transfer_id", transfer_id), str(reason))
+        self._conn.abort_send(_uint("transfer_id", transfer_id), _str("reason", reason))
 
     # Pull ---------------------------------------------------------------------------------
     def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:

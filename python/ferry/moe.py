@@ -25,14 +25,15 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _docs, _ferry, _seconds
-from ._ferry import Cancelled, InvalidArgument
+from . import _bool, _docs, _ferry, _seconds
+from ._ferry import Cancelled, InvalidArgument, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
 
 __all__ = ["AllToAll", "Buffer", "EventOverlap", "fp8_dtype", "quantize_fp8", "dequantize_fp8"]
 
 SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
+_CPU = torch.device("cpu")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -162,11 +163,18 @@ def _integers(optional: bool = False, **values: Any) -> None:
 
 
 def _device(device: Any) -> "torch.device":
-    d = torch.device("cpu" if device is None else device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
+    try:
+        d = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:  # torch's own words for "gpu", None-like objects
+        raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}: "
+                              f"{e}") from None
     if d.type not in ("cpu", "cuda"):
         raise InvalidArgument(f"device must be cpu or cuda, got {d}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise Unavailable(f"device {d}: this torch sees no CUDA device "
+                          "(torch.cuda.is_available() is False)")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
     return d
 
 
@@ -431,6 +439,7 @@ class AllToAll:
         (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
         e, dev = self._e, self._device
         e.check_open("ferry.moe.AllToAll")
+        do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
         # Every argument of both halves is checked before anything is sent, so a mistake
         # leaves no call half done.
@@ -466,6 +475,7 @@ class AllToAll:
         is used)."""
         e, dev = self._e, self._device
         e.check_open("ferry.moe.AllToAll")
+        do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         if do_send:
             _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
@@ -758,7 +768,7 @@ def _quantize(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor") -> N
 def quantize_fp8(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:
     """bf16 ``[T, H]`` -> (e4m3 ``[T, H]`` (see :func:`fp8_dtype`), fp32 scales ``[T, H/128]``),
     scale = amax / 448 per 128 channels: ferry's fp8 format, bit-identical on CPU and GPU."""
-    _check("x", x, (torch.bfloat16,), (None, None), x.device)
+    _check("x", x, (torch.bfloat16,), (None, None), getattr(x, "device", _CPU))
     t, h = int(x.shape[0]), int(x.shape[1])
     if h % SCALE_BLOCK != 0:
         raise InvalidArgument(f"x must have a multiple of {SCALE_BLOCK} channels, got {h}")
@@ -773,7 +783,13 @@ def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     if not isinstance(q, torch.Tensor) or not _is_fp8(q.dtype):
         raise InvalidArgument(f"q must be an fp8 tensor ({fp8_dtype()}), got "
                               f"{getattr(q, 'dtype', type(q).__name__)}")
+    if not isinstance(scales, torch.Tensor) or not scales.dtype.is_floating_point:
+        raise InvalidArgument(f"scales must be a floating-point torch.Tensor, got "
+                              f"{getattr(scales, 'dtype', type(scales).__name__)}")
     shape = tuple(q.shape)
+    if not shape:
+        raise InvalidArgument("q must have at least one dimension (its last one the channels), "
+                              "got a 0-dimensional tensor")
     if shape[-1] % SCALE_BLOCK != 0 or tuple(scales.shape) != shape[:-1] + (
             shape[-1] // SCALE_BLOCK,):
         raise InvalidArgument(f"scales must have shape {shape[:-1] + (shape[-1] // SCALE_BLOCK,)}"

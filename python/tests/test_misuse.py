@@ -309,3 +309,57 @@ def test_help_documents_every_public_call(module_name):
     if module_name == "ferry.moe":
         torch_or_skip()
     assert _undocumented(module_name) == []
+
+
+def test_kv_layout_whose_size_wraps_around_refused():
+    """Sizes of 2**31 wrapped the 128-bit overflow check to 0: a pool of 0 bytes passed, and
+    any tensor was large enough for it."""
+    with pytest.raises(ferry.InvalidArgument, match="KV layout pool size overflows"):
+        fkv.KvLayout(2**31, 2**31, 2**31, 2, 2**31, 2**31)
+    for big in ("num_layers", "num_blocks", "num_kv_heads"):
+        with pytest.raises(ferry.InvalidArgument, match="KV layout pool size overflows"):
+            _layout(**{big: 2**32 - 1, "head_dim": 2**28})
+
+
+def test_kv_reasons_must_be_strings():
+    layout = _layout()
+    with ferry.TransferEngine("tcp") as engine:
+        with fkv.KvConnector(engine, layout,
+                             np.zeros(layout.region_bytes // 2, dtype=np.int16)) as conn:
+            for call in (conn.prefill_failed, conn.abort_send):
+                with pytest.raises(ferry.InvalidArgument, match="reason must be a string, got "
+                                                                "NoneType"):
+                    call(1, None)
+            assert conn.poll() == []  # nothing reported for the refused calls
+
+
+def test_moe_helpers_and_devices_refuse_non_tensors():
+    """quantize_fp8 / dequantize_fp8 raised AttributeError for a numpy array or None, and
+    IndexError for a 0-d tensor; device="gpu" leaked torch's RuntimeError, "cuda" on a torch
+    without CUDA an AssertionError; do_send="no" was taken for True."""
+    torch = torch_or_skip()
+    import ferry.moe
+
+    for bad in (np.zeros((2, 128)), None):
+        with pytest.raises(ferry.InvalidArgument, match="x must be a torch.Tensor, got"):
+            ferry.moe.quantize_fp8(bad)
+    q, s = ferry.moe.quantize_fp8(torch.ones(2, 128, dtype=torch.bfloat16))
+    for bad in (None, np.zeros((2, 1))):
+        with pytest.raises(ferry.InvalidArgument, match="scales must be a floating-point"):
+            ferry.moe.dequantize_fp8(q, bad)
+    with pytest.raises(ferry.InvalidArgument, match="q must have at least one dimension"):
+        ferry.moe.dequantize_fp8(q[0, 0], s[0, 0])
+    kw = dict(in_dtype=torch.bfloat16, num_experts_per_token=2, rank=0, world_size=1,
+              allgather=lambda b: [b], provider="tcp")
+    with pytest.raises(ferry.InvalidArgument, match="device must be 'cpu', 'cuda' or 'cuda:N', "
+                                                    "got 'gpu'"):
+        ferry.moe.AllToAll(8, 4, 1, 256, device="gpu", **kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(ferry.Unavailable, match="this torch sees no CUDA device"):
+            ferry.moe.AllToAll(8, 4, 1, 256, device="cuda", **kw)
+    with ferry.moe.AllToAll(8, 4, 1, 256, **kw) as a:
+        ox = torch.zeros(4, a.max_recv_tokens, 256, dtype=torch.bfloat16)
+        with pytest.raises(ferry.InvalidArgument, match="do_send must be True or False, got 'no'"):
+            a.dispatch(torch.zeros(4, dtype=torch.int32), ox, None,
+                       torch.ones(1, 256, dtype=torch.bfloat16), None,
+                       torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2), do_send="no")
