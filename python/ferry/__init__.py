@@ -60,6 +60,7 @@ from ._ferry import (
     ImmExpectation,
     InternalError,
     InvalidArgument,
+    InvalidType,
     NotFound,
     Op,
     OutOfRange,
@@ -77,7 +78,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TransferEngine", "Peer", "Region", "RemoteRegion", "Op", "ImmExpectation",
-    "Error", "InvalidArgument", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
+    "Error", "InvalidArgument", "InvalidType", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
     "Cancelled", "ResourceExhausted", "ProtocolError", "ProviderError", "InternalError",
     "PermissionDenied", "AlreadyExists",
     "gpu_device_count", "__version__",
@@ -112,11 +113,11 @@ def gpu_device_count() -> int:
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
     """An int in [lo, hi] (numpy integers too; bool and float refused), or InvalidArgument."""
     if isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be an integer, got bool")
+        raise InvalidType(f"{name} must be an integer, got bool")
     try:
         v = operator.index(value)
     except TypeError:
-        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}") from None
+        raise InvalidType(f"{name} must be an integer, got {type(value).__name__}") from None
     if v < lo or v > hi:
         raise InvalidArgument(f"{name} must be in [{lo}, {hi}], got {v}")
     return v
@@ -133,12 +134,12 @@ def _bool(name: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
-    raise InvalidArgument(f"{name} must be True or False, got {value!r}"[:200])
+    raise InvalidType(f"{name} must be True or False, got {value!r}"[:200])
 
 
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise InvalidArgument(f"{name} must be a string, got {type(value).__name__}")
+        raise InvalidType(f"{name} must be a string, got {type(value).__name__}")
     return value
 
 
@@ -146,7 +147,7 @@ def _number(name: str, value: Any, unit: str) -> float:
     """A real number as a float, or InvalidArgument naming the argument (the extension checks
     the range: finite, >= 0, not absurdly large)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be a number of {unit}, got {type(value).__name__}")
+        raise InvalidType(f"{name} must be a number of {unit}, got {type(value).__name__}")
     try:
         return float(value)
     except OverflowError:
@@ -185,8 +186,8 @@ def _wait_spin_us(value: Optional[float]) -> float:
     if value is None:
         return _AUTO_WAIT_SPIN_US if _usable_cpus() >= _SPIN_MIN_CPUS else 0.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument("wait_spin_us must be a number of microseconds or None (auto), "
-                              f"got {type(value).__name__}")
+        raise InvalidType("wait_spin_us must be a number of microseconds or None (auto), "
+                          f"got {type(value).__name__}")
     return _number("wait_spin_us", value, "microseconds")  # the extension checks the range
 
 
@@ -215,8 +216,8 @@ def _device_index(device: Any) -> int:
     if device is None:
         return -1
     if isinstance(device, bool):
-        raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
-                              "ordinal N >= 0, got bool")
+        raise InvalidType("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                          "ordinal N >= 0, got bool")
     if isinstance(device, numbers.Integral):
         if device == -1:
             return -1
@@ -225,8 +226,8 @@ def _device_index(device: Any) -> int:
     index = getattr(device, "index", None)
     if kind is None:  # a string: "cpu", "cuda", "cuda:1"
         if not isinstance(device, str):
-            raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
-                                  f"ordinal N >= 0, got {type(device).__name__}")
+            raise InvalidType("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                              f"ordinal N >= 0, got {type(device).__name__}")
         kind, colon, idx = device.partition(":")
         index = None
         if colon:
@@ -246,8 +247,8 @@ def _int_array(name: str, values: Any, what: str) -> np.ndarray:
     """np.asarray(values), with what numpy refuses (ragged nesting, ints past 64 bits, which
     numpy keeps as Python objects) named as the caller's argument."""
     if values is None or isinstance(values, (str, bytes)):
-        raise InvalidArgument(f"{name}: {what} must be a sequence or array of integers, got "
-                              f"{type(values).__name__}")
+        raise InvalidType(f"{name}: {what} must be a sequence or array of integers, got "
+                          f"{type(values).__name__}")
     try:
         a = np.asarray(values)
     except (ValueError, TypeError) as e:
@@ -257,8 +258,8 @@ def _int_array(name: str, values: Any, what: str) -> np.ndarray:
         flat = a.ravel()
         bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
         if bad or a.ndim == 0:
-            raise InvalidArgument(f"{name}: {what} must be integers, got "
-                                  f"{type(bad[0] if bad else values).__name__}")
+            raise InvalidType(f"{name}: {what} must be integers, got "
+                              f"{type(bad[0] if bad else values).__name__}")
         lo, hi = min(int(v) for v in flat), max(int(v) for v in flat)
         raise InvalidArgument(f"{name}: {what} must be in [0, {_U64_MAX}], got "
                               f"{lo if lo < 0 else hi}")
@@ -316,14 +317,14 @@ def _remote(name: str, dst: RemoteLike) -> RemoteRegion:
         return RemoteRegion.from_bytes(bytes(dst))
     if isinstance(dst, Region):
         return RemoteRegion.from_bytes(dst.descriptor)
-    raise InvalidArgument(f"{name} must be a RemoteRegion or descriptor bytes, got "
-                          f"{type(dst).__name__}")
+    raise InvalidType(f"{name} must be a RemoteRegion or descriptor bytes, got "
+                      f"{type(dst).__name__}")
 
 
 def _region(name: str, r: Any) -> Region:
     if not isinstance(r, Region):
-        raise InvalidArgument(f"{name} must be a Region from TransferEngine.register, got "
-                              f"{type(r).__name__}")
+        raise InvalidType(f"{name} must be a Region from TransferEngine.register, got "
+                          f"{type(r).__name__}")
     return r
 
 
@@ -375,8 +376,8 @@ class TransferEngine:
 
     def connect(self, address: bytes) -> Peer:
         if not isinstance(address, (bytes, bytearray, memoryview)):
-            raise InvalidArgument("address must be the peer's TransferEngine.address bytes, "
-                                  f"got {type(address).__name__}")
+            raise InvalidType("address must be the peer's TransferEngine.address bytes, "
+                              f"got {type(address).__name__}")
         return Peer(self._engine.connect(bytes(address)))
 
     # Memory -------------------------------------------------------------------------------

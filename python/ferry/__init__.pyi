@@ -9,6 +9,7 @@ from ._ferry import (
     ImmExpectation as ImmExpectation,
     InternalError as InternalError,
     InvalidArgument as InvalidArgument,
+    InvalidType as InvalidType,
     NotFound as NotFound,
     Op as Op,
     OutOfRange as OutOfRange,

@@ -6,13 +6,17 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
-class Error(Exception):
-    """Base of every ferry error; ``str(e)`` is ferry's message, ``e.code`` the status code's
-    name ("timeout", "out of range", ...)."""
+class Error(RuntimeError):
+    """Base of every ferry error (a RuntimeError); ``str(e)`` is ferry's message, ``e.code``
+    the status code's name ("timeout", "out of range", ...)."""
     code: str
 
 class InvalidArgument(Error, ValueError):
     """The caller passed something malformed or out of range."""
+
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (None, a string where an int goes, a numpy array where a
+    tensor goes): an InvalidArgument that is also a TypeError."""
 
 class OutOfRange(Error, IndexError):
     """An access outside a registered region (rejected before anything is posted)."""

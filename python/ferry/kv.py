@@ -37,7 +37,7 @@ from . import (
     _tensor_data_ptr,
     _uint,
 )
-from ._ferry import HandshakeInfo, KvEvent, KvLayout
+from ._ferry import HandshakeInfo, InvalidType, KvEvent, KvLayout
 
 __all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
            "fetch_handshake"]
@@ -83,8 +83,8 @@ def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
         ptr, device = int(obj.ctypes.data), -1
         how = "numpy.ascontiguousarray(a)"
     else:
-        raise InvalidArgument(f"{name}: a KV pool is torch tensors or numpy arrays, got "
-                              f"{type(obj).__name__}")
+        raise InvalidType(f"{name}: a KV pool is torch tensors or numpy arrays, got "
+                          f"{type(obj).__name__}")
     if not contiguous:
         raise InvalidArgument(f"{name}: a non-contiguous {_describe(obj)}: a KV region must be "
                               f"one contiguous range of bytes; pass {how}")
@@ -137,12 +137,12 @@ def _blobs(name: str, items: Any, what: str) -> List[bytes]:
     if isinstance(items, (bytes, bytearray, memoryview)):
         items = [items]
     if not isinstance(items, (list, tuple)):
-        raise InvalidArgument(f"{name} must be a list of {what} (bytes), got "
-                              f"{type(items).__name__}")
+        raise InvalidType(f"{name} must be a list of {what} (bytes), got "
+                          f"{type(items).__name__}")
     out = []
     for i, a in enumerate(items):
         if not isinstance(a, (bytes, bytearray, memoryview)):
-            raise InvalidArgument(f"{name}[{i}] must be {what} (bytes), got {type(a).__name__}")
+            raise InvalidType(f"{name}[{i}] must be {what} (bytes), got {type(a).__name__}")
         out.append(bytes(a))
     return out
 
@@ -175,15 +175,15 @@ class KvConnector(_Closing):
     def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Any,
                  config: Optional[KvConfig] = None) -> None:
         if not isinstance(engine, TransferEngine):
-            raise InvalidArgument("engine must be a ferry.TransferEngine, got "
-                                  f"{type(engine).__name__}")
+            raise InvalidType("engine must be a ferry.TransferEngine, got "
+                              f"{type(engine).__name__}")
         if not isinstance(layout, KvLayout):
-            raise InvalidArgument(f"layout must be a ferry.kv.KvLayout, got "
-                                  f"{type(layout).__name__}")
+            raise InvalidType(f"layout must be a ferry.kv.KvLayout, got "
+                              f"{type(layout).__name__}")
         config = KvConfig() if config is None else config
         if not isinstance(config, KvConfig):
-            raise InvalidArgument(f"config must be a ferry.kv.KvConfig, got "
-                                  f"{type(config).__name__}")
+            raise InvalidType(f"config must be a ferry.kv.KvConfig, got "
+                              f"{type(config).__name__}")
         if config.pull_mode not in ("background", "inline"):
             raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
                                   f"{config.pull_mode!r}")
@@ -288,7 +288,7 @@ class KvConnector(_Closing):
 
 def _secret(secret: Any) -> bytes:
     if not isinstance(secret, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"secret must be bytes, got {type(secret).__name__}")
+        raise InvalidType(f"secret must be bytes, got {type(secret).__name__}")
     return bytes(secret)
 
 
@@ -299,8 +299,8 @@ class HandshakeServer(_Closing):
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
                  port: int = 0, connection_deadline: float = 1.0) -> None:
         if not isinstance(connector, KvConnector):
-            raise InvalidArgument("connector must be a ferry.kv.KvConnector, got "
-                                  f"{type(connector).__name__}")
+            raise InvalidType("connector must be a ferry.kv.KvConnector, got "
+                              f"{type(connector).__name__}")
         self._server = _ferry.HandshakeServer(_str("host", host), _uint("port", port, 0xFFFF),
                                               connector.handshake_info(), _secret(secret),
                                               _seconds("connection_deadline",
@@ -329,7 +329,7 @@ class HandshakeServer(_Closing):
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float = 5.0) -> HandshakeInfo:
     if not isinstance(layout, KvLayout):
-        raise InvalidArgument(f"layout must be this side's KvLayout, got {type(layout).__name__}")
+        raise InvalidType(f"layout must be this side's KvLayout, got {type(layout).__name__}")
     return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
                                   layout.compatibility_hash, _secret(secret),
                                   _seconds("timeout", timeout))

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _bool, _docs, _ferry, _seconds
-from ._ferry import Cancelled, InvalidArgument, Unavailable
+from ._ferry import Cancelled, InvalidArgument, InvalidType, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
 
@@ -65,7 +65,7 @@ def _check(name: str, t: Any, dtypes: Sequence[Any], shape: Sequence[Optional[in
     """Refuses anything but a contiguous tensor of one of `dtypes`, `shape` (None: any size
     there) on `device`, naming the argument and what was expected."""
     if not isinstance(t, torch.Tensor):
-        raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise InvalidArgument(f"{name} must have dtype {_dtype_text(dtypes)}, got {t.dtype}")
     want = tuple("*" if s is None else s for s in shape)
@@ -137,7 +137,7 @@ def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
             raise InvalidArgument("allgather given without rank and world_size: pass all three, "
                                   "or a torch.distributed group instead")
         if not callable(allgather):
-            raise InvalidArgument("allgather must be a callable bytes -> list[bytes]")
+            raise InvalidType("allgather must be a callable bytes -> list[bytes]")
         return int(rank), int(world_size), allgather
     import torch.distributed as dist
 
@@ -159,7 +159,7 @@ def _integers(optional: bool = False, **values: Any) -> None:
         if v is None and optional:
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise InvalidArgument(f"{name} must be an integer, got {type(v).__name__}")
+            raise InvalidType(f"{name} must be an integer, got {type(v).__name__}")
 
 
 def _device(device: Any) -> "torch.device":
@@ -192,8 +192,8 @@ class _Engine:
                   expert_padding=alignment)
         timeout = _seconds("timeout", timeout)
         if engine is not None and not isinstance(getattr(engine, "_engine", None), _ferry.Engine):
-            raise InvalidArgument(f"engine must be a ferry.TransferEngine, got "
-                                  f"{type(engine).__name__}")
+            raise InvalidType(f"engine must be a ferry.TransferEngine, got "
+                              f"{type(engine).__name__}")
         for name, v in (("max_num_tokens", max_tokens), ("hidden_dim", hidden),
                         ("num_experts", num_experts), ("num_experts_per_token", topk),
                         ("world_size", world), ("ranks_per_node", ranks_per_node)):
@@ -708,8 +708,8 @@ class Buffer:
                 "no wait-time statistics are kept")
         del async_finish
         if not isinstance(handle, _Handle):
-            raise InvalidArgument("handle must be the one low_latency_dispatch returned, got "
-                                  f"{type(handle).__name__}")
+            raise InvalidType("handle must be the one low_latency_dispatch returned, got "
+                              f"{type(handle).__name__}")
         e, t = handle.engine, handle.num_tokens
         e.check_open("the all-to-all of this handle")
         dev = e.device

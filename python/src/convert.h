@@ -49,8 +49,8 @@ inline Duration seconds_arg(pybind11::handle v, const char* what) {
     double s = PyBool_Check(v.ptr()) ? -1.0 : PyFloat_AsDouble(v.ptr());
     if (PyBool_Check(v.ptr()) || (s == -1.0 && PyErr_Occurred())) {
         PyErr_Clear();
-        throw StatusError(invalid_argument(std::string(what) +
-                                           " must be a number of seconds, got " + type_name(v)));
+        throw StatusError::wrong_type(std::string(what) + " must be a number of seconds, got " +
+                                      type_name(v));
     }
     return seconds_to_duration(s, what);
 }
@@ -75,14 +75,12 @@ inline uint32_t u32_arg(pybind11::handle v, const char* what) {
         }
         PyErr_Clear();
     }
-    throw StatusError(
-        invalid_argument(std::string(what) + " must be an integer, got " + type_name(v)));
+    throw StatusError::wrong_type(std::string(what) + " must be an integer, got " + type_name(v));
 }
 
 inline std::string str_arg(pybind11::handle v, const char* what) {
     if (!PyUnicode_Check(v.ptr())) {
-        throw StatusError(
-            invalid_argument(std::string(what) + " must be a string, got " + type_name(v)));
+        throw StatusError::wrong_type(std::string(what) + " must be a string, got " + type_name(v));
     }
     return v.cast<std::string>();
 }
@@ -100,7 +98,7 @@ inline std::vector<uint8_t> bytes_arg(pybind11::handle v, const char* what) {
         }
         PyErr_Clear();
     }
-    throw StatusError(invalid_argument(std::string(what) + " must be bytes, got " + type_name(v)));
+    throw StatusError::wrong_type(std::string(what) + " must be bytes, got " + type_name(v));
 }
 
 // Microseconds in [0, max_us] as a Duration (a spin or nap length).

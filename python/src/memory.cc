@@ -32,9 +32,8 @@ bool holds_python_objects(const char* format) {
 
 BufferHold BufferHold::acquire(py::handle obj, bool writable) {
     if (!PyObject_CheckBuffer(obj.ptr())) {
-        throw StatusError(
-            invalid_argument("cannot register a " + type_name(obj) +
-                             ": not a buffer, tensor or (ptr, nbytes, device) tuple"));
+        throw StatusError::wrong_type("cannot register a " + type_name(obj) +
+                                      ": not a buffer, tensor or (ptr, nbytes, device) tuple");
     }
     BufferHold h;
     // Strides are asked for so that a non-contiguous array is seen and named, not refused by

@@ -477,7 +477,7 @@ struct FastWrite {
                                   src_offset, dst_offset, nbytes, imm_value);
             return py::cast(std::move(op)).release().ptr();
         } catch (const StatusError& e) {
-            set_python_error(e.status());
+            set_python_error(e.status(), e.is_wrong_type());
         } catch (py::error_already_set& e) {
             e.restore();
         } catch (const std::exception& e) {

@@ -363,3 +363,76 @@ def test_moe_helpers_and_devices_refuse_non_tensors():
             a.dispatch(torch.zeros(4, dtype=torch.int32), ox, None,
                        torch.ones(1, 256, dtype=torch.bfloat16), None,
                        torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2), do_send="no")
+
+
+# --- the exception's type ------------------------------------------------------------------
+
+def _wrong_types():
+    """(what, call, the argument's name) for arguments of the wrong type, every layer."""
+    torch = torch_or_skip()
+    import ferry.moe
+
+    e = ferry.TransferEngine("tcp")
+    src = e.register(np.zeros(64, dtype=np.uint8))
+    op = e.signal(e.connect(e.address), 1)
+    layout = _layout()
+    conn = fkv.KvConnector(e, layout, np.zeros(layout.region_bytes // 2, dtype=np.int16))
+    a2a_kw = dict(in_dtype=torch.bfloat16, num_experts_per_token=2, rank=0, world_size=1,
+                  allgather=lambda b: [b], provider="tcp")
+    a2a = ferry.moe.AllToAll(8, 4, 1, 256, **a2a_kw)
+    cases = [
+        ("engine provider", lambda: ferry.TransferEngine(None), "provider"),
+        ("engine rails", lambda: ferry.TransferEngine("tcp", rails="2"), "rails"),
+        ("engine op_timeout", lambda: ferry.TransferEngine("tcp", op_timeout="5"), "op_timeout"),
+        ("engine same_host", lambda: ferry.TransferEngine("tcp", same_host="no"), "same_host"),
+        ("connect", lambda: e.connect("addr"), "address"),
+        ("register", lambda: e.register(None), "NoneType"),
+        ("register ptr", lambda: e.register((1.5, 8, None)), "ptr"),
+        ("write peer", lambda: e.write(None, src, 0, src, 0, 8), "peer"),
+        ("write src", lambda: e.write(0, np.zeros(8), 0, src, 0, 8), "src"),
+        ("write dst", lambda: e.write(0, src, 0, 42, 0, 8), "dst"),
+        ("write imm", lambda: e.write(0, src, 0, src, 0, 8, imm=1.0), "imm"),
+        ("paged pages", lambda: e.paged_write(0, src, None, 8, src, [0], 8, 8), "src_pages"),
+        ("runs", lambda: e.write_runs(0, src, src, "runs"), "runs"),
+        ("wait_imm timeout", lambda: e.wait_imm(1, 1, None), "timeout"),
+        ("Op.wait timeout", lambda: op.wait("1"), "timeout"),
+        ("RemoteRegion", lambda: ferry.RemoteRegion.from_bytes(5), "descriptor"),
+        ("KvLayout", lambda: fkv.KvLayout("2", 2, 8, 2, 4, 8), "num_layers"),
+        ("KvConnector engine", lambda: fkv.KvConnector(None, layout, []), "engine"),
+        ("KvConnector pool", lambda: fkv.KvConnector(e, layout, "pool"), "pool[0]"),
+        ("announce", lambda: conn.announce(1, 0, None), "prefill_ranks"),
+        ("wait", lambda: conn.wait(None), "timeout"),
+        ("prefill_done blocks", lambda: conn.prefill_done(1, None, 4), "blocks"),
+        ("fetch_handshake", lambda: fkv.fetch_handshake("127.0.0.1", 1, layout, "s"), "secret"),
+        ("AllToAll", lambda: ferry.moe.AllToAll(8, "4", 1, 256, **a2a_kw), "num_experts"),
+        ("dispatch", lambda: a2a.dispatch(np.zeros(4), None, None, None, None, None, None),
+         "dp_x"),
+        ("quantize_fp8", lambda: ferry.moe.quantize_fp8([1.0]), "x"),
+    ]
+    return cases, lambda: (a2a.close(), conn.close(), e.close())
+
+
+def test_wrong_types_are_type_errors_naming_the_argument():
+    """An argument of the wrong type raised ferry.InvalidArgument, a ValueError only: code
+    catching TypeError (Python's convention for it) missed it. Now ferry.InvalidType, both."""
+    cases, close = _wrong_types()
+    try:
+        for what, call, name in cases:
+            with pytest.raises(TypeError) as info:
+                call()
+            assert isinstance(info.value, ferry.InvalidType), (what, info.value)
+            assert isinstance(info.value, ferry.InvalidArgument), what
+            assert name in str(info.value), (what, str(info.value))
+            assert info.value.code == "invalid argument", what
+    finally:
+        close()
+
+
+def test_ferry_errors_are_runtime_errors():
+    assert issubclass(ferry.Error, RuntimeError)
+    with ferry.TransferEngine("tcp") as e:
+        with pytest.raises(RuntimeError, match="immediate 0x9"):
+            e.wait_imm(9, 1, 0.05)
+        with pytest.raises(ValueError, match=r"imm must be in \[0, 4294967295\], got -1"):
+            e.wait_imm(-1, 1, 0.05)  # a value out of range stays a ValueError only
+    assert not issubclass(ferry.InvalidArgument, TypeError)
