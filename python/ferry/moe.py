@@ -592,6 +592,9 @@ class Buffer:
             raise InvalidArgument("low_latency_mode=False is not supported by ferry.moe.Buffer: "
                                   "it implements DeepEP's low-latency calls only")
         _refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink is not implemented")
+        _integers(optional=True, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
+                  private_slots=private_slots)
+        timeout = _seconds("timeout", timeout)
         self.rank, self.group_size, self._gather = _bootstrap(group, rank, world_size, allgather)
         self._rpn = int(ranks_per_node) if ranks_per_node is not None else self.group_size
         self._engine, self._provider, self._timeout = engine, provider, timeout
@@ -647,7 +650,9 @@ class Buffer:
         _refuse("round_scale", round_scale, False, "scales are amax/448, not powers of two")
         _refuse("use_ue8m0", use_ue8m0, False, "scales are fp32")
         del async_finish  # the work is on the current stream (CUDA) or done (CPU) either way
-        dev = x.device if self._device is None else self._device
+        _integers(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                  num_experts=num_experts)
+        dev = getattr(x, "device", _CPU) if self._device is None else self._device
         _check("x", x, (torch.bfloat16,), (None, None), dev)
         t, h = int(x.shape[0]), int(x.shape[1])
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:

@@ -436,3 +436,24 @@ def test_ferry_errors_are_runtime_errors():
         with pytest.raises(ValueError, match=r"imm must be in \[0, 4294967295\], got -1"):
             e.wait_imm(-1, 1, 0.05)  # a value out of range stays a ValueError only
     assert not issubclass(ferry.InvalidArgument, TypeError)
+
+
+def test_moe_buffer_arguments_of_the_wrong_type():
+    """low_latency_dispatch raised AttributeError for a numpy x or None and a bare TypeError
+    for num_max_dispatch_tokens_per_rank="4"; Buffer(rank="0", timeout="1") was taken."""
+    torch = torch_or_skip()
+    import ferry.moe
+
+    kw = dict(world_size=1, allgather=lambda b: [b], provider="tcp")
+    for bad, name in ((dict(rank="0"), "rank"), (dict(rank=0, ranks_per_node="1"),
+                                                  "ranks_per_node"),
+                      (dict(rank=0, timeout="1"), "timeout")):
+        with pytest.raises(ferry.InvalidType, match=f"{name} must be "):
+            ferry.moe.Buffer(**kw, **bad)
+    with ferry.moe.Buffer(rank=0, **kw) as buf:
+        x, idx = torch.ones(2, 128, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, -1]])
+        for args, name in (((np.zeros((2, 128)), idx, 4, 2), "x"), ((None, idx, 4, 2), "x"),
+                           ((x, idx, "4", 2), "num_max_dispatch_tokens_per_rank"),
+                           ((x, idx, 4, 2.0), "num_experts")):
+            with pytest.raises(ferry.InvalidType, match=f"{name} must be "):
+                buf.low_latency_dispatch(*args)
