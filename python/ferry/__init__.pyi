@@ -113,8 +113,10 @@ class TransferEngine:
             -1, "cpu", "cuda", "cuda:N" or N.
         read_only: accept a read-only buffer, usable only as a source (it has no descriptor).
         Raises InvalidArgument for a non-contiguous array/tensor, a read-only buffer, 0 bytes,
-        or an object that is none of the above; Unavailable/InvalidArgument with ferry's
-        message for CUDA memory where there is no GPU.
+        a numpy array of Python objects, a sparse tensor; InvalidType for an object that is
+        none of the above; Unavailable/InvalidArgument with ferry's message for CUDA memory
+        where there is no GPU. The region keeps ``obj`` alive, but cannot stop a tensor's
+        storage from being replaced: do not ``resize_()`` or ``set_()`` a registered tensor.
         """
 
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,

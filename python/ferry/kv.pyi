@@ -96,18 +96,21 @@ class KvConnector:
 
     # Results
     def poll(self) -> List[KvEvent]:
-        """Every event since the last poll, in the order ferry produced them; never blocks."""
+        """Every event since the last poll, in the order ferry produced them; never blocks.
+        Raises Cancelled once the connector is closed."""
     def wait(self, timeout: float) -> bool:
         """Block (GIL released) until an event is queued or `timeout` seconds passed; True when
-        one is there."""
+        one is there. Raises Cancelled once the connector is closed (also a wait in progress,
+        when close() is called on another thread); Ctrl-C raises KeyboardInterrupt within
+        0.1 s."""
     def handshake_info(self) -> HandshakeInfo:
         """What this rank's HandshakeServer tells peers."""
     def stats(self) -> dict:
         """Counters (ferry::kv::ConnectorStats): transfers_sent/received/failed, ops_posted,
         bytes_posted, leases_expired, active_send/active_recv (transfers holding blocks)."""
     def close(self) -> None:
-        """Cancel what still runs (reported as events), unregister the pool, release the
-        tensors."""
+        """Cancel what still runs, unregister the pool, release the tensors; every call
+        afterwards (poll and wait too) raises Cancelled, a second close() does nothing."""
     def __enter__(self) -> KvConnector: ...
     def __exit__(self, *exc: Any) -> None: ...
 
