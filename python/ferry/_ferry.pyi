@@ -101,6 +101,9 @@ class Region:
     def close(self) -> None:
         """Deregisters now and drops the reference to the object. Operations using the
         region must have completed."""
+    def __enter__(self) -> Region: ...
+    def __exit__(self, *exc: Any) -> None:
+        """Closes the region on leaving a ``with`` block."""
 
 class Op:
     """Handle of one submitted operation. Keeps the regions it uses alive."""

@@ -570,7 +570,9 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("owner",
                                [](const Region& r) { return r.held ? r.held->owner : py::none(); })
         .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
-        .def("close", &Region::close);
+        .def("close", &Region::close)
+        .def("__enter__", [](py::object self) { return self; })
+        .def("__exit__", [](Region& r, const py::args&) { r.close(); });
 
     py::class_<Op> op(m, "Op");
     obtained_from(op, "ferry.Op",

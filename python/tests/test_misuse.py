@@ -97,6 +97,16 @@ def test_kv_connector_close_ends_a_wait_on_another_thread():
     engine.close()
 
 
+def test_region_as_a_context_manager():
+    with ferry.TransferEngine("tcp") as e:
+        with e.register(np.zeros(64, dtype=np.uint8)) as r:
+            assert e.stats()["regions_registered"] == 1 and not r.closed
+        assert r.closed and e.stats()["regions_registered"] == 0
+        r.close()  # twice: nothing
+        with pytest.raises(ferry.InvalidArgument, match=r"region is closed"):
+            r.descriptor
+
+
 def test_closed_engine_properties_raise():
     e = ferry.TransferEngine("tcp", wait_spin_us=5)
     assert e.wait_spin_us == 5
