@@ -266,26 +266,25 @@ def _int_array(name: str, values: Any, what: str) -> np.ndarray:
     return a
 
 
-def _index_array(name: str, pages: Any) -> np.ndarray:
-    """Page indices as contiguous uint32, from a sequence or an integer numpy/torch tensor."""
+def _index_array(name: str, pages: Any, what: str = "page indices") -> np.ndarray:
+    """Indices (pages, or what `what` says) as contiguous uint32, from a sequence or an integer
+    numpy array / torch tensor."""
     if _is_tensor(pages):
         dtype = pages.dtype
         if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) \
                 or str(dtype) == "torch.bool":
-            raise InvalidArgument(f"{name}: page indices must be integers, got a tensor of "
-                                  f"dtype {dtype}")
+            raise InvalidType(f"{name}: {what} must be integers, got a tensor of dtype {dtype}")
         pages = pages.detach().cpu().numpy()
-    a = _int_array(name, pages, "page indices")
+    a = _int_array(name, pages, what)
     if a.size == 0:
         return np.empty(0, dtype=np.uint32)
     if a.dtype.kind not in "iu":
-        raise InvalidArgument(f"{name}: page indices must be integers, got dtype {a.dtype}")
+        raise InvalidType(f"{name}: {what} must be integers, got dtype {a.dtype}")
     if a.ndim != 1:
-        raise InvalidArgument(f"{name}: page indices must be one-dimensional, got shape "
-                              f"{a.shape}")
+        raise InvalidArgument(f"{name}: {what} must be one-dimensional, got shape {a.shape}")
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi > _U32_MAX:
-        raise InvalidArgument(f"{name}: page indices must be in [0, {_U32_MAX}], got "
+        raise InvalidArgument(f"{name}: {what} must be in [0, {_U32_MAX}], got "
                               f"{lo if lo < 0 else hi}")
     return np.ascontiguousarray(a, dtype=np.uint32)
 

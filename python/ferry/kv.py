@@ -227,7 +227,7 @@ class KvConnector(_Closing):
         self._conn.register_push(_uint("transfer_id", transfer_id),
                                  _uint("attempt", attempt, _U32_MAX),
                                  _addresses("prefill_ranks", prefill_ranks),
-                                 _index_array("blocks", blocks),
+                                 _index_array("blocks", blocks, "block ids"),
                                  _uint("num_tokens", num_tokens, _U32_MAX))
 
     def cancel(self, transfer_id: int) -> None:
@@ -240,13 +240,13 @@ class KvConnector(_Closing):
     def prefill_progress(self, transfer_id: int, blocks: Any, tokens_ready: int, *,
                          partial_end: int = 0, partial_layers: int = 0) -> None:
         self._conn.prefill_progress(_uint("transfer_id", transfer_id),
-                                    _index_array("blocks", blocks),
+                                    _index_array("blocks", blocks, "block ids"),
                                     _uint("tokens_ready", tokens_ready, _U32_MAX),
                                     _uint("partial_end", partial_end, _U32_MAX),
                                     _uint("partial_layers", partial_layers, _U32_MAX))
 
     def prefill_done(self, transfer_id: int, blocks: Any, num_tokens: int) -> None:
-        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks),
+        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks, "block ids"),
                                 _uint("num_tokens", num_tokens, _U32_MAX))
 
     def prefill_failed(self, transfer_id: int, reason: str) -> None:
@@ -258,14 +258,14 @@ class KvConnector(_Closing):
     # Pull ---------------------------------------------------------------------------------
     def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:
         return self._conn.offer_pull(_uint("transfer_id", transfer_id),
-                                     _index_array("blocks", blocks),
+                                     _index_array("blocks", blocks, "block ids"),
                                      _uint("num_tokens", num_tokens, _U32_MAX))
 
     def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Any,
              num_tokens: int) -> None:
         self._conn.pull(_uint("transfer_id", transfer_id),
                         _blobs("params", params, "what offer_pull returned"),
-                        _index_array("blocks", blocks), _uint("num_tokens", num_tokens, _U32_MAX))
+                        _index_array("blocks", blocks, "block ids"), _uint("num_tokens", num_tokens, _U32_MAX))
 
     # Results ------------------------------------------------------------------------------
     def poll(self) -> List[KvEvent]:

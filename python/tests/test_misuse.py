@@ -331,6 +331,21 @@ def test_kv_layout_whose_size_wraps_around_refused():
             _layout(**{big: 2**32 - 1, "head_dim": 2**28})
 
 
+def test_kv_block_lists_are_named_as_block_ids():
+    """A bad block list was described as "page indices" (the engine's paged_write wording),
+    and a float array as a value error."""
+    layout = _layout()
+    with ferry.TransferEngine("tcp") as engine:
+        with fkv.KvConnector(engine, layout,
+                             np.zeros(layout.region_bytes // 2, dtype=np.int16)) as conn:
+            with pytest.raises(ferry.InvalidArgument, match=r"blocks: block ids must be "
+                                                            r"one-dimensional, got shape \(1, 1\)"):
+                conn.offer_pull(1, [[0]], 4)
+            with pytest.raises(ferry.InvalidType, match=r"blocks: block ids must be integers, "
+                                                        r"got dtype float64"):
+                conn.prefill_done(1, np.array([0.0]), 4)
+
+
 def test_kv_reasons_must_be_strings():
     layout = _layout()
     with ferry.TransferEngine("tcp") as engine:
