@@ -63,9 +63,14 @@ class TransferEngine:
         same_host: every peer is on this host (lets "auto" pick shm).
         node: local address the tcp and verbs providers bind.
         rails: NICs (domains) to open; large writes are striped over them.
-        op_timeout: seconds after which an operation not completed fails (a dead peer becomes
-            an error, not a hang).
+        op_timeout: seconds (> 0) after which an operation not completed fails (a dead peer
+            becomes an error, not a hang).
         busy_poll: workers never nap (lowest latency, one core per rail).
+        stripe_threshold: bytes above which a write is split over the rails.
+        max_write_size: longest piece (bytes, > 0) handed to the provider in one operation.
+        gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
+        fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
+        gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
         idle_spin_us: how long workers spin after activity before napping.
         wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
             before they sleep until the worker wakes them: a wait that ends within it skips

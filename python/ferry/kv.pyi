@@ -52,7 +52,10 @@ class KvConnector:
     """
 
     def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Pool,
-                 config: Optional[KvConfig] = None) -> None: ...
+                 config: Optional[KvConfig] = None) -> None:
+        """engine: the ferry.TransferEngine the KV moves on (one connector per engine).
+        layout: this rank's KvLayout. pool: the engine's KV tensors (see Pool). config: a
+        KvConfig (TP position, lease, immediates; default KvConfig())."""
     @property
     def layout(self) -> KvLayout:
         """The layout the connector was built with."""
@@ -119,7 +122,10 @@ class HandshakeServer:
     deployment secret (>= 16 bytes) this rank's engine address, pool and layout."""
 
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
-                 port: int = 0, connection_deadline: float = 1.0) -> None: ...
+                 port: int = 0, connection_deadline: float = 1.0) -> None:
+        """connector: the KvConnector whose address, pool and layout are served. secret: the
+        deployment secret (bytes, >= 16). host, port: where to listen (port 0: a free one, see
+        .port). connection_deadline: seconds a peer may take to send its request."""
     port: int
     """The port listened on (a free one when 0 was asked)."""
     epoch: int

@@ -24,7 +24,9 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class AllToAll:
     """One rank's all-to-all, shaped after pplx-garden's P2PAllToAll. Collective constructor.
 
-    in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
+    max_num_tokens: most tokens a rank dispatches per call; num_experts: experts in all, split
+    evenly over the ranks; num_experts_per_token: k of top-k; hidden_dim: channels per token,
+    hidden_dim_scale: hidden_dim / 128 for fp8 (or None). in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
     torch.float32 (fp8); expert_padding pads each expert's received rows (zeros) to a multiple;
     max_private_tokens: rows per sender written before the counts are known (default
     min(max_num_tokens, 32)). device: "cpu" (CPU backend) or a CUDA device (kernels on the
@@ -107,7 +109,16 @@ class Buffer:
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., device: Any = ..., private_slots: Optional[int] = ...,
                  timeout: float = ..., **unsupported: Any) -> None:
-        """Any other keyword (a newer DeepEP's) is refused by name (ferry.InvalidArgument)."""
+        """group: the torch.distributed group the ranks meet through (default WORLD), or
+        rank + world_size + allgather (a callable bytes -> list[bytes], one per rank) instead.
+        low_latency_mode must be True; allow_mnnvl False; num_nvl_bytes, num_rdma_bytes,
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, explicitly_destroy: ignored.
+        ranks_per_node: ranks that share memory (default all); the others are reached through
+        engine (a ferry.TransferEngine; made with provider when not given). device: where the
+        all-to-alls run (default: each call's x.device). private_slots: rows per sender written
+        before the counts are known (default min(tokens, 32)). timeout: seconds any wait inside
+        a call may take. Any other keyword (a newer DeepEP's) is refused by name
+        (ferry.InvalidArgument)."""
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,

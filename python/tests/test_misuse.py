@@ -305,6 +305,11 @@ def _undocumented(module_name):
                 continue
             if attr == "__init__" and not isinstance(value, types.FunctionType):
                 continue  # pybind11 classes made by calls: __init__ says where they come from
+            if attr == "__init__":  # every argument named, by it or by the class
+                said = (value.__doc__ or "") + doc
+                missing += [f"{name}({p})" for p in inspect.signature(value).parameters
+                            if p not in ("self", "unsupported") and p not in said]
+                continue
             text = inspect.getdoc(value) or ""
             listed = f"\n{attr}(" in "\n" + doc  # a pybind11 method, listed in the class's doc
             if (not text or _PYBIND_SIGNATURE.match(text)) and not listed:
