@@ -487,3 +487,37 @@ def test_moe_buffer_arguments_of_the_wrong_type():
                            ((x, idx, 4, 2.0), "num_experts")):
             with pytest.raises(ferry.InvalidType, match=f"{name} must be "):
                 buf.low_latency_dispatch(*args)
+
+
+def test_ctrl_c_ends_op_wait_on_a_stalled_peer():
+    """Op.wait on a write to a peer that stopped answering (SIGSTOP) held the interpreter until
+    the wait's timeout; the op itself stays in flight and still completes afterwards."""
+    code = (
+        "import os, signal, sys, threading, time, numpy as np, ferry\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from peer import PeerProcess\n"
+        "if __name__ == '__main__':\n"
+        "    child = PeerProcess('tcp', op_timeout=30.0)\n"
+        "    n = 32 << 20\n"
+        "    dst = child.call('alloc', 'd', 'numpy', n, 0)\n"
+        "    e = ferry.TransferEngine('tcp', op_timeout=30.0)\n"
+        "    peer = e.connect(child.address)\n"
+        "    src = e.register(np.ones(n, dtype=np.uint8))\n"
+        "    os.kill(child.proc.pid, signal.SIGSTOP)\n"
+        "    op = e.write(peer, src, 0, dst, 0, n, imm=1)\n"
+        "    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "    t0 = time.monotonic()\n"
+        "    try:\n"
+        "        op.wait(20)\n"
+        "        print('returned', op.done())\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('interrupted', round(time.monotonic() - t0, 2), op.done())\n"
+        "    os.kill(child.proc.pid, signal.SIGCONT)\n"
+        "    op.wait(30)\n"
+        "    print('completed')\n"
+        "    child.kill(); e.close()\n")
+    r = _run(code, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    words = r.stdout.split()
+    assert words[0] == "interrupted" and float(words[1]) < 2.0, r.stdout
+    assert words[2] == "False" and words[3] == "completed", r.stdout
