@@ -13,6 +13,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import sys
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -59,6 +60,7 @@ from ._ferry import (
     ImmExpectation,
     InternalError,
     InvalidArgument,
+    InvalidType,
     NotFound,
     Op,
     OutOfRange,
@@ -76,7 +78,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TransferEngine", "Peer", "Region", "RemoteRegion", "Op", "ImmExpectation",
-    "Error", "InvalidArgument", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
+    "Error", "InvalidArgument", "InvalidType", "OutOfRange", "NotFound", "TimeoutError", "Unavailable",
     "Cancelled", "ResourceExhausted", "ProtocolError", "ProviderError", "InternalError",
     "PermissionDenied", "AlreadyExists",
     "gpu_device_count", "__version__",
@@ -111,11 +113,11 @@ def gpu_device_count() -> int:
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
     """An int in [lo, hi] (numpy integers too; bool and float refused), or InvalidArgument."""
     if isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be an integer, got bool")
+        raise InvalidType(f"{name} must be an integer, got bool")
     try:
         v = operator.index(value)
     except TypeError:
-        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}") from None
+        raise InvalidType(f"{name} must be an integer, got {type(value).__name__}") from None
     if v < lo or v > hi:
         raise InvalidArgument(f"{name} must be in [{lo}, {hi}], got {v}")
     return v
@@ -125,9 +127,19 @@ def _uint(name: str, value: Any, limit: int = _U64_MAX) -> int:
     return _int(name, value, 0, limit)
 
 
+def _bool(name: str, value: Any) -> bool:
+    """True or False (numpy's bool_ and the ints 0 and 1 too): a string such as "false" is
+    truthy, so bool(value) would take it for True."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise InvalidType(f"{name} must be True or False, got {value!r}"[:200])
+
+
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise InvalidArgument(f"{name} must be a string, got {type(value).__name__}")
+        raise InvalidType(f"{name} must be a string, got {type(value).__name__}")
     return value
 
 
@@ -135,7 +147,7 @@ def _number(name: str, value: Any, unit: str) -> float:
     """A real number as a float, or InvalidArgument naming the argument (the extension checks
     the range: finite, >= 0, not absurdly large)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be a number of {unit}, got {type(value).__name__}")
+        raise InvalidType(f"{name} must be a number of {unit}, got {type(value).__name__}")
     try:
         return float(value)
     except OverflowError:
@@ -174,8 +186,8 @@ def _wait_spin_us(value: Optional[float]) -> float:
     if value is None:
         return _AUTO_WAIT_SPIN_US if _usable_cpus() >= _SPIN_MIN_CPUS else 0.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument("wait_spin_us must be a number of microseconds or None (auto), "
-                              f"got {type(value).__name__}")
+        raise InvalidType("wait_spin_us must be a number of microseconds or None (auto), "
+                          f"got {type(value).__name__}")
     return _number("wait_spin_us", value, "microseconds")  # the extension checks the range
 
 
@@ -185,13 +197,27 @@ def _is_tensor(obj: Any) -> bool:
                                          "device"))
 
 
+def _tensor_data_ptr(name: str, t: Any) -> int:
+    """t.data_ptr(), or InvalidArgument naming `name` for a tensor without one dense range of
+    memory (sparse, quantized, ...: torch raises its own RuntimeError)."""
+    layout = str(getattr(t, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        raise InvalidArgument(f"{name}: a tensor of layout {layout} has no dense memory to "
+                              "register; pass t.to_dense()")
+    try:
+        return int(t.data_ptr())
+    except RuntimeError as e:
+        raise InvalidArgument(f"{name}: cannot take the data pointer of this tensor: {e}") \
+            from None
+
+
 def _device_index(device: Any) -> int:
     """-1 for host memory, the CUDA ordinal for GPU memory."""
     if device is None:
         return -1
     if isinstance(device, bool):
-        raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
-                              "ordinal N >= 0, got bool")
+        raise InvalidType("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                          "ordinal N >= 0, got bool")
     if isinstance(device, numbers.Integral):
         if device == -1:
             return -1
@@ -200,8 +226,8 @@ def _device_index(device: Any) -> int:
     index = getattr(device, "index", None)
     if kind is None:  # a string: "cpu", "cuda", "cuda:1"
         if not isinstance(device, str):
-            raise InvalidArgument("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
-                                  f"ordinal N >= 0, got {type(device).__name__}")
+            raise InvalidType("device must be None, -1, 'cpu', 'cuda', 'cuda:N' or a CUDA "
+                              f"ordinal N >= 0, got {type(device).__name__}")
         kind, colon, idx = device.partition(":")
         index = None
         if colon:
@@ -221,8 +247,8 @@ def _int_array(name: str, values: Any, what: str) -> np.ndarray:
     """np.asarray(values), with what numpy refuses (ragged nesting, ints past 64 bits, which
     numpy keeps as Python objects) named as the caller's argument."""
     if values is None or isinstance(values, (str, bytes)):
-        raise InvalidArgument(f"{name}: {what} must be a sequence or array of integers, got "
-                              f"{type(values).__name__}")
+        raise InvalidType(f"{name}: {what} must be a sequence or array of integers, got "
+                          f"{type(values).__name__}")
     try:
         a = np.asarray(values)
     except (ValueError, TypeError) as e:
@@ -232,34 +258,33 @@ def _int_array(name: str, values: Any, what: str) -> np.ndarray:
         flat = a.ravel()
         bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
         if bad or a.ndim == 0:
-            raise InvalidArgument(f"{name}: {what} must be integers, got "
-                                  f"{type(bad[0] if bad else values).__name__}")
+            raise InvalidType(f"{name}: {what} must be integers, got "
+                              f"{type(bad[0] if bad else values).__name__}")
         lo, hi = min(int(v) for v in flat), max(int(v) for v in flat)
         raise InvalidArgument(f"{name}: {what} must be in [0, {_U64_MAX}], got "
                               f"{lo if lo < 0 else hi}")
     return a
 
 
-def _index_array(name: str, pages: Any) -> np.ndarray:
-    """Page indices as contiguous uint32, from a sequence or an integer numpy/torch tensor."""
+def _index_array(name: str, pages: Any, what: str = "page indices") -> np.ndarray:
+    """Indices (pages, or what `what` says) as contiguous uint32, from a sequence or an integer
+    numpy array / torch tensor."""
     if _is_tensor(pages):
         dtype = pages.dtype
         if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) \
                 or str(dtype) == "torch.bool":
-            raise InvalidArgument(f"{name}: page indices must be integers, got a tensor of "
-                                  f"dtype {dtype}")
+            raise InvalidType(f"{name}: {what} must be integers, got a tensor of dtype {dtype}")
         pages = pages.detach().cpu().numpy()
-    a = _int_array(name, pages, "page indices")
+    a = _int_array(name, pages, what)
     if a.size == 0:
         return np.empty(0, dtype=np.uint32)
     if a.dtype.kind not in "iu":
-        raise InvalidArgument(f"{name}: page indices must be integers, got dtype {a.dtype}")
+        raise InvalidType(f"{name}: {what} must be integers, got dtype {a.dtype}")
     if a.ndim != 1:
-        raise InvalidArgument(f"{name}: page indices must be one-dimensional, got shape "
-                              f"{a.shape}")
+        raise InvalidArgument(f"{name}: {what} must be one-dimensional, got shape {a.shape}")
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi > _U32_MAX:
-        raise InvalidArgument(f"{name}: page indices must be in [0, {_U32_MAX}], got "
+        raise InvalidArgument(f"{name}: {what} must be in [0, {_U32_MAX}], got "
                               f"{lo if lo < 0 else hi}")
     return np.ascontiguousarray(a, dtype=np.uint32)
 
@@ -291,14 +316,14 @@ def _remote(name: str, dst: RemoteLike) -> RemoteRegion:
         return RemoteRegion.from_bytes(bytes(dst))
     if isinstance(dst, Region):
         return RemoteRegion.from_bytes(dst.descriptor)
-    raise InvalidArgument(f"{name} must be a RemoteRegion or descriptor bytes, got "
-                          f"{type(dst).__name__}")
+    raise InvalidType(f"{name} must be a RemoteRegion or descriptor bytes, got "
+                      f"{type(dst).__name__}")
 
 
 def _region(name: str, r: Any) -> Region:
     if not isinstance(r, Region):
-        raise InvalidArgument(f"{name} must be a Region from TransferEngine.register, got "
-                              f"{type(r).__name__}")
+        raise InvalidType(f"{name} must be a Region from TransferEngine.register, got "
+                          f"{type(r).__name__}")
     return r
 
 
@@ -312,11 +337,11 @@ class TransferEngine:
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
         self._engine = _ferry.Engine(
-            _str("provider", provider), bool(same_host), _str("node", node),
+            _str("provider", provider), _bool("same_host", same_host), _str("node", node),
             _int("rails", rails, 1, _I32_MAX), _seconds("op_timeout", op_timeout),
-            bool(busy_poll), _uint("stripe_threshold", stripe_threshold),
+            _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
-            bool(fabric_gpu_memory), bool(gpu_ipc),
+            _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
             _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us))
 
     # Identity -----------------------------------------------------------------------------
@@ -350,8 +375,8 @@ class TransferEngine:
 
     def connect(self, address: bytes) -> Peer:
         if not isinstance(address, (bytes, bytearray, memoryview)):
-            raise InvalidArgument("address must be the peer's TransferEngine.address bytes, "
-                                  f"got {type(address).__name__}")
+            raise InvalidType("address must be the peer's TransferEngine.address bytes, "
+                              f"got {type(address).__name__}")
         return Peer(self._engine.connect(bytes(address)))
 
     # Memory -------------------------------------------------------------------------------
@@ -362,17 +387,20 @@ class TransferEngine:
                                       f"{len(obj)} items")
             ptr, nbytes, device = obj
             return self._engine.register_ptr(_uint("ptr", ptr), _uint("nbytes", nbytes),
-                                             _device_index(device), None, bool(read_only))
+                                             _device_index(device), None,
+                                             _bool("read_only", read_only))
         if _is_tensor(obj) and not isinstance(obj, np.ndarray):
+            ptr = _tensor_data_ptr("obj", obj)
             if not obj.is_contiguous():
                 raise InvalidArgument(
                     f"cannot register a non-contiguous tensor (shape {tuple(obj.shape)}, "
                     f"stride {tuple(obj.stride())}): ferry moves contiguous bytes; pass "
                     "t.contiguous()")
             nbytes = int(obj.element_size()) * int(obj.numel())
-            return self._engine.register_ptr(int(obj.data_ptr()), nbytes,
-                                             _device_index(obj.device), obj, bool(read_only))
-        return self._engine.register_buffer(obj, bool(read_only))
+            return self._engine.register_ptr(ptr, nbytes,
+                                             _device_index(obj.device), obj,
+                                             _bool("read_only", read_only))
+        return self._engine.register_buffer(obj, _bool("read_only", read_only))
 
     # Operations ---------------------------------------------------------------------------
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,
@@ -451,3 +479,9 @@ class TransferEngine:
             return f"ferry.TransferEngine(provider={self.provider!r}, id={self.engine_id:#x})"
         except Error:
             return "ferry.TransferEngine(closed)"
+
+
+from . import _docs  # noqa: E402
+
+_docs.attach(_ferry, "_ferry.pyi")
+_docs.attach(sys.modules[__name__], "__init__.pyi")

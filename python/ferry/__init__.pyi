@@ -9,6 +9,7 @@ from ._ferry import (
     ImmExpectation as ImmExpectation,
     InternalError as InternalError,
     InvalidArgument as InvalidArgument,
+    InvalidType as InvalidType,
     NotFound as NotFound,
     Op as Op,
     OutOfRange as OutOfRange,
@@ -62,9 +63,14 @@ class TransferEngine:
         same_host: every peer is on this host (lets "auto" pick shm).
         node: local address the tcp and verbs providers bind.
         rails: NICs (domains) to open; large writes are striped over them.
-        op_timeout: seconds after which an operation not completed fails (a dead peer becomes
-            an error, not a hang).
+        op_timeout: seconds (> 0) after which an operation not completed fails (a dead peer
+            becomes an error, not a hang).
         busy_poll: workers never nap (lowest latency, one core per rail).
+        stripe_threshold: bytes above which a write is split over the rails.
+        max_write_size: longest piece (bytes, > 0) handed to the provider in one operation.
+        gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
+        fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
+        gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
         idle_spin_us: how long workers spin after activity before napping.
         wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
             before they sleep until the worker wakes them: a wait that ends within it skips
@@ -79,12 +85,14 @@ class TransferEngine:
     def address(self) -> bytes:
         """This engine's address: give it to peers, who pass it to connect()."""
     @property
-    def engine_id(self) -> int: ...
+    def engine_id(self) -> int:
+        """Random 64-bit id of this engine (its regions' descriptors carry it)."""
     @property
     def provider(self) -> str:
         """The libfabric provider in use, e.g. "tcp;ofi_rxm"."""
     @property
-    def num_rails(self) -> int: ...
+    def num_rails(self) -> int:
+        """NICs (libfabric domains) the engine opened."""
     @property
     def supports_gpu_memory(self) -> bool:
         """True when the provider registers CUDA memory (FI_HMEM), so GPU regions reach peers
@@ -110,8 +118,10 @@ class TransferEngine:
             -1, "cpu", "cuda", "cuda:N" or N.
         read_only: accept a read-only buffer, usable only as a source (it has no descriptor).
         Raises InvalidArgument for a non-contiguous array/tensor, a read-only buffer, 0 bytes,
-        or an object that is none of the above; Unavailable/InvalidArgument with ferry's
-        message for CUDA memory where there is no GPU.
+        a numpy array of Python objects, a sparse tensor; InvalidType for an object that is
+        none of the above; Unavailable/InvalidArgument with ferry's message for CUDA memory
+        where there is no GPU. The region keeps ``obj`` alive, but cannot stop a tensor's
+        storage from being replaced: do not ``resize_()`` or ``set_()`` a registered tensor.
         """
 
     def write(self, peer: int, src: Region, src_offset: int, dst: RemoteLike, dst_offset: int,

@@ -6,13 +6,17 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
-class Error(Exception):
-    """Base of every ferry error; ``str(e)`` is ferry's message, ``e.code`` the status code's
-    name ("timeout", "out of range", ...)."""
+class Error(RuntimeError):
+    """Base of every ferry error (a RuntimeError); ``str(e)`` is ferry's message, ``e.code``
+    the status code's name ("timeout", "out of range", ...)."""
     code: str
 
 class InvalidArgument(Error, ValueError):
     """The caller passed something malformed or out of range."""
+
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (None, a string where an int goes, a numpy array where a
+    tensor goes): an InvalidArgument that is also a TypeError."""
 
 class OutOfRange(Error, IndexError):
     """An access outside a registered region (rejected before anything is posted)."""
@@ -97,6 +101,9 @@ class Region:
     def close(self) -> None:
         """Deregisters now and drops the reference to the object. Operations using the
         region must have completed."""
+    def __enter__(self) -> Region: ...
+    def __exit__(self, *exc: Any) -> None:
+        """Closes the region on leaving a ``with`` block."""
 
 class Op:
     """Handle of one submitted operation. Keeps the regions it uses alive."""
@@ -117,7 +124,9 @@ class Op:
 class ImmExpectation:
     """Target-side expectation of ``count`` writes carrying ``imm``, consumed when complete."""
     imm: int
+    """The immediate value expected."""
     count: int
+    """How many writes carrying it are expected."""
     def done(self) -> bool:
         """True once the writes arrived (or the expectation's own timeout passed)."""
     def wait(self, timeout: float = 30.0) -> None:
@@ -205,23 +214,35 @@ class KvLayout:
                  block_size: int, num_blocks: int, placement: str = "separate",
                  order: str = "NHD", regions: str = "one") -> None: ...
     num_layers: int
+    """Transformer layers in the pool."""
     num_kv_heads: int
+    """KV heads this TP rank holds."""
     head_dim: int
+    """Elements per head."""
     elem_size: int
+    """Bytes per element (2 for bf16/fp16)."""
     block_size: int
+    """Tokens per block."""
     num_blocks: int
+    """Blocks in the pool."""
     placement: str
+    """"separate", "joint" or "block-major" (see the class)."""
     order: str
+    """"NHD" or "HND" (see the class)."""
     regions: str
+    """"one", "per-layer" or "per-layer-kv": how many tensors make the pool."""
     token_bytes: int
     """Bytes of one token's K (or V) across this rank's heads."""
     slab_bytes: int
     """Bytes of one block's K (or V) for one layer."""
     layer_bytes: int
+    """Bytes of one layer's K and V over all blocks."""
     block_bytes: int
+    """Bytes of one block's K and V over all layers."""
     pool_bytes: int
     """Bytes of the whole pool, all regions together."""
     region_count: int
+    """Tensors the pool is made of (regions: 1, num_layers or 2 * num_layers)."""
     region_bytes: int
     """Bytes each pool tensor must hold at least."""
     compatibility_hash: int
@@ -242,16 +263,27 @@ class KvEvent:
     """
 
     kind: str
+    """"recv", "send", "scheduled" or "progress" (see the class)."""
     transfer_id: int
+    """The transfer id the calls gave."""
     attempt: int
+    """The attempt of the transfer this event is about."""
     ok: bool
+    """Whether the transfer (or announcement) succeeded; see code and message if not."""
     code: str
+    """"ok" or the status code's name ("cancelled", "timeout", "unavailable", ...)."""
     message: str
+    """ferry's message: what failed and why ("" when ok)."""
     bytes: int
+    """Bytes this rank moved (recv, send)."""
     writes: int
+    """Writes this rank posted or counted (recv, send)."""
     tokens: int
+    """progress: tokens [0, tokens) of every layer landed."""
     partial_end: int
+    """progress: tokens [tokens, partial_end) landed in layers [0, partial_layers)."""
     partial_layers: int
+    """progress: see partial_end."""
     def raise_if_error(self) -> None:
         """Raises the ferry.Error subclass of the event's status (nothing when ok)."""
 
@@ -265,11 +297,16 @@ class HandshakeInfo:
     pool: List[bytes]
     """One region descriptor per pool region, in layout order."""
     layout: KvLayout
+    """The rank's KvLayout."""
     tp_rank: int
+    """The rank's TP position."""
     tp_size: int
-    def to_bytes(self) -> bytes: ...
+    """The TP size of the rank's engine."""
+    def to_bytes(self) -> bytes:
+        """This answer as bytes (what the handshake sends)."""
     @staticmethod
-    def from_bytes(blob: Union[bytes, bytearray, memoryview]) -> HandshakeInfo: ...
+    def from_bytes(blob: Union[bytes, bytearray, memoryview]) -> HandshakeInfo:
+        """Parses to_bytes() output; ProtocolError when it does not parse."""
 
 class KvConnector:
     """ferry::kv::KvConnector over raw (ptr, nbytes, device) regions; ferry.kv checks the pool's

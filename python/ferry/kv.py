@@ -19,10 +19,11 @@ that ``poll()`` drains. See docs/PYTHON.md.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from . import _ferry
+from . import _docs, _ferry
 from . import (
     _U32_MAX,
     AlreadyExists,
@@ -33,9 +34,10 @@ from . import (
     _is_tensor,
     _seconds,
     _str,
+    _tensor_data_ptr,
     _uint,
 )
-from ._ferry import HandshakeInfo, KvEvent, KvLayout
+from ._ferry import HandshakeInfo, InvalidType, KvEvent, KvLayout
 
 __all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
            "fetch_handshake"]
@@ -64,22 +66,25 @@ def _describe(obj: Any) -> str:
 def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
     """(ptr, nbytes, device) of one pool tensor or array, checked against the layout."""
     if _is_tensor(obj) and not hasattr(obj, "__array_interface__"):
+        ptr, device = _tensor_data_ptr(name, obj), _device_index(obj.device)
         contiguous = bool(obj.is_contiguous())
         elem = int(obj.element_size())
         nbytes = elem * int(obj.numel())
-        ptr, device = int(obj.data_ptr()), _device_index(obj.device)
         how = "t.contiguous()"
     elif hasattr(obj, "__array_interface__") and hasattr(obj, "ctypes"):
         contiguous = bool(obj.flags.c_contiguous)
         if not obj.flags.writeable:
             raise InvalidArgument(f"{name}: a read-only {_describe(obj)}: peers write into a KV "
                                   "pool; pass a writable array")
+        if obj.dtype.hasobject:
+            raise InvalidArgument(f"{name}: an array of Python objects (dtype {obj.dtype}): its "
+                                  "bytes are object pointers; a KV pool holds numbers")
         elem, nbytes = int(obj.itemsize), int(obj.nbytes)
         ptr, device = int(obj.ctypes.data), -1
         how = "numpy.ascontiguousarray(a)"
     else:
-        raise InvalidArgument(f"{name}: a KV pool is torch tensors or numpy arrays, got "
-                              f"{type(obj).__name__}")
+        raise InvalidType(f"{name}: a KV pool is torch tensors or numpy arrays, got "
+                          f"{type(obj).__name__}")
     if not contiguous:
         raise InvalidArgument(f"{name}: a non-contiguous {_describe(obj)}: a KV region must be "
                               f"one contiguous range of bytes; pass {how}")
@@ -92,6 +97,20 @@ def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
             f"of the layout ({layout.regions}, {layout.num_layers} layers x {layout.num_blocks} "
             f"blocks of {layout.block_size} tokens) needs {layout.region_bytes}")
     return ptr, nbytes, device
+
+
+def _refuse_overlaps(regions: List[Tuple[int, int, int]], layout: KvLayout) -> None:
+    """Two pool tensors over the same bytes (``[torch.zeros(...)] * num_layers`` repeats one
+    tensor) would make layers overwrite each other's KV, silently: refused, naming both."""
+    spans = sorted((device, ptr, i) for i, (ptr, _, device) in enumerate(regions))
+    for (d0, p0, i), (d1, p1, j) in zip(spans, spans[1:]):
+        if d0 == d1 and p1 < p0 + layout.region_bytes:
+            first, second = min(i, j), max(i, j)
+            same = "is the same memory as" if p0 == p1 else "overlaps"
+            raise InvalidArgument(
+                f"pool[{second}] {same} pool[{first}]: each region of the pool needs bytes of "
+                f"its own ({layout.region_bytes} per region), or layers overwrite each other's "
+                "KV; a list built as [t] * n repeats one tensor n times")
 
 
 def _pool_items(pool: Any, layout: KvLayout) -> Tuple[str, List[Any]]:
@@ -118,12 +137,12 @@ def _blobs(name: str, items: Any, what: str) -> List[bytes]:
     if isinstance(items, (bytes, bytearray, memoryview)):
         items = [items]
     if not isinstance(items, (list, tuple)):
-        raise InvalidArgument(f"{name} must be a list of {what} (bytes), got "
-                              f"{type(items).__name__}")
+        raise InvalidType(f"{name} must be a list of {what} (bytes), got "
+                          f"{type(items).__name__}")
     out = []
     for i, a in enumerate(items):
         if not isinstance(a, (bytes, bytearray, memoryview)):
-            raise InvalidArgument(f"{name}[{i}] must be {what} (bytes), got {type(a).__name__}")
+            raise InvalidType(f"{name}[{i}] must be {what} (bytes), got {type(a).__name__}")
         out.append(bytes(a))
     return out
 
@@ -156,15 +175,15 @@ class KvConnector(_Closing):
     def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Any,
                  config: Optional[KvConfig] = None) -> None:
         if not isinstance(engine, TransferEngine):
-            raise InvalidArgument("engine must be a ferry.TransferEngine, got "
-                                  f"{type(engine).__name__}")
+            raise InvalidType("engine must be a ferry.TransferEngine, got "
+                              f"{type(engine).__name__}")
         if not isinstance(layout, KvLayout):
-            raise InvalidArgument(f"layout must be a ferry.kv.KvLayout, got "
-                                  f"{type(layout).__name__}")
+            raise InvalidType(f"layout must be a ferry.kv.KvLayout, got "
+                              f"{type(layout).__name__}")
         config = KvConfig() if config is None else config
         if not isinstance(config, KvConfig):
-            raise InvalidArgument(f"config must be a ferry.kv.KvConfig, got "
-                                  f"{type(config).__name__}")
+            raise InvalidType(f"config must be a ferry.kv.KvConfig, got "
+                              f"{type(config).__name__}")
         if config.pull_mode not in ("background", "inline"):
             raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
                                   f"{config.pull_mode!r}")
@@ -174,6 +193,7 @@ class KvConnector(_Closing):
                 f"pool is split {split!r} ({len(items)} tensors) but the layout says regions="
                 f"{layout.regions!r}: build KvLayout(..., regions={split!r}) for this pool")
         regions = [_region_of(f"pool[{i}]", t, layout) for i, t in enumerate(items)]
+        _refuse_overlaps(regions, layout)
         args = (_uint("tp_rank", config.tp_rank, _U32_MAX),
                 _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
                 _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
@@ -207,7 +227,7 @@ class KvConnector(_Closing):
         self._conn.register_push(_uint("transfer_id", transfer_id),
                                  _uint("attempt", attempt, _U32_MAX),
                                  _addresses("prefill_ranks", prefill_ranks),
-                                 _index_array("blocks", blocks),
+                                 _index_array("blocks", blocks, "block ids"),
                                  _uint("num_tokens", num_tokens, _U32_MAX))
 
     def cancel(self, transfer_id: int) -> None:
@@ -220,32 +240,32 @@ class KvConnector(_Closing):
     def prefill_progress(self, transfer_id: int, blocks: Any, tokens_ready: int, *,
                          partial_end: int = 0, partial_layers: int = 0) -> None:
         self._conn.prefill_progress(_uint("transfer_id", transfer_id),
-                                    _index_array("blocks", blocks),
+                                    _index_array("blocks", blocks, "block ids"),
                                     _uint("tokens_ready", tokens_ready, _U32_MAX),
                                     _uint("partial_end", partial_end, _U32_MAX),
                                     _uint("partial_layers", partial_layers, _U32_MAX))
 
     def prefill_done(self, transfer_id: int, blocks: Any, num_tokens: int) -> None:
-        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks),
+        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks, "block ids"),
                                 _uint("num_tokens", num_tokens, _U32_MAX))
 
     def prefill_failed(self, transfer_id: int, reason: str) -> None:
-        self._conn.prefill_failed(_uint("transfer_id", transfer_id), str(reason))
+        self._conn.prefill_failed(_uint("transfer_id", transfer_id), _str("reason", reason))
 
     def abort_send(self, transfer_id: int, reason: str) -> None:
-        self._conn.abort_send(_uint("transfer_id", transfer_id), str(reason))
+        self._conn.abort_send(_uint("transfer_id", transfer_id), _str("reason", reason))
 
     # Pull ---------------------------------------------------------------------------------
     def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:
         return self._conn.offer_pull(_uint("transfer_id", transfer_id),
-                                     _index_array("blocks", blocks),
+                                     _index_array("blocks", blocks, "block ids"),
                                      _uint("num_tokens", num_tokens, _U32_MAX))
 
     def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Any,
              num_tokens: int) -> None:
         self._conn.pull(_uint("transfer_id", transfer_id),
                         _blobs("params", params, "what offer_pull returned"),
-                        _index_array("blocks", blocks), _uint("num_tokens", num_tokens, _U32_MAX))
+                        _index_array("blocks", blocks, "block ids"), _uint("num_tokens", num_tokens, _U32_MAX))
 
     # Results ------------------------------------------------------------------------------
     def poll(self) -> List[KvEvent]:
@@ -268,7 +288,7 @@ class KvConnector(_Closing):
 
 def _secret(secret: Any) -> bytes:
     if not isinstance(secret, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"secret must be bytes, got {type(secret).__name__}")
+        raise InvalidType(f"secret must be bytes, got {type(secret).__name__}")
     return bytes(secret)
 
 
@@ -279,8 +299,8 @@ class HandshakeServer(_Closing):
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
                  port: int = 0, connection_deadline: float = 1.0) -> None:
         if not isinstance(connector, KvConnector):
-            raise InvalidArgument("connector must be a ferry.kv.KvConnector, got "
-                                  f"{type(connector).__name__}")
+            raise InvalidType("connector must be a ferry.kv.KvConnector, got "
+                              f"{type(connector).__name__}")
         self._server = _ferry.HandshakeServer(_str("host", host), _uint("port", port, 0xFFFF),
                                               connector.handshake_info(), _secret(secret),
                                               _seconds("connection_deadline",
@@ -309,7 +329,10 @@ class HandshakeServer(_Closing):
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float = 5.0) -> HandshakeInfo:
     if not isinstance(layout, KvLayout):
-        raise InvalidArgument(f"layout must be this side's KvLayout, got {type(layout).__name__}")
+        raise InvalidType(f"layout must be this side's KvLayout, got {type(layout).__name__}")
     return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
                                   layout.compatibility_hash, _secret(secret),
                                   _seconds("timeout", timeout))
+
+
+_docs.attach(sys.modules[__name__], "kv.pyi")

@@ -52,9 +52,13 @@ class KvConnector:
     """
 
     def __init__(self, engine: TransferEngine, layout: KvLayout, pool: Pool,
-                 config: Optional[KvConfig] = None) -> None: ...
+                 config: Optional[KvConfig] = None) -> None:
+        """engine: the ferry.TransferEngine the KV moves on (one connector per engine).
+        layout: this rank's KvLayout. pool: the engine's KV tensors (see Pool). config: a
+        KvConfig (TP position, lease, immediates; default KvConfig())."""
     @property
-    def layout(self) -> KvLayout: ...
+    def layout(self) -> KvLayout:
+        """The layout the connector was built with."""
 
     # Push, decode side
     def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
@@ -95,18 +99,21 @@ class KvConnector:
 
     # Results
     def poll(self) -> List[KvEvent]:
-        """Every event since the last poll, in the order ferry produced them; never blocks."""
+        """Every event since the last poll, in the order ferry produced them; never blocks.
+        Raises Cancelled once the connector is closed."""
     def wait(self, timeout: float) -> bool:
         """Block (GIL released) until an event is queued or `timeout` seconds passed; True when
-        one is there."""
+        one is there. Raises Cancelled once the connector is closed (also a wait in progress,
+        when close() is called on another thread); Ctrl-C raises KeyboardInterrupt within
+        0.1 s."""
     def handshake_info(self) -> HandshakeInfo:
         """What this rank's HandshakeServer tells peers."""
     def stats(self) -> dict:
         """Counters (ferry::kv::ConnectorStats): transfers_sent/received/failed, ops_posted,
         bytes_posted, leases_expired, active_send/active_recv (transfers holding blocks)."""
     def close(self) -> None:
-        """Cancel what still runs (reported as events), unregister the pool, release the
-        tensors."""
+        """Cancel what still runs, unregister the pool, release the tensors; every call
+        afterwards (poll and wait too) raises Cancelled, a second close() does nothing."""
     def __enter__(self) -> KvConnector: ...
     def __exit__(self, *exc: Any) -> None: ...
 
@@ -115,13 +122,20 @@ class HandshakeServer:
     deployment secret (>= 16 bytes) this rank's engine address, pool and layout."""
 
     def __init__(self, connector: KvConnector, secret: bytes, host: str = "127.0.0.1",
-                 port: int = 0, connection_deadline: float = 1.0) -> None: ...
+                 port: int = 0, connection_deadline: float = 1.0) -> None:
+        """connector: the KvConnector whose address, pool and layout are served. secret: the
+        deployment secret (bytes, >= 16). host, port: where to listen (port 0: a free one, see
+        .port). connection_deadline: seconds a peer may take to send its request."""
     port: int
     """The port listened on (a free one when 0 was asked)."""
     epoch: int
+    """Random per server start: peers see a new value after a restart."""
     requests_served: int
+    """Answers sent to peers that proved the secret."""
     auth_failures: int
-    def close(self) -> None: ...
+    """Connections refused: a peer without the secret (or garbage)."""
+    def close(self) -> None:
+        """Stops serving and joins the server's thread; a second close() does nothing."""
     def __enter__(self) -> HandshakeServer: ...
     def __exit__(self, *exc: Any) -> None: ...
 

@@ -20,18 +20,20 @@ views holding the e4m3 bytes.
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _ferry, _seconds
-from ._ferry import InvalidArgument
+from . import _bool, _docs, _ferry, _seconds
+from ._ferry import Cancelled, InvalidArgument, InvalidType, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
 
 __all__ = ["AllToAll", "Buffer", "EventOverlap", "fp8_dtype", "quantize_fp8", "dequantize_fp8"]
 
 SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
+_CPU = torch.device("cpu")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -63,7 +65,7 @@ def _check(name: str, t: Any, dtypes: Sequence[Any], shape: Sequence[Optional[in
     """Refuses anything but a contiguous tensor of one of `dtypes`, `shape` (None: any size
     there) on `device`, naming the argument and what was expected."""
     if not isinstance(t, torch.Tensor):
-        raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise InvalidArgument(f"{name} must have dtype {_dtype_text(dtypes)}, got {t.dtype}")
     want = tuple("*" if s is None else s for s in shape)
@@ -135,7 +137,7 @@ def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
             raise InvalidArgument("allgather given without rank and world_size: pass all three, "
                                   "or a torch.distributed group instead")
         if not callable(allgather):
-            raise InvalidArgument("allgather must be a callable bytes -> list[bytes]")
+            raise InvalidType("allgather must be a callable bytes -> list[bytes]")
         return int(rank), int(world_size), allgather
     import torch.distributed as dist
 
@@ -157,15 +159,22 @@ def _integers(optional: bool = False, **values: Any) -> None:
         if v is None and optional:
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise InvalidArgument(f"{name} must be an integer, got {type(v).__name__}")
+            raise InvalidType(f"{name} must be an integer, got {type(v).__name__}")
 
 
 def _device(device: Any) -> "torch.device":
-    d = torch.device("cpu" if device is None else device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
+    try:
+        d = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:  # torch's own words for "gpu", None-like objects
+        raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}: "
+                              f"{e}") from None
     if d.type not in ("cpu", "cuda"):
         raise InvalidArgument(f"device must be cpu or cuda, got {d}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise Unavailable(f"device {d}: this torch sees no CUDA device "
+                          "(torch.cuda.is_available() is False)")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
     return d
 
 
@@ -183,8 +192,8 @@ class _Engine:
                   expert_padding=alignment)
         timeout = _seconds("timeout", timeout)
         if engine is not None and not isinstance(getattr(engine, "_engine", None), _ferry.Engine):
-            raise InvalidArgument(f"engine must be a ferry.TransferEngine, got "
-                                  f"{type(engine).__name__}")
+            raise InvalidType(f"engine must be a ferry.TransferEngine, got "
+                              f"{type(engine).__name__}")
         for name, v in (("max_num_tokens", max_tokens), ("hidden_dim", hidden),
                         ("num_experts", num_experts), ("num_experts_per_token", topk),
                         ("world_size", world), ("ranks_per_node", ranks_per_node)):
@@ -204,6 +213,7 @@ class _Engine:
         self.device = device
         self.cuda = device.type == "cuda"
         self.allgather = allgather
+        self.closed = True  # until the C++ all-to-all runs
         needs_engine = not self.cuda or ranks_per_node < world
         if engine is None and needs_engine:
             import ferry
@@ -218,6 +228,7 @@ class _Engine:
             alignment=int(alignment), cuda=self.cuda,
             device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
             timeout=float(timeout))
+        self.closed = False
         self.local_experts = self.a2a.num_local_experts
         rows = self.a2a.max_expert_rows
         spt = hidden // SCALE_BLOCK if kind == "fp8" else 0
@@ -296,12 +307,23 @@ class _Engine:
         self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16,
                               _ptr(weights), _stream(self.device))
 
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise Cancelled(f"{what} is closed (close() was called)")
+
     def close(self) -> None:
-        # Collective: no peer may still write into our buffers when they go.
-        if self.cuda:
-            self.a2a.synchronize(_stream(self.device))
-        self.allgather(b"")
-        self.a2a.close()
+        # Collective, once: a second close() would wait in the all-gather for peers that
+        # made theirs already (a hang under torch.distributed).
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            # No peer may still write into our buffers when they go.
+            if self.cuda:
+                self.a2a.synchronize(_stream(self.device))
+            self.allgather(b"")
+        finally:
+            self.a2a.close()
 
 
 class AllToAll:
@@ -416,6 +438,8 @@ class AllToAll:
         they were. ``bound_m``: a one-element tensor on the device holding the token count
         (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
         e, dev = self._e, self._device
+        e.check_open("ferry.moe.AllToAll")
+        do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
         # Every argument of both halves is checked before anything is sent, so a mistake
         # leaves no call half done.
@@ -450,6 +474,8 @@ class AllToAll:
         ``indices`` is checked for shape only; ``bound_m`` as in dispatch (the count given there
         is used)."""
         e, dev = self._e, self._device
+        e.check_open("ferry.moe.AllToAll")
+        do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         if do_send:
             _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
@@ -482,13 +508,21 @@ class AllToAll:
     def synchronize(self) -> None:
         """CUDA: waits for the current stream and raises a device-side error (a peer that
         timed out, a bad routing entry) as ferry.Error. CPU: nothing to wait for."""
+        self._e.check_open("ferry.moe.AllToAll")
         self._e.a2a.synchronize(_stream(self._device))
 
     def close(self) -> None:
-        """Collective: every rank calls it after its last combine."""
+        """Collective: every rank calls it after its last combine. Later calls raise
+        ferry.Cancelled; a second close() does nothing."""
         self._e.close()
 
     def destroy(self) -> None:  # pplx-garden's name
+        self.close()
+
+    def __enter__(self) -> "AllToAll":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
@@ -558,12 +592,16 @@ class Buffer:
             raise InvalidArgument("low_latency_mode=False is not supported by ferry.moe.Buffer: "
                                   "it implements DeepEP's low-latency calls only")
         _refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink is not implemented")
+        _integers(optional=True, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
+                  private_slots=private_slots)
+        timeout = _seconds("timeout", timeout)
         self.rank, self.group_size, self._gather = _bootstrap(group, rank, world_size, allgather)
         self._rpn = int(ranks_per_node) if ranks_per_node is not None else self.group_size
         self._engine, self._provider, self._timeout = engine, provider, timeout
         self._device = None if device is None else _device(device)
         self._private = private_slots
         self._a2a: dict = {}
+        self._closed = False
 
     def _get(self, x: "torch.Tensor", k: int, max_tokens: int, num_experts: int,
              fp8: bool) -> Tuple[_Engine, Tuple[Any, ...]]:
@@ -603,6 +641,7 @@ class Buffer:
         (bf16 ``[E_local, max*R, H]`` without), ``recv_count`` int32 ``[E_local]``. Rows of
         expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
         and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
+        self._check_open()
         _refuse_others("low_latency_dispatch", unsupported)
         _refuse("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None,
                 "no per-expert statistics are kept")
@@ -611,7 +650,9 @@ class Buffer:
         _refuse("round_scale", round_scale, False, "scales are amax/448, not powers of two")
         _refuse("use_ue8m0", use_ue8m0, False, "scales are fp32")
         del async_finish  # the work is on the current stream (CUDA) or done (CPU) either way
-        dev = x.device if self._device is None else self._device
+        _integers(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                  num_experts=num_experts)
+        dev = getattr(x, "device", _CPU) if self._device is None else self._device
         _check("x", x, (torch.bfloat16,), (None, None), dev)
         t, h = int(x.shape[0]), int(x.shape[1])
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
@@ -664,6 +705,7 @@ class Buffer:
         """Returns ``(combined_x, event, hook)``: ``combined_x[t] = sum_k topk_weights[t, k] *
         x(t, k)``, bf16 ``[T, H]`` (into ``out`` if given), summed in fp32 in top-k order.
         ``x`` is bf16 ``[E_local, max*R, H]`` laid out like the dispatch's ``recv_x``."""
+        self._check_open()
         _refuse_others("low_latency_combine", unsupported)
         _refuse("use_logfmt", use_logfmt, False, "combine carries bf16 rows")
         _refuse("zero_copy", zero_copy, False, "there is no exposed send buffer to write into")
@@ -671,9 +713,10 @@ class Buffer:
                 "no wait-time statistics are kept")
         del async_finish
         if not isinstance(handle, _Handle):
-            raise InvalidArgument("handle must be the one low_latency_dispatch returned, got "
-                                  f"{type(handle).__name__}")
+            raise InvalidType("handle must be the one low_latency_dispatch returned, got "
+                              f"{type(handle).__name__}")
         e, t = handle.engine, handle.num_tokens
+        e.check_open("the all-to-all of this handle")
         dev = e.device
         cap = int(handle.key[0]) * self.group_size
         _check("x", x, (torch.bfloat16,), (e.local_experts, cap, e.hidden), dev)
@@ -698,13 +741,25 @@ class Buffer:
                                  num_experts: int) -> None:
         """Nothing to clean: ferry's buffers carry call numbers instead of being zeroed."""
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Cancelled("ferry.moe.Buffer is closed (destroy() was called)")
+
     def destroy(self) -> None:
-        """Collective: closes every all-to-all this buffer built (all ranks call it)."""
+        """Collective: closes every all-to-all this buffer built (all ranks call it). Later
+        calls raise ferry.Cancelled; a second destroy() does nothing."""
+        self._closed = True
         for a in self._a2a.values():
             a.close()
         self._a2a.clear()
 
     close = destroy
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
 
 
 def _quantize(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor") -> None:
@@ -718,7 +773,7 @@ def _quantize(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor") -> N
 def quantize_fp8(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:
     """bf16 ``[T, H]`` -> (e4m3 ``[T, H]`` (see :func:`fp8_dtype`), fp32 scales ``[T, H/128]``),
     scale = amax / 448 per 128 channels: ferry's fp8 format, bit-identical on CPU and GPU."""
-    _check("x", x, (torch.bfloat16,), (None, None), x.device)
+    _check("x", x, (torch.bfloat16,), (None, None), getattr(x, "device", _CPU))
     t, h = int(x.shape[0]), int(x.shape[1])
     if h % SCALE_BLOCK != 0:
         raise InvalidArgument(f"x must have a multiple of {SCALE_BLOCK} channels, got {h}")
@@ -733,7 +788,13 @@ def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     if not isinstance(q, torch.Tensor) or not _is_fp8(q.dtype):
         raise InvalidArgument(f"q must be an fp8 tensor ({fp8_dtype()}), got "
                               f"{getattr(q, 'dtype', type(q).__name__)}")
+    if not isinstance(scales, torch.Tensor) or not scales.dtype.is_floating_point:
+        raise InvalidArgument(f"scales must be a floating-point torch.Tensor, got "
+                              f"{getattr(scales, 'dtype', type(scales).__name__)}")
     shape = tuple(q.shape)
+    if not shape:
+        raise InvalidArgument("q must have at least one dimension (its last one the channels), "
+                              "got a 0-dimensional tensor")
     if shape[-1] % SCALE_BLOCK != 0 or tuple(scales.shape) != shape[:-1] + (
             shape[-1] // SCALE_BLOCK,):
         raise InvalidArgument(f"scales must have shape {shape[:-1] + (shape[-1] // SCALE_BLOCK,)}"
@@ -750,3 +811,6 @@ def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     vals = bytes_.view(_FP8).to(torch.float32)  # torch 2.x on a GPU machine
     s = scales.to(torch.float32).repeat_interleave(SCALE_BLOCK, dim=-1)
     return (vals * s).to(torch.bfloat16)
+
+
+_docs.attach(sys.modules[__name__], "moe.pyi")

@@ -24,7 +24,9 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class AllToAll:
     """One rank's all-to-all, shaped after pplx-garden's P2PAllToAll. Collective constructor.
 
-    in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
+    max_num_tokens: most tokens a rank dispatches per call; num_experts: experts in all, split
+    evenly over the ranks; num_experts_per_token: k of top-k; hidden_dim: channels per token,
+    hidden_dim_scale: hidden_dim / 128 for fp8 (or None). in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
     torch.float32 (fp8); expert_padding pads each expert's received rows (zeros) to a multiple;
     max_private_tokens: rows per sender written before the counts are known (default
     min(max_num_tokens, 32)). device: "cpu" (CPU backend) or a CUDA device (kernels on the
@@ -44,8 +46,11 @@ class AllToAll:
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., timeout: float = ...) -> None: ...
     rank: int
+    """This rank's index in the group."""
     world_size: int
+    """Ranks in the group."""
     num_local_experts: int
+    """Experts this rank holds (num_experts / world_size)."""
     max_recv_tokens: int
     """Rows per local expert that out_expert_x / expert_y must hold at least."""
 
@@ -71,14 +76,19 @@ class AllToAll:
         """CUDA: waits for the stream, raises a device-side error. CPU: returns."""
 
     def close(self) -> None:
-        """Collective: after every rank's last combine."""
+        """Collective: after every rank's last combine. Later calls raise Cancelled; a second
+        close() does nothing."""
 
-    def destroy(self) -> None: ...
+    def destroy(self) -> None:
+        """pplx-garden's name for close()."""
+    def __enter__(self) -> "AllToAll": ...
+    def __exit__(self, *exc: Any) -> None: ...
 
 class EventOverlap:
     """DeepEP's event type; nothing to wait for (work is on the current stream, or done)."""
     event: Any
-    def current_stream_wait(self) -> None: ...
+    def current_stream_wait(self) -> None:
+        """Returns: nothing to wait for."""
     def __enter__(self) -> "EventOverlap": ...
     def __exit__(self, *exc: Any) -> None: ...
 
@@ -99,7 +109,16 @@ class Buffer:
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., device: Any = ..., private_slots: Optional[int] = ...,
                  timeout: float = ..., **unsupported: Any) -> None:
-        """Any other keyword (a newer DeepEP's) is refused by name (ferry.InvalidArgument)."""
+        """group: the torch.distributed group the ranks meet through (default WORLD), or
+        rank + world_size + allgather (a callable bytes -> list[bytes], one per rank) instead.
+        low_latency_mode must be True; allow_mnnvl False; num_nvl_bytes, num_rdma_bytes,
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, explicitly_destroy: ignored.
+        ranks_per_node: ranks that share memory (default all); the others are reached through
+        engine (a ferry.TransferEngine; made with provider when not given). device: where the
+        all-to-alls run (default: each call's x.device). private_slots: rows per sender written
+        before the counts are known (default min(tokens, 32)). timeout: seconds any wait inside
+        a call may take. Any other keyword (a newer DeepEP's) is refused by name
+        (ferry.InvalidArgument)."""
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -129,5 +148,8 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None: ...
     def destroy(self) -> None:
-        """Collective: closes every all-to-all this Buffer built."""
+        """Collective: closes every all-to-all this Buffer built. Later calls raise Cancelled;
+        a second destroy() does nothing."""
     def close(self) -> None: ...
+    def __enter__(self) -> "Buffer": ...
+    def __exit__(self, *exc: Any) -> None: ...

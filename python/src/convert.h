@@ -5,10 +5,12 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,8 +49,8 @@ inline Duration seconds_arg(pybind11::handle v, const char* what) {
     double s = PyBool_Check(v.ptr()) ? -1.0 : PyFloat_AsDouble(v.ptr());
     if (PyBool_Check(v.ptr()) || (s == -1.0 && PyErr_Occurred())) {
         PyErr_Clear();
-        throw StatusError(invalid_argument(std::string(what) +
-                                           " must be a number of seconds, got " + type_name(v)));
+        throw StatusError::wrong_type(std::string(what) + " must be a number of seconds, got " +
+                                      type_name(v));
     }
     return seconds_to_duration(s, what);
 }
@@ -73,14 +75,12 @@ inline uint32_t u32_arg(pybind11::handle v, const char* what) {
         }
         PyErr_Clear();
     }
-    throw StatusError(
-        invalid_argument(std::string(what) + " must be an integer, got " + type_name(v)));
+    throw StatusError::wrong_type(std::string(what) + " must be an integer, got " + type_name(v));
 }
 
 inline std::string str_arg(pybind11::handle v, const char* what) {
     if (!PyUnicode_Check(v.ptr())) {
-        throw StatusError(
-            invalid_argument(std::string(what) + " must be a string, got " + type_name(v)));
+        throw StatusError::wrong_type(std::string(what) + " must be a string, got " + type_name(v));
     }
     return v.cast<std::string>();
 }
@@ -98,7 +98,7 @@ inline std::vector<uint8_t> bytes_arg(pybind11::handle v, const char* what) {
         }
         PyErr_Clear();
     }
-    throw StatusError(invalid_argument(std::string(what) + " must be bytes, got " + type_name(v)));
+    throw StatusError::wrong_type(std::string(what) + " must be bytes, got " + type_name(v));
 }
 
 // Microseconds in [0, max_us] as a Duration (a spin or nap length).
@@ -109,6 +109,32 @@ inline Duration micros_to_duration(double us, const char* what, double max_us) {
             std::to_string(static_cast<uint64_t>(max_us)) + "], got " + std::to_string(us)));
     }
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double, std::micro>(us));
+}
+
+// How long a wait runs without the GIL before it looks at Python's signals: Ctrl-C during
+// wait(timeout=600) raised KeyboardInterrupt only when the 600 s had passed.
+constexpr Duration kSignalSlice = std::chrono::milliseconds(100);
+
+// Waits up to `timeout` in slices of at most kSignalSlice, the GIL released in each and taken
+// between them to run Python's signal handlers: a KeyboardInterrupt (or whatever a handler
+// raises) propagates within a slice. `step(slice)` waits at most `slice` and returns the final
+// status, or nullopt when it is not finished (it must leave nothing armed then); it runs at
+// least once, so a timeout of 0 polls. When the deadline passes first, `timed_out()` is
+// returned. Called with the GIL held.
+template <typename Step, typename TimedOut>
+Status wait_interruptible(Duration timeout, Step&& step, TimedOut&& timed_out) {
+    const TimePoint deadline = deadline_after(timeout);
+    for (;;) {
+        const Duration left = std::max(Duration::zero(), deadline - Clock::now());
+        std::optional<Status> s;
+        {
+            pybind11::gil_scoped_release nogil;
+            s = step(std::min(left, kSignalSlice));
+        }
+        if (s) return *s;
+        if (PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
+        if (Clock::now() >= deadline) return timed_out();
+    }
 }
 
 inline std::span<const uint8_t> bytes_span(const pybind11::bytes& b) {

@@ -19,6 +19,7 @@ struct ErrorClass {
 // interpreter's life (module attributes hold them too).
 std::array<PyObject*, static_cast<size_t>(StatusCode::kAlreadyExists) + 1> g_classes{};
 PyObject* g_base = nullptr;
+PyObject* g_invalid_type = nullptr;  // InvalidArgument and TypeError
 
 PyObject* class_for(StatusCode code) {
     auto i = static_cast<size_t>(code);
@@ -29,9 +30,10 @@ PyObject* class_for(StatusCode code) {
 }  // namespace
 
 void register_errors(py::module_& m) {
+    // A RuntimeError, so that code catching the builtin catches ferry's too.
     g_base = PyErr_NewExceptionWithDoc(
         "ferry.Error", "Base class of every error ferry raises; str(e) is ferry's message.",
-        nullptr, nullptr);
+        PyExc_RuntimeError, nullptr);
     if (g_base == nullptr) throw py::error_already_set();
     m.attr("Error") = py::handle(g_base);
 
@@ -64,20 +66,33 @@ void register_errors(py::module_& m) {
         PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), c.doc, bases.ptr(), nullptr);
         if (cls == nullptr) throw py::error_already_set();
         g_classes[static_cast<size_t>(c.code)] = cls;
+        // As a class attribute too: errors the Python layer raises itself (InvalidArgument
+        // naming an argument) carry e.code like those from C++.
+        py::handle(cls).attr("code") = py::str(std::string(status_code_name(c.code)));
         m.attr(c.name) = py::handle(cls);
     }
+    py::object invalid_type_bases = py::make_tuple(
+        py::handle(class_for(StatusCode::kInvalidArgument)), py::handle(PyExc_TypeError));
+    g_invalid_type = PyErr_NewExceptionWithDoc(
+        "ferry.InvalidType",
+        "An argument of the wrong type (None, a string where an int goes, a numpy array where a "
+        "tensor goes): an InvalidArgument that is also a TypeError.",
+        invalid_type_bases.ptr(), nullptr);
+    if (g_invalid_type == nullptr) throw py::error_already_set();
+    m.attr("InvalidType") = py::handle(g_invalid_type);
 
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const StatusError& e) {
-            set_python_error(e.status());
+            set_python_error(e.status(), e.is_wrong_type());
         }
     });
 }
 
-void set_python_error(const Status& status) {
-    PyObject* cls = class_for(status.code());
+void set_python_error(const Status& status, bool wrong_type) {
+    PyObject* cls =
+        wrong_type && g_invalid_type != nullptr ? g_invalid_type : class_for(status.code());
     py::object exc = py::reinterpret_steal<py::object>(
         PyObject_CallFunction(cls, "s", status.message().c_str()));
     if (!exc) return;  // the call set its own Python error

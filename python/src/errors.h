@@ -17,11 +17,20 @@ namespace ferry::python {
 class StatusError : public std::exception {
   public:
     explicit StatusError(Status status) : status_(std::move(status)) {}
+    // An argument of the wrong type (None, a str where an int goes): raised as
+    // ferry.InvalidType, an InvalidArgument that is also a TypeError.
+    static StatusError wrong_type(const std::string& message) {
+        StatusError e(invalid_argument(message));
+        e.wrong_type_ = true;
+        return e;
+    }
     const Status& status() const { return status_; }
+    bool is_wrong_type() const { return wrong_type_; }
     const char* what() const noexcept override { return status_.message().c_str(); }
 
   private:
     Status status_;
+    bool wrong_type_ = false;
 };
 
 // Throws StatusError when `status` is an error.
@@ -49,8 +58,9 @@ void obtained_from(Class& cls, const std::string& name, const std::string& how) 
 // Creates ferry.Error and its subclasses in module `m` and registers the translator.
 void register_errors(pybind11::module_& m);
 
-// Sets the Python error for `status` (its ferry.Error subclass, carrying the message), for
-// code that returns to the interpreter without pybind11 (the write fast path).
-void set_python_error(const Status& status);
+// Sets the Python error for `status` (its ferry.Error subclass, carrying the message; with
+// wrong_type ferry.InvalidType), for code that returns to the interpreter without pybind11
+// (the write fast path).
+void set_python_error(const Status& status, bool wrong_type = false);
 
 }  // namespace ferry::python

@@ -171,6 +171,15 @@ struct EventQueue {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Event> events;
+    bool closed = false;  // KvConnector.close() ran: wakes the waiters, who raise Cancelled
+
+    void close() {
+        {
+            std::lock_guard<std::mutex> l(mu);
+            closed = true;
+        }
+        cv.notify_all();
+    }
 
     void push(Event e) {
         {
@@ -186,9 +195,10 @@ struct EventQueue {
         events.clear();
         return out;
     }
+    // Whether events are there (or the queue was closed) within t.
     bool wait(Duration t) {
         std::unique_lock<std::mutex> l(mu);
-        return cv.wait_for(l, t, [&] { return !events.empty(); });
+        return cv.wait_for(l, t, [&] { return !events.empty() || closed; });
     }
 };
 
@@ -268,6 +278,7 @@ class Connector {
 
     void close() {
         std::shared_ptr<LiveConnector> live = std::move(live_);
+        events_->close();
         py::gil_scoped_release nogil;
         live.reset();  // the last share reports open transfers as cancelled, into events_
     }
@@ -347,12 +358,28 @@ class Connector {
         });
     }
 
-    std::vector<Event> poll() { return events_->drain(); }
+    // Both raise Cancelled once closed, as every other call does: a loop that polls a closed
+    // connector would otherwise see "no events" for ever.
+    std::vector<Event> poll() {
+        live();
+        return events_->drain();
+    }
 
     bool wait(double timeout_s) {
         Duration t = seconds_to_duration(timeout_s, "timeout");
-        py::gil_scoped_release nogil;
-        return events_->wait(t);
+        live();
+        bool got = false;
+        Status s = wait_interruptible(
+            t,
+            [&](Duration slice) -> std::optional<Status> {
+                if (!events_->wait(slice)) return std::nullopt;
+                got = true;
+                return ok_status();
+            },
+            [] { return ok_status(); });
+        check(s);
+        live();  // closed meanwhile (by another thread)
+        return got;
     }
 
     kv::HandshakeInfo handshake_info() const {

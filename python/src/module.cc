@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
@@ -106,12 +107,19 @@ struct Op {
     bool done() const { return handle.done(); }  // a flag read: keeps the GIL
     void wait(py::handle timeout) const {
         Duration t = seconds_arg(timeout, "timeout");
-        Status s;
-        {
-            py::gil_scoped_release nogil;
-            s = handle.wait(t, spin);
-        }
-        check(s);
+        Duration first_spin = spin;
+        check(wait_interruptible(
+            t,
+            [&](Duration slice) -> std::optional<Status> {
+                Status s = handle.wait(slice, std::exchange(first_spin, Duration::zero()));
+                // A timeout of the op itself (op_timeout) comes with the op done.
+                if (s.code() == StatusCode::kTimeout && !handle.done()) return std::nullopt;
+                return s;
+            },
+            [&] {
+                return timeout_error("operation still running after " +
+                                     std::to_string(static_cast<int64_t>(to_ms(t))) + " ms");
+            }));
     }
 };
 
@@ -132,20 +140,21 @@ struct ImmExpectation {
     bool done() const { return state->done.load(std::memory_order_acquire); }
     void wait(py::handle timeout) const {
         Duration t = seconds_arg(timeout, "timeout");
-        Status s;
-        {
-            py::gil_scoped_release nogil;
-            spin_until([&] { return done(); }, std::min(spin, t));
-            std::unique_lock<std::mutex> l(state->mu);
-            if (!state->cv.wait_for(l, t, [&] { return state->result.has_value(); })) {
-                s = timeout_error("waiting for " + std::to_string(count) +
-                                  " writes with immediate " + std::to_string(imm) +
-                                  ": not all arrived yet (the expectation stays armed)");
-            } else {
-                s = *state->result;
-            }
-        }
-        check(s);
+        Duration first_spin = std::min(spin, t);
+        check(wait_interruptible(
+            t,
+            [&](Duration slice) -> std::optional<Status> {
+                spin_until([&] { return done(); }, std::exchange(first_spin, Duration::zero()));
+                std::unique_lock<std::mutex> l(state->mu);
+                if (!state->cv.wait_for(l, slice, [&] { return state->result.has_value(); }))
+                    return std::nullopt;
+                return *state->result;
+            },
+            [&] {
+                return timeout_error("waiting for " + std::to_string(count) +
+                                     " writes with immediate " + std::to_string(imm) +
+                                     ": not all arrived yet (the expectation stays armed)");
+            }));
     }
 };
 
@@ -300,12 +309,19 @@ class Engine {
     void wait_imm(uint32_t imm, uint64_t count, double timeout_s) {
         Duration t = seconds_to_duration(timeout_s, "timeout");
         std::shared_ptr<TransferEngine> e = hold();
-        Status s;
-        {
-            py::gil_scoped_release nogil;
-            s = e->wait_imm(imm, count, t, wait_spin_);
-        }
-        check(s);
+        // Each slice is a wait of its own: it consumes `count` arrivals or none, so slicing
+        // changes nothing but where a signal can be raised.
+        Duration spin = wait_spin_;
+        Status last = timeout_error("waiting for writes with an immediate");  // set by a slice
+        check(wait_interruptible(
+            t,
+            [&](Duration slice) -> std::optional<Status> {
+                Status s = e->wait_imm(imm, count, slice, std::exchange(spin, Duration::zero()));
+                if (s.code() != StatusCode::kTimeout) return s;
+                last = s;
+                return std::nullopt;
+            },
+            [&] { return last; }));
     }
 
     ImmExpectation expect_imm(uint32_t imm, uint64_t count, double timeout_s) {
@@ -330,7 +346,10 @@ class Engine {
 
     uint64_t imm_available(uint32_t imm) const { return get().imm_available(imm); }
 
-    double wait_spin_us() const { return to_us(wait_spin_); }
+    double wait_spin_us() const {
+        get();  // closed: raises, as every other property does
+        return to_us(wait_spin_);
+    }
 
     py::dict stats() const {
         EngineStats s = get().stats();
@@ -458,7 +477,7 @@ struct FastWrite {
                                   src_offset, dst_offset, nbytes, imm_value);
             return py::cast(std::move(op)).release().ptr();
         } catch (const StatusError& e) {
-            set_python_error(e.status());
+            set_python_error(e.status(), e.is_wrong_type());
         } catch (py::error_already_set& e) {
             e.restore();
         } catch (const std::exception& e) {
@@ -551,7 +570,9 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("owner",
                                [](const Region& r) { return r.held ? r.held->owner : py::none(); })
         .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
-        .def("close", &Region::close);
+        .def("close", &Region::close)
+        .def("__enter__", [](py::object self) { return self; })
+        .def("__exit__", [](Region& r, const py::args&) { r.close(); });
 
     py::class_<Op> op(m, "Op");
     obtained_from(op, "ferry.Op",

@@ -241,7 +241,10 @@ class MoeAllToAll {
     }
 
     void synchronize(uint64_t stream) {
-        if (!cuda_) return;
+        if (!cuda_) {
+            parts();  // raises once closed, as on CUDA
+            return;
+        }
         Status s;
         {
             py::gil_scoped_release nogil;

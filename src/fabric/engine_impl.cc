@@ -65,6 +65,13 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         return invalid_argument(fmt::format("num_rails must be 1..32, got {}", config.num_rails));
     }
     if (config.max_message_size < 64) return invalid_argument("max_message_size must be >= 64");
+    // 0 split every write into pieces of 0 bytes for ever (a hang at the first write); an
+    // op_timeout of 0 failed every operation before it could be posted.
+    if (config.max_write_size == 0) return invalid_argument("max_write_size must be > 0 bytes");
+    if (config.op_timeout <= Duration::zero()) {
+        return invalid_argument(
+            fmt::format("op_timeout must be > 0, got {:.0f} ms", to_ms(config.op_timeout)));
+    }
     if (config.gpu_copy != "auto" && config.gpu_copy != "kernel" &&
         config.gpu_copy != "copy-engine") {
         return invalid_argument(

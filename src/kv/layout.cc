@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <initializer_list>
+
 #include "ferry/common/bytes.h"
 
 namespace ferry::kv {
@@ -80,13 +82,16 @@ Status KvLayout::validate() const {
         return invalid_argument(fmt::format(
             "regions per layer and K/V need K and V apart (placement separate): {}", to_string()));
     }
-    // Every factor is below 2^32; check the running product stays below 2^63.
-    unsigned __int128 total = static_cast<unsigned __int128>(head_bytes()) * num_kv_heads;
-    total *= block_size;
-    total *= 2ull * num_blocks;
-    total *= num_layers;
-    if (total >> 63) {
-        return invalid_argument(fmt::format("KV layout pool size overflows: {}", to_string()));
+    // head_bytes() is below 2^64 and every other factor below 2^33: the running product,
+    // checked after each step, stays below 2^97. (Checked once at the end, five factors of
+    // 2^31 wrapped the 128 bits to 0, and a pool of 0 bytes passed.)
+    unsigned __int128 total = head_bytes();
+    for (uint64_t factor : {uint64_t{num_kv_heads}, uint64_t{block_size}, 2 * uint64_t{num_blocks},
+                            uint64_t{num_layers}}) {
+        total *= factor;
+        if (total >> 63) {
+            return invalid_argument(fmt::format("KV layout pool size overflows: {}", to_string()));
+        }
     }
     return ok_status();
 }
