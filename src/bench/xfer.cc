@@ -607,7 +607,8 @@ Result<double> Initiator::engine_scatter_loop(int npeers, size_t size, int windo
 
 Status Initiator::latency(XferReport& rep) {
     // The whole ping-pong runs in completion callbacks on the worker thread, so no other
-    // thread competes for a core while it is timed.
+    // thread competes for a core while it is timed. The state is shared with the callbacks:
+    // one may still run after a timeout below returned.
     struct State {
         std::mutex mu;
         std::condition_variable cv;
@@ -617,44 +618,59 @@ Status Initiator::latency(XferReport& rep) {
         std::vector<double> us;
         bool done = false;
         Status error;
-    } st;
-    st.warmup = std::min(200, c_.latency_iters / 10);
-    st.left = c_.latency_iters + st.warmup;
-    st.us.reserve(st.left);
-    std::function<void(const Status&)> on_pong = [&](const Status& s) {
-        auto now = Clock::now();
-        if (!s.ok()) {
-            std::lock_guard lk(st.mu);
-            st.error = s;
-            st.done = true;
-            st.cv.notify_all();
-            return;
-        }
-        if (st.warmup > 0)
-            --st.warmup;
-        else
-            st.us.push_back(to_us(now - st.t0) / 2);
-        if (--st.left == 0) {
-            std::lock_guard lk(st.mu);
-            st.done = true;
-            st.cv.notify_all();
-            return;
-        }
-        engine_->on_imm(kPong, 1, std::chrono::seconds(5), on_pong);
-        st.t0 = Clock::now();
-        engine_->write({peer_, mr_.get(), 0, &remote_, 0, 8, kPing});
+        std::function<void(const Status&)> on_pong;
     };
-    engine_->on_imm(kPong, 1, std::chrono::seconds(5), on_pong);
-    st.t0 = Clock::now();
-    engine_->write({peer_, mr_.get(), 0, &remote_, 0, 8, kPing});
-    std::unique_lock lk(st.mu);
-    if (!st.cv.wait_for(lk, std::chrono::seconds(60), [&] { return st.done; })) {
-        return timeout_error("latency: ping-pong did not finish within 60 s");
-    }
-    if (!st.error.ok()) return st.error.with_context("latency ping-pong");
-    std::sort(st.us.begin(), st.us.end());
-    rep.latency_p50_us = st.us[st.us.size() / 2];
-    rep.latency_p99_us = st.us[std::min(st.us.size() - 1, st.us.size() * 99 / 100)];
+    auto st = std::make_shared<State>();
+    st->warmup = std::min(200, c_.latency_iters / 10);
+    st->left = c_.latency_iters + st->warmup;
+    st->us.reserve(st->left);
+    TransferEngine* engine = engine_.get();
+    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, 8, kPing};
+    std::weak_ptr<State> weak = st;
+    // t0 is only touched by the chain itself (each pong follows its ping); the rest under mu,
+    // which no engine call is made under.
+    st->on_pong = [weak, engine, ping](const Status& s) {
+        auto st = weak.lock();
+        if (!st) return;
+        auto now = Clock::now();
+        std::function<void(const Status&)> next;
+        {
+            std::lock_guard lk(st->mu);
+            if (st->done) return;
+            if (!s.ok()) st->error = s;
+            if (!s.ok() || st->left <= 0) {
+                st->done = true;
+                st->cv.notify_all();
+                return;
+            }
+            if (st->warmup > 0)
+                --st->warmup;
+            else
+                st->us.push_back(to_us(now - st->t0) / 2);
+            if (--st->left == 0) {
+                st->done = true;
+                st->cv.notify_all();
+                return;
+            }
+            next = st->on_pong;
+        }
+        engine->on_imm(kPong, 1, std::chrono::seconds(5), std::move(next));
+        st->t0 = Clock::now();
+        engine->write(ping);
+    };
+    engine->on_imm(kPong, 1, std::chrono::seconds(5), st->on_pong);
+    st->t0 = Clock::now();
+    engine->write(ping);
+    std::unique_lock lk(st->mu);
+    const bool finished = st->cv.wait_for(lk, std::chrono::seconds(60), [&] { return st->done; });
+    st->done = true;        // a pong still on its way ends the chain
+    st->on_pong = nullptr;  // and no callback keeps the state alive through itself
+    if (!finished) return timeout_error("latency: ping-pong did not finish within 60 s");
+    if (!st->error.ok()) return st->error.with_context("latency ping-pong");
+    if (st->us.empty()) return internal_error("latency: no round trip was timed");
+    std::sort(st->us.begin(), st->us.end());
+    rep.latency_p50_us = st->us[st->us.size() / 2];
+    rep.latency_p99_us = st->us[std::min(st->us.size() - 1, st->us.size() * 99 / 100)];
     rep.latency_iters = c_.latency_iters;
     return ok_status();
 }
@@ -748,7 +764,9 @@ Result<XferReport> Initiator::run() {
             rep.rows.push_back(row);
         }
     }
-    if (!c_.rate_only) {
+    // --latency-iters 0: no latency point (a ping-pong of zero round trips never ended and
+    // its callbacks outlived the call: a crash, 2026-12-03).
+    if (!c_.rate_only && c_.latency_iters > 0) {
         FERRY_RETURN_IF_ERROR(mode(kModeRaw));
         FERRY_ASSIGN_OR_RETURN(double lbps,
                                raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
@@ -848,18 +866,31 @@ std::string human_size(size_t b) {
 }
 }  // namespace
 
+double XferRow::median_ratio() const {
+    if (samples.empty()) return ratio();
+    std::vector<double> s = samples;
+    std::sort(s.begin(), s.end());
+    const size_t n = s.size();
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+}
+
 std::string format_xfer_table(const XferReport& r) {
+    // With three pairs or more, the median of the pairs' ratios beside the best-of ratio.
+    const bool median = r.repeat >= 3;
     std::string out = fmt::format(
         "ferry bench xfer — provider {} (two processes, one host; raw "
-        "and engine alternate, best of {} each)\n\n",
-        r.provider, r.repeat);
-    out +=
-        fmt::format("{:<12} {:>9} {:>6} {:>10} {:>12} {:>7} {:>13} {:>13}\n", "operation", "size",
-                    "peers", "raw GB/s", "engine GB/s", "ratio", "raw ops/s", "engine ops/s");
+        "and engine alternate, best of {} each{})\n\n",
+        r.provider, r.repeat, median ? "; median: of the pairs' ratios" : "");
+    out += fmt::format("{:<12} {:>9} {:>6} {:>10} {:>12} {:>7}{} {:>13} {:>13}\n", "operation",
+                       "size", "peers", "raw GB/s", "engine GB/s", "ratio",
+                       median ? fmt::format(" {:>7}", "median") : std::string(), "raw ops/s",
+                       "engine ops/s");
     for (const auto& row : r.rows) {
-        out += fmt::format("{:<12} {:>9} {:>6} {:>10.2f} {:>12.2f} {:>6.2f}x {:>13.0f} {:>13.0f}\n",
-                           row.kind, human_size(row.size), row.peers ? row.peers : 1, row.raw_gbps,
-                           row.engine_gbps, row.ratio(), row.raw_ops, row.engine_ops);
+        out += fmt::format(
+            "{:<12} {:>9} {:>6} {:>10.2f} {:>12.2f} {:>6.2f}x{} {:>13.0f} {:>13.0f}\n", row.kind,
+            human_size(row.size), row.peers ? row.peers : 1, row.raw_gbps, row.engine_gbps,
+            row.ratio(), median ? fmt::format(" {:>6.2f}x", row.median_ratio()) : std::string(),
+            row.raw_ops, row.engine_ops);
     }
     out += "\n";
     if (r.latency_iters > 0) {
@@ -894,6 +925,7 @@ nlohmann::json xfer_report_json(const XferReport& r) {
                              {"raw_gbps", row.raw_gbps},
                              {"engine_gbps", row.engine_gbps},
                              {"ratio", row.ratio()},
+                             {"median_ratio", row.median_ratio()},
                              {"raw_ops_per_s", row.raw_ops},
                              {"engine_ops_per_s", row.engine_ops}});
     }

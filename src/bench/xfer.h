@@ -64,6 +64,9 @@ struct XferRow {
     double engine_cpu_us = 0;
     double engine_caller_cpu_us = 0;
     double ratio() const { return raw_ops > 0 ? engine_ops / raw_ops : 0; }
+    // The median of the pairs' ratios: on a host where the two sides' threads share few
+    // cores, single passes swing by 2x, and a pair's two passes see the same neighbourhood.
+    double median_ratio() const;
 };
 
 struct XferReport {

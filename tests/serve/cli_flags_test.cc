@@ -339,5 +339,19 @@ TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {
     }
 }
 
+// --latency-iters 0 is in range: the run skips the latency point. It crashed (a ping-pong of
+// zero round trips never ended, and its callbacks wrote into the returned call's stack).
+// --repeat 3 adds the median of the pairs' ratios.
+TEST_F(CliFlags, BenchXferWithoutLatencyItersRunsAndPrintsTheMedian) {
+    auto [code, out] = run({"bench", "xfer", "--provider", "shm", "--sizes", "4096", "--pages",
+                            "4096", "--latency-iters", "0", "--repeat", "3", "--seconds", "0.02"},
+                           seconds(60));
+    SCOPED_TRACE(out);
+    EXPECT_EQ(code, 0);
+    EXPECT_NE(out.find("median"), std::string::npos);
+    EXPECT_NE(out.find("write            4 KiB"), std::string::npos);
+    EXPECT_EQ(out.find("one-way"), std::string::npos);  // no latency point
+}
+
 }  // namespace
 }  // namespace ferry::serve::testing
