@@ -235,8 +235,15 @@ Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
     return m;
 }
 
+// Checked before anything opens a socket on it: `--host 999.1.1.1` was reported as a failure of
+// the KV side channel, the first thing an engine binds.
+Status check_listen_flag(const char* flag, const std::string& host) {
+    return serve::check_listen_host(host).with_context(flag);
+}
+
 int run_engine(const std::string& role, const EngineFlags& f) {
     stop_requested();  // handlers in place before anything starts
+    if (Status st = check_listen_flag("--host", f.host); !st.ok()) return fail(st);
     // libfabric 1.17's shm copies a large write with CMA while holding the target region's
     // spinlock, and the initiator's next post spins on that lock for the whole copy. With more
     // busy threads than cores the spinner takes the copier's CPU and a loaded stack never
@@ -309,6 +316,7 @@ Result<serve::RouterMode> router_mode(const std::string& mode) {
 
 int run_router(const RouterFlags& f) {
     stop_requested();
+    if (Status st = check_listen_flag("--host", f.host); !st.ok()) return fail(st);
     serve::RouterConfig rc;
     auto mode = router_mode(f.mode);
     if (!mode.ok()) return fail(mode.status());
@@ -346,6 +354,7 @@ struct LocalFlags {
 // their pools) behind the router. For trying the stack before the network connector exists.
 int run_local(const LocalFlags& f) {
     stop_requested();
+    if (Status st = check_listen_flag("--host", f.router.host); !st.ok()) return fail(st);
     auto mode = router_mode(f.router.mode);
     if (!mode.ok()) return fail(mode.status());
     auto link_mode = kv_link_mode(f.router.mode);

@@ -1,5 +1,6 @@
 #include "ferry/serve/router.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
 
 #include <charconv>
@@ -28,7 +29,15 @@ Result<std::vector<EngineAddress>> parse_engine_addresses(std::string_view list)
                 std::errc() ||
             port <= 0 || port > 65535)
             return invalid_argument(fmt::format("'{}' is not HOST:PORT", item));
-        out.push_back({std::string(item.substr(0, colon)), port});
+        std::string host(item.substr(0, colon));
+        // Digits and dots are an IPv4 address or nothing: `999.1.1.1` went to DNS and the engine
+        // stayed "not ready" forever. A name may resolve later (its engine not up yet): not
+        // checked here.
+        in_addr v4{};
+        if (host.find_first_not_of("0123456789.") == std::string::npos &&
+            ::inet_pton(AF_INET, host.c_str(), &v4) != 1)
+            return invalid_argument(fmt::format("'{}': {} is not an IPv4 address", item, host));
+        out.push_back({std::move(host), port});
     }
     if (out.empty()) return invalid_argument("no engine addresses given");
     return out;
