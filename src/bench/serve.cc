@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "ferry/serve/http.h"
 #include "ferry/serve/openai_api.h"
@@ -214,6 +215,22 @@ Result<BenchServeResult> run_bench_serve(const BenchServeConfig& c) {
     }
     if (c.input_len == 0) return invalid_argument("--input-len must be at least 1");
     if (c.output_len == 0) return invalid_argument("--output-len must be at least 1");
+    // A maximum below the length was ignored: every prompt had --input-len tokens.
+    for (auto [flag, lo_flag, hi, lo] :
+         {std::tuple{"--input-len-max", "--input-len", c.input_len_max, c.input_len},
+          std::tuple{"--output-len-max", "--output-len", c.output_len_max, c.output_len}})
+        if (hi != 0 && hi < lo)
+            return invalid_argument(
+                fmt::format("{} {} is below {} {}: give a maximum of at least {} (or leave it "
+                            "out for a fixed length)",
+                            flag, hi, lo_flag, lo, lo));
+    // Every request failed with a connection error instead.
+    if (c.port < 1 || c.port > 65535)
+        return invalid_argument(fmt::format("--port must be in [1, 65535], got {}", c.port));
+    FERRY_RETURN_IF_ERROR(serve::check_host_resolves(c.host).with_context("--host"));
+    if (!c.path.starts_with('/'))
+        return invalid_argument(
+            fmt::format("--endpoint '{}' must be a path starting with '/'", c.path));
     if (c.vocab < 1) return invalid_argument("vocabulary must not be empty");
     if (c.verify && c.verify_slice.vocab != c.vocab)
         return invalid_argument("verification needs the model's vocabulary for prompts too");
