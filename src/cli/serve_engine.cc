@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
@@ -355,6 +357,16 @@ struct LocalFlags {
 int run_local(const LocalFlags& f) {
     stop_requested();
     if (Status st = check_listen_flag("--host", f.router.host); !st.ok()) return fail(st);
+    // The second bind of one port failed as "pick another --port", whichever flag it was.
+    const std::pair<const char*, int> ports[] = {{"--port", f.router.port},
+                                                 {"--prefill-port", f.prefill_port},
+                                                 {"--decode-port", f.decode_port}};
+    for (size_t i = 0; i < std::size(ports); ++i)
+        for (size_t k = 0; k < i; ++k)
+            if (ports[i].second != 0 && ports[i].second == ports[k].second)
+                return fail(invalid_argument(
+                    fmt::format("{} {} is {} too: give each its own port (or 0 for a free one)",
+                                ports[i].first, ports[i].second, ports[k].first)));
     auto mode = router_mode(f.router.mode);
     if (!mode.ok()) return fail(mode.status());
     auto link_mode = kv_link_mode(f.router.mode);
