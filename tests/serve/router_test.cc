@@ -401,6 +401,13 @@ TEST(Router, ParsesEngineAddressLists) {
     EXPECT_EQ((*a)[1].port, 8101);
     EXPECT_FALSE(parse_engine_addresses("nohost").ok());
     EXPECT_FALSE(parse_engine_addresses("h:99999").ok());
+    // Digits and dots are an IPv4 address or an error now, not a name for DNS; names that may
+    // resolve only later (their engine not up yet) are kept.
+    auto bad = parse_engine_addresses("127.0.0.1:8100,999.1.1.1:8101");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().message(), "'999.1.1.1:8101': 999.1.1.1 is not an IPv4 address");
+    EXPECT_FALSE(parse_engine_addresses("10.0.0:8100").ok());
+    EXPECT_TRUE(parse_engine_addresses("10.0.0.7:8100,engine-3.cluster.local:8100").ok());
 }
 
 }  // namespace
