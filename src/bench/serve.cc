@@ -55,6 +55,8 @@ struct Planned {
     Duration send_at;
 };
 
+constexpr double kMaxScheduleSeconds = 1e9;
+
 std::vector<Planned> plan(const BenchServeConfig& c) {
     std::mt19937_64 rng(c.seed);
     std::uniform_int_distribution<int32_t> token(0, c.vocab - 1);
@@ -71,7 +73,9 @@ std::vector<Planned> plan(const BenchServeConfig& c) {
         p.prompt.resize(pick(c.input_len, c.input_len_max));
         for (auto& x : p.prompt) x = token(rng);
         p.max_tokens = pick(c.output_len, c.output_len_max);
-        p.send_at = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(t));
+        // Bounded by the rate check; the tail of one gap must not overflow the conversion.
+        p.send_at = std::chrono::duration_cast<Duration>(
+            std::chrono::duration<double>(std::min(t, kMaxScheduleSeconds)));
         out.push_back(std::move(p));
         if (!burst) t += gap(rng);
     }
@@ -224,6 +228,14 @@ Result<BenchServeResult> run_bench_serve(const BenchServeConfig& c) {
                 fmt::format("{} {} is below {} {}: give a maximum of at least {} (or leave it "
                             "out for a fixed length)",
                             flag, hi, lo_flag, lo, lo));
+    // The schedule is in nanoseconds from the start: --request-rate 1e-300 overflowed it and
+    // sent every request at once, as a burst. 1e9 s is 31 years.
+    if (std::isfinite(c.request_rate) &&
+        !(double(c.num_prompts) / c.request_rate <= kMaxScheduleSeconds))
+        return invalid_argument(fmt::format(
+            "--request-rate {} makes {} prompts a run of about {:.3g} s, more than 1e9 s: give a "
+            "higher rate",
+            c.request_rate, c.num_prompts, double(c.num_prompts) / c.request_rate));
     // Every request failed with a connection error instead.
     if (c.port < 1 || c.port > 65535)
         return invalid_argument(fmt::format("--port must be in [1, 65535], got {}", c.port));

@@ -124,6 +124,11 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"serve", "local", "--host", "192.0.2.1"}, "--host: '192.0.2.1' is not an address"},
         {{"serve", "local", "--prefill-port", "8300", "--decode-port", "8300"},
          "--decode-port 8300 is --prefill-port too: give each its own port"},
+        {{"serve", "decode", "--model", "tiny", "--tp", "1", "--port", "8301", "--kv-port", "8301"},
+         "--kv-port 8301 is --port too: give each its own port"},
+        // The schedule overflowed and every request went out at once.
+        {{"bench", "serve", "--request-rate", "1e-300", "--num-prompts", "3"},
+         "--request-rate 1e-300 makes 3 prompts a run of about 3e+300 s, more than 1e9 s"},
         {{"serve", "router", "--port", "0", "--decode", "127.0.0.1:8200,999.1.1.1:8200"},
          "--decode: '999.1.1.1:8200': 999.1.1.1 is not an IPv4 address"},
         // bench serve sent every request to these and reported them all failed.
