@@ -82,6 +82,22 @@ std::vector<Planned> plan(const BenchServeConfig& c) {
     return out;
 }
 
+// choices[0].token_ids of a streamed event: an empty array where it has none (an event of a
+// server that does not send ids), nullptr where it is there but not an array of int32 ids.
+const json* token_ids_of(const json& event) {
+    static const json kNone = json::array();
+    if (!event.is_object() || !event.contains("choices")) return &kNone;
+    const json& choices = event["choices"];
+    if (!choices.is_array() || choices.empty() || !choices[0].is_object()) return nullptr;
+    if (!choices[0].contains("token_ids")) return &kNone;
+    const json& ids = choices[0]["token_ids"];
+    if (!ids.is_array()) return nullptr;
+    for (const json& t : ids)
+        if (!t.is_number_integer() || t.get<int64_t>() < INT32_MIN || t.get<int64_t>() > INT32_MAX)
+            return nullptr;
+    return &ids;
+}
+
 RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
     RequestRecord r;
     r.prompt_len = p.prompt.size();
@@ -113,21 +129,32 @@ RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
                                              r.error = "server sent an event that is not JSON";
                                              return false;
                                          }
-                                         if (j.contains("error")) {
-                                             r.error = j["error"].value("message", "error event");
+                                         // Events of another shape (another server's, a
+                                         // proxy's) fail their request naming it: value(), []
+                                         // and get<> threw here, out of this request's thread
+                                         // (std::terminate).
+                                         if (j.is_object() && j.contains("error")) {
+                                             r.error = error_message_of(ev);
+                                             return false;
+                                         }
+                                         const json* ids = token_ids_of(j);
+                                         if (ids == nullptr) {
+                                             r.error = fmt::format(
+                                                 "server sent an event whose choices[0].token_ids "
+                                                 "is not an array of token ids: {:.200}",
+                                                 ev);
                                              return false;
                                          }
                                          if (j.contains("ferry_timing"))
                                              r.server_timing = j["ferry_timing"];
-                                         const json& ids = j["choices"][0]["token_ids"];
-                                         if (ids.empty()) continue;
+                                         if (ids->empty()) continue;
                                          TimePoint now = Clock::now();
                                          if (tokens.empty())
                                              r.ttft_ms = to_ms(now - start);
                                          else
                                              r.itl_ms.push_back(to_ms(now - last));
                                          last = now;
-                                         for (const json& t : ids)
+                                         for (const json& t : *ids)
                                              tokens.push_back(t.get<int32_t>());
                                      }
                                      return true;
@@ -137,11 +164,7 @@ RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
     if (!st.ok()) {
         r.error = st.to_string();
     } else if (status != 200) {
-        json j = json::parse(raw_error, nullptr, false);
-        r.error = fmt::format("HTTP {}: {}", status,
-                              !j.is_discarded() && j.contains("error")
-                                  ? j["error"].value("message", raw_error)
-                                  : raw_error);
+        r.error = fmt::format("HTTP {}: {}", status, error_message_of(raw_error));
     } else if (r.error.empty() && !done) {
         r.error = c.stop && c.stop->load() ? "stopped" : "stream ended without [DONE]";
     }
@@ -321,7 +344,8 @@ json BenchServeResult::to_json() const {
             for (auto& [k, v] : r.server_timing.items())
                 if (v.is_number()) breakdown[k].push_back(v.get<double>());
             const json& t = r.server_timing;
-            if (t.contains("transfer_wait_ms") && t.contains("decode_wait_ms") && r.ttft_ms > 0)
+            if (t.contains("transfer_wait_ms") && t["transfer_wait_ms"].is_number() &&
+                t.contains("decode_wait_ms") && t["decode_wait_ms"].is_number() && r.ttft_ms > 0)
                 wait_share.push_back(
                     (t["transfer_wait_ms"].get<double>() + t["decode_wait_ms"].get<double>()) /
                     r.ttft_ms);

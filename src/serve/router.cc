@@ -55,13 +55,7 @@ std::string leg_message(const std::string& leg, const EngineAddress& a, int stat
                         const std::string& body) {
     // Any shape: an engine of another make passed the probe with a message of 5 or null, and
     // value() threw out of the handler (a 500 naming nlohmann's exception).
-    json j = json::parse(body, nullptr, false);
-    std::string msg = body;
-    if (j.is_object() && j.contains("error") && j["error"].is_object() &&
-        j["error"].contains("message")) {
-        const json& m = j["error"]["message"];
-        msg = m.is_string() ? m.get<std::string>() : m.dump();
-    }
+    const std::string msg = error_message_of(body);
     return fmt::format("{} leg on {} failed (HTTP {}): {}", leg, a.to_string(), status, msg);
 }
 

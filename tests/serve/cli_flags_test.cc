@@ -389,6 +389,48 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     EXPECT_EQ(early.load(), 0);
 }
 
+// Against a server of another make (or a proxy), events and error bodies of other shapes fail
+// their requests, naming what came: value(), [] and get<> threw in the request threads, and
+// the process died with "terminate called".
+TEST_F(CliFlags, BenchServeAgainstAServerOfAnotherShapeFailsItsRequestsNamingWhy) {
+    struct Odd {
+        int status;
+        std::string body;  // an SSE event's data when status is 200
+        std::string says;
+    };
+    const std::vector<Odd> cases = {
+        {200, R"({"error": "overloaded"})", "failed x2: overloaded"},
+        {200, R"({"error": {"message": 5}})", "failed x2: 5"},
+        {200, R"({"choices": "x"})", "choices[0].token_ids is not an array of token ids"},
+        {200, R"({"choices": [{"token_ids": ["a"]}]})", "is not an array of token ids"},
+        {200, R"({"choices": [{"token_ids": [1e40]}]})", "is not an array of token ids"},
+        {400, R"({"error": {"message": ["x"]}})", R"(failed x2: HTTP 400: ["x"])"},
+        {400, R"({"error": 7})", "failed x2: HTTP 400: 7"},
+    };
+    for (const Odd& k : cases) {
+        SCOPED_TRACE(k.body);
+        std::vector<HttpRoute> routes;
+        routes.push_back({"POST", "/v1/completions", [k](const HttpRequest&, HttpReply& r) {
+                              r.status = k.status;
+                              if (k.status != 200) {
+                                  r.body = k.body;
+                                  return;
+                              }
+                              r.content_type = "text/event-stream";
+                              std::string ev = "data: " + k.body + "\n\n";
+                              r.stream = [ev](const ChunkWriter& write) { write(ev); };
+                          }});
+        auto server = HttpServer::start({}, std::move(routes));
+        ASSERT_TRUE(server.ok()) << server.status().to_string();
+        auto [code, out] =
+            run({"bench", "serve", "--port", std::to_string((*server)->port()), "--num-prompts",
+                 "2", "--input-len", "4", "--output-len", "2", "--wait-health", "0"});
+        EXPECT_EQ(code, 3) << out;  // ran, and both requests failed
+        EXPECT_NE(out.find(k.says), std::string::npos) << out;
+        EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+    }
+}
+
 TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
