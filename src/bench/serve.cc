@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "ferry/serve/http.h"
 #include "ferry/serve/openai_api.h"
@@ -54,6 +55,8 @@ struct Planned {
     Duration send_at;
 };
 
+constexpr double kMaxScheduleSeconds = 1e9;
+
 std::vector<Planned> plan(const BenchServeConfig& c) {
     std::mt19937_64 rng(c.seed);
     std::uniform_int_distribution<int32_t> token(0, c.vocab - 1);
@@ -70,11 +73,29 @@ std::vector<Planned> plan(const BenchServeConfig& c) {
         p.prompt.resize(pick(c.input_len, c.input_len_max));
         for (auto& x : p.prompt) x = token(rng);
         p.max_tokens = pick(c.output_len, c.output_len_max);
-        p.send_at = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(t));
+        // Bounded by the rate check; the tail of one gap must not overflow the conversion.
+        p.send_at = std::chrono::duration_cast<Duration>(
+            std::chrono::duration<double>(std::min(t, kMaxScheduleSeconds)));
         out.push_back(std::move(p));
         if (!burst) t += gap(rng);
     }
     return out;
+}
+
+// choices[0].token_ids of a streamed event: an empty array where it has none (an event of a
+// server that does not send ids), nullptr where it is there but not an array of int32 ids.
+const json* token_ids_of(const json& event) {
+    static const json kNone = json::array();
+    if (!event.is_object() || !event.contains("choices")) return &kNone;
+    const json& choices = event["choices"];
+    if (!choices.is_array() || choices.empty() || !choices[0].is_object()) return nullptr;
+    if (!choices[0].contains("token_ids")) return &kNone;
+    const json& ids = choices[0]["token_ids"];
+    if (!ids.is_array()) return nullptr;
+    for (const json& t : ids)
+        if (!t.is_number_integer() || t.get<int64_t>() < INT32_MIN || t.get<int64_t>() > INT32_MAX)
+            return nullptr;
+    return &ids;
 }
 
 RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
@@ -108,21 +129,32 @@ RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
                                              r.error = "server sent an event that is not JSON";
                                              return false;
                                          }
-                                         if (j.contains("error")) {
-                                             r.error = j["error"].value("message", "error event");
+                                         // Events of another shape (another server's, a
+                                         // proxy's) fail their request naming it: value(), []
+                                         // and get<> threw here, out of this request's thread
+                                         // (std::terminate).
+                                         if (j.is_object() && j.contains("error")) {
+                                             r.error = error_message_of(ev);
+                                             return false;
+                                         }
+                                         const json* ids = token_ids_of(j);
+                                         if (ids == nullptr) {
+                                             r.error = fmt::format(
+                                                 "server sent an event whose choices[0].token_ids "
+                                                 "is not an array of token ids: {:.200}",
+                                                 ev);
                                              return false;
                                          }
                                          if (j.contains("ferry_timing"))
                                              r.server_timing = j["ferry_timing"];
-                                         const json& ids = j["choices"][0]["token_ids"];
-                                         if (ids.empty()) continue;
+                                         if (ids->empty()) continue;
                                          TimePoint now = Clock::now();
                                          if (tokens.empty())
                                              r.ttft_ms = to_ms(now - start);
                                          else
                                              r.itl_ms.push_back(to_ms(now - last));
                                          last = now;
-                                         for (const json& t : ids)
+                                         for (const json& t : *ids)
                                              tokens.push_back(t.get<int32_t>());
                                      }
                                      return true;
@@ -132,11 +164,7 @@ RequestRecord run_one(const BenchServeConfig& c, const Planned& p) {
     if (!st.ok()) {
         r.error = st.to_string();
     } else if (status != 200) {
-        json j = json::parse(raw_error, nullptr, false);
-        r.error = fmt::format("HTTP {}: {}", status,
-                              !j.is_discarded() && j.contains("error")
-                                  ? j["error"].value("message", raw_error)
-                                  : raw_error);
+        r.error = fmt::format("HTTP {}: {}", status, error_message_of(raw_error));
     } else if (r.error.empty() && !done) {
         r.error = c.stop && c.stop->load() ? "stopped" : "stream ended without [DONE]";
     }
@@ -214,6 +242,30 @@ Result<BenchServeResult> run_bench_serve(const BenchServeConfig& c) {
     }
     if (c.input_len == 0) return invalid_argument("--input-len must be at least 1");
     if (c.output_len == 0) return invalid_argument("--output-len must be at least 1");
+    // A maximum below the length was ignored: every prompt had --input-len tokens.
+    for (auto [flag, lo_flag, hi, lo] :
+         {std::tuple{"--input-len-max", "--input-len", c.input_len_max, c.input_len},
+          std::tuple{"--output-len-max", "--output-len", c.output_len_max, c.output_len}})
+        if (hi != 0 && hi < lo)
+            return invalid_argument(
+                fmt::format("{} {} is below {} {}: give a maximum of at least {} (or leave it "
+                            "out for a fixed length)",
+                            flag, hi, lo_flag, lo, lo));
+    // The schedule is in nanoseconds from the start: --request-rate 1e-300 overflowed it and
+    // sent every request at once, as a burst. 1e9 s is 31 years.
+    if (std::isfinite(c.request_rate) &&
+        !(double(c.num_prompts) / c.request_rate <= kMaxScheduleSeconds))
+        return invalid_argument(fmt::format(
+            "--request-rate {} makes {} prompts a run of about {:.3g} s, more than 1e9 s: give a "
+            "higher rate",
+            c.request_rate, c.num_prompts, double(c.num_prompts) / c.request_rate));
+    // Every request failed with a connection error instead.
+    if (c.port < 1 || c.port > 65535)
+        return invalid_argument(fmt::format("--port must be in [1, 65535], got {}", c.port));
+    FERRY_RETURN_IF_ERROR(serve::check_host_resolves(c.host).with_context("--host"));
+    if (!c.path.starts_with('/'))
+        return invalid_argument(
+            fmt::format("--endpoint '{}' must be a path starting with '/'", c.path));
     if (c.vocab < 1) return invalid_argument("vocabulary must not be empty");
     if (c.verify && c.verify_slice.vocab != c.vocab)
         return invalid_argument("verification needs the model's vocabulary for prompts too");
@@ -292,7 +344,8 @@ json BenchServeResult::to_json() const {
             for (auto& [k, v] : r.server_timing.items())
                 if (v.is_number()) breakdown[k].push_back(v.get<double>());
             const json& t = r.server_timing;
-            if (t.contains("transfer_wait_ms") && t.contains("decode_wait_ms") && r.ttft_ms > 0)
+            if (t.contains("transfer_wait_ms") && t["transfer_wait_ms"].is_number() &&
+                t.contains("decode_wait_ms") && t["decode_wait_ms"].is_number() && r.ttft_ms > 0)
                 wait_share.push_back(
                     (t["transfer_wait_ms"].get<double>() + t["decode_wait_ms"].get<double>()) /
                     r.ttft_ms);

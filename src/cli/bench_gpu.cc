@@ -16,7 +16,8 @@ void register_bench_gpu(CLI::App& bench) {
     cmd->add_option("--pages", c->pages, "page sizes for paged writes")->delimiter(',');
     cmd->add_option("--modes", c->copy_modes, "kernel,copy-engine")->delimiter(',');
     cmd->add_option("--iters", c->iters)->capture_default_str();
-    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file")
+        ->check(output_file());
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& l) { std::fprintf(stderr, "  %s\n", l.c_str()); };
         auto rep = run_gpu_bench(*c);

@@ -53,7 +53,8 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("!--no-verify", c->verify, "skip checking the bytes of the first request");
     cmd->add_flag("!--no-busy-poll", c->busy_poll,
                   "let engine workers nap when idle (default: they poll, one core each)");
-    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file")
+        ->check(output_file());
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
         auto rep = kv::run_kv_bench(*c);

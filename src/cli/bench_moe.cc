@@ -65,7 +65,8 @@ void register_bench_moe(CLI::App& bench) {
                     "per put); the --floor loop writes the same pieces")
         ->capture_default_str();
     cmd->add_option("--iters", c->iters)->capture_default_str();
-    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file")
+        ->check(output_file());
     cmd->callback([c, dtype, json_path, per_node, combine] {
         // The cuda backend puts every rank on one node unless asked to split them.
         if (c->backend == "cuda" && per_node->count() == 0) c->ranks_per_node = c->ranks;

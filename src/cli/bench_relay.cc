@@ -21,7 +21,8 @@ void register_bench_relay(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--iters", c->iters, "timed bodies per length")->capture_default_str();
     cmd->add_option("--seed", c->seed)->capture_default_str();
-    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file")
+        ->check(output_file());
     cmd->callback([c, json_path] {
         auto rows = serve::run_relay_bench(*c);
         if (!rows.ok()) return fail(rows.status());

@@ -3,18 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 
 #include "bench/serve.h"
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
+#include "cli/util.h"
 #include "ferry/serve/cost_model.h"
 
 namespace ferry::cli {
@@ -43,16 +40,6 @@ int run(BenchFlags f) {
             return 2;
         }
     }
-    if (!f.result_file.empty()) {
-        // Checked before the run, which may take minutes, not after it.
-        std::filesystem::path dir = std::filesystem::path(f.result_file).parent_path();
-        if (dir.empty()) dir = ".";
-        if (::access(dir.c_str(), W_OK) != 0) {
-            fmt::print(stderr, "error: --result-file {}: cannot write in {}: {}\n", f.result_file,
-                       dir.string(), std::strerror(errno));
-            return 2;
-        }
-    }
     auto model = serve::model_by_name(c.model);
     if (!model.ok()) {
         fmt::print(stderr, "error: {}\n", model.status().to_string());
@@ -68,6 +55,15 @@ int run(BenchFlags f) {
         }
         c.verify_slice = {
             .layout = cost->kv_layout(16, 1), .head_offset = f.head_offset, .vocab = model->vocab};
+        const int rank_heads = int(c.verify_slice.layout.num_kv_heads);
+        if (f.head_offset + rank_heads > model->kv_heads) {
+            fmt::print(stderr,
+                       "error: --head-offset {} with --tp {} leaves the {} KV heads of {}: use a "
+                       "multiple of {} below {}\n",
+                       f.head_offset, f.tp, model->kv_heads, model->name, rank_heads,
+                       model->kv_heads);
+            return 2;
+        }
     }
     c.stop = &stop_requested();
     c.wait_health =
@@ -132,10 +128,8 @@ int run(BenchFlags f) {
         fmt::print(stderr, "... and {} other errors (all in the result file)\n",
                    by_count.size() - 3);
     if (!f.result_file.empty()) {
-        std::ofstream out(f.result_file);
-        out << j.dump(2) << "\n";
-        if (!out) {
-            fmt::print(stderr, "error: cannot write {}\n", f.result_file);
+        if (Status st = write_json_file(f.result_file, j); !st.ok()) {
+            fmt::print(stderr, "error: {}\n", st.to_string());
             return 1;
         }
         fmt::print(stderr, "wrote {}\n", f.result_file);
@@ -175,7 +169,8 @@ void register_bench_serve(CLI::App& bench) {
     cmd->add_option("--head-offset", f->head_offset, "decode rank's first KV head (--verify)")
         ->capture_default_str();
     cmd->add_option("--label", c.label, "mode label stored in the result (push, pull, ...)");
-    cmd->add_option("--result-file", f->result_file, "write the JSON result here");
+    cmd->add_option("--result-file", f->result_file, "write the JSON result here")
+        ->check(output_file());
     cmd->add_option("--wait-health", f->wait_health_s,
                     "seconds to wait for GET /health to answer 200 before the first request "
                     "(0: do not wait)")

@@ -48,7 +48,8 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_flag("!--no-more", c->post_more, "post batches without FI_MORE");
     cmd->add_flag("--inject-completions", c->inject_completions,
                   "shm: injected writes keep their completion (EngineConfig::inject_completions)");
-    cmd->add_option("--json", *json_path, "write the results as JSON to this file");
+    cmd->add_option("--json", *json_path, "write the results as JSON to this file")
+        ->check(output_file());
     cmd->callback([c, json_path] {
         c->progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
         if (c->rate_only) c->rate = true;

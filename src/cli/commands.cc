@@ -1,7 +1,13 @@
 #include "cli/commands.h"
 
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 
 namespace ferry::cli {
 namespace {
@@ -31,8 +37,21 @@ std::string not_absurd(std::string& text) {
     return {};
 }
 
-void check_numeric_flags(CLI::App& app) {
+// CLI11 converts an empty value into 0 for a number (`--max-body-bytes ''` was a limit of 0
+// bytes, `--tp ''` "TP degree must be >= 1, got 0") and keeps it for a string (`--engine-id ''`
+// fell back to the default id, `--secret-file ''` to the default secret): an unset shell
+// variable in a script. No flag of ferry takes an empty value, and none is needed to ask for a
+// default (leave the flag out), so an empty value is refused here, naming the flag. (CLI11
+// drops the empty items of a list itself: "4096,,8192" is two sizes.)
+std::string not_empty(std::string& text) {
+    return text.empty() ? "needs a value, got an empty string" : std::string();
+}
+
+void check_flag_values(CLI::App& app) {
     for (CLI::Option* opt : app.get_options()) {
+        // Flags (--verify) take no value; their empty result is CLI11's own.
+        if (opt->get_items_expected_min() == 0) continue;
+        opt->check(CLI::Validator(not_empty, ""));
         // The type name is INT, UINT or FLOAT for numbers, followed by ":..." for validators.
         const std::string type = opt->get_type_name();
         const std::string base = type.substr(0, type.find(':'));
@@ -43,7 +62,7 @@ void check_numeric_flags(CLI::App& app) {
             opt->check(CLI::Range(0, 65535).description(""));
     }
     for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
-        check_numeric_flags(*sub);
+        check_flag_values(*sub);
 }
 
 }  // namespace
@@ -54,10 +73,26 @@ CLI::Validator positive_number() {
             const char* begin = text.c_str();
             char* end = nullptr;
             double v = std::strtod(begin, &end);
+            if (text.empty()) return not_empty(text);
             if (end != begin && !(v > 0)) return "must be greater than 0, got " + text;
             return {};
         },
         "> 0");
+}
+
+CLI::Validator output_file() {
+    return CLI::Validator(
+        [](std::string& path) -> std::string {
+            std::error_code ec;
+            if (std::filesystem::is_directory(path, ec)) return path + " is a directory";
+            std::filesystem::path dir = std::filesystem::path(path).parent_path();
+            if (dir.empty()) dir = ".";
+            if (::access(dir.c_str(), W_OK) != 0)
+                return fmt::format("{}: cannot write in {}: {}", path, dir.string(),
+                                   std::strerror(errno));
+            return {};
+        },
+        "");
 }
 
 int exit_code() { return g_exit_code; }
@@ -73,7 +108,7 @@ void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_relay(bench);
     register_serve(app);
 #endif
-    check_numeric_flags(app);
+    check_flag_values(app);
 }
 
 }  // namespace ferry::cli

@@ -19,6 +19,11 @@ void register_serve(CLI::App& app);
 // (register_commands).
 CLI::Validator positive_number();
 
+// For flags naming a file the command writes at its end (--json, --result-file): checked when
+// the flags are parsed, so a path that cannot be written fails at once rather than after a run
+// of minutes.
+CLI::Validator output_file();
+
 // Exit status set by the subcommand that ran.
 int exit_code();
 void set_exit_code(int code);

@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
@@ -235,8 +237,29 @@ Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
     return m;
 }
 
+// Checked before anything opens a socket on it: `--host 999.1.1.1` was reported as a failure of
+// the KV side channel, the first thing an engine binds.
+Status check_listen_flag(const char* flag, const std::string& host) {
+    return serve::check_listen_host(host).with_context(flag);
+}
+
+// The second bind of a port given to two flags failed as "in use? pick another --port",
+// whichever flag it was. Ports <= 0 (a free one, or a default derived later) are not compared.
+Status distinct_ports(std::initializer_list<std::pair<const char*, int>> ports) {
+    for (auto i = ports.begin(); i != ports.end(); ++i)
+        for (auto k = ports.begin(); k != i; ++k)
+            if (i->second > 0 && i->second == k->second)
+                return invalid_argument(
+                    fmt::format("{} {} is {} too: give each its own port (or 0 for a free one)",
+                                i->first, i->second, k->first));
+    return ok_status();
+}
+
 int run_engine(const std::string& role, const EngineFlags& f) {
     stop_requested();  // handlers in place before anything starts
+    if (Status st = check_listen_flag("--host", f.host); !st.ok()) return fail(st);
+    if (Status st = distinct_ports({{"--port", f.port}, {"--kv-port", f.kv_port}}); !st.ok())
+        return fail(st);
     // libfabric 1.17's shm copies a large write with CMA while holding the target region's
     // spinlock, and the initiator's next post spins on that lock for the whole copy. With more
     // busy threads than cores the spinner takes the copier's CPU and a loaded stack never
@@ -309,6 +332,7 @@ Result<serve::RouterMode> router_mode(const std::string& mode) {
 
 int run_router(const RouterFlags& f) {
     stop_requested();
+    if (Status st = check_listen_flag("--host", f.host); !st.ok()) return fail(st);
     serve::RouterConfig rc;
     auto mode = router_mode(f.mode);
     if (!mode.ok()) return fail(mode.status());
@@ -346,6 +370,12 @@ struct LocalFlags {
 // their pools) behind the router. For trying the stack before the network connector exists.
 int run_local(const LocalFlags& f) {
     stop_requested();
+    if (Status st = check_listen_flag("--host", f.router.host); !st.ok()) return fail(st);
+    if (Status st = distinct_ports({{"--port", f.router.port},
+                                    {"--prefill-port", f.prefill_port},
+                                    {"--decode-port", f.decode_port}});
+        !st.ok())
+        return fail(st);
     auto mode = router_mode(f.router.mode);
     if (!mode.ok()) return fail(mode.status());
     auto link_mode = kv_link_mode(f.router.mode);

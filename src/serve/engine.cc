@@ -160,8 +160,17 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
     if (config.max_model_len > size_t(INT32_MAX))
         return invalid_argument(fmt::format("--max-model-len {} is above the limit of {} tokens",
                                             config.max_model_len, INT32_MAX));
+    // 0 admitted one prompt per step, whatever its length, as if there were no budget.
+    if (config.max_num_batched_tokens == 0)
+        return invalid_argument("--max-num-batched-tokens must be at least 1, got 0");
+    // 0 was taken as 1; a count above the model's layers means one group per layer.
+    if (config.push_layer_groups < 1)
+        return invalid_argument(fmt::format(
+            "--push-layer-groups must be at least 1 (1: each chunk whole after its step; at "
+            "most one group per layer, {} for {}), got {}",
+            cost.model().layers, cost.model().name, config.push_layer_groups));
     if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
-    if (config.engine_id.empty()) return invalid_argument("an engine needs an id");
+    if (config.engine_id.empty()) return invalid_argument("--engine-id must not be empty");
     if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");
     if (config.num_blocks == 0 || config.num_blocks > UINT32_MAX)
         return invalid_argument(

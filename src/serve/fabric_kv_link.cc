@@ -217,7 +217,9 @@ class FabricKvLink::Impl {
                 return unavailable(fmt::format(
                     "engine {} runs no KV connector (its /health names no kv_side_channel_port)",
                     key));
-            std::string theirs = j.value("kv_provider", "");
+            std::string theirs = j.contains("kv_provider") && j["kv_provider"].is_string()
+                                     ? j["kv_provider"].get<std::string>()
+                                     : std::string();
             if (theirs != cfg.provider)
                 return invalid_argument(fmt::format(
                     "engine {} moves KV over provider '{}', this one over '{}': start both with "

@@ -983,6 +983,42 @@ int HttpServer::port() const { return impl_->port; }
 
 bool HttpServer::stopping() const { return impl_->stopping.load(); }
 
+namespace {
+
+using AddrInfo = std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)>;
+
+Result<AddrInfo> resolve(const std::string& host, int port, int flags) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = flags;
+    addrinfo* res = nullptr;
+    if (host.empty()) return invalid_argument("the host is empty: give an address or a name");
+    const std::string port_text = std::to_string(port);
+    if (int rc = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res); rc != 0)
+        return invalid_argument(
+            fmt::format("'{}' is neither an IP address nor a name this machine resolves ({})", host,
+                        gai_strerror(rc)));
+    return AddrInfo(res, &::freeaddrinfo);
+}
+
+}  // namespace
+
+Status check_host_resolves(const std::string& host) { return resolve(host, 0, 0).status(); }
+
+Status check_listen_host(const std::string& host) {
+    FERRY_ASSIGN_OR_RETURN(AddrInfo res, resolve(host, 0, AI_PASSIVE));
+    // Port 0: the address alone is tested, not the port (in use or not).
+    Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, res->ai_protocol));
+    if (fd.get() < 0)
+        return unavailable(
+            fmt::format("cannot create a socket for '{}': {}", host, strerror(errno)));
+    if (::bind(fd.get(), res->ai_addr, res->ai_addrlen) != 0)
+        return invalid_argument(
+            fmt::format("'{}' is not an address of this machine: {}", host, strerror(errno)));
+    return ok_status();
+}
+
 Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
                                                       std::vector<HttpRoute> routes) {
     for (const HttpRoute& r : routes)
@@ -1008,16 +1044,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
     impl->options = options;
     impl->routes = std::move(routes);
 
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    addrinfo* res = nullptr;
-    std::string port_text = std::to_string(options.port);
-    if (int rc = ::getaddrinfo(options.host.c_str(), port_text.c_str(), &hints, &res); rc != 0)
-        return invalid_argument(
-            fmt::format("cannot resolve the HTTP host '{}': {}", options.host, gai_strerror(rc)));
-    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, &::freeaddrinfo);
+    FERRY_ASSIGN_OR_RETURN(AddrInfo guard, resolve(options.host, options.port, AI_PASSIVE));
+    const addrinfo* res = guard.get();
     Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                    res->ai_protocol));
     if (fd.get() < 0)

@@ -396,6 +396,16 @@ std::string error_body(const Status& status) {
     return j.dump();
 }
 
+std::string error_message_of(std::string_view body) {
+    json j = json::parse(body, nullptr, false);
+    if (!j.is_object() || !j.contains("error")) return std::string(body);
+    const json& e = j["error"];
+    if (!e.is_object()) return e.is_string() ? e.get<std::string>() : e.dump();
+    if (!e.contains("message")) return e.dump();
+    const json& m = e["message"];
+    return m.is_string() ? m.get<std::string>() : m.dump();
+}
+
 std::string sse_error_event(const Status& status) { return "data: " + error_body(status) + "\n\n"; }
 
 std::vector<std::string> SseParser::feed(std::string_view bytes) {

@@ -1,5 +1,6 @@
 #include "ferry/serve/router.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
 
 #include <charconv>
@@ -28,7 +29,15 @@ Result<std::vector<EngineAddress>> parse_engine_addresses(std::string_view list)
                 std::errc() ||
             port <= 0 || port > 65535)
             return invalid_argument(fmt::format("'{}' is not HOST:PORT", item));
-        out.push_back({std::string(item.substr(0, colon)), port});
+        std::string host(item.substr(0, colon));
+        // Digits and dots are an IPv4 address or nothing: `999.1.1.1` went to DNS and the engine
+        // stayed "not ready" forever. A name may resolve later (its engine not up yet): not
+        // checked here.
+        in_addr v4{};
+        if (host.find_first_not_of("0123456789.") == std::string::npos &&
+            ::inet_pton(AF_INET, host.c_str(), &v4) != 1)
+            return invalid_argument(fmt::format("'{}': {} is not an IPv4 address", item, host));
+        out.push_back({std::move(host), port});
     }
     if (out.empty()) return invalid_argument("no engine addresses given");
     return out;
@@ -44,10 +53,9 @@ void send_error(HttpReply& reply, int status, const std::string& message) {
 // An engine's error body carries {"error": {"message": ...}}; keep its message, say which leg.
 std::string leg_message(const std::string& leg, const EngineAddress& a, int status,
                         const std::string& body) {
-    json j = json::parse(body, nullptr, false);
-    std::string msg = !j.is_discarded() && j.contains("error") && j["error"].is_object()
-                          ? j["error"].value("message", body)
-                          : body;
+    // Any shape: an engine of another make passed the probe with a message of 5 or null, and
+    // value() threw out of the handler (a 500 naming nlohmann's exception).
+    const std::string msg = error_message_of(body);
     return fmt::format("{} leg on {} failed (HTTP {}): {}", leg, a.to_string(), status, msg);
 }
 
@@ -79,6 +87,13 @@ void poll(HttpStream& s, Collected& c, TimePoint deadline) {
 }
 
 double ms_since(TimePoint t) { return to_ms(Clock::now() - t); }
+
+// A number of an engine's ferry_timing, 0 when absent or not a number (value() throws then).
+double number_in(const json& o, const char* key) {
+    if (!o.is_object()) return 0;
+    auto it = o.find(key);
+    return it != o.end() && it->is_number() ? it->get<double>() : 0;
+}
 
 // A decode reply or event with its ferry_timing replaced by merged(its ferry_timing), the rest
 // byte for byte; text that is not a JSON object passes unchanged.
@@ -234,7 +249,9 @@ Router::EngineState Router::probe(const EngineAddress& a) const {
         st.engine_id = j["engine_id"].get<std::string>();
     if (h->status != 200) {
         st.why = fmt::format("/health answered HTTP {}: {}", h->status,
-                             j.value("reason", std::string("not ready")));
+                             j.contains("reason") && j["reason"].is_string()
+                                 ? j["reason"].get<std::string>()
+                                 : std::string("not ready"));
     } else if (st.engine_id.empty()) {
         st.why = "/health names no engine_id";
     } else {
@@ -557,23 +574,23 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                   {"decode_leg_sent_ms", to_ms(decode_sent - t0)}};
         json pj = json::parse(prefill->body, nullptr, false);
         if (!pj.is_discarded() && pj.contains("ferry_timing")) {
-            t["prefill_queue_ms"] = pj["ferry_timing"].value("queue_ms", 0.0);
-            t["prefill_compute_ms"] = pj["ferry_timing"].value("prefill_ms", 0.0);
-            t["prefill_e2e_ms"] = pj["ferry_timing"].value("e2e_ms", 0.0);
+            t["prefill_queue_ms"] = number_in(pj["ferry_timing"], "queue_ms");
+            t["prefill_compute_ms"] = number_in(pj["ferry_timing"], "prefill_ms");
+            t["prefill_e2e_ms"] = number_in(pj["ferry_timing"], "e2e_ms");
         }
         t["prefill_leg_sent_ms"] = to_ms(prefill_sent - t0);
         if (decode_timing.is_object()) {
-            t["decode_kv_wait_ms"] = decode_timing.value("kv_wait_ms", 0.0);
-            t["decode_queue_ms"] = decode_timing.value("queue_ms", 0.0);
-            t["decode_first_token_ms"] = decode_timing.value("first_token_ms", 0.0);
-            t["decode_e2e_ms"] = decode_timing.value("e2e_ms", 0.0);
-            t["decode_prefill_wait_ms"] = decode_timing.value("prefill_wait_ms", 0.0);
-            t["decode_wait_ms"] = decode_timing.value("decode_wait_ms", 0.0);
+            t["decode_kv_wait_ms"] = number_in(decode_timing, "kv_wait_ms");
+            t["decode_queue_ms"] = number_in(decode_timing, "queue_ms");
+            t["decode_first_token_ms"] = number_in(decode_timing, "first_token_ms");
+            t["decode_e2e_ms"] = number_in(decode_timing, "e2e_ms");
+            t["decode_prefill_wait_ms"] = number_in(decode_timing, "prefill_wait_ms");
+            t["decode_wait_ms"] = number_in(decode_timing, "decode_wait_ms");
             // KV complete at decode minus prefill's compute end, on the engines' wall clocks.
-            double kv_at = decode_timing.value("kv_ready_unix_ms", 0.0);
+            double kv_at = number_in(decode_timing, "kv_ready_unix_ms");
             double computed_at = pj.is_discarded() || !pj.contains("ferry_timing")
                                      ? 0.0
-                                     : pj["ferry_timing"].value("prefill_end_unix_ms", 0.0);
+                                     : number_in(pj["ferry_timing"], "prefill_end_unix_ms");
             if (kv_at > 0 && computed_at > 0) t["transfer_wait_ms"] = kv_at - computed_at;
         }
         t["router_e2e_ms"] = ms_since(t0);

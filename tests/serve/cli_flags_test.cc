@@ -88,7 +88,61 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
          "--request-rate must be a number above 0 or inf, not '-1'"},
         {{"bench", "serve", "--port", "1", "--request-rate", "nan"}, "--request-rate"},
         {{"bench", "serve", "--port", "1", "--result-file", "/nonexistent/dir/r.json"},
-         "--result-file /nonexistent/dir/r.json: cannot write in /nonexistent/dir"},
+         "--result-file: /nonexistent/dir/r.json: cannot write in /nonexistent/dir"},
+        // Refused as the flags are parsed, not after a run of minutes (the table is not
+        // printed: checked below).
+        {{"bench", "relay", "--input-len", "64", "--iters", "2000", "--json",
+          "/nonexistent/dir/r.json"},
+         "--json: /nonexistent/dir/r.json: cannot write in /nonexistent/dir"},
+        {{"bench", "xfer", "--json", "/"}, "--json: / is a directory"},
+        // An empty value (an unset shell variable) was 0 for a number and the default for a
+        // string: a free port, a 0-byte body limit, the default engine id or secret. (CLI11
+        // drops empty items of a list: "4096,,8192" is two sizes.)
+        {engine({"--port", ""}), "--port: needs a value, got an empty string"},
+        {engine({"--tp", ""}), "--tp: needs a value, got an empty string"},
+        {engine({"--max-body-bytes", ""}), "--max-body-bytes: needs a value, got an empty"},
+        {engine({"--engine-id", ""}), "--engine-id: needs a value, got an empty string"},
+        {engine({"--secret-file", ""}), "--secret-file: needs a value, got an empty string"},
+        {engine({"--host", ""}), "--host: needs a value, got an empty string"},
+        {{"serve", "router", "--port", "0", "--prefill", ""}, "--prefill: needs a value"},
+        {{"bench", "xfer", "--seconds", ""}, "--seconds: needs a value, got an empty string"},
+        {{"bench", "xfer", "--sizes", ""}, "--sizes: needs a value, got an empty string"},
+        {{"bench", "relay", "--input-len", ""}, "--input-len: needs a value, got an empty"},
+        {{"bench", "serve", "--label", ""}, "--label: needs a value, got an empty string"},
+        {{"--log-level", "", "bench", "relay"}, "--log-level: needs a value"},
+        // 0 admitted one prompt per step whatever its length; 0 groups was taken as 1.
+        {engine({"--max-num-batched-tokens", "0"}),
+         "--max-num-batched-tokens must be at least 1, got 0"},
+        {engine({"--push-layer-groups", "0"}),
+         "--push-layer-groups must be at least 1 (1: each chunk whole after its step; at most "
+         "one group per layer, 2 for tiny), got 0"},
+        // Named as the flag it is, not as the KV side channel that bound it first.
+        {engine({"--host", "999.1.1.1"}),
+         "--host: '999.1.1.1' is neither an IP address nor a name this machine resolves"},
+        {engine({"--host", "192.0.2.1"}), "--host: '192.0.2.1' is not an address of this machine"},
+        {{"serve", "router", "--port", "0", "--host", "999.1.1.1"}, "--host: '999.1.1.1' is"},
+        {{"serve", "local", "--host", "192.0.2.1"}, "--host: '192.0.2.1' is not an address"},
+        {{"serve", "local", "--prefill-port", "8300", "--decode-port", "8300"},
+         "--decode-port 8300 is --prefill-port too: give each its own port"},
+        {{"serve", "decode", "--model", "tiny", "--tp", "1", "--port", "8301", "--kv-port", "8301"},
+         "--kv-port 8301 is --port too: give each its own port"},
+        // The schedule overflowed and every request went out at once.
+        {{"bench", "serve", "--request-rate", "1e-300", "--num-prompts", "3"},
+         "--request-rate 1e-300 makes 3 prompts a run of about 3e+300 s, more than 1e9 s"},
+        {{"serve", "router", "--port", "0", "--decode", "127.0.0.1:8200,999.1.1.1:8200"},
+         "--decode: '999.1.1.1:8200': 999.1.1.1 is not an IPv4 address"},
+        // bench serve sent every request to these and reported them all failed.
+        {{"bench", "serve", "--port", "0"}, "--port must be in [1, 65535], got 0"},
+        {{"bench", "serve", "--host", "999.1.1.1"},
+         "--host: '999.1.1.1' is neither an IP address nor a name"},
+        {{"bench", "serve", "--endpoint", "v1/completions"},
+         "--endpoint 'v1/completions' must be a path starting with '/'"},
+        {{"bench", "serve", "--input-len", "10", "--input-len-max", "5"},
+         "--input-len-max 5 is below --input-len 10"},
+        {{"bench", "serve", "--output-len", "10", "--output-len-max", "5"},
+         "--output-len-max 5 is below --output-len 10"},
+        {{"bench", "serve", "--verify", "--head-offset", "8"},
+         "--head-offset 8 with --tp 8 leaves the 8 KV heads of qwen3-32b"},
         {{"bench", "relay", "--input-len", "-5"}, "--input-len: must not be negative"},
         {{"bench", "relay", "--input-len", "0"}, "input lengths must be at least 1"},
         {{"bench", "xfer", "--sizes", "-1"}, "--sizes: must not be negative"},
@@ -173,6 +227,27 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         EXPECT_LT(code, 128) << out;  // by itself, not by a signal (abort, SIGPIPE)
         EXPECT_NE(out.find(k.says), std::string::npos) << out;
         EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+        EXPECT_EQ(out.find("KV side channel"), std::string::npos) << out;
+        EXPECT_EQ(out.find("relay p50"), std::string::npos) << out;  // no run before the error
+    }
+}
+
+// A result file appears whole under its name, written beside it and renamed (nothing else is
+// left in the folder); a second run replaces it.
+TEST_F(CliFlags, JsonResultsAreWrittenWholeUnderTheirName) {
+    const std::string path = (dir_ / "relay.json").string();
+    for (const std::string len : {"64", "64,128"}) {
+        auto [code, out] =
+            run({"bench", "relay", "--input-len", len, "--iters", "20", "--json", path});
+        ASSERT_EQ(code, 0) << out;
+        std::ifstream in(path);
+        json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+        ASSERT_FALSE(j.is_discarded()) << out;
+        EXPECT_EQ(j["rows"].size(), len == "64" ? 1u : 2u);
+        for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+            const std::string name = e.path().filename().string();
+            EXPECT_TRUE(name == "relay.json" || name.ends_with(".log")) << name;
+        }
     }
 }
 
@@ -312,6 +387,48 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     EXPECT_NE(out2.find("/health is up after"), std::string::npos) << out2;
     EXPECT_EQ(requests.load(), 2);
     EXPECT_EQ(early.load(), 0);
+}
+
+// Against a server of another make (or a proxy), events and error bodies of other shapes fail
+// their requests, naming what came: value(), [] and get<> threw in the request threads, and
+// the process died with "terminate called".
+TEST_F(CliFlags, BenchServeAgainstAServerOfAnotherShapeFailsItsRequestsNamingWhy) {
+    struct Odd {
+        int status;
+        std::string body;  // an SSE event's data when status is 200
+        std::string says;
+    };
+    const std::vector<Odd> cases = {
+        {200, R"({"error": "overloaded"})", "failed x2: overloaded"},
+        {200, R"({"error": {"message": 5}})", "failed x2: 5"},
+        {200, R"({"choices": "x"})", "choices[0].token_ids is not an array of token ids"},
+        {200, R"({"choices": [{"token_ids": ["a"]}]})", "is not an array of token ids"},
+        {200, R"({"choices": [{"token_ids": [1e40]}]})", "is not an array of token ids"},
+        {400, R"({"error": {"message": ["x"]}})", R"(failed x2: HTTP 400: ["x"])"},
+        {400, R"({"error": 7})", "failed x2: HTTP 400: 7"},
+    };
+    for (const Odd& k : cases) {
+        SCOPED_TRACE(k.body);
+        std::vector<HttpRoute> routes;
+        routes.push_back({"POST", "/v1/completions", [k](const HttpRequest&, HttpReply& r) {
+                              r.status = k.status;
+                              if (k.status != 200) {
+                                  r.body = k.body;
+                                  return;
+                              }
+                              r.content_type = "text/event-stream";
+                              std::string ev = "data: " + k.body + "\n\n";
+                              r.stream = [ev](const ChunkWriter& write) { write(ev); };
+                          }});
+        auto server = HttpServer::start({}, std::move(routes));
+        ASSERT_TRUE(server.ok()) << server.status().to_string();
+        auto [code, out] =
+            run({"bench", "serve", "--port", std::to_string((*server)->port()), "--num-prompts",
+                 "2", "--input-len", "4", "--output-len", "2", "--wait-health", "0"});
+        EXPECT_EQ(code, 3) << out;  // ran, and both requests failed
+        EXPECT_NE(out.find(k.says), std::string::npos) << out;
+        EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+    }
 }
 
 TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {

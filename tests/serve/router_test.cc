@@ -393,6 +393,75 @@ TEST(Router, PrefillLegRejectedGivesTheClientItsErrorAndDecodeFreesItsBlocks) {
     EXPECT_EQ(c.decode[0].engine->stats().requests_failed, 1u);
 }
 
+// An engine of another make (or a proxy in front of one) that passes the probe may answer an
+// error whose message is not a string, or a body that is not JSON: the router relays the leg's
+// status and says which leg failed, never a 500 naming a JSON exception of its own.
+TEST(Router, AnEngineErrorOfAnotherShapeIsRelayedNotThrown) {
+    for (const std::string body :
+         {R"({"error": {"message": 5}})", R"({"error": {"message": null}})", R"({"error": 7})",
+          R"(not json)", R"({"error": {"message": ["a", "b"]}})"}) {
+        SCOPED_TRACE(body);
+        std::vector<HttpRoute> routes;
+        routes.push_back({"GET", "/health", [](const HttpRequest&, HttpReply& r) {
+                              r.body = R"({"status": "ok", "engine_id": "other-make"})";
+                          }});
+        routes.push_back({"POST", "/v1/completions", [body](const HttpRequest&, HttpReply& r) {
+                              r.status = 400;
+                              r.body = body;
+                          }});
+        routes.push_back(
+            {"POST", "/ferry/abort", [](const HttpRequest&, HttpReply& r) { r.body = "{}"; }});
+        auto engine = HttpServer::start({.host = kHost}, std::move(routes)).value();
+        RouterConfig rc;
+        rc.request_timeout = seconds(5);
+        rc.secret = Secret::generate().value();
+        rc.prefill = {{kHost, engine->port()}};
+        rc.decode = {{kHost, engine->port()}};
+        auto router = Router::start(rc).value();
+        ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+        for (bool streamed : {false, true}) {
+            auto r = http_post_json(
+                kHost, router->port(), "/v1/completions",
+                json({{"prompt", "hello"}, {"max_tokens", 2}, {"stream", streamed}}).dump(),
+                seconds(5));
+            ASSERT_TRUE(r.ok()) << r.status().to_string();
+            EXPECT_EQ(r->status, 400) << r->body;
+            EXPECT_NE(r->body.find("leg on 127.0.0.1:" + std::to_string(engine->port()) +
+                                   " failed (HTTP 400)"),
+                      std::string::npos)
+                << r->body;
+            EXPECT_EQ(r->body.find("exception"), std::string::npos) << r->body;
+        }
+        router->stop();
+        engine->stop();
+    }
+}
+
+// A /health of another shape while not ready ({"reason": 5}): value() threw in the prober
+// thread, which ended the router process (std::terminate).
+TEST(Router, AnEngineHealthOfAnotherShapeIsNotReadyNotACrash) {
+    std::vector<HttpRoute> routes;
+    routes.push_back({"GET", "/health", [](const HttpRequest&, HttpReply& r) {
+                          r.status = 503;
+                          r.body = R"({"status": "starting", "engine_id": "x", "reason": 5})";
+                      }});
+    auto engine = HttpServer::start({.host = kHost}, std::move(routes)).value();
+    RouterConfig rc;
+    rc.secret = Secret::generate().value();
+    rc.probe_period = milliseconds(20);
+    rc.prefill = {{kHost, engine->port()}};
+    rc.decode = {{kHost, engine->port()}};
+    auto router = Router::start(rc).value();
+    const std::string why = "/health answered HTTP 503: not ready";
+    EXPECT_TRUE(eventually([&] {
+        auto h = http_get(kHost, router->port(), "/health", seconds(2));
+        return h.ok() && h->status == 503 && h->body.find(why) != std::string::npos;
+    }));
+    std::this_thread::sleep_for(milliseconds(100));  // a few more probes
+    router->stop();
+    engine->stop();
+}
+
 TEST(Router, ParsesEngineAddressLists) {
     auto a = parse_engine_addresses("127.0.0.1:8100,localhost:8101");
     ASSERT_TRUE(a.ok());
@@ -401,6 +470,13 @@ TEST(Router, ParsesEngineAddressLists) {
     EXPECT_EQ((*a)[1].port, 8101);
     EXPECT_FALSE(parse_engine_addresses("nohost").ok());
     EXPECT_FALSE(parse_engine_addresses("h:99999").ok());
+    // Digits and dots are an IPv4 address or an error now, not a name for DNS; names that may
+    // resolve only later (their engine not up yet) are kept.
+    auto bad = parse_engine_addresses("127.0.0.1:8100,999.1.1.1:8101");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().message(), "'999.1.1.1:8101': 999.1.1.1 is not an IPv4 address");
+    EXPECT_FALSE(parse_engine_addresses("10.0.0:8100").ok());
+    EXPECT_TRUE(parse_engine_addresses("10.0.0.7:8100,engine-3.cluster.local:8100").ok());
 }
 
 }  // namespace

@@ -105,6 +105,12 @@ class HttpServer {
     std::unique_ptr<Impl> impl_;
 };
 
+// Up-front checks of a host flag, so that the error names it rather than the first socket that
+// fails on it (a KV side channel, a request): `host` resolves (an IP address or a name), and, for
+// a host to listen on, is an address of this machine.
+Status check_host_resolves(const std::string& host);
+Status check_listen_host(const std::string& host);
+
 // The body of every ferry error, {"error": {"message": ..., "type": ..., "code": status}}, the
 // type being the name of the Status code the HTTP status stands for (404 "not found", ...).
 std::string http_error_body(int status, const std::string& message);

@@ -71,6 +71,10 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 
 // {"error": {"message": ..., "type": ..., "code": http}}, and the HTTP status for a Status.
 std::string error_body(const Status& status);
+// The message of an error body or event read back ({"error": {"message": ...}}), from a body of
+// any shape: a message that is not a string is dumped, an "error" that is not an object is
+// dumped, and anything else (not JSON, no "error") is `body` itself.
+std::string error_message_of(std::string_view body);
 int http_status_for(const Status& status);
 
 // Splits a server-sent-event byte stream into the payloads of its "data:" lines.
