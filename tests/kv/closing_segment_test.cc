@@ -43,13 +43,12 @@ KvLayout small_layout() {
 // or leaked once `body` returned.
 std::vector<::ferry::testing::ChildResult> run_1p1d(
     const KvLayout& layout, uint64_t seed,
-    const std::function<std::string(Exchange&, KvNode&, bool prefill)>& body) {
-    const std::string provider = ::testing::TestWithParam<std::string>::GetParam();
+    const std::function<std::string(Exchange&, KvNode&, bool prefill)>& body,
+    NodeOptions opt = {}) {
+    opt.provider = ::testing::TestWithParam<std::string>::GetParam();
     return run_processes(
         2,
         [&](Exchange& ex) -> std::string {
-            NodeOptions opt;
-            opt.provider = provider;
             const bool prefill = ex.rank() == kPrefill;
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, KvRank{layout, 0, 1}, opt, seed,
                                                     prefill ? 0 : kPoison));
@@ -209,6 +208,73 @@ TEST_P(KvClosingSegmentTest, CancelRacingTheClosingSegmentNeverWritesReusedBlock
         CHILD_CHECK(n.conn->stats().messages_malformed == 0);
         return "";
     });
+    EXPECT_ALL_OK(results);
+}
+
+// Decode with room for two spans of immediates: a third registration while two transfers hold
+// them is refused (kResourceExhausted) instead of sharing a span, and once they ended their
+// spans serve new ones.
+TEST_P(KvClosingSegmentTest, ImmediateSpansAreNotReusedWhileHeld) {
+    uint64_t seed = ::ferry::testing::test_seed("KvClosingSegment.Spans");
+    NodeOptions opt;
+    opt.imm_span = 4;
+    opt.imm_count = 8;
+    const uint32_t kTokens = 20;
+    auto results = run_1p1d(
+        small_layout(), seed,
+        [&](Exchange& ex, KvNode& n, bool prefill) -> std::string {
+            std::vector<std::vector<uint32_t>> blocks;
+            for (int i = 0; i < 4; ++i) {
+                CHILD_ASSIGN_OK(auto b, n.blocks->allocate(blocks_for_tokens(kTokens, 16)));
+                blocks.push_back(std::move(b));
+            }
+            if (!prefill) {
+                for (uint64_t i = 0; i < 3; ++i) {
+                    CHILD_CHECK_OK(n.conn->register_push(
+                        {0x7300 + i, 1, {n.addrs[kPrefill]}, blocks[i], kTokens}));
+                }
+                CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0x7302, kWait));
+                CHILD_CHECK_MSG(r.status.code() == StatusCode::kResourceExhausted &&
+                                    r.status.message().find("immediate spans") != std::string::npos,
+                                "third registration: {}", r.status.to_string());
+            } else {
+                CHILD_CHECK_OK(testing::wait_messages(n, 2, kWait));
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            if (prefill) {
+                for (uint64_t i = 0; i < 2; ++i) {
+                    testing::fill_request(n, 0x7300 + i, blocks[i], kTokens);
+                    CHILD_CHECK_OK(n.conn->prefill_done(0x7300 + i, blocks[i], kTokens));
+                }
+            }
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            for (uint64_t i = 0; i < 2; ++i) {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(prefill, 0x7300 + i, kWait));
+                CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                if (!prefill)
+                    testing::expect_request(n.self, image, 0x7300 + i, blocks[i], kTokens);
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            // Both spans are free again.
+            if (!prefill) {
+                CHILD_CHECK_OK(
+                    n.conn->register_push({0x7303, 1, {n.addrs[kPrefill]}, blocks[3], kTokens}));
+            } else {
+                CHILD_CHECK_OK(testing::wait_messages(n, 3, kWait));
+                testing::fill_request(n, 0x7303, blocks[3], kTokens);
+                CHILD_CHECK_OK(n.conn->prefill_done(0x7303, blocks[3], kTokens));
+            }
+            CHILD_ASSIGN_OK(auto r, n.results.wait(prefill, 0x7303, kWait));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            if (!prefill) {
+                testing::expect_request(n.self, image, 0x7303, blocks[3], kTokens);
+                std::string diff = testing::compare_pool(n.mem, image);
+                CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+            }
+            for (auto& b : blocks) CHILD_CHECK_OK(n.blocks->free(b));
+            return "";
+        },
+        opt);
     EXPECT_ALL_OK(results);
 }
 
