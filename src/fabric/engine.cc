@@ -142,6 +142,9 @@ Status TransferEngine::wait_imm(uint32_t imm, uint64_t count, Duration timeout, 
 void TransferEngine::on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done) {
     impl_->imm.add_waiter(imm, count, deadline_after(timeout), std::move(done));
 }
+bool TransferEngine::try_take_imm(uint32_t imm, uint64_t count) {
+    return impl_->imm.try_take(imm, count);
+}
 uint64_t TransferEngine::imm_available(uint32_t imm) const { return impl_->imm.available(imm); }
 void TransferEngine::expect_arrivals(bool on) { impl_->expect_arrivals(on); }
 OpHandle TransferEngine::send_message(PeerId peer, std::span<const uint8_t> payload,

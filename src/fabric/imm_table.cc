@@ -99,6 +99,16 @@ void ImmTable::expire(TimePoint now) {
     for (auto& [cb, s] : fired) cb(s);
 }
 
+bool ImmTable::try_take(uint32_t imm, uint64_t count) {
+    std::lock_guard lk(mu_);
+    auto it = entries_.find(imm);
+    if (it == entries_.end()) return count == 0;
+    Entry& e = it->second;
+    if (!e.waiters.empty() || e.available < count) return false;
+    e.available -= count;
+    return true;
+}
+
 uint64_t ImmTable::available(uint32_t imm) const {
     std::lock_guard lk(mu_);
     auto it = entries_.find(imm);

@@ -24,6 +24,10 @@ class ImmTable {
     Status wait(uint32_t imm, uint64_t count, Duration timeout, Duration spin = Duration::zero());
     // Fires the waiters whose deadline passed. Called periodically by a worker.
     void expire(TimePoint now);
+    // Consumes `count` arrivals of imm if that many are there and no waiter is queued ahead;
+    // false (nothing consumed) otherwise. Lets a caller that usually finds the arrivals in
+    // already skip the waiter and its callback.
+    bool try_take(uint32_t imm, uint64_t count);
     uint64_t available(uint32_t imm) const;
     bool has_waiters() const { return num_waiters_atomic_.load(std::memory_order_relaxed) > 0; }
     // Fails every waiter (shutdown).

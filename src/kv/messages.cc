@@ -128,6 +128,34 @@ void encode_body(ByteWriter& w, const SegmentMsg& m) {
     w.put(m.bytes);
     w.put(m.first_layer);
     w.put(m.end_layer);
+    w.put(static_cast<uint8_t>(m.last.has_value()));
+    if (m.last) {
+        w.put(m.last->writes);
+        w.put(m.last->bytes);
+        w.put(m.last->segments);
+    }
+}
+
+// The closing part of a SEGMENT: totals that cover the segment itself.
+Status decode_last(ByteReader& r, SegmentMsg* m) {
+    uint8_t last = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&last, "last"));
+    if (last > 1) return protocol_error(fmt::format("field 'last' = {} is not a boolean", last));
+    if (last == 0) return ok_status();
+    JobTotals& t = m->last.emplace();
+    FERRY_RETURN_IF_ERROR(r.get(&t.writes, "total_writes"));
+    FERRY_RETURN_IF_ERROR(r.get(&t.bytes, "total_bytes"));
+    FERRY_RETURN_IF_ERROR(r.get(&t.segments, "segments"));
+    if (t.segments <= m->index || t.segments > kMaxImmSpan) {
+        return protocol_error(fmt::format("field 'segments' = {} is not in ['index' + 1 = {}, {}]",
+                                          t.segments, m->index + 1, kMaxImmSpan));
+    }
+    if (t.writes < m->writes || t.bytes < m->bytes) {
+        return protocol_error(fmt::format(
+            "field 'total_writes' / 'total_bytes' = {} / {} is below the segment's own {} / {}",
+            t.writes, t.bytes, m->writes, m->bytes));
+    }
+    return ok_status();
 }
 
 Status decode_body(ByteReader& r, SegmentMsg* m) {
@@ -154,7 +182,7 @@ Status decode_body(ByteReader& r, SegmentMsg* m) {
             "field 'end_layer' = {} does not close a layer range from 'first_layer' = {}",
             m->end_layer, m->first_layer));
     }
-    return ok_status();
+    return decode_last(r, m);
 }
 
 void encode_body(ByteWriter& w, const IntentMsg& m) {

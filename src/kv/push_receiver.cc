@@ -98,7 +98,7 @@ void PushReceiver::register_push(PushRegistration reg) {
     auto producers = producers_for_consumer(ctx_.cfg.self.total_heads(), prefill_tp,
                                             ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
     if (!producers.ok()) return report_now(producers.status());
-    uint32_t span = std::max<uint32_t>(1, std::min(ctx_.cfg.imm_span, ctx_.cfg.imm_count));
+    const uint32_t span = imm_span();
     Consumer c;
     for (uint32_t rank : *producers) {
         auto peer = ctx_.engine->connect(reg.prefill_ranks[rank]);
@@ -109,10 +109,23 @@ void PushReceiver::register_push(PushRegistration reg) {
         Slot s;
         s.rank = rank;
         s.peer = *peer;
-        // A fresh span of immediates per (transfer, attempt, producer rank).
-        s.imm = ctx_.cfg.imm_base + (next_imm_++ % (ctx_.cfg.imm_count / span)) * span;
+        // A fresh span of immediates per (transfer, attempt, producer rank), none that a live
+        // slot or waiter still counts on.
+        const uint32_t spans = ctx_.cfg.imm_count / span;
+        bool found = false;
+        for (uint32_t tried = 0; tried < spans && !found; ++tried) {
+            s.imm = ctx_.cfg.imm_base + (next_imm_++ % spans) * span;
+            found = !live_spans_.count(s.imm);
+        }
+        if (!found) {
+            return report_now(resource_exhausted(
+                fmt::format("every one of the {} immediate spans is held by a live transfer; raise "
+                            "ConnectorConfig::imm_count",
+                            spans)));
+        }
         c.slots.push_back(s);
     }
+    for (const Slot& s : c.slots) hold_span(s.imm);
     c.deadline = Clock::now() + ctx_.cfg.lease;
     c.awake = ArrivalsExpected(ctx_.engine);
     for (const Slot& s : c.slots) {
@@ -177,28 +190,51 @@ PushReceiver::Slot* PushReceiver::find_slot(const ConsumerKey& key, uint32_t pro
     return nullptr;
 }
 
+// A closing SEGMENT (`last`) is this SEGMENT followed by FINAL, on one slot, as one message:
+// one stale check, the totals taken first, so that counting the segment completes the slot.
 void PushReceiver::on_segment(const SegmentMsg& m) {
     kv_trace("SEGMENT in", m.transfer_id);
     ConsumerIt it;
     Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
     if (!s || resolved(s->state)) return ctx_.stale("SEGMENT for an unknown or finished transfer");
-    // Nothing to count for a transfer being cancelled: FINAL or CANCEL_ACK ends it.
-    if (it->second.cancelling) return;
-    uint32_t span = std::max<uint32_t>(1, std::min(ctx_.cfg.imm_span, ctx_.cfg.imm_count));
+    if (m.last && s->have_final) return ctx_.stale("closing SEGMENT after the slot's FINAL");
+    const uint32_t span = imm_span();
+    if (m.index < span) {
+        // A second copy would wait for immediates that never come again.
+        if (s->seen.empty()) s->seen.resize(span);
+        if (s->seen[m.index]) return ctx_.stale("duplicate SEGMENT");
+        s->seen[m.index] = true;
+    }
+    if (m.last) take_final(it->second, *s, *m.last);
+    // Nothing to count for a transfer being cancelled (FINAL or CANCEL_ACK ends it), nor for
+    // a slot the totals completed.
+    if (it->second.cancelling || resolved(s->state)) return check_consumer(it);
     if (m.index >= span) {
         return fail_slot(
             it, *s,
             protocol_error(fmt::format("prefill rank {} sent segment {} beyond the span of {}",
                                        m.producer_rank, m.index, span)));
     }
-    if (m.writes == 0) return on_segment_counted(it->first, m.producer_rank, m, ok_status());
+    // The immediates usually arrived before the message (a segment is announced once its
+    // writes completed at the producer): count them here, with no waiter and no second
+    // pass through the inbox.
+    if (m.writes == 0 || ctx_.engine->try_take_imm(s->imm + m.index, m.writes)) {
+        return on_segment_counted(it->first, m.producer_rank, m, ok_status());
+    }
     Duration left = std::max<Duration>(it->second.deadline - Clock::now(), Duration::zero());
     std::weak_ptr<Inbox> inbox = ctx_.inbox;
     ConsumerKey key = it->first;
-    ctx_.engine->on_imm(s->imm + m.index, m.writes, left, [this, inbox, key, m](const Status& st) {
-        auto in = inbox.lock();
-        if (in) in->post([this, key, m, st] { on_segment_counted(key, m.producer_rank, m, st); });
-    });
+    const uint32_t imm = s->imm;
+    hold_span(imm);  // until the waiter fired: no registration gets these immediates
+    ctx_.engine->on_imm(imm + m.index, m.writes, left,
+                        [this, inbox, key, imm, m](const Status& st) {
+                            auto in = inbox.lock();
+                            if (!in) return;
+                            in->post([this, key, imm, m, st] {
+                                release_span(imm);
+                                on_segment_counted(key, m.producer_rank, m, st);
+                            });
+                        });
 }
 
 void PushReceiver::on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,
@@ -284,16 +320,20 @@ void PushReceiver::on_final(const FinalMsg& m) {
     if (!s || resolved(s->state) || s->have_final) {
         return ctx_.stale("FINAL for an unknown, finished or superseded transfer");
     }
-    Consumer& c = it->second;
-    c.bytes += m.bytes;
-    c.writes += m.writes;
-    s->writes = m.writes;
-    s->have_final = true;
-    s->final_segments = m.segments;
+    take_final(it->second, *s, {m.writes, m.bytes, m.segments});
+    check_consumer(it);
+}
+
+// FINAL's part (alone or in a closing SEGMENT): the slot completes once `segments` are counted.
+void PushReceiver::take_final(Consumer& c, Slot& s, const JobTotals& t) {
+    c.bytes += t.bytes;
+    c.writes += t.writes;
+    s.writes = t.writes;
+    s.have_final = true;
+    s.final_segments = t.segments;
     // FINAL is sent after every write completed at the producer, so even a cancelled
     // transfer needs no acknowledgement for this rank any more.
-    if (m.segments <= s->counted || c.cancelling) s->state = SlotState::kComplete;
-    check_consumer(it);
+    if (t.segments <= s.counted || c.cancelling) s.state = SlotState::kComplete;
 }
 
 void PushReceiver::on_fail(const FailMsg& m) {
@@ -331,7 +371,19 @@ void PushReceiver::check_consumer(ConsumerIt it) {
     complete_recv(it, r);
 }
 
+void PushReceiver::hold_span(uint32_t imm) { live_spans_[imm]++; }
+
+void PushReceiver::release_span(uint32_t imm) {
+    auto it = live_spans_.find(imm);
+    if (it != live_spans_.end() && --it->second == 0) live_spans_.erase(it);
+}
+
+uint32_t PushReceiver::imm_span() const {
+    return std::max<uint32_t>(1, std::min(ctx_.cfg.imm_span, ctx_.cfg.imm_count));
+}
+
 void PushReceiver::complete_recv(ConsumerIt it, const TransferResult& r) {
+    for (const Slot& s : it->second.slots) release_span(s.imm);
     (r.status.ok() ? ctx_.counters.transfers_received : ctx_.counters.transfers_failed)
         .fetch_add(1);
     ctx_.counters.active_recv.fetch_sub(1);

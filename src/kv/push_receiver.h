@@ -1,5 +1,6 @@
 // Decode side of a push: announcements waiting for SCHEDULED, and registered transfers
-// counting every producer rank's segments until each sent FINAL (or FAIL, or CANCEL_ACK).
+// counting every producer rank's segments until each sent FINAL or a closing SEGMENT (or FAIL,
+// or CANCEL_ACK).
 // Runs on the connector thread only; owns `announces_` and `consumers_` (private to src/kv).
 #pragma once
 
@@ -45,6 +46,7 @@ class PushReceiver {
         bool have_final = false;
         uint32_t final_segments = 0;
         uint32_t counted = 0;                 // segments whose writes all arrived
+        std::vector<bool> seen;               // by index: SEGMENT came (a copy is stale)
         std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
         uint32_t prefix = 0;                  // tokens [0, prefix) landed
         // Chunks sent layer by layer, by token range: which layers landed.
@@ -75,6 +77,7 @@ class PushReceiver {
     void end_announce(AnnounceIt it, const Status& why, bool tell_prefill);
     void cancel_consumer(const ConsumerKey& key, Consumer& c);
     Slot* find_slot(const ConsumerKey& key, uint32_t producer_rank, ConsumerIt* out);
+    void take_final(Consumer& c, Slot& s, const JobTotals& t);
     void on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,
                             const Status& st);
     KvFrontier landed_frontier(const Consumer& c) const;
@@ -82,11 +85,17 @@ class PushReceiver {
     void check_consumer(ConsumerIt it);
     void complete_recv(ConsumerIt it, const TransferResult& r);
     void expire_consumer(ConsumerIt it);
+    // Immediate spans in use: a live slot's, and a slot's whose engine waiter has not fired
+    // (it would consume a new registration's arrivals).
+    void hold_span(uint32_t imm);
+    void release_span(uint32_t imm);
+    uint32_t imm_span() const;
 
     ConnectorContext& ctx_;
     std::map<ConsumerKey, Announce> announces_;
     std::map<ConsumerKey, Consumer> consumers_;
     uint32_t next_imm_ = 0;
+    std::map<uint32_t, uint32_t> live_spans_;  // first immediate of a span → holders
 };
 
 }  // namespace ferry::kv::detail

@@ -224,7 +224,7 @@ void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job)
         Status posted = post_segment(id, p, key, job, piece);
         if (!posted.ok()) return fail_job(id, p, key, job, posted);
     }
-    if (p.have_prefill && job.sent == KvFrontier{p.tokens} && job.in_flight == 0) {
+    if (all_drained(p, job)) {
         ctx_.send(job.peer, FinalMsg{id, key.first, ctx_.cfg.self.tp_rank, job.writes, job.bytes,
                                      job.segments});
         job.resolved = true;
@@ -258,7 +258,8 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
                    0,
                    plan->bytes(),
                    whole ? 0 : piece.first_layer,
-                   whole ? 0 : piece.end_layer};
+                   whole ? 0 : piece.end_layer,
+                   std::nullopt};  // on_segment_drained decides whether it closes the job
     job.sent = add_piece(job.sent, piece, layers);
     job.in_flight++;
     auto flight = ctx_.new_flight(
@@ -303,7 +304,15 @@ void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, con
             key.second, s.to_string());
     }
     kv_trace("segment drained", id);
-    if (!job.cancelled && job.error.ok()) ctx_.send(job.peer, seg);
+    if (!job.cancelled && job.error.ok()) {
+        // The last segment carries FINAL's totals: decode completes on this one message
+        // instead of waiting for a second one after it.
+        if (all_drained(it->second, job)) {
+            seg.last = JobTotals{job.writes, job.bytes, job.segments};
+            job.resolved = true;
+        }
+        ctx_.send(job.peer, seg);
+    }
     if (job.in_flight == 0) settle_job(id, it->second, key, job);
     maybe_finish(it);
 }

@@ -1,5 +1,6 @@
 // Prefill side of a push: for every transfer, the decode ranks that announced or registered it
-// and the segments of writes this rank posts into their blocks as prefill makes KV final.
+// and the segments of writes this rank posts into their blocks as prefill makes KV final. The
+// segment that drains last with the prompt complete closes the job (it carries FINAL's totals).
 // Runs on the connector thread only; owns `producers_` (private to src/kv).
 #pragma once
 
@@ -78,6 +79,11 @@ class PushSender {
     };
     using ProducerIt = std::map<uint64_t, Producer>::iterator;
 
+    // Every token of the prompt was posted and every write completed: nothing is left to send
+    // but the totals.
+    static bool all_drained(const Producer& p, const SendJob& job) {
+        return p.have_prefill && job.sent == KvFrontier{p.tokens} && job.in_flight == 0;
+    }
     void mark_scheduled(uint64_t id, Producer& p);
     void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job);
     Status post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job, const KvPiece& piece);

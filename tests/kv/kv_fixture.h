@@ -77,6 +77,8 @@ struct NodeOptions {
     std::string provider = "tcp";
     Duration lease = std::chrono::seconds(10);
     PullMode pull_mode = PullMode::kBackground;
+    uint32_t imm_count = ConnectorConfig{}.imm_count;  // decode's immediates
+    uint32_t imm_span = ConnectorConfig{}.imm_span;
 };
 
 // Engine, pool (filled with `fill`), a block pool whose ids come out in a random order, the
@@ -170,6 +172,8 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     cc.self = self;
     cc.lease = opt.lease;
     cc.pull_mode = opt.pull_mode;
+    cc.imm_count = opt.imm_count;
+    cc.imm_span = opt.imm_span;
     KvNode* raw = n.get();
     ConnectorCallbacks cb;
     cb.on_recv_done = [raw](const TransferResult& r) { raw->results.add(false, r); };

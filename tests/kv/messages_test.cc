@@ -41,6 +41,11 @@ EngineAddress test_address() {
     return a;
 }
 
+// The last segment of a job, closing it with the job's totals (version 6).
+SegmentMsg closing_segment() {
+    return SegmentMsg{1234, 3, 0, 1, 48, 60, 3, 2048, 0, 0, JobTotals{11, 9000, 4}};
+}
+
 std::vector<KvMessage> all_messages() {
     KvLayout l = test_layout();
     RegisterMsg reg{1234,           3, 1,         2, 0xabc, 8, 40, 5000, test_address(),
@@ -55,7 +60,8 @@ std::vector<KvMessage> all_messages() {
             DoneMsg{99, 1, 2, false},
             IntentMsg{1234, 3, 1, 2, test_address()},
             ScheduledMsg{1234, 3, 0},
-            SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16}};
+            SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16, std::nullopt},
+            closing_segment()};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
@@ -76,6 +82,17 @@ TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
     refused(SegmentMsg{1, 1, 0, 0, 0, 16, 1, 10, 8, 8}, "end_layer");
     refused(SegmentMsg{1, 1, 0, 0, 0, 16, 1, 10, 3, 0}, "end_layer");
     refused(FinalMsg{1, 1, 0, 4, 10, kMaxImmSpan + 1}, "segments");
+    SegmentMsg closing = closing_segment();
+    closing.last->segments = closing.index;  // the totals must count this segment
+    refused(closing, "'segments' = 1");
+    closing.last->segments = kMaxImmSpan + 1;
+    refused(closing, "segments");
+    closing = closing_segment();
+    closing.last->writes = closing.writes - 1;
+    refused(closing, "total_writes");
+    closing = closing_segment();
+    closing.last->bytes = closing.bytes - 1;
+    refused(closing, "total_bytes");
     refused(IntentMsg{1, 1, 2, 2, test_address()}, "decode_rank");
 }
 
@@ -105,6 +122,34 @@ TEST(KvMessages, EveryTruncationAndTrailingByteIsRejected) {
         ASSERT_FALSE(r.ok()) << message_name(m);
         EXPECT_NE(r.status().message().find("trailing"), std::string::npos);
     }
+}
+
+TEST(KvMessages, ClosingSegmentKeepsItsTotalsAndAPlainOneCarriesNone) {
+    auto back = decode_message(encode_message(closing_segment()));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<SegmentMsg>(*back), closing_segment());
+    SegmentMsg plain = closing_segment();
+    plain.last.reset();
+    auto bytes = encode_message(plain);
+    // A plain SEGMENT ends with last = 0; the totals are not on the wire.
+    EXPECT_EQ(bytes.size() + 16, encode_message(closing_segment()).size());
+    EXPECT_EQ(bytes.back(), 0);
+    back = decode_message(bytes);
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_FALSE(std::get<SegmentMsg>(*back).last.has_value());
+    // `last` is a boolean; a closing SEGMENT cut inside its totals names the missing field.
+    bytes.back() = 2;
+    auto r = decode_message(bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("field 'last' = 2 is not a boolean"), std::string::npos)
+        << r.status().message();
+    auto closing = encode_message(closing_segment());
+    r = decode_message(std::span<const uint8_t>(closing).first(closing.size() - 4));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kProtocol);
+    EXPECT_NE(r.status().message().find("segments"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("KV message type 10"), std::string::npos)
+        << r.status().message();
 }
 
 TEST(KvMessages, MalformedFieldsAreNamed) {

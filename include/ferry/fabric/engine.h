@@ -399,6 +399,10 @@ class TransferEngine {
     // Calls done(ok) once `count` arrivals of imm are available (consuming them), or
     // done(timeout) when the timeout passes first. Runs on a worker thread.
     void on_imm(uint32_t imm, uint64_t count, Duration timeout, OpCallback done);
+    // Consumes `count` arrivals of imm if they are all in and no waiter on imm is queued
+    // ahead; false, consuming nothing, otherwise. The check on_imm would do, without a
+    // waiter or a callback on a worker thread.
+    bool try_take_imm(uint32_t imm, uint64_t count);
     // Arrivals of imm not yet consumed.
     uint64_t imm_available(uint32_t imm) const;
     // While a caller expects writes from peers (a KV transfer registered and not finished),

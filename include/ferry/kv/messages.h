@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <variant>
@@ -21,7 +22,8 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 2: chunked push (INTENT, SCHEDULED, SEGMENT; imm_span in REGISTER, segments in FINAL).
 // 4: a pull offer's capability in PULL_PARAMS and DONE.
 // 5: a pool of several regions (one descriptor per region) in REGISTER and PULL_PARAMS.
-inline constexpr uint16_t kKvProtocolVersion = 5;
+// 6: a SEGMENT may close the transfer (`last` and the job's totals), replacing its FINAL.
+inline constexpr uint16_t kKvProtocolVersion = 6;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
@@ -67,10 +69,22 @@ struct RegisterMsg {
     std::vector<uint32_t> blocks;
 };
 
+// What a producer rank wrote for one decode rank in all: FINAL's totals, and those of the
+// SEGMENT that closes the transfer.
+struct JobTotals {
+    uint32_t writes = 0;
+    uint64_t bytes = 0;
+    uint32_t segments = 0;
+    bool operator==(const JobTotals&) const = default;
+};
+
 // Prefill rank → decode rank (push): "the writes of tokens [first_token, end_token), layers
 // [first_layer, end_layer), are complete; count `writes` immediates of value imm + index". Sent
 // once per segment. end_layer 0: every layer (a whole chunk); otherwise a layer group of the
 // chunk prefill computes now.
+// `last`: the segment drained last with the prompt complete, so it also closes the transfer
+// exactly as a FINAL with these totals sent right after it would; the wire carries the totals
+// only then. One message instead of two at the end of every push.
 struct SegmentMsg {
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
@@ -82,6 +96,7 @@ struct SegmentMsg {
     uint64_t bytes = 0;
     uint32_t first_layer = 0;
     uint32_t end_layer = 0;
+    std::optional<JobTotals> last;
     bool operator==(const SegmentMsg&) const = default;
 };
 
