@@ -9,14 +9,15 @@
 namespace ferry::moe::cuda {
 namespace {
 
-// Remote rank `peer`'s run of our combine rows, from its counts message of this call (as
-// dispatch_recv left it in remote_runs): x = the first row it wants them at, y = how many
-// (its hits here, or with `rows_sent` the rows it sent here). 0/0, with an error recorded
-// once, when that would leave the area.
+// Remote rank `peer`'s run of our combine rows, from its counts message of this call (in the
+// mirror): x = the first row it wants them at, y = how many (its hits here, or with
+// `rows_sent` the rows it sent here). 0/0, with an error recorded once, when that would leave
+// the area.
 __device__ inline uint2 remote_combine_run(const KernelArgs& a, uint32_t peer, uint32_t seq,
                                            bool rows_sent) {
-    const uint32_t base = __ldcg(&a.remote_runs[3 * peer]);
-    const uint32_t rows = __ldcg(&a.remote_runs[3 * peer + (rows_sent ? 2 : 1)]);
+    const uint32_t base = counts_in(a, peer, CountsWords::kCombineBase);
+    const uint32_t rows =
+        counts_in(a, peer, rows_sent ? CountsWords::kRowsTo + a.rank : CountsWords::kHits);
     if (uint64_t{base} + rows <= a.remote_combine) return make_uint2(base, rows);
     if (blockIdx.x == 0)
         record_error(a, DeviceError::kProtocol, DeviceError::kCombineSend, peer, seq,
@@ -312,14 +313,19 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         if constexpr (kSlots) next_slot = a.combine_slot[t * k + tid];
     };
     fetch(blockIdx.x);  // local data: loaded while thread 0 waits for the peers
+    const uint64_t want = uint64_t{seq} * a.combine_send_blocks;
     if (tid == 0) {
         int ok = 1;
         for (uint32_t s = 0; s < w && ok; ++s)
-            ok = wait_counter(a, counter_at(from(a, s), a.lay.ctr_combine, s),
-                              uint64_t{seq} * a.combine_send_blocks, DeviceError::kCombineRecvWait,
-                              s, seq);
+            ok = is_remote(a, s) || wait_counter(a, counter_at(a.self, a.lay.ctr_combine, s), want,
+                                                 DeviceError::kCombineRecvWait, s, seq);
         s_ok = ok;
     }
+    if (kSlots &&
+        !wait_remote_counters(a, kTicketCombinePoll, kTicketCombineRelay, a.lay.ctr_combine, want,
+                              DeviceError::kCombineRecvWait, seq, [] {}) &&
+        tid == 0)
+        s_ok = 0;
     __syncthreads();
     trace_point(a, kTrCombineRecvRowsIn);
     if (!s_ok) {

@@ -396,7 +396,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t o_place = take(sizeof(uint32_t) * uint64_t{t} * k);
     const uint64_t o_hit_base = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * w : 0);
     const uint64_t o_recv_hits = take(sizeof(uint32_t) * w);
-    const uint64_t o_remote_runs = take(has_remote ? sizeof(uint32_t) * 3 * w : 0);
+    const uint64_t o_counts_mirror = take(has_remote ? uint64_t{w} * cf.bytes : 0);
     const bool per_rank = cfg.combine == CombineMode::kPerRank;
     const uint64_t recv_rows = uint64_t{w} * t;  // every sender may send every token here
     const uint64_t o_recv_o = take(per_rank ? sizeof(uint32_t) * recv_rows * k : 0);
@@ -647,7 +647,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.place = reinterpret_cast<uint32_t*>(local + o_place);
     a.hit_base = has_remote ? reinterpret_cast<uint32_t*>(local + o_hit_base) : nullptr;
     a.recv_hits = reinterpret_cast<uint32_t*>(local + o_recv_hits);
-    a.remote_runs = has_remote ? reinterpret_cast<uint32_t*>(local + o_remote_runs) : nullptr;
+    a.counts_mirror = has_remote ? local + o_counts_mirror : nullptr;
     a.expert_counts = reinterpret_cast<uint32_t*>(local + o_ecount);
     a.rows_to = reinterpret_cast<uint32_t*>(local + o_rows);
     a.indices = reinterpret_cast<int32_t*>(local + o_idx);

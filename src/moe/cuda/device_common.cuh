@@ -82,15 +82,19 @@ __device__ inline void record_error(const KernelArgs& a, uint32_t code, uint32_t
 
 // Spins until *counter >= want. Gives up (false) at the deadline, recording phase and peer,
 // or as soon as any other wait of this rank failed, so one dead peer costs one timeout.
+// `relayed`: a word another block of this GPU sets after its own wait (wait_remote_counters):
+// twice the deadline, so that the wait that names the peer is the one to time out (a spin on
+// device memory checks the clock far more often than one over PCIe).
 __device__ inline bool wait_counter(const KernelArgs& a, const uint64_t* counter, uint64_t want,
-                                    uint32_t phase, uint32_t peer, uint32_t seq) {
-    uint64_t start = global_ns();
+                                    uint32_t phase, uint32_t peer, uint32_t seq,
+                                    bool relayed = false) {
+    const uint64_t start = global_ns(), timeout = relayed ? 2 * a.timeout_ns : a.timeout_ns;
     for (uint32_t spin = 0;; ++spin) {
         uint64_t v = ld_acquire_sys(counter);
         if (v >= want) return true;
         if ((spin & 255u) == 255u) {
             if (error_set(a)) return false;
-            if (global_ns() - start > a.timeout_ns) {
+            if (global_ns() - start > timeout) {
                 record_error(a, DeviceError::kTimeout, phase, peer, seq, v, want);
                 return false;
             }
@@ -117,6 +121,59 @@ __device__ __forceinline__ bool is_remote(const KernelArgs& a, uint32_t rank) {
 // its counters from the host, with no CUDA stream work that could queue behind our kernels.
 __device__ __forceinline__ uint8_t* from(const KernelArgs& a, uint32_t sender) {
     return is_remote(a, sender) ? a.inbox : a.self;
+}
+
+// Word `word` of the counts message `sender` sent this call: in the region for same-node
+// senders, in KernelArgs::counts_mirror for remote ones (after the counts relay).
+__device__ __forceinline__ uint32_t counts_in(const KernelArgs& a, uint32_t sender, uint32_t word) {
+    const uint32_t* p =
+        is_remote(a, sender)
+            ? reinterpret_cast<const uint32_t*>(a.counts_mirror + uint64_t{sender} * a.counts_bytes)
+            : counts_word(a.self, a, sender, 0);
+    return __ldcg(p + word);
+}
+
+// Stores the call number into a word other blocks of this GPU wait on, after everything this
+// block stored before the barrier that preceded the call (thread 0, after __syncthreads).
+__device__ __forceinline__ void release_call(unsigned long long* word, uint32_t seq) {
+    __threadfence();
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(uint64_t{seq}) : "memory");
+}
+
+// Waits until every remote peer's counter at `offset` of the inbox reaches `want`, with one
+// block per call polling host memory: the first block to get here (ticket `poll`) waits for
+// the counters, runs then() (every thread of the block), and publishes the call number in
+// tickets[relay]; the other blocks wait for that word in device memory. With every block
+// polling the inbox (~130 pollers, each load a PCIe round trip), the first block of
+// dispatch_send got past the counts ~4 us after they arrived, the last ~175 us after, and
+// the host proxy saw a put published meanwhile ~60 us late (EP2 over shm, 2026-12-03).
+// Called by every thread of every block of the grid, once per call.
+template <typename Then>
+__device__ inline bool wait_remote_counters(const KernelArgs& a, uint32_t poll, uint32_t relay,
+                                            uint64_t offset, uint64_t want, uint32_t phase,
+                                            uint32_t seq, Then then) {
+    __shared__ int s_poller, s_ok;
+    const uint32_t tid = threadIdx.x;
+    if (tid == 0) {
+        const unsigned long long before = atomicAdd(&a.tickets[poll], 1ull);
+        s_poller = before == static_cast<unsigned long long>(seq - 1) * gridDim.x;
+        s_ok = 1;
+    }
+    __syncthreads();
+    const auto* relayed = reinterpret_cast<const uint64_t*>(a.tickets + relay);
+    if (s_poller) {
+        if (tid < a.world && is_remote(a, tid) &&
+            !wait_counter(a, counter_at(a.inbox, offset, tid), want, phase, tid, seq))
+            s_ok = 0;
+        __syncthreads();
+        if (s_ok) then();
+        __syncthreads();
+        if (tid == 0 && s_ok) release_call(a.tickets + relay, seq);
+    } else if (tid == 0 && !wait_counter(a, relayed, seq, phase, a.rank, seq, true)) {
+        s_ok = 0;
+    }
+    __syncthreads();
+    return s_ok != 0;
 }
 
 // Hands a put to the host proxy once its bytes are in the peer's outbox (fenced by the

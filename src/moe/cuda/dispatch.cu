@@ -277,14 +277,9 @@ __device__ __forceinline__ uint32_t plan_block(const KernelArgs& a, const int32_
         __syncthreads();
     }
 
-    if (kFused && tid == 0) {
-        // Every store of the block above is before the barrier that ended it (each path
-        // ends in one); the fence then orders them before the flag, at GPU scope.
-        __threadfence();
-        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a.tickets + kTicketPlan),
-                     "l"(uint64_t{seq})
-                     : "memory");
-    }
+    // Every store of the block above is before the barrier that ended it (each path ends in
+    // one), so the flag orders them all.
+    if (kFused && tid == 0) release_call(a.tickets + kTicketPlan, seq);
 
     // Counts message to every rank (the CountsFormat words; same-node ranks need no combine
     // base: their results come back into slot token * top-k + k).
@@ -422,28 +417,38 @@ __device__ __forceinline__ void send_after_plan(const KernelArgs& a, const uint8
                     uint64_t{min(a.rows_to[tid], p)} * a.row_bytes);
 
     // Every peer's counts: the rows each sender sends to each rank fix the overflow offsets.
+    // Remote peers' through one polling block, which copies their messages into the mirror.
     if (tid == 0) s_ok = 1;
     __syncthreads();
-    if (tid < w) {
-        uint8_t* src = from(a, tid);
-        const bool host = is_remote(a, tid);
-        bool ok = wait_counter(a, counter_at(src, a.lay.ctr_counts, tid), seq,
-                               DeviceError::kSendWaitCounts, tid, seq);
-        if (ok) {
-            uint32_t their_hash =
-                ld_peer_u32(counts_word(src, a, tid, CountsWords::kConfigHash), host);
-            uint32_t their_seq = ld_peer_u32(counts_word(src, a, tid, CountsWords::kSeq), host);
-            if (their_hash != a.hash32) {
-                record_error(a, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
-                             their_hash, a.hash32);
-                ok = false;
-            } else if (their_seq != seq) {
-                record_error(a, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
-                             their_seq, seq);
-                ok = false;
-            }
+    if (tid < w && !is_remote(a, tid) &&
+        !wait_counter(a, counter_at(a.self, a.lay.ctr_counts, tid), seq,
+                      DeviceError::kSendWaitCounts, tid, seq))
+        s_ok = 0;
+    if (a.remote_mask) {
+        const uint32_t words = a.counts_bytes / 4;
+        const bool ok = wait_remote_counters(
+            a, kTicketCountsPoll, kTicketCountsRelay, a.lay.ctr_counts, seq,
+            DeviceError::kSendWaitCounts, seq, [&] {
+                for (uint32_t i = tid; i < w * words; i += blockDim.x)
+                    if (is_remote(a, i / words))
+                        reinterpret_cast<uint32_t*>(a.counts_mirror)[i] =
+                            ld_peer_u32(counts_word(a.inbox, a, i / words, i % words), true);
+            });
+        if (!ok && tid == 0) s_ok = 0;
+    }
+    __syncthreads();
+    if (s_ok && tid < w) {
+        const uint32_t their_hash = counts_in(a, tid, CountsWords::kConfigHash);
+        const uint32_t their_seq = counts_in(a, tid, CountsWords::kSeq);
+        if (their_hash != a.hash32) {
+            record_error(a, DeviceError::kConfig, DeviceError::kSendWaitCounts, tid, seq,
+                         their_hash, a.hash32);
+            s_ok = 0;
+        } else if (their_seq != seq) {
+            record_error(a, DeviceError::kProtocol, DeviceError::kSendWaitCounts, tid, seq,
+                         their_seq, seq);
+            s_ok = 0;
         }
-        if (!ok) s_ok = 0;
     }
     __syncthreads();
     trace_point(a, kTrSendCountsIn);
@@ -451,9 +456,8 @@ __device__ __forceinline__ void send_after_plan(const KernelArgs& a, const uint8
         const uint32_t d = tid;
         uint64_t at = uint64_t{w} * p;
         for (uint32_t s = 0; s < a.rank; ++s) {
-            uint32_t r = ld_peer_u32(counts_word(from(a, s), a, s, CountsWords::kRowsTo + d),
-                                     is_remote(a, s));
-            r = min(r, a.max_tokens);  // keeps every write inside the region, even on bad counts
+            // min: keeps every write inside the region, even on bad counts.
+            const uint32_t r = min(counts_in(a, s, CountsWords::kRowsTo + d), a.max_tokens);
             at += r > p ? r - p : 0;
         }
         s_overflow[d] = at;
@@ -540,22 +544,34 @@ __global__ void __launch_bounds__(kRecvThreads)
     // back to back in rank order; combine_send derives the same from the same counts words)
     uint32_t* s_rstart = s_got + w;
     trace_point(a, kTrRecvBegin);
-    // The layout, from the counts messages, before waiting for the rows: they are all here
-    // (this rank's dispatch_send waited for them), so this work overlaps the peers' sends.
+    // The layout, from the counts messages, before waiting for the rows, so this work overlaps
+    // the peers' sends. The counts are in once this rank's dispatch_send is past its wait for
+    // them (remote ones copied into the mirror); this kernel may start before that (early
+    // launch), hence the waits, which cost a load each when they are in.
+    if (tid == 0) s_ok = 1;
+    __syncthreads();
+    if (tid < w) {
+        const bool relayed = is_remote(a, tid);
+        const uint64_t* ctr =
+            relayed ? reinterpret_cast<const uint64_t*>(a.tickets + kTicketCountsRelay)
+                    : counter_at(a.self, a.lay.ctr_counts, tid);
+        if (!wait_counter(a, ctr, seq, DeviceError::kSendWaitCounts, tid, seq, relayed)) s_ok = 0;
+    }
+    __syncthreads();
+    if (!s_ok) {
+        finish_after_sender();
+        return;
+    }
     const uint32_t hw = a.counts_hits_word;
     for (uint32_t e = tid; e < nl; e += blockDim.x) {
         uint32_t tot = 0;
         for (uint32_t s = 0; s < w; ++s) {
             s_before[e * w + s] = tot;
-            tot += ld_peer_u32(counts_word(from(a, s), a, s, hw + e), is_remote(a, s));
+            tot += counts_in(a, s, hw + e);
         }
         s_total[e] = tot;
     }
-    if (tid < w)
-        s_ovf[tid] =
-            min(ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kRowsTo + a.rank),
-                            is_remote(a, tid)),
-                a.max_tokens);
+    if (tid < w) s_ovf[tid] = min(counts_in(a, tid, CountsWords::kRowsTo + a.rank), a.max_tokens);
     __syncthreads();
     if (tid == 0) {
         uint32_t rows = 0, ob = w * p, rrun = 0;
@@ -566,8 +582,7 @@ __global__ void __launch_bounds__(kRecvThreads)
             s_ovf[s] = ob;
             ob += r > p ? r - p : 0;
             s_rstart[s] = rrun;
-            if (a.combine_inv && is_remote(a, s))
-                rrun += ld_peer_u32(counts_word(from(a, s), a, s, CountsWords::kHits), true);
+            if (a.combine_inv && is_remote(a, s)) rrun += counts_in(a, s, CountsWords::kHits);
         }
         s_start[w] = rows;
         s_rstart[w] = rrun;
@@ -614,24 +629,18 @@ __global__ void __launch_bounds__(kRecvThreads)
         a.state->out_capacity = capacity;
     }
     if (a.combine_per_rank && blockIdx.x == 0 && tid <= w) a.recv_start[tid] = s_start[tid];
-    if (blockIdx.x == 0 && tid < w && is_remote(a, tid)) {
-        uint8_t* c = a.inbox;
-        a.remote_runs[3 * tid] =
-            ld_peer_u32(counts_word(c, a, tid, CountsWords::kCombineBase), true);
-        a.remote_runs[3 * tid + 1] = ld_peer_u32(counts_word(c, a, tid, CountsWords::kHits), true);
-        a.remote_runs[3 * tid + 2] =
-            ld_peer_u32(counts_word(c, a, tid, CountsWords::kRowsTo + a.rank), true);
-    }
 
-    if (tid == 0) s_ok = 1;
     if (tid < w) s_got[tid] = 0;
-    __syncthreads();
-    if (tid < w) {
-        if (!wait_counter(a, counter_at(from(a, tid), a.lay.ctr_dispatch, tid),
-                          uint64_t{seq} * a.dispatch_send_blocks, DeviceError::kRecvWaitRows, tid,
-                          seq))
-            s_ok = 0;
-    }
+    const uint64_t want_rows = uint64_t{seq} * a.dispatch_send_blocks;
+    if (tid < w && !is_remote(a, tid) &&
+        !wait_counter(a, counter_at(a.self, a.lay.ctr_dispatch, tid), want_rows,
+                      DeviceError::kRecvWaitRows, tid, seq))
+        s_ok = 0;
+    if (a.remote_mask &&
+        !wait_remote_counters(a, kTicketDispatchPoll, kTicketDispatchRelay, a.lay.ctr_dispatch,
+                              want_rows, DeviceError::kRecvWaitRows, seq, [] {}) &&
+        tid == 0)
+        s_ok = 0;
     __syncthreads();
     trace_point(a, kTrRecvRowsIn);
     if (!s_ok) {
@@ -768,8 +777,7 @@ __global__ void __launch_bounds__(kRecvThreads)
     __syncthreads();
     if (tid < w) atomicAdd(&a.recv_hits[tid], s_got[tid]);
     if (last_block_of_call(a, kTicketRecv, seq) && tid < w) {
-        const uint32_t want =
-            ld_peer_u32(counts_word(from(a, tid), a, tid, CountsWords::kHits), is_remote(a, tid));
+        const uint32_t want = counts_in(a, tid, CountsWords::kHits);
         const uint32_t got = __ldcg(&a.recv_hits[tid]);
         if (got != want)
             record_error(a, DeviceError::kProtocol, DeviceError::kRecvRows, tid, seq, got, want);

@@ -115,12 +115,14 @@ struct KernelArgs {
     uint32_t* combine_slot;       // [max_tokens * top-k] combine row of (token, k)
     uint32_t* combine_pos;        // [max_rows] a remote sender's row among its hits here
     uint32_t remote_combine;      // first combine row of the remote area (max_tokens * top-k)
-    // [world * 3] from each remote rank's counts message of this call: the combine base it
-    // announced, its hits here, the rows it sent here. dispatch_recv copies them into device
-    // memory so that combine_send reads no host memory: a read of host memory waits behind
-    // the GPU's earlier writes to it, and combine_send writes megabytes there (90 us late to
-    // publish at EP2, 2026-12-03).
-    uint32_t* remote_runs;
+    // [world * counts_bytes] the remote senders' counts messages of this call, copied from the
+    // inbox into device memory by the block of dispatch_send that waited for them (see
+    // wait_remote_counters); every later read of them (the overflow offsets, dispatch_recv's
+    // layout, combine_send's runs) is a device load. A read of host memory is a PCIe round
+    // trip, and it waits behind the GPU's earlier writes there: combine_send, which writes
+    // megabytes to host memory, published 90 us late reading three such words (EP2,
+    // 2026-12-03).
+    uint8_t* counts_mirror;
     // Streamed combine (piece_rows != 0: per-hit combine with remote ranks and proxy pieces):
     // a few warps write the remote runs in run order, and each piece of piece_rows rows goes
     // to the proxy as soon as its rows are in the outbox (proxy::Publish::streamed), so the
@@ -180,7 +182,15 @@ enum Ticket : uint32_t {
     // finished, and how many of the other blocks entered so far (their call number).
     kTicketPlan = 4,
     kTicketSendEntry = 5,
-    kTickets = 6
+    // wait_remote_counters: a ticket electing the block that polls the inbox, and the call
+    // number it publishes once the remote counters are there, per wait.
+    kTicketCountsPoll = 6,
+    kTicketCountsRelay = 7,
+    kTicketDispatchPoll = 8,
+    kTicketDispatchRelay = 9,
+    kTicketCombinePoll = 10,
+    kTicketCombineRelay = 11,
+    kTickets = 12
 };
 
 // Every kernel of a family loaded into the current device's context. CUDA loads modules
