@@ -44,12 +44,17 @@ struct Publish {
 
 // What the sender's proxy writes into the receiver's record slot [part][sender] after the
 // bytes: which bytes, and how many writes carrying the data immediate to count before them.
+// by_piece != 0: a streamed put whose piece i went as one write carrying the piece immediate
+// of (sender, i) instead (DeviceProxy::piece_imm); `pieces` counts them. The receiving proxy
+// takes those as they come and tells the kernels how many pieces are in from the first on
+// (the inbox's piece words, proxy_piece_word_offset), so they can read a piece before the rest.
 struct PutRecord {
     uint64_t offset;
     uint64_t len;
     uint32_t seq;
     uint32_t pieces;
-    uint64_t reserved;
+    uint32_t by_piece;
+    uint32_t reserved;
 };
 
 static_assert(sizeof(Publish) == 32 && sizeof(PutRecord) == 32);

@@ -40,8 +40,12 @@ uint64_t proxy_abort_offset(const SharedLayout& layout, uint32_t world) {
     return records_base(layout) + uint64_t{proxy::kParts} * world * sizeof(proxy::PutRecord);
 }
 
+uint64_t proxy_piece_word_offset(const SharedLayout& layout, uint32_t world, uint32_t sender) {
+    return proxy_abort_offset(layout, world) + 64 + 8ull * sender;
+}
+
 uint64_t proxy_inbox_bytes(const SharedLayout& layout, uint32_t world) {
-    return proxy_abort_offset(layout, world) + 64;
+    return proxy_piece_word_offset(layout, world, 0) + (8ull * world + 63) / 64 * 64;
 }
 
 uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_t part,
@@ -55,6 +59,10 @@ uint32_t DeviceProxy::data_imm(uint32_t base, uint32_t part, uint32_t sender) {
 
 uint32_t DeviceProxy::record_imm(uint32_t base, uint32_t part, uint32_t sender) {
     return base + (part * 2 + 1) * kMaxWorldSize + sender;
+}
+
+uint32_t DeviceProxy::piece_imm(uint32_t base, uint32_t sender, uint32_t piece) {
+    return base + (2 * proxy::kParts + piece) * kMaxWorldSize + sender;
 }
 
 DeviceProxy::DeviceProxy(DeviceProxySetup setup)
@@ -231,11 +239,18 @@ std::string DeviceProxy::put_name(uint32_t d, uint32_t part, uint32_t seq) const
 bool DeviceProxy::post_data(uint32_t d, uint32_t part, Outgoing& o, uint64_t offset, uint64_t len) {
     TransferEngine& engine = *s_.engine;
     const uint64_t slab = s_.outbox_offset[d];
-    const uint64_t chunk = s_.chunk_bytes ? s_.chunk_bytes : len;
+    const uint64_t chunk = s_.chunk_bytes && !o.by_piece ? s_.chunk_bytes : len;
+    // By piece: this is piece o.stream_posted, one write (stream() checked that it is).
+    const uint32_t imm = o.by_piece ? piece_imm(s_.imm_base, s_.rank, o.stream_posted)
+                                    : data_imm(s_.imm_base, part, s_.rank);
     for (uint64_t at = 0; at < len; at += chunk) {
         const uint64_t n = std::min(chunk, len - at);
-        OpHandle h =
-            write(d, slab + offset + at, offset + at, n, data_imm(s_.imm_base, part, s_.rank));
+        if (o.by_piece && write_pieces(engine.config(), engine.num_rails(), n) != 1) {
+            fail(internal_error(fmt::format("{}: a piece of {} bytes takes more than one write",
+                                            put_name(d, part, o.call), n)));
+            return false;
+        }
+        OpHandle h = write(d, slab + offset + at, offset + at, n, imm);
         // The record announces what the engine's split rule says; a write that failed at once
         // or split otherwise must not be announced (the receiver would take stale inbox bytes
         // for this call's).
@@ -262,7 +277,7 @@ void DeviceProxy::post_record(uint32_t d, uint32_t part, Outgoing& o, uint64_t o
                               uint64_t len) {
     const uint64_t slab = s_.outbox_offset[d];
     const uint64_t rec_at = proxy_record_offset(s_.layout, s_.world, part, s_.rank);
-    proxy::PutRecord rec{offset, len, o.call, o.pieces, 0};
+    proxy::PutRecord rec{offset, len, o.call, o.pieces, o.by_piece ? 1u : 0u, 0};
     std::memcpy(static_cast<uint8_t*>(s_.outbox->data()) + slab + rec_at, &rec, sizeof(rec));
     o.record = write(d, slab + rec_at, rec_at, sizeof(rec), record_imm(s_.imm_base, part, s_.rank));
     inflight_.push_back({o.record, d, part, o.call, false});
@@ -285,6 +300,7 @@ bool DeviceProxy::stream(uint32_t d, uint32_t part, Outgoing& o) {
     }
     o.streaming = false;
     post_record(d, part, o, o.offset, o.len);
+    o.by_piece = false;
     return true;
 }
 
@@ -342,6 +358,11 @@ bool DeviceProxy::send() {
                 o.len = len;
                 o.stream_posted = 0;
                 o.stream_pieces = static_cast<uint32_t>(pieces);
+                // Piece by piece where every piece is one write of the engine's (the receiver
+                // counts one piece immediate each), else counted whole by the record.
+                o.by_piece = part == proxy::kCombine &&
+                             (!s_.chunk_bytes || piece <= s_.chunk_bytes) &&
+                             write_pieces(s_.engine->config(), s_.engine->num_rails(), piece) == 1;
                 stream(d, part, o);
                 if (failed_.load(std::memory_order_relaxed)) return true;
                 continue;
@@ -359,6 +380,10 @@ bool DeviceProxy::receive() {
     for (uint32_t s : remotes_) {
         for (uint32_t part = 0; part < proxy::kParts; ++part) {
             Incoming& in = in_[size_t{s} * proxy::kParts + part];
+            if (part == proxy::kCombine) {
+                any |= take_pieces(s, in);
+                if (failed_.load(std::memory_order_relaxed)) return true;
+            }
             const uint32_t rec_imm = record_imm(s_.imm_base, part, s);
             if (!in.have_record) {
                 if (engine.imm_available(rec_imm) == 0) continue;
@@ -383,6 +408,34 @@ bool DeviceProxy::receive() {
                 in.have_record = true;
                 in.record_at = Clock::now();
                 any = true;
+            }
+            if (in.record.by_piece) {
+                // Its pieces came with piece immediates: complete once all are taken.
+                if (part != proxy::kCombine || in.pieces_in > in.record.pieces) {
+                    fail(protocol_error(fmt::format(
+                        "rank {}: rank {} announced a {} put of call {} in {} piece(s), but {} "
+                        "piece write(s) arrived",
+                        s_.rank, s, part_name(part), in.record.seq, in.record.pieces,
+                        in.pieces_in)));
+                    return true;
+                }
+                if (in.pieces_in < in.record.pieces) {
+                    if (Clock::now() - in.record_at > s_.timeout) {
+                        fail(timeout_error(fmt::format(
+                            "rank {}: the {} put of call {} from rank {} announced {} piece(s), "
+                            "{} arrived within {} ms; the peer or the fabric may have died",
+                            s_.rank, part_name(part), in.record.seq, s, in.record.pieces,
+                            in.pieces_in, to_ms(s_.timeout))));
+                        return true;
+                    }
+                    continue;
+                }
+                in.pieces_in = 0;
+                complete(part, s, in.record);
+                in.have_record = false;
+                ++in.next_seq;
+                any = true;
+                continue;
             }
             const uint32_t dimm = data_imm(s_.imm_base, part, s);
             const uint64_t pieces = in.record.pieces;
@@ -411,6 +464,19 @@ bool DeviceProxy::receive() {
         }
     }
     return any;
+}
+
+bool DeviceProxy::take_pieces(uint32_t s, Incoming& in) {
+    // Only the calls' order makes these immediates this call's: a peer sends call N+1's
+    // combine after this rank's kernels consumed call N's, and they finish a call only once
+    // its counter is raised, after its record came and every piece was taken here.
+    const uint32_t before = in.pieces_in;
+    while (s_.engine->try_take_imm(piece_imm(s_.imm_base, s, in.pieces_in), 1)) ++in.pieces_in;
+    if (in.pieces_in == before) return false;
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(
+                                  s_.inbox_data + proxy_piece_word_offset(s_.layout, s_.world, s)))
+        .store((uint64_t{in.next_seq} << 32) | in.pieces_in, std::memory_order_release);
+    return true;
 }
 
 void DeviceProxy::raise(uint64_t offset, uint64_t value) {

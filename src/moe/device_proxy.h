@@ -97,6 +97,10 @@ uint64_t proxy_record_offset(const SharedLayout& layout, uint32_t world, uint32_
 // Offset of the inbox's abort word (uint32): set to 1 when the proxy fails, so the rank's
 // waiting kernels give up at once.
 uint64_t proxy_abort_offset(const SharedLayout& layout, uint32_t world);
+// Offset of the inbox's piece word of `sender` (uint64): (call << 32) | n once pieces 0..n-1
+// of that call's combine put from `sender`, sent piece by piece (PutRecord::by_piece), are in
+// the inbox (a release store), so kernels can read each piece's rows before the rest.
+uint64_t proxy_piece_word_offset(const SharedLayout& layout, uint32_t world, uint32_t sender);
 
 // Where one put of the last call got to, in GPU global-timer ns (0: not there yet).
 // published: the kernel handed it over (its stamp); seen: the proxy read the record; posted:
@@ -115,9 +119,12 @@ class DeviceProxy {
     DeviceProxy(const DeviceProxy&) = delete;
     DeviceProxy& operator=(const DeviceProxy&) = delete;
 
-    // Immediates: [imm_base, imm_base + 2 * kParts * kMaxWorldSize).
+    // Immediates: [imm_base, imm_base + 2 * kParts * kMaxWorldSize), then the piece
+    // immediates of streamed puts, kMaxWorldSize per piece index (piece i of a streamed put
+    // from `sender`, sent as one write: PutRecord::by_piece).
     static uint32_t data_imm(uint32_t base, uint32_t part, uint32_t sender);
     static uint32_t record_imm(uint32_t base, uint32_t part, uint32_t sender);
+    static uint32_t piece_imm(uint32_t base, uint32_t sender, uint32_t piece);
 
     void start();
     // Joins the thread, then waits (bounded by the engine's op_timeout) for writes still
@@ -136,8 +143,9 @@ class DeviceProxy {
         uint32_t data_left = 0;  // data writes of that call not yet completed
         uint32_t pieces = 0;     // immediates its data writes put on the wire so far
         OpHandle record;  // the last record write; its slot is rewritten only after it is done
-        // A streamed put under way (streaming): its bytes, and pieces posted of how many.
-        bool streaming = false;
+        // A streamed put under way (streaming): its bytes, and pieces posted of how many;
+        // by_piece: each piece one write with its piece immediate (PutRecord::by_piece).
+        bool streaming = false, by_piece = false;
         uint64_t offset = 0, len = 0;
         uint32_t stream_posted = 0, stream_pieces = 0;
     };
@@ -154,6 +162,7 @@ class DeviceProxy {
         bool have_record = false;
         proxy::PutRecord record{};
         TimePoint record_at;
+        uint32_t pieces_in = 0;  // piece immediates taken for call next_seq (combine only)
     };
 
     void loop();
@@ -171,6 +180,9 @@ class DeviceProxy {
     OpHandle write(uint32_t d, uint64_t src_offset, uint64_t dst_offset, uint64_t len,
                    uint32_t imm);
     bool receive();
+    // Takes the piece immediates of sender s's combine put that are in, in piece order, and
+    // stores the inbox's piece word when that moved it.
+    bool take_pieces(uint32_t s, Incoming& in);
     bool reap();
     void complete(uint32_t part, uint32_t sender, const proxy::PutRecord& rec);
     // Stores the 64-bit counter at `offset` of the inbox (release).

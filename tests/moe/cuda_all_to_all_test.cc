@@ -777,6 +777,40 @@ INSTANTIATE_TEST_SUITE_P(Peers, CudaAllToAllRemoteFailure, ::testing::Bool(),
                              return std::string(i.param ? "engine_gone" : "silent");
                          });
 
+#ifdef FERRY_HAVE_CUDA
+// Two ranks on two "nodes", the first streaming its combine in pieces, the second not: each
+// would read the other's combine rows by pieces it never sends, so create() refuses on both.
+std::string mismatched_streaming_rank(ferry::testing::Exchange& ex) {
+    int gpus = visible_gpus();
+    CHILD_CHECK(gpus > 0);
+    CudaCase k{.name = "mismatched_streaming", .ranks_per_node = 1};
+    AllToAllConfig cfg = config_of(k);
+    cfg.rank = static_cast<uint32_t>(ex.rank());
+    RANK_CUDA(cudaSetDevice(ex.rank() % gpus));
+    CHILD_ASSIGN_OK(auto engine, TransferEngine::create(ferry::testing::test_engine_config("tcp")));
+    CudaAllToAllOptions opts;
+    opts.engine = engine.get();
+    opts.stream_combine = ex.rank() == 0;
+    AllGatherFn ag = [&ex](std::span<const uint8_t> b) { return ex.allgather(b); };
+    auto a2a = CudaAllToAll::create(cfg, ag, opts);
+    CHILD_CHECK_MSG(!a2a.ok(), "create() accepted ranks that stream the combine differently");
+    CHILD_CHECK_MSG(a2a.status().code() == StatusCode::kInvalidArgument &&
+                        a2a.status().message().find("stream_combine and proxy_chunk_bytes") !=
+                            std::string::npos,
+                    "message: {}", a2a.status().to_string());
+    return "";
+}
+#endif  // FERRY_HAVE_CUDA
+
+TEST(CudaAllToAllSetup, RanksThatStreamTheCombineDifferentlyAreRefused) {
+    if (ferry::testing::gpu_count() == 0) GTEST_SKIP() << ferry::testing::no_gpu_reason();
+#ifdef FERRY_HAVE_CUDA
+    auto results =
+        ferry::testing::run_processes(2, mismatched_streaming_rank, std::chrono::seconds(60));
+    EXPECT_EQ(ferry::testing::describe_failures(results), "");
+#endif
+}
+
 // The device quantizer writes the bytes and scales of the CPU reference.
 TEST(CudaQuantize, MatchesCpuQuantizerBitForBit) {
     if (ferry::testing::gpu_count() == 0) GTEST_SKIP() << ferry::testing::no_gpu_reason();

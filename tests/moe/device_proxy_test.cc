@@ -90,6 +90,13 @@ struct ProxyRank {
                    *reinterpret_cast<uint64_t*>(mesh.buf.data() + offset + 8ull * sender))
             .load(std::memory_order_acquire);
     }
+    // The inbox's piece word of `sender` (acquire): (call << 32) | pieces of its combine in.
+    uint64_t piece_word(uint32_t sender) {
+        return std::atomic_ref<uint64_t>(
+                   *reinterpret_cast<uint64_t*>(mesh.buf.data() +
+                                                proxy_piece_word_offset(lay, world, sender)))
+            .load(std::memory_order_acquire);
+    }
     bool aborted() {
         return std::atomic_ref<uint32_t>(
                    *reinterpret_cast<uint32_t*>(mesh.buf.data() + proxy_abort_offset(lay, world)))
@@ -118,6 +125,8 @@ Result<std::unique_ptr<ProxyRank>> make_rank(Exchange& ex, const EngineConfig& e
     // Zeroed like the real inbox (the rest stays poisoned); nobody puts before the proxies run.
     std::memset(r->mesh.buf.data(), 0, 24ull * r->world);  // the counters
     std::memset(r->mesh.buf.data() + proxy_abort_offset(r->lay, r->world), 0, 4);
+    std::memset(r->mesh.buf.data() + proxy_piece_word_offset(r->lay, r->world, 0), 0,
+                8ull * r->world);
     DeviceProxySetup s;
     s.engine = r->mesh.engine.get();
     s.rank = r->rank;
@@ -398,7 +407,9 @@ TEST(DeviceProxySetup, APeerWhoseEngineIsGoneTurnsIntoAnErrorNamingIt) {
 }
 
 // A streamed put's first piece is on the wire while the kernel still writes the rest: the
-// peer sees its bytes before the other pieces are ready, and the counter only after all.
+// peer sees its bytes before the other pieces are ready, and the counter only after all. Each
+// piece is one write here, so the peer's proxy counts it as it comes: the piece word names the
+// call and the pieces in (what the combine kernel reads a piece's rows by).
 TEST(DeviceProxySetup, AStreamedPutsFirstPieceArrivesBeforeTheRestIsReady) {
     constexpr uint64_t kPiece = 3000, kLen = 4 * kPiece - 500;
     auto results = ferry::testing::run_processes(
@@ -421,6 +432,9 @@ TEST(DeviceProxySetup, AStreamedPutsFirstPieceArrivesBeforeTheRestIsReady) {
                 CHILD_CHECK_MSG(all_equal(r->inbox() + at + kPiece, kLen - kPiece, kPoison),
                                 "bytes of pieces not ready yet arrived");
                 CHILD_CHECK(r->counter(l.ctr_combine, 0) == 0);
+                CHILD_CHECK_MSG(wait_for([&] { return r->piece_word(0) == (1ull << 32 | 1); },
+                                         std::chrono::seconds(10)),
+                                "piece word {:x} after the first piece", r->piece_word(0));
                 CHILD_CHECK_OK(ex.barrier());
                 CHILD_CHECK_MSG(
                     wait_for([&] { return r->counter(l.ctr_combine, 0) == kCombineBlocks; },
@@ -428,6 +442,8 @@ TEST(DeviceProxySetup, AStreamedPutsFirstPieceArrivesBeforeTheRestIsReady) {
                     "combine counter at {}", r->counter(l.ctr_combine, 0));
                 CHILD_CHECK(all_equal(r->inbox() + at, kLen, 0x31));
                 CHILD_CHECK(r->inbox()[at + kLen] == kPoison);
+                CHILD_CHECK_MSG(r->piece_word(0) == (1ull << 32 | 4), "piece word {:x} at the end",
+                                r->piece_word(0));
                 CHILD_CHECK_OK(ex.barrier());
             }
             CHILD_CHECK_OK(r->proxy->error());

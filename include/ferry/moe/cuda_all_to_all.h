@@ -74,8 +74,10 @@ struct CudaAllToAllOptions {
     // when world_size > ranks_per_node, and it must outlive the all-to-all. Ranks of one host
     // with different node numbers use it too (one GPU can test the remote path that way).
     TransferEngine* engine = nullptr;
-    // Immediates used are [imm_base, imm_base + 8 * kMaxWorldSize): keep clear of other users
-    // of the same engine (AllToAll's default base is another range).
+    // Immediates used are [imm_base, imm_base + (8 + P) * kMaxWorldSize), P the most pieces of
+    // a streamed combine (max_tokens_per_rank * experts_per_token rows over the rows of a
+    // piece; 0 without stream_combine): keep clear of other users of the same engine
+    // (AllToAll's default base is another range).
     uint32_t imm_base = 0x6d670000;
     // The host proxy spins (yielding its core) this long after its last work, then naps; the
     // first put after a nap waits for its end (tens of microseconds with the scheduler's
@@ -91,8 +93,10 @@ struct CudaAllToAllOptions {
     // Per-hit combine with remote ranks: the combine send kernel writes each remote rank's
     // rows in order and hands them to the proxy in pieces of whole rows (as many as fit in
     // proxy_chunk_bytes), each as soon as it is in the outbox, so the fabric's copies run
-    // beside the kernel's writes to host memory instead of after them. Needs
-    // proxy_chunk_bytes of at least one row (hidden * 2 bytes); off: one put per call.
+    // beside the kernel's writes to host memory instead of after them; where each piece is one
+    // write of the engine's, the receiver reads a piece's rows as soon as it is in. Needs
+    // proxy_chunk_bytes of at least one row (hidden * 2 bytes); off: one put per call. Every
+    // rank must pass the same stream_combine and proxy_chunk_bytes (create() checks).
     bool stream_combine = true;
     // Kernels stamp the GPU's global timer where each kernel starts and ends and where its
     // waits for peers end (first and last block each); last_trace() reads the last call's

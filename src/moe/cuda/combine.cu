@@ -285,20 +285,46 @@ __global__ void __launch_bounds__(kCombineThreads)
     finish_combine_send(a, seq, s_base, s_rows, false);
 }
 
+// Waits until the piece of remote rank d's combine run holding combine row `slot` is in the
+// inbox (KernelArgs::piece_seen), or the whole run is (the combine relay). Twice the deadline
+// of the polling block's wait, which names a silent peer first.
+__device__ inline bool wait_piece(const KernelArgs& a, uint32_t d, uint32_t slot, uint32_t seq) {
+    const uint32_t pos = slot - a.remote_combine - __ldcg(&a.combine_base[d]);
+    const uint64_t need = (uint64_t{seq} << 32) | (pos / a.piece_rows + 1);
+    const auto* seen = reinterpret_cast<const uint64_t*>(a.piece_seen + d);
+    const auto* whole = reinterpret_cast<const uint64_t*>(a.tickets + kTicketCombineRelay);
+    const uint64_t start = global_ns();
+    for (uint32_t spin = 0;; ++spin) {
+        if (ld_acquire_sys(seen) >= need || ld_acquire_sys(whole) >= seq) return true;
+        if ((spin & 255u) == 255u) {
+            if (error_set(a)) return false;
+            if (global_ns() - start > 2 * a.timeout_ns) {
+                record_error(a, DeviceError::kTimeout, DeviceError::kCombineRecvWait, d, seq, pos,
+                             need);
+                return false;
+            }
+        }
+    }
+}
+
 // kSlots (worlds with remote ranks): a (token, k) row is where combine_slot says, since
-// remote ranks' results sit in a compact area after the slots, in the inbox.
+// remote ranks' results sit in a compact area after the slots, in the inbox. With pieces
+// (KernelArgs::piece_seen), one block polls the inbox and relays the piece words, and every
+// other block sums a token as soon as the pieces holding its remote rows are in: the reads of
+// host memory run beside the copies of the later pieces instead of after the last.
 // weights: the caller's for this combine ([num_tokens * top-k]), or null for the dispatched
 // ones; read here rather than copied in first, which would cost a launch per call.
 template <bool kBf16Out, bool kSlots>
 __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_bf16,
                                     const float* weights) {
-    __shared__ int s_ok;
+    __shared__ int s_ok, s_late;
     __shared__ float s_wt[kMaxCudaTopk];
     __shared__ int32_t s_e[kMaxCudaTopk];
     __shared__ int s_use[kMaxCudaTopk];
     __shared__ uint32_t s_slot[kMaxCudaTopk];
     const uint32_t tid = threadIdx.x, w = a.world, k = a.topk;
     const uint32_t seq = static_cast<uint32_t>(a.state->seq), n = a.state->num_tokens;
+    const bool by_piece = kSlots && a.piece_seen != nullptr;
     trace_point(a, kTrCombineRecvBegin);
     // Thread kk < top-k holds choice kk of the block's next token, loaded while the block
     // sums the current one: a token then waits for no load of its routing (a round trip per
@@ -312,7 +338,11 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
         next_w = weights ? weights[t * k + tid] : a.weights[t * k + tid];
         if constexpr (kSlots) next_slot = a.combine_slot[t * k + tid];
     };
-    fetch(blockIdx.x);  // local data: loaded while thread 0 waits for the peers
+    // Tokens first, first + stride, ...: by piece, the polling block takes none (it relays
+    // the pieces until the last is in, and a token of its own would wait that long), the
+    // others share them in the order they reached the wait.
+    uint32_t first = blockIdx.x, stride = gridDim.x;
+    if (!by_piece) fetch(first);  // local data: loaded while thread 0 waits for the peers
     const uint64_t want = uint64_t{seq} * a.combine_send_blocks;
     if (tid == 0) {
         int ok = 1;
@@ -321,11 +351,21 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
                                                  DeviceError::kCombineRecvWait, s, seq);
         s_ok = ok;
     }
-    if (kSlots &&
-        !wait_remote_counters(a, kTicketCombinePoll, kTicketCombineRelay, a.lay.ctr_combine, want,
-                              DeviceError::kCombineRecvWait, seq, [] {}) &&
-        tid == 0)
-        s_ok = 0;
+    uint32_t order = 0;
+    const bool remote_ok =
+        !kSlots || wait_remote_counters(
+                       a, kTicketCombinePoll, kTicketCombineRelay, a.lay.ctr_combine, want,
+                       DeviceError::kCombineRecvWait, seq, [] {}, !by_piece, a.piece_words,
+                       a.piece_seen, &order);
+    if (!remote_ok && tid == 0) s_ok = 0;
+    if (by_piece && gridDim.x > 1) {
+        first = order == 0 ? n : order - 1;
+        stride = gridDim.x - 1;
+        fetch(first);
+    } else if (by_piece) {
+        fetch(first);
+    }
+    if (tid == 0) s_late = 0;
     __syncthreads();
     trace_point(a, kTrCombineRecvRowsIn);
     if (!s_ok) {
@@ -336,7 +376,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
     const uint8_t* recv = a.self + a.lay.combine;
     const uint8_t* recv_remote = kSlots ? a.inbox + a.lay.combine : nullptr;
     const uint64_t row_bytes = uint64_t{a.hidden} * sizeof(uint16_t);
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+    for (uint32_t t = first; t < n; t += stride) {
         if (tid < k) {
             s_e[tid] = next_e;
             // Per-rank partials are weighted already (and 1 * x is x exactly, so the sum
@@ -344,7 +384,7 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
             s_wt[tid] = a.combine_per_rank ? 1.0f : next_w;
             if constexpr (kSlots) s_slot[tid] = next_slot;
         }
-        fetch(t + gridDim.x);
+        fetch(t + stride);
         __syncthreads();
         if (tid < k) {
             const int32_t e = s_e[tid];
@@ -355,8 +395,12 @@ __global__ void combine_recv_kernel(KernelArgs a, float* out_f32, uint16_t* out_
                     use = use && !(s_e[j] >= 0 && static_cast<uint32_t>(s_e[j]) / a.local_experts ==
                                                       static_cast<uint32_t>(e) / a.local_experts);
             s_use[tid] = use;
+            if (by_piece && use && s_slot[tid] >= a.remote_combine &&
+                !wait_piece(a, static_cast<uint32_t>(e) / a.local_experts, s_slot[tid], seq))
+                s_late = 1;
         }
         __syncthreads();
+        if (s_late) break;  // recorded
         const uint8_t* rows_t = recv + uint64_t{t} * k * row_bytes;
         for (uint32_t c8 = tid; c8 < n8; c8 += blockDim.x) {
             // Every top-k load in flight first, then the sums in top-k order.

@@ -49,7 +49,8 @@ struct PeerBlob {
     uint32_t dispatch_blocks = 0;
     uint32_t combine_blocks = 0;
     uint32_t sm_count = 0;
-    uint64_t base = 0;  // the shared allocation in the owner's address space
+    uint32_t piece_rows = 0;  // KernelArgs::piece_rows: receivers read the senders' pieces
+    uint64_t base = 0;        // the shared allocation in the owner's address space
     cudaIpcMemHandle_t handle{};
     // Followed by this many bytes when the rank has an engine: its EngineAddress and its
     // proxy inbox's MemoryDescriptor, what ranks on other nodes need to reach it.
@@ -414,6 +415,8 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     const uint64_t stream_words = uint64_t{w} * max_pieces;
     const uint64_t o_piece_done = take(sizeof(uint32_t) * stream_words);
     const uint64_t o_cinv = take(piece_rows ? sizeof(uint32_t) * max_rows : 0);
+    const uint64_t o_piece_seen = take(piece_rows ? sizeof(unsigned long long) * w : 0);
+    const uint64_t o_combine_base = take(piece_rows ? sizeof(uint32_t) * w : 0);
     const uint64_t o_trace =
         take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
 
@@ -486,6 +489,7 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     mine.device = impl->device;
     mine.dispatch_blocks = dc.send_blocks;
     mine.combine_blocks = cc.send_blocks;
+    mine.piece_rows = piece_rows;
     int sms = 0;
     FERRY_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
     mine.sm_count = static_cast<uint32_t>(sms);
@@ -528,6 +532,12 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                 "cuda all-to-all: rank {} launches {}/{} dispatch/combine send blocks, this rank "
                 "{}/{}; arrival counts depend on them, so every rank must use the same",
                 r, p.dispatch_blocks, p.combine_blocks, dc.send_blocks, cc.send_blocks));
+        if (p.piece_rows != piece_rows)
+            return invalid_argument(fmt::format(
+                "cuda all-to-all: rank {} streams the combine in pieces of {} rows, this rank in "
+                "pieces of {} (0: not streamed); a rank reads a peer's rows by the peer's pieces, "
+                "so every rank must pass the same stream_combine and proxy_chunk_bytes",
+                r, p.piece_rows, piece_rows));
         if ((remote_mask >> r) & 1) {
             // Its kernels' stores for this peer go to its outbox; the proxy does the rest.
             if (p.remote_bytes == 0)
@@ -669,6 +679,10 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.piece_done = piece_rows ? reinterpret_cast<uint32_t*>(local + o_piece_done) : nullptr;
     a.stream_ready = stream_ready_dev;
     a.combine_inv = piece_rows ? reinterpret_cast<uint32_t*>(local + o_cinv) : nullptr;
+    a.piece_seen =
+        piece_rows ? reinterpret_cast<unsigned long long*>(local + o_piece_seen) : nullptr;
+    a.combine_base = piece_rows ? reinterpret_cast<uint32_t*>(local + o_combine_base) : nullptr;
+    a.piece_words = proxy_piece_word_offset(lay, w, 0);
     a.recv_o = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_o) : nullptr;
     a.recv_w = per_rank ? reinterpret_cast<float*>(local + o_recv_w) : nullptr;
     a.recv_token = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_token) : nullptr;

@@ -85,13 +85,19 @@ __device__ inline void record_error(const KernelArgs& a, uint32_t code, uint32_t
 // `relayed`: a word another block of this GPU sets after its own wait (wait_remote_counters):
 // twice the deadline, so that the wait that names the peer is the one to time out (a spin on
 // device memory checks the clock far more often than one over PCIe).
+// on_spin(): called after every look that found the counter short.
+struct NoSpinWork {
+    __device__ void operator()() const {}
+};
+template <typename OnSpin = NoSpinWork>
 __device__ inline bool wait_counter(const KernelArgs& a, const uint64_t* counter, uint64_t want,
                                     uint32_t phase, uint32_t peer, uint32_t seq,
-                                    bool relayed = false) {
+                                    bool relayed = false, OnSpin on_spin = {}) {
     const uint64_t start = global_ns(), timeout = relayed ? 2 * a.timeout_ns : a.timeout_ns;
     for (uint32_t spin = 0;; ++spin) {
         uint64_t v = ld_acquire_sys(counter);
         if (v >= want) return true;
+        on_spin();
         if ((spin & 255u) == 255u) {
             if (error_set(a)) return false;
             if (global_ns() - start > timeout) {
@@ -133,11 +139,15 @@ __device__ __forceinline__ uint32_t counts_in(const KernelArgs& a, uint32_t send
     return __ldcg(p + word);
 }
 
+__device__ __forceinline__ void st_release_gpu(unsigned long long* word, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(v) : "memory");
+}
+
 // Stores the call number into a word other blocks of this GPU wait on, after everything this
 // block stored before the barrier that preceded the call (thread 0, after __syncthreads).
 __device__ __forceinline__ void release_call(unsigned long long* word, uint32_t seq) {
     __threadfence();
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(uint64_t{seq}) : "memory");
+    st_release_gpu(word, seq);
 }
 
 // Waits until every remote peer's counter at `offset` of the inbox reaches `want`, with one
@@ -148,31 +158,51 @@ __device__ __forceinline__ void release_call(unsigned long long* word, uint32_t 
 // dispatch_send got past the counts ~4 us after they arrived, the last ~175 us after, and
 // the host proxy saw a put published meanwhile ~60 us late (EP2 over shm, 2026-12-03).
 // Called by every thread of every block of the grid, once per call.
+// others_wait false: the other blocks go on at once (they wait for what they need their own
+// way); words_to: while it waits, the polling block also copies each remote peer's uint64
+// word at inbox + words_at into words_to[peer] whenever it changes; order: the block's place
+// among the grid's blocks in reaching the wait (0: the polling block).
 template <typename Then>
 __device__ inline bool wait_remote_counters(const KernelArgs& a, uint32_t poll, uint32_t relay,
                                             uint64_t offset, uint64_t want, uint32_t phase,
-                                            uint32_t seq, Then then) {
+                                            uint32_t seq, Then then, bool others_wait = true,
+                                            uint64_t words_at = 0,
+                                            unsigned long long* words_to = nullptr,
+                                            uint32_t* order = nullptr) {
     __shared__ int s_poller, s_ok;
+    __shared__ uint32_t s_order;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
         const unsigned long long before = atomicAdd(&a.tickets[poll], 1ull);
+        s_order = static_cast<uint32_t>(before % gridDim.x);
         s_poller = before == static_cast<unsigned long long>(seq - 1) * gridDim.x;
         s_ok = 1;
     }
     __syncthreads();
     const auto* relayed = reinterpret_cast<const uint64_t*>(a.tickets + relay);
     if (s_poller) {
-        if (tid < a.world && is_remote(a, tid) &&
-            !wait_counter(a, counter_at(a.inbox, offset, tid), want, phase, tid, seq))
-            s_ok = 0;
+        if (tid < a.world && is_remote(a, tid)) {
+            const auto* watch = reinterpret_cast<const uint64_t*>(a.inbox + words_at) + tid;
+            uint64_t seen = 0;
+            auto copy_word = [&] {
+                if (!words_to) return;
+                const uint64_t v = ld_acquire_sys(watch);
+                if (v != seen) st_release_gpu(words_to + tid, seen = v);
+            };
+            if (!wait_counter(a, counter_at(a.inbox, offset, tid), want, phase, tid, seq, false,
+                              copy_word))
+                s_ok = 0;
+        }
         __syncthreads();
         if (s_ok) then();
         __syncthreads();
         if (tid == 0 && s_ok) release_call(a.tickets + relay, seq);
-    } else if (tid == 0 && !wait_counter(a, relayed, seq, phase, a.rank, seq, true)) {
+    } else if (others_wait && tid == 0 &&
+               !wait_counter(a, relayed, seq, phase, a.rank, seq, true)) {
         s_ok = 0;
     }
     __syncthreads();
+    if (order) *order = s_order;
     return s_ok != 0;
 }
 

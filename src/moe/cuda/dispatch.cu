@@ -55,7 +55,10 @@ __device__ uint32_t assign_remote_combine_rows(const KernelArgs& a, uint32_t d, 
         carry += agg;
         __syncthreads();  // scan_tmp is reused
     }
-    if (tid == 0) s_combine_base[d] = base;
+    if (tid == 0) {
+        s_combine_base[d] = base;
+        if (a.combine_base) a.combine_base[d] = base;
+    }
     return carry;
 }
 

@@ -132,6 +132,15 @@ struct KernelArgs {
     uint32_t* stream_ready;  // [world * max_pieces] device view of the proxy's piece flags
     uint32_t* combine_inv;   // [max_rows] received row at each remote run position (runs of
                              // the remote senders back to back in rank order)
+    // Streamed combine, received by piece (with piece_rows; null otherwise): combine_recv's
+    // polling block copies each remote sender's inbox piece word (at inbox + piece_words, see
+    // proxy_piece_word_offset) into piece_seen[sender] as it moves, and a token's rows from a
+    // sender are read once the pieces holding them are in; combine_base[d] is the first row
+    // of remote rank d's run here (the plan's, as announced in the counts message). Every
+    // rank's piece_rows is the same: it is part of hash32.
+    unsigned long long* piece_seen;  // [world]
+    uint32_t* combine_base;          // [world]
+    uint64_t piece_words;
     // CombineMode::kPerRank only (null otherwise): what dispatch_recv leaves combine_send
     // about every received row g (senders in rank order, a sender's rows in its order).
     uint32_t* recv_o;      // [world * max_tokens * top-k] batch row of each choice, ~0u: none
