@@ -67,6 +67,9 @@ struct XferRow {
     // The median of the pairs' ratios: on a host where the two sides' threads share few
     // cores, single passes swing by 2x, and a pair's two passes see the same neighbourhood.
     double median_ratio() const;
+    // The pairs' ratios at quantile q (0..1, linear between ranks): the quartiles say how far
+    // the pairs of one run spread around the median.
+    double quantile_ratio(double q) const;
 };
 
 struct XferReport {

@@ -39,6 +39,10 @@ void prefetch_op(const FabricOp* op) {
     }
 }
 
+// See post_pending: how many bytes of writes with completions a pass posts before it reads
+// the completion queue.
+constexpr size_t kPollAfterBytes = 256 * 1024;
+
 }  // namespace
 
 Status fi_status(const char* what, int rc) {
@@ -227,6 +231,7 @@ bool Rail::post_pending() {
         return std::find(blocked, blocked + nblocked, p) != blocked + nblocked;
     };
     uint64_t posted = 0, bytes = 0, injected = 0, with_more = 0;
+    size_t unpolled_bytes = 0;  // posted with a completion since the last CQ read
     // Operations done at their post are finished after the pass's counters are published, so
     // that a caller woken by one finds it in stats() (HotPathTest's inject-size test failed 4
     // of 8 runs on shm, 2026-12-02, when they were finished first). Counters once per pass.
@@ -315,8 +320,27 @@ bool Rail::post_pending() {
         } else {
             op->tx_gen = tx_gen_;
             link_inflight(op);
+            unpolled_bytes += op->len;
         }
         op = next;
+        // Completions between large posts, not only after the pass. shm copies a large write
+        // or read inside its post (CMA) and completes it there, so a pass over 64 pending
+        // writes of 1 MiB ran all 64 copies before the first callback: a submitter waiting for
+        // room in its window heard of it only when the worker had nothing left to post, and
+        // the worker then polled idle through the submitter's wake-up and refill.
+        // HotPathShmTest's LargeReadsOfOneBatchCompleteOneByOne fails without this (3 of 3
+        // runs, 2026-12-03). The throughput gain is not shown: on the loaded 2-core dev
+        // machine (load 10-20) the 1 MiB point's medians before and after overlap
+        // (docs/BENCHMARKS.md, "Issue 18 on the dev machine"). One CQ read per 256 KiB posted,
+        // against ~25 us of CPU for the copy of 256 KiB there (bench CPU us/op).
+        if (op && unpolled_bytes >= kPollAfterBytes) {
+            unpolled_bytes = 0;
+            poll_cq();
+            if (wedged()) {
+                finish_pass();
+                return false;
+            }
+        }
     }
     finish_pass();
     return any;

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <random>
 
@@ -401,6 +402,58 @@ TEST_P(HotPathTest, ScatterToSixtyFourPeersDeliversEveryByte) {
             return "";
         },
         kScatterTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// shm copies a large read or write inside its post (CMA) and completes it there. Each read of
+// a batch is reported as soon as it is done, not once the worker has posted the whole batch:
+// the first of 16 reads of 1 MiB used to complete after all 16 copies, and a submitter waiting
+// for room in its window (the bench's, a KV transfer's) could refill only when the worker had
+// nothing left to post.
+TEST(HotPathShmTest, LargeReadsOfOneBatchCompleteOneByOne) {
+    const uint64_t seed = testing::test_seed("LargeReadsOneByOne");
+    constexpr int kReads = 16;
+    constexpr size_t kLen = 1 << 20;
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(MeshNode n,
+                            make_mesh_node(ex, test_engine_config("shm"), kReads * kLen, kPoison));
+            if (ex.rank() == 1) {
+                for (size_t i = 0; i < n.buf.size(); ++i) n.buf[i] = pattern(seed, i);
+                CHILD_CHECK(ex.barrier().ok());  // filled
+                CHILD_CHECK(ex.barrier().ok());  // read
+                return "";
+            }
+            CHILD_CHECK(ex.barrier().ok());
+            std::vector<BatchEntry> reads;
+            for (int i = 0; i < kReads; ++i) {
+                reads.push_back(
+                    ReadOp{n.peer[1], n.mr.get(), i * kLen, &n.desc[1], i * kLen, kLen});
+            }
+            // Set by the first completion (on the worker, which also does the copies).
+            std::atomic<int> first{-1};
+            std::atomic<bool> last_still_poisoned{false};
+            std::vector<OpHandle> hs = n.engine->submit_batch(reads, [&](size_t i, const Status&) {
+                int none = -1;
+                if (first.compare_exchange_strong(none, static_cast<int>(i))) {
+                    last_still_poisoned =
+                        check_fill(n.buf, (kReads - 1) * kLen, kLen, kPoison).empty();
+                }
+            });
+            for (auto& h : hs) CHILD_CHECK_OK(h.wait(kWait));
+            for (int i = 0; i < kReads; ++i) {
+                std::string bad = check_pattern(n.buf, i * kLen, kLen, seed, i * kLen);
+                CHILD_CHECK_MSG(bad.empty(), "read {} (seed {}): {}", i, seed, bad);
+            }
+            CHILD_CHECK_MSG(last_still_poisoned,
+                            "the batch's first completion (read {}) came after its last read "
+                            "had landed: completions wait for the whole batch",
+                            first.load());
+            CHILD_CHECK(ex.barrier().ok());
+            return "";
+        },
+        kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
