@@ -116,6 +116,23 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--push-layer-groups", "0"}),
          "--push-layer-groups must be at least 1 (1: each chunk whole after its step; at most "
          "one group per layer, 2 for tiny), got 0"},
+        // Accepted before: an idle timeout of 0 closed every keep-alive connection at once, a
+        // chunk below a block computed a fraction of a block per step, and 10^9 sequences or
+        // HTTP threads were no bound at all (a burst started threads until the host ran out).
+        {engine({"--idle-timeout", "0"}), "--idle-timeout: must be greater than 0, got 0"},
+        {{"serve", "router", "--port", "0", "--idle-timeout", "0"}, "--idle-timeout: must be"},
+        {engine({"--prefill-chunk", "8"}),
+         "--prefill-chunk 8 is below --block-size 16: a chunk is at least one block"},
+        {engine({"--max-num-seqs", "1000000000"}),
+         "--max-num-seqs must be in [1, 65536], got 1000000000"},
+        {engine({"--http-threads", "1000000000"}),
+         "--http-threads: must be at most 4096 (each is a thread), got 1000000000"},
+        {{"serve", "router", "--port", "0", "--router-threads", "1e9"},
+         "--router-threads: must be at most 4096 (each is a thread), got 1e9"},
+        {{"serve", "local", "--router-threads", "5000"}, "--router-threads: must be at most 4096"},
+        {engine({"--max-connections", "0"}), "--max-connections: must be greater than 0"},
+        {engine({"--max-connections-per-client", "0"}),
+         "--max-connections-per-client: must be greater than 0"},
         // Named as the flag it is, not as the KV side channel that bound it first.
         {engine({"--host", "999.1.1.1"}),
          "--host: '999.1.1.1' is neither an IP address nor a name this machine resolves"},
