@@ -240,9 +240,11 @@ int fail(const Status& st) {
     return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+// Until SIGINT or SIGTERM, then says which one stops the process (it exits 0 once stopped).
 void wait_for_stop() {
     const auto& stop = stop_requested();
     while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));
+    fmt::print(stderr, "{}: stopping\n", stop_signal_name());
 }
 
 Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
