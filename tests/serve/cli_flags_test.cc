@@ -133,6 +133,17 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--max-connections", "0"}), "--max-connections: must be greater than 0"},
         {engine({"--max-connections-per-client", "0"}),
          "--max-connections-per-client: must be greater than 0"},
+        // 10^8 writes in flight ran for minutes before the first point; 10^8 pages per paged
+        // write indexed past the page list (SIGSEGV); 10^11 relay iterations ran for days.
+        {{"bench", "xfer", "--window", "100000000"},
+         "bench xfer: --window must be in [1, 65536], got 100000000"},
+        {{"bench", "xfer", "--pages-per-op", "100000000"},
+         "bench xfer: --pages-per-op must be in [1, 512], got 100000000"},
+        {{"bench", "relay", "--input-len", "16", "--iters", "100000000000"},
+         "bench relay: --iters must be in [1, 1000000], got 100000000000"},
+        // Every byte its own write: minutes per request.
+        {{"bench", "kv", "--max-write", "1"},
+         "bench kv: --max-write 1 is below 4096 bytes (0: the engine's default, 67108864)"},
         // Named as the flag it is, not as the KV side channel that bound it first.
         {engine({"--host", "999.1.1.1"}),
          "--host: '999.1.1.1' is neither an IP address nor a name this machine resolves"},
