@@ -21,9 +21,7 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
+using namespace testing;
 
 const auto kTimeout = std::chrono::seconds(5);
 
