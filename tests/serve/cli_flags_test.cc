@@ -328,6 +328,11 @@ TEST_F(CliFlags, SizesPastTheHostsMemoryAreRefusedBeforeAnythingRuns) {
         {{"bench", "kv", "--tokens", "4000000000"},
          "bench kv: the prefill and decode pools for --tokens 4000000000 x --layers 64"},
         {{"bench", "kv", "--tokens", "16", "--layers", "4000000000"}, "--layers 4000000000"},
+        // Was "cannot allocate 144500006912 bytes of MoE staging" from rank 0, naming no flag.
+        {{"bench", "moe", "--hidden", "1000000000", "--ranks", "4", "--experts", "8", "--topk", "2",
+          "--tokens", "8"},
+         "bench moe: the receive regions and staging of --ranks 4 x --tokens 8 x --hidden "
+         "1000000000"},
     };
     for (const Bad& k : cases) {
         auto [code, out] = run(k.args, seconds(10));
