@@ -27,6 +27,9 @@ def _load_extension() -> Any:
     exit(1): Ctrl-C in a program that imported ferry ended it with status 1 instead of raising
     KeyboardInterrupt, and SIGTERM ran exit handlers from a signal handler (it could hang). The
     dispositions from before the import (Python's, faulthandler's) are put back after it.
+    The constructor then calibrates its clock for ~0.1-0.2 s: SIGINT and SIGTERM are blocked
+    over the import, so one sent then (Ctrl-C during ``import ferry``) is held and reaches
+    Python's handling afterwards instead of ending the process with status 1.
     """
     import ctypes
     import signal as _signal
@@ -44,11 +47,13 @@ def _load_extension() -> Any:
         buf = ctypes.create_string_buffer(512)  # >= any struct sigaction; copied back as is
         if sigaction(int(sig), None, buf) == 0:
             saved[sig] = buf
+    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
     try:
         from . import _ferry as ext
     finally:
         for sig, buf in saved.items():
             sigaction(int(sig), buf, None)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
     return ext
 
 

@@ -231,6 +231,7 @@ class KvConnector(_Closing):
                                  _uint("num_tokens", num_tokens, _U32_MAX))
 
     def cancel(self, transfer_id: int) -> None:
+        # Idempotent by design (kv.pyi): an unknown id is vLLM's abort of a request never seen.
         self._conn.cancel(_uint("transfer_id", transfer_id))
 
     # Push, prefill side -------------------------------------------------------------------

@@ -70,7 +70,10 @@ class KvConnector:
         becomes final. A larger attempt supersedes a smaller one. A "recv" event ends it."""
     def cancel(self, transfer_id: int) -> None:
         """Stop the transfer; its "recv" event (code "cancelled") comes once no write can land
-        any more, and only then may the blocks be reused."""
+        any more, and only then may the blocks be reused. An id this connector has no transfer
+        for (never registered, or already over) is a no-op with no event: vLLM's abort path
+        reports requests the connector never saw. It does not stop a later register_push of
+        that id."""
 
     # Push, prefill side
     def prefill_scheduled(self, transfer_id: int) -> None:
@@ -86,7 +89,9 @@ class KvConnector:
     def prefill_failed(self, transfer_id: int, reason: str) -> None:
         """Prefill could not produce the KV: decode ranks get a failure carrying `reason`."""
     def abort_send(self, transfer_id: int, reason: str) -> None:
-        """Give up a transfer after prefill_done / offer_pull (its other leg failed)."""
+        """Give up a transfer after prefill_done / offer_pull (its other leg failed); its
+        "send" event (carrying `reason`) says when the blocks are free. An id with no transfer
+        here (never offered, or already over) is a no-op with no event, as for cancel()."""
 
     # Pull
     def offer_pull(self, transfer_id: int, blocks: Blocks, num_tokens: int) -> bytes:

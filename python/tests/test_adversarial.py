@@ -581,6 +581,36 @@ def test_importing_ferry_keeps_the_processs_signal_handlers(sig, expect):
         assert "Backtrace" not in err, err
 
 
+def test_sigterm_during_import_ferry_ends_the_process_as_sigterm():
+    """libinfinipath's constructor, run as ``import ferry`` loads the extension, installs its
+    exit(1) handlers and then calibrates its clock for ~0.1-0.2 s before ferry puts the old
+    handlers back: a SIGTERM (or Ctrl-C) then ended the program with status 1 and no word. Now
+    the signals are held over the import; a SIGTERM anywhere in it ends the process as SIGTERM.
+    """
+    import signal
+
+    code = ("import sys, time\n"
+            "print('importing', flush=True)\n"
+            "import ferry\n"
+            "time.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    statuses = {}
+    for ms in range(0, 1250, 50):  # the import takes ~1 s here; the window is inside it
+        p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "importing"
+            time.sleep(ms / 1000)
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=20)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        statuses[ms] = p.returncode
+    assert all(rc == -signal.SIGTERM for rc in statuses.values()), statuses
+
+
 # --- python3 -m ferry.bench_* ----------------------------------------------------------------
 
 @pytest.mark.parametrize("module,args,words", [

@@ -276,6 +276,28 @@ def test_closed_connector(engine):
         conn.cancel(1)
 
 
+def test_cancel_and_abort_of_unknown_ids_are_no_ops(engine):
+    """vLLM's abort path reports requests the connector never saw (aborted before any KV was
+    registered or offered): cancel() and abort_send() of an id with no transfer here return
+    None, queue no event and change no counter, however often; the id stays free, and the same
+    calls on a live transfer do end it."""
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        before = conn.stats()
+        for _ in range(2):
+            assert conn.cancel(0x77) is None
+            assert conn.abort_send(0x78, "client left") is None
+        assert conn.wait(0.3) is False and conn.poll() == []
+        assert conn.stats() == before
+        # 0x78 was never taken: an offer of it is accepted, and abort_send withdraws it.
+        conn.offer_pull(0x78, [0, 1], 20)
+        conn.abort_send(0x78, "client left")
+        assert conn.wait(5.0)
+        events = conn.poll()
+        assert [(ev.kind, ev.transfer_id, ev.ok) for ev in events] == [("send", 0x78, False)]
+        assert "client left" in events[0].message
+        assert conn.stats()["active_send"] == 0
+
+
 def test_refused_config_leaves_nothing(engine):
     """A connector ferry refuses (a TP rank outside the TP size) leaves no region registered
     and no message handler behind: the same engine and tensors serve the next one."""

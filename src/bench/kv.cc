@@ -383,6 +383,12 @@ Result<KvBenchReport> run_kv_bench(const KvBenchConfig& c) {
     for (uint32_t t : c.tokens)
         if (t == 0) return invalid_argument("bench kv: --tokens: every count must be at least 1");
     if (c.tokens.empty()) return invalid_argument("bench kv: give at least one token count");
+    // --max-write 1 made every byte its own write: minutes per request, measuring nothing a
+    // deployment does. A page is the smallest piece a provider moves efficiently.
+    if (c.max_write_size != 0 && c.max_write_size < kMinBenchMaxWrite)
+        return invalid_argument(
+            fmt::format("bench kv: --max-write {} is below {} bytes (0: the engine's default, {})",
+                        c.max_write_size, kMinBenchMaxWrite, EngineConfig{}.max_write_size));
     FERRY_RETURN_IF_ERROR(bench::check_bench_range("kv", "--iters", c.iters, 1, bench::kMaxIters));
     FERRY_RETURN_IF_ERROR(
         bench::check_bench_range("kv", "--tp-prefill", c.tp_prefill, 1, bench::kMaxRanks));

@@ -17,6 +17,9 @@
 
 namespace ferry::kv {
 
+// Smallest --max-write `bench kv` takes: one page.
+inline constexpr size_t kMinBenchMaxWrite = 4096;
+
 struct KvBenchConfig {
     std::string mode = "push";  // push | pull | pull-inline
     std::vector<uint32_t> tokens = {1024, 4096, 16384};
@@ -35,7 +38,8 @@ struct KvBenchConfig {
     // Scattered block ids (a long-running server's pool) instead of consecutive ones.
     bool random_blocks = false;
     bool measure_ceiling = true;
-    size_t max_write_size = 0;  // engine's longest single write; 0 keeps the engine default
+    // The engine's longest single write, at least kMinBenchMaxWrite; 0 keeps the engine default.
+    size_t max_write_size = 0;
     // Pools in GPU memory: prefill ranks on GPU 0, decode ranks on GPU 1 (or 0 when only one
     // is visible); transfers go over CUDA IPC / NVLink and the ceiling is the GPU-to-GPU copy.
     bool gpu = false;

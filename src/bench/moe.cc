@@ -16,6 +16,7 @@
 #include "ferry/fabric/engine.h"
 #include "ferry/moe/all_to_all.h"
 #include "ferry/moe/numerics.h"
+#include "ferry/moe/transport.h"
 
 namespace ferry::moe {
 bench_detail::RandomInputs bench_detail::random_inputs(const AllToAllConfig& cfg, uint32_t n,
@@ -170,6 +171,17 @@ Result<MoeBenchReport> run_moe_bench(const MoeBenchConfig& bc) {
     cfg.group_alignment = bc.alignment;
     cfg.combine = bc.combine;
     FERRY_RETURN_IF_ERROR(cfg.validate());
+    if (bc.backend == "cpu") {
+        // Every rank's receive regions and staging live in this process: --hidden 10^9 failed
+        // in rank 0 as "cannot allocate 144500006912 bytes of MoE staging", naming no flag.
+        const double per_rank = double(RankMemoryLayout::of(cfg).total_bytes);
+        FERRY_RETURN_IF_ERROR(bench::check_bench_memory(
+            "moe",
+            fmt::format("the receive regions and staging of --ranks {} x --tokens {} x --hidden {} "
+                        "(--topk {}, --experts {})",
+                        bc.ranks, bc.tokens, bc.hidden, bc.topk, bc.experts),
+            per_rank * bc.ranks));
+    }
 
     std::vector<RankResult> results(bc.ranks);
     if (bc.backend == "cuda") {

@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "bench/limits.h"
 #include "bench/serve.h"
 #include "ferry/common/clock.h"
 #include "ferry/serve/openai_api.h"
@@ -56,6 +57,9 @@ Result<Legs> full_parse(const std::string& body) {
 
 Result<std::vector<RelayBenchRow>> run_relay_bench(const RelayBenchConfig& c) {
     if (c.iters == 0) return invalid_argument("--iters must be at least 1");
+    // 10^11 ran for days; the other benchmarks stop at the same bound.
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("relay", "--iters", int64_t(c.iters), 1, bench::kMaxIters));
     if (c.vocab < 1) return invalid_argument("--vocab must be at least 1");
     std::mt19937_64 rng(c.seed);
     std::uniform_int_distribution<int32_t> token(0, c.vocab - 1);

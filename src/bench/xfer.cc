@@ -84,6 +84,9 @@ size_t rate_slot_bytes(const XferBenchConfig& c) {
     return m;
 }
 constexpr int kRateSlots = 4;
+// Bounds of --window and --pages-per-op (run_xfer_bench says why).
+constexpr int64_t kMaxWindow = 65536;
+constexpr int64_t kMaxPagesPerOp = 512;
 
 bool wants_rows(const XferBenchConfig& c, const std::string& which) {
     return std::find(c.rate_rows.begin(), c.rate_rows.end(), which) != c.rate_rows.end();
@@ -564,6 +567,11 @@ Result<double> Initiator::engine_paged_loop(size_t page) {
     // Random, non-adjacent page lists (every other page), as a paged KV cache's blocks are:
     // nothing coalesces, so this measures the per-page cost.
     uint32_t npages = static_cast<uint32_t>(sz_.buffer / page / 2);
+    if (size_t(c_.pages_per_op) > npages)  // run_xfer_bench's bound keeps this from happening
+        return invalid_argument(
+            fmt::format("bench xfer: --pages-per-op {} is more than the {} "
+                        "pages of {} B the buffer offers",
+                        c_.pages_per_op, npages, page));
     std::mt19937 rng(7);
     std::vector<std::vector<uint32_t>> lists(16);
     for (auto& l : lists) {
@@ -842,6 +850,13 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     if (config.window < 1 || config.pages_per_op < 1) {
         return invalid_argument("bench xfer: --window and --pages-per-op must be positive");
     }
+    // 10^8 writes in flight ran for minutes before the first point; 65536 takes seconds.
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("xfer", "--window", config.window, 1, kMaxWindow));
+    // A paged write takes every other page of a buffer of at least 1024 pages of the largest
+    // --pages size: more pages per write indexed past the page list (SIGSEGV at 10^8).
+    FERRY_RETURN_IF_ERROR(
+        bench::check_bench_range("xfer", "--pages-per-op", config.pages_per_op, 1, kMaxPagesPerOp));
     FERRY_RETURN_IF_ERROR(
         bench::check_bench_range("xfer", "--repeat", config.repeat, 1, bench::kMaxIters));
     FERRY_RETURN_IF_ERROR(bench::check_bench_range("xfer", "--latency-iters", config.latency_iters,

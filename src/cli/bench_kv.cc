@@ -1,3 +1,5 @@
+#include <fmt/format.h>
+
 #include <cstdio>
 
 #include "bench/kv.h"
@@ -44,7 +46,9 @@ void register_bench_kv(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--iters", c->iters, "timed requests per token count")->capture_default_str();
     cmd->add_option("--max-write", c->max_write_size,
-                    "longest single write the engine posts, bytes (0: engine default)");
+                    fmt::format("longest single write the engine posts, bytes, at least {} (0: "
+                                "engine default)",
+                                kv::kMinBenchMaxWrite));
     cmd->add_flag("--random-blocks", c->random_blocks,
                   "scattered block ids, as in a long-running server's pool");
     cmd->add_flag("!--no-ceiling", c->measure_ceiling, "skip the raw fi_write measurement");

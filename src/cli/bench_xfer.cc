@@ -20,8 +20,8 @@ void register_bench_xfer(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--sizes", c->sizes, "write sizes in bytes")->delimiter(',');
     cmd->add_option("--pages", c->pages, "page sizes for paged writes")->delimiter(',');
-    cmd->add_option("--window", c->window, "writes in flight")->capture_default_str();
-    cmd->add_option("--pages-per-op", c->pages_per_op, "pages per paged write")
+    cmd->add_option("--window", c->window, "writes in flight, 1..65536")->capture_default_str();
+    cmd->add_option("--pages-per-op", c->pages_per_op, "pages per paged write, 1..512")
         ->capture_default_str();
     cmd->add_option("--seconds", c->seconds_per_point, "seconds per measurement")
         ->capture_default_str();

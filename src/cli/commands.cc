@@ -80,6 +80,19 @@ CLI::Validator positive_number() {
         "> 0");
 }
 
+CLI::Validator at_most(double limit, const std::string& why) {
+    return CLI::Validator(
+        [limit, why](std::string& text) -> std::string {
+            const char* begin = text.c_str();
+            char* end = nullptr;
+            double v = std::strtod(begin, &end);
+            if (end != begin && v > limit)
+                return fmt::format("must be at most {} ({}), got {}", limit, why, text);
+            return {};
+        },
+        "");
+}
+
 CLI::Validator output_file() {
     return CLI::Validator(
         [](std::string& path) -> std::string {

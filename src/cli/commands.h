@@ -19,6 +19,9 @@ void register_serve(CLI::App& app);
 // (register_commands).
 CLI::Validator positive_number();
 
+// For counts with a ceiling: "must be at most <limit> (<why>), got <value>".
+CLI::Validator at_most(double limit, const std::string& why);
+
 // For flags naming a file the command writes at its end (--json, --result-file): checked when
 // the flags are parsed, so a path that cannot be written fails at once rather than after a run
 // of minutes.

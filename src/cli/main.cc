@@ -52,15 +52,34 @@ std::optional<std::string> command_error(CLI::App& app, int argc, char** argv) {
                        names(subcommands_of(at)), path);
 }
 
+// libfabric links libinfinipath (its psm provider), whose constructor installs handlers for
+// SIGINT, SIGTERM and the crash signals that print a backtrace and call exit(1) inside the
+// handler, and then spends ~0.1-0.2 s calibrating its clock on CPU 0 before main runs. A SIGTERM
+// in that window (a supervisor stopping a process it just started) ended `ferry serve` with
+// status 1 and no word. The executable's .preinit_array runs before any library's constructor:
+// SIGINT and SIGTERM are blocked there, and main unblocks them once its own handling is in
+// place, so a signal that came early is taken as if it came then.
+void mask_stop_signals(int how) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigprocmask(how, &set, nullptr);
+}
+void block_stop_signals(int, char**, char**) { mask_stop_signals(SIG_BLOCK); }
+__attribute__((section(".preinit_array"),
+               used)) void (*g_block_stop_signals)(int, char**, char**) = block_stop_signals;
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    // libfabric links libinfinipath (its psm provider), whose constructor installs handlers for
-    // these that print a backtrace and call exit(1) inside the handler: SIGTERM ran the exit
-    // path beside running threads (a benchmark left behind by `timeout`, hung on a lock; an
-    // abort), Ctrl-C ended a run with status 1, a crash looked like a failed run. The defaults
-    // come back before anything runs; serve installs its own for SIGINT and SIGTERM.
+    // libinfinipath's handlers (above): SIGTERM ran the exit path beside running threads (a
+    // benchmark left behind by `timeout`, hung on a lock; an abort), Ctrl-C ended a run with
+    // status 1, a crash looked like a failed run. The defaults come back before anything runs
+    // (serve installs its own for SIGINT and SIGTERM), then a signal held since before main is
+    // delivered: it ends the process as that signal.
     for (int sig : {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT}) std::signal(sig, SIG_DFL);
+    mask_stop_signals(SIG_UNBLOCK);
     CLI::App app{"ferry: data movement for disaggregated and expert-parallel LLM inference"};
     app.require_subcommand(1);
     std::string level = "warn";

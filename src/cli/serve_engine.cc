@@ -49,13 +49,26 @@ void add_http_limit_flags(CLI::App* cmd, HttpLimitFlags& f) {
         ->check(positive_number());
     cmd->add_option("--idle-timeout", f.idle_timeout_s,
                     "seconds an idle keep-alive connection stays open")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     cmd->add_option("--max-connections", f.o.max_connections,
                     "open HTTP connections in all (503 beyond)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
     cmd->add_option("--max-connections-per-client", f.o.max_connections_per_client,
                     "open HTTP connections from one client address (429 beyond)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(positive_number());
+}
+
+// Each is a thread, started as requests come: 10^9 let a burst start threads until the process
+// or the host ran out.
+std::string http_threads_help() {
+    return fmt::format("concurrent HTTP requests (threads), 1..{}", serve::kMaxHttpThreads);
+}
+
+CLI::Validator http_threads_limit() {
+    return at_most(double(serve::kMaxHttpThreads), "each is a thread");
 }
 
 serve::HttpServerOptions http_options(const std::string& host, int port, size_t threads,
@@ -138,7 +151,8 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
         ->capture_default_str();
     cmd->add_option("--step-overhead-us", f.cost.step_overhead_us, "fixed cost per step")
         ->capture_default_str();
-    cmd->add_option("--max-num-seqs", f.engine.max_num_seqs, "sequences per batch")
+    cmd->add_option("--max-num-seqs", f.engine.max_num_seqs,
+                    fmt::format("sequences per batch, 1..{}", serve::kMaxNumSeqs))
         ->capture_default_str();
     cmd->add_option("--max-model-len", f.engine.max_model_len, "prompt + output tokens")
         ->capture_default_str();
@@ -146,8 +160,8 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "prompt tokens per prefill step")
         ->capture_default_str();
     cmd->add_option("--prefill-chunk", f.engine.prefill_chunk_tokens,
-                    "chunked prefill: prompt tokens per prefill step (0: whole prompts); push "
-                    "sends each chunk's KV while the next computes")
+                    "chunked prefill: prompt tokens per prefill step, at least --block-size "
+                    "(0: whole prompts); push sends each chunk's KV while the next computes")
         ->capture_default_str();
     cmd->add_option("--push-layer-groups", f.engine.push_layer_groups,
                     "push: the last chunk's KV goes out in this many layer groups as they are "
@@ -176,9 +190,10 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "seconds a decode leg waits for its KV")
         ->capture_default_str()
         ->check(positive_number());
-    cmd->add_option("--http-threads", f.http_threads, "concurrent HTTP requests")
+    cmd->add_option("--http-threads", f.http_threads, http_threads_help())
         ->capture_default_str()
-        ->check(positive_number());
+        ->check(positive_number())
+        ->check(http_threads_limit());
     add_http_limit_flags(cmd, f.http_limits);
 }
 
@@ -225,9 +240,11 @@ int fail(const Status& st) {
     return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+// Until SIGINT or SIGTERM, then says which one stops the process (it exits 0 once stopped).
 void wait_for_stop() {
     const auto& stop = stop_requested();
     while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));
+    fmt::print(stderr, "{}: stopping\n", stop_signal_name());
 }
 
 Result<kv::TransferMode> kv_link_mode(const std::string& mode) {
@@ -427,9 +444,10 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
     cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
     cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
     cmd->add_option("--mode", f.mode, "push | pull | pull-inline")->capture_default_str();
-    cmd->add_option("--router-threads", f.http_threads, "concurrent HTTP requests")
+    cmd->add_option("--router-threads", f.http_threads, http_threads_help())
         ->capture_default_str()
-        ->check(positive_number());
+        ->check(positive_number())
+        ->check(http_threads_limit());
     cmd->add_option("--request-timeout", f.timeout_s, "seconds per request")
         ->capture_default_str()
         ->check(positive_number());

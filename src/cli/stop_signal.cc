@@ -6,8 +6,12 @@ namespace ferry::cli {
 namespace {
 
 std::atomic<bool> g_stop{false};
+std::atomic<int> g_signal{0};
 
-extern "C" void on_stop_signal(int) { g_stop.store(true); }
+extern "C" void on_stop_signal(int sig) {
+    g_signal.store(sig);
+    g_stop.store(true);
+}
 
 }  // namespace
 
@@ -22,6 +26,17 @@ const std::atomic<bool>& stop_requested() {
     }();
     (void)installed;
     return g_stop;
+}
+
+const char* stop_signal_name() {
+    switch (g_signal.load()) {
+        case SIGINT:
+            return "SIGINT";
+        case SIGTERM:
+            return "SIGTERM";
+        default:
+            return "a stop signal";
+    }
 }
 
 }  // namespace ferry::cli

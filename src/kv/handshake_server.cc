@@ -1,4 +1,5 @@
 // HandshakeServer: one poll loop serving every connection within its deadline.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <netdb.h>
@@ -58,6 +59,8 @@ class HandshakeServer::Impl {
         size_t sent = 0;
         bool last = false;  // close once `out` is sent
         Nonce client{}, server{};
+        std::string peer;     // "address:port", for the log
+        size_t received = 0;  // bytes, for the log
     };
 
     void run() {
@@ -87,7 +90,12 @@ class HandshakeServer::Impl {
                 if (re & (POLLERR | POLLNVAL)) c.fd.reset();
                 if (c.fd.get() >= 0 && (re & POLLOUT)) flush(c);
                 if (c.fd.get() >= 0 && (re & (POLLIN | POLLHUP))) receive(c);
-                if (c.fd.get() >= 0 && now >= c.deadline) c.fd.reset();
+                if (c.fd.get() >= 0 && now >= c.deadline) {
+                    note_failure(c, fmt::format("no complete exchange within {:.0f} ms ({} bytes "
+                                                "received): closed",
+                                                to_ms(opts_.connection_deadline), c.received));
+                    c.fd.reset();
+                }
             }
             if (rc > 0 && (fds[0].revents & POLLIN)) accept_all(now);
             std::erase_if(conns_, [](const auto& c) { return c->fd.get() < 0; });
@@ -97,7 +105,10 @@ class HandshakeServer::Impl {
 
     void accept_all(TimePoint now) {
         while (true) {
-            Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+            sockaddr_storage ss{};
+            socklen_t ss_len = sizeof ss;
+            Fd fd(::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&ss), &ss_len,
+                            SOCK_NONBLOCK | SOCK_CLOEXEC));
             if (fd.get() < 0 && errno == EINTR) continue;
             if (fd.get() < 0 &&
                 (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
@@ -114,11 +125,14 @@ class HandshakeServer::Impl {
             }
             if (fd.get() < 0) return;  // EAGAIN: drained (or a transient error: next round)
             accept_failing_ = false;
+            auto c = std::make_unique<Conn>();
+            c->peer = peer_name(ss);
             if (conns_.size() >= opts_.max_connections) {
                 refused_.fetch_add(1);  // closed by Fd's destructor, now
+                note_failure(*c, fmt::format("{} connections open, the cap: closed at once",
+                                             opts_.max_connections));
                 continue;
             }
-            auto c = std::make_unique<Conn>();
             c->fd = std::move(fd);
             c->deadline = now + opts_.connection_deadline;
             conns_.push_back(std::move(c));
@@ -131,12 +145,29 @@ class HandshakeServer::Impl {
             ssize_t r = ::recv(c.fd.get(), buf, sizeof(buf), 0);
             if (r < 0 && errno == EINTR) continue;
             if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-            if (r <= 0) return c.fd.reset();  // closed, or reset
+            if (r <= 0) {
+                // A bare connect and close is a port check; a peer gone mid-exchange is not. A
+                // client with another secret hangs up once it fails to verify the CHALLENGE.
+                if (c.expect == Frame::kAuth && c.in.empty())
+                    note_failure(c,
+                                 "hung up after the CHALLENGE without sending AUTH: it could "
+                                 "not verify this server's proof (a peer holding another "
+                                 "deployment's secret?)");
+                else if (c.received > 0)
+                    note_failure(c, fmt::format("hung up mid-exchange after {} bytes{}", c.received,
+                                                r < 0 ? " (reset)" : ""));
+                return c.fd.reset();
+            }
+            c.received += size_t(r);
             c.in.insert(c.in.end(), buf, buf + r);
             while (c.in.size() >= 4 && c.out.size() == c.sent && !c.last) {
                 uint32_t len = 0;
                 std::memcpy(&len, c.in.data(), 4);
-                if (len > kMaxClientFrame) return refuse(c, kAuthFailed);
+                if (len > kMaxClientFrame)
+                    return refuse(c, kAuthFailed,
+                                  fmt::format("a frame of {} bytes, more than the {} a handshake "
+                                              "request may have: not a ferry handshake client",
+                                              len, kMaxClientFrame));
                 if (c.in.size() < 4 + size_t{len}) break;
                 std::vector<uint8_t> frame(c.in.begin() + 4, c.in.begin() + 4 + len);
                 c.in.erase(c.in.begin(), c.in.begin() + 4 + len);
@@ -151,13 +182,20 @@ class HandshakeServer::Impl {
         // Only a version mismatch is worth telling an unauthenticated peer about: it says
         // nothing about this rank, and saves an operator a puzzle.
         if (!header.ok())
-            return refuse(c, header.message().find("'version'") != std::string::npos
-                                 ? header.message()
-                                 : std::string(kAuthFailed));
+            return refuse(c,
+                          header.message().find("'version'") != std::string::npos
+                              ? header.message()
+                              : std::string(kAuthFailed),
+                          header.message());
         uint8_t type = 0;
-        if (!r.get(&type, "type").ok() || type != uint8_t(c.expect)) return refuse(c, kAuthFailed);
+        if (!r.get(&type, "type").ok() || type != uint8_t(c.expect))
+            return refuse(c, kAuthFailed,
+                          fmt::format("a frame of type {} ({}) where {} was due", type,
+                                      frame_name(type), frame_name(uint8_t(c.expect))));
         if (c.expect == Frame::kHello) {
-            if (!r.get(&c.client, "nonce").ok() || r.remaining()) return refuse(c, kAuthFailed);
+            if (!r.get(&c.client, "nonce").ok() || r.remaining())
+                return refuse(c, kAuthFailed,
+                              fmt::format("a malformed HELLO of {} bytes", frame.size()));
             if (!random_bytes(c.server).ok()) return c.fd.reset();
             ByteWriter w;
             w.put(kReplyMagic);
@@ -171,19 +209,23 @@ class HandshakeServer::Impl {
         Digest theirs{};
         uint64_t hash = 0;
         if (!r.get(&theirs, "proof").ok() || !r.get(&hash, "compat_hash").ok() || r.remaining())
-            return refuse(c, kAuthFailed);
+            return refuse(c, kAuthFailed, fmt::format("an AUTH of {} bytes", frame.size()));
         Digest want = proof(opts_.secret, kClientLabel, c.client, c.server);
-        if (!constant_time_equal(theirs, want)) return refuse(c, kAuthFailed);
+        if (!constant_time_equal(theirs, want))
+            return refuse(c, kAuthFailed,
+                          "a wrong proof: the peer does not hold this deployment's secret");
         ByteWriter w;
         w.put(kReplyMagic);
         w.put(HandshakeInfo::kVersion);
         w.put(uint8_t(Frame::kAnswer));
         if (hash != info_.layout.compatibility_hash()) {
+            std::string why = fmt::format(
+                "incompatible KV layout: this rank holds {} (hash {:#x}), "
+                "the caller expects hash {:#x}",
+                info_.layout.to_string(), info_.layout.compatibility_hash(), hash);
+            note_failure(c, why);
             w.put<uint8_t>(0);
-            w.put_string(
-                fmt::format("incompatible KV layout: this rank holds {} (hash {:#x}), "
-                            "the caller expects hash {:#x}",
-                            info_.layout.to_string(), info_.layout.compatibility_hash(), hash));
+            w.put_string(why);
         } else {
             w.put<uint8_t>(1);
             w.put_bytes(info_.serialize());
@@ -194,9 +236,10 @@ class HandshakeServer::Impl {
         queue(c, w.take(), true);
     }
 
-    // One short frame that reveals nothing, then a close.
-    void refuse(Conn& c, const std::string& why) {
+    // One short frame that reveals nothing (`why`), then a close; the log says what was wrong.
+    void refuse(Conn& c, const std::string& why, std::string_view logged) {
         auth_failures_.fetch_add(1);
+        note_failure(c, fmt::format("{}: refused", logged));
         ByteWriter w;
         w.put(kReplyMagic);
         w.put(HandshakeInfo::kVersion);
@@ -228,6 +271,55 @@ class HandshakeServer::Impl {
         if (c.last) c.fd.reset();
     }
 
+    // A peer whose exchange failed is logged with its address and what was wrong (it is told
+    // only "authentication failed"): a deployment with a mismatched secret or a stray client
+    // showed nothing but a counter. At most one line a second, so that a flood of garbage does
+    // not flood the log; the next line counts the ones held back.
+    void note_failure(const Conn& c, std::string_view why) {
+        TimePoint now = Clock::now();
+        if (now < next_log_) {
+            ++held_back_;
+            return;
+        }
+        next_log_ = now + std::chrono::seconds(1);
+        std::string more =
+            held_back_ > 0 ? fmt::format(" ({} more failed exchanges not logged)", held_back_) : "";
+        held_back_ = 0;
+        log(LogLevel::kWarn, "kv", "handshake server on port {}: client {}: {}{}", port_, c.peer,
+            why, more);
+    }
+
+    static const char* frame_name(uint8_t type) {
+        switch (Frame(type)) {
+            case Frame::kHello:
+                return "HELLO";
+            case Frame::kChallenge:
+                return "CHALLENGE";
+            case Frame::kAuth:
+                return "AUTH";
+            case Frame::kAnswer:
+                return "ANSWER";
+            case Frame::kRefused:
+                return "REFUSED";
+        }
+        return "no frame of this protocol";
+    }
+
+    static std::string peer_name(const sockaddr_storage& ss) {
+        char host[INET6_ADDRSTRLEN] = "?";
+        uint16_t port = 0;
+        if (ss.ss_family == AF_INET) {
+            const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+            ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+            port = ntohs(a->sin_port);
+        } else if (ss.ss_family == AF_INET6) {
+            const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+            ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+            port = ntohs(a->sin6_port);
+        }
+        return fmt::format("{}:{}", host, port);
+    }
+
     Fd listener_;
     uint16_t port_;
     HandshakeInfo info_;
@@ -235,6 +327,8 @@ class HandshakeServer::Impl {
     std::vector<std::unique_ptr<Conn>> conns_;  // the loop thread's only
     TimePoint accept_paused_until_{};           // the loop thread's only
     bool accept_failing_ = false;               // the loop thread's only: warned once
+    TimePoint next_log_{};                      // the loop thread's only (note_failure)
+    uint64_t held_back_ = 0;                    // the loop thread's only (note_failure)
     std::thread thread_;
     std::atomic<bool> stop_{false};
     std::atomic<uint64_t> served_{0}, auth_failures_{0}, refused_{0};

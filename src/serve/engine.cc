@@ -153,7 +153,9 @@ struct Engine::Inbox {
 };
 
 Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
-    if (config.max_num_seqs == 0) return invalid_argument("--max-num-seqs must be at least 1");
+    if (config.max_num_seqs == 0 || config.max_num_seqs > kMaxNumSeqs)
+        return invalid_argument(fmt::format("--max-num-seqs must be in [1, {}], got {}",
+                                            kMaxNumSeqs, config.max_num_seqs));
     if (config.max_model_len == 0) return invalid_argument("--max-model-len must be at least 1");
     // Token counts become 32-bit block math (kv::blocks_for_tokens): a larger limit would let a
     // request's block count wrap and pass the pool check.
@@ -172,6 +174,13 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
     if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
     if (config.engine_id.empty()) return invalid_argument("--engine-id must not be empty");
     if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");
+    // A chunk below a block computed a fraction of a block per step: push then sent a write per
+    // layer for every partial block, and a prompt took a step per few tokens.
+    if (config.prefill_chunk_tokens > 0 && config.prefill_chunk_tokens < size_t(config.block_size))
+        return invalid_argument(fmt::format(
+            "--prefill-chunk {} is below --block-size {}: a chunk is at least one block (or 0: "
+            "whole prompts)",
+            config.prefill_chunk_tokens, config.block_size));
     if (config.num_blocks == 0 || config.num_blocks > UINT32_MAX)
         return invalid_argument(
             fmt::format("--num-blocks {} is outside [1, 2^32)", config.num_blocks));

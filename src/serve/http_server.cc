@@ -1028,6 +1028,10 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
         return invalid_argument("max_connections and max_connections_per_client must be >= 1");
     if (options.queue_timeout <= Duration::zero())
         return invalid_argument("queue_timeout must be above 0 (every request would get 503)");
+    if (options.threads > kMaxHttpThreads)
+        return invalid_argument(
+            fmt::format("{} HTTP threads asked for, at most {} (each is a thread)", options.threads,
+                        kMaxHttpThreads));
     options.threads = std::max<size_t>(options.threads, 1);
     // Each connection is a descriptor: a cap above the process's limit would turn into failed
     // accepts instead of a clear 503.

@@ -122,6 +122,17 @@ std::string_view without_bom(std::string_view body) {
     return body;
 }
 
+// What a JSON value is, for a message; never its text (a deeply nested value would recurse).
+const char* json_kind(const json& v) {
+    if (v.is_string()) return "a string";
+    if (v.is_number_float()) return "a number that is not an integer";
+    if (v.is_boolean()) return "a boolean";
+    if (v.is_null()) return "null";
+    if (v.is_array()) return "an array";
+    if (v.is_object()) return "an object";
+    return "a value of another kind";
+}
+
 Status prompt_too_long(size_t tokens, size_t max_prompt_tokens) {
     return field_error("prompt", fmt::format("has {} tokens, more than the engine's "
                                              "max_model_len {}: shorten it",
@@ -197,7 +208,10 @@ Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt
         for (size_t i = 0; i < p.size(); ++i) {
             const json& t = p[i];
             if (!t.is_number_integer())
-                return field_error("prompt", "must be a string or an array of token ids");
+                return field_error("prompt",
+                                   fmt::format("must be a string or an array of token ids; index "
+                                               "{} holds {}",
+                                               i, json_kind(t)));
             // Unsigned first: get<int64_t> of an id above 2^63 wraps to a negative number.
             bool negative = !t.is_number_unsigned() && t.get<int64_t>() < 0;
             if (negative || (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT32_MAX)) ||

@@ -22,7 +22,7 @@
 namespace ferry::kv {
 namespace {
 
-using testing::kPoison;
+using namespace testing;
 
 // Two TP groups exchanging KV, each rank with its own random layout.
 struct Case {

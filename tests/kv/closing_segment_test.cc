@@ -19,17 +19,7 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
-using testing::KvNode;
-using testing::make_kv_node;
-using testing::NodeOptions;
-
-const auto kRunTimeout = std::chrono::seconds(120);
-const auto kWait = std::chrono::seconds(20);
-constexpr int kPrefill = 0;
-constexpr int kDecode = 1;
+using namespace testing;
 
 class KvClosingSegmentTest : public ::testing::TestWithParam<std::string> {};
 

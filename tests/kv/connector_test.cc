@@ -11,15 +11,8 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
-using testing::KvNode;
-using testing::make_kv_node;
-using testing::NodeOptions;
+using namespace testing;
 
-const auto kRunTimeout = std::chrono::seconds(150);
-const auto kWait = std::chrono::seconds(20);
 constexpr uint32_t kTotalHeads = 4;
 constexpr uint32_t kPoolBlocks = 64;
 

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -21,9 +22,7 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
+using namespace testing;
 
 const auto kTimeout = std::chrono::seconds(5);
 
@@ -680,6 +679,99 @@ TEST(HandshakeHostile, MalformedSlowAndVanishingClientsAreRefusedOrCutAndOthersA
         EXPECT_EQ(fds_settle_at(serving), serving);
     }
     EXPECT_EQ(fds_settle_at(before), before) << "descriptors left after the server stopped";
+}
+
+// A failed exchange is logged with the client's address and what was wrong; the client itself
+// learns only "authentication failed" (or the version). Before, the server logged nothing at
+// all: a peer with another deployment's secret, a stray client or a truncated frame showed as
+// a counter only. A flood is held to a line a second, the next line counting what was held.
+TEST(HandshakeHostile, FailedExchangesAreLoggedNamingTheClientAndWhat) {
+    HandshakeServerOptions o = options();
+    o.connection_deadline = milliseconds(300);
+    HandshakeInfo info = fake_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, std::move(o));
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    const uint16_t port = (*server)->port();
+    // Sends `bytes`, then hangs up at once or reads until the server closes.
+    auto poke = [&](const std::vector<uint8_t>& bytes, bool hang_up) {
+        int fd = connect_loopback(port);
+        ASSERT_GE(fd, 0);
+        ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+        if (!hang_up) read_until_close(fd, seconds(3));
+        ::close(fd);
+    };
+    std::vector<uint8_t> v99 = hello_frame(3);
+    v99[4] = 99;  // the version, after the magic
+    v99[5] = 0;
+    std::vector<uint8_t> half_hello = framed(hello_frame(3));
+    half_hello.resize(20);
+    struct Case {
+        std::string name;
+        std::function<void()> client;
+        std::string logged;
+    };
+    const std::vector<Case> cases = {
+        {"length 2^32-1", [&] { poke(length_prefix(0xffffffffu), false); },
+         "a frame of 4294967295 bytes, more than the 256 a handshake request may have"},
+        {"version 99", [&] { poke(framed(v99), false); },
+         "field 'version' is 99, this build speaks"},
+        {"AUTH first", [&] { poke(framed(auth_frame(Digest{}, 1)), false); },
+         "a frame of type 3 (AUTH) where HELLO was due: refused"},
+        {"a length, then silence", [&] { poke(length_prefix(39), false); },
+         "no complete exchange within 300 ms (4 bytes received): closed"},
+        {"half a HELLO, then FIN", [&] { poke(half_hello, true); },
+         "hung up mid-exchange after 20 bytes"},
+        {"another deployment's secret",
+         [&] {
+             auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(),
+                                      test_secret(0x11), seconds(2));
+             EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
+         },
+         "hung up after the CHALLENGE without sending AUTH: it could not verify this server's "
+         "proof (a peer holding another deployment's secret?)"},
+        {"a made-up proof",
+         [&] {
+             int fd = connect_loopback(port);
+             ASSERT_GE(fd, 0);
+             send_frame_raw(fd, hello_frame(7));
+             // The CHALLENGE, read well within the 300 ms deadline.
+             ASSERT_FALSE(read_until_close(fd, milliseconds(100)).empty());
+             send_frame_raw(fd, auth_frame(Digest{}, info.layout.compatibility_hash()));
+             read_until_close(fd, seconds(3));
+             ::close(fd);
+         },
+         "a wrong proof: the peer does not hold this deployment's secret: refused"},
+    };
+    for (const Case& k : cases) {
+        SCOPED_TRACE(k.name);
+        ::testing::internal::CaptureStderr();
+        k.client();
+        std::this_thread::sleep_for(milliseconds(1100));  // logged, and past the rate limit
+        const std::string err = ::testing::internal::GetCapturedStderr();
+        EXPECT_NE(err.find(fmt::format("handshake server on port {}: client 127.0.0.1:", port)),
+                  std::string::npos)
+            << err;
+        EXPECT_NE(err.find(k.logged), std::string::npos) << err;
+    }
+
+    // A flood: a line, then none until a second passed, then one that counts the rest.
+    ::testing::internal::CaptureStderr();
+    for (int i = 0; i < 40; ++i) poke(length_prefix(0xffffffffu), false);
+    std::this_thread::sleep_for(milliseconds(1100));
+    poke(length_prefix(0xffffffffu), false);
+    std::this_thread::sleep_for(milliseconds(100));
+    const std::string flood = ::testing::internal::GetCapturedStderr();
+    size_t lines = 0;
+    for (size_t at = flood.find("handshake server on port"); at != std::string::npos;
+         at = flood.find("handshake server on port", at + 1))
+        ++lines;
+    EXPECT_GE(lines, 2u) << flood;
+    EXPECT_LE(lines, 3u) << flood;
+    EXPECT_NE(flood.find("more failed exchanges not logged)"), std::string::npos) << flood;
+    // And it still serves.
+    auto ok = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
+                              seconds(2));
+    EXPECT_TRUE(ok.ok()) << ok.status().to_string();
 }
 
 TEST(HandshakeHostile, OptionsThatWouldServeNobodyAreRefused) {

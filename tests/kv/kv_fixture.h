@@ -27,7 +27,17 @@
 
 namespace ferry::kv::testing {
 
+// What the kv tests share; a test file takes it all with `using namespace testing;`.
+using ::ferry::testing::Exchange;
+using ::ferry::testing::run_processes;
+
 inline constexpr uint8_t kPoison = 0xa5;
+// A multi-process run as a whole, and one result within it.
+inline constexpr auto kRunTimeout = std::chrono::seconds(150);
+inline constexpr auto kWait = std::chrono::seconds(20);
+// Process ranks of the one-prefill, one-decode runs.
+inline constexpr int kPrefill = 0;
+inline constexpr int kDecode = 1;
 
 // Results delivered by the connector callbacks, waited for with a deadline.
 class ResultLog {

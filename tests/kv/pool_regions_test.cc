@@ -15,16 +15,10 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
-using testing::KvNode;
-using testing::make_kv_node;
-using testing::NodeOptions;
+using namespace testing;
 
 constexpr RegionSplit kSplits[] = {RegionSplit::kOne, RegionSplit::kPerLayer,
                                    RegionSplit::kPerLayerKv};
-const auto kWait = std::chrono::seconds(20);
 
 const char* split_name(RegionSplit s) {
     return s == RegionSplit::kOne ? "one" : s == RegionSplit::kPerLayer ? "perlayer" : "perlayerkv";

@@ -11,9 +11,7 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
+using namespace testing;
 
 TEST(PullCapability, DoneWithAnotherCapabilityLeavesTheOfferToItsReader) {
     constexpr uint64_t kId = 0x5151;

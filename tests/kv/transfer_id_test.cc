@@ -10,16 +10,7 @@
 namespace ferry::kv {
 namespace {
 
-using ::ferry::testing::Exchange;
-using ::ferry::testing::run_processes;
-using testing::kPoison;
-using testing::KvNode;
-using testing::make_kv_node;
-using testing::NodeOptions;
-
-constexpr int kPrefill = 0;
-constexpr int kDecode = 1;
-const auto kWait = std::chrono::seconds(20);
+using namespace testing;
 
 std::string expect_collision(const Status& s, uint64_t id) {
     CHILD_CHECK_MSG(s.code() == StatusCode::kAlreadyExists, "{}", s.to_string());

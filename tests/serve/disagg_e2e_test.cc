@@ -109,6 +109,60 @@ TEST(DisaggE2E, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
     }
 }
 
+// A client that hangs up through the router, mid-stream or before its first token, leaves no
+// block held on either engine, and the stack serves the next request.
+TEST(DisaggE2E, ClientThatHangsUpLeavesNoBlockHeld) {
+    Stack s("push", 1, 1, {"--time-scale", "5"});  // 3000 tokens then take seconds
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(100, 7);
+    for (bool stream : {true, false}) {
+        SCOPED_TRACE(stream ? "mid-stream" : "before the answer");
+        std::string body =
+            json{{"prompt", prompt}, {"max_tokens", 3000}, {"stream", stream}}.dump();
+        int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(uint16_t(s.router_port));
+        ::inet_pton(AF_INET, kHost, &a.sin_addr);
+        ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+        std::string req = fmt::format(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n{}",
+            body.size(), body);
+        ASSERT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), ssize_t(req.size()));
+        if (stream) {  // the first token event, then gone
+            std::string got;
+            char buf[4096];
+            while (got.find("data: ") == std::string::npos) {
+                ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+                ASSERT_GT(n, 0) << got;
+                got.append(buf, size_t(n));
+            }
+        } else {  // gone once decode holds the request's blocks
+            EXPECT_TRUE(eventually(
+                [&] { return metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") > 0; },
+                seconds(10)));
+        }
+        // Still running when the client goes: its blocks are held.
+        EXPECT_GT(metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used"), 0);
+        ::close(fd);
+        EXPECT_TRUE(eventually([&] { return s.pools_full(); }, seconds(10)))
+            << "prefill used " << metric(kHost, s.prefill_ports[0], "ferry_kv_blocks_used")
+            << ", decode used " << metric(kHost, s.decode_ports[0], "ferry_kv_blocks_used") << "\n"
+            << s.logs();
+        EXPECT_TRUE(eventually(
+            [&] { return metric(kHost, s.decode_ports[0], "ferry_requests_running") == 0; },
+            seconds(10)))
+            << "decode running " << metric(kHost, s.decode_ports[0], "ferry_requests_running")
+            << ", prefill running " << metric(kHost, s.prefill_ports[0], "ferry_requests_running")
+            << ", held " << metric(kHost, s.prefill_ports[0], "ferry_requests_held_for_transfer");
+    }
+    Streamed r = stream(kHost, s.router_port,
+                        {{"prompt", prompt}, {"max_tokens", 4}, {"stream", true}}, seconds(20));
+    ASSERT_EQ(r.status, 200) << r.raw << s.logs();
+    EXPECT_EQ(r.tokens, tiny_expected(prompt, 4));
+}
+
 TEST(DisaggE2E, TwoPrefillTwoDecodeRoundRobin) {
     Stack s("push", 2, 2);
     ASSERT_TRUE(s.up);

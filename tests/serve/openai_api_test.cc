@@ -189,8 +189,16 @@ TEST(CompletionRelay, InvalidBodiesGetTheEnginesMessages) {
         {R"({"prompt": [1, -2]})", "'prompt' has token id -2 at index 1, out of range"},
         {R"({"prompt": [1, 2147483648]})",
          "'prompt' has token id 2147483648 at index 1, out of range"},
-        {R"({"prompt": [1, 2.5]})", "'prompt' must be a string or an array of token ids"},
-        {R"({"prompt": [1, "a"]})", "'prompt' must be a string or an array of token ids"},
+        {R"({"prompt": [1, 2.5]})",
+         "'prompt' must be a string or an array of token ids; index 1 holds a number that is not "
+         "an integer"},
+        {R"({"prompt": [1, "a"]})",
+         "'prompt' must be a string or an array of token ids; index 1 holds a string"},
+        {R"({"prompt": [1, 2, null]})", "index 2 holds null"},
+        {R"({"prompt": [1, {"a": 1}]})", "index 1 holds an object"},
+        // The element is named by its kind, never printed: printing this one recursed 10^5 deep.
+        {R"({"prompt": [1, )" + std::string(100000, '[') + std::string(100000, ']') + "]}",
+         "index 1 holds an array"},
         {R"({"prompt": [[1], [2]]})", "one prompt per request"},
         {R"({"prompt": [1, 2,]})", "not valid JSON"},
         {R"({"prompt": [01]})", "not valid JSON"},

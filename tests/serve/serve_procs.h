@@ -90,8 +90,9 @@ class Proc {
         int st = 0;
         return ::waitpid(pid_, &st, WNOHANG) == 0;
     }
-    void interrupt() {
-        if (pid_ > 0) ::kill(pid_, SIGINT);
+    void interrupt() { signal(SIGINT); }
+    void signal(int sig) {
+        if (pid_ > 0) ::kill(pid_, sig);
     }
     void kill_now() {
         if (pid_ <= 0) return;

@@ -41,6 +41,10 @@
 
 namespace ferry::serve {
 
+// Most sequences an engine batches (EngineConfig::max_num_seqs): vLLM's defaults are 256 to
+// 1024; 10^9 was taken as no bound at all.
+inline constexpr size_t kMaxNumSeqs = 65536;
+
 struct EngineConfig {
     std::string engine_id = "engine-0";
     size_t max_num_seqs = 256;

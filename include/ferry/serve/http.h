@@ -20,6 +20,10 @@ namespace ferry::serve {
 
 // Every limit answers with a JSON error {"error": {"message": ..., "code": N}} that names it, then
 // closes the connection.
+// Most worker threads one server runs (HttpServerOptions::threads): each is an OS thread,
+// started as requests come, so the bound is what a burst can start.
+inline constexpr size_t kMaxHttpThreads = 4096;
+
 struct HttpServerOptions {
     std::string host = "127.0.0.1";
     int port = 0;  // 0: any free port, see port()
