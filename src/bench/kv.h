@@ -49,6 +49,7 @@ struct KvBenchConfig {
     // run them (and as the raw ceiling's target does): shm copies large writes on the
     // receiving side while it polls, so a napping decode engine throttles the transfer.
     bool busy_poll = true;
+    bool run_on_caller = true;  // ConnectorConfig::run_on_caller
     std::function<void(const std::string&)> progress;
 };
 

@@ -57,6 +57,9 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("!--no-verify", c->verify, "skip checking the bytes of the first request");
     cmd->add_flag("!--no-busy-poll", c->busy_poll,
                   "let engine workers nap when idle (default: they poll, one core each)");
+    cmd->add_flag("!--no-run-on-caller", c->run_on_caller,
+                  "always hand the connector calls to its thread (default: an idle connector's "
+                  "work runs on the calling thread)");
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, json_path] {

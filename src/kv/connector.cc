@@ -161,6 +161,7 @@ class KvConnector::Impl {
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
         if (params.empty()) return invalid_argument("pull: no transfer parameters given");
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kPulling));
+        kv_trace("pull called", id);
         auto job = std::make_shared<Puller::Job>();
         job->id = id;
         job->params = std::move(params);
@@ -172,6 +173,7 @@ class KvConnector::Impl {
             return ok_status();
         }
         return claimed(id, 0, TransferIds::Kind::kPulling, post([this, job] {
+                           kv_trace("pull runs", job->id);
                            ctx_.counters.active_recv.fetch_add(1);
                            puller_.start(job);
                        }));
@@ -181,7 +183,7 @@ class KvConnector::Impl {
     const ConnectorConfig& config() const { return ctx_.cfg; }
 
   private:
-    Status post(Inbox::Task t) { return ctx_.post(std::move(t)); }
+    Status post(Inbox::Task t) { return ctx_.run_or_post(std::move(t)); }
 
     // A claim whose work could not be queued (shut down) ends with it.
     Status claimed(uint64_t id, uint32_t attempt, TransferIds::Kind kind, Status queued) {
@@ -190,17 +192,12 @@ class KvConnector::Impl {
     }
 
     void run() {
+        std::unique_lock state(ctx_.inbox->state_lock());
         TimePoint last_task = Clock::now();
-        // Polling takes a core: where polling threads would outnumber the cores, always sleep.
-        const Duration idle_spin =
-            usable_cpus() >= IdleWait::kSpinFromCpus ? ctx_.cfg.idle_spin : Duration::zero();
         while (true) {
             // Poll instead of sleeping while a transfer is active (ConnectorConfig::idle_spin).
-            const bool active = ctx_.flights_open.load(std::memory_order_relaxed) > 0 ||
-                                ctx_.counters.active_send.load(std::memory_order_relaxed) > 0 ||
-                                ctx_.counters.active_recv.load(std::memory_order_relaxed) > 0;
-            const TimePoint poll_until = active ? last_task + idle_spin : TimePoint{};
-            auto tasks = ctx_.inbox->take(Clock::now() + Leases::kTick, poll_until);
+            const TimePoint poll_until = ctx_.active() ? last_task + ctx_.poll_spin : TimePoint{};
+            auto tasks = ctx_.inbox->take(state, Clock::now() + Leases::kTick, poll_until);
             for (auto& task : tasks) task();
             TimePoint now = Clock::now();
             if (!tasks.empty()) last_task = now;
@@ -208,6 +205,7 @@ class KvConnector::Impl {
             if (leases_.shut_down(now)) break;
         }
         leases_.report_all_as_shut_down();
+        ctx_.inbox->close();  // with the state lock held: no call runs a task after this
     }
 
     // An offer is withdrawn at once; a push's send side ends once its writes drained.

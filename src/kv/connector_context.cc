@@ -23,6 +23,13 @@ void kv_trace(const char* what, uint64_t id) {
                  to_us(Clock::now().time_since_epoch()), what, static_cast<unsigned long long>(id));
 }
 
+namespace {
+// The inbox whose state lock this thread holds (the connector thread's own, or a caller's
+// while it runs a task in place of it), and whether it is such a caller.
+thread_local const Inbox* tl_holder = nullptr;
+thread_local bool tl_here = false;
+}  // namespace
+
 bool Inbox::post(Task t) {
     if (kv_trace_on()) {
         t = [t = std::move(t), at = Clock::now()] {
@@ -41,14 +48,48 @@ bool Inbox::post(Task t) {
     return true;
 }
 
-std::deque<Inbox::Task> Inbox::take(TimePoint until, TimePoint poll_until) {
+bool Inbox::try_run_here(Task& t) {
+    if (tl_holder == this || !sleeping_.load(std::memory_order_acquire)) return false;
+    std::unique_lock state(state_mu_, std::try_to_lock);
+    if (!state.owns_lock()) return false;
+    {
+        std::lock_guard lk(mu_);
+        // Queued tasks go first: they were handed over before this one.
+        if (closed_ || !tasks_.empty() || !sleeping_.load(std::memory_order_relaxed)) return false;
+    }
+    struct Holding {
+        const Inbox* holder;
+        bool here;
+        ~Holding() {
+            tl_holder = holder;
+            tl_here = here;
+        }
+    } holding{std::exchange(tl_holder, this), std::exchange(tl_here, true)};
+    t();
+    return true;
+}
+
+bool Inbox::running_here() { return tl_here; }
+
+std::deque<Inbox::Task> Inbox::take(std::unique_lock<std::mutex>& state, TimePoint until,
+                                    TimePoint poll_until) {
+    tl_holder = this;
+    state.unlock();
     const TimePoint spin_end = std::min(until, poll_until);
     const TimePoint now = Clock::now();
     if (spin_end > now) {
         spin_until([&] { return queued_.load(std::memory_order_acquire) > 0; }, spin_end - now);
     }
-    std::unique_lock lk(mu_);
-    cv_.wait_until(lk, until, [&] { return !tasks_.empty() || closed_; });
+    {
+        std::unique_lock lk(mu_);
+        if (tasks_.empty() && !closed_) {
+            sleeping_.store(true, std::memory_order_release);
+            cv_.wait_until(lk, until, [&] { return !tasks_.empty() || closed_; });
+            sleeping_.store(false, std::memory_order_release);
+        }
+    }
+    state.lock();
+    std::lock_guard lk(mu_);
     queued_.store(0, std::memory_order_relaxed);
     return std::exchange(tasks_, {});
 }
@@ -96,6 +137,20 @@ Status ConnectorContext::post(Inbox::Task t) {
     return ok_status();
 }
 
+Status ConnectorContext::run_or_post(Inbox::Task t) {
+    if (!cfg.run_on_caller || !inbox->try_run_here(t)) return post(std::move(t));
+    // The connector thread still sleeps: where it may poll, wake it now, so that the
+    // completions of what was just posted find it polling rather than asleep.
+    if (poll_spin > Duration::zero() && active()) (void)inbox->post([] {});
+    return ok_status();
+}
+
+bool ConnectorContext::active() const {
+    return flights_open.load(std::memory_order_relaxed) > 0 ||
+           counters.active_send.load(std::memory_order_relaxed) > 0 ||
+           counters.active_recv.load(std::memory_order_relaxed) > 0;
+}
+
 void ConnectorContext::send(PeerId peer, const KvMessage& msg) {
     auto bytes = encode_message(msg);
     const char* name = message_name(msg);
@@ -125,12 +180,22 @@ void ConnectorContext::stale(std::string_view what) {
     log(LogLevel::kDebug, kLog, "dropped a stale KV message: {}", what);
 }
 
-void ConnectorContext::send_done(const TransferResult& r) {
-    if (cb.on_send_done) cb.on_send_done(r);
+namespace {
+template <typename Arg>
+void report(Inbox& inbox, const std::function<void(const Arg&)>& cb, const Arg& arg) {
+    if (!cb) return;
+    // A posted report is lost only once the inbox is closed, and a task runs on a caller's
+    // thread only while it is open (the connector thread closes it holding the state lock).
+    if (Inbox::running_here() && inbox.post([&cb, arg] { cb(arg); })) return;
+    cb(arg);
 }
+}  // namespace
 
-void ConnectorContext::recv_done(const TransferResult& r) {
-    if (cb.on_recv_done) cb.on_recv_done(r);
+void ConnectorContext::send_done(const TransferResult& r) { report(*inbox, cb.on_send_done, r); }
+void ConnectorContext::recv_done(const TransferResult& r) { report(*inbox, cb.on_recv_done, r); }
+void ConnectorContext::scheduled(const TransferResult& r) { report(*inbox, cb.on_scheduled, r); }
+void ConnectorContext::recv_progress(const TransferProgress& p) {
+    report(*inbox, cb.on_recv_progress, p);
 }
 
 Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/common/spin.h"
 #include "ferry/kv/connector.h"
 #include "ferry/kv/pool.h"
 #include "transfer_ids.h"
@@ -27,20 +28,40 @@ inline constexpr const char* kLog = "kv";
 bool kv_trace_on();
 void kv_trace(const char* what, uint64_t id);
 
-// Hand-off queue into the connector thread. Engine callbacks hold it through a shared_ptr, so
-// a completion that arrives after the connector is gone is dropped instead of touching freed
-// state.
+// Hand-off queue into the connector thread, and the lock that says who runs the connector's
+// state machines. Engine callbacks hold it through a shared_ptr, so a completion that arrives
+// after the connector is gone is dropped instead of touching freed state.
+//
+// Ownership: every role's state is touched only by the holder of the state lock. The connector
+// thread holds it whenever it is not waiting for tasks. A public call runs its task on its own
+// thread (try_run_here) only while that thread sleeps with nothing queued: it takes the lock
+// without blocking, so the task runs after everything queued before it, and a call never waits
+// for the connector. Waking the sleeping thread cost 6-13 us of a push's start (docs/
+// BENCHMARKS.md, "KV push start-up"). User callbacks of a task run on the caller's thread are
+// posted, so the callbacks still come on the connector thread only.
 class Inbox {
   public:
     using Task = std::function<void()>;
 
     bool post(Task t);
-    // The tasks queued by `until`; polls for them up to `poll_until` before it sleeps.
-    std::deque<Task> take(TimePoint until, TimePoint poll_until = {});
+    // Runs `t` here and now if the connector thread sleeps, nothing is queued, the inbox is
+    // open and this thread does not already hold the state lock; false leaves `t` untouched.
+    bool try_run_here(Task& t);
+    // Connector thread: with `state` (the state lock) held, waits for tasks without it, polling
+    // up to `poll_until` before it sleeps until `until`, and takes the queued ones with the lock
+    // held again.
+    std::deque<Task> take(std::unique_lock<std::mutex>& state, TimePoint until,
+                          TimePoint poll_until = {});
     void close();
+
+    std::mutex& state_lock() { return state_mu_; }
+    // True on a caller's thread while it runs a task in place of the connector thread.
+    static bool running_here();
 
   private:
     std::atomic<size_t> queued_{0};  // tasks_.size(), read without the lock while polling
+    std::atomic<bool> sleeping_{false};
+    std::mutex state_mu_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;
@@ -80,19 +101,26 @@ class ConnectorContext {
           pool_descriptors(this->pool.descriptors()),
           cfg(config),
           cb(std::move(callbacks)),
-          inbox(std::make_shared<Inbox>()) {}
+          inbox(std::make_shared<Inbox>()),
+          poll_spin(usable_cpus() >= IdleWait::kSpinFromCpus ? cfg.idle_spin : Duration::zero()) {}
 
     // Queues a task for the connector thread; fails once the connector is shut down.
     Status post(Inbox::Task t);
+    // A public call's task: run on the caller's thread when the connector thread sleeps
+    // (Inbox::try_run_here), queued otherwise.
+    Status run_or_post(Inbox::Task t);
     // Sends a KV message; a failed send is logged (the peer's lease covers a lost message).
     void send(PeerId peer, const KvMessage& msg);
     // Starts a flight whose completion runs `drained` on the connector thread.
     std::shared_ptr<Flight> new_flight(std::function<void(const Status&)> drained);
     void stale(std::string_view what);
 
-    // Report a finished side to the engine's callbacks.
+    // Report to the engine's callbacks, always on the connector thread (posted when a task
+    // runs on a caller's thread).
     void send_done(const TransferResult& r);
     void recv_done(const TransferResult& r);
+    void scheduled(const TransferResult& r);
+    void recv_progress(const TransferProgress& p);
 
     TransferEngine* const engine;
     const KvPoolRegions pool;  // region i holds layout region i
@@ -103,6 +131,12 @@ class ConnectorContext {
     Counters counters;
     TransferIds ids;  // claimed by the public calls, released where a transfer is reported
     std::atomic<uint64_t> flights_open{0};
+    // How long the connector thread polls after a task while active() (ConnectorConfig::
+    // idle_spin); zero where polling threads would outnumber the cores.
+    const Duration poll_spin;
+
+    // Writes in flight, or a send or receive not finished.
+    bool active() const;
 };
 
 // Checks a block list against the pool before any work is queued.

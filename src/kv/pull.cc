@@ -135,6 +135,7 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         if (!plan.ok()) return fail(plan.status());
         plans.emplace_back(idx, std::move(*plan));
     }
+    kv_trace("pull planned", job->id);
     auto flight = ctx_.new_flight([this, job](const Status& s) { finish(job, s); });
     for (size_t i = 0; i < plans.size(); ++i) {
         const auto& [idx, plan] = plans[i];
@@ -164,9 +165,11 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         if (!p.second.on_gpu) job->plans.push_back(std::move(p.second.runs));
     }
     flight->done(ok_status());
+    kv_trace("pull posted", job->id);
 }
 
 void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
+    kv_trace("pull drained", job->id);
     if (!s.ok() && !job->plans.empty() && !job->released) {
         // A read that timed out was reported failed, yet a software provider (tcp) still
         // carries it out when prefill answers, however late: the blocks would be handed back
@@ -196,6 +199,7 @@ void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
     (s.ok() ? ctx_.counters.transfers_received : ctx_.counters.transfers_failed).fetch_add(1);
     ctx_.counters.active_recv.fetch_sub(1);
     ctx_.ids.release(job->id, 0, TransferIds::Kind::kPulling);
+    kv_trace("pull recv_done", job->id);
     ctx_.recv_done({job->id, 0, s, job->bytes, job->reads});
 }
 

@@ -12,18 +12,15 @@ namespace ferry::kv::detail {
 void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
     auto report_now = [&](const Status& s) {
         ctx_.ids.release(id, attempt, TransferIds::Kind::kAnnounced);
-        if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({id, attempt, s, 0, 0});
+        ctx_.scheduled({id, attempt, s, 0, 0});
     };
     ConsumerKey key{id, attempt};
     if (announces_.count(key)) {
         // Refused by the id check before it was queued; the claim is the live one's.
-        if (ctx_.cb.on_scheduled) {
-            ctx_.cb.on_scheduled(
-                {id, attempt,
-                 already_exists(
-                     fmt::format("transfer {:#x} attempt {} is already announced", id, attempt)),
-                 0, 0});
-        }
+        ctx_.scheduled({id, attempt,
+                        already_exists(fmt::format("transfer {:#x} attempt {} is already announced",
+                                                   id, attempt)),
+                        0, 0});
         return;
     }
     auto producers =
@@ -57,7 +54,7 @@ void PushReceiver::on_scheduled(const ScheduledMsg& m) {
     if (a.scheduled.size() < a.ranks.size()) return;
     announces_.erase(it);
     ctx_.ids.release(m.transfer_id, m.attempt, TransferIds::Kind::kAnnounced);
-    if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({m.transfer_id, m.attempt, ok_status(), 0, 0});
+    ctx_.scheduled({m.transfer_id, m.attempt, ok_status(), 0, 0});
 }
 
 // Ends an announcement that holds no blocks: prefill is told so it does not wait for a
@@ -71,7 +68,7 @@ void PushReceiver::end_announce(AnnounceIt it, const Status& why, bool tell_pref
     }
     announces_.erase(it);
     ctx_.ids.release(key.first, key.second, TransferIds::Kind::kAnnounced);
-    if (ctx_.cb.on_scheduled) ctx_.cb.on_scheduled({key.first, key.second, why, 0, 0});
+    ctx_.scheduled({key.first, key.second, why, 0, 0});
 }
 
 void PushReceiver::register_push(PushRegistration reg) {
@@ -272,9 +269,8 @@ void PushReceiver::on_segment_counted(const ConsumerKey& key, uint32_t rank, con
     KvPiece ahead;
     if (!c.cancelling && next_piece(c.progress, now, layers, &ahead)) {
         c.progress = now;
-        if (ctx_.cb.on_recv_progress)
-            ctx_.cb.on_recv_progress(
-                {key.first, key.second, now.tokens, now.partial_end, now.partial_layers});
+        ctx_.recv_progress(
+            {key.first, key.second, now.tokens, now.partial_end, now.partial_layers});
     }
     if (s->have_final && s->counted == s->final_segments) s->state = SlotState::kComplete;
     check_consumer(it);

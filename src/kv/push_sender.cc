@@ -428,7 +428,7 @@ void PushSender::complete_send(ProducerIt it, const TransferResult& r) {
     bool reported = it->second.released;  // abort_send released the blocks already
     if (it->second.have_prefill && !reported) ctx_.counters.active_send.fetch_sub(1);
     producers_.erase(it);
-    if (ctx_.cb.on_send_done && !reported) ctx_.cb.on_send_done(r);
+    if (!reported) ctx_.send_done(r);
 }
 
 void PushSender::expire_producer(ProducerIt it) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,11 +48,14 @@ class ResultLog {
     Result<TransferResult> wait(bool send_side, uint64_t id, Duration timeout,
                                 int64_t attempt = -1);
     size_t size() const;
+    // Whether any result was delivered on thread `t`.
+    bool delivered_on(std::thread::id t) const;
 
   private:
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::pair<bool, TransferResult>> items_;
+    std::set<std::thread::id> threads_;
 };
 
 struct KvNode {
@@ -130,6 +134,7 @@ inline void ResultLog::add(bool send_side, const TransferResult& r) {
     {
         std::lock_guard lk(mu_);
         items_.emplace_back(send_side, r);
+        threads_.insert(std::this_thread::get_id());
     }
     cv_.notify_all();
 }
@@ -157,6 +162,11 @@ inline Result<TransferResult> ResultLog::wait(bool send_side, uint64_t id, Durat
 inline size_t ResultLog::size() const {
     std::lock_guard lk(mu_);
     return items_.size();
+}
+
+inline bool ResultLog::delivered_on(std::thread::id t) const {
+    std::lock_guard lk(mu_);
+    return threads_.count(t) > 0;
 }
 
 inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& ex,

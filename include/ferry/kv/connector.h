@@ -14,8 +14,9 @@
 // thread, as engines that do it in their scheduling loop do.
 //
 // One connector per engine rank. It owns the engine's message handler (give other users of
-// messages their own engine). Every public call only validates and hands work to the
-// background thread; results come back through the callbacks, on that thread.
+// messages their own engine). Every public call validates and hands work to the background
+// thread, or, while that thread sleeps, does the work itself (ConnectorConfig::run_on_caller);
+// results come back through the callbacks, always on the background thread.
 // docs/PROTOCOL.md has the state machines and what each timeout frees.
 #pragma once
 
@@ -63,6 +64,12 @@ struct ConnectorConfig {
     // 15-55 us. It costs a core meanwhile; zero always sleeps, and so does a host with fewer
     // than 4 usable CPUs (IdleWait::kSpinFromCpus), where the poll would take a busy core.
     Duration idle_spin = std::chrono::milliseconds(1);
+    // A public call (prefill_done, register_push, pull, ...) made while the connector thread
+    // sleeps with nothing queued runs its work on the caller's thread instead of waking that
+    // thread: a push's planning and posting then start at once rather than after the wake
+    // (6-13 us on the 16-core host, docs/BENCHMARKS.md), at the price of the caller's thread
+    // doing them. Callbacks still come on the connector thread. false: always hand over.
+    bool run_on_caller = true;
 };
 
 // What decode registers for one request (push).

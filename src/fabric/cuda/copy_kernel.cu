@@ -49,8 +49,9 @@ struct UploadedList {
     const char* at;
     __device__ const char* base() const { return at; }
 };
+template <size_t N>
 struct InlineList {
-    alignas(16) char bytes[kInlineList];
+    alignas(16) char bytes[N];
     __device__ const char* base() const { return bytes; }
 };
 
@@ -139,17 +140,43 @@ int grid_for(uint64_t items, int num_blocks) {
     return needed < static_cast<uint64_t>(num_blocks) ? static_cast<int>(needed) : num_blocks;
 }
 
-// Launches kernel<UploadedList> or kernel<InlineList> on `list`, grid blocks of kThreads.
-template <typename Launch>
-cudaError_t launch_on(const CopyList& list, int grid, cudaStream_t stream, Launch launch) {
-    if (list.device) return launch(UploadedList{list.device}, grid, stream);
-    if (list.bytes > kInlineList) return cudaErrorInvalidValue;
-    InlineList inline_list;
+template <size_t N, typename Launch>
+cudaError_t launch_inline(const CopyList& list, int grid, cudaStream_t stream, Launch& launch) {
+    InlineList<N> inline_list;
     memcpy(inline_list.bytes, list.host, list.bytes);
     return launch(inline_list, grid, stream);
 }
 
+// Launches kernel<UploadedList> or kernel<InlineList<tier>> on `list`, grid blocks of kThreads.
+template <typename Launch>
+cudaError_t launch_on(const CopyList& list, int grid, cudaStream_t stream, Launch launch) {
+    if (list.device) return launch(UploadedList{list.device}, grid, stream);
+    if (list.bytes > inline_list_limit()) return cudaErrorInvalidValue;
+    if (list.bytes <= kInlineList) return launch_inline<kInlineList>(list, grid, stream, launch);
+#if CUDART_VERSION >= 12010
+    if (list.bytes <= kInlineListMid) {
+        return launch_inline<kInlineListMid>(list, grid, stream, launch);
+    }
+    return launch_inline<kInlineListLarge>(list, grid, stream, launch);
+#else
+    return cudaErrorInvalidValue;
+#endif
+}
+
 }  // namespace
+
+size_t inline_list_limit() {
+#if CUDART_VERSION >= 12010
+    static const size_t limit = [] {
+        int driver = 0;
+        return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 ? kInlineListLarge
+                                                                               : kInlineList;
+    }();
+    return limit;
+#else
+    return kInlineList;
+#endif
+}
 
 cudaError_t launch_block_copy(const CopyList& list, size_t offset, int num_segments,
                               uint64_t total_items, int num_blocks, cudaStream_t stream) {

@@ -53,11 +53,20 @@ struct BlockCopySegment {
     uint64_t first_item;
 };
 
-// Where a launch's list is: uploaded to `device`, or, when it is at most kInlineList bytes,
-// at `host`, from where the launchers pass it by value as the kernels' parameter (no upload
-// before the kernels: copying a short list to the device took 4-6 us of each launch,
-// 2026-12-02). Each launcher reads its section at an offset from the list's start.
+// Where a launch's list is: uploaded to `device`, or, when it is at most inline_list_limit()
+// bytes, at `host`, from where the launchers pass it by value as the kernels' parameter (no
+// upload before the kernels: copying a short list to the device took 4-6 us of each launch,
+// 2026-12-02; a 16k-token KV push's ~10 KB list, 4.5 us). Each launcher reads its section at an
+// offset from the list's start. The parameter comes in tiers, the smallest that holds the
+// list, so a short list does not pay for copying 32 KB of parameter at every launch.
 constexpr size_t kInlineList = 3840;  // within the 4 KiB of parameters every CUDA allows
+// CUDA 12.1+ on Volta and later: up to 32764 bytes of parameters, less the launchers' other
+// parameters (24 bytes) and the list's 16-byte alignment.
+constexpr size_t kInlineListMid = 16 * 1024 - 64;
+constexpr size_t kInlineListLarge = 32 * 1024 - 64;
+// kInlineListLarge where both the toolkit this was built with and the driver are CUDA 12.1 or
+// later, else kInlineList.
+size_t inline_list_limit();
 struct CopyList {
     const char* device = nullptr;
     const char* host = nullptr;

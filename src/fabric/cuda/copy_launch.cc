@@ -169,8 +169,8 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     const size_t staged_at = (list_bytes + 15) & ~size_t{15};
     const size_t total = staged_at + num_staged * sizeof(uint32_t);
     if (list_bytes == 0 && num_staged == 0) return ok_status();
-    const bool inline_list = list_bytes <= kInlineList;
-    alignas(16) char inline_bytes[kInlineList];
+    const bool inline_list = list_bytes <= inline_list_limit();
+    alignas(16) char inline_bytes[kInlineListLarge];
     if (!inline_list || num_staged > 0) {
         *buf = pool.take(total, device);
         if (!buf->ptr) return resource_exhausted("allocating the GPU copy list failed");
