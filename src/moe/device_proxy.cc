@@ -61,8 +61,8 @@ uint32_t DeviceProxy::record_imm(uint32_t base, uint32_t part, uint32_t sender) 
     return base + (part * 2 + 1) * kMaxWorldSize + sender;
 }
 
-uint32_t DeviceProxy::piece_imm(uint32_t base, uint32_t sender, uint32_t piece) {
-    return base + (2 * proxy::kParts + piece) * kMaxWorldSize + sender;
+uint32_t DeviceProxy::piece_imm(uint32_t base, uint32_t world, uint32_t sender, uint32_t piece) {
+    return base + 2 * proxy::kParts * kMaxWorldSize + piece * world + sender;
 }
 
 DeviceProxy::DeviceProxy(DeviceProxySetup setup)
@@ -241,7 +241,7 @@ bool DeviceProxy::post_data(uint32_t d, uint32_t part, Outgoing& o, uint64_t off
     const uint64_t slab = s_.outbox_offset[d];
     const uint64_t chunk = s_.chunk_bytes && !o.by_piece ? s_.chunk_bytes : len;
     // By piece: this is piece o.stream_posted, one write (stream() checked that it is).
-    const uint32_t imm = o.by_piece ? piece_imm(s_.imm_base, s_.rank, o.stream_posted)
+    const uint32_t imm = o.by_piece ? piece_imm(s_.imm_base, s_.world, s_.rank, o.stream_posted)
                                     : data_imm(s_.imm_base, part, s_.rank);
     for (uint64_t at = 0; at < len; at += chunk) {
         const uint64_t n = std::min(chunk, len - at);
@@ -471,7 +471,8 @@ bool DeviceProxy::take_pieces(uint32_t s, Incoming& in) {
     // combine after this rank's kernels consumed call N's, and they finish a call only once
     // its counter is raised, after its record came and every piece was taken here.
     const uint32_t before = in.pieces_in;
-    while (s_.engine->try_take_imm(piece_imm(s_.imm_base, s, in.pieces_in), 1)) ++in.pieces_in;
+    while (s_.engine->try_take_imm(piece_imm(s_.imm_base, s_.world, s, in.pieces_in), 1))
+        ++in.pieces_in;
     if (in.pieces_in == before) return false;
     std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(
                                   s_.inbox_data + proxy_piece_word_offset(s_.layout, s_.world, s)))

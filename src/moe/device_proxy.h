@@ -120,11 +120,11 @@ class DeviceProxy {
     DeviceProxy& operator=(const DeviceProxy&) = delete;
 
     // Immediates: [imm_base, imm_base + 2 * kParts * kMaxWorldSize), then the piece
-    // immediates of streamed puts, kMaxWorldSize per piece index (piece i of a streamed put
-    // from `sender`, sent as one write: PutRecord::by_piece).
+    // immediates of streamed puts, `world` per piece index (piece i of a streamed put from
+    // `sender`, sent as one write: PutRecord::by_piece).
     static uint32_t data_imm(uint32_t base, uint32_t part, uint32_t sender);
     static uint32_t record_imm(uint32_t base, uint32_t part, uint32_t sender);
-    static uint32_t piece_imm(uint32_t base, uint32_t sender, uint32_t piece);
+    static uint32_t piece_imm(uint32_t base, uint32_t world, uint32_t sender, uint32_t piece);
 
     void start();
     // Joins the thread, then waits (bounded by the engine's op_timeout) for writes still

@@ -798,6 +798,14 @@ std::string mismatched_streaming_rank(ferry::testing::Exchange& ex) {
                         a2a.status().message().find("stream_combine and proxy_chunk_bytes") !=
                             std::string::npos,
                     "message: {}", a2a.status().to_string());
+    // An immediate base whose range would wrap past 2^32 is refused before any exchange.
+    opts.stream_combine = true;
+    opts.imm_base = 0xffffff00u;
+    auto wrapped = CudaAllToAll::create(cfg, ag, opts);
+    CHILD_CHECK_MSG(!wrapped.ok() && wrapped.status().code() == StatusCode::kInvalidArgument &&
+                        wrapped.status().message().find("imm_base 0xffffff00") != std::string::npos,
+                    "imm_base 0xffffff00: {}",
+                    wrapped.ok() ? "accepted" : wrapped.status().to_string());
     return "";
 }
 #endif  // FERRY_HAVE_CUDA

@@ -74,10 +74,11 @@ struct CudaAllToAllOptions {
     // when world_size > ranks_per_node, and it must outlive the all-to-all. Ranks of one host
     // with different node numbers use it too (one GPU can test the remote path that way).
     TransferEngine* engine = nullptr;
-    // Immediates used are [imm_base, imm_base + (8 + P) * kMaxWorldSize), P the most pieces of
-    // a streamed combine (max_tokens_per_rank * experts_per_token rows over the rows of a
-    // piece; 0 without stream_combine): keep clear of other users of the same engine
-    // (AllToAll's default base is another range).
+    // Immediates used are [imm_base, imm_base + 8 * kMaxWorldSize + P * world_size), P the
+    // most pieces of a streamed combine (max_tokens_per_rank * experts_per_token rows over the
+    // rows of a piece; 0 without stream_combine): keep clear of other users of the same engine
+    // (AllToAll's default base is 0x80000 above this one's; create() refuses a range that
+    // would pass 2^32).
     uint32_t imm_base = 0x6d670000;
     // The host proxy spins (yielding its core) this long after its last work, then naps; the
     // first put after a nap waits for its end (tens of microseconds with the scheduler's

@@ -412,6 +412,16 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                                           options.proxy_chunk_bytes / combine_row, uint64_t{t} * k))
                                     : 0;
     const uint32_t max_pieces = piece_rows ? (t * k + piece_rows - 1) / piece_rows : 0;
+    // The proxy's immediates (DeviceProxy::data_imm, record_imm, piece_imm) must not wrap
+    // around to values other users of the engine hold.
+    const uint64_t imm_end = uint64_t{options.imm_base} +
+                             uint64_t{2} * proxy::kParts * kMaxWorldSize + uint64_t{max_pieces} * w;
+    if (has_remote && imm_end > (uint64_t{1} << 32))
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: CudaAllToAllOptions::imm_base {:#x} leaves no room for the {} "
+            "immediates the host proxy uses here; choose a base at or below {:#x}",
+            options.imm_base, imm_end - options.imm_base,
+            (uint64_t{1} << 32) - (imm_end - options.imm_base)));
     const uint64_t stream_words = uint64_t{w} * max_pieces;
     const uint64_t o_piece_done = take(sizeof(uint32_t) * stream_words);
     const uint64_t o_cinv = take(piece_rows ? sizeof(uint32_t) * max_rows : 0);
