@@ -17,9 +17,10 @@ namespace {
 
 using detail::Inbox;
 using ::ferry::testing::Exchange;
+using testing::kDecode;
 using testing::kPoison;
-
-const auto kWait = std::chrono::seconds(20);
+using testing::kPrefill;
+using testing::kWait;
 
 // The connector thread's loop, without the connector: takes and runs tasks until stopped, then
 // closes the inbox with the state lock held, as KvConnector does.
@@ -148,8 +149,6 @@ TEST(KvInboxTest, ConcurrentCallersNeverOvertakeTheirQueuedTasksNorRunTwoAtOnce)
 
 // ---- between processes ----
 
-constexpr int kPrefill = 0;
-constexpr int kDecode = 1;
 constexpr uint8_t kReused = 0x3c;
 
 class KvCallerThreadTest : public ::testing::TestWithParam<std::string> {};
