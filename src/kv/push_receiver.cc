@@ -148,7 +148,7 @@ void PushReceiver::register_push(PushRegistration reg) {
 void PushReceiver::cancel_consumer(const ConsumerKey& key, Consumer& c) {
     c.cancelling = true;
     for (const Slot& s : c.slots) {
-        // Complete slots need no ack: their FINAL already said every write landed.
+        // Complete slots need no ack: every segment of theirs was counted, every write landed.
         if (resolved(s.state)) continue;
         ctx_.send(s.peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank});
     }
@@ -203,8 +203,8 @@ void PushReceiver::on_segment(const SegmentMsg& m) {
         s->seen[m.index] = true;
     }
     if (m.last) take_final(it->second, *s, *m.last);
-    // Nothing to count for a transfer being cancelled (FINAL or CANCEL_ACK ends it), nor for
-    // a slot the totals completed.
+    // Nothing to count for a transfer being cancelled (its CANCEL_ACK ends it), nor for a slot
+    // the totals completed.
     if (it->second.cancelling || resolved(s->state)) return check_consumer(it);
     if (m.index >= span) {
         return fail_slot(
@@ -212,9 +212,9 @@ void PushReceiver::on_segment(const SegmentMsg& m) {
             protocol_error(fmt::format("prefill rank {} sent segment {} beyond the span of {}",
                                        m.producer_rank, m.index, span)));
     }
-    // The immediates usually arrived before the message (a segment is announced once its
-    // writes completed at the producer): count them here, with no waiter and no second
-    // pass through the inbox.
+    // Prefill announces a segment once its writes are posted (protocol 7), so the immediates
+    // may all be here already (small writes, or a message that waited): count them at once,
+    // with no waiter and no second pass through the inbox; else wait for the rest.
     if (m.writes == 0 || ctx_.engine->try_take_imm(s->imm + m.index, m.writes)) {
         return on_segment_counted(it->first, m.producer_rank, m, ok_status());
     }
@@ -327,9 +327,9 @@ void PushReceiver::take_final(Consumer& c, Slot& s, const JobTotals& t) {
     s.writes = t.writes;
     s.have_final = true;
     s.final_segments = t.segments;
-    // FINAL is sent after every write completed at the producer, so even a cancelled
-    // transfer needs no acknowledgement for this rank any more.
-    if (t.segments <= s.counted || c.cancelling) s.state = SlotState::kComplete;
+    // The totals may come before the writes completed (protocol 7): only counting completes
+    // the slot, and a cancelled one waits for its CANCEL_ACK (sent once the writes ended).
+    if (t.segments <= s.counted) s.state = SlotState::kComplete;
 }
 
 void PushReceiver::on_fail(const FailMsg& m) {

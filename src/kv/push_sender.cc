@@ -210,10 +210,15 @@ void PushSender::abort(uint64_t id, const Status& reason) {
     maybe_finish(it);
 }
 
-// Posts what became final since the job's last segment, and sends FINAL once the prompt
-// is complete and every segment drained.
+// Posts what became final since the job's last segment, and sends FINAL once the prompt is
+// complete with nothing left to post (its segments went out before prefill_done). A closed job
+// is resolved once its last write completed.
 void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
     if (job.cancelled || job.resolved || !job.error.ok()) return;
+    if (job.closed) {
+        if (job.in_flight == 0) job.resolved = true;
+        return;
+    }
     const uint32_t layers = ctx_.cfg.self.layout.num_layers;
     KvPiece piece;
     while (next_piece(job.sent, p.ready, layers, &piece)) {
@@ -224,10 +229,12 @@ void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job)
         Status posted = post_segment(id, p, key, job, piece);
         if (!posted.ok()) return fail_job(id, p, key, job, posted);
     }
-    if (all_drained(p, job)) {
+    if (!job.closed && all_posted(p, job)) {
+        // Decode counts the segments' immediates: the totals need not wait for the writes.
         ctx_.send(job.peer, FinalMsg{id, key.first, ctx_.cfg.self.tp_rank, job.writes, job.bytes,
                                      job.segments});
-        job.resolved = true;
+        job.closed = true;
+        if (job.in_flight == 0) job.resolved = true;
     }
 }
 
@@ -259,7 +266,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
                    plan->bytes(),
                    whole ? 0 : piece.first_layer,
                    whole ? 0 : piece.end_layer,
-                   std::nullopt};  // on_segment_drained decides whether it closes the job
+                   std::nullopt};  // set below when this segment completes the prompt
     job.sent = add_piece(job.sent, piece, layers);
     job.in_flight++;
     auto flight = ctx_.new_flight(
@@ -280,9 +287,18 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
     }
     job.writes += seg.writes;
     job.bytes += plan->bytes();
-    job.pending[index] = seg;
     ctx_.counters.ops_posted.fetch_add(plan->operations());
     ctx_.counters.bytes_posted.fetch_add(plan->bytes());
+    // SEGMENT goes out now, not once the writes completed (protocol 7): decode counts the
+    // immediates, which arrive only with the data, so announcing the segment early costs it
+    // nothing and takes a completion hand-off and a message off the end of every push (the
+    // closing SEGMENT reached decode ~31 us after a 16k-token GPU copy completed, 2026-12-03).
+    // A write that fails later is answered with FAIL once the segment's writes all ended.
+    if (all_posted(p, job)) {
+        seg.last = JobTotals{job.writes, job.bytes, job.segments};
+        job.closed = true;
+    }
+    ctx_.send(job.peer, seg);
     flight->done(ok_status());
     kv_trace("segment posted", id);
     return ok_status();
@@ -295,24 +311,13 @@ void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, con
     if (jt == it->second.jobs.end()) return;
     SendJob& job = jt->second;
     job.in_flight--;
-    SegmentMsg seg = job.pending[index];
-    job.pending.erase(index);
     if (!s.ok() && job.error.ok()) {
         job.error = s;
         log(LogLevel::kWarn, kLog,
-            "transfer {:#x} attempt {}: writing to decode rank {} failed: {}", id, key.first,
-            key.second, s.to_string());
+            "transfer {:#x} attempt {}: writing segment {} to decode rank {} failed: {}", id,
+            key.first, index, key.second, s.to_string());
     }
     kv_trace("segment drained", id);
-    if (!job.cancelled && job.error.ok()) {
-        // The last segment carries FINAL's totals: decode completes on this one message
-        // instead of waiting for a second one after it.
-        if (all_drained(it->second, job)) {
-            seg.last = JobTotals{job.writes, job.bytes, job.segments};
-            job.resolved = true;
-        }
-        ctx_.send(job.peer, seg);
-    }
     if (job.in_flight == 0) settle_job(id, it->second, key, job);
     maybe_finish(it);
 }
@@ -322,8 +327,9 @@ void PushSender::fail_job(uint64_t id, Producer& p, JobKey key, SendJob& job, co
     if (job.in_flight == 0) settle_job(id, p, key, job);
 }
 
-// A job with no write in flight: answer a cancel, report an error, or go on. May erase
-// the job (an older attempt's, once answered).
+// A job with no write in flight: answer a cancel, report an error (also after the closing
+// SEGMENT: decode may still be counting), or go on. May erase the job (an older attempt's,
+// once answered).
 void PushSender::settle_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
     if (job.resolved) return;
     if (job.cancelled) {

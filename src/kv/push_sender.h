@@ -41,13 +41,15 @@ class PushSender {
     struct SendJob {
         RegisterMsg reg;
         PeerId peer = 0;
-        KvFrontier sent;                         // what segments posted so far cover
-        uint32_t segments = 0;                   // segments posted
-        uint32_t in_flight = 0;                  // segments with writes not yet complete
-        std::map<uint32_t, SegmentMsg> pending;  // by index, sent once its writes completed
-        bool cancelled = false;                  // by CANCEL or a newer attempt: no FINAL
-        bool ack_wanted = false;                 // CANCEL came while writes were in flight
-        bool resolved = false;                   // nothing more will be sent for it
+        KvFrontier sent;          // what segments posted so far cover
+        uint32_t segments = 0;    // segments posted
+        uint32_t in_flight = 0;   // segments with writes not yet complete
+        bool closed = false;      // the totals went out (closing SEGMENT or FINAL)
+        bool cancelled = false;   // by CANCEL or a newer attempt: no FINAL
+        bool ack_wanted = false;  // CANCEL came while writes were in flight
+        // Nothing more will be sent for it: closed with every write complete, or answered
+        // with FAIL or CANCEL_ACK.
+        bool resolved = false;
         uint32_t writes = 0;
         uint64_t bytes = 0;
         Status error;
@@ -79,10 +81,9 @@ class PushSender {
     };
     using ProducerIt = std::map<uint64_t, Producer>::iterator;
 
-    // Every token of the prompt was posted and every write completed: nothing is left to send
-    // but the totals.
-    static bool all_drained(const Producer& p, const SendJob& job) {
-        return p.have_prefill && job.sent == KvFrontier{p.tokens} && job.in_flight == 0;
+    // Every token of the prompt was posted: what is left to send is the totals.
+    static bool all_posted(const Producer& p, const SendJob& job) {
+        return p.have_prefill && job.sent == KvFrontier{p.tokens};
     }
     void mark_scheduled(uint64_t id, Producer& p);
     void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job);

@@ -1,9 +1,9 @@
-// The SEGMENT that closes a push (protocol version 6): when a producer's last segment drains
-// with the prompt complete, one message announces the segment and ends the transfer, where
-// version 5 sent SEGMENT and then FINAL. Decode must treat it exactly as that pair: bytes
-// intact, a cancel racing it resolved safely, duplicates and stale copies ignored and counted,
-// truncated ones refused. Real processes on tcp and shm; a hand-driven producer (an engine
-// without a connector) sends the messages a connector would never send.
+// The SEGMENT that closes a push (protocol version 6; sent once the writes are posted since
+// version 7): the segment that completes the prompt announces itself and ends the transfer in
+// one message, where version 5 sent SEGMENT and then FINAL. Decode must treat it exactly as that
+// pair: bytes intact, a cancel racing it resolved safely, duplicates and stale copies ignored
+// and counted, truncated ones refused. Real processes on tcp and shm; a hand-driven producer (an
+// engine without a connector) sends the messages a connector would never send.
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -279,6 +279,7 @@ struct HandProducer {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<RegisterMsg> regs;
+    int cancels = 0;  // CANCELs received
 
     struct Job {
         RegisterMsg reg;
@@ -334,6 +335,13 @@ struct HandProducer {
     Status send(const Job& j, const std::vector<uint8_t>& bytes) {
         return engine->send_message(j.peer, bytes).wait(kWait);
     }
+
+    Status wait_cancels(int n) {
+        std::unique_lock lk(mu);
+        if (!cv.wait_for(lk, kWait, [&] { return cancels >= n; }))
+            return timeout_error(fmt::format("{} CANCELs came, want {}", cancels, n));
+        return ok_status();
+    }
 };
 
 Result<std::unique_ptr<HandProducer>> make_hand_producer(Exchange& ex,
@@ -346,14 +354,24 @@ Result<std::unique_ptr<HandProducer>> make_hand_producer(Exchange& ex,
     HandProducer* raw = h.get();
     h->engine->set_message_handler([raw](uint64_t, std::span<const uint8_t> bytes) {
         auto m = decode_message(bytes);
-        if (!m.ok() || !std::holds_alternative<RegisterMsg>(*m)) return;
+        if (!m.ok()) return;
         std::lock_guard lk(raw->mu);
-        raw->regs.push_back(std::get<RegisterMsg>(std::move(*m)));
+        if (std::holds_alternative<CancelMsg>(*m)) raw->cancels++;
+        if (std::holds_alternative<RegisterMsg>(*m))
+            raw->regs.push_back(std::get<RegisterMsg>(std::move(*m)));
         raw->cv.notify_all();
     });
     // Both processes exchange addresses once, as make_kv_node does.
     FERRY_RETURN_IF_ERROR(ex.allgather(h->engine->address().serialize()).status());
     return h;
+}
+
+// The decode rank facing a hand-driven producer: a connector on the small layout, pool poisoned.
+Result<std::unique_ptr<KvNode>> make_hand_decode(Exchange& ex, const std::string& provider,
+                                                 uint64_t seed) {
+    NodeOptions opt;
+    opt.provider = provider;
+    return make_kv_node(ex, KvRank{small_layout(), 0, 1}, opt, seed, kPoison);
 }
 
 // Decode counts a closing SEGMENT once. A: its writes landed; a copy cut short is malformed,
@@ -390,10 +408,7 @@ TEST_P(KvClosingSegmentTest, StaleDuplicateAndTruncatedClosingSegmentsAreDropped
                 CHILD_CHECK_OK(ex.barrier());  // 4: decode completed B
                 return "";
             }
-            NodeOptions opt;
-            opt.provider = provider;
-            CHILD_ASSIGN_OK(auto node,
-                            make_kv_node(ex, KvRank{small_layout(), 0, 1}, opt, seed, kPoison));
+            CHILD_ASSIGN_OK(auto node, make_hand_decode(ex, provider, seed));
             KvNode& n = *node;
             std::vector<uint8_t> image(n.mem.size(), kPoison);
             auto wait_counts = [&](uint64_t malformed, uint64_t stale) -> std::string {
@@ -436,6 +451,67 @@ TEST_P(KvClosingSegmentTest, StaleDuplicateAndTruncatedClosingSegmentsAreDropped
             if (!(e = complete(1, blocks_b)).empty()) return e;
             CHILD_CHECK_OK(ex.barrier());  // 4
             CHILD_CHECK(n.conn->stats().transfers_received == 2);
+            return testing::check_no_leak(n);
+        },
+        kRunTimeout);
+    EXPECT_ALL_OK(results);
+}
+
+// Since version 7 the closing SEGMENT goes out when the writes are posted, so it no longer says
+// they ended: a decode that cancels around it must hold its blocks until the CANCEL_ACK (version
+// 6 completed a cancelling slot on the closing SEGMENT, and the writes still in flight here would
+// have landed in blocks the engine was told it could reuse). Both orders: the CANCEL before the
+// closing SEGMENT comes, and after.
+TEST_P(KvClosingSegmentTest, CancelAroundTheClosingSegmentWaitsForTheAck) {
+    uint64_t seed = ::ferry::testing::test_seed("KvClosingSegment.CancelAroundClose");
+    const std::string provider = GetParam();
+    const uint32_t kTokens = 1 + static_cast<uint32_t>(seed % 150);
+    const uint64_t kIds[2] = {0x7400, 0x7401};  // cancel first; closing SEGMENT first
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            if (ex.rank() == kPrefill) {
+                CHILD_ASSIGN_OK(auto h, make_hand_producer(ex, provider));
+                for (int i = 0; i < 2; ++i) {
+                    CHILD_ASSIGN_OK(auto a, h->next_job());
+                    if (i == 0) CHILD_CHECK_OK(h->wait_cancels(1));
+                    CHILD_CHECK_OK(h->send(a, encode_message(a.closing)));  // writes in flight
+                    if (i == 1) CHILD_CHECK_OK(h->wait_cancels(2));
+                    CHILD_CHECK_OK(ex.barrier());  // decode saw no result for 300 ms
+                    CHILD_CHECK_OK(h->write(a));   // the writes end, then the acknowledgement
+                    CHILD_CHECK_OK(h->send(
+                        a, encode_message(CancelAckMsg{a.reg.transfer_id, a.reg.attempt, 0})));
+                    CHILD_CHECK_OK(ex.barrier());
+                }
+                return "";
+            }
+            CHILD_ASSIGN_OK(auto node, make_hand_decode(ex, provider, seed));
+            KvNode& n = *node;
+            auto wait_received = [&](uint64_t want) {
+                TimePoint until = Clock::now() + kWait;
+                while (n.conn->stats().messages_received < want && Clock::now() < until)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                return n.conn->stats().messages_received >= want;
+            };
+            for (int i = 0; i < 2; ++i) {
+                const uint64_t id = kIds[i];
+                CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(blocks_for_tokens(kTokens, 16)));
+                CHILD_CHECK_OK(
+                    n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
+                if (i == 0) CHILD_CHECK_OK(n.conn->cancel(id));
+                CHILD_CHECK_MSG(wait_received(i + 1), "the closing SEGMENT of {:x} never came", id);
+                if (i == 1) CHILD_CHECK_OK(n.conn->cancel(id));
+                auto early = n.results.wait(false, id, std::chrono::milliseconds(300));
+                CHILD_CHECK_MSG(!early.ok(),
+                                "transfer {:x} ended before prefill acknowledged the cancel: {}",
+                                id, early->status.to_string());
+                CHILD_CHECK_OK(ex.barrier());
+                CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "transfer {:x}: {}", id,
+                                r.status.to_string());
+                CHILD_CHECK_OK(ex.barrier());
+                CHILD_CHECK_OK(n.blocks->free(blocks));
+            }
             return testing::check_no_leak(n);
         },
         kRunTimeout);

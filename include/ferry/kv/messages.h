@@ -23,7 +23,7 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 4: a pull offer's capability in PULL_PARAMS and DONE.
 // 5: a pool of several regions (one descriptor per region) in REGISTER and PULL_PARAMS.
 // 6: a SEGMENT may close the transfer (`last` and the job's totals), replacing its FINAL.
-inline constexpr uint16_t kKvProtocolVersion = 6;
+inline constexpr uint16_t kKvProtocolVersion = 7;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.

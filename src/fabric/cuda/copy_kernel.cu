@@ -1,3 +1,4 @@
+#include <cstdlib>
 #include <cstring>
 
 #include "fabric/cuda/copy_kernel.h"
@@ -166,16 +167,25 @@ cudaError_t launch_on(const CopyList& list, int grid, cudaStream_t stream, Launc
 }  // namespace
 
 size_t inline_list_limit() {
-#if CUDART_VERSION >= 12010
     static const size_t limit = [] {
+#if CUDART_VERSION >= 12010
         int driver = 0;
-        return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 ? kInlineListLarge
-                                                                               : kInlineList;
+        size_t l = cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010
+                       ? kInlineListLarge
+                       : kInlineList;
+#else
+        size_t l = kInlineList;
+#endif
+        // FERRY_GPU_INLINE_LIST=<bytes>: a lower limit (0: every list uploaded), to time a
+        // launch with its list as the parameter against one with the list uploaded.
+        if (const char* e = std::getenv("FERRY_GPU_INLINE_LIST")) {
+            char* end = nullptr;
+            unsigned long long v = std::strtoull(e, &end, 10);
+            if (end != e && *end == '\0' && v < l) l = static_cast<size_t>(v);
+        }
+        return l;
     }();
     return limit;
-#else
-    return kInlineList;
-#endif
 }
 
 cudaError_t launch_block_copy(const CopyList& list, size_t offset, int num_segments,
