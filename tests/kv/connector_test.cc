@@ -39,6 +39,24 @@ const Topology kTopologies[] = {
 
 void PrintTo(const Topology& t, std::ostream* os) { *os << t.name; }
 
+// No peer dies in these tests: the engine's op_timeout only bounds a lost operation, and a
+// short one failed healthy runs on a loaded host. An operation's deadline runs from when it
+// was built, through its wait behind the rest of its batch: the mixed-layout pull posts five
+// requests' reads at once, 10,000-13,000 reads of 32 bytes (a run per token and head), against
+// a hundred or two where both sides order a block alike. That pull takes 0.16 s on an idle
+// dev machine; squeezed to a few % of one core (the test and 64 spinners pinned to one CPU at
+// nice 19) it took 5 s and its last reads missed a 3 s op_timeout in 3 runs of 3. What bounds
+// these tests is kWait (20 s for each result): the op_timeout has only to report a lost read
+// before that wait gives up, so that the failure names the read. Half of kWait does; the lease
+// stays above the op_timeout as ConnectorConfig requires, and below kWait.
+NodeOptions data_options(const std::string& provider) {
+    NodeOptions opt;
+    opt.provider = provider;
+    opt.op_timeout = kWait / 2;
+    opt.lease = kWait * 3 / 4;
+    return opt;
+}
+
 bool is_prefill(const Topology& t, const Exchange& ex) {
     return static_cast<uint32_t>(ex.rank()) < t.ptp;
 }
@@ -92,8 +110,7 @@ TEST_P(KvConnectorTest, PushDeliversEveryByteInBothArrivalOrders) {
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider();
+            NodeOptions opt = data_options(provider());
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
             std::vector<std::vector<uint32_t>> blocks;
@@ -174,8 +191,7 @@ void chunked_push_body(const Topology& t, const std::string& provider, bool laye
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider;
+            NodeOptions opt = data_options(provider);
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
             std::vector<std::vector<uint32_t>> blocks;
@@ -292,8 +308,7 @@ void pull_body(const Topology& t, const std::string& provider, PullMode mode, ui
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider;
+            NodeOptions opt = data_options(provider);
             opt.pull_mode = mode;
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
