@@ -378,6 +378,54 @@ TEST_P(KvConnectorTest, PullInlineDeliversEveryByte) {
     expect_all_ok(results);
 }
 
+// Immediates past 2^32 wrapped, and a registration whose span straddled 2^32 or held more than
+// kMaxImmSpan immediates was dropped by every prefill rank as malformed: the transfer ended
+// only at its lease, as a timeout. Such a config is refused when the connector is created;
+// the largest range that fits still works.
+TEST(KvConnectorConfigTest, ImmediatesPastTwoToThe32OrAnOversizedSpanAreRefused) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            CHILD_ASSIGN_OK(auto engine,
+                            TransferEngine::create(::ferry::testing::test_engine_config("tcp")));
+            KvLayout layout =
+                testing::test_layout(2, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 8);
+            std::vector<uint8_t> mem(layout.pool_bytes());
+            CHILD_ASSIGN_OK(auto mr, engine->register_memory(mem.data(), mem.size()));
+            auto refused = [&](uint32_t base, uint32_t count, uint32_t span,
+                               const std::string& words) -> std::string {
+                ConnectorConfig cc;
+                cc.self = {layout, 0, 1};
+                cc.imm_base = base;
+                cc.imm_count = count;
+                cc.imm_span = span;
+                auto c = KvConnector::create(engine.get(), mr.get(), cc, {});
+                CHILD_CHECK_MSG(!c.ok() && c.status().code() == StatusCode::kInvalidArgument &&
+                                    c.status().message().find(words) != std::string::npos,
+                                "base {:#x} count {} span {}: {}", base, count, span,
+                                c.ok() ? "created" : c.status().to_string());
+                return "";
+            };
+            for (auto [base, count] : {std::pair<uint32_t, uint32_t>{0xffffff00u, 1u << 20},
+                                       {0xffffffffu, 2},
+                                       {0x80000000u, 0x80000001u}}) {
+                std::string e = refused(base, count, 64, "run past the largest 32-bit immediate");
+                if (!e.empty()) return e;
+            }
+            std::string e = refused(0x4b000000, 1 << 20, kMaxImmSpan + 1, "imm_span 4097");
+            if (!e.empty()) return e;
+            ConnectorConfig edge;
+            edge.self = {layout, 0, 1};
+            edge.imm_base = 0xffffffffu - (1u << 20) + 1;  // the last immediate is 2^32 - 1
+            edge.imm_count = 1u << 20;
+            edge.imm_span = kMaxImmSpan;
+            CHILD_ASSIGN_OK(auto ok, KvConnector::create(engine.get(), mr.get(), edge, {}));
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(::ferry::testing::describe_failures(results), "");
+}
+
 std::vector<std::string> providers() { return {"tcp", "shm"}; }
 
 INSTANTIATE_TEST_SUITE_P(All, KvConnectorTest,
