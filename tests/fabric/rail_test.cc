@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <memory>
 #include <thread>
 
 #include "fabric/engine_impl.h"
@@ -97,10 +98,13 @@ TEST(RailTaskTest, ATaskItsCallerGaveUpOnNeverRuns) {
             Rail& rail = impl->rails[0];
             for (int round = 0; round < 20; ++round) {
                 // The worker is busy elsewhere (a long provider call, a starved host) ...
-                std::atomic<bool> release{false};
+                // (Released below, or after 10 s if a check returns first.)
+                auto release = std::make_shared<std::atomic<bool>>(false);
+                const TimePoint give_up = Clock::now() + seconds(10);
                 OpHandle blocker(rail.post_task(
-                    [&release] {
-                        while (!release.load()) std::this_thread::sleep_for(milliseconds(1));
+                    [release, give_up] {
+                        while (!release->load() && Clock::now() < give_up)
+                            std::this_thread::sleep_for(milliseconds(1));
                         return ok_status();
                     },
                     OpCallback{}));
@@ -115,7 +119,7 @@ TEST(RailTaskTest, ATaskItsCallerGaveUpOnNeverRuns) {
                 CHILD_CHECK_MSG(s.code() == StatusCode::kTimeout &&
                                     s.message().find("will not run") != std::string::npos,
                                 "{}", s.to_string());
-                release.store(true);
+                release->store(true);
                 CHILD_CHECK_OK(blocker.wait(seconds(10)));
                 // A task queued behind the abandoned one has run: the worker went past it.
                 CHILD_CHECK_OK(rail.run_on_worker([] { return ok_status(); }, seconds(10)));
