@@ -906,6 +906,8 @@ class FakeServer {
     std::thread thread_;
 };
 
+std::vector<uint8_t> text_bytes(std::string_view t) { return {t.begin(), t.end()}; }
+
 TEST(HandshakeHostile, AHostileServerGivesTheClientAClearErrorOnTime) {
     ByteWriter bad_type;
     bad_type.put<uint32_t>(0x46524852);
@@ -930,6 +932,12 @@ TEST(HandshakeHostile, AHostileServerGivesTheClientAClearErrorOnTime) {
         {"a length, then silence", length_prefix(100), false, StatusCode::kTimeout, "timed out"},
         {"half a frame, then a close", concat(length_prefix(100), {1, 2, 3}), true,
          StatusCode::kUnavailable, "closed the connection"},
+        // An engine's HTTP port given for its KV port: its 400 was "a frame of 1347703880
+        // bytes".
+        {"an HTTP server", text_bytes("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"),
+         true, StatusCode::kProtocol, "an HTTP server (an engine's HTTP port given instead of"},
+        {"some other text", text_bytes("220 smtp.example ESMTP\r\n"), true, StatusCode::kProtocol,
+         "the peer answered in text (\"220 ...\")"},
     };
     const size_t before = open_fds();
     for (const Case& k : cases) {
