@@ -202,8 +202,43 @@ def _rank(rank: int, args: argparse.Namespace, port: int, gate, threads: Optiona
 
 def _process_rank(rank: int, args: argparse.Namespace, port: int, gate, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    disp, comb = _rank(rank, args, port, gate, None)
+    try:
+        disp, comb = _rank(rank, args, port, gate, None)
+    except BaseException as e:  # the parent reports it and stops the other ranks
+        q.put((rank, None, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
     q.put((rank, disp, comb))
+
+
+def _collect(procs: list, q, timeout: float) -> Tuple[list, List[str]]:
+    """Every rank's (rank, dispatch, combine), or why not: a rank's error, a rank that died
+    without a word, or the timeout. Waited for in slices, so that one failed rank ends the run
+    at once instead of after `timeout` (the parent used to wait the full 600 s for results that
+    would never come, while the other ranks waited for the failed one)."""
+    import queue
+    import time
+
+    got: list = []
+    errors: List[str] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs) and not errors:
+        try:
+            rank, disp, comb = q.get(timeout=0.5)
+        except queue.Empty:
+            reported = {r for r, _, _ in got}
+            # A rank that exited with an error status put its error first, unless it was
+            # killed or crashed: then nothing will come.
+            for r, p in enumerate(procs):
+                if r not in reported and p.exitcode not in (None, 0) and q.empty():
+                    errors.append(f"rank {r}: exited with status {p.exitcode} without a result")
+            if not errors and time.monotonic() > deadline:
+                errors.append(f"no result from every rank within {timeout:.0f} s")
+            continue
+        if disp is None:
+            errors.append(f"rank {rank}: {comb}")
+        else:
+            got.append((rank, disp, comb))
+    return got, errors
 
 
 class _nullcontext:
@@ -291,18 +326,24 @@ def main(argv: List[str] = None) -> int:
             port = s.getsockname()[1]
         ctx = tmp.get_context("spawn")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_process_rank, args=(r, args, port, gate, q))
+        procs = [ctx.Process(target=_process_rank, args=(r, args, port, gate, q), daemon=True)
                  for r in range(args.ranks)]
         for p in procs:
             p.start()
+        errors = ["interrupted"]
         try:
-            for _ in procs:
-                got.append(q.get(timeout=600))
+            got, errors = _collect(procs, q, 600.0)
         finally:
+            # After a failure the other ranks wait for the failed one (all-gather, barrier):
+            # stopped now, not left running behind this process.
             for p in procs:
-                p.join(30)
+                p.join(30 if not errors else 0)
                 if p.is_alive():
                     p.kill()
+                    p.join(10)
+        if errors:
+            print("\n".join(errors), file=sys.stderr)
+            return 1
     disp = [v for _, d, _ in got for v in d]
     comb = [v for _, _, c in got for v in c]
     rows = {"dispatch": disp, "combine": comb}

@@ -26,8 +26,9 @@ class KvConfig:
     tp_rank, tp_size: this rank's TP position (heads tp_rank * num_kv_heads onwards).
     lease: seconds a side holds blocks for a transfer that does not progress; a dead peer ends
         in an error event within it. Keep it above the engine's op_timeout.
-    imm_base, imm_count: the immediates this connector uses on its engine.
-    imm_span: immediates per push registration (one per prefill_progress chunk).
+    imm_base, imm_count: the immediates this connector uses on its engine
+        ([imm_base, imm_base + imm_count) must end at or below 2**32).
+    imm_span: immediates per push registration (one per prefill_progress chunk), at most 4096.
     pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
     """
 

@@ -6,10 +6,13 @@ listing signatures, a numpy ValueError or a crash), and leave the objects usable
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from typing import List
 
 import numpy as np
 import pytest
@@ -637,6 +640,46 @@ def test_bench_module_flags_refused_before_anything_runs(module, args, words):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
     assert words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def _processes_marked(mark: str) -> List[int]:
+    """Pids of this host's processes whose environment holds `mark`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            pass
+    return pids
+
+
+def test_bench_moe_rank_that_fails_ends_the_run_and_no_rank_is_left():
+    """A rank that failed at run time (here every rank's engine: an unknown provider) left the
+    parent waiting 600 s for results that would never come, and the other ranks waiting for
+    the failed one. Now the run ends with the rank's error and stops every rank it started."""
+    torch_or_skip()
+    mark = f"FERRY_TEST_MARK_{os.getpid()}_{time.monotonic_ns()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env[mark] = "1"
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "ferry.bench_moe", "--provider", "nope",
+                            "--ranks", "2", "--ranks-per-node", "1", "--tokens", "8", "--hidden",
+                            "128", "--experts", "8", "--topk", "2", "--launch", "processes"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        left = _processes_marked(mark)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "provider 'nope' is not available" in r.stderr, r.stderr[-2000:]
+    assert re.search(r"^rank [01]: Unavailable", r.stderr, re.M), r.stderr[-2000:]
+    assert time.monotonic() - t0 < 90
+    assert left == [], f"rank processes still running after the bench exited: {left}"
 
 
 def test_repeated_transfer_id_is_named_unmistakably(connector):

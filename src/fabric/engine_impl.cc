@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <random>
+#include <unordered_map>
 
 #include "fabric/provider.h"
 #include "ferry/common/log.h"
@@ -36,6 +38,33 @@ uint64_t random_engine_id() {
     return id ? id : 1;
 }
 
+}  // namespace
+
+namespace {
+// The engines this process opened, by id, and whether each is still open. Connecting to one
+// that was shut down crashed inside libfabric 1.17's shm provider (fi_av_insert, SIGSEGV on
+// the engine's worker) when it was that engine's first peer; no provider can reach it anyway.
+// Never destroyed: an engine may shut down during static destruction (a Python exit).
+struct LocalEngines {
+    std::mutex mu;
+    std::unordered_map<uint64_t, bool> open;
+};
+LocalEngines& local_engines() {
+    static LocalEngines& engines = *std::make_unique<LocalEngines>().release();
+    return engines;
+}
+void note_local_engine(uint64_t id, bool open) {
+    LocalEngines& l = local_engines();
+    std::lock_guard lk(l.mu);
+    if (open || l.open.count(id)) l.open[id] = open;
+}
+// Whether `id` names an engine of this process that was shut down.
+bool local_engine_closed(uint64_t id) {
+    LocalEngines& l = local_engines();
+    std::lock_guard lk(l.mu);
+    auto it = l.open.find(id);
+    return it != l.open.end() && !it->second;
+}
 }  // namespace
 
 namespace {
@@ -138,6 +167,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         set_thread_name("ferry-watchdog");
         watchdog();
     });
+    note_local_engine(address.engine_id, true);
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s); {}", address.engine_id,
         provider, rails.size(), memory_.fabric_gpu_note());
     return ok_status();
@@ -218,6 +248,7 @@ void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {
 
 void EngineImpl::shutdown() {
     if (stopped_.exchange(true)) return;
+    note_local_engine(address.engine_id, false);
     Status why = cancelled("the transfer engine was shut down");
     // Pending GPU copies fail first; their callbacks may still signal through the rails.
     gpu_.shutdown();
@@ -311,6 +342,12 @@ Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
             a.engine_id, a.provider, provider));
     }
     if (a.rail_addrs.empty()) return invalid_argument("peer address has no rails");
+    if (a.host_id == address.host_id && local_engine_closed(a.engine_id)) {
+        return unavailable(
+            fmt::format("engine {:x} of this process was shut down: connect to the address of "
+                        "a live engine",
+                        a.engine_id));
+    }
     return peers_.connect(a, rails);
 }
 

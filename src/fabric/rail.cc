@@ -12,10 +12,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 
 #include "ferry/common/log.h"
@@ -112,7 +114,39 @@ void Rail::submit(FabricOp* first, FabricOp* last) {
 }
 
 Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
-    return OpHandle(post_task(std::move(fn), OpCallback{})).wait(timeout);
+    // fn reaches into the caller's frame (the MR register_on_rails opens, the fi_addr_t of
+    // PeerTable::connect). A caller that gave up on a busy worker left it queued: it ran
+    // later through dangling references, and a registration's MR stayed open with no owner.
+    // Now a task the worker has not taken when the caller gives up never runs; one it is
+    // running is waited for, as its own provider call allows.
+    enum : int { kQueued, kRunning, kAbandoned };
+    auto phase = std::make_shared<std::atomic<int>>(kQueued);
+    OpHandle h(post_task(
+        [phase, fn = std::move(fn)]() -> Status {
+            int queued = kQueued;
+            if (!phase->compare_exchange_strong(queued, kRunning))
+                return cancelled("engine task abandoned by its caller");
+            return fn();
+        },
+        OpCallback{}));
+    Status s = h.wait(timeout);
+    if (h.done()) return s;
+    int queued = kQueued;
+    if (phase->compare_exchange_strong(queued, kAbandoned)) {
+        return timeout_error(fmt::format(
+            "rail {}'s worker did not take an engine task within {:.0f} ms (busy, or inside a "
+            "slow provider call); the task will not run",
+            index_, to_ms(timeout)));
+    }
+    // Running: fn's references must outlive it, so it gets the caller's time once more. A
+    // provider call that never returns is the watchdog's to report (the rail is marked wedged).
+    s = h.wait(timeout);
+    if (!h.done())
+        log(LogLevel::kError, "fabric",
+            "rail {}: an engine task is still inside the provider after {:.0f} ms; giving up "
+            "on it",
+            index_, to_ms(2 * timeout));
+    return s;
 }
 
 OpRef Rail::post_task(std::function<Status()> fn, OpCallback done) {

@@ -17,6 +17,7 @@
 #include "ferry/common/log.h"
 #include "ferry/common/spin.h"
 #include "ferry/common/thread_name.h"
+#include "ferry/kv/messages.h"
 #include "leases.h"
 #include "pull.h"
 #include "push_receiver.h"
@@ -284,6 +285,20 @@ Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
     }
     FERRY_RETURN_IF_ERROR(pool.check(config.self.layout));
     if (config.imm_count == 0) return invalid_argument("imm_count must be positive");
+    // Past 2^32 the immediates wrapped onto other users' low ones, and a registration whose
+    // span straddled 2^32 was dropped by every prefill rank as malformed, as was one of a span
+    // over kMaxImmSpan: the transfer failed only when its lease ran out, as a timeout.
+    if (uint64_t{config.imm_base} + config.imm_count > (uint64_t{1} << 32)) {
+        return invalid_argument(fmt::format(
+            "immediates [{:#x}, {:#x}) (imm_base + imm_count) run past the largest 32-bit "
+            "immediate: lower imm_base or imm_count",
+            config.imm_base, uint64_t{config.imm_base} + config.imm_count));
+    }
+    if (config.imm_span > kMaxImmSpan) {
+        return invalid_argument(
+            fmt::format("imm_span {} is more than the {} immediates a registration may reserve",
+                        config.imm_span, kMaxImmSpan));
+    }
     if (config.lease <= Duration::zero()) return invalid_argument("the lease must be positive");
     auto impl = std::make_unique<Impl>(engine, std::move(pool), config, std::move(callbacks));
     impl->start();

@@ -85,6 +85,19 @@ Result<std::vector<uint8_t>> recv_frame(int fd, TimePoint deadline) {
     uint32_t len = 0;
     FERRY_RETURN_IF_ERROR(recv_all(fd, reinterpret_cast<uint8_t*>(&len), 4, deadline));
     if (len > kMaxFrame) {
+        // Four printable bytes are text, not a length: most likely an HTTP server (an engine's
+        // HTTP port given where its KV side-channel port belongs) answering "HTTP/1.1 400".
+        char text[4];
+        std::memcpy(text, &len, 4);
+        if (std::all_of(text, text + 4, [](char c) { return c >= 0x20 && c < 0x7f; })) {
+            return protocol_error(fmt::format(
+                "the peer answered in text (\"{}...\"), not with a handshake frame: it is no ferry "
+                "KV side channel{}",
+                std::string_view(text, 4),
+                std::string_view(text, 4) == "HTTP"
+                    ? " but an HTTP server (an engine's HTTP port given instead of its KV port?)"
+                    : ""));
+        }
         return protocol_error(
             fmt::format("handshake frame of {} bytes exceeds {}", len, kMaxFrame));
     }

@@ -5,7 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <memory>
+#include <thread>
+
 #include "fabric/engine_impl.h"
+#include "support/engine_fixture.h"
+#include "support/multiproc.h"
 
 namespace ferry::detail {
 namespace {
@@ -74,6 +80,66 @@ TEST(CallMonitorTest, ACallThatNeverReturnsIsStuckPastTheThreshold) {
 TEST(CallMonitorTest, TheThresholdFollowsALongerOpTimeout) {
     EXPECT_EQ(wedge_threshold(seconds(30)), seconds(30));
     EXPECT_EQ(wedge_threshold(milliseconds(200)), kMinWedgeTime);
+}
+
+// run_on_worker's tasks reach into their caller's frame (memory registration writes the MR it
+// opened into a local of register_on_rails, connect the fi_addr_t into one of PeerTable's).
+// A caller that gave up on a busy worker used to leave its task queued: it ran later, wrote
+// through dangling references and, for a registration, left an MR open that no one owned.
+// Whatever the load, a task whose caller stopped waiting before the worker took it never runs.
+TEST(RailTaskTest, ATaskItsCallerGaveUpOnNeverRuns) {
+    // In a child, like every engine test: the test binary's own process stays free of
+    // libfabric state.
+    auto results = ::ferry::testing::run_processes(
+        1,
+        [](::ferry::testing::Exchange&) -> std::string {
+            auto impl = std::make_shared<EngineImpl>();
+            CHILD_CHECK_OK(impl->init(::ferry::testing::test_engine_config("tcp")));
+            Rail& rail = impl->rails[0];
+            for (int round = 0; round < 20; ++round) {
+                // The worker is busy elsewhere (a long provider call, a starved host) ...
+                // (Released below, or after 10 s if a check returns first.)
+                auto release = std::make_shared<std::atomic<bool>>(false);
+                const TimePoint give_up = Clock::now() + seconds(10);
+                OpHandle blocker(rail.post_task(
+                    [release, give_up] {
+                        while (!release->load() && Clock::now() < give_up)
+                            std::this_thread::sleep_for(milliseconds(1));
+                        return ok_status();
+                    },
+                    OpCallback{}));
+                // ... longer than this caller waits.
+                std::atomic<int> ran{0};
+                Status s = rail.run_on_worker(
+                    [&ran] {
+                        ran.fetch_add(1);
+                        return ok_status();
+                    },
+                    milliseconds(20));
+                CHILD_CHECK_MSG(s.code() == StatusCode::kTimeout &&
+                                    s.message().find("will not run") != std::string::npos,
+                                "{}", s.to_string());
+                release->store(true);
+                CHILD_CHECK_OK(blocker.wait(seconds(10)));
+                // A task queued behind the abandoned one has run: the worker went past it.
+                CHILD_CHECK_OK(rail.run_on_worker([] { return ok_status(); }, seconds(10)));
+                CHILD_CHECK_MSG(ran.load() == 0, "round {}: the task ran after its caller left",
+                                round);
+            }
+            // A task the worker takes in time runs once and returns its own status.
+            int runs = 0;
+            Status own = rail.run_on_worker(
+                [&runs] {
+                    ++runs;
+                    return not_found("the task's own error");
+                },
+                seconds(10));
+            CHILD_CHECK(runs == 1 && own.code() == StatusCode::kNotFound);
+            impl->shutdown();
+            return "";
+        },
+        std::chrono::seconds(120));
+    EXPECT_EQ(::ferry::testing::describe_failures(results), "");
 }
 
 }  // namespace

@@ -39,6 +39,24 @@ const Topology kTopologies[] = {
 
 void PrintTo(const Topology& t, std::ostream* os) { *os << t.name; }
 
+// No peer dies in these tests: the engine's op_timeout only bounds a lost operation, and a
+// short one failed healthy runs on a loaded host. An operation's deadline runs from when it
+// was built, through its wait behind the rest of its batch: the mixed-layout pull posts five
+// requests' reads at once, 10,000-13,000 reads of 32 bytes (a run per token and head), against
+// a hundred or two where both sides order a block alike. That pull takes 0.16 s on an idle
+// dev machine; squeezed to a few % of one core (the test and 64 spinners pinned to one CPU at
+// nice 19) it took 5 s and its last reads missed a 3 s op_timeout in 3 runs of 3. What bounds
+// these tests is kWait (20 s for each result): the op_timeout has only to report a lost read
+// before that wait gives up, so that the failure names the read. Half of kWait does; the lease
+// stays above the op_timeout as ConnectorConfig requires, and below kWait.
+NodeOptions data_options(const std::string& provider) {
+    NodeOptions opt;
+    opt.provider = provider;
+    opt.op_timeout = kWait / 2;
+    opt.lease = kWait * 3 / 4;
+    return opt;
+}
+
 bool is_prefill(const Topology& t, const Exchange& ex) {
     return static_cast<uint32_t>(ex.rank()) < t.ptp;
 }
@@ -92,8 +110,7 @@ TEST_P(KvConnectorTest, PushDeliversEveryByteInBothArrivalOrders) {
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider();
+            NodeOptions opt = data_options(provider());
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
             std::vector<std::vector<uint32_t>> blocks;
@@ -174,8 +191,7 @@ void chunked_push_body(const Topology& t, const std::string& provider, bool laye
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider;
+            NodeOptions opt = data_options(provider);
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
             std::vector<std::vector<uint32_t>> blocks;
@@ -292,8 +308,7 @@ void pull_body(const Topology& t, const std::string& provider, PullMode mode, ui
         [&](Exchange& ex) -> std::string {
             KvRank self = rank_of(t, ex);
             bool prefill = is_prefill(t, ex);
-            NodeOptions opt;
-            opt.provider = provider;
+            NodeOptions opt = data_options(provider);
             opt.pull_mode = mode;
             CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, seed, prefill ? 0 : kPoison));
             KvNode& n = *node;
@@ -361,6 +376,54 @@ TEST_P(KvConnectorTest, PullInlineDeliversEveryByte) {
     pull_body(topo(), provider(), PullMode::kInline,
               ::ferry::testing::test_seed("KvConnector.PullInline"), &results);
     expect_all_ok(results);
+}
+
+// Immediates past 2^32 wrapped, and a registration whose span straddled 2^32 or held more than
+// kMaxImmSpan immediates was dropped by every prefill rank as malformed: the transfer ended
+// only at its lease, as a timeout. Such a config is refused when the connector is created;
+// the largest range that fits still works.
+TEST(KvConnectorConfigTest, ImmediatesPastTwoToThe32OrAnOversizedSpanAreRefused) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            CHILD_ASSIGN_OK(auto engine,
+                            TransferEngine::create(::ferry::testing::test_engine_config("tcp")));
+            KvLayout layout =
+                testing::test_layout(2, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 8);
+            std::vector<uint8_t> mem(layout.pool_bytes());
+            CHILD_ASSIGN_OK(auto mr, engine->register_memory(mem.data(), mem.size()));
+            auto refused = [&](uint32_t base, uint32_t count, uint32_t span,
+                               const std::string& words) -> std::string {
+                ConnectorConfig cc;
+                cc.self = {layout, 0, 1};
+                cc.imm_base = base;
+                cc.imm_count = count;
+                cc.imm_span = span;
+                auto c = KvConnector::create(engine.get(), mr.get(), cc, {});
+                CHILD_CHECK_MSG(!c.ok() && c.status().code() == StatusCode::kInvalidArgument &&
+                                    c.status().message().find(words) != std::string::npos,
+                                "base {:#x} count {} span {}: {}", base, count, span,
+                                c.ok() ? "created" : c.status().to_string());
+                return "";
+            };
+            for (auto [base, count] : {std::pair<uint32_t, uint32_t>{0xffffff00u, 1u << 20},
+                                       {0xffffffffu, 2},
+                                       {0x80000000u, 0x80000001u}}) {
+                std::string e = refused(base, count, 64, "run past the largest 32-bit immediate");
+                if (!e.empty()) return e;
+            }
+            std::string e = refused(0x4b000000, 1 << 20, kMaxImmSpan + 1, "imm_span 4097");
+            if (!e.empty()) return e;
+            ConnectorConfig edge;
+            edge.self = {layout, 0, 1};
+            edge.imm_base = 0xffffffffu - (1u << 20) + 1;  // the last immediate is 2^32 - 1
+            edge.imm_count = 1u << 20;
+            edge.imm_span = kMaxImmSpan;
+            CHILD_ASSIGN_OK(auto ok, KvConnector::create(engine.get(), mr.get(), edge, {}));
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(::ferry::testing::describe_failures(results), "");
 }
 
 std::vector<std::string> providers() { return {"tcp", "shm"}; }

@@ -89,6 +89,8 @@ struct KvNode {
 
 struct NodeOptions {
     std::string provider = "tcp";
+    // The engine's: short, so that the tests of dead and lost peers end soon.
+    Duration op_timeout = std::chrono::seconds(3);
     Duration lease = std::chrono::seconds(10);
     PullMode pull_mode = PullMode::kBackground;
     uint32_t imm_count = ConnectorConfig{}.imm_count;  // decode's immediates
@@ -175,7 +177,7 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     auto n = std::make_unique<KvNode>();
     n->self = self;
     EngineConfig ec = ::ferry::testing::test_engine_config(opt.provider);
-    ec.op_timeout = std::chrono::seconds(3);
+    ec.op_timeout = opt.op_timeout;
     FERRY_ASSIGN_OR_RETURN(n->engine, TransferEngine::create(ec));
     n->mem.assign(self.layout.pool_bytes(), fill);
     FERRY_ASSIGN_OR_RETURN(n->mr, n->engine->register_memory(n->mem.data(), n->mem.size()));

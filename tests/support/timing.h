@@ -6,7 +6,10 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 namespace ferry::testing {
 
@@ -22,5 +25,40 @@ double best_of(int attempts, double target_ms, const char* what, F&& attempt) {
     }
     return best;
 }
+
+// How late this process's threads get the CPU back while it lives: a thread sleeps 2 ms at a
+// time and keeps the worst overshoot. A test that bounds how late something happens (a server
+// closing a connection at its deadline) allows this much more, measured during the same run:
+// on an idle machine it stays at a few ms and the bound is as tight as before, while a 2-core
+// host running builds beside the suite stalled a nice 19 test process for over a second.
+class StallWatch {
+  public:
+    StallWatch()
+        : thread_([this] {
+              constexpr auto kTick = std::chrono::milliseconds(2);
+              while (!stop_.load()) {
+                  auto t0 = std::chrono::steady_clock::now();
+                  std::this_thread::sleep_for(kTick);
+                  double late = std::chrono::duration<double, std::milli>(
+                                    std::chrono::steady_clock::now() - t0 - kTick)
+                                    .count();
+                  if (late > worst_ms_.load()) worst_ms_.store(late);
+              }
+          }) {}
+    ~StallWatch() {
+        stop_.store(true);
+        thread_.join();
+    }
+    StallWatch(const StallWatch&) = delete;
+    StallWatch& operator=(const StallWatch&) = delete;
+
+    // The worst lateness so far, in ms.
+    double worst_ms() const { return worst_ms_.load(); }
+
+  private:
+    std::atomic<bool> stop_{false};
+    std::atomic<double> worst_ms_{0};
+    std::thread thread_;  // last: starts once the members it reads exist
+};
 
 }  // namespace ferry::testing

@@ -47,14 +47,15 @@ struct ConnectorConfig {
     // Keep it above the engine's op_timeout so that a lease never frees blocks under a write
     // the engine still considers alive.
     Duration lease = std::chrono::seconds(30);
-    // Immediates [imm_base, imm_base + imm_count) are used by this connector; keep them apart
-    // from other users of the same engine. A fresh one per (transfer, attempt, producer rank)
-    // is what keeps an old attempt's writes from counting for a new one.
+    // Immediates [imm_base, imm_base + imm_count) are used by this connector (the range must
+    // end at or below 2^32); keep them apart from other users of the same engine. A fresh one
+    // per (transfer, attempt, producer rank) is what keeps an old attempt's writes from
+    // counting for a new one.
     uint32_t imm_base = 0x4b000000;
     uint32_t imm_count = 1u << 20;
     // Immediates one push registration reserves: one per segment (computed chunk). A producer
     // with more chunks than this holds the rest back and sends it as the last segment. 64
-    // covers a 32k prompt in chunks of 512 tokens.
+    // covers a 32k prompt in chunks of 512 tokens. At most kMaxImmSpan (4096).
     uint32_t imm_span = 64;
     PullMode pull_mode = PullMode::kBackground;
     // While a transfer is active (writes in flight, a send or receive not finished), the
