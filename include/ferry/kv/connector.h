@@ -120,7 +120,7 @@ struct ConnectorCallbacks {
 };
 
 struct ConnectorStats {
-    uint64_t messages_received = 0;   // counted once handled: its effects are visible
+    uint64_t messages_received = 0;
     uint64_t messages_malformed = 0;  // did not decode; logged and dropped
     uint64_t messages_stale = 0;      // unknown transfer or superseded attempt; dropped
     uint64_t leases_expired = 0;
