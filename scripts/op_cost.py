@@ -38,6 +38,14 @@ WORKER_PARTS = [
 ]
 
 
+# The worker's per-write path (inclusive): everything it does for a write but idle polling.
+PATH_PARTS = [
+    "ferry::detail::Rail::drain_submissions()",
+    "ferry::detail::Rail::post_pending()",
+    "ferry::detail::Rail::retire_finished()",
+]
+
+
 def inclusive_costs(path):
     """{function: inclusive Ir} of one callgrind output file."""
     out = subprocess.run(
@@ -133,15 +141,20 @@ def measure(binary, row, extra):
             continue
         sub = find(main_costs, "engine_rate_loop") or find(main_costs, "engine_scatter_loop")
         raw_prov = sum(v for k, v in provider_costs(main_file).items() if "rate_loop" in k)
+        # The rail's worker: the thread that ran the most of Rail::run() (another thread's
+        # file may name it too, with a few instructions, and glob's order varies).
         worker = worker_prov = None
+        worker_post_prov = 0
         for f in glob.glob(main_file[:-3] + "-*"):
             c = inclusive_costs(f)
-            if find(c, "Rail::run()"):
+            if find(c, "Rail::run()") > (find(worker, "Rail::run()") if worker else 0):
                 worker = c
-                worker_prov = sum(provider_costs(f).values())
+                prov = provider_costs(f)
+                worker_prov = sum(prov.values())
+                worker_post_prov = sum(v for k, v in prov.items() if "Rail::post_one" in k)
         kind = f"{m.group(1)} {m.group(2)} B x{m.group(3) or 1}"
         return (kind, int(m.group(4)), int(m.group(5)), raw, sub, worker, work, raw_prov,
-                worker_prov)
+                worker_prov, worker_post_prov)
     return None
 
 
@@ -157,7 +170,7 @@ def main():
         r = measure(binary, row, extra)
         if not r:
             return 1
-        kind, raw_n, eng_n, raw, sub, worker, work, raw_prov, worker_prov = r
+        kind, raw_n, eng_n, raw, sub, worker, work, raw_prov, worker_prov, post_prov = r
         w = find(worker, "Rail::run()")
         print(f"\n{kind}: raw writes {raw_n}, engine writes {eng_n} ({work})")
         print(f"  raw loop        {raw / raw_n:8.0f} instructions per write: provider "
@@ -165,6 +178,13 @@ def main():
         print(f"  engine          {(sub + w) / eng_n:8.0f}  = submitter {sub / eng_n:.0f}"
               f" + worker {w / eng_n:.0f}; provider {worker_prov / eng_n:.0f}, the engine's own "
               f"{(sub + w - worker_prov) / eng_n:.0f} (worker {(w - worker_prov) / eng_n:.0f})")
+        # The worker's work per write without its idle passes (CQ reads that found nothing,
+        # naps, sweeps), which vary with how valgrind schedules the threads: popping,
+        # posting (the provider's post excluded), finishing and retiring.
+        path = sum(find(worker, f) for f in PATH_PARTS)
+        print(f"  worker's path   {(path - post_prov) / eng_n:8.0f}  (own instructions per write "
+              f"in {', '.join(f.split('::')[-1] for f in PATH_PARTS)}; provider's post "
+              f"{post_prov / eng_n:.0f} apart)")
         for part in WORKER_PARTS:
             v = find(worker, part)
             if v:
