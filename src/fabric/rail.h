@@ -146,6 +146,7 @@ struct OpList {
     }
 };
 
+// Written by the rail's worker alone (see bump in rail.cc), read by any thread.
 struct RailStats {
     std::atomic<uint64_t> ops_posted{0};
     std::atomic<uint64_t> ops_injected{0};      // posted with FI_INJECT
@@ -288,7 +289,12 @@ class Rail {
     Status init(int index, const fi_info* info, const EngineConfig& config);
     void run();
     bool drain_submissions();
+    // Posts a popped operation at once when it can, or adds it to pending_. False when the
+    // rail turned out wedged. `direct` counts the operations posted here.
+    bool take_popped(FabricOp* op, size_t& direct);
     bool post_pending();
+    // A post that failed (not pushed back): fails the operation's piece and frees it.
+    void fail_post(FabricOp* op, int rc);
     // unsignaled: as fi_inject_write(data), which writes no completion (completes_at_post).
     int post_one(FabricOp* op, bool more, bool unsignaled);
     // A write the provider completes while posting it, so it goes without a completion and
