@@ -24,7 +24,7 @@ class OpPool {
         return ::operator new(Size, std::align_val_t(Align));
 #else
         Local& l = local();
-        if (!l.ready) l.ready = take_all();
+        if (!l.ready) l.next_chain();
         if (Node* n = l.ready) {
             l.ready = n->next;
             return n;
@@ -93,30 +93,31 @@ class OpPool {
                                                  std::memory_order_relaxed));
     }
 
-    // Takes every chain handed back (the whole stack at once: no ABA) as one list.
+    // Takes every chain handed back (the whole stack at once: no ABA), still as chains: the
+    // allocating thread moves on to the next chain when one is used up. Linking them into one
+    // list walked every block, ~8 of the submitting thread's instructions per 64 B write
+    // (callgrind, shm, 2026-12-03).
     static Node* take_all() {
         Shared& s = shared();
         Node* c = s.chains.exchange(nullptr, std::memory_order_acquire);
-        if (!c) return nullptr;
-        Node* first = c;
         size_t n = 0;
-        while (c) {
-            Node* next_chain = c->next_chain;
-            Node* tail = c;
-            while (tail->next) tail = tail->next;
-            tail->next = next_chain;
-            n += kChain;
-            c = next_chain;
-        }
-        s.pooled.fetch_sub(n, std::memory_order_relaxed);
-        return first;
+        for (Node* k = c; k; k = k->next_chain) n += kChain;
+        if (n) s.pooled.fetch_sub(n, std::memory_order_relaxed);
+        return c;
     }
 
     struct Local {
-        Node* ready = nullptr;  // taken from the shared stack, to allocate from
-        Node* freed = nullptr;  // freed here, until a chain is full
+        Node* ready = nullptr;   // the chain allocated from
+        Node* chains = nullptr;  // taken from the shared stack, linked by next_chain
+        Node* freed = nullptr;   // freed here, until a chain is full
         Node* freed_tail = nullptr;
         size_t nfreed = 0;
+        // Moves on to the next chain taken (taking the shared stack when none is left).
+        void next_chain() {
+            if (!chains) chains = take_all();
+            ready = chains;
+            if (chains) chains = chains->next_chain;
+        }
         void flush() {
             push_chain(freed, freed_tail);
             freed = freed_tail = nullptr;
@@ -124,6 +125,11 @@ class OpPool {
         }
         ~Local() {
             free_list(ready);
+            for (Node* c = chains; c;) {
+                Node* next = c->next_chain;
+                free_list(c);
+                c = next;
+            }
             if (freed) freed_tail->next = nullptr;
             free_list(freed);
         }
