@@ -14,7 +14,7 @@ std::vector<OpHandle> EngineImpl::submit_batch(std::span<const BatchEntry> ops,
     std::vector<OpHandle> handles;
     handles.reserve(ops.size());
     if (ops.empty()) return handles;
-    BatchDone* shared = done ? new BatchDone{std::move(done), ops.size()} : nullptr;
+    BatchDone* shared = done ? new BatchDone(std::move(done), ops.size()) : nullptr;
     RailBatch b(rails.size());
     // The states to arm and their piece counts. Armed only once the engine is known to be
     // running, so that a batch refused at shutdown leaves no piece reference behind. Raw
