@@ -151,7 +151,8 @@ def measure(binary, row, extra):
                 worker = c
                 prov = provider_costs(f)
                 worker_prov = sum(prov.values())
-                worker_post_prov = sum(v for k, v in prov.items() if "Rail::post_one" in k)
+                worker_post_prov = sum(v for k, v in prov.items()
+                                       if "Rail::post_one" in k or "Rail::drain_submissions" in k)
         kind = f"{m.group(1)} {m.group(2)} B x{m.group(3) or 1}"
         return (kind, int(m.group(4)), int(m.group(5)), raw, sub, worker, work, raw_prov,
                 worker_prov, worker_post_prov)
