@@ -53,6 +53,16 @@ std::string check_fill(const std::vector<uint8_t>& b, size_t off, size_t len, ui
     return "";
 }
 
+// The four processes of a kill test: the victim died of SIGKILL, the others finished cleanly.
+void expect_only_victim_killed(const std::vector<testing::ChildResult>& results, int victim) {
+    ASSERT_EQ(results.size(), 4u);
+    EXPECT_EQ(results[victim].term_signal, SIGKILL);
+    for (int r = 0; r < 4; ++r) {
+        if (r == victim) continue;
+        EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].error;
+    }
+}
+
 class HotPathTest : public ::testing::TestWithParam<std::string> {
   protected:
     EngineConfig config() const { return test_engine_config(GetParam()); }
@@ -243,10 +253,146 @@ TEST_P(HotPathTest, BatchesToSeveralPeersSurviveOneDyingMidBatch) {
             return "";
         },
         kRunTimeout);
-    ASSERT_EQ(results.size(), 4u);
-    EXPECT_EQ(results[kVictim].term_signal, SIGKILL);
-    for (int r : {0, 1, 3})
-        EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].error;
+    expect_only_victim_killed(results, kVictim);
+}
+
+// Small writes with immediates (at most the inject size: on shm posted as the rail's worker
+// pops them and done at their post) in batches of random sizes to three peers, one killed
+// mid-stream: every entry finishes within the op timeout, every write to a live peer arrives
+// exactly once with its bytes intact, and entries for the dead peer fail (shm's done-at-post
+// writes to a dead peer may also "succeed" until its command queue is full).
+TEST_P(HotPathTest, SmallWritesWithImmediatesSurviveAPeerKilledMidStream) {
+    uint64_t seed = testing::test_seed("SmallImmKill");
+    const int kVictim = 2;
+    constexpr size_t kMaxLen = 64;   // at most tcp;ofi_rxm's and shm's inject sizes
+    constexpr size_t kTally = 1024;  // where the initiator leaves a live target its tally
+    constexpr uint32_t kImmBase = 200, kDone = 99;
+    auto results = run_processes(
+        4,
+        [&](Exchange& ex) -> std::string {
+            EngineConfig c = config();
+            c.op_timeout = std::chrono::seconds(2);
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, 1 << 16, kPoison));
+            if (ex.rank() == kVictim) {
+                CHILD_CHECK_OK(n.engine->wait_imm(kImmBase + kVictim, 50, kWait));
+                raise(SIGKILL);  // dies with writes for it still being posted
+            }
+            if (ex.rank() == 0) {
+                for (int t = 1; t <= 3; ++t) {
+                    for (size_t i = 0; i < kMaxLen; ++i)
+                        n.buf[t * kMaxLen + i] = pattern(seed + t, i);
+                }
+                std::mt19937_64 rng(seed);
+                // Per target: writes that succeeded, the longest of them, the longest tried.
+                uint64_t live_ok[4] = {}, live_max[4] = {}, tried_max[4] = {};
+                int victim_failures = 0, rounds = 0, clean_after = 0;
+                bool wedged = false;
+                auto start = Clock::now();
+                // Bounded: until the victim's entries fail and three rounds after that.
+                while (Clock::now() - start < std::chrono::seconds(40) && clean_after < 3) {
+                    const size_t count = 1 + rng() % 32;
+                    std::vector<BatchEntry> batch;
+                    std::vector<int> target;
+                    for (size_t i = 0; i < count; ++i) {
+                        const int t = 1 + static_cast<int>(rng() % 3);
+                        const uint64_t len = 1 + rng() % kMaxLen;
+                        batch.push_back(WriteOp{n.peer[t], n.mr.get(), t * kMaxLen, &n.desc[t], 0,
+                                                len, kImmBase + t});
+                        target.push_back(t);
+                        tried_max[t] = std::max(tried_max[t], len);
+                    }
+                    std::vector<TimePoint> done_at(count);
+                    const auto posted_at = Clock::now();
+                    std::vector<OpHandle> hs = n.engine->submit_batch(
+                        batch, [&](size_t i, const Status&) { done_at[i] = Clock::now(); });
+                    CHILD_CHECK(hs.size() == count);
+                    const bool victim_failed_before = victim_failures > 0;
+                    for (size_t i = 0; i < count; ++i) {
+                        Status got = hs[i].wait(c.op_timeout + std::chrono::seconds(8));
+                        CHILD_CHECK_MSG(hs[i].done(), "entry {} to target {} still running: {}", i,
+                                        target[i], got.to_string());
+                        const auto took = done_at[i] - posted_at;
+                        CHILD_CHECK_MSG(took < c.op_timeout + std::chrono::seconds(3),
+                                        "entry {} to target {} finished only after {:.0f} ms", i,
+                                        target[i], to_ms(took));
+                        if (target[i] == kVictim) {
+                            victim_failures += !got.ok();
+                        } else if (got.ok()) {
+                            ++live_ok[target[i]];
+                            live_max[target[i]] =
+                                std::max(live_max[target[i]], std::get<WriteOp>(batch[i]).length);
+                        } else if (got.message().find("wedged") != std::string::npos) {
+                            wedged = true;  // shm itself wedged on the dead peer
+                        } else {
+                            return fmt::format("live target {} entry {} failed: {}", target[i], i,
+                                               got.to_string());
+                        }
+                    }
+                    ++rounds;
+                    if (wedged) break;
+                    if (victim_failed_before) ++clean_after;
+                }
+                CHILD_CHECK_MSG(wedged || victim_failures > 0,
+                                "no entry to the killed target failed in {} rounds", rounds);
+                std::fprintf(stderr,
+                             "[small-imm-kill] %d rounds, %d victim failures, live ok %llu / "
+                             "%llu%s\n",
+                             rounds, victim_failures, static_cast<unsigned long long>(live_ok[1]),
+                             static_cast<unsigned long long>(live_ok[3]),
+                             wedged ? ", rail wedged" : "");
+                // Each live target's tally (writes that succeeded, the longest, whether the
+                // count is exact), then the signal to check it; through a fresh engine when
+                // the rail wedged.
+                std::unique_ptr<TransferEngine> fresh;
+                std::unique_ptr<MemoryRegion> fresh_mr;
+                if (wedged) {
+                    CHILD_ASSIGN_OK(fresh, TransferEngine::create(c));
+                    CHILD_ASSIGN_OK(fresh_mr, fresh->register_memory(n.buf.data(), n.buf.size()));
+                }
+                TransferEngine& e = wedged ? *fresh : *n.engine;
+                MemoryRegion* mr = wedged ? fresh_mr.get() : n.mr.get();
+                for (int t : {1, 3}) {
+                    PeerId p = n.peer[t];
+                    if (wedged) {
+                        CHILD_ASSIGN_OK(p, fresh->connect(n.addr[t]));
+                    }
+                    const uint64_t tally[4] = {live_ok[t], live_max[t], tried_max[t],
+                                               wedged ? 0u : 1u};
+                    std::memcpy(n.buf.data() + kTally + 64 * t, tally, sizeof(tally));
+                    CHILD_CHECK_OK(e.write({p, mr, kTally + 64 * t, &n.desc[t], kTally,
+                                            sizeof(tally), std::nullopt})
+                                       .wait(kWait));
+                    CHILD_CHECK_OK(e.signal(p, kDone).wait(kWait));
+                }
+                fresh_mr.reset();
+                fresh.reset();
+                n.mr.reset();
+                n.engine.reset();
+            }
+            if (ex.rank() == 1 || ex.rank() == 3) {
+                CHILD_CHECK_OK(n.engine->wait_imm(kDone, 1, std::chrono::seconds(90)));
+                uint64_t tally[4];  // writes ok, longest ok, longest tried, count exact
+                std::memcpy(tally, n.buf.data() + kTally, sizeof(tally));
+                const uint32_t imm = kImmBase + ex.rank();
+                if (tally[3]) {
+                    // Every write that succeeded arrived once, and nothing more.
+                    CHILD_CHECK_OK(n.engine->wait_imm(imm, tally[0], kWait));
+                    CHILD_CHECK_MSG(n.engine->imm_available(imm) == 0, "{} arrivals too many",
+                                    n.engine->imm_available(imm));
+                } else {
+                    CHILD_CHECK_MSG(n.engine->imm_available(imm) >= tally[0],
+                                    "{} arrivals for {} writes", n.engine->imm_available(imm),
+                                    tally[0]);
+                }
+                std::string d = check_pattern(n.buf, 0, tally[1], seed + ex.rank(), 0);
+                CHILD_CHECK_MSG(d.empty(), "writes: {}", d);
+                d = check_fill(n.buf, tally[2], kTally - tally[2], kPoison);
+                CHILD_CHECK_MSG(d.empty(), "past the longest write: {}", d);
+            }
+            return "";
+        },
+        kRunTimeout);
+    expect_only_victim_killed(results, kVictim);
 }
 
 TEST_P(HotPathTest, WritesAtAndJustPastTheInjectSizeArriveIntact) {
