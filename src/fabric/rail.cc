@@ -201,9 +201,10 @@ void Rail::fail_post(FabricOp* op, int rc) {
 // pass's per-operation checks for pushed-back and dead peers, messages and FI_MORE, and the
 // list of writes finished after the pass. 64 B writes with immediates to one peer, the
 // worker's own instructions per write without its idle passes (scripts/op_cost.py, callgrind,
-// shm, 2026-12-03, two runs each): through submit_batch 361-417 before, 318-323 after; through
-// submit_all 210-214 before, 175-186 after. Anything else, anything behind an operation still
-// pending (order), and a write the provider pushes back go to the pending list as before.
+// shm, 2026-12-03): through submit_batch 355-417 before, 272-285 with this path inlined and
+// posting without post_one's call; through submit_all 210-214 before, 127-141 (see
+// docs/BENCHMARKS.md, issue 18, fourth round). Anything else, anything behind an operation
+// still pending (order), and a write the provider pushes back go to the pending list.
 [[gnu::always_inline]] inline bool Rail::take_popped(FabricOp* op, size_t& direct) {
     if (!pending_.empty() || !completes_at_post(op) || peer_dead(op->dest)) {
         add_pending(op);
