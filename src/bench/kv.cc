@@ -326,7 +326,7 @@ class Bench {
             // with the REGISTERs, as its compute would in serving (milliseconds at least).
             // Without it prefill_done was queued behind the REGISTER's handling instead of
             // running on the caller's thread (~11 us of a 16k-token push, H200 host 2026-12-03).
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            std::this_thread::sleep_for(std::chrono::microseconds(c_.settle_us));
             t0 = Clock::now();
             for (size_t p = 0; p < prefill_.size(); ++p) {
                 FERRY_RETURN_IF_ERROR(timed(
@@ -506,12 +506,19 @@ nlohmann::json kv_report_json(const KvBenchConfig& c, const KvBenchReport& r) {
                         {"caller_us_p99", row.caller_us_p99},
                         {"caller_cpu_us_p50", row.caller_cpu_us_p50}});
     }
-    return {{"provider", r.provider},     {"ceiling_gbps", r.ceiling_gbps},
-            {"layers", c.layers},         {"kv_heads", c.kv_heads},
-            {"head_dim", c.head_dim},     {"elem_size", c.elem_size},
-            {"block_size", c.block_size}, {"tp_prefill", c.tp_prefill},
-            {"tp_decode", c.tp_decode},   {"random_blocks", c.random_blocks},
-            {"iters", c.iters},           {"rows", rows}};
+    return {{"provider", r.provider},
+            {"ceiling_gbps", r.ceiling_gbps},
+            {"layers", c.layers},
+            {"kv_heads", c.kv_heads},
+            {"head_dim", c.head_dim},
+            {"elem_size", c.elem_size},
+            {"block_size", c.block_size},
+            {"tp_prefill", c.tp_prefill},
+            {"tp_decode", c.tp_decode},
+            {"random_blocks", c.random_blocks},
+            {"iters", c.iters},
+            {"settle_us", c.settle_us},
+            {"rows", rows}};
 }
 
 }  // namespace ferry::kv

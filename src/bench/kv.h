@@ -50,6 +50,9 @@ struct KvBenchConfig {
     // receiving side while it polls, so a napping decode engine throttles the transfer.
     bool busy_poll = true;
     bool run_on_caller = true;  // ConnectorConfig::run_on_caller
+    // Push: how long after prefill's connectors counted the REGISTERs prefill_done is called
+    // (prefill's compute in serving; at 0 the call meets the REGISTER's own handling).
+    uint32_t settle_us = 1000;
     std::function<void(const std::string&)> progress;
 };
 

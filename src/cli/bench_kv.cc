@@ -60,6 +60,11 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("!--no-run-on-caller", c->run_on_caller,
                   "always hand the connector calls to its thread (default: an idle connector's "
                   "work runs on the calling thread)");
+    cmd->add_option("--settle-us", c->settle_us,
+                    "push: microseconds from the REGISTERs' arrival to prefill_done, prefill's "
+                    "compute (0: the call meets the REGISTER's handling)")
+        ->check(CLI::Range(0u, 1000000u))
+        ->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, json_path] {
