@@ -110,13 +110,16 @@ std::string check_gpu(const void* d, const std::vector<uint8_t>& want) {
         if (!child_err_.empty()) return child_err_; \
     } while (0)
 
-// Two processes, one GPU each when there are two (else both on GPU 0): random writes and paged
-// writes into poisoned GPU memory, every byte checked on the host afterwards.
+// Two processes, one GPU each when there are two (else both on GPU 0): writes (one at odd
+// offsets, one aligned and long enough for the tiled kernel's 128 KiB tiles, with a partial last
+// tile) and paged writes of 16 KiB pages (one warp a page) and of 256 KiB pages (tiles) into
+// poisoned GPU memory, every byte checked on the host after each round.
 TEST(GpuEngine, WritesAndPagedWritesBetweenGpusArriveIntact) {
     if (testing::gpu_count() == 0) GTEST_SKIP() << testing::no_gpu_reason();
     uint64_t seed = testing::test_seed("GpuWrites");
     const size_t kBuf = 64 << 20;
-    const uint64_t kPage = 16384;
+    const uint64_t kPages[] = {16384, 256 << 10};
+    const uint64_t kLongAt = 2 << 20, kLongLen = (3 << 20) + 4112;
     auto results = testing::run_processes(
         2,
         [&](Exchange& ex) -> std::string {
@@ -131,23 +134,38 @@ TEST(GpuEngine, WritesAndPagedWritesBetweenGpusArriveIntact) {
                             TransferEngine::create(testing::test_engine_config("shm")));
             CHILD_ASSIGN_OK(auto mr, engine->register_memory(d, kBuf, MemoryKind::kCuda, dev));
             CHILD_ASSIGN_OK(OtherRank other, connect_other(ex, *engine, *mr));
-            PagePlan pages(kBuf, kPage, rng);
-            if (ex.rank() == 0) {
-                // One plain write of the first 1 MiB + 3 bytes at an odd offset.
-                CHILD_CHECK_OK(
-                    engine->write({other.peer, mr.get(), 5, &other.desc, 7, (1 << 20) + 3, 1u})
-                        .wait(std::chrono::seconds(20)));
-                CHILD_CHECK_OK(engine->paged_write(pages.op(other.peer, mr.get(), &other.desc, 2))
-                                   .wait(std::chrono::seconds(20)));
-                CHILD_CHECK(ex.barrier().ok());
-            } else {
-                CHILD_CHECK_OK(engine->wait_imm(1, 1, std::chrono::seconds(20)));
-                CHILD_CHECK_OK(engine->wait_imm(2, 1, std::chrono::seconds(20)));
-                std::vector<uint8_t> want(kBuf, 0xCD);
-                std::memcpy(want.data() + 7, host.data() + 5, (1 << 20) + 3);
-                pages.apply(want, host);
-                CHILD_RUN(check_gpu(d, want));
-                CHILD_CHECK(ex.barrier().ok());
+            std::vector<uint8_t> want(kBuf, 0xCD);
+            for (int round = 0; round < 2; ++round) {
+                PagePlan pages(kBuf, kPages[round], rng);
+                const auto imm = static_cast<uint32_t>(3 * round);
+                if (ex.rank() == 0) {
+                    if (round == 0) {
+                        // The first 1 MiB + 3 bytes at an odd offset; a long aligned run.
+                        CHILD_CHECK_OK(engine
+                                           ->write({other.peer, mr.get(), 5, &other.desc, 7,
+                                                    (1 << 20) + 3, imm + 1})
+                                           .wait(std::chrono::seconds(20)));
+                        CHILD_CHECK_OK(engine
+                                           ->write({other.peer, mr.get(), 16, &other.desc, kLongAt,
+                                                    kLongLen, imm + 2})
+                                           .wait(std::chrono::seconds(20)));
+                    }
+                    CHILD_CHECK_OK(
+                        engine->paged_write(pages.op(other.peer, mr.get(), &other.desc, imm + 3))
+                            .wait(std::chrono::seconds(20)));
+                    CHILD_CHECK(ex.barrier().ok());
+                } else {
+                    if (round == 0) {
+                        CHILD_CHECK_OK(engine->wait_imm(imm + 1, 1, std::chrono::seconds(20)));
+                        CHILD_CHECK_OK(engine->wait_imm(imm + 2, 1, std::chrono::seconds(20)));
+                        std::memcpy(want.data() + 7, host.data() + 5, (1 << 20) + 3);
+                        std::memcpy(want.data() + kLongAt, host.data() + 16, kLongLen);
+                    }
+                    CHILD_CHECK_OK(engine->wait_imm(imm + 3, 1, std::chrono::seconds(20)));
+                    pages.apply(want, host);
+                    CHILD_RUN(check_gpu(d, want));
+                    CHILD_CHECK(ex.barrier().ok());
+                }
             }
             mr.reset();
             engine.reset();
@@ -178,6 +196,8 @@ TEST(GpuEngine, PagedWritesOfMixedShapesInOneLaunchArriveIntact) {
         {4100, 4100, 4104, 3, 5, 2000},
         {65552, 65552, 70000, 16, 32, 200},
         {16384, 3 * 16384, 16384, 0, 16, 900},
+        {(256 << 10) + 4096, (256 << 10) + 4096, (264 << 10), 48, 16, 40},
+        {(128 << 10) + 8, (128 << 10) + 8, (128 << 10) + 8, 3, 1, 60},
     };
     const size_t kBuf = (shapes.size() + 1) * kArea;
     auto results = testing::run_processes(

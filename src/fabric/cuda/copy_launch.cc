@@ -137,19 +137,29 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     const uint64_t chunk = std::clamp<uint64_t>(bytes / (2 * warps) / kMaxChunk * kMaxChunk,
                                                 kMaxChunk, 16 * kMaxChunk);
     size_t num_chunks = 0, num_segs = 0, num_ids = 0, num_block_segs = 0, num_planes = 0;
+    size_t num_tile_segs = 0;
+    uint64_t shortest_tiled = UINT64_MAX;  // picks the tile size (kTileThreadsLarge or Small)
     size_t num_staged = 0;  // paged copies' ids, uploaded from where the operation staged them
+    auto count_segment = [&](uint64_t page_size) {
+        if (page_size >= kTilePage) {
+            num_tile_segs++;
+            shortest_tiled = std::min(shortest_tiled, page_size);
+        } else {
+            num_segs++;
+        }
+    };
     for (const GpuWork* w : works) {
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
             const uint64_t len = w->copies[r].len;
             if (len >= kRunAsPage) {
-                num_segs++;
+                count_segment(len);
             } else {
                 num_chunks += (len + chunk - 1) / chunk;
             }
         }
         for (const auto& p : w->paged) {
             if (p.pages() == 0) continue;
-            num_segs++;
+            count_segment(p.page_size);
             num_staged += p.ids.size();
         }
         for (const auto& b : w->blocks) {
@@ -158,11 +168,12 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
             num_ids += b.src_blocks.size() + b.dst_blocks.size();
         }
     }
-    // One list: [chunks][paged segments][block segments][plane addresses][ids], passed to the
-    // kernels as their parameter when it is short, else uploaded in one copy; then on the
-    // device only [staged ids], each paged copy's uploaded from its staging.
+    // One list: [chunks][paged segments][tiled segments][block segments][plane addresses][ids],
+    // passed to the kernels as their parameter when it is short, else uploaded in one copy;
+    // then on the device only [staged ids], each paged copy's uploaded from its staging.
     const size_t seg_at = align8(num_chunks * sizeof(CopyChunk));
-    const size_t block_seg_at = seg_at + num_segs * sizeof(PagedSegment);
+    const size_t tile_seg_at = seg_at + num_segs * sizeof(PagedSegment);
+    const size_t block_seg_at = tile_seg_at + num_tile_segs * sizeof(PagedSegment);
     const size_t planes_at = block_seg_at + num_block_segs * sizeof(BlockCopySegment);
     const size_t ids_at = planes_at + num_planes * sizeof(uint64_t);
     const size_t list_bytes = ids_at + num_ids * sizeof(uint32_t);
@@ -178,6 +189,9 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     char* host = inline_list ? inline_bytes : buf->ptr;
     auto* chunks = reinterpret_cast<CopyChunk*>(host);
     auto* segs = reinterpret_cast<PagedSegment*>(host + seg_at);
+    auto* tile_segs = reinterpret_cast<PagedSegment*>(host + tile_seg_at);
+    const int tile_threads = shortest_tiled >= kTileLarge ? kTileThreadsLarge : kTileThreadsSmall;
+    const uint64_t tile = static_cast<uint64_t>(tile_threads) * kTileBytesPerThread;
     auto* ids = reinterpret_cast<uint32_t*>(host + ids_at);
     auto* dev_staged = buf->dev ? reinterpret_cast<uint32_t*>(buf->dev + staged_at) : nullptr;
     struct Upload {
@@ -186,23 +200,28 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
         size_t bytes;
     };
     std::vector<Upload> uploads;
-    size_t k = 0, s = 0, id = 0, staged = 0;
-    uint64_t items = 0;
+    size_t k = 0, s = 0, ts = 0, id = 0, staged = 0;
+    uint64_t items = 0, tiles = 0;
+    // A page of at least kTilePage goes to the tiled kernel, cut into tiles; a shorter one to
+    // the paged kernel, cut into pieces of kPagePiece.
     auto add_segment = [&](uint64_t src, uint64_t dst, uint64_t page_size, uint64_t src_stride,
                            uint64_t dst_stride, const uint32_t* src_ids, const uint32_t* dst_ids,
                            size_t n) {
-        const auto pieces = static_cast<uint32_t>((page_size + kPagePiece - 1) / kPagePiece);
-        segs[s++] = {reinterpret_cast<const char*>(src),
-                     reinterpret_cast<char*>(dst),
-                     src_ids,
-                     dst_ids,
-                     page_size,
-                     src_stride,
-                     dst_stride,
-                     items,
-                     pieces,
-                     static_cast<uint32_t>(n)};
-        items += uint64_t{pieces} * n;
+        const bool tiled = page_size >= kTilePage;
+        const uint64_t piece = tiled ? tile : kPagePiece;
+        uint64_t& first = tiled ? tiles : items;
+        const auto pieces = static_cast<uint32_t>((page_size + piece - 1) / piece);
+        (tiled ? tile_segs[ts++] : segs[s++]) = {reinterpret_cast<const char*>(src),
+                                                 reinterpret_cast<char*>(dst),
+                                                 src_ids,
+                                                 dst_ids,
+                                                 page_size,
+                                                 src_stride,
+                                                 dst_stride,
+                                                 first,
+                                                 pieces,
+                                                 static_cast<uint32_t>(n)};
+        first += uint64_t{pieces} * n;
     };
     for (const GpuWork* w : works) {
         for (size_t r = 0; with_runs && r < w->copies.size(); ++r) {
@@ -269,6 +288,8 @@ Status launch_copy_work(const std::vector<const GpuWork*>& works, uint64_t bytes
     FERRY_CUDA_TRY(launch_batched_copy(list, 0, static_cast<int>(num_chunks), grid, stream));
     FERRY_CUDA_TRY(
         launch_paged_copy(list, seg_at, static_cast<int>(num_segs), items, grid, stream));
+    FERRY_CUDA_TRY(launch_tiled_copy(list, tile_seg_at, static_cast<int>(num_tile_segs), tiles,
+                                     tile_threads, stream));
     FERRY_CUDA_TRY(launch_block_copy(list, block_seg_at, static_cast<int>(num_block_segs),
                                      block_items, grid, stream));
     if (stamps) stamps->launched = Clock::now();
