@@ -257,6 +257,9 @@ template <typename Launch>
 cudaError_t launch_on(const CopyList& list, int grid, cudaStream_t stream, Launch launch) {
     if (list.device) return launch(UploadedList{list.device}, grid, stream);
     if (list.bytes > inline_list_limit()) return cudaErrorInvalidValue;
+    if (list.bytes <= kInlineListSmall) {
+        return launch_inline<kInlineListSmall>(list, grid, stream, launch);
+    }
     if (list.bytes <= kInlineList) return launch_inline<kInlineList>(list, grid, stream, launch);
 #if CUDART_VERSION >= 12010
     if (list.bytes <= kInlineListMid) {

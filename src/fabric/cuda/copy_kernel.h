@@ -60,6 +60,8 @@ struct BlockCopySegment {
 // 2026-12-02; a 16k-token KV push's ~10 KB list, 4.5 us). Each launcher reads its section at an
 // offset from the list's start. The parameter comes in tiers, the smallest that holds the
 // list, so a short list does not pay for copying 32 KB of parameter at every launch.
+// A one-run write or one paged copy has a list of 64 bytes; 448 holds a few segments.
+constexpr size_t kInlineListSmall = 448;
 constexpr size_t kInlineList = 3840;  // within the 4 KiB of parameters every CUDA allows
 // CUDA 12.1+ on Volta and later: up to 32764 bytes of parameters, less the launchers' other
 // parameters (24 bytes) and the list's 16-byte alignment.
