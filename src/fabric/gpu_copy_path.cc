@@ -32,8 +32,10 @@ void GpuCopyPath::submit(GpuTransport* t, int device, GpuWork work,
                          std::function<void(const Status&)> done) {
     in_flight_.fetch_add(1, std::memory_order_relaxed);
     t->submit(device, std::move(work), [this, done = std::move(done)](const Status& s) {
-        in_flight_.fetch_sub(1, std::memory_order_relaxed);
+        // After done, which queues the copy's signal: a rail that saw no copy in flight
+        // before the signal was queued could nap, and the signal would wait for its wake.
         done(s);
+        in_flight_.fetch_sub(1, std::memory_order_relaxed);
     });
 }
 

@@ -41,12 +41,17 @@ int target_main(int fd, const GpuBenchConfig& c, int dev) {
     if (!engine.ok()) return 1;
     auto mr = (*engine)->register_memory(d, c.bytes * 2, MemoryKind::kCuda, dev);
     if (!mr.ok()) return 1;
+    // The target waits for the writes, as a KV decode with transfers registered does: its
+    // workers keep polling (a write's immediate goes over shm, which the target's worker must
+    // progress; napping, it held each paged write's completion back ~60 us, 2026-12-03).
+    ArrivalsExpected expecting(engine->get());
     ByteWriter w;
     (*engine)->address().encode(w);
     (*mr)->descriptor().encode(w);
     if (!send_frame(fd, w.bytes())) return 1;
     std::vector<uint8_t> done;
     recv_frame(fd, &done);
+    expecting.reset();
     mr->reset();
     engine->reset();
     cudaFree(d);
