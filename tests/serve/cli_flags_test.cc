@@ -5,6 +5,11 @@
 // of SIGPIPE without a word).
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "ferry/fabric/engine.h"
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {
@@ -524,6 +529,65 @@ TEST_F(CliFlags, BenchXferWithoutLatencyItersRunsAndPrintsTheMedian) {
     EXPECT_NE(out.find("median"), std::string::npos);
     EXPECT_NE(out.find("write            4 KiB"), std::string::npos);
     EXPECT_EQ(out.find("one-way"), std::string::npos);  // no latency point
+}
+
+// /dev/shm entries of processes that no longer exist, by the pid in their name: libfabric's
+// default "<pid>:<n>:<m>" or ferry's "ferry_<pid>_...".
+std::set<std::string> shm_files_of_dead_processes() {
+    std::set<std::string> out;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+        std::string name = e.path().filename().string();
+        std::string digits = name.starts_with("ferry_") ? name.substr(6) : name;
+        long pid = std::strtol(digits.c_str(), nullptr, 10);
+        if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) out.insert(name);
+    }
+    return out;
+}
+
+size_t shm_file_count() {
+    std::error_code ec;
+    size_t n = 0;
+    for (auto it = std::filesystem::directory_iterator("/dev/shm", ec);
+         it != std::filesystem::directory_iterator(); it.increment(ec))
+        ++n;
+    return n;
+}
+
+// `bench xfer --rate` over shm opens 65 raw endpoints in its target process, a 16 MiB file in
+// /dev/shm each. A run ended by Ctrl-C, `timeout` or SIGKILL left them all there under
+// libfabric's default names, which nothing removes (1 GiB after a few runs; a container's
+// /dev/shm is 64 MiB). Now the target ends with its parent by SIGTERM, which removes its files,
+// and what a SIGKILLed parent leaves carries ferry's name: the next shm engine removes it.
+TEST_F(CliFlags, ABenchEndedByASignalLeavesNoShmFileBehind) {
+    for (int sig : {SIGINT, SIGTERM, SIGKILL}) {
+        SCOPED_TRACE(strsignal(sig));
+        const std::set<std::string> before = shm_files_of_dead_processes();
+        const size_t files_before = shm_file_count();
+        Proc p = start({"bench", "xfer", "--provider", "shm", "--rate-only", "--rate-peers", "8",
+                        "--rate-rows", "batch", "--seconds", "5"});
+        // The target's 65 endpoints are open once /dev/shm holds them.
+        TimePoint deadline = Clock::now() + seconds(30);
+        while (shm_file_count() < files_before + 60 && Clock::now() < deadline)
+            std::this_thread::sleep_for(milliseconds(20));
+        ASSERT_GE(shm_file_count(), files_before + 60) << p.log_text();
+        p.signal(sig);
+        EXPECT_EQ(p.wait_exit(seconds(10)), 128 + sig) << p.log_text();
+        // The target goes with its parent; a fresh shm engine then sweeps what is left.
+        std::set<std::string> left;
+        deadline = Clock::now() + seconds(10);
+        do {
+            std::this_thread::sleep_for(milliseconds(100));
+            ferry::EngineConfig cfg;
+            cfg.provider = "shm";
+            auto engine = TransferEngine::create(cfg);
+            ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+            left.clear();
+            for (const std::string& f : shm_files_of_dead_processes())
+                if (!before.count(f)) left.insert(f);
+        } while (!left.empty() && Clock::now() < deadline);
+        EXPECT_TRUE(left.empty()) << left.size() << " files left, e.g. " << *left.begin();
+    }
 }
 
 }  // namespace
