@@ -125,11 +125,13 @@ void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
     auto parsed = parse_completion_request(req.body, engine_->config().max_model_len);
     if (!parsed.ok()) return send_error(reply, parsed.status());
     bool stream = parsed->stream;
+    // The model the client named is echoed, as docs/SERVING.md says (it was always the
+    // engine's own name); a request that names none gets the engine's.
+    const std::string model = parsed->model.empty() ? options_.model_name : parsed->model;
     auto handle = engine_->submit(std::move(parsed->gen));
     if (!handle.ok()) return send_error(reply, handle.status());
     std::shared_ptr<RequestHandle> h = std::move(handle).value();
     TimePoint deadline = Clock::now() + options_.request_timeout;
-    const std::string model = options_.model_name;
 
     // Wait for the first event before answering, so a request that fails before its first
     // token (KV transfer failed, timed out) gets a real HTTP error rather than 200 + an error

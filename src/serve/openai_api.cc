@@ -238,6 +238,10 @@ Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt
     if (j.contains("model") && !j["model"].is_null()) {
         if (!j["model"].is_string()) return field_error("model", "must be a string");
         r.model = j["model"].get<std::string>();
+        // Echoed in every event of a stream: a 16 MiB name would be sent once per token.
+        if (r.model.size() > kMaxModelNameBytes)
+            return field_error("model", fmt::format("is {} bytes long, more than {}",
+                                                    r.model.size(), kMaxModelNameBytes));
     }
     if (j.contains("n") && !(j["n"].is_number_integer() && j["n"].get<int64_t>() == 1))
         return field_error("n", "must be 1: one completion per request");

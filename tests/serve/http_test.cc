@@ -119,6 +119,34 @@ TEST(EngineHttp, NonStreamedCompletionOfATextPrompt) {
     EXPECT_TRUE(j["kv_transfer_params"].is_null());
 }
 
+// docs/SERVING.md: `model` is a string, echoed. The answer named the engine's model shape
+// whatever the client sent, so a client checking the model of its answer saw another one.
+TEST(EngineHttp, TheModelTheClientNamedIsEchoed) {
+    Served e({.engine_id = "e", .num_blocks = 64});
+    e.start();
+    const std::string own = e.engine->cost_model().model().name;
+    for (const std::string& model : {std::string("my-model"), std::string()}) {
+        json body = {{"prompt", prompt_of(5)}, {"max_tokens", 2}};
+        if (!model.empty()) body["model"] = model;
+        const std::string expect = model.empty() ? own : model;
+        auto r = http_post_json(kHost, e.port(), "/v1/completions", body.dump(), seconds(10));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_EQ(r->status, 200) << r->body;
+        EXPECT_EQ(json::parse(r->body)["model"], expect) << r->body;
+        body["stream"] = true;
+        Streamed s = stream_completion(e.port(), body);
+        ASSERT_EQ(s.status, 200);
+        EXPECT_EQ(s.final_event["model"], expect) << s.final_event.dump();
+    }
+    auto r = http_post_json(kHost, e.port(), "/v1/completions",
+                            json({{"prompt", "x"}, {"model", std::string(300, 'm')}}).dump(),
+                            seconds(5));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("'model' is 300 bytes long, more than 256"), std::string::npos)
+        << r->body;
+}
+
 TEST(EngineHttp, InvalidBodiesGet400WithAMessage) {
     Served e({.engine_id = "e", .max_model_len = 64, .num_blocks = 64});
     e.start();
