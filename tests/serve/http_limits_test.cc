@@ -166,6 +166,10 @@ struct Fixture {
                               }
                               r.body = "{}";
                           }});
+        routes.push_back({"POST", "/status", [](const HttpRequest& q, HttpReply& r) {
+                              r.status = std::stoi(q.body);
+                              r.body = "{}";
+                          }});
         routes.push_back({"GET", "/throw", [](const HttpRequest&, HttpReply&) {
                               throw std::runtime_error("boom in the handler");
                           }});
@@ -478,6 +482,29 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
     auto r = c.read();
     EXPECT_EQ(r.status, 200);
     EXPECT_EQ(r.body, R"({"bytes":8})");
+}
+
+// Each status the engines and the router answer with carries its own reason phrase: a 403 (a
+// leg or an abort not signed by the router) went out as "403 Error".
+TEST(HttpLimits, EveryStatusTheServersSendHasItsReasonPhrase) {
+    Fixture f;
+    for (const auto& [status, phrase] :
+         std::vector<std::pair<int, std::string>>{{200, "OK"},
+                                                  {400, "Bad Request"},
+                                                  {403, "Forbidden"},
+                                                  {404, "Not Found"},
+                                                  {500, "Internal Server Error"},
+                                                  {502, "Bad Gateway"},
+                                                  {503, "Service Unavailable"},
+                                                  {504, "Gateway Timeout"}}) {
+        Raw c(f.port());
+        c.send(post("/status", std::to_string(status)));
+        std::string head(4096, '\0');
+        pollfd p{c.fd(), POLLIN, 2000};
+        ASSERT_EQ(::poll(&p, 1, 2000), 1);
+        head.resize(size_t(std::max<ssize_t>(0, ::recv(c.fd(), head.data(), head.size(), 0))));
+        EXPECT_TRUE(head.starts_with(fmt::format("HTTP/1.1 {} {}\r\n", status, phrase))) << head;
+    }
 }
 
 // A known path asked with another method is 405 naming the method to use (404 "no route" said
