@@ -193,6 +193,15 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
          "bench moe: --iters must be in [1, 1000000], got 1000000000"},
         {{"bench", "moe", "--iters", "1e11"}, "--iters"},
         {{"bench", "moe", "--warmup", "-1"}, "--warmup: must not be negative, got -1"},
+        // cuda flags did nothing on the cpu backend, without a word; a --ranks-per-node that
+        // does not divide --ranks was named by the library's field name.
+        {{"bench", "moe", "--graph"}, "bench moe: --graph is for --backend cuda, not cpu"},
+        {{"bench", "moe", "--backend", "cpu", "--proxy-chunk", "4096"},
+         "bench moe: --proxy-chunk is for --backend cuda, not cpu"},
+        {{"bench", "moe", "--ranks", "6", "--ranks-per-node", "4"},
+         "bench moe: --ranks-per-node 4 must divide --ranks 6 (whole nodes)"},
+        {{"bench", "moe", "--ranks-per-node", "0"},
+         "bench moe: --ranks-per-node 0 must divide --ranks 8"},
         {{"bench", "moe", "--warmup", "2000000"},
          "bench moe: --warmup must be in [0, 1000000], got 2000000"},
         {{"bench", "kv", "--iters", "1000000000"},
@@ -529,6 +538,21 @@ TEST_F(CliFlags, BenchXferWithoutLatencyItersRunsAndPrintsTheMedian) {
     EXPECT_NE(out.find("median"), std::string::npos);
     EXPECT_NE(out.find("write            4 KiB"), std::string::npos);
     EXPECT_EQ(out.find("one-way"), std::string::npos);  // no latency point
+}
+
+// `bench moe --ranks 2` on the cpu backend was refused ("ranks_per_node 4 must divide
+// world_size 2"): the default of 4 ranks per node now gives way to the largest divisor of --ranks.
+TEST_F(CliFlags, BenchMoeOnCpuDefaultsToNodesThatDivideTheRanks) {
+    for (const std::string ranks : {"2", "6"}) {
+        auto [code, out] =
+            run({"bench", "moe", "--ranks", ranks, "--tokens", "4", "--hidden", "128", "--experts",
+                 "12", "--topk", "2", "--iters", "1", "--warmup", "0"},
+                seconds(60));
+        SCOPED_TRACE(out);
+        EXPECT_EQ(code, 0);
+        EXPECT_NE(out.find(fmt::format("{} ranks ({} per node", ranks, ranks == "2" ? 2 : 3)),
+                  std::string::npos);
+    }
 }
 
 // /dev/shm entries of processes that no longer exist, by the pid in their name: libfabric's
