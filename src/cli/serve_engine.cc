@@ -3,9 +3,9 @@
 // Compute is modelled by the cost model; the KV bytes are real.
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <initializer_list>
-#include <map>
 #include <thread>
 #include <utility>
 
@@ -171,12 +171,20 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "decode legs: prefill = stream the token prefill sampled as soon as the KV "
                     "is in (SGLang-style); decode = compute it in decode's first step "
                     "(vLLM-style)")
-        ->transform(CLI::CheckedTransformer(
-                        std::map<std::string, serve::EngineConfig::FirstToken>{
-                            {"prefill", serve::EngineConfig::FirstToken::kPrefill},
-                            {"decode", serve::EngineConfig::FirstToken::kDecode}},
-                        CLI::ignore_case)
-                        .description(""))
+        // CLI11's CheckedTransformer answered a typo with "Check bogus value in
+        // {decode->1,prefill->0} OR {1,0} FAILED", and took 0 and 1.
+        ->transform(CLI::Validator(
+            [](std::string& v) -> std::string {
+                using FirstToken = serve::EngineConfig::FirstToken;
+                std::string lower = v;
+                for (char& ch : lower) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+                if (lower != "prefill" && lower != "decode")
+                    return "must be prefill or decode, got " + v;
+                v = std::to_string(
+                    int(lower == "prefill" ? FirstToken::kPrefill : FirstToken::kDecode));
+                return {};
+            },
+            ""))
         ->type_name("prefill|decode")
         ->default_str("prefill");
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")

@@ -81,6 +81,9 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--time-scale", "inf"}), "--time-scale: must be a finite number, not inf"},
         {engine({"--max-model-len", "10000000000"}), "--max-model-len 10000000000 is above"},
         {engine({"--kv-mode", "bogus"}), "--kv-mode must be push, pull, pull-inline or none"},
+        // CLI11's own words were "Check bogus value in {decode->1,prefill->0} OR {1,0} FAILED".
+        {engine({"--first-token", "bogus"}), "--first-token: must be prefill or decode, got bogus"},
+        {engine({"--first-token", "1"}), "--first-token: must be prefill or decode, got 1"},
         {{"serve", "prefill", "--model", "gpt5"}, "unknown model shape 'gpt5'"},
         {engine({"--secret-file", "/nonexistent/ferry.secret"}), "/nonexistent/ferry.secret"},
         {{"serve", "router", "--port", "0", "--request-timeout", "0"},
@@ -408,14 +411,15 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
     std::string dead = std::to_string(ntohs(a.sin_port));
     TimePoint t0 = Clock::now();
-    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1", "--num-prompts",
-                            "1", "--input-len", "8", "--output-len", "2"});
+    // 1.5 s: a fraction was printed rounded ("--wait-health 0.5": "waiting up to 0 s").
+    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1.5",
+                            "--num-prompts", "1", "--input-len", "8", "--output-len", "2"});
     double ms = to_ms(Clock::now() - t0);
     EXPECT_EQ(code, 2) << out;
-    EXPECT_NE(out.find("waiting up to 1 s for http://127.0.0.1:" + dead + "/health"),
+    EXPECT_NE(out.find("waiting up to 1.5 s for http://127.0.0.1:" + dead + "/health"),
               std::string::npos)
         << out;
-    EXPECT_NE(out.find("http://127.0.0.1:" + dead + "/health did not answer 200 within 1 s"),
+    EXPECT_NE(out.find("http://127.0.0.1:" + dead + "/health did not answer 200 within 1.5 s"),
               std::string::npos)
         << out;
     EXPECT_LT(ms, 5000.0);
