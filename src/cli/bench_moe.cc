@@ -30,9 +30,11 @@ void register_bench_moe(CLI::App& bench) {
         "given; cuda: all ranks unless given, ranks of other nodes then go through the host "
         "proxy and --provider)");
     cmd->add_option("--tokens", c->tokens, "tokens per rank and call")->capture_default_str();
-    cmd->add_option("--hidden", c->hidden)->capture_default_str();
+    cmd->add_option("--hidden", c->hidden, "channels per token (fp8: a multiple of 128)")
+        ->capture_default_str();
     cmd->add_option("--topk", c->topk, "experts per token")->capture_default_str();
-    cmd->add_option("--experts", c->experts)->capture_default_str();
+    cmd->add_option("--experts", c->experts, "experts in all, a multiple of --ranks")
+        ->capture_default_str();
     cmd->add_option("--dtype", *dtype, "dispatch type: fp8 | bf16")->capture_default_str();
     cmd->add_option("--combine", *combine,
                     "per-hit (every expert output row goes back) | per-rank (the expert's rank "
@@ -42,7 +44,8 @@ void register_bench_moe(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--provider", c->provider, "between nodes: tcp | shm | efa | verbs | auto")
         ->capture_default_str();
-    cmd->add_option("--warmup", c->warmup)->capture_default_str();
+    cmd->add_option("--warmup", c->warmup, "untimed layers first, 0..1000000")
+        ->capture_default_str();
     std::vector<CLI::Option*> cuda_only;
     cuda_only.push_back(cmd->add_flag("--graph", c->graph,
                                       "cuda: capture one layer in a CUDA graph and replay it"));
@@ -76,7 +79,7 @@ void register_bench_moe(CLI::App& bench) {
                         "cuda: bytes per host proxy write (longer puts go as several; 0: one write "
                         "per put); the --floor loop writes the same pieces")
             ->capture_default_str());
-    cmd->add_option("--iters", c->iters)->capture_default_str();
+    cmd->add_option("--iters", c->iters, "timed layers, 1..1000000")->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, dtype, json_path, per_node, combine, cuda_only] {

@@ -524,8 +524,10 @@ void register_serve(CLI::App& app) {
         "local", "prefill + decode + router in one process, KV over the in-process link");
     add_engine_flags(local, lf->engine, false);
     add_router_flags(local, lf->router, false);
-    local->add_option("--prefill-port", lf->prefill_port)->capture_default_str();
-    local->add_option("--decode-port", lf->decode_port)->capture_default_str();
+    local->add_option("--prefill-port", lf->prefill_port, "the prefill engine's HTTP port")
+        ->capture_default_str();
+    local->add_option("--decode-port", lf->decode_port, "the decode engine's HTTP port")
+        ->capture_default_str();
     local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
         ->capture_default_str()
         ->check(positive_number());
