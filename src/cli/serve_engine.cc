@@ -138,7 +138,10 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
         cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
         cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
     }
-    cmd->add_option("--engine-id", f.engine_id, "engine id (default: <role>-<port>)");
+    cmd->add_option("--engine-id", f.engine_id,
+                    with_address ? "engine id (default: <role>-<port>)"
+                                 : "engine ids <id>-prefill and <id>-decode (default: "
+                                   "<role>-<port>)");
     cmd->add_option("--model", f.model, "model shape: qwen3-32b | tiny")->capture_default_str();
     cmd->add_option("--gpu", f.gpu, "GPU the cost model assumes: h200")->capture_default_str();
     cmd->add_option("--tp", f.tp, "tensor-parallel degree the cost model assumes")
@@ -407,9 +410,16 @@ int run_local(const LocalFlags& f) {
     if (!link_mode.ok()) return fail(link_mode.status());
     serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
                                                  std::chrono::duration<double>(f.lease_s))});
-    auto pe = make_engine("prefill", f.engine, f.prefill_port);
+    // One --engine-id names both engines: "<id>-prefill" and "<id>-decode" (the same id for
+    // both was refused, "engine id used twice", whatever the id).
+    EngineFlags pf = f.engine, df = f.engine;
+    if (!f.engine.engine_id.empty()) {
+        pf.engine_id += "-prefill";
+        df.engine_id += "-decode";
+    }
+    auto pe = make_engine("prefill", pf, f.prefill_port);
     if (!pe.ok()) return fail(pe.status());
-    auto de = make_engine("decode", f.engine, f.decode_port);
+    auto de = make_engine("decode", df, f.decode_port);
     if (!de.ok()) return fail(de.status());
     std::string pid = (*pe)->config().engine_id, did = (*de)->config().engine_id;
     if (Status st = link.add_engine(pid, &(*pe)->pool()); !st.ok()) return fail(st);

@@ -559,6 +559,23 @@ TEST_F(CliFlags, BenchMoeOnCpuDefaultsToNodesThatDivideTheRanks) {
     }
 }
 
+// `serve local --engine-id X` gave both engines the id X and stopped at once ("engine id used
+// twice: X"), whatever X was: the engines are now X-prefill and X-decode.
+TEST_F(CliFlags, ServeLocalEngineIdNamesBothEngines) {
+    const int port = free_port(), prefill = free_port(), decode = free_port();
+    Proc p = start({"serve", "local", "--engine-id", "X", "--model", "tiny", "--tp", "1", "--port",
+                    std::to_string(port), "--prefill-port", std::to_string(prefill),
+                    "--decode-port", std::to_string(decode)});
+    ASSERT_TRUE(wait_healthy("127.0.0.1", port)) << p.log_text();
+    for (const auto& [at, id] : {std::pair{prefill, "X-prefill"}, std::pair{decode, "X-decode"}}) {
+        auto r = http_get("127.0.0.1", at, "/health", seconds(5));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        EXPECT_EQ(nlohmann::json::parse(r->body)["engine_id"], id) << r->body;
+    }
+    p.interrupt();
+    EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
+}
+
 // /dev/shm entries of processes that no longer exist, by the pid in their name: libfabric's
 // default "<pid>:<n>:<m>" or ferry's "ferry_<pid>_...".
 std::set<std::string> shm_files_of_dead_processes() {
