@@ -3,7 +3,9 @@
 // hang or a run with a wrapped value (`--num-prompts -1` was 2^64 - 1 prompts and took the
 // machine's memory; `--port 70000` listened on 4464; `bench xfer` with an unknown provider died
 // of SIGPIPE without a word).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
@@ -294,6 +296,37 @@ TEST_F(CliFlags, JsonResultsAreWrittenWholeUnderTheirName) {
             EXPECT_TRUE(name == "relay.json" || name.ends_with(".log")) << name;
         }
     }
+}
+
+// The temporary file renamed over the name replaced what the name was: a symlink became a file
+// (its target untouched), a FIFO a file its reader never saw, and as root `--json /dev/stdout`
+// would have replaced /dev/stdout itself. A symlink is now followed and a FIFO written into.
+TEST_F(CliFlags, JsonFollowsASymlinkAndWritesIntoAFifo) {
+    const std::filesystem::path target = dir_ / "target.json", link = dir_ / "link.json",
+                                fifo = dir_ / "results.fifo";
+    std::ofstream(target) << "old";
+    std::filesystem::create_symlink(target, link);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+    auto [code, out] =
+        run({"bench", "relay", "--input-len", "16", "--iters", "2", "--json", link.string()});
+    ASSERT_EQ(code, 0) << out;
+    EXPECT_TRUE(std::filesystem::is_symlink(link));
+    std::ifstream in(target);
+    EXPECT_FALSE(json::parse(in, nullptr, false).is_discarded()) << "target not rewritten";
+
+    // Open for reading first (without waiting for a writer): the JSON fits the pipe's buffer,
+    // so it is all there once ferry has exited.
+    int fd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+    ASSERT_GE(fd, 0);
+    std::tie(code, out) =
+        run({"bench", "relay", "--input-len", "16", "--iters", "2", "--json", fifo.string()});
+    std::string read;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) read.append(buf, size_t(n));
+    ::close(fd);
+    ASSERT_EQ(code, 0) << out;
+    EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+    EXPECT_FALSE(json::parse(read, nullptr, false).is_discarded()) << read;
 }
 
 // A provider that does not exist is named once, under one code: the benchmarks' target process
