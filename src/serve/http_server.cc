@@ -531,7 +531,18 @@ void HttpServer::Impl::on_event(const ConnPtr& c, uint32_t events) {
         }
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
         if (n < 0 && errno == EINTR) continue;
-        // End of stream or error before the request was complete: nobody to answer.
+        // End of stream part way through a request: the client shut its sending side and may
+        // still read (a Content-Length larger than the body it sent got no answer at all).
+        if (n == 0 && c->phase == Phase::kBody)
+            return refuse(c, 400,
+                          c->chunked ? std::string("the request ended before the last chunk of "
+                                                   "its chunked body")
+                                     : fmt::format("the request ended after {} of the {} body "
+                                                   "bytes its Content-Length announced",
+                                                   c->req.body.size(), c->content_length));
+        if (n == 0 && c->phase == Phase::kHeaders && !c->in.empty())
+            return refuse(c, 400, "the request ended before the blank line that ends its headers");
+        // Otherwise (an idle connection closed, an error): nobody to answer.
         return close_conn(c);
     }
 }

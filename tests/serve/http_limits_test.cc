@@ -543,6 +543,34 @@ TEST(HttpLimits, WrongMethodIs405AndANonJsonBodyIs415) {
     EXPECT_NE(head.find("\r\nAllow: POST\r\n"), std::string::npos) << head;
 }
 
+// A client that shuts its sending side part way through a request still reads: it is told what
+// was missing (it got no answer at all: "Empty reply from server").
+TEST(HttpLimits, ARequestCutShortByAHalfCloseGets400SayingWhatWasMissing) {
+    Fixture f;
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"POST /echo HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\"",
+         "the request ended after 9 of the 100 body bytes its Content-Length announced"},
+        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n",
+         "the request ended before the last chunk of its chunked body"},
+        {"GET /health HTTP/1.1\r\nHost: x\r\n",
+         "the request ended before the blank line that ends its headers"},
+    };
+    for (const auto& [request, says] : cases) {
+        Raw c(f.port());
+        c.send(request);
+        ::shutdown(c.fd(), SHUT_WR);
+        auto r = c.read(seconds(2));
+        EXPECT_EQ(r.status, 400) << request;
+        EXPECT_EQ(message_of(r.body), says) << request;
+    }
+    // An idle connection closed without a byte is not a request: nothing comes back.
+    Raw idle(f.port());
+    ::shutdown(idle.fd(), SHUT_WR);
+    auto r = idle.read(seconds(2));
+    EXPECT_EQ(r.status, 0);
+    EXPECT_TRUE(r.closed);
+}
+
 TEST(HttpLimits, HalfCloseAfterTheRequestStillGetsTheWholeResponse) {
     Fixture f;
     Raw c(f.port());
