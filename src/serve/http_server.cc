@@ -565,6 +565,10 @@ void HttpServer::Impl::feed(const ConnPtr& c, const char* data, size_t n) {
         size_t from = before >= 3 ? before - 3 : 0;
         size_t end = c->in.find("\r\n\r\n", from);
         if (end == std::string::npos) {
+            // A blank line of bare LFs (`printf 'GET / HTTP/1.1\n\n' | nc`) ends nothing here:
+            // the client waited for the header deadline and got 408 for a slow request.
+            if (c->in.find("\n\n", from) != std::string::npos)
+                return refuse(c, 400, "request lines end with CRLF (\\r\\n), not a bare LF (\\n)");
             if (c->in.size() > options.max_header_bytes)
                 refuse(c, 431,
                        fmt::format("request line and headers exceed the limit of {} bytes",

@@ -473,6 +473,10 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
             {"DELETE /health HTTP/1.1\r\n\r\n", 405,
              "method DELETE not allowed on /health: use GET"},
             {"GET /throw HTTP/1.1\r\n\r\n", 500, "boom in the handler"},
+            // Waited for the header deadline, then 408 as if the client were slow.
+            {"GET /health HTTP/1.1\nHost: x\n\n", 400,
+             "request lines end with CRLF (\\r\\n), not a bare LF (\\n)"},
+            {"GET /health HTTP/1.1\r\nHost: x\r\n\n", 400, "not a bare LF"},
         });
     // A good chunked body still works, as does the server after all of the above.
     Raw c(f.port());
