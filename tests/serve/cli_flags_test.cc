@@ -261,6 +261,9 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"--log-level", "info", "bench", "nosuch"},
          "ferry bench: unknown command 'nosuch': use one of xfer"},
         {{"serve"}, "ferry serve: a command is required: one of prefill, decode, router, local"},
+        // Both were "a command is required", naming no option.
+        {{"--verbose", "bench", "relay"}, "ferry: unknown option '--verbose' (ferry --help)"},
+        {{"bench", "--iters=3", "relay"}, "ferry bench: unknown option '--iters'"},
     };
     // All at once: each should end within a fraction of a second.
     std::vector<Proc> procs;
@@ -590,6 +593,13 @@ TEST_F(CliFlags, BenchMoeOnCpuDefaultsToNodesThatDivideTheRanks) {
         EXPECT_NE(out.find(fmt::format("{} ranks ({} per node", ranks, ranks == "2" ? 2 : 3)),
                   std::string::npos);
     }
+}
+
+// `ferry --version` said "a command is required".
+TEST_F(CliFlags, VersionPrintsTheVersionAndExitsZero) {
+    auto [code, out] = run({"--version"});
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_EQ(out, "ferry " FERRY_VERSION_OF_TEST "\n");
 }
 
 // `serve local --engine-id X` gave both engines the id X and stopped at once ("engine id used
