@@ -64,6 +64,12 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
     routes.push_back(
         {"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
+             // Read before its tag is checked: any client may send one, and a 16 MiB body of
+             // nested arrays was a JSON tree of 870 MB.
+             if (req.body.size() > kMaxAbortBodyBytes)
+                 return send_error(reply, invalid_argument(fmt::format(
+                                              "POST /ferry/abort: a body of {} bytes; at most {}",
+                                              req.body.size(), kMaxAbortBodyBytes)));
              nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
              if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
                  !j["transfer_id"].is_string())

@@ -1,4 +1,5 @@
 // The engine's HTTP API over loopback, the way a client or router uses it.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -10,6 +11,7 @@
 
 #include "ferry/serve/engine_server.h"
 #include "ferry/serve/inprocess_kv_link.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -145,6 +147,26 @@ TEST(EngineHttp, TheModelTheClientNamedIsEchoed) {
     EXPECT_EQ(r->status, 400);
     EXPECT_NE(r->body.find("'model' is 300 bytes long, more than 256"), std::string::npos)
         << r->body;
+}
+
+// Any client may POST /ferry/abort, and its body was parsed whole before the tag was checked
+// (16 MiB of nested arrays: a JSON tree of 870 MB). Bodies are now bounded well below.
+TEST(EngineHttp, AnAbortBodyAboveItsLimitIsRefusedUnread) {
+    Served e({.engine_id = "e", .num_blocks = 16});
+    e.start();
+    const std::string body =
+        json({{"transfer_id", "t"}, {"reason", std::string(kMaxAbortBodyBytes, '[')}}).dump();
+    auto big = http_post_json(kHost, e.port(), "/ferry/abort", body, seconds(5));
+    ASSERT_TRUE(big.ok()) << big.status().to_string();
+    EXPECT_EQ(big->status, 400);
+    EXPECT_NE(big->body.find(fmt::format("POST /ferry/abort: a body of {} bytes; at most {}",
+                                         body.size(), kMaxAbortBodyBytes)),
+              std::string::npos)
+        << big->body;
+    auto small = http_post_json(kHost, e.port(), "/ferry/abort",
+                                json({{"transfer_id", "t"}, {"reason", "r"}}).dump(), seconds(5));
+    ASSERT_TRUE(small.ok());
+    EXPECT_EQ(small->status, 200) << small->body;
 }
 
 TEST(EngineHttp, InvalidBodiesGet400WithAMessage) {
