@@ -68,7 +68,9 @@ def _check(name: str, t: Any, dtypes: Sequence[Any], shape: Sequence[Optional[in
         raise InvalidType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise InvalidArgument(f"{name} must have dtype {_dtype_text(dtypes)}, got {t.dtype}")
-    want = tuple("*" if s is None else s for s in shape)
+    # "(*, 256)": a tuple of strings printed as "('*', 256)".
+    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + \
+        ("," if len(shape) == 1 else "") + ")"
     if t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape)):
         raise InvalidArgument(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):

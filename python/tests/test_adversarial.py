@@ -166,6 +166,18 @@ def test_raw_region_devices_refused(two, device, words):
         a.register((buf.ctypes.data, buf.nbytes, device))
 
 
+def test_raw_region_past_the_end_of_the_address_space_refused(two):
+    # (ptr, 2**64 - 1, None) was registered: a region that wraps around, inside which every
+    # offset a peer named passed the range checks.
+    a, _, _, _, _, _ = two
+    buf = np.zeros(64, dtype=np.uint8)
+    before = a.stats()["regions_registered"]
+    for nbytes in (2**64 - 1, 2**64 - buf.ctypes.data):
+        with pytest.raises(ferry.InvalidArgument, match="wraps past the end of the address space"):
+            a.register((buf.ctypes.data, nbytes, None))
+    assert a.stats()["regions_registered"] == before
+
+
 def test_cuda_tensor_without_cuda_and_zero_size_tensor(two):
     torch = torch_or_skip()
     a, _, _, _, _, _ = two

@@ -379,6 +379,10 @@ def test_moe_helpers_and_devices_refuse_non_tensors():
             ferry.moe.dequantize_fp8(q, bad)
     with pytest.raises(ferry.InvalidArgument, match="q must have at least one dimension"):
         ferry.moe.dequantize_fp8(q[0, 0], s[0, 0])
+    # The expected shape was printed as a tuple of strings: "('*', '*')".
+    with pytest.raises(ferry.InvalidArgument,
+                       match=re.escape("x must have shape (*, *), got (256,)")):
+        ferry.moe.quantize_fp8(torch.ones(256, dtype=torch.bfloat16))
     kw = dict(in_dtype=torch.bfloat16, num_experts_per_token=2, rank=0, world_size=1,
               allgather=lambda b: [b], provider="tcp")
     with pytest.raises(ferry.InvalidArgument, match="device must be 'cpu', 'cuda' or 'cuda:N', "

@@ -203,7 +203,7 @@ Status wait_until_healthy(const BenchServeConfig& c) {
         last = r.ok() ? fmt::format("HTTP {} {}", r->status, r->body.substr(0, 200))
                       : r.status().message();
         if (!announced) {
-            say(fmt::format("waiting up to {:.0f} s for {} to answer 200 (now: {})",
+            say(fmt::format("waiting up to {:g} s for {} to answer 200 (now: {})",
                             to_ms(c.wait_health) / 1e3, url, last));
             announced = true;
         }
@@ -211,7 +211,7 @@ Status wait_until_healthy(const BenchServeConfig& c) {
         TimePoint now = Clock::now();
         if (now >= deadline)
             return timeout_error(fmt::format(
-                "{} did not answer 200 within {:.0f} s (last: {}): is the router running on "
+                "{} did not answer 200 within {:g} s (last: {}): is the router running on "
                 "that port? (--host, --port; --wait-health to wait longer, 0 not to wait)",
                 url, to_ms(c.wait_health) / 1e3, last));
         if (now >= next_note) {

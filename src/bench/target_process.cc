@@ -83,8 +83,11 @@ Result<TargetProcess> TargetProcess::start(const std::function<int(int fd)>& mai
     }
     if (pid == 0) {
         ::close(sv[0]);
-        // The parent may have died between fork and prctl: then nothing would send the signal.
-        if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) _exit(1);
+        // SIGTERM, not SIGKILL: libfabric's shm provider removes its regions in /dev/shm on
+        // SIGTERM (a SIGKILLed target left `--rate`'s 65 of 16 MiB each when its parent was
+        // stopped). The parent may have died between fork and prctl: then nothing would send
+        // the signal.
+        if (::prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || ::getppid() != parent) _exit(1);
         int code = 1;
         try {
             code = main(sv[1]);

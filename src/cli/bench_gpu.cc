@@ -15,7 +15,8 @@ void register_bench_gpu(CLI::App& bench) {
     cmd->add_option("--bytes", c->bytes, "bytes per transfer")->capture_default_str();
     cmd->add_option("--pages", c->pages, "page sizes for paged writes")->delimiter(',');
     cmd->add_option("--modes", c->copy_modes, "kernel,copy-engine")->delimiter(',');
-    cmd->add_option("--iters", c->iters)->capture_default_str();
+    cmd->add_option("--iters", c->iters, "timed transfers per point, 1..1000000")
+        ->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, json_path] {

@@ -17,13 +17,15 @@ void register_bench_kv(CLI::App& bench) {
     auto json_path = std::make_shared<std::string>();
     cmd->add_option("--mode", c->mode, "push | pull | pull-inline")->capture_default_str();
     cmd->add_option("--tokens", c->tokens, "tokens per request")->delimiter(',');
-    cmd->add_option("--layers", c->layers)->capture_default_str();
+    cmd->add_option("--layers", c->layers, "model layers")->capture_default_str();
     cmd->add_option("--kv-heads", c->kv_heads, "KV heads in total")->capture_default_str();
-    cmd->add_option("--head-dim", c->head_dim)->capture_default_str();
+    cmd->add_option("--head-dim", c->head_dim, "elements per head")->capture_default_str();
     cmd->add_option("--elem-size", c->elem_size, "bytes per element")->capture_default_str();
     cmd->add_option("--block-size", c->block_size, "tokens per block")->capture_default_str();
-    cmd->add_option("--tp-prefill", c->tp_prefill)->capture_default_str();
-    cmd->add_option("--tp-decode", c->tp_decode)->capture_default_str();
+    cmd->add_option("--tp-prefill", c->tp_prefill, "prefill TP degree (ranks writing), 1..64")
+        ->capture_default_str();
+    cmd->add_option("--tp-decode", c->tp_decode, "decode TP degree (ranks receiving), 1..64")
+        ->capture_default_str();
     // One region, one per layer (vLLM) or one per layer and K/V (SGLang), on both sides or
     // on one.
     auto split_option = [cmd](const std::string& name, std::vector<kv::RegionSplit*> into,

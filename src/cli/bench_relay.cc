@@ -20,7 +20,7 @@ void register_bench_relay(CLI::App& bench) {
     cmd->add_option("--vocab", c->vocab, "token ids drawn below this (qwen3-32b's by default)")
         ->capture_default_str();
     cmd->add_option("--iters", c->iters, "timed bodies per length")->capture_default_str();
-    cmd->add_option("--seed", c->seed)->capture_default_str();
+    cmd->add_option("--seed", c->seed, "random seed of the token ids")->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, json_path] {

@@ -147,21 +147,22 @@ void register_bench_serve(CLI::App& bench) {
     auto* cmd = bench.add_subcommand("serve",
                                      "load generator for /v1/completions (vllm-bench "
                                      "metrics)");
-    cmd->add_option("--host", c.host)->capture_default_str();
-    cmd->add_option("--port", c.port)->capture_default_str();
-    cmd->add_option("--endpoint", c.path)->capture_default_str();
+    cmd->add_option("--host", c.host, "router (or engine) to load")->capture_default_str();
+    cmd->add_option("--port", c.port, "its HTTP port")->capture_default_str();
+    cmd->add_option("--endpoint", c.path, "path of the completions API")->capture_default_str();
     cmd->add_option("--model", c.model, "model shape: vocabulary and verification")
         ->capture_default_str();
-    cmd->add_option("--num-prompts", c.num_prompts)->capture_default_str();
+    cmd->add_option("--num-prompts", c.num_prompts, "requests to send")->capture_default_str();
     cmd->add_option("--request-rate", f->request_rate, "requests/s (Poisson) or inf (burst)")
         ->capture_default_str();
-    cmd->add_option("--input-len", c.input_len)->capture_default_str();
+    cmd->add_option("--input-len", c.input_len, "prompt tokens per request")->capture_default_str();
     cmd->add_option("--input-len-max", c.input_len_max, "draw input lengths up to this")
         ->capture_default_str();
-    cmd->add_option("--output-len", c.output_len)->capture_default_str();
+    cmd->add_option("--output-len", c.output_len, "max_tokens per request")->capture_default_str();
     cmd->add_option("--output-len-max", c.output_len_max, "draw output lengths up to this")
         ->capture_default_str();
-    cmd->add_option("--seed", c.seed)->capture_default_str();
+    cmd->add_option("--seed", c.seed, "random seed of prompts, lengths and arrivals")
+        ->capture_default_str();
     cmd->add_flag("--verify", c.verify,
                   "check every token against the prompt's expected tokens (after the run, so "
                   "the check does not compete with the servers for the cores)");

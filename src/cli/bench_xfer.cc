@@ -25,7 +25,9 @@ void register_bench_xfer(CLI::App& bench) {
         ->capture_default_str();
     cmd->add_option("--seconds", c->seconds_per_point, "seconds per measurement")
         ->capture_default_str();
-    cmd->add_option("--latency-iters", c->latency_iters)->capture_default_str();
+    cmd->add_option("--latency-iters", c->latency_iters,
+                    "round trips of the write-with-immediate latency point (0: skip it)")
+        ->capture_default_str();
     cmd->add_option("--rails", c->rails, "domains to open")->capture_default_str();
     cmd->add_option("--repeat", c->repeat,
                     "measure each point this many times, raw and engine alternating; best kept")

@@ -98,7 +98,22 @@ CLI::Validator output_file() {
         [](std::string& path) -> std::string {
             std::error_code ec;
             if (std::filesystem::is_directory(path, ec)) return path + " is a directory";
-            std::filesystem::path dir = std::filesystem::path(path).parent_path();
+            // /dev/stdout, a FIFO: written in place (write_json_file), so that one must be
+            // writable, not its folder.
+            const auto kind = std::filesystem::status(path, ec).type();
+            if (!ec && kind != std::filesystem::file_type::not_found &&
+                kind != std::filesystem::file_type::regular) {
+                if (::access(path.c_str(), W_OK) != 0)
+                    return fmt::format("{}: cannot write it: {}", path, std::strerror(errno));
+                return {};
+            }
+            // A symlink's file is written where it points.
+            std::filesystem::path file = path;
+            if (std::filesystem::is_symlink(path, ec)) {
+                auto resolved = std::filesystem::weakly_canonical(path, ec);
+                if (!ec) file = resolved;
+            }
+            std::filesystem::path dir = file.parent_path();
             if (dir.empty()) dir = ".";
             if (::access(dir.c_str(), W_OK) != 0)
                 return fmt::format("{}: cannot write in {}: {}", path, dir.string(),

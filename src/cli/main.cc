@@ -30,11 +30,16 @@ std::optional<std::string> command_error(CLI::App& app, int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
         std::string arg = argv[i];
         if (subcommands_of(at).empty()) return std::nullopt;  // a command: its own flags follow
-        if (arg == "-h" || arg == "--help" || arg == "--help-all") return std::nullopt;
+        if (arg == "-h" || arg == "--help" || arg == "--help-all" || arg == "--version")
+            return std::nullopt;
         if (arg.starts_with("-")) {
-            // An option of this level (--log-level): its value is not a command.
+            // An option of this level (--log-level): its value is not a command. Any other was
+            // answered with "a command is required" (`ferry --verbose bench xfer`).
             size_t eq = arg.find('=');
             CLI::Option* opt = at->get_option_no_throw(arg.substr(0, eq));
+            if (opt == nullptr)
+                return fmt::format("{}: unknown option '{}' ({} --help)", path, arg.substr(0, eq),
+                                   path);
             if (opt != nullptr && eq == std::string::npos && opt->get_items_expected_min() > 0) ++i;
             continue;
         }
@@ -82,6 +87,7 @@ int main(int argc, char** argv) {
     mask_stop_signals(SIG_UNBLOCK);
     CLI::App app{"ferry: data movement for disaggregated and expert-parallel LLM inference"};
     app.require_subcommand(1);
+    app.set_version_flag("--version", "ferry " FERRY_VERSION);
     std::string level = "warn";
     app.add_option("--log-level", level, "debug|info|warn|error|off")->capture_default_str();
     app.parse_complete_callback([&] {

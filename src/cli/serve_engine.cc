@@ -3,9 +3,9 @@
 // Compute is modelled by the cost model; the KV bytes are real.
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <initializer_list>
-#include <map>
 #include <thread>
 #include <utility>
 
@@ -138,7 +138,10 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
         cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
         cmd->add_option("--port", f.port, "HTTP port")->capture_default_str();
     }
-    cmd->add_option("--engine-id", f.engine_id, "engine id (default: <role>-<port>)");
+    cmd->add_option("--engine-id", f.engine_id,
+                    with_address ? "engine id (default: <role>-<port>)"
+                                 : "engine ids <id>-prefill and <id>-decode (default: "
+                                   "<role>-<port>)");
     cmd->add_option("--model", f.model, "model shape: qwen3-32b | tiny")->capture_default_str();
     cmd->add_option("--gpu", f.gpu, "GPU the cost model assumes: h200")->capture_default_str();
     cmd->add_option("--tp", f.tp, "tensor-parallel degree the cost model assumes")
@@ -171,12 +174,20 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
                     "decode legs: prefill = stream the token prefill sampled as soon as the KV "
                     "is in (SGLang-style); decode = compute it in decode's first step "
                     "(vLLM-style)")
-        ->transform(CLI::CheckedTransformer(
-                        std::map<std::string, serve::EngineConfig::FirstToken>{
-                            {"prefill", serve::EngineConfig::FirstToken::kPrefill},
-                            {"decode", serve::EngineConfig::FirstToken::kDecode}},
-                        CLI::ignore_case)
-                        .description(""))
+        // CLI11's CheckedTransformer answered a typo with "Check bogus value in
+        // {decode->1,prefill->0} OR {1,0} FAILED", and took 0 and 1.
+        ->transform(CLI::Validator(
+            [](std::string& v) -> std::string {
+                using FirstToken = serve::EngineConfig::FirstToken;
+                std::string lower = v;
+                for (char& ch : lower) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+                if (lower != "prefill" && lower != "decode")
+                    return "must be prefill or decode, got " + v;
+                v = std::to_string(
+                    int(lower == "prefill" ? FirstToken::kPrefill : FirstToken::kDecode));
+                return {};
+            },
+            ""))
         ->type_name("prefill|decode")
         ->default_str("prefill");
     cmd->add_option("--num-blocks", f.engine.num_blocks, "KV blocks in the pool")
@@ -399,9 +410,16 @@ int run_local(const LocalFlags& f) {
     if (!link_mode.ok()) return fail(link_mode.status());
     serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
                                                  std::chrono::duration<double>(f.lease_s))});
-    auto pe = make_engine("prefill", f.engine, f.prefill_port);
+    // One --engine-id names both engines: "<id>-prefill" and "<id>-decode" (the same id for
+    // both was refused, "engine id used twice", whatever the id).
+    EngineFlags pf = f.engine, df = f.engine;
+    if (!f.engine.engine_id.empty()) {
+        pf.engine_id += "-prefill";
+        df.engine_id += "-decode";
+    }
+    auto pe = make_engine("prefill", pf, f.prefill_port);
     if (!pe.ok()) return fail(pe.status());
-    auto de = make_engine("decode", f.engine, f.decode_port);
+    auto de = make_engine("decode", df, f.decode_port);
     if (!de.ok()) return fail(de.status());
     std::string pid = (*pe)->config().engine_id, did = (*de)->config().engine_id;
     if (Status st = link.add_engine(pid, &(*pe)->pool()); !st.ok()) return fail(st);
@@ -516,8 +534,10 @@ void register_serve(CLI::App& app) {
         "local", "prefill + decode + router in one process, KV over the in-process link");
     add_engine_flags(local, lf->engine, false);
     add_router_flags(local, lf->router, false);
-    local->add_option("--prefill-port", lf->prefill_port)->capture_default_str();
-    local->add_option("--decode-port", lf->decode_port)->capture_default_str();
+    local->add_option("--prefill-port", lf->prefill_port, "the prefill engine's HTTP port")
+        ->capture_default_str();
+    local->add_option("--decode-port", lf->decode_port, "the decode engine's HTTP port")
+        ->capture_default_str();
     local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
         ->capture_default_str()
         ->check(positive_number());

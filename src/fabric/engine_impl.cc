@@ -269,6 +269,14 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
     }
+    // A length that runs past the end of the address space is no memory at all (a raw
+    // (ptr, nbytes) from Python with nbytes 2^64 - 1 was taken, and every offset passed the
+    // range checks of the peers' writes and reads).
+    if (len > UINTPTR_MAX - reinterpret_cast<uintptr_t>(ptr)) {
+        return invalid_argument(fmt::format(
+            "cannot register {} bytes at {}: the range wraps past the end of the address space",
+            len, ptr));
+    }
     FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg, memory_.add(ptr, len, kind, device));
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();

@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
+#include <unistd.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -119,6 +121,17 @@ Result<std::string> resolve_provider_name(const EngineConfig& config) {
         tried += (tried.empty() ? "" : ", ") + p;
     }
     return unavailable("no usable libfabric provider found (tried " + tried + ")");
+}
+
+std::string shm_endpoint_name(std::string_view tag) {
+    return fmt::format("{}{}_{}", kShmNamePrefix, ::getpid(), tag);
+}
+
+void set_src_name(fi_info* info, const std::string& name) {
+    free(info->src_addr);
+    info->src_addr = strdup(name.c_str());
+    info->src_addrlen = name.size() + 1;
+    info->addr_format = FI_ADDR_STR;
 }
 
 }  // namespace ferry::detail

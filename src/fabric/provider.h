@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
@@ -34,5 +35,15 @@ struct CudaHmem {
 CudaHmem probe_cuda_hmem(const std::string& provider, const EngineConfig& config);
 
 Result<std::string> resolve_provider_name(const EngineConfig& config);
+
+// shm region names of ferry's endpoints start with this, followed by the process id.
+inline constexpr const char* kShmNamePrefix = "ferry_";
+
+// shm names an endpoint's region "<pid>:<n>:<m>" in /dev/shm by default, a file that a process
+// ended by a signal leaves behind and nothing removes. ferry's shm endpoints are named
+// "ferry_<pid>_<tag>" (kShmNamePrefix) instead: every new shm engine removes those whose
+// process is gone. `set_src_name` gives an fi_info such a name before fi_endpoint.
+std::string shm_endpoint_name(std::string_view tag);
+void set_src_name(fi_info* info, const std::string& name);
 
 }  // namespace ferry::detail

@@ -27,6 +27,7 @@
 #include "fabric/mpsc_queue.h"
 #include "fabric/op_pool.h"
 #include "fabric/op_state.h"
+#include "fabric/provider.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/spin.h"
 #include "ferry/fabric/engine.h"
@@ -35,9 +36,6 @@ namespace ferry::detail {
 
 // "what failed: provider's words (rc)" as kProviderError.
 Status fi_status(const char* what, int rc);
-
-// shm region names of ferry engines start with this, followed by the process id.
-inline constexpr const char* kShmNamePrefix = "ferry_";
 
 // Every libfabric context we hand out starts with this, so a completion can tell what it is.
 // Not initialised in a FabricOp: the worker fills kind and op when it posts with a context.

@@ -40,16 +40,9 @@ long shm_name_pid(const std::vector<uint8_t>& addr) {
 }
 
 std::string shm_region_name(uint64_t salt, int rail, uint32_t gen) {
-    std::string name = fmt::format("{}{}_{:x}_{}", kShmNamePrefix, getpid(), salt, rail);
-    if (gen) name += fmt::format("_t{}", gen);
-    return name;
-}
-
-void set_src_name(fi_info* info, const std::string& name) {
-    free(info->src_addr);
-    info->src_addr = strdup(name.c_str());
-    info->src_addrlen = name.size() + 1;
-    info->addr_format = FI_ADDR_STR;
+    std::string tag = fmt::format("{:x}_{}", salt, rail);
+    if (gen) tag += fmt::format("_t{}", gen);
+    return shm_endpoint_name(tag);
 }
 
 }  // namespace

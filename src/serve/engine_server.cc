@@ -64,6 +64,12 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
     routes.push_back(
         {"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
+             // Read before its tag is checked: any client may send one, and a 16 MiB body of
+             // nested arrays was a JSON tree of 870 MB.
+             if (req.body.size() > kMaxAbortBodyBytes)
+                 return send_error(reply, invalid_argument(fmt::format(
+                                              "POST /ferry/abort: a body of {} bytes; at most {}",
+                                              req.body.size(), kMaxAbortBodyBytes)));
              nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
              if (j.is_discarded() || !j.is_object() || !j.contains("transfer_id") ||
                  !j["transfer_id"].is_string())
@@ -125,11 +131,13 @@ void EngineServer::completions(const HttpRequest& req, HttpReply& reply) {
     auto parsed = parse_completion_request(req.body, engine_->config().max_model_len);
     if (!parsed.ok()) return send_error(reply, parsed.status());
     bool stream = parsed->stream;
+    // The model the client named is echoed, as docs/SERVING.md says (it was always the
+    // engine's own name); a request that names none gets the engine's.
+    const std::string model = parsed->model.empty() ? options_.model_name : parsed->model;
     auto handle = engine_->submit(std::move(parsed->gen));
     if (!handle.ok()) return send_error(reply, handle.status());
     std::shared_ptr<RequestHandle> h = std::move(handle).value();
     TimePoint deadline = Clock::now() + options_.request_timeout;
-    const std::string model = options_.model_name;
 
     // Wait for the first event before answering, so a request that fails before its first
     // token (KV transfer failed, timed out) gets a real HTTP error rather than 200 + an error

@@ -73,6 +73,8 @@ const char* reason_phrase(int status) {
             return "OK";
         case 400:
             return "Bad Request";
+        case 403:
+            return "Forbidden";
         case 404:
             return "Not Found";
         case 405:
@@ -529,7 +531,18 @@ void HttpServer::Impl::on_event(const ConnPtr& c, uint32_t events) {
         }
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
         if (n < 0 && errno == EINTR) continue;
-        // End of stream or error before the request was complete: nobody to answer.
+        // End of stream part way through a request: the client shut its sending side and may
+        // still read (a Content-Length larger than the body it sent got no answer at all).
+        if (n == 0 && c->phase == Phase::kBody)
+            return refuse(c, 400,
+                          c->chunked ? std::string("the request ended before the last chunk of "
+                                                   "its chunked body")
+                                     : fmt::format("the request ended after {} of the {} body "
+                                                   "bytes its Content-Length announced",
+                                                   c->req.body.size(), c->content_length));
+        if (n == 0 && c->phase == Phase::kHeaders && !c->in.empty())
+            return refuse(c, 400, "the request ended before the blank line that ends its headers");
+        // Otherwise (an idle connection closed, an error): nobody to answer.
         return close_conn(c);
     }
 }
@@ -552,6 +565,10 @@ void HttpServer::Impl::feed(const ConnPtr& c, const char* data, size_t n) {
         size_t from = before >= 3 ? before - 3 : 0;
         size_t end = c->in.find("\r\n\r\n", from);
         if (end == std::string::npos) {
+            // A blank line of bare LFs (`printf 'GET / HTTP/1.1\n\n' | nc`) ends nothing here:
+            // the client waited for the header deadline and got 408 for a slow request.
+            if (c->in.find("\n\n", from) != std::string::npos)
+                return refuse(c, 400, "request lines end with CRLF (\\r\\n), not a bare LF (\\n)");
             if (c->in.size() > options.max_header_bytes)
                 refuse(c, 431,
                        fmt::format("request line and headers exceed the limit of {} bytes",

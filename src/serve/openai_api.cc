@@ -139,30 +139,79 @@ Status prompt_too_long(size_t tokens, size_t max_prompt_tokens) {
                                              tokens, max_prompt_tokens));
 }
 
-// Elements of a JSON array from its text, without building them: commas at depth one, strings
-// skipped. Exact for a valid array; for an invalid one the full parse reports the error.
-size_t array_elements(std::string_view text) {
-    size_t commas = 0, i = 1;
-    int depth = 1;
-    bool any = false;
-    for (; i < text.size() && depth > 0; ++i) {
-        char c = text[i];
-        if (c == '"') {
-            for (++i; i < text.size() && text[i] != '"'; ++i)
-                if (text[i] == '\\') ++i;
-            any = true;
-        } else if (c == '[' || c == '{') {
-            ++depth;
-            any = true;
-        } else if (c == ']' || c == '}') {
-            --depth;
-        } else if (c == ',' && depth == 1) {
-            ++commas;
-        } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
-            any = true;
+// What a completion body may be built into. nlohmann's DOM costs 30-50 times its text: one
+// 16 MiB body of 1.3 million members the API ignores held 600 MB in an engine (and its RSS
+// stayed there), one of 8 million nested arrays 870 MB, so a few such requests at once took the
+// host's memory. Members the API does not read are checked but not kept, a field that holds a
+// number, a string or a boolean is refused before a container there is built, and nothing
+// nests deeper than kMaxJsonDepth (the API's own fields nest 3 deep).
+constexpr int kMaxJsonDepth = 16;
+
+bool is_completion_field(std::string_view key) {
+    return key == "prompt" || key == "max_tokens" || key == "stream" || key == "model" ||
+           key == "n" || key == "kv_transfer_params";
+}
+
+// The rule of a field that takes no container, for its error; nullptr for the others.
+const char* scalar_field_rule(std::string_view key) {
+    if (key == "max_tokens") return "must be a positive integer";
+    if (key == "stream") return "must be true or false";
+    if (key == "model") return "must be a string";
+    if (key == "n") return "must be 1: one completion per request";
+    return nullptr;
+}
+
+// A whole body (`member` empty), or the value of its member `member` (the router parses the
+// members it relays one by one), parsed under the rules above. Members not kept leave a body's
+// object without them; a member's value not kept comes back discarded. A prompt array of more
+// than `max_prompt_tokens` ids (0: no limit) is refused by its count, its ids past the limit
+// never built (a 16 MiB body holds 8 million, 16 bytes each in the DOM).
+Result<json> parse_request_json(std::string_view text, std::string_view member,
+                                size_t max_prompt_tokens = 0) {
+    Status refused = ok_status();
+    std::string key(member);
+    size_t prompt_ids = 0;  // elements of the last "prompt" (the last of a repeated key wins)
+    const int base = member.empty() ? 0 : 1;  // a member's value sits at depth 1 of the body
+    auto keep = [&](int depth, json::parse_event_t event, json& parsed) {
+        depth += base;
+        if (depth > kMaxJsonDepth) {
+            if (refused.ok())
+                refused = invalid_argument(
+                    fmt::format("request body nests deeper than {} levels", kMaxJsonDepth));
+            return false;
         }
+        if (depth == 1 && event == json::parse_event_t::key) {
+            key = parsed.get<std::string>();
+            if (key == "prompt") prompt_ids = 0;
+            return is_completion_field(key);
+        }
+        if (depth >= 1 && !is_completion_field(key)) return false;
+        if (depth == 2 && key == "prompt" &&
+            (event == json::parse_event_t::value || event == json::parse_event_t::object_start ||
+             event == json::parse_event_t::array_start) &&
+            ++prompt_ids > max_prompt_tokens && max_prompt_tokens > 0)
+            return false;
+        const char* rule = scalar_field_rule(key);
+        if (depth == 1 && rule != nullptr &&
+            (event == json::parse_event_t::object_start ||
+             event == json::parse_event_t::array_start)) {
+            if (refused.ok()) refused = field_error(key, rule);
+            return false;
+        }
+        return true;
+    };
+    json j;
+    try {
+        j = json::parse(text.begin(), text.end(), keep);
+    } catch (const json::exception&) {
+        return invalid_argument(
+            member.empty() ? std::string("request body is not valid JSON")
+                           : fmt::format("request body is not valid JSON (in '{}')", member));
     }
-    return any ? commas + 1 : 0;
+    if (!refused.ok()) return refused;
+    if (max_prompt_tokens > 0 && prompt_ids > max_prompt_tokens)
+        return prompt_too_long(prompt_ids, max_prompt_tokens);
+    return j;
 }
 
 }  // namespace
@@ -170,21 +219,7 @@ size_t array_elements(std::string_view text) {
 Result<CompletionRequest> parse_completion_request(std::string_view body,
                                                    size_t max_prompt_tokens) {
     body = without_bom(body);
-    // An array of N ids takes at least 2N - 1 bytes: only a body that could hold more than the
-    // limit is scanned, so that a 16 MiB array is refused before nlohmann builds it (16 bytes per
-    // element, 8x the body for "1,1,...").
-    if (max_prompt_tokens > 0 && body.size() / 2 > max_prompt_tokens) {
-        auto object = scan_json_object(body);
-        if (object.ok()) {
-            const JsonMember* p = object->find("prompt");
-            if (p != nullptr && p->value.starts_with('[')) {
-                size_t n = array_elements(p->value);
-                if (n > max_prompt_tokens) return prompt_too_long(n, max_prompt_tokens);
-            }
-        }
-    }
-    json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+    FERRY_ASSIGN_OR_RETURN(json j, parse_request_json(body, {}, max_prompt_tokens));
     return parse_completion_json(j, max_prompt_tokens);
 }
 
@@ -238,6 +273,10 @@ Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt
     if (j.contains("model") && !j["model"].is_null()) {
         if (!j["model"].is_string()) return field_error("model", "must be a string");
         r.model = j["model"].get<std::string>();
+        // Echoed in every event of a stream: a 16 MiB name would be sent once per token.
+        if (r.model.size() > kMaxModelNameBytes)
+            return field_error("model", fmt::format("is {} bytes long, more than {}",
+                                                    r.model.size(), kMaxModelNameBytes));
     }
     if (j.contains("n") && !(j["n"].is_number_integer() && j["n"].get<int64_t>() == 1))
         return field_error("n", "must be 1: one completion per request");
@@ -293,10 +332,8 @@ Result<CompletionRelayBody> scan_completion_request(std::string_view body) {
             head["prompt"] = json::array({0});  // stands in for the ids just checked
             continue;
         }
-        json value = parse_json_value(m.value);
-        if (value.is_discarded())
-            return invalid_argument(fmt::format("request body is not valid JSON (in '{}')", m.key));
-        head[m.key] = std::move(value);
+        FERRY_ASSIGN_OR_RETURN(json value, parse_request_json(m.value, m.key));
+        if (is_completion_field(m.key)) head[m.key] = std::move(value);
     }
     FERRY_ASSIGN_OR_RETURN(CompletionRequest checked, parse_completion_json(head));
     return CompletionRelayBody{std::move(object).value(), checked.stream};

@@ -362,8 +362,9 @@ void Router::abort_sender() {
         Abort a = std::move(aborts_.front());
         aborts_.pop_front();
         lock.unlock();
+        // Engines take abort bodies of at most kMaxAbortBodyBytes.
         json body = {{"transfer_id", a.transfer_id},
-                     {"reason", a.reason},
+                     {"reason", a.reason.substr(0, kMaxAbortReasonBytes)},
                      {"ferry_auth", abort_tag(config_.secret, a.transfer_id)}};
         auto r = http_post_json(a.engine.host, a.engine.port, "/ferry/abort", body.dump(),
                                 config_.abort_timeout);

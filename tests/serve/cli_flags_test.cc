@@ -3,8 +3,15 @@
 // hang or a run with a wrapped value (`--num-prompts -1` was 2^64 - 1 prompts and took the
 // machine's memory; `--port 70000` listened on 4464; `bench xfer` with an unknown provider died
 // of SIGPIPE without a word).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "ferry/fabric/engine.h"
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {
@@ -76,6 +83,9 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--time-scale", "inf"}), "--time-scale: must be a finite number, not inf"},
         {engine({"--max-model-len", "10000000000"}), "--max-model-len 10000000000 is above"},
         {engine({"--kv-mode", "bogus"}), "--kv-mode must be push, pull, pull-inline or none"},
+        // CLI11's own words were "Check bogus value in {decode->1,prefill->0} OR {1,0} FAILED".
+        {engine({"--first-token", "bogus"}), "--first-token: must be prefill or decode, got bogus"},
+        {engine({"--first-token", "1"}), "--first-token: must be prefill or decode, got 1"},
         {{"serve", "prefill", "--model", "gpt5"}, "unknown model shape 'gpt5'"},
         {engine({"--secret-file", "/nonexistent/ferry.secret"}), "/nonexistent/ferry.secret"},
         {{"serve", "router", "--port", "0", "--request-timeout", "0"},
@@ -188,6 +198,15 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
          "bench moe: --iters must be in [1, 1000000], got 1000000000"},
         {{"bench", "moe", "--iters", "1e11"}, "--iters"},
         {{"bench", "moe", "--warmup", "-1"}, "--warmup: must not be negative, got -1"},
+        // cuda flags did nothing on the cpu backend, without a word; a --ranks-per-node that
+        // does not divide --ranks was named by the library's field name.
+        {{"bench", "moe", "--graph"}, "bench moe: --graph is for --backend cuda, not cpu"},
+        {{"bench", "moe", "--backend", "cpu", "--proxy-chunk", "4096"},
+         "bench moe: --proxy-chunk is for --backend cuda, not cpu"},
+        {{"bench", "moe", "--ranks", "6", "--ranks-per-node", "4"},
+         "bench moe: --ranks-per-node 4 must divide --ranks 6 (whole nodes)"},
+        {{"bench", "moe", "--ranks-per-node", "0"},
+         "bench moe: --ranks-per-node 0 must divide --ranks 8"},
         {{"bench", "moe", "--warmup", "2000000"},
          "bench moe: --warmup must be in [0, 1000000], got 2000000"},
         {{"bench", "kv", "--iters", "1000000000"},
@@ -242,6 +261,9 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {{"--log-level", "info", "bench", "nosuch"},
          "ferry bench: unknown command 'nosuch': use one of xfer"},
         {{"serve"}, "ferry serve: a command is required: one of prefill, decode, router, local"},
+        // Both were "a command is required", naming no option.
+        {{"--verbose", "bench", "relay"}, "ferry: unknown option '--verbose' (ferry --help)"},
+        {{"bench", "--iters=3", "relay"}, "ferry bench: unknown option '--iters'"},
     };
     // All at once: each should end within a fraction of a second.
     std::vector<Proc> procs;
@@ -277,6 +299,37 @@ TEST_F(CliFlags, JsonResultsAreWrittenWholeUnderTheirName) {
             EXPECT_TRUE(name == "relay.json" || name.ends_with(".log")) << name;
         }
     }
+}
+
+// The temporary file renamed over the name replaced what the name was: a symlink became a file
+// (its target untouched), a FIFO a file its reader never saw, and as root `--json /dev/stdout`
+// would have replaced /dev/stdout itself. A symlink is now followed and a FIFO written into.
+TEST_F(CliFlags, JsonFollowsASymlinkAndWritesIntoAFifo) {
+    const std::filesystem::path target = dir_ / "target.json", link = dir_ / "link.json",
+                                fifo = dir_ / "results.fifo";
+    std::ofstream(target) << "old";
+    std::filesystem::create_symlink(target, link);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+    auto [code, out] =
+        run({"bench", "relay", "--input-len", "16", "--iters", "2", "--json", link.string()});
+    ASSERT_EQ(code, 0) << out;
+    EXPECT_TRUE(std::filesystem::is_symlink(link));
+    std::ifstream in(target);
+    EXPECT_FALSE(json::parse(in, nullptr, false).is_discarded()) << "target not rewritten";
+
+    // Open for reading first (without waiting for a writer): the JSON fits the pipe's buffer,
+    // so it is all there once ferry has exited.
+    int fd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+    ASSERT_GE(fd, 0);
+    std::tie(code, out) =
+        run({"bench", "relay", "--input-len", "16", "--iters", "2", "--json", fifo.string()});
+    std::string read;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) read.append(buf, size_t(n));
+    ::close(fd);
+    ASSERT_EQ(code, 0) << out;
+    EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+    EXPECT_FALSE(json::parse(read, nullptr, false).is_discarded()) << read;
 }
 
 // A provider that does not exist is named once, under one code: the benchmarks' target process
@@ -394,14 +447,15 @@ TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
     ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
     std::string dead = std::to_string(ntohs(a.sin_port));
     TimePoint t0 = Clock::now();
-    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1", "--num-prompts",
-                            "1", "--input-len", "8", "--output-len", "2"});
+    // 1.5 s: a fraction was printed rounded ("--wait-health 0.5": "waiting up to 0 s").
+    auto [code, out] = run({"bench", "serve", "--port", dead, "--wait-health", "1.5",
+                            "--num-prompts", "1", "--input-len", "8", "--output-len", "2"});
     double ms = to_ms(Clock::now() - t0);
     EXPECT_EQ(code, 2) << out;
-    EXPECT_NE(out.find("waiting up to 1 s for http://127.0.0.1:" + dead + "/health"),
+    EXPECT_NE(out.find("waiting up to 1.5 s for http://127.0.0.1:" + dead + "/health"),
               std::string::npos)
         << out;
-    EXPECT_NE(out.find("http://127.0.0.1:" + dead + "/health did not answer 200 within 1 s"),
+    EXPECT_NE(out.find("http://127.0.0.1:" + dead + "/health did not answer 200 within 1.5 s"),
               std::string::npos)
         << out;
     EXPECT_LT(ms, 5000.0);
@@ -524,6 +578,104 @@ TEST_F(CliFlags, BenchXferWithoutLatencyItersRunsAndPrintsTheMedian) {
     EXPECT_NE(out.find("median"), std::string::npos);
     EXPECT_NE(out.find("write            4 KiB"), std::string::npos);
     EXPECT_EQ(out.find("one-way"), std::string::npos);  // no latency point
+}
+
+// `bench moe --ranks 2` on the cpu backend was refused ("ranks_per_node 4 must divide
+// world_size 2"): the default of 4 ranks per node now gives way to the largest divisor of --ranks.
+TEST_F(CliFlags, BenchMoeOnCpuDefaultsToNodesThatDivideTheRanks) {
+    for (const std::string ranks : {"2", "6"}) {
+        auto [code, out] =
+            run({"bench", "moe", "--ranks", ranks, "--tokens", "4", "--hidden", "128", "--experts",
+                 "12", "--topk", "2", "--iters", "1", "--warmup", "0"},
+                seconds(60));
+        SCOPED_TRACE(out);
+        EXPECT_EQ(code, 0);
+        EXPECT_NE(out.find(fmt::format("{} ranks ({} per node", ranks, ranks == "2" ? 2 : 3)),
+                  std::string::npos);
+    }
+}
+
+// `ferry --version` said "a command is required".
+TEST_F(CliFlags, VersionPrintsTheVersionAndExitsZero) {
+    auto [code, out] = run({"--version"});
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_EQ(out, "ferry " FERRY_VERSION_OF_TEST "\n");
+}
+
+// `serve local --engine-id X` gave both engines the id X and stopped at once ("engine id used
+// twice: X"), whatever X was: the engines are now X-prefill and X-decode.
+TEST_F(CliFlags, ServeLocalEngineIdNamesBothEngines) {
+    const int port = free_port(), prefill = free_port(), decode = free_port();
+    Proc p = start({"serve", "local", "--engine-id", "X", "--model", "tiny", "--tp", "1", "--port",
+                    std::to_string(port), "--prefill-port", std::to_string(prefill),
+                    "--decode-port", std::to_string(decode)});
+    ASSERT_TRUE(wait_healthy("127.0.0.1", port)) << p.log_text();
+    for (const auto& [at, id] : {std::pair{prefill, "X-prefill"}, std::pair{decode, "X-decode"}}) {
+        auto r = http_get("127.0.0.1", at, "/health", seconds(5));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        EXPECT_EQ(nlohmann::json::parse(r->body)["engine_id"], id) << r->body;
+    }
+    p.interrupt();
+    EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
+}
+
+// /dev/shm entries of processes that no longer exist, by the pid in their name: libfabric's
+// default "<pid>:<n>:<m>" or ferry's "ferry_<pid>_...".
+std::set<std::string> shm_files_of_dead_processes() {
+    std::set<std::string> out;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+        std::string name = e.path().filename().string();
+        std::string digits = name.starts_with("ferry_") ? name.substr(6) : name;
+        long pid = std::strtol(digits.c_str(), nullptr, 10);
+        if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) out.insert(name);
+    }
+    return out;
+}
+
+size_t shm_file_count() {
+    std::error_code ec;
+    size_t n = 0;
+    for (auto it = std::filesystem::directory_iterator("/dev/shm", ec);
+         it != std::filesystem::directory_iterator(); it.increment(ec))
+        ++n;
+    return n;
+}
+
+// `bench xfer --rate` over shm opens 65 raw endpoints in its target process, a 16 MiB file in
+// /dev/shm each. A run ended by Ctrl-C, `timeout` or SIGKILL left them all there under
+// libfabric's default names, which nothing removes (1 GiB after a few runs; a container's
+// /dev/shm is 64 MiB). Now the target ends with its parent by SIGTERM, which removes its files,
+// and what a SIGKILLed parent leaves carries ferry's name: the next shm engine removes it.
+TEST_F(CliFlags, ABenchEndedByASignalLeavesNoShmFileBehind) {
+    for (int sig : {SIGINT, SIGTERM, SIGKILL}) {
+        SCOPED_TRACE(strsignal(sig));
+        const std::set<std::string> before = shm_files_of_dead_processes();
+        const size_t files_before = shm_file_count();
+        Proc p = start({"bench", "xfer", "--provider", "shm", "--rate-only", "--rate-peers", "8",
+                        "--rate-rows", "batch", "--seconds", "5"});
+        // The target's 65 endpoints are open once /dev/shm holds them.
+        TimePoint deadline = Clock::now() + seconds(30);
+        while (shm_file_count() < files_before + 60 && Clock::now() < deadline)
+            std::this_thread::sleep_for(milliseconds(20));
+        ASSERT_GE(shm_file_count(), files_before + 60) << p.log_text();
+        p.signal(sig);
+        EXPECT_EQ(p.wait_exit(seconds(10)), 128 + sig) << p.log_text();
+        // The target goes with its parent; a fresh shm engine then sweeps what is left.
+        std::set<std::string> left;
+        deadline = Clock::now() + seconds(10);
+        do {
+            std::this_thread::sleep_for(milliseconds(100));
+            ferry::EngineConfig cfg;
+            cfg.provider = "shm";
+            auto engine = TransferEngine::create(cfg);
+            ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+            left.clear();
+            for (const std::string& f : shm_files_of_dead_processes())
+                if (!before.count(f)) left.insert(f);
+        } while (!left.empty() && Clock::now() < deadline);
+        EXPECT_TRUE(left.empty()) << left.size() << " files left, e.g. " << *left.begin();
+    }
 }
 
 }  // namespace

@@ -166,6 +166,10 @@ struct Fixture {
                               }
                               r.body = "{}";
                           }});
+        routes.push_back({"POST", "/status", [](const HttpRequest& q, HttpReply& r) {
+                              r.status = std::stoi(q.body);
+                              r.body = "{}";
+                          }});
         routes.push_back({"GET", "/throw", [](const HttpRequest&, HttpReply&) {
                               throw std::runtime_error("boom in the handler");
                           }});
@@ -469,6 +473,10 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
             {"DELETE /health HTTP/1.1\r\n\r\n", 405,
              "method DELETE not allowed on /health: use GET"},
             {"GET /throw HTTP/1.1\r\n\r\n", 500, "boom in the handler"},
+            // Waited for the header deadline, then 408 as if the client were slow.
+            {"GET /health HTTP/1.1\nHost: x\n\n", 400,
+             "request lines end with CRLF (\\r\\n), not a bare LF (\\n)"},
+            {"GET /health HTTP/1.1\r\nHost: x\r\n\n", 400, "not a bare LF"},
         });
     // A good chunked body still works, as does the server after all of the above.
     Raw c(f.port());
@@ -478,6 +486,29 @@ TEST(HttpLimits, MalformedRequestsGet400Or431WithAMessage) {
     auto r = c.read();
     EXPECT_EQ(r.status, 200);
     EXPECT_EQ(r.body, R"({"bytes":8})");
+}
+
+// Each status the engines and the router answer with carries its own reason phrase: a 403 (a
+// leg or an abort not signed by the router) went out as "403 Error".
+TEST(HttpLimits, EveryStatusTheServersSendHasItsReasonPhrase) {
+    Fixture f;
+    for (const auto& [status, phrase] :
+         std::vector<std::pair<int, std::string>>{{200, "OK"},
+                                                  {400, "Bad Request"},
+                                                  {403, "Forbidden"},
+                                                  {404, "Not Found"},
+                                                  {500, "Internal Server Error"},
+                                                  {502, "Bad Gateway"},
+                                                  {503, "Service Unavailable"},
+                                                  {504, "Gateway Timeout"}}) {
+        Raw c(f.port());
+        c.send(post("/status", std::to_string(status)));
+        std::string head(4096, '\0');
+        pollfd p{c.fd(), POLLIN, 2000};
+        ASSERT_EQ(::poll(&p, 1, 2000), 1);
+        head.resize(size_t(std::max<ssize_t>(0, ::recv(c.fd(), head.data(), head.size(), 0))));
+        EXPECT_TRUE(head.starts_with(fmt::format("HTTP/1.1 {} {}\r\n", status, phrase))) << head;
+    }
 }
 
 // A known path asked with another method is 405 naming the method to use (404 "no route" said
@@ -514,6 +545,34 @@ TEST(HttpLimits, WrongMethodIs405AndANonJsonBodyIs415) {
     ASSERT_EQ(::poll(&p, 1, 2000), 1);
     head.resize(size_t(std::max<ssize_t>(0, ::recv(c.fd(), head.data(), head.size(), 0))));
     EXPECT_NE(head.find("\r\nAllow: POST\r\n"), std::string::npos) << head;
+}
+
+// A client that shuts its sending side part way through a request still reads: it is told what
+// was missing (it got no answer at all: "Empty reply from server").
+TEST(HttpLimits, ARequestCutShortByAHalfCloseGets400SayingWhatWasMissing) {
+    Fixture f;
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"POST /echo HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\"",
+         "the request ended after 9 of the 100 body bytes its Content-Length announced"},
+        {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n",
+         "the request ended before the last chunk of its chunked body"},
+        {"GET /health HTTP/1.1\r\nHost: x\r\n",
+         "the request ended before the blank line that ends its headers"},
+    };
+    for (const auto& [request, says] : cases) {
+        Raw c(f.port());
+        c.send(request);
+        ::shutdown(c.fd(), SHUT_WR);
+        auto r = c.read(seconds(2));
+        EXPECT_EQ(r.status, 400) << request;
+        EXPECT_EQ(message_of(r.body), says) << request;
+    }
+    // An idle connection closed without a byte is not a request: nothing comes back.
+    Raw idle(f.port());
+    ::shutdown(idle.fd(), SHUT_WR);
+    auto r = idle.read(seconds(2));
+    EXPECT_EQ(r.status, 0);
+    EXPECT_TRUE(r.closed);
 }
 
 TEST(HttpLimits, HalfCloseAfterTheRequestStillGetsTheWholeResponse) {

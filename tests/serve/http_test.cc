@@ -1,4 +1,5 @@
 // The engine's HTTP API over loopback, the way a client or router uses it.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -10,6 +11,7 @@
 
 #include "ferry/serve/engine_server.h"
 #include "ferry/serve/inprocess_kv_link.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/openai_api.h"
 
 namespace ferry::serve {
@@ -117,6 +119,54 @@ TEST(EngineHttp, NonStreamedCompletionOfATextPrompt) {
     EXPECT_EQ(j["object"], "text_completion");
     EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
     EXPECT_TRUE(j["kv_transfer_params"].is_null());
+}
+
+// docs/SERVING.md: `model` is a string, echoed. The answer named the engine's model shape
+// whatever the client sent, so a client checking the model of its answer saw another one.
+TEST(EngineHttp, TheModelTheClientNamedIsEchoed) {
+    Served e({.engine_id = "e", .num_blocks = 64});
+    e.start();
+    const std::string own = e.engine->cost_model().model().name;
+    for (const std::string& model : {std::string("my-model"), std::string()}) {
+        json body = {{"prompt", prompt_of(5)}, {"max_tokens", 2}};
+        if (!model.empty()) body["model"] = model;
+        const std::string expect = model.empty() ? own : model;
+        auto r = http_post_json(kHost, e.port(), "/v1/completions", body.dump(), seconds(10));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_EQ(r->status, 200) << r->body;
+        EXPECT_EQ(json::parse(r->body)["model"], expect) << r->body;
+        body["stream"] = true;
+        Streamed s = stream_completion(e.port(), body);
+        ASSERT_EQ(s.status, 200);
+        EXPECT_EQ(s.final_event["model"], expect) << s.final_event.dump();
+    }
+    auto r = http_post_json(kHost, e.port(), "/v1/completions",
+                            json({{"prompt", "x"}, {"model", std::string(300, 'm')}}).dump(),
+                            seconds(5));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("'model' is 300 bytes long, more than 256"), std::string::npos)
+        << r->body;
+}
+
+// Any client may POST /ferry/abort, and its body was parsed whole before the tag was checked
+// (16 MiB of nested arrays: a JSON tree of 870 MB). Bodies are now bounded well below.
+TEST(EngineHttp, AnAbortBodyAboveItsLimitIsRefusedUnread) {
+    Served e({.engine_id = "e", .num_blocks = 16});
+    e.start();
+    const std::string body =
+        json({{"transfer_id", "t"}, {"reason", std::string(kMaxAbortBodyBytes, '[')}}).dump();
+    auto big = http_post_json(kHost, e.port(), "/ferry/abort", body, seconds(5));
+    ASSERT_TRUE(big.ok()) << big.status().to_string();
+    EXPECT_EQ(big->status, 400);
+    EXPECT_NE(big->body.find(fmt::format("POST /ferry/abort: a body of {} bytes; at most {}",
+                                         body.size(), kMaxAbortBodyBytes)),
+              std::string::npos)
+        << big->body;
+    auto small = http_post_json(kHost, e.port(), "/ferry/abort",
+                                json({{"transfer_id", "t"}, {"reason", "r"}}).dump(), seconds(5));
+    ASSERT_TRUE(small.ok());
+    EXPECT_EQ(small->status, 200) << small->body;
 }
 
 TEST(EngineHttp, InvalidBodiesGet400WithAMessage) {

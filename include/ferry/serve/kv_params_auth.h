@@ -11,6 +11,7 @@
 // docs/SERVING.md has the trust model.
 #pragma once
 
+#include <cstddef>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -35,6 +36,10 @@ Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv);
 // takes it only from the router: the body's "ferry_auth" is this tag of the transfer id
 // (its own domain label, so no kv_transfer_params tag can pass for it).
 std::string abort_tag(const Secret& secret, const std::string& transfer_id);
+// The largest POST /ferry/abort body an engine reads (a router's is a transfer id, a reason of
+// at most kMaxAbortReasonBytes and a tag).
+inline constexpr size_t kMaxAbortBodyBytes = 64 << 10;
+inline constexpr size_t kMaxAbortReasonBytes = 4096;
 // ok when `tag` is abort_tag(secret, transfer_id); kPermissionDenied naming the problem.
 Status verify_abort(const Secret& secret, const std::string& transfer_id, const std::string& tag);
 

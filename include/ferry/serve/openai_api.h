@@ -18,8 +18,11 @@ namespace ferry::serve {
 struct CompletionRequest {
     GenerateRequest gen{};
     bool stream = false;
-    std::string model{};
+    std::string model{};  // the client's, echoed in the answer; empty: the engine's name
 };
+
+// The longest `model` a request may name (it is echoed in every event of a stream).
+inline constexpr size_t kMaxModelNameBytes = 256;
 
 // Text prompts are tokenized byte by byte (token id = byte value): the synthetic model needs
 // ids, not language. Generated ids render as " tok<id>".
