@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "ferry/common/log.h"
+
 namespace ferry::detail {
 
 PeerTable::PeerTable() : peer_table_(std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers)) {}
@@ -28,7 +30,10 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
                 return ok_status();
             },
             kRailTaskTimeout);
-        if (!s.ok()) return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
+        if (!s.ok()) {
+            forget_addresses(*p, rails);
+            return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
+        }
         p->fi_addr.push_back(fa);
         p->remote_rail.push_back(rr);
     }
@@ -37,6 +42,19 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
     by_engine_[a.engine_id] = id;
     peers_owned_.push_back(std::move(p));
     return id;
+}
+
+void PeerTable::forget_addresses(const Peer& p, RailGroup& rails) {
+    for (size_t r = 0; r < p.fi_addr.size(); ++r) {
+        Rail* rp = &rails[r];
+        fi_addr_t fa = p.fi_addr[r];
+        Status s = rp->run_on_worker([rp, fa] { return rp->remove_address(fa); }, kRailTaskTimeout);
+        if (!s.ok()) {
+            log(LogLevel::kWarn, "fabric",
+                "rail {}: taking back the address of engine {:x} after a failed connect: {}", r,
+                p.engine_id, s.message());
+        }
+    }
 }
 
 std::optional<PeerId> PeerTable::find(uint64_t engine_id) const {

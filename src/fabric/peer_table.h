@@ -76,6 +76,10 @@ class PeerTable {
     const Group* group(GroupId id) const;
 
   private:
+    // Takes the addresses a connect inserted on its first rails back out of them, when a
+    // later rail refused the peer's address.
+    static void forget_addresses(const Peer& p, RailGroup& rails);
+
     mutable std::mutex peers_mu_;
     std::vector<std::unique_ptr<Peer>> peers_owned_;
     std::unique_ptr<std::atomic<const Peer*>[]> peer_table_;

@@ -160,6 +160,7 @@ struct RailStats {
     std::atomic<uint64_t> messages_dropped{0};
     std::atomic<uint64_t> initiator_renewals{0};  // fresh initiator endpoints opened
     std::atomic<uint64_t> dead_peer_failures{0};  // ops failed because the peer process is gone
+    std::atomic<uint64_t> peer_addresses{0};      // in the address vector now (none leak)
 };
 
 // Tells the watchdog whether a rail's worker is stuck inside one provider call. The worker
@@ -262,7 +263,12 @@ class Rail {
     // Worker-thread only (call from run_on_worker). cuda_device >= 0: the memory is CUDA
     // memory on that device (FI_HMEM_CUDA; the domain must have been opened with FI_HMEM).
     Result<fid_mr*> register_mr(void* ptr, size_t len, uint64_t access, int cuda_device = -1);
+    // Refuses an address that cannot be this provider's (empty, another length than this
+    // rail's own, a string without its terminator) before libfabric reads past its end.
     Result<fi_addr_t> insert_address(const std::vector<uint8_t>& addr);
+    // Worker-thread only: takes back what insert_address returned (a connect that failed on a
+    // later rail must not leave the peer in this rail's address vector with no owner).
+    Status remove_address(fi_addr_t fa);
     // Worker-thread only: before local memory is deregistered and handed back to its owner,
     // waits (completing and posting as usual) until libfabric has returned every operation
     // whose local buffer lies in [base, base + len), those that timed out and were already

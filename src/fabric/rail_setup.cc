@@ -172,13 +172,39 @@ Result<fid_mr*> Rail::register_mr(void* ptr, size_t len, uint64_t access, int cu
 }
 
 Result<fi_addr_t> Rail::insert_address(const std::vector<uint8_t>& addr) {
+    // fi_av_insert takes no length: it reads as many bytes as the address format says.
+    if (addr.empty())
+        return invalid_argument(fmt::format("the peer's address for rail {} is empty", index_));
+    if (info_->addr_format == FI_ADDR_STR) {
+        if (std::memchr(addr.data(), 0, addr.size()) == nullptr) {
+            return invalid_argument(fmt::format(
+                "the peer's address for rail {} ({} bytes) is not a terminated string, as "
+                "addresses of this provider are: corrupted, or another provider's?",
+                index_, addr.size()));
+        }
+    } else if (addr.size() != name_.size()) {
+        return invalid_argument(fmt::format(
+            "the peer's address for rail {} is {} bytes, this provider's are {}: corrupted, or "
+            "another provider's?",
+            index_, addr.size(), name_.size()));
+    }
     fi_addr_t fa = FI_ADDR_UNSPEC;
     int rc = fi_av_insert(av_, addr.data(), 1, &fa, 0, nullptr);
     if (rc != 1) return fi_status("fi_av_insert", rc < 0 ? rc : -FI_EINVAL);
+    stats_.peer_addresses.fetch_add(1, std::memory_order_relaxed);
     if (renew_on_stall_) {
         if (long pid = shm_name_pid(addr); pid > 0) peer_pid_[fa] = pid;
     }
     return fa;
+}
+
+Status Rail::remove_address(fi_addr_t fa) {
+    int rc = fi_av_remove(av_, &fa, 1, 0);
+    if (rc) return fi_status("fi_av_remove", rc);
+    stats_.peer_addresses.fetch_sub(1, std::memory_order_relaxed);
+    peer_pid_.erase(fa);
+    dead_peers_.erase(fa);
+    return ok_status();
 }
 
 Status Rail::renew_initiator() {
