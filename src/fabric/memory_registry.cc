@@ -57,17 +57,14 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
     std::vector<fid_mr*> mrs;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     for (auto& rail : rails_) {
-        fid_mr* mr = nullptr;
         Rail* rp = rail.get();
-        Status s = rp->run_on_worker(
-            [&]() -> Status {
-                auto r = rp->register_mr(ptr, len, access, cuda_device);
-                if (!r.ok()) return r.status();
-                mr = *r;
-                return ok_status();
+        // A registration that finishes after this gave up on it closes its MR itself.
+        Result<fid_mr*> mr = rp->run_on_worker<fid_mr*>(
+            [rp, ptr, len, access, cuda_device] {
+                return rp->register_mr(ptr, len, access, cuda_device);
             },
-            kRailTaskTimeout);
-        if (!s.ok()) {
+            kRailTaskTimeout, [](fid_mr*& late) { fi_close(&late->fid); });
+        if (!mr.ok()) {
             for (size_t i = 0; i < mrs.size(); ++i) {
                 Rail* prev = &rails_[i];
                 fid_mr* m = mrs[i];
@@ -79,11 +76,11 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
                     kRailTaskTimeout);
             }
             reg.desc.rail_keys.clear();
-            return s.with_context(fmt::format("rail {}", rp->index()));
+            return mr.status().with_context(fmt::format("rail {}", rp->index()));
         }
-        reg.desc.rail_keys.push_back(fi_mr_key(mr));
-        reg.local_descs[rp->index()] = fi_mr_desc(mr);
-        mrs.push_back(mr);
+        reg.desc.rail_keys.push_back(fi_mr_key(*mr));
+        reg.local_descs[rp->index()] = fi_mr_desc(*mr);
+        mrs.push_back(*mr);
     }
     std::lock_guard lk(mu_);
     reg.id = next_id_++;

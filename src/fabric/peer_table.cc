@@ -20,21 +20,16 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
     p->address = a;
     for (auto& rail : rails) {
         uint32_t rr = static_cast<uint32_t>(rail->index() % a.rail_addrs.size());
-        fi_addr_t fa = FI_ADDR_UNSPEC;
         Rail* rp = rail.get();
-        Status s = rp->run_on_worker(
-            [&]() -> Status {
-                auto r = rp->insert_address(a.rail_addrs[rr]);
-                if (!r.ok()) return r.status();
-                fa = *r;
-                return ok_status();
-            },
-            kRailTaskTimeout);
-        if (!s.ok()) {
+        // A task that inserts after connect gave up on it takes the address back itself.
+        Result<fi_addr_t> fa = rp->run_on_worker<fi_addr_t>(
+            [rp, addr = a.rail_addrs[rr]] { return rp->insert_address(addr); }, kRailTaskTimeout,
+            [rp](fi_addr_t& late) { (void)rp->remove_address(late); });
+        if (!fa.ok()) {
             forget_addresses(*p, rails);
-            return s.with_context(fmt::format("connecting to engine {:x}", a.engine_id));
+            return fa.status().with_context(fmt::format("connecting to engine {:x}", a.engine_id));
         }
-        p->fi_addr.push_back(fa);
+        p->fi_addr.push_back(*fa);
         p->remote_rail.push_back(rr);
     }
     PeerId id = p->id;

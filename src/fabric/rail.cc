@@ -118,40 +118,62 @@ void Rail::submit(FabricOp* first, FabricOp* last) {
     }
 }
 
-Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
-    // fn reaches into the caller's frame (the MR register_on_rails opens, the fi_addr_t of
-    // PeerTable::connect). A caller that gave up on a busy worker left it queued: it ran
-    // later through dangling references, and a registration's MR stayed open with no owner.
-    // Now a task the worker has not taken when the caller gives up never runs; one it is
-    // running is waited for, as its own provider call allows.
-    enum : int { kQueued, kRunning, kAbandoned };
-    auto phase = std::make_shared<std::atomic<int>>(kQueued);
+Status Rail::run_task(std::shared_ptr<WorkerTask> task, Duration timeout) {
+    // The task's result lives in `task`, owned by the caller and the worker together. fn used
+    // to write it into the caller's frame (the MR register_on_rails opens, the fi_addr_t of
+    // PeerTable::connect): a task still running when its caller gave up wrote into a dead
+    // frame, and what it produced had no owner.
     OpHandle h(post_task(
-        [phase, fn = std::move(fn)]() -> Status {
-            int queued = kQueued;
-            if (!phase->compare_exchange_strong(queued, kRunning))
+        [task]() -> Status {
+            int queued = WorkerTask::kQueued;
+            if (!task->phase.compare_exchange_strong(queued, WorkerTask::kRunning))
                 return cancelled("engine task abandoned by its caller");
-            return fn();
+            task->run();
+            int running = WorkerTask::kRunning;
+            if (!task->phase.compare_exchange_strong(running, WorkerTask::kDone)) {
+                task->release();
+                return cancelled("engine task finished after its caller gave up; released");
+            }
+            return ok_status();
         },
         OpCallback{}));
     Status s = h.wait(timeout);
-    if (h.done()) return s;
-    int queued = kQueued;
-    if (phase->compare_exchange_strong(queued, kAbandoned)) {
+    if (task->phase.load() == WorkerTask::kDone) return ok_status();
+    if (h.done()) return s;  // never ran: the rail stopped or is wedged
+    int queued = WorkerTask::kQueued;
+    if (task->phase.compare_exchange_strong(queued, WorkerTask::kAbandoned)) {
         return timeout_error(fmt::format(
             "rail {}'s worker did not take an engine task within {:.0f} ms (busy, or inside a "
             "slow provider call); the task will not run",
             index_, to_ms(timeout)));
     }
-    // Running: fn's references must outlive it, so it gets the caller's time once more. A
-    // provider call that never returns is the watchdog's to report (the rail is marked wedged).
-    s = h.wait(timeout);
-    if (!h.done())
+    // Running: a slow provider call gets the caller's time once more. One that never returns
+    // is the watchdog's to report (the rail is marked wedged).
+    (void)h.wait(timeout);
+    int running = WorkerTask::kRunning;
+    if (task->phase.compare_exchange_strong(running, WorkerTask::kAbandoned)) {
         log(LogLevel::kError, "fabric",
             "rail {}: an engine task is still inside the provider after {:.0f} ms; giving up "
-            "on it",
+            "on it (what it produces is released when it returns)",
             index_, to_ms(2 * timeout));
-    return s;
+        return timeout_error(fmt::format(
+            "rail {}'s worker is still inside an engine task after {:.0f} ms (a slow provider "
+            "call); what the task produces will be released when it returns",
+            index_, to_ms(2 * timeout)));
+    }
+    return ok_status();  // it finished in the meantime
+}
+
+Status Rail::run_on_worker(std::function<Status()> fn, Duration timeout) {
+    struct Done {};
+    Result<Done> r = run_on_worker<Done>(
+        [fn = std::move(fn)]() -> Result<Done> {
+            Status s = fn();
+            if (!s.ok()) return s;
+            return Done{};
+        },
+        timeout);
+    return r.ok() ? ok_status() : r.status();
 }
 
 OpRef Rail::post_task(std::function<Status()> fn, OpCallback done) {

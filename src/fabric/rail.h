@@ -218,6 +218,39 @@ struct RailHooks {
     std::function<bool()> stay_awake;
 };
 
+// What one Rail::run_on_worker call shares between its caller and the worker: the task, its
+// result and how far it got. Owned by both (shared_ptr), so a task that finishes after its
+// caller gave up writes here, never into the caller's frame, and releases what it produced.
+class WorkerTask {
+  public:
+    enum Phase : int { kQueued, kRunning, kDone, kAbandoned };
+    virtual ~WorkerTask() = default;
+    // Worker: runs the task and keeps its result.
+    virtual void run() = 0;
+    // Worker: the caller gave up while the task ran; frees what it produced (an MR opened, an
+    // address inserted), which nobody else will.
+    virtual void release() = 0;
+    std::atomic<int> phase{kQueued};
+};
+
+template <class T>
+class WorkerTaskOf final : public WorkerTask {
+  public:
+    WorkerTaskOf(std::function<Result<T>()> fn, std::function<void(T&)> release)
+        : fn_(std::move(fn)), release_(std::move(release)) {}
+    void run() override { result_.emplace(fn_()); }
+    void release() override {
+        if (release_ && result_ && result_->ok()) release_(**result_);
+    }
+    // Caller, once the phase is kDone.
+    Result<T> take() { return std::move(*result_); }
+
+  private:
+    std::function<Result<T>()> fn_;
+    std::function<void(T&)> release_;
+    std::optional<Result<T>> result_;
+};
+
 class Rail {
   public:
     static Result<std::unique_ptr<Rail>> open(int index, const fi_info* info,
@@ -257,7 +290,23 @@ class Rail {
     // Hands a linked batch of ops to the worker.
     void submit(FabricOp* first, FabricOp* last);
     void submit(FabricOp* op) { submit(op, op); }
-    // Runs fn on the worker thread and waits for its result.
+    // Runs fn on the worker thread and returns its result. Waits `timeout` for the worker to
+    // take the task, and once more for a task it is running (a provider call that is merely
+    // slow); then the caller gets kTimeout. fn and release run on the worker, maybe after the
+    // caller returned: they must own what they touch (capture by value), and fn hands its
+    // product back as its value, never through the caller's frame. A task not yet taken when
+    // its caller gives up never runs; one that finishes after, the worker passes its value to
+    // `release` (close the MR it opened, remove the address it inserted), so nothing it made is
+    // left without an owner.
+    template <class T>
+    Result<T> run_on_worker(std::function<Result<T>()> fn, Duration timeout,
+                            std::function<void(T&)> release = {}) {
+        auto task = std::make_shared<WorkerTaskOf<T>>(std::move(fn), std::move(release));
+        Status s = run_task(task, timeout);
+        if (!s.ok()) return s;
+        return task->take();
+    }
+    // A task that produces nothing but its status.
     Status run_on_worker(std::function<Status()> fn, Duration timeout);
 
     // Worker-thread only (call from run_on_worker). cuda_device >= 0: the memory is CUDA
@@ -291,6 +340,8 @@ class Rail {
 
   private:
     Rail() = default;
+    // run_on_worker's hand-off: ok once the task ran to the end (its result is in `task`).
+    Status run_task(std::shared_ptr<WorkerTask> task, Duration timeout);
     Status init(int index, const fi_info* info, const EngineConfig& config);
     void run();
     bool drain_submissions();

@@ -82,11 +82,10 @@ TEST(CallMonitorTest, TheThresholdFollowsALongerOpTimeout) {
     EXPECT_EQ(wedge_threshold(milliseconds(200)), kMinWedgeTime);
 }
 
-// run_on_worker's tasks reach into their caller's frame (memory registration writes the MR it
-// opened into a local of register_on_rails, connect the fi_addr_t into one of PeerTable's).
 // A caller that gave up on a busy worker used to leave its task queued: it ran later, wrote
-// through dangling references and, for a registration, left an MR open that no one owned.
-// Whatever the load, a task whose caller stopped waiting before the worker took it never runs.
+// through dangling references into the caller's frame and, for a registration, left an MR
+// open that no one owned. Whatever the load, a task whose caller stopped waiting before the
+// worker took it never runs.
 TEST(RailTaskTest, ATaskItsCallerGaveUpOnNeverRuns) {
     // In a child, like every engine test: the test binary's own process stays free of
     // libfabric state.
@@ -136,6 +135,73 @@ TEST(RailTaskTest, ATaskItsCallerGaveUpOnNeverRuns) {
                 seconds(10));
             CHILD_CHECK(runs == 1 && own.code() == StatusCode::kNotFound);
             impl->shutdown();
+            return "";
+        },
+        std::chrono::seconds(120));
+    EXPECT_EQ(::ferry::testing::describe_failures(results), "");
+}
+
+// A task the worker is running when its caller gives up (a provider call slower than the
+// caller waits) finishes later. Its result goes into state it shares with the caller, not into
+// the caller's frame, which is gone by then; and what it produced, here an address inserted
+// into the rail's address vector, it releases itself, since no caller will own it.
+TEST(RailTaskTest, ATaskThatFinishesAfterItsCallerLeftReleasesWhatItMade) {
+    auto results = ::ferry::testing::run_processes(
+        1,
+        [](::ferry::testing::Exchange&) -> std::string {
+            auto a = std::make_shared<EngineImpl>();
+            auto b = std::make_shared<EngineImpl>();
+            CHILD_CHECK_OK(a->init(::ferry::testing::test_engine_config("tcp")));
+            CHILD_CHECK_OK(b->init(::ferry::testing::test_engine_config("tcp")));
+            Rail* rail = &a->rails[0];
+            const std::vector<uint8_t> peer = b->address.rail_addrs[0];
+            auto addresses = [rail] { return rail->stats().peer_addresses.load(); };
+            for (int round = 0; round < 5; ++round) {
+                // The task's provider call takes longer than its caller waits (twice 30 ms).
+                // (Released below, or after 10 s if a check returns first.)
+                auto release = std::make_shared<std::atomic<bool>>(false);
+                auto released = std::make_shared<std::atomic<int>>(0);
+                const TimePoint give_up = Clock::now() + seconds(10);
+                const TimePoint called = Clock::now();
+                Result<fi_addr_t> r = rail->run_on_worker<fi_addr_t>(
+                    [rail, peer, release, give_up] {
+                        while (!release->load() && Clock::now() < give_up)
+                            std::this_thread::sleep_for(milliseconds(1));
+                        return rail->insert_address(peer);
+                    },
+                    milliseconds(30),
+                    [rail, released](fi_addr_t& fa) {
+                        if (rail->remove_address(fa).ok()) released->fetch_add(1);
+                    });
+                const Duration waited = Clock::now() - called;
+                CHILD_CHECK_MSG(!r.ok() && r.status().code() == StatusCode::kTimeout &&
+                                    r.status().message().find("released") != std::string::npos,
+                                "round {}: {}", round, r.ok() ? "ok" : r.status().to_string());
+                CHILD_CHECK_MSG(waited < seconds(5), "round {}: the caller waited {:.0f} ms", round,
+                                to_ms(waited));
+                // The caller's frame is gone (this loop's next round reuses the stack); the
+                // task now inserts the address and finds nobody waiting for it.
+                release->store(true);
+                // Tasks run in order: once this one ran, the abandoned one has finished.
+                CHILD_CHECK_OK(rail->run_on_worker([] { return ok_status(); }, seconds(10)));
+                CHILD_CHECK_MSG(released->load() == 1 && addresses() == 0,
+                                "round {}: released {} time(s), {} address(es) left", round,
+                                released->load(), addresses());
+            }
+            // A task the worker finishes in time returns its own value, or its own error, and
+            // keeps what it made.
+            Result<fi_addr_t> fa = rail->run_on_worker<fi_addr_t>(
+                [rail, peer] { return rail->insert_address(peer); }, seconds(10),
+                [rail](fi_addr_t& late) { (void)rail->remove_address(late); });
+            CHILD_CHECK(fa.ok() && addresses() == 1);
+            CHILD_CHECK_OK(rail->run_on_worker([rail, f = *fa] { return rail->remove_address(f); },
+                                               seconds(10)));
+            Result<int> err = rail->run_on_worker<int>(
+                []() -> Result<int> { return not_found("the task's own error"); }, seconds(10));
+            CHILD_CHECK(!err.ok() && err.status().code() == StatusCode::kNotFound);
+            CHILD_CHECK(addresses() == 0);
+            a->shutdown();
+            b->shutdown();
             return "";
         },
         std::chrono::seconds(120));
