@@ -251,7 +251,8 @@ int fail(const Status& st) {
     return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
-// Until SIGINT or SIGTERM, then says which one stops the process (it exits 0 once stopped).
+// Until SIGINT, SIGTERM or SIGHUP, then says which one stops the process (it exits 0 once
+// stopped).
 void wait_for_stop() {
     const auto& stop = stop_requested();
     while (!stop.load()) std::this_thread::sleep_for(milliseconds(100));

@@ -22,6 +22,9 @@ const std::atomic<bool>& stop_requested() {
         sigemptyset(&sa.sa_mask);
         sigaction(SIGINT, &sa, nullptr);
         sigaction(SIGTERM, &sa, nullptr);
+        // The terminal a serve process was started from closing: a clean stop too (by
+        // default SIGHUP ended it on the spot, its shm files left for the next engine).
+        sigaction(SIGHUP, &sa, nullptr);
         return true;
     }();
     (void)installed;
@@ -34,6 +37,8 @@ const char* stop_signal_name() {
             return "SIGINT";
         case SIGTERM:
             return "SIGTERM";
+        case SIGHUP:
+            return "SIGHUP";
         default:
             return "a stop signal";
     }

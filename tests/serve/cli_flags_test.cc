@@ -435,6 +435,23 @@ TEST_F(CliFlags, SigtermInServesFirstMomentsIsNeverAFailure) {
     EXPECT_GT(clean, 0);  // the late ones reached serve's own handler
 }
 
+// SIGHUP (the terminal a serve process was started from closing) stops it as cleanly as
+// SIGTERM: it said so and exited 0, where by default the signal ended it on the spot.
+TEST_F(CliFlags, SighupStopsServeCleanly) {
+    Proc p = start(
+        {"serve", "prefill", "--model", "tiny", "--tp", "1", "--port", "0", "--kv-mode", "none"});
+    const auto deadline = std::chrono::steady_clock::now() + seconds(30);
+    while (p.log_text().find("engine ") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(milliseconds(50));
+    }
+    ASSERT_NE(p.log_text().find("engine "), std::string::npos) << p.log_text();
+    p.signal(SIGHUP);
+    const int code = p.wait_exit(seconds(10));
+    EXPECT_EQ(code, 0) << p.log_text();
+    EXPECT_NE(p.log_text().find("SIGHUP: stopping"), std::string::npos) << p.log_text();
+}
+
 // bench serve waits for the router's /health itself, saying so, and gives up at its deadline
 // naming the URL; requests go out only once it answers 200.
 TEST_F(CliFlags, BenchServeWaitsForHealthThenRunsOrFailsNamingTheUrl) {
