@@ -485,7 +485,12 @@ void Rail::run() {
             continue;
         }
         // Idle: nap, woken at once by a submission. Arrivals wait at most one nap; naps grow
-        // to max_nap so an idle engine costs little CPU (tests run many engines on 2 cores).
+        // to max_nap so an idle engine costs little CPU (tests run many engines on 2 cores),
+        // and past it to quiet_nap once nothing happened for quiet_after.
+        const Duration nap_cap =
+            config_.quiet_nap > config_.max_nap && now - last_active >= config_.quiet_after
+                ? config_.quiet_nap
+                : config_.max_nap;
         sleeping_.store(true, std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_seq_cst);
         if (auto* op = static_cast<FabricOp*>(queue_.pop())) {
@@ -502,12 +507,11 @@ void Rail::run() {
         }
         {
             std::unique_lock lk(nap_mu_);
-            nap_cv_.wait_for(lk, std::min(nap_for, config_.max_nap),
-                             [&] { return wake_ || !running_; });
+            nap_cv_.wait_for(lk, std::min(nap_for, nap_cap), [&] { return wake_ || !running_; });
             wake_ = false;
         }
         sleeping_.store(false, std::memory_order_relaxed);
-        nap_for = std::min<Duration>(nap_for * 2, config_.max_nap);
+        nap_for = std::min<Duration>(nap_for * 2, nap_cap);
     }
 }
 
