@@ -151,6 +151,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     std::thread watchdog_;
     std::mutex watchdog_mu_;
     std::condition_variable watchdog_cv_;
+    bool watchdog_poke_ = false;  // a first immediate waiter came: sweep every millisecond
 
     PeerTable peers_;
     GpuCopyPath gpu_{config};

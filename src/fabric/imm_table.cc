@@ -33,14 +33,17 @@ void ImmTable::arrive(uint32_t imm, uint64_t n) {
 
 void ImmTable::add_waiter(uint32_t imm, uint64_t count, TimePoint deadline, OpCallback cb) {
     Fired fired;
+    bool first = false;
     {
         std::lock_guard lk(mu_);
+        first = num_waiters_ == 0;
         Entry& e = entries_[imm];
         e.waiters.push_back({count, deadline, std::move(cb)});
         ++num_waiters_;
         drain_locked(imm, e, fired);
         num_waiters_atomic_.store(num_waiters_, std::memory_order_relaxed);
     }
+    if (first && first_waiter_hook_) first_waiter_hook_();
     for (auto& [c, s] : fired) c(s);
 }
 

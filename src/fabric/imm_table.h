@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
@@ -30,10 +31,14 @@ class ImmTable {
     bool try_take(uint32_t imm, uint64_t count);
     uint64_t available(uint32_t imm) const;
     bool has_waiters() const { return num_waiters_atomic_.load(std::memory_order_relaxed) > 0; }
+    // Called (outside the table's lock) when a waiter comes while none waited: the sweeper
+    // that calls expire() ticks slowly with no waiter and must speed up. Set before use.
+    void set_first_waiter_hook(std::function<void()> hook) { first_waiter_hook_ = std::move(hook); }
     // Fails every waiter (shutdown).
     void cancel_all(const Status& why);
 
   private:
+    std::function<void()> first_waiter_hook_;
     struct Waiter {
         uint64_t count;
         TimePoint deadline;

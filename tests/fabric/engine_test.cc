@@ -1025,5 +1025,35 @@ TEST(EngineConfigTest, AQuietEngineNapsLonger) {
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
+// With no immediate waiter the watchdog ticks every 20 ms; a first waiter pokes it back to a
+// sweep every millisecond, so a short wait on a quiet engine still times out on time (without
+// the poke a 5 ms wait ended ~5 ms late in the median, up to 15 ms). The median of 11 waits of
+// 5 ms, each after 203-273 ms idle.
+TEST(EngineConfigTest, AWaitOnAQuietEngineTimesOutOnTime) {
+    auto results = testing::run_processes(
+        1,
+        [](testing::Exchange&) -> std::string {
+            CHILD_ASSIGN_OK(auto e, TransferEngine::create(testing::test_engine_config("tcp")));
+            std::vector<double> late;
+            for (int i = 0; i < 11; ++i) {
+                // Not a multiple of the 20 ms tick, so the waits fall at every phase of it.
+                std::this_thread::sleep_for(std::chrono::milliseconds(203 + 7 * i));
+                const auto t0 = std::chrono::steady_clock::now();
+                Status s = e->wait_imm(0x77, 1, std::chrono::milliseconds(5));
+                const double ms =
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                        .count();
+                CHILD_CHECK_MSG(s.code() == StatusCode::kTimeout, "wait returned {}",
+                                s.to_string());
+                late.push_back(ms - 5);
+            }
+            std::sort(late.begin(), late.end());
+            CHILD_CHECK_MSG(late[5] < 3, "a 5 ms wait ended a median {:.1f} ms late", late[5]);
+            return "";
+        },
+        std::chrono::seconds(60));
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
 }  // namespace
 }  // namespace ferry
