@@ -2,14 +2,22 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# The Python the build and the tests use: a virtual environment made from the machine's
+# python3 (first on PATH; PYTHON=... to pick another), with the pinned tools of
+# requirements/build.txt, kept in the build folder and reused (scripts/venv.sh).
+PYTHON ?= python3
+VENV = $(abspath $(BUILD))/venv
 
-.PHONY: setup configure build test demo clean
+.PHONY: setup venv configure build test demo clean
 
 setup:
 	bash scripts/setup.sh
 
-configure: setup
-	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS)
+venv: setup
+	bash scripts/venv.sh $(VENV) $(PYTHON)
+
+configure: venv
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(VENV)/bin/python3 $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
