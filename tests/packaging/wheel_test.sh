@@ -24,18 +24,24 @@ t0=$(date +%s)
   || { tail -50 "$tmp/wheel.log"; fail "pip wheel ."; }
 whl=$(ls "$tmp"/dist/ferry-*.whl)
 echo "built $(basename "$whl"): $(du -k "$whl" | cut -f1) KiB in $(( $(date +%s) - t0 )) s"
+"$python" -c "import sys, zipfile; print('unpacked: %d KiB' % (sum(i.file_size for i in
+  zipfile.ZipFile(sys.argv[1]).infolist()) >> 10))" "$whl"
 
 step "the wheel holds the extension, libferry, headers, CMake and pkg-config files, the command"
 "$python" - "$whl" <<'PY' || fail "the wheel lacks files (listed above)"
 import re, sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-want = [r"ferry/__init__\.py", r"ferry/_ferry\..*\.so", r"ferry/lib/libferry\.so\.0\.1",
+want = [r"ferry/__init__\.py", r"ferry/_ferry\..*\.so", r"ferry/lib/libferry\.so",
         r"ferry/include/ferry/fabric/engine\.h", r"ferry/lib/cmake/ferry/ferryConfig\.cmake",
         r"ferry/lib/pkgconfig/ferry\.pc", r"ferry-[0-9.]+\.data/scripts/ferry"]
 missing = [w for w in want if not any(re.fullmatch(w, n) for n in names)]
 for w in missing:
     print("missing:", w)
-sys.exit(1 if missing else 0)
+# A wheel holds no symlinks: versioned names would be whole copies of the library.
+copies = [n for n in names if re.fullmatch(r"ferry/lib/libferry\.so\..*", n)]
+for n in copies:
+    print("a copy of libferry.so:", n)
+sys.exit(1 if missing or copies else 0)
 PY
 
 step "install into a fresh virtual environment"
