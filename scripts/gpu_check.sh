@@ -76,15 +76,9 @@ if [ -n "${FERRY_GPU_TESTS:-}" ]; then
   done
 fi
 
-# The Python package's CUDA tensor tests (two processes on one GPU through CUDA IPC), where the
-# build made the extension and this machine's python3 has torch and pytest.
-if ls $build/python/ferry/_ferry*.so > /dev/null 2>&1; then
-  py=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' $build/CMakeCache.txt); py=${py:-python3}
-  log "python GPU tests ($py)"
-  PYTHONPATH=$build/python timeout 400 "$py" -m pytest python/tests/test_gpu.py python/tests/test_moe_gpu.py python/tests/test_kv_gpu.py -q -rs -p no:cacheprovider \
-    > "$out/python_gpu.log" 2>&1 || status=1
-  tail -3 "$out/python_gpu.log" | tee -a "$out/gpu_check.log"
-fi
+# The Python package's CUDA tensor tests (two processes on one GPU through CUDA IPC), run
+# against the package `pip install .` builds for this machine's python3 and its torch.
+OUT=$out bash scripts/gpu_pip_check.sh || status=1
 
 log "bench gpu"
 $build/ferry bench gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1

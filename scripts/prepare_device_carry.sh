@@ -23,4 +23,13 @@ cp -r /usr/include/openssl /usr/include/brotli "$h/include/"
 cp /usr/include/"$arch"/openssl/* "$h/include/openssl/"
 cp -a /usr/lib/"$arch"/libcpp-httplib.so* /usr/lib/"$arch"/libbrotli*.so* "$h/lib/"
 cp -a /lib/"$arch"/libssl.so.3 /lib/"$arch"/libcrypto.so.3 "$h/lib/"
+# The pinned Python build tools (requirements/build.txt, numpy left out: the machines have
+# their own) as wheels, for scripts/gpu_pip_check.sh: the machines reach no package index.
+# They are pure Python; their dependencies differ by Python version, hence the loop.
+rm -rf .carry/wheels
+grep -v '^numpy' requirements/build.txt > .carry/build-tools.txt
+for v in 3.10 3.11 3.12 3.13; do
+  python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version "$v" \
+    -d .carry/wheels -r .carry/build-tools.txt
+done
 du -sh .carry

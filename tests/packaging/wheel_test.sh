@@ -20,7 +20,7 @@ step() { echo "== wheel_test: $*"; }
 step "pip wheel . (build folder $work/build)"
 t0=$(date +%s)
 "$python" -m pip wheel "$src" --no-build-isolation --no-deps --disable-pip-version-check \
-  -w "$tmp/dist" -C build-dir="$work/build" > "$tmp/wheel.log" 2>&1 \
+  -w "$tmp/dist" --config-settings=build-dir="$work/build" > "$tmp/wheel.log" 2>&1 \
   || { tail -50 "$tmp/wheel.log"; fail "pip wheel ."; }
 whl=$(ls "$tmp"/dist/ferry-*.whl)
 echo "built $(basename "$whl"): $(du -k "$whl" | cut -f1) KiB in $(( $(date +%s) - t0 )) s"
