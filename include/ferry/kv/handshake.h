@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -82,9 +83,10 @@ class HandshakeServer {
 // One handshake: connect, prove the secret and check the server's proof, send the
 // compatibility hash the caller expects, read the answer. A peer whose layout hash differs
 // answers with an error naming both layouts; a peer without the secret is a kPermissionDenied.
+// `refused` (optional) is set when the endpoint refused the connection (nothing listens).
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout);
+                                      Duration timeout, bool* refused = nullptr);
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
@@ -101,6 +103,20 @@ class HandshakeCache {
     };
     // Handshakes again (after a transfer to this peer failed) and replaces the cached entry.
     Result<Refreshed> refresh(const std::string& host, uint16_t port, Duration timeout);
+
+    // What the process at an endpoint cached before is now, for a watch that ends the
+    // transfers of a peer that is gone. kGone only when the endpoint refuses connections
+    // (nothing listens: the process exited, or closed its side channel, which it does only
+    // after its connector stopped), never on a timeout: a slow or frozen peer is the lease's.
+    struct Probe {
+        enum class State { kSame, kRestarted, kGone, kUnknown };
+        State state = State::kUnknown;
+        std::optional<HandshakeInfo> previous;  // the answer cached before the probe
+        Status why;                             // kGone and kUnknown: what failed
+    };
+    // Handshakes again. kRestarted: the cache holds the new process's answer; kGone: the
+    // entry is dropped; otherwise the cache is as it was (kSame: refreshed).
+    Probe probe(const std::string& host, uint16_t port, Duration timeout);
 
     void forget(const std::string& host, uint16_t port);
     size_t size() const;
