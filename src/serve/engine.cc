@@ -209,6 +209,15 @@ Engine::~Engine() { stop(); }
 void Engine::attach_connector(KvProducer* producer, KvConsumer* consumer) {
     producer_ = producer;
     consumer_ = consumer;
+    if (producer_ == nullptr) return;
+    // As abort_transfer, through the inbox: the connector may call after the engine is gone.
+    std::weak_ptr<Inbox> weak = inbox_;
+    producer_->on_consumer_gave_up([weak](const std::string& transfer_id, const Status& why) {
+        if (auto inbox = weak.lock())
+            inbox->post(Inbox::Event{.kind = Inbox::Kind::kCancelTransfer,
+                                     .id = transfer_id,
+                                     .status = cancelled(why.message())});
+    });
 }
 
 Status Engine::start() {

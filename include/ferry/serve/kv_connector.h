@@ -96,6 +96,13 @@ class KvProducer {
                                     const Status& why, KvDoneCallback release) {
         release(why);
     }
+
+    // Push: the consumer gave a transfer up before its prompt was computed (decode's request
+    // was cancelled). The connector calls `stop(transfer_id, why)` so that the engine stops
+    // computing a prompt nobody wants; any thread, possibly after the engine stopped. The
+    // engine sets it once, in attach_connector. A connector that cannot tell ignores it.
+    using GaveUpHandler = std::function<void(const std::string& transfer_id, const Status& why)>;
+    virtual void on_consumer_gave_up(GaveUpHandler stop) {}
 };
 
 // What a decode engine needs.
