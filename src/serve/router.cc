@@ -192,12 +192,15 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
                           p->completions(req, reply);
                       }});
+    // Both read the prober's state and counters: quick, answered while streams hold every worker.
     routes.push_back(
-        {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }});
-    routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
+        {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }, true});
+    routes.push_back({"GET", "/metrics",
+                      [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->prometheus_text();
-                      }});
+                      },
+                      true});
     r->prober_thread_ = std::thread([p] {
         set_thread_name("ferry-probe");
         p->prober();
