@@ -289,22 +289,22 @@ TEST(TrustE2E, ReplayedPullDecodeLegIsRefusedAndReturnsNoTokens) {
     EXPECT_TRUE(s.pools_free()) << s.logs();
 }
 
-// A captured prefill leg sent again (to compute a long prompt and pin its blocks once more) is
-// refused, also after the transfer it started was ended.
+// A captured prefill leg sent again after its transfer ended (to compute a long prompt and pin
+// its blocks once more, as often as wanted) is refused.
 TEST(TrustE2E, ReplayedPrefillLegIsRefusedAndPinsNothing) {
     TrustStack s("pull");
     ASSERT_TRUE(s.up);
     auto prompt = prompt_of(600, 7);
     json captured = prefill_leg(s, prompt, "t-pin");
-    HttpResponse first = post(s.prefill_port, captured);
-    ASSERT_EQ(first.status, 200) << first.body << s.logs();
+    json offer = offer_of(post(s.prefill_port, captured));
+    ASSERT_TRUE(offer.is_object()) << s.logs();
     EXPECT_GT(metric(kHost, s.prefill_port, "ferry_kv_blocks_used"), 0);
-    // The router's abort ends the offer (a decode that never came).
-    auto ended = http_post_json(
-        kHost, s.prefill_port, "/ferry/abort",
-        json{{"transfer_id", "t-pin"}, {"ferry_auth", abort_tag(s.secret(), "t-pin")}}.dump(),
-        seconds(5));
-    ASSERT_TRUE(ended.ok() && ended->status == 200);
+    // Decode reads the offer: the transfer ends and prefill's blocks are free.
+    HttpResponse read =
+        post(s.decode_port, {{"prompt", prompt},
+                             {"max_tokens", 2},
+                             {"kv_transfer_params", decode_leg(s, offer, prompt, 2)}});
+    ASSERT_EQ(read.status, 200) << read.body << s.logs();
     ASSERT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
 
     for (int i = 0; i < 2; ++i) {
