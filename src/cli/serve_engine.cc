@@ -353,6 +353,7 @@ struct RouterFlags {
     std::string mode = "push";
     size_t http_threads = 256;
     double timeout_s = 600;
+    double leg_ttl_s = to_ms(serve::kDefaultLegTtl) / 1000;
     HttpLimitFlags http_limits;
     std::string secret_file;
 };
@@ -380,6 +381,7 @@ int run_router(const RouterFlags& f) {
     rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits);
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
+    rc.leg_ttl = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_ttl_s));
     auto secret = deployment_secret(f.secret_file);
     if (!secret.ok()) return fail(secret.status());
     rc.secret = std::move(secret).value();
@@ -482,6 +484,11 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
             ->capture_default_str();
         cmd->add_option("--decode", f.decode, "decode engines HOST:PORT[,HOST:PORT...]")
             ->capture_default_str();
+        cmd->add_option("--leg-ttl", f.leg_ttl_s,
+                        "seconds an engine takes a signed leg after the router sent it (each is "
+                        "taken once); the hosts' clocks must agree within it")
+            ->capture_default_str()
+            ->check(positive_number());
     }
 }
 

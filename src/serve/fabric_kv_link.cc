@@ -31,6 +31,8 @@ class FabricKvLink::Impl {
     std::unique_ptr<kv::KvConnector> conn;
     std::unique_ptr<kv::HandshakeServer> side;
     std::unique_ptr<kv::HandshakeCache> peers;
+    // The legs authorize() took: each is taken once, until it expires.
+    LegTagLedger ledger;
 
     std::string http_host = "127.0.0.1";
     int http_port = 0;
@@ -649,14 +651,12 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
         if (auto it = p->sends.find(tid); it != p->sends.end()) p->erase_send_locked(it);
         return st;
     }
-    // Signed here too, so the offer is proven by its maker; the router signs it again with the
-    // decode leg's fields.
-    sign_kv_params(p->cfg.secret, &out);
+    // Unsigned: the router signs the decode leg it builds from the offer.
     return out;
 }
 
 Status FabricKvLink::authorize(const KvTransferParams& params) const {
-    return verify_kv_params(impl_->cfg.secret, params);
+    return impl_->ledger.admit(impl_->cfg.secret, params, unix_ms_now());
 }
 
 // Checks a decode leg's parameters against the link's mode and the deployment secret (again:

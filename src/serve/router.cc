@@ -513,11 +513,18 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
+    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to, and
+    // expires leg_ttl after it was signed (kv_params_auth.h).
+    const Digest prompt = prompt_digest(scanned->prompt);
+    auto leg_tag_expiry = [this] { return unix_ms_now() + int64_t(to_ms(config_.leg_ttl)); };
     json prefill_kv = {{"do_remote_decode", true},
                        {"transfer_id", tid},
                        {"remote_host", D.host},
                        {"remote_port", D.port}};
-    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv); !st.ok())
+    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
+                                        leg_content_digest({prompt, 1, P_state.engine_id}),
+                                        leg_tag_expiry());
+        !st.ok())
         return fail(500, st.to_string());
     std::string prefill_body =
         body.with({{"max_tokens", 1}, {"stream", false}, {"kv_transfer_params", prefill_kv}});
@@ -571,7 +578,10 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         decode_kv["do_remote_decode"] = false;
         decode_kv["transfer_id"] = tid;
     }
-    if (Status st = sign_kv_params_json(config_.secret, &decode_kv); !st.ok()) {
+    if (Status st = sign_kv_params_json(
+            config_.secret, &decode_kv,
+            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry());
+        !st.ok()) {
         abort_prefill("the decode leg could not be signed");
         return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
     }

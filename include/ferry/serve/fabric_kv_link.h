@@ -119,7 +119,8 @@ class FabricKvLink : public KvProducer, public KvConsumer {
                                std::vector<BlockId> blocks, size_t num_tokens,
                                KvDoneCallback arrived, KvProgressCallback progress) override;
     void cancel(const RequestId& request) override;
-    // Both roles: kv_transfer_params must carry the router's tag (kv_params_auth.h).
+    // Both roles: kv_transfer_params must carry the router's tag for this request and engine,
+    // unexpired and not used before (kv_params_auth.h, LegTagLedger).
     Status authorize(const KvTransferParams& params) const override;
 
     class Impl;

@@ -29,6 +29,7 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/serve/http.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/metrics.h"
 
 namespace ferry::serve {
@@ -60,6 +61,9 @@ struct RouterConfig {
     size_t abort_queue = 4096;
     // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required.
     Secret secret{};
+    // How long an engine takes a signed leg after the router signed it (kDefaultLegTtl says
+    // why 30 s); engines' clocks must agree with the router's within it.
+    Duration leg_ttl = kDefaultLegTtl;
 };
 
 class Router {
