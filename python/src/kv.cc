@@ -32,6 +32,7 @@
 #include "ferry/kv/layout.h"
 #include "ferry/kv/messages.h"
 #include "ferry/kv/pool.h"
+#include "fork.h"
 
 namespace py = pybind11;
 
@@ -221,7 +222,14 @@ struct LiveConnector {
         : engine(std::move(e)), owners(std::move(o)) {}
     LiveConnector(const LiveConnector&) = delete;
     LiveConnector& operator=(const LiveConnector&) = delete;
+    MadeIn made;
+
     ~LiveConnector() {
+        if (made.inherited()) {  // a fork child: its thread and regions are the parent's
+            abandon(std::move(conn));
+            abandon(std::move(mrs));
+            abandon(std::move(engine));
+        }
         conn.reset();  // reports open transfers as cancelled; joins its thread
         mrs.clear();
         py::gil_scoped_acquire gil;
@@ -468,12 +476,19 @@ class HandshakeServer {
         return *server_;
     }
     void close() {
+        if (made_.inherited()) return abandon(std::move(server_));  // the parent's (fork.h)
         py::gil_scoped_release nogil;
         server_.reset();  // joins its thread
     }
+    ~HandshakeServer() {
+        if (made_.inherited()) abandon(std::move(server_));
+    }
+    HandshakeServer(const HandshakeServer&) = delete;
+    HandshakeServer& operator=(const HandshakeServer&) = delete;
 
   private:
     std::unique_ptr<kv::HandshakeServer> server_;
+    MadeIn made_;
 };
 
 py::list descriptors_of(const kv::HandshakeInfo& i) {

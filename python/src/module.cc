@@ -28,6 +28,7 @@
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_memory.h"
 #include "ferry/fabric/types.h"
+#include "fork.h"
 #include "kv.h"
 #include "memory.h"
 #include "moe.h"
@@ -74,7 +75,10 @@ struct Region {
         Held() = default;
         Held(const Held&) = delete;
         Held& operator=(const Held&) = delete;
+        MadeIn made;
+
         ~Held() {
+            if (made.inherited()) abandon(std::move(mr));  // a fork child: the parent's (fork.h)
             mr.reset();  // waits (up to op_timeout) for operations libfabric still holds on it
             py::gil_scoped_acquire gil;
             buffer.release();
@@ -103,6 +107,16 @@ struct Op {
     py::object keep_src;
     py::object keep_dst;
     Duration spin{};  // the engine's wait_spin_us
+    MadeIn made;
+
+    Op() = default;
+    Op(Op&&) = default;
+    Op& operator=(Op&&) = default;
+    Op(const Op&) = default;
+    Op& operator=(const Op&) = default;
+    ~Op() {
+        if (made.inherited()) abandon(std::move(handle));  // its state is the parent's (fork.h)
+    }
 
     bool done() const { return handle.done(); }  // a flag read: keeps the GIL
     void wait(py::handle timeout) const {
@@ -177,7 +191,21 @@ class Engine {
                                                  [core](TransferEngine* e) { e->shutdown(); });
     }
 
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+    ~Engine() {
+        if (made_.inherited()) {  // a fork child: the engine and its threads are the parent's
+            abandon(std::move(users_));
+            abandon(std::move(core_));
+        }
+    }
+
     TransferEngine& get() const {
+        if (made_.inherited())
+            throw StatusError(unavailable(
+                "this TransferEngine was made by the parent process before fork(): its threads "
+                "stayed there; make a new TransferEngine in this process (or start it with the "
+                "'spawn' or 'forkserver' start method)"));
         if (!users_) throw StatusError(cancelled("engine is closed (TransferEngine.close())"));
         return *users_;
     }
@@ -196,6 +224,7 @@ class Engine {
     }
 
     void close() {
+        if (made_.inherited()) return;  // nothing of it runs here; the destructor abandons it
         std::shared_ptr<TransferEngine> users = std::move(users_);
         std::shared_ptr<TransferEngine> core = std::move(core_);
         py::gil_scoped_release nogil;
@@ -416,6 +445,7 @@ class Engine {
     std::shared_ptr<TransferEngine> users_;
     std::shared_ptr<TransferEngine> core_;
     Duration wait_spin_{};  // how long waits poll before they sleep
+    MadeIn made_;
 };
 
 // Engine.write without pybind11's dispatch: the hot path of small writes. pybind11's argument
@@ -529,6 +559,7 @@ PYBIND11_MODULE(_ferry, m) {
     using namespace ferry::python;  // NOLINT(google-build-using-namespace)
     m.doc() = "ferry's C++ TransferEngine; use the `ferry` package, not this module directly.";
     register_errors(m);
+    count_forks();
 
     py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>> remote_region(m, "RemoteRegion");
     obtained_from(remote_region, "ferry.RemoteRegion",
