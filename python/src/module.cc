@@ -5,6 +5,7 @@
 // - nothing runs Python code on ferry's threads: completions are polled (Op.done, Op.wait),
 //   and the one callback used (on_imm, for ImmExpectation) only sets C++ state;
 // - every Status becomes a ferry.Error subclass (errors.h), never a crash.
+#include <fmt/format.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -264,6 +265,7 @@ class Engine {
                                          py::object owner, bool read_only) {
         if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
         if (ptr == 0) throw StatusError(invalid_argument("cannot register a null pointer"));
+        check_user_range(ptr, nbytes);
         auto region = std::make_shared<Region>();
         region->held->owner = std::move(owner);
         region->read_only = read_only;
@@ -407,6 +409,25 @@ class Engine {
         }
         region->held->mr = take(std::move(r));
         return region;
+    }
+
+    // A raw (ptr, nbytes) is taken on the caller's word: nbytes 2^63 was registered, and every
+    // offset a peer named below it passed the range checks. Memory a process can use ends
+    // below 2^56 (x86-64 user space with 5-level paging; arm64's ends at 2^52 at most), GPU
+    // memory in CUDA's unified address space too.
+    static void check_user_range(uint64_t ptr, uint64_t nbytes) {
+        constexpr uint64_t kUserEnd = uint64_t{1} << 56;
+        auto hex = [](uint64_t v) { return fmt::format("{:#x}", v); };
+        if (nbytes > ~uint64_t{0} - ptr)
+            throw StatusError(invalid_argument(
+                fmt::format("cannot register {} bytes at {}: the range wraps past the end of the "
+                            "address space",
+                            nbytes, hex(ptr))));
+        if (ptr + nbytes > kUserEnd)
+            throw StatusError(invalid_argument(fmt::format(
+                "cannot register {} bytes at {}: the range ends at {}, past the end of any "
+                "process's address space (2^56); pass the memory's real size",
+                nbytes, hex(ptr), hex(ptr + nbytes))));
     }
 
     static void refuse_read_only(const Region& r, const char* what) {
