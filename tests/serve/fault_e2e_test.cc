@@ -95,6 +95,31 @@ struct Outcome {
     std::string error;
 };
 
+// A completion through the router; ok only with the verifier's tokens (`expected`, or
+// computed here). answered_s: seconds it took.
+Outcome complete(int router_port, const std::vector<int32_t>& prompt, int max_tokens,
+                 Duration timeout = seconds(35), const std::vector<int32_t>* expected = nullptr) {
+    Outcome o;
+    TimePoint t0 = Clock::now();
+    json body = {{"prompt", prompt}, {"max_tokens", max_tokens}};
+    auto r = http_post_json(kHost, router_port, "/v1/completions", body.dump(), timeout);
+    o.answered_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!r.ok()) {
+        o.error = r.status().to_string();
+        return o;
+    }
+    json j = json::parse(r->body, nullptr, false);
+    if (r->status != 200 || j.is_discarded()) {
+        o.error = fmt::format("HTTP {}: {}", r->status, r->body.substr(0, 300));
+        return o;
+    }
+    std::vector<int32_t> got;
+    for (auto& t : j["choices"][0]["token_ids"]) got.push_back(t.get<int32_t>());
+    o.ok = got == (expected ? *expected : tiny_expected(prompt, max_tokens));
+    if (!o.ok) o.error = "tokens differ from the verifier's";
+    return o;
+}
+
 // Verified tokens for a few prompts of each size, computed once.
 struct Prompts {
     std::vector<std::vector<int32_t>> prompts;
@@ -151,25 +176,11 @@ TEST(FaultE2E, DecodeKilledUnderLoadAndRestartedServesAgainAndPrefillsPoolRecove
         }
         const size_t k = size_t(i) % load.prompts.size();
         inflight.push_back(std::async(std::launch::async, [&, k] {
-            Outcome o;
-            o.sent_s = now_s();
-            json body = {{"prompt", load.prompts[k]}, {"max_tokens", Prompts::kMaxTokens}};
-            auto r =
-                http_post_json(kHost, s.router_port, "/v1/completions", body.dump(), seconds(25));
-            o.answered_s = now_s();
-            if (!r.ok()) {
-                o.error = r.status().to_string();
-                return o;
-            }
-            json j = json::parse(r->body, nullptr, false);
-            if (r->status != 200 || j.is_discarded()) {
-                o.error = fmt::format("HTTP {}: {}", r->status, r->body.substr(0, 300));
-                return o;
-            }
-            std::vector<int32_t> got;
-            for (auto& t : j["choices"][0]["token_ids"]) got.push_back(t.get<int32_t>());
-            o.ok = got == load.expected[k];
-            if (!o.ok) o.error = "tokens differ from the verifier's";
+            double sent = now_s();
+            Outcome o = complete(s.router_port, load.prompts[k], Prompts::kMaxTokens, seconds(25),
+                                 &load.expected[k]);
+            o.sent_s = sent;
+            o.answered_s += sent;
             return o;
         }));
     }
@@ -213,30 +224,6 @@ TEST(FaultE2E, DecodeKilledUnderLoadAndRestartedServesAgainAndPrefillsPoolRecove
     EXPECT_GE(after, 40u);
     EXPECT_GE(ratio, 0.99) << first_error << "\n" << s.logs();
     EXPECT_LE(recovery, 2.0) << "prefill's pool used " << before << " blocks before the kill";
-}
-
-// A completion through the router; ok only with the verifier's tokens.
-Outcome complete(int router_port, const std::vector<int32_t>& prompt, int max_tokens,
-                 Duration timeout = seconds(35)) {
-    Outcome o;
-    TimePoint t0 = Clock::now();
-    json body = {{"prompt", prompt}, {"max_tokens", max_tokens}};
-    auto r = http_post_json(kHost, router_port, "/v1/completions", body.dump(), timeout);
-    o.answered_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!r.ok()) {
-        o.error = r.status().to_string();
-        return o;
-    }
-    json j = json::parse(r->body, nullptr, false);
-    if (r->status != 200 || j.is_discarded()) {
-        o.error = fmt::format("HTTP {}: {}", r->status, r->body.substr(0, 300));
-        return o;
-    }
-    std::vector<int32_t> got;
-    for (auto& t : j["choices"][0]["token_ids"]) got.push_back(t.get<int32_t>());
-    o.ok = got == tiny_expected(prompt, max_tokens);
-    if (!o.ok) o.error = "tokens differ from the verifier's";
-    return o;
 }
 
 // Issue 30, item 1: prefill SIGKILLed and started again on the same ports. Decode kept the dead
