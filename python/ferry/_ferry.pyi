@@ -257,13 +257,15 @@ class KvEvent:
         and either way the blocks are the engine's again), "send" (prefill: ferry no longer
         reads the blocks; free them), "scheduled" (decode: every prefill rank of an announce()
         scheduled the transfer, or why not), "progress" (decode, push: tokens [0, tokens) landed,
-        plus [tokens, partial_end) in layers [0, partial_layers)).
+        plus [tokens, partial_end) in layers [0, partial_layers)), "overflow" (the last of a
+        poll() when KvConfig.max_events were waiting and more came: `dropped` of them were not
+        kept; its code is "resource exhausted").
     code: "ok" or the status code's name ("cancelled", "timeout", "unavailable", ...);
     message: ferry's message. bytes / writes: what this rank moved (recv, send).
     """
 
     kind: str
-    """"recv", "send", "scheduled" or "progress" (see the class)."""
+    """"recv", "send", "scheduled", "progress" or "overflow" (see the class)."""
     transfer_id: int
     """The transfer id the calls gave."""
     attempt: int
@@ -284,6 +286,8 @@ class KvEvent:
     """progress: tokens [tokens, partial_end) landed in layers [0, partial_layers)."""
     partial_layers: int
     """progress: see partial_end."""
+    dropped: int
+    """overflow: events dropped since the previous poll() (0 for other kinds)."""
     def raise_if_error(self) -> None:
         """Raises the ferry.Error subclass of the event's status (nothing when ok)."""
 

@@ -54,6 +54,10 @@ class KvConfig:
     imm_count: int = 1 << 20
     imm_span: int = 64
     pull_mode: str = "background"
+    # Events kept until poll(), about 100 bytes each; beyond them, events are dropped and the
+    # next poll() ends with an "overflow" event counting them. 65536 (about 6 MiB) holds more
+    # than a step's events of 1000 push transfers reporting their 64 chunks each.
+    max_events: int = 1 << 16
 
 
 def _describe(obj: Any) -> str:
@@ -198,7 +202,8 @@ class KvConnector(_Closing):
                 _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
                 _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
                 _uint("imm_count", config.imm_count, _U32_MAX),
-                _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline")
+                _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline",
+                _uint("max_events", config.max_events))
         # The connector takes the engine's message handler: a second one would silently take
         # it from the first, whose transfers would then wait out their lease.
         ref = getattr(engine, "_kv_connector", None)

@@ -30,6 +30,8 @@ class KvConfig:
         ([imm_base, imm_base + imm_count) must end at or below 2**32).
     imm_span: immediates per push registration (one per prefill_progress chunk), at most 4096.
     pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
+    max_events: events kept until poll() (at least 1); beyond them events are dropped, and the
+        next poll() ends with one KvEvent of kind "overflow" whose `dropped` counts them.
     """
 
     tp_rank: int = 0
@@ -39,6 +41,7 @@ class KvConfig:
     imm_count: int = 1 << 20
     imm_span: int = 64
     pull_mode: str = "background"
+    max_events: int = 65536
 
 class KvConnector:
     """One engine rank's KV transfers, push and pull, on a TransferEngine.

@@ -32,6 +32,7 @@
 #include "ferry/kv/layout.h"
 #include "ferry/kv/messages.h"
 #include "ferry/kv/pool.h"
+#include "fork.h"
 
 namespace py = pybind11;
 
@@ -129,7 +130,7 @@ Secret parse_secret(const py::bytes& b) {
 
 // What the connector reported, as poll() hands it to Python.
 struct Event {
-    std::string kind;  // "recv", "send", "scheduled", "progress"
+    std::string kind;  // "recv", "send", "scheduled", "progress", "overflow"
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
     Status status;
@@ -138,6 +139,7 @@ struct Event {
     uint32_t tokens = 0;
     uint32_t partial_end = 0;
     uint32_t partial_layers = 0;
+    uint64_t dropped = 0;  // overflow: events not kept
 
     static Event of(const char* kind, const kv::TransferResult& r) {
         Event e;
@@ -154,6 +156,8 @@ struct Event {
         std::string s = "ferry.kv.KvEvent(" + kind +
                         ", transfer_id=" + std::to_string(transfer_id) +
                         ", attempt=" + std::to_string(attempt);
+        if (kind == "overflow")
+            return "ferry.kv.KvEvent(overflow, dropped=" + std::to_string(dropped) + ")";
         if (kind == "progress") {
             s += ", tokens=" + std::to_string(tokens);
         } else {
@@ -166,12 +170,18 @@ struct Event {
     }
 };
 
-// Filled by the connector's thread, drained by the caller's.
+// Filled by the connector's thread, drained by the caller's. At most max_events wait: a caller
+// that never polled grew it without bound (each event about 100 bytes). Beyond that, events are
+// counted and dropped, and the next poll() ends with one "overflow" event saying how many.
 struct EventQueue {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Event> events;
+    size_t max_events = 0;
+    uint64_t dropped = 0;
     bool closed = false;  // KvConnector.close() ran: wakes the waiters, who raise Cancelled
+
+    explicit EventQueue(size_t max) : max_events(max) {}
 
     void close() {
         {
@@ -184,7 +194,10 @@ struct EventQueue {
     void push(Event e) {
         {
             std::lock_guard<std::mutex> l(mu);
-            events.push_back(std::move(e));
+            if (events.size() >= max_events)
+                ++dropped;
+            else
+                events.push_back(std::move(e));
         }
         cv.notify_all();
     }
@@ -193,12 +206,23 @@ struct EventQueue {
         std::vector<Event> out(std::make_move_iterator(events.begin()),
                                std::make_move_iterator(events.end()));
         events.clear();
+        if (dropped > 0) {
+            Event e;
+            e.kind = "overflow";
+            e.dropped = std::exchange(dropped, 0);
+            e.status = resource_exhausted(
+                std::to_string(e.dropped) + " events were dropped: " + std::to_string(max_events) +
+                " were waiting unpolled, the queue's limit (KvConfig.max_events); the transfers "
+                "they reported are over, but which is lost: poll() more often or raise "
+                "max_events");
+            out.push_back(std::move(e));
+        }
         return out;
     }
     // Whether events are there (or the queue was closed) within t.
     bool wait(Duration t) {
         std::unique_lock<std::mutex> l(mu);
-        return cv.wait_for(l, t, [&] { return !events.empty() || closed; });
+        return cv.wait_for(l, t, [&] { return !events.empty() || dropped > 0 || closed; });
     }
 };
 
@@ -221,7 +245,14 @@ struct LiveConnector {
         : engine(std::move(e)), owners(std::move(o)) {}
     LiveConnector(const LiveConnector&) = delete;
     LiveConnector& operator=(const LiveConnector&) = delete;
+    MadeIn made;
+
     ~LiveConnector() {
+        if (made.inherited()) {  // a fork child: its thread and regions are the parent's
+            abandon(std::move(conn));
+            abandon(std::move(mrs));
+            abandon(std::move(engine));
+        }
         conn.reset();  // reports open transfers as cancelled; joins its thread
         mrs.clear();
         py::gil_scoped_acquire gil;
@@ -234,7 +265,11 @@ class Connector {
     Connector(std::shared_ptr<TransferEngine> engine, const KvLayout& layout, uint32_t tp_rank,
               uint32_t tp_size, const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
               py::object owners, double lease_s, uint32_t imm_base, uint32_t imm_count,
-              uint32_t imm_span, bool pull_inline) {
+              uint32_t imm_span, bool pull_inline, uint64_t max_events) {
+        if (max_events == 0)
+            throw StatusError(invalid_argument(
+                "max_events must be at least 1 (events the connector keeps until poll())"));
+        events_ = std::make_shared<EventQueue>(max_events);
         auto live = std::make_shared<LiveConnector>(std::move(engine), std::move(owners));
         kv::ConnectorConfig cc;
         cc.self = {layout, tp_rank, tp_size};
@@ -445,7 +480,7 @@ class Connector {
         check(s);
     }
 
-    std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
+    std::shared_ptr<EventQueue> events_;
     std::shared_ptr<LiveConnector> live_;
 };
 
@@ -468,12 +503,19 @@ class HandshakeServer {
         return *server_;
     }
     void close() {
+        if (made_.inherited()) return abandon(std::move(server_));  // the parent's (fork.h)
         py::gil_scoped_release nogil;
         server_.reset();  // joins its thread
     }
+    ~HandshakeServer() {
+        if (made_.inherited()) abandon(std::move(server_));
+    }
+    HandshakeServer(const HandshakeServer&) = delete;
+    HandshakeServer& operator=(const HandshakeServer&) = delete;
 
   private:
     std::unique_ptr<kv::HandshakeServer> server_;
+    MadeIn made_;
 };
 
 py::list descriptors_of(const kv::HandshakeInfo& i) {
@@ -574,6 +616,7 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def_readonly("tokens", &Event::tokens)
         .def_readonly("partial_end", &Event::partial_end)
         .def_readonly("partial_layers", &Event::partial_layers)
+        .def_readonly("dropped", &Event::dropped)
         .def("raise_if_error", [](const Event& e) { check(e.status); })
         .def("__repr__", &Event::repr);
 
@@ -596,19 +639,20 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         });
 
     py::class_<Connector>(m, "KvConnector")
-        .def(
-            py::init([engine_share](py::handle engine, const KvLayout& layout, uint32_t tp_rank,
-                                    uint32_t tp_size,
-                                    const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
-                                    py::object owners, double lease, uint32_t imm_base,
-                                    uint32_t imm_count, uint32_t imm_span, bool pull_inline) {
-                return std::make_unique<Connector>(engine_share(engine), layout, tp_rank, tp_size,
-                                                   regions, std::move(owners), lease, imm_base,
-                                                   imm_count, imm_span, pull_inline);
-            }),
-            py::arg("engine"), py::arg("layout"), py::arg("tp_rank"), py::arg("tp_size"),
-            py::arg("regions"), py::arg("owners"), py::arg("lease"), py::arg("imm_base"),
-            py::arg("imm_count"), py::arg("imm_span"), py::arg("pull_inline"))
+        .def(py::init([engine_share](
+                          py::handle engine, const KvLayout& layout, uint32_t tp_rank,
+                          uint32_t tp_size,
+                          const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+                          py::object owners, double lease, uint32_t imm_base, uint32_t imm_count,
+                          uint32_t imm_span, bool pull_inline, uint64_t max_events) {
+                 return std::make_unique<Connector>(engine_share(engine), layout, tp_rank, tp_size,
+                                                    regions, std::move(owners), lease, imm_base,
+                                                    imm_count, imm_span, pull_inline, max_events);
+             }),
+             py::arg("engine"), py::arg("layout"), py::arg("tp_rank"), py::arg("tp_size"),
+             py::arg("regions"), py::arg("owners"), py::arg("lease"), py::arg("imm_base"),
+             py::arg("imm_count"), py::arg("imm_span"), py::arg("pull_inline"),
+             py::arg("max_events"))
         .def_property_readonly("layout", &Connector::layout)
         .def("announce", &Connector::announce)
         .def("register_push", &Connector::register_push)

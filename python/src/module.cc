@@ -5,6 +5,7 @@
 // - nothing runs Python code on ferry's threads: completions are polled (Op.done, Op.wait),
 //   and the one callback used (on_imm, for ImmExpectation) only sets C++ state;
 // - every Status becomes a ferry.Error subclass (errors.h), never a crash.
+#include <fmt/format.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -28,6 +30,7 @@
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/gpu_memory.h"
 #include "ferry/fabric/types.h"
+#include "fork.h"
 #include "kv.h"
 #include "memory.h"
 #include "moe.h"
@@ -74,7 +77,10 @@ struct Region {
         Held() = default;
         Held(const Held&) = delete;
         Held& operator=(const Held&) = delete;
+        MadeIn made;
+
         ~Held() {
+            if (made.inherited()) abandon(std::move(mr));  // a fork child: the parent's (fork.h)
             mr.reset();  // waits (up to op_timeout) for operations libfabric still holds on it
             py::gil_scoped_acquire gil;
             buffer.release();
@@ -97,23 +103,84 @@ struct Region {
     }
 };
 
-// The handle of one submitted operation; keeps the regions it uses alive until it is gone.
-struct Op {
+// What a submitted operation uses: the local region's registration and the Python objects of
+// both sides. Kept until the operation completed, whether or not its Op is.
+struct OpUses {
     OpHandle handle;
-    py::object keep_src;
-    py::object keep_dst;
-    Duration spin{};  // the engine's wait_spin_us
+    std::shared_ptr<Region::Held> region;  // a share: Region.close() deregisters nothing in use
+    py::object src;
+    py::object dst;
+};
 
-    bool done() const { return handle.done(); }  // a flag read: keeps the GIL
+// Operations whose Op Python dropped before they completed. A write whose Op, region and array
+// were dropped at once deregistered the region and freed the array while the write was still
+// queued: 93 of 200 16 MiB writes over shm landed wrong bytes or none, with one log line. Now
+// the engine keeps what they use and lets go of it once they are done (at the next operation
+// submitted, or at close()). Touched with the GIL held only.
+struct Orphans {
+    std::vector<OpUses> ops;
+    MadeIn made;
+
+    Orphans() = default;
+    Orphans(const Orphans&) = delete;
+    Orphans& operator=(const Orphans&) = delete;
+    // With the GIL held (the engine's or the last Op's destruction). An operation ends within
+    // its op_timeout, so the wait is bounded; it is there only for an engine dropped with
+    // operations still running that nobody kept.
+    ~Orphans() {
+        if (made.inherited()) abandon(std::move(ops));  // the parent's (fork.h)
+        if (ops.empty()) return;
+        {
+            py::gil_scoped_release nogil;
+            for (const OpUses& u : ops) (void)u.handle.wait(std::chrono::minutes(10));
+        }
+        release(true);
+    }
+
+    // Lets go of what completed operations used: Python objects with the GIL, then the
+    // registrations without it (the last share of one deregisters, which waits on a worker).
+    void release(bool all) {
+        if (ops.empty()) return;
+        std::vector<OpUses> done;
+        auto still = std::partition(ops.begin(), ops.end(),
+                                    [&](const OpUses& u) { return !all && !u.handle.done(); });
+        std::move(still, ops.end(), std::back_inserter(done));
+        ops.erase(still, ops.end());
+        for (OpUses& u : done) u.src = u.dst = py::object();
+        py::gil_scoped_release nogil;
+        done.clear();
+    }
+};
+
+// The handle of one submitted operation; keeps what it uses alive until it completed.
+struct Op {
+    OpUses uses;
+    std::shared_ptr<Orphans> orphans;  // the engine's: where an Op dropped early leaves `uses`
+    Duration spin{};                   // the engine's wait_spin_us
+    MadeIn made;
+
+    Op() = default;
+    Op(Op&&) = default;
+    Op& operator=(Op&&) = default;
+    Op(const Op&) = delete;
+    Op& operator=(const Op&) = delete;
+    ~Op() {
+        if (made.inherited()) abandon(std::move(uses));  // the parent's (fork.h)
+        if (orphans && uses.handle.valid() && !uses.handle.done())
+            orphans->ops.push_back(std::move(uses));
+    }
+    const OpHandle& handle() const { return uses.handle; }
+
+    bool done() const { return handle().done(); }  // a flag read: keeps the GIL
     void wait(py::handle timeout) const {
         Duration t = seconds_arg(timeout, "timeout");
         Duration first_spin = spin;
         check(wait_interruptible(
             t,
             [&](Duration slice) -> std::optional<Status> {
-                Status s = handle.wait(slice, std::exchange(first_spin, Duration::zero()));
+                Status s = handle().wait(slice, std::exchange(first_spin, Duration::zero()));
                 // A timeout of the op itself (op_timeout) comes with the op done.
-                if (s.code() == StatusCode::kTimeout && !handle.done()) return std::nullopt;
+                if (s.code() == StatusCode::kTimeout && !handle().done()) return std::nullopt;
                 return s;
             },
             [&] {
@@ -177,7 +244,21 @@ class Engine {
                                                  [core](TransferEngine* e) { e->shutdown(); });
     }
 
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+    ~Engine() {
+        if (made_.inherited()) {  // a fork child: the engine and its threads are the parent's
+            abandon(std::move(users_));
+            abandon(std::move(core_));
+        }
+    }
+
     TransferEngine& get() const {
+        if (made_.inherited())
+            throw StatusError(unavailable(
+                "this TransferEngine was made by the parent process before fork(): its threads "
+                "stayed there; make a new TransferEngine in this process (or start it with the "
+                "'spawn' or 'forkserver' start method)"));
         if (!users_) throw StatusError(cancelled("engine is closed (TransferEngine.close())"));
         return *users_;
     }
@@ -196,11 +277,17 @@ class Engine {
     }
 
     void close() {
+        if (made_.inherited()) return;  // nothing of it runs here; the destructor abandons it
         std::shared_ptr<TransferEngine> users = std::move(users_);
         std::shared_ptr<TransferEngine> core = std::move(core_);
-        py::gil_scoped_release nogil;
-        users.reset();  // the last user shuts down: joins the workers, ends waits elsewhere
-        core.reset();   // nothing there waits for the GIL
+        {
+            py::gil_scoped_release nogil;
+            users.reset();  // the last user shuts down: joins the workers, ends waits elsewhere
+            core.reset();   // nothing there waits for the GIL
+        }
+        // What completed dropped Ops used; the rest (a KV connector may keep the engine
+        // running) goes when they are done: at the engine's destruction at the latest.
+        orphans_->release(false);
     }
 
     py::bytes address() const { return to_bytes(get().address().serialize()); }
@@ -235,6 +322,7 @@ class Engine {
                                          py::object owner, bool read_only) {
         if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
         if (ptr == 0) throw StatusError(invalid_argument("cannot register a null pointer"));
+        check_user_range(ptr, nbytes);
         auto region = std::make_shared<Region>();
         region->held->owner = std::move(owner);
         region->read_only = read_only;
@@ -248,7 +336,7 @@ class Engine {
              std::optional<uint32_t> imm) {
         auto keep = src.hold();
         WriteOp w{peer, keep->mr.get(), src_offset, &dst.desc, dst_offset, nbytes, imm};
-        return submit(py::reinterpret_borrow<py::object>(src_obj),
+        return submit(std::move(keep), py::reinterpret_borrow<py::object>(src_obj),
                       py::reinterpret_borrow<py::object>(dst_obj),
                       [&](TransferEngine& e) { return e.write(w); });
     }
@@ -270,7 +358,7 @@ class Engine {
         w.src_pages = {src_pages.data(), static_cast<size_t>(src_pages.size())};
         w.dst_pages = {dst_pages.data(), static_cast<size_t>(dst_pages.size())};
         w.imm = imm;
-        return submit(py::cast(src), py::cast(dst),
+        return submit(std::move(keep), py::cast(src), py::cast(dst),
                       [&](TransferEngine& e) { return e.paged_write(w); });
     }
 
@@ -279,7 +367,7 @@ class Engine {
         std::vector<WriteRun> rs = to_runs(runs);
         auto keep = src->hold();
         WriteRunsOp w{peer, keep->mr.get(), &dst->desc, rs, imm};
-        return submit(py::cast(src), py::cast(dst),
+        return submit(std::move(keep), py::cast(src), py::cast(dst),
                       [&](TransferEngine& e) { return e.write_runs(w); });
     }
 
@@ -288,7 +376,8 @@ class Engine {
         refuse_read_only(*dst, "read");
         auto keep = dst->hold();
         ReadOp r{peer, keep->mr.get(), dst_offset, &src->desc, src_offset, nbytes};
-        return submit(py::cast(src), py::cast(dst), [&](TransferEngine& e) { return e.read(r); });
+        return submit(std::move(keep), py::cast(src), py::cast(dst),
+                      [&](TransferEngine& e) { return e.read(r); });
     }
 
     Op read_runs(PeerId peer, std::shared_ptr<Region> dst, std::shared_ptr<RemoteRegion> src,
@@ -297,12 +386,12 @@ class Engine {
         std::vector<WriteRun> rs = to_runs(runs);
         auto keep = dst->hold();
         ReadRunsOp r{peer, keep->mr.get(), &src->desc, rs};
-        return submit(py::cast(src), py::cast(dst),
+        return submit(std::move(keep), py::cast(src), py::cast(dst),
                       [&](TransferEngine& e) { return e.read_runs(r); });
     }
 
     Op signal(PeerId peer, uint32_t imm) {
-        return submit(py::none(), py::none(),
+        return submit(nullptr, py::none(), py::none(),
                       [&](TransferEngine& e) { return e.signal(peer, imm); });
     }
 
@@ -380,6 +469,25 @@ class Engine {
         return region;
     }
 
+    // A raw (ptr, nbytes) is taken on the caller's word: nbytes 2^63 was registered, and every
+    // offset a peer named below it passed the range checks. Memory a process can use ends
+    // below 2^56 (x86-64 user space with 5-level paging; arm64's ends at 2^52 at most), GPU
+    // memory in CUDA's unified address space too.
+    static void check_user_range(uint64_t ptr, uint64_t nbytes) {
+        constexpr uint64_t kUserEnd = uint64_t{1} << 56;
+        auto hex = [](uint64_t v) { return fmt::format("{:#x}", v); };
+        if (nbytes > ~uint64_t{0} - ptr)
+            throw StatusError(invalid_argument(
+                fmt::format("cannot register {} bytes at {}: the range wraps past the end of the "
+                            "address space",
+                            nbytes, hex(ptr))));
+        if (ptr + nbytes > kUserEnd)
+            throw StatusError(invalid_argument(fmt::format(
+                "cannot register {} bytes at {}: the range ends at {}, past the end of any "
+                "process's address space (2^56); pass the memory's real size",
+                nbytes, hex(ptr), hex(ptr + nbytes))));
+    }
+
     static void refuse_read_only(const Region& r, const char* what) {
         if (r.read_only) {
             throw StatusError(invalid_argument(std::string(what) +
@@ -400,15 +508,18 @@ class Engine {
     }
 
     template <typename F>
-    Op submit(py::object keep_src, py::object keep_dst, F&& post) {
+    Op submit(std::shared_ptr<Region::Held> region, py::object src, py::object dst, F&& post) {
         std::shared_ptr<TransferEngine> e = hold();
+        orphans_->release(false);  // a check of an empty vector unless Ops were dropped early
         Op op;
         {
             py::gil_scoped_release nogil;
-            op.handle = post(*e);
+            op.uses.handle = post(*e);
         }
-        op.keep_src = std::move(keep_src);
-        op.keep_dst = std::move(keep_dst);
+        op.uses.region = std::move(region);
+        op.uses.src = std::move(src);
+        op.uses.dst = std::move(dst);
+        op.orphans = orphans_;
         op.spin = wait_spin_;
         return op;
     }
@@ -416,6 +527,8 @@ class Engine {
     std::shared_ptr<TransferEngine> users_;
     std::shared_ptr<TransferEngine> core_;
     Duration wait_spin_{};  // how long waits poll before they sleep
+    std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
+    MadeIn made_;
 };
 
 // Engine.write without pybind11's dispatch: the hot path of small writes. pybind11's argument
@@ -529,6 +642,7 @@ PYBIND11_MODULE(_ferry, m) {
     using namespace ferry::python;  // NOLINT(google-build-using-namespace)
     m.doc() = "ferry's C++ TransferEngine; use the `ferry` package, not this module directly.";
     register_errors(m);
+    count_forks();
 
     py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>> remote_region(m, "RemoteRegion");
     obtained_from(remote_region, "ferry.RemoteRegion",
@@ -580,7 +694,7 @@ PYBIND11_MODULE(_ferry, m) {
                   "...) returns the Op to wait on");
     op.def("done", &Op::done)
         .def("wait", &Op::wait, py::arg("timeout") = 30.0)
-        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle.imm_writes(); });
+        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle().imm_writes(); });
 
     py::class_<ImmExpectation> imm_expectation(m, "ImmExpectation");
     obtained_from(imm_expectation, "ferry.ImmExpectation",

@@ -20,6 +20,7 @@
 #include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
+#include "fork.h"
 
 namespace py = pybind11;
 
@@ -268,6 +269,17 @@ class MoeAllToAll {
         std::shared_ptr<TransferEngine> engine;
         std::unique_ptr<moe::AllToAll> cpu;
         std::unique_ptr<moe::CudaAllToAll> gpu;
+        MadeIn made;
+
+        Parts() = default;
+        Parts(const Parts&) = delete;
+        Parts& operator=(const Parts&) = delete;
+        ~Parts() {
+            if (!made.inherited()) return;
+            abandon(std::move(gpu));  // a fork child: the parent's (fork.h)
+            abandon(std::move(cpu));
+            abandon(std::move(engine));
+        }
     };
     std::shared_ptr<Parts> parts() {
         std::lock_guard lk(mu_);

@@ -178,6 +178,23 @@ def test_raw_region_past_the_end_of_the_address_space_refused(two):
     assert a.stats()["regions_registered"] == before
 
 
+@pytest.mark.parametrize("nbytes", [2**63, 2**56, 2**62 + 5])
+def test_raw_region_larger_than_any_address_space_refused(two, nbytes):
+    # (ptr, 2**63, None) was registered: no process has that much memory, and every offset a
+    # peer named below 2^63 passed the range checks.
+    a, _, _, _, _, _ = two
+    buf = np.zeros(64, dtype=np.uint8)
+    before = a.stats()["regions_registered"]
+    with pytest.raises(ferry.InvalidArgument,
+                       match=rf"cannot register {nbytes} bytes at 0x[0-9a-f]+: the range ends "
+                             r"at 0x[0-9a-f]+, past the end of any process's address space"):
+        a.register((buf.ctypes.data, nbytes, None))
+    assert a.stats()["regions_registered"] == before
+    r = a.register((buf.ctypes.data, buf.nbytes, None))  # the real size is taken
+    assert r.nbytes == buf.nbytes
+    r.close()
+
+
 def test_cuda_tensor_without_cuda_and_zero_size_tensor(two):
     torch = torch_or_skip()
     a, _, _, _, _, _ = two

@@ -298,6 +298,39 @@ def test_cancel_and_abort_of_unknown_ids_are_no_ops(engine):
         assert conn.stats()["active_send"] == 0
 
 
+def test_unpolled_events_are_bounded_and_the_overflow_is_reported(engine):
+    """Events a caller does not poll grew without a cap. Now at most KvConfig.max_events wait;
+    the next poll() hands those over and ends with one "overflow" event counting the others,
+    and the queue takes events again afterwards."""
+    with pytest.raises(ferry.InvalidArgument, match="max_events must be at least 1"):
+        fkv.KvConnector(engine, layout(), per_layer_pool(), fkv.KvConfig(max_events=0))
+    with fkv.KvConnector(engine, layout(), per_layer_pool(),
+                         fkv.KvConfig(max_events=8)) as conn:
+        def end_transfers(ids):
+            for tid in ids:  # each ends in one "send" event at once
+                conn.offer_pull(tid, [2 * (tid % 12), 2 * (tid % 12) + 1], 20)
+                conn.abort_send(tid, "client left")
+
+        end_transfers(range(1, 21))
+        deadline = time.monotonic() + 10
+        while conn.stats()["transfers_failed"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the last events are queued just after the count
+        events = conn.poll()
+        assert [ev.kind for ev in events] == ["send"] * 8 + ["overflow"], events
+        assert [ev.transfer_id for ev in events[:8]] == list(range(1, 9))
+        overflow = events[-1]
+        assert overflow.dropped == 12 and not overflow.ok
+        assert overflow.code == "resource exhausted"
+        assert "12 events were dropped" in overflow.message
+        assert "max_events" in overflow.message
+        with pytest.raises(ferry.ResourceExhausted, match="12 events were dropped"):
+            overflow.raise_if_error()
+        end_transfers([21])
+        assert conn.wait(5.0)
+        assert [(ev.kind, ev.transfer_id) for ev in conn.poll()] == [("send", 21)]
+
+
 def test_refused_config_leaves_nothing(engine):
     """A connector ferry refuses (a TP rank outside the TP size) leaves no region registered
     and no message handler behind: the same engine and tensors serve the next one."""

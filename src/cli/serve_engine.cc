@@ -219,13 +219,18 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
     return serve::Engine::create(f.engine, cost);
 }
 
+// `kv_mode`: the KV link's mode as the flag gave it; with `role`, stated in /health for the
+// router to check against its own --mode.
 Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, const EngineFlags& f,
-                                                          int port,
+                                                          int port, const std::string& role,
+                                                          const std::string& kv_mode,
                                                           serve::FabricKvLink* link = nullptr,
                                                           const Secret& secret = Secret()) {
     FERRY_RETURN_IF_ERROR(e.start());
     serve::EngineServerOptions so{.http =
                                       http_options(f.host, port, f.http_threads, f.http_limits)};
+    so.role = role;
+    so.kv_mode = kv_mode;
     if (link != nullptr) {
         so.kv_side_channel_port = link->side_port();
         so.kv_provider = link->provider();
@@ -326,7 +331,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         bool prefill = role == "prefill";
         (*engine)->attach_connector(prefill ? link.get() : nullptr, prefill ? nullptr : link.get());
     }
-    auto server = serve_engine(**engine, f, f.port, link.get(), deployment);
+    auto server = serve_engine(**engine, f, f.port, role, f.kv_mode, link.get(), deployment);
     if (!server.ok()) return fail(server.status());
     if (link)
         fmt::print(stderr, "  KV connector: {} over {}, side channel {}:{}\n", f.kv_mode,
@@ -348,6 +353,7 @@ struct RouterFlags {
     std::string mode = "push";
     size_t http_threads = 256;
     double timeout_s = 600;
+    double leg_ttl_s = to_ms(serve::kDefaultLegTtl) / 1000;
     HttpLimitFlags http_limits;
     std::string secret_file;
 };
@@ -375,6 +381,7 @@ int run_router(const RouterFlags& f) {
     rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits);
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
+    rc.leg_ttl = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_ttl_s));
     auto secret = deployment_secret(f.secret_file);
     if (!secret.ok()) return fail(secret.status());
     rc.secret = std::move(secret).value();
@@ -428,9 +435,9 @@ int run_local(const LocalFlags& f) {
     (*pe)->attach_connector(link.producer(pid), nullptr);
     (*de)->attach_connector(nullptr, link.consumer(did));
     if (Status st = link.start(); !st.ok()) return fail(st);
-    auto ps = serve_engine(**pe, f.engine, f.prefill_port);
+    auto ps = serve_engine(**pe, f.engine, f.prefill_port, "prefill", f.router.mode);
     if (!ps.ok()) return fail(ps.status());
-    auto ds = serve_engine(**de, f.engine, f.decode_port);
+    auto ds = serve_engine(**de, f.engine, f.decode_port, "decode", f.router.mode);
     if (!ds.ok()) return fail(ds.status());
     serve::RouterConfig rc;
     rc.mode = *mode;
@@ -477,6 +484,11 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
             ->capture_default_str();
         cmd->add_option("--decode", f.decode, "decode engines HOST:PORT[,HOST:PORT...]")
             ->capture_default_str();
+        cmd->add_option("--leg-ttl", f.leg_ttl_s,
+                        "seconds an engine takes a signed leg after the router sent it (each is "
+                        "taken once); the hosts' clocks must agree within it")
+            ->capture_default_str()
+            ->check(positive_number());
     }
 }
 

@@ -79,6 +79,13 @@ Digest hmac_sha256(const Secret& key, std::span<const uint8_t> message) {
     return out;
 }
 
+Digest sha256(std::span<const uint8_t> message) {
+    Digest out{};
+    unsigned int len = 0;
+    ::EVP_Digest(message.data(), message.size(), out.data(), &len, EVP_sha256(), nullptr);
+    return out;
+}
+
 bool constant_time_equal(std::span<const uint8_t> a, std::span<const uint8_t> b) {
     return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }

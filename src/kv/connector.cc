@@ -100,6 +100,13 @@ class KvConnector::Impl {
         return post([this, id] { receiver_.cancel(id); });
     }
 
+    Status peer_gone(const EngineAddress& peer, Status why) {
+        if (why.ok()) return invalid_argument("peer_gone needs an error status");
+        return post([this, engine_id = peer.engine_id, why] {
+            if (auto pid = ctx_.engine->find_peer(engine_id)) receiver_.peer_gone(*pid, why);
+        });
+    }
+
     Status prefill_scheduled(uint64_t id) {
         return post([this, id] { sender_.prefill_scheduled(id); });
     }
@@ -305,6 +312,9 @@ Status KvConnector::register_push(PushRegistration r) { return impl_->register_p
 Status KvConnector::cancel(uint64_t id) { return impl_->cancel(id); }
 Status KvConnector::announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
     return impl_->announce(id, attempt, std::move(ranks));
+}
+Status KvConnector::peer_gone(const EngineAddress& peer, Status why) {
+    return impl_->peer_gone(peer, std::move(why));
 }
 Status KvConnector::prefill_scheduled(uint64_t id) { return impl_->prefill_scheduled(id); }
 Status KvConnector::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, uint32_t ready) {

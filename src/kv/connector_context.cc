@@ -194,6 +194,9 @@ void report(Inbox& inbox, const std::function<void(const Arg&)>& cb, const Arg& 
 void ConnectorContext::send_done(const TransferResult& r) { report(*inbox, cb.on_send_done, r); }
 void ConnectorContext::recv_done(const TransferResult& r) { report(*inbox, cb.on_recv_done, r); }
 void ConnectorContext::scheduled(const TransferResult& r) { report(*inbox, cb.on_scheduled, r); }
+void ConnectorContext::send_cancelled(const TransferResult& r) {
+    report(*inbox, cb.on_send_cancelled, r);
+}
 void ConnectorContext::recv_progress(const TransferProgress& p) {
     report(*inbox, cb.on_recv_progress, p);
 }

@@ -120,6 +120,7 @@ class ConnectorContext {
     void send_done(const TransferResult& r);
     void recv_done(const TransferResult& r);
     void scheduled(const TransferResult& r);
+    void send_cancelled(const TransferResult& r);
     void recv_progress(const TransferProgress& p);
 
     TransferEngine* const engine;

@@ -38,14 +38,15 @@ Result<Frame> read_server_frame(ByteReader& r, Frame expected) {
 
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout) {
+                                      Duration timeout, bool* refused) {
+    if (refused) *refused = false;
     auto ctx = [&](const Status& s) {
         return s.with_context(fmt::format("handshake with {}:{}", host, port));
     };
     if (secret.empty()) return ctx(invalid_argument("no deployment secret to handshake with"));
     TimePoint deadline = Clock::now() + timeout;
     auto exchange = [&]() -> Result<HandshakeInfo> {
-        FERRY_ASSIGN_OR_RETURN(Fd fd, connect_to(host, port, deadline));
+        FERRY_ASSIGN_OR_RETURN(Fd fd, connect_to(host, port, deadline, refused));
         Nonce client{}, server{};
         FERRY_RETURN_IF_ERROR(random_bytes(client));
         ByteWriter hello;
@@ -134,6 +135,29 @@ Result<HandshakeCache::Refreshed> HandshakeCache::refresh(const std::string& hos
     out.restarted = it != entries_.end() && it->second.epoch != info.epoch;
     out.info = info;
     entries_.insert_or_assign(key, std::move(info));
+    return out;
+}
+
+HandshakeCache::Probe HandshakeCache::probe(const std::string& host, uint16_t port,
+                                            Duration timeout) {
+    std::string key = endpoint_key(host, port);
+    Probe out;
+    {
+        std::lock_guard lk(mu_);
+        if (auto it = entries_.find(key); it != entries_.end()) out.previous = it->second;
+    }
+    bool refused = false;
+    auto info = fetch_handshake(host, port, hash_, secret_, timeout, &refused);
+    std::lock_guard lk(mu_);
+    if (!info.ok()) {
+        out.why = info.status();
+        out.state = refused ? Probe::State::kGone : Probe::State::kUnknown;
+        if (refused) entries_.erase(key);
+        return out;
+    }
+    bool restarted = out.previous && out.previous->epoch != info->epoch;
+    out.state = restarted ? Probe::State::kRestarted : Probe::State::kSame;
+    entries_.insert_or_assign(key, std::move(info).value());
     return out;
 }
 

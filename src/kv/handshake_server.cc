@@ -13,6 +13,8 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
@@ -52,13 +54,16 @@ class HandshakeServer::Impl {
     // One client's exchange, advanced by the poll loop as its bytes come and go.
     struct Conn {
         Fd fd;
-        TimePoint deadline;
+        TimePoint accepted;
+        TimePoint deadline;  // proof_deadline until a valid AUTH, then connection_deadline
         Frame expect = Frame::kHello;
         std::vector<uint8_t> in;
         std::vector<uint8_t> out;
         size_t sent = 0;
-        bool last = false;  // close once `out` is sent
+        bool last = false;    // close once `out` is sent
+        bool proven = false;  // a valid AUTH came
         Nonce client{}, server{};
+        std::string address;  // the client's, without the port: the per-client cap's key
         std::string peer;     // "address:port", for the log
         size_t received = 0;  // bytes, for the log
     };
@@ -91,16 +96,30 @@ class HandshakeServer::Impl {
                 if (c.fd.get() >= 0 && (re & POLLOUT)) flush(c);
                 if (c.fd.get() >= 0 && (re & (POLLIN | POLLHUP))) receive(c);
                 if (c.fd.get() >= 0 && now >= c.deadline) {
-                    note_failure(c, fmt::format("no complete exchange within {:.0f} ms ({} bytes "
-                                                "received): closed",
-                                                to_ms(opts_.connection_deadline), c.received));
+                    note_failure(c, expired(c));
                     c.fd.reset();
                 }
             }
             if (rc > 0 && (fds[0].revents & POLLIN)) accept_all(now);
-            std::erase_if(conns_, [](const auto& c) { return c->fd.get() < 0; });
+            std::erase_if(conns_, [this](const auto& c) {
+                if (c->fd.get() >= 0) return false;
+                auto it = per_client_.find(c->address);
+                if (it != per_client_.end() && --it->second == 0) per_client_.erase(it);
+                return true;
+            });
         }
         conns_.clear();
+    }
+
+    std::string expired(const Conn& c) const {
+        if (c.proven)
+            return fmt::format(
+                "the answer not taken within {:.0f} ms (connection_deadline): closed",
+                to_ms(opts_.connection_deadline));
+        bool proof = opts_.proof_deadline < opts_.connection_deadline;
+        return fmt::format("no valid AUTH within {:.0f} ms ({}; {} bytes received): closed",
+                           to_ms(c.deadline - c.accepted),
+                           proof ? "proof_deadline" : "connection_deadline", c.received);
     }
 
     void accept_all(TimePoint now) {
@@ -126,15 +145,26 @@ class HandshakeServer::Impl {
             if (fd.get() < 0) return;  // EAGAIN: drained (or a transient error: next round)
             accept_failing_ = false;
             auto c = std::make_unique<Conn>();
-            c->peer = peer_name(ss);
-            if (conns_.size() >= opts_.max_connections) {
+            auto [host, port] = peer_address(ss);
+            c->address = host;
+            c->peer = fmt::format("{}:{}", host, port);
+            size_t mine = 0;
+            if (auto it = per_client_.find(c->address); it != per_client_.end()) mine = it->second;
+            if (conns_.size() >= opts_.max_connections ||
+                mine >= opts_.max_connections_per_client) {
                 refused_.fetch_add(1);  // closed by Fd's destructor, now
-                note_failure(*c, fmt::format("{} connections open, the cap: closed at once",
-                                             opts_.max_connections));
+                note_failure(*c, mine >= opts_.max_connections_per_client
+                                     ? fmt::format("{} connections open from {}, the "
+                                                   "per-client cap: closed at once",
+                                                   mine, c->address)
+                                     : fmt::format("{} connections open, the cap: closed at once",
+                                                   opts_.max_connections));
                 continue;
             }
+            ++per_client_[c->address];
             c->fd = std::move(fd);
-            c->deadline = now + opts_.connection_deadline;
+            c->accepted = now;
+            c->deadline = now + std::min(opts_.proof_deadline, opts_.connection_deadline);
             conns_.push_back(std::move(c));
         }
     }
@@ -231,6 +261,9 @@ class HandshakeServer::Impl {
             w.put_bytes(info_.serialize());
         }
         w.put(proof(opts_.secret, kAnswerLabel, c.client, c.server, w.bytes()));
+        // Proven: what is left is taking the answer, within the whole exchange's deadline.
+        c.proven = true;
+        c.deadline = c.accepted + opts_.connection_deadline;
         // Counted before the answer leaves, so a caller that got it sees the count.
         served_.fetch_add(1);
         queue(c, w.take(), true);
@@ -305,7 +338,7 @@ class HandshakeServer::Impl {
         return "no frame of this protocol";
     }
 
-    static std::string peer_name(const sockaddr_storage& ss) {
+    static std::pair<std::string, uint16_t> peer_address(const sockaddr_storage& ss) {
         char host[INET6_ADDRSTRLEN] = "?";
         uint16_t port = 0;
         if (ss.ss_family == AF_INET) {
@@ -317,18 +350,19 @@ class HandshakeServer::Impl {
             ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
             port = ntohs(a->sin6_port);
         }
-        return fmt::format("{}:{}", host, port);
+        return {host, port};
     }
 
     Fd listener_;
     uint16_t port_;
     HandshakeInfo info_;
     HandshakeServerOptions opts_;
-    std::vector<std::unique_ptr<Conn>> conns_;  // the loop thread's only
-    TimePoint accept_paused_until_{};           // the loop thread's only
-    bool accept_failing_ = false;               // the loop thread's only: warned once
-    TimePoint next_log_{};                      // the loop thread's only (note_failure)
-    uint64_t held_back_ = 0;                    // the loop thread's only (note_failure)
+    std::vector<std::unique_ptr<Conn>> conns_;            // the loop thread's only
+    std::unordered_map<std::string, size_t> per_client_;  // the loop thread's only: open ones
+    TimePoint accept_paused_until_{};                     // the loop thread's only
+    bool accept_failing_ = false;                         // the loop thread's only: warned once
+    TimePoint next_log_{};                                // the loop thread's only (note_failure)
+    uint64_t held_back_ = 0;                              // the loop thread's only (note_failure)
     std::thread thread_;
     std::atomic<bool> stop_{false};
     std::atomic<uint64_t> served_{0}, auth_failures_{0}, refused_{0};
@@ -339,12 +373,15 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::start(const std::strin
                                                                 HandshakeServerOptions options) {
     if (options.secret.empty())
         return invalid_argument("handshake server: no deployment secret given");
-    if (options.max_connections == 0)
-        return invalid_argument("handshake server: max_connections must be at least 1");
-    if (options.connection_deadline <= Duration::zero())
+    if (options.max_connections == 0 || options.max_connections_per_client == 0)
         return invalid_argument(
-            "handshake server: connection_deadline must be above 0 (every connection would be "
-            "closed before its first frame)");
+            "handshake server: max_connections and max_connections_per_client must be at least "
+            "1");
+    if (options.connection_deadline <= Duration::zero() ||
+        options.proof_deadline <= Duration::zero())
+        return invalid_argument(
+            "handshake server: connection_deadline and proof_deadline must be above 0 (every "
+            "connection would be closed before its first frame)");
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;

@@ -123,7 +123,9 @@ Status check_header(ByteReader& r, uint32_t magic, const char* what) {
     return ok_status();
 }
 
-Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline) {
+Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline, bool* refused) {
+    if (refused) *refused = false;
+    size_t tried = 0, refusals = 0;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -138,7 +140,9 @@ Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline
         Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                        ai->ai_protocol));
         if (fd.get() < 0) continue;
+        ++tried;
         if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+            refusals += errno == ECONNREFUSED;
             last = unavailable(
                 fmt::format("handshake: connect to {}:{}: {}", host, port, strerror(errno)));
             continue;
@@ -151,11 +155,13 @@ Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline
             ::freeaddrinfo(res);
             return fd;
         }
+        refusals += s.ok() && err == ECONNREFUSED;
         last = s.ok() ? unavailable(fmt::format("handshake: connect to {}:{}: {}", host, port,
                                                 strerror(err)))
                       : s;
     }
     ::freeaddrinfo(res);
+    if (refused) *refused = tried > 0 && refusals == tried;
     return last;
 }
 

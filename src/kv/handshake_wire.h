@@ -79,7 +79,9 @@ Result<std::vector<uint8_t>> recv_frame(int fd, TimePoint deadline);
 
 Status check_header(ByteReader& r, uint32_t magic, const char* what);
 
-Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline);
+// `refused` (optional) is set when every address refused the connection: nothing listens there.
+Result<Fd> connect_to(const std::string& host, uint16_t port, TimePoint deadline,
+                      bool* refused = nullptr);
 
 std::string endpoint_key(const std::string& host, uint16_t port);
 

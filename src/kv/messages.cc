@@ -242,12 +242,18 @@ void encode_body(ByteWriter& w, const CancelMsg& m) {
     w.put(m.transfer_id);
     w.put(m.attempt);
     w.put(m.decode_rank);
+    w.put<uint8_t>(m.given_up ? 1 : 0);
 }
 
 Status decode_body(ByteReader& r, CancelMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
     FERRY_RETURN_IF_ERROR(r.get(&m->attempt, "attempt"));
     FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    uint8_t given_up = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&given_up, "given_up"));
+    if (given_up > 1)
+        return protocol_error(fmt::format("field 'given_up' = {} is not 0 or 1", given_up));
+    m->given_up = given_up == 1;
     return ok_status();
 }
 

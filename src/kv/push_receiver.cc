@@ -63,7 +63,7 @@ void PushReceiver::end_announce(AnnounceIt it, const Status& why, bool tell_pref
     ConsumerKey key = it->first;
     if (tell_prefill) {
         for (const auto& [rank, peer] : it->second.ranks) {
-            ctx_.send(peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank});
+            ctx_.send(peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank, true});
         }
     }
     announces_.erase(it);
@@ -89,7 +89,7 @@ void PushReceiver::register_push(PushRegistration reg) {
                      reg.transfer_id, reg.attempt, key.second)),
                  0, 0});
         }
-        if (!c.cancelling) cancel_consumer(key, c);
+        if (!c.cancelling) cancel_consumer(key, c, false);
     }
     uint32_t prefill_tp = static_cast<uint32_t>(reg.prefill_ranks.size());
     auto producers = producers_for_consumer(ctx_.cfg.self.total_heads(), prefill_tp,
@@ -145,12 +145,12 @@ void PushReceiver::register_push(PushRegistration reg) {
     consumers_.emplace(ConsumerKey{reg.transfer_id, reg.attempt}, std::move(c));
 }
 
-void PushReceiver::cancel_consumer(const ConsumerKey& key, Consumer& c) {
+void PushReceiver::cancel_consumer(const ConsumerKey& key, Consumer& c, bool given_up) {
     c.cancelling = true;
     for (const Slot& s : c.slots) {
         // Complete slots need no ack: every segment of theirs was counted, every write landed.
         if (resolved(s.state)) continue;
-        ctx_.send(s.peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank});
+        ctx_.send(s.peer, CancelMsg{key.first, key.second, ctx_.cfg.self.tp_rank, given_up});
     }
 }
 
@@ -166,12 +166,34 @@ void PushReceiver::cancel(uint64_t id) {
     }
     for (auto it = consumers_.begin(); it != consumers_.end(); ++it) {
         if (it->first.first == id && !it->second.cancelling) {
-            cancel_consumer(it->first, it->second);
+            cancel_consumer(it->first, it->second, true);
             check_consumer(it);
             return;
         }
     }
     log(LogLevel::kDebug, kLog, "cancel: transfer {:#x} is not registered here", id);
+}
+
+// Nothing of a gone process can land any more, and it will send neither FAIL nor CANCEL_ACK:
+// waiting for them kept the blocks and the request until the lease (30 s by default).
+void PushReceiver::peer_gone(PeerId peer, const Status& why) {
+    for (auto it = announces_.begin(); it != announces_.end();) {
+        auto next = std::next(it);
+        bool theirs = std::any_of(it->second.ranks.begin(), it->second.ranks.end(),
+                                  [&](const auto& r) { return r.second == peer; });
+        if (theirs) end_announce(it, why, true);
+        it = next;
+    }
+    for (auto it = consumers_.begin(); it != consumers_.end();) {
+        auto next = std::next(it);
+        for (Slot& s : it->second.slots) {
+            if (s.peer != peer || resolved(s.state)) continue;
+            // fail_slot may complete (and erase) the consumer: nothing of `it` is used after.
+            fail_slot(it, s, why);
+            break;
+        }
+        it = next;
+    }
 }
 
 PushReceiver::Slot* PushReceiver::find_slot(const ConsumerKey& key, uint32_t producer_rank,
@@ -305,7 +327,7 @@ void PushReceiver::fail_slot(ConsumerIt it, Slot& s, const Status& why) {
     if (c.error.ok()) c.error = why;
     // Other producers may still be writing into these blocks: stop them and wait for
     // their acknowledgement before handing the blocks back.
-    if (!c.cancelling) cancel_consumer(it->first, c);
+    if (!c.cancelling) cancel_consumer(it->first, c, true);
     check_consumer(it);
 }
 
@@ -396,7 +418,8 @@ void PushReceiver::expire_consumer(ConsumerIt it) {
     for (const Slot& s : c.slots) {
         if (resolved(s.state)) continue;
         missing += fmt::format("{}{}", missing.empty() ? "" : ",", s.rank);
-        ctx_.send(s.peer, CancelMsg{it->first.first, it->first.second, ctx_.cfg.self.tp_rank});
+        ctx_.send(s.peer,
+                  CancelMsg{it->first.first, it->first.second, ctx_.cfg.self.tp_rank, true});
     }
     Status why = timeout_error(
         fmt::format("prefill ranks {} did not complete transfer {:#x} within the {:.0f} ms lease",
@@ -428,7 +451,7 @@ void PushReceiver::expire(TimePoint now) {
 
 void PushReceiver::begin_shutdown() {
     for (auto& [key, c] : consumers_) {
-        if (!c.cancelling) cancel_consumer(key, c);
+        if (!c.cancelling) cancel_consumer(key, c, true);
     }
 }
 

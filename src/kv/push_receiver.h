@@ -21,6 +21,8 @@ class PushReceiver {
     void announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks);
     void register_push(PushRegistration reg);
     void cancel(uint64_t id);
+    // The prefill process behind `peer` is gone: its slots and announcements end now.
+    void peer_gone(PeerId peer, const Status& why);
 
     // Messages from prefill ranks.
     void on_scheduled(const ScheduledMsg& m);
@@ -75,7 +77,7 @@ class PushReceiver {
     static bool resolved(SlotState s) { return s != SlotState::kOpen; }
 
     void end_announce(AnnounceIt it, const Status& why, bool tell_prefill);
-    void cancel_consumer(const ConsumerKey& key, Consumer& c);
+    void cancel_consumer(const ConsumerKey& key, Consumer& c, bool given_up);
     Slot* find_slot(const ConsumerKey& key, uint32_t producer_rank, ConsumerIt* out);
     void take_final(Consumer& c, Slot& s, const JobTotals& t);
     void on_segment_counted(const ConsumerKey& key, uint32_t rank, const SegmentMsg& m,

@@ -73,8 +73,13 @@ class PushSender {
         uint32_t decode_tp = 0;
         std::map<JobKey, SendJob> jobs;
         TimePoint deadline;
-        Status failure;          // prefill_failed: later registrations get FAIL
-        bool tombstone = false;  // already reported; kept only to answer late messages
+        Status failure;  // prefill_failed: later registrations get FAIL
+        // Already reported; kept until the lease only to answer late messages at once: a
+        // REGISTER of a newer attempt that came after the blocks were released waited for a
+        // prefill_done that would never come (the whole lease).
+        bool tombstone = false;
+        bool served = false;           // the tombstone of a transfer that finished ok
+        bool cancel_reported = false;  // on_send_cancelled went out
         // abort_send told the engine its blocks are free before the writes in flight ended:
         // they only read the blocks, for a transfer both legs of which are given up.
         bool released = false;
@@ -93,6 +98,7 @@ class PushSender {
     void settle_job(uint64_t id, Producer& p, JobKey key, SendJob& job);
     void maybe_finish(ProducerIt it);
     void complete_send(ProducerIt it, const TransferResult& r);
+    Status finished_status(const Producer& p) const;
     void expire_producer(ProducerIt it);
 
     ConnectorContext& ctx_;

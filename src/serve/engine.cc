@@ -8,6 +8,7 @@
 #include "ferry/common/thread_name.h"
 #include "ferry/kv/block_mapping.h"
 #include "ferry/kv/kv_frontier.h"
+#include "ferry/serve/kv_params_auth.h"
 
 namespace ferry::serve {
 
@@ -209,6 +210,15 @@ Engine::~Engine() { stop(); }
 void Engine::attach_connector(KvProducer* producer, KvConsumer* consumer) {
     producer_ = producer;
     consumer_ = consumer;
+    if (producer_ == nullptr) return;
+    // As abort_transfer, through the inbox: the connector may call after the engine is gone.
+    std::weak_ptr<Inbox> weak = inbox_;
+    producer_->on_consumer_gave_up([weak](const std::string& transfer_id, const Status& why) {
+        if (auto inbox = weak.lock())
+            inbox->post(Inbox::Event{.kind = Inbox::Kind::kCancelTransfer,
+                                     .id = transfer_id,
+                                     .status = cancelled(why.message())});
+    });
 }
 
 Status Engine::start() {
@@ -267,6 +277,10 @@ Result<std::shared_ptr<RequestHandle>> Engine::submit(GenerateRequest r) {
         return invalid_argument(
             "do_remote_prefill needs transfer_id (push) or "
             "remote_block_ids (pull) in kv_transfer_params");
+    // What the leg's tag binds (kv_params_auth.h): this prompt and max_tokens, sent here.
+    if (!r.kv.empty())
+        r.kv.content =
+            leg_content_digest({prompt_digest(r.prompt), r.max_tokens, config_.engine_id});
     // Before anything is queued: a leg the connector refuses costs no block and no connection.
     if (r.kv.do_remote_decode) FERRY_RETURN_IF_ERROR(producer_->authorize(r.kv));
     if (r.kv.do_remote_prefill) FERRY_RETURN_IF_ERROR(consumer_->authorize(r.kv));

@@ -58,9 +58,12 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
     routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
                           p->completions(req, reply);
                       }});
-    routes.push_back({"GET", "/health", [p](const HttpRequest&, HttpReply& reply) {
-                          reply.body = p->health(&reply.status);
-                      }});
+    // /health and /metrics read counters under short locks: quick, so that streams holding every
+    // worker never keep a router's probe waiting.
+    routes.push_back(
+        {"GET", "/health",
+         [p](const HttpRequest&, HttpReply& reply) { reply.body = p->health(&reply.status); },
+         true});
     // ferry's own: the router aborts the other leg of a transfer whose one leg failed.
     routes.push_back(
         {"POST", "/ferry/abort", [p](const HttpRequest& req, HttpReply& reply) {
@@ -90,11 +93,13 @@ Result<std::unique_ptr<EngineServer>> EngineServer::start(Engine* engine,
              if (!st.ok()) return send_error(reply, st);
              reply.body = "{}";
          }});
-    routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
+    routes.push_back({"GET", "/metrics",
+                      [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->engine_->prometheus_text();
                           if (p->options_.extra_metrics) reply.body += p->options_.extra_metrics();
-                      }});
+                      },
+                      true});
     FERRY_ASSIGN_OR_RETURN(s->http_, HttpServer::start(options.http, std::move(routes)));
     return s;
 }
@@ -113,6 +118,8 @@ std::string EngineServer::health(int* http_status) const {
                         {"kv_blocks_free", st.blocks_free},
                         {"kv_blocks_used", st.blocks_used},
                         {"kv_blocks_total", st.blocks_total}};
+    if (!options_.role.empty()) j["role"] = options_.role;
+    if (!options_.kv_mode.empty()) j["kv_mode"] = options_.kv_mode;
     if (options_.kv_side_channel_port > 0) {
         j["kv_side_channel_port"] = options_.kv_side_channel_port;
         j["kv_provider"] = options_.kv_provider;

@@ -31,6 +31,8 @@ class FabricKvLink::Impl {
     std::unique_ptr<kv::KvConnector> conn;
     std::unique_ptr<kv::HandshakeServer> side;
     std::unique_ptr<kv::HandshakeCache> peers;
+    // The legs authorize() took: each is taken once, until it expires.
+    LegTagLedger ledger;
 
     std::string http_host = "127.0.0.1";
     int http_port = 0;
@@ -61,6 +63,10 @@ class FabricKvLink::Impl {
     std::map<uint64_t, Recv> recvs;                 // by the connector's key
     std::map<RequestId, uint64_t> recv_of_request;  // for cancel(request)
     std::map<std::string, int> side_ports;          // peer host:http_port -> side-channel port
+    // Prefill, push: legs scheduled and not handed over yet, by key, so that a decode that
+    // gives one up names it to the engine (gave_up) while its prompt still computes.
+    std::map<uint64_t, std::string> computing;
+    KvProducer::GaveUpHandler gave_up;
     // String transfer ids to the connector's keys; a second id on a key in use is refused.
     std::unique_ptr<kv::TransferKeys> keys;
 
@@ -72,6 +78,8 @@ class FabricKvLink::Impl {
     std::deque<std::function<void()>> jobs;
     bool stopping = false;
     std::thread worker;
+    std::thread watcher;  // peer_check_interval; waits on watch_cv for `stopping`
+    std::condition_variable watch_cv;
 
     std::atomic<uint64_t> ok{0}, failed{0}, bytes{0}, handshakes{0};
 
@@ -150,6 +158,76 @@ class FabricKvLink::Impl {
             scheduled = take_locked(r.transfer_id, Phase::kAwait, &st);
         }
         if (scheduled) scheduled(st);
+    }
+
+    // Prefill: decode gave a scheduled leg up; the engine stops computing it.
+    void on_send_cancelled(const kv::TransferResult& r) {
+        std::string id;
+        KvProducer::GaveUpHandler stop;
+        {
+            std::lock_guard lk(mu);
+            auto it = computing.find(r.transfer_id);
+            if (it == computing.end() || !gave_up) return;
+            id = it->second;
+            stop = gave_up;
+        }
+        log(LogLevel::kInfo, kLog, "transfer {}: {}; prefill stops computing it", id,
+            r.status.message());
+        stop(id, r.status);
+    }
+
+    void stop_computing(const std::string& transfer_id) {
+        auto tid = keys->key_of(transfer_id);
+        if (!tid.ok()) return;
+        std::lock_guard lk(mu);
+        auto it = computing.find(*tid);
+        if (it != computing.end() && it->second == transfer_id) computing.erase(it);
+    }
+
+    // One round of the peer watch: every cached peer handshaken again. A peer gone or replaced
+    // takes its transfers here with it at once (the connector stops waiting for acks that
+    // cannot come); one that is only slow is left to the lease.
+    void check_peers() {
+        std::map<std::string, int> known;
+        {
+            std::lock_guard lk(mu);
+            known = side_ports;
+        }
+        for (const auto& [key, port] : known) {
+            auto colon = key.rfind(':');
+            std::string host = key.substr(0, colon);
+            Duration timeout = std::min(cfg.handshake_timeout, cfg.peer_check_interval * 2);
+            auto probe = peers->probe(host, uint16_t(port), timeout);
+            using State = kv::HandshakeCache::Probe::State;
+            if (probe.state == State::kSame || probe.state == State::kUnknown) continue;
+            Status why =
+                probe.state == State::kGone
+                    ? unavailable(fmt::format("prefill engine {} is gone: its KV side channel "
+                                              "refuses connections",
+                                              key))
+                    : unavailable(fmt::format("prefill engine {} restarted: the process this "
+                                              "transfer was with is gone",
+                                              key));
+            log(LogLevel::kWarn, kLog, "{}; its transfers here fail now", why.message());
+            {
+                std::lock_guard lk(mu);
+                // A restarted peer keeps its new answer; its side port is looked up again too.
+                if (auto it = side_ports.find(key); it != side_ports.end() && it->second == port)
+                    side_ports.erase(it);
+            }
+            if (probe.previous) (void)conn->peer_gone(probe.previous->address, why);
+        }
+    }
+
+    void watch() {
+        std::unique_lock lk(q_mu);
+        while (!stopping) {
+            watch_cv.wait_for(lk, cfg.peer_check_interval, [&] { return stopping; });
+            if (stopping) return;
+            lk.unlock();
+            check_peers();
+            lk.lock();
+        }
     }
 
     void forget_peer_locked(const std::string& peer) {
@@ -334,6 +412,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cb.on_recv_done = [p](const kv::TransferResult& r) { p->on_recv_done(r); };
     cb.on_recv_progress = [p](const kv::TransferProgress& r) { p->on_recv_progress(r); };
     cb.on_scheduled = [p](const kv::TransferResult& r) { p->on_scheduled(r); };
+    cb.on_send_cancelled = [p](const kv::TransferResult& r) { p->on_send_cancelled(r); };
     FERRY_ASSIGN_OR_RETURN(
         p->conn, kv::KvConnector::create(p->engine.get(), p->mr.get(), cc, std::move(cb)));
     kv::HandshakeInfo info;
@@ -356,6 +435,12 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
         set_thread_name("ferry-kvlink");
         p->run();
     });
+    if (config.peer_check_interval > Duration::zero()) {
+        p->watcher = std::thread([p] {
+            set_thread_name("ferry-kvwatch");
+            p->watch();
+        });
+    }
     return std::unique_ptr<FabricKvLink>(new FabricKvLink(std::move(impl)));
 }
 
@@ -410,11 +495,13 @@ void FabricKvLink::stop() {
     Impl* p = impl_.get();
     {
         std::lock_guard lk(p->q_mu);
-        if (p->stopping && !p->worker.joinable()) return;
+        if (p->stopping && !p->worker.joinable() && !p->watcher.joinable()) return;
         p->stopping = true;
     }
     p->q_cv.notify_all();
+    p->watch_cv.notify_all();
     if (p->worker.joinable()) p->worker.join();
+    if (p->watcher.joinable()) p->watcher.join();
     // Queued jobs never ran: their transfers are failed below.
     p->jobs.clear();
     p->conn.reset();  // reports every open transfer through the callbacks, joins its thread
@@ -446,7 +533,16 @@ void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransf
     auto tid = p->keys->key_of(params.transfer_id);
     // on_prefill_done refuses the leg with this error.
     if (!tid.ok()) return log(LogLevel::kWarn, kLog, "{}", tid.status().message());
+    {
+        std::lock_guard lk(p->mu);
+        p->computing[*tid] = params.transfer_id;
+    }
     (void)p->conn->prefill_scheduled(*tid);
+}
+
+void FabricKvLink::on_consumer_gave_up(GaveUpHandler stop) {
+    std::lock_guard lk(impl_->mu);
+    impl_->gave_up = std::move(stop);
 }
 
 size_t FabricKvLink::max_progress_handovers() const { return impl_->max_handovers; }
@@ -468,6 +564,7 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
                                       const Status& why, KvDoneCallback release) {
     Impl* p = impl_.get();
     if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return release(why);
+    p->stop_computing(params.transfer_id);
     uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
@@ -520,6 +617,7 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     bool push = p->cfg.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
+    if (push) p->stop_computing(params.transfer_id);
     FERRY_RETURN_IF_ERROR(verify_kv_params(p->cfg.secret, params));
     std::string id = params.transfer_id.empty() ? request : params.transfer_id;
     uint64_t tid = 0;
@@ -553,14 +651,12 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
         if (auto it = p->sends.find(tid); it != p->sends.end()) p->erase_send_locked(it);
         return st;
     }
-    // Signed here too, so the offer is proven by its maker; the router signs it again with the
-    // decode leg's fields.
-    sign_kv_params(p->cfg.secret, &out);
+    // Unsigned: the router signs the decode leg it builds from the offer.
     return out;
 }
 
 Status FabricKvLink::authorize(const KvTransferParams& params) const {
-    return verify_kv_params(impl_->cfg.secret, params);
+    return impl_->ledger.admit(impl_->cfg.secret, params, unix_ms_now());
 }
 
 // Checks a decode leg's parameters against the link's mode and the deployment secret (again:

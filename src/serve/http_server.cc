@@ -4,9 +4,11 @@
 // absolute deadline per phase (headers, body, keep-alive idle) and size limits checked as bytes
 // arrive. Only a complete request reaches a worker, which runs the handler and writes the
 // response itself; meanwhile the I/O thread keeps watching the connection so that a handler can
-// ask client_gone(). cpp-httplib, used before, gave each connection a thread from its pool
-// for the connection's whole life and restarted its read timeout on every byte: 200 clients
-// sending a byte every few seconds held all 128 threads and /health stopped answering.
+// ask client_gone(). Quick routes (/health, /metrics) and answers that need no handler go to
+// workers of their own, so long requests holding every worker never queue them. cpp-httplib, used
+// before, gave each connection a thread from its pool for the connection's whole life and restarted
+// its read timeout on every byte: 200 clients sending a byte every few seconds held all 128 threads
+// and /health stopped answering.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -210,10 +212,21 @@ struct Conn {
     std::mutex write_mu;                       // orders the probe against the response
     bool response_started = false;             // guarded by write_mu
     bool close_after = false;                  // set by the worker
-    bool queued = false;                       // in `work`, no worker yet; guarded by work_mu
+    bool quick = false;                        // on the quick lane; set before it is queued
+    bool queued = false;                       // in its lane's queue; guarded by work_mu
 };
 
 using ConnPtr = std::shared_ptr<Conn>;
+
+// Workers fed by one queue, started on demand up to `max`; guarded by Impl::work_mu.
+struct Lane {
+    const char* thread_name;
+    size_t max = 0;
+    std::deque<ConnPtr> work{};
+    std::vector<std::thread> workers{};
+    size_t idle = 0;
+    std::condition_variable cv{};
+};
 
 }  // namespace
 
@@ -234,12 +247,10 @@ struct HttpServer::Impl {
     TimePoint listen_paused_until{};
     TimePoint next_sweep{};
 
-    // Workers: started on demand up to options.threads.
+    // Handlers, up to options.threads; quick routes and answers without a handler, up to
+    // options.quick_threads.
     std::mutex work_mu;
-    std::condition_variable work_cv;
-    std::deque<ConnPtr> work;
-    std::vector<std::thread> workers;
-    size_t idle_workers = 0;
+    Lane handlers{"http-worker"}, quick{"http-quick"};
 
     // Connections workers are done with, back to the I/O thread.
     std::mutex back_mu;
@@ -252,6 +263,7 @@ struct HttpServer::Impl {
     void feed(const ConnPtr& c, const char* data, size_t n);
     void parse_chunks(const ConnPtr& c);
     std::optional<Refusal> parse_head(Conn& c, std::string_view head);
+    bool is_quick(const HttpRequest& req) const;
     void dispatch(const ConnPtr& c);
     bool unqueue(Conn& c);
     void refuse(const ConnPtr& c, int status, const std::string& message);
@@ -261,7 +273,7 @@ struct HttpServer::Impl {
     void watch(const Conn& c, uint32_t events);
     void wake_io();
 
-    void worker_loop();
+    void worker_loop(Lane& lane);
     void serve(const ConnPtr& c);
     bool write_all(Conn& c, std::string_view data, TimePoint deadline);
 };
@@ -349,7 +361,8 @@ void HttpServer::Impl::sweep(TimePoint now) {
                    fmt::format("no worker became free within {}: all {} are busy (queue_timeout, "
                                "--queue-timeout; threads, --http-threads/--router-threads); retry "
                                "later",
-                               ms_text(options.queue_timeout), options.threads));
+                               ms_text(options.queue_timeout),
+                               c->quick ? options.quick_threads : options.threads));
         else if (c->phase == Phase::kDraining || (c->phase == Phase::kHeaders && c->idle))
             close_conn(c);
         else if (c->phase == Phase::kHeaders)
@@ -795,12 +808,22 @@ bool HttpServer::Impl::unqueue(Conn& c) {
         return false;
     }
     c.queued = false;
-    std::erase_if(work, [&](const ConnPtr& w) { return w.get() == &c; });
+    std::erase_if((c.quick ? quick : handlers).work,
+                  [&](const ConnPtr& w) { return w.get() == &c; });
+    return true;
+}
+
+// A quick route, or a request no handler answers (404, 405).
+bool HttpServer::Impl::is_quick(const HttpRequest& req) const {
+    for (const HttpRoute& r : routes)
+        if (r.path == req.path && r.method == req.method) return r.quick;
     return true;
 }
 
 void HttpServer::Impl::dispatch(const ConnPtr& c) {
     c->phase = Phase::kHandling;
+    c->quick = is_quick(c->req);
+    Lane& lane = c->quick ? quick : handlers;
     c->deadline = Clock::now() + options.queue_timeout;
     next_sweep = std::min(next_sweep, c->deadline);
     // Only a close matters now; edge-triggered so that bytes of a pipelined next request,
@@ -809,12 +832,12 @@ void HttpServer::Impl::dispatch(const ConnPtr& c) {
     {
         std::lock_guard lock(work_mu);
         c->queued = true;
-        work.push_back(c);
+        lane.work.push_back(c);
         // Each idle worker takes one request; any beyond them needs a new worker.
-        if (work.size() > idle_workers && workers.size() < options.threads)
-            workers.emplace_back([this] { worker_loop(); });
+        if (lane.work.size() > lane.idle && lane.workers.size() < lane.max)
+            lane.workers.emplace_back([this, &lane] { worker_loop(lane); });
     }
-    work_cv.notify_one();
+    lane.cv.notify_one();
 }
 
 void HttpServer::Impl::on_back(const ConnPtr& c) {
@@ -842,18 +865,18 @@ void HttpServer::Impl::on_back(const ConnPtr& c) {
 
 // ---- workers -----------------------------------------------------------------------------------
 
-void HttpServer::Impl::worker_loop() {
-    set_thread_name("http-worker");
+void HttpServer::Impl::worker_loop(Lane& lane) {
+    set_thread_name(lane.thread_name);
     while (true) {
         ConnPtr c;
         {
             std::unique_lock lock(work_mu);
-            ++idle_workers;
-            work_cv.wait(lock, [&] { return stopping.load() || !work.empty(); });
-            --idle_workers;
+            ++lane.idle;
+            lane.cv.wait(lock, [&] { return stopping.load() || !lane.work.empty(); });
+            --lane.idle;
             if (stopping.load()) return;  // requests not started are dropped with their conns
-            c = std::move(work.front());
-            work.pop_front();
+            c = std::move(lane.work.front());
+            lane.work.pop_front();
             c->queued = false;
         }
         serve(c);
@@ -948,12 +971,13 @@ void HttpServer::Impl::serve(const ConnPtr& c) {
         }
     }
     bool keep = c->keep_alive && !stopping.load();
+    const Duration write_timeout = c->quick ? options.quick_write_timeout : options.write_timeout;
     if (!reply.stream) {
         std::string out = status_line_and_headers(
             reply.status, reply.content_type,
             extra_headers + fmt::format("Content-Length: {}\r\n", reply.body.size()), keep);
         out += reply.body;
-        bool ok = write_all(*c, out, Clock::now() + options.write_timeout);
+        bool ok = write_all(*c, out, Clock::now() + write_timeout);
         c->close_after = !ok || !keep || c->peer_shut_write.load() || c->gone->load();
         return;
     }
@@ -963,13 +987,13 @@ void HttpServer::Impl::serve(const ConnPtr& c) {
     if (chunked) framing += "Transfer-Encoding: chunked\r\n";
     bool ok = write_all(
         *c, status_line_and_headers(reply.status, reply.content_type, framing, keep && chunked),
-        Clock::now() + options.write_timeout);
+        Clock::now() + write_timeout);
     ChunkWriter write = [&](std::string_view chunk) {
         if (!ok) return false;
         if (chunk.empty()) return !c->gone->load();  // an empty chunk would end the body
         std::string framed =
             chunked ? fmt::format("{:x}\r\n{}\r\n", chunk.size(), chunk) : std::string(chunk);
-        ok = write_all(*c, framed, Clock::now() + options.write_timeout);
+        ok = write_all(*c, framed, Clock::now() + write_timeout);
         return ok;
     };
     if (ok) {
@@ -986,7 +1010,7 @@ void HttpServer::Impl::serve(const ConnPtr& c) {
             ok = false;
         }
     }
-    if (ok && chunked) ok = write_all(*c, "0\r\n\r\n", Clock::now() + options.write_timeout);
+    if (ok && chunked) ok = write_all(*c, "0\r\n\r\n", Clock::now() + write_timeout);
     c->close_after = !ok || !keep || !chunked || c->peer_shut_write.load() || c->gone->load();
 }
 
@@ -1045,11 +1069,12 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
         return invalid_argument("max_connections and max_connections_per_client must be >= 1");
     if (options.queue_timeout <= Duration::zero())
         return invalid_argument("queue_timeout must be above 0 (every request would get 503)");
-    if (options.threads > kMaxHttpThreads)
-        return invalid_argument(
-            fmt::format("{} HTTP threads asked for, at most {} (each is a thread)", options.threads,
-                        kMaxHttpThreads));
+    for (size_t n : {options.threads, options.quick_threads})
+        if (n > kMaxHttpThreads)
+            return invalid_argument(fmt::format(
+                "{} HTTP threads asked for, at most {} (each is a thread)", n, kMaxHttpThreads));
     options.threads = std::max<size_t>(options.threads, 1);
+    options.quick_threads = std::max<size_t>(options.quick_threads, 1);
     // Each connection is a descriptor: a cap above the process's limit would turn into failed
     // accepts instead of a clear 503.
     rlimit lim{};
@@ -1064,6 +1089,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
     auto impl = std::make_unique<Impl>();
     impl->options = options;
     impl->routes = std::move(routes);
+    impl->handlers.max = options.threads;
+    impl->quick.max = options.quick_threads;
 
     FERRY_ASSIGN_OR_RETURN(AddrInfo guard, resolve(options.host, options.port, AI_PASSIVE));
     const addrinfo* res = guard.get();
@@ -1110,11 +1137,13 @@ void HttpServer::stop() {
     {
         std::lock_guard lock(impl_->work_mu);  // no worker between its check and its wait
     }
-    impl_->work_cv.notify_all();
     // Handlers see stopping() and return; streams end within their 200 ms wait slices.
-    for (std::thread& t : impl_->workers) t.join();
-    impl_->workers.clear();
-    impl_->work.clear();
+    for (Lane* lane : {&impl_->handlers, &impl_->quick}) lane->cv.notify_all();
+    for (Lane* lane : {&impl_->handlers, &impl_->quick}) {
+        for (std::thread& t : lane->workers) t.join();
+        lane->workers.clear();
+        lane->work.clear();
+    }
     impl_->back.clear();
     impl_->conns.clear();
     impl_->listener.reset();

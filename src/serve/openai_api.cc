@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 namespace ferry::serve {
 
 using nlohmann::json;
@@ -82,6 +84,7 @@ Result<KvTransferParams> kv_params_from_json(const json& j) {
     v = 0;
     FERRY_RETURN_IF_ERROR(get_int("attempt", 0, UINT32_MAX, &v));
     kv.attempt = uint32_t(v);
+    FERRY_RETURN_IF_ERROR(get_int("ferry_expires", 0, INT64_MAX, &kv.expires_unix_ms));
     if (j.contains("remote_block_ids") && !j["remote_block_ids"].is_null()) {
         const json& ids = j["remote_block_ids"];
         if (!ids.is_array())
@@ -109,6 +112,7 @@ json kv_params_to_json(const KvTransferParams& kv) {
     if (!kv.transfer_id.empty()) j["transfer_id"] = kv.transfer_id;
     if (kv.attempt != 0) j["attempt"] = kv.attempt;
     if (!kv.capability.empty()) j["ferry_capability"] = kv.capability;
+    if (kv.expires_unix_ms != 0) j["ferry_expires"] = kv.expires_unix_ms;
     if (!kv.auth.empty()) j["ferry_auth"] = kv.auth;
     return j;
 }
@@ -288,30 +292,35 @@ Result<CompletionRequest> parse_completion_json(const json& j, size_t max_prompt
 
 namespace {
 
-// True for a non-empty array of token ids in plain notation ([1, 22, 333]), the prompt clients
-// send, checked here without building anything. Other forms (negative or out-of-range ids, -0,
-// exponents, empty, malformed) return false and take the full check, which names the problem.
-bool is_plain_token_array(std::string_view text) {
+// The ids of a non-empty array of token ids in plain notation ([1, 22, 333]), the prompt clients
+// send, read in one pass without building any json (the ids are what the legs' tags bind).
+// Other forms (negative or out-of-range ids, -0, exponents, empty, malformed) give nullopt and
+// take the full check, which names the problem.
+std::optional<std::vector<int32_t>> plain_token_ids(std::string_view text) {
     size_t i = 1, n = text.size();
     auto skip_ws = [&] {
         while (i < n && (text[i] == ' ' || text[i] == '\t' || text[i] == '\n' || text[i] == '\r'))
             ++i;
     };
-    if (n < 3 || text[0] != '[') return false;
+    if (n < 3 || text[0] != '[') return std::nullopt;
+    std::vector<int32_t> ids;
     while (true) {
         skip_ws();
         size_t start = i;
-        while (i < n && unsigned(text[i] - '0') < 10) ++i;
-        std::string_view id = text.substr(start, i - start);
-        if (id.empty() || id.size() > 10 || (id[0] == '0' && id.size() > 1) ||
-            (id.size() == 10 && id > "2147483647"))
-            return false;
+        int64_t id = 0;
+        while (i < n && unsigned(text[i] - '0') < 10 && i - start <= 10)
+            id = id * 10 + (text[i++] - '0');
+        size_t digits = i - start;
+        if (digits == 0 || digits > 10 || (text[start] == '0' && digits > 1) || id > INT32_MAX)
+            return std::nullopt;
+        ids.push_back(int32_t(id));
         skip_ws();
         if (i < n && text[i] == ',') {
             ++i;
             continue;
         }
-        return i + 1 == n && text[i] == ']';
+        if (i + 1 == n && text[i] == ']') return ids;
+        return std::nullopt;
     }
 }
 
@@ -327,16 +336,19 @@ Result<CompletionRelayBody> scan_completion_request(std::string_view body) {
         return full.ok() ? object.status() : full;
     }
     json head = json::object();
+    std::optional<std::vector<int32_t>> plain;  // the last prompt's ids, when read here
     for (const JsonMember& m : object->members) {
-        if (m.key == "prompt" && is_plain_token_array(m.value)) {
-            head["prompt"] = json::array({0});  // stands in for the ids just checked
+        if (m.key == "prompt" && (plain = plain_token_ids(m.value))) {
+            head["prompt"] = json::array({0});  // stands in for the ids just read
             continue;
         }
         FERRY_ASSIGN_OR_RETURN(json value, parse_request_json(m.value, m.key));
         if (is_completion_field(m.key)) head[m.key] = std::move(value);
     }
     FERRY_ASSIGN_OR_RETURN(CompletionRequest checked, parse_completion_json(head));
-    return CompletionRelayBody{std::move(object).value(), checked.stream};
+    CompletionRelayBody out{std::move(object).value(), checked.stream, checked.gen.max_tokens};
+    out.prompt = plain ? std::move(*plain) : std::move(checked.gen.prompt);
+    return out;
 }
 
 json timing_to_json(const RequestTiming& t) {

@@ -45,6 +45,37 @@ Result<std::vector<EngineAddress>> parse_engine_addresses(std::string_view list)
 
 namespace {
 
+// What the router relays of an upstream's words (a reason from its /health, a leg's error) is
+// cut to this: two routers given each other as engines nested each other's reasons into /health
+// bodies of 59 MB within 30 s.
+constexpr size_t kMaxRelayedBytes = 1024;
+
+std::string bounded(std::string text) {
+    if (text.size() <= kMaxRelayedBytes) return text;
+    size_t cut = text.size() - kMaxRelayedBytes;
+    text.resize(kMaxRelayedBytes);
+    // Not inside a UTF-8 sequence (the JSON of /health must stay valid): its continuation bytes,
+    // then its lead byte, go too.
+    while (!text.empty() && (static_cast<unsigned char>(text.back()) & 0xC0) == 0x80) {
+        text.pop_back();
+        ++cut;
+    }
+    if (!text.empty() && static_cast<unsigned char>(text.back()) >= 0xC0) {
+        text.pop_back();
+        ++cut;
+    }
+    return fmt::format("{}... ({} more bytes cut)", text, cut);
+}
+
+const char* mode_name(RouterMode m) { return m == RouterMode::kPush ? "push" : "pull"; }
+
+// The engines' --kv-mode values a router in `m` can use (pull-inline differs from pull only
+// inside decode's connector).
+bool kv_mode_serves(const std::string& kv_mode, RouterMode m) {
+    return m == RouterMode::kPush ? kv_mode == "push"
+                                  : kv_mode == "pull" || kv_mode == "pull-inline";
+}
+
 void send_error(HttpReply& reply, int status, const std::string& message) {
     reply.status = status;
     reply.body = http_error_body(status, message);
@@ -55,7 +86,7 @@ std::string leg_message(const std::string& leg, const EngineAddress& a, int stat
                         const std::string& body) {
     // Any shape: an engine of another make passed the probe with a message of 5 or null, and
     // value() threw out of the handler (a 500 naming nlohmann's exception).
-    const std::string msg = error_message_of(body);
+    const std::string msg = bounded(error_message_of(body));
     return fmt::format("{} leg on {} failed (HTTP {}): {}", leg, a.to_string(), status, msg);
 }
 
@@ -192,12 +223,15 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
                           p->completions(req, reply);
                       }});
+    // Both read the prober's state and counters: quick, answered while streams hold every worker.
     routes.push_back(
-        {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }});
-    routes.push_back({"GET", "/metrics", [p](const HttpRequest&, HttpReply& reply) {
+        {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }, true});
+    routes.push_back({"GET", "/metrics",
+                      [p](const HttpRequest&, HttpReply& reply) {
                           reply.content_type = "text/plain; version=0.0.4";
                           reply.body = p->prometheus_text();
-                      }});
+                      },
+                      true});
     r->prober_thread_ = std::thread([p] {
         set_thread_name("ferry-probe");
         p->prober();
@@ -226,16 +260,47 @@ void Router::stop() {
     if (abort_thread_.joinable()) abort_thread_.join();
 }
 
-Router::EngineState Router::probe(const EngineAddress& a) const {
+Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     EngineState st{.address = a, .probed = true};
     auto h = http_get(a.host, a.port, "/health", config_.probe_timeout);
     if (!h.ok()) {
-        st.why = h.status().message();
+        st.why = bounded(h.status().message());
         return st;
     }
     json j = json::parse(h->body, nullptr, false);
     if (j.is_discarded() || !j.is_object()) {
         st.why = fmt::format("/health answered HTTP {} without a JSON object", h->status);
+        return st;
+    }
+    auto text = [&](const char* key) {
+        return j.contains(key) && j[key].is_string() ? bounded(j[key].get<std::string>())
+                                                     : std::string();
+    };
+    // What the engine says it is, checked before its readiness: a router, an engine of the other
+    // role or of another KV mode stays unusable whatever its state (a push router in front of
+    // pull engines hung every request for the whole lease, then answered 504).
+    const char* role = prefill ? "prefill" : "decode";
+    const std::string their_role = text("role"), kv_mode = text("kv_mode");
+    if (their_role == "router") {
+        st.why = fmt::format(
+            "{}, not a {} engine: --{} takes the engines' addresses (a router sending legs to a "
+            "router would loop)",
+            text("router_id") == nonce_ ? "this is the router itself" : "this is another router",
+            role, role);
+        return st;
+    }
+    if (!their_role.empty() && their_role != role) {
+        st.why = their_role == "prefill" || their_role == "decode"
+                     ? fmt::format("a {} engine given as a {} engine: move it to --{}", their_role,
+                                   role, their_role)
+                     : fmt::format("its /health says role '{}', not {}", their_role, role);
+        return st;
+    }
+    if (!kv_mode.empty() && !kv_mode_serves(kv_mode, config_.mode)) {
+        st.why = fmt::format(
+            "transfer modes differ: the engine runs --kv-mode {}, this router --mode {}; start "
+            "every engine and the router with one mode",
+            kv_mode, mode_name(config_.mode));
         return st;
     }
     auto size = [&](const char* key) {
@@ -248,10 +313,9 @@ Router::EngineState Router::probe(const EngineAddress& a) const {
     if (j.contains("engine_id") && j["engine_id"].is_string())
         st.engine_id = j["engine_id"].get<std::string>();
     if (h->status != 200) {
+        const std::string reason = text("reason");
         st.why = fmt::format("/health answered HTTP {}: {}", h->status,
-                             j.contains("reason") && j["reason"].is_string()
-                                 ? j["reason"].get<std::string>()
-                                 : std::string("not ready"));
+                             reason.empty() ? std::string("not ready") : reason);
     } else if (st.engine_id.empty()) {
         st.why = "/health names no engine_id";
     } else {
@@ -274,9 +338,9 @@ void Router::prober() {
     while (!bg_stop_) {
         lock.unlock();
         for (size_t i = 0; i < config_.prefill.size(); ++i)
-            store(true, i, probe(config_.prefill[i]));
+            store(true, i, probe(config_.prefill[i], true));
         for (size_t i = 0; i < config_.decode.size(); ++i)
-            store(false, i, probe(config_.decode[i]));
+            store(false, i, probe(config_.decode[i], false));
         lock.lock();
         bg_cv_.wait_for(lock, config_.probe_period, [&] { return bg_stop_; });
     }
@@ -299,14 +363,15 @@ Router::EngineState Router::pick(bool prefill) {
         if (states[chosen].ready) return states[chosen];
     }
     // None known ready: ask now, it may have come up since the last probe.
-    EngineState st = probe(addrs[chosen]);
+    EngineState st = probe(addrs[chosen], prefill);
     store(prefill, chosen, st);
     return st;
 }
 
 void Router::health(HttpReply& reply) const {
     std::lock_guard lock(state_mu_);
-    json out = {{"mode", config_.mode == RouterMode::kPush ? "push" : "pull"}};
+    // role and router_id: a router given a router as an engine (itself included) says so.
+    json out = {{"role", "router"}, {"router_id", nonce_}, {"mode", mode_name(config_.mode)}};
     std::string reason;
     auto role = [&](const char* name, const std::vector<EngineState>& states) {
         json list = json::array();
@@ -417,9 +482,13 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     bool stream = scanned->stream;
 
     const EngineState P_state = pick(true);
-    if (!P_state.ready) return fail(503, "prefill engine unreachable: " + P_state.why);
+    if (!P_state.ready)
+        return fail(503, fmt::format("prefill engine {} is not ready: {}",
+                                     P_state.address.to_string(), P_state.why));
     const EngineState D_state = pick(false);
-    if (!D_state.ready) return fail(503, "decode engine unreachable: " + D_state.why);
+    if (!D_state.ready)
+        return fail(503, fmt::format("decode engine {} is not ready: {}",
+                                     D_state.address.to_string(), D_state.why));
     const EngineAddress& P = P_state.address;
     const EngineAddress& D = D_state.address;
     const std::string* pid = &P_state.engine_id;
@@ -444,11 +513,18 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
+    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to, and
+    // expires leg_ttl after it was signed (kv_params_auth.h).
+    const Digest prompt = prompt_digest(scanned->prompt);
+    auto leg_tag_expiry = [this] { return unix_ms_now() + int64_t(to_ms(config_.leg_ttl)); };
     json prefill_kv = {{"do_remote_decode", true},
                        {"transfer_id", tid},
                        {"remote_host", D.host},
                        {"remote_port", D.port}};
-    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv); !st.ok())
+    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
+                                        leg_content_digest({prompt, 1, P_state.engine_id}),
+                                        leg_tag_expiry());
+        !st.ok())
         return fail(500, st.to_string());
     std::string prefill_body =
         body.with({{"max_tokens", 1}, {"stream", false}, {"kv_transfer_params", prefill_kv}});
@@ -502,7 +578,10 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         decode_kv["do_remote_decode"] = false;
         decode_kv["transfer_id"] = tid;
     }
-    if (Status st = sign_kv_params_json(config_.secret, &decode_kv); !st.ok()) {
+    if (Status st = sign_kv_params_json(
+            config_.secret, &decode_kv,
+            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry());
+        !st.ok()) {
         abort_prefill("the decode leg could not be signed");
         return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
     }

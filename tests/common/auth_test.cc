@@ -34,6 +34,13 @@ TEST(Auth, HmacMatchesRfc4231TestCase6) {
     EXPECT_EQ(to_hex(d), "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
 }
 
+// FIPS 180-2's "abc".
+TEST(Auth, Sha256MatchesTheStandardVector) {
+    std::string msg = "abc";
+    EXPECT_EQ(to_hex(sha256({reinterpret_cast<const uint8_t*>(msg.data()), msg.size()})),
+              "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
 TEST(Auth, ConstantTimeEqualAndHex) {
     std::vector<uint8_t> a{1, 2, 3}, b{1, 2, 3}, c{1, 2, 4}, d{1, 2};
     EXPECT_TRUE(constant_time_equal(a, b));

@@ -1,5 +1,6 @@
 #include "ferry/kv/handshake.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -8,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -232,8 +234,19 @@ void expect_nothing_revealed(const std::vector<uint8_t>& got, const HandshakeInf
     EXPECT_EQ(text.find("incompatible"), std::string::npos);
 }
 
-int connect_loopback(uint16_t port) {
+// `from`: the source address, another of 127.0.0.0/8 (Linux routes all of it to lo) to play
+// a second client host.
+int connect_loopback(uint16_t port, const char* from = nullptr) {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (from != nullptr) {
+        sockaddr_in src{};
+        src.sin_family = AF_INET;
+        ::inet_pton(AF_INET, from, &src.sin_addr);
+        if (::bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof src) != 0) {
+            ::close(fd);
+            return -1;
+        }
+    }
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -444,7 +457,9 @@ TEST(HandshakeAuth, ServerThatCannotProveTheSecretGetsNoRequest) {
 
 TEST(HandshakeConcurrency, IdleConnectionsDoNotDelayAHandshake) {
     HandshakeInfo info = fake_info();
-    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
+    HandshakeServerOptions o = options();
+    o.max_connections_per_client = 256;  // all from 127.0.0.1, as the handshake below
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, std::move(o));
     ASSERT_TRUE(server.ok());
     uint16_t port = (*server)->port();
     std::vector<int> idle;
@@ -515,6 +530,83 @@ TEST(HandshakeConcurrency, ConnectionsBeyondTheCapAreClosedAtOnce) {
                                seconds(1))
             .ok();
     }));
+}
+
+// The side channel locked by one client (issue 30): 300 idle connections from one address,
+// reopened as the server closed them, held all 256 places, and 132 of 133 real handshakes
+// failed. One address now holds at most max_connections_per_client of them.
+TEST(HandshakeConcurrency, OneClientsIdleFloodDoesNotStopOtherClientsHandshakes) {
+    HandshakeInfo info = fake_info();
+    auto server = HandshakeServer::start("127.0.0.1", 0, info, options());
+    ASSERT_TRUE(server.ok());
+    uint16_t port = (*server)->port();
+    std::atomic<bool> stop{false};
+    std::atomic<int> open{0};
+    std::thread flood([&] {
+        std::vector<int> fds(300, -1);
+        while (!stop.load()) {
+            int now_open = 0;
+            for (int& fd : fds) {
+                pollfd p{fd, POLLIN, 0};
+                if (fd >= 0 && ::poll(&p, 1, 0) > 0) {  // closed by the server
+                    ::close(fd);
+                    fd = -1;
+                }
+                if (fd < 0) fd = connect_loopback(port, "127.0.0.2");
+                now_open += fd >= 0;
+            }
+            open.store(now_open);
+            std::this_thread::sleep_for(milliseconds(5));
+        }
+        for (int fd : fds)
+            if (fd >= 0) ::close(fd);
+    });
+    ASSERT_TRUE(eventually_ok([&] { return open.load() == 300; }, seconds(10)));
+    std::this_thread::sleep_for(milliseconds(200));  // the server accepted what it takes
+    int ok = 0;
+    std::string failed;
+    double slowest_ms = 0;
+    for (int i = 0; i < 30; ++i) {
+        TimePoint t0 = Clock::now();
+        auto r = fetch_handshake("127.0.0.1", port, info.layout.compatibility_hash(), test_secret(),
+                                 seconds(2));
+        slowest_ms = std::max(slowest_ms, to_ms(Clock::now() - t0));
+        ok += r.ok();
+        if (!r.ok() && failed.empty()) failed = r.status().to_string();
+    }
+    std::printf("30 handshakes beside a flood of 300 idle connections: %d ok, slowest %.2f ms\n",
+                ok, slowest_ms);
+    stop.store(true);
+    flood.join();
+    EXPECT_EQ(ok, 30) << "while one client held 300 idle connections, the first failure: "
+                      << failed;
+    EXPECT_GT((*server)->refused_over_cap(), 0u) << "the flood was never over its cap";
+}
+
+// Idle before the proof (nothing sent, or HELLO and then nothing) is closed at proof_deadline,
+// however long the whole exchange may take.
+TEST(HandshakeConcurrency, ConnectionsWithoutAProofAreClosedAtTheProofDeadline) {
+    const ::ferry::testing::StallWatch stalls;
+    HandshakeServerOptions o = options();
+    o.connection_deadline = seconds(10);
+    o.proof_deadline = milliseconds(300);
+    auto server = HandshakeServer::start("127.0.0.1", 0, fake_info(), std::move(o));
+    ASSERT_TRUE(server.ok());
+    int silent = connect_loopback((*server)->port());
+    int hello_only = connect_loopback((*server)->port());
+    ASSERT_GE(silent, 0);
+    ASSERT_GE(hello_only, 0);
+    TimePoint t0 = Clock::now();
+    send_frame_raw(hello_only, hello_frame(7));
+    for (int fd : {silent, hello_only}) {
+        bool closed = false;
+        auto got = read_until_close(fd, seconds(5), &closed);
+        double ms = to_ms(Clock::now() - t0);
+        ::close(fd);
+        EXPECT_TRUE(closed) << "an unproven connection still open after 5 s";
+        EXPECT_GT(ms, 200.0);
+        EXPECT_LT(ms, 1500.0 + stalls.worst_ms());
+    }
 }
 
 // ---- hostile clients and servers ---------------------------------------------------------------
@@ -746,7 +838,7 @@ TEST(HandshakeHostile, FailedExchangesAreLoggedNamingTheClientAndWhat) {
         {"AUTH first", [&] { poke(framed(auth_frame(Digest{}, 1)), false); },
          "a frame of type 3 (AUTH) where HELLO was due: refused"},
         {"a length, then silence", [&] { poke(length_prefix(39), false); },
-         "no complete exchange within 300 ms (4 bytes received): closed"},
+         "no valid AUTH within 300 ms (connection_deadline; 4 bytes received): closed"},
         {"half a HELLO, then FIN", [&] { poke(half_hello, true); },
          "hung up mid-exchange after 20 bytes"},
         {"another deployment's secret",

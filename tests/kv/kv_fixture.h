@@ -71,6 +71,7 @@ struct KvNode {
     std::unique_ptr<BlockPool> blocks;
     ResultLog results;
     ResultLog scheduled;  // on_scheduled, logged as recv results
+    ResultLog gave_up;    // on_send_cancelled, logged as send results
     std::unique_ptr<KvConnector> conn;
     // on_recv_progress: every reported prefix, per transfer, in order.
     std::mutex progress_mu;
@@ -201,6 +202,7 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     cb.on_recv_done = [raw](const TransferResult& r) { raw->results.add(false, r); };
     cb.on_send_done = [raw](const TransferResult& r) { raw->results.add(true, r); };
     cb.on_scheduled = [raw](const TransferResult& r) { raw->scheduled.add(false, r); };
+    cb.on_send_cancelled = [raw](const TransferResult& r) { raw->gave_up.add(true, r); };
     cb.on_recv_progress = [raw](const TransferProgress& p) {
         std::lock_guard lk(raw->progress_mu);
         if (raw->progress[p.transfer_id].empty() || raw->progress[p.transfer_id].back() != p.tokens)

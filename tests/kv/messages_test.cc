@@ -54,14 +54,15 @@ std::vector<KvMessage> all_messages() {
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
-            CancelMsg{1234, 3, 1},
+            CancelMsg{1234, 3, 1, false},
             CancelAckMsg{1234, 3, 0},
             pull,
             DoneMsg{99, 1, 2, false},
             IntentMsg{1234, 3, 1, 2, test_address()},
             ScheduledMsg{1234, 3, 0},
             SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16, std::nullopt},
-            closing_segment()};
+            closing_segment(),
+            CancelMsg{1234, 4, 1, true}};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
@@ -191,6 +192,12 @@ TEST(KvMessages, MalformedFieldsAreNamed) {
     FailMsg fail = std::get<FailMsg>(msgs[2]);
     fail.code = StatusCode::kOk;
     expect_error(fail, "code");
+
+    auto cancel = encode_message(CancelMsg{1, 1, 0, true});
+    cancel.back() = 2;  // given_up is a flag
+    auto flag = decode_message(cancel);
+    ASSERT_FALSE(flag.ok());
+    EXPECT_NE(flag.status().message().find("'given_up'"), std::string::npos);
 
     auto bytes = encode_message(CancelMsg{1, 1, 0});
     bytes[6] = 42;  // type

@@ -454,6 +454,128 @@ TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
     EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
 }
 
+// Issue 30, item 3: attempt 2 registered after prefill served attempt 1 and released its
+// blocks waited for a prefill_done that never came, the whole lease (30 s by default).
+TEST_P(KvReliabilityTest, ANewerAttemptAfterPrefillServedTheOldOneIsRefusedAtOnce) {
+    const auto lease = std::chrono::seconds(10);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0xb0;
+        const uint32_t kTokens = 40;
+        CHILD_ASSIGN_OK(auto first, n.blocks->allocate(3));
+        CHILD_ASSIGN_OK(auto second, n.blocks->allocate(3));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, first, kTokens}));
+            CHILD_ASSIGN_OK(auto r1, n.results.wait(false, id, kWait, 1));
+            CHILD_CHECK_MSG(r1.status.ok(), "{}", r1.status.to_string());
+            CHILD_CHECK_OK(ex.barrier());  // prefill released its blocks
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->register_push({id, 2, {n.addrs[kPrefill]}, second, kTokens}));
+            CHILD_ASSIGN_OK(auto r2, n.results.wait(false, id, kWait, 2));
+            Duration took = Clock::now() - t0;
+            CHILD_CHECK_MSG(r2.status.code() == StatusCode::kUnavailable, "{}",
+                            r2.status.to_string());
+            CHILD_CHECK_MSG(
+                r2.status.message().find("already served attempt 1") != std::string::npos, "{}",
+                r2.status.to_string());
+            CHILD_CHECK_MSG(took < lease / 2, "refused after {:.0f} ms", to_ms(took));
+            // Nothing landed in the second attempt's blocks.
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            testing::expect_request(n.self, image, id, first, kTokens);
+            std::string diff = testing::compare_pool(n.mem, image);
+            CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+        } else {
+            testing::fill_request(n, id, first, kTokens);
+            CHILD_CHECK_OK(n.conn->prefill_done(id, first, kTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            CHILD_CHECK_OK(ex.barrier());
+        }
+        CHILD_CHECK_OK(n.blocks->free(first));
+        CHILD_CHECK_OK(n.blocks->free(second));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+// Issue 30, item 5: decode's cancel reached prefill's engine only at its own prefill_done, so
+// prefill computed prompts nobody wanted. A newer attempt is no reason to stop computing.
+TEST_P(KvReliabilityTest, DecodeGivingUpBeforePrefillDoneIsReportedToPrefillAtOnce) {
+    auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t superseded = 0xb1, given_up = 0xb2;
+        CHILD_ASSIGN_OK(auto a, n.blocks->allocate(2));
+        CHILD_ASSIGN_OK(auto b, n.blocks->allocate(2));
+        CHILD_ASSIGN_OK(auto c, n.blocks->allocate(2));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({superseded, 1, {n.addrs[kPrefill]}, a, 20}));
+            CHILD_CHECK_OK(n.conn->register_push({superseded, 2, {n.addrs[kPrefill]}, b, 20}));
+            CHILD_CHECK_OK(n.conn->register_push({given_up, 1, {n.addrs[kPrefill]}, c, 20}));
+            CHILD_CHECK_OK(n.conn->cancel(given_up));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, given_up, kWait));
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kCancelled, "{}", r.status.to_string());
+            CHILD_ASSIGN_OK(auto old, n.results.wait(false, superseded, kWait, 1));
+            CHILD_CHECK(old.status.code() == StatusCode::kCancelled);
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_ASSIGN_OK(auto r2, n.results.wait(false, superseded, kWait, 2));
+            CHILD_CHECK_MSG(r2.status.ok(), "{}", r2.status.to_string());
+        } else {
+            // Nothing was computed yet: the engine hears of the cancel without prefill_done.
+            TimePoint t0 = Clock::now();
+            CHILD_ASSIGN_OK(auto g, n.gave_up.wait(true, given_up, kWait));
+            CHILD_CHECK_MSG(g.status.code() == StatusCode::kCancelled, "{}", g.status.to_string());
+            CHILD_CHECK_MSG(Clock::now() - t0 < std::chrono::seconds(5), "heard after {:.0f} ms",
+                            to_ms(Clock::now() - t0));
+            CHILD_CHECK_OK(testing::wait_messages(n, 4, kWait));
+            auto wrong = n.gave_up.wait(true, superseded, std::chrono::milliseconds(300));
+            CHILD_CHECK_MSG(!wrong.ok(), "a superseded attempt was reported as given up");
+            CHILD_CHECK_OK(ex.barrier());
+            testing::fill_request(n, superseded, a, 20);
+            CHILD_CHECK_OK(n.conn->prefill_done(superseded, a, 20));
+            CHILD_ASSIGN_OK(auto s, n.results.wait(true, superseded, kWait));
+            CHILD_CHECK_MSG(s.status.ok() && s.attempt == 2, "{}", s.status.to_string());
+            CHILD_CHECK_OK(n.conn->prefill_failed(given_up, cancelled("decode gave up")));
+            CHILD_ASSIGN_OK(auto f, n.results.wait(true, given_up, kWait));
+            (void)f;
+        }
+        for (auto* blocks : {&a, &b, &c}) CHILD_CHECK_OK(n.blocks->free(*blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+// Issue 30, item 4: a prefill known to be gone ends decode's transfers with it at once, not
+// at the lease: announcements and registrations alike.
+TEST_P(KvReliabilityTest, APeerKnownGoneEndsItsTransfersAtOnce) {
+    const auto lease = std::chrono::seconds(20);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+        if (ex.rank() == kPrefill) {
+            CHILD_CHECK_OK(testing::wait_messages(n, 2, kWait));  // INTENT and REGISTER
+            testing::drop_shm_names_of_this_process();
+            raise(SIGKILL);
+        }
+        CHILD_CHECK_OK(n.conn->announce(0xb3, 1, {n.addrs[kPrefill]}));
+        CHILD_CHECK_OK(n.conn->register_push({0xb4, 1, {n.addrs[kPrefill]}, blocks, 30}));
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        TimePoint t0 = Clock::now();
+        CHILD_CHECK_OK(n.conn->peer_gone(n.addrs[kPrefill], unavailable("prefill is gone")));
+        CHILD_ASSIGN_OK(auto a, n.scheduled.wait(false, 0xb3, kWait));
+        CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0xb4, kWait));
+        Duration took = Clock::now() - t0;
+        for (const Status* st : {&a.status, &r.status})
+            CHILD_CHECK_MSG(st->code() == StatusCode::kUnavailable &&
+                                st->message().find("prefill is gone") != std::string::npos,
+                            "{}", st->to_string());
+        CHILD_CHECK_MSG(took < std::chrono::seconds(2), "ended after {:.0f} ms", to_ms(took));
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        return "";
+    });
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
+    EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
+}
+
 TEST_P(KvReliabilityTest, KilledDecodeFreesPrefillBlocksInBoundedTime) {
     auto results =
         run_1p1d(std::chrono::milliseconds(800), [&](Exchange& ex, KvNode& n) -> std::string {

@@ -35,7 +35,7 @@ struct LinkFixture {
         KvTransferParams kv;
         kv.do_remote_decode = true;
         kv.transfer_id = transfer_id;
-        sign_kv_params(secret, &kv);
+        sign_kv_params(secret, &kv, {}, unix_ms_now() + 30'000);
         return kv;
     }
     KvTransferParams decode_leg(const std::string& transfer_id) const {
@@ -44,7 +44,7 @@ struct LinkFixture {
         kv.transfer_id = transfer_id;
         kv.remote_host = "127.0.0.1";
         kv.remote_port = 1;
-        sign_kv_params(secret, &kv);
+        sign_kv_params(secret, &kv, {}, unix_ms_now() + 30'000);
         return kv;
     }
 };

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "ferry/serve/engine_server.h"
+#include "ferry/serve/router.h"
 #include "serve_procs.h"
 #include "support/timing.h"
 
@@ -231,6 +232,17 @@ std::vector<double> probe_health(int port, int n = 50) {
     return ms;
 }
 
+// /health's p99 over `probes` probes, the best of three attempts (support/timing.h), each
+// attempt's p50 and p99 printed under `what`.
+double health_p99(int port, int probes, const std::string& what) {
+    return ferry::testing::best_of(3, 100.0, what.c_str(), [&] {
+        std::vector<double> ms = probe_health(port, probes);
+        std::printf("%s: /health p50 %.2f ms p99 %.2f ms\n", what.c_str(), percentile(ms, 0.5),
+                    percentile(ms, 0.99));
+        return percentile(ms, 0.99);
+    });
+}
+
 TEST(HttpLimits, HealthStaysFastUnder200SlowConnections) {
     Fixture f;  // default options: the per-client cap must leave room for attack and probes
     SlowLoris attack(f.port());
@@ -268,16 +280,9 @@ TEST(HttpLimits, FerryEngineAndRouterProcessesStayHealthyUnder200SlowConnections
         SlowLoris attack(port);
         std::this_thread::sleep_for(milliseconds(200));
         const char* who = port == eport ? "engine" : "router";
-        double p99 =
-            ferry::testing::best_of(3, 100.0, "/health p99 under 200 slow connections", [&] {
-                std::vector<double> ms = probe_health(port, 40);
-                std::printf(
-                    "ferry %s under 200 slow connections: "
-                    "/health p50 %.2f ms p99 %.2f ms\n",
-                    who, percentile(ms, 0.5), percentile(ms, 0.99));
-                return percentile(ms, 0.99);
-            });
-        EXPECT_LT(p99, 100.0) << who;
+        EXPECT_LT(health_p99(port, 40, fmt::format("ferry {} under 200 slow connections", who)),
+                  100.0)
+            << who;
         if (port == eport) {
             auto r = http_post_json(kHost, eport, "/v1/completions",
                                     R"({"prompt": [1, 2, 3], "max_tokens": 2})", seconds(5));
@@ -286,6 +291,92 @@ TEST(HttpLimits, FerryEngineAndRouterProcessesStayHealthyUnder200SlowConnections
         }
     }
     std::filesystem::remove_all(dir);
+}
+
+// Long streams holding every handler worker, more of them queued: /health and /metrics are
+// still answered at once, by an engine and by a router alike (issue 30: 300 streams on 128
+// workers kept an engine's /health queued for ~20 s and its router declared it dead).
+void expect_health_fast_while_streams_hold_every_worker(int port, const char* who) {
+    EXPECT_LT(health_p99(port, 30, fmt::format("{}, every worker streaming", who)), 100.0) << who;
+    auto m = http_get(kHost, port, "/metrics", seconds(2));
+    ASSERT_TRUE(m.ok()) << who << ": " << m.status().to_string();
+    EXPECT_EQ(m->status, 200) << who;
+}
+
+TEST(HttpLimits, HealthAnswersAtOnceWhileStreamsHoldEveryWorker) {
+    constexpr size_t kWorkers = 4, kStreams = 12;
+    // Engine: 12 streams of 20k tokens at a fiftieth of the modelled speed on 4 workers.
+    auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
+    auto engine =
+        Engine::create({.engine_id = "e", .num_blocks = 8192, .time_scale = 50}, cost).value();
+    ASSERT_TRUE(engine->start().ok());
+    auto server =
+        EngineServer::start(engine.get(), {.http = {.host = kHost, .threads = kWorkers}}).value();
+    {
+        std::vector<std::unique_ptr<Raw>> streams;
+        for (size_t i = 0; i < kStreams; ++i) {
+            streams.push_back(std::make_unique<Raw>(server->port()));
+            json body = {
+                {"prompt", prompt_of(20, int(i))}, {"max_tokens", 20000}, {"stream", true}};
+            ASSERT_TRUE(streams.back()->send(post("/v1/completions", body.dump())));
+        }
+        ASSERT_TRUE(
+            eventually([&] { return engine->stats().requests_total >= kWorkers; }, seconds(5)));
+        expect_health_fast_while_streams_hold_every_worker(server->port(), "engine");
+        EXPECT_EQ(engine->stats().requests_total, kWorkers);  // the rest still queued for a worker
+    }
+
+    // Router: its streams relay a decode leg that never ends; 12 of them on 4 router workers.
+    std::atomic<bool> release{false};
+    std::vector<HttpRoute> routes;
+    routes.push_back({"GET", "/health", [](const HttpRequest&, HttpReply& r) {
+                          r.body = R"({"status": "ok", "engine_id": "stub"})";
+                      }});
+    routes.push_back({"POST", "/v1/completions", [&release](const HttpRequest& q, HttpReply& r) {
+                          if (q.body.find("do_remote_decode") != std::string::npos) {
+                              r.body = R"({"choices": [{"token_ids": [1]}]})";
+                              return;
+                          }
+                          r.content_type = "text/event-stream";
+                          r.stream = [&release](const ChunkWriter& write) {
+                              TimePoint end = Clock::now() + seconds(60);
+                              while (!release && Clock::now() < end)
+                                  if (!write("data: {\"choices\": []}\n\n"))
+                                      return;
+                                  else
+                                      std::this_thread::sleep_for(milliseconds(20));
+                          };
+                      }});
+    routes.push_back(
+        {"POST", "/ferry/abort", [](const HttpRequest&, HttpReply& r) { r.body = "{}"; }});
+    auto stub = HttpServer::start({.host = kHost}, std::move(routes)).value();
+    RouterConfig rc;
+    rc.http = {.host = kHost, .threads = kWorkers};
+    rc.secret = Secret::generate().value();
+    rc.prefill = {{kHost, stub->port()}};
+    rc.decode = {{kHost, stub->port()}};
+    auto router = Router::start(rc).value();
+    ASSERT_TRUE(wait_healthy(kHost, router->port()));
+    {
+        std::vector<std::unique_ptr<Raw>> streams;
+        for (size_t i = 0; i < kStreams; ++i) {
+            streams.push_back(std::make_unique<Raw>(router->port()));
+            ASSERT_TRUE(streams.back()->send(
+                post("/v1/completions", R"({"prompt": "hi", "max_tokens": 5, "stream": true})")));
+        }
+        ASSERT_TRUE(eventually(
+            [&] {
+                return metric(kHost, router->port(), "ferry_router_requests_total") >= kWorkers;
+            },
+            seconds(5)));
+        expect_health_fast_while_streams_hold_every_worker(router->port(), "router");
+        EXPECT_EQ(metric(kHost, router->port(), "ferry_router_requests_total"), double(kWorkers));
+    }
+    release = true;
+    router->stop();
+    stub->stop();
+    server->stop();
+    engine->stop();
 }
 
 TEST(HttpLimits, ContentLengthOverTheLimitGets413BeforeTheBody) {

@@ -162,6 +162,9 @@ void expect_same_verdict(const std::string& body) {
                                      << "\n relay: " << relay.status().to_string();
     if (full.ok()) {
         EXPECT_EQ(relay->stream, full->stream) << body;
+        // What the router's tags bind is what the engine reads (kv_params_auth.h).
+        EXPECT_EQ(relay->prompt, full->gen.prompt) << body;
+        EXPECT_EQ(relay->max_tokens, full->gen.max_tokens) << body;
     } else {
         EXPECT_EQ(relay.status().code(), StatusCode::kInvalidArgument) << body;
         // The same message; the relay may add where it found the problem.
@@ -278,7 +281,9 @@ TEST(CompletionRelay, SixteenMegabyteBodiesAreParsedWithoutBuildingThemWhole) {
 TEST(CompletionRelay, UnusualButValidTokenIdsTakeTheFullCheck) {
     for (const char* body :
          {R"({"prompt": [-0, 1]})", R"({"prompt":[ 7 ]})", R"({"prompt": [1], "prompt": [2]})",
-          R"({"prompt": 3, "prompt": [2]})", "{\"prompt\":\n[1,\r\n2\t]}"})
+          R"({"prompt": 3, "prompt": [2]})", "{\"prompt\":\n[1,\r\n2\t]}",
+          R"({"prompt": [1, 2], "prompt": "ab", "max_tokens": 9})",
+          R"({"prompt": "ab", "prompt": [30, 4]})", R"({"prompt": [1e1, 2]})"})
         expect_same_verdict(body);
 }
 

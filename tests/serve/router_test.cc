@@ -32,8 +32,11 @@ struct Cluster {
     std::unique_ptr<Router> router;
 
     // `decode_step`: stretches the decode engines' modelled steps to about this long.
+    kv::TransferMode mode;
+
     Cluster(size_t np, size_t nd, kv::TransferMode link_mode, Duration lease = seconds(5),
-            Duration decode_step = Duration::zero()) {
+            Duration decode_step = Duration::zero())
+        : mode(link_mode) {
         auto cost = CostModel::create(tiny_test_model(), h200(), 1).value();
         link = std::make_unique<InProcessKvLink>(InProcessKvLinkConfig{link_mode, lease});
         auto make = [&](const std::string& id) {
@@ -72,9 +75,15 @@ struct Cluster {
         }
         router = Router::start(rc).value();
     }
-    static void start(Node& n) {
+    // As `ferry serve prefill|decode` does, the engine states its role and KV mode.
+    void start(Node& n) const {
         EXPECT_TRUE(n.engine->start().ok());
-        n.server = EngineServer::start(n.engine.get(), {.http = {.host = kHost}}).value();
+        EngineServerOptions so{.http = {.host = kHost}};
+        so.role = n.engine->config().engine_id[0] == 'p' ? "prefill" : "decode";
+        so.kv_mode = mode == kv::TransferMode::kPush   ? "push"
+                     : mode == kv::TransferMode::kPull ? "pull"
+                                                       : "pull-inline";
+        n.server = EngineServer::start(n.engine.get(), so).value();
     }
     ~Cluster() {
         router->stop();
@@ -257,9 +266,149 @@ TEST(Router, DecodeEngineKnownDownGives503BeforeAnyLegLeaves) {
     Streamed s = stream(c.router->port(),
                         {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
     EXPECT_EQ(s.status, 503);
-    EXPECT_NE(s.raw.find("decode engine unreachable"), std::string::npos) << s.raw;
+    EXPECT_NE(s.raw.find(fmt::format("decode engine 127.0.0.1:{} is not ready",
+                                     c.decode[0].server->port())),
+              std::string::npos)
+        << s.raw;
     EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
     EXPECT_EQ(metric(c.router->port(), "ferry_router_failures_total"), 1);
+}
+
+// Engines in pull behind a router in push (issue 30: every request hung for the 30 s lease,
+// then 504; the other way round every request got a 400 blaming the client): the router is not
+// ready, its /health names both flags, and a request fails at once with 503 saying why, before
+// any leg leaves.
+TEST(Router, EnginesOfAnotherTransferModeLeaveItNotReadyAndRequestsFailAtOnce) {
+    for (auto [engines, router_mode] : {std::pair{kv::TransferMode::kPull, RouterMode::kPush},
+                                        std::pair{kv::TransferMode::kPush, RouterMode::kPull}}) {
+        const bool push_router = router_mode == RouterMode::kPush;
+        SCOPED_TRACE(push_router ? "pull engines, push router" : "push engines, pull router");
+        Cluster c(1, 1, engines);
+        RouterConfig rc;
+        rc.mode = router_mode;
+        rc.secret = Secret::generate().value();
+        rc.request_timeout = seconds(10);
+        rc.prefill = {{kHost, c.prefill[0].server->port()}};
+        rc.decode = {{kHost, c.decode[0].server->port()}};
+        auto router = Router::start(rc).value();
+        const std::string named = push_router ? "--kv-mode pull, this router --mode push"
+                                              : "--kv-mode push, this router --mode pull";
+        std::string body;
+        EXPECT_TRUE(eventually([&] {
+            return health_status(router->port(), &body) == 503 &&
+                   body.find(named) != std::string::npos;
+        })) << body;
+        EXPECT_NE(body.find("no prefill engine is ready"), std::string::npos) << body;
+        EXPECT_NE(body.find("no decode engine is ready"), std::string::npos) << body;
+        TimePoint t0 = Clock::now();
+        Streamed s = stream(router->port(),
+                            {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
+        double ms = to_ms(Clock::now() - t0);
+        EXPECT_EQ(s.status, 503) << s.raw;
+        EXPECT_NE(s.raw.find(named), std::string::npos) << s.raw;
+        EXPECT_LT(ms, 2000.0);  // the lease is 5 s, the router's request timeout 10 s
+        EXPECT_EQ(c.prefill[0].engine->stats().requests_total, 0u);
+        EXPECT_EQ(c.decode[0].engine->stats().requests_total, 0u);
+        // The matching router next to it serves.
+        Streamed ok = stream(c.router->port(),
+                             {{"prompt", prompt_of(30, 1)}, {"max_tokens", 3}, {"stream", true}});
+        EXPECT_EQ(ok.status, 200) << ok.raw;
+        router->stop();
+    }
+}
+
+// A prefill engine given as decode and the reverse: not ready, the reason says where it belongs.
+TEST(Router, AnEngineGivenForTheOtherRoleIsNotReadyAndSaysWhereItBelongs) {
+    Cluster c(1, 1, kv::TransferMode::kPush);
+    RouterConfig rc;
+    rc.secret = Secret::generate().value();
+    rc.prefill = {{kHost, c.decode[0].server->port()}};
+    rc.decode = {{kHost, c.prefill[0].server->port()}};
+    auto router = Router::start(rc).value();
+    std::string body;
+    EXPECT_TRUE(eventually([&] {
+        return health_status(router->port(), &body) == 503 &&
+               body.find("a decode engine given as a prefill engine: move it to --decode") !=
+                   std::string::npos &&
+               body.find("a prefill engine given as a decode engine: move it to --prefill") !=
+                   std::string::npos;
+    })) << body;
+    router->stop();
+}
+
+// Routers in a loop (issue 30: a router given itself, or two routers given each other, nested
+// each other's reasons into /health bodies of 59 MB and 430 MB of memory in 30 s): each says
+// its engine is a router, /health stays small, and a request fails at once without a leg.
+TEST(Router, RoutersGivenAsEnginesAreNamedAndTheirHealthStaysSmall) {
+    int self_port = testing::free_port(), a_port = testing::free_port(),
+        b_port = testing::free_port();
+    auto config = [](int port, int engines) {
+        RouterConfig rc;
+        rc.http = {.host = kHost, .port = port};
+        rc.secret = Secret::generate().value();
+        rc.request_timeout = seconds(5);
+        rc.probe_period = milliseconds(20);  // 25 probes a half-second
+        rc.prefill = {{kHost, engines}};
+        rc.decode = {{kHost, engines}};
+        return rc;
+    };
+    auto self = Router::start(config(self_port, self_port)).value();
+    auto a = Router::start(config(a_port, b_port)).value();
+    auto b = Router::start(config(b_port, a_port)).value();
+    struct Case {
+        int port;
+        std::string named;
+    };
+    for (const Case& k : {Case{self_port, "this is the router itself, not a prefill engine"},
+                          Case{a_port, "this is another router, not a decode engine"},
+                          Case{b_port, "this is another router, not a prefill engine"}}) {
+        std::string body;
+        EXPECT_TRUE(eventually([&] {
+            return health_status(k.port, &body) == 503 && body.find(k.named) != std::string::npos;
+        })) << body;
+    }
+    size_t largest = 0;
+    TimePoint end = Clock::now() + seconds(1);
+    while (Clock::now() < end) {
+        for (int port : {self_port, a_port, b_port}) {
+            std::string body;
+            health_status(port, &body);
+            largest = std::max(largest, body.size());
+        }
+        std::this_thread::sleep_for(milliseconds(20));
+    }
+    std::printf("largest router /health body in a loop: %zu bytes\n", largest);
+    EXPECT_LT(largest, 2048u);
+    auto r = http_post_json(kHost, a_port, "/v1/completions",
+                            R"({"prompt": "hi", "max_tokens": 2})", seconds(5));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->status, 503) << r->body;
+    EXPECT_NE(r->body.find("another router"), std::string::npos) << r->body;
+    for (Router* r : {self.get(), a.get(), b.get()}) r->stop();
+}
+
+// An engine's words the router relays (a /health reason, a leg's error) are cut with a marker.
+TEST(Router, AnUpstreamsLongReasonIsCutWithAMarker) {
+    const std::string huge(1 << 20, 'r');
+    std::vector<HttpRoute> routes;
+    routes.push_back({"GET", "/health", [&huge](const HttpRequest&, HttpReply& r) {
+                          r.status = 503;
+                          r.body = json({{"status", "starting"}, {"reason", huge}}).dump();
+                      }});
+    auto engine = HttpServer::start({.host = kHost}, std::move(routes)).value();
+    RouterConfig rc;
+    rc.secret = Secret::generate().value();
+    rc.prefill = {{kHost, engine->port()}};
+    rc.decode = {{kHost, engine->port()}};
+    auto router = Router::start(rc).value();
+    std::string body;
+    EXPECT_TRUE(eventually([&] {
+        return health_status(router->port(), &body) == 503 &&
+               body.find("more bytes cut") != std::string::npos;
+    })) << body.substr(0, 300);
+    EXPECT_LT(body.size(), 8192u);
+    router->stop();
+    engine->stop();
 }
 
 // Decode refuses its leg after prefill computed (push: waiting for decode's registration;

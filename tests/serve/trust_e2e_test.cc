@@ -106,6 +106,9 @@ struct TrustStack {
         return metric(kHost, prefill_port, "ferry_kv_blocks_used") == 0 &&
                metric(kHost, decode_port, "ferry_kv_blocks_used") == 0;
     }
+    // The engine ids the router binds legs to (the engines' defaults).
+    std::string prefill_id() const { return fmt::format("prefill-{}", prefill_port); }
+    std::string decode_id() const { return fmt::format("decode-{}", decode_port); }
 };
 
 HttpResponse post(int port, const json& body) {
@@ -114,9 +117,16 @@ HttpResponse post(int port, const json& body) {
     return r.ok() ? *r : HttpResponse{};
 }
 
+// What the router signs a leg to `engine_id` for (kv_params_auth.h), valid for `ttl`.
+void sign_leg(const Secret& secret, KvTransferParams* kv, const std::vector<int32_t>& prompt,
+              size_t max_tokens, const std::string& engine_id, Duration ttl = seconds(30)) {
+    sign_kv_params(secret, kv, leg_content_digest({prompt_digest(prompt), max_tokens, engine_id}),
+                   unix_ms_now() + int64_t(to_ms(ttl)));
+}
+
 void expect_refused(const HttpResponse& r, const std::string& words) {
     EXPECT_EQ(r.status, 403) << r.body;
-    EXPECT_NE(r.body.find("not signed by this deployment's router"), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("kv_transfer_params"), std::string::npos) << r.body;
     EXPECT_NE(r.body.find(words), std::string::npos) << r.body;
 }
 
@@ -141,7 +151,9 @@ TEST(TrustE2E, LegsNamingAHostWithoutTheRoutersTagAreRefusedAndConnectNowhere) {
         expect_refused(post(port, body), "no ferry_auth");
         body["kv_transfer_params"]["ferry_auth"] = std::string(64, '0');
         expect_refused(post(port, body), "does not match");
-        sign_kv_params(other, &kv);  // another deployment's secret
+        // Another deployment's secret.
+        sign_leg(other, &kv, prompt, 4,
+                 fmt::format("{}-{}", decode_leg ? "decode" : "prefill", port));
         body["kv_transfer_params"] = kv_params_to_json(kv);
         expect_refused(post(port, body), "does not match");
         body["stream"] = true;
@@ -158,28 +170,53 @@ TEST(TrustE2E, LegsNamingAHostWithoutTheRoutersTagAreRefusedAndConnectNowhere) {
     EXPECT_EQ(r.tokens, tiny_expected(prompt, 5));
 }
 
+// A pull prefill leg as the router makes it, for `prompt` under `transfer_id`.
+json prefill_leg(const TrustStack& s, const std::vector<int32_t>& prompt,
+                 const std::string& transfer_id, Duration ttl = seconds(30)) {
+    KvTransferParams leg;
+    leg.do_remote_decode = true;
+    leg.transfer_id = transfer_id;
+    leg.remote_host = kHost;
+    leg.remote_port = s.decode_port;
+    sign_leg(s.secret(), &leg, prompt, 1, s.prefill_id(), ttl);
+    return {{"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", kv_params_to_json(leg)}};
+}
+
+// The offer in prefill's answer to a leg, or null.
+json offer_of(const HttpResponse& r) {
+    json j = json::parse(r.body, nullptr, false);
+    return r.status == 200 && j.is_object() ? j["kv_transfer_params"] : json();
+}
+
+// The decode leg the router builds from prefill's offer, signed for `prompt` and `max_tokens`.
+json decode_leg(const TrustStack& s, json offer, const std::vector<int32_t>& prompt,
+                size_t max_tokens) {
+    offer["do_remote_prefill"] = true;
+    offer["do_remote_decode"] = false;
+    Status st = sign_kv_params_json(
+        s.secret(), &offer, leg_content_digest({prompt_digest(prompt), max_tokens, s.decode_id()}),
+        unix_ms_now() + 30'000);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return offer;
+}
+
+std::vector<int32_t> tokens_of(const HttpResponse& r) {
+    json j = json::parse(r.body, nullptr, false);
+    if (!j.is_object() || !j.contains("choices")) return {};
+    return j["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+}
+
 TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     TrustStack s("pull");
     ASSERT_TRUE(s.up);
-    Secret secret = s.secret();
     auto prompt = prompt_of(150, 3);
     // A prefill leg as the router makes it; its answer is the offer.
-    KvTransferParams leg;
-    leg.do_remote_decode = true;
-    leg.transfer_id = "t-real";
-    leg.remote_host = kHost;
-    leg.remote_port = s.decode_port;
-    sign_kv_params(secret, &leg);
-    HttpResponse pr = post(
-        s.prefill_port,
-        {{"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", kv_params_to_json(leg)}});
+    HttpResponse pr = post(s.prefill_port, prefill_leg(s, prompt, "t-real"));
     ASSERT_EQ(pr.status, 200) << pr.body << s.logs();
-    json offer = json::parse(pr.body)["kv_transfer_params"];
-    ASSERT_TRUE(offer.contains("ferry_capability")) << offer.dump();
+    json offer = offer_of(pr);
+    ASSERT_TRUE(offer.is_object() && offer.contains("ferry_capability")) << offer.dump();
     ASSERT_GE(offer["remote_block_ids"].size(), 2u);
-    offer["do_remote_prefill"] = true;
-    offer["do_remote_decode"] = false;
-    ASSERT_TRUE(sign_kv_params_json(secret, &offer).ok());  // what the router hands decode
+    offer = decode_leg(s, offer, prompt, 6);  // what the router hands decode
     double used_before = metric(kHost, s.prefill_port, "ferry_kv_blocks_used");
     EXPECT_GT(used_before, 0);
 
@@ -209,9 +246,97 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     // The real transfer goes through untouched, and every block comes back.
     HttpResponse ok = decode_with(offer);
     ASSERT_EQ(ok.status, 200) << ok.body << s.logs();
-    json answer = json::parse(ok.body);
-    std::vector<int32_t> tokens = answer["choices"][0]["token_ids"];
-    EXPECT_EQ(tokens, tiny_expected(prompt, 6));
+    EXPECT_EQ(tokens_of(ok), tiny_expected(prompt, 6));
+    EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+}
+
+// Issue 30: a pull decode leg captured between router and decode and sent again after its
+// transfer ended, when prefill's blocks hold another client's KV: as it was, and with that
+// client's prompt put in.
+TEST(TrustE2E, ReplayedPullDecodeLegIsRefusedAndReturnsNoTokens) {
+    TrustStack s("pull");
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(150, 5);
+    json offer = offer_of(post(s.prefill_port, prefill_leg(s, prompt, "t-captured")));
+    ASSERT_TRUE(offer.is_object()) << s.logs();
+    json captured = {{"prompt", prompt},
+                     {"max_tokens", 6},
+                     {"kv_transfer_params", decode_leg(s, offer, prompt, 6)}};
+    HttpResponse first = post(s.decode_port, captured);
+    ASSERT_EQ(first.status, 200) << first.body << s.logs();
+    EXPECT_EQ(tokens_of(first), tiny_expected(prompt, 6));
+    ASSERT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+
+    // Another client's request: its KV goes through prefill's freed blocks.
+    auto victim = prompt_of(150, 6);
+    HttpResponse theirs = post(s.router_port, {{"prompt", victim}, {"max_tokens", 6}});
+    ASSERT_EQ(theirs.status, 200) << theirs.body << s.logs();
+    ASSERT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+    double read_before =
+        metric(kHost, s.decode_port, "ferry_kv_link_transfers_total{result=\"ok\"}");
+
+    HttpResponse again = post(s.decode_port, captured);
+    expect_refused(again, "already used");
+    EXPECT_TRUE(tokens_of(again).empty()) << again.body;
+    json with_theirs = captured;
+    with_theirs["prompt"] = victim;
+    HttpResponse stolen = post(s.decode_port, with_theirs);
+    expect_refused(stolen, "does not match");
+    EXPECT_TRUE(tokens_of(stolen).empty()) << stolen.body;
+    // Nothing was read, nothing is held.
+    EXPECT_EQ(metric(kHost, s.decode_port, "ferry_kv_link_transfers_total{result=\"ok\"}"),
+              read_before);
+    EXPECT_TRUE(s.pools_free()) << s.logs();
+}
+
+// A captured prefill leg sent again after its transfer ended (to compute a long prompt and pin
+// its blocks once more, as often as wanted) is refused.
+TEST(TrustE2E, ReplayedPrefillLegIsRefusedAndPinsNothing) {
+    TrustStack s("pull");
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(600, 7);
+    json captured = prefill_leg(s, prompt, "t-pin");
+    json offer = offer_of(post(s.prefill_port, captured));
+    ASSERT_TRUE(offer.is_object()) << s.logs();
+    EXPECT_GT(metric(kHost, s.prefill_port, "ferry_kv_blocks_used"), 0);
+    // Decode reads the offer: the transfer ends and prefill's blocks are free.
+    HttpResponse read =
+        post(s.decode_port, {{"prompt", prompt},
+                             {"max_tokens", 2},
+                             {"kv_transfer_params", decode_leg(s, offer, prompt, 2)}});
+    ASSERT_EQ(read.status, 200) << read.body << s.logs();
+    ASSERT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+
+    for (int i = 0; i < 2; ++i) {
+        HttpResponse again = post(s.prefill_port, captured);
+        expect_refused(again, "already used");
+        EXPECT_TRUE(offer_of(again).is_null()) << again.body;
+        EXPECT_EQ(metric(kHost, s.prefill_port, "ferry_kv_blocks_used"), 0);
+    }
+}
+
+// A leg past its expiry, or carrying another prompt or max_tokens than it was signed for, is
+// refused before anything is computed or held.
+TEST(TrustE2E, ExpiredOrAlteredLegIsRefused) {
+    TrustStack s("pull");
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(150, 8);
+    expect_refused(post(s.prefill_port, prefill_leg(s, prompt, "t-old", -seconds(1))), "expired");
+    json altered = prefill_leg(s, prompt, "t-altered");
+    altered["prompt"] = prompt_of(150, 9);
+    expect_refused(post(s.prefill_port, altered), "does not match");
+    json offer = offer_of(post(s.prefill_port, prefill_leg(s, prompt, "t-ok")));
+    ASSERT_TRUE(offer.is_object()) << s.logs();
+    json more = {{"prompt", prompt},
+                 {"max_tokens", 60},
+                 {"kv_transfer_params", decode_leg(s, offer, prompt, 6)}};
+    expect_refused(post(s.decode_port, more), "does not match");
+    EXPECT_EQ(metric(kHost, s.decode_port, "ferry_kv_blocks_used"), 0);
+    // The leg as signed still works.
+    more["max_tokens"] = 6;
+    HttpResponse ok = post(s.decode_port, more);
+    ASSERT_EQ(ok.status, 200) << ok.body << s.logs();
+    EXPECT_EQ(tokens_of(ok), tiny_expected(prompt, 6));
     EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
 }
 

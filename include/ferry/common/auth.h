@@ -46,6 +46,8 @@ class Secret {
 // HMAC-SHA256 of `message` under `key` (an empty key is refused by the callers
 // above).
 Digest hmac_sha256(const Secret& key, std::span<const uint8_t> message);
+// SHA-256 of `message` (no key): a digest that a tag then binds.
+Digest sha256(std::span<const uint8_t> message);
 // Equal length and bytes, in time that depends only on the length.
 bool constant_time_equal(std::span<const uint8_t> a, std::span<const uint8_t> b);
 // Cryptographically strong random bytes.

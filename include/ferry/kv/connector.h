@@ -117,6 +117,10 @@ struct ConnectorCallbacks {
     // Decode: every prefill rank of an announce() scheduled the transfer (ok), or why not
     // (FAIL from prefill, kTimeout after the lease, kCancelled). Exactly once per announce.
     std::function<void(const TransferResult&)> on_scheduled;
+    // Prefill, push: a decode rank gave the transfer up (its request was cancelled, its lease
+    // passed) before prefill_done, so nobody wants the prompt computed: the engine may stop
+    // computing it and call prefill_failed. Optional; at most once per transfer.
+    std::function<void(const TransferResult&)> on_send_cancelled;
 };
 
 struct ConnectorStats {
@@ -166,6 +170,12 @@ class KvConnector {
     // (or the lease passed), and only then may the blocks be reused. An announcement not yet
     // registered is reported on_scheduled(kCancelled) at once (it holds no blocks).
     Status cancel(uint64_t transfer_id);
+    // The prefill process at `peer` is known to be gone: it exited, or another process now
+    // answers where it did. Announcements and registrations with it end now with `why`
+    // (on_scheduled / on_recv_done), without waiting for acknowledgements it can no longer
+    // send. Call it only once that process can write nothing more; a peer that is merely slow
+    // is the lease's to end. An unknown peer: nothing happens.
+    Status peer_gone(const EngineAddress& peer, Status why);
 
     // --- push, prefill side ---
     // Prefill admitted the request: decode ranks that announced it may reserve their blocks.

@@ -8,8 +8,9 @@
 // "authentication failed" frame and a close. The answer is MACed too, so a caller knows it came
 // from a holder of the secret. Frames: docs/PROTOCOL.md.
 //
-// The server serves its connections concurrently from one poll loop, each within a deadline,
-// and closes connections beyond a cap at once, so idle or slow clients cannot hold it up.
+// The server serves its connections concurrently from one poll loop, each within a deadline
+// (a shorter one until the client proved the secret), and closes connections beyond a cap (in
+// all, and per client address) at once, so idle or slow clients cannot hold it up.
 //
 // Handshakes run in the caller's thread, never on a connector thread, so a slow or dead peer
 // only delays the request that needed it.
@@ -19,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,8 +53,20 @@ struct HandshakeServerOptions {
     Secret secret;  // the deployment's; required
     // A connection that has not finished its exchange by then is closed.
     Duration connection_deadline = std::chrono::seconds(1);
+    // A connection whose client has not proven the secret (a valid AUTH) by then is closed,
+    // if that comes before connection_deadline. A real client proves it one round trip after
+    // its connect was accepted: whole handshakes took at most 5.1 ms beside 300 idle
+    // connections on the 2-core dev VM; 500 ms leaves room for one lost segment (Linux's least
+    // retransmission timeout is 200 ms) and keeps what an idle connection holds short.
+    Duration proof_deadline = std::chrono::milliseconds(500);
     // Open connections beyond this are closed as soon as they are accepted.
     size_t max_connections = 256;
+    // Open connections from one source address beyond this are closed as soon as they are
+    // accepted, so that one client cannot hold all max_connections: 300 idle connections from
+    // one address, reopened as they closed, made 132 of 133 real handshakes fail. A serving
+    // engine handshakes from its one KV link thread, one peer at a time, so an address opens
+    // about as many at once as its host runs engines: 32 is four times the 8 of an 8-GPU host.
+    size_t max_connections_per_client = 32;
 };
 
 class HandshakeServer {
@@ -68,9 +82,11 @@ class HandshakeServer {
 
     uint16_t port() const;
     uint64_t epoch() const;
-    uint64_t requests_served() const;   // answers given to authenticated peers
-    uint64_t auth_failures() const;     // peers that did not prove the secret
-    uint64_t refused_over_cap() const;  // connections closed at once: too many open
+    uint64_t requests_served() const;  // answers given to authenticated peers
+    uint64_t auth_failures() const;    // peers that did not prove the secret
+    // Connections closed at once: max_connections open, or max_connections_per_client open
+    // from the same address.
+    uint64_t refused_over_cap() const;
 
     class Impl;
 
@@ -82,9 +98,10 @@ class HandshakeServer {
 // One handshake: connect, prove the secret and check the server's proof, send the
 // compatibility hash the caller expects, read the answer. A peer whose layout hash differs
 // answers with an error naming both layouts; a peer without the secret is a kPermissionDenied.
+// `refused` (optional) is set when the endpoint refused the connection (nothing listens).
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout);
+                                      Duration timeout, bool* refused = nullptr);
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
@@ -101,6 +118,20 @@ class HandshakeCache {
     };
     // Handshakes again (after a transfer to this peer failed) and replaces the cached entry.
     Result<Refreshed> refresh(const std::string& host, uint16_t port, Duration timeout);
+
+    // What the process at an endpoint cached before is now, for a watch that ends the
+    // transfers of a peer that is gone. kGone only when the endpoint refuses connections
+    // (nothing listens: the process exited, or closed its side channel, which it does only
+    // after its connector stopped), never on a timeout: a slow or frozen peer is the lease's.
+    struct Probe {
+        enum class State { kSame, kRestarted, kGone, kUnknown };
+        State state = State::kUnknown;
+        std::optional<HandshakeInfo> previous;  // the answer cached before the probe
+        Status why;                             // kGone and kUnknown: what failed
+    };
+    // Handshakes again. kRestarted: the cache holds the new process's answer; kGone: the
+    // entry is dropped; otherwise the cache is as it was (kSame: refreshed).
+    Probe probe(const std::string& host, uint16_t port, Duration timeout);
 
     void forget(const std::string& host, uint16_t port);
     size_t size() const;

@@ -23,7 +23,9 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 4: a pull offer's capability in PULL_PARAMS and DONE.
 // 5: a pool of several regions (one descriptor per region) in REGISTER and PULL_PARAMS.
 // 6: a SEGMENT may close the transfer (`last` and the job's totals), replacing its FINAL.
-inline constexpr uint16_t kKvProtocolVersion = 7;
+// 8: CANCEL says whether decode gave the request up (prefill may stop computing it) or only
+//    moved to a newer attempt.
+inline constexpr uint16_t kKvProtocolVersion = 8;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
@@ -127,6 +129,9 @@ struct CancelMsg {
     uint64_t transfer_id = 0;
     uint32_t attempt = 0;
     uint32_t decode_rank = 0;
+    // Decode gave the request up (cancelled, lease passed, shutting down), not superseded the
+    // attempt by a newer one: prefill may stop computing the prompt.
+    bool given_up = false;
     bool operator==(const CancelMsg&) const = default;
 };
 

@@ -1,6 +1,7 @@
 // An engine behind the OpenAI-style HTTP API: POST /v1/completions (stream or not),
-// GET /health (200 once ready, with the limits a router checks requests against; 503 with the
-// reason before), GET /metrics (Prometheus text), POST /ferry/abort.
+// GET /health (200 once ready, with the limits a router checks requests against and the role and
+// KV mode it checks its engines against; 503 with the reason before), GET /metrics (Prometheus
+// text), POST /ferry/abort.
 #pragma once
 
 #include <functional>
@@ -22,6 +23,11 @@ struct EngineServerOptions {
     // provider so that peers find it from the HTTP address the router gives them.
     int kv_side_channel_port = 0;
     std::string kv_provider{};
+    // What this engine serves, stated in /health so that a router refuses an engine it cannot
+    // use before any request does: its role ("prefill" or "decode") and its KV transfer mode
+    // ("push", "pull", "pull-inline" or "none"). Empty: not stated, and not checked.
+    std::string role{};
+    std::string kv_mode{};
     // Appended to /metrics (the connector's own counters).
     std::function<std::string()> extra_metrics{};
     // Readiness beyond the engine itself (the KV link's side channel): /health answers 503

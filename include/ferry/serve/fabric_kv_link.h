@@ -12,7 +12,11 @@
 // host:port. The link asks that engine's GET /health for its side-channel port once, then
 // handshakes (address, pool descriptor, layout, compatibility hash; both sides prove the
 // deployment secret first) and caches the answer; a
-// transfer to a peer that failed is re-handshaken, so a restarted peer is picked up.
+// transfer to a peer that failed is re-handshaken, so a restarted peer is picked up. A watch
+// thread handshakes again with every cached peer each peer_check_interval: a peer whose side
+// channel refuses connections (its process is gone) or answers with another epoch (a new
+// process) is dropped from the cache and its transfers here fail at once, instead of at the
+// lease.
 // Handshakes run on the link's own thread (or, for the pull-inline baseline, in the engine
 // loop, as that baseline does everything there), never on the connector's thread.
 #pragma once
@@ -49,6 +53,10 @@ struct FabricKvLinkConfig {
     Duration handshake_timeout = seconds(5);
     // A write or read not completed by then fails: how a dead peer becomes an error.
     Duration op_timeout = seconds(10);
+    // How often the peers this link talks to are checked for having gone or restarted (a
+    // handshake each); zero: never. 500 ms is the router's own health-check period, so a
+    // restarted prefill is noticed here about when the router sends it traffic again.
+    Duration peer_check_interval = milliseconds(500);
     // The deployment's (required): the side channel answers only peers that prove it, and
     // legs' kv_transfer_params are acted on only when signed under it (kv_params_auth.h).
     Secret secret{};
@@ -104,13 +112,15 @@ class FabricKvLink : public KvProducer, public KvConsumer {
                             const Status& why, KvDoneCallback release) override;
     void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
                              const Status& why) override;
+    void on_consumer_gave_up(GaveUpHandler stop) override;
     Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
                                    KvDoneCallback scheduled) override;
     Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
                                std::vector<BlockId> blocks, size_t num_tokens,
                                KvDoneCallback arrived, KvProgressCallback progress) override;
     void cancel(const RequestId& request) override;
-    // Both roles: kv_transfer_params must carry the router's tag (kv_params_auth.h).
+    // Both roles: kv_transfer_params must carry the router's tag for this request and engine,
+    // unexpired and not used before (kv_params_auth.h, LegTagLedger).
     Status authorize(const KvTransferParams& params) const override;
 
     class Impl;

@@ -3,6 +3,8 @@
 // a worker, under absolute deadlines and size limits, and a bounded worker pool runs the handlers,
 // so slow or idle clients cost a file descriptor, not a thread. The clients use cpp-httplib, which
 // stays behind this header (it is heavy to compile): only src/serve/http.cc includes it.
+// Quick routes (/health, /metrics) have workers of their own, so that requests holding every
+// handler worker (streams) never queue them.
 #pragma once
 
 #include <atomic>
@@ -30,6 +32,11 @@ struct HttpServerOptions {
     // Worker threads running handlers. Streams hold one each for their whole life, so this bounds
     // concurrent requests; reading requests and idle connections take none.
     size_t threads = 128;
+    // Workers for quick routes (HttpRoute::quick) and for requests answered without a handler
+    // (404, 405), apart from `threads`: a burst of 300 streams on 128 workers kept an engine's
+    // /health queued for ~20 s and its router declared it dead. Their answers take microseconds;
+    // two, so that one writing to a client that does not read does not hold up the rest.
+    size_t quick_threads = 2;
     // Larger bodies get 413 as soon as their Content-Length is read (chunked ones once they grow
     // past it), before the body is read. 16 MiB: a 128k-token prompt of ids is ~1 MiB.
     size_t max_body_bytes = size_t(16) << 20;
@@ -44,6 +51,9 @@ struct HttpServerOptions {
     Duration idle_timeout = seconds(5);
     // A response (or one chunk of a stream) the client does not take within this is abandoned.
     Duration write_timeout = seconds(30);
+    // The same for a quick route's response (a few hundred bytes to a few KiB): a client that
+    // does not take it within this holds a quick worker no longer.
+    Duration quick_write_timeout = seconds(1);
     // A complete request waiting this long for a worker (all `threads` busy, e.g. holding
     // streams) gets 503 and a close, rather than waiting for as long as they run. As long as a
     // router's request_timeout: a router opens up to 256 streams to an engine of 128 workers,
@@ -87,6 +97,10 @@ struct HttpRoute {
     std::string method;  // GET or POST
     std::string path;
     HttpHandler handler;
+    // The handler answers at once, waiting on nothing (no lock held for long, no I/O): it runs
+    // on the quick workers, never queued behind long requests, and its response must reach the
+    // client within a second (quick_write_timeout) or the connection is closed.
+    bool quick = false;
 };
 
 class HttpServer {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/common/auth.h"
 #include "ferry/common/status.h"
 #include "ferry/kv/kv_frontier.h"
 #include "ferry/serve/kv_pool.h"
@@ -32,9 +33,14 @@ struct KvTransferParams {
     std::vector<BlockId> remote_block_ids;  // pull: where the prefill engine holds the KV
     int tp_size = 1;                        // TP degree of the remote engine
     // ferry's own fields (kv_params_auth.h): the pull offer's capability (hex, from the
-    // prefill response), and the HMAC under the deployment secret over all of the above.
-    std::string capability;  // "ferry_capability"
-    std::string auth;        // "ferry_auth"
+    // prefill response), the wall-clock time (ms since the epoch) after which engines refuse
+    // the leg, and the HMAC under the deployment secret over all of the above and `content`.
+    std::string capability;       // "ferry_capability"
+    int64_t expires_unix_ms = 0;  // "ferry_expires"
+    std::string auth;             // "ferry_auth"
+    // Not on the wire: the digest of the request this leg travels in (leg_content_digest), which
+    // the tag binds. The engine sets it from the request it parsed, the router when it signs.
+    Digest content{};
 
     bool empty() const { return !do_remote_decode && !do_remote_prefill; }
 };
@@ -52,9 +58,10 @@ class KvProducer {
     virtual ~KvProducer() = default;
 
     // Before the engine admits a leg that names this connector: may these kv_transfer_params
-    // be acted on? An error (kPermissionDenied: not signed by this deployment's router) is the
-    // client's answer, and nothing is connected to or looked up. A connector that never leaves
-    // the process may accept everything.
+    // be acted on? An error (kPermissionDenied: not signed by this deployment's router for this
+    // request, expired, or used before) is the client's answer, and nothing is connected to or
+    // looked up. A yes takes the leg: the same parameters are refused from then on. A connector
+    // that never leaves the process may accept everything.
     virtual Status authorize(const KvTransferParams& params) const { return ok_status(); }
 
     // Prefill admitted `request` (blocks allocated, compute starts). Push: decode engines that
@@ -96,6 +103,13 @@ class KvProducer {
                                     const Status& why, KvDoneCallback release) {
         release(why);
     }
+
+    // Push: the consumer gave a transfer up before its prompt was computed (decode's request
+    // was cancelled). The connector calls `stop(transfer_id, why)` so that the engine stops
+    // computing a prompt nobody wants; any thread, possibly after the engine stopped. The
+    // engine sets it once, in attach_connector. A connector that cannot tell ignores it.
+    using GaveUpHandler = std::function<void(const std::string& transfer_id, const Status& why)>;
+    virtual void on_consumer_gave_up(GaveUpHandler stop) {}
 };
 
 // What a decode engine needs.

@@ -7,30 +7,89 @@
 // The tag ("ferry_auth", hex HMAC-SHA256) covers a canonical encoding of every
 // field an engine acts on: transfer_id, attempt,
 // do_remote_decode/do_remote_prefill, remote_engine_id, remote_host,
-// remote_port, tp_size, remote_block_ids and the pull capability.
-// docs/SERVING.md has the trust model.
+// remote_port, tp_size, remote_block_ids, the pull capability and the expiry
+// ("ferry_expires"), and the leg's content: a digest of the prompt's token ids,
+// max_tokens and the id of the engine the leg is for. So a captured leg cannot
+// carry another prompt, be sent to another engine, be used after it expired,
+// or (LegTagLedger) be used twice. docs/SERVING.md has the trust model.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
+#include <unordered_map>
 
 #include "ferry/common/auth.h"
+#include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/serve/kv_connector.h"
 
 namespace ferry::serve {
 
-// The tag of `kv`'s fields (its `auth` is not one of them).
+// How long a signed leg may be used after the router signed it: it covers the HTTP hop to the
+// engine (engines check the expiry when the leg arrives, not when it is scheduled), with room
+// for clock differences between hosts. An engine remembers each tag it took this long.
+inline constexpr Duration kDefaultLegTtl = seconds(30);
+
+// What a leg's tag binds of the request it travels in, besides its kv_transfer_params.
+struct LegContent {
+    Digest prompt{};          // prompt_digest of the prompt's token ids
+    size_t max_tokens = 0;    // as the engine takes it (a prefill leg's is 1)
+    std::string engine_id{};  // the engine the leg is sent to (its /health's engine_id)
+};
+// SHA-256 of the token ids (little-endian int32), as the engine tokenizes the body's prompt.
+Digest prompt_digest(std::span<const int32_t> tokens);
+// The value of KvTransferParams::content for a leg with this content.
+Digest leg_content_digest(const LegContent& content);
+// The wall clock in ms since the epoch: what ferry_expires is compared with.
+int64_t unix_ms_now();
+
+// The tag of `kv`'s fields and content (its `auth` is not one of them).
 std::string kv_params_tag(const Secret& secret, const KvTransferParams& kv);
-// Sets kv->auth to its tag.
-void sign_kv_params(const Secret& secret, KvTransferParams* kv);
-// ok when kv.auth is the tag of kv's fields under `secret`; kPermissionDenied
-// naming the problem otherwise.
+// Sets kv->content and kv->expires_unix_ms, then kv->auth to its tag.
+void sign_kv_params(const Secret& secret, KvTransferParams* kv, const Digest& content,
+                    int64_t expires_unix_ms);
+// ok when kv.auth is the tag of kv's fields and content under `secret`; kPermissionDenied
+// naming the problem otherwise. Checks neither expiry nor reuse (LegTagLedger does).
 Status verify_kv_params(const Secret& secret, const KvTransferParams& kv);
 // The router's form: the kv_transfer_params object of a leg, checked as an
-// engine parses it, then signed in place (its "ferry_auth" set).
-Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv);
+// engine parses it, then signed in place (its "ferry_expires" and "ferry_auth" set).
+Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv, const Digest& content,
+                           int64_t expires_unix_ms);
+
+// The tags an engine took, each kept until it expires, so that a leg is taken once: a leg
+// captured between router and engine and sent again (decode re-reading prefill blocks that
+// hold another request's KV by then, prefill computing and pinning a prompt again) is refused.
+// Memory is bounded: past `capacity` tags the one expiring first is forgotten and every tag
+// expiring no later than it is refused from then on (as if expired), so no forgotten tag can
+// pass. Thread-safe.
+class LegTagLedger {
+  public:
+    // 2^18 tags is 8,700 legs a second for the default TTL; about 200 bytes each.
+    static constexpr size_t kDefaultCapacity = size_t{1} << 18;
+    explicit LegTagLedger(size_t capacity = kDefaultCapacity)
+        : capacity_(std::max<size_t>(capacity, 1)) {}
+
+    // ok, and the tag remembered, when `kv` is signed (verify_kv_params), not expired at
+    // `now_unix_ms`, and its tag was not taken before; kPermissionDenied naming which
+    // otherwise.
+    Status admit(const Secret& secret, const KvTransferParams& kv, int64_t now_unix_ms);
+    size_t size() const;
+
+  private:
+    void forget_expired_locked(int64_t now_unix_ms);
+
+    const size_t capacity_;
+    mutable std::mutex mu_;
+    std::unordered_map<std::string, int64_t> taken_;  // tag -> expiry
+    std::multimap<int64_t, std::string> by_expiry_;
+    int64_t refused_through_ = 0;  // tags expiring at or before this were forgotten
+};
 
 // POST /ferry/abort ends a transfer's leg and frees its blocks, so an engine with a secret
 // takes it only from the router: the body's "ferry_auth" is this tag of the transfer id

@@ -46,6 +46,10 @@ Result<CompletionRequest> parse_completion_json(const nlohmann::json& body,
 struct CompletionRelayBody {
     JsonObjectText object{};  // views into the scanned body
     bool stream = false;
+    size_t max_tokens = 0;  // as the engines read the body
+    // The prompt's token ids, as the engines tokenize it: what the legs' tags bind
+    // (kv_params_auth.h).
+    std::vector<int32_t> prompt{};
 };
 Result<CompletionRelayBody> scan_completion_request(std::string_view body);
 

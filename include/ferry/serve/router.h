@@ -11,7 +11,10 @@
 // learnt from their /health) gets its 400 before any leg leaves.
 // Readiness: a prober refreshes every engine's /health in the background; the router's
 // /health is 200 only while at least one prefill and one decode engine are ready, and requests
-// skip engines known unreachable while another is available.
+// skip engines known unreachable while another is available. An engine whose /health states
+// another role or KV mode than the router gives it, or that is a router (itself included), is
+// never ready: requests get 503 naming the mismatch instead of a hang or a 400. What the router
+// relays of an engine's words (reasons, leg errors) is bounded.
 #pragma once
 
 #include <atomic>
@@ -26,6 +29,7 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/serve/http.h"
+#include "ferry/serve/kv_params_auth.h"
 #include "ferry/serve/metrics.h"
 
 namespace ferry::serve {
@@ -57,6 +61,9 @@ struct RouterConfig {
     size_t abort_queue = 4096;
     // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required.
     Secret secret{};
+    // How long an engine takes a signed leg after the router signed it (kDefaultLegTtl says
+    // why 30 s); engines' clocks must agree with the router's within it.
+    Duration leg_ttl = kDefaultLegTtl;
 };
 
 class Router {
@@ -85,7 +92,9 @@ class Router {
     // Round robin over the engines of one role, skipping those known not ready while another
     // is; their state as last probed (probed now if never yet).
     EngineState pick(bool prefill);
-    EngineState probe(const EngineAddress& a) const;
+    // Not ready also when the engine's /health says it is a router, or of the other role, or
+    // of a KV mode other than config_.mode.
+    EngineState probe(const EngineAddress& a, bool prefill) const;
     void store(bool prefill, size_t index, EngineState st);
     void prober();
     // Queues POST /ferry/abort for `transfer_id` to `engine`; never blocks the caller.
