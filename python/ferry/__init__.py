@@ -27,10 +27,16 @@ def _load_extension() -> Any:
     exit(1): Ctrl-C in a program that imported ferry ended it with status 1 instead of raising
     KeyboardInterrupt, and SIGTERM ran exit handlers from a signal handler (it could hang). The
     dispositions from before the import (Python's, faulthandler's) are put back after it.
-    The constructor then calibrates its clock for ~0.1-0.2 s: SIGINT and SIGTERM are blocked
-    over the import, so one sent then (Ctrl-C during ``import ferry``) is held and reaches
-    Python's handling afterwards instead of ending the process with status 1.
+    The constructor then calibrates its clock for ~0.1-0.2 s. Blocking SIGINT and SIGTERM in
+    the importing thread was not enough: a process-directed signal goes to any thread that does
+    not block it, and threads started before the import (numpy's OpenBLAS pool from PyPI, the
+    program's own) then ran those handlers, whose exit(1) from a side thread hung the process.
+    So the handlers are not installed at all: libinfinipath skips them when
+    ``IPATH_NO_BACKTRACE`` is set, which ferry sets before loading the extension unless the
+    program set it. The signals stay blocked in the importing thread and the old dispositions
+    are still put back, for a libinfinipath that ignores the variable.
     """
+    os.environ.setdefault("IPATH_NO_BACKTRACE", "1")  # read by libinfinipath's constructor
     import ctypes
     import signal as _signal
 

@@ -613,15 +613,21 @@ def test_importing_ferry_keeps_the_processs_signal_handlers(sig, expect):
         assert "Backtrace" not in err, err
 
 
-def test_sigterm_during_import_ferry_ends_the_process_as_sigterm():
+@pytest.mark.parametrize("thread_before_import", [False, True], ids=["alone", "thread"])
+def test_sigterm_during_import_ferry_ends_the_process_as_sigterm(thread_before_import):
     """libinfinipath's constructor, run as ``import ferry`` loads the extension, installs its
     exit(1) handlers and then calibrates its clock for ~0.1-0.2 s before ferry puts the old
-    handlers back: a SIGTERM (or Ctrl-C) then ended the program with status 1 and no word. Now
-    the signals are held over the import; a SIGTERM anywhere in it ends the process as SIGTERM.
+    handlers back: a SIGTERM (or Ctrl-C) then ended the program with status 1 and no word.
+    Blocking the signals in the importing thread did not help a program with another thread
+    (numpy's OpenBLAS pool from PyPI starts one at import): the signal went to that thread, ran
+    the handler's exit(1) there and the process hung until killed. A SIGTERM anywhere in the
+    import ends the process as SIGTERM, with or without other threads.
     """
     import signal
 
-    code = ("import sys, time\n"
+    thread = ("import threading\n"
+              "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    code = ("import sys, time\n" + (thread if thread_before_import else "") +
             "print('importing', flush=True)\n"
             "import ferry\n"
             "time.sleep(30)\n")
