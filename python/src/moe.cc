@@ -52,7 +52,7 @@ moe::AllGatherFn wrap_allgather(py::function fn) {
                     return invalid_argument(
                         "allgather must return a list of bytes (one per rank), got an item of "
                         "type " +
-                        std::string(py::str(item.get_type().attr("__name__"))));
+                        std::string(py::str(py::type::handle_of(item).attr("__name__"))));
                 std::string_view s(PyBytes_AS_STRING(item.ptr()),
                                    static_cast<size_t>(PyBytes_GET_SIZE(item.ptr())));
                 out.emplace_back(s.begin(), s.end());
