@@ -10,7 +10,7 @@ packages=(
   libgtest-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libcpp-httplib-dev
   python3-matplotlib
-  python3-dev python3-venv pybind11-dev python3-numpy python3-pytest python3-torch
+  python3-dev python3-venv pybind11-dev python3-numpy python3-pytest
   iproute2 procps
   clang-format
 )
