@@ -52,23 +52,10 @@ struct FaultStack {
     static std::vector<std::string> engine_argv(const char* role, int port, int kv_port,
                                                 const std::string& mode = "push",
                                                 const std::vector<std::string>& extra = {}) {
-        std::vector<std::string> argv = {ferry_binary(),
-                                         "serve",
-                                         role,
-                                         "--port",
-                                         std::to_string(port),
-                                         "--model",
-                                         "tiny",
-                                         "--tp",
-                                         "1",
-                                         "--provider",
-                                         "shm",
-                                         "--kv-port",
-                                         std::to_string(kv_port),
-                                         "--kv-mode",
-                                         mode};
-        argv.insert(argv.end(), extra.begin(), extra.end());
-        return argv;
+        return testing::engine_argv(
+                   role, port,
+                   {"--provider", "shm", "--kv-port", std::to_string(kv_port), "--kv-mode", mode}) +
+               extra;
     }
     // Both on the same ports every time, as an operator restarts them.
     void start_prefill() {

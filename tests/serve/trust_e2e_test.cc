@@ -56,28 +56,10 @@ struct TrustStack {
         if (!load_or_create_secret_file(secret_file).ok()) ADD_FAILURE() << "no secret file";
         auto engine = [&](const char* role, int* port) {
             *port = free_port();
-            procs.push_back(Proc::spawn({ferry_binary(),
-                                         "serve",
-                                         role,
-                                         "--port",
-                                         std::to_string(*port),
-                                         "--model",
-                                         "tiny",
-                                         "--tp",
-                                         "1",
-                                         "--num-blocks",
-                                         "256",
-                                         "--kv-mode",
-                                         mode,
-                                         "--kv-port",
-                                         "0",
-                                         "--kv-lease",
-                                         "3",
-                                         "--kv-wait-timeout",
-                                         "5",
-                                         "--secret-file",
-                                         secret_file},
-                                        (dir / fmt::format("{}.log", role)).string()));
+            procs.push_back(Proc::spawn(
+                engine_argv(role, *port, {"--kv-mode", mode, "--secret-file", secret_file}) +
+                    short_kv_deadlines(),
+                (dir / fmt::format("{}.log", role)).string()));
         };
         engine("prefill", &prefill_port);
         engine("decode", &decode_port);
