@@ -232,6 +232,61 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
 }
 
+// Issue 30, item 7: the side channel's per-client cap and proof deadline are the engine's
+// flags: with a cap of 2 and 0.1 s, a third idle connection from this address is closed as it
+// is accepted, and the first two at 0.1 s (the defaults: 32 and 0.5 s).
+TEST(TrustE2E, SideChannelLimitsAreTheEnginesFlags) {
+    auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry-side-{}", ::getpid());
+    std::filesystem::create_directories(dir);
+    int port = free_port(), kv_port = free_port();
+    Proc prefill = Proc::spawn(
+        engine_argv("prefill", port,
+                    {"--kv-port", std::to_string(kv_port), "--kv-max-connections-per-client", "2",
+                     "--kv-proof-deadline", "0.1"}),
+        (dir / "prefill.log").string());
+    ASSERT_TRUE(wait_healthy(kHost, port)) << prefill.log_text();
+    struct Idle {
+        int fd = -1;
+        TimePoint opened;
+        double closed_after_s = -1;
+    };
+    std::vector<Idle> idle(3);
+    for (Idle& c : idle) {
+        c.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(uint16_t(kv_port));
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ASSERT_EQ(::connect(c.fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+        c.opened = Clock::now();
+    }
+    // All at once, until the server closed each (EOF or reset), 3 s at most.
+    TimePoint deadline = Clock::now() + seconds(3);
+    size_t open = idle.size();
+    while (open > 0 && Clock::now() < deadline) {
+        std::vector<pollfd> fds;
+        for (const Idle& c : idle) fds.push_back({c.closed_after_s < 0 ? c.fd : -1, POLLIN, 0});
+        if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
+        for (size_t i = 0; i < idle.size(); ++i) {
+            char byte = 0;
+            if (fds[i].fd < 0 || fds[i].revents == 0 || ::recv(idle[i].fd, &byte, 1, 0) > 0)
+                continue;
+            idle[i].closed_after_s =
+                std::chrono::duration<double>(Clock::now() - idle[i].opened).count();
+            open--;
+        }
+    }
+    for (const Idle& c : idle) ::close(c.fd);
+    fmt::print("SIDE_LIMITS closed_after_s={:.3f},{:.3f},{:.3f}\n", idle[0].closed_after_s,
+               idle[1].closed_after_s, idle[2].closed_after_s);
+    for (const Idle& c : idle) EXPECT_GE(c.closed_after_s, 0) << "an idle connection stayed open";
+    EXPECT_LT(idle[0].closed_after_s, 0.4) << "the proof deadline is not --kv-proof-deadline's";
+    EXPECT_LT(idle[2].closed_after_s, idle[0].closed_after_s)
+        << "the third connection was not refused over --kv-max-connections-per-client";
+    prefill.stop();
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
+}
+
 // Issue 30: a pull decode leg captured between router and decode and sent again after its
 // transfer ended, when prefill's blocks hold another client's KV: as it was, and with that
 // client's prompt put in.
