@@ -182,6 +182,17 @@ json decode_leg(const TrustStack& s, json offer, const std::vector<int32_t>& pro
     return offer;
 }
 
+// A decode leg's whole body, as the router sends it, for a prefill leg of `transfer_id` just
+// offered by prefill; null when prefill offered nothing.
+json offered_decode_request(const TrustStack& s, const std::vector<int32_t>& prompt,
+                            size_t max_tokens, const std::string& transfer_id) {
+    json offer = offer_of(post(s.prefill_port, prefill_leg(s, prompt, transfer_id)));
+    if (!offer.is_object()) return json();
+    return {{"prompt", prompt},
+            {"max_tokens", max_tokens},
+            {"kv_transfer_params", decode_leg(s, offer, prompt, max_tokens)}};
+}
+
 std::vector<int32_t> tokens_of(const HttpResponse& r) {
     json j = json::parse(r.body, nullptr, false);
     if (!j.is_object() || !j.contains("choices")) return {};
@@ -287,6 +298,38 @@ TEST(TrustE2E, SideChannelLimitsAreTheEnginesFlags) {
     if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
 }
 
+// Issue 30, item 4 (pull): prefill SIGKILLed after it offered a transfer, and the decode leg
+// arriving before decode's peer watch noticed: its reads went to a process that cannot serve
+// them, and the leg waited for its KV (--kv-wait-timeout, 5 s here) while its blocks stayed
+// held until the reads' op_timeout (10 s). The watch declaring the peer gone now ends the pull
+// at once, and hands the blocks back. (Here rather than in fault_e2e_test: it signs legs as
+// the router does, with this file's helpers.)
+TEST(TrustE2E, PullFromAPrefillThatDiedEndsWhenThePeerWatchSeesItGone) {
+    TrustStack s("pull");
+    ASSERT_TRUE(s.up);
+    // A request through the router first: decode learns prefill's handshake and then watches it.
+    HttpResponse warm = post(s.router_port, {{"prompt", prompt_of(100, 1)}, {"max_tokens", 2}});
+    ASSERT_EQ(warm.status, 200) << warm.body << s.logs();
+    json leg = offered_decode_request(s, prompt_of(150, 11), 4, "t-gone");
+    ASSERT_TRUE(leg.is_object()) << s.logs();
+    s.procs[0].kill_now();  // prefill
+    TimePoint killed = Clock::now();
+    auto r = http_post_json(kHost, s.decode_port, "/v1/completions", leg.dump(), seconds(20));
+    double answered = std::chrono::duration<double>(Clock::now() - killed).count();
+    bool freed = eventually(
+        [&] { return metric(kHost, s.decode_port, "ferry_kv_blocks_used") == 0; }, seconds(20));
+    double blocks_back = std::chrono::duration<double>(Clock::now() - killed).count();
+    fmt::print("PULL_FROM_GONE client_answered_after_s={:.2f} decode_blocks_back_after_s={:.2f}\n",
+               answered, blocks_back);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_NE(r->status, 200) << r->body;
+    EXPECT_NE(r->body.find("is gone"), std::string::npos) << r->body;
+    EXPECT_LT(answered, 3.0) << s.logs();
+    EXPECT_TRUE(freed && blocks_back < 3.0)
+        << "decode's blocks came back after " << blocks_back << " s\n"
+        << s.logs();
+}
+
 // Issue 30: a pull decode leg captured between router and decode and sent again after its
 // transfer ended, when prefill's blocks hold another client's KV: as it was, and with that
 // client's prompt put in.
@@ -294,11 +337,8 @@ TEST(TrustE2E, ReplayedPullDecodeLegIsRefusedAndReturnsNoTokens) {
     TrustStack s("pull");
     ASSERT_TRUE(s.up);
     auto prompt = prompt_of(150, 5);
-    json offer = offer_of(post(s.prefill_port, prefill_leg(s, prompt, "t-captured")));
-    ASSERT_TRUE(offer.is_object()) << s.logs();
-    json captured = {{"prompt", prompt},
-                     {"max_tokens", 6},
-                     {"kv_transfer_params", decode_leg(s, offer, prompt, 6)}};
+    json captured = offered_decode_request(s, prompt, 6, "t-captured");
+    ASSERT_TRUE(captured.is_object()) << s.logs();
     HttpResponse first = post(s.decode_port, captured);
     ASSERT_EQ(first.status, 200) << first.body << s.logs();
     EXPECT_EQ(tokens_of(first), tiny_expected(prompt, 6));
