@@ -323,7 +323,11 @@ TEST(TrustE2E, PullFromAPrefillThatDiedEndsWhenThePeerWatchSeesItGone) {
                answered, blocks_back);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_NE(r->status, 200) << r->body;
-    EXPECT_NE(r->body.find("is gone"), std::string::npos) << r->body;
+    // Or, when the watch saw it gone before the leg came (a few ms of 500), the handshake the
+    // leg then needs is refused: at once too.
+    EXPECT_TRUE(r->body.find("is gone") != std::string::npos ||
+                r->body.find("handshake with") != std::string::npos)
+        << r->body;
     EXPECT_LT(answered, 3.0) << s.logs();
     EXPECT_TRUE(freed && blocks_back < 3.0)
         << "decode's blocks came back after " << blocks_back << " s\n"
