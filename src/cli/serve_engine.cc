@@ -130,6 +130,10 @@ struct EngineFlags {
     int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
     double kv_lease_s = 30;
     double kv_op_timeout_s = 10;
+    size_t kv_max_connections_per_client =
+        serve::FabricKvLinkConfig{}.side_max_connections_per_client;
+    double kv_proof_deadline_s =
+        std::chrono::duration<double>(serve::FabricKvLinkConfig{}.side_proof_deadline).count();
     std::string secret_file;  // empty: the default (deployment_secret)
 };
 
@@ -321,6 +325,8 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         };
         lc.lease = secs(f.kv_lease_s);
         lc.op_timeout = secs(f.kv_op_timeout_s);
+        lc.side_max_connections_per_client = f.kv_max_connections_per_client;
+        lc.side_proof_deadline = secs(f.kv_proof_deadline_s);
         auto secret = deployment_secret(f.secret_file);
         if (!secret.ok()) return fail(secret.status());
         lc.secret = *secret;
@@ -532,6 +538,23 @@ void register_serve(CLI::App& app) {
                         "seconds before a KV write or read to a dead peer fails")
             ->capture_default_str()
             ->check(positive_number());
+        // The side channel's limits against idle and unproven connections (issue 30, item 7).
+        const serve::FabricKvLinkConfig link_defaults;
+        cmd->add_option("--kv-max-connections-per-client", flags->kv_max_connections_per_client,
+                        "open KV side-channel connections from one address (closed beyond)")
+            ->capture_default_str()
+            ->check(positive_number())
+            ->check(at_most(double(link_defaults.side_max_connections),
+                            "the side channel's connections in all"));
+        cmd->add_option("--kv-proof-deadline", flags->kv_proof_deadline_s,
+                        "seconds a KV side-channel connection may stay open before its client "
+                        "proved the deployment secret")
+            ->capture_default_str()
+            ->check(positive_number())
+            ->check(at_most(
+                std::chrono::duration<double>(kv::HandshakeServerOptions{}.connection_deadline)
+                    .count(),
+                "a connection's whole exchange ends within it"));
         add_secret_flag(cmd, flags->secret_file);
         std::string r = role;
         cmd->callback([flags, r] { set_exit_code(run_engine(r, *flags)); });

@@ -103,7 +103,10 @@ class KvConnector::Impl {
     Status peer_gone(const EngineAddress& peer, Status why) {
         if (why.ok()) return invalid_argument("peer_gone needs an error status");
         return post([this, engine_id = peer.engine_id, why] {
-            if (auto pid = ctx_.engine->find_peer(engine_id)) receiver_.peer_gone(*pid, why);
+            if (auto pid = ctx_.engine->find_peer(engine_id)) {
+                receiver_.peer_gone(*pid, why);
+                puller_.peer_gone(*pid, why);
+            }
         });
     }
 

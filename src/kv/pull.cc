@@ -165,10 +165,32 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         if (!p.second.on_gpu) job->plans.push_back(std::move(p.second.runs));
     }
     flight->done(ok_status());
+    // Known to peer_gone from here (start may run on the caller's thread).
+    ctx_.inbox->post([this, job] { running_.push_back(job); });
     kv_trace("pull posted", job->id);
 }
 
+void Puller::peer_gone(PeerId peer, const Status& why) {
+    std::vector<std::shared_ptr<Job>> theirs;
+    for (auto it = running_.begin(); it != running_.end();) {
+        auto job = it->lock();
+        if (!job || job->reported) {
+            it = running_.erase(it);
+            continue;
+        }
+        if (std::any_of(job->sources.begin(), job->sources.end(),
+                        [&](const Job::Source& s) { return s.peer == peer; }))
+            theirs.push_back(std::move(job));
+        ++it;
+    }
+    for (const auto& job : theirs) {
+        job->released = true;  // nothing of a gone process lands in the blocks any more
+        finish(job, why);
+    }
+}
+
 void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
+    if (job->reported) return;  // failed by peer_gone; its reads ended since
     kv_trace("pull drained", job->id);
     if (!s.ok() && !job->plans.empty() && !job->released) {
         // A read that timed out was reported failed, yet a software provider (tcp) still
@@ -192,6 +214,11 @@ void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
         return;
     }
     job->plans.clear();
+    job->reported = true;
+    std::erase_if(running_, [&](const std::weak_ptr<Job>& w) {
+        auto j = w.lock();
+        return !j || j == job;
+    });
     for (const Job::Source& src : job->sources) {
         ctx_.send(src.peer, DoneMsg{job->id, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size, s.ok(),
                                     job->params[src.param].capability});

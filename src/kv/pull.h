@@ -58,17 +58,25 @@ class Puller {
         // handed back) only once the engine holds no read into them.
         std::vector<TransferPlan> plans;
         bool released = false;  // the engine was asked to let go (see finish)
+        bool reported = false;  // recv_done sent: what completes later is dropped
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
 
     // Touches no connector state, only the job, the engine and atomics.
     void start(const std::shared_ptr<Job>& job);
+    // Connector thread. The process at `peer` is gone (KvConnector::peer_gone): the pulls
+    // reading from it fail now with `why`, and their blocks are handed back at once, as a gone
+    // process can serve no read into them; the reads themselves end at the engine's
+    // op_timeout, unheard.
+    void peer_gone(PeerId peer, const Status& why);
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
 
     ConnectorContext& ctx_;
+    // Connector thread's: the pulls posted and not reported, for peer_gone.
+    std::vector<std::weak_ptr<Job>> running_;
 };
 
 }  // namespace ferry::kv::detail

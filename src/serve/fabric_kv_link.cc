@@ -423,6 +423,8 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     kv::HandshakeServerOptions so;
     so.secret = config.secret;
     so.max_connections = config.side_max_connections;
+    so.max_connections_per_client = config.side_max_connections_per_client;
+    so.proof_deadline = config.side_proof_deadline;
     auto side =
         kv::HandshakeServer::start(config.host, uint16_t(config.side_port), info, std::move(so));
     if (!side.ok())

@@ -265,6 +265,7 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     auto h = http_get(a.host, a.port, "/health", config_.probe_timeout);
     if (!h.ok()) {
         st.why = bounded(h.status().message());
+        st.unanswered = 1;
         return st;
     }
     json j = json::parse(h->body, nullptr, false);
@@ -327,10 +328,33 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
 void Router::store(bool prefill, size_t index, EngineState st) {
     std::lock_guard lock(state_mu_);
     auto& states = prefill ? prefill_state_ : decode_state_;
-    if (!st.ready && states[index].ready)
+    if (st.unanswered > 0) st.unanswered += states[index].unanswered;
+    if (st.unanswered == config_.down_after_unanswered)
+        log(LogLevel::kWarn, "router",
+            "{} engine {} is down ({} health checks in a row unanswered): failing the requests "
+            "in flight to it",
+            prefill ? "prefill" : "decode", st.address.to_string(), st.unanswered);
+    else if (!st.ready && states[index].ready)
         log(LogLevel::kWarn, "router", "{} engine {} is not ready: {}",
             prefill ? "prefill" : "decode", st.address.to_string(), st.why);
     states[index] = std::move(st);
+}
+
+std::string Router::down_reason(const EngineAddress& engine) const {
+    std::lock_guard lock(state_mu_);
+    for (const auto* states : {&prefill_state_, &decode_state_}) {
+        for (const EngineState& e : *states) {
+            if (e.address.host != engine.host || e.address.port != engine.port ||
+                e.unanswered < config_.down_after_unanswered)
+                continue;
+            return fmt::format(
+                "{} engine {} is down: {} health checks in a row unanswered (last: {}); the "
+                "request is failed rather than held until it answers",
+                states == &prefill_state_ ? "prefill" : "decode", engine.to_string(), e.unanswered,
+                e.why);
+        }
+    }
+    return {};
 }
 
 void Router::prober() {
@@ -407,6 +431,13 @@ void Router::health(HttpReply& reply) const {
 
 void Router::abort_leg(const EngineAddress& engine, const std::string& transfer_id,
                        const std::string& reason) {
+    // A down engine would hold the one sender for abort_timeout per abort, delaying those to
+    // the engines that answer (prefill's blocks for the requests failed with it); what the
+    // down engine holds, its lease (or its client connection closing) frees.
+    if (!down_reason(engine).empty()) {
+        aborts_dropped_++;
+        return;
+    }
     {
         std::lock_guard lock(bg_mu_);
         if (!bg_stop_ && aborts_.size() < config_.abort_queue) {
@@ -544,24 +575,35 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                                          config_.request_timeout);
     } else {
         overhead_ms += to_ms(prefill_sent - t0);
-        auto r = http_post_json(P.host, P.port, "/v1/completions", prefill_body,
-                                config_.request_timeout);
+        // In slices, watching the client and the engine: a prefill declared down (frozen)
+        // held the client until request_timeout.
+        auto call = HttpStream::post(P.host, P.port, "/v1/completions", std::move(prefill_body),
+                                     config_.request_timeout);
+        std::string down;
+        while (!prefill->ended && Clock::now() < deadline && !client_gone() &&
+               (down = down_reason(P)).empty())
+            poll(*call, *prefill, std::min(deadline, Clock::now() + milliseconds(20)));
         prefill_answered = Clock::now();
-        prefill->ended = true;
-        if (!r.ok()) {
+        if (!prefill->ended || !prefill->status.ok()) {
+            call->cancel();
+            if (prefill->status.ok() && down.empty() && client_gone()) {
+                abort_prefill("the client went away");
+                return fail(499, "the client went away");
+            }
             prefill_failures_++;
             // A transport failure (timeout, reset) says nothing of the leg: it may still run.
             abort_prefill("the router lost the prefill leg");
+            if (!down.empty()) return fail(502, down);
             return fail(502, fmt::format("prefill leg on {} failed: {}", P.to_string(),
-                                         r.status().to_string()));
+                                         prefill->status.ok() ? std::string("deadline")
+                                                              : prefill->status.to_string()));
         }
-        prefill->http = r->status;
-        prefill->body = r->body;
-        if (r->status != 200) {
+        if (prefill->http != 200) {
             prefill_failures_++;
-            return fail(r->status, leg_message("prefill", P, r->status, r->body));
+            int st = prefill->http ? prefill->http : 502;
+            return fail(st, leg_message("prefill", P, st, prefill->body));
         }
-        json pj = json::parse(r->body, nullptr, false);
+        json pj = json::parse(prefill->body, nullptr, false);
         if (pj.is_discarded() || !pj.contains("kv_transfer_params") ||
             !pj["kv_transfer_params"].is_object()) {
             prefill_failures_++;
@@ -616,7 +658,23 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             abort_both("the client went away");
             return fail(499, "the client went away");
         }
+        // An engine declared down (a frozen process accepts connections and answers nothing)
+        // would hold the client until request_timeout.
+        if (std::string down = down_reason(D); !down.empty()) {
+            decode_failures_++;
+            decode_call->cancel();
+            if (*prefill_call) (*prefill_call)->cancel();
+            abort_prefill("the decode engine is down");
+            return fail(502, down);
+        }
         if (*prefill_call && !prefill->ended) {
+            if (std::string down = down_reason(P); !down.empty()) {
+                prefill_failures_++;
+                decode_call->cancel();
+                (*prefill_call)->cancel();
+                abort_decode("the prefill engine is down");
+                return fail(502, down);
+            }
             poll(**prefill_call, *prefill, Clock::now());
             if (prefill->ended && (!prefill->status.ok() || prefill->http != 200)) {
                 prefill_failures_++;
@@ -680,15 +738,18 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     if (!stream) {
         Collected rest;
         rest.body = first;
-        // In slices, so that a client that left is noticed within one.
-        while (!rest.ended && Clock::now() < deadline && !client_gone())
+        // In slices, so that a client that left, or decode declared down, is noticed within one.
+        std::string down;
+        while (!rest.ended && Clock::now() < deadline && !client_gone() &&
+               (down = down_reason(D)).empty())
             poll(*decode_call, rest, std::min(deadline, Clock::now() + milliseconds(100)));
         if (!rest.ended || !rest.status.ok()) {
             decode_call->cancel();
-            bool gone = rest.status.ok() && client_gone();
+            bool gone = rest.status.ok() && down.empty() && client_gone();
             abort_both(gone ? "the client went away" : "the decode leg broke off");
             if (gone) return fail(499, "the client went away");
             decode_failures_++;
+            if (!down.empty()) return fail(502, down);
             return fail(502, fmt::format("decode leg on {} broke off: {}", D.to_string(),
                                          rest.status.ok() ? "deadline" : rest.status.to_string()));
         }
@@ -705,7 +766,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         abort_leg(D, tid, why);
     };
     reply.stream = [this, decode_call, first, deadline, http, merged_timing, first_at, overhead_ms,
-                    abort_later](const ChunkWriter& write) {
+                    abort_later, D](const ChunkWriter& write) {
         SseParser parser;
         std::string chunk = first;
         bool first_written = false;
@@ -733,14 +794,17 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             chunk.clear();
             auto r = decode_call->next(std::min(deadline, Clock::now() + milliseconds(200)));
             if (!r.ok()) {
+                std::string down;
                 if (r.status().code() == StatusCode::kTimeout && !http->stopping() &&
-                    Clock::now() < deadline)
+                    Clock::now() < deadline && (down = down_reason(D)).empty())
                     continue;
                 decode_failures_++;
                 failures_++;
                 decode_call->cancel();
-                abort_later("the decode leg broke off");
-                write(sse_error_event(r.status().with_context("decode leg")));
+                abort_later(down.empty() ? "the decode leg broke off"
+                                         : "the decode engine is down");
+                write(sse_error_event(down.empty() ? r.status().with_context("decode leg")
+                                                   : unavailable(down)));
                 return;
             }
             if (!r->has_value()) return;  // decode finished its stream ([DONE] relayed)

@@ -29,27 +29,9 @@ struct Stack {
         auto engine = [&](const char* role, int i, std::vector<int>& ports, std::string& list) {
             int port = free_port();
             ports.push_back(port);
-            std::vector<std::string> argv = {ferry_binary(),
-                                             "serve",
-                                             role,
-                                             "--port",
-                                             std::to_string(port),
-                                             "--model",
-                                             "tiny",
-                                             "--tp",
-                                             "1",
-                                             "--num-blocks",
-                                             "256",
-                                             "--kv-mode",
-                                             mode,
-                                             "--provider",
-                                             provider,
-                                             "--kv-port",
-                                             "0",
-                                             "--kv-lease",
-                                             "3",
-                                             "--kv-wait-timeout",
-                                             "5"};
+            std::vector<std::string> argv =
+                engine_argv(role, port, {"--kv-mode", mode, "--provider", provider}) +
+                short_kv_deadlines();
             argv.insert(argv.end(), engine_extra.begin(), engine_extra.end());
             if (std::string(role) == "prefill")
                 argv.insert(argv.end(), prefill_extra.begin(), prefill_extra.end());

@@ -52,23 +52,10 @@ struct FaultStack {
     static std::vector<std::string> engine_argv(const char* role, int port, int kv_port,
                                                 const std::string& mode = "push",
                                                 const std::vector<std::string>& extra = {}) {
-        std::vector<std::string> argv = {ferry_binary(),
-                                         "serve",
-                                         role,
-                                         "--port",
-                                         std::to_string(port),
-                                         "--model",
-                                         "tiny",
-                                         "--tp",
-                                         "1",
-                                         "--provider",
-                                         "shm",
-                                         "--kv-port",
-                                         std::to_string(kv_port),
-                                         "--kv-mode",
-                                         mode};
-        argv.insert(argv.end(), extra.begin(), extra.end());
-        return argv;
+        return testing::engine_argv(
+                   role, port,
+                   {"--provider", "shm", "--kv-port", std::to_string(kv_port), "--kv-mode", mode}) +
+               extra;
     }
     // Both on the same ports every time, as an operator restarts them.
     void start_prefill() {
@@ -319,6 +306,111 @@ TEST(FaultE2E, DecodeGivingUpStopsPrefillsComputeAtOnce) {
     EXPECT_TRUE(freed && took < 5.0) << "prefill's blocks came back after " << took << " s\n"
                                      << s.logs();
     EXPECT_LT(steps, 10) << "prefill computed every chunk of a prompt decode had given up";
+}
+
+// Issue 30, item 4: a decode engine frozen (SIGSTOP: alive, its ports accept connections,
+// nothing answers) while pull requests are in flight to it. The router held each client until
+// its --request-timeout (20 s here) and prefill's offered blocks until the lease (30 s);
+// now it declares the engine down after two unanswered health checks, fails those requests
+// with a 502 naming it, aborts their prefill legs, and sends it nothing new.
+TEST(FaultE2E, FrozenDecodeFailsItsRequestsAtOnceAndPrefillsBlocksComeBack) {
+    // Prefill's compute takes about a second, so the requests are still in flight when decode
+    // stops and its legs reach a process that no longer answers.
+    FaultStack s("pull", {"--time-scale", "1500"});
+    ASSERT_TRUE(s.up()) << s.logs();
+    ASSERT_TRUE(wait_router_sees_all(kHost, s.router_port)) << s.logs();
+    std::vector<std::future<Outcome>> sent;
+    for (int i = 0; i < 3; ++i)
+        sent.push_back(std::async(
+            std::launch::async, [&, i] { return complete(s.router_port, prompt_of(300, i), 4); }));
+    ASSERT_TRUE(eventually(
+        [&] { return metric(kHost, s.prefill_port, "ferry_kv_blocks_used") > 0; }, seconds(10)))
+        << s.logs();
+    s.decode.signal(SIGSTOP);
+    TimePoint frozen = Clock::now();
+    auto since_frozen = [&] {
+        return std::chrono::duration<double>(Clock::now() - frozen).count();
+    };
+    const std::string named = fmt::format("decode engine {}:{} is down", kHost, s.decode_port);
+    double slowest = 0;
+    for (auto& f : sent) {
+        Outcome o = f.get();
+        slowest = std::max(slowest, since_frozen());
+        EXPECT_FALSE(o.ok);
+        EXPECT_NE(o.error.find(named), std::string::npos) << o.error;
+    }
+    bool freed = eventually(
+        [&] { return metric(kHost, s.prefill_port, "ferry_kv_blocks_used") == 0; }, seconds(40));
+    double blocks_back = since_frozen();
+    // Nothing new goes to it: a request now is refused at once, naming it.
+    Outcome refused = complete(s.router_port, prompt_of(100, 9), 4, seconds(25));
+    fmt::print(
+        "FROZEN_DECODE clients_answered_after_s={:.2f} prefill_blocks_back_after_s={:.2f} "
+        "new_request_answered_after_s={:.2f}\n",
+        slowest, blocks_back, refused.answered_s);
+    EXPECT_LT(slowest, 8.0) << s.logs();
+    EXPECT_TRUE(freed && blocks_back < 8.0)
+        << "prefill's blocks came back after " << blocks_back << " s\n"
+        << s.logs();
+    EXPECT_FALSE(refused.ok);
+    EXPECT_LT(refused.answered_s, 2.0);
+    EXPECT_NE(refused.error.find(fmt::format("{}:{}", kHost, s.decode_port)), std::string::npos)
+        << refused.error;
+    // Thawed, it serves again.
+    s.decode.signal(SIGCONT);
+    ASSERT_TRUE(wait_router_sees_all(kHost, s.router_port)) << s.logs();
+    Outcome again = complete(s.router_port, prompt_of(100, 10), 4);
+    EXPECT_TRUE(again.ok) << again.error << "\n" << s.logs();
+}
+
+// A prefill frozen while it computes a request's leg, in both modes: the client hears within
+// seconds, naming it, instead of at the router's --request-timeout.
+TEST(FaultE2E, FrozenPrefillFailsItsRequestsAtOnce) {
+    for (std::string mode : {"pull", "push"}) {
+        SCOPED_TRACE(mode);
+        FaultStack s(mode, {"--time-scale", "3000"});
+        ASSERT_TRUE(s.up()) << s.logs();
+        auto request = std::async(std::launch::async,
+                                  [&] { return complete(s.router_port, prompt_of(300, 5), 4); });
+        ASSERT_TRUE(eventually(
+            [&] { return metric(kHost, s.prefill_port, "ferry_kv_blocks_used") > 0; }, seconds(10)))
+            << s.logs();
+        s.prefill.signal(SIGSTOP);
+        TimePoint frozen = Clock::now();
+        Outcome o = request.get();
+        double took = std::chrono::duration<double>(Clock::now() - frozen).count();
+        s.prefill.signal(SIGCONT);
+        fmt::print("FROZEN_PREFILL mode={} client_answered_after_s={:.2f}\n", mode, took);
+        EXPECT_FALSE(o.ok);
+        EXPECT_NE(o.error.find(fmt::format("prefill engine {}:{} is down", kHost, s.prefill_port)),
+                  std::string::npos)
+            << o.error;
+        EXPECT_LT(took, 8.0) << s.logs();
+    }
+}
+
+// The same freeze in the middle of a push stream: the client's stream ends with an error event
+// naming the engine instead of staying open until the router's --request-timeout.
+TEST(FaultE2E, FrozenDecodeEndsItsStreamsWithAnErrorNamingIt) {
+    FaultStack s("push", {}, {"--time-scale", "20000"});
+    ASSERT_TRUE(s.up()) << s.logs();
+    std::atomic<bool> first_token{false};
+    auto streamed = std::async(std::launch::async, [&] {
+        return stream(kHost, s.router_port,
+                      json{{"prompt", prompt_of(64, 3)}, {"max_tokens", 2000}, {"stream", true}},
+                      seconds(35), [&](size_t) { first_token = true; });
+    });
+    ASSERT_TRUE(eventually([&] { return first_token.load(); }, seconds(10))) << s.logs();
+    s.decode.signal(SIGSTOP);
+    TimePoint frozen = Clock::now();
+    Streamed r = streamed.get();
+    double took = std::chrono::duration<double>(Clock::now() - frozen).count();
+    s.decode.signal(SIGCONT);
+    fmt::print("FROZEN_DECODE_STREAM stream_ended_after_s={:.2f}\n", took);
+    EXPECT_TRUE(r.error_event) << r.raw.substr(r.raw.size() > 600 ? r.raw.size() - 600 : 0);
+    EXPECT_NE(r.raw.find(fmt::format("decode engine {}:{} is down", kHost, s.decode_port)),
+              std::string::npos);
+    EXPECT_LT(took, 8.0) << s.logs();
 }
 
 // The router's /health as a readiness probe over real processes: 503 naming the engines not

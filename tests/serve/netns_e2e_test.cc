@@ -89,33 +89,11 @@ TEST(NetnsE2E, RequestsCrossHostsLinkDownFailsCleanlyAndServiceResumes) {
     const int pport = 8100, dport = 8200, rport = 8000;  // each namespace has its own ports
     auto engine = [&](const std::string& ns, const char* role, const std::string& host, int port,
                       const std::string& time_scale) {
-        return Proc::spawn({"ip",
-                            "netns",
-                            "exec",
-                            ns,
-                            ferry_binary(),
-                            "serve",
-                            role,
-                            "--host",
-                            host,
-                            "--port",
-                            std::to_string(port),
-                            "--model",
-                            "tiny",
-                            "--tp",
-                            "1",
-                            "--num-blocks",
-                            "256",
-                            "--provider",
-                            "tcp",
-                            "--kv-lease",
-                            "4",
-                            "--kv-op-timeout",
-                            "2",
-                            "--kv-wait-timeout",
-                            "4",
-                            "--time-scale",
-                            time_scale},
+        return Proc::spawn(std::vector<std::string>{"ip", "netns", "exec", ns} +
+                               engine_argv(role, port,
+                                           {"--host", host, "--num-blocks", "256", "--provider",
+                                            "tcp", "--kv-lease", "4", "--kv-op-timeout", "2",
+                                            "--kv-wait-timeout", "4", "--time-scale", time_scale}),
                            (dir / fmt::format("{}.log", role)).string());
     };
     std::vector<Proc> procs;

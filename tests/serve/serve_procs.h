@@ -143,6 +143,30 @@ class Proc {
 
 inline std::string ferry_binary() { return FERRY_CLI_PATH; }
 
+// `ferry serve <role>` (prefill or decode) of the tiny model at TP 1 on `port`, then `flags`
+// as given (each test adds its KV mode, provider, deadlines; a flag given twice is an error).
+inline std::vector<std::string> engine_argv(const std::string& role, int port,
+                                            const std::vector<std::string>& flags = {}) {
+    std::vector<std::string> argv = {
+        ferry_binary(), "serve", role,   "--port", std::to_string(port),
+        "--model",      "tiny",  "--tp", "1"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    return argv;
+}
+
+// a, then b.
+inline std::vector<std::string> operator+(std::vector<std::string> a,
+                                          const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+}
+
+// The deadlines of tests that check blocks come back: a small pool, a 3 s KV lease, decode legs
+// waiting 5 s for their KV, a side channel on a free port.
+inline std::vector<std::string> short_kv_deadlines() {
+    return {"--num-blocks", "256", "--kv-port", "0", "--kv-lease", "3", "--kv-wait-timeout", "5"};
+}
+
 // Until /health answers 200, which means ready: an engine's KV link is reachable, a router
 // has at least one ready prefill and one ready decode engine (503 before, with the reason).
 inline bool wait_healthy(const std::string& host, int port, Duration budget = seconds(15)) {

@@ -171,9 +171,11 @@ class KvConnector {
     // registered is reported on_scheduled(kCancelled) at once (it holds no blocks).
     Status cancel(uint64_t transfer_id);
     // The prefill process at `peer` is known to be gone: it exited, or another process now
-    // answers where it did. Announcements and registrations with it end now with `why`
-    // (on_scheduled / on_recv_done), without waiting for acknowledgements it can no longer
-    // send. Call it only once that process can write nothing more; a peer that is merely slow
+    // answers where it did. Announcements and registrations with it, and pulls reading from
+    // it, end now with `why` (on_scheduled / on_recv_done), without waiting for
+    // acknowledgements it can no longer send or reads it can no longer serve (they would end
+    // at the engine's op_timeout). Call it only once that process can write nothing more and
+    // serve no read; a peer that is merely slow
     // is the lease's to end. An unknown peer: nothing happens.
     Status peer_gone(const EngineAddress& peer, Status why);
 

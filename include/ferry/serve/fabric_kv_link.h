@@ -34,6 +34,7 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
+#include "ferry/kv/handshake.h"
 #include "ferry/kv/transfer_mode.h"
 #include "ferry/serve/kv_connector.h"
 #include "ferry/serve/kv_pool.h"
@@ -60,7 +61,13 @@ struct FabricKvLinkConfig {
     // The deployment's (required): the side channel answers only peers that prove it, and
     // legs' kv_transfer_params are acted on only when signed under it (kv_params_auth.h).
     Secret secret{};
-    size_t side_max_connections = 256;  // see kv::HandshakeServerOptions
+    // The side channel's limits (kv::HandshakeServerOptions says why these defaults): open
+    // connections in all, open connections from one address, and how long a connection may
+    // stay open before its client proved the secret.
+    size_t side_max_connections = kv::HandshakeServerOptions{}.max_connections;
+    size_t side_max_connections_per_client =
+        kv::HandshakeServerOptions{}.max_connections_per_client;
+    Duration side_proof_deadline = kv::HandshakeServerOptions{}.proof_deadline;
     // The connector's 64-bit key of a string transfer id; empty: kv::transfer_key. Tests set
     // it to force collisions (kv::TransferKeys refuses the second id on a key in use).
     std::function<uint64_t(std::string_view)> transfer_hash;

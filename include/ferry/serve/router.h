@@ -55,6 +55,11 @@ struct RouterConfig {
     // known within about a period, a stopped one within period + timeout.
     Duration probe_period = milliseconds(500);
     Duration probe_timeout = milliseconds(300);
+    // An engine that leaves this many probes in a row unanswered (no answer within
+    // probe_timeout: dead, frozen, or cut off) is declared down: the requests in flight to it
+    // fail at once with a 502 naming it, and no abort is sent to it. One missed probe only
+    // stops new requests going there: an engine that answers again keeps what it holds.
+    unsigned down_after_unanswered = 2;
     // Each POST /ferry/abort; at most abort_queue of them wait (more are dropped and logged:
     // the engines' leases still free what an abort would have).
     Duration abort_timeout = seconds(1);
@@ -80,6 +85,8 @@ class Router {
         bool ready = false;
         std::string why{};  // not ready: what the probe saw
         std::string engine_id{};
+        // Probes in a row that got no answer (this one included); see down_after_unanswered.
+        unsigned unanswered = 0;
         // Limits (0: not known yet).
         size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
     };
@@ -96,6 +103,8 @@ class Router {
     // of a KV mode other than config_.mode.
     EngineState probe(const EngineAddress& a, bool prefill) const;
     void store(bool prefill, size_t index, EngineState st);
+    // Empty while `engine` is not declared down (down_after_unanswered); else why, naming it.
+    std::string down_reason(const EngineAddress& engine) const;
     void prober();
     // Queues POST /ferry/abort for `transfer_id` to `engine`; never blocks the caller.
     void abort_leg(const EngineAddress& engine, const std::string& transfer_id,
