@@ -40,7 +40,26 @@ from . import (
 from ._ferry import HandshakeInfo, InvalidType, KvEvent, KvLayout
 
 __all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
-           "fetch_handshake"]
+           "fetch_handshake", "transfer_key"]
+
+TransferId = Union[int, str, bytes]
+
+
+def transfer_key(name: Union[str, bytes]) -> int:
+    return _ferry.transfer_key(name)
+
+
+def _tid(transfer_id: Any) -> Any:
+    """A transfer id as the connector takes it: an int in [0, 2**64), or the engine's own name
+    (str, or bytes; a bytearray or memoryview is copied to bytes)."""
+    if isinstance(transfer_id, str):
+        return transfer_id
+    if isinstance(transfer_id, (bytes, bytearray, memoryview)):
+        return bytes(transfer_id)
+    if isinstance(transfer_id, bool) or not hasattr(transfer_id, "__index__"):
+        raise InvalidType("transfer_id must be an int, a str or bytes (the engine's request "
+                          f"id), got {type(transfer_id).__name__}")
+    return _uint("transfer_id", transfer_id)
 
 
 @dataclasses.dataclass
@@ -223,55 +242,60 @@ class KvConnector(_Closing):
         return self._layout
 
     # Push, decode side --------------------------------------------------------------------
-    def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
-        self._conn.announce(_uint("transfer_id", transfer_id), _uint("attempt", attempt, _U32_MAX),
+    def announce(self, transfer_id: TransferId, attempt: int,
+                 prefill_ranks: Sequence[bytes]) -> None:
+        self._conn.announce(_tid(transfer_id), _uint("attempt", attempt, _U32_MAX),
                             _addresses("prefill_ranks", prefill_ranks))
 
-    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes],
-                      blocks: Any, num_tokens: int) -> None:
-        self._conn.register_push(_uint("transfer_id", transfer_id),
+    def register_push(self, transfer_id: TransferId, attempt: int,
+                      prefill_ranks: Sequence[bytes], blocks: Any, num_tokens: int, *,
+                      first_token: int = 0) -> None:
+        self._conn.register_push(_tid(transfer_id),
                                  _uint("attempt", attempt, _U32_MAX),
                                  _addresses("prefill_ranks", prefill_ranks),
                                  _index_array("blocks", blocks, "block ids"),
-                                 _uint("num_tokens", num_tokens, _U32_MAX))
+                                 _uint("num_tokens", num_tokens, _U32_MAX),
+                                 _uint("first_token", first_token, _U32_MAX))
 
-    def cancel(self, transfer_id: int) -> None:
+    def cancel(self, transfer_id: TransferId) -> None:
         # Idempotent by design (kv.pyi): an unknown id is vLLM's abort of a request never seen.
-        self._conn.cancel(_uint("transfer_id", transfer_id))
+        self._conn.cancel(_tid(transfer_id))
 
     # Push, prefill side -------------------------------------------------------------------
-    def prefill_scheduled(self, transfer_id: int) -> None:
-        self._conn.prefill_scheduled(_uint("transfer_id", transfer_id))
+    def prefill_scheduled(self, transfer_id: TransferId) -> None:
+        self._conn.prefill_scheduled(_tid(transfer_id))
 
-    def prefill_progress(self, transfer_id: int, blocks: Any, tokens_ready: int, *,
+    def prefill_progress(self, transfer_id: TransferId, blocks: Any, tokens_ready: int, *,
                          partial_end: int = 0, partial_layers: int = 0) -> None:
-        self._conn.prefill_progress(_uint("transfer_id", transfer_id),
+        self._conn.prefill_progress(_tid(transfer_id),
                                     _index_array("blocks", blocks, "block ids"),
                                     _uint("tokens_ready", tokens_ready, _U32_MAX),
                                     _uint("partial_end", partial_end, _U32_MAX),
                                     _uint("partial_layers", partial_layers, _U32_MAX))
 
-    def prefill_done(self, transfer_id: int, blocks: Any, num_tokens: int) -> None:
-        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks, "block ids"),
+    def prefill_done(self, transfer_id: TransferId, blocks: Any, num_tokens: int) -> None:
+        self._conn.prefill_done(_tid(transfer_id), _index_array("blocks", blocks, "block ids"),
                                 _uint("num_tokens", num_tokens, _U32_MAX))
 
-    def prefill_failed(self, transfer_id: int, reason: str) -> None:
-        self._conn.prefill_failed(_uint("transfer_id", transfer_id), _str("reason", reason))
+    def prefill_failed(self, transfer_id: TransferId, reason: str) -> None:
+        self._conn.prefill_failed(_tid(transfer_id), _str("reason", reason))
 
-    def abort_send(self, transfer_id: int, reason: str) -> None:
-        self._conn.abort_send(_uint("transfer_id", transfer_id), _str("reason", reason))
+    def abort_send(self, transfer_id: TransferId, reason: str) -> None:
+        self._conn.abort_send(_tid(transfer_id), _str("reason", reason))
 
     # Pull ---------------------------------------------------------------------------------
-    def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:
-        return self._conn.offer_pull(_uint("transfer_id", transfer_id),
+    def offer_pull(self, transfer_id: TransferId, blocks: Any, num_tokens: int) -> bytes:
+        return self._conn.offer_pull(_tid(transfer_id),
                                      _index_array("blocks", blocks, "block ids"),
                                      _uint("num_tokens", num_tokens, _U32_MAX))
 
-    def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Any,
-             num_tokens: int) -> None:
-        self._conn.pull(_uint("transfer_id", transfer_id),
+    def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]], blocks: Any,
+             num_tokens: int, *, first_token: int = 0) -> None:
+        self._conn.pull(_tid(transfer_id),
                         _blobs("params", params, "what offer_pull returned"),
-                        _index_array("blocks", blocks, "block ids"), _uint("num_tokens", num_tokens, _U32_MAX))
+                        _index_array("blocks", blocks, "block ids"),
+                        _uint("num_tokens", num_tokens, _U32_MAX),
+                        _uint("first_token", first_token, _U32_MAX))
 
     # Results ------------------------------------------------------------------------------
     def poll(self) -> List[KvEvent]:
@@ -282,6 +306,10 @@ class KvConnector(_Closing):
 
     def handshake_info(self) -> HandshakeInfo:
         return self._conn.handshake_info()
+
+    @property
+    def open_names(self) -> int:
+        return self._conn.open_names
 
     def stats(self) -> dict:
         return self._conn.stats()
