@@ -86,6 +86,35 @@ def _describe(obj: Any) -> str:
     return f"{type(obj).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
 
 
+def _check_shape(name: str, obj: Any, layout: KvLayout) -> None:
+    """A tensor with head and token axes must have them where the layout says: its last axes
+    are [block_size, num_kv_heads, head_dim] (NHD) or [num_kv_heads, block_size, head_dim]
+    (HND), the token axis possibly merged with the block axis (SGLang's [blocks * block_size,
+    heads, head_dim]). A pool of the right bytes in another order was taken, and its KV
+    scrambled without a word. Tensors of fewer than 3 axes carry no such shape: not checked."""
+    shape = tuple(int(n) for n in getattr(obj, "shape", ()))
+    if len(shape) < 3:
+        return
+    h, bs, d = layout.num_kv_heads, layout.block_size, layout.head_dim
+    nhd = layout.order == "NHD"
+    form = ("[..., block_size, num_kv_heads, head_dim]" if nhd
+            else "[..., num_kv_heads, block_size, head_dim]")
+    # (axis, what the layout says, the layout's field(s), allowed sizes)
+    wanted = [(-1, "head_dim", (d,)),
+              (-2, "num_kv_heads" if nhd else "block_size", (h,) if nhd else (bs,))]
+    if not nhd:
+        wanted.append((-3, "num_kv_heads", (h,)))
+    elif len(shape) >= 4:
+        wanted.append((-3, "block_size", (bs, bs * layout.num_blocks)))
+    for axis, field, sizes in wanted:
+        if shape[axis] not in sizes:
+            raise InvalidArgument(
+                f"{name}: shape {shape} does not match the layout: axis {len(shape) + axis} "
+                f"(axis {axis}) is {shape[axis]}, the layout's {field} is {sizes[0]} "
+                f"({layout.order}: {form}); a tensor with axes in another order holds other "
+                "KV than the layout says")
+
+
 def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
     """(ptr, nbytes, device) of one pool tensor or array, checked against the layout."""
     if _is_tensor(obj) and not hasattr(obj, "__array_interface__"):
@@ -111,6 +140,7 @@ def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
     if not contiguous:
         raise InvalidArgument(f"{name}: a non-contiguous {_describe(obj)}: a KV region must be "
                               f"one contiguous range of bytes; pass {how}")
+    _check_shape(name, obj, layout)
     if elem != layout.elem_size:
         raise InvalidArgument(f"{name}: wrong dtype, a {_describe(obj)} has {elem}-byte "
                               f"elements but the layout says elem_size={layout.elem_size}")

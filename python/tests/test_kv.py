@@ -293,6 +293,30 @@ def test_non_contiguous(engine):
         fkv.KvConnector(engine, layout(), pool)
 
 
+def test_axes_in_another_order_are_refused(engine):
+    """A per-layer tensor with its last two axes swapped has the right bytes for an NHD layout
+    but holds its KV in another order: refused, naming the axis; an HND layout wants heads
+    before the token axis."""
+    pool = per_layer_pool()
+    pool[1] = torch.zeros((2, PREFILL["num_blocks"], 16, HEAD_DIM, HEADS), dtype=torch.bfloat16)
+    with pytest.raises(ferry.InvalidArgument,
+                       match=r"pool\[1\]: shape \(2, 24, 16, 16, 2\) does not match the layout: "
+                             r"axis 4 \(axis -1\) is 2, the layout's head_dim is 16"):
+        fkv.KvConnector(engine, layout(), pool)
+    with pytest.raises(ferry.InvalidArgument, match=r"axis 3 \(axis -2\) is 2, the layout's "
+                                                    r"block_size is 16 \(HND"):
+        fkv.KvConnector(engine, layout(order="HND"), per_layer_pool())
+    hnd = [torch.zeros((2, PREFILL["num_blocks"], HEADS, 16, HEAD_DIM), dtype=torch.bfloat16)
+           for _ in range(LAYERS)]
+    fkv.KvConnector(engine, layout(order="HND"), hnd).close()
+    assert engine.stats()["regions_registered"] == 0
+
+
+def test_elem_size_must_be_an_element_size():
+    with pytest.raises(ferry.InvalidArgument, match="elem_size 3 is not the size of an element"):
+        fkv.KvLayout(**dict(PREFILL, elem_size=3))
+
+
 def test_region_too_small(engine):
     with pytest.raises(ferry.InvalidArgument, match=r"pool\[0\]: region too small"):
         fkv.KvConnector(engine, layout(), per_layer_pool(blocks=PREFILL["num_blocks"] - 1))
