@@ -448,8 +448,12 @@ class TransferEngine:
 
     def read_runs(self, peer: int, dst: Region, src: RemoteLike,
                   runs: Union[Sequence[Tuple[int, int, int]], Any]) -> Op:
+        # Offsets come in the order of the regions, as in read(): (dst_offset, src_offset,
+        # length); the engine takes (src_offset, dst_offset, length).
+        local_first = _runs_array(runs)
         return self._engine.read_runs(_uint("peer", peer, _U32_MAX), _region("dst", dst),
-                                      _remote("src", src), _runs_array(runs))
+                                      _remote("src", src),
+                                      np.ascontiguousarray(local_first[:, [1, 0, 2]]))
 
     def signal(self, peer: int, imm: int) -> Op:
         return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))
