@@ -89,6 +89,13 @@ __all__ = [
     "gpu_device_count", "__version__",
 ]
 
+
+
+def __dir__() -> list:
+    """What the package offers (its __all__ and submodules), not the modules it imports."""
+    return sorted(set(__all__) | {"kv", "moe"})
+
+
 _U32_MAX = 0xFFFFFFFF
 _I32_MAX = 0x7FFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -341,9 +348,12 @@ class TransferEngine:
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+        op_timeout_s = _seconds("op_timeout", op_timeout)
+        if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
+            raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
         self._engine = _ferry.Engine(
             _str("provider", provider), _bool("same_host", same_host), _str("node", node),
-            _int("rails", rails, 1, _I32_MAX), _seconds("op_timeout", op_timeout),
+            _int("rails", rails, 1, _I32_MAX), op_timeout_s,
             _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
             _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
