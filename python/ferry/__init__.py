@@ -95,6 +95,13 @@ __all__ = [
     "gpu_device_count", "__version__",
 ]
 
+
+
+def __dir__() -> list:
+    """What the package offers (its __all__ and submodules), not the modules it imports."""
+    return sorted(set(__all__) | {"kv", "moe"})
+
+
 _U32_MAX = 0xFFFFFFFF
 _I32_MAX = 0x7FFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -347,9 +354,12 @@ class TransferEngine:
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+        op_timeout_s = _seconds("op_timeout", op_timeout)
+        if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
+            raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
         self._engine = _ferry.Engine(
             _str("provider", provider), _bool("same_host", same_host), _str("node", node),
-            _int("rails", rails, 1, _I32_MAX), _seconds("op_timeout", op_timeout),
+            _int("rails", rails, 1, _I32_MAX), op_timeout_s,
             _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
             _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
@@ -454,8 +464,12 @@ class TransferEngine:
 
     def read_runs(self, peer: int, dst: Region, src: RemoteLike,
                   runs: Union[Sequence[Tuple[int, int, int]], Any]) -> Op:
+        # Offsets come in the order of the regions, as in read(): (dst_offset, src_offset,
+        # length); the engine takes (src_offset, dst_offset, length).
+        local_first = _runs_array(runs)
         return self._engine.read_runs(_uint("peer", peer, _U32_MAX), _region("dst", dst),
-                                      _remote("src", src), _runs_array(runs))
+                                      _remote("src", src),
+                                      np.ascontiguousarray(local_first[:, [1, 0, 2]]))
 
     def signal(self, peer: int, imm: int) -> Op:
         return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))

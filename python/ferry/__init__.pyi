@@ -33,7 +33,9 @@ Pages = Any
 """Page indices: a sequence of ints, or a one-dimensional integer numpy array / torch tensor."""
 
 Runs = Union[Sequence[Tuple[int, int, int]], Any]
-"""(src_offset, dst_offset, length) triples: a sequence, or an n x 3 integer array/tensor."""
+"""Offset, offset, length triples, the offsets in the order of the call's regions
+(write_runs: src_offset, dst_offset; read_runs: dst_offset, src_offset, as read() takes
+them): a sequence, or an n x 3 integer array/tensor."""
 
 class Peer(int):
     """A connected peer: the engine's id for it, from TransferEngine.connect."""
@@ -150,8 +152,9 @@ class TransferEngine:
         the Op completes the bytes are in ``dst``."""
 
     def read_runs(self, peer: int, dst: Region, src: RemoteLike, runs: Runs) -> Op:
-        """Reads each (src_offset in the remote region, dst_offset in ``dst``, length) run, as
-        one operation."""
+        """Reads each (dst_offset in ``dst``, src_offset in the remote region, length) run, as
+        one operation: the offsets in the order of the regions, as in read(). (Before
+        2026-12-06 the runs were (src_offset, dst_offset, length).)"""
 
     def signal(self, peer: int, imm: int) -> Op:
         """An immediate-only write (no bytes) the peer counts like any other."""

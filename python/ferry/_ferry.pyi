@@ -267,7 +267,9 @@ class KvEvent:
     kind: str
     """"recv", "send", "scheduled", "progress" or "overflow" (see the class)."""
     transfer_id: int
-    """The transfer id the calls gave."""
+    """The transfer's 64-bit id: the int the calls gave, or transfer_key() of their name."""
+    request_id: Union[int, str, bytes]
+    """The transfer id as the calls gave it: the engine's name (str or bytes) or the int."""
     attempt: int
     """The attempt of the transfer this event is about."""
     ok: bool

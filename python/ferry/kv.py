@@ -40,7 +40,26 @@ from . import (
 from ._ferry import HandshakeInfo, InvalidType, KvEvent, KvLayout
 
 __all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
-           "fetch_handshake"]
+           "fetch_handshake", "transfer_key"]
+
+TransferId = Union[int, str, bytes]
+
+
+def transfer_key(name: Union[str, bytes]) -> int:
+    return _ferry.transfer_key(name)
+
+
+def _tid(transfer_id: Any) -> Any:
+    """A transfer id as the connector takes it: an int in [0, 2**64), or the engine's own name
+    (str, or bytes; a bytearray or memoryview is copied to bytes)."""
+    if isinstance(transfer_id, str):
+        return transfer_id
+    if isinstance(transfer_id, (bytes, bytearray, memoryview)):
+        return bytes(transfer_id)
+    if isinstance(transfer_id, bool) or not hasattr(transfer_id, "__index__"):
+        raise InvalidType("transfer_id must be an int, a str or bytes (the engine's request "
+                          f"id), got {type(transfer_id).__name__}")
+    return _uint("transfer_id", transfer_id)
 
 
 @dataclasses.dataclass
@@ -65,6 +84,35 @@ def _describe(obj: Any) -> str:
         return f"{type(obj).__name__} of shape {tuple(obj.shape)} and dtype {obj.dtype}"
     shape = getattr(obj, "shape", None)
     return f"{type(obj).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+
+
+def _check_shape(name: str, obj: Any, layout: KvLayout) -> None:
+    """A tensor with head and token axes must have them where the layout says: its last axes
+    are [block_size, num_kv_heads, head_dim] (NHD) or [num_kv_heads, block_size, head_dim]
+    (HND), the token axis possibly merged with the block axis (SGLang's [blocks * block_size,
+    heads, head_dim]). A pool of the right bytes in another order was taken, and its KV
+    scrambled without a word. Tensors of fewer than 3 axes carry no such shape: not checked."""
+    shape = tuple(int(n) for n in getattr(obj, "shape", ()))
+    if len(shape) < 3:
+        return
+    h, bs, d = layout.num_kv_heads, layout.block_size, layout.head_dim
+    nhd = layout.order == "NHD"
+    form = ("[..., block_size, num_kv_heads, head_dim]" if nhd
+            else "[..., num_kv_heads, block_size, head_dim]")
+    # (axis, what the layout says, the layout's field(s), allowed sizes)
+    wanted = [(-1, "head_dim", (d,)),
+              (-2, "num_kv_heads" if nhd else "block_size", (h,) if nhd else (bs,))]
+    if not nhd:
+        wanted.append((-3, "num_kv_heads", (h,)))
+    elif len(shape) >= 4:
+        wanted.append((-3, "block_size", (bs, bs * layout.num_blocks)))
+    for axis, field, sizes in wanted:
+        if shape[axis] not in sizes:
+            raise InvalidArgument(
+                f"{name}: shape {shape} does not match the layout: axis {len(shape) + axis} "
+                f"(axis {axis}) is {shape[axis]}, the layout's {field} is {sizes[0]} "
+                f"({layout.order}: {form}); a tensor with axes in another order holds other "
+                "KV than the layout says")
 
 
 def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
@@ -92,6 +140,7 @@ def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:
     if not contiguous:
         raise InvalidArgument(f"{name}: a non-contiguous {_describe(obj)}: a KV region must be "
                               f"one contiguous range of bytes; pass {how}")
+    _check_shape(name, obj, layout)
     if elem != layout.elem_size:
         raise InvalidArgument(f"{name}: wrong dtype, a {_describe(obj)} has {elem}-byte "
                               f"elements but the layout says elem_size={layout.elem_size}")
@@ -223,55 +272,60 @@ class KvConnector(_Closing):
         return self._layout
 
     # Push, decode side --------------------------------------------------------------------
-    def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
-        self._conn.announce(_uint("transfer_id", transfer_id), _uint("attempt", attempt, _U32_MAX),
+    def announce(self, transfer_id: TransferId, attempt: int,
+                 prefill_ranks: Sequence[bytes]) -> None:
+        self._conn.announce(_tid(transfer_id), _uint("attempt", attempt, _U32_MAX),
                             _addresses("prefill_ranks", prefill_ranks))
 
-    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes],
-                      blocks: Any, num_tokens: int) -> None:
-        self._conn.register_push(_uint("transfer_id", transfer_id),
+    def register_push(self, transfer_id: TransferId, attempt: int,
+                      prefill_ranks: Sequence[bytes], blocks: Any, num_tokens: int, *,
+                      first_token: int = 0) -> None:
+        self._conn.register_push(_tid(transfer_id),
                                  _uint("attempt", attempt, _U32_MAX),
                                  _addresses("prefill_ranks", prefill_ranks),
                                  _index_array("blocks", blocks, "block ids"),
-                                 _uint("num_tokens", num_tokens, _U32_MAX))
+                                 _uint("num_tokens", num_tokens, _U32_MAX),
+                                 _uint("first_token", first_token, _U32_MAX))
 
-    def cancel(self, transfer_id: int) -> None:
+    def cancel(self, transfer_id: TransferId) -> None:
         # Idempotent by design (kv.pyi): an unknown id is vLLM's abort of a request never seen.
-        self._conn.cancel(_uint("transfer_id", transfer_id))
+        self._conn.cancel(_tid(transfer_id))
 
     # Push, prefill side -------------------------------------------------------------------
-    def prefill_scheduled(self, transfer_id: int) -> None:
-        self._conn.prefill_scheduled(_uint("transfer_id", transfer_id))
+    def prefill_scheduled(self, transfer_id: TransferId) -> None:
+        self._conn.prefill_scheduled(_tid(transfer_id))
 
-    def prefill_progress(self, transfer_id: int, blocks: Any, tokens_ready: int, *,
+    def prefill_progress(self, transfer_id: TransferId, blocks: Any, tokens_ready: int, *,
                          partial_end: int = 0, partial_layers: int = 0) -> None:
-        self._conn.prefill_progress(_uint("transfer_id", transfer_id),
+        self._conn.prefill_progress(_tid(transfer_id),
                                     _index_array("blocks", blocks, "block ids"),
                                     _uint("tokens_ready", tokens_ready, _U32_MAX),
                                     _uint("partial_end", partial_end, _U32_MAX),
                                     _uint("partial_layers", partial_layers, _U32_MAX))
 
-    def prefill_done(self, transfer_id: int, blocks: Any, num_tokens: int) -> None:
-        self._conn.prefill_done(_uint("transfer_id", transfer_id), _index_array("blocks", blocks, "block ids"),
+    def prefill_done(self, transfer_id: TransferId, blocks: Any, num_tokens: int) -> None:
+        self._conn.prefill_done(_tid(transfer_id), _index_array("blocks", blocks, "block ids"),
                                 _uint("num_tokens", num_tokens, _U32_MAX))
 
-    def prefill_failed(self, transfer_id: int, reason: str) -> None:
-        self._conn.prefill_failed(_uint("transfer_id", transfer_id), _str("reason", reason))
+    def prefill_failed(self, transfer_id: TransferId, reason: str) -> None:
+        self._conn.prefill_failed(_tid(transfer_id), _str("reason", reason))
 
-    def abort_send(self, transfer_id: int, reason: str) -> None:
-        self._conn.abort_send(_uint("transfer_id", transfer_id), _str("reason", reason))
+    def abort_send(self, transfer_id: TransferId, reason: str) -> None:
+        self._conn.abort_send(_tid(transfer_id), _str("reason", reason))
 
     # Pull ---------------------------------------------------------------------------------
-    def offer_pull(self, transfer_id: int, blocks: Any, num_tokens: int) -> bytes:
-        return self._conn.offer_pull(_uint("transfer_id", transfer_id),
+    def offer_pull(self, transfer_id: TransferId, blocks: Any, num_tokens: int) -> bytes:
+        return self._conn.offer_pull(_tid(transfer_id),
                                      _index_array("blocks", blocks, "block ids"),
                                      _uint("num_tokens", num_tokens, _U32_MAX))
 
-    def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Any,
-             num_tokens: int) -> None:
-        self._conn.pull(_uint("transfer_id", transfer_id),
+    def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]], blocks: Any,
+             num_tokens: int, *, first_token: int = 0) -> None:
+        self._conn.pull(_tid(transfer_id),
                         _blobs("params", params, "what offer_pull returned"),
-                        _index_array("blocks", blocks, "block ids"), _uint("num_tokens", num_tokens, _U32_MAX))
+                        _index_array("blocks", blocks, "block ids"),
+                        _uint("num_tokens", num_tokens, _U32_MAX),
+                        _uint("first_token", first_token, _U32_MAX))
 
     # Results ------------------------------------------------------------------------------
     def poll(self) -> List[KvEvent]:
@@ -282,6 +336,10 @@ class KvConnector(_Closing):
 
     def handshake_info(self) -> HandshakeInfo:
         return self._conn.handshake_info()
+
+    @property
+    def open_names(self) -> int:
+        return self._conn.open_names
 
     def stats(self) -> dict:
         return self._conn.stats()

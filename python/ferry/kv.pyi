@@ -12,6 +12,18 @@ Blocks = Any
 """Block ids in token order: a sequence of ints, or a one-dimensional integer numpy array /
 torch tensor."""
 
+TransferId = Union[int, str, bytes]
+"""A transfer's id, the same on both sides: an int in [0, 2**64), or the engine's own request id
+(a str, or bytes), whose 64-bit key is transfer_key(id). A name is kept by the connector while
+the transfer is open on it (until its last event was polled): events carry it back as
+KvEvent.request_id, and another name with the same 64-bit key is refused with InvalidArgument
+meanwhile. Use names or ints on one connector, not both."""
+
+def transfer_key(name: Union[str, bytes]) -> int:
+    """The 64-bit id a str (UTF-8) or bytes transfer id travels as: FNV-1a of its bytes (the
+    C++ library's ferry::kv::transfer_key, which ferry serve uses too). Stable across builds
+    and hosts, so both sides of a transfer compute it alike; KvEvent.transfer_id is it."""
+
 Pool = Any
 """The KV pool: one tensor (regions="one"), a list of one tensor per layer (regions=
 "per-layer", vLLM's [2, num_blocks, block_size, heads, head_dim]), or a list of 2 * layers
@@ -65,14 +77,21 @@ class KvConnector:
         """The layout the connector was built with."""
 
     # Push, decode side
-    def announce(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
+    def announce(self, transfer_id: TransferId, attempt: int, prefill_ranks: Sequence[bytes]) -> None:
         """Before holding blocks: ask the prefill ranks (their TransferEngine.address, in rank
         order) to say when they schedule the transfer; a "scheduled" event follows."""
-    def register_push(self, transfer_id: int, attempt: int, prefill_ranks: Sequence[bytes],
-                      blocks: Blocks, num_tokens: int) -> None:
+    def register_push(self, transfer_id: TransferId, attempt: int,
+                      prefill_ranks: Sequence[bytes], blocks: Blocks, num_tokens: int, *,
+                      first_token: int = 0) -> None:
         """Destination blocks (token order) for the transfer; prefill writes into them as the KV
-        becomes final. A larger attempt supersedes a smaller one. A "recv" event ends it."""
-    def cancel(self, transfer_id: int) -> None:
+        becomes final. A larger attempt supersedes a smaller one. A "recv" event ends it.
+
+        first_token: tokens [first_token, num_tokens) move; this rank's prefix cache holds the
+        ones before (vLLM's local hits). `blocks` then start at the block of token first_token
+        (vLLM's newly allocated blocks), while prefill's blocks still start at token 0; the
+        blocks before are neither read nor written. first_token == num_tokens moves nothing
+        (blocks may be empty): the "recv" event comes once prefill released its blocks."""
+    def cancel(self, transfer_id: TransferId) -> None:
         """Stop the transfer; its "recv" event (code "cancelled") comes once no write can land
         any more, and only then may the blocks be reused. An id this connector has no transfer
         for (never registered, or already over) is a no-op with no event: vLLM's abort path
@@ -80,31 +99,32 @@ class KvConnector:
         that id."""
 
     # Push, prefill side
-    def prefill_scheduled(self, transfer_id: int) -> None:
+    def prefill_scheduled(self, transfer_id: TransferId) -> None:
         """Prefill admitted the request: announced decode ranks may reserve their blocks."""
-    def prefill_progress(self, transfer_id: int, blocks: Blocks, tokens_ready: int, *,
+    def prefill_progress(self, transfer_id: TransferId, blocks: Blocks, tokens_ready: int, *,
                          partial_end: int = 0, partial_layers: int = 0) -> None:
         """Tokens [0, tokens_ready) are final (a chunk was computed), and [tokens_ready,
         partial_end) in layers [0, partial_layers): registered decode ranks get them now. Keep
         the blocks until the transfer's "send" event."""
-    def prefill_done(self, transfer_id: int, blocks: Blocks, num_tokens: int) -> None:
+    def prefill_done(self, transfer_id: TransferId, blocks: Blocks, num_tokens: int) -> None:
         """The KV is computed: write it to the decode ranks that registered (or will, within the
         lease). A "send" event says when the blocks are free."""
-    def prefill_failed(self, transfer_id: int, reason: str) -> None:
+    def prefill_failed(self, transfer_id: TransferId, reason: str) -> None:
         """Prefill could not produce the KV: decode ranks get a failure carrying `reason`."""
-    def abort_send(self, transfer_id: int, reason: str) -> None:
+    def abort_send(self, transfer_id: TransferId, reason: str) -> None:
         """Give up a transfer after prefill_done / offer_pull (its other leg failed); its
         "send" event (carrying `reason`) says when the blocks are free. An id with no transfer
         here (never offered, or already over) is a no-op with no event, as for cancel()."""
 
     # Pull
-    def offer_pull(self, transfer_id: int, blocks: Blocks, num_tokens: int) -> bytes:
+    def offer_pull(self, transfer_id: TransferId, blocks: Blocks, num_tokens: int) -> bytes:
         """Prefill: hold the blocks under the lease; returns what decode's pull() needs (hand it
         over through the router). A "send" event comes when decode finished reading."""
-    def pull(self, transfer_id: int, params: Union[bytes, Sequence[bytes]], blocks: Blocks,
-             num_tokens: int) -> None:
+    def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]],
+             blocks: Blocks, num_tokens: int, *, first_token: int = 0) -> None:
         """Decode: read the KV from every prefill rank's offer_pull() bytes into `blocks`; a
-        "recv" event ends it."""
+        "recv" event ends it. first_token: only tokens [first_token, num_tokens) are read, and
+        `blocks` start at that token's block (as for register_push)."""
 
     # Results
     def poll(self) -> List[KvEvent]:
@@ -117,6 +137,9 @@ class KvConnector:
         0.1 s."""
     def handshake_info(self) -> HandshakeInfo:
         """What this rank's HandshakeServer tells peers."""
+    open_names: int
+    """Transfer names (str or bytes ids) this connector keeps now: those of transfers whose
+    last event was not polled yet."""
     def stats(self) -> dict:
         """Counters (ferry::kv::ConnectorStats): transfers_sent/received/failed, ops_posted,
         bytes_posted, leases_expired, active_send/active_recv (transfers holding blocks)."""

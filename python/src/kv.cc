@@ -33,6 +33,7 @@
 #include "ferry/kv/messages.h"
 #include "ferry/kv/pool.h"
 #include "fork.h"
+#include "transfer_names.h"
 
 namespace py = pybind11;
 
@@ -140,6 +141,9 @@ struct Event {
     uint32_t partial_end = 0;
     uint32_t partial_layers = 0;
     uint64_t dropped = 0;  // overflow: events not kept
+    // The caller's name of the transfer (str or bytes; TransferNames), set by poll() with the
+    // GIL held; null (never touched by the connector's thread) for an int id.
+    py::object name;
 
     static Event of(const char* kind, const kv::TransferResult& r) {
         Event e;
@@ -152,9 +156,12 @@ struct Event {
         return e;
     }
 
+    // The id the caller gave: its name, or the 64-bit id.
+    py::object request_id() const { return name ? name : py::int_(transfer_id); }
+
     std::string repr() const {
         std::string s = "ferry.kv.KvEvent(" + kind +
-                        ", transfer_id=" + std::to_string(transfer_id) +
+                        ", transfer_id=" + std::string(py::repr(request_id())) +
                         ", attempt=" + std::to_string(attempt);
         if (kind == "overflow")
             return "ferry.kv.KvEvent(overflow, dropped=" + std::to_string(dropped) + ")";
@@ -318,60 +325,73 @@ class Connector {
         live.reset();  // the last share reports open transfers as cancelled, into events_
     }
 
-    void announce(uint64_t id, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks) {
+    void announce(py::handle name, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks) {
         auto addrs = parse_addresses(prefill_ranks);
-        call([&](kv::KvConnector& c) { return c.announce(id, attempt, std::move(addrs)); });
+        named_call(name, TransferNames::kScheduled, false, [&](kv::KvConnector& c, uint64_t id) {
+            return c.announce(id, attempt, std::move(addrs));
+        });
     }
 
-    void register_push(uint64_t id, uint32_t attempt, const std::vector<py::bytes>& prefill_ranks,
-                       const Blocks& blocks, uint32_t num_tokens) {
-        kv::PushRegistration r{id, attempt, parse_addresses(prefill_ranks), to_blocks(blocks),
-                               num_tokens};
-        call([&](kv::KvConnector& c) { return c.register_push(std::move(r)); });
+    void register_push(py::handle name, uint32_t attempt,
+                       const std::vector<py::bytes>& prefill_ranks, const Blocks& blocks,
+                       uint32_t num_tokens, uint32_t first_token) {
+        kv::PushRegistration r{
+            0, attempt, parse_addresses(prefill_ranks), to_blocks(blocks), num_tokens, first_token};
+        named_call(name, TransferNames::kRecv, false, [&](kv::KvConnector& c, uint64_t id) {
+            r.transfer_id = id;
+            return c.register_push(std::move(r));
+        });
     }
 
-    void cancel(uint64_t id) {
+    void cancel(py::handle name) {
+        uint64_t id = names_.key(name);
         call([&](kv::KvConnector& c) { return c.cancel(id); });
     }
 
-    void prefill_scheduled(uint64_t id) {
-        call([&](kv::KvConnector& c) { return c.prefill_scheduled(id); });
+    void prefill_scheduled(py::handle name) {
+        named_call(name, TransferNames::kSend, true,
+                   [&](kv::KvConnector& c, uint64_t id) { return c.prefill_scheduled(id); });
     }
 
-    void prefill_progress(uint64_t id, const Blocks& blocks, uint32_t tokens, uint32_t partial_end,
-                          uint32_t partial_layers) {
+    void prefill_progress(py::handle name, const Blocks& blocks, uint32_t tokens,
+                          uint32_t partial_end, uint32_t partial_layers) {
         auto b = to_blocks(blocks);
         kv::KvFrontier f{tokens, partial_end, partial_layers};
-        call([&](kv::KvConnector& c) { return c.prefill_progress(id, std::move(b), f); });
+        named_call(name, TransferNames::kSend, true, [&](kv::KvConnector& c, uint64_t id) {
+            return c.prefill_progress(id, std::move(b), f);
+        });
     }
 
-    void prefill_done(uint64_t id, const Blocks& blocks, uint32_t num_tokens) {
+    void prefill_done(py::handle name, const Blocks& blocks, uint32_t num_tokens) {
         auto b = to_blocks(blocks);
-        call([&](kv::KvConnector& c) { return c.prefill_done(id, std::move(b), num_tokens); });
+        named_call(name, TransferNames::kSend, true, [&](kv::KvConnector& c, uint64_t id) {
+            return c.prefill_done(id, std::move(b), num_tokens);
+        });
     }
 
-    void prefill_failed(uint64_t id, const std::string& reason) {
-        call([&](kv::KvConnector& c) { return c.prefill_failed(id, unavailable(reason)); });
+    void prefill_failed(py::handle name, const std::string& reason) {
+        named_call(name, TransferNames::kSend, true, [&](kv::KvConnector& c, uint64_t id) {
+            return c.prefill_failed(id, unavailable(reason));
+        });
     }
 
-    void abort_send(uint64_t id, const std::string& reason) {
+    void abort_send(py::handle name, const std::string& reason) {
+        uint64_t id = names_.key(name);
         call([&](kv::KvConnector& c) { return c.abort_send(id, cancelled(reason)); });
     }
 
-    py::bytes offer_pull(uint64_t id, const Blocks& blocks, uint32_t num_tokens) {
+    py::bytes offer_pull(py::handle name, const Blocks& blocks, uint32_t num_tokens) {
         auto b = to_blocks(blocks);
         Result<kv::PullParamsMsg> r = internal_error("unset");
-        std::shared_ptr<LiveConnector> l = live();
-        {
-            py::gil_scoped_release nogil;
-            r = l->conn->offer_pull(id, std::move(b), num_tokens);
-            l.reset();
-        }
+        named_call(name, TransferNames::kSend, true, [&](kv::KvConnector& c, uint64_t id) {
+            r = c.offer_pull(id, std::move(b), num_tokens);
+            return r.status();
+        });
         return to_bytes(kv::encode_message(take(std::move(r))));
     }
 
-    void pull(uint64_t id, const std::vector<py::bytes>& params, const Blocks& blocks,
-              uint32_t num_tokens) {
+    void pull(py::handle name, const std::vector<py::bytes>& params, const Blocks& blocks,
+              uint32_t num_tokens, uint32_t first_token) {
         std::vector<kv::PullParamsMsg> ps;
         for (size_t i = 0; i < params.size(); ++i) {
             auto span = bytes_span(params[i]);
@@ -388,8 +408,8 @@ class Connector {
             ps.push_back(std::get<kv::PullParamsMsg>(std::move(*m)));
         }
         auto b = to_blocks(blocks);
-        call([&](kv::KvConnector& c) {
-            return c.pull(id, std::move(ps), std::move(b), num_tokens);
+        named_call(name, TransferNames::kRecv, false, [&](kv::KvConnector& c, uint64_t id) {
+            return c.pull(id, std::move(ps), std::move(b), num_tokens, first_token);
         });
     }
 
@@ -397,7 +417,11 @@ class Connector {
     // connector would otherwise see "no events" for ever.
     std::vector<Event> poll() {
         live();
-        return events_->drain();
+        std::vector<Event> out = events_->drain();
+        for (Event& e : out) {
+            if (e.kind != "overflow") e.name = names_.on_event(e.transfer_id, e.kind);
+        }
+        return out;
     }
 
     bool wait(double timeout_s) {
@@ -447,6 +471,7 @@ class Connector {
     }
 
     KvLayout layout() const { return get().config().self.layout; }
+    size_t open_names() const { return names_.size(); }
 
   private:
     static Status open(LiveConnector& live,
@@ -468,6 +493,19 @@ class Connector {
         return ok_status();
     }
 
+    // A call on a transfer the caller named by `name` (int, str or bytes): `fn(conn, key)`. A
+    // refused call keeps no hold of the name.
+    template <typename F>
+    void named_call(py::handle name, TransferNames::Part part, bool once, F&& fn) {
+        TransferNames::Hold h = names_.hold(name, part, once);
+        try {
+            call([&](kv::KvConnector& c) { return fn(c, h.key); });
+        } catch (...) {
+            names_.release(h);
+            throw;
+        }
+    }
+
     template <typename F>
     void call(F&& fn) {
         std::shared_ptr<LiveConnector> l = live();
@@ -482,6 +520,7 @@ class Connector {
 
     std::shared_ptr<EventQueue> events_;
     std::shared_ptr<LiveConnector> live_;
+    TransferNames names_;
 };
 
 class HandshakeServer {
@@ -606,6 +645,7 @@ void register_kv(py::module_& m, EngineShare engine_share) {
                   "KvConnector.poll() returns the finished transfers' events");
     event.def_readonly("kind", &Event::kind)
         .def_readonly("transfer_id", &Event::transfer_id)
+        .def_property_readonly("request_id", &Event::request_id)
         .def_readonly("attempt", &Event::attempt)
         .def_property_readonly("ok", [](const Event& e) { return e.status.ok(); })
         .def_property_readonly(
@@ -668,7 +708,20 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def("wait", &Connector::wait)
         .def("handshake_info", &Connector::handshake_info)
         .def("stats", &Connector::stats)
+        .def_property_readonly("open_names", [](const Connector& c) { return c.open_names(); })
         .def("close", &Connector::close);
+
+    m.def(
+        "transfer_key",
+        [](py::handle name) {
+            if (!PyUnicode_Check(name.ptr()) && !PyBytes_Check(name.ptr()) &&
+                !PyByteArray_Check(name.ptr()) && !PyMemoryView_Check(name.ptr())) {
+                throw StatusError::wrong_type("transfer_key takes a str or bytes id, got " +
+                                              type_name(name));
+            }
+            return TransferNames().key(name);
+        },
+        py::arg("name"));
 
     py::class_<HandshakeServer>(m, "HandshakeServer")
         .def(py::init<const std::string&, uint16_t, kv::HandshakeInfo, const py::bytes&, double>(),

@@ -47,6 +47,11 @@ using Pages = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 using Runs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 // A peer's region, parsed once from its descriptor bytes.
+// "cpu" for host memory (device -1), else "cuda:N".
+std::string device_name(int device) {
+    return device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device);
+}
+
 struct RemoteRegion {
     MemoryDescriptor desc;
     std::vector<uint8_t> blob;
@@ -654,6 +659,11 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("device", [](const RemoteRegion& r) { return r.desc.device; })
         .def_property_readonly(
             "is_gpu", [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; })
+        .def("__repr__",
+             [](const RemoteRegion& r) {
+                 return fmt::format("ferry.RemoteRegion(engine_id={:#x}, length={}, device={})",
+                                    r.desc.engine_id, r.desc.length, device_name(r.desc.device));
+             })
         .def(py::pickle([](const RemoteRegion& r) { return py::make_tuple(to_bytes(r.blob)); },
                         [](const py::tuple& t) {
                             if (t.size() != 1) {
@@ -685,6 +695,14 @@ PYBIND11_MODULE(_ferry, m) {
                                [](const Region& r) { return r.held ? r.held->owner : py::none(); })
         .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
         .def("close", &Region::close)
+        .def("__repr__",
+             [](const Region& r) {
+                 if (!r.held || !r.held->mr) return std::string("ferry.Region(closed)");
+                 return fmt::format("ferry.Region(nbytes={}, device={}, data_ptr={:#x}{})",
+                                    r.get().size(), device_name(r.get().descriptor().device),
+                                    reinterpret_cast<uint64_t>(r.get().data()),
+                                    r.read_only ? ", read_only" : "");
+             })
         .def("__enter__", [](py::object self) { return self; })
         .def("__exit__", [](Region& r, const py::args&) { r.close(); });
 
@@ -694,7 +712,11 @@ PYBIND11_MODULE(_ferry, m) {
                   "...) returns the Op to wait on");
     op.def("done", &Op::done)
         .def("wait", &Op::wait, py::arg("timeout") = 30.0)
-        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle().imm_writes(); });
+        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle().imm_writes(); })
+        .def("__repr__", [](const Op& o) {
+            return fmt::format("ferry.Op(done={}, imm_writes={})",
+                               o.handle().done() ? "True" : "False", o.handle().imm_writes());
+        });
 
     py::class_<ImmExpectation> imm_expectation(m, "ImmExpectation");
     obtained_from(imm_expectation, "ferry.ImmExpectation",

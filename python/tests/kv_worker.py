@@ -75,12 +75,14 @@ class KvSide:
             return self.pool[layer][part]
         return self.pool[layer][part].view(shape)
 
-    def _index(self, blocks: List[int], tokens: int) -> Any:
+    def _index(self, blocks: List[int], tokens: int, first_token: int = 0) -> Any:
+        """(block, slot) of tokens [first_token, tokens); blocks[0] holds first_token."""
         import torch
 
         bs = self.layout.block_size
-        t = torch.arange(tokens, device=self.tensors[0].device)
-        return torch.tensor(blocks, dtype=torch.long, device=t.device)[t // bs], t % bs
+        t = torch.arange(first_token, tokens, device=self.tensors[0].device)
+        ids = torch.tensor(blocks, dtype=torch.long, device=t.device)
+        return ids[t // bs - first_token // bs], t % bs
 
     def fill_random(self, seed: int) -> None:
         import torch
@@ -98,17 +100,18 @@ class KvSide:
         return torch.stack([torch.stack([self.slab(l, p)[blk, slot] for p in (0, 1)])
                             for l in range(self.layout.num_layers)])
 
-    def expected_after(self, logical: Any, blocks: List[int], tokens: int) -> List[Any]:
-        """What every pool tensor must hold after `logical` landed in `blocks` of a poisoned
-        pool."""
+    def expected_after(self, logical: Any, blocks: List[int], tokens: int,
+                       first_token: int = 0) -> List[Any]:
+        """What every pool tensor must hold after tokens [first_token, tokens) of `logical`
+        landed in `blocks` (from first_token's block on) of a poisoned pool."""
         saved = [t.clone() for t in self.tensors]
         try:
             for t in self.tensors:
                 t.fill_(POISON16)
-            blk, slot = self._index(blocks, tokens)
+            blk, slot = self._index(blocks, tokens, first_token)
             for l in range(self.layout.num_layers):
                 for p in (0, 1):
-                    self.slab(l, p)[blk, slot] = logical[l, p].to(blk.device)
+                    self.slab(l, p)[blk, slot] = logical[l, p, first_token:].to(blk.device)
             return [t.clone() for t in self.tensors]
         finally:
             for t, s in zip(self.tensors, saved):
@@ -131,14 +134,15 @@ class KvSide:
     def call(self, method: str, *args: Any, **kw: Any) -> Any:
         return getattr(self.conn, method)(*args, **kw)
 
-    def next_event(self, kind: str, transfer_id: int, timeout: float) -> Any:
-        """The first event of `kind` for `transfer_id`, as (ok, code, message, bytes, writes);
-        events of other kinds or transfers are kept for later calls."""
+    def next_event(self, kind: str, transfer_id: Any, timeout: float) -> Any:
+        """The first event of `kind` for `transfer_id` (as the calls named it: an int, str or
+        bytes), as (ok, code, message, bytes, writes); events of other kinds or transfers are
+        kept for later calls."""
         deadline = time.monotonic() + timeout
         while True:
             self.events.extend(self.conn.poll())
             for i, e in enumerate(self.events):
-                if e.kind == kind and e.transfer_id == transfer_id:
+                if e.kind == kind and e.request_id == transfer_id:
                     del self.events[i]
                     return e.ok, e.code, e.message, e.bytes, e.writes
             left = deadline - time.monotonic()

@@ -171,10 +171,11 @@ def test_read(pair, rng, kind):
     n = rng.randint(1, size // 2)
     so, do = rng.randrange(0, size - n + 1), rng.randrange(0, size - n + 1)
     engine.read(peer, region, do, desc, so, n).wait(10.0)
-    runs = [(0, size - 100, 50), (size - 10, size - 40, 10)]  # (remote, local, length)
-    runs = [r for r in runs if r[1] + r[2] <= do or r[1] >= do + n]
+    # (local, remote, length): the offsets in the order of the regions, as read() takes them.
+    runs = [(0, size - 100, 50), (size - 10, size - 40, 10)]
+    runs = [r for r in runs if r[0] + r[2] <= do or r[0] >= do + n]
     engine.read_runs(peer, region, desc, runs).wait(10.0)
-    writes = [(do, remote[so:so + n])] + [(d, remote[s:s + ln]) for s, d, ln in runs]
+    writes = [(do, remote[so:so + n])] + [(d, remote[s:s + ln]) for d, s, ln in runs]
     check_bytes(dst_bytes.tobytes(), expected_after(size, writes))
 
 

@@ -50,22 +50,85 @@ def blocks_for(rng, num_blocks, block_size, tokens):
     return rng.sample(range(num_blocks), -(-tokens // block_size))
 
 
-def open_pair(provider, prefill_proc, splits, rng, *, lease=10.0):
+def open_pair(provider, prefill_proc, splits, rng, *, lease=10.0, decode_kw=DECODE):
     """(decode KvSide here, prefill address, prefill blocks, prefill's logical KV)."""
     psplit, dsplit = splits
     addr = prefill_proc.call("open", provider, PREFILL, psplit, {"lease": lease})
     seed = rng.randrange(1 << 31)
     prefill_proc.call("fill_random", seed)
-    decode = KvSide(provider, DECODE, dsplit, lease=lease)
+    decode = KvSide(provider, decode_kw, dsplit, lease=lease)
     pblocks = blocks_for(rng, PREFILL["num_blocks"], PREFILL["block_size"], TOKENS)
     logical = torch.from_numpy(prefill_proc.call("gather", pblocks, TOKENS))
     return decode, addr, pblocks, logical
 
 
-def assert_landed(decode, dblocks, logical):
-    expected = decode.expected_after(logical, dblocks, TOKENS)
+def assert_landed(decode, dblocks, logical, first_token=0):
+    expected = decode.expected_after(logical, dblocks, TOKENS, first_token)
     problem = decode.check_pool(expected)
     assert problem == "", problem
+
+
+# Decode's block size against prefill's 16: another (8) and the same, each with its own split.
+PAIRINGS = {"decode-8": (DECODE, SPLITS[0]),
+            "decode-16": (dict(DECODE, block_size=16, num_blocks=24), SPLITS[1])}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("pairing", sorted(PAIRINGS))
+@pytest.mark.parametrize("hits", ["none", "some", "all-but-one"])
+def test_partial_transfer_after_prefix_hits(provider, prefill_proc, rng, mode, pairing, hits):
+    """Decode's prefix cache holds the first k of its blocks (vLLM's local hits): only tokens
+    [k * block_size, 100) move, into the blocks decode allocated for them (its block list
+    starts there), from prefill's blocks of the whole prompt. k = 0, an odd k (the range
+    starts inside one of prefill's 16-token blocks when decode's are 8) and all but the last
+    block. The whole decode pool is checked: the range in its blocks, poison everywhere else
+    (the prefix blocks included). Named by string (push) and bytes (pull) ids, as vLLM names
+    requests."""
+    decode_kw, splits = PAIRINGS[pairing]
+    bs = decode_kw["block_size"]
+    nblocks = -(-TOKENS // bs)
+    k = {"none": 0, "some": nblocks // 2 | 1, "all-but-one": nblocks - 1}[hits]
+    first = k * bs
+    decode, addr, pblocks, logical = open_pair(provider, prefill_proc, splits, rng,
+                                               decode_kw=decode_kw)
+    try:
+        rid = f"cmpl-{rng.randrange(1 << 63):x}-0"
+        tid = rid if mode == "push" else rid.encode()
+        dblocks = rng.sample(range(decode_kw["num_blocks"]), nblocks - k)
+        if mode == "push":
+            decode.call("register_push", tid, 1, [addr], dblocks, TOKENS, first_token=first)
+            prefill_proc.call("call", "prefill_progress", tid, pblocks, 48)
+            prefill_proc.call("call", "prefill_done", tid, pblocks, TOKENS)
+        else:
+            params = prefill_proc.call("call", "offer_pull", tid, pblocks, TOKENS)
+            decode.call("pull", tid, [params], dblocks, TOKENS, first_token=first)
+        ok, code, msg, nbytes, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert nbytes == LAYERS * 2 * (TOKENS - first) * HEADS * HEAD_DIM * 2
+        sent = prefill_proc.call("next_event", "send", tid, 30)
+        assert sent[0], sent
+        assert_landed(decode, dblocks, logical, first)
+        assert decode.stats()["active_recv"] == 0
+        assert decode.conn.open_names == 0
+    finally:
+        decode.close()
+
+
+def test_whole_prompt_held_moves_nothing(provider, prefill_proc, rng):
+    """Every token is in decode's prefix cache: register_push with first_token == num_tokens
+    and no block moves nothing, ends at once on both sides and frees prefill's blocks."""
+    decode, addr, pblocks, _ = open_pair(provider, prefill_proc, SPLITS[0], rng)
+    try:
+        tid = f"req-{rng.randrange(1 << 63):x}"
+        decode.call("register_push", tid, 0, [addr], [], TOKENS, first_token=TOKENS)
+        prefill_proc.call("call", "prefill_done", tid, pblocks, TOKENS)
+        ok, code, msg, nbytes, writes = decode.next_event("recv", tid, 30)
+        assert ok and nbytes == 0 and writes == 0, f"{code}: {msg}"
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+        assert decode.all_poison()
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
 
 
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{s[0]}-to-{s[1]}")
@@ -230,6 +293,30 @@ def test_non_contiguous(engine):
         fkv.KvConnector(engine, layout(), pool)
 
 
+def test_axes_in_another_order_are_refused(engine):
+    """A per-layer tensor with its last two axes swapped has the right bytes for an NHD layout
+    but holds its KV in another order: refused, naming the axis; an HND layout wants heads
+    before the token axis."""
+    pool = per_layer_pool()
+    pool[1] = torch.zeros((2, PREFILL["num_blocks"], 16, HEAD_DIM, HEADS), dtype=torch.bfloat16)
+    with pytest.raises(ferry.InvalidArgument,
+                       match=r"pool\[1\]: shape \(2, 24, 16, 16, 2\) does not match the layout: "
+                             r"axis 4 \(axis -1\) is 2, the layout's head_dim is 16"):
+        fkv.KvConnector(engine, layout(), pool)
+    with pytest.raises(ferry.InvalidArgument, match=r"axis 3 \(axis -2\) is 2, the layout's "
+                                                    r"block_size is 16 \(HND"):
+        fkv.KvConnector(engine, layout(order="HND"), per_layer_pool())
+    hnd = [torch.zeros((2, PREFILL["num_blocks"], HEADS, 16, HEAD_DIM), dtype=torch.bfloat16)
+           for _ in range(LAYERS)]
+    fkv.KvConnector(engine, layout(order="HND"), hnd).close()
+    assert engine.stats()["regions_registered"] == 0
+
+
+def test_elem_size_must_be_an_element_size():
+    with pytest.raises(ferry.InvalidArgument, match="elem_size 3 is not the size of an element"):
+        fkv.KvLayout(**dict(PREFILL, elem_size=3))
+
+
 def test_region_too_small(engine):
     with pytest.raises(ferry.InvalidArgument, match=r"pool\[0\]: region too small"):
         fkv.KvConnector(engine, layout(), per_layer_pool(blocks=PREFILL["num_blocks"] - 1))
@@ -341,3 +428,52 @@ def test_refused_config_leaves_nothing(engine):
         fkv.KvConnector(engine, layout(), pool, fkv.KvConfig(lease=float("nan")))
     with fkv.KvConnector(engine, layout(), pool) as conn:
         assert len(conn.handshake_info().pool) == LAYERS
+
+
+def test_transfer_names(engine):
+    """vLLM names requests by strings: a connector takes them (and bytes) as transfer ids, its
+    events carry the name back, and it keeps a name only while the transfer is open on it; a
+    refused call keeps none. The 64-bit id is transfer_key(name), FNV-1a of the UTF-8 bytes,
+    the same on every host and build (ferry serve's)."""
+    assert fkv.transfer_key("a") == 0xAF63DC4C8601EC8C
+    assert fkv.transfer_key(b"a") == fkv.transfer_key("a")
+    with pytest.raises(ferry.InvalidType, match="str or bytes"):
+        fkv.transfer_key(7)
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        name = "cmpl-4f1c-0"
+        conn.offer_pull(name, [0, 1], 20)
+        assert conn.open_names == 1
+        conn.abort_send(name, "client left")
+        assert conn.wait(5.0)
+        (ev,) = conn.poll()
+        assert (ev.kind, ev.request_id, ev.transfer_id) == ("send", name,
+                                                            fkv.transfer_key(name))
+        assert repr(name) in repr(ev)
+        assert conn.open_names == 0
+        # Refused calls keep no name.
+        with pytest.raises(ferry.Error, match=r"bad engine address"):
+            conn.register_push("req-2", 1, [b"not an address"], [0, 1], 20)
+        with pytest.raises(ferry.InvalidArgument, match="listed twice"):
+            conn.prefill_done(b"req-3", [4, 4], 20)
+        conn.cancel("never-seen")
+        assert conn.open_names == 0 and conn.poll() == []
+        with pytest.raises(ferry.InvalidType, match="transfer_id must be an int, a str or bytes"):
+            conn.cancel(1.5)
+        # An int id is its own 64-bit id, as before.
+        conn.offer_pull(0x79, [2, 3], 20)
+        conn.abort_send(0x79, "client left")
+        assert conn.wait(5.0)
+        (ev,) = conn.poll()
+        assert ev.request_id == ev.transfer_id == 0x79 and conn.open_names == 0
+
+
+def test_partial_range_mistakes(engine):
+    """first_token past num_tokens, or too few blocks for the range, is refused naming it."""
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        addr = engine.address
+        with pytest.raises(ferry.InvalidArgument, match="first_token 30 is past"):
+            conn.register_push("r", 1, [addr], [0], 20, first_token=30)
+        with pytest.raises(ferry.InvalidArgument,
+                           match=r"tokens \[20, 40\) need 2 blocks of 16 .*token 16\), 1 given"):
+            conn.register_push("r", 1, [addr], [0], 40, first_token=20)
+        assert conn.open_names == 0

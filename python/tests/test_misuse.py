@@ -270,7 +270,7 @@ def test_register_read_only_refuses_truthy_strings():
 
 @pytest.mark.parametrize("kw,words", [
     (dict(max_write_size=0), "max_write_size must be > 0"),
-    (dict(op_timeout=0), "op_timeout must be > 0"),
+    (dict(op_timeout=0), "op_timeout must be a number of seconds > 0"),
 ])
 def test_engine_sizes_of_zero_refused(kw, words):
     """max_write_size=0 hung at the first write (pieces of 0 bytes for ever); op_timeout=0
@@ -525,3 +525,28 @@ def test_ctrl_c_ends_op_wait_on_a_stalled_peer():
     words = r.stdout.split()
     assert words[0] == "interrupted" and float(words[1]) < 2.0, r.stdout
     assert words[2] == "False" and words[3] == "completed", r.stdout
+
+
+def test_small_things_print_and_read_as_a_user_expects():
+    """dir(ferry) lists what the package offers, not numpy/os/sys; op_timeout=0 is refused in
+    the seconds it was given in (it said "0 ms"); Region, RemoteRegion and Op print what they
+    are, not a bare object."""
+    listed = dir(ferry)
+    assert "TransferEngine" in listed and "kv" in listed
+    assert not {"np", "os", "sys", "numbers", "operator"} & set(listed)
+    with pytest.raises(ferry.InvalidArgument, match=r"op_timeout must be a number of seconds > 0, "
+                                                    r"got 0\b"):
+        ferry.TransferEngine("tcp", op_timeout=0)
+    with ferry.TransferEngine("tcp") as engine:
+        region = engine.register(np.zeros(4096, dtype=np.uint8))
+        assert re.fullmatch(r"ferry\.Region\(nbytes=4096, device=cpu, data_ptr=0x[0-9a-f]+\)",
+                            repr(region)), repr(region)
+        remote = ferry.RemoteRegion.from_bytes(region.descriptor)
+        assert re.fullmatch(r"ferry\.RemoteRegion\(engine_id=0x[0-9a-f]+, length=4096, "
+                            r"device=cpu\)", repr(remote)), repr(remote)
+        peer = engine.connect(engine.address)
+        op = engine.write(peer, region, 0, remote, 0, 8)
+        op.wait(10.0)
+        assert repr(op) == "ferry.Op(done=True, imm_writes=0)", repr(op)
+        region.close()
+        assert repr(region) == "ferry.Region(closed)"

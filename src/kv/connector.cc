@@ -66,7 +66,8 @@ class KvConnector::Impl {
     // ---- public entry points (caller's thread) ----
 
     Status register_push(PushRegistration reg) {
-        FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, reg.blocks, reg.num_tokens));
+        FERRY_RETURN_IF_ERROR(
+            check_blocks(ctx_.cfg.self.layout, reg.blocks, reg.num_tokens, reg.first_token));
         if (reg.prefill_ranks.empty()) {
             return invalid_argument("register_push: no prefill rank addresses given");
         }
@@ -168,16 +169,17 @@ class KvConnector::Impl {
     }
 
     Status pull(uint64_t id, std::vector<PullParamsMsg> params, std::vector<uint32_t> blocks,
-                uint32_t tokens) {
-        FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
+                uint32_t tokens, uint32_t first_token) {
+        FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens, first_token));
         if (params.empty()) return invalid_argument("pull: no transfer parameters given");
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kPulling));
         kv_trace("pull called", id);
         auto job = std::make_shared<Puller::Job>();
         job->id = id;
         job->params = std::move(params);
-        job->blocks = std::move(blocks);
+        job->blocks = blocks_from_token0(blocks, first_token, ctx_.cfg.self.layout.block_size);
         job->tokens = tokens;
+        job->first_token = first_token;
         if (ctx_.cfg.pull_mode == PullMode::kInline) {
             ctx_.counters.active_recv.fetch_add(1);
             puller_.start(job);
@@ -338,8 +340,8 @@ Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t>
     return impl_->offer_pull(id, std::move(blocks), tokens);
 }
 Status KvConnector::pull(uint64_t id, std::vector<PullParamsMsg> params,
-                         std::vector<uint32_t> blocks, uint32_t tokens) {
-    return impl_->pull(id, std::move(params), std::move(blocks), tokens);
+                         std::vector<uint32_t> blocks, uint32_t tokens, uint32_t first_token) {
+    return impl_->pull(id, std::move(params), std::move(blocks), tokens, first_token);
 }
 ConnectorStats KvConnector::stats() const { return impl_->stats(); }
 const ConnectorConfig& KvConnector::config() const { return impl_->config(); }

@@ -202,10 +202,22 @@ void ConnectorContext::recv_progress(const TransferProgress& p) {
 }
 
 Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
-                    uint32_t num_tokens) {
+                    uint32_t num_tokens, uint32_t first_token) {
     if (num_tokens == 0) return invalid_argument("a KV transfer needs at least one token");
-    uint32_t need = blocks_for_tokens(num_tokens, layout.block_size);
+    if (first_token > num_tokens) {
+        return invalid_argument(
+            fmt::format("first_token {} is past the request's {} tokens", first_token, num_tokens));
+    }
+    const uint32_t skipped = first_token / layout.block_size;
+    const uint32_t need =
+        first_token == num_tokens ? 0 : blocks_for_tokens(num_tokens, layout.block_size) - skipped;
     if (blocks.size() < need) {
+        if (first_token > 0) {
+            return invalid_argument(fmt::format(
+                "tokens [{}, {}) need {} blocks of {} (the first one holding token {}), {} given",
+                first_token, num_tokens, need, layout.block_size, skipped * layout.block_size,
+                blocks.size()));
+        }
         return invalid_argument(fmt::format("{} tokens need {} blocks of {}, {} given", num_tokens,
                                             need, layout.block_size, blocks.size()));
     }
@@ -248,6 +260,15 @@ Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
                                             blocks[repeat], first, repeat));
     }
     return ok_status();
+}
+
+std::vector<uint32_t> blocks_from_token0(const std::vector<uint32_t>& blocks, uint32_t first_token,
+                                         uint32_t block_size) {
+    const uint32_t skipped = first_token / block_size;
+    if (skipped == 0) return blocks;
+    std::vector<uint32_t> out(skipped, blocks.empty() ? 0 : blocks.front());
+    out.insert(out.end(), blocks.begin(), blocks.end());
+    return out;
 }
 
 uint32_t to_ms_u32(Duration d) {

@@ -140,9 +140,15 @@ class ConnectorContext {
     bool active() const;
 };
 
-// Checks a block list against the pool before any work is queued.
+// Checks a block list against the pool before any work is queued. `first_token` > 0: the list
+// starts at that token's block (decode's prefix cache holds the tokens before it); it may
+// equal num_tokens (everything is cached: no block is needed).
 Status check_blocks(const KvLayout& layout, const std::vector<uint32_t>& blocks,
-                    uint32_t num_tokens);
+                    uint32_t num_tokens, uint32_t first_token = 0);
+// A block list that starts at `first_token`'s block as the planner takes it, from token 0: the
+// blocks before are filled with blocks[0] (or 0), which a plan from first_token never touches.
+std::vector<uint32_t> blocks_from_token0(const std::vector<uint32_t>& blocks, uint32_t first_token,
+                                         uint32_t block_size);
 uint32_t to_ms_u32(Duration d);
 
 }  // namespace ferry::kv::detail

@@ -67,6 +67,14 @@ Status KvLayout::validate() const {
         block_size == 0 || num_blocks == 0) {
         return invalid_argument(fmt::format("KV layout has a zero dimension: {}", to_string()));
     }
+    // Elements are numbers of 1 (fp8), 2 (bf16, fp16), 4 or 8 bytes; any other size is a
+    // mistake (elem_size=3 was accepted, and its pool could never match a tensor's).
+    if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) {
+        return invalid_argument(fmt::format(
+            "KV layout elem_size {} is not the size of an element type: 1 (fp8), 2 (bf16, fp16), "
+            "4 or 8 bytes",
+            elem_size));
+    }
     if (static_cast<uint8_t>(placement) > 2 || static_cast<uint8_t>(order) > 1 ||
         static_cast<uint8_t>(regions) > 2) {
         return invalid_argument("KV layout has an unknown placement, block order or region split");

@@ -19,9 +19,10 @@ void encode_location(ByteWriter& w, const EngineAddress& address,
     w.put_vector(blocks);
 }
 
-Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* address,
-                       std::vector<MemoryDescriptor>* pool, KvLayout* layout,
-                       std::vector<uint32_t>* blocks) {
+// `first_token`: blocks[0] is the block of that token (a partial REGISTER); 0 elsewhere.
+Status decode_location(ByteReader& r, uint32_t first_token, uint32_t num_tokens,
+                       EngineAddress* address, std::vector<MemoryDescriptor>* pool,
+                       KvLayout* layout, std::vector<uint32_t>* blocks) {
     FERRY_ASSIGN_OR_RETURN(*address, EngineAddress::decode(r));
     uint32_t regions = 0;
     FERRY_RETURN_IF_ERROR(r.get(&regions, "pool.count"));
@@ -44,11 +45,13 @@ Status decode_location(ByteReader& r, uint32_t num_tokens, EngineAddress* addres
                             i, (*blocks)[i], layout->num_blocks));
         }
     }
-    if (num_tokens > uint64_t{blocks->size()} * layout->block_size) {
+    const uint64_t skipped = first_token - first_token % layout->block_size;
+    if (first_token < num_tokens &&
+        num_tokens - skipped > uint64_t{blocks->size()} * layout->block_size) {
         return protocol_error(
             fmt::format("field 'num_tokens' = {} does not fit in {} blocks of {} "
-                        "tokens",
-                        num_tokens, blocks->size(), layout->block_size));
+                        "tokens from token {}",
+                        num_tokens, blocks->size(), layout->block_size, skipped));
     }
     return check_pool_descriptors(*pool, *layout);
 }
@@ -70,6 +73,7 @@ void encode_body(ByteWriter& w, const RegisterMsg& m) {
     w.put(m.imm);
     w.put(m.imm_span);
     w.put(m.num_tokens);
+    w.put(m.first_token);
     w.put(m.lease_ms);
     encode_location(w, m.decode_address, m.pool, m.layout, m.blocks);
 }
@@ -89,9 +93,15 @@ Status decode_body(ByteReader& r, RegisterMsg* m) {
         return protocol_error("field 'imm_span' runs past the largest immediate");
     }
     FERRY_RETURN_IF_ERROR(r.get(&m->num_tokens, "num_tokens"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->first_token, "first_token"));
+    if (m->first_token > m->num_tokens) {
+        return protocol_error(fmt::format("field 'first_token' = {} is past 'num_tokens' = {}",
+                                          m->first_token, m->num_tokens));
+    }
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
     FERRY_RETURN_IF_ERROR(check_rank(m->decode_rank, m->decode_tp, "decode_rank", "decode_tp"));
-    return decode_location(r, m->num_tokens, &m->decode_address, &m->pool, &m->layout, &m->blocks);
+    return decode_location(r, m->first_token, m->num_tokens, &m->decode_address, &m->pool,
+                           &m->layout, &m->blocks);
 }
 
 void encode_body(ByteWriter& w, const FinalMsg& m) {
@@ -288,8 +298,8 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
     FERRY_RETURN_IF_ERROR(r.get(&m->lease_ms, "lease_ms"));
     FERRY_RETURN_IF_ERROR(
         check_rank(m->producer_rank, m->producer_tp, "producer_rank", "producer_tp"));
-    FERRY_RETURN_IF_ERROR(
-        decode_location(r, m->num_tokens, &m->prefill_address, &m->pool, &m->layout, &m->blocks));
+    FERRY_RETURN_IF_ERROR(decode_location(r, 0, m->num_tokens, &m->prefill_address, &m->pool,
+                                          &m->layout, &m->blocks));
     return r.get(&m->capability, "capability");
 }
 

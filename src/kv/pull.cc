@@ -129,9 +129,10 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         if (!pool_ok.ok()) {
             return fail(pool_ok.with_context(fmt::format("pull offer of prefill rank {}", rank)));
         }
-        auto plan = plan_segment({KvRank{pit->layout, pit->producer_rank, pit->producer_tp},
-                                  pit->blocks, ctx_.cfg.self, job->blocks, 0, job->tokens},
-                                 pools_on_gpu(*ctx_.engine, *peer, ctx_.pool, pit->pool));
+        auto plan =
+            plan_segment({KvRank{pit->layout, pit->producer_rank, pit->producer_tp}, pit->blocks,
+                          ctx_.cfg.self, job->blocks, job->first_token, job->tokens},
+                         pools_on_gpu(*ctx_.engine, *peer, ctx_.pool, pit->pool));
         if (!plan.ok()) return fail(plan.status());
         plans.emplace_back(idx, std::move(*plan));
     }

@@ -45,8 +45,9 @@ class Puller {
     struct Job {
         uint64_t id = 0;
         std::vector<PullParamsMsg> params;
-        std::vector<uint32_t> blocks;
+        std::vector<uint32_t> blocks;  // from token 0 (blocks_from_token0)
         uint32_t tokens = 0;
+        uint32_t first_token = 0;  // tokens [first_token, tokens) are read
         struct Source {
             PeerId peer = 0;
             size_t param = 0;

@@ -106,6 +106,7 @@ void PushReceiver::register_push(PushRegistration reg) {
         Slot s;
         s.rank = rank;
         s.peer = *peer;
+        s.prefix = reg.first_token;  // decode holds the tokens before (its prefix cache)
         // A fresh span of immediates per (transfer, attempt, producer rank), none that a live
         // slot or waiter still counts on.
         const uint32_t spans = ctx_.cfg.imm_count / span;
@@ -124,6 +125,7 @@ void PushReceiver::register_push(PushRegistration reg) {
     }
     for (const Slot& s : c.slots) hold_span(s.imm);
     c.deadline = Clock::now() + ctx_.cfg.lease;
+    c.progress = KvFrontier{reg.first_token};
     c.awake = ArrivalsExpected(ctx_.engine);
     for (const Slot& s : c.slots) {
         RegisterMsg m;
@@ -134,6 +136,7 @@ void PushReceiver::register_push(PushRegistration reg) {
         m.imm = s.imm;
         m.imm_span = span;
         m.num_tokens = reg.num_tokens;
+        m.first_token = reg.first_token;
         m.lease_ms = to_ms_u32(ctx_.cfg.lease);
         m.decode_address = ctx_.engine->address();
         m.pool = ctx_.pool_descriptors;

@@ -50,7 +50,7 @@ class PushReceiver {
         uint32_t counted = 0;                 // segments whose writes all arrived
         std::vector<bool> seen;               // by index: SEGMENT came (a copy is stale)
         std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
-        uint32_t prefix = 0;                  // tokens [0, prefix) landed
+        uint32_t prefix = 0;                  // tokens [0, prefix) landed or were held
         // Chunks sent layer by layer, by token range: which layers landed.
         std::map<std::pair<uint32_t, uint32_t>, std::vector<bool>> layers_landed;
     };

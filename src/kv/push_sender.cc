@@ -60,6 +60,9 @@ void PushSender::on_register(RegisterMsg m) {
     if (p.jobs.count(key)) return ctx_.stale("duplicate REGISTER");
     SendJob& job = p.jobs[key];
     job.peer = *peer;
+    // Decode holds the tokens before first_token: the job starts as if they were sent.
+    job.sent = KvFrontier{m.first_token};
+    m.blocks = blocks_from_token0(m.blocks, m.first_token, m.layout.block_size);
     job.reg = std::move(m);
     advance_job(it->first, p, key, job);  // what is final already goes out now
     maybe_finish(it);                     // a job refused while planning is already served
@@ -216,6 +219,14 @@ void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job)
     if (job.closed) {
         if (job.in_flight == 0) job.resolved = true;
         return;
+    }
+    if (p.have_prefill && p.tokens != job.reg.num_tokens) {
+        // Checked here too, not only when a segment is planned: a registration whose tokens
+        // were all held already (first_token) plans no segment.
+        return fail_job(id, p, key, job,
+                        invalid_argument(fmt::format("decode registered {} tokens, prefill "
+                                                     "computed {}",
+                                                     job.reg.num_tokens, p.tokens)));
     }
     const uint32_t layers = ctx_.cfg.self.layout.num_layers;
     KvPiece piece;

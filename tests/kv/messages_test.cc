@@ -51,6 +51,9 @@ std::vector<KvMessage> all_messages() {
     RegisterMsg reg{1234,           3, 1,         2, 0xabc, 8, 40, 5000, test_address(),
                     {test_pool(l)}, l, {7, 9, 99}};
     PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), {test_pool(l)}, l, {4, 5}};
+    RegisterMsg partial = reg;  // decode's prefix cache holds tokens [0, 20)
+    partial.first_token = 20;
+    partial.blocks = {9, 99};
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
@@ -62,7 +65,8 @@ std::vector<KvMessage> all_messages() {
             ScheduledMsg{1234, 3, 0},
             SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16, std::nullopt},
             closing_segment(),
-            CancelMsg{1234, 4, 1, true}};
+            CancelMsg{1234, 4, 1, true},
+            partial};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
@@ -95,6 +99,23 @@ TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
     closing.last->bytes = closing.bytes - 1;
     refused(closing, "total_bytes");
     refused(IntentMsg{1, 1, 2, 2, test_address()}, "decode_rank");
+    RegisterMsg past{1, 1, 0, 1, 0x10, 2, 40, 100, test_address(), {test_pool(l)}, l, {1}};
+    past.first_token = 41;
+    refused(past, "first_token");
+    // Tokens [16, 40) need two blocks from token 16 on.
+    RegisterMsg short_list{1, 1, 0, 1, 0x10, 2, 40, 100, test_address(), {test_pool(l)}, l, {1}};
+    short_list.first_token = 20;
+    refused(short_list, "num_tokens");
+}
+
+TEST(KvMessages, PartialRegisterKeepsItsFirstToken) {
+    KvLayout l = test_layout();
+    RegisterMsg m{1, 1, 0, 1, 0x10, 2, 40, 100, test_address(), {test_pool(l)}, l, {3, 4}};
+    m.first_token = 20;
+    auto back = decode_message(encode_message(m));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<RegisterMsg>(*back).first_token, 20u);
+    EXPECT_EQ(std::get<RegisterMsg>(*back).blocks, (std::vector<uint32_t>{3, 4}));
 }
 
 TEST(KvMessages, EveryTypeRoundTrips) {
@@ -204,7 +225,7 @@ TEST(KvMessages, MalformedFieldsAreNamed) {
     auto r = decode_message(bytes);
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find("'type' = 42"), std::string::npos);
-    bytes[4] = 9;  // version
+    bytes[4] = 99;  // version
     r = decode_message(bytes);
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find("'version'"), std::string::npos);

@@ -81,8 +81,14 @@ struct PushRegistration {
     uint32_t attempt = 0;
     // The prefill instance: engine address of each TP rank, in rank order.
     std::vector<EngineAddress> prefill_ranks;
-    std::vector<uint32_t> blocks;  // destination blocks on this rank, token order
+    // Destination blocks on this rank, token order, from the block of token first_token on.
+    std::vector<uint32_t> blocks;
     uint32_t num_tokens = 0;
+    // Tokens [first_token, num_tokens) move: decode's prefix cache already holds the ones
+    // before (vLLM asks its connector for the tokens beyond its local hits). Prefill's blocks
+    // still start at token 0. first_token == num_tokens moves nothing and frees prefill's
+    // blocks (a whole-prompt hit).
+    uint32_t first_token = 0;
 };
 
 struct TransferResult {
@@ -208,9 +214,10 @@ class KvConnector {
     Result<PullParamsMsg> offer_pull(uint64_t transfer_id, std::vector<uint32_t> blocks,
                                      uint32_t num_tokens);
     // Decode: read from every prefill rank whose heads this rank holds (params from all
-    // prefill ranks, any order), then send DONE to each.
+    // prefill ranks, any order), then send DONE to each. Tokens [first_token, num_tokens) are
+    // read, into `blocks`, which start at first_token's block (as PushRegistration's).
     Status pull(uint64_t transfer_id, std::vector<PullParamsMsg> params,
-                std::vector<uint32_t> blocks, uint32_t num_tokens);
+                std::vector<uint32_t> blocks, uint32_t num_tokens, uint32_t first_token = 0);
 
     ConnectorStats stats() const;
     const ConnectorConfig& config() const;

@@ -25,7 +25,9 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 6: a SEGMENT may close the transfer (`last` and the job's totals), replacing its FINAL.
 // 8: CANCEL says whether decode gave the request up (prefill may stop computing it) or only
 //    moved to a newer attempt.
-inline constexpr uint16_t kKvProtocolVersion = 8;
+// 9: REGISTER's first_token: decode's prefix cache holds the tokens before it, only the rest
+//    moves.
+inline constexpr uint16_t kKvProtocolVersion = 9;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
@@ -69,6 +71,10 @@ struct RegisterMsg {
     std::vector<MemoryDescriptor> pool;  // one per region, in layout order (KvPoolRegions)
     KvLayout layout;
     std::vector<uint32_t> blocks;
+    // Tokens [first_token, num_tokens) move; decode holds the ones before already (its prefix
+    // cache). blocks[0] is the block of token first_token (rounded down to a block start).
+    // On the wire after num_tokens.
+    uint32_t first_token = 0;
 };
 
 // What a producer rank wrote for one decode rank in all: FINAL's totals, and those of the
