@@ -685,6 +685,10 @@ def points(opts: argparse.Namespace) -> List[Point]:
 def peer_status(name: str) -> Optional[str]:
     """None if the peer's module is importable here, else a line saying how to get it."""
     module, how = PEERS[name]
+    if name == "uccl" and sys.version_info < (3, 12):
+        return (f"uccl: needs Python >= 3.12 (this is {sys.version_info[0]}.{sys.version_info[1]})"
+                " and a CUDA driver: uccl 0.1.1's p2p module links libcudart.so.12 and "
+                "libcuda.so.1")
     try:
         found = importlib.util.find_spec(module.split(".")[0]) is not None
     except (ImportError, ValueError):
