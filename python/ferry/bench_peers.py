@@ -497,7 +497,9 @@ class Side:
 
     def kv(self, layers: int, blocks: int, pool: int, block_bytes: int, seed: int) -> Tuple:
         """One KV transfer: `blocks` random blocks of a pool of `pool` per (layer, K/V), into
-        random blocks of the peer's pool of the same shape. (prep s, transfer s)."""
+        random blocks of the peer's pool of the same shape. Seconds from the block ids to a
+        prepared transfer (descriptor lists, handles), to the post call's return, and from the
+        post call to the library's completion."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
@@ -515,7 +517,7 @@ class Side:
         self.adapter.wait(tok)
         t3 = time.perf_counter()
         self.adapter.release(p)
-        return (t2 - t0, t3 - t1)
+        return (t1 - t0, t2 - t0, t3 - t1)
 
     def close(self) -> None:
         if self.buf is not None:
@@ -523,9 +525,20 @@ class Side:
         self.adapter.close()
 
 
+def _die_with_parent() -> None:
+    """SIGKILL when the coordinator dies: a pair it stopped (SIGSTOP) cannot notice by itself."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(conn: Any, config: str, role: str) -> None:
     """A pair's side: answers (command, args...) with ("ok", value) or ("err", message) until
     ("exit",), a closed pipe, or 600 s without a command (a vanished coordinator)."""
+    _die_with_parent()
     try:
         side = Side(config, role)
     except BaseException as e:  # the peer cannot run here: the coordinator reports why
@@ -673,12 +686,13 @@ def points(opts: argparse.Namespace) -> List[Point]:
 
             def kv(pair: Pair, r: int, bb: int = bb, blocks: int = blocks,
                    pool: int = pool) -> dict:
-                prep, xfer = pair.call(0, "kv", layers, blocks, pool, bb, 1000 + r)
-                return {"transfer ms": xfer * 1e3, "prep ms": prep * 1e3}
+                prep, posted, xfer = pair.call(0, "kv", layers, blocks, pool, bb, 1000 + r)
+                return {"transfer ms": xfer * 1e3, "prep ms": prep * 1e3,
+                        "posted ms": posted * 1e3}
             pts.append(Point("kv", f"KV {tokens // 1024}k tok, {bt}-tok blocks "
                              f"({2 * layers * blocks} x {_size(bb)})",
                              (2 * layers * pool * bb, bb), kv,
-                             {"transfer ms": False, "prep ms": False}))
+                             {"transfer ms": False, "prep ms": False, "posted ms": False}))
     return pts
 
 
@@ -866,7 +880,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--sizes", type=_size_list, default=None,
                     help="bw sizes (default 64k,1m,16m,256m; --quick 64k,1m)")
     ap.add_argument("--iters", type=count(20, 1000000), default=None,
-                    help="lat: ping-pongs per round (default 2000; --quick 200)")
+                    help="lat: ping-pongs per round (default 1000; --quick 200)")
     ap.add_argument("--seconds", type=seconds_flag(600), default=None,
                     help="rate: seconds per round (default 1; --quick 0.2)")
     ap.add_argument("--kv-tokens", type=count(128, 1 << 20), default=None,
@@ -882,7 +896,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     q = opts.quick
     opts.rounds = opts.rounds or (1 if q else 5)
     opts.sizes = opts.sizes or ([64 * KiB, MiB] if q else [64 * KiB, MiB, 16 * MiB, 256 * MiB])
-    opts.iters = opts.iters or (200 if q else 2000)
+    opts.iters = opts.iters or (200 if q else 1000)
     opts.seconds = opts.seconds or (0.2 if q else 1.0)
     opts.kv_tokens = opts.kv_tokens or (2048 if q else 16384)
     opts.kv_blocks = [int(b) for b in opts.kv_blocks]
@@ -901,6 +915,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # Ctrl-C and SIGTERM end the run through run()'s cleanup, which resumes and ends the stopped
+    # pairs (libfabric's psm provider, loaded with ferry, installs SIGINT and SIGTERM handlers
+    # of its own that kept the run going).
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
 
     res = run(opts, log)
     print_table(res)
