@@ -755,8 +755,12 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> dict:
                 except PairError as e:
                     log(f"{cfg}: {pt.label}: setup failed: {e}")
                 pair.pause(True)
-            t0 = time.monotonic()
+            t0 = last_log = time.monotonic()
             for r in range(opts.rounds):
+                if time.monotonic() - last_log > 20:  # a long point says where it is
+                    log(f"  {pt.label}: round {r + 1} of {opts.rounds}, "
+                        f"{time.monotonic() - t0:.0f} s so far")
+                    last_log = time.monotonic()
                 order = live if r % 2 == 0 else live[::-1]
                 for cfg in order:
                     pair = pairs[cfg]
@@ -836,6 +840,17 @@ def print_table(res: dict) -> None:
         print(f"skipped {cfg}: {why}")
 
 
+def markdown_table(res: dict) -> str:
+    """The report as a Markdown table (docs/BENCHMARKS.md), one row per pairing and figure."""
+    out = ["| point | figure | ferry | value | peer | value | ferry vs peer: median [q1, q3] |",
+           "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['point']} | {r['figure']} | {r['ferry']} | {r['ferry_median']:.4g} | "
+                   f"{r['peer']} | {r['peer_median']:.4g} | {r['ratio_median']:.2f}x "
+                   f"[{r['ratio_q1']:.2f}, {r['ratio_q3']:.2f}] |")
+    return "\n".join(out)
+
+
 def _choice_list(known: Sequence[str], what: str) -> Callable[[str], List[str]]:
     def parse(text: str) -> List[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
@@ -890,6 +905,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a short pass (CI: under 2 minutes): 1 round, small sizes")
     ap.add_argument("--json", help="write the report as JSON to this file")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the table as Markdown (docs/BENCHMARKS.md)")
+    ap.add_argument("--from-json", metavar="FILE",
+                    help="print the table of an earlier --json report, running nothing")
     ap.add_argument("--list", action="store_true",
                     help="say which peers are installed here and exit")
     opts = ap.parse_args(argv)
@@ -901,6 +920,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     opts.kv_tokens = opts.kv_tokens or (2048 if q else 16384)
     opts.kv_blocks = [int(b) for b in opts.kv_blocks]
     opts.bw_bytes = (64 if q else 1024) * MiB  # bytes moved per bw round
+    if opts.from_json and not os.path.isfile(opts.from_json):
+        ap.error(f"--from-json: no file {opts.from_json!r}")
     if opts.json and not os.path.isdir(os.path.dirname(os.path.abspath(opts.json))):
         ap.error(f"--json: the folder of {opts.json!r} does not exist")
     return opts
@@ -925,9 +946,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
 
-    res = run(opts, log)
-    print_table(res)
-    write_json(opts.json, res)
+    if opts.from_json:
+        with open(opts.from_json) as f:
+            res = json.load(f)
+    else:
+        res = run(opts, log)
+        write_json(opts.json, res)
+    if opts.markdown:
+        print(markdown_table(res))
+    else:
+        print_table(res)
     return 0
 
 

@@ -86,6 +86,7 @@ def test_each_pattern_measures(pair):
     (["--iters", "5"], ["--iters", "must be in [20,"]),
     (["--kv-blocks", "32"], ["--kv-blocks", "unknown block size '32'"]),
     (["--json", "/nonexistent-folder/x.json"], ["--json", "does not exist"]),
+    (["--from-json", "/nonexistent-folder/x.json"], ["--from-json", "no file"]),
 ])
 def test_bad_flags_are_refused_with_their_name(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
@@ -101,3 +102,14 @@ def test_a_missing_peer_says_how_to_install_it(monkeypatch, capsys):
     assert bp.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert "nixl: not installed (pip install nixl; or bash scripts/peers_venv.sh" in out
+
+
+def test_a_saved_report_prints_as_markdown(tmp_path, capsys):
+    row = {"point": "write 64 KiB", "figure": "GB/s", "ferry": "ferry-tcp", "ferry_median": 2.0,
+           "peer": "mooncake-tcp", "peer_median": 1.0, "ratio_median": 2.0, "ratio_q1": 1.5,
+           "ratio_q3": 2.5}
+    f = tmp_path / "r.json"
+    f.write_text(__import__("json").dumps({"rows": [row], "skipped": {}, "rounds": 1}))
+    assert bp.main(["--from-json", str(f), "--markdown"]) == 0
+    assert "| write 64 KiB | GB/s | ferry-tcp | 2 | mooncake-tcp | 1 | 2.00x [1.50, 2.50] |" in (
+        capsys.readouterr().out)
