@@ -11,8 +11,9 @@ whole run; only the pair being measured runs, the others are stopped (SIGSTOP), 
 progress thread takes no CPU from the measured pair. The patterns:
 
   bw    one write of 64 KiB, 1 MiB, 16 MiB, 256 MiB; GB/s over back-to-back writes.
-  lat   64 B and 4 KiB: one-way latency, half a ping-pong; each side sees the other's write
-        land by polling the last byte of its destination (library-independent), p50 and p99.
+  lat   64 B and 4 KiB: one-way latency, half a ping-pong, p50 and p99; each side learns of
+        the other's write through the library's notification where it has one for a single
+        write (ferry: an immediate, wait_imm), else by polling the write's last byte.
   rate  64 B and 4 KiB, 1 and 64 descriptors per request, 8 requests in flight: descriptors/s.
   kv    the KV shape of Qwen3-32B at TP 8 per rank: 64 layers, K and V, one KV head of 128,
         bf16, 16k tokens in blocks of 16 tokens (131,072 descriptors of 4 KiB) and of 128
@@ -68,6 +69,7 @@ PEERS = {"nixl": ("nixl", "pip install nixl-cu12==1.5.1 nixl-cu13==1.5.1 nixl==1
 WINDOW = 8  # rate: requests in flight
 TIMEOUT = 60.0  # any one wait for a transfer, a reply or a landed write
 MOONCAKE_BATCH, MOONCAKE_IN_FLIGHT = 16384, 3  # descriptors per Mooncake batch, batches posted
+NOTIFY_IMM = 0x50494E47  # ferry: the immediate of a ping-pong write (FerryAdapter)
 AWAKE_IMM = 0x57414B45  # ferry: an immediate its sides expect and never get (FerryAdapter)
 
 
@@ -94,6 +96,15 @@ class Adapter:
 
         bb = np.uint64(block_bytes)
         return self.prepare(src_blocks * bb, dst_blocks * bb, bb)
+
+    def prepare_notified(self, src: Any, dst: Any, lengths: Any) -> Any:
+        """prepare() for writes whose arrival the target learns through the library's own
+        notification (await_arrival); without one, the target polls the bytes themselves."""
+        return self.prepare(src, dst, lengths)
+
+    def await_arrival(self, timeout: float = TIMEOUT) -> None:
+        """Returns once a write of prepare_notified() arrived, where the library notifies its
+        target; the default returns at once and the caller polls memory."""
 
     def post(self, prepared: Any) -> Any:
         raise NotImplementedError
@@ -157,7 +168,19 @@ class FerryAdapter(Adapter):
     def prepare_blocks(self, src_blocks: Any, dst_blocks: Any, block_bytes: int) -> Any:
         return ("pages", src_blocks, dst_blocks, block_bytes)
 
+    def prepare_notified(self, src: Any, dst: Any, lengths: Any) -> Any:
+        return ("imm", int(src[0]), int(dst[0]), int(lengths[0]))
+
+    def await_arrival(self, timeout: float = TIMEOUT) -> None:
+        # The target's wait for a write with an immediate: spins, then sleeps until the worker
+        # counts it; a Python loop polling the bytes would keep a core from the worker that
+        # must poll for a shm or tcp write to land (4 spinning threads on 2 cores).
+        self.engine.wait_imm(NOTIFY_IMM, 1, timeout)
+
     def post(self, prepared: Any) -> Any:
+        if isinstance(prepared, tuple) and prepared[0] == "imm":
+            _, s, d, n = prepared
+            return self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM)
         if isinstance(prepared, tuple) and prepared[0] == "pages":
             _, s, d, bb = prepared  # one paged write: page i at i * bb on both sides
             return self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb)
@@ -434,11 +457,14 @@ class Side:
     def pingpong(self, size: int, iters: int, initiator: bool) -> List[float]:
         """Half round trips in microseconds (initiator) or nothing (responder). The flag is the
         last byte of the write (1..255, never 0: arm() cleared it); each side writes from its
-        slot 0 into the other's slot 1."""
+        slot 0 into the other's slot 1, and learns of the other's write by the library's
+        notification where it has one for single writes (ferry: an immediate), else by polling
+        the flag (NIXL's notifications are messages sent after the data; Mooncake's tcp
+        transport has none)."""
         import numpy as np
 
         one = np.array([size], dtype=np.uint64)
-        p = self.adapter.prepare(np.zeros(1, dtype=np.uint64), one, one)
+        p = self.adapter.prepare_notified(np.zeros(1, dtype=np.uint64), one, one)
         flag_out, flag_in = size - 1, 2 * size - 1
         buf, out = self.buf, []
         clock = time.perf_counter
@@ -449,10 +475,12 @@ class Side:
                     buf[flag_out] = seq
                     t0 = clock()
                     tok = self.adapter.post(p)
+                    self.adapter.await_arrival()
                     self._landed(flag_in, seq)
                     out.append((clock() - t0) * 1e6 / 2)
                     self.adapter.wait(tok)
                 else:
+                    self.adapter.await_arrival()
                     self._landed(flag_in, seq)
                     buf[flag_out] = seq
                     self.adapter.wait(self.adapter.post(p))
