@@ -614,20 +614,31 @@ class Pair:
         self.running = True
 
     def _reply(self, conn: Any, timeout: float) -> Any:
-        if not conn.poll(timeout):
-            raise PairError(f"{self.config}: no reply within {timeout:g} s")
-        status, value = conn.recv()
+        try:
+            if not conn.poll(timeout):
+                raise PairError(f"{self.config}: no reply within {timeout:g} s")
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            codes = [p.exitcode for p in self.procs]
+            raise PairError(f"{self.config}: a worker process ended (exit codes {codes})") from None
         if status != "ok":
             raise PairError(f"{self.config}: {value}")
         return value
 
+    def _send(self, side: int, cmd: Tuple) -> None:
+        try:
+            self.conns[side].send(cmd)
+        except OSError:
+            codes = [p.exitcode for p in self.procs]
+            raise PairError(f"{self.config}: a worker process ended (exit codes {codes})") from None
+
     def call(self, side: int, *cmd: Any, timeout: float = 600.0) -> Any:
-        self.conns[side].send(cmd)
+        self._send(side, cmd)
         return self._reply(self.conns[side], timeout)
 
     def both(self, cmd_a: Tuple, cmd_b: Tuple, timeout: float = 600.0) -> Tuple[Any, Any]:
-        self.conns[0].send(cmd_a)
-        self.conns[1].send(cmd_b)
+        self._send(0, cmd_a)
+        self._send(1, cmd_b)
         return self._reply(self.conns[0], timeout), self._reply(self.conns[1], timeout)
 
     def setup(self, nbytes: int, block_bytes: int = 0) -> None:
@@ -645,7 +656,10 @@ class Pair:
         if stop != self.running:
             return
         for p in self.procs:
-            os.kill(p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+            try:
+                os.kill(p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+            except ProcessLookupError:  # it ended: its next reply says so (_reply)
+                pass
         self.running = not stop
 
     def close(self) -> None:
