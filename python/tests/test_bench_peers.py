@@ -6,6 +6,8 @@ scripts/peers_venv.sh); elsewhere their tests are skipped with the reason."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -53,10 +55,18 @@ def test_bytes_arrive_intact_and_nothing_else_changes(pair, block_bytes, n, leng
     else:
         pair.call(0, "write_runs", src, dst, lengths)
     source = np.frombuffer(pair.call(0, "read", 0, nbytes), dtype=np.uint8)
-    after = np.frombuffer(pair.call(1, "read", 0, nbytes), dtype=np.uint8)
     expected = before.copy()
     for s, d in zip(src.tolist(), dst.tolist()):
         expected[d:d + length] = source[s:s + length]
+    # A completed ferry write is one the provider sent (tcp's writes of <= 64 B: injected);
+    # its bytes are known to be at the target only once the target counts an immediate, which
+    # these writes do not carry: they are given 10 s to land.
+    deadline = time.monotonic() + 10
+    while True:
+        after = np.frombuffer(pair.call(1, "read", 0, nbytes), dtype=np.uint8)
+        if np.array_equal(after, expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert np.array_equal(after, expected), f"{pair.config}: destination differs"
     # The source pattern differs from the poison, so a run that did not move shows.
     assert all(not np.all(source[s:s + length] == POISON) for s in src.tolist())
