@@ -2,7 +2,7 @@
 # Fills .carry/ (git-ignored) with what the lent GPU machines lack, for the device tool's
 # `carry` option: libfabric's headers (the runtime is there), OpenSSL's libcrypto headers and
 # library (the deployment secret's HMAC; CMakeLists.txt uses .carry/openssl when the system has
-# no OpenSSL headers) and, for the serving stack,
+# no OpenSSL headers), hwloc's headers and library (.carry/hwloc, likewise) and, for the serving stack,
 # cpp-httplib with the headers and libraries it is built against (OpenSSL, zlib, brotli).
 # Run here after scripts/setup.sh; then pass carry [".carry"] to the device tool.
 set -euo pipefail
@@ -17,6 +17,12 @@ cp -r /usr/include/openssl "$o/include/"
 cp /usr/include/"$arch"/openssl/* "$o/include/openssl/"
 cp -a /lib/"$arch"/libcrypto.so.3 "$o/lib/"
 ln -sf libcrypto.so.3 "$o/lib/libcrypto.so"
+# hwloc's headers and library (the topology: src/fabric/topology.cc).
+w=.carry/hwloc
+rm -rf "$w"
+mkdir -p "$w/include" "$w/lib"
+cp -r /usr/include/hwloc.h /usr/include/hwloc "$w/include/"
+cp -a /usr/lib/"$arch"/libhwloc.so* "$w/lib/"
 h=.carry/httplib
 cp /usr/include/httplib.h /usr/include/zlib.h /usr/include/zconf.h "$h/include/"
 cp -r /usr/include/openssl /usr/include/brotli "$h/include/"

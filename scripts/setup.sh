@@ -7,6 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libfabric-dev libfabric-bin
   libssl-dev
+  libhwloc-dev
   libgtest-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libcpp-httplib-dev
   python3-matplotlib

@@ -131,6 +131,7 @@ void register_commands(CLI::App& app, CLI::App& bench) {
     register_bench_gpu(bench);
     register_bench_kv(bench);
     register_bench_moe(bench);
+    register_topo(app);
 #ifdef FERRY_HAVE_SERVE
     register_bench_serve(bench);
     register_bench_relay(bench);

@@ -13,6 +13,7 @@ void register_bench_moe(CLI::App& bench);
 void register_bench_serve(CLI::App& bench);
 void register_bench_relay(CLI::App& bench);
 void register_serve(CLI::App& app);
+void register_topo(CLI::App& app);
 
 // For flags where 0 means nothing useful (threads, body limit, timeouts): "must be greater
 // than 0". Negative and non-finite values of every numeric flag are refused anyway
