@@ -235,3 +235,26 @@ def test_a_request_without_transfer_params_is_served_locally(engines):
     base, prefill, decode, _ = engines
     ids = [5, 6, 7, 8, 9, 10, 11]
     assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]
+
+
+def test_a_transfer_from_an_unknown_engine_fails_the_request_not_silently(engines):
+    # kv_transfer_params naming a side channel nobody serves: the connector reports the load as
+    # failed, and vLLM's default kv_load_failure_policy ("fail") ends the request with an error:
+    # never an answer computed over KV that did not arrive.
+    base, prefill, decode, side_port = engines
+    ids = list(range(40, 140))
+    t0 = time.monotonic()
+    try:
+        got, _, out = complete(decode, ids, 8, {"do_remote_prefill": True,
+                                                "ferry_transfer_id": 12345,
+                                                "remote_host": "127.0.0.1",
+                                                "remote_port": free_port()})
+    except AssertionError as e:  # an HTTP error status: what we want
+        assert "HTTP" in str(e)
+    else:
+        reason = out["choices"][0].get("finish_reason")
+        assert reason not in ("length", "stop") or not got, (
+            f"decode answered {got} (finish_reason {reason}) although no KV arrived")
+    assert time.monotonic() - t0 < 60, "the failed transfer took longer than a minute to end"
+    # The engine still serves: the same prompt without transfer params gives the baseline.
+    assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]
