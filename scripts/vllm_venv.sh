@@ -54,4 +54,4 @@ if [ ! -e "$ferry_stamp" ] ||
   "${pip[@]}" install -q --no-build-isolation "$root"
   mv "$ferry_stamp.new" "$ferry_stamp"
 fi
-"$dir/bin/python3" -c 'import ferry, vllm, torch; print("vllm-venv: ready: vllm", vllm.__version__, "torch", torch.__version__, "ferry", ferry.__file__.rsplit("/", 2)[-2])'
+"$dir/bin/python3" -c 'import ferry, vllm, torch; print("vllm-venv: ready: vllm", vllm.__version__, "torch", torch.__version__, "ferry", getattr(ferry, "__version__", "?"))'
