@@ -201,7 +201,9 @@ class KvLayout:
     """Where each (layer, K/V, block, token, head) of one rank's pool lives (ferry::kv::KvLayout).
 
     placement: "separate" (per layer, K of all blocks then V: vLLM's [2, blocks, ...] per layer),
-        "joint" ([blocks, 2, ...] per layer) or "block-major" (each block holds every layer).
+        "joint" ([blocks, 2, ...] per layer), "block-major" (each block holds every layer) or
+        "head-joint" ([blocks, heads, 2, block_size, head_dim] per layer: each head's K rows then
+        its V rows, vLLM 0.32's CPU backend; order "HND" only).
     order: "NHD" ([block_size, heads, head_dim] per block slab) or "HND".
     regions: "one", "per-layer" or "per-layer-kv": how the pool is split into tensors.
     Sizes are this rank's: num_kv_heads is the heads this TP rank holds. Raises InvalidArgument
@@ -226,7 +228,7 @@ class KvLayout:
     num_blocks: int
     """Blocks in the pool."""
     placement: str
-    """"separate", "joint" or "block-major" (see the class)."""
+    """"separate", "joint", "block-major" or "head-joint" (see the class)."""
     order: str
     """"NHD" or "HND" (see the class)."""
     regions: str

@@ -57,25 +57,15 @@ std::vector<uint32_t> to_blocks(const Blocks& b) {
     return {b.data(), b.data() + b.size()};
 }
 
-const char* placement_name(KvPlacement p) {
-    switch (p) {
-        case KvPlacement::kSeparate:
-            return "separate";
-        case KvPlacement::kJoint:
-            return "joint";
-        case KvPlacement::kBlockMajor:
-            return "block-major";
-    }
-    return "?";
-}
-
 KvPlacement parse_placement(const std::string& s) {
     if (s == "separate") return KvPlacement::kSeparate;
     if (s == "joint") return KvPlacement::kJoint;
     if (s == "block-major") return KvPlacement::kBlockMajor;
-    throw StatusError(invalid_argument("unknown KV placement '" + s +
-                                       "': separate (vLLM's [2, blocks, ...] per layer), joint "
-                                       "([blocks, 2, ...]) or block-major"));
+    if (s == "head-joint") return KvPlacement::kHeadJoint;
+    throw StatusError(invalid_argument(
+        "unknown KV placement '" + s +
+        "': separate (vLLM's [2, blocks, ...] per layer), joint ([blocks, 2, ...]), block-major "
+        "or head-joint ([blocks, heads, 2, block_size, head_dim], vLLM's CPU backend)"));
 }
 
 BlockOrder parse_order(const std::string& s) {

@@ -32,7 +32,13 @@ class KvSide:
 
         self.engine = ferry.TransferEngine(provider, same_host=True, op_timeout=op_timeout,
                                            idle_spin_us=50, busy_poll=busy_poll)
-        self.layout = fkv.KvLayout(**layout_kw, regions=split)
+        if split == "vllm-cpu":
+            # vLLM 0.32's CPU backend: per layer [num_blocks, heads, block_size, 2 * head_dim],
+            # a (block, head) page being block_size K rows then block_size V rows.
+            self.layout = fkv.KvLayout(**layout_kw, placement="head-joint", order="HND",
+                                       regions="per-layer")
+        else:
+            self.layout = fkv.KvLayout(**layout_kw, regions=split)
         lay = self.layout
         nb, bs, h, d = lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim
         self.split = split
@@ -41,6 +47,9 @@ class KvSide:
         if split == "one":
             self.pool: Any = full((lay.num_layers, 2, nb, bs, h, d))
             self.tensors = [self.pool]
+        elif split == "vllm-cpu":
+            self.pool = [full((nb, h, bs, 2 * d)) for _ in range(lay.num_layers)]
+            self.tensors = list(self.pool)
         elif split == "per-layer":  # vLLM: [2, num_blocks, block_size, heads, head_dim] per layer
             self.pool = [full((2, nb, bs, h, d)) for _ in range(lay.num_layers)]
             self.tensors = list(self.pool)
@@ -73,6 +82,10 @@ class KvSide:
             return self.pool[layer, part]
         if self.split == "per-layer":
             return self.pool[layer][part]
+        if self.split == "vllm-cpu":  # [nb, h, 2 * bs, d] as the CPU backend reads it
+            t = self.pool[layer].view(lay.num_blocks, lay.num_kv_heads, 2, lay.block_size,
+                                      lay.head_dim)
+            return t[:, :, part].permute(0, 2, 1, 3)
         return self.pool[layer][part].view(shape)
 
     def _index(self, blocks: List[int], tokens: int, first_token: int = 0) -> Any:

@@ -28,9 +28,10 @@ PREFILL = dict(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, elem_si
 DECODE = dict(PREFILL, block_size=8, num_blocks=40)
 TOKENS = 100
 
-# (prefill split, decode split): vLLM per-layer tensors against SGLang K/V buffers, and one
-# tensor against per-layer tensors.
-SPLITS = [("per-layer", "per-layer-kv"), ("one", "per-layer")]
+# (prefill split, decode split): vLLM per-layer tensors against SGLang K/V buffers, one tensor
+# against per-layer tensors, and vLLM 0.32's CPU pages (placement "head-joint") both ways.
+SPLITS = [("per-layer", "per-layer-kv"), ("one", "per-layer"), ("vllm-cpu", "per-layer-kv"),
+          ("per-layer", "vllm-cpu")]
 
 
 @pytest.fixture(scope="module", params=PROVIDERS)

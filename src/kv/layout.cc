@@ -23,6 +23,20 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 
 }  // namespace
 
+const char* placement_name(KvPlacement p) {
+    switch (p) {
+        case KvPlacement::kSeparate:
+            return "separate";
+        case KvPlacement::kJoint:
+            return "joint";
+        case KvPlacement::kBlockMajor:
+            return "block-major";
+        case KvPlacement::kHeadJoint:
+            return "head-joint";
+    }
+    return "unknown";
+}
+
 const char* region_split_name(RegionSplit s) {
     switch (s) {
         case RegionSplit::kOne:
@@ -51,14 +65,22 @@ uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) cons
     if (placement == KvPlacement::kBlockMajor) {
         return ((uint64_t{block} * num_layers + layer) * 2 + p) * slab_bytes();
     }
+    if (placement == KvPlacement::kHeadJoint) {
+        return (uint64_t{layer} * num_blocks + block) * 2 * slab_bytes() +
+               p * uint64_t{block_size} * head_bytes();
+    }
     return ((uint64_t{layer} * num_blocks + block) * 2 + p) * slab_bytes();
 }
 
 uint64_t KvLayout::offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot,
                           uint32_t head) const {
+    // Head-joint: a head's K and V rows are adjacent, so heads are 2 * block_size rows apart
+    // and V's slab (slab_offset) starts block_size rows after K's, inside head 0.
+    uint64_t head_rows =
+        placement == KvPlacement::kHeadJoint ? 2 * uint64_t{block_size} : uint64_t{block_size};
     uint64_t inner = order == BlockOrder::kNHD
                          ? (uint64_t{slot} * num_kv_heads + head) * head_bytes()
-                         : (uint64_t{head} * block_size + slot) * head_bytes();
+                         : (uint64_t{head} * head_rows + slot) * head_bytes();
     return slab_offset(layer, part, block) + inner;
 }
 
@@ -75,9 +97,15 @@ Status KvLayout::validate() const {
             "4 or 8 bytes",
             elem_size));
     }
-    if (static_cast<uint8_t>(placement) > 2 || static_cast<uint8_t>(order) > 1 ||
+    if (static_cast<uint8_t>(placement) > 3 || static_cast<uint8_t>(order) > 1 ||
         static_cast<uint8_t>(regions) > 2) {
         return invalid_argument("KV layout has an unknown placement, block order or region split");
+    }
+    if (placement == KvPlacement::kHeadJoint && order != BlockOrder::kHND) {
+        return invalid_argument(fmt::format(
+            "a head-joint pool keeps each head's K and V rows together, so its blocks are "
+            "head-major (order HND): {}",
+            to_string()));
     }
     // A region must be one contiguous range of the pool's offsets.
     if (regions != RegionSplit::kOne && placement == KvPlacement::kBlockMajor) {
@@ -116,10 +144,7 @@ uint64_t KvLayout::compatibility_hash() const {
 std::string KvLayout::to_string() const {
     return fmt::format(
         "{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}{}{}}}", num_layers,
-        num_kv_heads, head_dim, elem_size, block_size, num_blocks,
-        placement == KvPlacement::kSeparate ? "separate"
-        : placement == KvPlacement::kJoint  ? "joint"
-                                            : "block-major",
+        num_kv_heads, head_dim, elem_size, block_size, num_blocks, placement_name(placement),
         order == BlockOrder::kNHD ? "NHD" : "HND", regions == RegionSplit::kOne ? "" : " regions=",
         regions == RegionSplit::kOne ? "" : region_split_name(regions));
 }
@@ -163,7 +188,7 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
     FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
     FERRY_RETURN_IF_ERROR(r.get(&regions, "layout.regions"));
-    if (placement > 2) {
+    if (placement > 3) {
         return protocol_error(
             fmt::format("field 'layout.placement' has unknown value {}", placement));
     }

@@ -70,7 +70,10 @@ struct Combo {
 std::string combo_name(const Combo& c) {
     auto o = [](BlockOrder x) { return x == BlockOrder::kNHD ? "NHD" : "HND"; };
     auto p = [](KvPlacement x) {
-        return x == KvPlacement::kSeparate ? "sep" : x == KvPlacement::kJoint ? "joint" : "bmaj";
+        return x == KvPlacement::kSeparate    ? "sep"
+               : x == KvPlacement::kJoint     ? "joint"
+               : x == KvPlacement::kHeadJoint ? "hjoint"
+                                              : "bmaj";
     };
     return fmt::format("block {}->{} tp {}->{} {}/{}->{}/{}", c.src_block, c.dst_block, c.src_tp,
                        c.dst_tp, o(c.src_order), p(c.src_place), o(c.dst_order), p(c.dst_place));
@@ -211,6 +214,73 @@ KvLayout simple_layout(uint32_t blocks, KvPlacement p, BlockOrder o) {
     l.placement = p;
     l.order = o;
     return l;
+}
+
+// vLLM's CPU backend (vLLM 0.32) keeps each layer as [num_blocks, heads, block_size, 2 *
+// head_dim] and reads a (block, head) page as block_size K rows then block_size V rows: the
+// head-joint placement. Its offsets, written out here from that shape, not from KvLayout.
+TEST(BlockMapping, HeadJointOffsetsAreVllmCpuPages) {
+    KvLayout l = simple_layout(5, KvPlacement::kHeadJoint, BlockOrder::kHND);
+    ASSERT_TRUE(l.validate().ok()) << l.validate().to_string();
+    const uint64_t row = l.head_dim * l.elem_size;
+    const uint64_t page = 2 * l.block_size * row;  // one head's K and V rows
+    const uint64_t layer_bytes = l.num_blocks * l.num_kv_heads * page;
+    EXPECT_EQ(l.layer_bytes(), layer_bytes);
+    for (uint32_t layer = 0; layer < l.num_layers; ++layer) {
+        for (KvPart part : {KvPart::kK, KvPart::kV}) {
+            for (uint32_t b = 0; b < l.num_blocks; ++b) {
+                for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
+                    for (uint32_t t = 0; t < l.block_size; ++t) {
+                        uint64_t want = layer * layer_bytes + (b * l.num_kv_heads + h) * page +
+                                        (part == KvPart::kV ? l.block_size * row : 0) + t * row;
+                        ASSERT_EQ(l.offset(layer, part, b, t, h), want)
+                            << "layer " << layer << " part " << int(part) << " block " << b
+                            << " head " << h << " token " << t;
+                    }
+                }
+            }
+        }
+    }
+    KvLayout nhd = l;
+    nhd.order = BlockOrder::kNHD;
+    Status s = nhd.validate();
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("order HND"), std::string::npos) << s.message();
+}
+
+// Head-joint pools to and from every other placement and order, across block sizes and TP.
+TEST(BlockMapping, HeadJointMapsToAndFromEveryPlacement) {
+    std::mt19937_64 rng(testing::test_seed("BlockMapping.HeadJoint"));
+    const std::pair<uint32_t, uint32_t> block_sizes[] = {{32, 16}, {16, 32}, {32, 32}, {8, 24}};
+    const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}};
+    const KvPlacement others[] = {KvPlacement::kSeparate, KvPlacement::kJoint,
+                                  KvPlacement::kBlockMajor, KvPlacement::kHeadJoint};
+    int cases = 0;
+    for (auto [sb, db] : block_sizes) {
+        for (auto [stp, dtp] : tps) {
+            for (KvPlacement other : others) {
+                for (int o = 0; o < 2; ++o) {
+                    BlockOrder oo = other == KvPlacement::kHeadJoint ? BlockOrder::kHND
+                                                                     : static_cast<BlockOrder>(o);
+                    for (bool from_head_joint : {true, false}) {
+                        Combo c{sb,   db, stp, dtp, BlockOrder::kHND, oo, KvPlacement::kHeadJoint,
+                                other};
+                        if (!from_head_joint) {
+                            c = Combo{sb,    db,
+                                      stp,   dtp,
+                                      oo,    BlockOrder::kHND,
+                                      other, KvPlacement::kHeadJoint};
+                        }
+                        uint32_t tokens = 1 + static_cast<uint32_t>(rng() % 150);
+                        check_combo(c, tokens, rng);
+                        if (::testing::Test::HasFailure()) return;
+                        ++cases;
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_EQ(cases, 4 * 3 * 4 * 2 * 2);
 }
 
 TEST(BlockMapping, ContiguousBlocksCoalesceIntoOneRunPerSlabRegion) {

@@ -26,7 +26,14 @@ enum class KvPlacement : uint8_t {
     // Block-major: each block holds every layer, [layer][K,V][...] inside it (ferry serve's
     // pool). One block's whole KV is one contiguous run, so full blocks move with one write.
     kBlockMajor = 2,
+    // Per layer and block, each head's K then that head's V ([num_blocks, heads, 2, block_size,
+    // head_dim] per layer: vLLM's CPU backend, which stores a head's page as its K rows then its
+    // V rows). Head-major inside the block, so only with BlockOrder::kHND.
+    kHeadJoint = 3,
 };
+
+// "separate", "joint", "block-major", "head-joint".
+const char* placement_name(KvPlacement p);
 
 // Order of elements inside one block's K (or V) slab.
 enum class BlockOrder : uint8_t {

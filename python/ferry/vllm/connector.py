@@ -1,0 +1,596 @@
+"""FerryConnector: vLLM's KV connector interface (KVConnectorBase_V1, vLLM 0.32) over ferry.kv.
+
+vLLM builds one instance per process: the scheduler half (role SCHEDULER, in the engine-core
+process) decides what moves and passes it to the worker half (role WORKER, in each worker
+process) as FerryConnectorMetadata each step; the worker half owns a ferry.TransferEngine, a
+ferry.kv.KvConnector over vLLM's own KV tensors (registered as they are, no copy) and the
+HandshakeServer that tells peers its address. docs/VLLM.md has the whole flow; the call order of
+one vLLM step is in vLLM's kv_connector_model_runner_mixin.py.
+
+Push (mode "push", the default): the client (a proxy) sends the same prompt to a prefill engine
+with kv_transfer_params {"do_remote_decode": true, "ferry_transfer_id": T} and to a decode engine
+with {"do_remote_prefill": true, "ferry_transfer_id": T, "remote_host": H, "remote_port": P}
+(the prefill engine's side channel, "kv_connector_extra_config" host/port), at the same time.
+Decode's scheduler reports the prompt's tokens as loadable asynchronously; once vLLM allocated
+its blocks (update_state_after_alloc) its worker registers them with the prefill engine
+(KvConnector.register_push, transfer id T). Prefill computes the prompt; when the request
+finishes (request_finished) its blocks are kept and its worker calls prefill_done, which writes
+the KV into decode's blocks on ferry's threads. Decode's request runs once ferry reports the
+transfer complete; a transfer that fails is reported to vLLM as a failed receive
+(KVConnectorTransferResults.failed_recving), so vLLM's kv_load_failure_policy applies
+("recompute": decode computes the prompt itself; "fail": the request ends with an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under "vllm." so that vLLM's logging configuration prints it with its own lines.
+logger = init_logger("vllm.ferry_connector")
+
+# The kv_transfer_params names this connector reads (besides vLLM's do_remote_prefill /
+# do_remote_decode, remote_host, remote_port).
+TRANSFER_ID = "ferry_transfer_id"
+ATTEMPT = "ferry_attempt"
+REMOTE_TP = "remote_tp_size"
+
+# A secret every process of a one-machine deployment shares when the config names none; a
+# deployment across machines must set "secret" (or FERRY_KV_SECRET) to its own.
+_LOCAL_SECRET = b"ferry-vllm-local-only-secret"
+
+_MAX_TRANSFER_ID = (1 << 63) - 1
+
+
+class FerryConfigError(ValueError):
+    """A kv_connector_extra_config or kv_transfer_params value ferry cannot use."""
+
+
+@dataclasses.dataclass
+class FerryOptions:
+    """kv_connector_extra_config, with the defaults that work on one machine."""
+
+    mode: str = "push"  # "push" (pull: not yet)
+    provider: str = "tcp"  # ferry.TransferEngine provider: tcp, shm, verbs, efa, auto
+    host: str = "127.0.0.1"  # this engine's side channel (HandshakeServer)
+    port: int = 7710  # this engine's side channel: port + tp_rank per worker
+    lease: float = 30.0  # seconds a transfer may stall before it fails (ferry.kv.KvConfig)
+    op_timeout: float = 10.0  # seconds one transfer operation may take
+    secret: bytes = _LOCAL_SECRET
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "FerryOptions":
+        extra = dict(extra or {})
+        o = cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise FerryConfigError(
+                f"FerryConnector: unknown kv_connector_extra_config keys {unknown}; known: "
+                f"{sorted(known)}")
+        o.mode = str(extra.get("mode", o.mode))
+        if o.mode not in ("push",):
+            raise FerryConfigError(
+                f"FerryConnector: mode {o.mode!r} is not supported yet; use \"push\"")
+        o.provider = str(extra.get("provider", o.provider))
+        o.host = str(extra.get("host", o.host))
+        try:
+            o.port = int(extra.get("port", o.port))
+            o.lease = float(extra.get("lease", o.lease))
+            o.op_timeout = float(extra.get("op_timeout", o.op_timeout))
+        except (TypeError, ValueError) as e:
+            raise FerryConfigError(f"FerryConnector: kv_connector_extra_config: {e}") from None
+        if not 0 < o.port < 65536:
+            raise FerryConfigError(f"FerryConnector: port {o.port} is not a TCP port")
+        secret = extra.get("secret", os.environ.get("FERRY_KV_SECRET"))
+        if secret is not None:
+            o.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        return o
+
+
+def transfer_id_of(params: Optional[Dict[str, Any]]) -> Optional[int]:
+    """The explicit transfer id a request's kv_transfer_params carry, or None when they carry
+    none (the request is not a disaggregated one). Raises FerryConfigError for a value that is
+    not an integer in [1, 2**63)."""
+    if not params or TRANSFER_ID not in params:
+        return None
+    tid = params[TRANSFER_ID]
+    if isinstance(tid, bool) or not isinstance(tid, int) or not 0 < tid <= _MAX_TRANSFER_ID:
+        raise FerryConfigError(f"kv_transfer_params: {TRANSFER_ID} must be an integer in "
+                               f"[1, 2**63), got {tid!r}")
+    return tid
+
+
+@dataclasses.dataclass
+class RecvSpec:
+    """Decode: register these blocks for transfer `transfer_id` from the prefill engine."""
+
+    req_id: str
+    transfer_id: int
+    attempt: int
+    block_ids: List[int]
+    num_tokens: int
+    remote_host: str
+    remote_port: int
+    remote_tp: int
+
+
+@dataclasses.dataclass
+class SendSpec:
+    """Prefill: the request's KV is computed; write it to whoever registered `transfer_id`."""
+
+    req_id: str
+    transfer_id: int
+    block_ids: List[int]
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class FerryConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler half tells the worker half in one step."""
+
+    recv: List[RecvSpec] = dataclasses.field(default_factory=list)
+    send: List[SendSpec] = dataclasses.field(default_factory=list)
+    # (req_id, transfer_id, reason): prefill requests aborted before their KV was computed.
+    fail_send: List[Tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    # (req_id, transfer_id): decode requests finished (aborted) while their KV was on the way.
+    cancel_recv: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: what vLLM's KV tensors look like, read from their shapes and strides.
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
+    return int(m.group(1)) if m else 0
+
+
+def layout_of(tensors: List[torch.Tensor], *, num_blocks: int, block_size: int, num_kv_heads: int,
+              head_dim: int):
+    """(ferry.kv.KvLayout, pool) for vLLM's per-layer KV tensors, or FerryConfigError naming
+    the shape, strides and what was expected.
+
+    Recognised, per layer (vLLM's logical shape; the tensor must be contiguous in it):
+      [num_blocks, heads, block_size, 2 * head_dim]  vLLM 0.32's KV cache view ([B, H, N, C]
+          with C = K and V of one head); the CPU backend reads a (block, head) page as its
+          block_size K rows then its block_size V rows: placement "head-joint", order HND.
+      [2, num_blocks, block_size, heads, head_dim]   separate, NHD (older flash-attention)
+      [2, num_blocks, heads, block_size, head_dim]   separate, HND
+      [num_blocks, 2, block_size, heads, head_dim]   joint, NHD (FlashInfer)
+      [num_blocks, 2, heads, block_size, head_dim]   joint, HND
+    """
+    import ferry.kv as fkv
+
+    t0 = tensors[0]
+    shape, elem = tuple(t0.shape), t0.element_size()
+    B, N, H, D = num_blocks, block_size, num_kv_heads, head_dim
+    patterns = {
+        (B, H, N, 2 * D): ("head-joint", "HND"),
+        (2, B, N, H, D): ("separate", "NHD"),
+        (2, B, H, N, D): ("separate", "HND"),
+        (B, 2, N, H, D): ("joint", "NHD"),
+        (B, 2, H, N, D): ("joint", "HND"),
+    }
+    what = (f"a KV cache tensor of shape {shape}, strides {tuple(t0.stride())}, dtype {t0.dtype} "
+            f"(vLLM's config: {B} blocks of {N} tokens, {H} KV heads of head_dim {D})")
+    if shape not in patterns:
+        raise FerryConfigError(f"FerryConnector: cannot read {what}: the shape is none of "
+                               f"{sorted(patterns)}")
+    for i, t in enumerate(tensors):
+        if tuple(t.shape) != shape or t.element_size() != elem:
+            raise FerryConfigError(f"FerryConnector: layer {i} differs from layer 0: "
+                                   f"{tuple(t.shape)} {t.dtype}, not {what}")
+        if not t.is_contiguous():
+            raise FerryConfigError(
+                f"FerryConnector: layer {i} is not contiguous in its logical shape: {what} "
+                f"(strides {tuple(t.stride())}); set VLLM_KV_CACHE_LAYOUT to a layer-compact "
+                "layout or report the backend")
+    placement, order = patterns[shape]
+    layout = fkv.KvLayout(num_layers=len(tensors), num_kv_heads=H, head_dim=D, elem_size=elem,
+                          block_size=N, num_blocks=B, placement=placement, order=order,
+                          regions="per-layer")
+    return layout, list(tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class FerryConnector(KVConnectorBase_V1):
+    """ferry's KV connector for vLLM: load it with
+    {"kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm"}."""
+
+    # Tokens this connector loads came from another vLLM instance (vllm:prompt_tokens_by_source
+    # counts them as external_kv_transfer, prompt_tokens_cached_by_source as p2p).
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._opts = FerryOptions.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _Scheduler(self._opts, self._block_size)
+            self._worker = None
+        else:
+            self._sched = None
+            self._worker = _Worker(self._opts, vllm_config, kv_cache_config)
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, FerryConnectorMetadata):
+            self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # push: the KV is complete before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # push writes whole requests at request_finished (layer-wise: not yet)
+
+    def wait_for_save(self):
+        return  # sends run on ferry's threads; blocks are kept until get_transfer_results
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.results()
+
+    def get_finished(self, finished_req_ids: Set[str]):
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        # Failed loads are reported per request (failed_recving), which vLLM handles for every
+        # KV cache group layout; block ids would only repeat them.
+        return set()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        assert self._sched is not None
+        return self._sched.matched(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> Tuple[int, ...]:
+        # The request's own blocks arrive whole, in every group: vLLM must not zero any of them
+        # while the transfer writes (the default, the prefix-cacheable groups, is none when
+        # prefix caching is off).
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.take_meta()
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        assert self._sched is not None
+        self._sched.on_output(connector_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self._sched is not None
+        return self._sched.finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.pending()
+
+    def get_finished_count(self) -> Optional[int]:
+        return None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        return None  # any layout layout_of() reads
+
+
+class _Scheduler:
+    """The scheduler half: which requests send or receive, handed to the workers per step."""
+
+    def __init__(self, opts: FerryOptions, block_size: int):
+        self._opts = opts
+        self._block_size = block_size
+        self._meta = FerryConnectorMetadata()
+        self._recv: Dict[str, int] = {}  # decode: req_id -> transfer id, until its KV is there
+        self._sending: Set[str] = set()  # prefill: req_ids whose blocks ferry still reads
+        self._refused: Set[str] = set()  # decode: req_ids whose params were refused
+        # decode: req_ids whose transfer failed; vLLM's recompute policy reschedules them with
+        # nothing computed, and they must then compute, not wait for the same transfer again.
+        self._load_failed: Set[str] = set()
+
+    def _params(self, request: "Request") -> Optional[Dict[str, Any]]:
+        return request.kv_transfer_params
+
+    def matched(self, request: "Request", num_computed_tokens: int):
+        params = self._params(request)
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            tid = transfer_id_of(params)
+        except FerryConfigError as e:
+            if request.request_id not in self._refused:
+                logger.warning("FerryConnector: request %s: %s; computing it locally",
+                               request.request_id, e)
+                self._refused.add(request.request_id)
+            return 0, False
+        if tid is None or request.request_id in self._recv or \
+                request.request_id in self._load_failed:
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        count = prompt - num_computed_tokens
+        # Prefix-cache hits on decode: the whole prompt still moves (token ranges: not yet), so
+        # only a request without local hits is loaded; one with hits computes the rest itself.
+        if num_computed_tokens > 0 or count <= 0:
+            return 0, False
+        return count, True
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        params = self._params(request)
+        if not params or num_external_tokens <= 0 or not params.get("do_remote_prefill"):
+            return
+        tid = transfer_id_of(params)
+        if tid is None or request.request_id in self._recv:
+            return
+        prompt = len(request.prompt_token_ids or ())
+        block_ids = list(blocks.get_block_ids()[0])
+        need = -(-prompt // self._block_size)
+        try:
+            spec = RecvSpec(req_id=request.request_id, transfer_id=tid,
+                            attempt=int(params.get(ATTEMPT, 1)), block_ids=block_ids[:need],
+                            num_tokens=need * self._block_size,
+                            remote_host=str(params["remote_host"]),
+                            remote_port=int(params["remote_port"]),
+                            remote_tp=int(params.get(REMOTE_TP, 1)))
+        except (KeyError, TypeError, ValueError) as e:
+            spec = RecvSpec(req_id=request.request_id, transfer_id=tid, attempt=1,
+                            block_ids=block_ids[:need], num_tokens=need * self._block_size,
+                            remote_host="",
+                            remote_port=0, remote_tp=0)
+            logger.warning("FerryConnector: request %s: kv_transfer_params lack %s", request
+                           .request_id, e)
+        self._recv[request.request_id] = tid
+        self._meta.recv.append(spec)
+
+    def take_meta(self) -> FerryConnectorMetadata:
+        meta, self._meta = self._meta, FerryConnectorMetadata()
+        return meta
+
+    def on_output(self, out: "KVConnectorOutput"):
+        for req_id in out.finished_sending or ():
+            self._sending.discard(req_id)
+        for req_id in out.finished_recving or ():
+            self._recv.pop(req_id, None)
+        for req_id in out.failed_recving or ():
+            self._load_failed.add(req_id)
+
+    def finished(self, request: "Request", block_ids: List[int]):
+        params = self._params(request) or {}
+        req_id = request.request_id
+        self._refused.discard(req_id)
+        self._load_failed.discard(req_id)
+        if req_id in self._recv:
+            # Decode, aborted while its KV was on the way: vLLM keeps the blocks until the
+            # receive is reported over, which the worker does once ferry cancelled it.
+            self._meta.cancel_recv.append((req_id, self._recv[req_id]))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        try:
+            tid = transfer_id_of(params)
+        except FerryConfigError as e:
+            logger.warning("FerryConnector: request %s: %s; not sending its KV", req_id, e)
+            return False, None
+        if tid is None:
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        prompt = len(request.prompt_token_ids or ())
+        need = -(-prompt // self._block_size)
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED) or len(block_ids) < need:
+            self._meta.fail_send.append(
+                (req_id, tid, f"prefill request ended as {request.status.name} before its KV "
+                 f"was complete"))
+            return False, None
+        # Whole blocks: vLLM's CPU attention packs a block's K (and V) rows for its vector
+        # kernels, so the bytes of the first n tokens are not the first n rows; a whole page is
+        # the unit both sides agree on (same block size on both sides; the slots past the prompt
+        # are masked by decode's sequence length until it writes them).
+        self._meta.send.append(SendSpec(req_id, tid, list(block_ids[:need]),
+                                        need * self._block_size))
+        self._sending.add(req_id)
+        return True, {TRANSFER_ID: tid, "num_tokens": prompt}
+
+    def pending(self) -> bool:
+        m = self._meta
+        return bool(self._sending or m.send or m.recv or m.fail_send or m.cancel_recv)
+
+
+class _Worker:
+    """The worker half: ferry's engine and connector over vLLM's KV tensors."""
+
+    def __init__(self, opts: FerryOptions, vllm_config: "VllmConfig",
+                 kv_cache_config: "KVCacheConfig"):
+        import ferry
+
+        self._opts = opts
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        try:
+            from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                         get_tensor_model_parallel_world_size)
+            self._tp_rank = get_tensor_model_parallel_rank()
+            self._tp_size = get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - no TP group (a unit test): one rank
+            self._tp_rank, self._tp_size = 0, 1
+        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout)
+        self._conn = None
+        self._server = None
+        self._lock = threading.Lock()
+        self._recv: Dict[int, RecvSpec] = {}  # transfer id -> decode request
+        self._send: Dict[int, str] = {}  # transfer id -> prefill req_id
+        self._done_recv: Set[str] = set()
+        self._failed_recv: Set[str] = set()
+        self._done_send: Set[str] = set()
+        self._peers: Dict[Tuple[str, int], bytes] = {}
+        self._cancelled: Set[int] = set()  # transfer ids of aborted decode requests
+
+    def register(self, kv_caches: Dict[str, torch.Tensor]):
+        import ferry.kv as fkv
+
+        names = sorted(kv_caches, key=_layer_index)
+        tensors = [kv_caches[n] for n in names]
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        num_blocks = self._kv_cache_config.num_blocks
+        layout, pool = layout_of(tensors, num_blocks=num_blocks, block_size=spec.block_size,
+                                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size)
+        cfg = fkv.KvConfig(tp_rank=self._tp_rank, tp_size=self._tp_size, lease=self._opts.lease)
+        self._conn = fkv.KvConnector(self._engine, layout, pool, cfg)
+        self._tensors = tensors
+        port = self._opts.port + self._tp_rank
+        self._server = fkv.HandshakeServer(self._conn, self._opts.secret, self._opts.host, port)
+        logger.info("FerryConnector: %d layers registered as %s; side channel %s:%d (%s)",
+                    len(tensors), layout, self._opts.host, port, self._opts.provider)
+
+    def _digest(self, block_ids: List[int], num_tokens: int) -> str:
+        """FERRY_VLLM_DEBUG=1: a sum per layer of the request's K and V, logged on both sides."""
+        if not os.environ.get("FERRY_VLLM_DEBUG"):
+            return ""
+        out = []
+        for t in self._tensors:
+            pages = t[torch.tensor(block_ids, dtype=torch.long)]
+            nb, h, n, c = pages.shape
+            kv = pages.view(nb, h, 2, n, c // 2).permute(2, 0, 3, 1, 4).reshape(2, nb * n, h, -1)
+            out.append(f"{float(kv[:, :num_tokens].float().abs().sum()):.3f}")
+        return " digest " + "/".join(out)
+
+    def _peer(self, host: str, port: int) -> bytes:
+        import ferry.kv as fkv
+
+        key = (host, port)
+        if key not in self._peers:
+            info = fkv.fetch_handshake(host, port, self._conn.layout, self._opts.secret,
+                                       timeout=5.0)
+            self._peers[key] = info.address
+        return self._peers[key]
+
+    def _fail_recv(self, spec: RecvSpec, why: str):
+        logger.warning("FerryConnector: request %s (transfer %d): KV load failed: %s",
+                       spec.req_id, spec.transfer_id, why)
+        self._done_recv.add(spec.req_id)
+        self._failed_recv.add(spec.req_id)
+
+    def start(self, meta: FerryConnectorMetadata):
+        import ferry
+
+        conn = self._conn
+        for spec in meta.recv:
+            if spec.remote_tp <= 0 or not spec.remote_host:
+                self._fail_recv(spec, "kv_transfer_params lack remote_host / remote_port")
+                continue
+            try:
+                ranks = [self._peer(spec.remote_host, spec.remote_port + r)
+                         for r in range(spec.remote_tp)]
+                conn.register_push(spec.transfer_id, spec.attempt, ranks, spec.block_ids,
+                                   spec.num_tokens)
+                self._recv[spec.transfer_id] = spec
+            except ferry.Error as e:
+                self._fail_recv(spec, str(e))
+        for s in meta.send:
+            try:
+                conn.prefill_done(s.transfer_id, s.block_ids, s.num_tokens)
+                if os.environ.get("FERRY_VLLM_DEBUG"):
+                    logger.info("FerryConnector: send %d blocks %s tokens %d%s", s.transfer_id,
+                                s.block_ids, s.num_tokens, self._digest(s.block_ids, s.num_tokens))
+                self._send[s.transfer_id] = s.req_id
+            except ferry.Error as e:
+                logger.warning("FerryConnector: request %s: prefill_done refused: %s", s.req_id,
+                               e)
+                self._done_send.add(s.req_id)
+        for req_id, tid, reason in meta.fail_send:
+            try:
+                conn.prefill_failed(tid, reason)
+            except ferry.Error as e:
+                logger.warning("FerryConnector: request %s: prefill_failed: %s", req_id, e)
+        for req_id, tid in meta.cancel_recv:
+            if tid in self._recv:
+                self._cancelled.add(tid)
+                conn.cancel(tid)
+
+    def results(self) -> KVConnectorTransferResults:
+        if self._conn is not None:
+            for ev in self._conn.poll():
+                if ev.kind == "recv":
+                    spec = self._recv.pop(ev.transfer_id, None)
+                    if spec is None:
+                        continue
+                    if os.environ.get("FERRY_VLLM_DEBUG"):
+                        logger.info("FerryConnector: recv %d ok %s blocks %s tokens %d%s",
+                                    ev.transfer_id, ev.ok, spec.block_ids, spec.num_tokens,
+                                    self._digest(spec.block_ids, spec.num_tokens))
+                    if ev.ok or ev.transfer_id in self._cancelled:
+                        # A cancelled request is over: vLLM frees its blocks now.
+                        self._cancelled.discard(ev.transfer_id)
+                        self._done_recv.add(spec.req_id)
+                    else:
+                        self._fail_recv(spec, f"{ev.code}: {ev.message}")
+                elif ev.kind == "send":
+                    req_id = self._send.pop(ev.transfer_id, None)
+                    if req_id is not None:
+                        if not ev.ok:
+                            logger.warning("FerryConnector: request %s: send ended: %s: %s",
+                                           req_id, ev.code, ev.message)
+                        self._done_send.add(req_id)
+                elif ev.kind == "overflow":
+                    logger.error("FerryConnector: %d ferry events were dropped", ev.dropped)
+        r = KVConnectorTransferResults(finished_sending=self._done_send,
+                                       finished_recving=self._done_recv,
+                                       failed_recving=self._failed_recv)
+        self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+        return r
+
+    def stats(self) -> Dict[str, int]:
+        return dict(self._conn.stats()) if self._conn is not None else {}
+
+    def close(self):
+        for obj in (self._server, self._conn, self._engine):
+            try:
+                if obj is not None:
+                    obj.close()
+            except Exception as e:  # noqa: BLE001 - shutdown goes on
+                logger.warning("FerryConnector: close: %s", e)
+        self._server = self._conn = None

