@@ -96,6 +96,9 @@ def _check_shape(name: str, obj: Any, layout: KvLayout) -> None:
     if len(shape) < 3:
         return
     h, bs, d = layout.num_kv_heads, layout.block_size, layout.head_dim
+    if layout.placement == "head-joint":
+        _check_head_joint_shape(name, shape, h, bs, d)
+        return
     nhd = layout.order == "NHD"
     form = ("[..., block_size, num_kv_heads, head_dim]" if nhd
             else "[..., num_kv_heads, block_size, head_dim]")
@@ -113,6 +116,22 @@ def _check_shape(name: str, obj: Any, layout: KvLayout) -> None:
                 f"(axis {axis}) is {shape[axis]}, the layout's {field} is {sizes[0]} "
                 f"({layout.order}: {form}); a tensor with axes in another order holds other "
                 "KV than the layout says")
+
+
+def _check_head_joint_shape(name: str, shape: Tuple[int, ...], h: int, bs: int, d: int) -> None:
+    """A head-joint pool keeps each (block, head)'s block_size K rows then its block_size V
+    rows: [..., num_kv_heads, 2, block_size, head_dim], or vLLM's view of the same bytes
+    [..., num_kv_heads, block_size, 2 * head_dim] (vLLM 0.32's CPU KV cache)."""
+    forms = {"[..., num_kv_heads, 2, block_size, head_dim]": (h, 2, bs, d),
+             "[..., num_kv_heads, block_size, 2 * head_dim]": (h, bs, 2 * d)}
+    for want in forms.values():
+        if len(shape) >= len(want) and shape[-len(want):] == want:
+            return
+    raise InvalidArgument(
+        f"{name}: shape {shape} does not match the head-joint layout (num_kv_heads={h}, "
+        f"block_size={bs}, head_dim={d}): its last axes must be "
+        f"{' or '.join(forms)}; a tensor with axes in another order holds other KV than the "
+        "layout says")
 
 
 def _region_of(name: str, obj: Any, layout: KvLayout) -> Tuple[int, int, int]:

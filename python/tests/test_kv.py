@@ -313,6 +313,23 @@ def test_axes_in_another_order_are_refused(engine):
     assert engine.stats()["regions_registered"] == 0
 
 
+def test_head_joint_pools_in_vllm_cpu_shape_are_accepted(engine):
+    """vLLM 0.32's CPU KV cache, [blocks, heads, block_size, 2 * head_dim] per layer, and the
+    same bytes as [blocks, heads, 2, block_size, head_dim], fit a head-joint layout; a tensor
+    with the token and head axes swapped is refused."""
+    lay = layout(placement="head-joint", order="HND")
+    nb = PREFILL["num_blocks"]
+    for shape in ((nb, HEADS, 16, 2 * HEAD_DIM), (nb, HEADS, 2, 16, HEAD_DIM)):
+        fkv.KvConnector(engine, lay, [torch.zeros(shape, dtype=torch.bfloat16)
+                                      for _ in range(LAYERS)]).close()
+    swapped = [torch.zeros((nb, 16, HEADS, 2 * HEAD_DIM), dtype=torch.bfloat16)
+               for _ in range(LAYERS)]
+    with pytest.raises(ferry.InvalidArgument, match=r"pool\[0\]: shape \(24, 16, 2, 32\) does "
+                                                    r"not match the head-joint layout"):
+        fkv.KvConnector(engine, lay, swapped)
+    assert engine.stats()["regions_registered"] == 0
+
+
 def test_elem_size_must_be_an_element_size():
     with pytest.raises(ferry.InvalidArgument, match="elem_size 3 is not the size of an element"):
         fkv.KvLayout(**dict(PREFILL, elem_size=3))

@@ -124,6 +124,22 @@ def transfer_id_of(params: Optional[Dict[str, Any]]) -> Optional[int]:
     return tid
 
 
+def transfer_key(tid: int, prompt_token_ids) -> int:
+    """The id ferry moves a request's KV under: the client's transfer id bound to the prompt
+    (SHA-256 of both, 63 bits). Prefill and decode derive it each from its own request, so a
+    decode request naming another request's transfer id (forged, or a proxy's mistake) names
+    another transfer: it never receives that request's KV, and its load fails by the lease."""
+    import hashlib
+
+    h = hashlib.sha256(b"ferry-vllm-transfer\0%d\0" % tid)
+    h.update(b",".join(b"%d" % t for t in (prompt_token_ids or ())))
+    return (int.from_bytes(h.digest()[:8], "little") & _MAX_TRANSFER_ID) or 1
+
+
+# remote_tp_size a decode request may name: each rank costs one handshake inside vLLM's step.
+_MAX_REMOTE_TP = 64
+
+
 @dataclasses.dataclass
 class RecvSpec:
     """Decode: register these blocks for transfer `transfer_id` from the prefill engine."""
@@ -368,21 +384,25 @@ class _Scheduler:
         prompt = len(request.prompt_token_ids or ())
         block_ids = list(blocks.get_block_ids()[0])
         need = -(-prompt // self._block_size)
+        key = transfer_key(tid, request.prompt_token_ids)
         try:
-            spec = RecvSpec(req_id=request.request_id, transfer_id=tid,
+            spec = RecvSpec(req_id=request.request_id, transfer_id=key,
                             attempt=int(params.get(ATTEMPT, 1)), block_ids=block_ids[:need],
                             num_tokens=need * self._block_size,
                             remote_host=str(params["remote_host"]),
                             remote_port=int(params["remote_port"]),
                             remote_tp=int(params.get(REMOTE_TP, 1)))
+            if not 0 < spec.remote_tp <= _MAX_REMOTE_TP or not 0 < spec.remote_port < 65536:
+                raise ValueError(f"remote_port {spec.remote_port} / {REMOTE_TP} "
+                                 f"{spec.remote_tp} out of range")
         except (KeyError, TypeError, ValueError) as e:
-            spec = RecvSpec(req_id=request.request_id, transfer_id=tid, attempt=1,
+            spec = RecvSpec(req_id=request.request_id, transfer_id=key, attempt=1,
                             block_ids=block_ids[:need], num_tokens=need * self._block_size,
                             remote_host="",
                             remote_port=0, remote_tp=0)
             logger.warning("FerryConnector: request %s: kv_transfer_params lack %s", request
                            .request_id, e)
-        self._recv[request.request_id] = tid
+        self._recv[request.request_id] = key
         self._meta.recv.append(spec)
 
     def take_meta(self) -> FerryConnectorMetadata:
@@ -423,15 +443,15 @@ class _Scheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED) or len(block_ids) < need:
             self._meta.fail_send.append(
-                (req_id, tid, f"prefill request ended as {request.status.name} before its KV "
+                (req_id, transfer_key(tid, request.prompt_token_ids), f"prefill request ended as {request.status.name} before its KV "
                  f"was complete"))
             return False, None
         # Whole blocks: vLLM's CPU attention packs a block's K (and V) rows for its vector
         # kernels, so the bytes of the first n tokens are not the first n rows; a whole page is
         # the unit both sides agree on (same block size on both sides; the slots past the prompt
         # are masked by decode's sequence length until it writes them).
-        self._meta.send.append(SendSpec(req_id, tid, list(block_ids[:need]),
-                                        need * self._block_size))
+        self._meta.send.append(SendSpec(req_id, transfer_key(tid, request.prompt_token_ids),
+                                        list(block_ids[:need]), need * self._block_size))
         self._sending.add(req_id)
         return True, {TRANSFER_ID: tid, "num_tokens": prompt}
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 import ferry.vllm  # noqa: E402
 from ferry.vllm import FerryConnector  # noqa: E402
 from ferry.vllm.connector import FerryConfigError, FerryOptions, layout_of  # noqa: E402
-from ferry.vllm.connector import transfer_id_of  # noqa: E402
+from ferry.vllm.connector import transfer_id_of, transfer_key  # noqa: E402
 
 PINNED_VLLM = "0.32.0"
 
@@ -113,3 +113,13 @@ def test_layouts_read_off_vllm_tensors():
     strided = [torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3)]
     with pytest.raises(FerryConfigError, match="not contiguous"):
         layout_of(strided, num_blocks=B, block_size=N, num_kv_heads=H, head_dim=D)
+
+
+def test_transfer_keys_bind_the_prompt():
+    """Both sides move a request's KV under a key of its transfer id and its prompt: the same
+    pair gives the same key, another prompt or id another one, always in [1, 2**63)."""
+    k = transfer_key(5, [1, 2, 3])
+    assert k == transfer_key(5, [1, 2, 3])
+    assert len({k, transfer_key(5, [1, 2, 4]), transfer_key(6, [1, 2, 3]),
+                transfer_key(5, [12, 3]), transfer_key(5, [])}) == 5
+    assert all(0 < transfer_key(t, [t]) < 1 << 63 for t in range(1, 200))

@@ -258,3 +258,51 @@ def test_a_transfer_from_an_unknown_engine_fails_the_request_not_silently(engine
     assert time.monotonic() - t0 < 60, "the failed transfer took longer than a minute to end"
     # The engine still serves: the same prompt without transfer params gives the baseline.
     assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]
+
+
+def _refused(decode, ids, params):
+    """Decode's answer to kv_transfer_params that name no transfer of this prompt: the load must
+    fail (vLLM's "fail" policy: an HTTP error or a request that ends without tokens), within
+    the lease, never text computed over another request's KV. Returns the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        got, _, out = complete(decode, ids, 8, params)
+    except AssertionError as e:  # an HTTP error status: refused
+        assert "HTTP" in str(e), e
+    else:
+        reason = out["choices"][0].get("finish_reason")
+        assert reason not in ("length", "stop") or not got, (
+            f"decode answered {got} (finish_reason {reason}) for {params}")
+    return time.monotonic() - t0
+
+
+def test_forged_and_replayed_transfer_ids_are_refused(engines):
+    # A decode request that names another request's transfer id (with a larger attempt, which
+    # would supersede the real registration) while that request's prefill runs, and one that
+    # replays the id of a transfer already over: neither gets that KV; both fail as loads, by the
+    # lease (30 s); the real request still gets the baseline tokens.
+    base, prefill, decode, side_port = engines
+    rng = random.Random(7)
+    victim = [rng.randrange(3, 2000) for _ in range(3 * BLOCK + 3)]
+    forger = [rng.randrange(3, 2000) for _ in range(3 * BLOCK + 3)]
+    want = complete(base, victim, MAX_TOKENS)[0]
+    tid = rng.randrange(1, 1 << 63)
+    side = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": side_port}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        forged = pool.submit(_refused, decode, forger,
+                             dict(side, ferry_transfer_id=tid, ferry_attempt=9))
+        time.sleep(1.0)  # the forged registration first, so that a real one would not win
+        real = pool.submit(disaggregated, prefill, decode, side_port, victim, MAX_TOKENS, tid)
+        got = real.result()[0]
+        took = forged.result()
+    assert took < 90, f"the forged request took {took:.0f} s to end (lease 30 s)"
+    assert got == want, f"the real request got {got}, baseline {want}"
+    # Replay: the same id and prompt again, decode only; prefill has nothing to send.
+    took = _refused(decode, victim, dict(side, ferry_transfer_id=tid))
+    assert took < 90, f"the replayed request took {took:.0f} s to end (lease 30 s)"
+    # Forged side-channel fields: refused at once, no handshake storm.
+    for bad in ({"remote_tp_size": 100000}, {"remote_port": 70000}):
+        took = _refused(decode, forger, dict(side, ferry_transfer_id=tid + 1 if tid + 1 < 1 << 63
+                                             else 1, **bad))
+        assert took < 60, f"{bad}: took {took:.0f} s"
+    assert complete(decode, forger, 8)[0] == complete(base, forger, 8)[0]
