@@ -306,3 +306,26 @@ def test_forged_and_replayed_transfer_ids_are_refused(engines):
                                              else 1, **bad))
         assert took < 60, f"{bad}: took {took:.0f} s"
     assert complete(decode, forger, 8)[0] == complete(base, forger, 8)[0]
+
+
+def test_prefill_killed_after_decode_registered_fails_the_request_in_time(engines):
+    # Last in this module: it kills the prefill engine. Decode registers its blocks with prefill
+    # (no prefill leg is sent, so prefill never computes the KV), then prefill's processes die
+    # (SIGKILL). Decode's request must end as a load failure ("fail" policy: an error, no
+    # tokens) within the lease (30 s) plus slack, not hang; decode then still serves the
+    # baseline's tokens.
+    base, prefill, decode, side_port = engines
+    ids = list(range(300, 300 + 2 * BLOCK + 7))
+    want = complete(base, ids, 8)[0]
+    params = {"do_remote_prefill": True, "ferry_transfer_id": 987654321,
+              "remote_host": "127.0.0.1", "remote_port": side_port}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        fut = pool.submit(_refused, decode, ids, params)
+        time.sleep(3.0)  # decode's handshake and register_push reach prefill
+        os.killpg(prefill.proc.pid, signal.SIGKILL)
+        prefill.proc.wait(timeout=30)
+        took = fut.result(timeout=120)
+    assert took < 75, f"decode's request took {took:.0f} s to end after prefill died"
+    assert complete(decode, ids, 8)[0] == want
+    print(f"decode's request ended {time.monotonic() - t0:.0f} s after it was sent")
