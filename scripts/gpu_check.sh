@@ -39,6 +39,12 @@ if ! ldconfig -p | grep -q 'libcrypto\.so\.3 ' && [ -d .carry/openssl/lib ]; the
   log "using the carried libcrypto"
 fi
 
+# hwloc (the topology): likewise, .carry/hwloc where the machine has none.
+if ! ldconfig -p | grep -q 'libhwloc\.so\.15 ' && [ -d .carry/hwloc/lib ]; then
+  export LD_LIBRARY_PATH=$PWD/.carry/hwloc/lib:${LD_LIBRARY_PATH:-}
+  log "using the carried libhwloc"
+fi
+
 build=build-gpu
 log "configure"
 cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} > "$out/configure.log" 2>&1 \
