@@ -143,6 +143,18 @@ struct OpList {
         --size;
         return next;
     }
+    // Moves every operation of `front` before this list's, in their order.
+    void splice_front(OpList& front) {
+        if (front.empty()) return;
+        front.tail->in_next = head;
+        if (head)
+            head->in_prev = front.tail;
+        else
+            tail = front.tail;
+        head = front.head;
+        size += front.size;
+        front = OpList{};
+    }
 };
 
 // Written by the rail's worker alone (see bump in rail.cc), read by any thread.
@@ -388,6 +400,8 @@ class Rail {
     // Reports an in-flight operation failed while libfabric still owns its context: the op
     // stays in abandoned_ until its completion comes back or the endpoint is closed.
     void abandon(FabricOp* op, const Status& why);
+    // As abandon, but reports nothing: the operation's piece lives on in a copy (repost_copy).
+    OpState* detach(FabricOp* op);
     void link_inflight(FabricOp* op) { inflight_.push_back(op); }
     void unlink_inflight(FabricOp* op) { inflight_.erase(op); }
     Status post_recv(int slot);
@@ -397,6 +411,15 @@ class Rail {
     // An in-flight operation timed out: on a provider whose initiator completions queue
     // behind each other, decide whether the peer died and move on to a fresh endpoint.
     void on_inflight_timeout(const FabricOp* op);
+    // shm: asks (at most every kDeadPeerProbeEvery) whether the peer of the oldest operation
+    // of each initiator endpoint still exists once it has waited kDeadPeerProbeAfter, so that
+    // a dead peer is found in a fraction of a second instead of at the op timeout.
+    void probe_stalled_peers(TimePoint now);
+    // The operations in flight on initiator endpoint `gen` wait behind a dead peer's entry in
+    // its response queue and can never complete: reads to live peers are posted again (first,
+    // on the current endpoint), the rest fail now instead of at their deadlines.
+    void give_up_behind_dead_peer(uint32_t gen);
+    Status dead_peer_error(const FabricOp* op) const;
     // Closes retired initiator endpoints that no operation in flight uses any more (each holds
     // a 16 MiB shm file, about 4 MiB of it touched: ls -s of /dev/shm, 2026-12-02).
     void close_idle_retired();
@@ -505,6 +528,7 @@ class Rail {
     // instead of poisoning the fresh endpoint's queue.
     std::unordered_map<fi_addr_t, long> peer_pid_;
     std::unordered_set<fi_addr_t> dead_peers_;
+    TimePoint next_probe_{};  // probe_stalled_peers reads /proc no sooner than this
 
     std::thread worker_;
     clockid_t cpu_clock_{};  // the worker's CPU-time clock, set by start()

@@ -1,8 +1,9 @@
 // Rail: what the worker does when operations outlive their deadline. Expired operations are
 // failed (and kept from libfabric's reuse until it returns them); on a rail that renews its
-// initiator endpoint (shm, see Rail::renew_initiator), a timeout also checks whether the peer's
-// process still exists, moves new posts to a fresh endpoint, and fails at once what a dead
-// peer's unanswered response entry holds up.
+// initiator endpoint (shm, see Rail::renew_initiator), an operation unanswered for a fraction
+// of a second, or a timeout, checks whether the peer's process still exists; a dead peer's
+// operation fails, new posts move to a fresh endpoint, and what its unanswered response entry
+// holds up is posted again there (reads) or failed at once (the rest).
 #include <fmt/format.h>
 #include <signal.h>
 
@@ -34,16 +35,42 @@ bool process_alive(long pid) {
     return state != 'Z' && state != 'X';
 }
 
+// shm: how long an operation waits for its answer before the worker asks whether its peer's
+// process still exists, and how often a rail asks at most (each question reads /proc). A
+// peer SIGKILLed with a read of it in flight was found only at the op timeout (10 s), and
+// every operation posted behind it on the same initiator endpoint was given up with it.
+constexpr auto kDeadPeerProbeAfter = std::chrono::milliseconds(200);
+constexpr auto kDeadPeerProbeEvery = std::chrono::milliseconds(100);
+
+// A copy of an operation to post again: the original stays abandoned (libfabric may still
+// hold its context), the copy takes over its piece and keeps its deadline.
+FabricOp* repost_copy(const FabricOp* op) {
+    auto* c = new FabricOp();
+    c->dest = op->dest;
+    c->local = op->local;
+    c->len = op->len;
+    c->desc = op->desc;
+    c->raddr = op->raddr;
+    c->rkey = op->rkey;
+    c->imm = op->imm;
+    c->type = op->type;
+    c->has_imm = op->has_imm;
+    c->peer = op->peer;
+    c->deadline = op->deadline;
+    return c;
+}
+
 }  // namespace
 
-void Rail::abandon(FabricOp* op, const Status& why) {
+OpState* Rail::detach(FabricOp* op) {
     unlink_inflight(op);
     op->abandoned = true;
     abandoned_.insert(op);
     // The op stays until libfabric returns it, but is no piece of its operation any more.
-    OpState* parent = std::exchange(op->parent, nullptr);
-    parent->piece_done(why);
+    return std::exchange(op->parent, nullptr);
 }
+
+void Rail::abandon(FabricOp* op, const Status& why) { detach(op)->piece_done(why); }
 
 void Rail::sweep_timeouts(TimePoint now) {
     while (inflight_.head && inflight_.head->deadline <= now) {
@@ -55,6 +82,7 @@ void Rail::sweep_timeouts(TimePoint now) {
                         describe(op), to_ms(config_.op_timeout))));
         if (renew_on_stall_) on_inflight_timeout(op);
     }
+    if (renew_on_stall_ && inflight_.head && now >= next_probe_) probe_stalled_peers(now);
     if (!retired_.empty()) close_idle_retired();
     if (!release_watches_.empty()) check_release_watches(now);
     // Not only the front: operations to a peer that pushes back wait behind those posted
@@ -83,15 +111,102 @@ void Rail::sweep_timeouts(TimePoint now) {
     }
 }
 
+Status Rail::dead_peer_error(const FabricOp* op) const {
+    return unavailable(fmt::format(
+        "{} failed: the peer's process is gone (an operation to it went unanswered and its "
+        "process no longer exists); reconnect to its new incarnation",
+        describe(op)));
+}
+
 void Rail::fail_dead_peer_op(FabricOp* op) {
     if (op->slot >= 0) free_send_slots_.push_back(op->slot);
     stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
     stats_.dead_peer_failures.fetch_add(1, std::memory_order_relaxed);
-    op->parent->piece_done(unavailable(fmt::format(
-        "{} failed: the peer's process is gone (an operation to it timed out and its process "
-        "no longer exists); reconnect to its new incarnation",
-        describe(op))));
+    op->parent->piece_done(dead_peer_error(op));
     delete op;
+}
+
+void Rail::probe_stalled_peers(TimePoint now) {
+    const TimePoint posted_by = now - kDeadPeerProbeAfter;
+    // The common case, every tick while operations are in flight: the oldest is young.
+    if (inflight_.head->deadline - config_.op_timeout > posted_by) return;
+    // The oldest operation of each initiator endpoint in use (seldom more than two): what
+    // the rest of that endpoint's response queue waits behind.
+    next_probe_ = now + kDeadPeerProbeEvery;
+    uint32_t gens[8];
+    size_t ngens = 0;
+    for (FabricOp* op = inflight_.head; op && ngens < std::size(gens); op = op->in_next) {
+        if (std::find(gens, gens + ngens, op->tx_gen) != gens + ngens) continue;
+        gens[ngens++] = op->tx_gen;
+        if (op->deadline - config_.op_timeout > posted_by) continue;
+        auto pid = peer_pid_.find(op->dest);
+        if (pid == peer_pid_.end()) continue;
+        if (process_alive(pid->second)) continue;
+        const uint32_t gen = op->tx_gen;
+        dead_peers_.insert(op->dest);
+        stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+        stats_.dead_peer_failures.fetch_add(1, std::memory_order_relaxed);
+        log(LogLevel::kWarn, "fabric",
+            "rail {}: {} is unanswered after {:.0f} ms and its peer's process is gone", index_,
+            describe(op), to_ms(now - (op->deadline - config_.op_timeout)));
+        abandon(op, dead_peer_error(op));
+        if (gen == tx_gen_) {
+            Status renewed = renew_initiator();
+            if (!renewed.ok()) {
+                // What waits behind it keeps its deadline.
+                log(LogLevel::kError, "fabric", "rail {}: {}", index_, renewed.message());
+                return;
+            }
+        }
+        give_up_behind_dead_peer(gen);
+        return;  // the list changed; another dead peer waits for the next probe
+    }
+}
+
+void Rail::give_up_behind_dead_peer(uint32_t gen) {
+    // Reads are posted again: reading the same bytes twice changes nothing, and the late data
+    // of the abandoned original can land only in this side's buffer, which held_in counts
+    // while its endpoint is open. Writes are not: the original may still be carried out after
+    // the copy reported success, over bytes the target has moved on to (and a write with an
+    // immediate, or a message, would arrive twice).
+    OpList again;
+    size_t given_up = 0;
+    for (FabricOp* o = inflight_.head; o;) {
+        FabricOp* next = o->in_next;
+        if (o->tx_gen != gen) {
+            o = next;
+            continue;
+        }
+        if (peer_dead(o->dest)) {
+            stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+            stats_.dead_peer_failures.fetch_add(1, std::memory_order_relaxed);
+            abandon(o, dead_peer_error(o));
+        } else if (o->type == FabricOp::kRead) {
+            FabricOp* copy = repost_copy(o);
+            copy->parent = detach(o);
+            again.push_back(copy);
+        } else {
+            ++given_up;
+            stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+            abandon(o,
+                    unavailable(fmt::format(
+                        "{} was given up: its completion waits behind an operation to a peer whose "
+                        "process died, which will never be answered; it may or may not have been "
+                        "carried out, retry it",
+                        describe(o))));
+        }
+        o = next;
+    }
+    if (!again.empty()) {
+        log(LogLevel::kInfo, "fabric",
+            "rail {}: {} read(s) waiting behind a dead peer's operation posted again on the "
+            "fresh initiator endpoint; {} other operation(s) given up",
+            index_, again.size, given_up);
+        // They were posted before anything still pending: they go first, in their order.
+        pending_.splice_front(again);
+        pending_mixed_ = true;
+    }
+    close_idle_retired();
 }
 
 void Rail::on_inflight_timeout(const FabricOp* op) {
@@ -109,22 +224,7 @@ void Rail::on_inflight_timeout(const FabricOp* op) {
         "rail {}: {} timed out{}; new operations go through a fresh initiator endpoint", index_,
         describe(op), dead ? " and its peer's process is gone" : "");
     if (!dead) return;  // a slow peer: what follows it may still complete, by its deadline
-    // Everything posted on that endpoint after the dead peer's operation waits behind its
-    // response entry, which will never be answered: fail it now rather than at its deadline.
-    for (FabricOp* o = inflight_.head; o;) {
-        FabricOp* next = o->in_next;
-        if (o->tx_gen == gen) {
-            stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
-            abandon(o,
-                    unavailable(fmt::format(
-                        "{} was given up: its completion waits behind an operation to a peer whose "
-                        "process died, which will never be answered; it may or may not have been "
-                        "carried out, retry it",
-                        describe(o))));
-        }
-        o = next;
-    }
-    close_idle_retired();
+    give_up_behind_dead_peer(gen);
 }
 
 size_t Rail::held_in(std::span<const std::span<const uint8_t>> spans) const {

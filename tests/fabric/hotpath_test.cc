@@ -1,12 +1,15 @@
 // The engine's hot path between real processes: batches (submit_batch) to several peers with
-// one of them killed mid-batch, FI_INJECT size boundaries, and a scatter to 64 peers.
+// one of them killed mid-batch, FI_INJECT size boundaries, a scatter to 64 peers, and a read
+// behind one to a killed shm peer.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
@@ -601,6 +604,118 @@ TEST(HotPathShmTest, LargeReadsOfOneBatchCompleteOneByOne) {
         },
         kRunTimeout);
     EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// shm, a peer SIGKILLed while a read to it is in flight (stopped first, so the read waits in
+// its command queue) and a read to a live peer posted after it on the same rail: shm drains
+// the initiator endpoint's response queue in order, so the live read's completion waits
+// behind the dead peer's entry forever. Before, both waited for the op timeout (15 s here):
+// the dead peer's read failed "did not complete within", the live one was given up with it
+// (a FaultE2E restart run lost 2 of 16 requests so). Now the rail's worker notices the dead
+// process within a fraction of a second, fails that read naming the peer, and posts the live
+// read again on a fresh initiator endpoint, where it completes with its bytes intact; a write
+// with an immediate behind it (not idempotent) is still given up, as quickly.
+TEST(DeadShmPeerTest, AReadBehindOneToAKilledPeerIsPostedAgainAndCompletes) {
+    const uint64_t seed = testing::test_seed("DeadShmPeerRead");
+    constexpr int kVictim = 1, kLive = 2;
+    constexpr size_t kLen = 74496;  // the size of the FaultE2E run's reads
+    constexpr size_t kBufLen = 4 * kLen;
+    const auto kOpTimeout = std::chrono::seconds(15);
+    auto results = run_processes(
+        3,
+        [&](Exchange& ex) -> std::string {
+            EngineConfig c = test_engine_config("shm");
+            c.op_timeout = kOpTimeout;
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, kBufLen, kPoison));
+            if (ex.rank() != 0) {
+                for (size_t i = 0; i < kLen; ++i) n.buf[i] = pattern(seed + ex.rank(), i);
+            }
+            const long me = static_cast<long>(::getpid());
+            CHILD_ASSIGN_OK(auto pids,
+                            ex.allgather({reinterpret_cast<const uint8_t*>(&me), sizeof(me)}));
+            if (ex.rank() == kVictim) {
+                // Stopped, then killed, by rank 0; never gets past this.
+                std::this_thread::sleep_for(std::chrono::seconds(120));
+                return "the victim was never killed";
+            }
+            if (ex.rank() == kLive) {
+                CHILD_CHECK(ex.barrier().ok());  // rank 0 is done
+                return "";
+            }
+            CHILD_CHECK(pids[kVictim].size() == sizeof(long));
+            long victim = 0;
+            std::memcpy(&victim, pids[kVictim].data(), sizeof(victim));
+            CHILD_CHECK(testing::stop_process(victim, std::chrono::seconds(10)));
+            // In this order on the one rail: the read the stopped victim will never answer,
+            // then a read from the live peer and a write with an immediate to it.
+            std::vector<BatchEntry> batch;
+            batch.push_back(ReadOp{n.peer[kVictim], n.mr.get(), 0, &n.desc[kVictim], 0, kLen});
+            batch.push_back(ReadOp{n.peer[kLive], n.mr.get(), kLen, &n.desc[kLive], 0, kLen});
+            batch.push_back(
+                WriteOp{n.peer[kLive], n.mr.get(), 2 * kLen, &n.desc[kLive], kLen, kLen, 7u});
+            std::vector<TimePoint> done_at(batch.size());
+            std::vector<OpHandle> hs = n.engine->submit_batch(
+                batch, [&](size_t i, const Status&) { done_at[i] = Clock::now(); });
+            CHILD_CHECK(hs.size() == batch.size());
+            // Let the posts reach the provider before the victim dies.
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            CHILD_CHECK(::kill(static_cast<pid_t>(victim), SIGKILL) == 0);
+            const TimePoint killed = Clock::now();
+            std::vector<Status> got;
+            for (auto& h : hs) got.push_back(h.wait(kOpTimeout + std::chrono::seconds(10)));
+            for (size_t i = 0; i < hs.size(); ++i)
+                CHILD_CHECK_MSG(hs[i].done(), "entry {} never finished", i);
+            auto after_kill = [&](size_t i) { return to_ms(done_at[i] - killed); };
+            std::fprintf(stderr,
+                         "[dead-shm-peer] dead read failed %.0f ms after the kill (%s); live read "
+                         "%s after %.0f ms; write with immediate after %.0f ms: %s\n",
+                         after_kill(0), got[0].to_string().c_str(),
+                         got[1].ok() ? "ok" : got[1].to_string().c_str(), after_kill(1),
+                         after_kill(2), got[2].to_string().c_str());
+            // The dead peer's read fails soon (the op timeout is 15 s), naming the peer.
+            CHILD_CHECK_MSG(!got[0].ok() && got[0].code() == StatusCode::kUnavailable &&
+                                got[0].message().find(fmt::format(
+                                    "from peer {}", n.peer[kVictim])) != std::string::npos &&
+                                got[0].message().find("process is gone") != std::string::npos,
+                            "dead peer's read: {}", got[0].to_string());
+            CHILD_CHECK_MSG(after_kill(0) < 4000,
+                            "the dead peer's read failed only {:.0f} ms "
+                            "after the kill",
+                            after_kill(0));
+            // The live peer's read completes, soon, with its bytes; nothing else was touched.
+            CHILD_CHECK_MSG(got[1].ok(), "live peer's read: {}", got[1].to_string());
+            CHILD_CHECK_MSG(after_kill(1) < 4000,
+                            "the live read completed only {:.0f} ms "
+                            "after the kill",
+                            after_kill(1));
+            std::string bad = check_pattern(n.buf, kLen, kLen, seed + kLive, 0);
+            CHILD_CHECK_MSG(bad.empty(), "live read: {}", bad);
+            bad = check_fill(n.buf, 0, kLen, kPoison);
+            CHILD_CHECK_MSG(bad.empty(), "the dead peer's read area: {}", bad);
+            bad = check_fill(n.buf, 3 * kLen, kLen, kPoison);
+            CHILD_CHECK_MSG(bad.empty(), "past the reads: {}", bad);
+            // The write with an immediate may have been carried out: given up, not re-posted.
+            CHILD_CHECK_MSG(
+                !got[2].ok() && got[2].message().find("whose process died") != std::string::npos,
+                "write with immediate: {}", got[2].to_string());
+            CHILD_CHECK_MSG(after_kill(2) < 4000,
+                            "the write was given up only {:.0f} ms "
+                            "after the kill",
+                            after_kill(2));
+            // And the rail goes on: another read from the live peer.
+            CHILD_CHECK_OK(
+                n.engine->read({n.peer[kLive], n.mr.get(), 3 * kLen, &n.desc[kLive], 0, kLen})
+                    .wait(kWait));
+            bad = check_pattern(n.buf, 3 * kLen, kLen, seed + kLive, 0);
+            CHILD_CHECK_MSG(bad.empty(), "read after: {}", bad);
+            CHILD_CHECK(ex.barrier().ok());
+            return "";
+        },
+        kRunTimeout);
+    ASSERT_EQ(results.size(), 3u);
+    EXPECT_EQ(results[kVictim].term_signal, SIGKILL);
+    EXPECT_TRUE(results[0].ok()) << results[0].error;
+    EXPECT_TRUE(results[kLive].ok()) << results[kLive].error;
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, HotPathTest, ::testing::ValuesIn(testing::test_providers()),
