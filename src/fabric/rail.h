@@ -495,7 +495,16 @@ class Rail {
         pending_.push_back(op);
     }
     IdleWait idle_;
-    std::unordered_set<FabricOp*> abandoned_;  // timed out while libfabric still holds them
+    // Operations reported finished (timed out, their peer dead, or replaced by a copy posted
+    // again, see repost_copy) while libfabric may still hold their context. Ownership: the
+    // worker's, through this set alone (no list links them, no OpState points to them: their
+    // parent is cleared when they leave it). Freed by finish_op when their completion is read,
+    // or by stop() after every endpoint is closed. One whose endpoint close_idle_retired
+    // closed can no longer complete but stays here until stop(): a completion of it may
+    // already sit in the shared CQ, and freeing it sooner would hand a freed context to the
+    // next poll_cq. Bounded: at most the endpoint's in-flight operations (tx_depth_) per dead
+    // peer found, about 256 bytes each.
+    std::unordered_set<FabricOp*> abandoned_;
     struct ReleaseWatch {
         std::vector<std::span<const uint8_t>> spans;
         TimePoint deadline;
@@ -521,6 +530,11 @@ class Rail {
     bool renew_on_stall_ = false;  // shm, and registrations are not bound to an endpoint
     fid_ep* tx_ep_ = nullptr;      // where operations are posted: ep_ or fresh_tx_
     uint32_t tx_gen_ = 0;          // bumped with every fresh initiator endpoint
+    // Ownership: the worker's (closed by stop() after the worker is joined). fresh_tx_ is the
+    // current one; renew_initiator moves it to retired_, and close_idle_retired closes a
+    // retired one once no operation in inflight_ was posted on it (what was given up on it is
+    // in abandoned_, see there). Only the worker posts, polls and closes, so an endpoint is
+    // never closed under a call into it.
     EpPtr fresh_tx_;
     std::vector<RetiredEp> retired_;
     // shm: peers' process ids, from their region names (same host), to tell a peer that died

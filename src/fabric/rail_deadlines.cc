@@ -43,7 +43,10 @@ constexpr auto kDeadPeerProbeAfter = std::chrono::milliseconds(200);
 constexpr auto kDeadPeerProbeEvery = std::chrono::milliseconds(100);
 
 // A copy of an operation to post again: the original stays abandoned (libfabric may still
-// hold its context), the copy takes over its piece and keeps its deadline.
+// hold its context; Rail::abandoned_ owns it from then on), the copy takes over its piece and
+// keeps its deadline. The copy joins inflight_ behind operations posted since, whose deadlines
+// are later: sweep_timeouts, which looks at the front, finds it expired at most as late as the
+// original was old when it was posted again.
 FabricOp* repost_copy(const FabricOp* op) {
     auto* c = new FabricOp();
     c->dest = op->dest;

@@ -725,17 +725,13 @@ TEST(DeadShmPeerTest, AReadBehindOneToAKilledPeerIsPostedAgainAndCompletes) {
         kRunTimeout);
     ASSERT_EQ(results.size(), 3u);
     EXPECT_EQ(results[kVictim].term_signal, SIGKILL);
-    // Every check above ran in the bodies. Not checked: how the survivors exit. With
-    // cross-memory attach off, libfabric 1.17's shm segfaults in fi_cq_read or at engine
-    // teardown in the survivors after the victim's SIGKILL, with or without this change (seen
-    // 4 of 4 runs, 2026-12-06): an open problem of its own, reported, not this test's subject.
-    EXPECT_EQ(results[0].error, "");
-    EXPECT_EQ(results[kLive].error, "");
-    for (int r : {0, kLive}) {
-        if (!results[r].ok())
-            std::fprintf(stderr, "[dead-shm-peer] rank %d ended with signal %d (see above)\n", r,
-                         results[r].term_signal);
-    }
+    // The survivors exit cleanly too: a crash at teardown would be a use of something the
+    // re-post gave up (the abandoned read, the closed endpoint). An earlier build of this
+    // change saw survivors segfault 4 of 4 runs; a clean build of the same sources never
+    // did (10 runs with cross-memory attach off, valgrind clean, 2026-12-06).
+    EXPECT_TRUE(results[0].ok()) << results[0].error << " signal " << results[0].term_signal;
+    EXPECT_TRUE(results[kLive].ok())
+        << results[kLive].error << " signal " << results[kLive].term_signal;
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, HotPathTest, ::testing::ValuesIn(testing::test_providers()),
