@@ -726,9 +726,9 @@ TEST(DeadShmPeerTest, AReadBehindOneToAKilledPeerIsPostedAgainAndCompletes) {
     ASSERT_EQ(results.size(), 3u);
     EXPECT_EQ(results[kVictim].term_signal, SIGKILL);
     // The survivors exit cleanly too: a crash at teardown would be a use of something the
-    // re-post gave up (the abandoned read, the closed endpoint). An earlier build of this
-    // change saw survivors segfault 4 of 4 runs; a clean build of the same sources never
-    // did (10 runs with cross-memory attach off, valgrind clean, 2026-12-06).
+    // re-post gave up (the abandoned read, the closed endpoint). Survivors that segfaulted 4 of
+    // 4 runs here came from a stale object compiled against an older rail.h (BENCHMARKS.md,
+    // "A dead shm peer found in a fraction of a second"); a clean build never did.
     EXPECT_TRUE(results[0].ok()) << results[0].error << " signal " << results[0].term_signal;
     EXPECT_TRUE(results[kLive].ok())
         << results[kLive].error << " signal " << results[kLive].term_signal;
