@@ -10,12 +10,9 @@ install(TARGETS ferry_shared EXPORT ferryTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS ferry_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-set(FERRY_HEADER_EXCLUDES)
-if(NOT FERRY_BUILD_SERVE)
-  set(FERRY_HEADER_EXCLUDES PATTERN serve EXCLUDE)
-endif()
+# include/ holds the public headers only (the serving stack's are in src/serve/).
 install(DIRECTORY include/ferry DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
-  FILES_MATCHING PATTERN "*.h" ${FERRY_HEADER_EXCLUDES})
+  FILES_MATCHING PATTERN "*.h")
 
 install(EXPORT ferryTargets NAMESPACE ferry:: DESTINATION ${FERRY_CMAKE_INSTALL_DIR})
 configure_package_config_file(cmake/ferryConfig.cmake.in

@@ -7,7 +7,7 @@
 #include "bench/limits.h"
 #include "bench/serve.h"
 #include "ferry/common/clock.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 

@@ -13,8 +13,8 @@
 #include <thread>
 #include <tuple>
 
-#include "ferry/serve/http.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/http.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 

@@ -15,7 +15,7 @@
 
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
-#include "ferry/serve/synthetic_model.h"
+#include "serve/synthetic_model.h"
 
 namespace ferry::serve {
 

@@ -12,7 +12,7 @@
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
 #include "cli/util.h"
-#include "ferry/serve/cost_model.h"
+#include "serve/cost_model.h"
 
 namespace ferry::cli {
 namespace {

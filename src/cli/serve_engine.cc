@@ -12,10 +12,10 @@
 #include "cli/commands.h"
 #include "cli/stop_signal.h"
 #include "ferry/common/spin.h"
-#include "ferry/serve/engine_server.h"
-#include "ferry/serve/fabric_kv_link.h"
-#include "ferry/serve/inprocess_kv_link.h"
-#include "ferry/serve/router.h"
+#include "serve/engine_server.h"
+#include "serve/fabric_kv_link.h"
+#include "serve/inprocess_kv_link.h"
+#include "serve/router.h"
 
 namespace ferry::cli {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/serve/cost_model.h"
+#include "serve/cost_model.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "ferry/serve/engine.h"
+#include "serve/engine.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include "ferry/common/thread_name.h"
 #include "ferry/kv/block_mapping.h"
 #include "ferry/kv/kv_frontier.h"
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/kv_params_auth.h"
 
 namespace ferry::serve {
 

@@ -1,9 +1,9 @@
-#include "ferry/serve/engine_server.h"
+#include "serve/engine_server.h"
 
 #include <fmt/format.h>
 
-#include "ferry/serve/kv_params_auth.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/kv_params_auth.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 namespace {

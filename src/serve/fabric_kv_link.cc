@@ -1,4 +1,4 @@
-#include "ferry/serve/fabric_kv_link.h"
+#include "serve/fabric_kv_link.h"
 
 #include <fmt/format.h>
 
@@ -10,8 +10,8 @@
 #include "ferry/kv/connector.h"
 #include "ferry/kv/handshake.h"
 #include "ferry/kv/transfer_key.h"
-#include "ferry/serve/http.h"
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/http.h"
+#include "serve/kv_params_auth.h"
 
 namespace ferry::serve {
 namespace {

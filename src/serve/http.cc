@@ -1,5 +1,5 @@
 // The HTTP clients (the server is http_server.cc), on cpp-httplib.
-#include "ferry/serve/http.h"
+#include "serve/http.h"
 
 #include <fmt/format.h>
 #include <httplib.h>

@@ -35,7 +35,7 @@
 
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
-#include "ferry/serve/http.h"
+#include "serve/http.h"
 
 namespace ferry::serve {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/serve/inprocess_kv_link.h"
+#include "serve/inprocess_kv_link.h"
 
 #include <fmt/format.h>
 

@@ -1,10 +1,10 @@
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/kv_params_auth.h"
 
 #include <fmt/format.h>
 
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/types.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 namespace {

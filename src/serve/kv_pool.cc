@@ -1,4 +1,4 @@
-#include "ferry/serve/kv_pool.h"
+#include "serve/kv_pool.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

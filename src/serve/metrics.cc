@@ -1,4 +1,4 @@
-#include "ferry/serve/metrics.h"
+#include "serve/metrics.h"
 
 #include <fmt/format.h>
 

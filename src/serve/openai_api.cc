@@ -1,4 +1,4 @@
-#include "ferry/serve/openai_api.h"
+#include "serve/openai_api.h"
 
 #include <fmt/format.h>
 

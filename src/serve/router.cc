@@ -1,4 +1,4 @@
-#include "ferry/serve/router.h"
+#include "serve/router.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
@@ -9,8 +9,8 @@
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/kv/block_mapping.h"
-#include "ferry/serve/kv_params_auth.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/kv_params_auth.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 

@@ -1,4 +1,4 @@
-#include "ferry/serve/synthetic_model.h"
+#include "serve/synthetic_model.h"
 
 #include <fmt/format.h>
 

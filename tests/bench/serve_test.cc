@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "ferry/serve/engine_server.h"
+#include "serve/engine_server.h"
 
 namespace ferry::serve {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/serve/engine.h"
+#include "serve/engine.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <numeric>
 #include <thread>
 
-#include "ferry/serve/inprocess_kv_link.h"
+#include "serve/inprocess_kv_link.h"
 
 namespace ferry::serve {
 namespace {

@@ -1,12 +1,12 @@
-#include "ferry/serve/fabric_kv_link.h"
+#include "serve/fabric_kv_link.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <thread>
 
-#include "ferry/serve/cost_model.h"
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/cost_model.h"
+#include "serve/kv_params_auth.h"
 
 namespace ferry::serve {
 namespace {

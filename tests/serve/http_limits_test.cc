@@ -8,8 +8,8 @@
 #include <atomic>
 #include <fstream>
 
-#include "ferry/serve/engine_server.h"
-#include "ferry/serve/router.h"
+#include "serve/engine_server.h"
+#include "serve/router.h"
 #include "serve_procs.h"
 #include "support/timing.h"
 

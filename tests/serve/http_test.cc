@@ -9,10 +9,10 @@
 #include <atomic>
 #include <thread>
 
-#include "ferry/serve/engine_server.h"
-#include "ferry/serve/inprocess_kv_link.h"
-#include "ferry/serve/kv_params_auth.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/engine_server.h"
+#include "serve/inprocess_kv_link.h"
+#include "serve/kv_params_auth.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/serve/json_splice.h"
+#include "serve/json_splice.h"
 
 #include <gtest/gtest.h>
 

@@ -1,9 +1,9 @@
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/kv_params_auth.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "ferry/serve/openai_api.h"
+#include "serve/openai_api.h"
 
 namespace ferry::serve {
 namespace {

@@ -1,15 +1,15 @@
 // The router in front of prefill and decode engines over loopback HTTP, with the in-process KV
 // link moving the bytes. The network KV connector replaces the link later; the router does not
 // change.
-#include "ferry/serve/router.h"
+#include "serve/router.h"
 
 #include <gtest/gtest.h>
 
 #include <thread>
 
-#include "ferry/serve/engine_server.h"
-#include "ferry/serve/inprocess_kv_link.h"
-#include "ferry/serve/openai_api.h"
+#include "serve/engine_server.h"
+#include "serve/inprocess_kv_link.h"
+#include "serve/openai_api.h"
 #include "serve_procs.h"
 
 namespace ferry::serve {

@@ -22,10 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/serve/cost_model.h"
-#include "ferry/serve/http.h"
-#include "ferry/serve/openai_api.h"
-#include "ferry/serve/synthetic_model.h"
+#include "serve/cost_model.h"
+#include "serve/http.h"
+#include "serve/openai_api.h"
+#include "serve/synthetic_model.h"
 
 extern char** environ;
 

@@ -10,7 +10,7 @@
 #include <fstream>
 
 #include "ferry/common/auth.h"
-#include "ferry/serve/kv_params_auth.h"
+#include "serve/kv_params_auth.h"
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {

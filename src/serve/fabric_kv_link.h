@@ -36,8 +36,8 @@
 #include "ferry/common/clock.h"
 #include "ferry/kv/handshake.h"
 #include "ferry/kv/transfer_mode.h"
-#include "ferry/serve/kv_connector.h"
-#include "ferry/serve/kv_pool.h"
+#include "serve/kv_connector.h"
+#include "serve/kv_pool.h"
 
 namespace ferry::serve {
 

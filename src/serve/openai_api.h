@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "ferry/common/status.h"
-#include "ferry/serve/engine.h"
-#include "ferry/serve/json_splice.h"
+#include "serve/engine.h"
+#include "serve/json_splice.h"
 
 namespace ferry::serve {
 

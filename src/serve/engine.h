@@ -33,11 +33,11 @@
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/kv/block_pool.h"
-#include "ferry/serve/cost_model.h"
-#include "ferry/serve/kv_connector.h"
-#include "ferry/serve/kv_pool.h"
-#include "ferry/serve/metrics.h"
-#include "ferry/serve/synthetic_model.h"
+#include "serve/cost_model.h"
+#include "serve/kv_connector.h"
+#include "serve/kv_pool.h"
+#include "serve/metrics.h"
+#include "serve/synthetic_model.h"
 
 namespace ferry::serve {
 

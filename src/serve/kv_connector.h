@@ -16,7 +16,7 @@
 #include "ferry/common/auth.h"
 #include "ferry/common/status.h"
 #include "ferry/kv/kv_frontier.h"
-#include "ferry/serve/kv_pool.h"
+#include "serve/kv_pool.h"
 
 namespace ferry::serve {
 

@@ -16,7 +16,7 @@
 
 #include "ferry/common/clock.h"
 #include "ferry/kv/transfer_mode.h"
-#include "ferry/serve/kv_connector.h"
+#include "serve/kv_connector.h"
 
 namespace ferry::serve {
 

@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-#include "ferry/serve/kv_pool.h"
+#include "serve/kv_pool.h"
 
 namespace ferry::serve {
 

@@ -27,7 +27,7 @@
 #include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
-#include "ferry/serve/kv_connector.h"
+#include "serve/kv_connector.h"
 
 namespace ferry::serve {
 

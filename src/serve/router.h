@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "ferry/common/auth.h"
-#include "ferry/serve/http.h"
-#include "ferry/serve/kv_params_auth.h"
-#include "ferry/serve/metrics.h"
+#include "serve/http.h"
+#include "serve/kv_params_auth.h"
+#include "serve/metrics.h"
 
 namespace ferry::serve {
 

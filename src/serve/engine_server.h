@@ -9,8 +9,8 @@
 #include <string>
 
 #include "ferry/common/auth.h"
-#include "ferry/serve/engine.h"
-#include "ferry/serve/http.h"
+#include "serve/engine.h"
+#include "serve/http.h"
 
 namespace ferry::serve {
 
