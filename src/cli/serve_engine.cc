@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <initializer_list>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -212,6 +213,36 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
     add_http_limit_flags(cmd, f.http_limits);
 }
 
+// serve::Engine's errors name EngineConfig's fields; a user of `ferry serve` knows the flags
+// that set them, so each field name (a whole word) is put in its flag's name.
+Status in_flag_names(const Status& s) {
+    static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
+        {"max_num_seqs", "--max-num-seqs"},
+        {"max_model_len", "--max-model-len"},
+        {"max_num_batched_tokens", "--max-num-batched-tokens"},
+        {"prefill_chunk_tokens", "--prefill-chunk"},
+        {"push_layer_groups", "--push-layer-groups"},
+        {"num_blocks", "--num-blocks"},
+        {"block_size", "--block-size"},
+        {"time_scale", "--time-scale"},
+        {"engine_id", "--engine-id"},
+    };
+    auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+    std::string m = s.message();
+    for (auto [field, flag] : kFlags) {
+        for (size_t at = m.find(field); at != std::string::npos; at = m.find(field, at)) {
+            size_t end = at + field.size();
+            if ((at > 0 && word_char(m[at - 1])) || (end < m.size() && word_char(m[end]))) {
+                at = end;
+                continue;
+            }
+            m.replace(at, field.size(), flag);
+            at += flag.size();
+        }
+    }
+    return Status(s.code(), std::move(m));
+}
+
 Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, EngineFlags f,
                                                    int port) {
     FERRY_ASSIGN_OR_RETURN(auto model, serve::model_by_name(f.model));
@@ -220,7 +251,9 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
     f.engine.engine_id = f.engine_id.empty() ? fmt::format("{}-{}", role, port) : f.engine_id;
     f.engine.kv_wait_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.kv_wait_timeout_s));
-    return serve::Engine::create(f.engine, cost);
+    auto engine = serve::Engine::create(f.engine, cost);
+    if (!engine.ok()) return in_flag_names(engine.status());
+    return engine;
 }
 
 // `kv_mode`: the KV link's mode as the flag gave it; with `role`, stated in /health for the

@@ -153,42 +153,43 @@ struct Engine::Inbox {
     }
 };
 
+// Errors name EngineConfig's fields (the CLI puts its flags in their place: serve_engine.cc).
 Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
     if (config.max_num_seqs == 0 || config.max_num_seqs > kMaxNumSeqs)
-        return invalid_argument(fmt::format("--max-num-seqs must be in [1, {}], got {}",
-                                            kMaxNumSeqs, config.max_num_seqs));
-    if (config.max_model_len == 0) return invalid_argument("--max-model-len must be at least 1");
+        return invalid_argument(fmt::format("max_num_seqs must be in [1, {}], got {}", kMaxNumSeqs,
+                                            config.max_num_seqs));
+    if (config.max_model_len == 0) return invalid_argument("max_model_len must be at least 1");
     // Token counts become 32-bit block math (kv::blocks_for_tokens): a larger limit would let a
     // request's block count wrap and pass the pool check.
     if (config.max_model_len > size_t(INT32_MAX))
-        return invalid_argument(fmt::format("--max-model-len {} is above the limit of {} tokens",
+        return invalid_argument(fmt::format("max_model_len {} is above the limit of {} tokens",
                                             config.max_model_len, INT32_MAX));
     // 0 admitted one prompt per step, whatever its length, as if there were no budget.
     if (config.max_num_batched_tokens == 0)
-        return invalid_argument("--max-num-batched-tokens must be at least 1, got 0");
+        return invalid_argument("max_num_batched_tokens must be at least 1, got 0");
     // 0 was taken as 1; a count above the model's layers means one group per layer.
     if (config.push_layer_groups < 1)
         return invalid_argument(fmt::format(
-            "--push-layer-groups must be at least 1 (1: each chunk whole after its step; at "
+            "push_layer_groups must be at least 1 (1: each chunk whole after its step; at "
             "most one group per layer, {} for {}), got {}",
             cost.model().layers, cost.model().name, config.push_layer_groups));
-    if (config.time_scale < 0) return invalid_argument("time scale must not be negative");
-    if (config.engine_id.empty()) return invalid_argument("--engine-id must not be empty");
-    if (config.block_size < 1) return invalid_argument("--block-size must be at least 1");
+    if (config.time_scale < 0) return invalid_argument("time_scale must not be negative");
+    if (config.engine_id.empty()) return invalid_argument("engine_id must not be empty");
+    if (config.block_size < 1) return invalid_argument("block_size must be at least 1");
     // A chunk below a block computed a fraction of a block per step: push then sent a write per
     // layer for every partial block, and a prompt took a step per few tokens.
     if (config.prefill_chunk_tokens > 0 && config.prefill_chunk_tokens < size_t(config.block_size))
         return invalid_argument(fmt::format(
-            "--prefill-chunk {} is below --block-size {}: a chunk is at least one block (or 0: "
+            "prefill_chunk_tokens {} is below block_size {}: a chunk is at least one block (or 0: "
             "whole prompts)",
             config.prefill_chunk_tokens, config.block_size));
     if (config.num_blocks == 0 || config.num_blocks > UINT32_MAX)
         return invalid_argument(
-            fmt::format("--num-blocks {} is outside [1, 2^32)", config.num_blocks));
+            fmt::format("num_blocks {} is outside [1, 2^32)", config.num_blocks));
     kv::KvLayout layout = cost.kv_layout(uint32_t(config.block_size), uint32_t(config.num_blocks));
     if (config.head_offset < 0 ||
         config.head_offset + int(layout.num_kv_heads) > cost.model().kv_heads)
-        return invalid_argument(fmt::format("head offset {} leaves the model's {} KV heads",
+        return invalid_argument(fmt::format("head_offset {} leaves the model's {} KV heads",
                                             config.head_offset, cost.model().kv_heads));
     FERRY_ASSIGN_OR_RETURN(auto pool, KvPool::create(layout));
     return std::unique_ptr<Engine>(new Engine(std::move(config), std::move(cost), std::move(pool)));

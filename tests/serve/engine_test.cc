@@ -112,6 +112,33 @@ TEST(Engine, RejectsRequestsBeyondItsLimitsWithAClearMessage) {
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
 }
 
+// The library speaks of its own settings: an embedder has no flags (the `ferry` command puts
+// its flag names in, cli_flags_test.cc checks those).
+TEST(Engine, ConfigErrorsNameTheSettingsNotTheCommandsFlags) {
+    struct Case {
+        EngineConfig config;
+        std::string says;
+    };
+    std::vector<Case> cases = {
+        {{.engine_id = "e", .max_num_seqs = 0}, "max_num_seqs must be in [1, "},
+        {{.engine_id = "e", .max_model_len = 0}, "max_model_len must be at least 1"},
+        {{.engine_id = "e", .max_num_batched_tokens = 0},
+         "max_num_batched_tokens must be at least"},
+        {{.engine_id = "e", .block_size = 0}, "block_size must be at least 1"},
+        {{.engine_id = "e", .prefill_chunk_tokens = 8, .block_size = 16},
+         "prefill_chunk_tokens 8 is below block_size 16"},
+        {{.engine_id = "e", .num_blocks = 0}, "num_blocks 0 is outside [1, 2^32)"},
+        {{.engine_id = ""}, "engine_id must not be empty"},
+    };
+    for (const auto& c : cases) {
+        auto e = Engine::create(c.config, tiny_cost());
+        ASSERT_FALSE(e.ok()) << c.says;
+        EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+        EXPECT_NE(e.status().message().find(c.says), std::string::npos) << e.status().to_string();
+        EXPECT_EQ(e.status().message().find("--"), std::string::npos) << e.status().to_string();
+    }
+}
+
 TEST(Engine, ContinuousBatchingRunsUpToMaxNumSeqsTogether) {
     // Each request takes ~20 decode steps; with room for all four they overlap in time, with
     // max_num_seqs 1 they run one after the other.
