@@ -32,6 +32,7 @@
 #include "ferry/fabric/types.h"
 #include "fork.h"
 #include "kv.h"
+#include "log_sink.h"
 #include "memory.h"
 #include "moe.h"
 
@@ -771,6 +772,7 @@ PYBIND11_MODULE(_ferry, m) {
 
     register_moe(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
     register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
+    register_log(m);
 
     m.def("gpu_device_count", [] {
         py::gil_scoped_release nogil;
