@@ -219,7 +219,7 @@ struct EventQueue {
     // Whether events are there (or the queue was closed) within t.
     bool wait(Duration t) {
         std::unique_lock<std::mutex> l(mu);
-        return cv.wait_for(l, t, [&] { return !events.empty() || dropped > 0 || closed; });
+        return wait_for_or_test(cv, l, t, [&] { return !events.empty() || dropped > 0 || closed; });
     }
 };
 

@@ -219,7 +219,8 @@ struct ImmExpectation {
             [&](Duration slice) -> std::optional<Status> {
                 spin_until([&] { return done(); }, std::exchange(first_spin, Duration::zero()));
                 std::unique_lock<std::mutex> l(state->mu);
-                if (!state->cv.wait_for(l, slice, [&] { return state->result.has_value(); }))
+                if (!wait_for_or_test(state->cv, l, slice,
+                                      [&] { return state->result.has_value(); }))
                     return std::nullopt;
                 return *state->result;
             },
