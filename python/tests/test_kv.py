@@ -415,6 +415,20 @@ def test_dead_peer_handshake(engine):
             fkv.fetch_handshake("127.0.0.1", port, conn.layout, SECRET, timeout=2.0)
 
 
+def test_incompatible_layout_names_both_layouts_and_the_field(engine):
+    """A caller whose layout differs from the server's: the error named only the caller's hash.
+    Now both layouts and the field that differs, with its two values."""
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        with fkv.HandshakeServer(conn, SECRET) as server:
+            mine = layout(head_dim=HEAD_DIM * 2)
+            with pytest.raises(ferry.InvalidArgument) as e:
+                fkv.fetch_handshake("127.0.0.1", server.port, mine, SECRET)
+    msg = str(e.value)
+    assert f"head_dim differs ({HEAD_DIM} at the peer, {HEAD_DIM * 2} here)" in msg, msg
+    assert f"head_dim={HEAD_DIM} " in msg and f"head_dim={HEAD_DIM * 2} " in msg, msg
+    assert "num_layers" not in msg and "elem_size" not in msg, msg
+
+
 def test_closed_connector(engine):
     conn = fkv.KvConnector(engine, layout(), per_layer_pool())
     conn.close()

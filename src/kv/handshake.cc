@@ -38,7 +38,7 @@ Result<Frame> read_server_frame(ByteReader& r, Frame expected) {
 
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout, bool* refused) {
+                                      Duration timeout, bool* refused, const KvLayout* mine) {
     if (refused) *refused = false;
     auto ctx = [&](const Status& s) {
         return s.with_context(fmt::format("handshake with {}:{}", host, port));
@@ -94,7 +94,14 @@ Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
         if (!ok) {
             std::string why;
             FERRY_RETURN_IF_ERROR(r.get_string(&why, "error", kMaxFrame));
-            return invalid_argument(why);
+            // A server of before 2026-12-06 sends the message only.
+            Result<KvLayout> theirs =
+                r.remaining() ? KvLayout::decode(r) : Result<KvLayout>(not_found(""));
+            if (!mine || !theirs.ok()) return invalid_argument(why);
+            return invalid_argument(
+                fmt::format("incompatible KV layout: {}: the peer holds {}, this side {}",
+                            compatibility_difference(*theirs, *mine, "at the peer", "here"),
+                            theirs->to_string(), mine->to_string()));
         }
         std::vector<uint8_t> blob;
         FERRY_RETURN_IF_ERROR(r.get_bytes(&blob, "info", kMaxFrame));

@@ -97,11 +97,14 @@ class HandshakeServer {
 
 // One handshake: connect, prove the secret and check the server's proof, send the
 // compatibility hash the caller expects, read the answer. A peer whose layout hash differs
-// answers with an error naming both layouts; a peer without the secret is a kPermissionDenied.
-// `refused` (optional) is set when the endpoint refused the connection (nothing listens).
+// answers with an error naming its layout; with `mine` (this side's layout, optional) the
+// error also names this side's and the fields that differ. A peer without the secret is a
+// kPermissionDenied. `refused` (optional) is set when the endpoint refused the connection
+// (nothing listens).
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout, bool* refused = nullptr);
+                                      Duration timeout, bool* refused = nullptr,
+                                      const KvLayout* mine = nullptr);
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
