@@ -127,7 +127,8 @@ Result<HandshakeInfo> HandshakeCache::get(const std::string& host, uint16_t port
         if (it != entries_.end()) return it->second;
     }
     // Fetched without the lock: a slow peer must not hold up lookups of other peers.
-    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout));
+    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout, nullptr,
+                                                      mine_ ? &*mine_ : nullptr));
     std::lock_guard lk(mu_);
     return entries_.insert_or_assign(key, std::move(info)).first->second;
 }
@@ -135,7 +136,8 @@ Result<HandshakeInfo> HandshakeCache::get(const std::string& host, uint16_t port
 Result<HandshakeCache::Refreshed> HandshakeCache::refresh(const std::string& host, uint16_t port,
                                                           Duration timeout) {
     std::string key = endpoint_key(host, port);
-    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout));
+    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout, nullptr,
+                                                      mine_ ? &*mine_ : nullptr));
     std::lock_guard lk(mu_);
     Refreshed out;
     auto it = entries_.find(key);
@@ -154,7 +156,8 @@ HandshakeCache::Probe HandshakeCache::probe(const std::string& host, uint16_t po
         if (auto it = entries_.find(key); it != entries_.end()) out.previous = it->second;
     }
     bool refused = false;
-    auto info = fetch_handshake(host, port, hash_, secret_, timeout, &refused);
+    auto info =
+        fetch_handshake(host, port, hash_, secret_, timeout, &refused, mine_ ? &*mine_ : nullptr);
     std::lock_guard lk(mu_);
     if (!info.ok()) {
         out.why = info.status();

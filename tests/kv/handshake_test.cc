@@ -98,6 +98,13 @@ TEST(Handshake, ServesInfoAndRefusesAnIncompatibleCaller) {
         << m;
     EXPECT_NE(m.find(info.layout.to_string()), std::string::npos) << m;
     EXPECT_NE(m.find(mine.to_string()), std::string::npos) << m;
+
+    // The cache ferry serve uses, made with its layout, says the same.
+    HandshakeCache cache(mine, test_secret());
+    auto cached = cache.get("127.0.0.1", (*server)->port(), kTimeout);
+    ASSERT_FALSE(cached.ok());
+    EXPECT_NE(cached.status().message().find("num_layers differs"), std::string::npos)
+        << cached.status().message();
 }
 
 TEST(Handshake, CacheAnswersRepeatsAndDetectsARestartedPeer) {

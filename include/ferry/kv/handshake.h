@@ -111,6 +111,9 @@ class HandshakeCache {
   public:
     HandshakeCache(uint64_t expected_compat_hash, Secret secret)
         : hash_(expected_compat_hash), secret_(std::move(secret)) {}
+    // With this side's layout: a peer's incompatible layout is named field by field.
+    HandshakeCache(const KvLayout& mine, Secret secret)
+        : hash_(mine.compatibility_hash()), mine_(mine), secret_(std::move(secret)) {}
 
     // The cached answer, or a fresh handshake on a miss.
     Result<HandshakeInfo> get(const std::string& host, uint16_t port, Duration timeout);
@@ -141,6 +144,7 @@ class HandshakeCache {
 
   private:
     uint64_t hash_;
+    std::optional<KvLayout> mine_;
     Secret secret_;
     mutable std::mutex mu_;
     std::map<std::string, HandshakeInfo> entries_;
