@@ -58,7 +58,8 @@ def rank_main(rank: int, port: int, n: int, fp8: bool, seed: int) -> None:
     dt = ferry.moe.fp8_dtype() if fp8 else torch.bfloat16
     a2a = ferry.moe.AllToAll(
         max_num_tokens=n, num_experts=EXPERTS, expert_padding=1, hidden_dim=HIDDEN,
-        hidden_dim_scale=HIDDEN // 128, in_dtype=dt, out_dtype=dt, scale_dtype=torch.float32,
+        hidden_dim_scale=HIDDEN // 128 if fp8 else None, in_dtype=dt, out_dtype=torch.bfloat16,
+        scale_dtype=torch.float32 if fp8 else None,
         num_experts_per_token=TOPK, device="cpu", provider="tcp")
     nl = a2a.num_local_experts
     x = tokens_of(rank, n)

@@ -84,6 +84,9 @@ from ._ferry import (
     TimeoutError,
     Unavailable,
 )
+from . import _log
+
+_log.install(_ferry)  # the library's log lines to the "ferry" logger (ferry/_log.py)
 
 __version__ = "0.1.0"
 
@@ -357,6 +360,7 @@ class TransferEngine:
         op_timeout_s = _seconds("op_timeout", op_timeout)
         if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
             raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
+        _log.sync_level()  # a level set just before takes effect for this engine's lines
         self._engine = _ferry.Engine(
             _str("provider", provider), _bool("same_host", same_host), _str("node", node),
             _int("rails", rails, 1, _I32_MAX), op_timeout_s,

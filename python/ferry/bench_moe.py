@@ -98,8 +98,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, gate, threads: Optiona
     dt = moe.fp8_dtype() if fp8 else torch.bfloat16
     rpn = args.ranks_per_node or args.ranks
     with (torch.cuda.stream(stream) if cuda else _nullcontext()):
-        a = moe.AllToAll(args.tokens, args.experts, 1, args.hidden, args.hidden // 128, dt, dt,
-                         torch.float32, args.topk, min(args.private_slots, args.tokens), dev,
+        a = moe.AllToAll(args.tokens, args.experts, 1, args.hidden,
+                         args.hidden // 128 if fp8 else None, dt, torch.bfloat16,
+                         torch.float32 if fp8 else None, args.topk, min(args.private_slots, args.tokens), dev,
                          ranks_per_node=rpn, provider=args.provider, timeout=60.0, **meet)
         nl, cap, h, t = a.num_local_experts, a.max_recv_tokens, args.hidden, args.tokens
         g = torch.Generator().manual_seed(args.seed * 1009 + rank)

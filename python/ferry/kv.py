@@ -414,7 +414,7 @@ def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
     if not isinstance(layout, KvLayout):
         raise InvalidType(f"layout must be this side's KvLayout, got {type(layout).__name__}")
     return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
-                                  layout.compatibility_hash, _secret(secret),
+                                  layout, _secret(secret),
                                   _seconds("timeout", timeout))
 
 

@@ -47,13 +47,16 @@ def _is_fp8(dtype: Any) -> bool:
     return dtype == torch.uint8 or (_FP8 is not None and dtype == _FP8)
 
 
-def _kind(name: str, dtype: Any) -> str:
+def _dispatch_kind(dtype: Any) -> str:
+    """AllToAll's in_dtype: "bf16", "fp8" or "fp32" (fp32 rows travel as their bytes)."""
+    if dtype == torch.float32:
+        return "fp32"
     if dtype == torch.bfloat16:
         return "bf16"
     if _is_fp8(dtype):
         return "fp8"
-    raise InvalidArgument(f"{name} must be torch.bfloat16 or fp8 e4m3 ({fp8_dtype()}), got "
-                          f"{dtype}")
+    raise InvalidArgument(f"in_dtype must be torch.bfloat16, torch.float32 or fp8 e4m3 "
+                          f"({fp8_dtype()}), got {dtype}")
 
 
 def _dtype_text(dtypes: Sequence[Any]) -> str:
@@ -130,6 +133,22 @@ def _allgather_of(group: Any) -> Callable[[bytes], List[bytes]]:
     return allgather
 
 
+def _parallel_group(group: Any) -> bool:
+    """pplx-garden's ParallelGroup (int ``rank`` and ``size``, ``all_gather_object``) rather
+    than a torch.distributed group."""
+    return (group is not None and isinstance(getattr(group, "rank", None), int)
+            and isinstance(getattr(group, "size", None), int)
+            and callable(getattr(group, "all_gather_object", None)))
+
+
+def _group_size(group: Any) -> int:
+    if _parallel_group(group):
+        return int(group.size)
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))
+
+
 def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
                allgather: Optional[Callable[[bytes], List[bytes]]]
                ) -> Tuple[int, int, Callable[[bytes], List[bytes]]]:
@@ -141,6 +160,15 @@ def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
         if not callable(allgather):
             raise InvalidType("allgather must be a callable bytes -> list[bytes]")
         return int(rank), int(world_size), allgather
+    if _parallel_group(group):
+        g_rank, g_world = int(group.rank), int(group.size)
+        if rank is not None and int(rank) != g_rank:
+            raise InvalidArgument(f"rank {rank} differs from the group's rank {g_rank}")
+        if world_size is not None and int(world_size) != g_world:
+            raise InvalidArgument(f"world_size {world_size} differs from the group's size "
+                                  f"{g_world}")
+        return g_rank, g_world, lambda blob: [bytes(b) for b in
+                                              group.all_gather_object(bytes(blob))]
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -332,10 +360,12 @@ class AllToAll:
     """One rank's expert-parallel all-to-all, shaped after pplx-garden's ``P2PAllToAll``.
 
     Collective constructor: every rank of the group builds one with the same arguments.
-    ``in_dtype`` is the dtype of ``dp_x`` (torch.bfloat16 or fp8 e4m3, see :func:`fp8_dtype`);
-    ``out_dtype`` must equal it (ferry moves the bytes, it does not convert);
-    ``scale_dtype`` torch.float32 with fp8 (one scale per 128 channels). Experts are split
-    evenly over the ranks (rank r holds experts ``r * E/R .. (r + 1) * E/R - 1``).
+    ``in_dtype`` is the dispatch's dtype, that of ``dp_x`` (torch.bfloat16, torch.float32 or
+    fp8 e4m3, see :func:`fp8_dtype`); ``out_dtype`` the combine's, that of ``expert_y`` and
+    ``out_tokens`` (torch.bfloat16 or torch.float32; default bf16 after an fp8 dispatch, else
+    in_dtype), as in pplx-garden; ``scale_dtype`` torch.float32 with fp8 (one scale per 128
+    channels). Experts are split evenly over the ranks (rank r holds experts
+    ``r * E/R .. (r + 1) * E/R - 1``).
     """
 
     def __init__(self, max_num_tokens: int, num_experts: int, expert_padding: int,
@@ -343,7 +373,10 @@ class AllToAll:
                  in_dtype: Any = torch.bfloat16, out_dtype: Any = None,
                  scale_dtype: Any = None, num_experts_per_token: int = 8,
                  max_private_tokens: Optional[int] = None, device: Any = None,
-                 dp_group: Any = None, node_group: Any = None, global_group: Any = None, *,
+                 dp_group: Any = None, node_group: Any = None, global_group: Any = None,
+                 nets_per_gpu: Optional[int] = None, imm_base: Optional[int] = None,
+                 transfer_engine: Any = None, worker_cpu: Optional[int] = None,
+                 max_tokens_per_expert: Optional[int] = None, *,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  ranks_per_node: Optional[int] = None,
                  allgather: Optional[Callable[[bytes], List[bytes]]] = None,
@@ -353,38 +386,54 @@ class AllToAll:
                   num_experts_per_token=num_experts_per_token)
         _integers(optional=True, hidden_dim_scale=hidden_dim_scale,
                   max_private_tokens=max_private_tokens, rank=rank, world_size=world_size,
-                  ranks_per_node=ranks_per_node)
-        kind = _kind("in_dtype", in_dtype)
-        if out_dtype is not None and _kind("out_dtype", out_dtype) != kind:
-            raise InvalidArgument(f"out_dtype {out_dtype} differs from in_dtype {in_dtype}: "
-                                  "ferry dispatches the input's bytes unchanged")
+                  ranks_per_node=ranks_per_node, nets_per_gpu=nets_per_gpu, imm_base=imm_base,
+                  worker_cpu=worker_cpu, max_tokens_per_expert=max_tokens_per_expert)
+        kind = _dispatch_kind(in_dtype)
+        if out_dtype is None:
+            out_dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise InvalidArgument(f"out_dtype is the combine's dtype (of expert_y and "
+                                  f"out_tokens, as in pplx-garden): torch.bfloat16 or "
+                                  f"torch.float32, got {out_dtype}")
         if kind == "fp8":
             if scale_dtype is not None and scale_dtype != torch.float32:
                 raise InvalidArgument(f"scale_dtype must be torch.float32, got {scale_dtype}")
             if hidden_dim_scale is not None and int(hidden_dim_scale) != hidden_dim // SCALE_BLOCK:
                 raise InvalidArgument(f"hidden_dim_scale must be hidden_dim / {SCALE_BLOCK} = "
                                       f"{hidden_dim // SCALE_BLOCK}, got {hidden_dim_scale}")
-        if dp_group is not None:
-            import torch.distributed as dist
-
-            if dist.get_world_size(dp_group) != 1:
-                raise InvalidArgument("dp_group of more than one rank (tokens shared within a "
-                                      "data-parallel group) is not supported: pass None")
+        elif hidden_dim_scale is not None or scale_dtype is not None:
+            raise InvalidArgument(f"hidden_dim_scale / scale_dtype given with in_dtype "
+                                  f"{in_dtype}: ferry dispatches scales with fp8 tokens only")
+        if transfer_engine is not None:
+            if engine is not None and engine is not transfer_engine:
+                raise InvalidArgument("engine and transfer_engine are the same argument (ferry's "
+                                      "name and pplx-garden's): pass one")
+            engine = transfer_engine
+        if dp_group is not None and _group_size(dp_group) != 1:
+            raise InvalidArgument("dp_group of more than one rank (tokens shared within a "
+                                  "data-parallel group) is not supported: pass None")
         if int(expert_padding) < 1:
             raise InvalidArgument(f"expert_padding must be >= 1, got {expert_padding}")
         rank, world, gather = _bootstrap(global_group, rank, world_size, allgather)
         if ranks_per_node is None:
-            if node_group is not None:
-                import torch.distributed as dist
-
-                ranks_per_node = dist.get_world_size(node_group)
-            else:
-                ranks_per_node = world
+            ranks_per_node = world if node_group is None else _group_size(node_group)
         if max_private_tokens is None:
             max_private_tokens = min(int(max_num_tokens), 32)
-        self._dtype = in_dtype
+        pad = int(expert_padding)
+        capacity = -(-world * int(max_num_tokens) // pad) * pad  # as _Engine.capacity
+        if max_tokens_per_expert is not None and int(max_tokens_per_expert) < capacity:
+            raise InvalidArgument(f"max_tokens_per_expert {max_tokens_per_expert} is below "
+                                  f"{capacity}, the rows one local expert can receive "
+                                  "(world size x max_num_tokens, padded to expert_padding)")
+        self._dtype, self._out_dtype, self._kind = in_dtype, out_dtype, kind
+        self._hidden = int(hidden_dim)
+        # fp32 tokens travel as their bytes: rows of twice as many bf16 channels, which also
+        # carry an fp32 combine row as two bf16 halves (high part, remainder).
+        self._wide = kind == "fp32"
         self._device = _device(device)
-        self._e = _Engine(max_tokens=max_num_tokens, hidden=hidden_dim, kind=kind,
+        self._e = _Engine(max_tokens=max_num_tokens,
+                          hidden=hidden_dim * 2 if self._wide else hidden_dim,
+                          kind="fp8" if kind == "fp8" else "bf16",
                           num_experts=num_experts, topk=num_experts_per_token, rank=rank,
                           world=world, ranks_per_node=int(ranks_per_node),
                           private_slots=int(max_private_tokens), alignment=int(expert_padding),
@@ -409,8 +458,9 @@ class AllToAll:
         return self._e.capacity
 
     def _dtypes(self) -> Tuple[Any, ...]:
-        return (torch.bfloat16,) if self._e.kind == "bf16" else tuple(
-            d for d in (_FP8, torch.uint8) if d is not None)
+        if self._kind == "fp8":
+            return tuple(d for d in (_FP8, torch.uint8) if d is not None)
+        return (torch.float32,) if self._kind == "fp32" else (torch.bfloat16,)
 
     def _tokens(self, name: str, t: int, bound_m: Optional["torch.Tensor"]) -> int:
         if t > self._e.max_tokens:
@@ -426,12 +476,16 @@ class AllToAll:
             raise InvalidArgument(f"bound_m holds {m}; it must be in [0, {t}] ({name} rows)")
         return m
 
+    def _bytes(self, t: "torch.Tensor") -> "torch.Tensor":
+        """fp32 rows as the bf16 channels the all-to-all moves (same bytes, a view)."""
+        return t.view(torch.bfloat16) if self._wide else t
+
     def dispatch(self, out_expert_num_tokens: "torch.Tensor", out_expert_x: "torch.Tensor",
                  out_expert_x_scale: Optional["torch.Tensor"], dp_x: "torch.Tensor",
                  dp_x_scale: Optional["torch.Tensor"], indices: "torch.Tensor",
                  weights: "torch.Tensor", bound_m: Optional["torch.Tensor"] = None,
                  do_send: bool = True, do_recv: bool = True) -> None:
-        """Sends each token of ``dp_x`` ``[T, hidden]`` to the ranks of its experts
+        """Sends each token of ``dp_x`` ``[T, hidden]`` (in_dtype) to the ranks of its experts
         (``indices`` ``[T, k]`` int32/int64, -1 = no expert; ``weights`` ``[T, k]`` fp32, the
         combine weights unless combine passes others) and receives this rank's rows:
         ``out_expert_x[e, :n_e]`` (``[local experts, >= max_recv_tokens, hidden]``), their
@@ -442,7 +496,7 @@ class AllToAll:
         e, dev = self._e, self._device
         e.check_open("ferry.moe.AllToAll")
         do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
-        h, k, spt, nl = e.hidden, e.topk, e.spt, e.local_experts
+        h, k, spt, nl = self._hidden, e.topk, e.spt, e.local_experts
         # Every argument of both halves is checked before anything is sent, so a mistake
         # leaves no call half done.
         if do_send:
@@ -456,34 +510,59 @@ class AllToAll:
         scale = None
         if do_recv:
             _check("out_expert_num_tokens", out_expert_num_tokens, (torch.int32,), (nl,), dev)
+            if isinstance(out_expert_x, torch.Tensor) and out_expert_x.dim() == 2:
+                raise InvalidArgument(
+                    f"out_expert_x of shape {tuple(out_expert_x.shape)}: pplx-garden's flat "
+                    "layout (experts' rows back to back) is not supported; pass "
+                    f"[num_local_experts, max_tokens_per_expert, hidden] = [{nl}, "
+                    f">= {e.capacity}, {h}]")
             _check("out_expert_x", out_expert_x, self._dtypes(), (nl, None, h), dev)
             _check_min_rows("out_expert_x", out_expert_x, e.capacity)
             if e.kind == "fp8":
                 scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
                                (nl, out_expert_x.shape[1], spt), dev)
         if do_send:
-            e.send(dp_x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
+            e.send(self._bytes(dp_x), dp_x_scale if e.kind == "fp8" else None, indices, weights,
+                   n, bound_m)
         if do_recv:
-            e.recv(out_expert_num_tokens, out_expert_x, scale)
+            e.recv(out_expert_num_tokens, self._bytes(out_expert_x), scale)
+
+    def _combine_rows(self, expert_y: "torch.Tensor") -> "torch.Tensor":
+        """expert_y as the bf16 rows combine carries: fp32 rounded to bf16; after an fp32
+        dispatch, [high part, remainder] halves of the twice-as-wide rows."""
+        if not self._wide:
+            return expert_y if expert_y.dtype == torch.bfloat16 else expert_y.to(torch.bfloat16)
+        h = self._hidden
+        rows = torch.empty(*expert_y.shape[:2], 2 * h, dtype=torch.bfloat16,
+                           device=expert_y.device)
+        rows[..., :h] = expert_y
+        if expert_y.dtype == torch.float32:
+            rows[..., h:] = expert_y - rows[..., :h].float()
+        else:
+            rows[..., h:] = 0
+        return rows
 
     def combine(self, out_tokens: "torch.Tensor", indices: "torch.Tensor",
                 weights: "torch.Tensor", expert_y: "torch.Tensor",
                 bound_m: Optional["torch.Tensor"] = None, do_send: bool = True,
-                do_recv: bool = True) -> None:
-        """Sends the expert outputs ``expert_y`` (bf16, laid out like ``out_expert_x``) back and
-        writes ``out_tokens[t] = sum_k weights[t, k] * expert_y(t, k)`` (bf16 or fp32
-        ``[T, hidden]``, summed in fp32 in top-k order). The routing is the last dispatch's:
-        ``indices`` is checked for shape only; ``bound_m`` as in dispatch (the count given there
-        is used)."""
+                do_recv: bool = True, accumulate: bool = False) -> None:
+        """Sends the expert outputs ``expert_y`` (``[local experts, >= max_recv_tokens,
+        hidden]``, out_dtype: bf16 or fp32, laid out like ``out_expert_x``) back and writes
+        ``out_tokens[t] = sum_k weights[t, k] * expert_y(t, k)`` (bf16 or fp32 ``[T, hidden]``,
+        summed in fp32 in top-k order; ``accumulate=True`` adds it to ``out_tokens``). The
+        routing is the last dispatch's: ``indices`` is checked for shape only; ``bound_m`` as in
+        dispatch (the count given there is used)."""
         e, dev = self._e, self._device
         e.check_open("ferry.moe.AllToAll")
         do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
+        accumulate = _bool("accumulate", accumulate)
+        h = self._hidden
         if do_send:
-            _check("expert_y", expert_y, (torch.bfloat16,), (e.local_experts, None, e.hidden), dev)
+            _check("expert_y", expert_y, (torch.bfloat16, torch.float32),
+                   (e.local_experts, None, h), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
         if do_recv:
-            _check("out_tokens", out_tokens, (torch.bfloat16, torch.float32), (None, e.hidden),
-                   dev)
+            _check("out_tokens", out_tokens, (torch.bfloat16, torch.float32), (None, h), dev)
             t = int(out_tokens.shape[0])
             if t > e.max_tokens:
                 raise InvalidArgument(f"out_tokens holds {t} tokens, more than max_num_tokens "
@@ -503,9 +582,25 @@ class AllToAll:
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
             _check_finite("weights", weights[:need])
         if do_send:
-            e.combine_send(expert_y)
+            e.combine_send(self._combine_rows(expert_y))
         if do_recv:
-            e.combine_recv(out_tokens, weights)
+            if not self._wide and not accumulate:
+                e.combine_recv(out_tokens, weights)
+                return
+            # Rows the combine writes: the dispatch's count (CUDA: at most t, on the device).
+            n = t if e.cuda else e.num_tokens
+            if self._wide:
+                acc = torch.zeros(t, 2 * h, dtype=torch.float32, device=dev)
+                e.combine_recv(acc, weights)
+                got = acc[:n, :h] + acc[:n, h:]
+            else:
+                got = torch.zeros(t, h, dtype=out_tokens.dtype, device=dev)
+                e.combine_recv(got, weights)
+                got = got[:n]
+            if accumulate:
+                out_tokens[:n] += got.to(out_tokens.dtype)
+            else:
+                out_tokens[:n] = got
 
     def synchronize(self) -> None:
         """CUDA: waits for the current stream and raises a device-side error (a peer that
@@ -570,30 +665,42 @@ def _noop() -> None:
     pass
 
 
+_NORMAL_MODE = ("is DeepEP's normal (high-throughput) mode, which ferry.moe.Buffer does not "
+                "implement: use low_latency_dispatch / low_latency_combine on a "
+                "Buffer(..., low_latency_mode=True)")
+
+
 class Buffer:
     """DeepEP's ``deep_ep.Buffer`` in low-latency mode, on ferry's all-to-all.
 
-    ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``num_qps_per_rank`` are accepted and ignored
-    (ferry sizes its buffers from the first call's shape). One all-to-all is built per
-    (max tokens, experts, hidden, top-k, fp8) at the first call with that shape (a collective:
-    all ranks make the same calls, as DeepEP requires). Per shape, calls go dispatch ->
-    (hook) -> combine -> (hook): one micro-batch at a time.
+    As in DeepEP, ``low_latency_mode`` defaults to False and the low-latency calls need it
+    True; normal-mode calls (``dispatch``, ``combine``, ``get_dispatch_layout``) raise
+    ferry.InvalidArgument. ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``num_qps_per_rank`` are
+    kept as attributes and otherwise ignored (ferry sizes its buffers from the first call's
+    shape). One all-to-all is built per (max tokens, experts, hidden, top-k, fp8) at the first
+    call with that shape (a collective: all ranks make the same calls, as DeepEP requires).
+    Per shape, calls go dispatch -> (hook) -> combine -> (hook): one micro-batch at a time.
     """
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = True, num_qps_per_rank: int = 24,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, rank: Optional[int] = None,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+                 rank: Optional[int] = None,
                  world_size: Optional[int] = None, ranks_per_node: Optional[int] = None,
                  allgather: Optional[Callable[[bytes], List[bytes]]] = None,
                  engine: Any = None, provider: str = "auto", device: Any = None,
                  private_slots: Optional[int] = None, timeout: float = 10.0,
                  **unsupported: Any) -> None:
         _refuse_others("Buffer", unsupported)
-        if not low_latency_mode:
-            raise InvalidArgument("low_latency_mode=False is not supported by ferry.moe.Buffer: "
-                                  "it implements DeepEP's low-latency calls only")
-        _refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink is not implemented")
+        # allow_mnnvl and allow_nvlink_for_low_latency_mode permit a path, they do not ask for
+        # one: ferry picks shared memory or its engine by ranks_per_node.
+        _refuse("enable_shrink", enable_shrink, False, "ranks cannot be dropped from a Buffer")
+        self.low_latency_mode = _bool("low_latency_mode", low_latency_mode)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.group = group
         _integers(optional=True, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
                   private_slots=private_slots)
         timeout = _seconds("timeout", timeout)
@@ -604,6 +711,49 @@ class Buffer:
         self._private = private_slots
         self._a2a: dict = {}
         self._closed = False
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """DeepEP's sizing call: bytes of the buffers one rank of a low-latency Buffer holds
+        for calls of this shape (bf16 rows, any top-k up to 64), to pass as
+        ``num_rdma_bytes``. ferry sizes its buffers itself from the first call, so the number
+        is for code that sizes or compares Buffers by it."""
+        _integers(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                  hidden=hidden, num_ranks=num_ranks, num_experts=num_experts)
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                        ("hidden", hidden), ("num_ranks", num_ranks),
+                        ("num_experts", num_experts)):
+            if not 0 < int(v) <= _U32_MAX:
+                raise InvalidArgument(f"{name} must be in [1, {_U32_MAX}], got {v}")
+        if num_experts % num_ranks != 0:
+            raise InvalidArgument(f"num_experts {num_experts} must be a multiple of num_ranks "
+                                  f"{num_ranks}")
+        t = int(num_max_dispatch_tokens_per_rank)
+        return int(_ferry.moe_rank_bytes(t, int(hidden), int(num_experts),
+                                         min(int(num_experts), 64), int(num_ranks), min(t, 32)))
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal-mode dispatch: not implemented (raises ferry.InvalidArgument)."""
+        raise InvalidArgument(f"Buffer.dispatch {_NORMAL_MODE}")
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal-mode combine: not implemented (raises ferry.InvalidArgument)."""
+        raise InvalidArgument(f"Buffer.combine {_NORMAL_MODE}")
+
+    def get_dispatch_layout(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal-mode layout: not implemented (raises ferry.InvalidArgument)."""
+        raise InvalidArgument(f"Buffer.get_dispatch_layout {_NORMAL_MODE}")
+
+    @staticmethod
+    def get_dispatch_config(*args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal-mode config: not implemented (raises ferry.InvalidArgument)."""
+        raise InvalidArgument(f"Buffer.get_dispatch_config {_NORMAL_MODE}")
+
+    @staticmethod
+    def get_combine_config(*args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal-mode config: not implemented (raises ferry.InvalidArgument)."""
+        raise InvalidArgument(f"Buffer.get_combine_config {_NORMAL_MODE}")
 
     def _get(self, x: "torch.Tensor", k: int, max_tokens: int, num_experts: int,
              fp8: bool) -> Tuple[_Engine, Tuple[Any, ...]]:
@@ -644,6 +794,9 @@ class Buffer:
         expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
         and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
         self._check_open()
+        if not self.low_latency_mode:
+            raise InvalidArgument("low_latency_dispatch needs a Buffer made with "
+                                  "low_latency_mode=True (False is the default, as in DeepEP)")
         _refuse_others("low_latency_dispatch", unsupported)
         _refuse("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None,
                 "no per-expert statistics are kept")

@@ -26,14 +26,20 @@ class AllToAll:
 
     max_num_tokens: most tokens a rank dispatches per call; num_experts: experts in all, split
     evenly over the ranks; num_experts_per_token: k of top-k; hidden_dim: channels per token,
-    hidden_dim_scale: hidden_dim / 128 for fp8 (or None). in_dtype: torch.bfloat16 or fp8 (fp8_dtype()); out_dtype must equal it; scale_dtype
-    torch.float32 (fp8); expert_padding pads each expert's received rows (zeros) to a multiple;
+    hidden_dim_scale: hidden_dim / 128 for fp8 (or None). in_dtype: the dispatch's dtype,
+    torch.bfloat16, torch.float32 or fp8 (fp8_dtype()); out_dtype: the combine's (expert_y and
+    out_tokens), torch.bfloat16 or torch.float32 (default: bf16 after fp8, else in_dtype), as in
+    pplx-garden; scale_dtype torch.float32 (fp8 only); expert_padding pads each expert's received rows (zeros) to a multiple;
     max_private_tokens: rows per sender written before the counts are known (default
     min(max_num_tokens, 32)). device: "cpu" (CPU backend) or a CUDA device (kernels on the
     current stream). Ranks: torch.distributed (global_group, default WORLD; node_group's size
     gives ranks_per_node) or rank + world_size + allgather. dp_group of more than one rank is
-    refused. engine: a TransferEngine for other nodes (CPU: always needed; made with
-    `provider` if not given). timeout: seconds every wait inside a call may take.
+    refused; pplx-garden's ParallelGroup (rank, size, all_gather_object) is taken for any
+    group. engine (or pplx-garden's transfer_engine): a TransferEngine for other nodes (CPU:
+    always needed; made with `provider` if not given). nets_per_gpu, imm_base, worker_cpu:
+    accepted, unused (the engine picks its NICs). max_tokens_per_expert: rows of the
+    [E_local, rows, H] outputs, at least max_recv_tokens. timeout: seconds every wait inside a
+    call may take.
     """
 
     def __init__(self, max_num_tokens: int, num_experts: int, expert_padding: int,
@@ -41,7 +47,10 @@ class AllToAll:
                  in_dtype: Any = ..., out_dtype: Any = ..., scale_dtype: Any = ...,
                  num_experts_per_token: int = ..., max_private_tokens: Optional[int] = ...,
                  device: Any = ..., dp_group: Any = ..., node_group: Any = ...,
-                 global_group: Any = ..., *, rank: Optional[int] = ...,
+                 global_group: Any = ..., nets_per_gpu: Optional[int] = ...,
+                 imm_base: Optional[int] = ..., transfer_engine: Optional[TransferEngine] = ...,
+                 worker_cpu: Optional[int] = ..., max_tokens_per_expert: Optional[int] = ..., *,
+                 rank: Optional[int] = ...,
                  world_size: Optional[int] = ..., ranks_per_node: Optional[int] = ...,
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., timeout: float = ...) -> None: ...
@@ -67,9 +76,11 @@ class AllToAll:
 
     def combine(self, out_tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 expert_y: torch.Tensor, bound_m: Optional[torch.Tensor] = ...,
-                do_send: bool = ..., do_recv: bool = ...) -> None:
-        """expert_y bf16 [E_local, >= max_recv_tokens, H] -> out_tokens [T, H] (bf16 or fp32):
-        sum over k of weights[t, k] * expert_y(t, k), fp32 in top-k order. The routing is the
+                do_send: bool = ..., do_recv: bool = ..., accumulate: bool = ...) -> None:
+        """expert_y bf16 or fp32 [E_local, >= max_recv_tokens, H] -> out_tokens [T, H] (bf16 or
+        fp32): sum over k of weights[t, k] * expert_y(t, k), fp32 in top-k order (added to
+        out_tokens with accumulate=True). Rows travel as bf16; after an fp32 dispatch as two
+        bf16 halves (high part and remainder, about 16 significant bits). The routing is the
         dispatch's (indices checked for shape)."""
 
     def synchronize(self) -> None:
@@ -93,26 +104,54 @@ class EventOverlap:
     def __exit__(self, *exc: Any) -> None: ...
 
 class Buffer:
-    """DeepEP's Buffer, low-latency mode only. num_nvl_bytes / num_rdma_bytes /
-    num_qps_per_rank / allow_nvlink_for_low_latency_mode / explicitly_destroy are accepted and
-    ignored; low_latency_mode=False and allow_mnnvl=True are refused. An all-to-all is built
-    per call shape at its first use (collective)."""
+    """DeepEP's Buffer, low-latency calls only. low_latency_mode defaults to False as in
+    DeepEP, and low_latency_dispatch needs it True; the normal-mode calls (dispatch, combine,
+    get_dispatch_layout, get_dispatch_config, get_combine_config) raise InvalidArgument.
+    num_nvl_bytes / num_rdma_bytes / num_qps_per_rank are kept as attributes, unused;
+    allow_nvlink_for_low_latency_mode / allow_mnnvl / explicitly_destroy are accepted, unused.
+    An all-to-all is built per call shape at its first use (collective)."""
 
     rank: int
     group_size: int
+    group: Any
+    low_latency_mode: bool
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    num_qps_per_rank: int
+    explicitly_destroy: bool
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """DeepEP's sizing call: bytes one rank's buffers hold for calls of that shape (bf16
+        rows, top-k up to 64), for num_rdma_bytes (which ferry does not need)."""
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal mode: raises ferry.InvalidArgument."""
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal mode: raises ferry.InvalidArgument."""
+    def get_dispatch_layout(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal mode: raises ferry.InvalidArgument."""
+    @staticmethod
+    def get_dispatch_config(*args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal mode: raises ferry.InvalidArgument."""
+    @staticmethod
+    def get_combine_config(*args: Any, **kwargs: Any) -> Any:
+        """DeepEP's normal mode: raises ferry.InvalidArgument."""
 
     def __init__(self, group: Any = ..., num_nvl_bytes: int = ..., num_rdma_bytes: int = ...,
                  low_latency_mode: bool = ..., num_qps_per_rank: int = ...,
                  allow_nvlink_for_low_latency_mode: bool = ..., allow_mnnvl: bool = ...,
-                 explicitly_destroy: bool = ..., *, rank: Optional[int] = ...,
+                 explicitly_destroy: bool = ..., enable_shrink: bool = ..., *,
+                 rank: Optional[int] = ...,
                  world_size: Optional[int] = ..., ranks_per_node: Optional[int] = ...,
                  allgather: Optional[AllGather] = ..., engine: Optional[TransferEngine] = ...,
                  provider: str = ..., device: Any = ..., private_slots: Optional[int] = ...,
                  timeout: float = ..., **unsupported: Any) -> None:
         """group: the torch.distributed group the ranks meet through (default WORLD), or
         rank + world_size + allgather (a callable bytes -> list[bytes], one per rank) instead.
-        low_latency_mode must be True; allow_mnnvl False; num_nvl_bytes, num_rdma_bytes,
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, explicitly_destroy: ignored.
+        low_latency_mode: False by default (DeepEP's), True for the low-latency calls;
+        enable_shrink=True is refused; num_nvl_bytes, num_rdma_bytes, num_qps_per_rank,
+        allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: unused.
         ranks_per_node: ranks that share memory (default all); the others are reached through
         engine (a ferry.TransferEngine; made with provider when not given). device: where the
         all-to-alls run (default: each call's x.device). private_slots: rows per sender written

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -109,6 +111,16 @@ inline Duration micros_to_duration(double us, const char* what, double max_us) {
             std::to_string(static_cast<uint64_t>(max_us)) + "], got " + std::to_string(us)));
     }
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double, std::micro>(us));
+}
+
+// cv.wait_for(l, t, ready), except that t <= 0 only tests ready(): a wait whose time is
+// already up still sleeps in the kernel (100-110 us on the 2-core dev VM, the timer's slack),
+// where wait(timeout=0), "poll once", should cost what poll() costs.
+template <typename Ready>
+bool wait_for_or_test(std::condition_variable& cv, std::unique_lock<std::mutex>& l, Duration t,
+                      Ready&& ready) {
+    if (t <= Duration::zero()) return ready();
+    return cv.wait_for(l, t, std::forward<Ready>(ready));
 }
 
 // How long a wait runs without the GIL before it looks at Python's signals: Ctrl-C during

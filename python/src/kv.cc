@@ -219,7 +219,7 @@ struct EventQueue {
     // Whether events are there (or the queue was closed) within t.
     bool wait(Duration t) {
         std::unique_lock<std::mutex> l(mu);
-        return cv.wait_for(l, t, [&] { return !events.empty() || dropped > 0 || closed; });
+        return wait_for_or_test(cv, l, t, [&] { return !events.empty() || dropped > 0 || closed; });
     }
 };
 
@@ -727,19 +727,19 @@ void register_kv(py::module_& m, EngineShare engine_share) {
 
     m.def(
         "fetch_handshake",
-        [](const std::string& host, uint16_t port, uint64_t expected_hash, const py::bytes& secret,
+        [](const std::string& host, uint16_t port, const KvLayout& mine, const py::bytes& secret,
            double timeout_s) {
             Secret s = parse_secret(secret);
             Duration t = seconds_to_duration(timeout_s, "timeout");
             Result<kv::HandshakeInfo> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
-                r = kv::fetch_handshake(host, port, expected_hash, s, t);
+                r = kv::fetch_handshake(host, port, mine.compatibility_hash(), s, t, nullptr,
+                                        &mine);
             }
             return take(std::move(r));
         },
-        py::arg("host"), py::arg("port"), py::arg("expected_hash"), py::arg("secret"),
-        py::arg("timeout"));
+        py::arg("host"), py::arg("port"), py::arg("layout"), py::arg("secret"), py::arg("timeout"));
 }
 
 }  // namespace ferry::python

@@ -32,6 +32,7 @@
 #include "ferry/fabric/types.h"
 #include "fork.h"
 #include "kv.h"
+#include "log_sink.h"
 #include "memory.h"
 #include "moe.h"
 
@@ -218,7 +219,8 @@ struct ImmExpectation {
             [&](Duration slice) -> std::optional<Status> {
                 spin_until([&] { return done(); }, std::exchange(first_spin, Duration::zero()));
                 std::unique_lock<std::mutex> l(state->mu);
-                if (!state->cv.wait_for(l, slice, [&] { return state->result.has_value(); }))
+                if (!wait_for_or_test(state->cv, l, slice,
+                                      [&] { return state->result.has_value(); }))
                     return std::nullopt;
                 return *state->result;
             },
@@ -771,6 +773,7 @@ PYBIND11_MODULE(_ferry, m) {
 
     register_moe(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
     register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
+    register_log(m);
 
     m.def("gpu_device_count", [] {
         py::gil_scoped_release nogil;

@@ -20,6 +20,7 @@
 #include "ferry/moe/cuda_all_to_all.h"
 #include "ferry/moe/numerics.h"
 #include "ferry/moe/plan.h"
+#include "ferry/moe/transport.h"
 #include "fork.h"
 
 namespace py = pybind11;
@@ -62,6 +63,20 @@ moe::AllGatherFn wrap_allgather(py::function fn) {
             return unavailable(std::string("the setup all-gather raised: ") + e.what());
         }
     };
+}
+
+// A bf16 all-to-all's config of rank 0, alignment 1: the fields the callers set alike.
+AllToAllConfig config_of(uint32_t max_tokens, uint32_t hidden, uint32_t num_experts, uint32_t topk,
+                         uint32_t world, uint32_t ranks_per_node, uint32_t private_slots) {
+    AllToAllConfig c;
+    c.max_tokens_per_rank = max_tokens;
+    c.hidden = hidden;
+    c.num_experts = num_experts;
+    c.experts_per_token = topk;
+    c.world_size = world;
+    c.ranks_per_node = ranks_per_node;
+    c.private_slots_per_sender = private_slots;
+    return c;
 }
 
 // Group e of a grouped batch (rows offsets[e] .. offsets[e + 1]) <-> slab e of a padded
@@ -312,17 +327,11 @@ void register_moe(py::module_& m, EngineShare engine_share) {
                                     uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
                                     uint32_t alignment, bool cuda, int device, py::object engine,
                                     py::function allgather, double timeout_s) {
-                AllToAllConfig c;
-                c.max_tokens_per_rank = max_tokens;
-                c.hidden = hidden;
+                AllToAllConfig c = config_of(max_tokens, hidden, num_experts, topk, world,
+                                             ranks_per_node, private_slots);
                 if (!moe::parse_dtype(dtype, &c.dtype))
                     throw StatusError(invalid_argument("unknown MoE dtype " + dtype));
-                c.num_experts = num_experts;
-                c.experts_per_token = topk;
                 c.rank = rank;
-                c.world_size = world;
-                c.ranks_per_node = ranks_per_node;
-                c.private_slots_per_sender = private_slots;
                 c.group_alignment = alignment;
                 c.combine = moe::CombineMode::kPerHit;
                 std::shared_ptr<TransferEngine> e =
@@ -347,6 +356,16 @@ void register_moe(py::module_& m, EngineShare engine_share) {
             [](const MoeAllToAll& a) { return moe::max_expert_rows(a.config()); })
         .def_property_readonly("num_local_experts",
                                [](const MoeAllToAll& a) { return a.config().num_local_experts(); });
+
+    // Bytes one rank of a bf16 all-to-all of this shape holds (receive regions and staging,
+    // what it registers with the engine): Buffer.get_low_latency_rdma_size_hint's answer.
+    m.def("moe_rank_bytes", [](uint32_t max_tokens, uint32_t hidden, uint32_t num_experts,
+                               uint32_t topk, uint32_t world, uint32_t private_slots) {
+        AllToAllConfig c =
+            config_of(max_tokens, hidden, num_experts, topk, world, world, private_slots);
+        check(c.validate());
+        return moe::RankMemoryLayout::of(c).total_bytes;
+    });
 
     // The benchmarks' start gate (cuda_host_gate): flag is pinned host memory (a pinned torch
     // tensor's data pointer).

@@ -101,7 +101,7 @@ class World:
         return self.ferry.moe.AllToAll(
             max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * self.world,
             expert_padding=1, hidden_dim=H, hidden_dim_scale=H // 128 if fp8 else None,
-            in_dtype=dt, out_dtype=dt, scale_dtype=torch.float32 if fp8 else None,
+            in_dtype=dt, out_dtype=torch.bfloat16, scale_dtype=torch.float32 if fp8 else None,
             num_experts_per_token=TOPK, max_private_tokens=PRIVATE, device=device,
             **self.kwargs())
 
@@ -395,7 +395,22 @@ SCENARIOS = {
     "deepep-fp8": lambda w, s: run_deepep(w, s, True, "uniform", 2, False),
     "deepep-bf16-hook": lambda w, s: run_deepep(w, s, False, "skewed", 2, True),
     "deepep-fp8-hook-empty": lambda w, s: run_deepep(w, s, True, "empty", 2, True),
+    # Code written for pplx-garden, vLLM's and SGLang's DeepEP backends (moe_usage.py).
+    "pplx-garden-fp8-bf16": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.ferry.moe.fp8_dtype(), w.torch.bfloat16),
+    "pplx-garden-fp32": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.torch.float32, w.torch.float32),
+    "pplx-garden-bf16": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.torch.bfloat16, w.torch.bfloat16),
+    "vllm-deepep-ll-fp8": lambda w, s: _usage().run_vllm_deepep_ll(w, s, True),
+    "sglang-deepep-ll-bf16-hook": lambda w, s: _usage().run_sglang_deepep_ll(w, s, False, True),
 }
+
+
+def _usage() -> Any:
+    import moe_usage
+
+    return moe_usage
 
 
 def main(conn: Any, rank: int, world: int, rpn: int, provider: str, bootstrap: str, port: int,

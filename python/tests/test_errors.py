@@ -236,3 +236,17 @@ def test_objects_handed_out_by_calls_say_where_they_come_from(cls, says):
         assert "cannot be created directly" in str(e.value)
         assert says in str(e.value)
         assert "No constructor" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["nosuch", "verbs;no_such_util"])
+def test_unknown_provider_lists_the_available_ones(name):
+    """A provider that is not here: the error listed none ("provider 'nosuch' is not available
+    here: No data available"); now the ones that are, by the names TransferEngine takes."""
+    with pytest.raises(ferry.Unavailable) as e:
+        ferry.TransferEngine(name)
+    msg = str(e.value)
+    assert "; available here: " in msg and msg.endswith(" (or auto)"), msg
+    listed = msg.split("; available here: ", 1)[1][:-len(" (or auto)")].split(", ")
+    for present in PROVIDERS:  # the test machine's providers (tcp, shm)
+        assert present in listed, msg
+    assert len(listed) == len(set(listed)), msg

@@ -6,6 +6,7 @@ Python user makes, each an exception naming the problem."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -263,6 +264,46 @@ def test_prefill_killed_mid_transfer(provider, rng):
         victim.close()
 
 
+def test_close_after_a_peer_died_logs_nothing_about_ended_transfers(provider, rng, caplog):
+    """Prefill dies with three transfers registered: each ends by its lease (one warning each,
+    through logging), then decode's close() logs nothing. It printed a line per ended transfer
+    ("sending CANCEL to peer 0 failed: cancelled: the transfer engine was shut down"; 17 in the
+    issue)."""
+    caplog.set_level(logging.INFO)
+    lease = 1.5
+    victim = KvPeer()
+    try:
+        decode, addr, pblocks, _ = open_pair(provider, victim, SPLITS[0], rng, lease=lease)
+        try:
+            tids = [rng.randrange(1 << 63) for _ in range(3)]
+            free = rng.sample(range(DECODE["num_blocks"]), DECODE["num_blocks"])
+            need = -(-TOKENS // DECODE["block_size"])
+            for i, tid in enumerate(tids):
+                decode.call("register_push", tid, 1, [addr], free[i * need:(i + 1) * need],
+                            TOKENS)
+            victim.call("call", "prefill_progress", tids[0], pblocks, 48)
+            decode.next_event("progress", tids[0], 20)
+            victim.kill()
+            for tid in tids:
+                ok, code, msg, _, _ = decode.next_event("recv", tid, lease + 10)
+                assert not ok, f"transfer {tid:#x} ended {code}: {msg}"
+            ferry._log.flush()
+            expired = [r for r in caplog.records if r.name == "ferry.kv"
+                       and "within the 1500 ms lease" in r.getMessage()]
+            assert len(expired) == 3, [r.getMessage() for r in caplog.records]
+            time.sleep(0.5)  # what the dead peer's connection does next, before close()
+            ferry._log.flush()
+        finally:
+            caplog.clear()
+            decode.close()
+            ferry._log.flush()
+        at_close = [f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
+                    if r.name.startswith("ferry")]
+        assert at_close == [], "close() logged:\n" + "\n".join(at_close)
+    finally:
+        victim.close()
+
+
 # Mistakes a Python user makes ------------------------------------------------------------------
 
 
@@ -372,6 +413,20 @@ def test_dead_peer_handshake(engine):
         # Nobody listens any more: the error names the endpoint.
         with pytest.raises(ferry.Error, match=f"127.0.0.1:{port}"):
             fkv.fetch_handshake("127.0.0.1", port, conn.layout, SECRET, timeout=2.0)
+
+
+def test_incompatible_layout_names_both_layouts_and_the_field(engine):
+    """A caller whose layout differs from the server's: the error named only the caller's hash.
+    Now both layouts and the field that differs, with its two values."""
+    with fkv.KvConnector(engine, layout(), per_layer_pool()) as conn:
+        with fkv.HandshakeServer(conn, SECRET) as server:
+            mine = layout(head_dim=HEAD_DIM * 2)
+            with pytest.raises(ferry.InvalidArgument) as e:
+                fkv.fetch_handshake("127.0.0.1", server.port, mine, SECRET)
+    msg = str(e.value)
+    assert f"head_dim differs ({HEAD_DIM} at the peer, {HEAD_DIM * 2} here)" in msg, msg
+    assert f"head_dim={HEAD_DIM} " in msg and f"head_dim={HEAD_DIM * 2} " in msg, msg
+    assert "num_layers" not in msg and "elem_size" not in msg, msg
 
 
 def test_closed_connector(engine):

@@ -158,7 +158,8 @@ def test_moe_buffer_after_destroy():
     torch = torch_or_skip()
     import ferry.moe
 
-    with ferry.moe.Buffer(rank=0, world_size=1, allgather=lambda b: [b], provider="tcp") as buf:
+    with ferry.moe.Buffer(low_latency_mode=True, rank=0, world_size=1, allgather=lambda b: [b],
+                          provider="tcp") as buf:
         x = torch.ones(2, 128, dtype=torch.bfloat16)
         idx = torch.tensor([[0, 1], [1, -1]])
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
@@ -484,7 +485,7 @@ def test_moe_buffer_arguments_of_the_wrong_type():
                       (dict(rank=0, timeout="1"), "timeout")):
         with pytest.raises(ferry.InvalidType, match=f"{name} must be "):
             ferry.moe.Buffer(**kw, **bad)
-    with ferry.moe.Buffer(rank=0, **kw) as buf:
+    with ferry.moe.Buffer(low_latency_mode=True, rank=0, **kw) as buf:
         x, idx = torch.ones(2, 128, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, -1]])
         for args, name in (((np.zeros((2, 128)), idx, 4, 2), "x"), ((None, idx, 4, 2), "x"),
                            ((x, idx, "4", 2), "num_max_dispatch_tokens_per_rank"),

@@ -180,7 +180,7 @@ def test_combine_refuses_and_order(single):
         single.combine(torch.zeros(T, H), d["indices"], d["weights"], d["out_expert_x"])
     single.dispatch(**d)
     with pytest.raises(ferry.InvalidArgument, match="expert_y.*bfloat16"):
-        single.combine(torch.zeros(T, H), d["indices"], d["weights"], d["out_expert_x"].float())
+        single.combine(torch.zeros(T, H), d["indices"], d["weights"], d["out_expert_x"].double())
     single.combine(torch.zeros(T, H), d["indices"], d["weights"], d["out_expert_x"],
                    do_recv=False)
     with pytest.raises(ferry.InvalidArgument, match="out_tokens.*shape"):
@@ -218,7 +218,8 @@ def test_constructor_refuses():
 
 
 def test_buffer_refuses_unsupported():
-    b = ferry.moe.Buffer(None, rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    b = ferry.moe.Buffer(None, low_latency_mode=True, rank=0, world_size=1,
+                         allgather=lambda b: [b], provider="tcp")
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     idx = torch.tensor([[0, 1]] * T, dtype=torch.int64)
     for kw, name in ((dict(use_ue8m0=True), "use_ue8m0"), (dict(round_scale=True), "round_scale"),
@@ -240,9 +241,6 @@ def test_buffer_refuses_unsupported():
         b.low_latency_combine(y, idx, torch.ones(T, K).double(), handle)
     out, _, _ = b.low_latency_combine(y, idx, torch.ones(T, K), handle)
     assert out.shape == (T, H)
-    with pytest.raises(ferry.InvalidArgument, match="low_latency_mode"):
-        ferry.moe.Buffer(None, low_latency_mode=False, rank=0, world_size=1,
-                         allgather=lambda b: [b])
     b.destroy()
 
 
@@ -367,7 +365,8 @@ def test_dispatch_twice_refused_and_first_combine_still_right(fresh):
 
 
 def test_buffer_bad_routing_and_combine_twice():
-    b = ferry.moe.Buffer(None, rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    b = ferry.moe.Buffer(None, low_latency_mode=True, rank=0, world_size=1,
+                         allgather=lambda b: [b], provider="tcp")
     x = torch.ones(T, H, dtype=torch.bfloat16)
     for bad, words in ((E, "indices[0, 0] is 4"), (-3, "indices[0, 0] is -3"),
                        (2**33, "indices[0, 0] is 8589934592")):
@@ -384,3 +383,121 @@ def test_buffer_bad_routing_and_combine_twice():
     with pytest.raises(ferry.InvalidArgument, match="out of order"):
         b.low_latency_combine(recv, idx, torch.ones(T, K), handle)
     b.destroy()
+
+
+# pplx-garden's dtypes and DeepEP's defaults (issue 33), on a world of one -------------------
+
+def _one(in_dtype, out_dtype=None, **kw):
+    fp8 = in_dtype == ferry.moe.fp8_dtype()
+    return ferry.moe.AllToAll(8, E, 1, H, H // 128 if fp8 else None, in_dtype, out_dtype,
+                              torch.float32 if fp8 else None, K, rank=0, world_size=1,
+                              allgather=lambda b: [b], provider="tcp", **kw)
+
+
+def _identity_round_trip(a, x, x_scale, seen, out_dtype, accumulate_onto=None):
+    """Dispatch x, identity experts returning `seen` rows in out_dtype, combine; returns the
+    combined tokens and sum_k w * seen (fp32)."""
+    d = _args(a)
+    d.update(dp_x=x, dp_x_scale=x_scale, weights=torch.rand(T, K))
+    d["out_expert_x"] = torch.zeros(E, a.max_recv_tokens, H, dtype=torch.uint8).view(x.dtype) \
+        if x.dtype == ferry.moe.fp8_dtype() else torch.zeros(E, a.max_recv_tokens, H,
+                                                            dtype=x.dtype)
+    if x_scale is not None:
+        d["out_expert_x_scale"] = torch.zeros(E, a.max_recv_tokens, H // 128)
+    a.dispatch(**d)
+    y = torch.zeros(E, a.max_recv_tokens, H, dtype=out_dtype)
+    rows = [0] * E
+    for t in range(T):  # world of one: rows arrive per expert in token order
+        for j in range(K):
+            e = int(d["indices"][t, j])
+            if e >= 0:
+                got = d["out_expert_x"][e, rows[e]]
+                assert torch.equal(got.view(torch.uint8), x[t].view(torch.uint8)), \
+                    f"token {t} at expert {e}: the dispatched bytes differ"
+                y[e, rows[e]] = seen[t].to(out_dtype)
+                rows[e] += 1
+    out = torch.zeros(T, H, dtype=out_dtype) if accumulate_onto is None else \
+        accumulate_onto.clone()
+    a.combine(out, d["indices"], d["weights"], y, accumulate=accumulate_onto is not None)
+    w = d["weights"] * (d["indices"] >= 0)
+    return out, w.sum(1, keepdim=True) * seen.to(out_dtype).float()
+
+
+def test_fp8_dispatch_with_bf16_combine():
+    """pplx-garden's usual pairing: out_dtype is the combine's dtype. ferry refused it
+    ("out_dtype torch.bfloat16 differs from in_dtype torch.uint8")."""
+    x = torch.randn(T, H).to(torch.bfloat16)
+    q, s = ferry.moe.quantize_fp8(x)
+    with _one(ferry.moe.fp8_dtype(), torch.bfloat16) as a:
+        out, want = _identity_round_trip(a, q, s, ferry.moe.dequantize_fp8(q, s),
+                                         torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), want, rtol=0.02, atol=0.02)
+
+
+def test_fp32_dispatch_and_combine():
+    """pplx-garden tests fp32 in and out: dispatched bytes unchanged, combine in fp32 (rows
+    as two bf16 halves: about 16 significant bits). ferry refused in_dtype torch.float32."""
+    x = torch.randn(T, H) * 3
+    with _one(torch.float32, torch.float32) as a:
+        out, want = _identity_round_trip(a, x, None, x, torch.float32)
+        assert out.dtype == torch.float32
+        assert torch.allclose(out, want, rtol=2e-5, atol=2e-5), (out - want).abs().max()
+        # bf16 experts after an fp32 dispatch, and accumulate=True (pplx-garden's).
+        base = torch.randn(T, H)
+        out, want = _identity_round_trip(a, x, None, x.to(torch.bfloat16).float(),
+                                         torch.float32, accumulate_onto=base)
+        assert torch.allclose(out, base + want, rtol=2e-5, atol=2e-5)
+
+
+def test_out_dtype_names_the_combine_dtype():
+    """out_dtype=fp8 meant "same as in_dtype" before; now it is the combine's dtype, and
+    ferry combines in bf16 or fp32: the message says what to pass."""
+    with pytest.raises(ferry.InvalidArgument, match=r"out_dtype is the combine's dtype .*"
+                                                    r"torch.bfloat16 or torch.float32"):
+        _one(ferry.moe.fp8_dtype(), ferry.moe.fp8_dtype())
+    with pytest.raises(ferry.InvalidArgument, match="scales with fp8 tokens only"):
+        ferry.moe.AllToAll(8, E, 1, H, H // 128, torch.bfloat16, rank=0, world_size=1,
+                           allgather=lambda b: [b], provider="tcp")
+    with pytest.raises(ferry.InvalidArgument, match="max_tokens_per_expert 4 is below 8"):
+        _one(torch.bfloat16, max_tokens_per_expert=4)
+    with _one(torch.bfloat16) as a, pytest.raises(ferry.InvalidArgument,
+                                                  match="flat layout .* not supported"):
+        d = _args(a)
+        d["out_expert_x"] = torch.zeros(E * a.max_recv_tokens, H, dtype=torch.bfloat16)
+        a.dispatch(**d)
+
+
+def test_buffer_defaults_to_deepep_normal_mode():
+    """DeepEP's low_latency_mode defaults to False (ferry's was True): the low-latency calls
+    need it True, and the normal-mode calls say ferry does not have them."""
+    kw = dict(rank=0, world_size=1, allgather=lambda b: [b], provider="tcp")
+    b = ferry.moe.Buffer(None, 0, 0, **kw)
+    assert b.low_latency_mode is False and b.num_rdma_bytes == 0 and b.group_size == 1
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * T, dtype=torch.int64)
+    with pytest.raises(ferry.InvalidArgument, match="low_latency_mode=True"):
+        b.low_latency_dispatch(x, idx, 8, E)
+    for call in (lambda: b.dispatch(x, topk_idx=idx), lambda: b.combine(x, None),
+                 lambda: b.get_dispatch_layout(idx, E),
+                 lambda: ferry.moe.Buffer.get_dispatch_config(1)):
+        with pytest.raises(ferry.InvalidArgument, match="normal \\(high-throughput\\) mode"):
+            call()
+    b.destroy()
+    with pytest.raises(ferry.InvalidArgument, match="enable_shrink"):
+        ferry.moe.Buffer(None, 0, 0, True, enable_shrink=True, **kw)
+    # allow_mnnvl=True (SGLang passes it) permits a path, it does not demand one.
+    ferry.moe.Buffer(None, 0, 0, True, allow_mnnvl=True, **kw).destroy()
+
+
+def test_low_latency_rdma_size_hint():
+    """DeepEP's first call in vLLM's and SGLang's recipe, by keyword and by position."""
+    hint = ferry.moe.Buffer.get_low_latency_rdma_size_hint
+    n = hint(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_ranks=8, num_experts=256)
+    assert isinstance(n, int) and n >= 8 * 128 * 7168 * 2  # at least every rank's bf16 rows
+    assert hint(256, 7168, 8, 256) > n and hint(128, 4096, 8, 256) < n
+    with pytest.raises(ferry.InvalidArgument, match="num_experts 10 must be a multiple of "
+                                                    "num_ranks 4"):
+        hint(8, 256, 4, 10)
+    with pytest.raises(ferry.InvalidArgument, match="hidden must be in"):
+        hint(8, 0, 4, 8)

@@ -5,6 +5,7 @@
 #include <rdma/fi_errno.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,30 @@ std::string full_provider_name(const std::string& p) {
     return p;
 }
 
+// "available here: shm, tcp;ofi_rxm (tcp), ..." for the capabilities of `hints` with any
+// provider: what an unknown or missing provider's error lists.
+std::string available_providers(const fi_info* hints) {
+    FiInfoPtr any(fi_dupinfo(hints));
+    if (!any) return "no provider list (out of memory)";
+    std::free(any->fabric_attr->prov_name);
+    any->fabric_attr->prov_name = nullptr;
+    fi_info* out = nullptr;
+    if (fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, any.get(), &out) || !out)
+        return "no provider here offers what ferry needs";
+    FiInfoPtr list(out);
+    std::vector<std::string> names;  // as TransferEngine takes them: "tcp" is tcp;ofi_rxm
+    for (const fi_info* i = out; i; i = i->next) {
+        std::string n = i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "";
+        if (n == "tcp;ofi_rxm") n = "tcp";
+        if (n == "verbs;ofi_rxm") n = "verbs";
+        if (n.empty() || std::find(names.begin(), names.end(), n) != names.end()) continue;
+        names.push_back(n);
+    }
+    std::string text;
+    for (const std::string& n : names) text += fmt::format("{}{}", text.empty() ? "" : ", ", n);
+    return "available here: " + text + " (or auto)";
+}
+
 Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& config, bool hmem) {
     FiInfoPtr hints(fi_allocinfo());
     if (!hints) return resource_exhausted("fi_allocinfo: out of memory");
@@ -44,8 +69,8 @@ Result<FiInfoPtr> get_infos(const std::string& provider, const EngineConfig& con
     int rc = fi_getinfo(FI_VERSION(1, 17), uses_node ? config.node.c_str() : nullptr, nullptr,
                         uses_node ? FI_SOURCE : 0, hints.get(), &out);
     if (rc || !out) {
-        return unavailable(
-            fmt::format("provider '{}' is not available here: {}", provider, fi_strerror(-rc)));
+        return unavailable(fmt::format("provider '{}' is not available here: {}; {}", provider,
+                                       fi_strerror(-rc), available_providers(hints.get())));
     }
     return FiInfoPtr(out);
 }

@@ -105,8 +105,8 @@ Status check_compatible(const KvRank& src, const KvRank& dst) {
     FERRY_RETURN_IF_ERROR(dst.layout.validate().with_context("consumer layout"));
     if (src.layout.compatibility_hash() != dst.layout.compatibility_hash()) {
         return invalid_argument(fmt::format(
-            "KV layouts are incompatible (layers, head dim or element size differ): producer {} "
-            "vs consumer {}",
+            "KV layouts are incompatible: {}: producer {} vs consumer {}",
+            compatibility_difference(src.layout, dst.layout, "at the producer", "at the consumer"),
             src.layout.to_string(), dst.layout.to_string()));
     }
     if (src.total_heads() != dst.total_heads()) {

@@ -38,7 +38,7 @@ Result<Frame> read_server_frame(ByteReader& r, Frame expected) {
 
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout, bool* refused) {
+                                      Duration timeout, bool* refused, const KvLayout* mine) {
     if (refused) *refused = false;
     auto ctx = [&](const Status& s) {
         return s.with_context(fmt::format("handshake with {}:{}", host, port));
@@ -94,7 +94,14 @@ Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
         if (!ok) {
             std::string why;
             FERRY_RETURN_IF_ERROR(r.get_string(&why, "error", kMaxFrame));
-            return invalid_argument(why);
+            // A server of before 2026-12-06 sends the message only.
+            Result<KvLayout> theirs =
+                r.remaining() ? KvLayout::decode(r) : Result<KvLayout>(not_found(""));
+            if (!mine || !theirs.ok()) return invalid_argument(why);
+            return invalid_argument(
+                fmt::format("incompatible KV layout: {}: the peer holds {}, this side {}",
+                            compatibility_difference(*theirs, *mine, "at the peer", "here"),
+                            theirs->to_string(), mine->to_string()));
         }
         std::vector<uint8_t> blob;
         FERRY_RETURN_IF_ERROR(r.get_bytes(&blob, "info", kMaxFrame));
@@ -120,7 +127,8 @@ Result<HandshakeInfo> HandshakeCache::get(const std::string& host, uint16_t port
         if (it != entries_.end()) return it->second;
     }
     // Fetched without the lock: a slow peer must not hold up lookups of other peers.
-    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout));
+    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout, nullptr,
+                                                      mine_ ? &*mine_ : nullptr));
     std::lock_guard lk(mu_);
     return entries_.insert_or_assign(key, std::move(info)).first->second;
 }
@@ -128,7 +136,8 @@ Result<HandshakeInfo> HandshakeCache::get(const std::string& host, uint16_t port
 Result<HandshakeCache::Refreshed> HandshakeCache::refresh(const std::string& host, uint16_t port,
                                                           Duration timeout) {
     std::string key = endpoint_key(host, port);
-    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout));
+    FERRY_ASSIGN_OR_RETURN(auto info, fetch_handshake(host, port, hash_, secret_, timeout, nullptr,
+                                                      mine_ ? &*mine_ : nullptr));
     std::lock_guard lk(mu_);
     Refreshed out;
     auto it = entries_.find(key);
@@ -147,7 +156,8 @@ HandshakeCache::Probe HandshakeCache::probe(const std::string& host, uint16_t po
         if (auto it = entries_.find(key); it != entries_.end()) out.previous = it->second;
     }
     bool refused = false;
-    auto info = fetch_handshake(host, port, hash_, secret_, timeout, &refused);
+    auto info =
+        fetch_handshake(host, port, hash_, secret_, timeout, &refused, mine_ ? &*mine_ : nullptr);
     std::lock_guard lk(mu_);
     if (!info.ok()) {
         out.why = info.status();

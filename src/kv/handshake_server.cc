@@ -256,6 +256,9 @@ class HandshakeServer::Impl {
             note_failure(c, why);
             w.put<uint8_t>(0);
             w.put_string(why);
+            // Then this rank's layout, for a caller that names the differing field (one that
+            // reads only the message stops before it).
+            info_.layout.encode(w);
         } else {
             w.put<uint8_t>(1);
             w.put_bytes(info_.serialize());

@@ -141,6 +141,20 @@ uint64_t KvLayout::compatibility_hash() const {
     return h;
 }
 
+std::string compatibility_difference(const KvLayout& a, const KvLayout& b, std::string_view a_at,
+                                     std::string_view b_at) {
+    std::string out;
+    auto field = [&](std::string_view name, uint64_t x, uint64_t y) {
+        if (x == y) return;
+        out += fmt::format("{}{} differs ({} {}, {} {})", out.empty() ? "" : "; ", name, x, a_at, y,
+                           b_at);
+    };
+    field("num_layers", a.num_layers, b.num_layers);
+    field("head_dim", a.head_dim, b.head_dim);
+    field("elem_size", a.elem_size, b.elem_size);
+    return out;
+}
+
 std::string KvLayout::to_string() const {
     return fmt::format(
         "{{layers={} kv_heads={} head_dim={} elem={}B block={} blocks={} {} {}{}{}}}", num_layers,

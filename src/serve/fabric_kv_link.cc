@@ -432,7 +432,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
             fmt::format("KV side channel on {}:{} (pick another with --kv-port)", config.host,
                         config.side_port));
     p->side = std::move(side).value();
-    p->peers = std::make_unique<kv::HandshakeCache>(p->layout.compatibility_hash(), config.secret);
+    p->peers = std::make_unique<kv::HandshakeCache>(p->layout, config.secret);
     p->worker = std::thread([p] {
         set_thread_name("ferry-kvlink");
         p->run();

@@ -84,6 +84,27 @@ TEST(Handshake, ServesInfoAndRefusesAnIncompatibleCaller) {
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.status().message().find("incompatible KV layout"), std::string::npos)
         << bad.status().message();
+
+    // A caller that passes its layout: both layouts and the differing field with its values.
+    KvLayout mine = info.layout;
+    mine.num_layers += 1;
+    auto named = fetch_handshake("127.0.0.1", (*server)->port(), mine.compatibility_hash(),
+                                 test_secret(), kTimeout, nullptr, &mine);
+    ASSERT_FALSE(named.ok());
+    const std::string& m = named.status().message();
+    EXPECT_NE(m.find(fmt::format("num_layers differs ({} at the peer, {} here)",
+                                 info.layout.num_layers, mine.num_layers)),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find(info.layout.to_string()), std::string::npos) << m;
+    EXPECT_NE(m.find(mine.to_string()), std::string::npos) << m;
+
+    // The cache ferry serve uses, made with its layout, says the same.
+    HandshakeCache cache(mine, test_secret());
+    auto cached = cache.get("127.0.0.1", (*server)->port(), kTimeout);
+    ASSERT_FALSE(cached.ok());
+    EXPECT_NE(cached.status().message().find("num_layers differs"), std::string::npos)
+        << cached.status().message();
 }
 
 TEST(Handshake, CacheAnswersRepeatsAndDetectsARestartedPeer) {

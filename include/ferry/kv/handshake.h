@@ -97,17 +97,23 @@ class HandshakeServer {
 
 // One handshake: connect, prove the secret and check the server's proof, send the
 // compatibility hash the caller expects, read the answer. A peer whose layout hash differs
-// answers with an error naming both layouts; a peer without the secret is a kPermissionDenied.
-// `refused` (optional) is set when the endpoint refused the connection (nothing listens).
+// answers with an error naming its layout; with `mine` (this side's layout, optional) the
+// error also names this side's and the fields that differ. A peer without the secret is a
+// kPermissionDenied. `refused` (optional) is set when the endpoint refused the connection
+// (nothing listens).
 Result<HandshakeInfo> fetch_handshake(const std::string& host, uint16_t port,
                                       uint64_t expected_compat_hash, const Secret& secret,
-                                      Duration timeout, bool* refused = nullptr);
+                                      Duration timeout, bool* refused = nullptr,
+                                      const KvLayout* mine = nullptr);
 
 // Handshake results by endpoint. Lookups of different endpoints never wait for each other.
 class HandshakeCache {
   public:
     HandshakeCache(uint64_t expected_compat_hash, Secret secret)
         : hash_(expected_compat_hash), secret_(std::move(secret)) {}
+    // With this side's layout: a peer's incompatible layout is named field by field.
+    HandshakeCache(const KvLayout& mine, Secret secret)
+        : hash_(mine.compatibility_hash()), mine_(mine), secret_(std::move(secret)) {}
 
     // The cached answer, or a fresh handshake on a miss.
     Result<HandshakeInfo> get(const std::string& host, uint16_t port, Duration timeout);
@@ -138,6 +144,7 @@ class HandshakeCache {
 
   private:
     uint64_t hash_;
+    std::optional<KvLayout> mine_;
     Secret secret_;
     mutable std::mutex mu_;
     std::map<std::string, HandshakeInfo> entries_;

@@ -123,4 +123,10 @@ struct KvLayout {
     bool operator==(const KvLayout&) const = default;
 };
 
+// The fields of compatibility_hash() that differ between a and b, named with their values,
+// e.g. "head_dim differs (128 at the peer, 64 here)" for a_at "at the peer", b_at "here";
+// "" when none does. What an incompatible-layout error names.
+std::string compatibility_difference(const KvLayout& a, const KvLayout& b, std::string_view a_at,
+                                     std::string_view b_at);
+
 }  // namespace ferry::kv
