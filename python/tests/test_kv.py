@@ -234,6 +234,34 @@ def test_pull_with_parameters_built_by_decode(provider, prefill_proc, rng):
         decode.close()
 
 
+def test_pull_read_before_the_offer_is_made(provider, prefill_proc, rng):
+    """vLLM's decode may read, and send DONE, before prefill's worker offered the blocks (a
+    step after prefill answered). The early DONE is kept and frees the blocks when the offer
+    comes, not at the end of prefill's lease (before: held the whole lease, then a timeout)."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        time.sleep(0.5)  # the DONE reached prefill, which has no offer yet
+        t0 = time.monotonic()
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert time.monotonic() - t0 < 10, "released by the lease, not by the early DONE"
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
 def test_pull_params_mistakes(engine):
     conn = fkv.KvConnector(engine, fkv.KvLayout(**DECODE, regions="one"),
                            torch.zeros(fkv.KvLayout(**DECODE, regions="one").region_bytes // 2,
