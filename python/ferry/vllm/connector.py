@@ -656,6 +656,8 @@ class _Worker:
         for req_id, tid in meta.scheduled:
             try:
                 conn.prefill_scheduled(tid)
+                if os.environ.get("FERRY_VLLM_DEBUG"):
+                    logger.info("FerryConnector: computing %d (request %s)", tid, req_id)
             except ferry.Error as e:
                 logger.warning("FerryConnector: request %s: prefill_scheduled: %s", req_id, e)
         for spec in meta.recv:
