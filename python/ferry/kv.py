@@ -40,7 +40,7 @@ from . import (
 from ._ferry import HandshakeInfo, InvalidType, KvEvent, KvLayout
 
 __all__ = ["KvLayout", "KvConfig", "KvConnector", "KvEvent", "HandshakeInfo", "HandshakeServer",
-           "fetch_handshake", "transfer_key"]
+           "fetch_handshake", "pull_params", "transfer_key"]
 
 TransferId = Union[int, str, bytes]
 
@@ -333,10 +333,12 @@ class KvConnector(_Closing):
         self._conn.abort_send(_tid(transfer_id), _str("reason", reason))
 
     # Pull ---------------------------------------------------------------------------------
-    def offer_pull(self, transfer_id: TransferId, blocks: Any, num_tokens: int) -> bytes:
+    def offer_pull(self, transfer_id: TransferId, blocks: Any, num_tokens: int, *,
+                   capability: Optional[bytes] = None) -> bytes:
         return self._conn.offer_pull(_tid(transfer_id),
                                      _index_array("blocks", blocks, "block ids"),
-                                     _uint("num_tokens", num_tokens, _U32_MAX))
+                                     _uint("num_tokens", num_tokens, _U32_MAX),
+                                     _capability(capability))
 
     def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]], blocks: Any,
              num_tokens: int, *, first_token: int = 0) -> None:
@@ -407,6 +409,33 @@ class HandshakeServer(_Closing):
 
     def close(self) -> None:
         self._server.close()
+
+
+def _capability(capability: Any) -> Optional[bytes]:
+    if capability is None:
+        return None
+    if not isinstance(capability, (bytes, bytearray, memoryview)):
+        raise InvalidType(f"capability must be 16 bytes, got {type(capability).__name__}")
+    capability = bytes(capability)
+    if len(capability) != 16:
+        raise InvalidArgument(f"capability must be 16 bytes, got {len(capability)}")
+    return capability
+
+
+def pull_params(info: HandshakeInfo, transfer_id: TransferId, blocks: Any, num_tokens: int,
+                capability: bytes, lease: float) -> bytes:
+    if not isinstance(info, HandshakeInfo):
+        raise InvalidType(f"info must be the prefill rank's ferry.kv.HandshakeInfo, got "
+                          f"{type(info).__name__}")
+    tid = _tid(transfer_id)
+    if not isinstance(tid, int):
+        tid = transfer_key(tid)
+    cap = _capability(capability)
+    if cap is None:
+        raise InvalidType("capability must be 16 bytes, got None")
+    return _ferry.pull_params(info, tid, _index_array("blocks", blocks, "block ids"),
+                              _uint("num_tokens", num_tokens, _U32_MAX), cap,
+                              _seconds("lease", lease))
 
 
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,

@@ -117,9 +117,13 @@ class KvConnector:
         here (never offered, or already over) is a no-op with no event, as for cancel()."""
 
     # Pull
-    def offer_pull(self, transfer_id: TransferId, blocks: Blocks, num_tokens: int) -> bytes:
+    def offer_pull(self, transfer_id: TransferId, blocks: Blocks, num_tokens: int, *,
+                   capability: Optional[bytes] = None) -> bytes:
         """Prefill: hold the blocks under the lease; returns what decode's pull() needs (hand it
-        over through the router). A "send" event comes when decode finished reading."""
+        over through the router). A "send" event comes when decode finished reading.
+        capability: 16 random bytes the caller drew (default: ferry draws them), for a decode
+        side that builds its parameters with pull_params(); only a DONE carrying them frees
+        the blocks."""
     def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]],
              blocks: Blocks, num_tokens: int, *, first_token: int = 0) -> None:
         """Decode: read the KV from every prefill rank's offer_pull() bytes into `blocks`; a
@@ -171,6 +175,13 @@ class HandshakeServer:
     def __enter__(self) -> HandshakeServer: ...
     def __exit__(self, *exc: Any) -> None: ...
 
+def pull_params(info: HandshakeInfo, transfer_id: TransferId, blocks: Blocks, num_tokens: int,
+                capability: bytes, lease: float) -> bytes:
+    """Decode: the bytes pull() takes, built from the prefill rank's HandshakeInfo (address,
+    pool, layout, TP position) and what the request carried: the prefill rank's block ids,
+    num_tokens, the 16-byte capability prefill offered them under (offer_pull(...,
+    capability=)) and its lease in seconds. For engines whose prefill side answers the
+    request before the process that holds the connector offers the blocks (vLLM)."""
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float = 5.0) -> HandshakeInfo:
     """Ask a peer's HandshakeServer. Raises PermissionDenied when the secrets differ, an error

@@ -13,11 +13,14 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -55,6 +58,17 @@ std::vector<uint32_t> to_blocks(const Blocks& b) {
                              std::to_string(b.ndim()) + " dimensions"));
     }
     return {b.data(), b.data() + b.size()};
+}
+
+kv::PullCapability parse_capability(py::handle v) {
+    std::vector<uint8_t> b = bytes_arg(v, "capability");
+    kv::PullCapability cap{};
+    if (b.size() != cap.size()) {
+        throw StatusError(
+            invalid_argument("capability must be 16 bytes, got " + std::to_string(b.size())));
+    }
+    std::copy(b.begin(), b.end(), cap.begin());
+    return cap;
 }
 
 KvPlacement parse_placement(const std::string& s) {
@@ -370,11 +384,15 @@ class Connector {
         call([&](kv::KvConnector& c) { return c.abort_send(id, cancelled(reason)); });
     }
 
-    py::bytes offer_pull(py::handle name, const Blocks& blocks, uint32_t num_tokens) {
+    py::bytes offer_pull(py::handle name, const Blocks& blocks, uint32_t num_tokens,
+                         py::handle capability) {
         auto b = to_blocks(blocks);
+        std::optional<kv::PullCapability> cap;
+        if (!capability.is_none()) cap = parse_capability(capability);
         Result<kv::PullParamsMsg> r = internal_error("unset");
         named_call(name, TransferNames::kSend, true, [&](kv::KvConnector& c, uint64_t id) {
-            r = c.offer_pull(id, std::move(b), num_tokens);
+            r = cap ? c.offer_pull(id, std::move(b), num_tokens, *cap)
+                    : c.offer_pull(id, std::move(b), num_tokens);
             return r.status();
         });
         return to_bytes(kv::encode_message(take(std::move(r))));
@@ -692,7 +710,8 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def("prefill_done", &Connector::prefill_done)
         .def("prefill_failed", &Connector::prefill_failed)
         .def("abort_send", &Connector::abort_send)
-        .def("offer_pull", &Connector::offer_pull)
+        .def("offer_pull", &Connector::offer_pull, py::arg("transfer_id"), py::arg("blocks"),
+             py::arg("num_tokens"), py::arg("capability") = py::none())
         .def("pull", &Connector::pull)
         .def("poll", &Connector::poll)
         .def("wait", &Connector::wait)
@@ -724,6 +743,28 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def_property_readonly("auth_failures",
                                [](const HandshakeServer& s) { return s.get().auth_failures(); })
         .def("close", &HandshakeServer::close);
+
+    m.def(
+        "pull_params",
+        [](const kv::HandshakeInfo& info, uint64_t transfer_id, const Blocks& blocks,
+           uint32_t num_tokens, py::handle capability, double lease_s) {
+            kv::PullParamsMsg m;
+            m.transfer_id = transfer_id;
+            m.producer_rank = info.tp_rank;
+            m.producer_tp = info.tp_size;
+            m.num_tokens = num_tokens;
+            Duration lease = seconds_to_duration(lease_s, "lease");
+            m.lease_ms = static_cast<uint32_t>(std::min<int64_t>(
+                std::chrono::duration_cast<std::chrono::milliseconds>(lease).count(), UINT32_MAX));
+            m.prefill_address = info.address;
+            m.pool = info.pool;
+            m.layout = info.layout;
+            m.blocks = to_blocks(blocks);
+            m.capability = parse_capability(capability);
+            return to_bytes(kv::encode_message(m));
+        },
+        py::arg("info"), py::arg("transfer_id"), py::arg("blocks"), py::arg("num_tokens"),
+        py::arg("capability"), py::arg("lease"));
 
     m.def(
         "fetch_handshake",

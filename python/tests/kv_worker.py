@@ -147,6 +147,10 @@ class KvSide:
     def call(self, method: str, *args: Any, **kw: Any) -> Any:
         return getattr(self.conn, method)(*args, **kw)
 
+    def offer_pull_under(self, transfer_id: Any, blocks: List[int], tokens: int,
+                         capability: bytes) -> bytes:
+        return self.conn.offer_pull(transfer_id, blocks, tokens, capability=capability)
+
     def next_event(self, kind: str, transfer_id: Any, timeout: float) -> Any:
         """The first event of `kind` for `transfer_id` (as the calls named it: an int, str or
         bytes), as (ok, code, message, bytes, writes); events of other kinds or transfers are

@@ -199,6 +199,87 @@ def test_pull(provider, prefill_proc, rng, splits):
         decode.close()
 
 
+def test_pull_with_parameters_built_by_decode(provider, prefill_proc, rng):
+    """vLLM's prefill answers a request before its worker, which holds the connector, can offer
+    the blocks: decode builds what pull() takes from prefill's handshake and the block ids and
+    capability the request carried (ferry.kv.pull_params), and prefill offers the blocks under
+    that capability. The KV lands, decode's DONE frees prefill's blocks; a DONE under another
+    capability frees nothing (the lease does)."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[2], rng, lease=2.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 2.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+        assert_landed(decode, dblocks, logical)
+
+        # Another capability: decode reads (one-sided), but its DONE does not end the offer.
+        tid2 = tid ^ 1
+        prefill_proc.call("offer_pull_under", tid2, pblocks, TOKENS, os.urandom(16))
+        stale0 = prefill_proc.call("stats")["messages_stale"]
+        forged = fkv.pull_params(info, tid2, pblocks, TOKENS, os.urandom(16), 2.0)
+        decode.call("pull", tid2, [forged], dblocks, TOKENS)
+        assert decode.next_event("recv", tid2, 30)[0]
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid2, 30)
+        assert not ok and code == "timeout", f"{code}: {msg}"
+        assert prefill_proc.call("stats")["messages_stale"] > stale0
+    finally:
+        decode.close()
+
+
+def test_pull_read_before_the_offer_is_made(provider, prefill_proc, rng):
+    """vLLM's decode may read, and send DONE, before prefill's worker offered the blocks (a
+    step after prefill answered). The early DONE is kept and frees the blocks when the offer
+    comes, not at the end of prefill's lease (before: held the whole lease, then a timeout)."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        time.sleep(0.5)  # the DONE reached prefill, which has no offer yet
+        t0 = time.monotonic()
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert time.monotonic() - t0 < 10, "released by the lease, not by the early DONE"
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
+def test_pull_params_mistakes(engine):
+    conn = fkv.KvConnector(engine, fkv.KvLayout(**DECODE, regions="one"),
+                           torch.zeros(fkv.KvLayout(**DECODE, regions="one").region_bytes // 2,
+                                       dtype=torch.int16))
+    try:
+        info = conn.handshake_info()
+        with pytest.raises(ferry.InvalidArgument, match="16 bytes, got 15"):
+            fkv.pull_params(info, 1, [0], 8, b"x" * 15, 1.0)
+        with pytest.raises(ferry.InvalidType, match="HandshakeInfo"):
+            fkv.pull_params(b"info", 1, [0], 8, b"x" * 16, 1.0)
+        with pytest.raises(ferry.InvalidArgument, match="16 zero bytes"):
+            conn.offer_pull(5, [0], 8, capability=bytes(16))
+        assert conn.stats()["active_send"] == 0
+    finally:
+        conn.close()
+
+
 def test_cancel_before_prefill_done(provider, prefill_proc, rng):
     decode, addr, pblocks, _ = open_pair(provider, prefill_proc, SPLITS[0], rng)
     try:

@@ -147,8 +147,14 @@ class KvConnector::Impl {
         return post([this, id, reason] { abort_send_now(id, reason); });
     }
 
-    Result<PullParamsMsg> offer_pull(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
+    Result<PullParamsMsg> offer_pull(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens,
+                                     const PullCapability* capability) {
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
+        if (capability && *capability == PullCapability{}) {
+            return invalid_argument(
+                "a pull capability of 16 zero bytes: draw 16 random bytes (it is what "
+                "authorises decode's DONE)");
+        }
         PullParamsMsg m;
         m.transfer_id = id;
         m.producer_rank = ctx_.cfg.self.tp_rank;
@@ -159,7 +165,11 @@ class KvConnector::Impl {
         m.pool = ctx_.pool_descriptors;
         m.layout = ctx_.cfg.self.layout;
         m.blocks = std::move(blocks);
-        FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
+        if (capability) {
+            m.capability = *capability;
+        } else {
+            FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
+        }
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kOffered));
         // The blocks stay the engine's; the connector only needs the lease and the DONEs.
         FERRY_RETURN_IF_ERROR(
@@ -337,7 +347,11 @@ Status KvConnector::prefill_failed(uint64_t id, Status reason) {
 Status KvConnector::abort_send(uint64_t id, Status reason) { return impl_->abort_send(id, reason); }
 Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t> blocks,
                                               uint32_t tokens) {
-    return impl_->offer_pull(id, std::move(blocks), tokens);
+    return impl_->offer_pull(id, std::move(blocks), tokens, nullptr);
+}
+Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t> blocks,
+                                              uint32_t tokens, const PullCapability& capability) {
+    return impl_->offer_pull(id, std::move(blocks), tokens, &capability);
 }
 Status KvConnector::pull(uint64_t id, std::vector<PullParamsMsg> params,
                          std::vector<uint32_t> blocks, uint32_t tokens, uint32_t first_token) {

@@ -22,11 +22,22 @@ void PullServer::offer(uint64_t id, const PullCapability& capability) {
     it->second.capability = capability;
     it->second.awake = ArrivalsExpected(ctx_.engine);
     ctx_.counters.active_send.fetch_add(1);
+    auto [first, last] = early_.equal_range(id);
+    std::vector<DoneMsg> early;
+    for (auto e = first; e != last; ++e) early.push_back(e->second.done);
+    early_.erase(first, last);
+    for (const DoneMsg& m : early) on_done(m);  // may end the offer
 }
 
 void PullServer::on_done(const DoneMsg& m) {
     auto it = offers_.find(m.transfer_id);
-    if (it == offers_.end()) return ctx_.stale("DONE for an unknown or expired pull offer");
+    if (it == offers_.end()) {
+        if (early_.size() >= kMaxEarlyDones) {
+            return ctx_.stale("DONE for an unknown or expired pull offer (early DONEs full)");
+        }
+        early_.emplace(m.transfer_id, EarlyDone{m, Clock::now() + ctx_.cfg.lease});
+        return;
+    }
     Offer& o = it->second;
     // A DONE naming a transfer it was not offered must not free (or end) that transfer.
     if (!constant_time_equal(o.capability, m.capability)) {
@@ -69,6 +80,14 @@ bool PullServer::withdraw(uint64_t id, const Status& reason) {
 }
 
 void PullServer::expire(TimePoint now) {
+    for (auto e = early_.begin(); e != early_.end();) {
+        if (now > e->second.deadline) {
+            ctx_.stale("DONE for an unknown or expired pull offer");
+            e = early_.erase(e);
+        } else {
+            ++e;
+        }
+    }
     for (auto it = offers_.begin(); it != offers_.end();) {
         auto next = std::next(it);
         if (now > it->second.deadline) {
@@ -88,6 +107,7 @@ void PullServer::expire(TimePoint now) {
 }
 
 void PullServer::report_shut_down(const Status& why) {
+    early_.clear();
     while (!offers_.empty()) {
         auto it = offers_.begin();
         uint64_t id = it->first;

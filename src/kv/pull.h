@@ -33,8 +33,18 @@ class PullServer {
         ArrivalsExpected awake;  // decode's reads need this side's polling to progress
     };
 
+    // A DONE for an offer not made yet: an engine that answers before it offers (vLLM's
+    // scheduler answers, its worker offers a step later) can be read, and DONE'd, first. Kept
+    // for a lease and applied by offer(); past the lease, or beyond kMaxEarlyDones, stale.
+    struct EarlyDone {
+        DoneMsg done;
+        TimePoint deadline;
+    };
+    static constexpr size_t kMaxEarlyDones = 4096;
+
     ConnectorContext& ctx_;
     std::map<uint64_t, Offer> offers_;
+    std::multimap<uint64_t, EarlyDone> early_;
 };
 
 // Decode side. A pull's state is its job, held by the job's flight, so the reads can be

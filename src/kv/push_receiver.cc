@@ -46,7 +46,14 @@ void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAdd
 
 void PushReceiver::on_scheduled(const ScheduledMsg& m) {
     auto it = announces_.find({m.transfer_id, m.attempt});
-    if (it == announces_.end()) return ctx_.stale("SCHEDULED for an unknown announcement");
+    if (it == announces_.end()) {
+        // A registered transfer whose prefill still computes: its lease is renewed.
+        ConsumerIt c;
+        Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &c);
+        if (!s || resolved(s->state) || c->second.cancelling)
+            return ctx_.stale("SCHEDULED for an unknown announcement or finished transfer");
+        return renew(c->second, *s);
+    }
     Announce& a = it->second;
     if (std::find(a.scheduled.begin(), a.scheduled.end(), m.producer_rank) == a.scheduled.end()) {
         a.scheduled.push_back(m.producer_rank);
@@ -125,6 +132,7 @@ void PushReceiver::register_push(PushRegistration reg) {
     }
     for (const Slot& s : c.slots) hold_span(s.imm);
     c.deadline = Clock::now() + ctx_.cfg.lease;
+    for (Slot& s : c.slots) s.deadline = c.deadline;
     c.progress = KvFrontier{reg.first_token};
     c.awake = ArrivalsExpected(ctx_.engine);
     for (const Slot& s : c.slots) {
@@ -220,6 +228,7 @@ void PushReceiver::on_segment(const SegmentMsg& m) {
     Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &it);
     if (!s || resolved(s->state)) return ctx_.stale("SEGMENT for an unknown or finished transfer");
     if (m.last && s->have_final) return ctx_.stale("closing SEGMENT after the slot's FINAL");
+    renew(it->second, *s);  // the producer is alive and sending
     const uint32_t span = imm_span();
     if (m.index < span) {
         // A second copy would wait for immediates that never come again.
@@ -432,10 +441,19 @@ void PushReceiver::expire_consumer(ConsumerIt it) {
         it, {it->first.first, it->first.second, c.error.ok() ? why : c.error, c.bytes, c.writes});
 }
 
+void PushReceiver::renew(Consumer& c, Slot& s) {
+    s.deadline = Clock::now() + ctx_.cfg.lease;
+    c.deadline = std::max(c.deadline, s.deadline);
+}
+
 void PushReceiver::expire(TimePoint now) {
     for (auto it = consumers_.begin(); it != consumers_.end();) {
         auto next = std::next(it);
-        if (now > it->second.deadline) expire_consumer(it);
+        const auto& slots = it->second.slots;
+        bool late = std::any_of(slots.begin(), slots.end(), [&](const Slot& s) {
+            return !resolved(s.state) && now > s.deadline;
+        });
+        if (late || now > it->second.deadline) expire_consumer(it);
         it = next;
     }
     for (auto it = announces_.begin(); it != announces_.end();) {

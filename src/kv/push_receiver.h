@@ -51,12 +51,15 @@ class PushReceiver {
         std::vector<bool> seen;               // by index: SEGMENT came (a copy is stale)
         std::map<uint32_t, uint32_t> landed;  // token ranges counted beyond `prefix`
         uint32_t prefix = 0;                  // tokens [0, prefix) landed or were held
+        // The lease of this producer: from the registration, renewed by its SCHEDULED (a
+        // prefill still computing) and SEGMENTs.
+        TimePoint deadline;
         // Chunks sent layer by layer, by token range: which layers landed.
         std::map<std::pair<uint32_t, uint32_t>, std::vector<bool>> layers_landed;
     };
     struct Consumer {
         std::vector<Slot> slots;
-        TimePoint deadline;
+        TimePoint deadline;  // the latest of the slots' (waits for arrivals end by it)
         bool cancelling = false;
         Status error;
         uint64_t bytes = 0;
@@ -87,6 +90,7 @@ class PushReceiver {
     void check_consumer(ConsumerIt it);
     void complete_recv(ConsumerIt it, const TransferResult& r);
     void expire_consumer(ConsumerIt it);
+    void renew(Consumer& c, Slot& s);
     // Immediate spans in use: a live slot's, and a slot's whose engine waiter has not fired
     // (it would consume a new registration's arrivals).
     void hold_span(uint32_t imm);

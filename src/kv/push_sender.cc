@@ -64,6 +64,7 @@ void PushSender::on_register(RegisterMsg m) {
     job.sent = KvFrontier{m.first_token};
     m.blocks = blocks_from_token0(m.blocks, m.first_token, m.layout.block_size);
     job.reg = std::move(m);
+    if (p.scheduled) p.renew_at = std::min(p.renew_at, Clock::now() + renewal_period(p));
     advance_job(it->first, p, key, job);  // what is final already goes out now
     maybe_finish(it);                     // a job refused while planning is already served
 }
@@ -93,6 +94,7 @@ void PushSender::on_intent(IntentMsg m) {
 void PushSender::mark_scheduled(uint64_t id, Producer& p) {
     if (p.scheduled) return;
     p.scheduled = true;
+    p.renew_at = Clock::now() + renewal_period(p);
     for (const auto& [key, intent] : p.intents) {
         ctx_.send(intent.peer, ScheduledMsg{id, key.first, ctx_.cfg.self.tp_rank});
     }
@@ -513,10 +515,38 @@ void PushSender::expire_producer(ProducerIt it) {
     complete_send(it, r);
 }
 
+// A third of the shortest lease that counts on the renewals: this rank's, and each registered
+// decode rank's (REGISTER's lease_ms; the two sides may be configured apart).
+Duration PushSender::renewal_period(const Producer& p) const {
+    Duration lease = ctx_.cfg.lease;
+    for (const auto& [key, job] : p.jobs) {
+        if (job.reg.lease_ms > 0)
+            lease = std::min<Duration>(lease, std::chrono::milliseconds(job.reg.lease_ms));
+    }
+    return lease / 3;
+}
+
+// A prefill that computes (scheduled, not done, not failed) is alive however long the prompt
+// takes: its lease and its registered decode ranks' leases are renewed, three times a lease,
+// with SCHEDULED (PROTOCOL.md, "Renewals"). Inside vLLM one prefill step of 1500 tokens took
+// 27 s on a loaded 2-core host, and a lease counted from the registration alone failed it at
+// 30 s on both sides. Renewals stop with the process, so a dead prefill still ends in a lease.
+void PushSender::renew(uint64_t id, Producer& p, TimePoint now) {
+    p.deadline = now + ctx_.cfg.lease;
+    p.renew_at = now + renewal_period(p);
+    for (const auto& [key, job] : p.jobs) {
+        if (key.first != p.attempt || job.resolved || job.cancelled) continue;
+        ctx_.send(job.peer, ScheduledMsg{id, key.first, ctx_.cfg.self.tp_rank});
+    }
+}
+
 void PushSender::expire(TimePoint now) {
     for (auto it = producers_.begin(); it != producers_.end();) {
         auto next = std::next(it);
-        if (now > it->second.deadline) expire_producer(it);
+        Producer& p = it->second;
+        if (p.scheduled && !p.have_prefill && p.failure.ok() && !p.tombstone && now >= p.renew_at)
+            renew(it->first, p, now);
+        if (now > p.deadline) expire_producer(it);
         it = next;
     }
 }

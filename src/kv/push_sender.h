@@ -73,6 +73,8 @@ class PushSender {
         uint32_t decode_tp = 0;
         std::map<JobKey, SendJob> jobs;
         TimePoint deadline;
+        // Scheduled and computing: when the registered decode ranks hear SCHEDULED again.
+        TimePoint renew_at;
         Status failure;  // prefill_failed: later registrations get FAIL
         // Already reported; kept until the lease only to answer late messages at once: a
         // REGISTER of a newer attempt that came after the blocks were released waited for a
@@ -91,6 +93,8 @@ class PushSender {
         return p.have_prefill && job.sent == KvFrontier{p.tokens};
     }
     void mark_scheduled(uint64_t id, Producer& p);
+    void renew(uint64_t id, Producer& p, TimePoint now);
+    Duration renewal_period(const Producer& p) const;
     void advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job);
     Status post_segment(uint64_t id, Producer& p, JobKey key, SendJob& job, const KvPiece& piece);
     void on_segment_drained(uint64_t id, JobKey key, uint32_t index, const Status& s);

@@ -18,18 +18,21 @@ using namespace testing;
 
 class KvReliabilityTest : public ::testing::TestWithParam<std::string> {
   protected:
-    // 1 prefill rank (process 0) and 1 decode rank (process 1) with the small test layout.
+    // 1 prefill rank (process 0) and 1 decode rank (process 1) with the small test layout;
+    // prefill_lease, when set, is prefill's lease (`lease` decode's).
     std::vector<::ferry::testing::ChildResult> run_1p1d(
         Duration lease, const std::function<std::string(Exchange&, KvNode&)>& body,
-        KvLayout layout = testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate,
-                                               64)) {
+        KvLayout layout = testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64),
+        Duration prefill_lease = Duration::zero()) {
         std::string provider = GetParam();
         return run_processes(
             2,
             [&](Exchange& ex) -> std::string {
                 NodeOptions opt;
                 opt.provider = provider;
-                opt.lease = lease;
+                opt.lease = ex.rank() == kPrefill && prefill_lease > Duration::zero()
+                                ? prefill_lease
+                                : lease;
                 KvRank self{layout, 0, 1};
                 CHILD_ASSIGN_OK(auto node, make_kv_node(ex, self, opt, 42,
                                                         ex.rank() == kPrefill ? 0 : kPoison));
@@ -76,6 +79,57 @@ TEST_P(KvReliabilityTest, UnregisteredTransferIsReleasedAfterTheLease) {
         return "";
     });
     EXPECT_ALL_OK(results);
+}
+
+// Issue 32: inside vLLM, decode registers as soon as it allocated its blocks and prefill
+// computes the prompt afterwards, one step that took 27 s for 1500 tokens on the loaded 2-core
+// VM. The lease ran from the registration on both sides: at 30 s decode gave up ("prefill
+// ranks 0 did not complete transfer"), prefill dropped the registration with it, and the
+// prefill_done that came a few seconds later waited a whole lease for a registration that had
+// come and gone ("no registration from every decode rank"). A prefill that said it computes
+// (prefill_scheduled) keeps the registration alive, however long the compute takes.
+// Second round: prefill's lease is longer than decode's (in vLLM each engine has its own
+// config; the renewals must come often enough for the shorter, which REGISTER carries), and
+// prefill says it computes before the REGISTER arrives (vLLM's order).
+TEST_P(KvReliabilityTest, PrefillComputingLongerThanTheLeaseStillDelivers) {
+    for (bool vllm_order : {false, true}) {
+        SCOPED_TRACE(vllm_order ? "prefill lease 10 s, scheduled first" : "same lease");
+        const auto lease = std::chrono::milliseconds(600);
+        const Duration prefill_lease = vllm_order ? Duration(std::chrono::seconds(10)) : lease;
+        auto results = run_1p1d(
+            lease,
+            [&](Exchange& ex, KvNode& n) -> std::string {
+                const uint64_t id = 0x7f1;
+                CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+                if (ex.rank() == kDecode) {
+                    CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+                    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                    CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                    std::vector<uint8_t> image(n.mem.size(), kPoison);
+                    testing::expect_request(n.self, image, id, blocks, 40);
+                    std::string diff = testing::compare_pool(n.mem, image);
+                    CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+                    CHILD_CHECK(n.conn->stats().leases_expired == 0);
+                } else {
+                    if (vllm_order) CHILD_CHECK_OK(n.conn->prefill_scheduled(id));
+                    CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));  // the REGISTER
+                    CHILD_CHECK_OK(n.conn->prefill_scheduled(id));  // again: a no-op the 2nd time
+                    // Computing: four of decode's leases.
+                    std::this_thread::sleep_for(4 * lease);
+                    testing::fill_request(n, id, blocks, 40);
+                    CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 40));
+                    CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+                    CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                    CHILD_CHECK(n.conn->stats().leases_expired == 0);
+                }
+                CHILD_CHECK_OK(n.blocks->free(blocks));
+                CHILD_CHECK_OK(ex.barrier());
+                return "";
+            },
+            testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64),
+            prefill_lease);
+        EXPECT_ALL_OK(results);
+    }
 }
 
 TEST_P(KvReliabilityTest, FailedPrefillReachesDecodeAsFail) {
@@ -430,28 +484,36 @@ TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
     EXPECT_ALL_OK(results);
 }
 
+// Second round: prefill computes (its renewals reach decode) for three leases, then dies; the
+// renewals stop with it, and decode still gives up about a lease after the last one.
 TEST_P(KvReliabilityTest, KilledPrefillFreesDecodeBlocksWithinTheLease) {
-    const auto lease = std::chrono::milliseconds(800);
-    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
-        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
-        if (ex.rank() == kPrefill) {
-            CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
-            testing::drop_shm_names_of_this_process();
-            raise(SIGKILL);
-        }
-        TimePoint t0 = Clock::now();
-        CHILD_CHECK_OK(n.conn->register_push({0x7b, 1, {n.addrs[kPrefill]}, blocks, 30}));
-        CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0x7b, kWait));
-        Duration took = Clock::now() - t0;
-        CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
-        CHILD_CHECK_MSG(took < lease + std::chrono::seconds(4), "freed after {:.0f} ms",
-                        to_ms(took));
-        CHILD_CHECK_OK(n.blocks->free(blocks));
-        return "";
-    });
-    ASSERT_EQ(results.size(), 2u);
-    EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
-    EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
+    for (bool computing : {false, true}) {
+        SCOPED_TRACE(computing ? "killed while computing" : "killed before computing");
+        const auto lease = std::chrono::milliseconds(800);
+        const Duration computed = computing ? 3 * lease : Duration::zero();
+        auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(2));
+            if (ex.rank() == kPrefill) {
+                CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
+                if (computing) CHILD_CHECK_OK(n.conn->prefill_scheduled(0x7b));
+                std::this_thread::sleep_for(computed);
+                testing::drop_shm_names_of_this_process();
+                raise(SIGKILL);
+            }
+            TimePoint t0 = Clock::now();
+            CHILD_CHECK_OK(n.conn->register_push({0x7b, 1, {n.addrs[kPrefill]}, blocks, 30}));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, 0x7b, kWait));
+            Duration took = Clock::now() - t0;
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kTimeout, "{}", r.status.to_string());
+            CHILD_CHECK_MSG(took < computed + lease + std::chrono::seconds(4),
+                            "freed after {:.0f} ms", to_ms(took));
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return "";
+        });
+        ASSERT_EQ(results.size(), 2u);
+        EXPECT_EQ(results[kPrefill].term_signal, SIGKILL);
+        EXPECT_TRUE(results[kDecode].ok()) << results[kDecode].error;
+    }
 }
 
 // Issue 30, item 3: attempt 2 registered after prefill served attempt 1 and released its

@@ -213,6 +213,12 @@ class KvConnector {
     // Prefill: hold the blocks under the lease and return what decode needs to read them.
     Result<PullParamsMsg> offer_pull(uint64_t transfer_id, std::vector<uint32_t> blocks,
                                      uint32_t num_tokens);
+    // The same with the capability the caller drew (16 random bytes, not all zero): for an
+    // engine whose decode side builds the parameters itself from the handshake (HandshakeInfo)
+    // and what the request carried (vLLM: the scheduler answers the request before the worker
+    // that holds the connector offers the blocks).
+    Result<PullParamsMsg> offer_pull(uint64_t transfer_id, std::vector<uint32_t> blocks,
+                                     uint32_t num_tokens, const PullCapability& capability);
     // Decode: read from every prefill rank whose heads this rank holds (params from all
     // prefill ranks, any order), then send DONE to each. Tokens [first_token, num_tokens) are
     // read, into `blocks`, which start at first_token's block (as PushRegistration's).

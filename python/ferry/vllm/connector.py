@@ -19,6 +19,18 @@ the KV into decode's blocks on ferry's threads. Decode's request runs once ferry
 transfer complete; a transfer that fails is reported to vLLM as a failed receive
 (KVConnectorTransferResults.failed_recving), so vLLM's kv_load_failure_policy applies
 ("recompute": decode computes the prompt itself; "fail": the request ends with an error).
+While prefill computes the request (vLLM scheduled it), ferry renews both sides' leases.
+
+Pull (mode "pull", or kv_transfer_params {"ferry_mode": "pull"} on the prefill leg): the proxy
+sends the prefill leg first; prefill's request_finished keeps the blocks and answers with
+kv_transfer_params for decode (its side channel, remote_block_ids, remote_num_tokens, a fresh
+16-byte ferry_capability, ferry_expires), and its worker offers the blocks under that
+capability (KvConnector.offer_pull) in the next step. The proxy passes the answer's params to
+decode unchanged; decode's worker builds the read parameters from prefill's handshake
+(ferry.kv.pull_params) and reads the blocks on ferry's threads (KvConnector.pull).
+
+Each step's transfers start in bind_connector_metadata, before the forward: vLLM 0.32 calls
+start_load_kv only after the forward when all loads are asynchronous.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import dataclasses
 import os
 import re
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -57,6 +70,12 @@ logger = init_logger("vllm.ferry_connector")
 TRANSFER_ID = "ferry_transfer_id"
 ATTEMPT = "ferry_attempt"
 REMOTE_TP = "remote_tp_size"
+MODE = "ferry_mode"  # "push" or "pull": a prefill request's mode (default: the engine's)
+# Pull: what prefill's request_finished returns for decode (vLLM's names where it has them).
+REMOTE_BLOCKS = "remote_block_ids"
+REMOTE_TOKENS = "remote_num_tokens"
+CAPABILITY = "ferry_capability"  # 32 hex digits: authorises decode's DONE for these blocks
+EXPIRES = "ferry_expires"  # wall-clock seconds (time.time()) after which prefill's offer ends
 
 # A secret every process of a one-machine deployment shares when the config names none; a
 # deployment across machines must set "secret" (or FERRY_KV_SECRET) to its own.
@@ -73,7 +92,7 @@ class FerryConfigError(ValueError):
 class FerryOptions:
     """kv_connector_extra_config, with the defaults that work on one machine."""
 
-    mode: str = "push"  # "push" (pull: not yet)
+    mode: str = "push"  # "push" or "pull": what a prefill request does unless it says
     provider: str = "tcp"  # ferry.TransferEngine provider: tcp, shm, verbs, efa, auto
     host: str = "127.0.0.1"  # this engine's side channel (HandshakeServer)
     port: int = 7710  # this engine's side channel: port + tp_rank per worker
@@ -92,9 +111,9 @@ class FerryOptions:
                 f"FerryConnector: unknown kv_connector_extra_config keys {unknown}; known: "
                 f"{sorted(known)}")
         o.mode = str(extra.get("mode", o.mode))
-        if o.mode not in ("push",):
+        if o.mode not in ("push", "pull"):
             raise FerryConfigError(
-                f"FerryConnector: mode {o.mode!r} is not supported yet; use \"push\"")
+                f"FerryConnector: mode {o.mode!r} is neither \"push\" nor \"pull\"")
         o.provider = str(extra.get("provider", o.provider))
         o.host = str(extra.get("host", o.host))
         try:
@@ -152,6 +171,21 @@ class RecvSpec:
     remote_host: str
     remote_port: int
     remote_tp: int
+    # Pull: prefill's blocks (same block size), capability and when its offer ends; None: push.
+    remote_blocks: Optional[List[int]] = None
+    capability: bytes = b""
+    expires: float = 0.0
+
+
+@dataclasses.dataclass
+class OfferSpec:
+    """Prefill, pull: hold these blocks for decode to read, under this capability."""
+
+    req_id: str
+    transfer_id: int
+    block_ids: List[int]
+    num_tokens: int
+    capability: bytes
 
 
 @dataclasses.dataclass
@@ -170,14 +204,42 @@ class FerryConnectorMetadata(KVConnectorMetadata):
 
     recv: List[RecvSpec] = dataclasses.field(default_factory=list)
     send: List[SendSpec] = dataclasses.field(default_factory=list)
+    offer: List[OfferSpec] = dataclasses.field(default_factory=list)
+    # (req_id, transfer_id): prefill requests vLLM scheduled (allocated): ferry renews decode's
+    # lease while they compute, however long that takes.
+    scheduled: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
     # (req_id, transfer_id, reason): prefill requests aborted before their KV was computed.
     fail_send: List[Tuple[str, int, str]] = dataclasses.field(default_factory=list)
     # (req_id, transfer_id): decode requests finished (aborted) while their KV was on the way.
     cancel_recv: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    started: bool = False  # the worker's: this step's transfers were started
 
 
 # ---------------------------------------------------------------------------------------------
 # Layout: what vLLM's KV tensors look like, read from their shapes and strides.
+
+
+def _pull_fields(params: Dict[str, Any], need: int, num_tokens: int):
+    """(prefill's block ids, capability, expiry) of a pull request's kv_transfer_params, or
+    ValueError naming what is wrong. Whole blocks of one block size on both sides: prefill's
+    remote_num_tokens must be decode's need * block_size."""
+    blocks = params[REMOTE_BLOCKS]
+    if not isinstance(blocks, list) or len(blocks) != need or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 32
+            for b in blocks):
+        raise ValueError(f"{REMOTE_BLOCKS} must be {need} block ids for this prompt")
+    tokens = params.get(REMOTE_TOKENS)
+    if tokens != num_tokens:
+        raise ValueError(f"{REMOTE_TOKENS} {tokens!r} is not this engine's {num_tokens} (both "
+                         "engines need the same block size)")
+    try:
+        cap = bytes.fromhex(str(params[CAPABILITY]))
+    except ValueError:
+        cap = b""
+    if len(cap) != 16:
+        raise ValueError(f"{CAPABILITY} must be 32 hex digits")
+    expires = float(params.get(EXPIRES, 0.0))
+    return list(blocks), cap, expires
 
 
 def _layer_index(name: str) -> int:
@@ -249,7 +311,8 @@ class FerryConnector(KVConnectorBase_V1):
         self._opts = FerryOptions.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _Scheduler(self._opts, self._block_size)
+            self._sched = _Scheduler(self._opts, self._block_size,
+                                     vllm_config.parallel_config.tensor_parallel_size)
             self._worker = None
         else:
             self._sched = None
@@ -260,11 +323,19 @@ class FerryConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The step's transfers start here, before its forward: vLLM 0.32 calls start_load_kv
+        # only after the forward when every load is asynchronous
+        # (kv_connector_model_runner_mixin.py), so a prefill reported scheduled there had
+        # computed its prompt already, its leases unrenewed (issue 32), and sends and reads
+        # waited a whole forward. What starts here is queued for ferry's threads (the first
+        # handshake with a peer excepted).
+        if self._worker is not None and isinstance(connector_metadata, FerryConnectorMetadata):
+            self._worker.start(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._connector_metadata
-        if isinstance(meta, FerryConnectorMetadata):
-            self._worker.start(meta)
+        return  # started in bind_connector_metadata, before the forward
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # push: the KV is complete before vLLM schedules the request
@@ -337,9 +408,10 @@ class FerryConnector(KVConnectorBase_V1):
 class _Scheduler:
     """The scheduler half: which requests send or receive, handed to the workers per step."""
 
-    def __init__(self, opts: FerryOptions, block_size: int):
+    def __init__(self, opts: FerryOptions, block_size: int, tp_size: int = 1):
         self._opts = opts
         self._block_size = block_size
+        self._tp_size = tp_size
         self._meta = FerryConnectorMetadata()
         self._recv: Dict[str, int] = {}  # decode: req_id -> transfer id, until its KV is there
         self._sending: Set[str] = set()  # prefill: req_ids whose blocks ferry still reads
@@ -347,6 +419,7 @@ class _Scheduler:
         # decode: req_ids whose transfer failed; vLLM's recompute policy reschedules them with
         # nothing computed, and they must then compute, not wait for the same transfer again.
         self._load_failed: Set[str] = set()
+        self._computing: Set[str] = set()  # prefill: req_ids reported scheduled
 
     def _params(self, request: "Request") -> Optional[Dict[str, Any]]:
         return request.kv_transfer_params
@@ -376,6 +449,19 @@ class _Scheduler:
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         params = self._params(request)
+        if params and params.get("do_remote_decode") and \
+                params.get(MODE, self._opts.mode) == "push" and \
+                request.request_id not in self._computing:
+            # Prefill: the request computes from now on (its lease renewed meanwhile).
+            try:
+                tid = transfer_id_of(params)
+            except FerryConfigError:
+                tid = None  # refused in request_finished, with the reason
+            if tid is not None:
+                self._computing.add(request.request_id)
+                self._meta.scheduled.append(
+                    (request.request_id, transfer_key(tid, request.prompt_token_ids)))
+            return
         if not params or num_external_tokens <= 0 or not params.get("do_remote_prefill"):
             return
         tid = transfer_id_of(params)
@@ -395,6 +481,9 @@ class _Scheduler:
             if not 0 < spec.remote_tp <= _MAX_REMOTE_TP or not 0 < spec.remote_port < 65536:
                 raise ValueError(f"remote_port {spec.remote_port} / {REMOTE_TP} "
                                  f"{spec.remote_tp} out of range")
+            if REMOTE_BLOCKS in params:  # prefill offered its blocks: decode reads them
+                spec.remote_blocks, spec.capability, spec.expires = _pull_fields(
+                    params, need, spec.num_tokens)
         except (KeyError, TypeError, ValueError) as e:
             spec = RecvSpec(req_id=request.request_id, transfer_id=key, attempt=1,
                             block_ids=block_ids[:need], num_tokens=need * self._block_size,
@@ -422,6 +511,7 @@ class _Scheduler:
         req_id = request.request_id
         self._refused.discard(req_id)
         self._load_failed.discard(req_id)
+        self._computing.discard(req_id)
         if req_id in self._recv:
             # Decode, aborted while its KV was on the way: vLLM keeps the blocks until the
             # receive is reported over, which the worker does once ferry cancelled it.
@@ -450,14 +540,29 @@ class _Scheduler:
         # kernels, so the bytes of the first n tokens are not the first n rows; a whole page is
         # the unit both sides agree on (same block size on both sides; the slots past the prompt
         # are masked by decode's sequence length until it writes them).
-        self._meta.send.append(SendSpec(req_id, transfer_key(tid, request.prompt_token_ids),
-                                        list(block_ids[:need]), need * self._block_size))
+        key = transfer_key(tid, request.prompt_token_ids)
+        blocks, tokens = list(block_ids[:need]), need * self._block_size
         self._sending.add(req_id)
-        return True, {TRANSFER_ID: tid, "num_tokens": prompt}
+        if params.get(MODE, self._opts.mode) != "pull":
+            self._meta.send.append(SendSpec(req_id, key, blocks, tokens))
+            return True, {TRANSFER_ID: tid, "num_tokens": prompt}
+        # Pull: the worker offers the blocks in the next step under a capability drawn here,
+        # and decode builds its read parameters from prefill's handshake and these values (the
+        # answer leaves before the worker can offer anything).
+        cap = os.urandom(16)
+        self._meta.offer.append(OfferSpec(req_id, key, blocks, tokens, cap))
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False, TRANSFER_ID: tid, MODE: "pull",
+            "remote_host": self._opts.host, "remote_port": self._opts.port,
+            REMOTE_TP: self._tp_size, REMOTE_BLOCKS: blocks, REMOTE_TOKENS: tokens,
+            CAPABILITY: cap.hex(),
+            # The offer's lease counts from the worker's offer_pull, a step after this.
+            EXPIRES: time.time() + self._opts.lease, "num_tokens": prompt}
 
     def pending(self) -> bool:
         m = self._meta
-        return bool(self._sending or m.send or m.recv or m.fail_send or m.cancel_recv)
+        return bool(self._sending or m.send or m.offer or m.recv or m.fail_send or
+                    m.cancel_recv or m.scheduled)
 
 
 class _Worker:
@@ -486,7 +591,9 @@ class _Worker:
         self._done_recv: Set[str] = set()
         self._failed_recv: Set[str] = set()
         self._done_send: Set[str] = set()
-        self._peers: Dict[Tuple[str, int], bytes] = {}
+        # Side channel (host, port) -> the prefill rank's HandshakeInfo (address, pool, layout),
+        # fetched once; dropped when a transfer from it fails (a restarted prefill has others).
+        self._peers: Dict[Tuple[str, int], Any] = {}
         self._cancelled: Set[int] = set()  # transfer ids of aborted decode requests
 
     def register(self, kv_caches: Dict[str, torch.Tensor]):
@@ -518,38 +625,67 @@ class _Worker:
             out.append(f"{float(kv[:, :num_tokens].float().abs().sum()):.3f}")
         return " digest " + "/".join(out)
 
-    def _peer(self, host: str, port: int) -> bytes:
+    def _peer(self, host: str, port: int):
         import ferry.kv as fkv
 
         key = (host, port)
         if key not in self._peers:
-            info = fkv.fetch_handshake(host, port, self._conn.layout, self._opts.secret,
-                                       timeout=5.0)
-            self._peers[key] = info.address
+            self._peers[key] = fkv.fetch_handshake(host, port, self._conn.layout,
+                                                   self._opts.secret, timeout=5.0)
         return self._peers[key]
+
+    def _ranks(self, spec: RecvSpec):
+        return [self._peer(spec.remote_host, spec.remote_port + r) for r in range(spec.remote_tp)]
 
     def _fail_recv(self, spec: RecvSpec, why: str):
         logger.warning("FerryConnector: request %s (transfer %d): KV load failed: %s",
                        spec.req_id, spec.transfer_id, why)
+        for r in range(max(spec.remote_tp, 0)):
+            self._peers.pop((spec.remote_host, spec.remote_port + r), None)
         self._done_recv.add(spec.req_id)
         self._failed_recv.add(spec.req_id)
 
     def start(self, meta: FerryConnectorMetadata):
         import ferry
 
+        if meta.started:  # bound twice (a draft model's forward): once is enough
+            return
+        meta.started = True
         conn = self._conn
+        # Prefill requests this step computes: ferry renews their leases meanwhile.
+        for req_id, tid in meta.scheduled:
+            try:
+                conn.prefill_scheduled(tid)
+                if os.environ.get("FERRY_VLLM_DEBUG"):
+                    logger.info("FerryConnector: computing %d (request %s)", tid, req_id)
+            except ferry.Error as e:
+                logger.warning("FerryConnector: request %s: prefill_scheduled: %s", req_id, e)
         for spec in meta.recv:
             if spec.remote_tp <= 0 or not spec.remote_host:
                 self._fail_recv(spec, "kv_transfer_params lack remote_host / remote_port")
                 continue
             try:
-                ranks = [self._peer(spec.remote_host, spec.remote_port + r)
-                         for r in range(spec.remote_tp)]
-                conn.register_push(spec.transfer_id, spec.attempt, ranks, spec.block_ids,
-                                   spec.num_tokens)
+                if spec.remote_blocks is not None:
+                    self._pull(spec)
+                else:
+                    ranks = [info.address for info in self._ranks(spec)]
+                    conn.register_push(spec.transfer_id, spec.attempt, ranks, spec.block_ids,
+                                       spec.num_tokens)
+                if os.environ.get("FERRY_VLLM_DEBUG"):
+                    logger.info("FerryConnector: %s %d blocks %s tokens %d (request %s)",
+                                "pull" if spec.remote_blocks is not None else "register",
+                                spec.transfer_id, spec.block_ids, spec.num_tokens, spec.req_id)
                 self._recv[spec.transfer_id] = spec
             except ferry.Error as e:
                 self._fail_recv(spec, str(e))
+        for o in meta.offer:
+            try:
+                conn.offer_pull(o.transfer_id, o.block_ids, o.num_tokens,
+                                capability=o.capability)
+                self._send[o.transfer_id] = o.req_id
+            except ferry.Error as e:
+                logger.warning("FerryConnector: request %s: offer_pull refused: %s", o.req_id, e)
+                self._done_send.add(o.req_id)
         for s in meta.send:
             try:
                 conn.prefill_done(s.transfer_id, s.block_ids, s.num_tokens)
@@ -570,6 +706,22 @@ class _Worker:
             if tid in self._recv:
                 self._cancelled.add(tid)
                 conn.cancel(tid)
+
+    def _pull(self, spec: RecvSpec):
+        """Decode, pull: read prefill's offered blocks (on ferry's thread), if its offer still
+        runs long enough for the reads to end within it: a read after the offer ended could
+        find the blocks holding another request's KV (PROTOCOL.md, "Open questions")."""
+        import ferry
+        import ferry.kv as fkv
+
+        left = spec.expires - time.time()
+        if left < self._opts.op_timeout:
+            raise ferry.Unavailable(f"prefill's offer ends in {left:.1f} s, less than "
+                                    f"op_timeout {self._opts.op_timeout:.1f} s: not read (raise "
+                                    "prefill's lease)")
+        params = [fkv.pull_params(info, spec.transfer_id, spec.remote_blocks, spec.num_tokens,
+                                  spec.capability, left) for info in self._ranks(spec)]
+        self._conn.pull(spec.transfer_id, params, spec.block_ids, spec.num_tokens)
 
     def results(self) -> KVConnectorTransferResults:
         if self._conn is not None:

@@ -60,8 +60,10 @@ def test_every_override_matches_the_base_signature():
 
 
 def test_the_hooks_the_flow_needs_are_overridden():
-    # The push flow rests on these; each must be ferry's, not the base's default.
-    for name in ("register_kv_caches", "start_load_kv", "get_transfer_results",
+    # The push and pull flows rest on these; each must be ferry's, not the base's default
+    # (bind_connector_metadata: the step's transfers start there, before the forward).
+    for name in ("register_kv_caches", "bind_connector_metadata", "start_load_kv",
+                 "get_transfer_results",
                  "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                  "update_connector_output", "request_finished", "has_pending_push_work",
                  "get_block_ids_with_load_errors", "shutdown"):
@@ -84,8 +86,28 @@ def test_extra_config_defaults_and_mistakes():
         FerryOptions.from_extra({"prot": 1})
     with pytest.raises(FerryConfigError, match="not a TCP port"):
         FerryOptions.from_extra({"port": 70000})
-    with pytest.raises(FerryConfigError, match="not supported yet"):
+    with pytest.raises(FerryConfigError, match='neither "push" nor "pull"'):
         FerryOptions.from_extra({"mode": "teleport"})
+    assert FerryOptions.from_extra({"mode": "pull", "lease": 12}).lease == 12.0
+
+
+def test_pull_params_a_decode_request_carries_are_checked():
+    # What prefill's answer hands decode in pull mode (through the client): each mistake is
+    # refused with its name before any read; the engine then fails the load.
+    from ferry.vllm.connector import _pull_fields
+
+    good = {"remote_block_ids": [3, 4], "remote_num_tokens": 64, "ferry_capability": "ab" * 16,
+            "ferry_expires": 5.0}
+    blocks, cap, expires = _pull_fields(good, 2, 64)
+    assert (blocks, cap, expires) == ([3, 4], bytes([0xab]) * 16, 5.0)
+    for bad, what in (({"remote_block_ids": [3]}, "2 block ids"),
+                      ({"remote_block_ids": [3, -1]}, "2 block ids"),
+                      ({"remote_block_ids": "3,4"}, "2 block ids"),
+                      ({"remote_num_tokens": 48}, "same block size"),
+                      ({"ferry_capability": "ab" * 15}, "32 hex digits"),
+                      ({"ferry_capability": "zz" * 16}, "32 hex digits")):
+        with pytest.raises(ValueError, match=what):
+            _pull_fields(dict(good, **bad), 2, 64)
 
 
 def test_transfer_ids_are_explicit_integers():
