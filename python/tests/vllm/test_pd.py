@@ -178,6 +178,15 @@ def engines(tmp_path_factory):
         # prefill schedules it (docs/VLLM.md, limits).
         for e in all_engines:
             complete(e, [5, 6, 7], 2)
+        # And one transfer between them, as a deployment's first request: tcp;ofi_rxm opens
+        # the connection on the first message, which can stall past op_timeout on this loaded
+        # machine and lose that message (known defect, docs/VLLM.md "Limits"). Its failure is
+        # reported, not fatal; every request of the tests below must succeed.
+        try:
+            disaggregated(prefill, decode, side_port, [7, 8, 9, 10], 2, "warm-up")
+            print("warm-up transfer: ok")
+        except AssertionError as e:
+            print(f"warm-up transfer failed (the first-send stall, docs/VLLM.md): {e}")
         print(f"three vLLM engines ready and warm in {time.monotonic() - t0:.0f} s")
         yield base, prefill, decode, side_port
     finally:
