@@ -78,6 +78,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void set_message_handler(MessageHandler handler);
     void expect_arrivals(bool on);
     EngineStats stats() const;
+    std::vector<EngineStats> rail_stats() const;
 
     bool fabric_gpu() const { return memory_.fabric_gpu(); }
     const std::string& fabric_gpu_note() const { return memory_.fabric_gpu_note(); }
@@ -98,7 +99,15 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                 OpState* state);
+                 RailSet use, OpState* state);
+    // The rails a transfer between `local` and p's `remote` may use: the local rails holding
+    // `local` whose peer rail holds `remote`. Empty: no_common_rail says why.
+    RailSet usable_rails(const Peer& p, const MemoryRegion& local,
+                         const MemoryDescriptor& remote) const {
+        return local.descriptor().rail_mask & rails.all() & p.rails_holding(remote);
+    }
+    Status no_common_rail(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          const char* what) const;
     // The pieces of one operation were added to b (b.count - first_piece of them): records
     // the count on the state and registers it. Before the batch is posted.
     void arm(OpState* state, uint32_t pieces, bool counts_imm);

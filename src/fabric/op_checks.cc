@@ -71,6 +71,21 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
     return Path::kFabric;
 }
 
+Status EngineImpl::no_common_rail(const Peer& p, const MemoryRegion& local,
+                                  const MemoryDescriptor& remote, const char* what) const {
+    RailSet theirs = 0;
+    for (size_t r = 0; r < remote.rail_keys.size() && r < 64; ++r) {
+        if (remote.on_rail(r)) theirs |= RailSet{1} << r;
+    }
+    return invalid_argument(fmt::format(
+        "{}: no rail holds both regions: the local region is on rails {} of this engine, the "
+        "remote region on rails {} of engine {:x} (rail r here talks to the peer's rail r, "
+        "peer {} has {} rails); register them on matching rails (EngineConfig::rails \"all\" "
+        "on both sides puts every region on every rail)",
+        what, rail_set_text(local.descriptor().rail_mask & rails.all()), rail_set_text(theirs),
+        remote.engine_id, p.id, p.address.rail_addrs.size()));
+}
+
 // Every run in bounds before anything is posted: a bad run moves nothing. local_is_src: the
 // runs' src offsets are in the local region (writes), else their dst offsets (reads).
 Status EngineImpl::check_runs(const Peer& p, const MemoryRegion* local,

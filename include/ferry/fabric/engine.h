@@ -50,6 +50,18 @@ struct EngineConfig {
     std::string node = "127.0.0.1";
     // Number of domains (NICs) to open. Large writes are striped across them.
     int num_rails = 1;
+    // Which rails each region is registered on, so which NICs carry its transfers:
+    // "nearest" (a GPU's memory on the NICs under its own PCIe switch, host memory on its NUMA
+    // node's NICs, every rail when no NIC is nearer), "all", or NIC domain names separated by
+    // commas ("rdmap79s0,rdmap80s0") for every region. docs/ARCHITECTURE.md, "Rails and
+    // topology".
+    std::string rails = "nearest";
+    // The machine's topology as an hwloc XML file (lstopo --of xml) instead of this machine's.
+    std::string topology_xml;
+    // The NIC each rail stands for, one line per rail as `ferry topo --nics` reads them
+    // ("<provider> <domain> <pci bus id or ->"), instead of the provider's own: lets tcp or shm
+    // rails on one host stand in for the NICs of a multi-NIC machine (tests).
+    std::string rail_nics;
     // Writes larger than this are split into one piece per rail.
     size_t stripe_threshold = 1 << 20;
     // Longest write handed to the provider in one operation.
@@ -333,10 +345,11 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. kHost is registered with every rail. kCuda (cudaMalloc'd memory on `device`) is
-    // exported through CUDA IPC: writes, paged writes and reads between GPU regions of peers
-    // on the same host become copies over NVLink, completed like fabric writes (immediates
-    // included). Where supports_gpu_memory(), it is also registered with the provider
+    // Memory. kHost is registered with the rails EngineConfig::rails picks for it (its NUMA
+    // node's NICs under "nearest"; MemoryDescriptor::rail_mask says which). kCuda (cudaMalloc'd
+    // memory on `device`) is exported through CUDA IPC: writes, paged writes and reads between GPU
+    // regions of peers on the same host become copies over NVLink, completed like fabric writes
+    // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
     // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
     // clear error when neither way is available.
     Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
@@ -358,6 +371,9 @@ class TransferEngine {
                        std::function<void(size_t still_held)> then);
 
     // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
+    // Transfers between a local region and a peer's use the local rails holding the local
+    // region whose peer rail (rail r talks to the peer's rail r) holds the remote one; none
+    // such fails the operation with an error naming both rail sets.
     Result<PeerId> connect(const EngineAddress& peer);
     // The peer id of an engine connected before, if any.
     std::optional<PeerId> find_peer(uint64_t engine_id) const;
@@ -431,6 +447,9 @@ class TransferEngine {
     void set_message_handler(MessageHandler handler);
 
     EngineStats stats() const;
+    // Each rail's counters, in rail order (stats() is their sum, with the engine's own): which
+    // NICs a region's transfers used (EngineConfig::rails).
+    std::vector<EngineStats> rail_stats() const;
     // Longest write posted with FI_INJECT (the provider copies the payload while posting):
     // the provider's inject_size, 0 when EngineConfig::inject is off.
     size_t inject_size() const;
