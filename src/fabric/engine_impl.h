@@ -2,7 +2,7 @@
 // the state lives in the components it composes, one owner each:
 //   RailGroup       the rails (one domain and worker thread each), how operations are split
 //   PeerTable       connected peers (address per rail) and peer groups
-//   MemoryRegistry  registrations on every rail, region ids, the GPU memory policy
+//   MemoryRegistry  registrations on each region's rails, region ids, the GPU memory policy
 //   GpuCopyPath     the same-host GPU transport and its copies in flight
 //   ControlChannel  control-message framing, the handler, held messages
 //   ImmTable        arrival counters per immediate and their waiters
