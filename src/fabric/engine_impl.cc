@@ -314,6 +314,7 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->len_ = len;
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
+    region->send_rails_ = reg.send_rails;
     return region;
 }
 
@@ -415,6 +416,7 @@ EngineStats EngineImpl::stats() const {
     EngineStats s = rails.stats();
     s.messages_dropped += control_.dropped();
     s.regions_registered = memory_.count();
+    s.rail_fallbacks = rail_fallbacks_.load(std::memory_order_relaxed);
     return s;
 }
 

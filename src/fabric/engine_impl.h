@@ -100,12 +100,21 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
                  RailSet use, OpState* state);
-    // The rails a transfer between `local` and p's `remote` may use: the local rails holding
-    // `local` whose peer rail holds `remote`. Empty: no_common_rail says why.
-    RailSet usable_rails(const Peer& p, const MemoryRegion& local,
-                         const MemoryDescriptor& remote) const {
-        return local.descriptor().rail_mask & rails.all() & p.rails_holding(remote);
+    // The rails a transfer between `local` and p's `remote` uses: the local region's send
+    // rails (nearest its memory) whose peer rail holds `remote`, else (rail_fallback) any local
+    // rail holding both. Empty: no_common_rail says why.
+    RailSet usable_rails(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote) {
+        return rails_towards(p, local, remote, p.rails_holding(remote));
     }
+    // The same with `theirs`, the local rails whose peer rail holds `remote`, known already.
+    RailSet rails_towards(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          RailSet theirs) {
+        if (const RailSet near = local.send_rails() & theirs) return near;
+        return rail_fallback(p, local, remote, theirs);
+    }
+    // Off the near rails: counted, logged once per local region.
+    RailSet rail_fallback(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          RailSet theirs);
     Status no_common_rail(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
                           const char* what) const;
     // The pieces of one operation were added to b (b.count - first_piece of them): records
@@ -166,7 +175,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     GpuCopyPath gpu_{config};
     MemoryRegistry memory_{rails, gpu_};
     ControlChannel control_{config};
-    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
+    std::atomic<int32_t> expecting_{0};        // open expect_arrivals(true) calls
+    std::atomic<uint64_t> rail_fallbacks_{0};  // EngineStats::rail_fallbacks
 };
 
 }  // namespace ferry::detail

@@ -44,8 +44,8 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
         }
     }
     const RailPlacement::Placed placed = settings_.placement.place(ptr, len, kind, device);
-    Status s =
-        register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1, placed.rails, reg);
+    Status s = register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1,
+                                 placed.registered, reg);
     if (!s.ok()) {
         if (kind == MemoryKind::kCuda) {
             return s.with_context(
@@ -54,10 +54,13 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
         }
         return s.with_context(fmt::format("registering {} bytes", len));
     }
+    reg.send_rails = placed.send;
     // Greppable like NIXL's "mapped to rail"; one rail leaves nothing to choose.
     log(rails_.size() > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
-        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({})", settings_.engine_id,
-        reg.id, len, placed.where, rail_set_text(placed.rails), placed.why);
+        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): this engine sends it "
+        "on those; registered on rails {} for peers",
+        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why,
+        rail_set_text(placed.registered));
     return reg;
 }
 

@@ -369,7 +369,9 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     auto* src_base = static_cast<uint8_t*>(sc.src->data());
     for (const auto& s : sc.slices) {
         const GroupMember& m = g->members[s.member];
-        rails.split(s.length, true, src_rails & m.rails, [&](int rail, uint64_t off, uint64_t n) {
+        RailSet use = sc.src->send_rails() & m.rails;  // the near rails reaching the member
+        if (!use) use = rail_fallback(*peer(m.peer), *sc.src, g->dsts[s.member], m.rails);
+        rails.split(s.length, true, use, [&](int rail, uint64_t off, uint64_t n) {
             auto* op = new FabricOp();
             op->type = FabricOp::kWrite;
             op->peer = m.peer;

@@ -84,7 +84,13 @@ RailPlacement::Placed RailPlacement::place(const void* ptr, size_t len, MemoryKi
     // choose() fails only for a listed NIC that is not here, which open() refused.
     auto chosen = topology_.choose(selection_, at);
     RailChoice choice = chosen.ok() ? *chosen : topology_.nearest(at);
-    for (int r : choice.nics) out.rails |= RailSet{1} << r;
+    for (int r : choice.nics) out.send |= RailSet{1} << r;
+    // Only a NIC list keeps a region off rails: under "nearest" any peer may reach it on any
+    // rail (its rail r talks to rail r here, whatever memory its own region is in).
+    const size_t n = topology_.nics().size();
+    out.registered = selection_.mode == RailSelection::Mode::kList ? out.send
+                     : n >= 64                                     ? ~RailSet{0}
+                                                                   : (RailSet{1} << n) - 1;
     out.why = nearest ? std::string(rail_reach_name(choice.reach)) : "set by the rail selection";
     return out;
 }

@@ -1,5 +1,6 @@
-// Which rails a region is registered on (docs/ARCHITECTURE.md, "Rails and topology"): the NIC
-// each rail stands for, the machine's PCIe tree, and the operator's rail selection.
+// Which rails a region is registered on and which this engine sends it on (docs/ARCHITECTURE.md,
+// "Rails and topology"): the NIC each rail stands for, the machine's PCIe tree, and the
+// operator's rail selection.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,11 @@ class RailPlacement {
     static Result<RailPlacement> open(const EngineConfig& config, std::vector<FabricNic> nics);
 
     struct Placed {
-        RailSet rails = 0;
+        // Where peers can reach the region: every rail, except under a NIC list (only those).
+        RailSet registered = 0;
+        // Where this engine's own operations on the region go first: the rails nearest its
+        // memory under "nearest" (a subset of `registered`), else `registered`.
+        RailSet send = 0;
         std::string where;  // "host memory on NUMA node 0", for the log
         std::string why;    // "same NUMA node", "set by the rail selection"
     };

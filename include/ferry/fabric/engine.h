@@ -18,6 +18,7 @@
 // in an error at its deadline, never in wrong data taken for right.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,11 +51,13 @@ struct EngineConfig {
     std::string node = "127.0.0.1";
     // Number of domains (NICs) to open. Large writes are striped across them.
     int num_rails = 1;
-    // Which rails each region is registered on, so which NICs carry its transfers:
-    // "nearest" (a GPU's memory on the NICs under its own PCIe switch, host memory on its NUMA
-    // node's NICs, every rail when no NIC is nearer), "all", or NIC domain names separated by
-    // commas ("rdmap79s0,rdmap80s0") for every region. docs/ARCHITECTURE.md, "Rails and
-    // topology".
+    // Which NICs carry this engine's transfers of each local region: "nearest" (a GPU's memory
+    // on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every rail when
+    // no NIC is nearer; the region is still registered on every rail, so any peer reaches it on
+    // any rail), "all", or NIC domain names separated by commas ("rdmap79s0,rdmap80s0"): every
+    // region registered on those rails only, so peers reach it only there. Where none of the
+    // near rails reaches the peer's region, the other rails holding both carry it
+    // (EngineStats::rail_fallbacks). docs/ARCHITECTURE.md, "Rails and topology".
     std::string rails = "nearest";
     // The machine's topology as an hwloc XML file (lstopo --of xml) instead of this machine's.
     std::string topology_xml;
@@ -168,6 +171,10 @@ class MemoryRegion {
     // Provider descriptor for rail r (fi_mr_desc), null when the provider needs none.
     void* local_desc(int rail) const { return local_descs_[rail]; }
     uint32_t id() const { return id_; }
+    // The rails this engine's own operations on the region use (bit r: rail r), those nearest
+    // its memory under EngineConfig::rails "nearest"; descriptor().rail_mask is where peers
+    // reach it.
+    uint64_t send_rails() const { return send_rails_; }
 
   private:
     friend class detail::EngineImpl;
@@ -179,6 +186,8 @@ class MemoryRegion {
     size_t len_ = 0;
     MemoryDescriptor desc_;
     std::vector<void*> local_descs_;
+    uint64_t send_rails_ = 0;
+    mutable std::atomic<bool> fallback_logged_{false};  // a transfer left send_rails_ (logged once)
 };
 
 struct WriteOp {
@@ -324,6 +333,9 @@ struct EngineStats {
     uint64_t messages_received = 0;
     uint64_t messages_dropped = 0;
     uint64_t regions_registered = 0;  // memory regions registered now (none leak: tests count)
+    // Operations that no rail near the local region could carry (the peer's region is not on
+    // any of them) and went over the other rails holding both (EngineConfig::rails).
+    uint64_t rail_fallbacks = 0;
 };
 
 class TransferEngine {
@@ -345,8 +357,9 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. kHost is registered with the rails EngineConfig::rails picks for it (its NUMA
-    // node's NICs under "nearest"; MemoryDescriptor::rail_mask says which). kCuda (cudaMalloc'd
+    // Memory. kHost is registered with every rail (only those listed when EngineConfig::rails
+    // lists NICs; MemoryDescriptor::rail_mask says which); this engine sends it on its NUMA
+    // node's NICs under "nearest" (MemoryRegion::send_rails). kCuda (cudaMalloc'd
     // memory on `device`) is exported through CUDA IPC: writes, paged writes and reads between GPU
     // regions of peers on the same host become copies over NVLink, completed like fabric writes
     // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
@@ -371,9 +384,10 @@ class TransferEngine {
                        std::function<void(size_t still_held)> then);
 
     // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
-    // Transfers between a local region and a peer's use the local rails holding the local
-    // region whose peer rail (rail r talks to the peer's rail r) holds the remote one; none
-    // such fails the operation with an error naming both rail sets.
+    // Transfers between a local region and a peer's use the local region's send_rails() whose
+    // peer rail (rail r talks to the peer's rail r) holds the remote one; where there is none,
+    // any local rail holding both; none such (only NIC lists can cause it) fails the operation
+    // with an error naming both rail sets.
     Result<PeerId> connect(const EngineAddress& peer);
     // The peer id of an engine connected before, if any.
     std::optional<PeerId> find_peer(uint64_t engine_id) const;

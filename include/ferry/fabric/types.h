@@ -37,8 +37,8 @@ struct MemoryDescriptor {
     bool virt_addr = true;  // provider addresses remote memory by virtual address, else offset
     std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
     // Bit r: the owner's rail r holds the region (its key is rail_keys[r]; keys of other rails
-    // are 0). The owner registers a region only on the rails nearest its memory
-    // (EngineConfig::rails); transfers use the rails both sides hold.
+    // are 0). Every rail unless the owner's EngineConfig::rails lists NICs; transfers use only
+    // rails both sides hold.
     uint64_t rail_mask = ~uint64_t{0};
     // Same-host GPU peers: the CUDA IPC handle of the allocation holding the region, and the
     // region's offset inside that allocation.
