@@ -1,6 +1,7 @@
 #include "bench/xfer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -815,6 +816,7 @@ Result<XferReport> Initiator::run() {
     rep.post_rounds = es.post_rounds;
     rep.ops_injected = es.ops_injected;
     rep.posted_with_more = es.posted_with_more;
+    for (const EngineStats& r : engine_->rail_stats()) rep.bytes_per_rail.push_back(r.bytes_posted);
     return rep;
 }
 
@@ -953,6 +955,9 @@ std::string format_xfer_table(const XferReport& r) {
             r.ops_posted, r.post_rounds, static_cast<double>(r.ops_posted) / r.post_rounds,
             r.ops_injected, r.posted_with_more);
     }
+    if (r.bytes_per_rail.size() > 1) {
+        out += fmt::format("engine bytes per rail: {}\n", fmt::join(r.bytes_per_rail, ", "));
+    }
     return out;
 }
 
@@ -981,7 +986,8 @@ nlohmann::json xfer_report_json(const XferReport& r) {
     j["engine_posts"] = {{"ops", r.ops_posted},
                          {"worker_passes", r.post_rounds},
                          {"injected", r.ops_injected},
-                         {"with_fi_more", r.posted_with_more}};
+                         {"with_fi_more", r.posted_with_more},
+                         {"bytes_per_rail", r.bytes_per_rail}};
     j["latency_us"] = {{"p50", r.latency_p50_us},
                        {"p99", r.latency_p99_us},
                        {"raw_p50", r.raw_latency_p50_us},

@@ -85,6 +85,7 @@ struct XferReport {
     uint64_t post_rounds = 0;
     uint64_t ops_injected = 0;
     uint64_t posted_with_more = 0;
+    std::vector<uint64_t> bytes_per_rail;  // which NICs carried the bytes (EngineConfig::rails)
 };
 
 // Forks the target process, runs every point, and returns the report. Call before this

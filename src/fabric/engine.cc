@@ -155,5 +155,6 @@ void TransferEngine::set_message_handler(MessageHandler handler) {
     impl_->set_message_handler(std::move(handler));
 }
 EngineStats TransferEngine::stats() const { return impl_->stats(); }
+std::vector<EngineStats> TransferEngine::rail_stats() const { return impl_->rail_stats(); }
 
 }  // namespace ferry

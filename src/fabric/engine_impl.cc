@@ -137,8 +137,16 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;
     address.signal.length = 64;
+    // Rail r opens candidates[r % n] (RailGroup::open): the NIC it stands for.
+    std::vector<FabricNic> rail_nics;
+    for (int r = 0; r < config.num_rails; ++r) {
+        rail_nics.push_back(fabric_nic(candidates[r % candidates.size()]));
+    }
+    FERRY_ASSIGN_OR_RETURN(RailPlacement placement,
+                           RailPlacement::open(config, std::move(rail_nics)));
+    const std::vector<std::string> rail_lines = placement.rail_lines();
     memory_.configure({address.engine_id, provider, config.gpu_ipc, fabric_gpu,
-                       std::move(fabric_gpu_note), config.op_timeout});
+                       std::move(fabric_gpu_note), config.op_timeout, std::move(placement)});
 
     Status opened = rails.open(candidates, config, [this](int r) {
         RailHooks hooks;
@@ -177,6 +185,10 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     note_local_engine(address.engine_id, true);
     log(LogLevel::kInfo, "fabric", "engine {:x}: provider {}, {} rail(s); {}", address.engine_id,
         provider, rails.size(), memory_.fabric_gpu_note());
+    // Greppable like NIXL's "Created rail": one line per rail, the NIC it stands for.
+    for (const auto& line : rail_lines) {
+        log(LogLevel::kInfo, "fabric", "engine {:x}: {}", address.engine_id, line);
+    }
     return ok_status();
 }
 
@@ -302,6 +314,7 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->len_ = len;
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
+    region->send_rails_ = reg.send_rails;
     return region;
 }
 
@@ -397,10 +410,13 @@ void EngineImpl::set_message_handler(MessageHandler handler) {
     control_.set_handler(std::move(handler));
 }
 
+std::vector<EngineStats> EngineImpl::rail_stats() const { return rails.rail_stats(); }
+
 EngineStats EngineImpl::stats() const {
     EngineStats s = rails.stats();
     s.messages_dropped += control_.dropped();
     s.regions_registered = memory_.count();
+    s.rail_fallbacks = rail_fallbacks_.load(std::memory_order_relaxed);
     return s;
 }
 

@@ -2,7 +2,7 @@
 // the state lives in the components it composes, one owner each:
 //   RailGroup       the rails (one domain and worker thread each), how operations are split
 //   PeerTable       connected peers (address per rail) and peer groups
-//   MemoryRegistry  registrations on every rail, region ids, the GPU memory policy
+//   MemoryRegistry  registrations on each region's rails, region ids, the GPU memory policy
 //   GpuCopyPath     the same-host GPU transport and its copies in flight
 //   ControlChannel  control-message framing, the handler, held messages
 //   ImmTable        arrival counters per immediate and their waiters
@@ -78,6 +78,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void set_message_handler(MessageHandler handler);
     void expect_arrivals(bool on);
     EngineStats stats() const;
+    std::vector<EngineStats> rail_stats() const;
 
     bool fabric_gpu() const { return memory_.fabric_gpu(); }
     const std::string& fabric_gpu_note() const { return memory_.fabric_gpu_note(); }
@@ -98,7 +99,24 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                 OpState* state);
+                 RailSet use, OpState* state);
+    // The rails a transfer between `local` and p's `remote` uses: the local region's send
+    // rails (nearest its memory) whose peer rail holds `remote`, else (rail_fallback) any local
+    // rail holding both. Empty: no_common_rail says why.
+    RailSet usable_rails(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote) {
+        return rails_towards(p, local, remote, p.rails_holding(remote));
+    }
+    // The same with `theirs`, the local rails whose peer rail holds `remote`, known already.
+    RailSet rails_towards(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          RailSet theirs) {
+        if (const RailSet near = local.send_rails() & theirs) return near;
+        return rail_fallback(p, local, remote, theirs);
+    }
+    // Off the near rails: counted, logged once per local region.
+    RailSet rail_fallback(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          RailSet theirs);
+    Status no_common_rail(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                          const char* what) const;
     // The pieces of one operation were added to b (b.count - first_piece of them): records
     // the count on the state and registers it. Before the batch is posted.
     void arm(OpState* state, uint32_t pieces, bool counts_imm);
@@ -157,7 +175,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     GpuCopyPath gpu_{config};
     MemoryRegistry memory_{rails, gpu_};
     ControlChannel control_{config};
-    std::atomic<int32_t> expecting_{0};  // open expect_arrivals(true) calls
+    std::atomic<int32_t> expecting_{0};        // open expect_arrivals(true) calls
+    std::atomic<uint64_t> rail_fallbacks_{0};  // EngineStats::rail_fallbacks
 };
 
 }  // namespace ferry::detail

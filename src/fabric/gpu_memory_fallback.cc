@@ -7,6 +7,7 @@ namespace {
 Status no_cuda() { return unavailable("this build of ferry has no CUDA support"); }
 }  // namespace
 int gpu_device_count() { return 0; }
+Result<std::string> gpu_pci_bus_id(int) { return no_cuda(); }
 Result<GpuBuffer> GpuBuffer::allocate(size_t, int) { return no_cuda(); }
 GpuBuffer& GpuBuffer::operator=(GpuBuffer&&) noexcept { return *this; }
 GpuBuffer::~GpuBuffer() = default;

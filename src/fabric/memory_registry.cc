@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <rdma/fi_errno.h>
 
+#include <algorithm>
+
 #include "ferry/common/log.h"
 
 namespace ferry::detail {
@@ -26,6 +28,7 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
                 "way left)",
                 len, device, settings_.fabric_gpu_note));
         }
+        reg.desc.rail_mask = 0;
         std::lock_guard lk(mu_);
         reg.id = next_id_++;
         return reg;
@@ -40,7 +43,9 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
                 ptr, len, device, settings_.provider, s.message());
         }
     }
-    Status s = register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1, reg);
+    const RailPlacement::Placed placed = settings_.placement.place(ptr, len, kind, device);
+    Status s = register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1,
+                                 placed.registered, reg);
     if (!s.ok()) {
         if (kind == MemoryKind::kCuda) {
             return s.with_context(
@@ -49,15 +54,25 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
         }
         return s.with_context(fmt::format("registering {} bytes", len));
     }
+    reg.send_rails = placed.send;
+    // Greppable like NIXL's "mapped to rail"; one rail leaves nothing to choose.
+    log(rails_.size() > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
+        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): this engine sends it "
+        "on those; registered on rails {} for peers",
+        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why,
+        rail_set_text(placed.registered));
     return reg;
 }
 
-Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
+Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on,
                                          Registration& reg) {
-    std::vector<fid_mr*> mrs;
+    std::vector<fid_mr*> mrs(rails_.size(), nullptr);
+    reg.desc.rail_keys.assign(rails_.size(), 0);
+    reg.desc.rail_mask = on;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     for (auto& rail : rails_) {
         Rail* rp = rail.get();
+        if (!(on >> rp->index() & 1)) continue;
         // A registration that finishes after this gave up on it closes its MR itself.
         Result<fid_mr*> mr = rp->run_on_worker<fid_mr*>(
             [rp, ptr, len, access, cuda_device] {
@@ -66,9 +81,9 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
             kRailTaskTimeout, [](fid_mr*& late) { fi_close(&late->fid); });
         if (!mr.ok()) {
             for (size_t i = 0; i < mrs.size(); ++i) {
-                Rail* prev = &rails_[i];
                 fid_mr* m = mrs[i];
-                (void)prev->run_on_worker(
+                if (!m) continue;
+                (void)rails_[i].run_on_worker(
                     [m] {
                         fi_close(&m->fid);
                         return ok_status();
@@ -76,11 +91,12 @@ Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device,
                     kRailTaskTimeout);
             }
             reg.desc.rail_keys.clear();
+            std::fill(reg.local_descs.begin(), reg.local_descs.end(), nullptr);
             return mr.status().with_context(fmt::format("rail {}", rp->index()));
         }
-        reg.desc.rail_keys.push_back(fi_mr_key(*mr));
+        reg.desc.rail_keys[rp->index()] = fi_mr_key(*mr);
         reg.local_descs[rp->index()] = fi_mr_desc(*mr);
-        mrs.push_back(*mr);
+        mrs[rp->index()] = *mr;
     }
     std::lock_guard lk(mu_);
     reg.id = next_id_++;
@@ -103,7 +119,7 @@ void MemoryRegistry::remove(uint32_t id) {
     // tcp that timed out under load (2026-12-01). Each rail first waits for those.
     const TimePoint settle_by = deadline_after(settings_.op_timeout);
     for (size_t i = 0; i < r.mrs.size() && i < rails_.size(); ++i) {
-        if (rails_[i].wedged()) continue;  // its domain is never closed either
+        if (!r.mrs[i] || rails_[i].wedged()) continue;  // wedged: its domain is never closed
         fid_mr* m = r.mrs[i];
         Rail* rail = &rails_[i];
         Status s = rail->run_on_worker(
@@ -122,7 +138,7 @@ void MemoryRegistry::close_all() {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : mrs_) {
         for (size_t i = 0; i < r.mrs.size(); ++i) {
-            if (i < rails_.size() && rails_[i].wedged()) continue;
+            if (!r.mrs[i] || (i < rails_.size() && rails_[i].wedged())) continue;
             fi_close(&r.mrs[i]->fid);
         }
     }

@@ -1,4 +1,5 @@
-// Registered memory: each region's registration on every rail, the ids regions are known by,
+// Registered memory: each region's registration on its rails (every rail unless a NIC list
+// says otherwise, RailPlacement), the rails it is sent on, the ids regions are known by,
 // and where GPU memory goes (registered with the provider under FI_HMEM, exported through
 // CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by the engine.
 #pragma once
@@ -14,6 +15,7 @@
 
 #include "fabric/gpu_copy_path.h"
 #include "fabric/rail_group.h"
+#include "fabric/rail_placement.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
 #include "ferry/fabric/types.h"
@@ -31,12 +33,14 @@ class MemoryRegistry {
         // EngineConfig::op_timeout: how long remove() waits, at most, for operations on the
         // memory that libfabric still holds (Rail::settle_local).
         Duration op_timeout = std::chrono::seconds(10);
+        RailPlacement placement;  // which rails each region goes on
     };
     // What a region needs to know about its registration.
     struct Registration {
         uint32_t id = 0;
         MemoryDescriptor desc;
         std::vector<void*> local_descs;  // per rail, fi_mr_desc (null without registration)
+        RailSet send_rails = 0;          // where this engine sends it first (RailPlacement::Placed)
     };
 
     MemoryRegistry(RailGroup& rails, GpuCopyPath& gpu) : rails_(rails), gpu_(gpu) {}
@@ -45,8 +49,9 @@ class MemoryRegistry {
     bool fabric_gpu() const { return settings_.fabric_gpu; }
     const std::string& fabric_gpu_note() const { return settings_.fabric_gpu_note; }
 
-    // Registers [ptr, len): host memory on every rail; kCuda memory through CUDA IPC and, where
-    // the provider takes it, on every rail. On failure nothing stays registered.
+    // Registers [ptr, len): host memory on the rails its placement picks; kCuda memory through
+    // CUDA IPC and, where the provider takes it, on the rails its placement picks. On failure
+    // nothing stays registered.
     Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device);
     // Closes the region's registrations (a no-op once close_all ran), once libfabric has
     // returned every operation on its memory (timed-out ones too), or after op_timeout.
@@ -61,9 +66,9 @@ class MemoryRegistry {
     }
 
   private:
-    // Registers on every rail (CUDA memory on cuda_device when >= 0), filling keys and local
-    // descriptors; on failure what was registered is closed again.
-    Status register_on_rails(void* ptr, size_t len, int cuda_device, Registration& reg);
+    // Registers on the rails of `on` (CUDA memory on cuda_device when >= 0), filling keys, the
+    // rail mask and local descriptors; on failure what was registered is closed again.
+    Status register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on, Registration& reg);
 
     RailGroup& rails_;
     GpuCopyPath& gpu_;
@@ -74,7 +79,7 @@ class MemoryRegistry {
     struct Registered {
         const void* base = nullptr;
         size_t len = 0;
-        std::vector<fid_mr*> mrs;  // per rail
+        std::vector<fid_mr*> mrs;  // per rail, null on rails without the region
     };
     std::map<uint32_t, Registered> mrs_;
 };

@@ -61,16 +61,16 @@ Status gpu_in_batch_op(const char* what) {
 [[gnu::always_inline]] inline void EngineImpl::add_rma(
     RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local, uint64_t local_off,
     const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len, std::optional<uint32_t> imm,
-    TimePoint deadline, bool stripe, OpState* state) {
+    TimePoint deadline, bool stripe, RailSet use, OpState* state) {
     // One piece: made here, without the closure of twelve references that split would call
     // (~40 instructions per 64 B write, callgrind, shm, 2026-12-02).
-    if (rails.one_piece(len, stripe)) {
-        int rail = rails.next_rail();
+    if (rails.one_piece(len, stripe, use)) {
+        int rail = rails.next_rail(use);
         b.add(rail, make_rma(type, p, rail, local, local_off, remote, remote_off, len, imm,
                              deadline, state));
         return;
     }
-    rails.split(len, stripe, [&](int rail, uint64_t off, uint64_t n) {
+    rails.split(len, stripe, use, [&](int rail, uint64_t off, uint64_t n) {
         b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
                              imm, deadline, state));
     });
@@ -140,9 +140,11 @@ bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, Tim
     if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
     if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
     if (host_fabric_ok(*p, w.src, w.src_offset, w.dst, w.dst_offset, w.length)) {
-        add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length,
-                w.imm, deadline, true, state);
-        return true;
+        if (const RailSet use = usable_rails(*p, *w.src, *w.dst)) {
+            add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length,
+                    w.imm, deadline, true, use, state);
+            return true;
+        }
     }
     FERRY_FAIL_BUILD(state, check_local(w.src, w.src_offset, w.length, "write"));
     FERRY_FAIL_BUILD(state, check_remote(*p, w.dst, w.dst_offset, w.length, "write"));
@@ -159,8 +161,10 @@ bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, Tim
                GpuWork{std::move(copies), {}, {}}, w.imm);
         return false;
     }
+    const RailSet use = usable_rails(*p, *w.src, *w.dst);
+    if (!use) FERRY_FAIL_BUILD(state, no_common_rail(*p, *w.src, *w.dst, "write"));
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
-            deadline, true, state);
+            deadline, true, use, state);
     return true;
 }
 
@@ -178,9 +182,11 @@ bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimeP
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
     if (host_fabric_ok(*p, r.dst, r.dst_offset, r.src, r.src_offset, r.length)) {
-        add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
-                std::nullopt, deadline, true, state);
-        return true;
+        if (const RailSet use = usable_rails(*p, *r.dst, *r.src)) {
+            add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
+                    std::nullopt, deadline, true, use, state);
+            return true;
+        }
     }
     FERRY_FAIL_BUILD(state, check_local(r.dst, r.dst_offset, r.length, "read"));
     FERRY_FAIL_BUILD(state, check_remote(*p, r.src, r.src_offset, r.length, "read"));
@@ -196,8 +202,10 @@ bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimeP
                GpuWork{std::move(copies), {}, {}}, std::nullopt);
         return false;
     }
+    const RailSet use = usable_rails(*p, *r.dst, *r.src);
+    if (!use) FERRY_FAIL_BUILD(state, no_common_rail(*p, *r.dst, *r.src, "read"));
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
-            std::nullopt, deadline, true, state);
+            std::nullopt, deadline, true, use, state);
     return true;
 }
 
@@ -229,6 +237,8 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         max_dst = std::max(max_dst, w.dst_pages[i]);
     }
     FERRY_FAIL_OP(state, check_pages(w, *p, max_src, max_dst));
+    const RailSet use = usable_rails(*p, *w.src, *w.dst);
+    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "paged write"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
@@ -244,7 +254,7 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
         uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
         add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                deadline, false, state.get());
+                deadline, false, use, state.get());
         i = j;
     }
     return submit(b, std::move(state), w.imm.has_value());
@@ -268,11 +278,13 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
         return gpu_op(std::move(state), w.peer, w.src->descriptor().device,
                       GpuWork{std::move(copies), {}, {}}, w.imm);
     }
+    const RailSet use = usable_rails(*p, *w.src, *w.dst);
+    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "write_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& r : w.runs) {
         add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
-                w.imm, deadline, true, state.get());
+                w.imm, deadline, true, use, state.get());
     }
     return submit(b, std::move(state), w.imm.has_value());
 }
@@ -303,11 +315,13 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
         return gpu_op(std::move(state), r.peer, r.dst->descriptor().device,
                       GpuWork{std::move(copies), {}, {}}, std::nullopt);
     }
+    const RailSet use = usable_rails(*p, *r.dst, *r.src);
+    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *r.dst, *r.src, "read_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
         add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset, run.length,
-                std::nullopt, deadline, true, state.get());
+                std::nullopt, deadline, true, use, state.get());
     }
     return submit(b, std::move(state), false);
 }
@@ -319,6 +333,7 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
     FERRY_FAIL_OP(state, check_local(sc.src, 0, 0, "scatter"));
     const bool src_gpu = sc.src->descriptor().kind == MemoryKind::kCuda;
+    const RailSet src_rails = sc.src->descriptor().rail_mask & rails.all();
     // Every slice checked before anything is built, against the group's prepared rows (see
     // Group): from host memory the path of a member is known since the group was created.
     for (const auto& s : sc.slices) {
@@ -344,13 +359,19 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
             FERRY_FAIL_OP(state, check_remote(*peer(m.peer), &g->dsts[s.member], s.dst_offset,
                                               s.length, "scatter"));
         }
+        if (!(src_rails & m.rails)) {
+            FERRY_FAIL_OP(state,
+                          no_common_rail(*peer(m.peer), *sc.src, g->dsts[s.member], "scatter"));
+        }
     }
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     auto* src_base = static_cast<uint8_t*>(sc.src->data());
     for (const auto& s : sc.slices) {
         const GroupMember& m = g->members[s.member];
-        rails.split(s.length, true, [&](int rail, uint64_t off, uint64_t n) {
+        RailSet use = sc.src->send_rails() & m.rails;  // the near rails reaching the member
+        if (!use) use = rail_fallback(*peer(m.peer), *sc.src, g->dsts[s.member], m.rails);
+        rails.split(s.length, true, use, [&](int rail, uint64_t off, uint64_t n) {
             auto* op = new FabricOp();
             op->type = FabricOp::kWrite;
             op->peer = m.peer;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "fabric/engine_impl.h"
+#include "ferry/common/log.h"
 
 namespace ferry::detail {
 
@@ -69,6 +70,38 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
             what, memory_.fabric_gpu_note()));
     }
     return Path::kFabric;
+}
+
+RailSet EngineImpl::rail_fallback(const Peer& p, const MemoryRegion& local,
+                                  const MemoryDescriptor& remote, RailSet theirs) {
+    const RailSet use = local.descriptor().rail_mask & rails.all() & theirs;
+    if (!use) return 0;
+    rail_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    if (!local.fallback_logged_.load(std::memory_order_relaxed) &&
+        !local.fallback_logged_.exchange(true, std::memory_order_relaxed)) {
+        log(LogLevel::kInfo, "fabric",
+            "engine {:x}: region {} is sent on rails {} (nearest its memory), but the region of "
+            "engine {:x} (peer {}) is on none of the peer's rails those talk to; it goes on "
+            "rails {} instead (this region's later fallbacks are only counted: rail_fallbacks)",
+            address.engine_id, local.id(), rail_set_text(local.send_rails()), remote.engine_id,
+            p.id, rail_set_text(use));
+    }
+    return use;
+}
+
+Status EngineImpl::no_common_rail(const Peer& p, const MemoryRegion& local,
+                                  const MemoryDescriptor& remote, const char* what) const {
+    RailSet theirs = 0;
+    for (size_t r = 0; r < remote.rail_keys.size() && r < 64; ++r) {
+        if (remote.on_rail(r)) theirs |= RailSet{1} << r;
+    }
+    return invalid_argument(fmt::format(
+        "{}: no rail holds both regions: the local region is on rails {} of this engine, the "
+        "remote region on rails {} of engine {:x} (rail r here talks to the peer's rail r, "
+        "peer {} has {} rails); register them on matching rails (EngineConfig::rails \"all\" "
+        "or \"nearest\" on both sides registers every region on every rail)",
+        what, rail_set_text(local.descriptor().rail_mask & rails.all()), rail_set_text(theirs),
+        remote.engine_id, p.id, p.address.rail_addrs.size()));
 }
 
 // Every run in bounds before anything is posted: a bad run moves nothing. local_is_src: the

@@ -32,6 +32,7 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
         p->fi_addr.push_back(*fa);
         p->remote_rail.push_back(rr);
     }
+    p->same_rails = a.rail_addrs.size() >= rails.size();
     PeerId id = p->id;
     peer_table_[id].store(p.get(), std::memory_order_release);
     by_engine_[a.engine_id] = id;
@@ -83,6 +84,7 @@ Result<GroupId> PeerTable::create_group(std::span<const PeerId> peers,
         m.dst_length = d.length;
         m.signal_wire = p->address.signal.wire_address(0);
         m.host_reachable = !d.rail_keys.empty();
+        m.rails = p->rails_holding(d);
         g->members.push_back(m);
         g->rails = p->fi_addr.size();
         for (size_t r = 0; r < p->fi_addr.size(); ++r) {

@@ -26,6 +26,19 @@ struct Peer {
     EngineAddress address;
     std::vector<fi_addr_t> fi_addr;     // per local rail
     std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
+    bool same_rails = false;            // remote_rail[r] == r for every local rail
+
+    // The local rails whose peer rail holds `d`, a region of this peer.
+    RailSet rails_holding(const MemoryDescriptor& d) const {
+        const size_t n = d.rail_keys.size();
+        const RailSet keyed = n >= 64 ? ~RailSet{0} : (RailSet{1} << n) - 1;
+        if (same_rails) return d.rail_mask & keyed;
+        RailSet s = 0;
+        for (size_t r = 0; r < remote_rail.size(); ++r) {
+            if (d.on_rail(remote_rail[r])) s |= RailSet{1} << r;
+        }
+        return s;
+    }
 };
 
 // Immutable once created. Besides the members and their descriptors, everything a scatter or
@@ -39,6 +52,7 @@ struct GroupMember {
     uint64_t dst_length = 0;
     uint64_t signal_wire = 0;     // wire address of the member's signal region
     bool host_reachable = false;  // host memory here can write it over the fabric
+    RailSet rails = 0;            // local rails whose peer rail holds the member's region
 };
 
 struct Group {

@@ -12,6 +12,7 @@ Status RailGroup::open(std::span<const fi_info* const> candidates, const EngineC
         FERRY_ASSIGN_OR_RETURN(
             auto rail, Rail::open(r, candidates[r % candidates.size()], config, hooks_for(r)));
         rails_.push_back(std::move(rail));
+        all_ |= RailSet{1} << r;
     }
     return ok_status();
 }
@@ -48,23 +49,35 @@ void RailGroup::wake_all() {
     for (auto& r : rails_) r->wake();
 }
 
+namespace {
+// Adds a rail's counters (RailStats) or another sum (EngineStats) to `to`.
+template <typename Counters>
+void add_counters(EngineStats& to, const Counters& c) {
+    to.ops_posted += c.ops_posted;
+    to.ops_injected += c.ops_injected;
+    to.posted_with_more += c.posted_with_more;
+    to.post_rounds += c.post_rounds;
+    to.bytes_posted += c.bytes_posted;
+    to.eagain += c.eagain;
+    to.op_errors += c.op_errors;
+    to.op_timeouts += c.op_timeouts;
+    to.imm_arrivals += c.imm_arrivals;
+    to.messages_received += c.messages_received;
+    to.messages_dropped += c.messages_dropped;
+}
+}  // namespace
+
 EngineStats RailGroup::stats() const {
     EngineStats s;
-    for (const auto& r : rails_) {
-        const RailStats& rs = r->stats();
-        s.ops_posted += rs.ops_posted;
-        s.ops_injected += rs.ops_injected;
-        s.posted_with_more += rs.posted_with_more;
-        s.post_rounds += rs.post_rounds;
-        s.bytes_posted += rs.bytes_posted;
-        s.eagain += rs.eagain;
-        s.op_errors += rs.op_errors;
-        s.op_timeouts += rs.op_timeouts;
-        s.imm_arrivals += rs.imm_arrivals;
-        s.messages_received += rs.messages_received;
-        s.messages_dropped += rs.messages_dropped;
-    }
+    for (const auto& r : rails_) add_counters(s, r->stats());
     return s;
+}
+
+std::vector<EngineStats> RailGroup::rail_stats() const {
+    std::vector<EngineStats> out;
+    out.reserve(rails_.size());
+    for (const auto& r : rails_) add_counters(out.emplace_back(), r->stats());
+    return out;
 }
 
 }  // namespace ferry::detail

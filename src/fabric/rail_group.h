@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fabric/rail.h"
+#include "fabric/rail_placement.h"
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
@@ -96,17 +97,24 @@ class RailGroup {
     auto begin() const { return rails_.begin(); }
     auto end() const { return rails_.end(); }
 
-    // The rail for an operation that goes to one rail: successive operations rotate over the
-    // rails, so concurrent small operations still use every NIC.
-    int next_rail() {
+    // Every rail of the group.
+    RailSet all() const { return all_; }
+
+    // The rail for an operation that goes to one rail of `use` (a non-empty subset of all()):
+    // successive operations rotate over those rails, so concurrent small operations still use
+    // every NIC the memory is near.
+    int next_rail(RailSet use) {
         // One rail: no shared counter to bump (an atomic add per operation on the submitter).
         if (rails_.size() == 1) return 0;
-        return static_cast<int>(rr_.fetch_add(1, std::memory_order_relaxed) % rails_.size());
+        const uint32_t k = rr_.fetch_add(1, std::memory_order_relaxed);
+        if (use == all_) return static_cast<int>(k % rails_.size());
+        return nth_rail(use, k % static_cast<uint32_t>(__builtin_popcountll(use)));
     }
+    int next_rail() { return next_rail(all_); }
 
-    // Splits `len` bytes into the pieces one operation posts and picks each piece's rail:
-    // piece(rail, offset, length) is called in post order, at least once (a 0-byte write with
-    // an immediate is one piece).
+    // Splits `len` bytes into the pieces one operation posts on the rails of `use` and picks
+    // each piece's rail: piece(rail, offset, length) is called in post order, at least once (a
+    // 0-byte write with an immediate is one piece).
     //
     // Every piece is at most max_write_size. With `stripe`, a transfer above stripe_threshold
     // on more than one rail becomes one piece per rail (4 KiB aligned, so KV pages stay
@@ -116,32 +124,32 @@ class RailGroup {
     // their page runs are already many operations, rotated the same way. The 1 MiB default
     // threshold has not been measured on multi-NIC hardware; see EngineConfig.
     // Whether split makes one piece of `len` bytes (every small transfer): callers may then
-    // build it on next_rail() themselves.
-    bool one_piece(uint64_t len, bool stripe) const {
+    // build it on next_rail(use) themselves.
+    bool one_piece(uint64_t len, bool stripe, RailSet use) const {
         return len <= max_write_size_ &&
-               (rails_.size() == 1 || !stripe || len <= stripe_threshold_);
+               (!stripe || len <= stripe_threshold_ || (use & (use - 1)) == 0);
     }
 
     template <typename PieceFn>
-    void split(uint64_t len, bool stripe, PieceFn&& piece) {
-        int nr = static_cast<int>(rails_.size());
-        if (one_piece(len, stripe)) {
-            piece(next_rail(), 0, len);
+    void split(uint64_t len, bool stripe, RailSet use, PieceFn&& piece) {
+        if (one_piece(len, stripe, use)) {
+            piece(next_rail(use), 0, len);
             return;
         }
+        const int nr = __builtin_popcountll(use);
         uint64_t chunk = max_write_size_;
         if (stripe && nr > 1 && len > stripe_threshold_) {
             uint64_t per = (len + nr - 1) / nr;
             per = (per + 4095) & ~uint64_t{4095};
             chunk = std::min<uint64_t>(chunk, per);
         }
-        int rail = next_rail();
+        int rail = next_rail(use);
         uint64_t done = 0;
         do {
             uint64_t n = std::min<uint64_t>(chunk, len - done);
             piece(rail, done, n);
             done += n;
-            rail = (rail + 1) % nr;
+            rail = after(use, rail);
         } while (done < len);
     }
 
@@ -154,10 +162,24 @@ class RailGroup {
     void wake_all();
     // Counters summed over the rails.
     EngineStats stats() const;
+    // Each rail's counters, in rail order.
+    std::vector<EngineStats> rail_stats() const;
 
   private:
+    // The k-th rail of `use` (k < its size), lowest first.
+    static int nth_rail(RailSet use, uint32_t k) {
+        for (; k > 0; --k) use &= use - 1;
+        return __builtin_ctzll(use);
+    }
+    // The rail of `use` after `rail`, wrapping round.
+    static int after(RailSet use, int rail) {
+        RailSet later = rail >= 63 ? 0 : use & (~RailSet{0} << (rail + 1));
+        return __builtin_ctzll(later ? later : use);
+    }
+
     std::vector<std::unique_ptr<Rail>> rails_;
     std::atomic<uint32_t> rr_{0};
+    RailSet all_ = 0;
     uint64_t stripe_threshold_ = 0;
     uint64_t max_write_size_ = 0;
 };

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <hwloc.h>
 #include <rdma/fabric.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -120,24 +122,52 @@ Result<PciBusId> PciBusId::parse(std::string_view text) {
                     static_cast<uint8_t>(f)};
 }
 
+FabricNic fabric_nic(const fi_info* i) {
+    FabricNic nic;
+    if (i->domain_attr && i->domain_attr->name) nic.domain = i->domain_attr->name;
+    if (i->fabric_attr && i->fabric_attr->prov_name) nic.provider = i->fabric_attr->prov_name;
+    if (i->nic && i->nic->bus_attr && i->nic->bus_attr->bus_type == FI_BUS_PCI) {
+        const auto& p = i->nic->bus_attr->attr.pci;
+        nic.pci = PciBusId{p.domain_id, p.bus_id, p.device_id, p.function_id};
+    }
+    return nic;
+}
+
 std::vector<FabricNic> fabric_nics(const fi_info* list) {
     std::vector<FabricNic> out;
     for (const fi_info* i = list; i; i = i->next) {
-        if (!i->domain_attr || !i->domain_attr->name) continue;
-        std::string domain = i->domain_attr->name;
+        FabricNic nic = fabric_nic(i);
+        if (nic.domain.empty()) continue;
         bool seen = std::any_of(out.begin(), out.end(),
-                                [&](const FabricNic& n) { return n.domain == domain; });
-        if (seen) continue;
-        FabricNic nic;
-        nic.domain = domain;
-        if (i->fabric_attr && i->fabric_attr->prov_name) nic.provider = i->fabric_attr->prov_name;
-        if (i->nic && i->nic->bus_attr && i->nic->bus_attr->bus_type == FI_BUS_PCI) {
-            const auto& p = i->nic->bus_attr->attr.pci;
-            nic.pci = PciBusId{p.domain_id, p.bus_id, p.device_id, p.function_id};
-        }
-        out.push_back(std::move(nic));
+                                [&](const FabricNic& n) { return n.domain == nic.domain; });
+        if (!seen) out.push_back(std::move(nic));
     }
     return out;
+}
+
+int numa_node_of(const void* ptr, size_t len) {
+    if (!ptr || len == 0) return -1;
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
+    const uintptr_t last = (reinterpret_cast<uintptr_t>(ptr) + len - 1) & ~(page - 1);
+    const uintptr_t pages = (last - first) / page + 1;
+    constexpr uintptr_t kSamples = 16;
+    const uintptr_t n = std::min(pages, kSamples);
+    void* addrs[kSamples];
+    int status[kSamples];
+    for (uintptr_t i = 0; i < n; ++i) {
+        uintptr_t at = n == 1 ? 0 : (pages - 1) * i / (n - 1);
+        addrs[i] = reinterpret_cast<void*>(first + at * page);
+    }
+    // nodes == NULL: move_pages moves nothing and writes each page's node (or -errno) instead.
+    if (syscall(SYS_move_pages, 0, n, addrs, nullptr, status, 0) != 0) return -1;
+    int node = -1;
+    for (uintptr_t i = 0; i < n; ++i) {
+        if (status[i] < 0) continue;
+        if (node >= 0 && status[i] != node) return -1;
+        node = status[i];
+    }
+    return node;
 }
 
 Result<std::vector<FabricNic>> parse_fabric_nics(std::string_view text) {
@@ -232,6 +262,7 @@ class TopologyBuilder {
                                   std::string source) {
         Topology topo;
         topo.source_ = std::move(source);
+        topo.has_tree_ = true;
         std::vector<hwloc_obj_t> nic_objs;
         for (auto& f : fabric) {
             hwloc_obj_t o = nullptr;
@@ -332,6 +363,13 @@ Result<Topology> Topology::load_this_machine(std::vector<FabricNic> nics) {
 
 Result<Topology> Topology::load_xml(const std::string& path, std::vector<FabricNic> nics) {
     return load(&path, std::move(nics));
+}
+
+Topology Topology::nics_only(std::vector<FabricNic> nics) {
+    Topology t;
+    t.source_ = "no PCIe tree";
+    for (auto& n : nics) t.nics_.push_back(TopoNic{std::move(n), false, -1});
+    return t;
 }
 
 RailChoice Topology::nearest(const MemoryPlace& place) const {

@@ -41,6 +41,7 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
     w.put(device);
     w.put(static_cast<uint8_t>(virt_addr));
     w.put_vector(rail_keys);
+    w.put(rail_mask);
     w.put(static_cast<uint8_t>(has_ipc));
     if (has_ipc) {
         w.put(ipc_handle);
@@ -60,6 +61,7 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&d.device, "device"));
     FERRY_RETURN_IF_ERROR(r.get(&virt, "virt_addr"));
     FERRY_RETURN_IF_ERROR(r.get_vector(&d.rail_keys, "rail_keys", kMaxRails));
+    FERRY_RETURN_IF_ERROR(r.get(&d.rail_mask, "rail_mask"));
     uint8_t ipc = 0;
     FERRY_RETURN_IF_ERROR(r.get(&ipc, "has_ipc"));
     d.has_ipc = ipc != 0;
@@ -73,6 +75,13 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     }
     if (d.rail_keys.empty() && !d.has_ipc) {
         return protocol_error("memory descriptor has neither rail keys nor a CUDA IPC handle");
+    }
+    const uint64_t held =
+        d.rail_keys.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << d.rail_keys.size()) - 1;
+    if (!d.rail_keys.empty() && (d.rail_mask & held) == 0) {
+        return protocol_error(fmt::format(
+            "memory descriptor has {} rail keys but its rail mask {:#x} names none of them",
+            d.rail_keys.size(), d.rail_mask));
     }
     d.kind = static_cast<MemoryKind>(kind);
     d.virt_addr = virt != 0;

@@ -80,6 +80,27 @@ TEST(Types, DescriptorRoundTripsAndRejectsOtherVersions) {
     }
 }
 
+TEST(Types, DescriptorCarriesWhichRailsHoldTheRegion) {
+    MemoryDescriptor d;
+    d.engine_id = 7;
+    d.length = 4096;
+    d.rail_keys = {0, 0, 33, 44};
+    d.rail_mask = 0b1100;
+    auto back = MemoryDescriptor::deserialize(d.serialize());
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(back->rail_mask, 0b1100u);
+    EXPECT_FALSE(back->on_rail(0));
+    EXPECT_TRUE(back->on_rail(2));
+    EXPECT_FALSE(back->on_rail(4));  // no such rail, whatever the mask says
+
+    // Keys but no rail holding them: nothing could ever reach the region.
+    d.rail_mask = 0b10000;
+    auto bad = MemoryDescriptor::deserialize(d.serialize());
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("rail mask"), std::string::npos)
+        << bad.status().message();
+}
+
 TEST(Types, HexRoundTrip) {
     std::vector<uint8_t> b = {0, 1, 0xab, 0xff};
     EXPECT_EQ(to_hex(b), "0001abff");

@@ -18,6 +18,7 @@
 // in an error at its deadline, never in wrong data taken for right.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,20 @@ struct EngineConfig {
     std::string node = "127.0.0.1";
     // Number of domains (NICs) to open. Large writes are striped across them.
     int num_rails = 1;
+    // Which NICs carry this engine's transfers of each local region: "nearest" (a GPU's memory
+    // on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every rail when
+    // no NIC is nearer; the region is still registered on every rail, so any peer reaches it on
+    // any rail), "all", or NIC domain names separated by commas ("rdmap79s0,rdmap80s0"): every
+    // region registered on those rails only, so peers reach it only there. Where none of the
+    // near rails reaches the peer's region, the other rails holding both carry it
+    // (EngineStats::rail_fallbacks). docs/ARCHITECTURE.md, "Rails and topology".
+    std::string rails = "nearest";
+    // The machine's topology as an hwloc XML file (lstopo --of xml) instead of this machine's.
+    std::string topology_xml;
+    // The NIC each rail stands for, one line per rail as `ferry topo --nics` reads them
+    // ("<provider> <domain> <pci bus id or ->"), instead of the provider's own: lets tcp or shm
+    // rails on one host stand in for the NICs of a multi-NIC machine (tests).
+    std::string rail_nics;
     // Writes larger than this are split into one piece per rail.
     size_t stripe_threshold = 1 << 20;
     // Longest write handed to the provider in one operation.
@@ -156,6 +171,10 @@ class MemoryRegion {
     // Provider descriptor for rail r (fi_mr_desc), null when the provider needs none.
     void* local_desc(int rail) const { return local_descs_[rail]; }
     uint32_t id() const { return id_; }
+    // The rails this engine's own operations on the region use (bit r: rail r), those nearest
+    // its memory under EngineConfig::rails "nearest"; descriptor().rail_mask is where peers
+    // reach it.
+    uint64_t send_rails() const { return send_rails_; }
 
   private:
     friend class detail::EngineImpl;
@@ -167,6 +186,8 @@ class MemoryRegion {
     size_t len_ = 0;
     MemoryDescriptor desc_;
     std::vector<void*> local_descs_;
+    uint64_t send_rails_ = 0;
+    mutable std::atomic<bool> fallback_logged_{false};  // a transfer left send_rails_ (logged once)
 };
 
 struct WriteOp {
@@ -312,6 +333,9 @@ struct EngineStats {
     uint64_t messages_received = 0;
     uint64_t messages_dropped = 0;
     uint64_t regions_registered = 0;  // memory regions registered now (none leak: tests count)
+    // Operations that no rail near the local region could carry (the peer's region is not on
+    // any of them) and went over the other rails holding both (EngineConfig::rails).
+    uint64_t rail_fallbacks = 0;
 };
 
 class TransferEngine {
@@ -333,10 +357,12 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. kHost is registered with every rail. kCuda (cudaMalloc'd memory on `device`) is
-    // exported through CUDA IPC: writes, paged writes and reads between GPU regions of peers
-    // on the same host become copies over NVLink, completed like fabric writes (immediates
-    // included). Where supports_gpu_memory(), it is also registered with the provider
+    // Memory. kHost is registered with every rail (only those listed when EngineConfig::rails
+    // lists NICs; MemoryDescriptor::rail_mask says which); this engine sends it on its NUMA
+    // node's NICs under "nearest" (MemoryRegion::send_rails). kCuda (cudaMalloc'd
+    // memory on `device`) is exported through CUDA IPC: writes, paged writes and reads between GPU
+    // regions of peers on the same host become copies over NVLink, completed like fabric writes
+    // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
     // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
     // clear error when neither way is available.
     Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
@@ -358,6 +384,10 @@ class TransferEngine {
                        std::function<void(size_t still_held)> then);
 
     // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
+    // Transfers between a local region and a peer's use the local region's send_rails() whose
+    // peer rail (rail r talks to the peer's rail r) holds the remote one; where there is none,
+    // any local rail holding both; none such (only NIC lists can cause it) fails the operation
+    // with an error naming both rail sets.
     Result<PeerId> connect(const EngineAddress& peer);
     // The peer id of an engine connected before, if any.
     std::optional<PeerId> find_peer(uint64_t engine_id) const;
@@ -431,6 +461,9 @@ class TransferEngine {
     void set_message_handler(MessageHandler handler);
 
     EngineStats stats() const;
+    // Each rail's counters, in rail order (stats() is their sum, with the engine's own): which
+    // NICs a region's transfers used (EngineConfig::rails).
+    std::vector<EngineStats> rail_stats() const;
     // Longest write posted with FI_INJECT (the provider copies the payload while posting):
     // the provider's inject_size, 0 when EngineConfig::inject is off.
     size_t inject_size() const;

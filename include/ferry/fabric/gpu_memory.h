@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "ferry/common/status.h"
 
@@ -12,6 +13,10 @@ namespace ferry {
 // Visible CUDA devices; 0 without CUDA or a GPU. Initialises CUDA in this process: a process
 // that forks afterwards cannot use the GPU in its children.
 int gpu_device_count();
+
+// The PCI address of CUDA device `device` ("0000:53:00.0"), for matching it to the machine's
+// PCIe tree (docs/ARCHITECTURE.md, "Rails and topology").
+Result<std::string> gpu_pci_bus_id(int device);
 
 class GpuBuffer {
   public:

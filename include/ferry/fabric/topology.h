@@ -38,6 +38,9 @@ struct FabricNic {
     std::optional<PciBusId> pci;  // fi_info's nic->bus_attr; none for a provider without it
 };
 
+// The NIC of one fi_info entry (its domain name is empty when the entry has none).
+FabricNic fabric_nic(const fi_info* info);
+
 // The NICs of an fi_info list, one per domain name, in list order. Entries without a domain
 // name are left out.
 std::vector<FabricNic> fabric_nics(const fi_info* list);
@@ -69,6 +72,11 @@ struct MemoryPlace {
     std::optional<PciBusId> gpu;
     int numa_node = -1;
 };
+
+// The NUMA node holding the pages of [ptr, ptr + len) (move_pages(2) on up to 16 pages spread
+// over the range); -1 when they lie on several nodes, none is allocated yet, or the kernel
+// does not say.
+int numa_node_of(const void* ptr, size_t len);
 
 // The operator's override, as NIXL and pplx-garden allow: "nearest" (the default), "all", or
 // a comma-separated list of NIC domain names ("rdmap79s0,rdmap80s0") used for every region.
@@ -105,6 +113,12 @@ class Topology {
     static Result<Topology> load_this_machine(std::vector<FabricNic> nics);
     // A topology saved as hwloc XML (lstopo --of xml, or a test fixture).
     static Result<Topology> load_xml(const std::string& path, std::vector<FabricNic> nics);
+    // The NICs alone, without a PCIe tree: every place maps to every NIC. For an engine whose
+    // choice cannot depend on the tree (one rail, NICs without a PCI address: tcp, shm).
+    static Topology nics_only(std::vector<FabricNic> nics);
+
+    // False for nics_only: nearest() then always answers every NIC.
+    bool has_tree() const { return has_tree_; }
 
     const std::vector<TopoGpu>& gpus() const { return gpus_; }
     const std::vector<TopoNuma>& numa_nodes() const { return numa_; }
@@ -126,6 +140,7 @@ class Topology {
   private:
     friend class TopologyBuilder;
     std::string source_;
+    bool has_tree_ = false;
     std::vector<TopoGpu> gpus_;
     std::vector<TopoNuma> numa_;
     std::vector<TopoNic> nics_;

@@ -24,10 +24,10 @@ struct WriteRun {
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
 // Which remote memory an operation targets: base address, length, one key per rail of the
-// owning engine. Versioned so that an engine refuses a blob from an incompatible build with a
-// clear error instead of writing to the wrong place.
+// owning engine and which of those rails hold the region. Versioned so that an engine refuses a
+// blob from an incompatible build with a clear error instead of writing to the wrong place.
 struct MemoryDescriptor {
-    static constexpr uint16_t kVersion = 1;
+    static constexpr uint16_t kVersion = 2;
 
     uint64_t engine_id = 0;  // the engine that registered the memory
     uint64_t base = 0;       // address of byte 0 in the owner's address space
@@ -36,6 +36,10 @@ struct MemoryDescriptor {
     int32_t device = -1;    // CUDA device ordinal for kCuda
     bool virt_addr = true;  // provider addresses remote memory by virtual address, else offset
     std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
+    // Bit r: the owner's rail r holds the region (its key is rail_keys[r]; keys of other rails
+    // are 0). Every rail unless the owner's EngineConfig::rails lists NICs; transfers use only
+    // rails both sides hold.
+    uint64_t rail_mask = ~uint64_t{0};
     // Same-host GPU peers: the CUDA IPC handle of the allocation holding the region, and the
     // region's offset inside that allocation.
     bool has_ipc = false;
@@ -45,6 +49,7 @@ struct MemoryDescriptor {
 
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }
+    bool on_rail(size_t r) const { return r < rail_keys.size() && (rail_mask >> r & 1); }
 
     std::vector<uint8_t> serialize() const;
     static Result<MemoryDescriptor> deserialize(std::span<const uint8_t> blob);

@@ -15,6 +15,12 @@ int gpu_device_count() {
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+Result<std::string> gpu_pci_bus_id(int device) {
+    char id[32] = {0};
+    FERRY_CUDA_TRY(cudaDeviceGetPCIBusId(id, sizeof(id) - 1, device));
+    return std::string(id);
+}
+
 Result<GpuBuffer> GpuBuffer::allocate(size_t bytes, int device) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
