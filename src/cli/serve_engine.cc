@@ -238,6 +238,7 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
     if (link != nullptr) {
         so.kv_side_channel_port = link->side_port();
         so.kv_provider = link->provider();
+        so.incarnation = link->incarnation();
         so.extra_metrics = [link] { return link->prometheus_text(); };
         so.ready = [link] { return link->ready(); };
         so.secret = secret;

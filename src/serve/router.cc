@@ -313,6 +313,7 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     st.blocks_total = size("kv_blocks_total");
     if (j.contains("engine_id") && j["engine_id"].is_string())
         st.engine_id = j["engine_id"].get<std::string>();
+    st.incarnation = text("incarnation");
     if (h->status != 200) {
         const std::string reason = text("reason");
         st.why = fmt::format("/health answered HTTP {}: {}", h->status,
@@ -338,6 +339,22 @@ void Router::store(bool prefill, size_t index, EngineState st) {
         log(LogLevel::kWarn, "router", "{} engine {} is not ready: {}",
             prefill ? "prefill" : "decode", st.address.to_string(), st.why);
     states[index] = std::move(st);
+}
+
+void Router::refresh_if_restarted(int http_status, const std::string& body, const EngineAddress& P,
+                                  const EngineAddress& D) {
+    if (http_status != 403 || body.find(kOtherIncarnation) == std::string::npos) return;
+    log(LogLevel::kInfo, "router",
+        "a leg to {} or {} was refused as signed for an engine's previous incarnation (it "
+        "restarted): their /health is read again now",
+        P.to_string(), D.to_string());
+    for (bool prefill : {true, false}) {
+        const EngineAddress& engine = prefill ? P : D;
+        const auto& addrs = prefill ? config_.prefill : config_.decode;
+        for (size_t i = 0; i < addrs.size(); ++i)
+            if (addrs[i].host == engine.host && addrs[i].port == engine.port)
+                store(prefill, i, probe(addrs[i], prefill));
+    }
 }
 
 std::string Router::down_reason(const EngineAddress& engine) const {
@@ -403,6 +420,7 @@ void Router::health(HttpReply& reply) const {
         std::string missing;
         for (const EngineState& e : states) {
             json one = {{"engine", e.address.to_string()}, {"ready", e.ready}};
+            if (!e.incarnation.empty()) one["incarnation"] = e.incarnation;
             std::string why = e.probed ? e.why : "not probed yet";
             if (!e.ready) {
                 one["reason"] = why;
@@ -544,8 +562,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
-    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to, and
-    // expires leg_ttl after it was signed (kv_params_auth.h).
+    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to (its id
+    // and, as last probed, its incarnation), and expires leg_ttl after it was signed
+    // (kv_params_auth.h).
     const Digest prompt = prompt_digest(scanned->prompt);
     auto leg_tag_expiry = [this] { return unix_ms_now() + int64_t(to_ms(config_.leg_ttl)); };
     json prefill_kv = {{"do_remote_decode", true},
@@ -554,7 +573,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                        {"remote_port", D.port}};
     if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
                                         leg_content_digest({prompt, 1, P_state.engine_id}),
-                                        leg_tag_expiry());
+                                        leg_tag_expiry(), P_state.incarnation);
         !st.ok())
         return fail(500, st.to_string());
     std::string prefill_body =
@@ -600,6 +619,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         }
         if (prefill->http != 200) {
             prefill_failures_++;
+            refresh_if_restarted(prefill->http, prefill->body, P, D);
             int st = prefill->http ? prefill->http : 502;
             return fail(st, leg_message("prefill", P, st, prefill->body));
         }
@@ -622,7 +642,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     }
     if (Status st = sign_kv_params_json(
             config_.secret, &decode_kv,
-            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry());
+            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry(),
+            D_state.incarnation);
         !st.ok()) {
         abort_prefill("the decode leg could not be signed");
         return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
@@ -678,6 +699,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             poll(**prefill_call, *prefill, Clock::now());
             if (prefill->ended && (!prefill->status.ok() || prefill->http != 200)) {
                 prefill_failures_++;
+                if (prefill->status.ok()) refresh_if_restarted(prefill->http, prefill->body, P, D);
                 decode_call->cancel();
                 // Closing the decode leg is not seen by an engine still waiting for KV.
                 abort_decode("prefill leg failed");
@@ -701,6 +723,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         poll(*decode_call, rest, Clock::now() + seconds(5));
         if (*prefill_call) (*prefill_call)->cancel();
         int st = decode_call->status() ? decode_call->status() : 502;
+        refresh_if_restarted(st, rest.body, P, D);
         return fail(st, leg_message("decode", D, st, rest.body));
     }
 

@@ -85,6 +85,9 @@ class Router {
         bool ready = false;
         std::string why{};  // not ready: what the probe saw
         std::string engine_id{};
+        // The engine process's incarnation (its /health's): signed into each leg for it, so that
+        // a process restarted on its ports takes none of them. Empty: the engine states none.
+        std::string incarnation{};
         // Probes in a row that got no answer (this one included); see down_after_unanswered.
         unsigned unanswered = 0;
         // Limits (0: not known yet).
@@ -103,6 +106,11 @@ class Router {
     // of a KV mode other than config_.mode.
     EngineState probe(const EngineAddress& a, bool prefill) const;
     void store(bool prefill, size_t index, EngineState st);
+    // A leg refused as signed for another incarnation (its engine restarted since the last
+    // probe): the /health of both engines of the request is read again now, so the next request
+    // is signed for the new incarnations rather than failing until the next probe.
+    void refresh_if_restarted(int http_status, const std::string& body, const EngineAddress& P,
+                              const EngineAddress& D);
     // Empty while `engine` is not declared down (down_after_unanswered); else why, naming it.
     std::string down_reason(const EngineAddress& engine) const;
     void prober();

@@ -586,6 +586,77 @@ TEST(Router, AnEngineErrorOfAnotherShapeIsRelayedNotThrown) {
     }
 }
 
+// Issue 30: an engine restarted within one probe period refuses the router's legs as signed for
+// its previous incarnation. That request fails at once, naming it, and the router reads the
+// engines' /health again then rather than at its next probe, so the next request is signed for
+// the new incarnation. (A fake engine that checks only the incarnation; probes a minute apart.)
+TEST(Router, ALegRefusedForAnotherIncarnationMakesTheRouterReadTheEngineAgain) {
+    std::mutex mu;
+    std::string current = "incarnation-1";
+    std::vector<std::string> signed_for;  // each leg's ferry_incarnation
+    std::vector<HttpRoute> routes;
+    routes.push_back(
+        {"GET", "/health", [&](const HttpRequest&, HttpReply& r) {
+             std::lock_guard lk(mu);
+             r.body = json({{"status", "ok"}, {"engine_id", "e"}, {"incarnation", current}}).dump();
+         }});
+    routes.push_back({"POST", "/v1/completions", [&](const HttpRequest& req, HttpReply& r) {
+                          json kv = json::parse(req.body)["kv_transfer_params"];
+                          std::string theirs = kv.value("ferry_incarnation", "");
+                          std::lock_guard lk(mu);
+                          signed_for.push_back(theirs);
+                          Status st = theirs == current
+                                          ? invalid_argument("taken (a fake engine)")
+                                          : permission_denied(fmt::format(
+                                                "kv_transfer_params were {}", kOtherIncarnation));
+                          r.status = http_status_for(st);
+                          r.body = error_body(st);
+                      }});
+    routes.push_back(
+        {"POST", "/ferry/abort", [](const HttpRequest&, HttpReply& r) { r.body = "{}"; }});
+    auto engine = HttpServer::start({.host = kHost}, std::move(routes)).value();
+    RouterConfig rc;
+    rc.request_timeout = seconds(5);
+    rc.probe_period = seconds(60);
+    rc.secret = Secret::generate().value();
+    rc.prefill = {{kHost, engine->port()}};
+    rc.decode = {{kHost, engine->port()}};
+    auto router = Router::start(rc).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    {
+        std::lock_guard lk(mu);
+        current = "incarnation-2";  // restarted since the router's probe
+    }
+    auto send = [&] {
+        auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                                json({{"prompt", "hello"}, {"max_tokens", 2}}).dump(), seconds(5));
+        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        return r.ok() ? *r : HttpResponse{};
+    };
+    TimePoint t0 = Clock::now();
+    HttpResponse first = send();
+    EXPECT_LT(to_ms(Clock::now() - t0), 3000);
+    EXPECT_EQ(first.status, 403) << first.body;
+    EXPECT_NE(first.body.find(kOtherIncarnation), std::string::npos) << first.body;
+    {
+        std::lock_guard lk(mu);
+        signed_for.clear();
+    }
+    HttpResponse second = send();
+    EXPECT_EQ(second.status, 400) << second.body;  // the fake's answer to a leg it takes
+    EXPECT_NE(second.body.find("taken (a fake engine)"), std::string::npos) << second.body;
+    {
+        std::lock_guard lk(mu);
+        ASSERT_FALSE(signed_for.empty());
+        for (const std::string& inc : signed_for) EXPECT_EQ(inc, "incarnation-2");
+    }
+    auto h = http_get(kHost, router->port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok());
+    EXPECT_NE(h->body.find("incarnation-2"), std::string::npos) << h->body;
+    router->stop();
+    engine->stop();
+}
+
 // A /health of another shape while not ready ({"reason": 5}): value() threw in the prober
 // thread, which ended the router process (std::terminate).
 TEST(Router, AnEngineHealthOfAnotherShapeIsNotReadyNotACrash) {
