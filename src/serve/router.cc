@@ -119,6 +119,14 @@ void poll(HttpStream& s, Collected& c, TimePoint deadline) {
 
 double ms_since(TimePoint t) { return to_ms(Clock::now() - t); }
 
+// A leg given up for want of its first byte (RouterConfig::leg_answer_timeout).
+std::string unanswered_leg(const char* leg, const EngineAddress& a, Duration timeout) {
+    return fmt::format(
+        "{} engine {} did not answer its leg within {} s (--leg-answer-timeout): it answers "
+        "/health but not its legs (wedged, or queued beyond the limit)",
+        leg, a.to_string(), to_ms(timeout) / 1000);
+}
+
 // A number of an engine's ferry_timing, 0 when absent or not a number (value() throws then).
 double number_in(const json& o, const char* key) {
     if (!o.is_object()) return 0;
@@ -330,6 +338,15 @@ void Router::store(bool prefill, size_t index, EngineState st) {
     std::lock_guard lock(state_mu_);
     auto& states = prefill ? prefill_state_ : decode_state_;
     if (st.unanswered > 0) st.unanswered += states[index].unanswered;
+    // What the legs saw outlives the probe: an engine that answers /health may still leave its
+    // legs unanswered.
+    st.leg_timeouts = states[index].leg_timeouts;
+    st.legs_down_until = states[index].legs_down_until;
+    if (Clock::now() < st.legs_down_until && st.ready) {
+        st.ready = false;
+        st.why = fmt::format("{} legs in a row got no answer within the leg answer timeout",
+                             st.leg_timeouts);
+    }
     if (st.unanswered == config_.down_after_unanswered)
         log(LogLevel::kWarn, "router",
             "{} engine {} is down ({} health checks in a row unanswered): failing the requests "
@@ -357,13 +374,49 @@ void Router::refresh_if_restarted(int http_status, const std::string& body, cons
     }
 }
 
+bool Router::leg_overdue(TimePoint sent) const {
+    return config_.leg_answer_timeout > Duration::zero() &&
+           Clock::now() - sent >= config_.leg_answer_timeout;
+}
+
+void Router::note_leg_answer(bool prefill, const EngineAddress& engine, bool answered) {
+    if (config_.leg_answer_timeout <= Duration::zero()) return;
+    std::lock_guard lock(state_mu_);
+    auto& states = prefill ? prefill_state_ : decode_state_;
+    for (EngineState& e : states) {
+        if (e.address.host != engine.host || e.address.port != engine.port) continue;
+        if (answered) {
+            e.leg_timeouts = 0;
+            continue;
+        }
+        if (++e.leg_timeouts < config_.down_after_leg_timeouts) continue;
+        e.legs_down_until = Clock::now() + config_.legs_down_period;
+        e.ready = false;
+        e.why = fmt::format("{} legs in a row got no answer within the leg answer timeout ({} s)",
+                            e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000);
+        log(LogLevel::kWarn, "router",
+            "{} engine {} is down for {} s: {} legs in a row unanswered within {} s (it answers "
+            "/health): failing the requests in flight to it",
+            prefill ? "prefill" : "decode", engine.to_string(),
+            to_ms(config_.legs_down_period) / 1000, e.leg_timeouts,
+            to_ms(config_.leg_answer_timeout) / 1000);
+    }
+}
+
 std::string Router::down_reason(const EngineAddress& engine) const {
     std::lock_guard lock(state_mu_);
+    TimePoint now = Clock::now();
     for (const auto* states : {&prefill_state_, &decode_state_}) {
         for (const EngineState& e : *states) {
-            if (e.address.host != engine.host || e.address.port != engine.port ||
-                e.unanswered < config_.down_after_unanswered)
-                continue;
+            if (e.address.host != engine.host || e.address.port != engine.port) continue;
+            if (now < e.legs_down_until)
+                return fmt::format(
+                    "{} engine {} is down: {} legs in a row got no answer within {} s "
+                    "(--leg-answer-timeout) although it answers /health; the request is failed "
+                    "rather than held until it answers",
+                    states == &prefill_state_ ? "prefill" : "decode", engine.to_string(),
+                    e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000);
+            if (e.unanswered < config_.down_after_unanswered) continue;
             return fmt::format(
                 "{} engine {} is down: {} health checks in a row unanswered (last: {}); the "
                 "request is failed rather than held until it answers",
@@ -403,10 +456,11 @@ Router::EngineState Router::pick(bool prefill) {
         }
         if (states[chosen].ready) return states[chosen];
     }
-    // None known ready: ask now, it may have come up since the last probe.
-    EngineState st = probe(addrs[chosen], prefill);
-    store(prefill, chosen, st);
-    return st;
+    // None known ready: ask now, it may have come up since the last probe. What is stored, as
+    // store() keeps an engine whose legs went unanswered out whatever its /health says.
+    store(prefill, chosen, probe(addrs[chosen], prefill));
+    std::lock_guard lock(state_mu_);
+    return (prefill ? prefill_state_ : decode_state_)[chosen];
 }
 
 void Router::health(HttpReply& reply) const {
@@ -599,10 +653,20 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         auto call = HttpStream::post(P.host, P.port, "/v1/completions", std::move(prefill_body),
                                      config_.request_timeout);
         std::string down;
+        bool overdue = false;
         while (!prefill->ended && Clock::now() < deadline && !client_gone() &&
-               (down = down_reason(P)).empty())
+               (down = down_reason(P)).empty() &&
+               !(overdue = prefill->body.empty() && leg_overdue(prefill_sent)))
             poll(*call, *prefill, std::min(deadline, Clock::now() + milliseconds(20)));
         prefill_answered = Clock::now();
+        if (overdue) {
+            call->cancel();
+            prefill_failures_++;
+            note_leg_answer(true, P, false);
+            abort_prefill("the prefill leg did not answer in time");
+            return fail(504, unanswered_leg("prefill", P, config_.leg_answer_timeout));
+        }
+        if (prefill->ended && prefill->status.ok()) note_leg_answer(true, P, true);
         if (!prefill->ended || !prefill->status.ok()) {
             call->cancel();
             if (prefill->status.ok() && down.empty() && client_gone()) {
@@ -679,6 +743,21 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             abort_both("the client went away");
             return fail(499, "the client went away");
         }
+        // An engine that answers /health but not its legs: prefill first in push (decode's
+        // first token waits for its KV).
+        bool prefill_overdue =
+            *prefill_call && !prefill->ended && prefill->body.empty() && leg_overdue(prefill_sent);
+        if (prefill_overdue || leg_overdue(decode_sent)) {
+            (prefill_overdue ? prefill_failures_ : decode_failures_)++;
+            note_leg_answer(prefill_overdue, prefill_overdue ? P : D, false);
+            decode_call->cancel();
+            if (*prefill_call) (*prefill_call)->cancel();
+            abort_both(prefill_overdue ? "the prefill leg did not answer in time"
+                                       : "the decode leg did not answer in time");
+            return fail(504, prefill_overdue
+                                 ? unanswered_leg("prefill", P, config_.leg_answer_timeout)
+                                 : unanswered_leg("decode", D, config_.leg_answer_timeout));
+        }
         // An engine declared down (a frozen process accepts connections and answers nothing)
         // would hold the client until request_timeout.
         if (std::string down = down_reason(D); !down.empty()) {
@@ -713,6 +792,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         }
     }
     TimePoint first_at = Clock::now();
+    // Decode answered; in push its first byte also means prefill computed the KV.
+    note_leg_answer(false, D, true);
+    if (config_.mode == RouterMode::kPush) note_leg_answer(true, P, true);
     if (decode_call->status() != 200) {
         decode_failures_++;
         // Decode refused or failed the leg: prefill's (computing, writing, or offered under the
