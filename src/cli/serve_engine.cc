@@ -271,6 +271,7 @@ Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, cons
     if (link != nullptr) {
         so.kv_side_channel_port = link->side_port();
         so.kv_provider = link->provider();
+        so.incarnation = link->incarnation();
         so.extra_metrics = [link] { return link->prometheus_text(); };
         so.ready = [link] { return link->ready(); };
         so.secret = secret;
@@ -393,6 +394,7 @@ struct RouterFlags {
     size_t http_threads = 256;
     double timeout_s = 600;
     double leg_ttl_s = to_ms(serve::kDefaultLegTtl) / 1000;
+    double leg_answer_timeout_s = 0;
     HttpLimitFlags http_limits;
     std::string secret_file;
 };
@@ -421,6 +423,8 @@ int run_router(const RouterFlags& f) {
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
     rc.leg_ttl = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_ttl_s));
+    rc.leg_answer_timeout =
+        std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_answer_timeout_s));
     auto secret = deployment_secret(f.secret_file);
     if (!secret.ok()) return fail(secret.status());
     rc.secret = std::move(secret).value();
@@ -528,6 +532,11 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
                         "taken once); the hosts' clocks must agree within it")
             ->capture_default_str()
             ->check(positive_number());
+        cmd->add_option("--leg-answer-timeout", f.leg_answer_timeout_s,
+                        "seconds a leg may wait for the first byte of its engine's answer "
+                        "(0: only --request-timeout); 2 such legs in a row take the engine out "
+                        "for 10 s. Above the longest first token a loaded engine may take")
+            ->capture_default_str();
     }
 }
 

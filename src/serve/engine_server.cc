@@ -120,6 +120,7 @@ std::string EngineServer::health(int* http_status) const {
                         {"kv_blocks_total", st.blocks_total}};
     if (!options_.role.empty()) j["role"] = options_.role;
     if (!options_.kv_mode.empty()) j["kv_mode"] = options_.kv_mode;
+    if (!options_.incarnation.empty()) j["incarnation"] = options_.incarnation;
     if (options_.kv_side_channel_port > 0) {
         j["kv_side_channel_port"] = options_.kv_side_channel_port;
         j["kv_provider"] = options_.kv_provider;

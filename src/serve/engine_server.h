@@ -28,6 +28,9 @@ struct EngineServerOptions {
     // ("push", "pull", "pull-inline" or "none"). Empty: not stated, and not checked.
     std::string role{};
     std::string kv_mode{};
+    // The KV link's incarnation (FabricKvLink::incarnation), stated in /health: the router signs
+    // it into each leg for this engine. Empty: not stated (no network connector).
+    std::string incarnation{};
     // Appended to /metrics (the connector's own counters).
     std::function<std::string()> extra_metrics{};
     // Readiness beyond the engine itself (the KV link's side channel): /health answers 503

@@ -31,8 +31,9 @@ class FabricKvLink::Impl {
     std::unique_ptr<kv::KvConnector> conn;
     std::unique_ptr<kv::HandshakeServer> side;
     std::unique_ptr<kv::HandshakeCache> peers;
-    // The legs authorize() took: each is taken once, until it expires.
-    LegTagLedger ledger;
+    // The legs authorize() took: each is taken once, until it expires, and only when signed for
+    // this link's incarnation (drawn here, stated in the engine's /health).
+    LegTagLedger ledger{LegTagLedger::kDefaultCapacity, new_incarnation()};
 
     std::string http_host = "127.0.0.1";
     int http_port = 0;
@@ -656,6 +657,8 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     // Unsigned: the router signs the decode leg it builds from the offer.
     return out;
 }
+
+const std::string& FabricKvLink::incarnation() const { return impl_->ledger.incarnation(); }
 
 Status FabricKvLink::authorize(const KvTransferParams& params) const {
     return impl_->ledger.admit(impl_->cfg.secret, params, unix_ms_now());

@@ -127,8 +127,13 @@ class FabricKvLink : public KvProducer, public KvConsumer {
                                KvDoneCallback arrived, KvProgressCallback progress) override;
     void cancel(const RequestId& request) override;
     // Both roles: kv_transfer_params must carry the router's tag for this request and engine,
-    // unexpired and not used before (kv_params_auth.h, LegTagLedger).
+    // signed for this link's incarnation, unexpired and not used before (kv_params_auth.h,
+    // LegTagLedger).
     Status authorize(const KvTransferParams& params) const override;
+    // Drawn at random when the link is made: the engine states it in /health and the router
+    // signs it into each leg for this engine, so a process restarted on the same ports takes
+    // none of the legs signed for this one.
+    const std::string& incarnation() const;
 
     class Impl;
 

@@ -34,10 +34,15 @@ struct KvTransferParams {
     int tp_size = 1;                        // TP degree of the remote engine
     // ferry's own fields (kv_params_auth.h): the pull offer's capability (hex, from the
     // prefill response), the wall-clock time (ms since the epoch) after which engines refuse
-    // the leg, and the HMAC under the deployment secret over all of the above and `content`.
+    // the leg, the target engine's incarnation, and the HMAC under the deployment secret over all
+    // of the above and `content`.
     std::string capability;       // "ferry_capability"
     int64_t expires_unix_ms = 0;  // "ferry_expires"
-    std::string auth;             // "ferry_auth"
+    // The incarnation of the engine the leg is for (its /health's "incarnation", drawn at
+    // random when its KV link starts): a leg is taken only by that process, not by one
+    // restarted on its ports.
+    std::string incarnation;  // "ferry_incarnation"
+    std::string auth;         // "ferry_auth"
     // Not on the wire: the digest of the request this leg travels in (leg_content_digest), which
     // the tag binds. The engine sets it from the request it parsed, the router when it signs.
     Digest content{};

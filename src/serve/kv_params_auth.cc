@@ -1,6 +1,10 @@
 #include "serve/kv_params_auth.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
 
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/types.h"
@@ -12,10 +16,10 @@ namespace {
 constexpr const char* kNotSigned = "kv_transfer_params are not signed by this deployment's router";
 
 // Every field length-prefixed or fixed-size, so that no two parameter sets
-// encode alike. v2: the expiry and the leg's content.
+// encode alike. v2: the expiry and the leg's content; v3: the target engine's incarnation.
 std::vector<uint8_t> canonical(const KvTransferParams& kv) {
     ByteWriter w;
-    w.put_string("ferry kv_transfer_params v2");
+    w.put_string("ferry kv_transfer_params v3");
     w.put<uint8_t>(uint8_t(kv.do_remote_decode) | uint8_t(kv.do_remote_prefill) << 1);
     w.put_string(kv.transfer_id);
     w.put(kv.attempt);
@@ -27,6 +31,7 @@ std::vector<uint8_t> canonical(const KvTransferParams& kv) {
     w.put_string(kv.capability);
     w.put(kv.expires_unix_ms);
     w.put(kv.content);
+    w.put_string(kv.incarnation);
     return w.take();
 }
 
@@ -56,6 +61,18 @@ int64_t unix_ms_now() {
         .count();
 }
 
+std::string new_incarnation() {
+    uint8_t bytes[8] = {};
+    if (!random_bytes(bytes).ok()) {
+        // No strong randomness: still distinct per process start, which is all it must be.
+        std::random_device rd;
+        uint64_t v =
+            (uint64_t(rd()) << 32 | rd()) ^ uint64_t(unix_ms_now()) ^ (uint64_t(::getpid()) << 40);
+        std::memcpy(bytes, &v, sizeof v);
+    }
+    return to_hex(std::span<const uint8_t>(bytes, sizeof bytes));
+}
+
 std::string kv_params_tag(const Secret& secret, const KvTransferParams& kv) {
     return to_hex(hmac_sha256(secret, canonical(kv)));
 }
@@ -82,10 +99,15 @@ Status verify_kv_params(const Secret& secret, const KvTransferParams& kv) {
 }
 
 Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv, const Digest& content,
-                           int64_t expires_unix_ms) {
+                           int64_t expires_unix_ms, const std::string& incarnation) {
     if (secret.empty()) return invalid_argument("no deployment secret to sign kv_transfer_params");
     FERRY_ASSIGN_OR_RETURN(KvTransferParams p, kv_params_from_json(*kv));
+    p.incarnation = incarnation;
     sign_kv_params(secret, &p, content, expires_unix_ms);
+    if (incarnation.empty())
+        kv->erase("ferry_incarnation");
+    else
+        (*kv)["ferry_incarnation"] = incarnation;
     (*kv)["ferry_expires"] = p.expires_unix_ms;
     (*kv)["ferry_auth"] = p.auth;
     return ok_status();
@@ -93,6 +115,12 @@ Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv, const Diges
 
 Status LegTagLedger::admit(const Secret& secret, const KvTransferParams& kv, int64_t now_unix_ms) {
     FERRY_RETURN_IF_ERROR(verify_kv_params(secret, kv));
+    if (!incarnation_.empty() && kv.incarnation != incarnation_)
+        return permission_denied(fmt::format(
+            "kv_transfer_params were {} (the leg's incarnation '{}', this process's '{}'): the "
+            "engine restarted since the router signed the leg, or the leg was sent to another "
+            "process; send the request through the router again",
+            kOtherIncarnation, kv.incarnation, incarnation_));
     if (kv.expires_unix_ms < now_unix_ms)
         return permission_denied(fmt::format(
             "kv_transfer_params expired {} ms ago (ferry_expires {}): a leg is taken only "

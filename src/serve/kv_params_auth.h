@@ -8,10 +8,12 @@
 // field an engine acts on: transfer_id, attempt,
 // do_remote_decode/do_remote_prefill, remote_engine_id, remote_host,
 // remote_port, tp_size, remote_block_ids, the pull capability and the expiry
-// ("ferry_expires"), and the leg's content: a digest of the prompt's token ids,
-// max_tokens and the id of the engine the leg is for. So a captured leg cannot
-// carry another prompt, be sent to another engine, be used after it expired,
-// or (LegTagLedger) be used twice. docs/SERVING.md has the trust model.
+// ("ferry_expires"), the incarnation of the engine process the leg is for
+// ("ferry_incarnation"), and the leg's content: a digest of the prompt's token
+// ids, max_tokens and the id of the engine the leg is for. So a captured leg
+// cannot carry another prompt, be sent to another engine (nor to the same one
+// restarted), be used after it expired, or (LegTagLedger) be used twice.
+// docs/SERVING.md has the trust model.
 #pragma once
 
 #include <algorithm>
@@ -49,6 +51,13 @@ Digest leg_content_digest(const LegContent& content);
 // The wall clock in ms since the epoch: what ferry_expires is compared with.
 int64_t unix_ms_now();
 
+// A fresh incarnation id (16 hex digits of 64 random bits): what an engine's KV link draws when
+// it starts and states in /health, and what the router signs into each leg for that engine.
+std::string new_incarnation();
+// In the engine's refusal of a leg signed for another incarnation: the router refreshes its view
+// of the engine (/health) when a leg's error says this.
+inline constexpr const char* kOtherIncarnation = "signed for another incarnation of this engine";
+
 // The tag of `kv`'s fields and content (its `auth` is not one of them).
 std::string kv_params_tag(const Secret& secret, const KvTransferParams& kv);
 // Sets kv->content and kv->expires_unix_ms, then kv->auth to its tag.
@@ -58,33 +67,40 @@ void sign_kv_params(const Secret& secret, KvTransferParams* kv, const Digest& co
 // naming the problem otherwise. Checks neither expiry nor reuse (LegTagLedger does).
 Status verify_kv_params(const Secret& secret, const KvTransferParams& kv);
 // The router's form: the kv_transfer_params object of a leg, checked as an
-// engine parses it, then signed in place (its "ferry_expires" and "ferry_auth" set).
+// engine parses it, then signed in place for the target engine's `incarnation` (its
+// "ferry_incarnation", "ferry_expires" and "ferry_auth" set).
 Status sign_kv_params_json(const Secret& secret, nlohmann::json* kv, const Digest& content,
-                           int64_t expires_unix_ms);
+                           int64_t expires_unix_ms, const std::string& incarnation);
 
 // The tags an engine took, each kept until it expires, so that a leg is taken once: a leg
 // captured between router and engine and sent again (decode re-reading prefill blocks that
 // hold another request's KV by then, prefill computing and pinning a prompt again) is refused.
 // Memory is bounded: past `capacity` tags the one expiring first is forgotten and every tag
 // expiring no later than it is refused from then on (as if expired), so no forgotten tag can
-// pass. Thread-safe.
+// pass. The ledger is in memory: a process restarted on the engine's ports starts an empty
+// one, so each ledger has an incarnation of its own and takes only legs signed for it (a leg
+// taken by the process before the restart is refused by the one after). Thread-safe.
 class LegTagLedger {
   public:
     // 2^18 tags is 8,700 legs a second for the default TTL; about 200 bytes each.
     static constexpr size_t kDefaultCapacity = size_t{1} << 18;
-    explicit LegTagLedger(size_t capacity = kDefaultCapacity)
-        : capacity_(std::max<size_t>(capacity, 1)) {}
+    // `incarnation` empty: legs of any incarnation are taken (unit tests only; an engine's
+    // link always draws one, new_incarnation()).
+    explicit LegTagLedger(size_t capacity = kDefaultCapacity, std::string incarnation = {})
+        : capacity_(std::max<size_t>(capacity, 1)), incarnation_(std::move(incarnation)) {}
 
-    // ok, and the tag remembered, when `kv` is signed (verify_kv_params), not expired at
-    // `now_unix_ms`, and its tag was not taken before; kPermissionDenied naming which
-    // otherwise.
+    // ok, and the tag remembered, when `kv` is signed (verify_kv_params), for this ledger's
+    // incarnation, not expired at `now_unix_ms`, and its tag was not taken before;
+    // kPermissionDenied naming which otherwise.
     Status admit(const Secret& secret, const KvTransferParams& kv, int64_t now_unix_ms);
     size_t size() const;
+    const std::string& incarnation() const { return incarnation_; }
 
   private:
     void forget_expired_locked(int64_t now_unix_ms);
 
     const size_t capacity_;
+    const std::string incarnation_;
     mutable std::mutex mu_;
     std::unordered_map<std::string, int64_t> taken_;  // tag -> expiry
     std::multimap<int64_t, std::string> by_expiry_;

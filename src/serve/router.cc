@@ -119,6 +119,14 @@ void poll(HttpStream& s, Collected& c, TimePoint deadline) {
 
 double ms_since(TimePoint t) { return to_ms(Clock::now() - t); }
 
+// A leg given up for want of its first byte (RouterConfig::leg_answer_timeout).
+std::string unanswered_leg(const char* leg, const EngineAddress& a, Duration timeout) {
+    return fmt::format(
+        "{} engine {} did not answer its leg within {} s (--leg-answer-timeout): it answers "
+        "/health but not its legs (wedged, or queued beyond the limit)",
+        leg, a.to_string(), to_ms(timeout) / 1000);
+}
+
 // A number of an engine's ferry_timing, 0 when absent or not a number (value() throws then).
 double number_in(const json& o, const char* key) {
     if (!o.is_object()) return 0;
@@ -313,6 +321,7 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     st.blocks_total = size("kv_blocks_total");
     if (j.contains("engine_id") && j["engine_id"].is_string())
         st.engine_id = j["engine_id"].get<std::string>();
+    st.incarnation = text("incarnation");
     if (h->status != 200) {
         const std::string reason = text("reason");
         st.why = fmt::format("/health answered HTTP {}: {}", h->status,
@@ -329,6 +338,15 @@ void Router::store(bool prefill, size_t index, EngineState st) {
     std::lock_guard lock(state_mu_);
     auto& states = prefill ? prefill_state_ : decode_state_;
     if (st.unanswered > 0) st.unanswered += states[index].unanswered;
+    // What the legs saw outlives the probe: an engine that answers /health may still leave its
+    // legs unanswered.
+    st.leg_timeouts = states[index].leg_timeouts;
+    st.legs_down_until = states[index].legs_down_until;
+    if (Clock::now() < st.legs_down_until && st.ready) {
+        st.ready = false;
+        st.why = fmt::format("{} legs in a row got no answer within the leg answer timeout",
+                             st.leg_timeouts);
+    }
     if (st.unanswered == config_.down_after_unanswered)
         log(LogLevel::kWarn, "router",
             "{} engine {} is down ({} health checks in a row unanswered): failing the requests "
@@ -340,13 +358,65 @@ void Router::store(bool prefill, size_t index, EngineState st) {
     states[index] = std::move(st);
 }
 
+void Router::refresh_if_restarted(int http_status, const std::string& body, const EngineAddress& P,
+                                  const EngineAddress& D) {
+    if (http_status != 403 || body.find(kOtherIncarnation) == std::string::npos) return;
+    log(LogLevel::kInfo, "router",
+        "a leg to {} or {} was refused as signed for an engine's previous incarnation (it "
+        "restarted): their /health is read again now",
+        P.to_string(), D.to_string());
+    for (bool prefill : {true, false}) {
+        const EngineAddress& engine = prefill ? P : D;
+        const auto& addrs = prefill ? config_.prefill : config_.decode;
+        for (size_t i = 0; i < addrs.size(); ++i)
+            if (addrs[i].host == engine.host && addrs[i].port == engine.port)
+                store(prefill, i, probe(addrs[i], prefill));
+    }
+}
+
+bool Router::leg_overdue(TimePoint sent) const {
+    return config_.leg_answer_timeout > Duration::zero() &&
+           Clock::now() - sent >= config_.leg_answer_timeout;
+}
+
+void Router::note_leg_answer(bool prefill, const EngineAddress& engine, bool answered) {
+    if (config_.leg_answer_timeout <= Duration::zero()) return;
+    std::lock_guard lock(state_mu_);
+    auto& states = prefill ? prefill_state_ : decode_state_;
+    for (EngineState& e : states) {
+        if (e.address.host != engine.host || e.address.port != engine.port) continue;
+        if (answered) {
+            e.leg_timeouts = 0;
+            continue;
+        }
+        if (++e.leg_timeouts < config_.down_after_leg_timeouts) continue;
+        e.legs_down_until = Clock::now() + config_.legs_down_period;
+        e.ready = false;
+        e.why = fmt::format("{} legs in a row got no answer within the leg answer timeout ({} s)",
+                            e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000);
+        log(LogLevel::kWarn, "router",
+            "{} engine {} is down for {} s: {} legs in a row unanswered within {} s (it answers "
+            "/health): failing the requests in flight to it",
+            prefill ? "prefill" : "decode", engine.to_string(),
+            to_ms(config_.legs_down_period) / 1000, e.leg_timeouts,
+            to_ms(config_.leg_answer_timeout) / 1000);
+    }
+}
+
 std::string Router::down_reason(const EngineAddress& engine) const {
     std::lock_guard lock(state_mu_);
+    TimePoint now = Clock::now();
     for (const auto* states : {&prefill_state_, &decode_state_}) {
         for (const EngineState& e : *states) {
-            if (e.address.host != engine.host || e.address.port != engine.port ||
-                e.unanswered < config_.down_after_unanswered)
-                continue;
+            if (e.address.host != engine.host || e.address.port != engine.port) continue;
+            if (now < e.legs_down_until)
+                return fmt::format(
+                    "{} engine {} is down: {} legs in a row got no answer within {} s "
+                    "(--leg-answer-timeout) although it answers /health; the request is failed "
+                    "rather than held until it answers",
+                    states == &prefill_state_ ? "prefill" : "decode", engine.to_string(),
+                    e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000);
+            if (e.unanswered < config_.down_after_unanswered) continue;
             return fmt::format(
                 "{} engine {} is down: {} health checks in a row unanswered (last: {}); the "
                 "request is failed rather than held until it answers",
@@ -386,10 +456,11 @@ Router::EngineState Router::pick(bool prefill) {
         }
         if (states[chosen].ready) return states[chosen];
     }
-    // None known ready: ask now, it may have come up since the last probe.
-    EngineState st = probe(addrs[chosen], prefill);
-    store(prefill, chosen, st);
-    return st;
+    // None known ready: ask now, it may have come up since the last probe. What is stored, as
+    // store() keeps an engine whose legs went unanswered out whatever its /health says.
+    store(prefill, chosen, probe(addrs[chosen], prefill));
+    std::lock_guard lock(state_mu_);
+    return (prefill ? prefill_state_ : decode_state_)[chosen];
 }
 
 void Router::health(HttpReply& reply) const {
@@ -403,6 +474,7 @@ void Router::health(HttpReply& reply) const {
         std::string missing;
         for (const EngineState& e : states) {
             json one = {{"engine", e.address.to_string()}, {"ready", e.ready}};
+            if (!e.incarnation.empty()) one["incarnation"] = e.incarnation;
             std::string why = e.probed ? e.why : "not probed yet";
             if (!e.ready) {
                 one["reason"] = why;
@@ -544,8 +616,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
 
     // Both legs are the client's body with a few fields set; everything else, the prompt above
     // all, is copied as it came.
-    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to, and
-    // expires leg_ttl after it was signed (kv_params_auth.h).
+    // Each leg's tag binds the prompt, the leg's max_tokens and the engine it goes to (its id
+    // and, as last probed, its incarnation), and expires leg_ttl after it was signed
+    // (kv_params_auth.h).
     const Digest prompt = prompt_digest(scanned->prompt);
     auto leg_tag_expiry = [this] { return unix_ms_now() + int64_t(to_ms(config_.leg_ttl)); };
     json prefill_kv = {{"do_remote_decode", true},
@@ -554,7 +627,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                        {"remote_port", D.port}};
     if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
                                         leg_content_digest({prompt, 1, P_state.engine_id}),
-                                        leg_tag_expiry());
+                                        leg_tag_expiry(), P_state.incarnation);
         !st.ok())
         return fail(500, st.to_string());
     std::string prefill_body =
@@ -580,10 +653,20 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         auto call = HttpStream::post(P.host, P.port, "/v1/completions", std::move(prefill_body),
                                      config_.request_timeout);
         std::string down;
+        bool overdue = false;
         while (!prefill->ended && Clock::now() < deadline && !client_gone() &&
-               (down = down_reason(P)).empty())
+               (down = down_reason(P)).empty() &&
+               !(overdue = prefill->body.empty() && leg_overdue(prefill_sent)))
             poll(*call, *prefill, std::min(deadline, Clock::now() + milliseconds(20)));
         prefill_answered = Clock::now();
+        if (overdue) {
+            call->cancel();
+            prefill_failures_++;
+            note_leg_answer(true, P, false);
+            abort_prefill("the prefill leg did not answer in time");
+            return fail(504, unanswered_leg("prefill", P, config_.leg_answer_timeout));
+        }
+        if (prefill->ended && prefill->status.ok()) note_leg_answer(true, P, true);
         if (!prefill->ended || !prefill->status.ok()) {
             call->cancel();
             if (prefill->status.ok() && down.empty() && client_gone()) {
@@ -600,6 +683,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         }
         if (prefill->http != 200) {
             prefill_failures_++;
+            refresh_if_restarted(prefill->http, prefill->body, P, D);
             int st = prefill->http ? prefill->http : 502;
             return fail(st, leg_message("prefill", P, st, prefill->body));
         }
@@ -622,7 +706,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     }
     if (Status st = sign_kv_params_json(
             config_.secret, &decode_kv,
-            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry());
+            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry(),
+            D_state.incarnation);
         !st.ok()) {
         abort_prefill("the decode leg could not be signed");
         return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
@@ -658,6 +743,21 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             abort_both("the client went away");
             return fail(499, "the client went away");
         }
+        // An engine that answers /health but not its legs: prefill first in push (decode's
+        // first token waits for its KV).
+        bool prefill_overdue =
+            *prefill_call && !prefill->ended && prefill->body.empty() && leg_overdue(prefill_sent);
+        if (prefill_overdue || leg_overdue(decode_sent)) {
+            (prefill_overdue ? prefill_failures_ : decode_failures_)++;
+            note_leg_answer(prefill_overdue, prefill_overdue ? P : D, false);
+            decode_call->cancel();
+            if (*prefill_call) (*prefill_call)->cancel();
+            abort_both(prefill_overdue ? "the prefill leg did not answer in time"
+                                       : "the decode leg did not answer in time");
+            return fail(504, prefill_overdue
+                                 ? unanswered_leg("prefill", P, config_.leg_answer_timeout)
+                                 : unanswered_leg("decode", D, config_.leg_answer_timeout));
+        }
         // An engine declared down (a frozen process accepts connections and answers nothing)
         // would hold the client until request_timeout.
         if (std::string down = down_reason(D); !down.empty()) {
@@ -678,6 +778,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             poll(**prefill_call, *prefill, Clock::now());
             if (prefill->ended && (!prefill->status.ok() || prefill->http != 200)) {
                 prefill_failures_++;
+                if (prefill->status.ok()) refresh_if_restarted(prefill->http, prefill->body, P, D);
                 decode_call->cancel();
                 // Closing the decode leg is not seen by an engine still waiting for KV.
                 abort_decode("prefill leg failed");
@@ -691,6 +792,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         }
     }
     TimePoint first_at = Clock::now();
+    // Decode answered; in push its first byte also means prefill computed the KV.
+    note_leg_answer(false, D, true);
+    if (config_.mode == RouterMode::kPush) note_leg_answer(true, P, true);
     if (decode_call->status() != 200) {
         decode_failures_++;
         // Decode refused or failed the leg: prefill's (computing, writing, or offered under the
@@ -701,6 +805,7 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         poll(*decode_call, rest, Clock::now() + seconds(5));
         if (*prefill_call) (*prefill_call)->cancel();
         int st = decode_call->status() ? decode_call->status() : 502;
+        refresh_if_restarted(st, rest.body, P, D);
         return fail(st, leg_message("decode", D, st, rest.body));
     }
 

@@ -60,6 +60,17 @@ struct RouterConfig {
     // fail at once with a 502 naming it, and no abort is sent to it. One missed probe only
     // stops new requests going there: an engine that answers again keeps what it holds.
     unsigned down_after_unanswered = 2;
+    // How long a leg may go without the first byte of its engine's answer (zero: no limit but
+    // request_timeout). A leg past it fails with 504 naming the engine; an engine that leaves
+    // down_after_leg_timeouts legs in a row unanswered so is declared down like one whose
+    // probes go unanswered (its requests in flight fail at once, no new ones go to it) for
+    // legs_down_period, after which legs are tried again. For an engine that answers /health
+    // but never its legs (a wedged worker). It must exceed the longest first token a loaded
+    // engine may take (queue, prefill of the longest prompt): the first byte of a leg is its
+    // first token (decode) or its whole answer (prefill).
+    Duration leg_answer_timeout = Duration::zero();
+    unsigned down_after_leg_timeouts = 2;
+    Duration legs_down_period = seconds(10);
     // Each POST /ferry/abort; at most abort_queue of them wait (more are dropped and logged:
     // the engines' leases still free what an abort would have).
     Duration abort_timeout = seconds(1);
@@ -85,8 +96,15 @@ class Router {
         bool ready = false;
         std::string why{};  // not ready: what the probe saw
         std::string engine_id{};
+        // The engine process's incarnation (its /health's): signed into each leg for it, so that
+        // a process restarted on its ports takes none of them. Empty: the engine states none.
+        std::string incarnation{};
         // Probes in a row that got no answer (this one included); see down_after_unanswered.
         unsigned unanswered = 0;
+        // Legs in a row that got no first byte within leg_answer_timeout, and until when the
+        // engine is down for it (down_after_leg_timeouts); kept across probes.
+        unsigned leg_timeouts = 0;
+        TimePoint legs_down_until{};
         // Limits (0: not known yet).
         size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
     };
@@ -103,6 +121,15 @@ class Router {
     // of a KV mode other than config_.mode.
     EngineState probe(const EngineAddress& a, bool prefill) const;
     void store(bool prefill, size_t index, EngineState st);
+    // A leg to `engine` answered (its first byte came) or not within leg_answer_timeout.
+    void note_leg_answer(bool prefill, const EngineAddress& engine, bool answered);
+    // True once leg_answer_timeout passed since `sent` (never when it is zero).
+    bool leg_overdue(TimePoint sent) const;
+    // A leg refused as signed for another incarnation (its engine restarted since the last
+    // probe): the /health of both engines of the request is read again now, so the next request
+    // is signed for the new incarnations rather than failing until the next probe.
+    void refresh_if_restarted(int http_status, const std::string& body, const EngineAddress& P,
+                              const EngineAddress& D);
     // Empty while `engine` is not declared down (down_after_unanswered); else why, naming it.
     std::string down_reason(const EngineAddress& engine) const;
     void prober();

@@ -15,8 +15,10 @@ struct Signer {
     std::vector<int32_t> prompt{5, 6, 7, 8};
 
     KvTransferParams leg(const std::string& transfer_id, int64_t expires = kNow + 30'000,
-                         size_t max_tokens = 4, const std::string& engine = "decode-1") const {
+                         size_t max_tokens = 4, const std::string& engine = "decode-1",
+                         const std::string& incarnation = "") const {
         KvTransferParams kv;
+        kv.incarnation = incarnation;
         kv.do_remote_prefill = true;
         kv.transfer_id = transfer_id;
         kv.remote_host = "127.0.0.1";
@@ -89,15 +91,45 @@ TEST(LegTagLedger, AtCapacityAForgottenTagIsRefusedNotTakenAgain) {
     EXPECT_LE(ledger.size(), 2u);
 }
 
-TEST(KvParamsAuth, TheRoutersJsonFormCarriesTheExpiryAndVerifiesAsParsed) {
+// Issue 30: the ledger is in memory, so an engine restarted on its ports took again a leg the
+// process before it had taken. Each ledger has an incarnation and takes only legs signed for it.
+TEST(LegTagLedger, ALegSignedForAnotherIncarnationIsRefusedAndNotTaken) {
+    Signer s;
+    LegTagLedger before(LegTagLedger::kDefaultCapacity, "incarnation-a");
+    LegTagLedger after(LegTagLedger::kDefaultCapacity, "incarnation-b");
+    KvTransferParams kv = s.leg("t-1", kNow + 30'000, 4, "decode-1", "incarnation-a");
+    EXPECT_TRUE(before.admit(s.secret, kv, kNow).ok());
+    Status refused = after.admit(s.secret, kv, kNow + 1);
+    expect_denied(refused, kOtherIncarnation);
+    EXPECT_NE(refused.message().find("incarnation-a"), std::string::npos) << refused.to_string();
+    EXPECT_NE(refused.message().find("incarnation-b"), std::string::npos) << refused.to_string();
+    EXPECT_EQ(after.size(), 0u);
+    // The incarnation is signed: naming the new one under the old tag does not pass.
+    KvTransferParams renamed = kv;
+    renamed.incarnation = "incarnation-b";
+    expect_denied(after.admit(s.secret, renamed, kNow + 1), "does not match");
+    // A leg signed for the new incarnation is taken, once.
+    KvTransferParams fresh = s.leg("t-2", kNow + 30'000, 4, "decode-1", "incarnation-b");
+    EXPECT_TRUE(after.admit(s.secret, fresh, kNow + 1).ok());
+    expect_denied(after.admit(s.secret, fresh, kNow + 2), "already used");
+    // Two incarnations drawn are distinct.
+    EXPECT_NE(new_incarnation(), new_incarnation());
+    EXPECT_EQ(new_incarnation().size(), 16u);
+}
+
+TEST(KvParamsAuth, TheRoutersJsonFormCarriesTheExpiryAndIncarnationAndVerifiesAsParsed) {
     Signer s;
     nlohmann::json kv = {{"do_remote_decode", true}, {"transfer_id", "t-1"}};
     Digest content = leg_content_digest({prompt_digest(s.prompt), 1, "prefill-1"});
-    ASSERT_TRUE(sign_kv_params_json(s.secret, &kv, content, kNow + 5).ok());
+    ASSERT_TRUE(sign_kv_params_json(s.secret, &kv, content, kNow + 5, "inc-1").ok());
     EXPECT_EQ(kv["ferry_expires"], kNow + 5);
+    EXPECT_EQ(kv["ferry_incarnation"], "inc-1");
     KvTransferParams parsed = kv_params_from_json(kv).value();
     parsed.content = content;
     EXPECT_TRUE(verify_kv_params(s.secret, parsed).ok());
+    EXPECT_EQ(kv_params_to_json(parsed)["ferry_incarnation"], "inc-1");
+    parsed.incarnation = "inc-2";
+    expect_denied(verify_kv_params(s.secret, parsed), "does not match");
 }
 
 }  // namespace

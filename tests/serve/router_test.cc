@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <thread>
 
 #include "serve/engine_server.h"
@@ -584,6 +585,147 @@ TEST(Router, AnEngineErrorOfAnotherShapeIsRelayedNotThrown) {
         router->stop();
         engine->stop();
     }
+}
+
+// A router whose only prefill and decode engine is the fake HTTP server on `port`, which takes
+// aborts.
+RouterConfig one_fake_engine(std::vector<HttpRoute>* routes, std::unique_ptr<HttpServer>* engine) {
+    routes->push_back(
+        {"POST", "/ferry/abort", [](const HttpRequest&, HttpReply& r) { r.body = "{}"; }});
+    *engine = HttpServer::start({.host = kHost}, std::move(*routes)).value();
+    RouterConfig rc;
+    rc.secret = Secret::generate().value();
+    rc.prefill = {{kHost, (*engine)->port()}};
+    rc.decode = {{kHost, (*engine)->port()}};
+    return rc;
+}
+
+// Issue 30: an engine restarted within one probe period refuses the router's legs as signed for
+// its previous incarnation. That request fails at once, naming it, and the router reads the
+// engines' /health again then rather than at its next probe, so the next request is signed for
+// the new incarnation. (A fake engine that checks only the incarnation; probes a minute apart.)
+TEST(Router, ALegRefusedForAnotherIncarnationMakesTheRouterReadTheEngineAgain) {
+    std::mutex mu;
+    std::string current = "incarnation-1";
+    std::vector<std::string> signed_for;  // each leg's ferry_incarnation
+    std::vector<HttpRoute> routes;
+    routes.push_back(
+        {"GET", "/health", [&](const HttpRequest&, HttpReply& r) {
+             std::lock_guard lk(mu);
+             r.body = json({{"status", "ok"}, {"engine_id", "e"}, {"incarnation", current}}).dump();
+         }});
+    routes.push_back({"POST", "/v1/completions", [&](const HttpRequest& req, HttpReply& r) {
+                          json kv = json::parse(req.body)["kv_transfer_params"];
+                          std::string theirs = kv.value("ferry_incarnation", "");
+                          std::lock_guard lk(mu);
+                          signed_for.push_back(theirs);
+                          Status st = theirs == current
+                                          ? invalid_argument("taken (a fake engine)")
+                                          : permission_denied(fmt::format(
+                                                "kv_transfer_params were {}", kOtherIncarnation));
+                          r.status = http_status_for(st);
+                          r.body = error_body(st);
+                      }});
+    std::unique_ptr<HttpServer> engine;
+    RouterConfig rc = one_fake_engine(&routes, &engine);
+    rc.request_timeout = seconds(5);
+    rc.probe_period = seconds(60);
+    auto router = Router::start(rc).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    {
+        std::lock_guard lk(mu);
+        current = "incarnation-2";  // restarted since the router's probe
+    }
+    auto send = [&] {
+        auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                                json({{"prompt", "hello"}, {"max_tokens", 2}}).dump(), seconds(5));
+        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        return r.ok() ? *r : HttpResponse{};
+    };
+    TimePoint t0 = Clock::now();
+    HttpResponse first = send();
+    EXPECT_LT(to_ms(Clock::now() - t0), 3000);
+    EXPECT_EQ(first.status, 403) << first.body;
+    EXPECT_NE(first.body.find(kOtherIncarnation), std::string::npos) << first.body;
+    {
+        std::lock_guard lk(mu);
+        signed_for.clear();
+    }
+    HttpResponse second = send();
+    EXPECT_EQ(second.status, 400) << second.body;  // the fake's answer to a leg it takes
+    EXPECT_NE(second.body.find("taken (a fake engine)"), std::string::npos) << second.body;
+    {
+        std::lock_guard lk(mu);
+        ASSERT_FALSE(signed_for.empty());
+        for (const std::string& inc : signed_for) EXPECT_EQ(inc, "incarnation-2");
+    }
+    auto h = http_get(kHost, router->port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok());
+    EXPECT_NE(h->body.find("incarnation-2"), std::string::npos) << h->body;
+    router->stop();
+    engine->stop();
+}
+
+// Issue 30: an engine that answers /health but never its legs (a wedged worker) was never
+// declared down: each request waited for the request timeout. With --leg-answer-timeout a leg
+// without a first byte by then fails with 504 naming the engine, and two in a row take the
+// engine out: later requests get 503 at once instead of another wait.
+TEST(Router, AnEngineThatAnswersHealthButNotItsLegsIsGivenUpAndDeclaredDown) {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool release = false;
+    std::vector<HttpRoute> routes;
+    routes.push_back({"GET", "/health",
+                      [](const HttpRequest&, HttpReply& r) {
+                          r.body = R"({"status": "ok", "engine_id": "wedged"})";
+                      },
+                      true});
+    routes.push_back({"POST", "/v1/completions", [&](const HttpRequest&, HttpReply& r) {
+                          std::unique_lock lk(mu);
+                          cv.wait_for(lk, seconds(20), [&] { return release; });
+                          r.status = 503;
+                          r.body = error_body(unavailable("released"));
+                      }});
+    std::unique_ptr<HttpServer> engine;
+    RouterConfig rc = one_fake_engine(&routes, &engine);
+    rc.request_timeout = seconds(15);
+    rc.leg_answer_timeout = milliseconds(300);
+    rc.legs_down_period = seconds(60);
+    auto router = Router::start(rc).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    auto send = [&](double* ms) {
+        TimePoint t0 = Clock::now();
+        auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                                json({{"prompt", "hello"}, {"max_tokens", 2}}).dump(), seconds(20));
+        *ms = to_ms(Clock::now() - t0);
+        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        return r.ok() ? *r : HttpResponse{};
+    };
+    const std::string name = fmt::format("127.0.0.1:{}", engine->port());
+    double ms[3] = {};
+    for (int i = 0; i < 2; ++i) {
+        HttpResponse r = send(&ms[i]);
+        EXPECT_EQ(r.status, 504) << r.body;
+        EXPECT_NE(r.body.find("did not answer its leg within"), std::string::npos) << r.body;
+        EXPECT_NE(r.body.find(name), std::string::npos) << r.body;
+        EXPECT_LT(ms[i], 5000) << "held past the leg answer timeout";
+    }
+    HttpResponse third = send(&ms[2]);
+    fmt::print("WEDGED_ENGINE answered_after_ms={:.0f},{:.0f},{:.0f} third HTTP {}\n", ms[0], ms[1],
+               ms[2], third.status);
+    EXPECT_EQ(third.status, 503) << third.body;
+    EXPECT_NE(third.body.find("legs in a row"), std::string::npos) << third.body;
+    EXPECT_LT(ms[2], 2000);
+    auto h = http_get(kHost, router->port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok());
+    EXPECT_EQ(h->status, 503) << h->body;
+    {
+        std::lock_guard lk(mu);
+        release = true;
+    }
+    cv.notify_all();
+    router->stop();
+    engine->stop();
 }
 
 // A /health of another shape while not ready ({"reason": 5}): value() threw in the prober

@@ -45,7 +45,8 @@ struct TrustStack {
     std::filesystem::path dir;
     std::string secret_file;
     int prefill_port = 0, decode_port = 0, router_port = 0;
-    std::vector<Proc> procs;
+    std::vector<Proc> procs;  // prefill, decode, router
+    std::vector<std::vector<std::string>> argvs;
     bool up = false;
 
     explicit TrustStack(const std::string& mode) {
@@ -56,10 +57,11 @@ struct TrustStack {
         if (!load_or_create_secret_file(secret_file).ok()) ADD_FAILURE() << "no secret file";
         auto engine = [&](const char* role, int* port) {
             *port = free_port();
-            procs.push_back(Proc::spawn(
+            argvs.push_back(
                 engine_argv(role, *port, {"--kv-mode", mode, "--secret-file", secret_file}) +
-                    short_kv_deadlines(),
-                (dir / fmt::format("{}.log", role)).string()));
+                short_kv_deadlines());
+            procs.push_back(
+                Proc::spawn(argvs.back(), (dir / fmt::format("{}.log", role)).string()));
         };
         engine("prefill", &prefill_port);
         engine("decode", &decode_port);
@@ -91,6 +93,21 @@ struct TrustStack {
     // The engine ids the router binds legs to (the engines' defaults).
     std::string prefill_id() const { return fmt::format("prefill-{}", prefill_port); }
     std::string decode_id() const { return fmt::format("decode-{}", decode_port); }
+    // The incarnation an engine's /health states (what the router signs into its legs).
+    static std::string incarnation(int port) {
+        auto r = http_get(kHost, port, "/health", seconds(5));
+        json j = r.ok() ? json::parse(r->body, nullptr, false) : json();
+        return j.is_object() && j.contains("incarnation") && j["incarnation"].is_string()
+                   ? j["incarnation"].get<std::string>()
+                   : std::string();
+    }
+    // procs[i] (0 prefill, 1 decode) stopped and started again with its flags, on its ports;
+    // true once it answers /health 200.
+    bool restart(size_t i) {
+        procs[i].stop();
+        procs[i] = Proc::spawn(argvs[i], (dir / fmt::format("restarted-{}.log", i)).string());
+        return wait_healthy(kHost, i == 0 ? prefill_port : decode_port);
+    }
 };
 
 HttpResponse post(int port, const json& body) {
@@ -101,7 +118,9 @@ HttpResponse post(int port, const json& body) {
 
 // What the router signs a leg to `engine_id` for (kv_params_auth.h), valid for `ttl`.
 void sign_leg(const Secret& secret, KvTransferParams* kv, const std::vector<int32_t>& prompt,
-              size_t max_tokens, const std::string& engine_id, Duration ttl = seconds(30)) {
+              size_t max_tokens, const std::string& engine_id, Duration ttl = seconds(30),
+              const std::string& incarnation = "") {
+    kv->incarnation = incarnation;
     sign_kv_params(secret, kv, leg_content_digest({prompt_digest(prompt), max_tokens, engine_id}),
                    unix_ms_now() + int64_t(to_ms(ttl)));
 }
@@ -160,7 +179,7 @@ json prefill_leg(const TrustStack& s, const std::vector<int32_t>& prompt,
     leg.transfer_id = transfer_id;
     leg.remote_host = kHost;
     leg.remote_port = s.decode_port;
-    sign_leg(s.secret(), &leg, prompt, 1, s.prefill_id(), ttl);
+    sign_leg(s.secret(), &leg, prompt, 1, s.prefill_id(), ttl, s.incarnation(s.prefill_port));
     return {{"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", kv_params_to_json(leg)}};
 }
 
@@ -177,7 +196,7 @@ json decode_leg(const TrustStack& s, json offer, const std::vector<int32_t>& pro
     offer["do_remote_decode"] = false;
     Status st = sign_kv_params_json(
         s.secret(), &offer, leg_content_digest({prompt_digest(prompt), max_tokens, s.decode_id()}),
-        unix_ms_now() + 30'000);
+        unix_ms_now() + 30'000, s.incarnation(s.decode_port));
     EXPECT_TRUE(st.ok()) << st.to_string();
     return offer;
 }
@@ -394,6 +413,65 @@ TEST(TrustE2E, ReplayedPrefillLegIsRefusedAndPinsNothing) {
         EXPECT_TRUE(offer_of(again).is_null()) << again.body;
         EXPECT_EQ(metric(kHost, s.prefill_port, "ferry_kv_blocks_used"), 0);
     }
+}
+
+// Issue 30, item 2: the ledger of legs taken is in memory, so a leg captured between router and
+// engine and sent again to the engine restarted on its ports (within the leg's TTL) was taken
+// again: prefill computed and pinned the prompt once more, decode re-read prefill's blocks.
+// Each engine process now draws an incarnation, states it in /health, and takes only legs the
+// router signed for it; requests through the router still succeed once it read the new one.
+TEST(TrustE2E, LegCapturedBeforeAnEngineRestartIsRefusedByTheNewProcess) {
+    TrustStack s("pull");
+    ASSERT_TRUE(s.up);
+    auto prompt = prompt_of(600, 12);
+    json captured_prefill = prefill_leg(s, prompt, "t-before-restart");
+    json offer = offer_of(post(s.prefill_port, captured_prefill));
+    ASSERT_TRUE(offer.is_object()) << s.logs();
+    json captured_decode = {{"prompt", prompt},
+                            {"max_tokens", 4},
+                            {"kv_transfer_params", decode_leg(s, offer, prompt, 4)}};
+    HttpResponse first = post(s.decode_port, captured_decode);
+    ASSERT_EQ(first.status, 200) << first.body << s.logs();
+    ASSERT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
+    const std::string old_prefill = s.incarnation(s.prefill_port);
+    const std::string old_decode = s.incarnation(s.decode_port);
+
+    ASSERT_TRUE(s.restart(0)) << s.logs();
+    ASSERT_TRUE(s.restart(1)) << s.logs();
+    EXPECT_NE(s.incarnation(s.prefill_port), old_prefill);
+    EXPECT_NE(s.incarnation(s.decode_port), old_decode);
+
+    // Replayed within their TTL to the new processes: refused, nothing computed or held.
+    HttpResponse p_again = post(s.prefill_port, captured_prefill);
+    expect_refused(p_again, kOtherIncarnation);
+    EXPECT_TRUE(offer_of(p_again).is_null()) << p_again.body;
+    const double prefill_blocks = metric(kHost, s.prefill_port, "ferry_kv_blocks_used");
+    HttpResponse d_again = post(s.decode_port, captured_decode);
+    fmt::print(
+        "RESTART_REPLAY prefill_leg HTTP {} (blocks held after it: {}), decode_leg HTTP {} ({} "
+        "tokens, reads ok: {})\n",
+        p_again.status, prefill_blocks, d_again.status, tokens_of(d_again).size(),
+        metric(kHost, s.decode_port, "ferry_kv_link_transfers_total{result=\"ok\"}"));
+    expect_refused(d_again, kOtherIncarnation);
+    EXPECT_TRUE(tokens_of(d_again).empty()) << d_again.body;
+    for (int port : {s.prefill_port, s.decode_port}) {
+        EXPECT_EQ(metric(kHost, port, "ferry_requests_total"), 0) << port;
+        EXPECT_EQ(metric(kHost, port, "ferry_kv_blocks_used"), 0) << port;
+    }
+    EXPECT_EQ(metric(kHost, s.decode_port, "ferry_kv_link_transfers_total{result=\"ok\"}"), 0);
+
+    // Fresh requests through the router succeed: it signs for the new incarnations.
+    for (int i = 0; i < 3; ++i) {
+        auto fresh = prompt_of(150, 20 + i);
+        HttpResponse r = post(s.router_port, {{"prompt", fresh}, {"max_tokens", 4}});
+        // At most the first may meet a router that has not read the new incarnation yet (a
+        // restart within one probe period); it fails at once and the router reads it again.
+        if (i == 0 && r.status == 403 && r.body.find(kOtherIncarnation) != std::string::npos)
+            continue;
+        ASSERT_EQ(r.status, 200) << r.body << s.logs();
+        EXPECT_EQ(tokens_of(r), tiny_expected(fresh, 4));
+    }
+    EXPECT_TRUE(eventually([&] { return s.pools_free(); })) << s.logs();
 }
 
 // A leg past its expiry, or carrying another prompt or max_tokens than it was signed for, is
