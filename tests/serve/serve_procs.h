@@ -16,7 +16,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -33,21 +35,30 @@ namespace ferry::serve::testing {
 
 using nlohmann::json;
 
-// A port free right now on `host` (the kernel's pick); the process that binds it next races
-// nobody but other tests of this machine, which use the same kernel pick.
+// A port free right now on `host` (the kernel's pick) and not handed out before by this test
+// process: the kernel picks again a port just closed, and two picks of one test (prefill's HTTP
+// port and decode's --kv-port, say) once came out equal before either process bound it. The
+// process that binds it next races nobody but other tests of this machine.
 inline int free_port(const std::string& host = "127.0.0.1") {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    static std::mutex mu;
+    static std::set<int> handed_out;
+    std::lock_guard<std::mutex> lock(mu);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+        int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+        if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+            ::close(fd);
+            return 0;
+        }
+        socklen_t len = sizeof a;
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
         ::close(fd);
-        return 0;
+        int port = ntohs(a.sin_port);
+        if (handed_out.insert(port).second) return port;
     }
-    socklen_t len = sizeof a;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    ::close(fd);
-    return ntohs(a.sin_port);
+    return 0;
 }
 
 class Proc {
