@@ -45,6 +45,15 @@ if ! ldconfig -p | grep -q 'libhwloc\.so\.15 ' && [ -d .carry/hwloc/lib ]; then
   log "using the carried libhwloc"
 fi
 
+# The serving stack needs cpp-httplib, which the lent machines lack: leave it out there.
+serve_flag=
+if ! pkg-config --exists cpp-httplib 2>/dev/null; then
+  serve_flag=-DFERRY_BUILD_SERVE=OFF
+  log "no cpp-httplib: building without the serving stack (FERRY_BUILD_SERVE=OFF)"
+fi
+# Exported: scripts/gpu_pip_check.sh passes the same flags to `pip install .`.
+export FERRY_CMAKE_FLAGS="$serve_flag ${FERRY_CMAKE_FLAGS:-}"
+
 build=build-gpu
 log "configure"
 cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FERRY_CMAKE_FLAGS:-} > "$out/configure.log" 2>&1 \

@@ -17,6 +17,10 @@ torch=$("$py" -c "import torch; print(torch.__version__)" 2>&1 | tail -1)
 log "pip install . for $(command -v "$py") ($("$py" --version 2>&1); torch: $torch)"
 rm -rf "$venv"
 "$py" -m venv --system-site-packages "$venv" || { log "$py -m venv failed"; exit 5; }
+# Where $py is itself a venv (the lent machines' torch lives in one), --system-site-packages
+# shows the base interpreter's packages, not $py's: a .pth file adds $py's site-packages.
+"$py" -c "import site; print('\n'.join(site.getsitepackages()))" \
+  > "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/ferry-base.pth"
 grep -v '^numpy' requirements/build.txt > "$venv/build-tools.txt"
 "$venv/bin/python" -m pip install -q --no-index --find-links .carry/wheels \
   -r "$venv/build-tools.txt" > "$out/pip_tools.log" 2>&1 \
@@ -24,7 +28,7 @@ grep -v '^numpy' requirements/build.txt > "$venv/build-tools.txt"
 
 t0=$(date +%s)
 CMAKE_ARGS="${FERRY_CMAKE_FLAGS:-}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  "$venv/bin/python" -m pip install -v --no-index --no-build-isolation . \
+  "$venv/bin/python" -m pip install -v --no-index --find-links .carry/wheels --no-build-isolation . \
   --config-settings=build-dir=build-gpu-pip > "$out/pip_install.log" 2>&1 \
   || { grep -E "error|Error" -A3 "$out/pip_install.log" | head -40; log "pip install . failed"; exit 6; }
 log "pip install . took $(( $(date +%s) - t0 )) s: $(grep -oE "ferry: (CUDA support|Python bindings) [^(]*" "$out/pip_install.log" | tr '\n' ' ')"

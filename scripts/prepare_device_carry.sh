@@ -39,3 +39,7 @@ for v in 3.10 3.11 3.12 3.13; do
     -d .carry/wheels -r .carry/build-tools.txt
 done
 du -sh .carry
+# numpy (ferry's one run-time requirement) for the machines' Python 3.12, where their torch
+# environment has none: pip takes it from .carry/wheels only when missing.
+python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+  -d .carry/wheels "numpy>=1.21"
