@@ -41,4 +41,10 @@ timeout 400 "$venv/bin/python" -m pytest python/tests/test_gpu.py python/tests/t
   python/tests/test_kv_gpu.py -q -rs -p no:cacheprovider > "$out/python_gpu_pip.log" 2>&1
 rc=$?
 tail -3 "$out/python_gpu_pip.log" | tee -a "$out/gpu_check.log"
+# Issue 31: a SIGTERM during `import ferry` ends the process as SIGTERM with this machine's
+# Python and torch too (its numpy's threads are what made it hang once).
+log "SIGTERM during import ferry, against $where"
+timeout 300 "$venv/bin/python" -m pytest python/tests/test_adversarial.py -k sigterm_during_import \
+  -q -rs -p no:cacheprovider > "$out/python_sigterm_pip.log" 2>&1 || rc=1
+tail -1 "$out/python_sigterm_pip.log" | tee -a "$out/gpu_check.log"
 exit $rc
