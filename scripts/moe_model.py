@@ -467,19 +467,26 @@ def validate_proxied(out):
     out.write("Proxied CUDA path, every rank on one GPU, other nodes over shm (p50 us). Inputs "
               "per run: its --floor write loop\n(fits the host's copy bandwidth) and its mapped "
               "layer (kernel times); PCIe and signalling from the traces.\n")
-    out.write(f"{'EP':>3} {'R':>2} {'tokens':>6} {'host GB/s':>9} | {'dispatch pred/meas':>19} | "
-              f"{'combine pred/meas':>19} | {'layer pred/meas':>21} {'error':>6}\n")
+    return _compare(out, "host GB/s",
+                    [(f"{n:>3} {r:>2} {tokens:>6} {hb:>9.1f}", m, disp, comb, layer)
+                     for n, r, tokens, hb, m, layer, disp, comb in rows])
+
+
+def _compare(out, extra, rows):
+    """Predicted beside measured; returns the largest relative error of the layer."""
+    out.write(f"{'EP':>3} {'R':>2} {'tokens':>6} {extra:>9} | {'dispatch pred/meas':>19} | "
+              f"{'combine pred/meas':>19} | {'layer pred/meas':>19} {'error':>6}\n")
+
+    def pair(pred, meas):
+        return f"{pred:8.0f} / {meas:8.0f}" if meas else f"{pred:8.0f} /      n/a"
+
     worst = 0.0
-    for n, r, tokens, hb, m, layer, disp, comb in rows:
-        def pair(pred, meas):
-            return f"{pred:8.0f} / {meas:8.0f}" if meas else f"{pred:8.0f} /      n/a"
+    for label, m, disp, comb, layer in rows:
         err = m["layer"] / layer - 1
         worst = max(worst, abs(err))
-        out.write(f"{n:>3} {r:>2} {tokens:>6} {hb:>9.1f} | {pair(m['dispatch'], disp):>19} | "
-                  f"{pair(m['combine'], comb):>19} | {pair(m['layer'], layer):>21} "
-                  f"{err * 100:+5.0f}%\n")
+        out.write(f"{label} | {pair(m['dispatch'], disp):>19} | {pair(m['combine'], comb):>19} | "
+                  f"{pair(m['layer'], layer):>19} {err * 100:+5.0f}%\n")
     return worst
-
 
 
 # The CPU backend on the 2-core dev VM, 2026-12-06 (docs/BENCHMARKS.md, "A model of the
@@ -494,18 +501,12 @@ def validate_cpu(out):
     if not CPU_MEASURED:
         out.write("  (no measurements recorded)\n")
         return 0.0
-    out.write(f"{'provider':>8} {'EP':>3} {'R':>2} {'tokens':>6} | {'dispatch pred/meas':>19} | "
-              f"{'combine pred/meas':>19} | {'layer pred/meas':>19} {'error':>6}\n")
-    worst = 0.0
-    for prov, n, r, tokens, disp, comb, layer in CPU_MEASURED:
-        p = CPU_CALIBRATION[(prov, tokens)]
-        mm = model_cpu(Shape(tokens=tokens), n, r, p)
-        err = mm["layer"] / layer - 1
-        worst = max(worst, abs(err))
-        out.write(f"{prov:>8} {n:>3} {r:>2} {tokens:>6} | {mm['dispatch']:8.0f} / {disp:8.0f} | "
-                  f"{mm['combine']:8.0f} / {comb:8.0f} | {mm['layer']:8.0f} / {layer:8.0f} "
-                  f"{err * 100:+5.0f}%\n")
-    return worst
+    return _compare(out, "provider",
+                    [(f"{n:>3} {r:>2} {tokens:>6} {prov:>9}",
+                      model_cpu(Shape(tokens=tokens), n, r, CPU_CALIBRATION[(prov, tokens)]),
+                      disp, comb, layer)
+                     for prov, n, r, tokens, disp, comb, layer in CPU_MEASURED])
+
 
 PROJECT_EP = (16, 32, 64, 128)
 
@@ -538,26 +539,19 @@ def sensitivity(out, p=P5EN, s=Shape(), per_node=8, eps=(16, 64)):
               "the rest at the p5en defaults\n")
     out.write(f"{'parameter':<16} {'default':>8} | " + " | ".join(
         f"EP{n} x0.5 / x2 (base {base[n]:.0f})" for n in eps) + "\n")
-    rows = []
-    extra = [("msg_rate_mps", 2.0, "1 and 4 M writes/s per NIC (none by default)")]
-    for name in SENSITIVE:
-        v = getattr(p, name)
+    def swing_row(name, v, lo_v, hi_v, label=None):
         cells, swing = [], 0.0
         for n in eps:
-            lo = total(dataclasses.replace(p, **{name: v * 0.5}), n)
-            hi = total(dataclasses.replace(p, **{name: v * 2}), n)
-            cells.append(f"{lo:7.0f} / {hi:7.0f} ({(max(lo, hi) - min(lo, hi)) / base[n] * 100:3.0f}%)")
+            lo = total(dataclasses.replace(p, **{name: lo_v}), n)
+            hi = total(dataclasses.replace(p, **{name: hi_v}), n)
+            cells.append(f"{lo:7.0f} / {hi:7.0f} ({abs(hi - lo) / base[n] * 100:3.0f}%)")
             swing = max(swing, abs(hi - lo) / base[n])
-        rows.append((swing, name, v, cells))
-    for name, v, _ in extra:
-        cells = []
-        swing = 0.0
-        for n in eps:
-            lo = total(dataclasses.replace(p, **{name: v * 0.5}), n)
-            hi = total(dataclasses.replace(p, **{name: v * 2}), n)
-            cells.append(f"{lo:7.0f} / {hi:7.0f} ({(max(lo, hi) - min(lo, hi)) / base[n] * 100:3.0f}%)")
-            swing = max(swing, abs(hi - lo) / base[n])
-        rows.append((swing, f"{name}*", v, cells))
+        return swing, label or name, v, cells
+
+    rows = [swing_row(name, getattr(p, name), getattr(p, name) * 0.5, getattr(p, name) * 2)
+            for name in SENSITIVE]
+    # No published EFA message rate: the default sets none; this row tries 1 and 4 M/s.
+    rows.append(swing_row("msg_rate_mps", p.msg_rate_mps, 1.0, 4.0, "msg_rate_mps*"))
     for swing, name, v, cells in sorted(rows, key=lambda r: -r[0]):
         out.write(f"{name:<16} {v:>8g} | " + " | ".join(f"{c:>30}" for c in cells) + "\n")
     out.write("* msg_rate_mps: not in the default (no published EFA rate found); the row sets "
