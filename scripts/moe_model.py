@@ -215,7 +215,10 @@ class ProxiedParams:
     notice_us: float = 5.0  # the receiving proxy's counter store until a kernel sees it
     # GPU <-> host memory, per GPU (shared by the ranks on it).
     pcie_store_gbps: float = 50.0  # kernels storing rows into the pinned outbox
-    pcie_read_gbps: float = 20.0  # dispatch_recv reading rows from the pinned inbox
+    # dispatch_recv reading rows from the pinned inbox: one rank's warps, bound by their
+    # dependent loads' latency rather than by the link, so each rank sharing a GPU gets it
+    # until the link (pcie_sum_gbps) is shared out.
+    pcie_read_gbps: float = 20.0
     pcie_sum_gbps: float = 50.0  # combine_recv reading rows from the pinned inbox
     ranks_per_gpu: int = 1
     # Kernels (the mapped path's times at this shape: what a same-node layer takes).
@@ -268,7 +271,7 @@ def model_proxied(s, world, per_node, p):
         return out
     bw = egress_gbps(p, sch.remote_peers)
     st = p.pcie_store_gbps * 1e3 / p.ranks_per_gpu  # bytes/us per rank
-    rd = p.pcie_read_gbps * 1e3 / p.ranks_per_gpu
+    rd = min(p.pcie_read_gbps, p.pcie_sum_gbps / p.ranks_per_gpu) * 1e3
     rd_sum = p.pcie_sum_gbps * 1e3 / p.ranks_per_gpu
     proxy, wire = _Lane(), _Lane()
     cnt_b, cnt_w = sch.remote("counts")
