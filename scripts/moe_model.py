@@ -417,7 +417,9 @@ P5EN = ProxiedParams(nic_gbps=25.0, nics=2, latency_us=10.0, msg_rate_mps=0.0, w
                      combine_us=42.5)
 
 # Published dispatch + combine at the decode shape (128 tokens, hidden 7168, top-8 of 256,
-# fp8 dispatch, bf16 combine), us, on p5en (8 x H200, EFA) unless said otherwise.
+# fp8 dispatch, bf16 combine), us, on p5en (8 x H200, EFA) unless said otherwise, as issue 36
+# quotes them from the article it answers (pplx-garden: Perplexity, "Enabling Trillion-Parameter
+# Models on AWS EFA", research.perplexity.ai, and arXiv:2510.27656).
 ARTICLE = {
     "pplx-garden": {16: 459, 32: 582, 64: 692},
     "AWS rerun of pplx-garden": {16: 463, 32: 568, 64: 662, 128: 1013},
