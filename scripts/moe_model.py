@@ -685,7 +685,7 @@ def main(argv=None):
             out.write(f"projection (not a measurement), EP{a.ranks}, {sch.per_node} ranks per "
                       f"node, {a.tokens} tokens: dispatch {m['dispatch']:.0f} us, combine "
                       f"{m['combine']:.0f} us, layer {m['layer']:.0f} us (experts included)\n")
-            for x in sch.parts:
+            for x in sch.parts if sch.remote_peers else []:
                 out.write(f"  to each of {sch.remote_peers} remote peers: {x.name:<9} "
                           f"{x.bytes:>10.0f} B in {x.data_writes:5.2f} data + {x.record_writes} "
                           f"record write(s)\n")
