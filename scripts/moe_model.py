@@ -689,6 +689,11 @@ def main(argv=None):
                 out.write(f"  to each of {sch.remote_peers} remote peers: {x.name:<9} "
                           f"{x.bytes:>10.0f} B in {x.data_writes:5.2f} data + {x.record_writes} "
                           f"record write(s)\n")
+            if sch.remote_peers:
+                out.write(f"  one proxy thread per rank posts them, {m['writes']:.0f} writes "
+                          f"per layer, parts in this order (peers in turn within a part); "
+                          f"writes below 1 MiB rotate over the rank's {p.nics} rail(s): "
+                          f"{m['egress_gbps']:.0f} GB/s out\n")
     if a.validate:
         validate_proxied(out)
         out.write("\n")

@@ -73,6 +73,23 @@ class Timing(unittest.TestCase):
         self.assertAlmostEqual(r["combine"], layer - c0, places=6)
         self.assertTrue(math.isclose(r["layer"], 71.99421, rel_tol=1e-6), r["layer"])
 
+    def test_cpu_backend_small_case_by_hand(self):
+        s = m.Shape(tokens=4, hidden=256, topk=2, experts=4, dtype="bf16", private_slots=2)
+        p = m.CpuParams(cores=2, send1_us=100, recv1_us=50, expert1_us=30, csend1_us=80,
+                        reduce1_us=60, write_us=1, net_gbps=1, latency_us=10)
+        r = m.model_cpu(s, 2, 1, p)
+        # 10/3 rows per rank; rank 1 alone packs and copies 4 rows in 100 us, so packing
+        # 20/3 rows and copying 10/3 takes 125. Two ranks on two cores: per rank 125 + 50 +
+        # 3 writes; the fabric moves both ranks' 10/3 rows of 544 B and a 64 B counts message
+        # at 1000 B/us; two latencies (counts, rows).
+        dispatch = (125 + 50 + 3) + 2 * (10 / 3 * 544 + 64) / 1000 + 20
+        # combine_send stages every hit (40 of 80) and copies the same-node half (20): 60; the
+        # sum 60; one write; both ranks' 4 hits of 512 B over the fabric; one latency.
+        combine = (60 + 60 + 1) + 2 * 2048 / 1000 + 10
+        self.assertAlmostEqual(r["dispatch"], dispatch, places=6)
+        self.assertAlmostEqual(r["combine"], combine, places=6)
+        self.assertAlmostEqual(r["layer"], dispatch + 30 + combine, places=6)
+
     def test_validation_stays_within_twenty_percent(self):
         worst = m.validate_proxied(io.StringIO())
         self.assertLess(worst, 0.2)
