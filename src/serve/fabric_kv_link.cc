@@ -419,6 +419,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
     cc.pull_mode = config.mode == kv::TransferMode::kPullInline ? kv::PullMode::kInline
                                                                 : kv::PullMode::kBackground;
+    cc.pull_keys = config.pull_keys;
     // Segments per transfer are bounded by decode's immediate span (every engine runs the
     // defaults), less the two the connector keeps for on_prefill_done.
     p->max_handovers = std::max<uint32_t>(std::min(cc.imm_span, cc.imm_count), 3) - 2;
