@@ -204,7 +204,14 @@ void Puller::start(const std::shared_ptr<Job>& job) {
                 flight->add();
                 op.src = &w.window->desc;
                 op.runs = w.runs;
-                ctx_.engine->read_runs(op, [flight](const Status& s) { flight->done(s); });
+                // The provider's own words say little: tcp reports a refused key as a cancelled
+                // read, and drops the connection (the reads after it fail as not connected).
+                ctx_.engine->read_runs(op, [flight](const Status& s) {
+                    flight->done(s.with_context(
+                        "reading a pull offer under its own keys, which prefill closes when the "
+                        "offer ends (DONE sent, withdrawn, lease passed): a read after that "
+                        "fails"));
+                });
             }
         }
         job->reads += static_cast<uint32_t>(plan.operations());
@@ -278,16 +285,7 @@ void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
     ctx_.counters.active_recv.fetch_sub(1);
     ctx_.ids.release(job->id, 0, TransferIds::Kind::kPulling);
     kv_trace("pull recv_done", job->id);
-    Status reported = s;
-    if (!s.ok() && std::any_of(job->params.begin(), job->params.end(),
-                               [](const PullParamsMsg& p) { return !p.windows.empty(); })) {
-        // The provider's own words say little: a refused key reads as a cancelled operation
-        // (tcp, which also drops the connection) or a timeout (shm).
-        reported = s.with_context(
-            "reading a pull offer under its own keys, which prefill closes when the offer ends "
-            "(DONE sent, withdrawn, lease passed): a read after that fails");
-    }
-    ctx_.recv_done({job->id, 0, reported, job->bytes, job->reads});
+    ctx_.recv_done({job->id, 0, s, job->bytes, job->reads});
 }
 
 }  // namespace ferry::kv::detail

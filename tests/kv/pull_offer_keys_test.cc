@@ -100,6 +100,9 @@ TEST_P(PullOfferKeysTest, ALateReadOfAnEndedOfferFailsAndGetsNoneOfTheNextReques
                 CHILD_CHECK_MSG(!got_next, "the late read returned the next request's KV");
                 CHILD_CHECK_MSG(!r.status.ok(),
                                 "a read under the parameters of an ended offer succeeded");
+                CHILD_CHECK_MSG(r.status.message().find("which prefill closes when the offer "
+                                                        "ends") != std::string::npos,
+                                "the error does not say why: {}", r.status.to_string());
                 std::printf("late read (%s): %s\n", c.name, r.status.to_string().c_str());
                 CHILD_CHECK_OK(n.blocks->free(late));
             }
