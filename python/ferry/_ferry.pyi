@@ -321,7 +321,8 @@ class KvConnector:
     tensors first. Events are queued by ferry's thread and drained by poll()."""
     def __init__(self, engine: Engine, layout: KvLayout, tp_rank: int, tp_size: int,
                  regions: List[Tuple[int, int, int]], owners: Any, lease: float, imm_base: int,
-                 imm_count: int, imm_span: int, pull_inline: bool) -> None: ...
+                 imm_count: int, imm_span: int, pull_inline: bool,
+                 pull_pool_keys: bool, max_events: int) -> None: ...
     layout: KvLayout
     def announce(self, transfer_id: int, attempt: int, prefill_ranks: List[bytes]) -> None: ...
     def register_push(self, transfer_id: int, attempt: int, prefill_ranks: List[bytes],

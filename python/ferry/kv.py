@@ -73,6 +73,10 @@ class KvConfig:
     imm_count: int = 1 << 20
     imm_span: int = 64
     pull_mode: str = "background"
+    # "offer": each offer_pull registers the offer's blocks on their own, closed when the offer
+    # ends, so a read after that fails; "pool": offers carry the pool's keys (no registration
+    # per offer; what an engine whose decode builds the parameters itself reads with anyway).
+    pull_keys: str = "offer"
     # Events kept until poll(), about 100 bytes each; beyond them, events are dropped and the
     # next poll() ends with an "overflow" event counting them. 65536 (about 6 MiB) holds more
     # than a step's events of 1000 push transfers reporting their 64 chunks each.
@@ -259,6 +263,8 @@ class KvConnector(_Closing):
         if config.pull_mode not in ("background", "inline"):
             raise InvalidArgument(f"pull_mode is 'background' or 'inline', got "
                                   f"{config.pull_mode!r}")
+        if config.pull_keys not in ("offer", "pool"):
+            raise InvalidArgument(f"pull_keys is 'offer' or 'pool', got {config.pull_keys!r}")
         split, items = _pool_items(pool, layout)
         if split != layout.regions:
             raise InvalidArgument(
@@ -271,7 +277,7 @@ class KvConnector(_Closing):
                 _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
                 _uint("imm_count", config.imm_count, _U32_MAX),
                 _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline",
-                _uint("max_events", config.max_events))
+                config.pull_keys == "pool", _uint("max_events", config.max_events))
         # The connector takes the engine's message handler: a second one would silently take
         # it from the first, whose transfers would then wait out their lease.
         ref = getattr(engine, "_kv_connector", None)

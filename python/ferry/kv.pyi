@@ -42,6 +42,10 @@ class KvConfig:
         ([imm_base, imm_base + imm_count) must end at or below 2**32).
     imm_span: immediates per push registration (one per prefill_progress chunk), at most 4096.
     pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
+    pull_keys: "offer" (offer_pull registers the offer's blocks on their own and closes them
+        when the offer ends: a read with its parameters after that fails) or "pool" (the
+        pool's keys, no registration per offer: for decode sides that build the parameters
+        themselves with pull_params, which read under the pool's keys anyway).
     max_events: events kept until poll() (at least 1); beyond them events are dropped, and the
         next poll() ends with one KvEvent of kind "overflow" whose `dropped` counts them.
     """
@@ -53,6 +57,7 @@ class KvConfig:
     imm_count: int = 1 << 20
     imm_span: int = 64
     pull_mode: str = "background"
+    pull_keys: str = "offer"
     max_events: int = 65536
 
 class KvConnector:

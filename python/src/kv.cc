@@ -276,7 +276,7 @@ class Connector {
     Connector(std::shared_ptr<TransferEngine> engine, const KvLayout& layout, uint32_t tp_rank,
               uint32_t tp_size, const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
               py::object owners, double lease_s, uint32_t imm_base, uint32_t imm_count,
-              uint32_t imm_span, bool pull_inline, uint64_t max_events) {
+              uint32_t imm_span, bool pull_inline, bool pull_pool_keys, uint64_t max_events) {
         if (max_events == 0)
             throw StatusError(invalid_argument(
                 "max_events must be at least 1 (events the connector keeps until poll())"));
@@ -289,6 +289,7 @@ class Connector {
         cc.imm_count = imm_count;
         cc.imm_span = imm_span;
         cc.pull_mode = pull_inline ? kv::PullMode::kInline : kv::PullMode::kBackground;
+        cc.pull_keys = pull_pool_keys ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
         kv::ConnectorCallbacks cb;
         auto q = events_;
         cb.on_recv_done = [q](const kv::TransferResult& r) { q->push(Event::of("recv", r)); };
@@ -687,20 +688,21 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         });
 
     py::class_<Connector>(m, "KvConnector")
-        .def(py::init([engine_share](
-                          py::handle engine, const KvLayout& layout, uint32_t tp_rank,
-                          uint32_t tp_size,
-                          const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
-                          py::object owners, double lease, uint32_t imm_base, uint32_t imm_count,
-                          uint32_t imm_span, bool pull_inline, uint64_t max_events) {
-                 return std::make_unique<Connector>(engine_share(engine), layout, tp_rank, tp_size,
-                                                    regions, std::move(owners), lease, imm_base,
-                                                    imm_count, imm_span, pull_inline, max_events);
-             }),
-             py::arg("engine"), py::arg("layout"), py::arg("tp_rank"), py::arg("tp_size"),
-             py::arg("regions"), py::arg("owners"), py::arg("lease"), py::arg("imm_base"),
-             py::arg("imm_count"), py::arg("imm_span"), py::arg("pull_inline"),
-             py::arg("max_events"))
+        .def(
+            py::init([engine_share](py::handle engine, const KvLayout& layout, uint32_t tp_rank,
+                                    uint32_t tp_size,
+                                    const std::vector<std::tuple<uint64_t, uint64_t, int>>& regions,
+                                    py::object owners, double lease, uint32_t imm_base,
+                                    uint32_t imm_count, uint32_t imm_span, bool pull_inline,
+                                    bool pull_pool_keys, uint64_t max_events) {
+                return std::make_unique<Connector>(
+                    engine_share(engine), layout, tp_rank, tp_size, regions, std::move(owners),
+                    lease, imm_base, imm_count, imm_span, pull_inline, pull_pool_keys, max_events);
+            }),
+            py::arg("engine"), py::arg("layout"), py::arg("tp_rank"), py::arg("tp_size"),
+            py::arg("regions"), py::arg("owners"), py::arg("lease"), py::arg("imm_base"),
+            py::arg("imm_count"), py::arg("imm_span"), py::arg("pull_inline"),
+            py::arg("pull_pool_keys"), py::arg("max_events"))
         .def_property_readonly("layout", &Connector::layout)
         .def("announce", &Connector::announce)
         .def("register_push", &Connector::register_push)

@@ -345,6 +345,34 @@ def connector():
     engine.close()
 
 
+def test_pull_keys_offer_registers_per_offer_and_pool_does_not(connector):
+    engine, layout, pool, _ = connector
+    with pytest.raises(ferry.InvalidArgument, match="pull_keys is 'offer' or 'pool', got 'none'"):
+        fkv.KvConnector(engine, layout, pool, fkv.KvConfig(pull_keys="none"))
+
+
+def test_an_offers_own_registrations_close_when_it_ends():
+    torch = torch_or_skip()
+    layout = _layout()
+    for keys, extra in (("offer", 1), ("pool", 0)):
+        engine = ferry.TransferEngine("tcp", op_timeout=2.0, idle_spin_us=50)
+        pool = torch.zeros(layout.region_bytes // 2, dtype=torch.int16)
+        conn = fkv.KvConnector(engine, layout, pool, fkv.KvConfig(lease=3.0, pull_keys=keys))
+        try:
+            base = engine.stats()["regions_registered"]
+            conn.offer_pull(1, [0, 1], 8)  # two adjacent blocks: one run per layer and K/V
+            assert engine.stats()["regions_registered"] >= base + extra
+            conn.abort_send(1, "the decode leg failed")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                    e.kind == "send" and e.transfer_id == 1 for e in conn.poll()):
+                time.sleep(0.01)
+            assert engine.stats()["regions_registered"] == base
+        finally:
+            conn.close()
+            engine.close()
+
+
 def test_kv_connector_arguments_refused(connector):
     engine, layout, pool, conn = connector
     with pytest.raises(ferry.InvalidArgument, match="config must be a ferry.kv.KvConfig"):

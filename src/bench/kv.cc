@@ -152,6 +152,7 @@ class Bench {
             cc.lease = std::chrono::seconds(120);
             cc.pull_mode = c_.mode == "pull-inline" ? PullMode::kInline : PullMode::kBackground;
             cc.run_on_caller = c_.run_on_caller;
+            cc.pull_keys = c_.pull_keys;
             ConnectorCallbacks cb;
             cb.on_recv_done = [this](const TransferResult& t) { done_.add(false, t); };
             cb.on_send_done = [this](const TransferResult& t) { done_.add(true, t); };

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ferry/common/status.h"
+#include "ferry/kv/connector.h"
 #include "ferry/kv/layout.h"
 
 namespace ferry::kv {
@@ -49,7 +50,8 @@ struct KvBenchConfig {
     // run them (and as the raw ceiling's target does): shm copies large writes on the
     // receiving side while it polls, so a napping decode engine throttles the transfer.
     bool busy_poll = true;
-    bool run_on_caller = true;  // ConnectorConfig::run_on_caller
+    bool run_on_caller = true;                 // ConnectorConfig::run_on_caller
+    PullKeys pull_keys = PullKeys::kPerOffer;  // ConnectorConfig::pull_keys
     // Push: how long after prefill's connectors counted the REGISTERs prefill_done is called
     // (prefill's compute in serving; at 0 the call meets the REGISTER's own handling).
     uint32_t settle_us = 1000;

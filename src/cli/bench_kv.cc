@@ -62,6 +62,14 @@ void register_bench_kv(CLI::App& bench) {
     cmd->add_flag("!--no-run-on-caller", c->run_on_caller,
                   "always hand the connector calls to its thread (default: an idle connector's "
                   "work runs on the calling thread)");
+    cmd->add_option_function<std::string>(
+           "--pull-keys",
+           [c](const std::string& v) {
+               c->pull_keys = v == "pool" ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
+           },
+           "pull: 'offer' registers each offer's blocks under a key of their own, closed when "
+           "the offer ends (default); 'pool' hands out the pool's key (protocol 9)")
+        ->check(CLI::IsMember({"offer", "pool"}));
     cmd->add_option("--settle-us", c->settle_us,
                     "push: microseconds from the REGISTERs' arrival to prefill_done, prefill's "
                     "compute (0: the call meets the REGISTER's handling)")

@@ -131,6 +131,7 @@ struct EngineFlags {
     int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
     double kv_lease_s = 30;
     double kv_op_timeout_s = 10;
+    std::string kv_pull_keys = "offer";
     size_t kv_max_connections_per_client =
         serve::FabricKvLinkConfig{}.side_max_connections_per_client;
     double kv_proof_deadline_s =
@@ -359,6 +360,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         };
         lc.lease = secs(f.kv_lease_s);
         lc.op_timeout = secs(f.kv_op_timeout_s);
+        lc.pull_keys = f.kv_pull_keys == "pool" ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
         lc.side_max_connections_per_client = f.kv_max_connections_per_client;
         lc.side_proof_deadline = secs(f.kv_proof_deadline_s);
         auto secret = deployment_secret(f.secret_file);
@@ -580,6 +582,17 @@ void register_serve(CLI::App& app) {
                         "seconds before a KV write or read to a dead peer fails")
             ->capture_default_str()
             ->check(positive_number());
+        cmd->add_option("--kv-pull-keys", flags->kv_pull_keys,
+                        "pull offers: offer = registered on their own, closed when the offer "
+                        "ends, so a late read fails; pool = read under the pool's keys (no "
+                        "registration per offer)")
+            ->capture_default_str()
+            ->check(CLI::Validator(
+                [](std::string& v) -> std::string {
+                    return v == "offer" || v == "pool" ? std::string()
+                                                       : "must be offer or pool, got " + v;
+                },
+                ""));
         // The side channel's limits against idle and unproven connections (issue 30, item 7).
         const serve::FabricKvLinkConfig link_defaults;
         cmd->add_option("--kv-max-connections-per-client", flags->kv_max_connections_per_client,

@@ -20,6 +20,7 @@
 #include "ferry/kv/messages.h"
 #include "leases.h"
 #include "pull.h"
+#include "pull_windows.h"
 #include "push_receiver.h"
 #include "push_sender.h"
 
@@ -164,17 +165,33 @@ class KvConnector::Impl {
         m.prefill_address = ctx_.engine->address();
         m.pool = ctx_.pool_descriptors;
         m.layout = ctx_.cfg.self.layout;
-        m.blocks = std::move(blocks);
         if (capability) {
             m.capability = *capability;
         } else {
             FERRY_RETURN_IF_ERROR(random_bytes(m.capability));
         }
+        // The offer's own keys, closed when it ends (PullServer): its parameters carry no key
+        // of the pool itself.
+        auto windows = std::make_shared<OfferWindows>();
+        if (ctx_.cfg.pull_keys == PullKeys::kPerOffer) {
+            const size_t used = (uint64_t{tokens} + ctx_.cfg.self.layout.block_size - 1) /
+                                ctx_.cfg.self.layout.block_size;
+            FERRY_ASSIGN_OR_RETURN(
+                *windows, register_offer_windows(*ctx_.engine, ctx_.pool, ctx_.cfg.self.layout,
+                                                 std::span(blocks).first(used)));
+            m.windows = windows->windows;
+            if (!m.windows.empty()) {
+                for (MemoryDescriptor& d : m.pool)
+                    std::fill(d.rail_keys.begin(), d.rail_keys.end(), 0);
+            }
+        }
+        m.blocks = std::move(blocks);
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kOffered));
         // The blocks stay the engine's; the connector only needs the lease and the DONEs.
-        FERRY_RETURN_IF_ERROR(
-            claimed(id, 0, TransferIds::Kind::kOffered,
-                    post([this, id, cap = m.capability] { server_.offer(id, cap); })));
+        FERRY_RETURN_IF_ERROR(claimed(id, 0, TransferIds::Kind::kOffered,
+                                      post([this, id, cap = m.capability, windows] {
+                                          server_.offer(id, cap, std::move(windows->regions));
+                                      })));
         return m;
     }
 

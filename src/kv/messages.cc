@@ -280,6 +280,48 @@ Status decode_body(ByteReader& r, CancelAckMsg* m) {
     return ok_status();
 }
 
+void encode_windows(ByteWriter& w, std::span<const PullWindow> windows) {
+    w.put(static_cast<uint32_t>(windows.size()));
+    for (const PullWindow& win : windows) {
+        w.put(win.region);
+        w.put(win.offset);
+        win.desc.encode(w);
+    }
+}
+
+Status decode_windows(ByteReader& r, const KvLayout& layout, size_t regions,
+                      std::vector<PullWindow>* out) {
+    uint32_t count = 0;
+    FERRY_RETURN_IF_ERROR(r.get(&count, "windows.count"));
+    if (count > kMaxPullWindows) {
+        return protocol_error(
+            fmt::format("field 'windows.count' = {} is above {}", count, kMaxPullWindows));
+    }
+    out->clear();
+    const uint64_t region_bytes = layout.region_bytes();
+    for (uint32_t i = 0; i < count; ++i) {
+        PullWindow win;
+        FERRY_RETURN_IF_ERROR(r.get(&win.region, "windows.region"));
+        FERRY_RETURN_IF_ERROR(r.get(&win.offset, "windows.offset"));
+        FERRY_ASSIGN_OR_RETURN(win.desc, MemoryDescriptor::decode(r));
+        if (win.region >= regions || win.desc.length == 0 || win.offset > region_bytes ||
+            win.desc.length > region_bytes - win.offset) {
+            return protocol_error(
+                fmt::format("field 'windows[{}]' (region {}, {} bytes at {}) is not inside the "
+                            "pool's {} regions of {} bytes",
+                            i, win.region, win.desc.length, win.offset, regions, region_bytes));
+        }
+        if (!out->empty() && std::pair{out->back().region, out->back().offset} >=
+                                 std::pair{win.region, win.offset}) {
+            return protocol_error(fmt::format(
+                "field 'windows[{}]' is not after windows[{}] in (region, offset) order", i,
+                i - 1));
+        }
+        out->push_back(std::move(win));
+    }
+    return ok_status();
+}
+
 void encode_body(ByteWriter& w, const PullParamsMsg& m) {
     w.put(m.transfer_id);
     w.put(m.producer_rank);
@@ -288,6 +330,7 @@ void encode_body(ByteWriter& w, const PullParamsMsg& m) {
     w.put(m.lease_ms);
     encode_location(w, m.prefill_address, m.pool, m.layout, m.blocks);
     w.put(m.capability);
+    encode_windows(w, m.windows);
 }
 
 Status decode_body(ByteReader& r, PullParamsMsg* m) {
@@ -300,7 +343,8 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
         check_rank(m->producer_rank, m->producer_tp, "producer_rank", "producer_tp"));
     FERRY_RETURN_IF_ERROR(decode_location(r, 0, m->num_tokens, &m->prefill_address, &m->pool,
                                           &m->layout, &m->blocks));
-    return r.get(&m->capability, "capability");
+    FERRY_RETURN_IF_ERROR(r.get(&m->capability, "capability"));
+    return decode_windows(r, m->layout, m->pool.size(), &m->windows);
 }
 
 void encode_body(ByteWriter& w, const DoneMsg& m) {
@@ -409,6 +453,23 @@ const char* message_name(const KvMessage& msg) {
                                              "CANCEL_ACK", "PULL_PARAMS", "DONE", "INTENT",
                                              "SCHEDULED",  "SEGMENT"};
     return kNames[msg.index()];
+}
+
+std::vector<uint8_t> encode_pull_windows(std::span<const PullWindow> windows) {
+    ByteWriter w;
+    encode_windows(w, windows);
+    return w.take();
+}
+
+Result<std::vector<PullWindow>> decode_pull_windows(std::span<const uint8_t> bytes,
+                                                    const KvLayout& layout, size_t regions) {
+    ByteReader r(bytes);
+    std::vector<PullWindow> out;
+    FERRY_RETURN_IF_ERROR(decode_windows(r, layout, regions, &out));
+    if (r.remaining() != 0) {
+        return protocol_error(fmt::format("{} trailing bytes after the windows", r.remaining()));
+    }
+    return out;
 }
 
 }  // namespace ferry::kv

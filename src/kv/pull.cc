@@ -7,11 +7,13 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/common/log.h"
+#include "pull_windows.h"
 #include "segment_writes.h"
 
 namespace ferry::kv::detail {
 
-void PullServer::offer(uint64_t id, const PullCapability& capability) {
+void PullServer::offer(uint64_t id, const PullCapability& capability,
+                       std::vector<std::unique_ptr<MemoryRegion>> windows) {
     auto [it, fresh] = offers_.try_emplace(id);
     if (!fresh) {
         // offer_pull's id check refuses a second offer of a live id before it comes here.
@@ -20,6 +22,7 @@ void PullServer::offer(uint64_t id, const PullCapability& capability) {
     }
     it->second.deadline = Clock::now() + ctx_.cfg.lease;
     it->second.capability = capability;
+    it->second.windows = std::move(windows);
     it->second.awake = ArrivalsExpected(ctx_.engine);
     ctx_.counters.active_send.fetch_add(1);
     auto [first, last] = early_.equal_range(id);
@@ -126,6 +129,7 @@ void Puller::start(const std::shared_ptr<Job>& job) {
                                             ctx_.cfg.self.tp_size, ctx_.cfg.self.tp_rank);
     if (!producers.ok()) return fail(producers.status());
     std::vector<std::pair<size_t, SegmentPlan>> plans;
+    std::vector<std::vector<std::vector<WindowRuns>>> windowed;  // per plan, per group
     for (uint32_t rank : *producers) {
         auto pit = std::find_if(job->params.begin(), job->params.end(),
                                 [&](const PullParamsMsg& p) { return p.producer_rank == rank; });
@@ -154,7 +158,23 @@ void Puller::start(const std::shared_ptr<Job>& job) {
                           ctx_.cfg.self, job->blocks, job->first_token, job->tokens},
                          pools_on_gpu(*ctx_.engine, *peer, ctx_.pool, pit->pool));
         if (!plan.ok()) return fail(plan.status());
+        // The offer's own registrations (PullKeys::kPerOffer): each run goes through the one
+        // holding it, under its key; checked before anything is posted.
+        std::vector<std::vector<WindowRuns>> split;
+        if (!pit->windows.empty() && !plan->on_gpu) {
+            for (const RegionRuns& g : plan->runs.groups) {
+                auto by_window = runs_by_window(
+                    pit->windows, g.src_region,
+                    std::span<const ByteRun>(plan->runs.runs).subspan(g.first, g.count));
+                if (!by_window.ok()) {
+                    return fail(by_window.status().with_context(
+                        fmt::format("pull offer of prefill rank {}", rank)));
+                }
+                split.push_back(std::move(*by_window));
+            }
+        }
         plans.emplace_back(idx, std::move(*plan));
+        windowed.push_back(std::move(split));
     }
     kv_trace("pull planned", job->id);
     auto flight = ctx_.new_flight([this, job](const Status& s) { finish(job, s); });
@@ -168,14 +188,31 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             post_block_copy(*ctx_.engine, plan, job->sources[i].peer, true, ctx_.pool,
                             job->params[idx].pool, std::nullopt, *flight);
         }
-        for (const RegionRuns& g : plan.runs.groups) {
-            flight->add();
+        for (size_t gi = 0; gi < plan.runs.groups.size(); ++gi) {
+            const RegionRuns& g = plan.runs.groups[gi];
             ReadRunsOp op;
             op.peer = job->sources[i].peer;
             op.dst = ctx_.pool.regions[g.dst_region];
             op.src = &job->params[idx].pool[g.src_region];
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
-            ctx_.engine->read_runs(op, [flight](const Status& s) { flight->done(s); });
+            if (windowed[i].empty()) {
+                flight->add();
+                ctx_.engine->read_runs(op, [flight](const Status& s) { flight->done(s); });
+                continue;
+            }
+            for (const WindowRuns& w : windowed[i][gi]) {
+                flight->add();
+                op.src = &w.window->desc;
+                op.runs = w.runs;
+                // The provider's own words say little: tcp reports a refused key as a cancelled
+                // read, and drops the connection (the reads after it fail as not connected).
+                ctx_.engine->read_runs(op, [flight](const Status& s) {
+                    flight->done(s.with_context(
+                        "reading a pull offer under its own keys, which prefill closes when the "
+                        "offer ends (DONE sent, withdrawn, lease passed): a read after that "
+                        "fails"));
+                });
+            }
         }
         job->reads += static_cast<uint32_t>(plan.operations());
         job->bytes += plan.bytes();

@@ -16,7 +16,9 @@ class PullServer {
   public:
     explicit PullServer(ConnectorContext& ctx) : ctx_(ctx) {}
 
-    void offer(uint64_t id, const PullCapability& capability);
+    // `windows`: the offer's own registrations (PullKeys::kPerOffer), closed when it ends.
+    void offer(uint64_t id, const PullCapability& capability,
+               std::vector<std::unique_ptr<MemoryRegion>> windows);
     void on_done(const DoneMsg& m);
     // abort_send of an offered transfer: the offer is withdrawn at once. False: not offered.
     bool withdraw(uint64_t id, const Status& reason);
@@ -31,6 +33,8 @@ class PullServer {
         std::vector<uint32_t> done_ranks;
         bool all_ok = true;
         ArrivalsExpected awake;  // decode's reads need this side's polling to progress
+        // Closed with the offer (erasing it): a read under their keys fails from then on.
+        std::vector<std::unique_ptr<MemoryRegion>> windows;
     };
 
     // A DONE for an offer not made yet: an engine that answers before it offers (vLLM's

@@ -350,6 +350,20 @@ class FabricKvLink::Impl {
                                 "kv_transfer_params.ferry_capability");
             if (!cap.ok()) return fail_recv(tid, Phase::kRecv, cap.status());
             std::copy(cap->begin(), cap->end(), p.capability.begin());
+            if (!params.pull_keys.empty()) {
+                // The offer's own keys: the handshake's pool descriptor gives the layout.
+                auto keys = from_hex(params.pull_keys);
+                if (!keys.ok())
+                    return fail_recv(
+                        tid, Phase::kRecv,
+                        keys.status().with_context("kv_transfer_params.ferry_pull_keys"));
+                auto windows = kv::decode_pull_windows(*keys, p.layout, p.pool.size());
+                if (!windows.ok())
+                    return fail_recv(
+                        tid, Phase::kRecv,
+                        windows.status().with_context("kv_transfer_params.ferry_pull_keys"));
+                p.windows = std::move(*windows);
+            }
             st = conn->pull(tid, {std::move(p)}, std::move(blocks), uint32_t(tokens));
         }
         if (!st.ok()) fail_recv(tid, Phase::kRecv, st);
@@ -405,6 +419,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     cc.lease = std::max(config.lease, config.op_timeout + seconds(1));
     cc.pull_mode = config.mode == kv::TransferMode::kPullInline ? kv::PullMode::kInline
                                                                 : kv::PullMode::kBackground;
+    cc.pull_keys = config.pull_keys;
     // Segments per transfer are bounded by decode's immediate span (every engine runs the
     // defaults), less the two the connector keeps for on_prefill_done.
     p->max_handovers = std::max<uint32_t>(std::min(cc.imm_span, cc.imm_count), 3) - 2;
@@ -646,7 +661,11 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     } else {
         auto offer = p->conn->offer_pull(tid, std::move(blocks), uint32_t(num_tokens));
         st = offer.status();
-        if (offer.ok()) out.capability = to_hex(offer->capability);
+        if (offer.ok()) {
+            out.capability = to_hex(offer->capability);
+            if (!offer->windows.empty())
+                out.pull_keys = to_hex(kv::encode_pull_windows(offer->windows));
+        }
     }
     if (!st.ok()) {
         std::lock_guard lk(p->mu);

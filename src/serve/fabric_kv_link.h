@@ -34,6 +34,7 @@
 
 #include "ferry/common/auth.h"
 #include "ferry/common/clock.h"
+#include "ferry/kv/connector.h"
 #include "ferry/kv/handshake.h"
 #include "ferry/kv/transfer_mode.h"
 #include "serve/kv_connector.h"
@@ -51,6 +52,9 @@ struct FabricKvLinkConfig {
     int side_port = 0;  // 0 picks a free one (see side_port())
     // How long one side holds blocks for a transfer that does not progress.
     Duration lease = seconds(30);
+    // Pull offers: registered on their own and closed when they end (a late read fails), or
+    // read under the pool's keys (kPool: no registration per offer). docs/PROTOCOL.md.
+    kv::PullKeys pull_keys = kv::PullKeys::kPerOffer;
     Duration handshake_timeout = seconds(5);
     // A write or read not completed by then fails: how a dead peer becomes an error.
     Duration op_timeout = seconds(10);

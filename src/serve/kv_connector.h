@@ -32,11 +32,14 @@ struct KvTransferParams {
     int remote_port = 0;
     std::vector<BlockId> remote_block_ids;  // pull: where the prefill engine holds the KV
     int tp_size = 1;                        // TP degree of the remote engine
-    // ferry's own fields (kv_params_auth.h): the pull offer's capability (hex, from the
-    // prefill response), the wall-clock time (ms since the epoch) after which engines refuse
+    // ferry's own fields (kv_params_auth.h): the pull offer's capability and keys (hex, from
+    // the prefill response), the wall-clock time (ms since the epoch) after which engines refuse
     // the leg, the target engine's incarnation, and the HMAC under the deployment secret over all
     // of the above and `content`.
-    std::string capability;       // "ferry_capability"
+    std::string capability;  // "ferry_capability"
+    // The pull offer's own keys (kv::encode_pull_windows, hex, from the prefill response):
+    // decode reads through these, which prefill closes when the offer ends.
+    std::string pull_keys;        // "ferry_pull_keys"
     int64_t expires_unix_ms = 0;  // "ferry_expires"
     // The incarnation of the engine the leg is for (its /health's "incarnation", drawn at
     // random when its KV link starts): a leg is taken only by that process, not by one

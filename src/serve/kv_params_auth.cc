@@ -16,10 +16,11 @@ namespace {
 constexpr const char* kNotSigned = "kv_transfer_params are not signed by this deployment's router";
 
 // Every field length-prefixed or fixed-size, so that no two parameter sets
-// encode alike. v2: the expiry and the leg's content; v3: the target engine's incarnation.
+// encode alike. v2: the expiry and the leg's content; v3: the target engine's incarnation;
+// v4: the pull offer's keys.
 std::vector<uint8_t> canonical(const KvTransferParams& kv) {
     ByteWriter w;
-    w.put_string("ferry kv_transfer_params v3");
+    w.put_string("ferry kv_transfer_params v4");
     w.put<uint8_t>(uint8_t(kv.do_remote_decode) | uint8_t(kv.do_remote_prefill) << 1);
     w.put_string(kv.transfer_id);
     w.put(kv.attempt);
@@ -32,6 +33,7 @@ std::vector<uint8_t> canonical(const KvTransferParams& kv) {
     w.put(kv.expires_unix_ms);
     w.put(kv.content);
     w.put_string(kv.incarnation);
+    w.put_string(kv.pull_keys);
     return w.take();
 }
 

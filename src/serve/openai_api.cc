@@ -74,6 +74,7 @@ Result<KvTransferParams> kv_params_from_json(const json& j) {
     FERRY_RETURN_IF_ERROR(get_string("remote_engine_id", &kv.remote_engine_id));
     FERRY_RETURN_IF_ERROR(get_string("remote_host", &kv.remote_host));
     FERRY_RETURN_IF_ERROR(get_string("ferry_capability", &kv.capability));
+    FERRY_RETURN_IF_ERROR(get_string("ferry_pull_keys", &kv.pull_keys));
     FERRY_RETURN_IF_ERROR(get_string("ferry_auth", &kv.auth));
     FERRY_RETURN_IF_ERROR(get_string("ferry_incarnation", &kv.incarnation));
     int64_t v = 0;
@@ -113,6 +114,7 @@ json kv_params_to_json(const KvTransferParams& kv) {
     if (!kv.transfer_id.empty()) j["transfer_id"] = kv.transfer_id;
     if (kv.attempt != 0) j["attempt"] = kv.attempt;
     if (!kv.capability.empty()) j["ferry_capability"] = kv.capability;
+    if (!kv.pull_keys.empty()) j["ferry_pull_keys"] = kv.pull_keys;
     if (kv.expires_unix_ms != 0) j["ferry_expires"] = kv.expires_unix_ms;
     if (!kv.incarnation.empty()) j["ferry_incarnation"] = kv.incarnation;
     if (!kv.auth.empty()) j["ferry_auth"] = kv.auth;

@@ -51,6 +51,9 @@ std::vector<KvMessage> all_messages() {
     RegisterMsg reg{1234,           3, 1,         2, 0xabc, 8, 40, 5000, test_address(),
                     {test_pool(l)}, l, {7, 9, 99}};
     PullParamsMsg pull{99, 1, 2, 17, 3000, test_address(), {test_pool(l)}, l, {4, 5}};
+    // The offer's own registration of its blocks (protocol 10).
+    pull.windows.push_back({0, 4 * l.slab_bytes(), test_pool(l)});
+    pull.windows[0].desc.length = 2 * l.slab_bytes();
     RegisterMsg partial = reg;  // decode's prefix cache holds tokens [0, 20)
     partial.first_token = 20;
     partial.blocks = {9, 99};
@@ -210,6 +213,9 @@ TEST(KvMessages, MalformedFieldsAreNamed) {
     PullParamsMsg pull = std::get<PullParamsMsg>(msgs[5]);
     pull.producer_tp = 0;
     expect_error(pull, "producer_tp");
+    pull = std::get<PullParamsMsg>(msgs[5]);
+    pull.windows[0].offset = pull.layout.region_bytes() - 1;  // runs past the region
+    expect_error(pull, "windows[0]");
     FailMsg fail = std::get<FailMsg>(msgs[2]);
     fail.code = StatusCode::kOk;
     expect_error(fail, "code");

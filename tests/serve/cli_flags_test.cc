@@ -78,6 +78,7 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         {engine({"--queue-timeout", "1e12"}), "--queue-timeout: must be at most 1e9"},
         {engine({"--kv-lease", "0"}), "--kv-lease: must be greater than 0"},
         {engine({"--kv-op-timeout", "-2"}), "--kv-op-timeout"},
+        {engine({"--kv-pull-keys", "none"}), "--kv-pull-keys: must be offer or pool, got none"},
         {engine({"--kv-wait-timeout", "0"}), "--kv-wait-timeout: must be greater than 0"},
         {engine({"--kv-max-connections-per-client", "0"}),
          "--kv-max-connections-per-client: must be greater than 0"},

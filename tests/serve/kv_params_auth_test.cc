@@ -132,5 +132,22 @@ TEST(KvParamsAuth, TheRoutersJsonFormCarriesTheExpiryAndIncarnationAndVerifiesAs
     expect_denied(verify_kv_params(s.secret, parsed), "does not match");
 }
 
+// The pull offer's keys travel signed: a leg whose keys were swapped (for those of another
+// offer) is refused before decode reads anything.
+TEST(KvParamsAuth, ThePullOffersKeysAreSigned) {
+    Signer s;
+    nlohmann::json kv = {
+        {"do_remote_prefill", true}, {"transfer_id", "t-1"}, {"ferry_pull_keys", "0a0b"}};
+    Digest content = leg_content_digest({prompt_digest(s.prompt), 4, "decode-1"});
+    ASSERT_TRUE(sign_kv_params_json(s.secret, &kv, content, kNow + 5, "inc-1").ok());
+    KvTransferParams parsed = kv_params_from_json(kv).value();
+    parsed.content = content;
+    EXPECT_EQ(parsed.pull_keys, "0a0b");
+    EXPECT_TRUE(verify_kv_params(s.secret, parsed).ok());
+    EXPECT_EQ(kv_params_to_json(parsed)["ferry_pull_keys"], "0a0b");
+    parsed.pull_keys = "0a0c";
+    expect_denied(verify_kv_params(s.secret, parsed), "does not match");
+}
+
 }  // namespace
 }  // namespace ferry::serve

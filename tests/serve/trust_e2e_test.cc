@@ -227,6 +227,8 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     ASSERT_EQ(pr.status, 200) << pr.body << s.logs();
     json offer = offer_of(pr);
     ASSERT_TRUE(offer.is_object() && offer.contains("ferry_capability")) << offer.dump();
+    // The offer's own keys (PullKeys::kPerOffer), which decode reads through.
+    ASSERT_TRUE(offer.contains("ferry_pull_keys")) << offer.dump();
     ASSERT_GE(offer["remote_block_ids"].size(), 2u);
     offer = decode_leg(s, offer, prompt, 6);  // what the router hands decode
     double used_before = metric(kHost, s.prefill_port, "ferry_kv_blocks_used");
@@ -243,6 +245,10 @@ TEST(TrustE2E, PullOfBlocksNotOfferedIsRefusedAndTheRealTransferIsUnaffected) {
     expect_refused(decode_with(forged), "does not match");
     forged = offer;  // the real blocks with another capability
     forged["ferry_capability"] = std::string(32, 'a');
+    expect_refused(decode_with(forged), "does not match");
+    forged = offer;  // the real blocks under other keys
+    forged["ferry_pull_keys"] =
+        std::string(forged["ferry_pull_keys"].get<std::string>().size(), '0');
     expect_refused(decode_with(forged), "does not match");
     forged = offer;  // the real blocks, no tag: what a client could name
     forged.erase("ferry_auth");

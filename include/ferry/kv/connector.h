@@ -40,6 +40,18 @@ enum class PullMode : uint8_t {
     kInline = 1,      // plan and post reads in the caller's thread (classic baseline)
 };
 
+// What a pull offer's reads go through (docs/PROTOCOL.md, "Pull offer keys").
+enum class PullKeys : uint8_t {
+    // The offer's blocks are registered for it alone (one region per contiguous run) and
+    // closed when the offer ends (DONE, withdrawn, lease, shutdown): a read with its
+    // parameters after that fails in the provider, whoever sends it. Host memory only; a GPU
+    // pool region is read under the pool's keys.
+    kPerOffer = 0,
+    // The offer carries the pool's own keys (protocol 9's behaviour): no registration per
+    // offer, and a reader that kept the parameters can read the blocks after the offer ended.
+    kPool = 1,
+};
+
 struct ConnectorConfig {
     KvRank self;  // this rank's pool layout and TP position
     // How long a side holds blocks for a transfer that does not progress: prefill waiting for
@@ -58,6 +70,7 @@ struct ConnectorConfig {
     // covers a 32k prompt in chunks of 512 tokens. At most kMaxImmSpan (4096).
     uint32_t imm_span = 64;
     PullMode pull_mode = PullMode::kBackground;
+    PullKeys pull_keys = PullKeys::kPerOffer;
     // While a transfer is active (writes in flight, a send or receive not finished), the
     // connector thread polls for its next task for up to this long after its last one before
     // it sleeps: a push hands over between threads three times (prefill_done in, the writes'

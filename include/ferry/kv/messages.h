@@ -27,7 +27,8 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 //    moved to a newer attempt.
 // 9: REGISTER's first_token: decode's prefix cache holds the tokens before it, only the rest
 //    moves.
-inline constexpr uint16_t kKvProtocolVersion = 9;
+// 10: PULL_PARAMS carries the offer's own registrations (windows), closed when the offer ends.
+inline constexpr uint16_t kKvProtocolVersion = 10;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
@@ -35,6 +36,9 @@ inline constexpr size_t kMaxBlocksPerMessage = 1u << 20;
 inline constexpr size_t kMaxReasonLength = 1024;
 // Most immediates one registration may hand out (one per segment of a chunked push).
 inline constexpr uint32_t kMaxImmSpan = 4096;
+// Most windows one PULL_PARAMS may carry (one per contiguous run of the offer's blocks per
+// region: 64 layers x K/V x 512 scattered blocks).
+inline constexpr uint32_t kMaxPullWindows = 1u << 16;
 
 // A pull offer's capability: 128 random bits prefill draws per offer. Only a DONE that carries
 // it releases the offer, so a reader that guessed or was told another transfer's id cannot end
@@ -150,6 +154,15 @@ struct CancelAckMsg {
     bool operator==(const CancelAckMsg&) const = default;
 };
 
+// Bytes [offset, offset + desc.length) of pool region `region`, registered for one pull offer
+// alone (ConnectorConfig::pull_keys): the offer's reads go there under desc's keys, and prefill
+// closes the registration when the offer ends, so a late read under them fails.
+struct PullWindow {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+    MemoryDescriptor desc;
+};
+
 // Prefill rank → decode (through the router, pull mode): where to read this rank's KV from.
 struct PullParamsMsg {
     uint64_t transfer_id = 0;
@@ -162,6 +175,10 @@ struct PullParamsMsg {
     KvLayout layout;
     std::vector<uint32_t> blocks;
     PullCapability capability{};  // what DONE must carry (see PullCapability)
+    // The offer's blocks, registered for it alone, in (region, offset) order: decode reads
+    // through these, and `pool`'s keys are zero. Empty: read `pool` under its keys (an offer
+    // under PullKeys::kPool, or parameters decode built from the handshake).
+    std::vector<PullWindow> windows;
 };
 
 // Decode rank → prefill rank (pull): finished reading (ok) or gave up; free the blocks.
@@ -192,6 +209,14 @@ struct ScheduledMsg {
     uint32_t producer_rank = 0;
     bool operator==(const ScheduledMsg&) const = default;
 };
+
+// A pull offer's windows alone, as PULL_PARAMS carries them: for an engine whose decode side
+// builds the parameters from the handshake and what the request carried (ferry serve's
+// "ferry_pull_keys"). Decoding checks each window against a pool of `regions` regions of
+// `layout`.
+std::vector<uint8_t> encode_pull_windows(std::span<const PullWindow> windows);
+Result<std::vector<PullWindow>> decode_pull_windows(std::span<const uint8_t> bytes,
+                                                    const KvLayout& layout, size_t regions);
 
 // Alternatives in MsgType order (the wire type is index + 1).
 using KvMessage = std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg,

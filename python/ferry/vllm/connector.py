@@ -605,7 +605,11 @@ class _Worker:
         num_blocks = self._kv_cache_config.num_blocks
         layout, pool = layout_of(tensors, num_blocks=num_blocks, block_size=spec.block_size,
                                  num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size)
-        cfg = fkv.KvConfig(tp_rank=self._tp_rank, tp_size=self._tp_size, lease=self._opts.lease)
+        # Decode builds its pull parameters from the handshake (pull_params: the scheduler
+        # answers before this worker offers), so it reads under the pool's keys: an offer's own
+        # registrations would cost prefill without being read.
+        cfg = fkv.KvConfig(tp_rank=self._tp_rank, tp_size=self._tp_size, lease=self._opts.lease,
+                           pull_keys="pool")
         self._conn = fkv.KvConnector(self._engine, layout, pool, cfg)
         self._tensors = tensors
         port = self._opts.port + self._tp_rank

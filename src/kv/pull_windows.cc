@@ -1,0 +1,110 @@
+// Pull offer windows: see pull_windows.h.
+#include "pull_windows.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+
+namespace ferry::kv::detail {
+
+std::vector<PoolExtent> block_extents(const KvLayout& layout, std::span<const uint32_t> blocks) {
+    std::vector<PoolExtent> pieces;
+    auto add = [&](uint64_t pool_offset, uint64_t length) {
+        KvLayout::RegionOffset at = layout.region_of(pool_offset);
+        pieces.push_back({at.region, at.offset, length});
+    };
+    const uint64_t slab = layout.slab_bytes();
+    for (uint32_t b : blocks) {
+        if (layout.placement == KvPlacement::kBlockMajor) {
+            add(uint64_t{b} * layout.block_bytes(), layout.block_bytes());
+            continue;
+        }
+        for (uint32_t l = 0; l < layout.num_layers; ++l) {
+            if (layout.placement == KvPlacement::kHeadJoint) {
+                // Each head's K rows then its V rows: the block's K and V of a layer are one
+                // piece starting at K's slab.
+                add(layout.slab_offset(l, KvPart::kK, b), 2 * slab);
+                continue;
+            }
+            add(layout.slab_offset(l, KvPart::kK, b), slab);
+            add(layout.slab_offset(l, KvPart::kV, b), slab);
+        }
+    }
+    std::sort(pieces.begin(), pieces.end(), [](const PoolExtent& a, const PoolExtent& b) {
+        return a.region != b.region ? a.region < b.region : a.offset < b.offset;
+    });
+    std::vector<PoolExtent> out;
+    for (const PoolExtent& p : pieces) {
+        if (!out.empty() && out.back().region == p.region &&
+            out.back().offset + out.back().length >= p.offset) {
+            // Adjacent (or the same block named twice): one run.
+            out.back().length =
+                std::max(out.back().length, p.offset + p.length - out.back().offset);
+            continue;
+        }
+        out.push_back(p);
+    }
+    return out;
+}
+
+Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPoolRegions& pool,
+                                            const KvLayout& layout,
+                                            std::span<const uint32_t> blocks) {
+    OfferWindows out;
+    for (const MemoryRegion* r : pool.regions) {
+        if (r->descriptor().kind != MemoryKind::kHost) return out;
+    }
+    const std::vector<PoolExtent> extents = block_extents(layout, blocks);
+    if (extents.size() > kMaxPullWindows) {
+        return resource_exhausted(fmt::format(
+            "a pull offer of {} blocks needs {} registrations of its own, more than the {} a "
+            "PULL_PARAMS may carry: its blocks are scattered over a pool of {} layers; offer "
+            "fewer blocks at once, or hand out the pool's keys (ConnectorConfig::pull_keys = "
+            "PullKeys::kPool)",
+            blocks.size(), extents.size(), kMaxPullWindows, layout.num_layers));
+    }
+    for (const PoolExtent& e : extents) {
+        auto* base = static_cast<uint8_t*>(pool.regions[e.region]->data());
+        auto mr = engine.register_memory(base + e.offset, e.length);
+        if (!mr.ok()) {
+            return mr.status().with_context(
+                fmt::format("registering a pull offer's {} bytes at offset {} of pool region {} "
+                            "(its own key, PullKeys::kPerOffer)",
+                            e.length, e.offset, e.region));
+        }
+        out.windows.push_back({e.region, e.offset, (*mr)->descriptor()});
+        out.regions.push_back(std::move(*mr));
+    }
+    return out;
+}
+
+Result<std::vector<WindowRuns>> runs_by_window(std::span<const PullWindow> windows, uint32_t region,
+                                               std::span<const ByteRun> runs) {
+    std::vector<WindowRuns> out;
+    std::map<const PullWindow*, size_t> group_of;
+    for (const ByteRun& run : runs) {
+        // Windows come in (region, offset) order: the last one starting at or before the run.
+        auto after = std::upper_bound(
+            windows.begin(), windows.end(), std::pair{region, run.src_offset},
+            [](const std::pair<uint32_t, uint64_t>& key, const PullWindow& w) {
+                return key.first != w.region ? key.first < w.region : key.second < w.offset;
+            });
+        const PullWindow* w = after == windows.begin() ? nullptr : &*std::prev(after);
+        if (!w || w->region != region || run.src_offset + run.length > w->offset + w->desc.length) {
+            return invalid_argument(fmt::format(
+                "pull: the offer registered no window holding bytes [{}, {}) of prefill pool "
+                "region {} (its windows cover other blocks than decode reads: parameters of "
+                "another offer, or altered)",
+                run.src_offset, run.src_offset + run.length, region));
+        }
+        auto [g, fresh] = group_of.try_emplace(w, out.size());
+        if (fresh) out.push_back(WindowRuns{w, {}});
+        ByteRun r = run;
+        r.src_offset -= w->offset;
+        out[g->second].runs.push_back(r);
+    }
+    return out;
+}
+
+}  // namespace ferry::kv::detail

@@ -1,0 +1,54 @@
+// A pull offer's own registrations (PullKeys::kPerOffer): which bytes of the pool its blocks
+// occupy, registered as regions of their own on prefill, and decode's runs split among them
+// (private to src/kv; docs/PROTOCOL.md, "Pull offer keys").
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "ferry/fabric/engine.h"
+#include "ferry/kv/block_mapping.h"
+#include "ferry/kv/layout.h"
+#include "ferry/kv/messages.h"
+#include "ferry/kv/pool.h"
+
+namespace ferry::kv::detail {
+
+// Bytes [offset, offset + length) of pool region `region`.
+struct PoolExtent {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    bool operator==(const PoolExtent&) const = default;
+};
+
+// What `blocks` occupy in the pool, every layer and K/V, in (region, offset) order, adjacent
+// pieces merged (never across a region boundary): one extent per contiguous run.
+std::vector<PoolExtent> block_extents(const KvLayout& layout, std::span<const uint32_t> blocks);
+
+// The registrations of one offer; closing them (destroying this) is what ends its keys.
+struct OfferWindows {
+    std::vector<PullWindow> windows;  // what PULL_PARAMS carries
+    std::vector<std::unique_ptr<MemoryRegion>> regions;
+};
+
+// Registers each extent of the offer's blocks as a region of its own. Host regions only: GPU
+// pool regions are left to the pool's keys (an empty result when every region is on a GPU).
+// On failure nothing stays registered.
+Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPoolRegions& pool,
+                                            const KvLayout& layout,
+                                            std::span<const uint32_t> blocks);
+
+// Decode: the runs of one source region, grouped by the window that holds each, their
+// src_offset made relative to it. A run no window of the region holds is an error naming it
+// (an offer of other blocks, or parameters that were altered).
+struct WindowRuns {
+    const PullWindow* window = nullptr;
+    std::vector<ByteRun> runs;
+};
+Result<std::vector<WindowRuns>> runs_by_window(std::span<const PullWindow> windows, uint32_t region,
+                                               std::span<const ByteRun> runs);
+
+}  // namespace ferry::kv::detail
