@@ -85,6 +85,11 @@ size_t rate_slot_bytes(const XferBenchConfig& c) {
     return m;
 }
 constexpr int kRateSlots = 4;
+// The yardsticks' rate writes: 4 KiB, source and destination offsets rotating over 256 slots
+// (1 MiB), as python3 -m ferry.bench_xfer writes them; each carries kYardstickImm.
+constexpr size_t kYardstickBytes = 4096;
+constexpr int kYardstickSlots = 256;
+constexpr uint32_t kYardstickImm = 0x52415445;
 // Bounds of --window and --pages-per-op (run_xfer_bench says why).
 constexpr int64_t kMaxWindow = 65536;
 constexpr int64_t kMaxPagesPerOp = 512;
@@ -191,9 +196,10 @@ int target_main(int fd, const XferBenchConfig& c) {
     MemoryDescriptor parent_desc = *pdesc;
     PeerId pid = *peer;
     MemoryRegion* region = mr.get();
+    const size_t pong_bytes = c.latency_size;
     std::function<void(const Status&)> pong = [&](const Status& s) {
         if (!s.ok()) return;  // shutdown
-        eng->write({pid, region, 0, &parent_desc, 0, 8, kPong});
+        eng->write({pid, region, 0, &parent_desc, 0, pong_bytes, kPong});
         eng->on_imm(kPing, 1, std::chrono::hours(1), pong);
     };
 
@@ -298,6 +304,11 @@ class Initiator {
     Result<double> engine_paged_loop(size_t page);
     Result<double> engine_rate_loop(int npeers, size_t size, int window, bool one_op);
     Result<double> engine_scatter_loop(int npeers, size_t size, int window);
+    // Writes of kYardstickBytes with an immediate to the peer's engine, `per_call` per call:
+    // write() for 1, write_runs otherwise.
+    Result<double> engine_imm_loop(int window, int per_call);
+    // The yardsticks' rate figures (rep.yardsticks), engine and raw alternating.
+    Status yardstick_rates(XferReport& rep);
     Status latency(XferReport& rep);
 
     XferBenchConfig c_;
@@ -637,6 +648,57 @@ Result<double> Initiator::engine_scatter_loop(int npeers, size_t size, int windo
     });
 }
 
+Result<double> Initiator::engine_imm_loop(int window, int per_call) {
+    std::vector<WriteRun> runs(per_call);
+    return windowed(window, per_call, [&](uint64_t n, const Release* release) {
+        const uint64_t first = n * static_cast<uint64_t>(per_call);
+        for (int i = 0; i < per_call; ++i) {
+            const uint64_t off = ((first + i) % kYardstickSlots) * kYardstickBytes;
+            runs[i] = {off, off, kYardstickBytes};
+        }
+        if (per_call == 1) {
+            engine_->write({peer_, mr_.get(), runs[0].src_offset, &remote_, runs[0].dst_offset,
+                            kYardstickBytes, kYardstickImm},
+                           [release](const Status& s) { (*release)(1, s); });
+        } else {
+            engine_->write_runs({peer_, mr_.get(), &remote_, runs, kYardstickImm},
+                                [release, per_call](const Status& s) { (*release)(per_call, s); });
+        }
+    });
+}
+
+Status Initiator::yardstick_rates(XferReport& rep) {
+    const int batch = std::max(1, std::min(c_.rate_batch, c_.window));
+    const detail::RawEndpoint::Target target{raw_dest_, raw_base_, raw_key_};
+    double raw = 0, single = 0, runs = 0;
+    for (int i = 0; i < c_.repeat; ++i) {
+        FERRY_RETURN_IF_ERROR(mode(kModeRaw));
+        FERRY_ASSIGN_OR_RETURN(double r,
+                               raw_->rate_loop({&target, 1}, kYardstickBytes, true, c_.window,
+                                               kYardstickSlots, point_duration(c_)));
+        FERRY_RETURN_IF_ERROR(mode(kModeEngine));
+        ArrivalsExpected awake(engine_.get());
+        FERRY_ASSIGN_OR_RETURN(double one, engine_imm_loop(c_.window, 1));
+        FERRY_ASSIGN_OR_RETURN(double many, engine_imm_loop(c_.window, batch));
+        raw = std::max(raw, r);
+        single = std::max(single, one);
+        runs = std::max(runs, many);
+    }
+    rep.yardsticks.push_back(
+        {"rate_4KiB_write",
+         fmt::format("write+imm 4 KiB, one write() per write, {} in flight", c_.window), "op/s",
+         single, 0, raw});
+    rep.yardsticks.push_back({fmt::format("rate_4KiB_runs{}", batch),
+                              fmt::format("write+imm 4 KiB, write_runs of {}, {} writes in flight",
+                                          batch, std::max(c_.window / batch, 1) * batch),
+                              "op/s", runs, 0, raw});
+    note(
+        fmt::format("yardsticks: 4 KiB write+imm {:.0f} op/s one per call, {:.0f} op/s in "
+                    "write_runs of {}; raw fi_writedata {:.0f} op/s",
+                    single, runs, batch, raw));
+    return ok_status();
+}
+
 Status Initiator::latency(XferReport& rep) {
     // The whole ping-pong runs in completion callbacks on the worker thread, so no other
     // thread competes for a core while it is timed. The state is shared with the callbacks:
@@ -657,7 +719,7 @@ Status Initiator::latency(XferReport& rep) {
     st->left = c_.latency_iters + st->warmup;
     st->us.reserve(st->left);
     TransferEngine* engine = engine_.get();
-    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, 8, kPing};
+    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, c_.latency_size, kPing};
     std::weak_ptr<State> weak = st;
     // t0 is only touched by the chain itself (each pong follows its ping); the rest under mu,
     // which no engine call is made under.
@@ -704,6 +766,7 @@ Status Initiator::latency(XferReport& rep) {
     rep.latency_p50_us = st->us[st->us.size() / 2];
     rep.latency_p99_us = st->us[std::min(st->us.size() - 1, st->us.size() * 99 / 100)];
     rep.latency_iters = c_.latency_iters;
+    rep.latency_size = c_.latency_size;
     return ok_status();
 }
 
@@ -757,8 +820,8 @@ Result<XferReport> Initiator::run() {
     FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(engine_config(c_)));
     FERRY_RETURN_IF_ERROR(setup());
     Duration d = point_duration(c_);
-    if (!c_.rate_only) FERRY_RETURN_IF_ERROR(bandwidth_points(rep));
-    if (c_.rate) {
+    if (!c_.rate_only && !c_.yardsticks_only) FERRY_RETURN_IF_ERROR(bandwidth_points(rep));
+    if (c_.rate && !c_.yardsticks_only) {
         // Message rate: writes with immediates to 1..64 peers and scatters, each beside the raw
         // loop posting the same writes one at a time. Both loops target the same raw
         // endpoints of the target process, so the target's work is identical.
@@ -798,11 +861,15 @@ Result<XferReport> Initiator::run() {
     }
     // --latency-iters 0: no latency point (a ping-pong of zero round trips never ended and
     // its callbacks outlived the call: a crash, 2026-12-03).
+    if (!c_.rate_only && (c_.yardsticks || c_.yardsticks_only)) {
+        FERRY_RETURN_IF_ERROR(yardstick_rates(rep));
+    }
     if (!c_.rate_only && c_.latency_iters > 0) {
+        const size_t n = c_.latency_size;
         FERRY_RETURN_IF_ERROR(mode(kModeRaw));
         FERRY_ASSIGN_OR_RETURN(double lbps,
-                               raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
-        rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
+                               raw_->write_loop(raw_dest_, raw_base_, raw_key_, n, 1, 1, d / 2));
+        rep.raw_latency_p50_us = lbps > 0 ? 1e6 * static_cast<double>(n) / lbps / 2 : 0;
         FERRY_RETURN_IF_ERROR(mode(kModeLatency));
         {
             ArrivalsExpected awake(engine_.get());
@@ -810,6 +877,13 @@ Result<XferReport> Initiator::run() {
         }
         note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us",
                          rep.latency_p50_us, rep.latency_p99_us));
+        if (c_.yardsticks || c_.yardsticks_only) {
+            rep.yardsticks.insert(
+                rep.yardsticks.begin(),
+                {fmt::format("latency_{}B", n),
+                 fmt::format("write+imm {} B, one-way (half a round trip), p50", n), "us",
+                 rep.latency_p50_us, rep.latency_p99_us, rep.raw_latency_p50_us});
+        }
     }
     EngineStats es = engine_->stats();
     rep.ops_posted = es.ops_posted;
@@ -823,11 +897,18 @@ Result<XferReport> Initiator::run() {
 }  // namespace
 
 Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
-    if (config.sizes.empty() && !config.rate_only) {
+    if (config.sizes.empty() && !config.rate_only && !config.yardsticks_only) {
         return invalid_argument("bench xfer: no sizes given");
     }
     if (config.rate_only && !config.rate) {
         return invalid_argument("bench xfer: rate_only needs the rate section (rate)");
+    }
+    if (config.rate_only && config.yardsticks_only) {
+        return invalid_argument("bench xfer: --rate-only and --yardsticks-only exclude each other");
+    }
+    if (config.latency_size < 1 || config.latency_size > 65536) {
+        return invalid_argument(fmt::format(
+            "bench xfer: --latency-size must be 1..65536 bytes, got {}", config.latency_size));
     }
     for (size_t n : config.sizes) {
         // Found only by the engine, as "write of 0 bytes", after the target process started.
@@ -942,11 +1023,23 @@ std::string format_xfer_table(const XferReport& r) {
                         row.engine_gbps, row.ratio(), spread, row.raw_ops, row.engine_ops);
     }
     out += "\n";
-    if (r.latency_iters > 0) {
+    if (r.latency_iters > 0 && r.yardsticks.empty()) {
         out += fmt::format(
-            "write with immediate, 8 B, one-way (half round trip, {} iterations): "
+            "write with immediate, {} B, one-way (half round trip, {} iterations): "
             "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
-            r.latency_iters, r.latency_p50_us, r.latency_p99_us, r.raw_latency_p50_us);
+            r.latency_size, r.latency_iters, r.latency_p50_us, r.latency_p99_us,
+            r.raw_latency_p50_us);
+    }
+    if (!r.yardsticks.empty()) {
+        out += fmt::format(
+            "yardsticks (to the peer's engine; `python3 -m ferry.bench_xfer` times the same "
+            "operations from Python and divides by these):\n");
+        for (const XferYardstick& y : r.yardsticks) {
+            const std::string p99 =
+                y.unit == "us" ? fmt::format(" (p99 {:.1f})", y.p99) : std::string();
+            out += fmt::format("  {:<18} {:<58} {:>10.1f} {}{}  raw fi_writedata {:.1f}\n", y.name,
+                               y.what, y.value, y.unit, p99, y.raw);
+        }
     }
     if (r.post_rounds) {
         out += fmt::format(
@@ -988,10 +1081,17 @@ nlohmann::json xfer_report_json(const XferReport& r) {
                          {"injected", r.ops_injected},
                          {"with_fi_more", r.posted_with_more},
                          {"bytes_per_rail", r.bytes_per_rail}};
+    j["yardsticks"] = nlohmann::json::object();
+    for (const XferYardstick& y : r.yardsticks) {
+        j["yardsticks"][y.name] = {
+            {"what", y.what}, {"unit", y.unit}, {"value", y.value}, {"raw", y.raw}};
+        if (y.unit == "us") j["yardsticks"][y.name]["p99"] = y.p99;
+    }
     j["latency_us"] = {{"p50", r.latency_p50_us},
                        {"p99", r.latency_p99_us},
                        {"raw_p50", r.raw_latency_p50_us},
-                       {"iterations", r.latency_iters}};
+                       {"iterations", r.latency_iters},
+                       {"size_bytes", r.latency_size}};
     return j;
 }
 
