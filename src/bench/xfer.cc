@@ -77,6 +77,9 @@ constexpr uint8_t kModeRaw = 'r';      // the raw endpoint (bandwidth raw loops)
 constexpr uint8_t kModeRate = 'p';     // the rate section's raw endpoints (both loops)
 constexpr uint8_t kModeEngine = 'e';   // the engine (engine bandwidth and rate points)
 constexpr uint8_t kModeLatency = 'l';  // the engine, answering pings too (the latency point)
+// The engine left to its own polling policy, nothing held awake: the yardstick rates, as the
+// Python benchmark's engines run (on a 2-core host a worker held awake takes a core).
+constexpr uint8_t kModeQuiet = 'y';
 constexpr uint8_t kQuit = 'q';
 
 size_t rate_slot_bytes(const XferBenchConfig& c) {
@@ -248,6 +251,9 @@ int target_main(int fd, const XferBenchConfig& c) {
         if (cmd[0] == kModeRaw || cmd[0] == kModeRate) {
             awake.reset();
             set_polling(cmd[0]);
+        } else if (cmd[0] == kModeQuiet) {
+            awake.reset();
+            set_polling(0);
         } else {
             set_polling(0);
             if (!awake.active()) awake = ArrivalsExpected(eng);
@@ -676,8 +682,8 @@ Status Initiator::yardstick_rates(XferReport& rep) {
         FERRY_ASSIGN_OR_RETURN(double r,
                                raw_->rate_loop({&target, 1}, kYardstickBytes, true, c_.window,
                                                kYardstickSlots, point_duration(c_)));
-        FERRY_RETURN_IF_ERROR(mode(kModeEngine));
-        ArrivalsExpected awake(engine_.get());
+        // Neither engine held awake: the Python benchmark's engines are not either.
+        FERRY_RETURN_IF_ERROR(mode(kModeQuiet));
         FERRY_ASSIGN_OR_RETURN(double one, engine_imm_loop(c_.window, 1));
         FERRY_ASSIGN_OR_RETURN(double many, engine_imm_loop(c_.window, batch));
         raw = std::max(raw, r);
