@@ -128,19 +128,25 @@ def _check_flat_rows(name: str, t: "torch.Tensor", need: int) -> None:
                               f"experts' rows back to back) needs at least {need}")
 
 
-def _unpack_slabs(counts: "torch.Tensor", pad: int,
+def _unpack_slabs(counts: "torch.Tensor", pad: int, flat: bool,
                   pairs: Sequence[Tuple[Optional["torch.Tensor"], Optional["torch.Tensor"]]]
                   ) -> List[int]:
-    """Copies each local expert's rows from the [experts, capacity, ...] slabs into the flat
-    outputs, back to back, each expert's start padded to `pad` (its padding rows too, zeros
-    in the slab); returns the start row of each expert and, last, the rows used."""
+    """Copies each local expert's rows (its padding rows too, zeros in the slab) from the
+    [experts, capacity, ...] slabs into the outputs: flat ones back to back, each expert's
+    start padded to `pad`, or [experts, rows, ...] ones; of each slab row the outputs' first
+    channels. Returns the start row of each expert in the flat layout and, last, the rows
+    used."""
     starts, pos = [], 0
     for le, n in enumerate(counts.tolist()):
         starts.append(pos)
         rows = -(-int(n) // pad) * pad
-        for slab, flat in pairs:
+        for slab, out in pairs:
             if slab is not None and rows:
-                flat[pos:pos + rows] = slab[le, :rows]
+                src = slab[le, :rows, :out.shape[-1]]
+                if flat:
+                    out[pos:pos + rows] = src
+                else:
+                    out[le, :rows] = src
         pos += rows
     starts.append(pos)
     return starts
@@ -386,18 +392,20 @@ class _Engine:
         self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16,
                               _ptr(weights), _stream(self.device))
 
+    def buffer(self, name: str, shape: Tuple[int, ...], dtype: Any) -> "torch.Tensor":
+        """A zeroed tensor on the all-to-all's device, made once per name, shape and dtype."""
+        key = (name, tuple(shape), dtype)
+        if key not in self._slabs:
+            self._slabs[key] = torch.zeros(*shape, dtype=dtype, device=self.device)
+        return self._slabs[key]
+
     def slabs(self, dtype: Any, hidden: int, spt: int, name: str = "x"
               ) -> Tuple["torch.Tensor", Optional["torch.Tensor"]]:
         """[experts, capacity, hidden] rows of dtype (and fp32 scales with spt > 0) that the
-        flat layout passes through; made once per use and dtype."""
-        key = (name, dtype, hidden, spt)
-        if key not in self._slabs:
-            z = dict(device=self.device)
-            shape = (self.local_experts, self.capacity)
-            self._slabs[key] = (torch.zeros(*shape, hidden, dtype=dtype, **z),
-                                torch.zeros(*shape, spt, dtype=torch.float32, **z)
-                                if spt else None)
-        return self._slabs[key]
+        flat layout and fp32 rows pass through."""
+        shape = (self.local_experts, self.capacity)
+        return (self.buffer(name, shape + (hidden,), dtype),
+                self.buffer(name + "_scale", shape + (spt,), torch.float32) if spt else None)
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -489,12 +497,13 @@ class AllToAll:
                                   "(world size x max_num_tokens, padded to expert_padding)")
         self._dtype, self._out_dtype, self._kind = in_dtype, out_dtype, kind
         self._hidden = int(hidden_dim)
-        # fp32 tokens travel as their bytes: rows of twice as many bf16 channels, which also
-        # carry an fp32 combine row as two bf16 halves (high part, remainder).
+        # fp32 tokens travel as their bytes (twice as many bf16 channels), and an fp32 combine
+        # row as three bf16 pieces (high part, middle, low) whose sum is the value exactly: the
+        # all-to-all's rows are 3 x hidden bf16 channels, the dispatch using the first 2/3.
         self._wide = kind == "fp32"
         self._device = _device(device)
         self._engine_args = dict(
-            max_tokens=max_num_tokens, hidden=hidden_dim * 2 if self._wide else hidden_dim,
+            max_tokens=max_num_tokens, hidden=hidden_dim * 3 if self._wide else hidden_dim,
             kind="fp8" if kind == "fp8" else "bf16", num_experts=num_experts,
             topk=num_experts_per_token, rank=rank, world=world,
             ranks_per_node=int(ranks_per_node), private_slots=int(max_private_tokens),
@@ -605,30 +614,43 @@ class AllToAll:
                     scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
                                    (nl, out_expert_x.shape[1], spt), dev)
         if do_send:
-            e.send(self._bytes(dp_x), dp_x_scale if e.kind == "fp8" else None, indices, weights,
-                   n, bound_m)
+            x = self._bytes(dp_x)
+            if self._wide:  # into the first 2/3 of the all-to-all's rows
+                staged = e.buffer("dp_x", (e.max_tokens, e.hidden), torch.bfloat16)[:t]
+                staged[:, :x.shape[1]] = x
+                x = staged
+            e.send(x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
             self._inflight.append(e)
         if do_recv:
-            if not flat:
+            if not flat and not self._wide:
                 e.flat_starts = None
-                e.recv(out_expert_num_tokens, self._bytes(out_expert_x), scale)
+                e.recv(out_expert_num_tokens, out_expert_x, scale)
                 return
-            slab, slab_scale = e.slabs(out_expert_x.dtype, h, spt if scale is not None else 0)
-            e.recv(out_expert_num_tokens, self._bytes(slab), slab_scale)
-            e.flat_starts = _unpack_slabs(out_expert_num_tokens, e.alignment,
-                                          [(slab, out_expert_x), (slab_scale, scale)])
+            # Through ferry's [experts, capacity, row] slabs: into a flat layout, or the first
+            # 2/3 of fp32 rows' channels into out_expert_x.
+            slab, slab_scale = e.slabs(torch.bfloat16 if self._wide else out_expert_x.dtype,
+                                       e.hidden, spt if scale is not None else 0)
+            e.recv(out_expert_num_tokens, slab, slab_scale)
+            starts = _unpack_slabs(out_expert_num_tokens, e.alignment, flat,
+                                   [(slab, self._bytes(out_expert_x)), (slab_scale, scale)])
+            e.flat_starts = starts if flat else None
 
     def _combine_rows(self, expert_y: "torch.Tensor") -> "torch.Tensor":
         """expert_y as the bf16 rows combine carries: fp32 rounded to bf16; after an fp32
-        dispatch, [high part, remainder] halves of the twice-as-wide rows."""
+        dispatch, three pieces per value in the three-times-wide rows: hi = bf16(y),
+        mid = bf16(y - hi), lo = y - hi - mid (exact in bf16: what is left of fp32's 24
+        significant bits after 16), so hi + mid + lo == y for every normal fp32 value whose
+        low piece is not below bf16's subnormals (|y| above about 1e-33)."""
         if not self._wide:
             return expert_y if expert_y.dtype == torch.bfloat16 else expert_y.to(torch.bfloat16)
         h = self._hidden
-        rows = torch.empty(*expert_y.shape[:2], 2 * h, dtype=torch.bfloat16,
+        rows = torch.empty(*expert_y.shape[:2], 3 * h, dtype=torch.bfloat16,
                            device=expert_y.device)
         rows[..., :h] = expert_y
         if expert_y.dtype == torch.float32:
-            rows[..., h:] = expert_y - rows[..., :h].float()
+            rest = expert_y - rows[..., :h].float()
+            rows[..., h:2 * h] = rest
+            rows[..., 2 * h:] = rest - rows[..., h:2 * h].float()
         else:
             rows[..., h:] = 0
         return rows
@@ -699,9 +721,11 @@ class AllToAll:
             # Rows the combine writes: the dispatch's count (CUDA: at most t, on the device).
             n = t if e.cuda else e.num_tokens
             if self._wide:
-                acc = torch.zeros(t, 2 * h, dtype=torch.float32, device=dev)
+                # each piece summed in fp32 over the token's experts, in top-k order; the
+                # small ones first
+                acc = torch.zeros(t, 3 * h, dtype=torch.float32, device=dev)
                 e.combine_recv(acc, weights)
-                got = acc[:n, :h] + acc[:n, h:]
+                got = acc[:n, :h] + (acc[:n, h:2 * h] + acc[:n, 2 * h:])
             else:
                 got = torch.zeros(t, h, dtype=out_tokens.dtype, device=dev)
                 e.combine_recv(got, weights)

@@ -104,9 +104,10 @@ class AllToAll:
                 do_send: bool = ..., do_recv: bool = ..., accumulate: bool = ...) -> None:
         """expert_y bf16 or fp32 [E_local, >= max_recv_tokens, H] -> out_tokens [T, H] (bf16 or
         fp32): sum over k of weights[t, k] * expert_y(t, k), fp32 in top-k order (added to
-        out_tokens with accumulate=True). Rows travel as bf16; after an fp32 dispatch as two
-        bf16 halves (high part and remainder, about 16 significant bits). The routing is the
-        dispatch's (indices checked for shape)."""
+        out_tokens with accumulate=True). Rows travel as bf16 (fp32 expert_y rounded); after
+        an fp32 dispatch each value exactly, as three bf16 pieces, each summed in fp32: within
+        fp32 accumulation's error of the float64 sum. The routing is the dispatch's (indices
+        checked for shape). After a flat dispatch expert_y may be flat [rows, H] too."""
 
     def synchronize(self) -> None:
         """CUDA: waits for the stream, raises a device-side error. CPU: returns."""

@@ -436,18 +436,54 @@ def test_fp8_dispatch_with_bf16_combine():
 
 
 def test_fp32_dispatch_and_combine():
-    """pplx-garden tests fp32 in and out: dispatched bytes unchanged, combine in fp32 (rows
-    as two bf16 halves: about 16 significant bits). ferry refused in_dtype torch.float32."""
+    """pplx-garden tests fp32 in and out: dispatched bytes unchanged, combine in fp32 (each
+    value as three bf16 pieces, exactly). ferry refused in_dtype torch.float32."""
     x = torch.randn(T, H) * 3
     with _one(torch.float32, torch.float32) as a:
         out, want = _identity_round_trip(a, x, None, x, torch.float32)
         assert out.dtype == torch.float32
-        assert torch.allclose(out, want, rtol=2e-5, atol=2e-5), (out - want).abs().max()
+        assert torch.allclose(out, want, rtol=1e-6, atol=1e-6), (out - want).abs().max()
         # bf16 experts after an fp32 dispatch, and accumulate=True (pplx-garden's).
         base = torch.randn(T, H)
         out, want = _identity_round_trip(a, x, None, x.to(torch.bfloat16).float(),
                                          torch.float32, accumulate_onto=base)
-        assert torch.allclose(out, base + want, rtol=2e-5, atol=2e-5)
+        assert torch.allclose(out, base + want, rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_combine_matches_a_float64_reference():
+    """An fp32 combine carried each value as two bf16 halves: about 16 significant bits, errors
+    up to 2^-17 of a value, where pplx-garden's fp32 combine has fp32's own rounding. Now the
+    sum stays within fp32 accumulation's error of the float64 sum (k + 2 roundings of 2^-24),
+    over values from 1e-3 to 1e3."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g) * torch.logspace(-3, 3, H)
+    with _one(torch.float32, torch.float32) as a:
+        d = _args(a)
+        d.update(dp_x=x, weights=torch.rand(T, K, generator=g))
+        d["out_expert_x"] = torch.zeros(E, a.max_recv_tokens, H)
+        a.dispatch(**d)
+
+        def expert(e, rows):  # a different fp32 function per expert
+            return rows * (1 + e / 7) + (e - 1.5) * rows.abs().sqrt()
+
+        y = torch.stack([expert(e, d["out_expert_x"][e]) for e in range(E)])
+        out = torch.zeros(T, H)
+        a.combine(out, d["indices"], d["weights"], y)
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    mag = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(K):
+            e = int(d["indices"][t, j])
+            if e >= 0:
+                term = float(d["weights"][t, j]) * expert(e, x[t:t + 1])[0].double()
+                ref[t] += term
+                mag[t] += term.abs()
+    err = (out.double() - ref).abs()
+    bound = (K + 2) * 2.0**-24 * mag
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (f"error {float(err.flatten()[worst]):.3g} above "
+                                        f"{float(bound.flatten()[worst]):.3g} (of "
+                                        f"{float(mag.flatten()[worst]):.3g})")
 
 
 def test_out_dtype_names_the_combine_dtype():
