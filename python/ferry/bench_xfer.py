@@ -8,9 +8,10 @@ the same way by `ferry bench xfer` (its "yardsticks" section; engine to engine, 
 provider and window) and printed beside it with the ratio:
 
 - latency_64B: a ping-pong of 64-byte writes with immediates, one-way (half the round trip),
-  p50 and p99 over --iters. Here each side waits for the other's immediate with wait_imm
-  (polling for the engine's wait_spin_us, then sleeping until the engine's worker wakes it);
-  in C++ the ping-pong runs in the worker's completion callbacks. Compared as Python minus C++.
+  p50 and p99 over --iters, each side's thread writing and then waiting for the other's
+  immediate in wait_imm (polling for wait_spin_us, then sleeping until the engine's worker
+  wakes it), in C++ with the same spin. Compared as Python minus C++. (`ferry bench xfer`'s
+  own latency line, a ping-pong in the workers' completion callbacks, is the engine's floor.)
 - rate_4KiB_write: 4 KiB writes with immediates to the one peer, one write() call per write,
   --window in flight (the oldest waited for before the next is posted), for --seconds.
 - rate_4KiB_runs32: the same writes --batch (32) at a time through write_runs (each run a write
@@ -38,10 +39,10 @@ PING, PONG, RATE = 0x50490000, 0x504F0000, 0x52410000
 LATENCY_BYTES, RATE_BYTES, SLOTS = 64, 4096, 256  # as `ferry bench xfer`'s yardsticks
 
 
-def yardsticks(window: int, batch: int) -> List[Tuple[str, str, str]]:
+def yardsticks(window: int, batch: int, spin: float) -> List[Tuple[str, str, str]]:
     """(name, operation, unit) of each yardstick, as `ferry bench xfer` names them."""
-    return [(f"latency_{LATENCY_BYTES}B",
-             f"write+imm {LATENCY_BYTES} B, one-way (half a round trip), p50", "us"),
+    return [(f"latency_{LATENCY_BYTES}B", f"write+imm {LATENCY_BYTES} B one way, each side in "
+             f"wait_imm (spin {spin:g} us), p50", "us"),
             ("rate_4KiB_write", f"write+imm 4 KiB, one write() per write, {window} in flight",
              "op/s"),
             (f"rate_4KiB_runs{batch}", f"write+imm 4 KiB, write_runs of {batch}, "
@@ -149,7 +150,9 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    lat, one, many = (n for n, _, _ in yardsticks(window, batch))
+    from . import _wait_spin_us
+
+    lat, one, many = (n for n, _, _ in yardsticks(window, batch, _wait_spin_us(wait_spin_us)))
     return {lat: percentile(warm, 0.5), lat + "_p99": percentile(warm, 0.99),
             one: single, many: batched, "latency_iters": len(warm),
             "write_call_p50_us": percentile(submit_us, 0.5),
@@ -157,13 +160,14 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
 
 
 def run_cpp(ferry_bin: str, provider: str, seconds: float, iters: int, window: int,
-            batch: int) -> Dict[str, dict]:
+            batch: int, spin: float) -> Dict[str, dict]:
     """`ferry bench xfer --yardsticks-only`: its yardsticks by name (what, unit, value, p99,
-    raw), measured with this run's latency size, window and batch."""
+    raw), measured with this run's latency size, window, batch and wait_imm spin."""
     j = run_ferry_bench(ferry_bin, ["xfer", "--provider", provider, "--yardsticks-only",
                                     "--latency-size", str(LATENCY_BYTES), "--latency-iters",
                                     str(iters), "--window", str(window), "--rate-batch",
-                                    str(batch), "--seconds", str(seconds)])
+                                    str(batch), "--wait-spin-us", repr(float(spin)),
+                                    "--seconds", str(seconds)])
     return j["yardsticks"]
 
 
@@ -199,29 +203,29 @@ def main(argv: List[str] = None) -> int:
                          "each is kept (on a shared host the load moves between runs)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    from . import _usable_cpus, _wait_spin_us
+
     batch = min(args.batch, args.window)  # as `ferry bench xfer` takes --rate-batch
+    spin, cpus = _wait_spin_us(args.wait_spin_us), _usable_cpus()
     pys, cpps = [], []
     for _ in range(max(1, args.repeat)):
         pys.append(run(args.provider, args.iters, args.seconds, args.window, args.busy_poll,
                        batch, args.wait_spin_us))
         if args.ferry:
             cpps.append(run_cpp(args.ferry, args.provider, args.seconds, args.iters,
-                                args.window, batch))
+                                args.window, batch, spin))
     py, cpp = _best(pys), _best_cpp(cpps) if cpps else None
     res = {"provider": args.provider, "python": py, "python_runs": pys}
     if cpp:
         res["cpp"], res["cpp_runs"] = cpp, cpps
-    from . import _usable_cpus, _wait_spin_us
-
-    spin, cpus = _wait_spin_us(args.wait_spin_us), _usable_cpus()
     res["wait_spin_us"], res["usable_cpus"] = spin, cpus
     print(f"ferry.TransferEngine from Python{' beside `ferry bench xfer`' if cpp else ''}, "
           f"provider {args.provider}, best of {len(pys)}; wait_spin_us {spin:g} "
           f"({cpus} usable CPUs)")
-    print(f"{'yardstick':<18} {'operation':<58} {'unit':>5} {'Python':>11} {'C++':>11} "
+    print(f"{'yardstick':<18} {'operation':<70} {'unit':>5} {'Python':>11} {'C++':>11} "
           f"{'Python vs C++':>14}")
     res["yardsticks"] = {}
-    for name, what, unit in yardsticks(args.window, batch):
+    for name, what, unit in yardsticks(args.window, batch, spin):
         mine, theirs = py[name], cpp[name]["value"] if cpp else None
         if cpp and cpp[name]["what"] != what:  # one operation, or no ratio
             raise RuntimeError(f"yardstick {name}: C++ measured {cpp[name]['what']!r}, Python "
@@ -237,10 +241,10 @@ def main(argv: List[str] = None) -> int:
             vs = f"{y['python_over_cpp']:.2f}x"
         res["yardsticks"][name] = y
         cpp_text = f"{theirs:>11.1f}" if theirs is not None else f"{'-':>11}"
-        print(f"{name:<18} {what:<58} {unit:>5} {mine:>11.1f} {cpp_text} {vs:>14}")
+        print(f"{name:<18} {what:<70} {unit:>5} {mine:>11.1f} {cpp_text} {vs:>14}")
         if unit == "us":
             p99 = cpp[name]["p99"] if cpp else None
-            print(f"{'':<18} {'  the same, p99':<58} {unit:>5} {py[name + '_p99']:>11.1f} "
+            print(f"{'':<18} {'  the same, p99':<70} {unit:>5} {py[name + '_p99']:>11.1f} "
                   + (f"{p99:>11.1f}" if p99 is not None else f"{'-':>11}"))
     print(f"Python alone: write() call p50 {py['write_call_p50_us']:.1f} us; from its return "
           f"to the peer's wait_imm return p50 {py['call_return_to_peer_wake_p50_us']:.1f} us")

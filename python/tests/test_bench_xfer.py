@@ -1,8 +1,9 @@
 """`python3 -m ferry.bench_xfer` beside `ferry bench xfer` (issue 33): every Python-vs-C++ figure
 is a named yardstick that both tools measure the same way (size, provider, operation, window),
-in the same run, printed side by side with the ratio. Before, Python's 64 B latency was set
-against C++'s 8 B one, and its 4 KiB rate of one write() per write against C++'s batches of 32
-to a raw endpoint, while `ferry bench xfer` printed two 4 KiB rates 4-5x apart."""
+in the same run, printed side by side with the ratio. Before, Python's 64 B latency, waited
+for in wait_imm, was set against C++'s 8 B one in the workers' callbacks, and its 4 KiB rate
+of one write() per write against C++'s batches of 32 to a raw endpoint, while `ferry bench
+xfer` printed two 4 KiB rates 4-5x apart."""
 
 import json
 import os
@@ -33,11 +34,15 @@ def test_cpp_bench_prints_the_yardsticks_by_name(tmp_path):
     out = tmp_path / "cpp.json"
     r = subprocess.run([_ferry_binary(), "bench", "xfer", "--provider", "tcp",
                         "--yardsticks-only", "--seconds", "0.05", "--latency-iters", "50",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--wait-spin-us", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     j = json.loads(out.read_text())
     assert sorted(j["yardsticks"]) == sorted(YARDSTICKS), j["yardsticks"]
     assert j["latency_us"]["size_bytes"] == 64
+    # waited as Python waits: each side's thread in wait_imm, with Python's spin
+    assert "each side in wait_imm (spin 0 us)" in j["yardsticks"]["latency_64B"]["what"]
+    assert j["yardsticks"]["latency_64B"]["value"] == j["latency_us"]["waited_p50"]
     assert "one write() per write, 64 in flight" in j["yardsticks"]["rate_4KiB_write"]["what"]
     assert "write_runs of 32" in j["yardsticks"]["rate_4KiB_runs32"]["what"]
     for name in YARDSTICKS:

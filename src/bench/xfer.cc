@@ -27,6 +27,9 @@ namespace {
 
 constexpr uint32_t kPing = 0x50494e47;
 constexpr uint32_t kPong = 0x504f4e47;
+// The waited ping-pong (the latency yardstick): each side's thread in wait_imm.
+constexpr uint32_t kWaitPing = 0x57504e47;
+constexpr uint32_t kWaitPong = 0x57504f47;
 const Duration kWait = std::chrono::seconds(30);
 const Duration kSetupWait = std::chrono::seconds(120);
 
@@ -80,6 +83,13 @@ constexpr uint8_t kModeLatency = 'l';  // the engine, answering pings too (the l
 // The engine left to its own polling policy, nothing held awake: the yardstick rates, as the
 // Python benchmark's engines run (on a 2-core host a worker held awake takes a core).
 constexpr uint8_t kModeQuiet = 'y';
+// Quiet, and a thread answering each kWaitPing with a kWaitPong, waiting in wait_imm.
+constexpr uint8_t kModeWaitedPong = 'w';
+
+Duration spin_of(const XferBenchConfig& c) {
+    return std::chrono::duration_cast<Duration>(
+        std::chrono::duration<double, std::micro>(std::max(0.0, c.wait_spin_us)));
+}
 constexpr uint8_t kQuit = 'q';
 
 size_t rate_slot_bytes(const XferBenchConfig& c) {
@@ -239,6 +249,16 @@ int target_main(int fd, const XferBenchConfig& c) {
     });
     ArrivalsExpected awake;
     bool pinging = false;
+    std::atomic<bool> stop_waiter{false};
+    std::thread waiter;  // kModeWaitedPong's answering thread
+    auto waited_pong = [&] {
+        while (!stop_waiter.load()) {
+            // A short deadline only so the thread notices the end of the run.
+            if (eng->wait_imm(kWaitPing, 1, std::chrono::milliseconds(200), spin_of(c)).ok()) {
+                eng->write({pid, region, 0, &parent_desc, 0, pong_bytes, kWaitPong});
+            }
+        }
+    };
     auto set_polling = [&](uint8_t m) {
         {
             std::lock_guard lk(mode_mu);
@@ -251,9 +271,10 @@ int target_main(int fd, const XferBenchConfig& c) {
         if (cmd[0] == kModeRaw || cmd[0] == kModeRate) {
             awake.reset();
             set_polling(cmd[0]);
-        } else if (cmd[0] == kModeQuiet) {
+        } else if (cmd[0] == kModeQuiet || cmd[0] == kModeWaitedPong) {
             awake.reset();
             set_polling(0);
+            if (cmd[0] == kModeWaitedPong && !waiter.joinable()) waiter = std::thread(waited_pong);
         } else {
             set_polling(0);
             if (!awake.active()) awake = ArrivalsExpected(eng);
@@ -266,6 +287,8 @@ int target_main(int fd, const XferBenchConfig& c) {
         if (!send_frame(fd, {&ack, 1})) break;
     }
     quit = true;
+    stop_waiter = true;
+    if (waiter.joinable()) waiter.join();
     mode_cv.notify_one();
     poller.join();
     awake.reset();
@@ -316,6 +339,8 @@ class Initiator {
     // The yardsticks' rate figures (rep.yardsticks), engine and raw alternating.
     Status yardstick_rates(XferReport& rep);
     Status latency(XferReport& rep);
+    // The ping-pong with this thread writing and waiting in wait_imm, as Python's benchmark.
+    Status waited_latency(XferReport& rep);
 
     XferBenchConfig c_;
     int fd_;
@@ -705,6 +730,25 @@ Status Initiator::yardstick_rates(XferReport& rep) {
     return ok_status();
 }
 
+Status Initiator::waited_latency(XferReport& rep) {
+    const int warmup = std::min(200, c_.latency_iters / 10);
+    std::vector<double> us;
+    us.reserve(c_.latency_iters);
+    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, c_.latency_size, kWaitPing};
+    for (int i = 0; i < warmup + c_.latency_iters; ++i) {
+        const TimePoint t0 = Clock::now();
+        engine_->write(ping);
+        Status s = engine_->wait_imm(kWaitPong, 1, std::chrono::seconds(5), spin_of(c_));
+        if (!s.ok()) return s.with_context("waited latency ping-pong");
+        if (i >= warmup) us.push_back(to_us(Clock::now() - t0) / 2);
+    }
+    if (us.empty()) return internal_error("waited latency: no round trip was timed");
+    std::sort(us.begin(), us.end());
+    rep.waited_latency_p50_us = us[us.size() / 2];
+    rep.waited_latency_p99_us = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+    return ok_status();
+}
+
 Status Initiator::latency(XferReport& rep) {
     // The whole ping-pong runs in completion callbacks on the worker thread, so no other
     // thread competes for a core while it is timed. The state is shared with the callbacks:
@@ -884,11 +928,15 @@ Result<XferReport> Initiator::run() {
         note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us",
                          rep.latency_p50_us, rep.latency_p99_us));
         if (c_.yardsticks || c_.yardsticks_only) {
+            FERRY_RETURN_IF_ERROR(mode(kModeWaitedPong));
+            FERRY_RETURN_IF_ERROR(waited_latency(rep));
             rep.yardsticks.insert(
                 rep.yardsticks.begin(),
                 {fmt::format("latency_{}B", n),
-                 fmt::format("write+imm {} B, one-way (half a round trip), p50", n), "us",
-                 rep.latency_p50_us, rep.latency_p99_us, rep.raw_latency_p50_us});
+                 fmt::format("write+imm {} B one way, each side in wait_imm (spin {:g} us), p50", n,
+                             std::max(0.0, c_.wait_spin_us)),
+                 "us", rep.waited_latency_p50_us, rep.waited_latency_p99_us,
+                 rep.raw_latency_p50_us});
         }
     }
     EngineStats es = engine_->stats();
@@ -911,6 +959,10 @@ Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
     }
     if (config.rate_only && config.yardsticks_only) {
         return invalid_argument("bench xfer: --rate-only and --yardsticks-only exclude each other");
+    }
+    if (!(config.wait_spin_us >= 0 && config.wait_spin_us <= 1e6)) {
+        return invalid_argument(fmt::format("bench xfer: --wait-spin-us must be 0..1000000, got {}",
+                                            config.wait_spin_us));
     }
     if (config.latency_size < 1 || config.latency_size > 65536) {
         return invalid_argument(fmt::format(
@@ -1029,10 +1081,11 @@ std::string format_xfer_table(const XferReport& r) {
                         row.engine_gbps, row.ratio(), spread, row.raw_ops, row.engine_ops);
     }
     out += "\n";
-    if (r.latency_iters > 0 && r.yardsticks.empty()) {
+    if (r.latency_iters > 0) {
         out += fmt::format(
-            "write with immediate, {} B, one-way (half round trip, {} iterations): "
-            "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
+            "write with immediate, {} B, one-way (half round trip, {} iterations, in the "
+            "workers' callbacks): p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: "
+            "{:.1f} us)\n",
             r.latency_size, r.latency_iters, r.latency_p50_us, r.latency_p99_us,
             r.raw_latency_p50_us);
     }
@@ -1043,7 +1096,7 @@ std::string format_xfer_table(const XferReport& r) {
         for (const XferYardstick& y : r.yardsticks) {
             const std::string p99 =
                 y.unit == "us" ? fmt::format(" (p99 {:.1f})", y.p99) : std::string();
-            out += fmt::format("  {:<18} {:<58} {:>10.1f} {}{}  raw fi_writedata {:.1f}\n", y.name,
+            out += fmt::format("  {:<18} {:<70} {:>10.1f} {}{}  raw fi_writedata {:.1f}\n", y.name,
                                y.what, y.value, y.unit, p99, y.raw);
         }
     }
@@ -1097,7 +1150,9 @@ nlohmann::json xfer_report_json(const XferReport& r) {
                        {"p99", r.latency_p99_us},
                        {"raw_p50", r.raw_latency_p50_us},
                        {"iterations", r.latency_iters},
-                       {"size_bytes", r.latency_size}};
+                       {"size_bytes", r.latency_size},
+                       {"waited_p50", r.waited_latency_p50_us},
+                       {"waited_p99", r.waited_latency_p99_us}};
     return j;
 }
 

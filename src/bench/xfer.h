@@ -21,6 +21,9 @@ struct XferBenchConfig {
     int latency_iters = 2000;
     // Bytes of each ping and pong of the latency point (the latency yardstick's size).
     size_t latency_size = 64;
+    // The latency yardstick's ping-pong waits in wait_imm on both sides, spinning this long
+    // first (TransferEngine(wait_spin_us=...) in Python, whose benchmark passes its own).
+    double wait_spin_us = 0;
     int rails = 1;
     // Each point is measured this many times, raw loop and engine alternating, and the best
     // of each kept: on a shared host the load moves between a raw and an engine measurement.
@@ -96,7 +99,9 @@ struct XferReport {
     std::string provider;
     std::vector<XferRow> rows;
     double latency_p50_us = 0;  // one-way, latency_size write with immediate (half a round trip)
-    double latency_p99_us = 0;
+    double latency_p99_us = 0;  // (both: the ping-pong runs in the workers' callbacks)
+    double waited_latency_p50_us = 0;  // the same, each side waiting in wait_imm (yardstick)
+    double waited_latency_p99_us = 0;
     double raw_latency_p50_us = 0;
     int latency_iters = 0;
     size_t latency_size = 0;

@@ -31,6 +31,9 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_option("--latency-size", c->latency_size,
                     "bytes of each ping and pong of the latency point, 1..65536")
         ->capture_default_str();
+    cmd->add_option("--wait-spin-us", c->wait_spin_us,
+                    "the latency yardstick's wait_imm spin on both sides, microseconds")
+        ->capture_default_str();
     cmd->add_flag("!--no-yardsticks", c->yardsticks,
                   "skip the 4 KiB rate yardsticks (the figures python3 -m ferry.bench_xfer "
                   "divides by)");
