@@ -643,17 +643,16 @@ class AllToAll:
         low piece is not below bf16's subnormals (|y| above about 1e-33)."""
         if not self._wide:
             return expert_y if expert_y.dtype == torch.bfloat16 else expert_y.to(torch.bfloat16)
-        h = self._hidden
-        rows = torch.empty(*expert_y.shape[:2], 3 * h, dtype=torch.bfloat16,
-                           device=expert_y.device)
-        rows[..., :h] = expert_y
+        # Pieces made contiguous and joined once: converting into strided slices of the rows
+        # took 12 ms a call at 8 x 64 rows of 1024 on the 2-core CPU machine, against 1.6 ms.
+        hi = expert_y.to(torch.bfloat16)
         if expert_y.dtype == torch.float32:
-            rest = expert_y - rows[..., :h].float()
-            rows[..., h:2 * h] = rest
-            rows[..., 2 * h:] = rest - rows[..., h:2 * h].float()
+            rest = expert_y - hi.float()
+            mid = rest.to(torch.bfloat16)
+            lo = (rest - mid.float()).to(torch.bfloat16)
         else:
-            rows[..., h:] = 0
-        return rows
+            mid = lo = torch.zeros_like(hi)
+        return torch.cat([hi, mid, lo], dim=-1)
 
     def combine(self, out_tokens: "torch.Tensor", indices: "torch.Tensor",
                 weights: "torch.Tensor", expert_y: "torch.Tensor",
