@@ -206,7 +206,11 @@ def main(argv: List[str] = None) -> int:
     from . import _usable_cpus, _wait_spin_us
 
     batch = min(args.batch, args.window)  # as `ferry bench xfer` takes --rate-batch
-    spin, cpus = _wait_spin_us(args.wait_spin_us), _usable_cpus()
+    v = args.wait_spin_us
+    if v is not None and not 0 <= v <= 1e6:  # nan too; before any process starts
+        ap.error(f"--wait-spin-us: must be in [0, 1000000] microseconds, got {v:g}")
+    # resolved here: the C++ yardstick waits with the same spin
+    spin, cpus = _wait_spin_us(v), _usable_cpus()
     pys, cpps = [], []
     for _ in range(max(1, args.repeat)):
         pys.append(run(args.provider, args.iters, args.seconds, args.window, args.busy_poll,
