@@ -267,7 +267,8 @@ class _Engine:
     def __init__(self, *, max_tokens: int, hidden: int, kind: str, num_experts: int, topk: int,
                  rank: int, world: int, ranks_per_node: int, private_slots: int,
                  alignment: int, device: "torch.device", engine: Any, provider: str,
-                 allgather: Callable[[bytes], List[bytes]], timeout: float) -> None:
+                 allgather: Callable[[bytes], List[bytes]], timeout: float,
+                 imm_offset: int = 0) -> None:
         _integers(max_num_tokens=max_tokens, hidden_dim=hidden, num_experts=num_experts,
                   num_experts_per_token=topk, rank=rank, world_size=world,
                   ranks_per_node=ranks_per_node, max_private_tokens=private_slots,
@@ -312,7 +313,7 @@ class _Engine:
             ranks_per_node=int(ranks_per_node), private_slots=int(private_slots),
             alignment=int(alignment), cuda=self.cuda,
             device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
-            timeout=float(timeout))
+            timeout=float(timeout), imm_offset=int(imm_offset))
         self.closed = False
         self.local_experts = self.a2a.num_local_experts
         rows = self.a2a.max_expert_rows
@@ -767,7 +768,9 @@ class AllToAll:
             raise InvalidArgument(f"{len(self._inflight)} dispatches are in flight, the most "
                                   "ferry keeps: combine one first")
         else:
-            e = _Engine(engine=self._e.engine, **self._engine_args)
+            # On the same TransferEngine, with immediates of its own.
+            e = _Engine(engine=self._e.engine, imm_offset=_IMM_STRIDE * len(self._engines),
+                        **self._engine_args)
             self._engines.append(e)
         self._dispatch(e, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                        dp_x_scale, indices, weights, bound_m, True, False)
@@ -811,6 +814,9 @@ class AllToAll:
 
 
 _MAX_IN_FLIGHT = 2  # dispatches AllToAll keeps in flight (dispatch_async), each its own engine
+# Between the immediates of the C++ all-to-alls of one AllToAll (they share its engine): more
+# than either backend's range (include/ferry/moe/all_to_all.h, cuda_all_to_all.h).
+_IMM_STRIDE = 0x100000
 
 
 def _event(device: "torch.device") -> Any:
