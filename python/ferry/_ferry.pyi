@@ -175,7 +175,8 @@ class MoeAllToAll:
     def __init__(self, max_tokens: int, hidden: int, dtype: str, num_experts: int, topk: int,
                  rank: int, world: int, ranks_per_node: int, private_slots: int,
                  alignment: int, cuda: bool, device: int, engine: Optional[Engine],
-                 allgather: Callable[[bytes], List[bytes]], timeout: float) -> None: ...
+                 allgather: Callable[[bytes], List[bytes]], timeout: float,
+                 imm_offset: int = ...) -> None: ...
     is_cuda: bool
     max_expert_rows: int
     num_local_experts: int

@@ -3,17 +3,24 @@
     python3 -m ferry.bench_xfer --provider tcp [--ferry PATH_TO_ferry] [--seconds 2]
 
 Two spawned processes, one engine each (workers nap when idle, as `ferry bench xfer`'s engines
-do between points). Latency: a ping-pong of 64-byte writes with immediates, each side waiting
-for the other's immediate with wait_imm (polling for the engine's wait_spin_us, then sleeping
-until the engine's worker wakes it); half the round trip, p50 and p99 over --iters, and where
-it goes: the write() call alone, and from its return to the peer's wait_imm return (delivery
-and wake-up; both processes read one monotonic clock). Rate:
-4 KiB writes with immediates to the one peer, one TransferEngine.write call per write, --window
-in flight (the oldest waited for before the next is posted), for --seconds; then the same
-writes --batch at a time through write_runs (each run a write carrying the immediate). The
-target counts every immediate before a figure is kept. With --ferry, `ferry bench xfer` runs on the same
-provider right after and its latency and 4 KiB rate are printed beside (its rate posts
-batches of 32 through submit_batch to raw endpoints, its latency pings 8 bytes).
+do between points). Every figure that is compared with C++ is a named yardstick, measured
+the same way by `ferry bench xfer` (its "yardsticks" section; engine to engine, same size,
+provider and window) and printed beside it with the ratio:
+
+- latency_64B: a ping-pong of 64-byte writes with immediates, one-way (half the round trip),
+  p50 and p99 over --iters, each side's thread writing and then waiting for the other's
+  immediate in wait_imm (polling for wait_spin_us, then sleeping until the engine's worker
+  wakes it), in C++ with the same spin. Compared as Python minus C++. (`ferry bench xfer`'s
+  own latency line, a ping-pong in the workers' completion callbacks, is the engine's floor.)
+- rate_4KiB_write: 4 KiB writes with immediates to the one peer, one write() call per write,
+  --window in flight (the oldest waited for before the next is posted), for --seconds.
+- rate_4KiB_runs32: the same writes --batch (32) at a time through write_runs (each run a write
+  carrying the immediate), --window writes in flight. Rates compared as Python / C++.
+
+Python alone: the write() call, and from its return to the peer's wait_imm return (delivery
+and wake-up; both processes read one monotonic clock). The target counts every immediate
+before a rate is kept. With --ferry, `ferry bench xfer --yardsticks-only` runs on the same
+provider after each Python run (the two alternate --repeat times, the best of each kept).
 """
 
 from __future__ import annotations
@@ -23,12 +30,23 @@ import collections
 import multiprocessing as mp
 import sys
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._bench import binary, count, percentile, run_ferry_bench, write_json
 from ._bench import seconds as seconds_flag
 
 PING, PONG, RATE = 0x50490000, 0x504F0000, 0x52410000
+LATENCY_BYTES, RATE_BYTES, SLOTS = 64, 4096, 256  # as `ferry bench xfer`'s yardsticks
+
+
+def yardsticks(window: int, batch: int, spin: float) -> List[Tuple[str, str, str]]:
+    """(name, operation, unit) of each yardstick, as `ferry bench xfer` names them."""
+    return [(f"latency_{LATENCY_BYTES}B", f"write+imm {LATENCY_BYTES} B one way, each side in "
+             f"wait_imm (spin {spin:g} us), p50", "us"),
+            ("rate_4KiB_write", f"write+imm 4 KiB, one write() per write, {window} in flight",
+             "op/s"),
+            (f"rate_4KiB_runs{batch}", f"write+imm 4 KiB, write_runs of {batch}, "
+             f"{max(window // batch, 1) * batch} writes in flight", "op/s")]
 
 
 def _target(conn: Any, provider: str, busy_poll: bool, wait_spin_us: Optional[float]) -> None:
@@ -48,7 +66,7 @@ def _target(conn: Any, provider: str, busy_poll: bool, wait_spin_us: Optional[fl
         for i in range(iters):
             e.wait_imm(PING, 1, 10.0)
             woke[i] = clock()
-            e.write(peer, region, 0, peer_desc, 0, 64, imm=PONG)
+            e.write(peer, region, 0, peer_desc, 0, LATENCY_BYTES, imm=PONG)
         conn.send(woke)
         while True:  # each rate loop's writes, counted before it is kept
             n = conn.recv()
@@ -63,7 +81,7 @@ def _rate_loop(e: Any, seconds: float, window: int, post: Callable[[int], Any], 
     """Writes per second of `post(offset)` calls (each `per_op` writes with the immediate RATE),
     `window` calls in flight, once the target counted them all."""
     ops: collections.deque = collections.deque()
-    n, slots = 0, (1 << 20) // 4096
+    n, slots = 0, SLOTS
     t0 = time.perf_counter()
     end = t0 + seconds
     while True:
@@ -71,7 +89,7 @@ def _rate_loop(e: Any, seconds: float, window: int, post: Callable[[int], Any], 
             ops.popleft().wait(10.0)
             if time.perf_counter() >= end:
                 break
-        ops.append(post((n % slots) * 4096))
+        ops.append(post((n % slots) * RATE_BYTES))
         n += 1
     writes = n * per_op
     for op in ops:
@@ -109,7 +127,7 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
             clock = time.perf_counter
             for i in range(iters):
                 t0 = clock()
-                e.write(peer, region, 0, dst, 0, 64, imm=PING)
+                e.write(peer, region, 0, dst, 0, LATENCY_BYTES, imm=PING)
                 t1 = posted[i] = clock()
                 e.wait_imm(PONG, 1, 10.0)
                 us.append((clock() - t0) * 1e6 / 2)
@@ -119,38 +137,50 @@ def run(provider: str, iters: int, seconds: float, window: int, busy_poll: bool,
             warm = us[skip:]
             to_wake = [(w - p) * 1e6 for p, w in zip(posted[skip:], woke[skip:])]
             single = _rate_loop(e, seconds, window, lambda off: e.write(
-                peer, region, off, dst, off, 4096, imm=RATE), 1, conn)
-            # write_runs: `batch` writes of 4 KiB per call, each carrying the immediate, as
-            # `ferry bench xfer` hands its rate writes over through submit_batch.
-            runs = [np.array([[(i * 4096 + off) % (1 << 20)] * 2 + [4096] for i in range(batch)],
-                             dtype=np.uint64) for off in range(0, 1 << 20, batch * 4096)]
-            batched = _rate_loop(e, seconds, max(2, window // batch), lambda off: e.write_runs(
-                peer, region, dst, runs[(off // 4096) % len(runs)], imm=RATE), batch, conn)
+                peer, region, off, dst, off, RATE_BYTES, imm=RATE), 1, conn)
+            # write_runs: `batch` writes of 4 KiB per call, each carrying the immediate, window
+            # // batch calls in flight, as `ferry bench xfer`'s rate_4KiB_runs yardstick.
+            runs = [np.array([[(i * RATE_BYTES + off) % (SLOTS * RATE_BYTES)] * 2 + [RATE_BYTES]
+                              for i in range(batch)], dtype=np.uint64)
+                    for off in range(0, SLOTS * RATE_BYTES, batch * RATE_BYTES)]
+            batched = _rate_loop(e, seconds, max(1, window // batch), lambda off: e.write_runs(
+                peer, region, dst, runs[(off // RATE_BYTES) % len(runs)], imm=RATE), batch, conn)
             conn.send(None)
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return {"latency_p50_us": percentile(warm, 0.5), "latency_p99_us": percentile(warm, 0.99),
-            "write_call_p50_us": percentile(submit_us, 0.5), "latency_iters": len(warm),
-            "call_return_to_peer_wake_p50_us": percentile(to_wake, 0.5),
-            "rate_4k_ops_per_s": single, "rate_4k_runs_ops_per_s": batched}
+    from . import _wait_spin_us
+
+    lat, one, many = (n for n, _, _ in yardsticks(window, batch, _wait_spin_us(wait_spin_us)))
+    return {lat: percentile(warm, 0.5), lat + "_p99": percentile(warm, 0.99),
+            one: single, many: batched, "latency_iters": len(warm),
+            "write_call_p50_us": percentile(submit_us, 0.5),
+            "call_return_to_peer_wake_p50_us": percentile(to_wake, 0.5)}
 
 
-def run_cpp(ferry_bin: str, provider: str, seconds: float) -> dict:
-    j = run_ferry_bench(ferry_bin, ["xfer", "--provider", provider, "--sizes", "4096", "--pages",
-                                    "4096", "--rate", "--rate-sizes", "4096", "--rate-peers", "1",
-                                    "--scatter-peers", "1", "--seconds", str(seconds)])
-    rate = next(r for r in j["rows"] if r["kind"] == "write+imm" and r["size_bytes"] == 4096)
-    write = next(r for r in j["rows"] if r["kind"] == "write" and r["size_bytes"] == 4096)
-    return {"latency_p50_us": j["latency_us"]["p50"], "latency_p99_us": j["latency_us"]["p99"],
-            "rate_4k_ops_per_s": rate["engine_ops_per_s"],
-            "write_4k_ops_per_s": write["engine_ops_per_s"]}
+def run_cpp(ferry_bin: str, provider: str, seconds: float, iters: int, window: int,
+            batch: int, spin: float) -> Dict[str, dict]:
+    """`ferry bench xfer --yardsticks-only`: its yardsticks by name (what, unit, value, p99,
+    raw), measured with this run's latency size, window, batch and wait_imm spin."""
+    j = run_ferry_bench(ferry_bin, ["xfer", "--provider", provider, "--yardsticks-only",
+                                    "--latency-size", str(LATENCY_BYTES), "--latency-iters",
+                                    str(iters), "--window", str(window), "--rate-batch",
+                                    str(batch), "--wait-spin-us", repr(float(spin)),
+                                    "--seconds", str(seconds)])
+    return j["yardsticks"]
 
 
 def _best(runs: List[dict]) -> dict:
     """Per figure, the best run: the highest rate, the lowest time."""
-    return {k: (max if "per_s" in k else min)(r[k] for r in runs) for k in runs[0]}
+    return {k: (max if k.startswith("rate") else min)(r[k] for r in runs) for k in runs[0]}
+
+
+def _best_cpp(runs: List[Dict[str, dict]]) -> Dict[str, dict]:
+    """Per yardstick, the C++ run with the best value (lowest latency, highest rate)."""
+    return {k: (max if v["unit"] == "op/s" else min)((r[k] for r in runs),
+                                                     key=lambda y: y["value"])
+            for k, v in runs[0].items()}
 
 
 def main(argv: List[str] = None) -> int:
@@ -173,41 +203,56 @@ def main(argv: List[str] = None) -> int:
                          "each is kept (on a shared host the load moves between runs)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    from . import _usable_cpus, _wait_spin_us
+
+    batch = min(args.batch, args.window)  # as `ferry bench xfer` takes --rate-batch
+    v = args.wait_spin_us
+    if v is not None and not 0 <= v <= 1e6:  # nan too; before any process starts
+        ap.error(f"--wait-spin-us: must be in [0, 1000000] microseconds, got {v:g}")
+    # resolved here: the C++ yardstick waits with the same spin
+    spin, cpus = _wait_spin_us(v), _usable_cpus()
     pys, cpps = [], []
     for _ in range(max(1, args.repeat)):
         pys.append(run(args.provider, args.iters, args.seconds, args.window, args.busy_poll,
-                       args.batch, args.wait_spin_us))
+                       batch, args.wait_spin_us))
         if args.ferry:
-            cpps.append(run_cpp(args.ferry, args.provider, args.seconds / 4))
-    py, cpp = _best(pys), _best(cpps) if cpps else None
+            cpps.append(run_cpp(args.ferry, args.provider, args.seconds, args.iters,
+                                args.window, batch, spin))
+    py, cpp = _best(pys), _best_cpp(cpps) if cpps else None
     res = {"provider": args.provider, "python": py, "python_runs": pys}
     if cpp:
         res["cpp"], res["cpp_runs"] = cpp, cpps
-    from . import _usable_cpus, _wait_spin_us
-
-    spin, cpus = _wait_spin_us(args.wait_spin_us), _usable_cpus()
     res["wait_spin_us"], res["usable_cpus"] = spin, cpus
-    print(f"ferry.TransferEngine from Python, provider {args.provider}, best of {len(pys)}; "
-          f"wait_spin_us {spin:g} ({cpus} usable CPUs)")
-    print(f"{'':<28} {'Python':>12} {'C++':>12}")
-    print(f"{'write() call p50 us':<28} {py['write_call_p50_us']:>12.1f} {'-':>12}")
-    print(f"{'  return to peer wake p50':<28} {py['call_return_to_peer_wake_p50_us']:>12.1f} "
-          f"{'-':>12}")
-    for key, label in [("latency_p50_us", "write+imm latency p50 us"),
-                       ("latency_p99_us", "write+imm latency p99 us"),
-                       ("rate_4k_ops_per_s", "4 KiB write+imm rate op/s"),
-                       ("rate_4k_runs_ops_per_s", "  the same, write_runs op/s")]:
-        other = f"{cpp[key]:>12.1f}" if cpp and key in cpp else f"{'-':>12}"
-        print(f"{label:<28} {py[key]:>12.1f} {other}")
-    if cpp:
-        added = py["latency_p50_us"] - cpp["latency_p50_us"]
-        ratio = py["rate_4k_ops_per_s"] / cpp["rate_4k_ops_per_s"]
-        runs_ratio = py["rate_4k_runs_ops_per_s"] / cpp["rate_4k_ops_per_s"]
-        res.update(added_latency_us=added, rate_ratio=ratio, runs_rate_ratio=runs_ratio)
-        print(f"added by Python: {added:+.1f} us per one-way write (target <= 2 us); rate "
-              f"{ratio:.2f}x of C++ one write per call, {runs_ratio:.2f}x with write_runs of "
-              f"{args.batch} (target >= 0.8x); C++ 4 KiB plain write rate "
-              f"{cpp['write_4k_ops_per_s']:.0f} op/s")
+    print(f"ferry.TransferEngine from Python{' beside `ferry bench xfer`' if cpp else ''}, "
+          f"provider {args.provider}, best of {len(pys)}; wait_spin_us {spin:g} "
+          f"({cpus} usable CPUs)")
+    print(f"{'yardstick':<18} {'operation':<70} {'unit':>5} {'Python':>11} {'C++':>11} "
+          f"{'Python vs C++':>14}")
+    res["yardsticks"] = {}
+    for name, what, unit in yardsticks(args.window, batch, spin):
+        mine, theirs = py[name], cpp[name]["value"] if cpp else None
+        if cpp and cpp[name]["what"] != what:  # one operation, or no ratio
+            raise RuntimeError(f"yardstick {name}: C++ measured {cpp[name]['what']!r}, Python "
+                               f"{what!r}")
+        y = {"what": what, "unit": unit, "python": mine, "cpp": theirs}
+        if theirs is None:
+            vs = "-"
+        elif unit == "us":
+            y["python_minus_cpp_us"] = mine - theirs
+            vs = f"{mine - theirs:+.1f} us"
+        else:
+            y["python_over_cpp"] = mine / theirs if theirs else 0.0
+            vs = f"{y['python_over_cpp']:.2f}x"
+        res["yardsticks"][name] = y
+        cpp_text = f"{theirs:>11.1f}" if theirs is not None else f"{'-':>11}"
+        print(f"{name:<18} {what:<70} {unit:>5} {mine:>11.1f} {cpp_text} {vs:>14}")
+        if unit == "us":
+            p99 = cpp[name]["p99"] if cpp else None
+            print(f"{'':<18} {'  the same, p99':<70} {unit:>5} {py[name + '_p99']:>11.1f} "
+                  + (f"{p99:>11.1f}" if p99 is not None else f"{'-':>11}"))
+    print(f"Python alone: write() call p50 {py['write_call_p50_us']:.1f} us; from its return "
+          f"to the peer's wait_imm return p50 {py['call_return_to_peer_wake_p50_us']:.1f} us")
+    print("targets: latency added by Python <= 2 us; rates >= 0.8x of C++")
     write_json(args.json, res)
     return 0
 

@@ -30,7 +30,8 @@ from ._ferry import Cancelled, InvalidArgument, InvalidType, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
 
-__all__ = ["AllToAll", "Buffer", "EventOverlap", "fp8_dtype", "quantize_fp8", "dequantize_fp8"]
+__all__ = ["AllToAll", "Buffer", "CombineHandle", "DispatchHandle", "EventOverlap", "fp8_dtype",
+           "quantize_fp8", "dequantize_fp8"]
 
 SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
 _CPU = torch.device("cpu")
@@ -110,6 +111,57 @@ def _check_min_rows(name: str, t: "torch.Tensor", need: int) -> None:
     if t.shape[1] < need:
         raise InvalidArgument(f"{name} must hold at least {need} rows per local expert "
                               f"(shape[1] >= {need}), got shape {tuple(t.shape)}")
+
+
+def _indices(indices: Any) -> Any:
+    """pplx-garden's uint32 routing (torch 2.3+) as the int32 it equals bit for bit (expert
+    ids are far below 2^31)."""
+    u32 = getattr(torch, "uint32", None)
+    if u32 is not None and isinstance(indices, torch.Tensor) and indices.dtype == u32:
+        return indices.view(torch.int32)
+    return indices
+
+
+def _check_flat_rows(name: str, t: "torch.Tensor", need: int) -> None:
+    if int(t.shape[0]) < need:
+        raise InvalidArgument(f"{name} has {int(t.shape[0])} rows; the flat layout (local "
+                              f"experts' rows back to back) needs at least {need}")
+
+
+def _unpack_slabs(counts: "torch.Tensor", pad: int, flat: bool,
+                  pairs: Sequence[Tuple[Optional["torch.Tensor"], Optional["torch.Tensor"]]]
+                  ) -> List[int]:
+    """Copies each local expert's rows (its padding rows too, zeros in the slab) from the
+    [experts, capacity, ...] slabs into the outputs: flat ones back to back, each expert's
+    start padded to `pad`, or [experts, rows, ...] ones; of each slab row the outputs' first
+    channels. Returns the start row of each expert in the flat layout and, last, the rows
+    used."""
+    starts, pos = [], 0
+    for le, n in enumerate(counts.tolist()):
+        starts.append(pos)
+        rows = -(-int(n) // pad) * pad
+        for slab, out in pairs:
+            if slab is not None and rows:
+                src = slab[le, :rows, :out.shape[-1]]
+                if flat:
+                    out[pos:pos + rows] = src
+                else:
+                    out[le, :rows] = src
+        pos += rows
+    starts.append(pos)
+    return starts
+
+
+def _pack_slab(e: "_Engine", flat_y: "torch.Tensor") -> "torch.Tensor":
+    """A flat expert_y (rows laid out as the last flat dispatch put them) as the
+    [experts, capacity, hidden] slab combine sends from."""
+    slab, _ = e.slabs(flat_y.dtype, int(flat_y.shape[1]), 0, name="y")
+    st = e.flat_starts
+    for le in range(e.local_experts):
+        rows = st[le + 1] - st[le]
+        if rows:
+            slab[le, :rows] = flat_y[st[le]:st[le + 1]]
+    return slab
 
 
 def _ptr(t: Optional["torch.Tensor"]) -> int:
@@ -215,7 +267,8 @@ class _Engine:
     def __init__(self, *, max_tokens: int, hidden: int, kind: str, num_experts: int, topk: int,
                  rank: int, world: int, ranks_per_node: int, private_slots: int,
                  alignment: int, device: "torch.device", engine: Any, provider: str,
-                 allgather: Callable[[bytes], List[bytes]], timeout: float) -> None:
+                 allgather: Callable[[bytes], List[bytes]], timeout: float,
+                 imm_offset: int = 0) -> None:
         _integers(max_num_tokens=max_tokens, hidden_dim=hidden, num_experts=num_experts,
                   num_experts_per_token=topk, rank=rank, world_size=world,
                   ranks_per_node=ranks_per_node, max_private_tokens=private_slots,
@@ -239,6 +292,9 @@ class _Engine:
             raise InvalidArgument(f"hidden_dim must be a multiple of {SCALE_BLOCK} for fp8 (one "
                                   f"scale per {SCALE_BLOCK} channels), got {hidden}")
         self.max_tokens, self.hidden, self.kind = int(max_tokens), int(hidden), kind
+        self.alignment = int(alignment)
+        self.flat_starts: Optional[List[int]] = None  # of the last dispatch into a flat layout
+        self._slabs: dict = {}
         self.num_experts, self.topk, self.rank, self.world = num_experts, topk, rank, world
         self.device = device
         self.cuda = device.type == "cuda"
@@ -257,7 +313,7 @@ class _Engine:
             ranks_per_node=int(ranks_per_node), private_slots=int(private_slots),
             alignment=int(alignment), cuda=self.cuda,
             device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
-            timeout=float(timeout))
+            timeout=float(timeout), imm_offset=int(imm_offset))
         self.closed = False
         self.local_experts = self.a2a.num_local_experts
         rows = self.a2a.max_expert_rows
@@ -336,6 +392,21 @@ class _Engine:
         # weights: contiguous fp32 [T >= the dispatch's tokens, k], checked by the callers.
         self.a2a.combine_recv(self.num_tokens, _ptr(out), out.dtype == torch.bfloat16,
                               _ptr(weights), _stream(self.device))
+
+    def buffer(self, name: str, shape: Tuple[int, ...], dtype: Any) -> "torch.Tensor":
+        """A zeroed tensor on the all-to-all's device, made once per name, shape and dtype."""
+        key = (name, tuple(shape), dtype)
+        if key not in self._slabs:
+            self._slabs[key] = torch.zeros(*shape, dtype=dtype, device=self.device)
+        return self._slabs[key]
+
+    def slabs(self, dtype: Any, hidden: int, spt: int, name: str = "x"
+              ) -> Tuple["torch.Tensor", Optional["torch.Tensor"]]:
+        """[experts, capacity, hidden] rows of dtype (and fp32 scales with spt > 0) that the
+        flat layout and fp32 rows pass through."""
+        shape = (self.local_experts, self.capacity)
+        return (self.buffer(name, shape + (hidden,), dtype),
+                self.buffer(name + "_scale", shape + (spt,), torch.float32) if spt else None)
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -427,18 +498,25 @@ class AllToAll:
                                   "(world size x max_num_tokens, padded to expert_padding)")
         self._dtype, self._out_dtype, self._kind = in_dtype, out_dtype, kind
         self._hidden = int(hidden_dim)
-        # fp32 tokens travel as their bytes: rows of twice as many bf16 channels, which also
-        # carry an fp32 combine row as two bf16 halves (high part, remainder).
+        # fp32 tokens travel as their bytes (twice as many bf16 channels), and an fp32 combine
+        # row as three bf16 pieces (high part, middle, low) whose sum is the value exactly: the
+        # all-to-all's rows are 3 x hidden bf16 channels, the dispatch using the first 2/3.
         self._wide = kind == "fp32"
         self._device = _device(device)
-        self._e = _Engine(max_tokens=max_num_tokens,
-                          hidden=hidden_dim * 2 if self._wide else hidden_dim,
-                          kind="fp8" if kind == "fp8" else "bf16",
-                          num_experts=num_experts, topk=num_experts_per_token, rank=rank,
-                          world=world, ranks_per_node=int(ranks_per_node),
-                          private_slots=int(max_private_tokens), alignment=int(expert_padding),
-                          device=self._device, engine=engine, provider=provider,
-                          allgather=gather, timeout=timeout)
+        self._engine_args = dict(
+            max_tokens=max_num_tokens, hidden=hidden_dim * 3 if self._wide else hidden_dim,
+            kind="fp8" if kind == "fp8" else "bf16", num_experts=num_experts,
+            topk=num_experts_per_token, rank=rank, world=world,
+            ranks_per_node=int(ranks_per_node), private_slots=int(max_private_tokens),
+            alignment=int(expert_padding), device=self._device, provider=provider,
+            allgather=gather, timeout=timeout)
+        self._e = _Engine(engine=engine, **self._engine_args)
+        # dispatch_async may keep a second dispatch in flight (pplx-garden's dual-batch
+        # overlap): each in-flight dispatch has a C++ all-to-all of its own, the second made
+        # (collectively) the first time one is needed. _inflight: engines whose dispatch was
+        # sent and not yet combined, oldest first (a plain combine takes the oldest).
+        self._engines: List[_Engine] = [self._e]
+        self._inflight: List[_Engine] = []
 
     @property
     def rank(self) -> int:
@@ -492,9 +570,21 @@ class AllToAll:
         scales in ``out_expert_x_scale`` (fp8), ``n_e`` in ``out_expert_num_tokens`` (int32).
         Rows past ``n_e`` (padding to ``expert_padding`` aside, which is zeros) are left as
         they were. ``bound_m``: a one-element tensor on the device holding the token count
-        (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order."""
-        e, dev = self._e, self._device
-        e.check_open("ferry.moe.AllToAll")
+        (at most T). ``do_send`` / ``do_recv`` split the call into its halves, in that order.
+
+        ``out_expert_x`` may also be pplx-garden's flat layout, ``[rows, hidden]`` (its scales
+        ``[rows, hidden / 128]``): the local experts' rows back to back, expert ``e`` from row
+        ``sum over e' < e of round_up(n_e', expert_padding)``; ``rows`` at least
+        :attr:`max_recv_tokens_flat`. The rows arrive in ferry's per-expert slabs and are
+        copied there (on CUDA the host reads the counts: one synchronisation)."""
+        self._e.check_open("ferry.moe.AllToAll")
+        self._dispatch(self._e, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                       dp_x_scale, indices, weights, bound_m, do_send, do_recv)
+
+    def _dispatch(self, e: "_Engine", out_expert_num_tokens: Any, out_expert_x: Any,
+                  out_expert_x_scale: Any, dp_x: Any, dp_x_scale: Any, indices: Any,
+                  weights: Any, bound_m: Any, do_send: Any, do_recv: Any) -> None:
+        dev = self._device
         do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         h, k, spt, nl = self._hidden, e.topk, e.spt, e.local_experts
         # Every argument of both halves is checked before anything is sent, so a mistake
@@ -505,42 +595,65 @@ class AllToAll:
             n = self._tokens("dp_x", t, bound_m)
             if e.kind == "fp8":
                 _check("dp_x_scale", dp_x_scale, (torch.float32,), (t, spt), dev)
+            indices = _indices(indices)
             _check("indices", indices, (torch.int32, torch.int64), (t, k), dev)
             _check("weights", weights, (torch.float32,), (t, k), dev)
         scale = None
+        flat = isinstance(out_expert_x, torch.Tensor) and out_expert_x.dim() == 2
         if do_recv:
             _check("out_expert_num_tokens", out_expert_num_tokens, (torch.int32,), (nl,), dev)
-            if isinstance(out_expert_x, torch.Tensor) and out_expert_x.dim() == 2:
-                raise InvalidArgument(
-                    f"out_expert_x of shape {tuple(out_expert_x.shape)}: pplx-garden's flat "
-                    "layout (experts' rows back to back) is not supported; pass "
-                    f"[num_local_experts, max_tokens_per_expert, hidden] = [{nl}, "
-                    f">= {e.capacity}, {h}]")
-            _check("out_expert_x", out_expert_x, self._dtypes(), (nl, None, h), dev)
-            _check_min_rows("out_expert_x", out_expert_x, e.capacity)
-            if e.kind == "fp8":
-                scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
-                               (nl, out_expert_x.shape[1], spt), dev)
+            if flat:
+                _check("out_expert_x", out_expert_x, self._dtypes(), (None, h), dev)
+                _check_flat_rows("out_expert_x", out_expert_x, self.max_recv_tokens_flat)
+                if e.kind == "fp8":
+                    scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
+                                   (out_expert_x.shape[0], spt), dev)
+            else:
+                _check("out_expert_x", out_expert_x, self._dtypes(), (nl, None, h), dev)
+                _check_min_rows("out_expert_x", out_expert_x, e.capacity)
+                if e.kind == "fp8":
+                    scale = _check("out_expert_x_scale", out_expert_x_scale, (torch.float32,),
+                                   (nl, out_expert_x.shape[1], spt), dev)
         if do_send:
-            e.send(self._bytes(dp_x), dp_x_scale if e.kind == "fp8" else None, indices, weights,
-                   n, bound_m)
+            x = self._bytes(dp_x)
+            if self._wide:  # into the first 2/3 of the all-to-all's rows
+                staged = e.buffer("dp_x", (e.max_tokens, e.hidden), torch.bfloat16)[:t]
+                staged[:, :x.shape[1]] = x
+                x = staged
+            e.send(x, dp_x_scale if e.kind == "fp8" else None, indices, weights, n, bound_m)
+            self._inflight.append(e)
         if do_recv:
-            e.recv(out_expert_num_tokens, self._bytes(out_expert_x), scale)
+            if not flat and not self._wide:
+                e.flat_starts = None
+                e.recv(out_expert_num_tokens, out_expert_x, scale)
+                return
+            # Through ferry's [experts, capacity, row] slabs: into a flat layout, or the first
+            # 2/3 of fp32 rows' channels into out_expert_x.
+            slab, slab_scale = e.slabs(torch.bfloat16 if self._wide else out_expert_x.dtype,
+                                       e.hidden, spt if scale is not None else 0)
+            e.recv(out_expert_num_tokens, slab, slab_scale)
+            starts = _unpack_slabs(out_expert_num_tokens, e.alignment, flat,
+                                   [(slab, self._bytes(out_expert_x)), (slab_scale, scale)])
+            e.flat_starts = starts if flat else None
 
     def _combine_rows(self, expert_y: "torch.Tensor") -> "torch.Tensor":
         """expert_y as the bf16 rows combine carries: fp32 rounded to bf16; after an fp32
-        dispatch, [high part, remainder] halves of the twice-as-wide rows."""
+        dispatch, three pieces per value in the three-times-wide rows: hi = bf16(y),
+        mid = bf16(y - hi), lo = y - hi - mid (exact in bf16: what is left of fp32's 24
+        significant bits after 16), so hi + mid + lo == y for every normal fp32 value whose
+        low piece is not below bf16's subnormals (|y| above about 1e-33)."""
         if not self._wide:
             return expert_y if expert_y.dtype == torch.bfloat16 else expert_y.to(torch.bfloat16)
-        h = self._hidden
-        rows = torch.empty(*expert_y.shape[:2], 2 * h, dtype=torch.bfloat16,
-                           device=expert_y.device)
-        rows[..., :h] = expert_y
+        # Pieces made contiguous and joined once: converting into strided slices of the rows
+        # took 12 ms a call at 8 x 64 rows of 1024 on the 2-core CPU machine, against 1.6 ms.
+        hi = expert_y.to(torch.bfloat16)
         if expert_y.dtype == torch.float32:
-            rows[..., h:] = expert_y - rows[..., :h].float()
+            rest = expert_y - hi.float()
+            mid = rest.to(torch.bfloat16)
+            lo = (rest - mid.float()).to(torch.bfloat16)
         else:
-            rows[..., h:] = 0
-        return rows
+            mid = lo = torch.zeros_like(hi)
+        return torch.cat([hi, mid, lo], dim=-1)
 
     def combine(self, out_tokens: "torch.Tensor", indices: "torch.Tensor",
                 weights: "torch.Tensor", expert_y: "torch.Tensor",
@@ -551,13 +664,29 @@ class AllToAll:
         ``out_tokens[t] = sum_k weights[t, k] * expert_y(t, k)`` (bf16 or fp32 ``[T, hidden]``,
         summed in fp32 in top-k order; ``accumulate=True`` adds it to ``out_tokens``). The
         routing is the last dispatch's: ``indices`` is checked for shape only; ``bound_m`` as in
-        dispatch (the count given there is used)."""
-        e, dev = self._e, self._device
-        e.check_open("ferry.moe.AllToAll")
+        dispatch (the count given there is used). After a dispatch into the flat layout,
+        ``expert_y`` may be flat too (``[rows, hidden]``, the same rows). With two dispatches
+        in flight (:meth:`dispatch_async`), combine answers the older one."""
+        self._e.check_open("ferry.moe.AllToAll")
+        e = self._inflight[0] if self._inflight else self._e
+        self._combine(e, out_tokens, indices, weights, expert_y, do_send, do_recv, accumulate)
+
+    def _combine(self, e: "_Engine", out_tokens: Any, indices: Any, weights: Any,
+                 expert_y: Any, do_send: Any, do_recv: Any, accumulate: Any) -> None:
+        dev = self._device
         do_send, do_recv = _bool("do_send", do_send), _bool("do_recv", do_recv)
         accumulate = _bool("accumulate", accumulate)
         h = self._hidden
         if do_send:
+            if isinstance(expert_y, torch.Tensor) and expert_y.dim() == 2:
+                _check("expert_y", expert_y, (torch.bfloat16, torch.float32), (None, h), dev)
+                if e.flat_starts is None:
+                    raise InvalidArgument(
+                        f"expert_y of shape {tuple(expert_y.shape)} is pplx-garden's flat "
+                        "layout, but the dispatch received into per-expert slabs "
+                        f"[{e.local_experts}, rows, {h}]: lay expert_y out like out_expert_x")
+                _check_flat_rows("expert_y", expert_y, e.flat_starts[-1])
+                expert_y = _pack_slab(e, expert_y)
             _check("expert_y", expert_y, (torch.bfloat16, torch.float32),
                    (e.local_experts, None, h), dev)
             _check_min_rows("expert_y", expert_y, e.capacity)
@@ -578,21 +707,25 @@ class AllToAll:
                 if len(rows) == 1 and int(rows[0]) != t:
                     raise InvalidArgument(f"{name} has {int(rows[0])} rows but out_tokens has {t}: "
                                           "combine takes one row of each per token")
-            _check("indices", indices, (torch.int32, torch.int64), (t, e.topk), dev)
+            _check("indices", _indices(indices), (torch.int32, torch.int64), (t, e.topk), dev)
             _check("weights", weights, (torch.float32,), (t, e.topk), dev)
             _check_finite("weights", weights[:need])
         if do_send:
             e.combine_send(self._combine_rows(expert_y))
         if do_recv:
+            if e in self._inflight:
+                self._inflight.remove(e)
             if not self._wide and not accumulate:
                 e.combine_recv(out_tokens, weights)
                 return
             # Rows the combine writes: the dispatch's count (CUDA: at most t, on the device).
             n = t if e.cuda else e.num_tokens
             if self._wide:
-                acc = torch.zeros(t, 2 * h, dtype=torch.float32, device=dev)
+                # each piece summed in fp32 over the token's experts, in top-k order; the
+                # small ones first
+                acc = torch.zeros(t, 3 * h, dtype=torch.float32, device=dev)
                 e.combine_recv(acc, weights)
-                got = acc[:n, :h] + acc[:n, h:]
+                got = acc[:n, :h] + (acc[:n, h:2 * h] + acc[:n, 2 * h:])
             else:
                 got = torch.zeros(t, h, dtype=out_tokens.dtype, device=dev)
                 e.combine_recv(got, weights)
@@ -608,10 +741,67 @@ class AllToAll:
         self._e.check_open("ferry.moe.AllToAll")
         self._e.a2a.synchronize(_stream(self._device))
 
+    @property
+    def max_recv_tokens_flat(self) -> int:
+        """Rows a flat ``out_expert_x`` (pplx-garden's ``[rows, hidden]``) must hold at least:
+        every token of every rank to up to ``num_experts_per_token`` local experts, each
+        expert's rows padded to ``expert_padding``."""
+        e = self._e
+        tokens, pad, nl = e.world * e.max_tokens, e.alignment, e.local_experts
+        rows = min(tokens * min(e.topk, nl) + nl * (pad - 1), nl * (-(-tokens // pad) * pad))
+        return -(-rows // pad) * pad
+
+    def dispatch_async(self, *, out_expert_num_tokens: "torch.Tensor",
+                       out_expert_x: "torch.Tensor", out_expert_x_scale: Optional["torch.Tensor"],
+                       dp_x: "torch.Tensor", dp_x_scale: Optional["torch.Tensor"],
+                       indices: "torch.Tensor", weights: "torch.Tensor",
+                       bound_m: Optional["torch.Tensor"] = None) -> "DispatchHandle":
+        """pplx-garden's split dispatch: sends now (``do_send``) and returns a handle whose
+        ``recv()`` receives (``do_recv``). Two may be in flight (dual-batch overlap: dispatch
+        B sent before A is combined); the second has a C++ all-to-all of its own, made
+        collectively the first time (every rank must make the same calls)."""
+        self._e.check_open("ferry.moe.AllToAll")
+        idle = [e for e in self._engines if e not in self._inflight]
+        if idle:
+            e = idle[0]
+        elif len(self._engines) >= _MAX_IN_FLIGHT:
+            raise InvalidArgument(f"{len(self._inflight)} dispatches are in flight, the most "
+                                  "ferry keeps: combine one first")
+        else:
+            # On the same TransferEngine, with immediates of its own.
+            e = _Engine(engine=self._e.engine, imm_offset=_IMM_STRIDE * len(self._engines),
+                        **self._engine_args)
+            self._engines.append(e)
+        self._dispatch(e, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                       dp_x_scale, indices, weights, bound_m, True, False)
+        return DispatchHandle(self, e, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
+                              dp_x, dp_x_scale, indices, weights, bound_m, _event(self._device))
+
+    def combine_async(self, *, out_tokens: "torch.Tensor", dispatch_handle: "DispatchHandle",
+                      expert_y: "torch.Tensor", bound_m: Optional["torch.Tensor"] = None,
+                      accumulate: bool = False) -> "CombineHandle":
+        """pplx-garden's split combine of the dispatch behind ``dispatch_handle`` (received
+        first): sends now, ``recv()`` on the returned handle writes ``out_tokens``."""
+        self._e.check_open("ferry.moe.AllToAll")
+        h = dispatch_handle
+        if not isinstance(h, DispatchHandle) or h.kernel is not self:
+            raise InvalidType("dispatch_handle must be what this AllToAll's dispatch_async "
+                              "returned")
+        if not h.recv_done:
+            raise InvalidArgument("dispatch_handle.recv() was not called: combine answers a "
+                                  "dispatch that was received")
+        if h.engine not in self._inflight:
+            raise InvalidArgument("this dispatch was combined already")
+        self._combine(h.engine, out_tokens, h.indices, h.weights, expert_y, True, False,
+                      accumulate)
+        return CombineHandle(self, h, out_tokens, expert_y, bound_m, bool(accumulate),
+                             _event(self._device))
+
     def close(self) -> None:
         """Collective: every rank calls it after its last combine. Later calls raise
         ferry.Cancelled; a second close() does nothing."""
-        self._e.close()
+        for e in self._engines:
+            e.close()
 
     def destroy(self) -> None:  # pplx-garden's name
         self.close()
@@ -621,6 +811,87 @@ class AllToAll:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_MAX_IN_FLIGHT = 2  # dispatches AllToAll keeps in flight (dispatch_async), each its own engine
+# Between the immediates of the C++ all-to-alls of one AllToAll (they share its engine): more
+# than either backend's range (include/ferry/moe/all_to_all.h, cuda_all_to_all.h).
+_IMM_STRIDE = 0x100000
+
+
+def _event(device: "torch.device") -> Any:
+    """A CUDA event recorded on the current stream after a send half (pplx-garden's
+    send_done_event); None on the CPU, where the half is done when the call returns."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+class _Handle:
+    """pplx-garden's handles: recv() runs the receive half once (CUDA: on the current stream,
+    after the send half's event); again, it does nothing."""
+
+    kernel: AllToAll
+    send_done_event: Any
+    recv_done: bool
+
+    def recv(self) -> None:
+        if self.recv_done:
+            return
+        self.kernel._e.check_open("ferry.moe.AllToAll")
+        if self.send_done_event is not None:
+            torch.cuda.current_stream(self.kernel._device).wait_event(self.send_done_event)
+        self._receive()
+        self.recv_done = True
+
+    def _receive(self) -> None:
+        raise NotImplementedError
+
+
+class DispatchHandle(_Handle):
+    """What :meth:`AllToAll.dispatch_async` returns (pplx-garden's ``P2PDispatchHandle``):
+    ``recv()`` receives into the outputs given to dispatch_async (once; again does nothing).
+    Made by dispatch_async, not by callers: ``kernel`` (the AllToAll), ``engine`` (its C++
+    all-to-all for this dispatch), the call's ``out_expert_num_tokens``, ``out_expert_x``,
+    ``out_expert_x_scale``, ``dp_x``, ``dp_x_scale``, ``indices``, ``weights``, ``bound_m``
+    (kept as attributes, as pplx-garden's handle keeps them) and ``send_done_event`` (CUDA:
+    recorded after the send half; None on the CPU)."""
+
+    def __init__(self, kernel: AllToAll, engine: _Engine, out_expert_num_tokens: Any,
+                 out_expert_x: Any, out_expert_x_scale: Any, dp_x: Any, dp_x_scale: Any,
+                 indices: Any, weights: Any, bound_m: Any, send_done_event: Any) -> None:
+        self.kernel, self.engine = kernel, engine
+        self.out_expert_num_tokens, self.out_expert_x = out_expert_num_tokens, out_expert_x
+        self.out_expert_x_scale, self.dp_x, self.dp_x_scale = out_expert_x_scale, dp_x, dp_x_scale
+        self.indices, self.weights, self.bound_m = indices, weights, bound_m
+        self.send_done_event = send_done_event
+        self.recv_done = False
+
+    def _receive(self) -> None:
+        self.kernel._dispatch(self.engine, self.out_expert_num_tokens, self.out_expert_x,
+                              self.out_expert_x_scale, None, None, None, None, None, False, True)
+
+
+class CombineHandle(_Handle):
+    """What :meth:`AllToAll.combine_async` returns (pplx-garden's ``P2PCombineHandle``):
+    ``recv()`` writes ``out_tokens`` (once; again does nothing). Made by combine_async:
+    ``kernel``, ``dispatch_handle`` (whose routing and weights combine uses), the call's
+    ``out_tokens``, ``expert_y``, ``bound_m``, ``accumulate``, and ``send_done_event`` as in
+    DispatchHandle."""
+
+    def __init__(self, kernel: AllToAll, dispatch_handle: DispatchHandle, out_tokens: Any,
+                 expert_y: Any, bound_m: Any, accumulate: bool, send_done_event: Any) -> None:
+        self.kernel, self.dispatch_handle, self.out_tokens = kernel, dispatch_handle, out_tokens
+        self.expert_y, self.bound_m, self.accumulate = expert_y, bound_m, accumulate
+        self.send_done_event = send_done_event
+        self.recv_done = False
+
+    def _receive(self) -> None:
+        d = self.dispatch_handle
+        self.kernel._combine(d.engine, self.out_tokens, d.indices, d.weights, None, False, True,
+                             self.accumulate)
 
 
 class EventOverlap:

@@ -62,6 +62,8 @@ class AllToAll:
     """Experts this rank holds (num_experts / world_size)."""
     max_recv_tokens: int
     """Rows per local expert that out_expert_x / expert_y must hold at least."""
+    max_recv_tokens_flat: int
+    """Rows a flat out_expert_x [rows, H] (pplx-garden's layout) must hold at least."""
 
     def dispatch(self, out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
                  out_expert_x_scale: Optional[torch.Tensor], dp_x: torch.Tensor,
@@ -70,18 +72,42 @@ class AllToAll:
                  do_send: bool = ..., do_recv: bool = ...) -> None:
         """dp_x [T, H] (in_dtype), dp_x_scale [T, H/128] fp32 (fp8), indices [T, k] int32/int64
         (-1: no expert), weights [T, k] fp32 -> out_expert_num_tokens int32 [E_local],
-        out_expert_x [E_local, >= max_recv_tokens, H], out_expert_x_scale [E_local, same, H/128].
-        bound_m: one int32/int64 on the device, the token count (<= T). ferry.InvalidArgument
-        names any argument of the wrong dtype, shape, device or layout before anything moves."""
+        out_expert_x [E_local, >= max_recv_tokens, H], out_expert_x_scale [E_local, same, H/128],
+        or pplx-garden's flat layout: out_expert_x [>= max_recv_tokens_flat, H] (scales
+        [same, H/128]), the local experts' rows back to back, each expert's start padded to
+        expert_padding. indices may also be uint32 (pplx-garden's). bound_m: one int32/int64
+        on the device, the token count (<= T). do_send / do_recv: the two halves, in that
+        order. ferry.InvalidArgument names any argument of the wrong dtype, shape, device or
+        layout before anything moves."""
+
+    def dispatch_async(self, *, out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
+                       out_expert_x_scale: Optional[torch.Tensor], dp_x: torch.Tensor,
+                       dp_x_scale: Optional[torch.Tensor], indices: torch.Tensor,
+                       weights: torch.Tensor,
+                       bound_m: Optional[torch.Tensor] = ...) -> "DispatchHandle":
+        """pplx-garden's dispatch_async: the send half of dispatch() now (same arguments:
+        out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+        weights, bound_m); the returned handle's recv() receives. Two dispatches may be in
+        flight (dual-batch overlap); the second uses a C++ all-to-all of its own, made
+        collectively on first use. A third raises InvalidArgument."""
+
+    def combine_async(self, *, out_tokens: torch.Tensor, dispatch_handle: "DispatchHandle",
+                      expert_y: torch.Tensor, bound_m: Optional[torch.Tensor] = ...,
+                      accumulate: bool = ...) -> "CombineHandle":
+        """pplx-garden's combine_async: the send half of combine() for the dispatch behind
+        dispatch_handle (received first; its indices and weights are used) with expert_y;
+        the returned handle's recv() writes out_tokens (added with accumulate). bound_m as in
+        combine()."""
 
     def combine(self, out_tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 expert_y: torch.Tensor, bound_m: Optional[torch.Tensor] = ...,
                 do_send: bool = ..., do_recv: bool = ..., accumulate: bool = ...) -> None:
         """expert_y bf16 or fp32 [E_local, >= max_recv_tokens, H] -> out_tokens [T, H] (bf16 or
         fp32): sum over k of weights[t, k] * expert_y(t, k), fp32 in top-k order (added to
-        out_tokens with accumulate=True). Rows travel as bf16; after an fp32 dispatch as two
-        bf16 halves (high part and remainder, about 16 significant bits). The routing is the
-        dispatch's (indices checked for shape)."""
+        out_tokens with accumulate=True). Rows travel as bf16 (fp32 expert_y rounded); after
+        an fp32 dispatch each value exactly, as three bf16 pieces, each summed in fp32: within
+        fp32 accumulation's error of the float64 sum. The routing is the dispatch's (indices
+        checked for shape). After a flat dispatch expert_y may be flat [rows, H] too."""
 
     def synchronize(self) -> None:
         """CUDA: waits for the stream, raises a device-side error. CPU: returns."""
@@ -94,6 +120,33 @@ class AllToAll:
         """pplx-garden's name for close()."""
     def __enter__(self) -> "AllToAll": ...
     def __exit__(self, *exc: Any) -> None: ...
+
+class DispatchHandle:
+    """What AllToAll.dispatch_async returns (pplx-garden's P2PDispatchHandle): the dispatch's
+    tensors as attributes; recv() receives into them (once)."""
+    kernel: AllToAll
+    out_expert_num_tokens: torch.Tensor
+    out_expert_x: torch.Tensor
+    out_expert_x_scale: Optional[torch.Tensor]
+    dp_x: torch.Tensor
+    dp_x_scale: Optional[torch.Tensor]
+    indices: torch.Tensor
+    weights: torch.Tensor
+    bound_m: Optional[torch.Tensor]
+    recv_done: bool
+    def recv(self) -> None:
+        """The receive half (CUDA: after the send's event, on the current stream)."""
+
+class CombineHandle:
+    """What AllToAll.combine_async returns (pplx-garden's P2PCombineHandle)."""
+    kernel: AllToAll
+    dispatch_handle: DispatchHandle
+    out_tokens: torch.Tensor
+    expert_y: torch.Tensor
+    accumulate: bool
+    recv_done: bool
+    def recv(self) -> None:
+        """The receive half: writes out_tokens (once)."""
 
 class EventOverlap:
     """DeepEP's event type; nothing to wait for (work is on the current stream, or done)."""

@@ -99,7 +99,8 @@ void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets
 class MoeAllToAll {
   public:
     MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device,
-                std::shared_ptr<TransferEngine> engine, py::function allgather, double timeout_s)
+                std::shared_ptr<TransferEngine> engine, py::function allgather, double timeout_s,
+                uint32_t imm_offset)
         : cfg_(cfg), cuda_(cuda), parts_(std::make_shared<Parts>()) {
         parts_->engine = std::move(engine);
         TransferEngine* engine_ptr = parts_->engine.get();
@@ -109,6 +110,7 @@ class MoeAllToAll {
         if (cuda) {
             moe::CudaAllToAllOptions o;
             o.timeout = timeout;
+            o.imm_base += imm_offset;
             o.device = device;
             o.engine = engine_ptr;
             Result<std::unique_ptr<moe::CudaAllToAll>> r = internal_error("unset");
@@ -123,6 +125,7 @@ class MoeAllToAll {
                     "the CPU all-to-all needs a TransferEngine (it registers its buffers)"));
             moe::AllToAllOptions o;
             o.timeout = timeout;
+            o.imm_base += imm_offset;
             Result<std::unique_ptr<moe::AllToAll>> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;
@@ -326,7 +329,7 @@ void register_moe(py::module_& m, EngineShare engine_share) {
                                     uint32_t num_experts, uint32_t topk, uint32_t rank,
                                     uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
                                     uint32_t alignment, bool cuda, int device, py::object engine,
-                                    py::function allgather, double timeout_s) {
+                                    py::function allgather, double timeout_s, uint32_t imm_offset) {
                 AllToAllConfig c = config_of(max_tokens, hidden, num_experts, topk, world,
                                              ranks_per_node, private_slots);
                 if (!moe::parse_dtype(dtype, &c.dtype))
@@ -337,12 +340,15 @@ void register_moe(py::module_& m, EngineShare engine_share) {
                 std::shared_ptr<TransferEngine> e =
                     engine.is_none() ? nullptr : engine_share(engine);
                 return std::make_unique<MoeAllToAll>(c, cuda, device, std::move(e),
-                                                     std::move(allgather), timeout_s);
+                                                     std::move(allgather), timeout_s, imm_offset);
             }),
             py::arg("max_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("num_experts"),
             py::arg("topk"), py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"),
             py::arg("private_slots"), py::arg("alignment"), py::arg("cuda"), py::arg("device"),
-            py::arg("engine"), py::arg("allgather"), py::arg("timeout"))
+            py::arg("engine"), py::arg("allgather"), py::arg("timeout"),
+            // Added to the C++ all-to-all's imm_base: two of them on one engine (AllToAll's
+            // second dispatch in flight) keep their immediates apart.
+            py::arg("imm_offset") = 0)
         .def("dispatch_send", &MoeAllToAll::dispatch_send)
         .def("dispatch_recv", &MoeAllToAll::dispatch_recv)
         .def("combine_send", &MoeAllToAll::combine_send)

@@ -1,5 +1,7 @@
 """Code written for the libraries ferry.moe stands in for, run on ferry: the call sequences of
-pplx-garden's P2PAllToAll test and of vLLM's and SGLang's DeepEP low-latency backends, with
+pplx-garden's P2PAllToAll tests (test_p2p_all_to_all: batched and flat layouts, padded;
+test_dbo_smoke: dispatch_async / combine_async, two micro-batches overlapped) and of vLLM's and
+SGLang's DeepEP low-latency backends, with
 ferry imported under the name they import (the one line that differs), each rank checking
 its results (moe_worker.py's scenarios call these).
 
@@ -69,7 +71,11 @@ class _RankTestData:
                                                   minlength=num_experts).to(torch.int32)
 
 
-def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
+def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any, batched: bool = True,
+                    expert_padding: int = 1) -> None:
+    """pplx-garden's test_p2p_all_to_all worker: batched ([experts, max_tokens_per_expert,
+    hidden], its _Config.max_tokens_per_expert set) or flat ([max_recv_tokens, hidden], the
+    experts' rows back to back, each start padded to expert_padding: its default)."""
     torch = w.torch
     from ferry.moe import AllToAll as P2PAllToAll  # pplx_garden.kernels.p2p_all_to_all
     from ferry.moe import dequantize_fp8, fp8_dtype
@@ -82,13 +88,13 @@ def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
     hidden_dim = 256
     hidden_dim_scale = hidden_dim // 128 if fp8 else None
     scale_dtype = torch.float32 if fp8 else None
-    expert_padding = 1
     num_dp_groups = global_group.size
     dp_rank = global_group.rank
     num_local_experts = num_experts // num_dp_groups
     first_expert = dp_rank * num_local_experts
     last_expert = first_expert + num_local_experts
-    max_tokens_per_expert = max_num_tokens * num_dp_groups
+    max_tokens_per_expert = max_num_tokens * num_dp_groups if batched else None
+    max_recv_tokens = max_num_tokens * num_local_experts * num_dp_groups
 
     def _act(x: Any, x_scale: Any) -> Any:
         if x_scale is None:
@@ -124,15 +130,22 @@ def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
         expected_num_tokens = torch.stack([d.expected_num_tokens for d in rank_data]).sum(
             dim=0, dtype=torch.int32)
         expert_num_tokens = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
-        out_expert_x = torch.empty((num_local_experts, max_tokens_per_expert, hidden_dim),
-                                   dtype=in_dtype, device=device)
+        if max_tokens_per_expert is None:
+            out_expert_x_shape = (max_recv_tokens, hidden_dim)
+        else:
+            out_expert_x_shape = (num_local_experts, max_tokens_per_expert, hidden_dim)
+        out_expert_x = torch.empty(out_expert_x_shape, dtype=in_dtype, device=device)
         out_tokens = torch.empty((local_rank.dp_x.shape[0], hidden_dim), dtype=out_dtype,
                                  device=device)
         out_expert_x_scale = None
         if hidden_dim_scale is not None or scale_dtype is not None:
-            out_expert_x_scale = torch.empty(
-                (num_local_experts, max_tokens_per_expert, hidden_dim_scale),
-                dtype=scale_dtype, device=device)
+            if max_tokens_per_expert is None:
+                out_expert_x_scale_shape = (max_recv_tokens, hidden_dim_scale)
+            else:
+                out_expert_x_scale_shape = (num_local_experts, max_tokens_per_expert,
+                                            hidden_dim_scale)
+            out_expert_x_scale = torch.empty(out_expert_x_scale_shape, dtype=scale_dtype,
+                                             device=device)
 
         all_to_all.dispatch(
             out_expert_num_tokens=expert_num_tokens,
@@ -144,14 +157,7 @@ def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
             weights=local_rank.weights,
             bound_m=None,
         )
-        flat_x = out_expert_x.reshape(-1, hidden_dim)
-        flat_scale = None if out_expert_x_scale is None else out_expert_x_scale.reshape(
-            -1, hidden_dim_scale)
-        if flat_scale is not None:
-            # Rows past the counts are not written: keep their garbage out of the expert.
-            flat_scale = torch.nan_to_num(flat_scale)
-        expert_y = _act(flat_x, flat_scale).to(out_dtype).reshape(
-            num_local_experts, max_tokens_per_expert, hidden_dim)
+        expert_y = _expert_forward(torch, _act, out_expert_x, out_expert_x_scale, out_dtype)
         all_to_all.combine(
             out_tokens=out_tokens,
             indices=local_rank.indices,
@@ -167,9 +173,16 @@ def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
             return x.contiguous().view(torch.uint8).numpy().tobytes()
 
         tokens_on_rank = set()
+        index = 0
         for expert, n in enumerate(expected_local_tokens.tolist()):
-            for token in out_expert_x[expert, :n]:
+            if out_expert_x.ndim == 3:
+                expert_tokens = out_expert_x[expert, :n]
+            else:
+                expert_tokens = out_expert_x[index:index + n]
+            for token in expert_tokens:
                 tokens_on_rank.add(token_key(token))
+            if out_expert_x.ndim == 2:
+                index = round_up(index + n, expert_padding)
     finally:
         all_to_all.destroy()
 
@@ -178,9 +191,110 @@ def run_pplx_garden(w: Any, seed: int, in_dtype: Any, out_dtype: Any) -> None:
                if any(first_expert <= r < last_expert for r in routes)
                and token_key(token) not in tokens_on_rank]
     assert not missing, f"tokens {missing} not found on rank {dp_rank}"
-    # fp32 combine rows travel as two bf16 halves: about 16 significant bits.
-    tol = dict(rtol=2e-5, atol=2e-5) if out_dtype == torch.float32 else {}
-    torch.testing.assert_close(out_tokens, ref_out_tokens, **tol)
+    # Verify the combine output.
+    torch.testing.assert_close(out_tokens, ref_out_tokens)
+
+
+def round_up(x: int, m: int) -> int:  # pplx_garden.utils.math
+    return (x + m - 1) // m * m
+
+
+def _expert_forward(torch: Any, act: Any, out_expert_x: Any, out_expert_x_scale: Any,
+                    out_dtype: Any) -> Any:
+    """pplx-garden's tests' expert: _act on the flat rows, in the layout of out_expert_x."""
+    if out_expert_x.ndim == 3:
+        num_local_experts, max_tokens_per_expert, hidden_dim = out_expert_x.shape
+        flat_out_expert_x = out_expert_x.reshape(-1, hidden_dim)
+        flat_out_expert_x_scale = (None if out_expert_x_scale is None
+                                   else out_expert_x_scale.reshape(-1,
+                                                                   out_expert_x_scale.shape[-1]))
+    else:
+        flat_out_expert_x, flat_out_expert_x_scale = out_expert_x, out_expert_x_scale
+    if flat_out_expert_x_scale is not None:
+        # Rows past the counts are not written: keep their garbage out of the expert.
+        flat_out_expert_x_scale = torch.nan_to_num(flat_out_expert_x_scale)
+    expert_y = act(flat_out_expert_x, flat_out_expert_x_scale).to(out_dtype)
+    return expert_y.reshape(out_expert_x.shape)
+
+
+def run_pplx_garden_dbo(w: Any, seed: int, in_dtype: Any) -> None:
+    """pplx-garden's test_dbo_smoke worker: two micro-batches, each dispatched and combined
+    synchronously for a reference, then overlapped through dispatch_async / combine_async
+    (B dispatched before A is combined), flat layout; the overlapped results must equal the
+    reference."""
+    torch = w.torch
+    from ferry.moe import AllToAll as P2PAllToAll  # pplx_garden.kernels.p2p_all_to_all
+
+    device = torch.device("cpu")
+    global_group = ParallelGroup(w)
+    out_dtype = in_dtype
+    max_num_tokens, num_experts, hidden_dim, num_experts_per_token = 16, 4 * w.world, 256, 2
+    num_dp_groups, dp_rank = global_group.size, global_group.rank
+    num_local_experts = num_experts // num_dp_groups
+    max_recv_tokens = max_num_tokens * num_local_experts * num_dp_groups
+
+    def _act(x: Any, x_scale: Any) -> Any:
+        return x * 2
+
+    data_a = _RankTestData(torch, w.ferry.moe, seed, dp_rank, num_experts,
+                           num_experts_per_token, max_num_tokens, hidden_dim, in_dtype, False)
+    data_b = _RankTestData(torch, w.ferry.moe, seed + 100, dp_rank, num_experts,
+                           num_experts_per_token, max_num_tokens, hidden_dim, in_dtype, False)
+    all_to_all = P2PAllToAll(
+        max_num_tokens=max_num_tokens, num_experts=num_experts, expert_padding=1,
+        hidden_dim=hidden_dim, hidden_dim_scale=None, max_private_tokens=None,
+        in_dtype=in_dtype, out_dtype=out_dtype, scale_dtype=None,
+        num_experts_per_token=num_experts_per_token, nets_per_gpu=1, device=device,
+        dp_group=None, node_group=None, global_group=global_group, **_fabric(w))
+    try:
+        def outputs(data: Any) -> tuple:
+            return (torch.empty((num_local_experts,), dtype=torch.int32, device=device),
+                    torch.empty((max_recv_tokens, hidden_dim), dtype=in_dtype, device=device),
+                    torch.empty(data.dp_x.shape, dtype=out_dtype, device=device))
+
+        refs = []
+        for data in (data_a, data_b):  # 1. reference synchronous runs
+            num, x, out = outputs(data)
+            all_to_all.dispatch(out_expert_num_tokens=num, out_expert_x=x,
+                                out_expert_x_scale=None, dp_x=data.dp_x, dp_x_scale=None,
+                                indices=data.indices, weights=data.weights, bound_m=None)
+            all_to_all.combine(out_tokens=out, indices=data.indices, weights=data.weights,
+                               expert_y=_expert_forward(torch, _act, x, None, out_dtype),
+                               bound_m=data.bound_m)
+            refs.append((num, out))
+        (num_a, x_a, out_a), (num_b, x_b, out_b) = outputs(data_a), outputs(data_b)
+        out_a.zero_()
+        out_b.zero_()
+        # 2. dual batch overlap
+        dispatch_handle_a = all_to_all.dispatch_async(
+            out_expert_num_tokens=num_a, out_expert_x=x_a, out_expert_x_scale=None,
+            dp_x=data_a.dp_x, dp_x_scale=None, indices=data_a.indices,
+            weights=data_a.weights, bound_m=None)
+        dispatch_handle_a.recv()
+        dispatch_handle_b = all_to_all.dispatch_async(
+            out_expert_num_tokens=num_b, out_expert_x=x_b, out_expert_x_scale=None,
+            dp_x=data_b.dp_x, dp_x_scale=None, indices=data_b.indices,
+            weights=data_b.weights, bound_m=None)
+        expert_y_a = _expert_forward(torch, _act, x_a, None, out_dtype)
+        dispatch_handle_b.recv()
+        combine_handle_a = all_to_all.combine_async(
+            out_tokens=out_a, dispatch_handle=dispatch_handle_a, expert_y=expert_y_a,
+            bound_m=data_a.bound_m)
+        expert_y_b = _expert_forward(torch, _act, x_b, None, out_dtype)
+        combine_handle_a.recv()
+        combine_handle_b = all_to_all.combine_async(
+            out_tokens=out_b, dispatch_handle=dispatch_handle_b, expert_y=expert_y_b,
+            bound_m=data_b.bound_m)
+        combine_handle_b.recv()
+        # 3. verify
+        torch.testing.assert_close(out_a, refs[0][1])
+        torch.testing.assert_close(out_b, refs[1][1])
+        torch.testing.assert_close(num_a, refs[0][0])
+        torch.testing.assert_close(num_b, refs[1][0])
+        # and right: weights sum to 1, so the combine of 2x is 2x
+        torch.testing.assert_close(out_a, _act(data_a.dp_x, None).to(out_dtype))
+    finally:
+        all_to_all.destroy()
 
 
 # DeepEP low latency, as vLLM and SGLang call it -----------------------------------------------

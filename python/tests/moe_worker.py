@@ -402,6 +402,14 @@ SCENARIOS = {
         w, s, w.torch.float32, w.torch.float32),
     "pplx-garden-bf16": lambda w, s: _usage().run_pplx_garden(
         w, s, w.torch.bfloat16, w.torch.bfloat16),
+    # pplx-garden's default flat layout ([max_recv_tokens, hidden]), padded and not.
+    "pplx-garden-bf16-flat-padded": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.torch.bfloat16, w.torch.bfloat16, batched=False, expert_padding=16),
+    "pplx-garden-fp8-flat": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.ferry.moe.fp8_dtype(), w.torch.bfloat16, batched=False),
+    "pplx-garden-fp32-flat": lambda w, s: _usage().run_pplx_garden(
+        w, s, w.torch.float32, w.torch.float32, batched=False),
+    "pplx-garden-dbo-bf16": lambda w, s: _usage().run_pplx_garden_dbo(w, s, w.torch.bfloat16),
     "vllm-deepep-ll-fp8": lambda w, s: _usage().run_vllm_deepep_ll(w, s, True),
     "sglang-deepep-ll-bf16-hook": lambda w, s: _usage().run_sglang_deepep_ll(w, s, False, True),
 }

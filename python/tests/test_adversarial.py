@@ -693,6 +693,7 @@ def test_sigterm_during_import_ferry_ends_the_process_as_sigterm(thread_before_i
     ("bench_xfer", ["--iters", "0"], "--iters: must be in [1, 1000000], got 0"),
     ("bench_xfer", ["--seconds", "nan"], "--seconds: must be a number of seconds in (0, 3600]"),
     ("bench_xfer", ["--window", "x"], "--window: an integer, not 'x'"),
+    ("bench_xfer", ["--wait-spin-us", "-1"], "--wait-spin-us: must be in [0, 1000000]"),
 ], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
 def test_bench_module_flags_refused_before_anything_runs(module, args, words):
     """Out of range, these ran a table of zeros (--ranks 0, --iters 0), ran for ever (--seconds

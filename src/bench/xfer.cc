@@ -27,6 +27,9 @@ namespace {
 
 constexpr uint32_t kPing = 0x50494e47;
 constexpr uint32_t kPong = 0x504f4e47;
+// The waited ping-pong (the latency yardstick): each side's thread in wait_imm.
+constexpr uint32_t kWaitPing = 0x57504e47;
+constexpr uint32_t kWaitPong = 0x57504f47;
 const Duration kWait = std::chrono::seconds(30);
 const Duration kSetupWait = std::chrono::seconds(120);
 
@@ -77,6 +80,16 @@ constexpr uint8_t kModeRaw = 'r';      // the raw endpoint (bandwidth raw loops)
 constexpr uint8_t kModeRate = 'p';     // the rate section's raw endpoints (both loops)
 constexpr uint8_t kModeEngine = 'e';   // the engine (engine bandwidth and rate points)
 constexpr uint8_t kModeLatency = 'l';  // the engine, answering pings too (the latency point)
+// The engine left to its own polling policy, nothing held awake: the yardstick rates, as the
+// Python benchmark's engines run (on a 2-core host a worker held awake takes a core).
+constexpr uint8_t kModeQuiet = 'y';
+// Quiet, and a thread answering each kWaitPing with a kWaitPong, waiting in wait_imm.
+constexpr uint8_t kModeWaitedPong = 'w';
+
+Duration spin_of(const XferBenchConfig& c) {
+    return std::chrono::duration_cast<Duration>(
+        std::chrono::duration<double, std::micro>(std::max(0.0, c.wait_spin_us)));
+}
 constexpr uint8_t kQuit = 'q';
 
 size_t rate_slot_bytes(const XferBenchConfig& c) {
@@ -85,6 +98,11 @@ size_t rate_slot_bytes(const XferBenchConfig& c) {
     return m;
 }
 constexpr int kRateSlots = 4;
+// The yardsticks' rate writes: 4 KiB, source and destination offsets rotating over 256 slots
+// (1 MiB), as python3 -m ferry.bench_xfer writes them; each carries kYardstickImm.
+constexpr size_t kYardstickBytes = 4096;
+constexpr int kYardstickSlots = 256;
+constexpr uint32_t kYardstickImm = 0x52415445;
 // Bounds of --window and --pages-per-op (run_xfer_bench says why).
 constexpr int64_t kMaxWindow = 65536;
 constexpr int64_t kMaxPagesPerOp = 512;
@@ -191,9 +209,10 @@ int target_main(int fd, const XferBenchConfig& c) {
     MemoryDescriptor parent_desc = *pdesc;
     PeerId pid = *peer;
     MemoryRegion* region = mr.get();
+    const size_t pong_bytes = c.latency_size;
     std::function<void(const Status&)> pong = [&](const Status& s) {
         if (!s.ok()) return;  // shutdown
-        eng->write({pid, region, 0, &parent_desc, 0, 8, kPong});
+        eng->write({pid, region, 0, &parent_desc, 0, pong_bytes, kPong});
         eng->on_imm(kPing, 1, std::chrono::hours(1), pong);
     };
 
@@ -230,6 +249,16 @@ int target_main(int fd, const XferBenchConfig& c) {
     });
     ArrivalsExpected awake;
     bool pinging = false;
+    std::atomic<bool> stop_waiter{false};
+    std::thread waiter;  // kModeWaitedPong's answering thread
+    auto waited_pong = [&] {
+        while (!stop_waiter.load()) {
+            // A short deadline only so the thread notices the end of the run.
+            if (eng->wait_imm(kWaitPing, 1, std::chrono::milliseconds(200), spin_of(c)).ok()) {
+                eng->write({pid, region, 0, &parent_desc, 0, pong_bytes, kWaitPong});
+            }
+        }
+    };
     auto set_polling = [&](uint8_t m) {
         {
             std::lock_guard lk(mode_mu);
@@ -242,6 +271,10 @@ int target_main(int fd, const XferBenchConfig& c) {
         if (cmd[0] == kModeRaw || cmd[0] == kModeRate) {
             awake.reset();
             set_polling(cmd[0]);
+        } else if (cmd[0] == kModeQuiet || cmd[0] == kModeWaitedPong) {
+            awake.reset();
+            set_polling(0);
+            if (cmd[0] == kModeWaitedPong && !waiter.joinable()) waiter = std::thread(waited_pong);
         } else {
             set_polling(0);
             if (!awake.active()) awake = ArrivalsExpected(eng);
@@ -254,6 +287,8 @@ int target_main(int fd, const XferBenchConfig& c) {
         if (!send_frame(fd, {&ack, 1})) break;
     }
     quit = true;
+    stop_waiter = true;
+    if (waiter.joinable()) waiter.join();
     mode_cv.notify_one();
     poller.join();
     awake.reset();
@@ -298,7 +333,14 @@ class Initiator {
     Result<double> engine_paged_loop(size_t page);
     Result<double> engine_rate_loop(int npeers, size_t size, int window, bool one_op);
     Result<double> engine_scatter_loop(int npeers, size_t size, int window);
+    // Writes of kYardstickBytes with an immediate to the peer's engine, `per_call` per call:
+    // write() for 1, write_runs otherwise.
+    Result<double> engine_imm_loop(int window, int per_call);
+    // The yardsticks' rate figures (rep.yardsticks), engine and raw alternating.
+    Status yardstick_rates(XferReport& rep);
     Status latency(XferReport& rep);
+    // The ping-pong with this thread writing and waiting in wait_imm, as Python's benchmark.
+    Status waited_latency(XferReport& rep);
 
     XferBenchConfig c_;
     int fd_;
@@ -637,6 +679,76 @@ Result<double> Initiator::engine_scatter_loop(int npeers, size_t size, int windo
     });
 }
 
+Result<double> Initiator::engine_imm_loop(int window, int per_call) {
+    std::vector<WriteRun> runs(per_call);
+    return windowed(window, per_call, [&](uint64_t n, const Release* release) {
+        const uint64_t first = n * static_cast<uint64_t>(per_call);
+        for (int i = 0; i < per_call; ++i) {
+            const uint64_t off = ((first + i) % kYardstickSlots) * kYardstickBytes;
+            runs[i] = {off, off, kYardstickBytes};
+        }
+        if (per_call == 1) {
+            engine_->write({peer_, mr_.get(), runs[0].src_offset, &remote_, runs[0].dst_offset,
+                            kYardstickBytes, kYardstickImm},
+                           [release](const Status& s) { (*release)(1, s); });
+        } else {
+            engine_->write_runs({peer_, mr_.get(), &remote_, runs, kYardstickImm},
+                                [release, per_call](const Status& s) { (*release)(per_call, s); });
+        }
+    });
+}
+
+Status Initiator::yardstick_rates(XferReport& rep) {
+    const int batch = std::max(1, std::min(c_.rate_batch, c_.window));
+    const detail::RawEndpoint::Target target{raw_dest_, raw_base_, raw_key_};
+    double raw = 0, single = 0, runs = 0;
+    for (int i = 0; i < c_.repeat; ++i) {
+        FERRY_RETURN_IF_ERROR(mode(kModeRaw));
+        FERRY_ASSIGN_OR_RETURN(double r,
+                               raw_->rate_loop({&target, 1}, kYardstickBytes, true, c_.window,
+                                               kYardstickSlots, point_duration(c_)));
+        // Neither engine held awake: the Python benchmark's engines are not either.
+        FERRY_RETURN_IF_ERROR(mode(kModeQuiet));
+        FERRY_ASSIGN_OR_RETURN(double one, engine_imm_loop(c_.window, 1));
+        FERRY_ASSIGN_OR_RETURN(double many, engine_imm_loop(c_.window, batch));
+        raw = std::max(raw, r);
+        single = std::max(single, one);
+        runs = std::max(runs, many);
+    }
+    rep.yardsticks.push_back(
+        {"rate_4KiB_write",
+         fmt::format("write+imm 4 KiB, one write() per write, {} in flight", c_.window), "op/s",
+         single, 0, raw});
+    rep.yardsticks.push_back({fmt::format("rate_4KiB_runs{}", batch),
+                              fmt::format("write+imm 4 KiB, write_runs of {}, {} writes in flight",
+                                          batch, std::max(c_.window / batch, 1) * batch),
+                              "op/s", runs, 0, raw});
+    note(
+        fmt::format("yardsticks: 4 KiB write+imm {:.0f} op/s one per call, {:.0f} op/s in "
+                    "write_runs of {}; raw fi_writedata {:.0f} op/s",
+                    single, runs, batch, raw));
+    return ok_status();
+}
+
+Status Initiator::waited_latency(XferReport& rep) {
+    const int warmup = std::min(200, c_.latency_iters / 10);
+    std::vector<double> us;
+    us.reserve(c_.latency_iters);
+    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, c_.latency_size, kWaitPing};
+    for (int i = 0; i < warmup + c_.latency_iters; ++i) {
+        const TimePoint t0 = Clock::now();
+        engine_->write(ping);
+        Status s = engine_->wait_imm(kWaitPong, 1, std::chrono::seconds(5), spin_of(c_));
+        if (!s.ok()) return s.with_context("waited latency ping-pong");
+        if (i >= warmup) us.push_back(to_us(Clock::now() - t0) / 2);
+    }
+    if (us.empty()) return internal_error("waited latency: no round trip was timed");
+    std::sort(us.begin(), us.end());
+    rep.waited_latency_p50_us = us[us.size() / 2];
+    rep.waited_latency_p99_us = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+    return ok_status();
+}
+
 Status Initiator::latency(XferReport& rep) {
     // The whole ping-pong runs in completion callbacks on the worker thread, so no other
     // thread competes for a core while it is timed. The state is shared with the callbacks:
@@ -657,7 +769,7 @@ Status Initiator::latency(XferReport& rep) {
     st->left = c_.latency_iters + st->warmup;
     st->us.reserve(st->left);
     TransferEngine* engine = engine_.get();
-    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, 8, kPing};
+    const WriteOp ping{peer_, mr_.get(), 0, &remote_, 0, c_.latency_size, kPing};
     std::weak_ptr<State> weak = st;
     // t0 is only touched by the chain itself (each pong follows its ping); the rest under mu,
     // which no engine call is made under.
@@ -704,6 +816,7 @@ Status Initiator::latency(XferReport& rep) {
     rep.latency_p50_us = st->us[st->us.size() / 2];
     rep.latency_p99_us = st->us[std::min(st->us.size() - 1, st->us.size() * 99 / 100)];
     rep.latency_iters = c_.latency_iters;
+    rep.latency_size = c_.latency_size;
     return ok_status();
 }
 
@@ -757,8 +870,8 @@ Result<XferReport> Initiator::run() {
     FERRY_ASSIGN_OR_RETURN(rep.provider, resolve_provider(engine_config(c_)));
     FERRY_RETURN_IF_ERROR(setup());
     Duration d = point_duration(c_);
-    if (!c_.rate_only) FERRY_RETURN_IF_ERROR(bandwidth_points(rep));
-    if (c_.rate) {
+    if (!c_.rate_only && !c_.yardsticks_only) FERRY_RETURN_IF_ERROR(bandwidth_points(rep));
+    if (c_.rate && !c_.yardsticks_only) {
         // Message rate: writes with immediates to 1..64 peers and scatters, each beside the raw
         // loop posting the same writes one at a time. Both loops target the same raw
         // endpoints of the target process, so the target's work is identical.
@@ -798,11 +911,15 @@ Result<XferReport> Initiator::run() {
     }
     // --latency-iters 0: no latency point (a ping-pong of zero round trips never ended and
     // its callbacks outlived the call: a crash, 2026-12-03).
+    if (!c_.rate_only && (c_.yardsticks || c_.yardsticks_only)) {
+        FERRY_RETURN_IF_ERROR(yardstick_rates(rep));
+    }
     if (!c_.rate_only && c_.latency_iters > 0) {
+        const size_t n = c_.latency_size;
         FERRY_RETURN_IF_ERROR(mode(kModeRaw));
         FERRY_ASSIGN_OR_RETURN(double lbps,
-                               raw_->write_loop(raw_dest_, raw_base_, raw_key_, 8, 1, 1, d / 2));
-        rep.raw_latency_p50_us = lbps > 0 ? 1e6 * 8 / lbps / 2 : 0;
+                               raw_->write_loop(raw_dest_, raw_base_, raw_key_, n, 1, 1, d / 2));
+        rep.raw_latency_p50_us = lbps > 0 ? 1e6 * static_cast<double>(n) / lbps / 2 : 0;
         FERRY_RETURN_IF_ERROR(mode(kModeLatency));
         {
             ArrivalsExpected awake(engine_.get());
@@ -810,6 +927,17 @@ Result<XferReport> Initiator::run() {
         }
         note(fmt::format("engine write+imm latency: p50 {:.1f} us, p99 {:.1f} us",
                          rep.latency_p50_us, rep.latency_p99_us));
+        if (c_.yardsticks || c_.yardsticks_only) {
+            FERRY_RETURN_IF_ERROR(mode(kModeWaitedPong));
+            FERRY_RETURN_IF_ERROR(waited_latency(rep));
+            rep.yardsticks.insert(
+                rep.yardsticks.begin(),
+                {fmt::format("latency_{}B", n),
+                 fmt::format("write+imm {} B one way, each side in wait_imm (spin {:g} us), p50", n,
+                             std::max(0.0, c_.wait_spin_us)),
+                 "us", rep.waited_latency_p50_us, rep.waited_latency_p99_us,
+                 rep.raw_latency_p50_us});
+        }
     }
     EngineStats es = engine_->stats();
     rep.ops_posted = es.ops_posted;
@@ -823,11 +951,22 @@ Result<XferReport> Initiator::run() {
 }  // namespace
 
 Result<XferReport> run_xfer_bench(const XferBenchConfig& config) {
-    if (config.sizes.empty() && !config.rate_only) {
+    if (config.sizes.empty() && !config.rate_only && !config.yardsticks_only) {
         return invalid_argument("bench xfer: no sizes given");
     }
     if (config.rate_only && !config.rate) {
         return invalid_argument("bench xfer: rate_only needs the rate section (rate)");
+    }
+    if (config.rate_only && config.yardsticks_only) {
+        return invalid_argument("bench xfer: --rate-only and --yardsticks-only exclude each other");
+    }
+    if (!(config.wait_spin_us >= 0 && config.wait_spin_us <= 1e6)) {
+        return invalid_argument(fmt::format("bench xfer: --wait-spin-us must be 0..1000000, got {}",
+                                            config.wait_spin_us));
+    }
+    if (config.latency_size < 1 || config.latency_size > 65536) {
+        return invalid_argument(fmt::format(
+            "bench xfer: --latency-size must be 1..65536 bytes, got {}", config.latency_size));
     }
     for (size_t n : config.sizes) {
         // Found only by the engine, as "write of 0 bytes", after the target process started.
@@ -944,9 +1083,22 @@ std::string format_xfer_table(const XferReport& r) {
     out += "\n";
     if (r.latency_iters > 0) {
         out += fmt::format(
-            "write with immediate, 8 B, one-way (half round trip, {} iterations): "
-            "p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: {:.1f} us)\n",
-            r.latency_iters, r.latency_p50_us, r.latency_p99_us, r.raw_latency_p50_us);
+            "write with immediate, {} B, one-way (half round trip, {} iterations, in the "
+            "workers' callbacks): p50 {:.1f} us, p99 {:.1f} us (raw fi_write, window 1: "
+            "{:.1f} us)\n",
+            r.latency_size, r.latency_iters, r.latency_p50_us, r.latency_p99_us,
+            r.raw_latency_p50_us);
+    }
+    if (!r.yardsticks.empty()) {
+        out += fmt::format(
+            "yardsticks (to the peer's engine; `python3 -m ferry.bench_xfer` times the same "
+            "operations from Python and divides by these):\n");
+        for (const XferYardstick& y : r.yardsticks) {
+            const std::string p99 =
+                y.unit == "us" ? fmt::format(" (p99 {:.1f})", y.p99) : std::string();
+            out += fmt::format("  {:<18} {:<70} {:>10.1f} {}{}  raw fi_writedata {:.1f}\n", y.name,
+                               y.what, y.value, y.unit, p99, y.raw);
+        }
     }
     if (r.post_rounds) {
         out += fmt::format(
@@ -988,10 +1140,19 @@ nlohmann::json xfer_report_json(const XferReport& r) {
                          {"injected", r.ops_injected},
                          {"with_fi_more", r.posted_with_more},
                          {"bytes_per_rail", r.bytes_per_rail}};
+    j["yardsticks"] = nlohmann::json::object();
+    for (const XferYardstick& y : r.yardsticks) {
+        j["yardsticks"][y.name] = {
+            {"what", y.what}, {"unit", y.unit}, {"value", y.value}, {"raw", y.raw}};
+        if (y.unit == "us") j["yardsticks"][y.name]["p99"] = y.p99;
+    }
     j["latency_us"] = {{"p50", r.latency_p50_us},
                        {"p99", r.latency_p99_us},
                        {"raw_p50", r.raw_latency_p50_us},
-                       {"iterations", r.latency_iters}};
+                       {"iterations", r.latency_iters},
+                       {"size_bytes", r.latency_size},
+                       {"waited_p50", r.waited_latency_p50_us},
+                       {"waited_p99", r.waited_latency_p99_us}};
     return j;
 }
 

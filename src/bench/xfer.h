@@ -19,6 +19,11 @@ struct XferBenchConfig {
     int pages_per_op = 32;  // pages in one paged write
     double seconds_per_point = 0.5;
     int latency_iters = 2000;
+    // Bytes of each ping and pong of the latency point (the latency yardstick's size).
+    size_t latency_size = 64;
+    // The latency yardstick's ping-pong waits in wait_imm on both sides, spinning this long
+    // first (TransferEngine(wait_spin_us=...) in Python, whose benchmark passes its own).
+    double wait_spin_us = 0;
     int rails = 1;
     // Each point is measured this many times, raw loop and engine alternating, and the best
     // of each kept: on a shared host the load moves between a raw and an engine measurement.
@@ -37,6 +42,12 @@ struct XferBenchConfig {
     // Only the rate section: no bandwidth points, no latency (a quick message-rate run, or one
     // under callgrind whose counts cover nothing else).
     bool rate_only = false;
+    // The yardsticks (XferYardstick): 4 KiB writes with immediates to the peer's engine, one
+    // write() per write and rate_batch per write_runs, `window` in flight; with the latency
+    // point they are what `python3 -m ferry.bench_xfer` divides its figures by. yardsticks_only:
+    // no bandwidth points and no rate section.
+    bool yardsticks = true;
+    bool yardsticks_only = false;
     // The engine's FI_INJECT and FI_MORE (EngineConfig::inject, post_more), to measure each.
     bool inject = true;
     bool post_more = true;
@@ -72,13 +83,28 @@ struct XferRow {
     double quantile_ratio(double q) const;
 };
 
+// One figure that `python3 -m ferry.bench_xfer` measures the same way from Python (same
+// operation, size, provider, window, and the peer's TransferEngine as the target) and divides
+// by this one. Named alike in both tools' tables and JSON and in docs/PYTHON.md.
+struct XferYardstick {
+    std::string name;  // "latency_64B", "rate_4KiB_write", "rate_4KiB_runs32"
+    std::string what;  // the operation, in words
+    std::string unit;  // "us" (one-way latency, p50) or "op/s" (writes per second, best pass)
+    double value = 0;
+    double p99 = 0;  // latencies
+    double raw = 0;  // the plain fi_writedata loop doing the same writes (same unit)
+};
+
 struct XferReport {
     std::string provider;
     std::vector<XferRow> rows;
-    double latency_p50_us = 0;  // one-way, small write with immediate (half a round trip)
-    double latency_p99_us = 0;
+    double latency_p50_us = 0;  // one-way, latency_size write with immediate (half a round trip)
+    double latency_p99_us = 0;  // (both: the ping-pong runs in the workers' callbacks)
+    double waited_latency_p50_us = 0;  // the same, each side waiting in wait_imm (yardstick)
+    double waited_latency_p99_us = 0;
     double raw_latency_p50_us = 0;
     int latency_iters = 0;
+    size_t latency_size = 0;
     int repeat = 1;
     // The initiator engine's counters at the end: how well posts were batched.
     uint64_t ops_posted = 0;
@@ -86,6 +112,7 @@ struct XferReport {
     uint64_t ops_injected = 0;
     uint64_t posted_with_more = 0;
     std::vector<uint64_t> bytes_per_rail;  // which NICs carried the bytes (EngineConfig::rails)
+    std::vector<XferYardstick> yardsticks;
 };
 
 // Forks the target process, runs every point, and returns the report. Call before this

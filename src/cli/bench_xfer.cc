@@ -28,6 +28,18 @@ void register_bench_xfer(CLI::App& bench) {
     cmd->add_option("--latency-iters", c->latency_iters,
                     "round trips of the write-with-immediate latency point (0: skip it)")
         ->capture_default_str();
+    cmd->add_option("--latency-size", c->latency_size,
+                    "bytes of each ping and pong of the latency point, 1..65536")
+        ->capture_default_str();
+    cmd->add_option("--wait-spin-us", c->wait_spin_us,
+                    "the latency yardstick's wait_imm spin on both sides, microseconds")
+        ->capture_default_str();
+    cmd->add_flag("!--no-yardsticks", c->yardsticks,
+                  "skip the 4 KiB rate yardsticks (the figures python3 -m ferry.bench_xfer "
+                  "divides by)");
+    cmd->add_flag("--yardsticks-only", c->yardsticks_only,
+                  "only the yardsticks: the latency point and the 4 KiB write+imm rates to the "
+                  "peer's engine, one write() per write and --rate-batch per write_runs");
     cmd->add_option("--rails", c->rails, "domains to open")->capture_default_str();
     cmd->add_option("--repeat", c->repeat,
                     "measure each point this many times, raw and engine alternating; best kept")
