@@ -157,6 +157,10 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         plans.emplace_back(idx, std::move(*plan));
     }
     kv_trace("pull planned", job->id);
+    uint32_t lease_ms = UINT32_MAX;
+    for (const PullParamsMsg& p : job->params) lease_ms = std::min(lease_ms, p.lease_ms);
+    job->repost_until =
+        Clock::now() + std::chrono::milliseconds(lease_ms) - ctx_.engine->config().op_timeout;
     auto flight = ctx_.new_flight([this, job](const Status& s) { finish(job, s); });
     for (size_t i = 0; i < plans.size(); ++i) {
         const auto& [idx, plan] = plans[i];
@@ -175,7 +179,7 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             op.dst = ctx_.pool.regions[g.dst_region];
             op.src = &job->params[idx].pool[g.src_region];
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
-            ctx_.engine->read_runs(op, [flight](const Status& s) { flight->done(s); });
+            post_read(job, op, flight, 0);
         }
         job->reads += static_cast<uint32_t>(plan.operations());
         job->bytes += plan.bytes();
@@ -189,6 +193,29 @@ void Puller::start(const std::shared_ptr<Job>& job) {
     // Known to peer_gone from here (start may run on the caller's thread).
     ctx_.inbox->post([this, job] { running_.push_back(job); });
     kv_trace("pull posted", job->id);
+}
+
+void Puller::post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
+                       const std::shared_ptr<Flight>& flight, uint32_t tries) {
+    std::weak_ptr<Inbox> weak = ctx_.inbox;
+    ctx_.engine->read_runs(op, [this, weak, job, op, flight, tries](const Status& s) {
+        if (never_posted(s) && Clock::now() < job->repost_until) {
+            // Reading the same bytes again changes nothing, and none of these was read. Posted
+            // from the connector thread, which owns running_ and sees a job reported.
+            auto in = weak.lock();
+            if (in && in->post([this, job, op, flight, tries, s] {
+                    if (job->reported) return flight->done(s);
+                    log(LogLevel::kInfo, kLog,
+                        "transfer {:#x}: a read was pushed back for op_timeout (try {}: the "
+                        "provider still opens the connection?); posting it again",
+                        job->id, tries + 1);
+                    post_read(job, op, flight, tries + 1);
+                })) {
+                return;
+            }
+        }
+        flight->done(s);
+    });
 }
 
 void Puller::peer_gone(PeerId peer, const Status& why) {

@@ -70,6 +70,10 @@ class Puller {
         std::vector<TransferPlan> plans;
         bool released = false;  // the engine was asked to let go (see finish)
         bool reported = false;  // recv_done sent: what completes later is dropped
+        // A read the provider never took (never_posted: tcp;ofi_rxm pushes back the first
+        // operations to a peer until it answers the connection) is posted again until then: a
+        // read still ends before the shortest of the offers' leases.
+        TimePoint repost_until{};
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
@@ -84,6 +88,9 @@ class Puller {
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
+    // Posts one read of the job into `flight`, again while never_posted (see Job).
+    void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
+                   const std::shared_ptr<Flight>& flight, uint32_t tries);
 
     ConnectorContext& ctx_;
     // Connector thread's: the pulls posted and not reported, for peer_gone.

@@ -441,6 +441,135 @@ TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
     EXPECT_ALL_OK(results);
 }
 
+// Issue 32: the first message to a peer waits for the provider's connection (tcp;ofi_rxm
+// connects on the first send and pushes the send back meanwhile). Under load the peer answered
+// the connection only after op_timeout, and the REGISTER was dropped with a warning: decode's
+// request hung for its lease and failed. Below, prefill's process is stopped before decode's
+// first message to it and resumed after two op_timeouts (3 s, NodeOptions): decode's first
+// REGISTER, or its first reads, must still get through, well within the lease.
+constexpr auto kStoppedFor = std::chrono::seconds(7);
+
+// Stops a process now (SIGSTOP) and resumes it after kStoppedFor, as a loaded host answers
+// late; the destructor waits for the resumption.
+class StoppedForAWhile {
+  public:
+    explicit StoppedForAWhile(long pid)
+        : stopped_(::ferry::testing::stop_process(pid, std::chrono::seconds(2))), resume_([pid] {
+              std::this_thread::sleep_for(kStoppedFor);
+              ::kill(static_cast<pid_t>(pid), SIGCONT);
+          }) {}
+    ~StoppedForAWhile() { resume_.join(); }
+    bool stopped() const { return stopped_; }
+
+  private:
+    bool stopped_;
+    std::thread resume_;
+};
+
+// Prefill's pid (put first into prefill's allgather bytes) as decode reads it.
+Result<long> prefill_pid(ByteReader& rd) {
+    std::vector<uint8_t> bytes;
+    FERRY_RETURN_IF_ERROR(rd.get_bytes(&bytes, "pid", 8));
+    long pid = 0;
+    std::memcpy(&pid, bytes.data(), sizeof(pid));
+    return pid;
+}
+
+void put_pid(ByteWriter& w) {
+    const long pid = static_cast<long>(getpid());
+    w.put_bytes({reinterpret_cast<const uint8_t*>(&pid), sizeof(pid)});
+}
+
+// Decode: the transfer ended ok (within `r`'s wait) and the blocks hold the request's KV.
+std::string landed(KvNode& n, const Result<TransferResult>& r, TimePoint t0, uint64_t id,
+                   const std::vector<uint32_t>& blocks, uint32_t tokens) {
+    CHILD_CHECK_OK(r.status());
+    CHILD_CHECK_MSG(r->status.ok(), "after {:.0f} ms: {}", to_ms(Clock::now() - t0),
+                    r->status.to_string());
+    std::vector<uint8_t> image(n.mem.size(), kPoison);
+    testing::expect_request(n.self, image, id, blocks, tokens);
+    std::string diff = testing::compare_pool(n.mem, image);
+    CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+    return "";
+}
+
+TEST_P(KvReliabilityTest, FirstRegisterToAPeerThatAnswersLateStillArrives) {
+    constexpr uint64_t kId = 0x5f;
+    constexpr uint32_t kTokens = 40;
+    auto results = run_1p1d(std::chrono::seconds(15), [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        ByteWriter w;
+        put_pid(w);
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            TimePoint t0 = Clock::now();
+            Result<TransferResult> r = internal_error("not waited");
+            {
+                StoppedForAWhile stop(pid);
+                CHILD_CHECK(stop.stopped());
+                CHILD_CHECK_OK(
+                    n.conn->register_push({kId, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
+                r = n.results.wait(false, kId, std::chrono::seconds(40));
+            }
+            std::string e = landed(n, r, t0, kId, blocks, kTokens);
+            if (!e.empty()) return e;
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, std::chrono::seconds(40)));  // REGISTER
+            testing::fill_request(n, kId, blocks, kTokens);
+            CHILD_CHECK_OK(n.conn->prefill_done(kId, blocks, kTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, kWait));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+TEST_P(KvReliabilityTest, FirstPullFromAPeerThatAnswersLateStillReads) {
+    constexpr uint64_t kId = 0x60;
+    constexpr uint32_t kTokens = 48;
+    auto results = run_1p1d(std::chrono::seconds(20), [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+        ByteWriter w;
+        if (ex.rank() == kPrefill) {
+            put_pid(w);
+            testing::fill_request(n, kId, blocks, kTokens);
+            CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kId, blocks, kTokens));
+            w.put_bytes(encode_message(offer));
+        }
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            std::vector<uint8_t> offer;
+            CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+            CHILD_ASSIGN_OK(auto msg, decode_message(offer));
+            CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
+            TimePoint t0 = Clock::now();
+            Result<TransferResult> r = internal_error("not waited");
+            {
+                StoppedForAWhile stop(pid);
+                CHILD_CHECK(stop.stopped());
+                CHILD_CHECK_OK(n.conn->pull(kId, {std::get<PullParamsMsg>(msg)}, blocks, kTokens));
+                r = n.results.wait(false, kId, std::chrono::seconds(40));
+            }
+            std::string e = landed(n, r, t0, kId, blocks, kTokens);
+            if (!e.empty()) return e;
+        } else {
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, std::chrono::seconds(40)));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
 TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
     auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
         const uint64_t id = 0x7a;
