@@ -199,16 +199,15 @@ void Puller::post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
                        const std::shared_ptr<Flight>& flight, uint32_t tries) {
     std::weak_ptr<Inbox> weak = ctx_.inbox;
     ctx_.engine->read_runs(op, [this, weak, job, op, flight, tries](const Status& s) {
-        if (never_posted(s) && Clock::now() < job->repost_until) {
-            // Reading the same bytes again changes nothing, and none of these was read. Posted
-            // from the connector thread, which owns running_ and sees a job reported.
+        if (s.code() == StatusCode::kTimeout && Clock::now() < job->repost_until) {
+            // Posted again from the connector thread, which owns the job's state and sees a
+            // job reported (failed by peer_gone meanwhile).
             auto in = weak.lock();
             if (in && in->post([this, job, op, flight, tries, s] {
                     if (job->reported) return flight->done(s);
-                    log(LogLevel::kInfo, kLog,
-                        "transfer {:#x}: a read was pushed back for op_timeout (try {}: the "
-                        "provider still opens the connection?); posting it again",
-                        job->id, tries + 1);
+                    if (!never_posted(s)) job->late_reads = true;
+                    log(LogLevel::kWarn, kLog, "transfer {:#x}: {}; read again (try {})", job->id,
+                        s.to_string(), tries + 2);
                     post_read(job, op, flight, tries + 1);
                 })) {
                 return;
@@ -240,11 +239,12 @@ void Puller::peer_gone(PeerId peer, const Status& why) {
 void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
     if (job->reported) return;  // failed by peer_gone; its reads ended since
     kv_trace("pull drained", job->id);
-    if (!s.ok() && !job->plans.empty() && !job->released) {
-        // A read that timed out was reported failed, yet a software provider (tcp) still
-        // carries it out when prefill answers, however late: the blocks would be handed back
-        // for reuse and then overwritten. Report once the engine holds no read into them (or
-        // after one more op_timeout, logged).
+    if ((!s.ok() || job->late_reads) && !job->plans.empty() && !job->released) {
+        // A read that timed out (the pull failed, or it was read again) is still carried out
+        // by a software provider (tcp) when prefill answers, however late: the blocks would be
+        // handed back for reuse, or hold KV decode computes on, and then be overwritten (with
+        // what prefill's reused blocks hold by then). Report once the engine holds no read into
+        // them (or after one more op_timeout, logged).
         std::vector<std::span<const uint8_t>> spans;
         for (const TransferPlan& plan : job->plans) {
             for (const RegionRuns& g : plan.groups) {

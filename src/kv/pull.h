@@ -70,10 +70,15 @@ class Puller {
         std::vector<TransferPlan> plans;
         bool released = false;  // the engine was asked to let go (see finish)
         bool reported = false;  // recv_done sent: what completes later is dropped
-        // A read the provider never took (never_posted: tcp;ofi_rxm pushes back the first
-        // operations to a peer until it answers the connection) is posted again until then: a
-        // read still ends before the shortest of the offers' leases.
+        // A read that timed out, never posted (never_posted: tcp;ofi_rxm pushes back the first
+        // operations to a peer until it answers the connection) or posted and unanswered (a
+        // starved prefill on a loaded host), is posted again until then: reading the same
+        // bytes twice changes nothing while the offer holds them, and a read still ends before
+        // the shortest of the offers' leases.
         TimePoint repost_until{};
+        // A read posted again after its first post timed out: the first may still land, so the
+        // result waits, as a failure's does, until the engine holds no read into the blocks.
+        bool late_reads = false;
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
@@ -88,7 +93,7 @@ class Puller {
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
-    // Posts one read of the job into `flight`, again while never_posted (see Job).
+    // Posts one read of the job into `flight`, again after a timeout (see Job::repost_until).
     void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
                    const std::shared_ptr<Flight>& flight, uint32_t tries);
 

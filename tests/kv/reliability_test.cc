@@ -344,9 +344,10 @@ TEST_P(KvReliabilityTest, CancelWithWritesInFlightNeverTouchesReusedBlocks) {
     EXPECT_ALL_OK(results);
 }
 
-// Prefill's process is stopped while decode pulls: the reads time out and the pull fails, but
-// tcp still carries the reads out when prefill resumes. Decode must report the failure only
-// once no read can land any more, so blocks reused right after the report keep their data.
+// Prefill's process is stopped while decode pulls: the reads time out and the pull fails (the
+// offer's 5 s lease leaves no time to read again after op_timeout, 3 s), but tcp still carries
+// the reads out when prefill resumes. Decode must report the failure only once no read can land
+// any more, so blocks reused right after the report keep their data.
 TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
     constexpr uint64_t kWarm = 0x51, kId = 0x52;
     constexpr uint32_t kTokens = 64;
@@ -437,7 +438,7 @@ TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
             CHILD_CHECK_OK(n.blocks->free(blocks));
             return "";
         },
-        layout);
+        layout, std::chrono::seconds(5));
     EXPECT_ALL_OK(results);
 }
 
@@ -480,13 +481,14 @@ void put_pid(ByteWriter& w) {
     w.put_bytes({reinterpret_cast<const uint8_t*>(&pid), sizeof(pid)});
 }
 
-// Decode: the transfer ended ok (within `r`'s wait) and the blocks hold the request's KV.
-std::string landed(KvNode& n, const Result<TransferResult>& r, TimePoint t0, uint64_t id,
-                   const std::vector<uint32_t>& blocks, uint32_t tokens) {
+// Decode: the transfer ended ok (within `r`'s wait) and the pool is `image` (the requests
+// landed before, from kPoison) with this request's KV added.
+std::string landed(KvNode& n, std::vector<uint8_t>& image, const Result<TransferResult>& r,
+                   TimePoint t0, uint64_t id, const std::vector<uint32_t>& blocks,
+                   uint32_t tokens) {
     CHILD_CHECK_OK(r.status());
     CHILD_CHECK_MSG(r->status.ok(), "after {:.0f} ms: {}", to_ms(Clock::now() - t0),
                     r->status.to_string());
-    std::vector<uint8_t> image(n.mem.size(), kPoison);
     testing::expect_request(n.self, image, id, blocks, tokens);
     std::string diff = testing::compare_pool(n.mem, image);
     CHILD_CHECK_MSG(diff.empty(), "{}", diff);
@@ -513,7 +515,8 @@ TEST_P(KvReliabilityTest, FirstRegisterToAPeerThatAnswersLateStillArrives) {
                     n.conn->register_push({kId, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
                 r = n.results.wait(false, kId, std::chrono::seconds(40));
             }
-            std::string e = landed(n, r, t0, kId, blocks, kTokens);
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            std::string e = landed(n, image, r, t0, kId, blocks, kTokens);
             if (!e.empty()) return e;
         } else {
             CHILD_CHECK_OK(testing::wait_messages(n, 1, std::chrono::seconds(40)));  // REGISTER
@@ -529,41 +532,56 @@ TEST_P(KvReliabilityTest, FirstRegisterToAPeerThatAnswersLateStillArrives) {
     EXPECT_ALL_OK(results);
 }
 
-TEST_P(KvReliabilityTest, FirstPullFromAPeerThatAnswersLateStillReads) {
-    constexpr uint64_t kId = 0x60;
+// Twice: the first pull's reads wait for the connection (never posted), the second's are
+// posted on it and unanswered (a starved prefill); both are read again until prefill answers.
+TEST_P(KvReliabilityTest, PullFromAPeerThatAnswersLateStillReads) {
+    constexpr uint64_t kIds[] = {0x60, 0x61};
     constexpr uint32_t kTokens = 48;
     auto results = run_1p1d(std::chrono::seconds(20), [&](Exchange& ex, KvNode& n) -> std::string {
-        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+        std::vector<std::vector<uint32_t>> blocks;
+        for (size_t i = 0; i < std::size(kIds); ++i) {
+            CHILD_ASSIGN_OK(auto b, n.blocks->allocate(kTokens / 16));
+            blocks.push_back(std::move(b));
+        }
         ByteWriter w;
         if (ex.rank() == kPrefill) {
             put_pid(w);
-            testing::fill_request(n, kId, blocks, kTokens);
-            CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kId, blocks, kTokens));
-            w.put_bytes(encode_message(offer));
+            for (size_t i = 0; i < std::size(kIds); ++i) {
+                testing::fill_request(n, kIds[i], blocks[i], kTokens);
+                CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kIds[i], blocks[i], kTokens));
+                w.put_bytes(encode_message(offer));
+            }
         }
         CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
         if (ex.rank() == kDecode) {
             ByteReader rd(all[kPrefill]);
             CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
-            std::vector<uint8_t> offer;
-            CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
-            CHILD_ASSIGN_OK(auto msg, decode_message(offer));
-            CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
-            TimePoint t0 = Clock::now();
-            Result<TransferResult> r = internal_error("not waited");
-            {
-                StoppedForAWhile stop(pid);
-                CHILD_CHECK(stop.stopped());
-                CHILD_CHECK_OK(n.conn->pull(kId, {std::get<PullParamsMsg>(msg)}, blocks, kTokens));
-                r = n.results.wait(false, kId, std::chrono::seconds(40));
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            for (size_t i = 0; i < std::size(kIds); ++i) {
+                SCOPED_TRACE(i == 0 ? "first pull" : "on a connection");
+                std::vector<uint8_t> offer;
+                CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+                CHILD_ASSIGN_OK(auto msg, decode_message(offer));
+                CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
+                TimePoint t0 = Clock::now();
+                Result<TransferResult> r = internal_error("not waited");
+                {
+                    StoppedForAWhile stop(pid);
+                    CHILD_CHECK(stop.stopped());
+                    CHILD_CHECK_OK(
+                        n.conn->pull(kIds[i], {std::get<PullParamsMsg>(msg)}, blocks[i], kTokens));
+                    r = n.results.wait(false, kIds[i], std::chrono::seconds(40));
+                }
+                std::string e = landed(n, image, r, t0, kIds[i], blocks[i], kTokens);
+                if (!e.empty()) return e;
             }
-            std::string e = landed(n, r, t0, kId, blocks, kTokens);
-            if (!e.empty()) return e;
         } else {
-            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, std::chrono::seconds(40)));
-            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+            for (uint64_t id : kIds) {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, std::chrono::seconds(40)));
+                CHILD_CHECK_MSG(r.status.ok(), "{:#x}: {}", id, r.status.to_string());
+            }
         }
-        CHILD_CHECK_OK(n.blocks->free(blocks));
+        for (const auto& b : blocks) CHILD_CHECK_OK(n.blocks->free(b));
         CHILD_CHECK_OK(ex.barrier());
         return "";
     });
