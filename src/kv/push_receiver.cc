@@ -60,6 +60,7 @@ void PushReceiver::on_scheduled(const ScheduledMsg& m) {
         Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &c);
         if (!s || resolved(s->state) || c->second.cancelling)
             return ctx_.stale("SCHEDULED for an unknown announcement or finished transfer");
+        kv_trace("renewal (SCHEDULED) in", m.transfer_id);
         return renew(c->second, *s);
     }
     Announce& a = it->second;
