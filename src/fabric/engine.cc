@@ -157,4 +157,9 @@ void TransferEngine::set_message_handler(MessageHandler handler) {
 EngineStats TransferEngine::stats() const { return impl_->stats(); }
 std::vector<EngineStats> TransferEngine::rail_stats() const { return impl_->rail_stats(); }
 
+bool never_posted(const Status& s) {
+    return s.code() == StatusCode::kTimeout &&
+           s.message().find(detail::kNeverPostedText) != std::string::npos;
+}
+
 }  // namespace ferry

@@ -220,6 +220,9 @@ class CallGuard {
 
 // How often the worker sweeps deadlines (and closes idle retired endpoints).
 inline constexpr auto kTickPeriod = std::chrono::milliseconds(1);
+// The words of the timeout of an operation the provider pushed back until its deadline, by
+// which never_posted() (ferry/fabric/engine.h) tells it from one that was posted.
+inline constexpr const char* kNeverPostedText = "could not be posted within";
 
 // Called by the worker for arrivals; set by the engine.
 struct RailHooks {

@@ -105,10 +105,9 @@ void Rail::sweep_timeouts(TimePoint now) {
             }
         }
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
-        op->parent->piece_done(timeout_error(fmt::format(
-            "{} could not be posted within {} ms: the provider kept pushing back (peer dead or "
-            "overloaded?)",
-            describe(op), to_ms(config_.op_timeout))));
+        op->parent->piece_done(timeout_error(
+            fmt::format("{} {} {} ms: the provider kept pushing back (peer dead or overloaded?)",
+                        describe(op), kNeverPostedText, to_ms(config_.op_timeout))));
         delete op;
         op = next;
     }

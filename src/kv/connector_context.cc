@@ -151,17 +151,49 @@ bool ConnectorContext::active() const {
            counters.active_recv.load(std::memory_order_relaxed) > 0;
 }
 
-void ConnectorContext::send(PeerId peer, const KvMessage& msg) {
-    auto bytes = encode_message(msg);
-    const char* name = message_name(msg);
-    engine->send_message(peer, bytes, [name, peer](const Status& s) {
+void ConnectorContext::send(PeerId peer, const KvMessage& msg, std::function<bool()> still_wanted) {
+    send_encoded(peer, encode_message(msg), message_name(msg), std::move(still_wanted), 0);
+}
+
+void ConnectorContext::send_encoded(PeerId peer, std::vector<uint8_t> bytes, const char* name,
+                                    std::function<bool()> still_wanted, uint32_t tries) {
+    // The provider copies the bytes at the post; a copy is kept only where the message may be
+    // posted again.
+    std::vector<uint8_t> again;
+    if (still_wanted) again = bytes;
+    std::weak_ptr<Inbox> weak = inbox;
+    auto done = [this, weak, name, peer, tries, again = std::move(again),
+                 still_wanted = std::move(still_wanted)](const Status& s) {
+        if (s.ok() && tries > 0) {
+            log(LogLevel::kInfo, kLog, "{} to peer {} was posted at try {}", name, peer, tries + 1);
+        }
         if (s.ok()) return;
+        // The decision is the connector thread's, which owns the transfer's state; a task
+        // posted after shutdown is dropped with the inbox.
+        auto in = weak.lock();
+        if (still_wanted && never_posted(s) && in &&
+            in->post([this, name, peer, tries, again, still_wanted, s] {
+                if (!still_wanted()) {
+                    log(LogLevel::kWarn, kLog,
+                        "sending {} to peer {} failed: {}; its transfer is over", name, peer,
+                        s.to_string());
+                    return;
+                }
+                log(LogLevel::kInfo, kLog,
+                    "{} to peer {} was pushed back for op_timeout (try {}; the provider is still "
+                    "opening the connection?): posted again while its transfer waits",
+                    name, peer, tries + 1);
+                send_encoded(peer, again, name, still_wanted, tries + 1);
+            })) {
+            return;
+        }
         // Cancelled: the engine shut down with the message still queued (close(), where a
         // peer that died left CANCELs of transfers already over undelivered). Nothing to
         // tell the user: one warning line per ended transfer was printed at close().
         log(s.code() == StatusCode::kCancelled ? LogLevel::kDebug : LogLevel::kWarn, kLog,
             "sending {} to peer {} failed: {}", name, peer, s.to_string());
-    });
+    };
+    engine->send_message(peer, bytes, std::move(done));
 }
 
 std::shared_ptr<Flight> ConnectorContext::new_flight(std::function<void(const Status&)> drained) {

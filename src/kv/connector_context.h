@@ -110,7 +110,12 @@ class ConnectorContext {
     // (Inbox::try_run_here), queued otherwise.
     Status run_or_post(Inbox::Task t);
     // Sends a KV message; a failed send is logged (the peer's lease covers a lost message).
-    void send(PeerId peer, const KvMessage& msg);
+    // `still_wanted`, when given, is asked on the connector thread (state lock held) after a
+    // send the provider never took (never_posted: tcp;ofi_rxm pushes the first send to a peer
+    // back until that peer answers the connection, which a loaded peer did only after
+    // op_timeout): while it returns true the message is posted again, so that a transfer's
+    // REGISTER is not lost while its transfer still waits for it (issue 32).
+    void send(PeerId peer, const KvMessage& msg, std::function<bool()> still_wanted = {});
     // Starts a flight whose completion runs `drained` on the connector thread.
     std::shared_ptr<Flight> new_flight(std::function<void(const Status&)> drained);
     void stale(std::string_view what);
@@ -138,6 +143,10 @@ class ConnectorContext {
 
     // Writes in flight, or a send or receive not finished.
     bool active() const;
+
+  private:
+    void send_encoded(PeerId peer, std::vector<uint8_t> bytes, const char* name,
+                      std::function<bool()> still_wanted, uint32_t tries);
 };
 
 // Checks a block list against the pool before any work is queued. `first_token` > 0: the list

@@ -177,6 +177,10 @@ void Puller::start(const std::shared_ptr<Job>& job) {
         windowed.push_back(std::move(split));
     }
     kv_trace("pull planned", job->id);
+    uint32_t lease_ms = UINT32_MAX;
+    for (const PullParamsMsg& p : job->params) lease_ms = std::min(lease_ms, p.lease_ms);
+    job->repost_until =
+        Clock::now() + std::chrono::milliseconds(lease_ms) - ctx_.engine->config().op_timeout;
     auto flight = ctx_.new_flight([this, job](const Status& s) { finish(job, s); });
     for (size_t i = 0; i < plans.size(); ++i) {
         const auto& [idx, plan] = plans[i];
@@ -196,22 +200,18 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             op.src = &job->params[idx].pool[g.src_region];
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
             if (windowed[i].empty()) {
-                flight->add();
-                ctx_.engine->read_runs(op, [flight](const Status& s) { flight->done(s); });
+                post_read(job, op, flight, 0, nullptr);
                 continue;
             }
             for (const WindowRuns& w : windowed[i][gi]) {
-                flight->add();
                 op.src = &w.window->desc;
-                op.runs = w.runs;
+                op.runs = w.runs;  // kept in job->windowed until the job ends (read again)
                 // The provider's own words say little: tcp reports a refused key as a cancelled
                 // read, and drops the connection (the reads after it fail as not connected).
-                ctx_.engine->read_runs(op, [flight](const Status& s) {
-                    flight->done(s.with_context(
-                        "reading a pull offer under its own keys, which prefill closes when the "
-                        "offer ends (DONE sent, withdrawn, lease passed): a read after that "
-                        "fails"));
-                });
+                post_read(job, op, flight, 0,
+                          "reading a pull offer under its own keys, which prefill closes when the "
+                          "offer ends (DONE sent, withdrawn, lease passed): a read after that "
+                          "fails");
             }
         }
         job->reads += static_cast<uint32_t>(plan.operations());
@@ -222,10 +222,33 @@ void Puller::start(const std::shared_ptr<Job>& job) {
     for (auto& p : plans) {
         if (!p.second.on_gpu) job->plans.push_back(std::move(p.second.runs));
     }
+    job->windowed = std::move(windowed);  // the runs' storage stays where the reads point
     flight->done(ok_status());
     // Known to peer_gone from here (start may run on the caller's thread).
     ctx_.inbox->post([this, job] { running_.push_back(job); });
     kv_trace("pull posted", job->id);
+}
+
+void Puller::post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
+                       const std::shared_ptr<Flight>& flight, uint32_t tries, const char* context) {
+    std::weak_ptr<Inbox> weak = ctx_.inbox;
+    ctx_.engine->read_runs(op, [this, weak, job, op, flight, tries, context](const Status& s) {
+        if (s.code() == StatusCode::kTimeout && Clock::now() < job->repost_until) {
+            // Posted again from the connector thread, which owns the job's state and sees a
+            // job reported (failed by peer_gone meanwhile).
+            auto in = weak.lock();
+            if (in && in->post([this, job, op, flight, tries, context, s] {
+                    if (job->reported) return flight->done(s);
+                    if (!never_posted(s)) job->late_reads = true;
+                    log(LogLevel::kWarn, kLog, "transfer {:#x}: {}; read again (try {})", job->id,
+                        s.to_string(), tries + 2);
+                    post_read(job, op, flight, tries + 1, context);
+                })) {
+                return;
+            }
+        }
+        flight->done(context && !s.ok() ? s.with_context(context) : s);
+    });
 }
 
 void Puller::peer_gone(PeerId peer, const Status& why) {
@@ -250,11 +273,12 @@ void Puller::peer_gone(PeerId peer, const Status& why) {
 void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
     if (job->reported) return;  // failed by peer_gone; its reads ended since
     kv_trace("pull drained", job->id);
-    if (!s.ok() && !job->plans.empty() && !job->released) {
-        // A read that timed out was reported failed, yet a software provider (tcp) still
-        // carries it out when prefill answers, however late: the blocks would be handed back
-        // for reuse and then overwritten. Report once the engine holds no read into them (or
-        // after one more op_timeout, logged).
+    if ((!s.ok() || job->late_reads) && !job->plans.empty() && !job->released) {
+        // A read that timed out (the pull failed, or it was read again) is still carried out
+        // by a software provider (tcp) when prefill answers, however late: the blocks would be
+        // handed back for reuse, or hold KV decode computes on, and then be overwritten (with
+        // what prefill's reused blocks hold by then). Report once the engine holds no read into
+        // them (or after one more op_timeout, logged).
         std::vector<std::span<const uint8_t>> spans;
         for (const TransferPlan& plan : job->plans) {
             for (const RegionRuns& g : plan.groups) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "connector_context.h"
+#include "pull_windows.h"
 
 namespace ferry::kv::detail {
 
@@ -74,6 +75,18 @@ class Puller {
         std::vector<TransferPlan> plans;
         bool released = false;  // the engine was asked to let go (see finish)
         bool reported = false;  // recv_done sent: what completes later is dropped
+        // A read that timed out, never posted (never_posted: tcp;ofi_rxm pushes back the first
+        // operations to a peer until it answers the connection) or posted and unanswered (a
+        // starved prefill on a loaded host), is posted again until then: reading the same
+        // bytes twice changes nothing while the offer holds them, and a read still ends before
+        // the shortest of the offers' leases.
+        TimePoint repost_until{};
+        // A read posted again after its first post timed out: the first may still land, so the
+        // result waits, as a failure's does, until the engine holds no read into the blocks.
+        bool late_reads = false;
+        // The reads' runs split by the offer's windows (PullKeys::kPerOffer), per plan and
+        // group: a read posted again points into them.
+        std::vector<std::vector<std::vector<WindowRuns>>> windowed;
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
@@ -88,6 +101,10 @@ class Puller {
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
+    // Posts one read of the job into `flight`, again after a timeout (see Job::repost_until).
+    // `context` (may be null) is added to a failed read's status.
+    void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
+                   const std::shared_ptr<Flight>& flight, uint32_t tries, const char* context);
 
     ConnectorContext& ctx_;
     // Connector thread's: the pulls posted and not reported, for peer_gone.

@@ -38,8 +38,16 @@ void PushReceiver::announce(uint64_t id, uint32_t attempt, std::vector<EngineAdd
     }
     a.deadline = Clock::now() + ctx_.cfg.lease;
     for (const auto& [rank, peer] : a.ranks) {
-        ctx_.send(peer, IntentMsg{id, attempt, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size,
-                                  ctx_.engine->address()});
+        // Posted again while the announcement waits for this rank (see send()).
+        ctx_.send(peer,
+                  IntentMsg{id, attempt, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size,
+                            ctx_.engine->address()},
+                  [this, key, rank = rank] {
+                      auto it = announces_.find(key);
+                      return it != announces_.end() &&
+                             std::find(it->second.scheduled.begin(), it->second.scheduled.end(),
+                                       rank) == it->second.scheduled.end();
+                  });
     }
     announces_.emplace(key, std::move(a));
 }
@@ -52,6 +60,7 @@ void PushReceiver::on_scheduled(const ScheduledMsg& m) {
         Slot* s = find_slot({m.transfer_id, m.attempt}, m.producer_rank, &c);
         if (!s || resolved(s->state) || c->second.cancelling)
             return ctx_.stale("SCHEDULED for an unknown announcement or finished transfer");
+        kv_trace("renewal (SCHEDULED) in", m.transfer_id);
         return renew(c->second, *s);
     }
     Announce& a = it->second;
@@ -150,7 +159,14 @@ void PushReceiver::register_push(PushRegistration reg) {
         m.pool = ctx_.pool_descriptors;
         m.layout = ctx_.cfg.self.layout;
         m.blocks = reg.blocks;
-        ctx_.send(s.peer, m);
+        // The first message to a prefill rank often: posted again while this slot still
+        // waits for it (see send()), not lost for the whole lease.
+        ctx_.send(s.peer, m,
+                  [this, key = ConsumerKey{reg.transfer_id, reg.attempt}, rank = s.rank] {
+                      ConsumerIt it;
+                      const Slot* slot = find_slot(key, rank, &it);
+                      return slot && !resolved(slot->state) && !it->second.cancelling;
+                  });
     }
     ctx_.counters.active_recv.fetch_add(1);
     consumers_.emplace(ConsumerKey{reg.transfer_id, reg.attempt}, std::move(c));

@@ -10,6 +10,7 @@
 
 namespace ferry::kv::detail {
 void PushSender::on_register(RegisterMsg m) {
+    kv_trace("REGISTER in", m.transfer_id);
     auto peer = ctx_.engine->connect(m.decode_address);
     if (!peer.ok()) {
         log(LogLevel::kWarn, kLog, "transfer {:#x}: cannot reach decode rank {}: {}", m.transfer_id,
@@ -532,6 +533,7 @@ Duration PushSender::renewal_period(const Producer& p) const {
 // 27 s on a loaded 2-core host, and a lease counted from the registration alone failed it at
 // 30 s on both sides. Renewals stop with the process, so a dead prefill still ends in a lease.
 void PushSender::renew(uint64_t id, Producer& p, TimePoint now) {
+    kv_trace("renewal (SCHEDULED) out", id);
     p.deadline = now + ctx_.cfg.lease;
     p.renew_at = now + renewal_period(p);
     for (const auto& [key, job] : p.jobs) {

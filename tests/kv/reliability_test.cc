@@ -344,9 +344,10 @@ TEST_P(KvReliabilityTest, CancelWithWritesInFlightNeverTouchesReusedBlocks) {
     EXPECT_ALL_OK(results);
 }
 
-// Prefill's process is stopped while decode pulls: the reads time out and the pull fails, but
-// tcp still carries the reads out when prefill resumes. Decode must report the failure only
-// once no read can land any more, so blocks reused right after the report keep their data.
+// Prefill's process is stopped while decode pulls: the reads time out and the pull fails (the
+// offer's 5 s lease leaves no time to read again after op_timeout, 3 s), but tcp still carries
+// the reads out when prefill resumes. Decode must report the failure only once no read can land
+// any more, so blocks reused right after the report keep their data.
 TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
     constexpr uint64_t kWarm = 0x51, kId = 0x52;
     constexpr uint32_t kTokens = 64;
@@ -437,7 +438,158 @@ TEST_P(KvReliabilityTest, FailedPullIsReportedOnlyWhenNoLateReadCanLand) {
             CHILD_CHECK_OK(n.blocks->free(blocks));
             return "";
         },
-        layout);
+        layout, std::chrono::seconds(5));
+    EXPECT_ALL_OK(results);
+}
+
+// Issue 32: the first message to a peer waits for the provider's connection (tcp;ofi_rxm
+// connects on the first send and pushes the send back meanwhile). Under load the peer answered
+// the connection only after op_timeout, and the REGISTER was dropped with a warning: decode's
+// request hung for its lease and failed. Below, prefill's process is stopped before decode's
+// first message to it and resumed after two op_timeouts (3 s, NodeOptions): decode's first
+// REGISTER, or its first reads, must still get through, well within the lease.
+constexpr auto kStoppedFor = std::chrono::seconds(7);
+
+// Stops a process now (SIGSTOP) and resumes it after kStoppedFor, as a loaded host answers
+// late; the destructor waits for the resumption.
+class StoppedForAWhile {
+  public:
+    explicit StoppedForAWhile(long pid)
+        : stopped_(::ferry::testing::stop_process(pid, std::chrono::seconds(2))), resume_([pid] {
+              std::this_thread::sleep_for(kStoppedFor);
+              ::kill(static_cast<pid_t>(pid), SIGCONT);
+          }) {}
+    ~StoppedForAWhile() { resume_.join(); }
+    bool stopped() const { return stopped_; }
+
+  private:
+    bool stopped_;
+    std::thread resume_;
+};
+
+// Prefill's pid (put first into prefill's allgather bytes) as decode reads it.
+Result<long> prefill_pid(ByteReader& rd) {
+    std::vector<uint8_t> bytes;
+    FERRY_RETURN_IF_ERROR(rd.get_bytes(&bytes, "pid", 8));
+    long pid = 0;
+    std::memcpy(&pid, bytes.data(), sizeof(pid));
+    return pid;
+}
+
+void put_pid(ByteWriter& w) {
+    const long pid = static_cast<long>(getpid());
+    w.put_bytes({reinterpret_cast<const uint8_t*>(&pid), sizeof(pid)});
+}
+
+// Decode: the transfer ended ok (within `r`'s wait) and the pool is `image` (the requests
+// landed before, from kPoison) with this request's KV added.
+std::string landed(KvNode& n, std::vector<uint8_t>& image, const Result<TransferResult>& r,
+                   TimePoint t0, uint64_t id, const std::vector<uint32_t>& blocks,
+                   uint32_t tokens) {
+    CHILD_CHECK_OK(r.status());
+    CHILD_CHECK_MSG(r->status.ok(), "after {:.0f} ms: {}", to_ms(Clock::now() - t0),
+                    r->status.to_string());
+    testing::expect_request(n.self, image, id, blocks, tokens);
+    std::string diff = testing::compare_pool(n.mem, image);
+    CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+    return "";
+}
+
+TEST_P(KvReliabilityTest, FirstRegisterToAPeerThatAnswersLateStillArrives) {
+    constexpr uint64_t kId = 0x5f;
+    constexpr uint32_t kTokens = 40;
+    auto results = run_1p1d(std::chrono::seconds(15), [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        ByteWriter w;
+        put_pid(w);
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            TimePoint t0 = Clock::now();
+            Result<TransferResult> r = internal_error("not waited");
+            {
+                StoppedForAWhile stop(pid);
+                CHILD_CHECK(stop.stopped());
+                CHILD_CHECK_OK(
+                    n.conn->register_push({kId, 1, {n.addrs[kPrefill]}, blocks, kTokens}));
+                r = n.results.wait(false, kId, std::chrono::seconds(40));
+            }
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            std::string e = landed(n, image, r, t0, kId, blocks, kTokens);
+            if (!e.empty()) return e;
+        } else {
+            CHILD_CHECK_OK(testing::wait_messages(n, 1, std::chrono::seconds(40)));  // REGISTER
+            testing::fill_request(n, kId, blocks, kTokens);
+            CHILD_CHECK_OK(n.conn->prefill_done(kId, blocks, kTokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, kWait));
+            CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+// Twice: the first pull's reads wait for the connection (never posted), the second's are
+// posted on it and unanswered (a starved prefill); both are read again until prefill answers.
+TEST_P(KvReliabilityTest, PullFromAPeerThatAnswersLateStillReads) {
+    // shm reads a stopped process's memory itself (CMA) once the peer is mapped, so whether a
+    // read is pushed back at all depends on timing there; and once, with the whole kv_tests
+    // suite and three vLLM engines beside it, prefill never heard either DONE sent to it while
+    // stopped (lease expired; not understood yet, issue 32). tcp needs the peer for every read.
+    if (GetParam() != "tcp") GTEST_SKIP() << "tcp: reads need the peer's process (see above)";
+    constexpr uint64_t kIds[] = {0x60, 0x61};
+    constexpr uint32_t kTokens = 48;
+    auto results = run_1p1d(std::chrono::seconds(20), [&](Exchange& ex, KvNode& n) -> std::string {
+        std::vector<std::vector<uint32_t>> blocks;
+        for (size_t i = 0; i < std::size(kIds); ++i) {
+            CHILD_ASSIGN_OK(auto b, n.blocks->allocate(kTokens / 16));
+            blocks.push_back(std::move(b));
+        }
+        ByteWriter w;
+        if (ex.rank() == kPrefill) {
+            put_pid(w);
+            for (size_t i = 0; i < std::size(kIds); ++i) {
+                testing::fill_request(n, kIds[i], blocks[i], kTokens);
+                CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kIds[i], blocks[i], kTokens));
+                w.put_bytes(encode_message(offer));
+            }
+        }
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            std::vector<uint8_t> image(n.mem.size(), kPoison);
+            for (size_t i = 0; i < std::size(kIds); ++i) {
+                SCOPED_TRACE(i == 0 ? "first pull" : "on a connection");
+                std::vector<uint8_t> offer;
+                CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+                CHILD_ASSIGN_OK(auto msg, decode_message(offer));
+                CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
+                TimePoint t0 = Clock::now();
+                Result<TransferResult> r = internal_error("not waited");
+                {
+                    StoppedForAWhile stop(pid);
+                    CHILD_CHECK(stop.stopped());
+                    CHILD_CHECK_OK(
+                        n.conn->pull(kIds[i], {std::get<PullParamsMsg>(msg)}, blocks[i], kTokens));
+                    r = n.results.wait(false, kIds[i], std::chrono::seconds(40));
+                }
+                std::string e = landed(n, image, r, t0, kIds[i], blocks[i], kTokens);
+                if (!e.empty()) return e;
+            }
+        } else {
+            for (uint64_t id : kIds) {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, std::chrono::seconds(40)));
+                CHILD_CHECK_MSG(r.status.ok(), "{:#x}: {}", id, r.status.to_string());
+            }
+        }
+        for (const auto& b : blocks) CHILD_CHECK_OK(n.blocks->free(b));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
     EXPECT_ALL_OK(results);
 }
 

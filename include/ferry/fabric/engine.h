@@ -503,4 +503,11 @@ class ArrivalsExpected {
 // in preference order).
 Result<std::string> resolve_provider(const EngineConfig& config);
 
+// Whether an operation failed without the provider ever taking it: the provider pushed it back
+// (EAGAIN) until op_timeout, as tcp;ofi_rxm does while it opens the connection its first send
+// to a peer asks for and the peer has not answered yet (a loaded or stopped process). Nothing
+// of it reached the peer, so posting it again cannot deliver it twice. (A timeout of an
+// operation the provider took, "did not complete within", may have been carried out.)
+bool never_posted(const Status& s);
+
 }  // namespace ferry
