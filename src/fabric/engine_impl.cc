@@ -314,7 +314,6 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->len_ = len;
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
-    region->send_rails_ = reg.send_rails;
     return region;
 }
 

@@ -40,7 +40,6 @@ class MemoryRegistry {
         uint32_t id = 0;
         MemoryDescriptor desc;
         std::vector<void*> local_descs;  // per rail, fi_mr_desc (null without registration)
-        RailSet send_rails = 0;          // where this engine sends it first (RailPlacement::Placed)
     };
 
     MemoryRegistry(RailGroup& rails, GpuCopyPath& gpu) : rails_(rails), gpu_(gpu) {}

@@ -17,6 +17,25 @@ std::string rail_set_text(RailSet rails) {
     return s.empty() ? "none" : s;
 }
 
+std::string RailRoute::pairs_text() const {
+    std::string s;
+    for (RailSet l = local; l; l &= l - 1) {
+        const int r = __builtin_ctzll(l);
+        s += fmt::format("{}{}->{}", s.empty() ? "" : ",", r, peer_rail(r));
+    }
+    return s.empty() ? "none" : s;
+}
+
+RailRoute route_rails(RailSet local_near, RailSet remote_near) {
+    RailRoute route;
+    route.remote = remote_near;
+    if (!local_near || !remote_near) return route;
+    const RailSet both = local_near & remote_near;
+    route.common = both != 0;
+    route.local = both ? both : local_near;
+    return route;
+}
+
 Result<RailPlacement> RailPlacement::open(const EngineConfig& config, std::vector<FabricNic> nics) {
     RailPlacement p;
     auto selection = RailSelection::parse(config.rails);
