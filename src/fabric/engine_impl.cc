@@ -385,7 +385,7 @@ Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
                         "a live engine",
                         a.engine_id));
     }
-    return peers_.connect(a, rails);
+    return peers_.connect(a, rails, address.engine_id);
 }
 
 std::optional<PeerId> EngineImpl::find_peer(uint64_t engine_id) const {

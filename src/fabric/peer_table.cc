@@ -8,7 +8,7 @@ namespace ferry::detail {
 
 PeerTable::PeerTable() : peer_table_(std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers)) {}
 
-Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
+Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails, uint64_t self) {
     std::lock_guard lk(peers_mu_);
     if (auto it = by_engine_.find(a.engine_id); it != by_engine_.end()) return it->second;
     if (peers_owned_.size() >= kMaxPeers) {
@@ -55,8 +55,8 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
     }
     // Greppable next to the rail and region lines (docs/ARCHITECTURE.md, "Rails and topology").
     log(rails.size() > 1 || p->peer_rails > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
-        "peer {} (engine {:x}): each of {} local rails reaches its {} rails", p->id, a.engine_id,
-        rails.size(), p->peer_rails);
+        "engine {:x}: peer {} (engine {:x}): each of {} local rails reaches its {} rails", self,
+        p->id, a.engine_id, rails.size(), p->peer_rails);
     PeerId id = p->id;
     peer_table_[id].store(p.get(), std::memory_order_release);
     by_engine_[a.engine_id] = id;

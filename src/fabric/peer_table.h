@@ -77,8 +77,8 @@ class PeerTable {
     PeerTable();
 
     // Inserts every rail's address of the peer on every local rail (one task per local rail);
-    // connecting twice returns the same id. Logs the peer's rails at info.
-    Result<PeerId> connect(const EngineAddress& a, RailGroup& rails);
+    // connecting twice returns the same id. Logs the peer's rails at info, as engine `self`.
+    Result<PeerId> connect(const EngineAddress& a, RailGroup& rails, uint64_t self);
     std::optional<PeerId> find(uint64_t engine_id) const;
     // Lock-free; null when no peer has that id. A peer, once connected, stays. Inline: every
     // write and read looks its peer up (a call was ~7 instructions per 64 B write, 2026-12-02).

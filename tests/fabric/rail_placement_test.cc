@@ -264,6 +264,39 @@ INSTANTIATE_TEST_SUITE_P(Providers, RailPlacementTest,
                          ::testing::ValuesIn(testing::test_providers()),
                          [](const auto& info) { return info.param; });
 
+// A descriptor naming only rails its peer does not have (another engine's, or corrupted) has
+// no rail pair at all: the write fails at once naming both sets, and nothing is posted.
+TEST(RailPlacement, ADescriptorOnRailsThePeerLacksFailsNamingBothSets) {
+    auto results = testing::run_processes(
+        1,
+        [&](testing::Exchange&) -> std::string {
+            EngineConfig c = testing::test_engine_config("tcp");
+            c.num_rails = 2;
+            CHILD_ASSIGN_OK(auto a, TransferEngine::create(c));
+            CHILD_ASSIGN_OK(auto b, TransferEngine::create(c));
+            std::vector<uint8_t> src(4096, 1), dst(4096, kPoison);
+            CHILD_ASSIGN_OK(auto smr, a->register_memory(src.data(), src.size()));
+            CHILD_ASSIGN_OK(auto dmr, b->register_memory(dst.data(), dst.size()));
+            CHILD_ASSIGN_OK(PeerId peer, a->connect(b->address()));
+            MemoryDescriptor d = dmr->descriptor();
+            d.rail_keys = {0, 0, d.rail_keys[0], d.rail_keys[1]};  // as if on rails 2,3
+            d.rail_mask = d.near_mask = 0b1100;
+            Status s = a->write({peer, smr.get(), 0, &d, 0, 4096, kImm}).wait(kWait);
+            CHILD_CHECK_MSG(
+                s.code() == StatusCode::kInvalidArgument &&
+                    s.message().find("no rail pair reaches both regions") != std::string::npos &&
+                    s.message().find("rails 0,1 of this engine") != std::string::npos &&
+                    s.message().find("remote region on rails 2,3") != std::string::npos,
+                "{}", s.to_string());
+            for (const auto& r : a->rail_stats()) CHILD_CHECK(r.ops_posted == 0);
+            CHILD_CHECK(
+                std::all_of(dst.begin(), dst.end(), [](uint8_t x) { return x == kPoison; }));
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
 // Settings that cannot work fail at create(), naming the setting.
 TEST(RailPlacement, BadSettingsNameTheSetting) {
     struct Case {
