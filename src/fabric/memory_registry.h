@@ -1,7 +1,7 @@
-// Registered memory: each region's registration on its rails (every rail unless a NIC list
-// says otherwise, RailPlacement), the rails it is sent on, the ids regions are known by,
-// and where GPU memory goes (registered with the provider under FI_HMEM, exported through
-// CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by the engine.
+// Registered memory: each region's registration on its rails (those RailPlacement picks), the ids
+// regions are known by, and where GPU memory goes (registered with the provider under FI_HMEM,
+// exported through CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by
+// the engine.
 #pragma once
 
 #include <rdma/fabric.h>

@@ -104,12 +104,11 @@ RailPlacement::Placed RailPlacement::place(const void* ptr, size_t len, MemoryKi
     auto chosen = topology_.choose(selection_, at);
     RailChoice choice = chosen.ok() ? *chosen : topology_.nearest(at);
     for (int r : choice.nics) out.send |= RailSet{1} << r;
-    // Only a NIC list keeps a region off rails: under "nearest" any peer may reach it on any
-    // rail (its rail r talks to rail r here, whatever memory its own region is in).
-    const size_t n = topology_.nics().size();
-    out.registered = selection_.mode == RailSelection::Mode::kList ? out.send
-                     : n >= 64                                     ? ~RailSet{0}
-                                                                   : (RailSet{1} << n) - 1;
+    // Registered on those rails only, as NIXL does: a peer aims its transfers at the rails
+    // the region's descriptor names near it (near_mask), whichever of its own rails it sends
+    // from (every local rail holds every peer rail's address), so no peer needs another.
+    // On p5en that is 2 registrations of a GPU's KV cache instead of 16.
+    out.registered = out.send;
     out.why = nearest ? std::string(rail_reach_name(choice.reach)) : "set by the rail selection";
     return out;
 }

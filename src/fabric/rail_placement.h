@@ -61,10 +61,11 @@ class RailPlacement {
     static Result<RailPlacement> open(const EngineConfig& config, std::vector<FabricNic> nics);
 
     struct Placed {
-        // Where peers can reach the region: every rail, except under a NIC list (only those).
+        // Where peers can reach the region: the rails below.
         RailSet registered = 0;
-        // Where this engine's own operations on the region go first: the rails nearest its
-        // memory under "nearest" (a subset of `registered`), else `registered`.
+        // The rails nearest its memory under "nearest", every rail under "all", the listed
+        // ones under a NIC list: this engine's own operations on the region leave from them
+        // and peers' arrive on them (MemoryDescriptor::near_mask).
         RailSet send = 0;
         std::string where;  // "host memory on NUMA node 0", for the log
         std::string why;    // "same NUMA node", "set by the rail selection"

@@ -51,15 +51,15 @@ struct EngineConfig {
     std::string node = "127.0.0.1";
     // Number of domains (NICs) to open. Large writes are striped across them.
     int num_rails = 1;
-    // Which NICs carry this engine's transfers of each local region: "nearest" (a GPU's memory
-    // on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every rail when
-    // no NIC is nearer; the region is still registered on every rail, so any peer reaches it on
-    // any rail), "all", or NIC domain names separated by commas ("rdmap79s0,rdmap80s0"): every
-    // region registered on those rails only, so peers reach it only there. A peer's
-    // descriptor says which of its rails are near its region: transfers go from a rail near
-    // the local memory to one near the remote memory, the same rail index where both sides
-    // have one (NIC to matching NIC), else across rails (EngineStats::rail_fallbacks).
-    // docs/ARCHITECTURE.md, "Rails and topology".
+    // Which NICs carry each local region, which is registered on those only: "nearest" (a GPU's
+    // memory on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every
+    // rail when no NIC is nearer; on a p5en 2 of its 16 EFA devices per GPU), "all", or NIC
+    // domain names separated by commas ("rdmap79s0,rdmap80s0"), the same for every region.
+    // A region's descriptor names its rails (near_mask), so transfers go from a rail near the
+    // local memory to one near the remote memory: the same rail index where both sides have
+    // one (NIC to matching NIC), else the k-th local rail to the k-th remote one, across rails
+    // (EngineStats::rail_fallbacks counts those). `ferry topo` prints the choice per GPU and
+    // NUMA node. docs/ARCHITECTURE.md, "Rails and topology".
     std::string rails = "nearest";
     // The machine's topology as an hwloc XML file (lstopo --of xml) instead of this machine's.
     std::string topology_xml;
@@ -363,9 +363,9 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. kHost is registered with every rail (only those listed when EngineConfig::rails
-    // lists NICs; MemoryDescriptor::rail_mask says which); this engine sends it on its NUMA
-    // node's NICs under "nearest" (MemoryRegion::send_rails). kCuda (cudaMalloc'd
+    // Memory. kHost is registered with its NUMA node's NICs under EngineConfig::rails
+    // "nearest" (every rail when none is nearer; MemoryDescriptor::rail_mask says which), and
+    // sent from and reached on those (MemoryRegion::send_rails). kCuda (cudaMalloc'd
     // memory on `device`) is exported through CUDA IPC: writes, paged writes and reads between GPU
     // regions of peers on the same host become copies over NVLink, completed like fabric writes
     // (immediates included). Where supports_gpu_memory(), it is also registered with the provider

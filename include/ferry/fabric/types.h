@@ -37,8 +37,8 @@ struct MemoryDescriptor {
     bool virt_addr = true;  // provider addresses remote memory by virtual address, else offset
     std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
     // Bit r: the owner's rail r holds the region (its key is rail_keys[r]; keys of other rails
-    // are 0). Every rail unless the owner's EngineConfig::rails lists NICs; transfers use only
-    // rails both sides hold.
+    // are 0): those its owner's EngineConfig::rails picks (the NICs nearest its memory under
+    // "nearest"); transfers reach it only there.
     uint64_t rail_mask = ~uint64_t{0};
     // Bit r: the owner's rail r is one of the NICs nearest the region's memory (its PCIe
     // switch, its NUMA node; every held rail when none is nearer or the owner lists NICs), a
