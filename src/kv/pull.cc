@@ -200,10 +200,12 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             op.src = &job->params[idx].pool[g.src_region];
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
             if (windowed[i].empty()) {
+                flight->add();
                 post_read(job, op, flight, 0, nullptr);
                 continue;
             }
             for (const WindowRuns& w : windowed[i][gi]) {
+                flight->add();
                 op.src = &w.window->desc;
                 op.runs = w.runs;  // kept in job->windowed until the job ends (read again)
                 // The provider's own words say little: tcp reports a refused key as a cancelled
