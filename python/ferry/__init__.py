@@ -13,7 +13,6 @@ from __future__ import annotations
 import numbers
 import operator
 import os
-import sys
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -83,6 +82,7 @@ from ._ferry import (
     ResourceExhausted,
     TimeoutError,
     Unavailable,
+    gpu_device_count,
 )
 from . import _log
 
@@ -124,11 +124,6 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'ferry' has no attribute {name!r}")
-
-
-def gpu_device_count() -> int:
-    """CUDA devices visible to ferry (0 in builds without CUDA or without a GPU)."""
-    return _ferry.gpu_device_count()
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -328,6 +323,16 @@ def _runs_array(runs: Any) -> np.ndarray:
 
 
 RemoteLike = Union[RemoteRegion, bytes, Region]
+"""A destination (or read source): a RemoteRegion, a peer's descriptor bytes, or a Region
+(its descriptor is used)."""
+
+Pages = Any
+"""Page indices: a sequence of ints, or a one-dimensional integer numpy array / torch tensor."""
+
+Runs = Union[Sequence[Tuple[int, int, int]], Any]
+"""Offset, offset, length triples, the offsets in the order of the call's regions
+(write_runs: src_offset, dst_offset; read_runs: dst_offset, src_offset, as read() takes
+them): a sequence, or an n x 3 integer array/tensor."""
 
 
 def _remote(name: str, dst: RemoteLike) -> RemoteRegion:
@@ -349,7 +354,12 @@ def _region(name: str, r: Any) -> Region:
 
 
 class TransferEngine:
-    """One-sided writes, paged writes, multi-run writes and reads to peers over libfabric."""
+    """One-sided writes (with an optional 32-bit immediate the target counts), paged writes,
+    multi-run writes and reads to peers over libfabric.
+
+    Every operation returns an Op at once (GIL released while it is submitted); errors found
+    before posting (bad descriptor, out of range) come back through Op.wait like any other.
+    """
 
     def __init__(self, provider: str = "auto", *, same_host: bool = False,
                  node: str = "127.0.0.1", rails: int = 1, op_timeout: float = 10.0,
@@ -357,6 +367,31 @@ class TransferEngine:
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+        """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
+
+        provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
+            "shm" or a full libfabric provider string.
+        same_host: every peer is on this host (lets "auto" pick shm).
+        node: local address the tcp and verbs providers bind.
+        rails: NICs (domains) to open; large writes are striped over them.
+        op_timeout: seconds (> 0) after which an operation not completed fails (a dead peer
+            becomes an error, not a hang).
+        busy_poll: workers never nap (lowest latency, one core per rail).
+        stripe_threshold: bytes above which a write is split over the rails.
+        max_write_size: longest piece (bytes, > 0) handed to the provider in one operation.
+        gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
+        fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
+        gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
+        idle_spin_us: how long workers spin after activity before napping.
+        wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
+            before they sleep until the worker wakes them: a wait that ends within it skips
+            the wake-up, which was most of a small write's latency from Python, at the cost
+            of a core while it polls. None (the default): 50 where this process may run on
+            8 CPUs or more, else 0 (on 2 cores a polling waiter takes the core its engine's
+            worker needs). Raises InvalidArgument for a negative, non-finite or non-numeric
+            value, or one above 1000000 (a second).
+        Raises Unavailable when the provider is missing, ferry.Error otherwise.
+        """
         op_timeout_s = _seconds("op_timeout", op_timeout)
         if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
             raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
@@ -372,33 +407,44 @@ class TransferEngine:
     # Identity -----------------------------------------------------------------------------
     @property
     def address(self) -> bytes:
+        """This engine's address: give it to peers, who pass it to connect()."""
         return self._engine.address
 
     @property
     def engine_id(self) -> int:
+        """Random 64-bit id of this engine (its regions' descriptors carry it)."""
         return self._engine.engine_id
 
     @property
     def provider(self) -> str:
+        """The libfabric provider in use, e.g. "tcp;ofi_rxm"."""
         return self._engine.provider
 
     @property
     def num_rails(self) -> int:
+        """NICs (libfabric domains) the engine opened."""
         return self._engine.num_rails
 
     @property
     def supports_gpu_memory(self) -> bool:
+        """True when the provider registers CUDA memory (FI_HMEM), so GPU regions reach peers
+        on other hosts; same-host GPU peers use CUDA IPC either way."""
         return self._engine.supports_gpu_memory
 
     @property
     def wait_spin_us(self) -> float:
+        """How long waits poll before they sleep: the constructor's value, or what None
+        chose for this host."""
         return self._engine.wait_spin_us
 
     @property
     def gpu_memory_note(self) -> str:
+        """Why or why not supports_gpu_memory."""
         return self._engine.gpu_memory_note
 
     def connect(self, address: bytes) -> Peer:
+        """Connects to a peer by its address bytes (GIL released); the same peer twice gives
+        the same id. Raises ProtocolError for bytes that are not an address."""
         if not isinstance(address, (bytes, bytearray, memoryview)):
             raise InvalidType("address must be the peer's TransferEngine.address bytes, "
                               f"got {type(address).__name__}")
@@ -406,6 +452,19 @@ class TransferEngine:
 
     # Memory -------------------------------------------------------------------------------
     def register(self, obj: Any, *, read_only: bool = False) -> Region:
+        """Registers memory and returns its Region (which keeps ``obj`` alive).
+
+        obj: a numpy array or any buffer-protocol object (bytearray, memoryview, mmap...), a
+            torch tensor (CPU or CUDA; read through data_ptr()/numel()/element_size()/device,
+            without linking libtorch), or a raw (ptr, nbytes, device) tuple with device None,
+            -1, "cpu", "cuda", "cuda:N" or N.
+        read_only: accept a read-only buffer, usable only as a source (it has no descriptor).
+        Raises InvalidArgument for a non-contiguous array/tensor, a read-only buffer, 0 bytes,
+        a numpy array of Python objects, a sparse tensor; InvalidType for an object that is
+        none of the above; Unavailable/InvalidArgument with ferry's message for CUDA memory
+        where there is no GPU. The region keeps ``obj`` alive, but cannot stop a tensor's
+        storage from being replaced: do not ``resize_()`` or ``set_()`` a registered tensor.
+        """
         if isinstance(obj, tuple):
             if len(obj) != 3:
                 raise InvalidArgument("a raw region is a (ptr, nbytes, device) tuple, got "
@@ -434,6 +493,9 @@ class TransferEngine:
         # (ints, Region, RemoteRegion, None or an int) without pybind11's dispatch, and raises
         # TypeError for anything else; only then are the arguments checked one by one here, to
         # convert what can be (descriptor bytes, numpy ints) and name the bad one.
+        """Writes ``nbytes`` from ``src[src_offset:]`` to ``dst[dst_offset:]`` at ``peer``;
+        with ``imm`` every piece carries it and Op.imm_writes says how many the target counts.
+        An offset + nbytes past either region fails with OutOfRange before anything is sent."""
         try:
             return self._engine.write(peer, src, src_offset, dst, dst_offset, nbytes, imm)
         except TypeError:
@@ -443,10 +505,14 @@ class TransferEngine:
                                   _uint("dst_offset", dst_offset), _uint("nbytes", nbytes),
                                   _imm(imm))
 
-    def paged_write(self, peer: int, src: Region, src_pages: Any, src_stride: int,
-                    dst: RemoteLike, dst_pages: Any, dst_stride: int, page_bytes: int,
+    def paged_write(self, peer: int, src: Region, src_pages: Pages, src_stride: int,
+                    dst: RemoteLike, dst_pages: Pages, dst_stride: int, page_bytes: int,
                     imm: Optional[int] = None, *, src_offset: int = 0,
                     dst_offset: int = 0) -> Op:
+        """Copies page ``src_pages[i]`` (``page_bytes`` at src_offset + index * src_stride) to
+        page ``dst_pages[i]`` (dst_offset + index * dst_stride); runs contiguous on both sides
+        go as one write. A stride of 0 means page_bytes. Raises InvalidArgument for page lists
+        that are not integers."""
         return self._engine.paged_write(
             _uint("peer", peer, _U32_MAX), _region("src", src),
             _index_array("src_pages", src_pages), _uint("src_stride", src_stride),
@@ -455,46 +521,67 @@ class TransferEngine:
             _uint("src_offset", src_offset), _uint("dst_offset", dst_offset), _imm(imm))
 
     def write_runs(self, peer: int, src: Region, dst: RemoteLike,
-                   runs: Union[Sequence[Tuple[int, int, int]], Any],
+                   runs: Runs,
                    imm: Optional[int] = None) -> Op:
+        """Writes each (src_offset, dst_offset, length) run as one operation with one
+        completion; each run's writes carry ``imm``."""
         return self._engine.write_runs(_uint("peer", peer, _U32_MAX), _region("src", src),
                                        _remote("dst", dst), _runs_array(runs), _imm(imm))
 
     def read(self, peer: int, dst: Region, dst_offset: int, src: RemoteLike, src_offset: int,
              nbytes: int) -> Op:
+        """Reads ``nbytes`` of the peer's ``src[src_offset:]`` into ``dst[dst_offset:]``. When
+        the Op completes the bytes are in ``dst``."""
         return self._engine.read(_uint("peer", peer, _U32_MAX), _region("dst", dst),
                                  _uint("dst_offset", dst_offset), _remote("src", src),
                                  _uint("src_offset", src_offset), _uint("nbytes", nbytes))
 
     def read_runs(self, peer: int, dst: Region, src: RemoteLike,
-                  runs: Union[Sequence[Tuple[int, int, int]], Any]) -> Op:
+                  runs: Runs) -> Op:
         # Offsets come in the order of the regions, as in read(): (dst_offset, src_offset,
         # length); the engine takes (src_offset, dst_offset, length).
+        """Reads each (dst_offset in ``dst``, src_offset in the remote region, length) run, as
+        one operation: the offsets in the order of the regions, as in read(). (Before
+        2026-12-06 the runs were (src_offset, dst_offset, length).)"""
         local_first = _runs_array(runs)
         return self._engine.read_runs(_uint("peer", peer, _U32_MAX), _region("dst", dst),
                                       _remote("src", src),
                                       np.ascontiguousarray(local_first[:, [1, 0, 2]]))
 
     def signal(self, peer: int, imm: int) -> Op:
+        """An immediate-only write (no bytes) the peer counts like any other."""
         return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))
 
     # Target side --------------------------------------------------------------------------
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
+        """Waits (GIL released; polling for wait_spin_us, then sleeping) until ``count``
+        writes carrying ``imm`` arrived and consumes them; raises TimeoutError naming the
+        immediate and how many arrived otherwise. Arrivals accumulate per immediate, so
+        consecutive rounds need no reset."""
         self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
                               _seconds("timeout", timeout))
 
     def expect_imm(self, imm: int, count: int = 1, timeout: float = 600.0) -> ImmExpectation:
+        """Arms an expectation of ``count`` writes carrying ``imm`` (consumed when complete),
+        to poll with done() or wait() while doing other work; it fails with TimeoutError after
+        ``timeout`` seconds."""
         return self._engine.expect_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
                                        _seconds("timeout", timeout))
 
     def imm_available(self, imm: int) -> int:
+        """Arrivals of ``imm`` not yet consumed."""
         return self._engine.imm_available(_uint("imm", imm, _U32_MAX))
 
     def stats(self) -> dict:
+        """Counters: ops_posted, bytes_posted, eagain, op_errors, op_timeouts, imm_arrivals,
+        messages_received, messages_dropped, and regions_registered (regions live now: one
+        per Region not closed, plus those of KV connectors and all-to-alls on the engine)."""
         return self._engine.stats()
 
     # Lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
+        """Stops the engine's workers and frees its fabric resources (GIL released); calls
+        afterwards raise Cancelled. Also on leaving a ``with`` block."""
         self._engine.close()
 
     def __enter__(self) -> "TransferEngine":
@@ -508,9 +595,3 @@ class TransferEngine:
             return f"ferry.TransferEngine(provider={self.provider!r}, id={self.engine_id:#x})"
         except Error:
             return "ferry.TransferEngine(closed)"
-
-
-from . import _docs  # noqa: E402
-
-_docs.attach(_ferry, "_ferry.pyi")
-_docs.attach(sys.modules[__name__], "__init__.pyi")

@@ -20,12 +20,11 @@ views holding the e4m3 bytes.
 from __future__ import annotations
 
 import numbers
-import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _bool, _docs, _ferry, _seconds
+from . import _bool, _ferry, _seconds
 from ._ferry import Cancelled, InvalidArgument, InvalidType, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
@@ -33,7 +32,12 @@ _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and 
 __all__ = ["AllToAll", "Buffer", "CombineHandle", "DispatchHandle", "EventOverlap", "fp8_dtype",
            "quantize_fp8", "dequantize_fp8"]
 
-SCALE_BLOCK = 128  # channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)
+SCALE_BLOCK = 128
+"""Channels per fp8 scale (include/ferry/moe/config.h kScaleBlock)."""
+
+AllGather = Callable[[bytes], List[bytes]]
+"""Setup exchange: every rank's blob, indexed by rank (collective)."""
+
 _CPU = torch.device("cpu")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
@@ -174,7 +178,7 @@ def _stream(device: "torch.device") -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _allgather_of(group: Any) -> Callable[[bytes], List[bytes]]:
+def _allgather_of(group: Any) -> AllGather:
     import torch.distributed as dist
 
     def allgather(blob: bytes) -> List[bytes]:
@@ -202,8 +206,8 @@ def _group_size(group: Any) -> int:
 
 
 def _bootstrap(group: Any, rank: Optional[int], world_size: Optional[int],
-               allgather: Optional[Callable[[bytes], List[bytes]]]
-               ) -> Tuple[int, int, Callable[[bytes], List[bytes]]]:
+               allgather: Optional[AllGather]
+               ) -> Tuple[int, int, AllGather]:
     """rank, world size and the setup all-gather: the caller's, else torch.distributed's."""
     if allgather is not None:
         if rank is None or world_size is None:
@@ -267,7 +271,7 @@ class _Engine:
     def __init__(self, *, max_tokens: int, hidden: int, kind: str, num_experts: int, topk: int,
                  rank: int, world: int, ranks_per_node: int, private_slots: int,
                  alignment: int, device: "torch.device", engine: Any, provider: str,
-                 allgather: Callable[[bytes], List[bytes]], timeout: float,
+                 allgather: AllGather, timeout: float,
                  imm_offset: int = 0) -> None:
         _integers(max_num_tokens=max_tokens, hidden_dim=hidden, num_experts=num_experts,
                   num_experts_per_token=topk, rank=rank, world_size=world,
@@ -431,12 +435,26 @@ class AllToAll:
     """One rank's expert-parallel all-to-all, shaped after pplx-garden's ``P2PAllToAll``.
 
     Collective constructor: every rank of the group builds one with the same arguments.
-    ``in_dtype`` is the dispatch's dtype, that of ``dp_x`` (torch.bfloat16, torch.float32 or
-    fp8 e4m3, see :func:`fp8_dtype`); ``out_dtype`` the combine's, that of ``expert_y`` and
-    ``out_tokens`` (torch.bfloat16 or torch.float32; default bf16 after an fp8 dispatch, else
-    in_dtype), as in pplx-garden; ``scale_dtype`` torch.float32 with fp8 (one scale per 128
-    channels). Experts are split evenly over the ranks (rank r holds experts
-    ``r * E/R .. (r + 1) * E/R - 1``).
+    Experts are split evenly over the ranks (rank r holds experts ``r * E/R .. (r + 1) * E/R -
+    1``).
+
+    max_num_tokens: most tokens a rank dispatches per call; num_experts: experts in all, split
+    evenly over the ranks; num_experts_per_token: k of top-k; hidden_dim: channels per token,
+    hidden_dim_scale: hidden_dim / 128 for fp8 (or None). in_dtype: the dispatch's dtype,
+    torch.bfloat16, torch.float32 or fp8 (fp8_dtype()); out_dtype: the combine's (expert_y and
+    out_tokens), torch.bfloat16 or torch.float32 (default: bf16 after fp8, else in_dtype), as in
+    pplx-garden; scale_dtype torch.float32 (fp8 only, one scale per 128 channels);
+    expert_padding pads each expert's received rows (zeros) to a multiple; max_private_tokens:
+    rows per sender written before the counts are known (default min(max_num_tokens, 32)).
+    device: "cpu" (CPU backend) or a CUDA device (kernels on the
+    current stream). Ranks: torch.distributed (global_group, default WORLD; node_group's size
+    gives ranks_per_node) or rank + world_size + allgather. dp_group of more than one rank is
+    refused; pplx-garden's ParallelGroup (rank, size, all_gather_object) is taken for any
+    group. engine (or pplx-garden's transfer_engine): a TransferEngine for other nodes (CPU:
+    always needed; made with `provider` if not given). nets_per_gpu, imm_base, worker_cpu:
+    accepted, unused (the engine picks its NICs). max_tokens_per_expert: rows of the
+    [E_local, rows, H] outputs, at least max_recv_tokens. timeout: seconds every wait inside a
+    call may take.
     """
 
     def __init__(self, max_num_tokens: int, num_experts: int, expert_padding: int,
@@ -450,7 +468,7 @@ class AllToAll:
                  max_tokens_per_expert: Optional[int] = None, *,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  ranks_per_node: Optional[int] = None,
-                 allgather: Optional[Callable[[bytes], List[bytes]]] = None,
+                 allgather: Optional[AllGather] = None,
                  engine: Any = None, provider: str = "auto", timeout: float = 10.0) -> None:
         _integers(max_num_tokens=max_num_tokens, num_experts=num_experts,
                   expert_padding=expert_padding, hidden_dim=hidden_dim,
@@ -520,14 +538,17 @@ class AllToAll:
 
     @property
     def rank(self) -> int:
+        """This rank's index in the group."""
         return self._e.rank
 
     @property
     def world_size(self) -> int:
+        """Ranks in the group."""
         return self._e.world
 
     @property
     def num_local_experts(self) -> int:
+        """Experts this rank holds (num_experts / world_size)."""
         return self._e.local_experts
 
     @property
@@ -756,10 +777,11 @@ class AllToAll:
                        dp_x: "torch.Tensor", dp_x_scale: Optional["torch.Tensor"],
                        indices: "torch.Tensor", weights: "torch.Tensor",
                        bound_m: Optional["torch.Tensor"] = None) -> "DispatchHandle":
-        """pplx-garden's split dispatch: sends now (``do_send``) and returns a handle whose
-        ``recv()`` receives (``do_recv``). Two may be in flight (dual-batch overlap: dispatch
-        B sent before A is combined); the second has a C++ all-to-all of its own, made
-        collectively the first time (every rank must make the same calls)."""
+        """pplx-garden's dispatch_async: the send half of dispatch() now (same arguments:
+        out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+        weights, bound_m); the returned handle's recv() receives. Two dispatches may be in
+        flight (dual-batch overlap); the second uses a C++ all-to-all of its own, made
+        collectively on first use. A third raises InvalidArgument."""
         self._e.check_open("ferry.moe.AllToAll")
         idle = [e for e in self._engines if e not in self._inflight]
         if idle:
@@ -780,8 +802,10 @@ class AllToAll:
     def combine_async(self, *, out_tokens: "torch.Tensor", dispatch_handle: "DispatchHandle",
                       expert_y: "torch.Tensor", bound_m: Optional["torch.Tensor"] = None,
                       accumulate: bool = False) -> "CombineHandle":
-        """pplx-garden's split combine of the dispatch behind ``dispatch_handle`` (received
-        first): sends now, ``recv()`` on the returned handle writes ``out_tokens``."""
+        """pplx-garden's combine_async: the send half of combine() for the dispatch behind
+        dispatch_handle (received first; its indices and weights are used) with expert_y;
+        the returned handle's recv() writes out_tokens (added with accumulate). bound_m as in
+        combine()."""
         self._e.check_open("ferry.moe.AllToAll")
         h = dispatch_handle
         if not isinstance(h, DispatchHandle) or h.kernel is not self:
@@ -804,6 +828,7 @@ class AllToAll:
             e.close()
 
     def destroy(self) -> None:  # pplx-garden's name
+        """pplx-garden's name for close()."""
         self.close()
 
     def __enter__(self) -> "AllToAll":
@@ -838,6 +863,9 @@ class _Handle:
     recv_done: bool
 
     def recv(self) -> None:
+        """The receive half: DispatchHandle's fills the dispatch's outputs, CombineHandle's
+        writes out_tokens (CUDA: after the send's event, on the current stream); once, a second
+        call does nothing."""
         if self.recv_done:
             return
         self.kernel._e.check_open("ferry.moe.AllToAll")
@@ -902,6 +930,7 @@ class EventOverlap:
         self.event = event
 
     def current_stream_wait(self) -> None:
+        """Returns: nothing to wait for."""
         pass
 
     def __enter__(self) -> "EventOverlap":
@@ -959,10 +988,21 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  rank: Optional[int] = None,
                  world_size: Optional[int] = None, ranks_per_node: Optional[int] = None,
-                 allgather: Optional[Callable[[bytes], List[bytes]]] = None,
+                 allgather: Optional[AllGather] = None,
                  engine: Any = None, provider: str = "auto", device: Any = None,
                  private_slots: Optional[int] = None, timeout: float = 10.0,
                  **unsupported: Any) -> None:
+        """group: the torch.distributed group the ranks meet through (default WORLD), or
+        rank + world_size + allgather (a callable bytes -> list[bytes], one per rank) instead.
+        low_latency_mode: False by default (DeepEP's), True for the low-latency calls;
+        enable_shrink=True is refused; num_nvl_bytes, num_rdma_bytes, num_qps_per_rank,
+        allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: unused.
+        ranks_per_node: ranks that share memory (default all); the others are reached through
+        engine (a ferry.TransferEngine; made with provider when not given). device: where the
+        all-to-alls run (default: each call's x.device). private_slots: rows per sender written
+        before the counts are known (default min(tokens, 32)). timeout: seconds any wait inside
+        a call may take. Any other keyword (a newer DeepEP's) is refused by name
+        (ferry.InvalidArgument)."""
         _refuse_others("Buffer", unsupported)
         # allow_mnnvl and allow_nvlink_for_low_latency_mode permit a path, they do not ask for
         # one: ferry picks shared memory or its engine by ranks_per_node.
@@ -1059,11 +1099,13 @@ class Buffer:
                              **unsupported: Any
                              ) -> Tuple[Any, "torch.Tensor", _Handle, EventOverlap,
                                         Callable[[], None]]:
-        """Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
-        ``(e4m3 [E_local, max*R, H], fp32 scales [E_local, max*R, H/128])`` with ``use_fp8``
-        (bf16 ``[E_local, max*R, H]`` without), ``recv_count`` int32 ``[E_local]``. Rows of
-        expert e past ``recv_count[e]`` are not written. ``return_recv_hook=True`` sends now
-        and receives when ``hook()`` is called; otherwise ``hook`` does nothing."""
+        """x bf16 [T, H], topk_idx int64 [T, k] (-1 allowed) -> (recv_x, recv_count, handle,
+        event, hook): recv_x = (e4m3 [E_local, max*R, H], fp32 [E_local, max*R, H/128]) with
+        use_fp8, else bf16 [E_local, max*R, H]; recv_count int32 [E_local]. Refused (named in
+        ferry.InvalidArgument): cumulative_local_expert_recv_stats,
+        dispatch_wait_recv_cost_stats, round_scale=True, use_ue8m0=True. async_finish is
+        ignored. return_recv_hook=True: sent now, received by hook(); otherwise hook() does
+        nothing. Rows of expert e past recv_count[e] are not written."""
         self._check_open()
         if not self.low_latency_mode:
             raise InvalidArgument("low_latency_dispatch needs a Buffer made with "
@@ -1237,6 +1279,3 @@ def dequantize_fp8(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     vals = bytes_.view(_FP8).to(torch.float32)  # torch 2.x on a GPU machine
     s = scales.to(torch.float32).repeat_interleave(SCALE_BLOCK, dim=-1)
     return (vals * s).to(torch.bfloat16)
-
-
-_docs.attach(sys.modules[__name__], "moe.pyi")

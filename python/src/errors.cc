@@ -32,7 +32,9 @@ PyObject* class_for(StatusCode code) {
 void register_errors(py::module_& m) {
     // A RuntimeError, so that code catching the builtin catches ferry's too.
     g_base = PyErr_NewExceptionWithDoc(
-        "ferry.Error", "Base class of every error ferry raises; str(e) is ferry's message.",
+        "ferry.Error",
+        "Base of every error ferry raises (a RuntimeError); str(e) is ferry's message, e.code "
+        "the status code's name (\"timeout\", \"out of range\", ...).",
         PyExc_RuntimeError, nullptr);
     if (g_base == nullptr) throw py::error_already_set();
     m.attr("Error") = py::handle(g_base);
@@ -40,21 +42,27 @@ void register_errors(py::module_& m) {
     const ErrorClass classes[] = {
         {StatusCode::kInvalidArgument, "InvalidArgument",
          "The caller passed something malformed or out of range.", PyExc_ValueError},
-        {StatusCode::kOutOfRange, "OutOfRange", "An access outside a registered region.",
+        {StatusCode::kOutOfRange, "OutOfRange",
+         "An access outside a registered region (rejected before anything is posted).",
          PyExc_IndexError},
         {StatusCode::kNotFound, "NotFound", "Unknown peer, region or descriptor.", nullptr},
-        {StatusCode::kTimeout, "TimeoutError", "A deadline passed.", PyExc_TimeoutError},
+        {StatusCode::kTimeout, "TimeoutError",
+         "A deadline passed (an operation's op_timeout, or the timeout of a wait).",
+         PyExc_TimeoutError},
         {StatusCode::kUnavailable, "Unavailable",
          "Peer dead or unreachable, provider or GPU missing.", nullptr},
-        {StatusCode::kCancelled, "Cancelled", "Cancelled by a user or by shutdown.", nullptr},
+        {StatusCode::kCancelled, "Cancelled",
+         "Cancelled by a user or by shutdown (a closed engine).", nullptr},
         {StatusCode::kResourceExhausted, "ResourceExhausted", "Out of a bounded resource.",
          nullptr},
         {StatusCode::kProtocol, "ProtocolError",
-         "A blob or message that does not parse (wrong version, truncated).", nullptr},
+         "A blob that does not parse: truncated, corrupted, or from an incompatible build.",
+         nullptr},
         {StatusCode::kProvider, "ProviderError", "libfabric or CUDA reported an error.", nullptr},
-        {StatusCode::kInternal, "InternalError", "A bug in ferry; please report it.", nullptr},
+        {StatusCode::kInternal, "InternalError",
+         "A bug in ferry; please report it with the message.", nullptr},
         {StatusCode::kPermissionDenied, "PermissionDenied",
-         "The peer did not prove the deployment secret (handshake).", PyExc_PermissionError},
+         "The peer did not prove the deployment secret (KV handshake).", PyExc_PermissionError},
         {StatusCode::kAlreadyExists, "AlreadyExists",
          "Something with that id is live already (a transfer id in use).", nullptr},
     };

@@ -575,7 +575,22 @@ py::list descriptors_of(const kv::HandshakeInfo& i) {
 }  // namespace
 
 void register_kv(py::module_& m, EngineShare engine_share) {
-    py::class_<KvLayout>(m, "KvLayout")
+    py::class_<KvLayout>(
+        m, "KvLayout",
+        "Where each (layer, K/V, block, token, head) of one rank's pool lives\n"
+        "(ferry::kv::KvLayout).\n"
+        "\n"
+        "placement: \"separate\" (per layer, K of all blocks then V: vLLM's [2, blocks, ...]\n"
+        "    per layer), \"joint\" ([blocks, 2, ...] per layer), \"block-major\" (each block\n"
+        "    holds every layer) or \"head-joint\" ([blocks, heads, 2, block_size, head_dim] per\n"
+        "    layer: each head's K rows then its V rows, vLLM 0.32's CPU backend; order \"HND\"\n"
+        "    only).\n"
+        "order: \"NHD\" ([block_size, heads, head_dim] per block slab) or \"HND\".\n"
+        "regions: \"one\", \"per-layer\" or \"per-layer-kv\": how the pool is split into tensors.\n"
+        "Sizes are this rank's: num_kv_heads is the heads this TP rank holds. Raises\n"
+        "InvalidArgument for zero sizes, unknown names and splits the placement does not keep\n"
+        "contiguous. Two sides may differ in block size, heads per rank, order and split;\n"
+        "head_dim and elem_size must agree (compatibility_hash).")
         .def(py::init([](py::handle layers, py::handle heads, py::handle head_dim,
                          py::handle elem_size, py::handle block_size, py::handle blocks,
                          py::handle placement, py::handle order, py::handle regions) {
@@ -589,26 +604,39 @@ void register_kv(py::module_& m, EngineShare engine_share) {
              py::arg("elem_size"), py::arg("block_size"), py::arg("num_blocks"),
              py::arg("placement") = "separate", py::arg("order") = "NHD",
              py::arg("regions") = "one")
-        .def_readonly("num_layers", &KvLayout::num_layers)
-        .def_readonly("num_kv_heads", &KvLayout::num_kv_heads)
-        .def_readonly("head_dim", &KvLayout::head_dim)
-        .def_readonly("elem_size", &KvLayout::elem_size)
-        .def_readonly("block_size", &KvLayout::block_size)
-        .def_readonly("num_blocks", &KvLayout::num_blocks)
-        .def_property_readonly("placement",
-                               [](const KvLayout& l) { return placement_name(l.placement); })
+        .def_readonly("num_layers", &KvLayout::num_layers, "Transformer layers in the pool.")
+        .def_readonly("num_kv_heads", &KvLayout::num_kv_heads, "KV heads this TP rank holds.")
+        .def_readonly("head_dim", &KvLayout::head_dim, "Elements per head.")
+        .def_readonly("elem_size", &KvLayout::elem_size, "Bytes per element (2 for bf16/fp16).")
+        .def_readonly("block_size", &KvLayout::block_size, "Tokens per block.")
+        .def_readonly("num_blocks", &KvLayout::num_blocks, "Blocks in the pool.")
         .def_property_readonly(
-            "order", [](const KvLayout& l) { return l.order == BlockOrder::kNHD ? "NHD" : "HND"; })
-        .def_property_readonly("regions",
-                               [](const KvLayout& l) { return kv::region_split_name(l.regions); })
-        .def_property_readonly("token_bytes", &KvLayout::token_bytes)
-        .def_property_readonly("slab_bytes", &KvLayout::slab_bytes)
-        .def_property_readonly("layer_bytes", &KvLayout::layer_bytes)
-        .def_property_readonly("block_bytes", &KvLayout::block_bytes)
-        .def_property_readonly("pool_bytes", &KvLayout::pool_bytes)
-        .def_property_readonly("region_count", &KvLayout::region_count)
-        .def_property_readonly("region_bytes", &KvLayout::region_bytes)
-        .def_property_readonly("compatibility_hash", &KvLayout::compatibility_hash)
+            "placement", [](const KvLayout& l) { return placement_name(l.placement); },
+            "\"separate\", \"joint\", \"block-major\" or \"head-joint\" (see the class).")
+        .def_property_readonly(
+            "order", [](const KvLayout& l) { return l.order == BlockOrder::kNHD ? "NHD" : "HND"; },
+            "\"NHD\" or \"HND\" (see the class).")
+        .def_property_readonly(
+            "regions", [](const KvLayout& l) { return kv::region_split_name(l.regions); },
+            "\"one\", \"per-layer\" or \"per-layer-kv\": how many tensors make the pool.")
+        .def_property_readonly("token_bytes", &KvLayout::token_bytes,
+                               "Bytes of one token's K (or V) across this rank's heads.")
+        .def_property_readonly("slab_bytes", &KvLayout::slab_bytes,
+                               "Bytes of one block's K (or V) for one layer.")
+        .def_property_readonly("layer_bytes", &KvLayout::layer_bytes,
+                               "Bytes of one layer's K and V over all blocks.")
+        .def_property_readonly("block_bytes", &KvLayout::block_bytes,
+                               "Bytes of one block's K and V over all layers.")
+        .def_property_readonly("pool_bytes", &KvLayout::pool_bytes,
+                               "Bytes of the whole pool, all regions together.")
+        .def_property_readonly(
+            "region_count", &KvLayout::region_count,
+            "Tensors the pool is made of (regions: 1, num_layers or 2 * num_layers).")
+        .def_property_readonly("region_bytes", &KvLayout::region_bytes,
+                               "Bytes each pool tensor must hold at least.")
+        .def_property_readonly(
+            "compatibility_hash", &KvLayout::compatibility_hash,
+            "What two sides must agree on (head_dim, elem_size); the handshake checks it.")
         .def(
             "slab_offset",
             [](const KvLayout& l, py::handle layer_arg, py::handle part_arg, py::handle block_arg) {
@@ -624,7 +652,8 @@ void register_kv(py::module_& m, EngineShare engine_share) {
                 }
                 return l.slab_offset(layer, static_cast<kv::KvPart>(part), block);
             },
-            py::arg("layer"), py::arg("part"), py::arg("block"))
+            py::arg("layer"), py::arg("part"), py::arg("block"),
+            "Pool byte offset of a (layer, K=0/V=1, block) slab; OutOfRange past the layout.")
         .def("__eq__",
              [](const KvLayout& a, py::handle b) -> py::object {
                  if (!py::isinstance<KvLayout>(b))
@@ -649,45 +678,92 @@ void register_kv(py::module_& m, EngineShare engine_share) {
                                    str_arg(t[8], "regions"));
             }));
 
-    py::class_<Event> event(m, "KvEvent");
+    py::class_<Event> event(
+        m, "KvEvent",
+        "What the connector reports, drained by KvConnector.poll().\n"
+        "\n"
+        "kind: \"recv\" (decode: the transfer attempt is over; ok means the KV is complete and\n"
+        "    intact, and either way the blocks are the engine's again), \"send\" (prefill:\n"
+        "    ferry no longer reads the blocks; free them), \"scheduled\" (decode: every prefill\n"
+        "    rank of an announce() scheduled the transfer, or why not), \"progress\" (decode,\n"
+        "    push: tokens [0, tokens) landed, plus [tokens, partial_end) in layers [0,\n"
+        "    partial_layers)), \"overflow\" (the last of a poll() when KvConfig.max_events were\n"
+        "    waiting and more came: `dropped` of them were not kept; its code is \"resource\n"
+        "    exhausted\").\n"
+        "code: \"ok\" or the status code's name (\"cancelled\", \"timeout\", \"unavailable\", "
+        "...);\n"
+        "message: ferry's message. bytes / writes: what this rank moved (recv, send).");
     obtained_from(event, "ferry.kv.KvEvent",
                   "KvConnector.poll() returns the finished transfers' events");
-    event.def_readonly("kind", &Event::kind)
-        .def_readonly("transfer_id", &Event::transfer_id)
-        .def_property_readonly("request_id", &Event::request_id)
-        .def_readonly("attempt", &Event::attempt)
-        .def_property_readonly("ok", [](const Event& e) { return e.status.ok(); })
+    event
+        .def_readonly(
+            "kind", &Event::kind,
+            "\"recv\", \"send\", \"scheduled\", \"progress\" or \"overflow\" (see the class).")
+        .def_readonly(
+            "transfer_id", &Event::transfer_id,
+            "The transfer's 64-bit id: the int the calls gave, or transfer_key() of their name.")
         .def_property_readonly(
-            "code", [](const Event& e) { return std::string(status_code_name(e.status.code())); })
-        .def_property_readonly("message", [](const Event& e) { return e.status.message(); })
-        .def_readonly("bytes", &Event::bytes)
-        .def_readonly("writes", &Event::writes)
-        .def_readonly("tokens", &Event::tokens)
-        .def_readonly("partial_end", &Event::partial_end)
-        .def_readonly("partial_layers", &Event::partial_layers)
-        .def_readonly("dropped", &Event::dropped)
-        .def("raise_if_error", [](const Event& e) { check(e.status); })
+            "request_id", &Event::request_id,
+            "The transfer id as the calls gave it: the engine's name (str or bytes) or the int.")
+        .def_readonly("attempt", &Event::attempt,
+                      "The attempt of the transfer this event is about.")
+        .def_property_readonly(
+            "ok", [](const Event& e) { return e.status.ok(); },
+            "Whether the transfer (or announcement) succeeded; see code and message if not.")
+        .def_property_readonly(
+            "code", [](const Event& e) { return std::string(status_code_name(e.status.code())); },
+            "\"ok\" or the status code's name (\"cancelled\", \"timeout\", \"unavailable\", ...).")
+        .def_property_readonly(
+            "message", [](const Event& e) { return e.status.message(); },
+            "ferry's message: what failed and why (\"\" when ok).")
+        .def_readonly("bytes", &Event::bytes, "Bytes this rank moved (recv, send).")
+        .def_readonly("writes", &Event::writes, "Writes this rank posted or counted (recv, send).")
+        .def_readonly("tokens", &Event::tokens,
+                      "progress: tokens [0, tokens) of every layer landed.")
+        .def_readonly(
+            "partial_end", &Event::partial_end,
+            "progress: tokens [tokens, partial_end) landed in layers [0, partial_layers).")
+        .def_readonly("partial_layers", &Event::partial_layers, "progress: see partial_end.")
+        .def_readonly("dropped", &Event::dropped,
+                      "overflow: events dropped since the previous poll() (0 for other kinds).")
+        .def(
+            "raise_if_error", [](const Event& e) { check(e.status); },
+            "Raises the ferry.Error subclass of the event's status (nothing when ok).")
         .def("__repr__", &Event::repr);
 
-    py::class_<kv::HandshakeInfo> handshake_info(m, "HandshakeInfo");
+    py::class_<kv::HandshakeInfo> handshake_info(
+        m, "HandshakeInfo",
+        "A rank's side-channel answer: how to reach it and what its pool looks like.");
     obtained_from(handshake_info, "ferry.kv.HandshakeInfo",
                   "KvConnector.handshake_info(), ferry.kv.fetch_handshake(...) or "
                   "HandshakeInfo.from_bytes(blob) give one");
-    handshake_info.def_readonly("epoch", &kv::HandshakeInfo::epoch)
+    handshake_info
+        .def_readonly("epoch", &kv::HandshakeInfo::epoch,
+                      "Random per server start: a new value means the peer restarted.")
         .def_property_readonly(
-            "address", [](const kv::HandshakeInfo& i) { return to_bytes(i.address.serialize()); })
-        .def_property_readonly("pool", &descriptors_of)
-        .def_readonly("layout", &kv::HandshakeInfo::layout)
-        .def_readonly("tp_rank", &kv::HandshakeInfo::tp_rank)
-        .def_readonly("tp_size", &kv::HandshakeInfo::tp_size)
-        .def("to_bytes", [](const kv::HandshakeInfo& i) { return to_bytes(i.serialize()); })
-        .def_static("from_bytes", [](py::handle b) {
-            auto r = kv::HandshakeInfo::deserialize(bytes_arg(b, "handshake info"));
-            if (!r.ok()) check(r.status().with_context("bad handshake info"));
-            return std::move(r).value();
-        });
+            "address", [](const kv::HandshakeInfo& i) { return to_bytes(i.address.serialize()); },
+            "The rank's TransferEngine.address: pass it as a prefill_ranks entry.")
+        .def_property_readonly("pool", &descriptors_of,
+                               "One region descriptor per pool region, in layout order.")
+        .def_readonly("layout", &kv::HandshakeInfo::layout, "The rank's KvLayout.")
+        .def_readonly("tp_rank", &kv::HandshakeInfo::tp_rank, "The rank's TP position.")
+        .def_readonly("tp_size", &kv::HandshakeInfo::tp_size, "The TP size of the rank's engine.")
+        .def(
+            "to_bytes", [](const kv::HandshakeInfo& i) { return to_bytes(i.serialize()); },
+            "This answer as bytes (what the handshake sends).")
+        .def_static(
+            "from_bytes",
+            [](py::handle b) {
+                auto r = kv::HandshakeInfo::deserialize(bytes_arg(b, "handshake info"));
+                if (!r.ok()) check(r.status().with_context("bad handshake info"));
+                return std::move(r).value();
+            },
+            "Parses to_bytes() output; ProtocolError when it does not parse.");
 
-    py::class_<Connector>(m, "KvConnector")
+    py::class_<Connector>(m, "KvConnector",
+                          "ferry::kv::KvConnector over raw (ptr, nbytes, device) regions; "
+                          "ferry.kv.KvConnector checks the pool's tensors first. Events are "
+                          "queued by ferry's thread and drained by poll().")
         .def(
             py::init([engine_share](py::handle engine, const KvLayout& layout, uint32_t tp_rank,
                                     uint32_t tp_size,
@@ -732,9 +808,14 @@ void register_kv(py::module_& m, EngineShare engine_share) {
             }
             return TransferNames().key(name);
         },
-        py::arg("name"));
+        py::arg("name"),
+        "The 64-bit id a str (UTF-8) or bytes transfer id travels as: FNV-1a of its bytes (the\n"
+        "C++ library's ferry::kv::transfer_key, which ferry serve uses too). Stable across\n"
+        "builds and hosts, so both sides of a transfer compute it alike; KvEvent.transfer_id is\n"
+        "it.");
 
-    py::class_<HandshakeServer>(m, "HandshakeServer")
+    py::class_<HandshakeServer>(m, "HandshakeServer",
+                                "ferry::kv::HandshakeServer; ferry.kv.HandshakeServer wraps it.")
         .def(py::init<const std::string&, uint16_t, kv::HandshakeInfo, const py::bytes&, double>(),
              py::arg("host"), py::arg("port"), py::arg("info"), py::arg("secret"),
              py::arg("connection_deadline"))

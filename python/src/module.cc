@@ -651,16 +651,32 @@ PYBIND11_MODULE(_ferry, m) {
     register_errors(m);
     count_forks();
 
-    py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>> remote_region(m, "RemoteRegion");
+    py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>> remote_region(
+        m, "RemoteRegion",
+        "A peer's registered region, parsed from its descriptor bytes. Picklable.");
     obtained_from(remote_region, "ferry.RemoteRegion",
                   "use RemoteRegion.from_bytes(descriptor) with a peer's Region.descriptor");
-    remote_region.def_static("from_bytes", &RemoteRegion::from_bytes, py::arg("descriptor"))
-        .def("to_bytes", [](const RemoteRegion& r) { return to_bytes(r.blob); })
-        .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.desc.engine_id; })
-        .def_property_readonly("length", [](const RemoteRegion& r) { return r.desc.length; })
-        .def_property_readonly("device", [](const RemoteRegion& r) { return r.desc.device; })
+    remote_region
+        .def_static(
+            "from_bytes", &RemoteRegion::from_bytes, py::arg("descriptor"),
+            "Parses ``Region.descriptor`` bytes of a peer; raises ProtocolError when they are\n"
+            "truncated, corrupted or from an incompatible build, InvalidArgument when they are\n"
+            "not bytes.")
+        .def(
+            "to_bytes", [](const RemoteRegion& r) { return to_bytes(r.blob); },
+            "The descriptor bytes this was parsed from.")
         .def_property_readonly(
-            "is_gpu", [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; })
+            "engine_id", [](const RemoteRegion& r) { return r.desc.engine_id; },
+            "Id of the engine that registered the region.")
+        .def_property_readonly(
+            "length", [](const RemoteRegion& r) { return r.desc.length; },
+            "Size of the region in bytes.")
+        .def_property_readonly(
+            "device", [](const RemoteRegion& r) { return r.desc.device; },
+            "CUDA device of GPU memory, -1 for host memory.")
+        .def_property_readonly(
+            "is_gpu", [](const RemoteRegion& r) { return r.desc.kind == MemoryKind::kCuda; },
+            "True for CUDA memory.")
         .def("__repr__",
              [](const RemoteRegion& r) {
                  return fmt::format("ferry.RemoteRegion(engine_id={:#x}, length={}, device={})",
@@ -674,29 +690,44 @@ PYBIND11_MODULE(_ferry, m) {
                             return RemoteRegion::from_bytes(t[0]);
                         }));
 
-    py::class_<Region, std::shared_ptr<Region>> region(m, "Region");
+    py::class_<Region, std::shared_ptr<Region>> region(
+        m, "Region",
+        "Local memory registered with an engine; keeps the registered object alive and\n"
+        "deregisters when garbage-collected or closed.");
     obtained_from(region, "ferry.Region",
                   "TransferEngine.register(buffer) registers a buffer and returns its Region");
     region
-        .def_property_readonly("descriptor",
-                               [](const Region& r) {
-                                   if (r.read_only) {
-                                       throw StatusError(invalid_argument(
-                                           "a read-only region has no descriptor: peers would "
-                                           "write into it; register a writable buffer"));
-                                   }
-                                   return to_bytes(r.get().descriptor().serialize());
-                               })
-        .def_property_readonly("nbytes", [](const Region& r) { return r.get().size(); })
         .def_property_readonly(
-            "data_ptr", [](const Region& r) { return reinterpret_cast<uint64_t>(r.get().data()); })
-        .def_property_readonly("device",
-                               [](const Region& r) { return r.get().descriptor().device; })
-        .def_property_readonly("read_only", [](const Region& r) { return r.read_only; })
-        .def_property_readonly("owner",
-                               [](const Region& r) { return r.held ? r.held->owner : py::none(); })
-        .def_property_readonly("closed", [](const Region& r) { return !r.held || !r.held->mr; })
-        .def("close", &Region::close)
+            "descriptor",
+            [](const Region& r) {
+                if (r.read_only) {
+                    throw StatusError(
+                        invalid_argument("a read-only region has no descriptor: peers would "
+                                         "write into it; register a writable buffer"));
+                }
+                return to_bytes(r.get().descriptor().serialize());
+            },
+            "What a peer needs to write into or read from this region (send it by any channel).\n"
+            "Raises InvalidArgument for a read-only region.")
+        .def_property_readonly(
+            "nbytes", [](const Region& r) { return r.get().size(); }, "Size in bytes.")
+        .def_property_readonly(
+            "data_ptr", [](const Region& r) { return reinterpret_cast<uint64_t>(r.get().data()); },
+            "Address of byte 0.")
+        .def_property_readonly(
+            "device", [](const Region& r) { return r.get().descriptor().device; },
+            "CUDA device, or -1 for host memory.")
+        .def_property_readonly(
+            "read_only", [](const Region& r) { return r.read_only; },
+            "Registered with read_only=True: usable only as a source.")
+        .def_property_readonly(
+            "owner", [](const Region& r) { return r.held ? r.held->owner : py::none(); },
+            "The registered object (array, tensor, buffer), or None for a raw pointer.")
+        .def_property_readonly(
+            "closed", [](const Region& r) { return !r.held || !r.held->mr; }, "True after close().")
+        .def("close", &Region::close,
+             "Deregisters now and drops the reference to the object. Operations using the\n"
+             "region must have completed.")
         .def("__repr__",
              [](const Region& r) {
                  if (!r.held || !r.held->mr) return std::string("ferry.Region(closed)");
@@ -706,29 +737,55 @@ PYBIND11_MODULE(_ferry, m) {
                                     r.read_only ? ", read_only" : "");
              })
         .def("__enter__", [](py::object self) { return self; })
-        .def("__exit__", [](Region& r, const py::args&) { r.close(); });
+        .def(
+            "__exit__", [](Region& r, const py::args&) { r.close(); },
+            "Closes the region on leaving a ``with`` block.");
 
-    py::class_<Op> op(m, "Op");
+    py::class_<Op> op(m, "Op",
+                      "Handle of one submitted operation. Keeps the regions it uses alive.");
     obtained_from(op, "ferry.Op",
                   "every transfer call of a TransferEngine (write, read, write_paged, signal, "
                   "...) returns the Op to wait on");
-    op.def("done", &Op::done)
-        .def("wait", &Op::wait, py::arg("timeout") = 30.0)
-        .def_property_readonly("imm_writes", [](const Op& o) { return o.handle().imm_writes(); })
+    op.def("done", &Op::done,
+           "True once the operation completed, successfully or not (never blocks).")
+        .def(
+            "wait", &Op::wait, py::arg("timeout") = 30.0,
+            "Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us\n"
+            "before it sleeps). Returns when the operation succeeded; raises its error\n"
+            "(OutOfRange, Unavailable, TimeoutError...) otherwise, or TimeoutError when\n"
+            "``timeout`` passed first. Completion of a write means the source may be reused; the\n"
+            "bytes are known to be at the target once it counted the immediate. ``timeout``: a\n"
+            "number of seconds in [0, 1e9], else InvalidArgument.")
+        .def_property_readonly(
+            "imm_writes", [](const Op& o) { return o.handle().imm_writes(); },
+            "Number of writes carrying the immediate that this operation put on the wire: the\n"
+            "count the target waits for (wait_imm / expect_imm).")
         .def("__repr__", [](const Op& o) {
             return fmt::format("ferry.Op(done={}, imm_writes={})",
                                o.handle().done() ? "True" : "False", o.handle().imm_writes());
         });
 
-    py::class_<ImmExpectation> imm_expectation(m, "ImmExpectation");
+    py::class_<ImmExpectation> imm_expectation(
+        m, "ImmExpectation",
+        "Target-side expectation of ``count`` writes carrying ``imm``, consumed when\n"
+        "complete.");
     obtained_from(imm_expectation, "ferry.ImmExpectation",
                   "TransferEngine.expect_imm(imm, count) returns one");
-    imm_expectation.def("done", &ImmExpectation::done)
-        .def("wait", &ImmExpectation::wait, py::arg("timeout") = 30.0)
-        .def_readonly("imm", &ImmExpectation::imm)
-        .def_readonly("count", &ImmExpectation::count);
+    imm_expectation
+        .def("done", &ImmExpectation::done,
+             "True once the writes arrived (or the expectation's own timeout passed).")
+        .def(
+            "wait", &ImmExpectation::wait, py::arg("timeout") = 30.0,
+            "Waits up to ``timeout`` seconds, GIL released (polling for the engine's wait_spin_us\n"
+            "before it sleeps); raises TimeoutError if the writes are not all there (the\n"
+            "expectation stays armed), or the expectation's error.")
+        .def_readonly("imm", &ImmExpectation::imm, "The immediate value expected.")
+        .def_readonly("count", &ImmExpectation::count, "How many writes carrying it are expected.");
 
-    py::class_<Engine> engine_class(m, "Engine");
+    py::class_<Engine> engine_class(
+        m, "Engine",
+        "The C++ TransferEngine behind ferry.TransferEngine, which converts and checks the "
+        "arguments.");
     engine_class
         .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
                          int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
@@ -775,8 +832,12 @@ PYBIND11_MODULE(_ferry, m) {
     register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
     register_log(m);
 
-    m.def("gpu_device_count", [] {
-        py::gil_scoped_release nogil;
-        return gpu_device_count();
-    });
+    m.def(
+        "gpu_device_count",
+        [] {
+            py::gil_scoped_release nogil;
+            return gpu_device_count();
+        },
+        "CUDA devices visible to ferry (0 in builds without CUDA or without a GPU). Initialises\n"
+        "CUDA in this process.");
 }

@@ -323,7 +323,9 @@ class MoeAllToAll {
 }  // namespace
 
 void register_moe(py::module_& m, EngineShare engine_share) {
-    py::class_<MoeAllToAll>(m, "MoeAllToAll")
+    py::class_<MoeAllToAll>(m, "MoeAllToAll",
+                            "One rank's C++ all-to-all (CPU backend or CUDA kernels); ferry.moe "
+                            "drives it with raw data pointers after checking every tensor.")
         .def(
             py::init([engine_share](uint32_t max_tokens, uint32_t hidden, const std::string& dtype,
                                     uint32_t num_experts, uint32_t topk, uint32_t rank,
@@ -375,17 +377,22 @@ void register_moe(py::module_& m, EngineShare engine_share) {
 
     // The benchmarks' start gate (cuda_host_gate): flag is pinned host memory (a pinned torch
     // tensor's data pointer).
-    m.def("cuda_host_gate", [](uint64_t flag, uint32_t want, double timeout_s, uint64_t stream) {
-        if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
-        auto timeout =
-            std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
-        Status s;
-        {
-            py::gil_scoped_release nogil;
-            s = moe::cuda_host_gate(ptr<const uint32_t>(flag), want, timeout, ptr<void>(stream));
-        }
-        check(s);
-    });
+    m.def(
+        "cuda_host_gate",
+        [](uint64_t flag, uint32_t want, double timeout_s, uint64_t stream) {
+            if (!(timeout_s > 0))
+                throw StatusError(invalid_argument("timeout must be > 0 seconds"));
+            auto timeout =
+                std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
+            Status s;
+            {
+                py::gil_scoped_release nogil;
+                s = moe::cuda_host_gate(ptr<const uint32_t>(flag), want, timeout,
+                                        ptr<void>(stream));
+            }
+            check(s);
+        },
+        "Holds `stream` until the uint32 at `flag` (pinned host memory) is >= want (benchmarks).");
 
     // fp8 block quantization (numerics.h): bf16 [tokens, hidden] -> e4m3 bytes + fp32 scales.
     m.def("moe_quantize_fp8", [](uint64_t x, uint32_t tokens, uint32_t hidden, uint64_t q,

@@ -285,6 +285,14 @@ def test_engine_sizes_of_zero_refused(kw, words):
 _PYBIND_SIGNATURE = re.compile(r"^\w+\(self: ferry\._ferry\.")
 
 
+def _beyond_signature(text):
+    """text without the signature line pybind11 puts first: empty where that is all."""
+    lines = (text or "").splitlines()
+    if lines and _PYBIND_SIGNATURE.match(lines[0]):
+        lines = lines[1:]
+    return "\n".join(lines).strip()
+
+
 def _undocumented(module_name):
     """Public names of the module (its __all__), and their public methods and properties,
     whose help() text says nothing beyond a signature."""
@@ -297,7 +305,7 @@ def _undocumented(module_name):
         if not callable(obj) or isinstance(obj, type) and issubclass(obj, BaseException):
             continue
         doc = inspect.getdoc(obj) or ""
-        if not doc or _PYBIND_SIGNATURE.match(doc):
+        if not _beyond_signature(doc):
             missing.append(name)
         if not isinstance(obj, type):
             continue
@@ -311,9 +319,7 @@ def _undocumented(module_name):
                 missing += [f"{name}({p})" for p in inspect.signature(value).parameters
                             if p not in ("self", "unsupported") and p not in said]
                 continue
-            text = inspect.getdoc(value) or ""
-            listed = f"\n{attr}(" in "\n" + doc  # a pybind11 method, listed in the class's doc
-            if (not text or _PYBIND_SIGNATURE.match(text)) and not listed:
+            if not _beyond_signature(inspect.getdoc(value)):
                 missing.append(f"{name}.{attr}")
     return missing
 

@@ -27,11 +27,12 @@ echo "built $(basename "$whl"): $(du -k "$whl" | cut -f1) KiB in $(( $(date +%s)
 "$python" -c "import sys, zipfile; print('unpacked: %d KiB' % (sum(i.file_size for i in
   zipfile.ZipFile(sys.argv[1]).infolist()) >> 10))" "$whl"
 
-step "the wheel holds the extension, libferry, headers, CMake and pkg-config files, the command"
+step "the wheel holds the extension and its stub, libferry, headers, CMake, pkg-config, the command"
 "$python" - "$whl" <<'PY' || fail "the wheel lacks files (listed above)"
 import re, sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-want = [r"ferry/__init__\.py", r"ferry/_ferry\..*\.so", r"ferry/lib/libferry\.so",
+want = [r"ferry/__init__\.py", r"ferry/_ferry\..*\.so", r"ferry/_ferry\.pyi", r"ferry/py\.typed",
+        r"ferry/lib/libferry\.so",
         r"ferry/include/ferry/fabric/engine\.h", r"ferry/lib/cmake/ferry/ferryConfig\.cmake",
         r"ferry/lib/pkgconfig/ferry\.pc", r"ferry-[0-9.]+\.data/scripts/ferry"]
 missing = [w for w in want if not any(re.fullmatch(w, n) for n in names)]
@@ -41,7 +42,11 @@ for w in missing:
 copies = [n for n in names if re.fullmatch(r"ferry/lib/libferry\.so\..*", n)]
 for n in copies:
     print("a copy of libferry.so:", n)
-sys.exit(1 if missing or copies else 0)
+# The pure-Python modules carry their own docstrings and annotations: no stub beside them.
+stubs = [n for n in names if re.fullmatch(r"ferry/(__init__|kv|moe)\.pyi|ferry/_docs\.py", n)]
+for n in stubs:
+    print("a stub of a pure-Python module:", n)
+sys.exit(1 if missing or copies or stubs else 0)
 PY
 
 step "install into a fresh virtual environment"
@@ -73,6 +78,8 @@ op.wait(timeout=30.0)
 b.wait_imm(7, op.imm_writes, timeout=30.0)
 assert (out == np.arange(n, dtype=np.uint8)).all(), "the bytes differ"
 print("write over tcp from", ferry.__file__)
+import ferry.kv
+assert "FNV-1a" in (ferry.kv.transfer_key.__doc__ or ""), "help() text missing"
 PY
 
 site=$("$tmp/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
