@@ -159,25 +159,6 @@ def _str(name: str, value: Any) -> str:
     return value
 
 
-def _number(name: str, value: Any, unit: str) -> float:
-    """A real number as a float, or InvalidArgument naming the argument (the extension checks
-    the range: finite, >= 0, not absurdly large)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidType(f"{name} must be a number of {unit}, got {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise InvalidArgument(f"{name} must be a finite number of {unit}, got {value}") from None
-
-
-def _seconds(name: str, value: Any) -> float:
-    s = _number(name, value, "seconds")
-    if not 0 <= s <= 1e9:  # also NaN; past 1e9 a deadline in ns overflows (convert.h)
-        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0 (at most 1e9), "
-                              f"got {s}")
-    return s
-
-
 def _imm(imm: Optional[int]) -> Optional[int]:
     return None if imm is None else _uint("imm", imm, _U32_MAX)
 
@@ -198,13 +179,12 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _wait_spin_us(value: Optional[float]) -> float:
+def _wait_spin_us(value: Any) -> Any:
+    """What None (auto) means on this host; any other value as given (the extension checks
+    it)."""
     if value is None:
         return _AUTO_WAIT_SPIN_US if _usable_cpus() >= _SPIN_MIN_CPUS else 0.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidType("wait_spin_us must be a number of microseconds or None (auto), "
-                          f"got {type(value).__name__}")
-    return _number("wait_spin_us", value, "microseconds")  # the extension checks the range
+    return value
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -392,17 +372,16 @@ class TransferEngine:
             value, or one above 1000000 (a second).
         Raises Unavailable when the provider is missing, ferry.Error otherwise.
         """
-        op_timeout_s = _seconds("op_timeout", op_timeout)
-        if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
-            raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
         _log.sync_level()  # a level set just before takes effect for this engine's lines
+        # The numbers of seconds and microseconds go as given: the extension checks them, as it
+        # checks every timeout (python/src/convert.h).
         self._engine = _ferry.Engine(
             _str("provider", provider), _bool("same_host", same_host), _str("node", node),
-            _int("rails", rails, 1, _I32_MAX), op_timeout_s,
+            _int("rails", rails, 1, _I32_MAX), op_timeout,
             _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
             _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
-            _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us))
+            idle_spin_us, _wait_spin_us(wait_spin_us))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -558,15 +537,14 @@ class TransferEngine:
         writes carrying ``imm`` arrived and consumes them; raises TimeoutError naming the
         immediate and how many arrived otherwise. Arrivals accumulate per immediate, so
         consecutive rounds need no reset."""
-        self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
-                              _seconds("timeout", timeout))
+        self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count), timeout)
 
     def expect_imm(self, imm: int, count: int = 1, timeout: float = 600.0) -> ImmExpectation:
         """Arms an expectation of ``count`` writes carrying ``imm`` (consumed when complete),
         to poll with done() or wait() while doing other work; it fails with TimeoutError after
         ``timeout`` seconds."""
         return self._engine.expect_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),
-                                       _seconds("timeout", timeout))
+                                       timeout)
 
     def imm_available(self, imm: int) -> int:
         """Arrivals of ``imm`` not yet consumed."""

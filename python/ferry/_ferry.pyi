@@ -1,6 +1,7 @@
 """Type stub of ferry._ferry, the pybind11 extension (types only: the docstrings are in the
-bindings, python/src/, and help() shows them). Use the ``ferry`` package: it checks arguments
-and turns Python objects (tensors, arrays, page lists) into what this module takes."""
+bindings, python/src/, and help() shows them). Use the ``ferry`` package: it turns Python
+objects (tensors, arrays, page lists) into what this module takes; each argument is checked
+once, by the package or here (every number of seconds or microseconds here)."""
 
 import builtins
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -239,6 +240,7 @@ def pull_params(info: HandshakeInfo, transfer_id: int, blocks: np.ndarray, num_t
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
                     timeout: float) -> HandshakeInfo: ...
 
+def seconds(value: Any, name: str) -> float: ...
 def gpu_device_count() -> int: ...
 
 def log_route(to_python: bool) -> None: ...

@@ -30,7 +30,6 @@ from . import (
     TransferEngine,
     _device_index,
     _index_array,
-    _seconds,
     _is_tensor,
     _str,
     _tensor_data_ptr,
@@ -307,7 +306,8 @@ class KvConnector(_Closing):
         _refuse_overlaps(regions, layout)
         args = (_uint("tp_rank", config.tp_rank, _U32_MAX),
                 _uint("tp_size", config.tp_size, _U32_MAX), regions, list(items),
-                _seconds("lease", config.lease), _uint("imm_base", config.imm_base, _U32_MAX),
+                _ferry.seconds(config.lease, "lease"),
+                _uint("imm_base", config.imm_base, _U32_MAX),
                 _uint("imm_count", config.imm_count, _U32_MAX),
                 _uint("imm_span", config.imm_span, _U32_MAX), config.pull_mode == "inline",
                 config.pull_keys == "pool", _uint("max_events", config.max_events))
@@ -408,7 +408,7 @@ class KvConnector(_Closing):
         return self._conn.offer_pull(_tid(transfer_id),
                                      _index_array("blocks", blocks, "block ids"),
                                      _uint("num_tokens", num_tokens, _U32_MAX),
-                                     _capability(capability))
+                                     capability)
 
     def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]], blocks: Blocks,
              num_tokens: int, *, first_token: int = 0) -> None:
@@ -432,7 +432,7 @@ class KvConnector(_Closing):
         one is there. Raises Cancelled once the connector is closed (also a wait in progress,
         when close() is called on another thread); Ctrl-C raises KeyboardInterrupt within
         0.1 s."""
-        return self._conn.wait(_seconds("timeout", timeout))
+        return self._conn.wait(timeout)
 
     def handshake_info(self) -> HandshakeInfo:
         """What this rank's HandshakeServer tells peers."""
@@ -477,8 +477,7 @@ class HandshakeServer(_Closing):
                               f"{type(connector).__name__}")
         self._server = _ferry.HandshakeServer(_str("host", host), _uint("port", port, 0xFFFF),
                                               connector.handshake_info(), _secret(secret),
-                                              _seconds("connection_deadline",
-                                                       connection_deadline))
+                                              connection_deadline)
 
     @property
     def port(self) -> int:
@@ -505,17 +504,6 @@ class HandshakeServer(_Closing):
         self._server.close()
 
 
-def _capability(capability: Any) -> Optional[bytes]:
-    if capability is None:
-        return None
-    if not isinstance(capability, (bytes, bytearray, memoryview)):
-        raise InvalidType(f"capability must be 16 bytes, got {type(capability).__name__}")
-    capability = bytes(capability)
-    if len(capability) != 16:
-        raise InvalidArgument(f"capability must be 16 bytes, got {len(capability)}")
-    return capability
-
-
 def pull_params(info: HandshakeInfo, transfer_id: TransferId, blocks: Blocks, num_tokens: int,
                 capability: bytes, lease: float) -> bytes:
     """Decode: the bytes pull() takes, built from the prefill rank's HandshakeInfo (address,
@@ -529,12 +517,8 @@ def pull_params(info: HandshakeInfo, transfer_id: TransferId, blocks: Blocks, nu
     tid = _tid(transfer_id)
     if not isinstance(tid, int):
         tid = transfer_key(tid)
-    cap = _capability(capability)
-    if cap is None:
-        raise InvalidType("capability must be 16 bytes, got None")
     return _ferry.pull_params(info, tid, _index_array("blocks", blocks, "block ids"),
-                              _uint("num_tokens", num_tokens, _U32_MAX), cap,
-                              _seconds("lease", lease))
+                              _uint("num_tokens", num_tokens, _U32_MAX), capability, lease)
 
 
 def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
@@ -546,4 +530,4 @@ def fetch_handshake(host: str, port: int, layout: KvLayout, secret: bytes,
         raise InvalidType(f"layout must be this side's KvLayout, got {type(layout).__name__}")
     return _ferry.fetch_handshake(_str("host", host), _uint("port", port, 0xFFFF),
                                   layout, _secret(secret),
-                                  _seconds("timeout", timeout))
+                                  timeout)

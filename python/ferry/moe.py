@@ -24,7 +24,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _bool, _ferry, _seconds
+from . import _bool, _ferry
 from ._ferry import Cancelled, InvalidArgument, InvalidType, Unavailable
 
 _U32_MAX = 2**32 - 1  # the C++ all-to-all counts tokens, channels, experts and ranks in 32 bits
@@ -273,11 +273,11 @@ class _Engine:
                  alignment: int, device: "torch.device", engine: Any, provider: str,
                  allgather: AllGather, timeout: float,
                  imm_offset: int = 0) -> None:
+        # timeout: seconds AllToAll or Buffer checked (_ferry.seconds).
         _integers(max_num_tokens=max_tokens, hidden_dim=hidden, num_experts=num_experts,
                   num_experts_per_token=topk, rank=rank, world_size=world,
                   ranks_per_node=ranks_per_node, max_private_tokens=private_slots,
                   expert_padding=alignment)
-        timeout = _seconds("timeout", timeout)
         if engine is not None and not isinstance(getattr(engine, "_engine", None), _ferry.Engine):
             raise InvalidType(f"engine must be a ferry.TransferEngine, got "
                               f"{type(engine).__name__}")
@@ -317,7 +317,7 @@ class _Engine:
             ranks_per_node=int(ranks_per_node), private_slots=int(private_slots),
             alignment=int(alignment), cuda=self.cuda,
             device=device.index if self.cuda else -1, engine=raw, allgather=allgather,
-            timeout=float(timeout), imm_offset=int(imm_offset))
+            timeout=timeout, imm_offset=int(imm_offset))
         self.closed = False
         self.local_experts = self.a2a.num_local_experts
         rows = self.a2a.max_expert_rows
@@ -527,7 +527,7 @@ class AllToAll:
             topk=num_experts_per_token, rank=rank, world=world,
             ranks_per_node=int(ranks_per_node), private_slots=int(max_private_tokens),
             alignment=int(expert_padding), device=self._device, provider=provider,
-            allgather=gather, timeout=timeout)
+            allgather=gather, timeout=_ferry.seconds(timeout, "timeout"))
         self._e = _Engine(engine=engine, **self._engine_args)
         # dispatch_async may keep a second dispatch in flight (pplx-garden's dual-batch
         # overlap): each in-flight dispatch has a C++ all-to-all of its own, the second made
@@ -1014,7 +1014,7 @@ class Buffer:
         self.group = group
         _integers(optional=True, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
                   private_slots=private_slots)
-        timeout = _seconds("timeout", timeout)
+        timeout = _ferry.seconds(timeout, "timeout")
         self.rank, self.group_size, self._gather = _bootstrap(group, rank, world_size, allgather)
         self._rpn = int(ranks_per_node) if ranks_per_node is not None else self.group_size
         self._engine, self._provider, self._timeout = engine, provider, timeout

@@ -3,6 +3,7 @@
 // objects as byte spans.
 #pragma once
 
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -35,26 +36,40 @@ inline std::string type_name(pybind11::handle obj) {
 // (now + timeout in nanoseconds) into the past, and a wait would end at once or never.
 constexpr double kMaxSeconds = 1e9;
 
-inline Duration seconds_to_duration(double s, const char* what) {
-    if (!std::isfinite(s) || s < 0 || s > kMaxSeconds) {
-        throw StatusError(invalid_argument(std::string(what) +
-                                           " must be a finite number of "
-                                           "seconds >= 0 (at most 1e9), got " +
-                                           std::to_string(s)));
+// x as Python prints it ("-1.0", "nan", "1e+300"): what the caller passed, as they would write it.
+inline std::string float_text(double x) { return pybind11::repr(pybind11::float_(x)); }
+
+// A Python number (int, float, numpy scalar) as a double; anything else (None, a string, a
+// bool) is an InvalidType "<what> must be a number of <unit><also>, got <type>", not
+// pybind11's TypeError. An int too large for a double is out of `range` (the values allowed,
+// for the message).
+inline double number_arg(pybind11::handle v, const char* what, const char* unit,
+                         const std::string& range, const char* also = "") {
+    if (!PyBool_Check(v.ptr())) {
+        double x = PyFloat_AsDouble(v.ptr());
+        if (!(x == -1.0 && PyErr_Occurred())) return x;
+        bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+        PyErr_Clear();
+        if (overflow) {
+            throw StatusError(invalid_argument(
+                fmt::format("{} must be {}, got an int too large for a float", what, range)));
+        }
     }
-    return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+    throw StatusError::wrong_type(
+        fmt::format("{} must be a number of {}{}, got {}", what, unit, also, type_name(v)));
 }
 
-// A Python number of seconds (int, float, numpy scalar) as a Duration; anything else (None,
-// a string, a bool) is an InvalidArgument naming `what`, not pybind11's TypeError.
+// A Python number of seconds in [0, 1e9] (int, float, numpy scalar) as a Duration; anything
+// else is an InvalidArgument naming `what`. The one check of every timeout, lease and
+// deadline ferry's Python API takes.
 inline Duration seconds_arg(pybind11::handle v, const char* what) {
-    double s = PyBool_Check(v.ptr()) ? -1.0 : PyFloat_AsDouble(v.ptr());
-    if (PyBool_Check(v.ptr()) || (s == -1.0 && PyErr_Occurred())) {
-        PyErr_Clear();
-        throw StatusError::wrong_type(std::string(what) + " must be a number of seconds, got " +
-                                      type_name(v));
+    constexpr const char* kRange = "a finite number of seconds >= 0 (at most 1e9)";
+    double s = number_arg(v, what, "seconds", kRange);
+    if (!std::isfinite(s) || s < 0 || s > kMaxSeconds) {
+        throw StatusError(
+            invalid_argument(fmt::format("{} must be {}, got {}", what, kRange, float_text(s))));
     }
-    return seconds_to_duration(s, what);
+    return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
 }
 
 // A Python int in [0, 2^32) (numpy integers too); None, a bool, a float, a string or an
@@ -103,12 +118,17 @@ inline std::vector<uint8_t> bytes_arg(pybind11::handle v, const char* what) {
     throw StatusError::wrong_type(std::string(what) + " must be bytes, got " + type_name(v));
 }
 
-// Microseconds in [0, max_us] as a Duration (a spin or nap length).
-inline Duration micros_to_duration(double us, const char* what, double max_us) {
+// A Python number of microseconds in [0, max_us] as a Duration (a spin or nap length);
+// anything else is an InvalidArgument naming `what` (`also`: other values the caller takes,
+// for the message).
+inline Duration micros_arg(pybind11::handle v, const char* what, double max_us,
+                           const char* also = "") {
+    const std::string range =
+        fmt::format("a number of microseconds in [0, {}]", static_cast<uint64_t>(max_us));
+    double us = number_arg(v, what, "microseconds", range, also);
     if (!std::isfinite(us) || us < 0 || us > max_us) {
-        throw StatusError(invalid_argument(
-            std::string(what) + " must be a number of microseconds in [0, " +
-            std::to_string(static_cast<uint64_t>(max_us)) + "], got " + std::to_string(us)));
+        throw StatusError(
+            invalid_argument(fmt::format("{} must be {}, got {}", what, range, float_text(us))));
     }
     return std::chrono::duration_cast<Duration>(std::chrono::duration<double, std::micro>(us));
 }

@@ -50,15 +50,8 @@ using kv::RegionSplit;
 
 using Blocks = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 
-std::vector<uint32_t> to_blocks(const Blocks& b) {
-    if (b.ndim() != 1) {
-        throw StatusError(
-            invalid_argument("blocks must be a one-dimensional sequence of block "
-                             "ids, got " +
-                             std::to_string(b.ndim()) + " dimensions"));
-    }
-    return {b.data(), b.data() + b.size()};
-}
+// `b` is the one-dimensional array ferry.kv made (and checked) from the caller's block ids.
+std::vector<uint32_t> to_blocks(const Blocks& b) { return {b.data(), b.data() + b.size()}; }
 
 kv::PullCapability parse_capability(py::handle v) {
     std::vector<uint8_t> b = bytes_arg(v, "capability");
@@ -284,7 +277,8 @@ class Connector {
         auto live = std::make_shared<LiveConnector>(std::move(engine), std::move(owners));
         kv::ConnectorConfig cc;
         cc.self = {layout, tp_rank, tp_size};
-        cc.lease = seconds_to_duration(lease_s, "lease");
+        // ferry.kv checked lease_s with _ferry.seconds() before it refused a second connector.
+        cc.lease = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(lease_s));
         cc.imm_base = imm_base;
         cc.imm_count = imm_count;
         cc.imm_span = imm_span;
@@ -433,8 +427,8 @@ class Connector {
         return out;
     }
 
-    bool wait(double timeout_s) {
-        Duration t = seconds_to_duration(timeout_s, "timeout");
+    bool wait(py::handle timeout) {
+        Duration t = seconds_arg(timeout, "timeout");
         live();
         bool got = false;
         Status s = wait_interruptible(
@@ -535,10 +529,10 @@ class Connector {
 class HandshakeServer {
   public:
     HandshakeServer(const std::string& host, uint16_t port, kv::HandshakeInfo info,
-                    const py::bytes& secret, double connection_deadline_s) {
+                    const py::bytes& secret, py::handle connection_deadline) {
         kv::HandshakeServerOptions o;
         o.secret = parse_secret(secret);
-        o.connection_deadline = seconds_to_duration(connection_deadline_s, "connection_deadline");
+        o.connection_deadline = seconds_arg(connection_deadline, "connection_deadline");
         Result<std::unique_ptr<kv::HandshakeServer>> r = internal_error("unset");
         {
             py::gil_scoped_release nogil;
@@ -816,7 +810,8 @@ void register_kv(py::module_& m, EngineShare engine_share) {
 
     py::class_<HandshakeServer>(m, "HandshakeServer",
                                 "ferry::kv::HandshakeServer; ferry.kv.HandshakeServer wraps it.")
-        .def(py::init<const std::string&, uint16_t, kv::HandshakeInfo, const py::bytes&, double>(),
+        .def(py::init<const std::string&, uint16_t, kv::HandshakeInfo, const py::bytes&,
+                      py::handle>(),
              py::arg("host"), py::arg("port"), py::arg("info"), py::arg("secret"),
              py::arg("connection_deadline"))
         .def_property_readonly("port", [](const HandshakeServer& s) { return s.get().port(); })
@@ -830,13 +825,13 @@ void register_kv(py::module_& m, EngineShare engine_share) {
     m.def(
         "pull_params",
         [](const kv::HandshakeInfo& info, uint64_t transfer_id, const Blocks& blocks,
-           uint32_t num_tokens, py::handle capability, double lease_s) {
+           uint32_t num_tokens, py::handle capability, py::handle lease_arg) {
             kv::PullParamsMsg m;
             m.transfer_id = transfer_id;
             m.producer_rank = info.tp_rank;
             m.producer_tp = info.tp_size;
             m.num_tokens = num_tokens;
-            Duration lease = seconds_to_duration(lease_s, "lease");
+            Duration lease = seconds_arg(lease_arg, "lease");
             m.lease_ms = static_cast<uint32_t>(std::min<int64_t>(
                 std::chrono::duration_cast<std::chrono::milliseconds>(lease).count(), UINT32_MAX));
             m.prefill_address = info.address;
@@ -852,9 +847,9 @@ void register_kv(py::module_& m, EngineShare engine_share) {
     m.def(
         "fetch_handshake",
         [](const std::string& host, uint16_t port, const KvLayout& mine, const py::bytes& secret,
-           double timeout_s) {
+           py::handle timeout) {
             Secret s = parse_secret(secret);
-            Duration t = seconds_to_duration(timeout_s, "timeout");
+            Duration t = seconds_arg(timeout, "timeout");
             Result<kv::HandshakeInfo> r = internal_error("unset");
             {
                 py::gil_scoped_release nogil;

@@ -321,6 +321,8 @@ class Engine {
         region->held->buffer = BufferHold::acquire(obj, !read_only);
         region->read_only = region->held->buffer.read_only();
         region->held->owner = py::reinterpret_borrow<py::object>(obj);
+        if (region->held->buffer.size() == 0)
+            throw StatusError(invalid_argument("cannot register 0 bytes"));
         return finish_register(region, region->held->buffer.data(), region->held->buffer.size(),
                                MemoryKind::kHost, -1);
     }
@@ -402,8 +404,8 @@ class Engine {
                       [&](TransferEngine& e) { return e.signal(peer, imm); });
     }
 
-    void wait_imm(uint32_t imm, uint64_t count, double timeout_s) {
-        Duration t = seconds_to_duration(timeout_s, "timeout");
+    void wait_imm(uint32_t imm, uint64_t count, py::handle timeout) {
+        Duration t = seconds_arg(timeout, "timeout");
         std::shared_ptr<TransferEngine> e = hold();
         // Each slice is a wait of its own: it consumes `count` arrivals or none, so slicing
         // changes nothing but where a signal can be raised.
@@ -420,8 +422,8 @@ class Engine {
             [&] { return last; }));
     }
 
-    ImmExpectation expect_imm(uint32_t imm, uint64_t count, double timeout_s) {
-        Duration t = seconds_to_duration(timeout_s, "timeout");
+    ImmExpectation expect_imm(uint32_t imm, uint64_t count, py::handle timeout) {
+        Duration t = seconds_arg(timeout, "timeout");
         ImmExpectation x;
         x.imm = imm;
         x.count = count;
@@ -465,7 +467,6 @@ class Engine {
   private:
     std::shared_ptr<Region> finish_register(std::shared_ptr<Region> region, void* ptr,
                                             uint64_t nbytes, MemoryKind kind, int device) {
-        if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
         std::shared_ptr<TransferEngine> e = hold();
         Result<std::unique_ptr<MemoryRegion>> r = internal_error("unset");
         {
@@ -503,11 +504,8 @@ class Engine {
         }
     }
 
+    // `runs` is the n x 3 array ferry.TransferEngine made (and checked) from the caller's runs.
     static std::vector<WriteRun> to_runs(const Runs& runs) {
-        if (runs.ndim() != 2 || runs.shape(1) != 3) {
-            throw StatusError(invalid_argument(
-                "runs must be (src_offset, dst_offset, length) triples, an n x 3 array"));
-        }
         std::vector<WriteRun> rs(static_cast<size_t>(runs.shape(0)));
         const uint64_t* p = runs.data();
         for (size_t i = 0; i < rs.size(); ++i) rs[i] = {p[3 * i], p[3 * i + 1], p[3 * i + 2]};
@@ -620,24 +618,31 @@ struct FastWrite {
     }
 };
 
+// The arguments ferry.TransferEngine passes on as the caller gave them (the numbers of seconds
+// and microseconds) are checked here; the others it converted and checked itself.
 EngineConfig make_config(const std::string& provider, bool same_host, const std::string& node,
-                         int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
-                         uint64_t max_write_size, const std::string& gpu_copy,
-                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
-    if (rails < 1) throw StatusError(invalid_argument("rails must be >= 1"));
+                         int rails, py::handle op_timeout, bool busy_poll,
+                         uint64_t stripe_threshold, uint64_t max_write_size,
+                         const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
+                         py::handle idle_spin_us) {
     EngineConfig c;
     c.provider = provider;
     c.peers_on_same_host = same_host;
     c.node = node;
     c.num_rails = rails;
-    c.op_timeout = seconds_to_duration(op_timeout, "op_timeout");
+    c.op_timeout = seconds_arg(op_timeout, "op_timeout");
+    if (c.op_timeout <= Duration::zero()) {  // the library's message says "0 ms", rounded
+        throw StatusError(
+            invalid_argument(fmt::format("op_timeout must be a number of seconds > 0, got {}",
+                                         std::string(py::str(op_timeout)))));
+    }
     c.busy_poll = busy_poll;
     c.stripe_threshold = stripe_threshold;
     c.max_write_size = max_write_size;
     c.gpu_copy = gpu_copy;
     c.fabric_gpu_memory = fabric_gpu_memory;
     c.gpu_ipc = gpu_ipc;
-    c.idle_spin = micros_to_duration(idle_spin_us, "idle_spin_us", 1e9);
+    c.idle_spin = micros_arg(idle_spin_us, "idle_spin_us", 1e9);
     return c;
 }
 
@@ -788,15 +793,15 @@ PYBIND11_MODULE(_ferry, m) {
         "arguments.");
     engine_class
         .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
-                         int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
-                         uint64_t max_write_size, const std::string& gpu_copy,
-                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us,
-                         double wait_spin_us) {
+                         int rails, py::handle op_timeout, bool busy_poll,
+                         uint64_t stripe_threshold, uint64_t max_write_size,
+                         const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
+                         py::handle idle_spin_us, py::handle wait_spin_us) {
                  return std::make_unique<Engine>(
                      make_config(provider, same_host, node, rails, op_timeout, busy_poll,
                                  stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
                                  gpu_ipc, idle_spin_us),
-                     micros_to_duration(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs));
+                     micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
              }),
              py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
              py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
@@ -832,6 +837,15 @@ PYBIND11_MODULE(_ferry, m) {
     register_kv(m, [](py::handle engine) { return engine.cast<Engine&>().share(); });
     register_log(m);
 
+    m.def(
+        "seconds",
+        [](py::handle value, const std::string& name) {
+            return std::chrono::duration<double>(seconds_arg(value, name.c_str())).count();
+        },
+        py::arg("value"), py::arg("name"),
+        "`value` as a float of seconds, checked as every timeout of ferry's is (a number in\n"
+        "[0, 1e9], else InvalidArgument naming `name`): for a timeout the package keeps before\n"
+        "it reaches the extension (ferry.moe).");
     m.def(
         "gpu_device_count",
         [] {

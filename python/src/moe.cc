@@ -99,13 +99,11 @@ void copy_groups_host(uint8_t* grouped, uint8_t* padded, const uint32_t* offsets
 class MoeAllToAll {
   public:
     MoeAllToAll(const AllToAllConfig& cfg, bool cuda, int device,
-                std::shared_ptr<TransferEngine> engine, py::function allgather, double timeout_s,
+                std::shared_ptr<TransferEngine> engine, py::function allgather, Duration timeout,
                 uint32_t imm_offset)
         : cfg_(cfg), cuda_(cuda), parts_(std::make_shared<Parts>()) {
         parts_->engine = std::move(engine);
         TransferEngine* engine_ptr = parts_->engine.get();
-        if (!(timeout_s > 0)) throw StatusError(invalid_argument("timeout must be > 0 seconds"));
-        Duration timeout = seconds_to_duration(timeout_s, "timeout");
         moe::AllGatherFn ag = wrap_allgather(std::move(allgather));
         if (cuda) {
             moe::CudaAllToAllOptions o;
@@ -332,6 +330,11 @@ void register_moe(py::module_& m, EngineShare engine_share) {
                                     uint32_t world, uint32_t ranks_per_node, uint32_t private_slots,
                                     uint32_t alignment, bool cuda, int device, py::object engine,
                                     py::function allgather, double timeout_s, uint32_t imm_offset) {
+                // ferry.moe checked timeout_s with _ferry.seconds(); zero is refused here.
+                auto timeout =
+                    std::chrono::duration_cast<Duration>(std::chrono::duration<double>(timeout_s));
+                if (timeout <= Duration::zero())
+                    throw StatusError(invalid_argument("timeout must be > 0 seconds"));
                 AllToAllConfig c = config_of(max_tokens, hidden, num_experts, topk, world,
                                              ranks_per_node, private_slots);
                 if (!moe::parse_dtype(dtype, &c.dtype))
@@ -342,7 +345,7 @@ void register_moe(py::module_& m, EngineShare engine_share) {
                 std::shared_ptr<TransferEngine> e =
                     engine.is_none() ? nullptr : engine_share(engine);
                 return std::make_unique<MoeAllToAll>(c, cuda, device, std::move(e),
-                                                     std::move(allgather), timeout_s, imm_offset);
+                                                     std::move(allgather), timeout, imm_offset);
             }),
             py::arg("max_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("num_experts"),
             py::arg("topk"), py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"),
