@@ -14,7 +14,7 @@ import numbers
 import operator
 import os
 import sys
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -356,7 +356,9 @@ class TransferEngine:
                  busy_poll: bool = False, stripe_threshold: int = 1 << 20,
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
-                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None,
+                 rail_selection: str = "nearest", topology_xml: Optional[str] = None,
+                 rail_nics: Optional[str] = None) -> None:
         op_timeout_s = _seconds("op_timeout", op_timeout)
         if op_timeout_s <= 0:  # the engine's own message speaks of ms, rounded: "0 ms"
             raise InvalidArgument(f"op_timeout must be a number of seconds > 0, got {op_timeout!r}")
@@ -367,7 +369,10 @@ class TransferEngine:
             _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
             _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
-            _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us))
+            _number("idle_spin_us", idle_spin_us, "microseconds"), _wait_spin_us(wait_spin_us),
+            _str("rail_selection", rail_selection),
+            "" if topology_xml is None else _str("topology_xml", topology_xml),
+            "" if rail_nics is None else _str("rail_nics", rail_nics))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -492,6 +497,9 @@ class TransferEngine:
 
     def stats(self) -> dict:
         return self._engine.stats()
+
+    def rail_stats(self) -> List[dict]:
+        return self._engine.rail_stats()
 
     # Lifetime -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """ferry: one-sided RDMA for LLM inference over libfabric, from Python (docs/PYTHON.md)."""
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._ferry import (
     AlreadyExists as AlreadyExists,
@@ -57,7 +57,9 @@ class TransferEngine:
                  busy_poll: bool = False, stripe_threshold: int = 1 << 20,
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
-                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None,
+                 rail_selection: str = "nearest", topology_xml: Optional[str] = None,
+                 rail_nics: Optional[str] = None) -> None:
         """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
 
         provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
@@ -65,6 +67,13 @@ class TransferEngine:
         same_host: every peer is on this host (lets "auto" pick shm).
         node: local address the tcp and verbs providers bind.
         rails: NICs (domains) to open; large writes are striped over them.
+        rail_selection: which NICs carry each region (EngineConfig::rails): "nearest" (a
+            GPU's memory on the NICs under its PCIe switch, host memory on its NUMA node's;
+            transfers go from those to the peer's NICs near its region), "all", or NIC domain
+            names separated by commas ("rdmap79s0,rdmap80s0"; `ferry topo` lists them).
+        topology_xml: the machine's PCIe tree as an hwloc XML file instead of this machine's.
+        rail_nics: the NIC each rail stands for, one "<provider> <domain> <pci>" line per rail
+            (tcp or shm rails standing in for a multi-NIC machine's NICs: tests).
         op_timeout: seconds (> 0) after which an operation not completed fails (a dead peer
             becomes an error, not a hang).
         busy_poll: workers never nap (lowest latency, one core per rail).
@@ -175,7 +184,14 @@ class TransferEngine:
     def stats(self) -> dict:
         """Counters: ops_posted, bytes_posted, eagain, op_errors, op_timeouts, imm_arrivals,
         messages_received, messages_dropped, and regions_registered (regions live now: one
-        per Region not closed, plus those of KV connectors and all-to-alls on the engine)."""
+        per Region not closed, plus those of KV connectors and all-to-alls on the engine), and
+        rail_fallbacks (transfers with no rail near both memories, sent from this side's near
+        NICs to the peer's near NICs of other indices)."""
+
+    def rail_stats(self) -> List[dict]:
+        """The same counters per rail, one dict per rail in rail order (rail_fallbacks is 0
+        in each): which NICs carried the bytes (bytes_posted, ops_posted) and which received
+        peers' writes with immediate data (imm_arrivals)."""
 
     def close(self) -> None:
         """Stops the engine's workers and frees its fabric resources (GIL released); calls

@@ -237,6 +237,24 @@ struct ImmExpectation {
 // lets go; core_ keeps the object itself alive, and every call that releases the GIL holds a
 // copy of it. So close() on one thread while another waits in wait_imm (or connects,
 // registers, posts) ends that wait with Cancelled instead of freeing the engine under it.
+// The library's errors name EngineConfig's rail settings; here they are the arguments of
+// TransferEngine(...).
+Status in_argument_names(const Status& s) {
+    static constexpr std::pair<std::string_view, std::string_view> kArgs[] = {
+        {"EngineConfig::rails", "rail_selection"},
+        {"EngineConfig::topology_xml", "topology_xml"},
+        {"EngineConfig::rail_nics", "rail_nics"},
+    };
+    std::string m = s.message();
+    for (auto [field, arg] : kArgs) {
+        for (size_t at = m.find(field); at != std::string::npos; at = m.find(field, at)) {
+            m.replace(at, field.size(), arg);
+            at += arg.size();
+        }
+    }
+    return Status(s.code(), std::move(m));
+}
+
 class Engine {
   public:
     Engine(const EngineConfig& config, Duration wait_spin) : wait_spin_(wait_spin) {
@@ -245,6 +263,7 @@ class Engine {
             py::gil_scoped_release nogil;
             r = TransferEngine::create(config);
         }
+        if (!r.ok()) r = in_argument_names(r.status());
         core_ = std::shared_ptr<TransferEngine>(take(std::move(r)));
         std::shared_ptr<TransferEngine> core = core_;
         users_ = std::shared_ptr<TransferEngine>(core.get(),
@@ -447,8 +466,16 @@ class Engine {
         return to_us(wait_spin_);
     }
 
-    py::dict stats() const {
-        EngineStats s = get().stats();
+    py::dict stats() const { return stats_dict(get().stats()); }
+
+    py::list rail_stats() const {
+        py::list out;
+        for (const EngineStats& s : get().rail_stats()) out.append(stats_dict(s));
+        return out;
+    }
+
+  private:
+    static py::dict stats_dict(const EngineStats& s) {
         py::dict d;
         d["ops_posted"] = s.ops_posted;
         d["bytes_posted"] = s.bytes_posted;
@@ -459,10 +486,10 @@ class Engine {
         d["messages_received"] = s.messages_received;
         d["messages_dropped"] = s.messages_dropped;
         d["regions_registered"] = s.regions_registered;
+        d["rail_fallbacks"] = s.rail_fallbacks;
         return d;
     }
 
-  private:
     std::shared_ptr<Region> finish_register(std::shared_ptr<Region> region, void* ptr,
                                             uint64_t nbytes, MemoryKind kind, int device) {
         if (nbytes == 0) throw StatusError(invalid_argument("cannot register 0 bytes"));
@@ -623,7 +650,9 @@ struct FastWrite {
 EngineConfig make_config(const std::string& provider, bool same_host, const std::string& node,
                          int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
                          uint64_t max_write_size, const std::string& gpu_copy,
-                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us) {
+                         bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us,
+                         const std::string& rail_selection, const std::string& topology_xml,
+                         const std::string& rail_nics) {
     if (rails < 1) throw StatusError(invalid_argument("rails must be >= 1"));
     EngineConfig c;
     c.provider = provider;
@@ -638,6 +667,9 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
     c.fabric_gpu_memory = fabric_gpu_memory;
     c.gpu_ipc = gpu_ipc;
     c.idle_spin = micros_to_duration(idle_spin_us, "idle_spin_us", 1e9);
+    c.rails = rail_selection;
+    c.topology_xml = topology_xml;
+    c.rail_nics = rail_nics;
     return c;
 }
 
@@ -734,17 +766,19 @@ PYBIND11_MODULE(_ferry, m) {
                          int rails, double op_timeout, bool busy_poll, uint64_t stripe_threshold,
                          uint64_t max_write_size, const std::string& gpu_copy,
                          bool fabric_gpu_memory, bool gpu_ipc, double idle_spin_us,
-                         double wait_spin_us) {
+                         double wait_spin_us, const std::string& rail_selection,
+                         const std::string& topology_xml, const std::string& rail_nics) {
                  return std::make_unique<Engine>(
                      make_config(provider, same_host, node, rails, op_timeout, busy_poll,
                                  stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
-                                 gpu_ipc, idle_spin_us),
+                                 gpu_ipc, idle_spin_us, rail_selection, topology_xml, rail_nics),
                      micros_to_duration(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs));
              }),
              py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
              py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
              py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
-             py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"))
+             py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"),
+             py::arg("rail_selection"), py::arg("topology_xml"), py::arg("rail_nics"))
         .def_property_readonly("wait_spin_us", &Engine::wait_spin_us)
         .def_property_readonly("address", &Engine::address)
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
@@ -767,6 +801,7 @@ PYBIND11_MODULE(_ferry, m) {
         .def("expect_imm", &Engine::expect_imm)
         .def("imm_available", &Engine::imm_available)
         .def("stats", &Engine::stats)
+        .def("rail_stats", &Engine::rail_stats)
         .def("close", &Engine::close);
 
     FastWrite::install(engine_class);

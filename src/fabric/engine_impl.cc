@@ -314,7 +314,6 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->len_ = len;
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
-    region->send_rails_ = reg.send_rails;
     return region;
 }
 
@@ -386,7 +385,7 @@ Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
                         "a live engine",
                         a.engine_id));
     }
-    return peers_.connect(a, rails);
+    return peers_.connect(a, rails, address.engine_id);
 }
 
 std::optional<PeerId> EngineImpl::find_peer(uint64_t engine_id) const {

@@ -54,13 +54,12 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
         }
         return s.with_context(fmt::format("registering {} bytes", len));
     }
-    reg.send_rails = placed.send;
+    reg.desc.near_mask = placed.send;
     // Greppable like NIXL's "mapped to rail"; one rail leaves nothing to choose.
     log(rails_.size() > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
-        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): this engine sends it "
-        "on those; registered on rails {} for peers",
-        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why,
-        rail_set_text(placed.registered));
+        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): registered there, sent "
+        "from and reached on those",
+        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why);
     return reg;
 }
 

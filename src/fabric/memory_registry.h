@@ -1,7 +1,7 @@
-// Registered memory: each region's registration on its rails (every rail unless a NIC list
-// says otherwise, RailPlacement), the rails it is sent on, the ids regions are known by,
-// and where GPU memory goes (registered with the provider under FI_HMEM, exported through
-// CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by the engine.
+// Registered memory: each region's registration on its rails (those RailPlacement picks), the ids
+// regions are known by, and where GPU memory goes (registered with the provider under FI_HMEM,
+// exported through CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by
+// the engine.
 #pragma once
 
 #include <rdma/fabric.h>
@@ -40,7 +40,6 @@ class MemoryRegistry {
         uint32_t id = 0;
         MemoryDescriptor desc;
         std::vector<void*> local_descs;  // per rail, fi_mr_desc (null without registration)
-        RailSet send_rails = 0;          // where this engine sends it first (RailPlacement::Placed)
     };
 
     MemoryRegistry(RailGroup& rails, GpuCopyPath& gpu) : rails_(rails), gpu_(gpu) {}

@@ -411,6 +411,8 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     ec.node = config.host;
     ec.peers_on_same_host = config.provider == "shm";
     ec.op_timeout = config.op_timeout;
+    ec.num_rails = config.num_rails;
+    ec.rails = config.rails;
     FERRY_ASSIGN_OR_RETURN(p->engine, TransferEngine::create(ec));
     FERRY_ASSIGN_OR_RETURN(p->mr, p->engine->register_memory(pool->base(), pool->size_bytes()));
     kv::ConnectorConfig cc;
@@ -483,6 +485,37 @@ Status FabricKvLink::ready() const {
 int FabricKvLink::side_port() const { return impl_->side ? impl_->side->port() : 0; }
 const std::string& FabricKvLink::provider() const { return impl_->cfg.provider; }
 
+namespace {
+// Prometheus lines of the engine's per-rail counters: which NICs carried the KV
+// (docs/ARCHITECTURE.md, "Rails and topology").
+std::string rail_metrics(const TransferEngine& engine) {
+    std::string out =
+        "# HELP ferry_kv_rail_bytes_posted_total bytes this engine posted on each rail\n"
+        "# TYPE ferry_kv_rail_bytes_posted_total counter\n";
+    const std::vector<EngineStats> rails = engine.rail_stats();
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_bytes_posted_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].bytes_posted);
+    out += "# TYPE ferry_kv_rail_ops_posted_total counter\n";
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_ops_posted_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].ops_posted);
+    out +=
+        "# HELP ferry_kv_rail_imm_arrivals_total peers' writes with immediate data landed on "
+        "each rail\n"
+        "# TYPE ferry_kv_rail_imm_arrivals_total counter\n";
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_imm_arrivals_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].imm_arrivals);
+    out += fmt::format(
+        "# HELP ferry_kv_rail_fallbacks_total transfers with no rail near both memories\n"
+        "# TYPE ferry_kv_rail_fallbacks_total counter\n"
+        "ferry_kv_rail_fallbacks_total {}\n",
+        engine.stats().rail_fallbacks);
+    return out;
+}
+}  // namespace
+
 FabricKvLinkStats FabricKvLink::stats() const {
     FabricKvLinkStats s;
     s.transfers_ok = impl_->ok.load();
@@ -498,15 +531,16 @@ FabricKvLinkStats FabricKvLink::stats() const {
 std::string FabricKvLink::prometheus_text() const {
     FabricKvLinkStats s = stats();
     return fmt::format(
-        "# HELP ferry_kv_link_transfers_total KV transfers over the fabric link, by result\n"
-        "# TYPE ferry_kv_link_transfers_total counter\n"
-        "ferry_kv_link_transfers_total{{result=\"ok\"}} {}\n"
-        "ferry_kv_link_transfers_total{{result=\"failed\"}} {}\n"
-        "# TYPE ferry_kv_link_bytes_total counter\n"
-        "ferry_kv_link_bytes_total {}\n"
-        "# TYPE ferry_kv_link_active gauge\n"
-        "ferry_kv_link_active {}\n",
-        s.transfers_ok, s.transfers_failed, s.bytes, s.active);
+               "# HELP ferry_kv_link_transfers_total KV transfers over the fabric link, by result\n"
+               "# TYPE ferry_kv_link_transfers_total counter\n"
+               "ferry_kv_link_transfers_total{{result=\"ok\"}} {}\n"
+               "ferry_kv_link_transfers_total{{result=\"failed\"}} {}\n"
+               "# TYPE ferry_kv_link_bytes_total counter\n"
+               "ferry_kv_link_bytes_total {}\n"
+               "# TYPE ferry_kv_link_active gauge\n"
+               "ferry_kv_link_active {}\n",
+               s.transfers_ok, s.transfers_failed, s.bytes, s.active) +
+           rail_metrics(*impl_->engine);
 }
 
 void FabricKvLink::stop() {

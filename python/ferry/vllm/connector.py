@@ -98,6 +98,10 @@ class FerryOptions:
     port: int = 7710  # this engine's side channel: port + tp_rank per worker
     lease: float = 30.0  # seconds a transfer may stall before it fails (ferry.kv.KvConfig)
     op_timeout: float = 10.0  # seconds one transfer operation may take
+    rails: int = 1  # NICs (rails) the engine opens (ferry.TransferEngine rails)
+    # Which rails carry a region's bytes: "nearest" (by topology), "all", or a comma-separated
+    # NIC list (ferry.TransferEngine rail_selection, docs/ARCHITECTURE.md "Rails")
+    rail_selection: str = "nearest"
     secret: bytes = _LOCAL_SECRET
 
     @classmethod
@@ -120,10 +124,14 @@ class FerryOptions:
             o.port = int(extra.get("port", o.port))
             o.lease = float(extra.get("lease", o.lease))
             o.op_timeout = float(extra.get("op_timeout", o.op_timeout))
+            o.rails = int(extra.get("rails", o.rails))
         except (TypeError, ValueError) as e:
             raise FerryConfigError(f"FerryConnector: kv_connector_extra_config: {e}") from None
         if not 0 < o.port < 65536:
             raise FerryConfigError(f"FerryConnector: port {o.port} is not a TCP port")
+        if o.rails < 1:
+            raise FerryConfigError(f"FerryConnector: rails must be at least 1, got {o.rails}")
+        o.rail_selection = str(extra.get("rail_selection", o.rail_selection))
         secret = extra.get("secret", os.environ.get("FERRY_KV_SECRET"))
         if secret is not None:
             o.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -582,7 +590,8 @@ class _Worker:
             self._tp_size = get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - no TP group (a unit test): one rank
             self._tp_rank, self._tp_size = 0, 1
-        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout)
+        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout,
+                                            rails=opts.rails, rail_selection=opts.rail_selection)
         self._conn = None
         self._server = None
         self._lock = threading.Lock()
