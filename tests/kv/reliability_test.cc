@@ -593,6 +593,57 @@ TEST_P(KvReliabilityTest, PullFromAPeerThatAnswersLateStillReads) {
     EXPECT_ALL_OK(results);
 }
 
+// Issue 32: decode's DONE ends prefill's offer and frees its blocks, also when decode gives the
+// pull up. Sent while prefill did not answer (stopped for two op_timeouts, as a loaded host),
+// the first message to it (tcp;ofi_rxm: no connection yet; shm: not mapped yet) was never taken
+// by the provider and dropped with a warning: prefill held the blocks until its lease (20 s
+// here). DONE is now posted again while the offer may still hold them, so prefill's offer ends
+// soon after prefill answers again. Decode gives up (peer_gone) while prefill is stopped.
+TEST_P(KvReliabilityTest, DoneToAPeerThatAnswersLateStillArrives) {
+    constexpr uint64_t kId = 0x62;
+    constexpr uint32_t kTokens = 48;
+    const auto lease = std::chrono::seconds(20);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+        ByteWriter w;
+        if (ex.rank() == kPrefill) {
+            put_pid(w);
+            testing::fill_request(n, kId, blocks, kTokens);
+            CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kId, blocks, kTokens));
+            w.put_bytes(encode_message(offer));
+        }
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        TimePoint t0 = Clock::now();
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            std::vector<uint8_t> offer;
+            CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+            CHILD_ASSIGN_OK(auto msg, decode_message(offer));
+            CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
+            StoppedForAWhile stop(pid);
+            CHILD_CHECK(stop.stopped());
+            CHILD_CHECK_OK(n.conn->pull(kId, {std::get<PullParamsMsg>(msg)}, blocks, kTokens));
+            std::this_thread::sleep_for(std::chrono::seconds(1));  // the reads wait
+            CHILD_CHECK_OK(n.conn->peer_gone(n.addrs[kPrefill], unavailable("given up")));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, kId, std::chrono::seconds(40)));
+            CHILD_CHECK_MSG(!r.status.ok(), "the pull given up ended ok");
+        } else {
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, std::chrono::seconds(40)));
+            Duration took = Clock::now() - t0;
+            // Ended by decode's DONE ("gave up reading"), well before the lease.
+            CHILD_CHECK_MSG(
+                r.status.code() == StatusCode::kCancelled && took < lease - std::chrono::seconds(5),
+                "prefill's offer ended after {:.0f} ms (lease {:.0f} ms): {}", to_ms(took),
+                to_ms(lease), r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
 TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
     auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
         const uint64_t id = 0x7a;
