@@ -47,7 +47,9 @@ MAX_TOKENS = 24
 # 8 s (decode) and 20 s (prefill) failed twice in a CI rehearsal on 2026-12-07 of a tree that
 # also held the rail pairing (issue 34, since taken out again): the 1500-token push request ran
 # out decode's lease while prefill computed it, and under a busy loop a pull offer ended before
-# decode read it. Raised for margin until that is understood (issue 32).
+# decode read it. Raised for margin until that was understood (issue 32): the push request had
+# waited at prefill (its engine starved) before vLLM scheduled it, and renewals started only
+# then; prefill now renews a registration from when it came (PROTOCOL.md, "Renewals").
 LEASE = 20.0
 PREFILL_LEASE = 45.0
 OP_TIMEOUT = 3.0  # below decode's lease: a live prefill's writes end before decode gives up
