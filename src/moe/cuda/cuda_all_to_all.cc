@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "common/enum_names.h"
 #include "ferry/common/bytes.h"
 #include "ferry/moe/numerics.h"
 #include "moe/cuda/kernels.h"
@@ -58,22 +59,15 @@ uint64_t host_id() {
 }
 
 const char* phase_name(uint32_t phase) {
-    switch (phase) {
-        case cuda::DeviceError::kPlan:
-            return "dispatch_send (routing)";
-        case cuda::DeviceError::kSendWaitCounts:
-            return "dispatch_send (waiting for counts)";
-        case cuda::DeviceError::kRecvWaitRows:
-            return "dispatch_recv (waiting for rows)";
-        case cuda::DeviceError::kRecvRows:
-            return "dispatch_recv (reading rows)";
-        case cuda::DeviceError::kCombineSend:
-            return "combine_send";
-        case cuda::DeviceError::kCombineRecvWait:
-            return "combine_recv (waiting for results)";
-        default:
-            return "an unknown phase";
-    }
+    static constexpr EnumName<uint32_t> kNames[] = {
+        {cuda::DeviceError::kPlan, "dispatch_send (routing)"},
+        {cuda::DeviceError::kSendWaitCounts, "dispatch_send (waiting for counts)"},
+        {cuda::DeviceError::kRecvWaitRows, "dispatch_recv (waiting for rows)"},
+        {cuda::DeviceError::kRecvRows, "dispatch_recv (reading rows)"},
+        {cuda::DeviceError::kCombineSend, "combine_send"},
+        {cuda::DeviceError::kCombineRecvWait, "combine_recv (waiting for results)"},
+    };
+    return name_of(kNames, phase, "an unknown phase").data();
 }
 
 // The GPU global timer's lead over the host's system clock, so the proxy's stamps and the
@@ -128,18 +122,13 @@ Status gpu_clock_offset(int64_t* offset) {
 enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent, kBroken };
 
 const char* last_call(Phase p) {
-    switch (p) {
-        case Phase::kIdle:
-            return "combine_recv (or nothing yet)";
-        case Phase::kDispatchSent:
-            return "dispatch_send";
-        case Phase::kDispatchReceived:
-            return "dispatch_recv";
-        case Phase::kCombineSent:
-            return "combine_send";
-        default:
-            return "a failed call";
-    }
+    static constexpr EnumName<Phase> kNames[] = {
+        {Phase::kIdle, "combine_recv (or nothing yet)"},
+        {Phase::kDispatchSent, "dispatch_send"},
+        {Phase::kDispatchReceived, "dispatch_recv"},
+        {Phase::kCombineSent, "combine_send"},
+    };
+    return name_of(kNames, p, "a failed call").data();
 }
 
 }  // namespace
