@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/worker_queue.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/fabric/engine.h"
@@ -74,11 +75,10 @@ class FabricKvLink::Impl {
     // Orders connector calls of one transfer: a cancel never overtakes its registration.
     std::mutex issue_mu;
 
+    // The link's thread: connector calls that may block (a handshake) run there, in order.
+    std::unique_ptr<WorkerQueue> jobs;
     std::mutex q_mu;
-    std::condition_variable q_cv;
-    std::deque<std::function<void()>> jobs;
     bool stopping = false;
-    std::thread worker;
     std::thread watcher;  // peer_check_interval; waits on watch_cv for `stopping`
     std::condition_variable watch_cv;
 
@@ -370,29 +370,7 @@ class FabricKvLink::Impl {
     }
 
     // Queues a job on the link's thread; false when the link is stopping.
-    bool enqueue(std::function<void()> job) {
-        {
-            std::lock_guard lk(q_mu);
-            if (stopping) return false;
-            jobs.push_back(std::move(job));
-        }
-        q_cv.notify_one();
-        return true;
-    }
-
-    void run() {
-        while (true) {
-            std::function<void()> job;
-            {
-                std::unique_lock lk(q_mu);
-                q_cv.wait(lk, [&] { return stopping || !jobs.empty(); });
-                if (jobs.empty()) return;
-                job = std::move(jobs.front());
-                jobs.pop_front();
-            }
-            job();
-        }
-    }
+    bool enqueue(std::function<void()> job) { return jobs && jobs->post(std::move(job)); }
 };
 
 Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkConfig& config,
@@ -451,10 +429,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
                         config.side_port));
     p->side = std::move(side).value();
     p->peers = std::make_unique<kv::HandshakeCache>(p->layout, config.secret);
-    p->worker = std::thread([p] {
-        set_thread_name("ferry-kvlink");
-        p->run();
-    });
+    p->jobs = std::make_unique<WorkerQueue>(WorkerQueue::Options{.thread_name = "ferry-kvlink"});
     if (config.peer_check_interval > Duration::zero()) {
         p->watcher = std::thread([p] {
             set_thread_name("ferry-kvwatch");
@@ -547,15 +522,13 @@ void FabricKvLink::stop() {
     Impl* p = impl_.get();
     {
         std::lock_guard lk(p->q_mu);
-        if (p->stopping && !p->worker.joinable() && !p->watcher.joinable()) return;
+        if (p->stopping && !p->watcher.joinable()) return;
         p->stopping = true;
     }
-    p->q_cv.notify_all();
     p->watch_cv.notify_all();
-    if (p->worker.joinable()) p->worker.join();
+    // Jobs queued before now still run; later ones are refused (their callers fail them).
+    if (p->jobs) p->jobs->stop();
     if (p->watcher.joinable()) p->watcher.join();
-    // Queued jobs never ran: their transfers are failed below.
-    p->jobs.clear();
     p->conn.reset();  // reports every open transfer through the callbacks, joins its thread
     p->side.reset();
     std::map<uint64_t, Impl::Send> sends;

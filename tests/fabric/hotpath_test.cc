@@ -14,48 +14,25 @@
 
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
+#include "support/byte_pattern.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
 
 namespace ferry {
 namespace {
 
+using testing::check_fill;
+using testing::check_pattern;
 using testing::Exchange;
 using testing::make_mesh_node;
 using testing::MeshNode;
+using testing::pattern;
 using testing::run_processes;
 using testing::test_engine_config;
 
 constexpr uint8_t kPoison = 0xCD;
 const auto kRunTimeout = std::chrono::seconds(150);
 const auto kWait = std::chrono::seconds(20);
-
-uint8_t pattern(uint64_t seed, uint64_t i) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 29;
-    return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ull >> 56);
-}
-
-// "" when b[off, off + len) holds pattern(seed, from + k) at every k, else the first miss.
-std::string check_pattern(const std::vector<uint8_t>& b, size_t off, size_t len, uint64_t seed,
-                          uint64_t from) {
-    for (size_t k = 0; k < len; ++k) {
-        if (b[off + k] != pattern(seed, from + k)) {
-            return fmt::format("byte {} of {}: got {:#x} want {:#x}", k, len, b[off + k],
-                               pattern(seed, from + k));
-        }
-    }
-    return "";
-}
-
-std::string check_fill(const std::vector<uint8_t>& b, size_t off, size_t len, uint8_t v) {
-    for (size_t k = 0; k < len; ++k) {
-        if (b[off + k] != v)
-            return fmt::format("byte {} of {}: got {:#x} want {:#x}", off + k, b.size(), b[off + k],
-                               v);
-    }
-    return "";
-}
 
 // The four processes of a kill test: the victim died of SIGKILL, the others finished cleanly.
 void expect_only_victim_killed(const std::vector<testing::ChildResult>& results, int victim) {
