@@ -175,6 +175,8 @@ class MemoryRegion {
     // its memory under EngineConfig::rails "nearest"; descriptor().rail_mask is where peers
     // reach it.
     uint64_t send_rails() const { return send_rails_; }
+    // What peers may do to it through the fabric (register_memory's `access`).
+    RemoteAccess remote_access() const { return access_; }
 
   private:
     friend class detail::EngineImpl;
@@ -187,6 +189,7 @@ class MemoryRegion {
     MemoryDescriptor desc_;
     std::vector<void*> local_descs_;
     uint64_t send_rails_ = 0;
+    RemoteAccess access_ = RemoteAccess::kReadWrite;
     mutable std::atomic<bool> fallback_logged_{false};  // a transfer left send_rails_ (logged once)
 };
 
@@ -364,10 +367,12 @@ class TransferEngine {
     // regions of peers on the same host become copies over NVLink, completed like fabric writes
     // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
     // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
-    // clear error when neither way is available.
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
-                                                          MemoryKind kind = MemoryKind::kHost,
-                                                          int device = -1);
+    // clear error when neither way is available. `access` limits what peers may do through the
+    // fabric registration (RemoteAccess: a region peers only write into, or only this engine
+    // reads and writes); a CUDA IPC export is not limited by it.
+    Result<std::unique_ptr<MemoryRegion>> register_memory(
+        void* ptr, size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1,
+        RemoteAccess access = RemoteAccess::kReadWrite);
     // True when the provider registers CUDA memory (FI_HMEM with CUDA), so GPU regions reach
     // peers on other hosts; false when GPU memory only goes to same-host GPU peers.
     bool supports_gpu_memory() const;
