@@ -74,8 +74,9 @@ class KvConfig:
     imm_span: int = 64
     pull_mode: str = "background"
     # "offer": each offer_pull registers the offer's blocks on their own, closed when the offer
-    # ends, so a read after that fails; "pool": offers carry the pool's keys (no registration
-    # per offer; what an engine whose decode builds the parameters itself reads with anyway).
+    # ends, so a read after that fails, and the pool itself takes no peer reads (parameters
+    # built from the handshake, pull_params, read nothing); "pool": offers carry the pool's keys
+    # (no registration per offer; what an engine whose decode builds the parameters needs).
     pull_keys: str = "offer"
     # Events kept until poll(), about 100 bytes each; beyond them, events are dropped and the
     # next poll() ends with an "overflow" event counting them. 65536 (about 6 MiB) holds more

@@ -43,9 +43,10 @@ class KvConfig:
     imm_span: immediates per push registration (one per prefill_progress chunk), at most 4096.
     pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
     pull_keys: "offer" (offer_pull registers the offer's blocks on their own and closes them
-        when the offer ends: a read with its parameters after that fails) or "pool" (the
-        pool's keys, no registration per offer: for decode sides that build the parameters
-        themselves with pull_params, which read under the pool's keys anyway).
+        when the offer ends: a read with its parameters after that fails; the pool itself
+        takes no peer reads, so parameters built with pull_params read nothing) or "pool" (the
+        pool's keys, no registration per offer: needed where decode builds the parameters
+        itself with pull_params).
     max_events: events kept until poll() (at least 1); beyond them events are dropped, and the
         next poll() ends with one KvEvent of kind "overflow" whose `dropped` counts them.
     """

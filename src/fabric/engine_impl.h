@@ -51,8 +51,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void shutdown();
     ~EngineImpl();
 
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len, MemoryKind kind,
-                                                          int device);
+    Result<std::unique_ptr<MemoryRegion>> register_memory(
+        void* ptr, size_t len, MemoryKind kind, int device,
+        RemoteAccess access = RemoteAccess::kReadWrite);
     void deregister(uint32_t id);
     void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                        std::function<void(size_t)> then);

@@ -50,8 +50,10 @@ class MemoryRegistry {
 
     // Registers [ptr, len): host memory on the rails its placement picks; kCuda memory through
     // CUDA IPC and, where the provider takes it, on the rails its placement picks. On failure
-    // nothing stays registered.
-    Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device);
+    // nothing stays registered. `access`: what peers may do through the rails' registrations
+    // (without kRead the provider refuses their reads); the default is what every caller had.
+    Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device,
+                             RemoteAccess access = RemoteAccess::kReadWrite);
     // Closes the region's registrations (a no-op once close_all ran), once libfabric has
     // returned every operation on its memory (timed-out ones too), or after op_timeout.
     void remove(uint32_t id);
@@ -67,7 +69,8 @@ class MemoryRegistry {
   private:
     // Registers on the rails of `on` (CUDA memory on cuda_device when >= 0), filling keys, the
     // rail mask and local descriptors; on failure what was registered is closed again.
-    Status register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on, Registration& reg);
+    Status register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on,
+                             RemoteAccess access, Registration& reg);
 
     RailGroup& rails_;
     GpuCopyPath& gpu_;

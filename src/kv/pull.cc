@@ -201,7 +201,11 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
             if (windowed[i].empty()) {
                 flight->add();
-                post_read(job, op, flight, 0, nullptr);
+                post_read(job, op, flight, 0,
+                          "reading prefill's pool under the pool's own keys (an offer under "
+                          "PullKeys::kPool, or parameters built from its handshake): a prefill "
+                          "under PullKeys::kPerOffer registers its pool without peer reads, so "
+                          "such a read fails");
                 continue;
             }
             for (const WindowRuns& w : windowed[i][gi]) {

@@ -392,7 +392,11 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     ec.num_rails = config.num_rails;
     ec.rails = config.rails;
     FERRY_ASSIGN_OR_RETURN(p->engine, TransferEngine::create(ec));
-    FERRY_ASSIGN_OR_RETURN(p->mr, p->engine->register_memory(pool->base(), pool->size_bytes()));
+    // Under per-offer keys peers read only the offers' own registrations: the pool key the
+    // handshake carries reads nothing.
+    FERRY_ASSIGN_OR_RETURN(p->mr, p->engine->register_memory(
+                                      pool->base(), pool->size_bytes(), MemoryKind::kHost, -1,
+                                      kv::pool_remote_access(config.pull_keys, MemoryKind::kHost)));
     kv::ConnectorConfig cc;
     cc.self = {p->layout, 0, 1};
     // The lease must outlast the engine's op timeout (see ConnectorConfig::lease).

@@ -178,6 +178,8 @@ class MemoryRegion {
     // peers aim theirs at them (descriptor().near_mask). descriptor().rail_mask is where
     // peers can reach it.
     uint64_t send_rails() const { return desc_.near_mask & desc_.rail_mask; }
+    // What peers may do to it through the fabric (register_memory's `access`).
+    RemoteAccess remote_access() const { return access_; }
 
   private:
     friend class detail::EngineImpl;
@@ -189,6 +191,7 @@ class MemoryRegion {
     size_t len_ = 0;
     MemoryDescriptor desc_;
     std::vector<void*> local_descs_;
+    RemoteAccess access_ = RemoteAccess::kReadWrite;
     // The first transfer of the region NIC to matching NIC, and the first across rails, are
     // logged; later ones are not (EngineStats::rail_fallbacks counts the second kind).
     mutable std::atomic<bool> route_logged_{false};
@@ -370,10 +373,12 @@ class TransferEngine {
     // regions of peers on the same host become copies over NVLink, completed like fabric writes
     // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
     // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
-    // clear error when neither way is available.
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
-                                                          MemoryKind kind = MemoryKind::kHost,
-                                                          int device = -1);
+    // clear error when neither way is available. `access` limits what peers may do through the
+    // fabric registration (RemoteAccess: a region peers only write into, or only this engine
+    // reads and writes); a CUDA IPC export is not limited by it.
+    Result<std::unique_ptr<MemoryRegion>> register_memory(
+        void* ptr, size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1,
+        RemoteAccess access = RemoteAccess::kReadWrite);
     // True when the provider registers CUDA memory (FI_HMEM with CUDA), so GPU regions reach
     // peers on other hosts; false when GPU memory only goes to same-host GPU peers.
     bool supports_gpu_memory() const;

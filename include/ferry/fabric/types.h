@@ -23,6 +23,12 @@ struct WriteRun {
 
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
+// What peers may do to a registered region through the fabric (TransferEngine::register_memory):
+// the provider refuses a peer's read of a region registered without kRead (tcp, verbs, efa
+// check keys; shm's direct copy path checks none, docs/SERVING.md "Known limits"). This
+// engine's own operations on the region are not limited.
+enum class RemoteAccess : uint8_t { kNone = 0, kRead = 1, kWrite = 2, kReadWrite = 3 };
+
 // Which remote memory an operation targets: base address, length, one key per rail of the
 // owning engine and which of those rails hold the region. Versioned so that an engine refuses a
 // blob from an incompatible build with a clear error instead of writing to the wrong place.
