@@ -142,10 +142,11 @@ class FerryAdapter(Adapter):
     counting the writes' immediates (Op.imm_writes says how many to expect), as ferry.kv does.
     So that ferry's clock stops where Mooncake's does, at the target's confirmation, wait()
     tells the target how many writes to count (the running total, an 8-byte write with
-    COUNT_IMM into its mailbox, after the transfer's local completion) and waits for its
-    answer, a signal with ACK_IMM; the target's responder thread counts DATA_IMM up to the
-    highest total it has read, then signals. Totals, not per-transfer counts, so that count
-    writes landing out of order (several transfers in flight) cannot make it answer early."""
+    COUNT_IMM into its mailbox, posted right behind the transfer) and waits for its
+    answer, a signal with ACK_IMM that the target's engine sends from its worker
+    (TransferEngine.answer_counts, no Python thread on the way) once DATA_IMM arrived as often
+    as the highest total it has read. Totals, not per-transfer counts, so that count writes
+    landing out of order (several transfers in flight) cannot make it answer early."""
 
     BOX = 64  # count slots (8 bytes each) a side writes its counts from, one per write in flight
 
@@ -154,7 +155,8 @@ class FerryAdapter(Adapter):
 
         self._ferry = ferry
         self.engine = ferry.TransferEngine(transport, same_host=True, op_timeout=TIMEOUT)
-        self.region = self.expecting = self.responder = None
+        self.region = self.expecting = None
+        self.answering = False
         self.sent = 0  # DATA_IMM writes posted, counted by the transfers' imm_writes
         self.posted_counts = 0
         self.counts: List[Any] = []  # count writes not yet known complete
@@ -164,7 +166,8 @@ class FerryAdapter(Adapter):
 
         self.region = self.engine.register(buf)
         if getattr(self, "box", None) is None:  # the mailbox lives as long as the engine
-            # slots [0, BOX): this side's totals as it sends them; [BOX, 2 BOX): the peer's
+            # slots [0, BOX): the peer's totals (answer_counts reads them); [BOX, 2 BOX): this
+            # side's, as it sends them
             self.box = np.zeros(2 * self.BOX, dtype=np.uint64)
             self.box_region = self.engine.register(self.box)
         return (self.engine.address, self.region.descriptor, self.box_region.descriptor)
@@ -181,31 +184,10 @@ class FerryAdapter(Adapter):
         # target at all; over tcp, its progress thread polls).
         if self.expecting is None:
             self.expecting = self.engine.expect_imm(AWAKE_IMM, 1 << 30, 24 * 3600.0)
-        if self.responder is None:
-            import threading
-
-            self.responder = threading.Thread(target=self._respond, daemon=True)
-            self.responder.start()
-
-    def _respond(self) -> None:
-        """The target's side of wait(): per count write, count DATA_IMM arrivals up to the
-        highest total read so far, then answer the writer with ACK_IMM."""
-        counted = 0
-        while True:
-            try:
-                self.engine.wait_imm(COUNT_IMM, 1, 1.0)
-            except self._ferry.TimeoutError:
-                continue
-            except self._ferry.Error:  # closed (Cancelled): the side is going away
-                return
-            total = int(self.box[self.BOX:].max())  # a late, older total lowers no slot
-            try:
-                if total > counted:
-                    self.engine.wait_imm(DATA_IMM, total - counted, TIMEOUT)
-                    counted = total
-                self.engine.signal(self.peer, ACK_IMM)
-            except self._ferry.Error:
-                return  # the initiator's wait() times out and names the transfer
+        if not self.answering:  # once: it answers until the engine closes
+            self.engine.answer_counts(COUNT_IMM, DATA_IMM, ACK_IMM, self.peer, self.box_region,
+                                      self.BOX)
+            self.answering = True
 
     def prepare(self, src: Any, dst: Any, lengths: Any) -> Any:
         import numpy as np
@@ -240,24 +222,25 @@ class FerryAdapter(Adapter):
             op = self.engine.write(self.peer, self.region, s, self.dst, d, n, DATA_IMM)
         else:
             op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, DATA_IMM)
+        # The count goes right behind the data (imm_writes is known once posted): the target
+        # answers when the last write lands, one trip after the data, not after two.
+        self.sent += op.imm_writes
+        slot = self.posted_counts % self.BOX  # reused BOX count writes later, by a larger total
+        self.posted_counts += 1
+        self.box[self.BOX + slot] = self.sent
+        self.counts.append(self.engine.write(self.peer, self.box_region, (self.BOX + slot) * 8,
+                                             self.box_dst, slot * 8, 8, COUNT_IMM))
+        if len(self.counts) > self.BOX // 2:  # long done (answered): keep the list short
+            for c in self.counts[:self.BOX // 4]:
+                c.wait(TIMEOUT)
+            del self.counts[:self.BOX // 4]
         return (op, True)
 
     def wait(self, token: Any, timeout: float = TIMEOUT) -> None:
         op, acked = token
+        if acked:  # the answer first: by then the writes completed here too (one wake-up)
+            self.engine.wait_imm(ACK_IMM, 1, timeout)
         op.wait(timeout)
-        if not acked:
-            return
-        self.sent += op.imm_writes
-        slot = self.posted_counts % self.BOX  # reused BOX count writes later, by a larger total
-        self.posted_counts += 1
-        self.box[slot] = self.sent
-        self.counts.append(self.engine.write(self.peer, self.box_region, slot * 8,
-                                             self.box_dst, (self.BOX + slot) * 8, 8, COUNT_IMM))
-        if len(self.counts) > self.BOX // 2:  # long done (answered): keep the list short
-            for c in self.counts[:self.BOX // 4]:
-                c.wait(timeout)
-            del self.counts[:self.BOX // 4]
-        self.engine.wait_imm(ACK_IMM, 1, timeout)
 
     def unregister(self) -> None:
         if self.region is not None:
@@ -266,8 +249,6 @@ class FerryAdapter(Adapter):
 
     def close(self) -> None:
         self.engine.close()
-        if self.responder is not None:
-            self.responder.join(5)
 
 
 class NixlAdapter(Adapter):
