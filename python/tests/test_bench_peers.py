@@ -106,6 +106,20 @@ def test_ferry_transfer_ends_at_the_target_answer(config):
         p.close()
 
 
+def test_answer_counts_refuses_slots_outside_its_box():
+    import ferry
+
+    with ferry.TransferEngine("tcp") as e:
+        box = np.zeros(4, dtype=np.uint64)
+        r = e.register(box)
+        peer = e.connect(e.address)
+        for slots in (0, 5):
+            with pytest.raises(ferry.InvalidArgument, match=f"{slots} slots of 8 bytes do not "
+                               "fit the 32-byte box"):
+                e.answer_counts(1, 2, 3, peer, r, slots)
+        r.close()
+
+
 def test_each_pattern_measures(pair):
     """One quick measurement of every pattern gives finite, positive figures."""
     pair.setup(8 << 20)
