@@ -20,6 +20,8 @@ progress thread takes no CPU from the measured pair. The patterns:
         tokens (16,384 of 32 KiB), block ids random on both sides. Preparation: from the block
         ids to the post call's return (descriptor lists, handles); transfer: from the post
         call to the library's completion.
+  Every clock stops at the target's confirmation: Mooncake's at its target's ack, ferry's at
+  its target's answer once it counted the writes' immediates (FerryAdapter).
 
 Per point, ferry and the peers alternate (their order flips every round) for --rounds rounds;
 the report gives each library's median and, per pairing, the median of the per-round ratios
