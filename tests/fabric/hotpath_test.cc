@@ -487,20 +487,22 @@ TEST(HotPathTcpTest, ManyWritesPostedAtOnceCostNoMoreEachThanFew) {
                 return s.ok() ? us / count : -1.0;
             };
             per_write_us(kSmall);  // warm-up: connection, first touch
-            double small = 1e300, large = 1e300;
-            for (int i = 0; i < 3; ++i) {  // best of three each, alternating (a loaded host)
+            std::vector<double> small, large;
+            for (int i = 0; i < 3; ++i) {  // alternating, the medians compared (a loaded host)
                 double a = per_write_us(kSmall), b = per_write_us(kLarge);
                 // Before the fix, the 131,072 writes outlived the op timeout.
                 CHILD_CHECK_MSG(a > 0 && b > 0, "a paged write failed: {}", failed);
-                small = std::min(small, a);
-                large = std::min(large, b);
+                small.push_back(a);
+                large.push_back(b);
                 std::printf("per write: %u at once %.3f us, %u at once %.3f us\n", kSmall, a,
                             kLarge, b);
             }
+            std::sort(small.begin(), small.end());
+            std::sort(large.begin(), large.end());
             CHILD_CHECK(ex.barrier().ok());
-            CHILD_CHECK_MSG(large < 3.0 * small,
-                            "{} writes at once cost {:.3f} us each, {} at once {:.3f} us", kLarge,
-                            large, kSmall, small);
+            CHILD_CHECK_MSG(large[1] < 4.0 * small[1],
+                            "{} writes at once cost {:.3f} us each, {} at once {:.3f} us (medians)",
+                            kLarge, large[1], kSmall, small[1]);
             return "";
         },
         kRunTimeout);
