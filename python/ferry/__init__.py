@@ -483,6 +483,14 @@ class TransferEngine:
     def signal(self, peer: int, imm: int) -> Op:
         return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))
 
+    def answer_counts(self, count_imm: int, data_imm: int, ack_imm: int, peer: int,
+                      box: Region, slots: int) -> None:
+        self._engine.answer_counts(_uint("count_imm", count_imm, _U32_MAX),
+                                   _uint("data_imm", data_imm, _U32_MAX),
+                                   _uint("ack_imm", ack_imm, _U32_MAX),
+                                   _uint("peer", peer, _U32_MAX), _region("box", box),
+                                   _uint("slots", slots))
+
     # Target side --------------------------------------------------------------------------
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
         self._engine.wait_imm(_uint("imm", imm, _U32_MAX), _uint("count", count),

@@ -168,6 +168,15 @@ class TransferEngine:
     def signal(self, peer: int, imm: int) -> Op:
         """An immediate-only write (no bytes) the peer counts like any other."""
 
+    def answer_counts(self, count_imm: int, data_imm: int, ack_imm: int, peer: int,
+                      box: Region, slots: int) -> None:
+        """Target side of an acknowledged transfer, answered on the engine's worker until it
+        closes: each write carrying ``count_imm`` says that the writer's running total of
+        writes carrying ``data_imm`` is in one of the first ``slots`` 8-byte slots of ``box``
+        (the highest of them counts); once that many arrived, ``ack_imm`` is signalled to
+        ``peer``, answers in the order the counts came. What ferry.bench_peers ends ferry's
+        transfers with, where Mooncake's end at its target's ack. ``box`` must stay open."""
+
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
         """Waits (GIL released; polling for wait_spin_us, then sleeping) until ``count``
         writes carrying ``imm`` arrived and consumes them; raises TimeoutError naming the immediate and how many arrived otherwise.

@@ -459,6 +459,69 @@ class Engine {
         return x;
     }
 
+    // Target side of an acknowledged transfer (ferry.bench_peers' FerryAdapter): each write
+    // carrying count_imm tells that the initiator's running total of writes carrying data_imm
+    // is in one of the `slots` 8-byte slots of `box`; once that many have arrived here, the
+    // answer is a signal with ack_imm to `peer`. All on the engine's worker (on_imm callbacks),
+    // so the answer waits for no Python thread. Answers go in the order of the count writes'
+    // arrival, each behind the data waits armed before it (ImmTable's waiters are served first
+    // come, first served), and the total read is the highest of every slot, so that a count
+    // write landing late cannot lower it. Runs until the engine closes; `box` must stay open
+    // that long.
+    void answer_counts(uint32_t count_imm, uint32_t data_imm, uint32_t ack_imm, PeerId peer,
+                       const Region& box, uint64_t slots) {
+        const MemoryRegion& mr = box.get();
+        if (slots == 0 || slots > mr.size() / 8)
+            throw StatusError(invalid_argument(
+                fmt::format("answer_counts: {} slots of 8 bytes do not fit the {}-byte box", slots,
+                            mr.size())));
+        struct Answerer : std::enable_shared_from_this<Answerer> {
+            std::weak_ptr<TransferEngine> engine;
+            const volatile uint64_t* totals;
+            uint64_t slots;
+            uint32_t count_imm, data_imm, ack_imm;
+            PeerId peer;
+            uint64_t counted = 0;  // touched by one callback at a time (one count waiter armed)
+
+            static void arm(const std::shared_ptr<Answerer>& a) {
+                std::shared_ptr<TransferEngine> e = a->engine.lock();
+                if (!e) return;
+                e->on_imm(a->count_imm, 1, std::chrono::hours(24 * 365), [a](const Status& s) {
+                    if (s.ok()) a->on_count();
+                });
+            }
+            void on_count() {
+                std::shared_ptr<TransferEngine> e = engine.lock();
+                if (!e) return;
+                uint64_t total = 0;
+                for (uint64_t i = 0; i < slots; ++i)
+                    total = std::max<uint64_t>(total, uint64_t{totals[i]});
+                const uint64_t need = total > counted ? total - counted : 0;
+                counted = std::max(counted, total);
+                std::weak_ptr<TransferEngine> w = engine;
+                PeerId to = peer;
+                uint32_t ack = ack_imm;
+                // need 0 still queues behind the data waits armed before it.
+                e->on_imm(data_imm, need, std::chrono::hours(24 * 365),
+                          [w, to, ack](const Status& s) {
+                              if (!s.ok()) return;
+                              if (auto e2 = w.lock()) e2->signal(to, ack);
+                          });
+                arm(shared_from_this());
+            }
+        };
+        auto a = std::make_shared<Answerer>();
+        a->engine = hold();
+        a->totals = static_cast<const volatile uint64_t*>(mr.data());
+        a->slots = slots;
+        a->count_imm = count_imm;
+        a->data_imm = data_imm;
+        a->ack_imm = ack_imm;
+        a->peer = peer;
+        py::gil_scoped_release nogil;
+        Answerer::arm(a);
+    }
+
     uint64_t imm_available(uint32_t imm) const { return get().imm_available(imm); }
 
     double wait_spin_us() const {
@@ -799,6 +862,7 @@ PYBIND11_MODULE(_ferry, m) {
         .def("signal", &Engine::signal)
         .def("wait_imm", &Engine::wait_imm)
         .def("expect_imm", &Engine::expect_imm)
+        .def("answer_counts", &Engine::answer_counts)
         .def("imm_available", &Engine::imm_available)
         .def("stats", &Engine::stats)
         .def("rail_stats", &Engine::rail_stats)
