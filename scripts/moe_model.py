@@ -437,6 +437,14 @@ H100_SHM = [
     (4, 2, 128, 3342.2, 781.6, 2526.6, 2852.2, 177.9),
     (8, 2, 128, 8661.0, 2664.0, 5872.8, 6763.1, 335.0),
 ]
+# The same three runs over tcp instead of shm (out of sample: the model was written against the
+# shm runs), one H100, 2026-12-07 ("The proxied path over tcp" in docs/BENCHMARKS.md):
+# `ferry bench moe --backend cuda --provider tcp --floor --tokens 128 --warmup 5 --iters 50`.
+H100_TCP = [
+    (2, 1, 128, 2752.8, 465.6, 2278.9, 2745.9, 95.0),
+    (4, 2, 128, 3674.0, 879.9, 2691.7, 4088.7, 176.6),
+    (8, 2, 128, 7362.2, 2390.7, 4825.8, 6008.2, 335.2),
+]
 # Prefill through the proxy, one H200, 2026-12-03 ("The proxied MoE path: one poller per remote
 # wait"): EP2 at 4096 tokens, layer 111.6-117.1 ms, floor (write loop + mapped layer)
 # 115.2-118.4 ms; the mapped layer at 4096 tokens: 2147 us (one H100, 2026-12-06).
@@ -461,15 +469,15 @@ def one_host_params(world, mapped_layer, tokens=128, latency_us=2.0, write_us=1.
                          combine_us=mapped_layer * c)
 
 
-def validate_proxied(out):
+def validate_proxied(out, runs=None, fabric="shm"):
     rows = []
-    for n, r, tokens, layer, disp, comb, floor_write, mapped in H100_SHM + [H200_PREFILL]:
+    for n, r, tokens, layer, disp, comb, floor_write, mapped in runs or H100_SHM + [H200_PREFILL]:
         s = Shape(tokens=tokens)
         p = one_host_params(n, mapped, tokens)
         p = dataclasses.replace(p, host_gbps=fit_host_bandwidth(s, n, r, p, floor_write))
         m = model_proxied(s, n, r, p)
         rows.append((n, r, tokens, p.host_gbps, m, layer, disp, comb))
-    out.write("Proxied CUDA path, every rank on one GPU, other nodes over shm (p50 us). Inputs "
+    out.write(f"Proxied CUDA path, every rank on one GPU, other nodes over {fabric} (p50 us). Inputs "
               "per run: its --floor write loop\n(fits the host's copy bandwidth) and its mapped "
               "layer (kernel times); PCIe and signalling from the traces.\n")
     return _compare(out, "host GB/s",
@@ -696,6 +704,8 @@ def main(argv=None):
                           f"{m['egress_gbps']:.0f} GB/s out\n")
     if a.validate:
         validate_proxied(out)
+        out.write("\n")
+        validate_proxied(out, H100_TCP, "tcp")
         out.write("\n")
         validate_cpu(out)
         out.write("\n")

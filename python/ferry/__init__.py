@@ -13,7 +13,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -346,7 +346,9 @@ class TransferEngine:
                  busy_poll: bool = False, stripe_threshold: int = 1 << 20,
                  max_write_size: int = 64 << 20, gpu_copy: str = "auto",
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
-                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None) -> None:
+                 idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None,
+                 rail_selection: str = "nearest", topology_xml: Optional[str] = None,
+                 rail_nics: Optional[str] = None) -> None:
         """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
 
         provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
@@ -354,6 +356,13 @@ class TransferEngine:
         same_host: every peer is on this host (lets "auto" pick shm).
         node: local address the tcp and verbs providers bind.
         rails: NICs (domains) to open; large writes are striped over them.
+        rail_selection: which NICs carry each region (EngineConfig::rails): "nearest" (a
+            GPU's memory on the NICs under its PCIe switch, host memory on its NUMA node's;
+            transfers go from those to the peer's NICs near its region), "all", or NIC domain
+            names separated by commas ("rdmap79s0,rdmap80s0"; `ferry topo` lists them).
+        topology_xml: the machine's PCIe tree as an hwloc XML file instead of this machine's.
+        rail_nics: the NIC each rail stands for, one "<provider> <domain> <pci>" line per rail
+            (tcp or shm rails standing in for a multi-NIC machine's NICs: tests).
         op_timeout: seconds (> 0) after which an operation not completed fails (a dead peer
             becomes an error, not a hang).
         busy_poll: workers never nap (lowest latency, one core per rail).
@@ -381,7 +390,10 @@ class TransferEngine:
             _bool("busy_poll", busy_poll), _uint("stripe_threshold", stripe_threshold),
             _uint("max_write_size", max_write_size), _str("gpu_copy", gpu_copy),
             _bool("fabric_gpu_memory", fabric_gpu_memory), _bool("gpu_ipc", gpu_ipc),
-            idle_spin_us, _wait_spin_us(wait_spin_us))
+            idle_spin_us, _wait_spin_us(wait_spin_us),
+            _str("rail_selection", rail_selection),
+            "" if topology_xml is None else _str("topology_xml", topology_xml),
+            "" if rail_nics is None else _str("rail_nics", rail_nics))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -531,6 +543,20 @@ class TransferEngine:
         """An immediate-only write (no bytes) the peer counts like any other."""
         return self._engine.signal(_uint("peer", peer, _U32_MAX), _uint("imm", imm, _U32_MAX))
 
+    def answer_counts(self, count_imm: int, data_imm: int, ack_imm: int, peer: int,
+                      box: Region, slots: int) -> None:
+        """Target side of an acknowledged transfer, answered on the engine's worker until it
+        closes: each write carrying ``count_imm`` says that the writer's running total of
+        writes carrying ``data_imm`` is in one of the first ``slots`` 8-byte slots of ``box``
+        (the highest of them counts); once that many arrived, ``ack_imm`` is signalled to
+        ``peer``, answers in the order the counts came. What ferry.bench_peers ends ferry's
+        transfers with, where Mooncake's end at its target's ack. ``box`` must stay open."""
+        self._engine.answer_counts(_uint("count_imm", count_imm, _U32_MAX),
+                                   _uint("data_imm", data_imm, _U32_MAX),
+                                   _uint("ack_imm", ack_imm, _U32_MAX),
+                                   _uint("peer", peer, _U32_MAX), _region("box", box),
+                                   _uint("slots", slots))
+
     # Target side --------------------------------------------------------------------------
     def wait_imm(self, imm: int, count: int = 1, timeout: float = 10.0) -> None:
         """Waits (GIL released; polling for wait_spin_us, then sleeping) until ``count``
@@ -553,8 +579,16 @@ class TransferEngine:
     def stats(self) -> dict:
         """Counters: ops_posted, bytes_posted, eagain, op_errors, op_timeouts, imm_arrivals,
         messages_received, messages_dropped, and regions_registered (regions live now: one
-        per Region not closed, plus those of KV connectors and all-to-alls on the engine)."""
+        per Region not closed, plus those of KV connectors and all-to-alls on the engine), and
+        rail_fallbacks (transfers with no rail near both memories, sent from this side's near
+        NICs to the peer's near NICs of other indices)."""
         return self._engine.stats()
+
+    def rail_stats(self) -> List[dict]:
+        """The same counters per rail, one dict per rail in rail order (rail_fallbacks is 0
+        in each): which NICs carried the bytes (bytes_posted, ops_posted) and which received
+        peers' writes with immediate data (imm_arrivals)."""
+        return self._engine.rail_stats()
 
     # Lifetime -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -20,6 +20,8 @@ progress thread takes no CPU from the measured pair. The patterns:
         tokens (16,384 of 32 KiB), block ids random on both sides. Preparation: from the block
         ids to the post call's return (descriptor lists, handles); transfer: from the post
         call to the library's completion.
+  Every clock stops at the target's confirmation: Mooncake's at its target's ack, ferry's at
+  its target's answer once it counted the writes' immediates (FerryAdapter).
 
 Per point, ferry and the peers alternate (their order flips every round) for --rounds rounds;
 the report gives each library's median and, per pairing, the median of the per-round ratios
@@ -71,6 +73,7 @@ TIMEOUT = 60.0  # any one wait for a transfer, a reply or a landed write
 MOONCAKE_BATCH, MOONCAKE_IN_FLIGHT = 16384, 3  # descriptors per Mooncake batch, batches posted
 NOTIFY_IMM = 0x50494E47  # ferry: the immediate of a ping-pong write (FerryAdapter)
 AWAKE_IMM = 0x57414B45  # ferry: an immediate its sides expect and never get (FerryAdapter)
+DATA_IMM, COUNT_IMM, ACK_IMM = 0x44415441, 0x434E5421, 0x41434B21  # ferry: FerryAdapter.wait
 
 
 # --- the adapters: one per library, the same calls ---------------------------------------------
@@ -133,7 +136,21 @@ def _spin_until(done: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 class FerryAdapter(Adapter):
-    """ferry.TransferEngine: write (one descriptor) or write_runs (a list), Op.wait."""
+    """ferry.TransferEngine: write (one descriptor), write_runs (a list) or paged_write (block
+    lists), every write carrying DATA_IMM; the transfer ends at the target's answer.
+
+    A ferry write completes at the initiator when the provider took it (tcp: a write of <= 64 B
+    at injection), not when it landed: a ferry user learns of arrival at the target, by
+    counting the writes' immediates (Op.imm_writes says how many to expect), as ferry.kv does.
+    So that ferry's clock stops where Mooncake's does, at the target's confirmation, wait()
+    tells the target how many writes to count (the running total, an 8-byte write with
+    COUNT_IMM into its mailbox, posted right behind the transfer) and waits for its
+    answer, a signal with ACK_IMM that the target's engine sends from its worker
+    (TransferEngine.answer_counts, no Python thread on the way) once DATA_IMM arrived as often
+    as the highest total it has read. Totals, not per-transfer counts, so that count writes
+    landing out of order (several transfers in flight) cannot make it answer early."""
+
+    BOX = 64  # count slots (8 bytes each) a side writes its counts from, one per write in flight
 
     def __init__(self, transport: str) -> None:
         import ferry
@@ -141,15 +158,27 @@ class FerryAdapter(Adapter):
         self._ferry = ferry
         self.engine = ferry.TransferEngine(transport, same_host=True, op_timeout=TIMEOUT)
         self.region = self.expecting = None
+        self.answering = False
+        self.sent = 0  # DATA_IMM writes posted, counted by the transfers' imm_writes
+        self.posted_counts = 0
+        self.counts: List[Any] = []  # count writes not yet known complete
 
     def register(self, buf: Any, block_bytes: int = 0) -> Any:
+        import numpy as np
+
         self.region = self.engine.register(buf)
-        return (self.engine.address, self.region.descriptor)
+        if getattr(self, "box", None) is None:  # the mailbox lives as long as the engine
+            # slots [0, BOX): the peer's totals (answer_counts reads them); [BOX, 2 BOX): this
+            # side's, as it sends them
+            self.box = np.zeros(2 * self.BOX, dtype=np.uint64)
+            self.box_region = self.engine.register(self.box)
+        return (self.engine.address, self.region.descriptor, self.box_region.descriptor)
 
     def connect(self, peer_meta: Any) -> None:
-        address, descriptor = peer_meta
+        address, descriptor, box = peer_meta
         self.peer = self.engine.connect(address)
         self.dst = self._ferry.RemoteRegion.from_bytes(descriptor)
+        self.box_dst = self._ferry.RemoteRegion.from_bytes(box)
         # A side written into says it expects writes, as a decode engine waiting for KV does
         # (ferry.kv expects its transfer's immediates): its worker then keeps polling. Idle and
         # expecting nothing, a worker naps up to 1 ms, and a one-sided write over shm or tcp
@@ -157,6 +186,10 @@ class FerryAdapter(Adapter):
         # target at all; over tcp, its progress thread polls).
         if self.expecting is None:
             self.expecting = self.engine.expect_imm(AWAKE_IMM, 1 << 30, 24 * 3600.0)
+        if not self.answering:  # once: it answers until the engine closes
+            self.engine.answer_counts(COUNT_IMM, DATA_IMM, ACK_IMM, self.peer, self.box_region,
+                                      self.BOX)
+            self.answering = True
 
     def prepare(self, src: Any, dst: Any, lengths: Any) -> Any:
         import numpy as np
@@ -179,18 +212,37 @@ class FerryAdapter(Adapter):
 
     def post(self, prepared: Any) -> Any:
         if isinstance(prepared, tuple) and prepared[0] == "imm":
-            _, s, d, n = prepared
-            return self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM)
+            _, s, d, n = prepared  # a ping-pong write: the target itself waits for it
+            return (self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM),
+                    False)
         if isinstance(prepared, tuple) and prepared[0] == "pages":
             _, s, d, bb = prepared  # one paged write: page i at i * bb on both sides
-            return self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb)
-        if isinstance(prepared, tuple):
+            op = self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb,
+                                         DATA_IMM)
+        elif isinstance(prepared, tuple):
             s, d, n = prepared
-            return self.engine.write(self.peer, self.region, s, self.dst, d, n)
-        return self.engine.write_runs(self.peer, self.region, self.dst, prepared)
+            op = self.engine.write(self.peer, self.region, s, self.dst, d, n, DATA_IMM)
+        else:
+            op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, DATA_IMM)
+        # The count goes right behind the data (imm_writes is known once posted): the target
+        # answers when the last write lands, one trip after the data, not after two.
+        self.sent += op.imm_writes
+        slot = self.posted_counts % self.BOX  # reused BOX count writes later, by a larger total
+        self.posted_counts += 1
+        self.box[self.BOX + slot] = self.sent
+        self.counts.append(self.engine.write(self.peer, self.box_region, (self.BOX + slot) * 8,
+                                             self.box_dst, slot * 8, 8, COUNT_IMM))
+        if len(self.counts) > self.BOX // 2:  # long done (answered): keep the list short
+            for c in self.counts[:self.BOX // 4]:
+                c.wait(TIMEOUT)
+            del self.counts[:self.BOX // 4]
+        return (op, True)
 
     def wait(self, token: Any, timeout: float = TIMEOUT) -> None:
-        token.wait(timeout)
+        op, acked = token
+        if acked:  # the answer first: by then the writes completed here too (one wake-up)
+            self.engine.wait_imm(ACK_IMM, 1, timeout)
+        op.wait(timeout)
 
     def unregister(self) -> None:
         if self.region is not None:
@@ -426,13 +478,14 @@ class Side:
     def read(self, offset: int, nbytes: int) -> bytes:
         return bytes(self.buf[offset:offset + nbytes])
 
-    def write_runs(self, src: Any, dst: Any, lengths: Any, block_bytes: int = 0) -> None:
+    def write_runs(self, src: Any, dst: Any, lengths: Any, block_bytes: int = 0,
+                   timeout: float = TIMEOUT) -> None:
         """Writes the runs once (the tests' check that bytes arrive intact); with block_bytes,
         src and dst are block numbers, through prepare_blocks."""
         p = (self.adapter.prepare_blocks(src, dst, block_bytes) if block_bytes else
              self.adapter.prepare(src, dst, lengths))
         try:
-            self.adapter.post_and_wait(p)
+            self.adapter.post_and_wait(p, timeout)
         finally:
             self.adapter.release(p)
 

@@ -84,9 +84,10 @@ class KvConfig:
     imm_span: immediates per push registration (one per prefill_progress chunk), at most 4096.
     pull_mode: "background" (reads planned on ferry's thread) or "inline" (in pull()).
     pull_keys: "offer" (offer_pull registers the offer's blocks on their own and closes them
-        when the offer ends: a read with its parameters after that fails) or "pool" (the
-        pool's keys, no registration per offer: for decode sides that build the parameters
-        themselves with pull_params, which read under the pool's keys anyway).
+        when the offer ends: a read with its parameters after that fails; the pool itself
+        takes no peer reads, so parameters built with pull_params read nothing) or "pool" (the
+        pool's keys, no registration per offer: needed where decode builds the parameters
+        itself with pull_params).
     max_events: events kept until poll() (at least 1); beyond them events are dropped, and the
         next poll() ends with one KvEvent of kind "overflow" whose `dropped` counts them.
     """
@@ -99,8 +100,9 @@ class KvConfig:
     imm_span: int = 64
     pull_mode: str = "background"
     # "offer": each offer_pull registers the offer's blocks on their own, closed when the offer
-    # ends, so a read after that fails; "pool": offers carry the pool's keys (no registration
-    # per offer; what an engine whose decode builds the parameters itself reads with anyway).
+    # ends, so a read after that fails, and the pool itself takes no peer reads (parameters
+    # built from the handshake, pull_params, read nothing); "pool": offers carry the pool's keys
+    # (no registration per offer; what an engine whose decode builds the parameters needs).
     pull_keys: str = "offer"
     # Events kept until poll(), about 100 bytes each; beyond them, events are dropped and the
     # next poll() ends with an "overflow" event counting them. 65536 (about 6 MiB) holds more

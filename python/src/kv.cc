@@ -483,9 +483,11 @@ class Connector {
         kv::KvPoolRegions pool;
         for (size_t i = 0; i < regions.size(); ++i) {
             auto [ptr, nbytes, device] = regions[i];
-            auto mr = live.engine->register_memory(
-                reinterpret_cast<void*>(ptr), nbytes,
-                device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost, device);
+            const MemoryKind kind = device >= 0 ? MemoryKind::kCuda : MemoryKind::kHost;
+            // Under per-offer keys peers read only the offers' own registrations.
+            auto mr =
+                live.engine->register_memory(reinterpret_cast<void*>(ptr), nbytes, kind, device,
+                                             kv::pool_remote_access(cc.pull_keys, kind));
             if (!mr.ok()) return mr.status().with_context("pool[" + std::to_string(i) + "]");
             pool.regions.push_back(mr->get());
             live.mrs.push_back(std::move(mr).value());

@@ -237,6 +237,24 @@ struct ImmExpectation {
 // lets go; core_ keeps the object itself alive, and every call that releases the GIL holds a
 // copy of it. So close() on one thread while another waits in wait_imm (or connects,
 // registers, posts) ends that wait with Cancelled instead of freeing the engine under it.
+// The library's errors name EngineConfig's rail settings; here they are the arguments of
+// TransferEngine(...).
+Status in_argument_names(const Status& s) {
+    static constexpr std::pair<std::string_view, std::string_view> kArgs[] = {
+        {"EngineConfig::rails", "rail_selection"},
+        {"EngineConfig::topology_xml", "topology_xml"},
+        {"EngineConfig::rail_nics", "rail_nics"},
+    };
+    std::string m = s.message();
+    for (auto [field, arg] : kArgs) {
+        for (size_t at = m.find(field); at != std::string::npos; at = m.find(field, at)) {
+            m.replace(at, field.size(), arg);
+            at += arg.size();
+        }
+    }
+    return Status(s.code(), std::move(m));
+}
+
 class Engine {
   public:
     Engine(const EngineConfig& config, Duration wait_spin) : wait_spin_(wait_spin) {
@@ -245,6 +263,7 @@ class Engine {
             py::gil_scoped_release nogil;
             r = TransferEngine::create(config);
         }
+        if (!r.ok()) r = in_argument_names(r.status());
         core_ = std::shared_ptr<TransferEngine>(take(std::move(r)));
         std::shared_ptr<TransferEngine> core = core_;
         users_ = std::shared_ptr<TransferEngine>(core.get(),
@@ -442,6 +461,69 @@ class Engine {
         return x;
     }
 
+    // Target side of an acknowledged transfer (ferry.bench_peers' FerryAdapter): each write
+    // carrying count_imm tells that the initiator's running total of writes carrying data_imm
+    // is in one of the `slots` 8-byte slots of `box`; once that many have arrived here, the
+    // answer is a signal with ack_imm to `peer`. All on the engine's worker (on_imm callbacks),
+    // so the answer waits for no Python thread. Answers go in the order of the count writes'
+    // arrival, each behind the data waits armed before it (ImmTable's waiters are served first
+    // come, first served), and the total read is the highest of every slot, so that a count
+    // write landing late cannot lower it. Runs until the engine closes; `box` must stay open
+    // that long.
+    void answer_counts(uint32_t count_imm, uint32_t data_imm, uint32_t ack_imm, PeerId peer,
+                       const Region& box, uint64_t slots) {
+        const MemoryRegion& mr = box.get();
+        if (slots == 0 || slots > mr.size() / 8)
+            throw StatusError(invalid_argument(
+                fmt::format("answer_counts: {} slots of 8 bytes do not fit the {}-byte box", slots,
+                            mr.size())));
+        struct Answerer : std::enable_shared_from_this<Answerer> {
+            std::weak_ptr<TransferEngine> engine;
+            const volatile uint64_t* totals;
+            uint64_t slots;
+            uint32_t count_imm, data_imm, ack_imm;
+            PeerId peer;
+            uint64_t counted = 0;  // touched by one callback at a time (one count waiter armed)
+
+            static void arm(const std::shared_ptr<Answerer>& a) {
+                std::shared_ptr<TransferEngine> e = a->engine.lock();
+                if (!e) return;
+                e->on_imm(a->count_imm, 1, std::chrono::hours(24 * 365), [a](const Status& s) {
+                    if (s.ok()) a->on_count();
+                });
+            }
+            void on_count() {
+                std::shared_ptr<TransferEngine> e = engine.lock();
+                if (!e) return;
+                uint64_t total = 0;
+                for (uint64_t i = 0; i < slots; ++i)
+                    total = std::max<uint64_t>(total, uint64_t{totals[i]});
+                const uint64_t need = total > counted ? total - counted : 0;
+                counted = std::max(counted, total);
+                std::weak_ptr<TransferEngine> w = engine;
+                PeerId to = peer;
+                uint32_t ack = ack_imm;
+                // need 0 still queues behind the data waits armed before it.
+                e->on_imm(data_imm, need, std::chrono::hours(24 * 365),
+                          [w, to, ack](const Status& s) {
+                              if (!s.ok()) return;
+                              if (auto e2 = w.lock()) e2->signal(to, ack);
+                          });
+                arm(shared_from_this());
+            }
+        };
+        auto a = std::make_shared<Answerer>();
+        a->engine = hold();
+        a->totals = static_cast<const volatile uint64_t*>(mr.data());
+        a->slots = slots;
+        a->count_imm = count_imm;
+        a->data_imm = data_imm;
+        a->ack_imm = ack_imm;
+        a->peer = peer;
+        py::gil_scoped_release nogil;
+        Answerer::arm(a);
+    }
+
     uint64_t imm_available(uint32_t imm) const { return get().imm_available(imm); }
 
     double wait_spin_us() const {
@@ -449,8 +531,16 @@ class Engine {
         return to_us(wait_spin_);
     }
 
-    py::dict stats() const {
-        EngineStats s = get().stats();
+    py::dict stats() const { return stats_dict(get().stats()); }
+
+    py::list rail_stats() const {
+        py::list out;
+        for (const EngineStats& s : get().rail_stats()) out.append(stats_dict(s));
+        return out;
+    }
+
+  private:
+    static py::dict stats_dict(const EngineStats& s) {
         py::dict d;
         d["ops_posted"] = s.ops_posted;
         d["bytes_posted"] = s.bytes_posted;
@@ -461,10 +551,10 @@ class Engine {
         d["messages_received"] = s.messages_received;
         d["messages_dropped"] = s.messages_dropped;
         d["regions_registered"] = s.regions_registered;
+        d["rail_fallbacks"] = s.rail_fallbacks;
         return d;
     }
 
-  private:
     std::shared_ptr<Region> finish_register(std::shared_ptr<Region> region, void* ptr,
                                             uint64_t nbytes, MemoryKind kind, int device) {
         std::shared_ptr<TransferEngine> e = hold();
@@ -624,7 +714,8 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
                          int rails, py::handle op_timeout, bool busy_poll,
                          uint64_t stripe_threshold, uint64_t max_write_size,
                          const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
-                         py::handle idle_spin_us) {
+                         py::handle idle_spin_us, const std::string& rail_selection,
+                         const std::string& topology_xml, const std::string& rail_nics) {
     EngineConfig c;
     c.provider = provider;
     c.peers_on_same_host = same_host;
@@ -643,6 +734,9 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
     c.fabric_gpu_memory = fabric_gpu_memory;
     c.gpu_ipc = gpu_ipc;
     c.idle_spin = micros_arg(idle_spin_us, "idle_spin_us", 1e9);
+    c.rails = rail_selection;
+    c.topology_xml = topology_xml;
+    c.rail_nics = rail_nics;
     return c;
 }
 
@@ -792,21 +886,24 @@ PYBIND11_MODULE(_ferry, m) {
         "The C++ TransferEngine behind ferry.TransferEngine, which converts and checks the "
         "arguments.");
     engine_class
-        .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
-                         int rails, py::handle op_timeout, bool busy_poll,
-                         uint64_t stripe_threshold, uint64_t max_write_size,
-                         const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
-                         py::handle idle_spin_us, py::handle wait_spin_us) {
-                 return std::make_unique<Engine>(
-                     make_config(provider, same_host, node, rails, op_timeout, busy_poll,
-                                 stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
-                                 gpu_ipc, idle_spin_us),
-                     micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
-             }),
-             py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
-             py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
-             py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
-             py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"))
+        .def(
+            py::init([](const std::string& provider, bool same_host, const std::string& node,
+                        int rails, py::handle op_timeout, bool busy_poll, uint64_t stripe_threshold,
+                        uint64_t max_write_size, const std::string& gpu_copy,
+                        bool fabric_gpu_memory, bool gpu_ipc, py::handle idle_spin_us,
+                        py::handle wait_spin_us, const std::string& rail_selection,
+                        const std::string& topology_xml, const std::string& rail_nics) {
+                return std::make_unique<Engine>(
+                    make_config(provider, same_host, node, rails, op_timeout, busy_poll,
+                                stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
+                                gpu_ipc, idle_spin_us, rail_selection, topology_xml, rail_nics),
+                    micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
+            }),
+            py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
+            py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
+            py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
+            py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"),
+            py::arg("rail_selection"), py::arg("topology_xml"), py::arg("rail_nics"))
         .def_property_readonly("wait_spin_us", &Engine::wait_spin_us)
         .def_property_readonly("address", &Engine::address)
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
@@ -827,8 +924,10 @@ PYBIND11_MODULE(_ferry, m) {
         .def("signal", &Engine::signal)
         .def("wait_imm", &Engine::wait_imm)
         .def("expect_imm", &Engine::expect_imm)
+        .def("answer_counts", &Engine::answer_counts)
         .def("imm_available", &Engine::imm_available)
         .def("stats", &Engine::stats)
+        .def("rail_stats", &Engine::rail_stats)
         .def("close", &Engine::close);
 
     FastWrite::install(engine_class);

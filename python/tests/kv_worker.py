@@ -24,7 +24,8 @@ POISON16 = -0x5455  # 0xABAB as int16: no random fill is likely to leave a run o
 
 class KvSide:
     def __init__(self, provider: str, layout_kw: dict, split: str, *, lease: float = 10.0,
-                 op_timeout: float = 5.0, busy_poll: bool = False, device: str = "cpu") -> None:
+                 op_timeout: float = 5.0, busy_poll: bool = False, device: str = "cpu",
+                 pull_keys: str = "offer") -> None:
         import torch
 
         import ferry
@@ -57,7 +58,8 @@ class KvSide:
             self.pool = [(full((nb * bs, h, d)), full((nb * bs, h, d)))
                          for _ in range(lay.num_layers)]
             self.tensors = [t for kv in self.pool for t in kv]
-        self.conn = fkv.KvConnector(self.engine, lay, self.pool, fkv.KvConfig(lease=lease))
+        self.conn = fkv.KvConnector(self.engine, lay, self.pool, fkv.KvConfig(lease=lease,
+                                                                    pull_keys=pull_keys))
         self.events: List[Any] = []
 
     # Identity ---------------------------------------------------------------------------------

@@ -72,6 +72,54 @@ def test_bytes_arrive_intact_and_nothing_else_changes(pair, block_bytes, n, leng
     assert all(not np.all(source[s:s + length] == POISON) for s in src.tolist())
 
 
+@pytest.mark.parametrize("config", ["ferry-tcp", "ferry-shm"])
+def test_ferry_transfer_ends_at_the_target_answer(config):
+    """ferry's clock stops where Mooncake's does: at the target's confirmation, not at the
+    initiator's local completion (on tcp, a small write completes once the provider took it).
+    With the target process stopped, no ferry transfer completes; resumed, the bytes are there
+    the moment the next one does."""
+    import os
+    import signal
+
+    p = bp.Pair(config)
+    try:
+        p.setup(1 << 20)
+        one = np.array([64], dtype=np.uint64)
+        at = np.array([4096], dtype=np.uint64)
+        os.kill(p.procs[1].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(bp.PairError, match="TimeoutError"):
+                p.call(0, "write_runs", np.zeros(1, dtype=np.uint64), at, one, 0, 1.5)
+        finally:
+            os.kill(p.procs[1].pid, signal.SIGCONT)
+        time.sleep(0.5)  # the late answer to the timed-out transfer comes in
+        p.close()
+        p = bp.Pair(config)  # a fresh pair: that answer would end the next wait early
+        p.setup(1 << 20)
+        src, dst, lengths = _runs(np.random.default_rng(5), 1 << 20, 40, 64, 4096)
+        source = np.frombuffer(p.call(0, "read", 0, 1 << 20), dtype=np.uint8)
+        p.call(0, "write_runs", src, dst, lengths)
+        after = np.frombuffer(p.call(1, "read", 0, 1 << 20), dtype=np.uint8)  # no grace
+        for s, d in zip(src.tolist(), dst.tolist()):
+            assert np.array_equal(after[d:d + 64], source[s:s + 64]), f"{config}: not landed"
+    finally:
+        p.close()
+
+
+def test_answer_counts_refuses_slots_outside_its_box():
+    import ferry
+
+    with ferry.TransferEngine("tcp") as e:
+        box = np.zeros(4, dtype=np.uint64)
+        r = e.register(box)
+        peer = e.connect(e.address)
+        for slots in (0, 5):
+            with pytest.raises(ferry.InvalidArgument, match=f"{slots} slots of 8 bytes do not "
+                               "fit the 32-byte box"):
+                e.answer_counts(1, 2, 3, peer, r, slots)
+        r.close()
+
+
 def test_each_pattern_measures(pair):
     """One quick measurement of every pattern gives finite, positive figures."""
     pair.setup(8 << 20)

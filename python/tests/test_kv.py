@@ -52,10 +52,12 @@ def blocks_for(rng, num_blocks, block_size, tokens):
     return rng.sample(range(num_blocks), -(-tokens // block_size))
 
 
-def open_pair(provider, prefill_proc, splits, rng, *, lease=10.0, decode_kw=DECODE):
+def open_pair(provider, prefill_proc, splits, rng, *, lease=10.0, decode_kw=DECODE,
+              pull_keys="offer"):
     """(decode KvSide here, prefill address, prefill blocks, prefill's logical KV)."""
     psplit, dsplit = splits
-    addr = prefill_proc.call("open", provider, PREFILL, psplit, {"lease": lease})
+    addr = prefill_proc.call("open", provider, PREFILL, psplit,
+                             {"lease": lease, "pull_keys": pull_keys})
     seed = rng.randrange(1 << 31)
     prefill_proc.call("fill_random", seed)
     decode = KvSide(provider, decode_kw, dsplit, lease=lease)
@@ -207,7 +209,9 @@ def test_pull_with_parameters_built_by_decode(provider, prefill_proc, rng):
     capability frees nothing (the lease does)."""
     import os
 
-    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[2], rng, lease=2.0)
+    # Prefill hands out the pool's keys (KvConfig(pull_keys="pool")), as vLLM's connector does.
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[2], rng, lease=2.0,
+                                            pull_keys="pool")
     try:
         port = prefill_proc.call("serve_handshake", SECRET)
         info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
@@ -235,13 +239,48 @@ def test_pull_with_parameters_built_by_decode(provider, prefill_proc, rng):
         decode.close()
 
 
+def test_a_read_under_the_pools_key_from_the_handshake_is_refused(provider, prefill_proc, rng):
+    """The pool's own key is in the handshake, which any decode holds. Under per-offer keys (the
+    default) prefill registers its pool without peer reads: parameters built from the handshake
+    read nothing and fail naming why, while the offer's own parameters deliver every byte. On
+    shm with cross-memory attach the reader copies with process_vm_readv and nothing checks a
+    key (docs/SERVING.md, "Known limits"): there the read is not refused, as documented."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid = rng.randrange(1, 1 << 63)
+        params = prefill_proc.call("call", "offer_pull", tid, pblocks, TOKENS)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)  # every byte, the rest still poisoned
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+
+        forged = fkv.pull_params(info, tid ^ 1, pblocks, TOKENS, os.urandom(16), 2.0)
+        decode.call("pull", tid ^ 1, [forged], dblocks, TOKENS)
+        ok, code, msg, _, _ = decode.next_event("recv", tid ^ 1, 60)
+        if provider == "tcp" or os.environ.get("FI_SHM_DISABLE_CMA") == "1":
+            assert not ok, "a read under the pool's key from the handshake succeeded"
+            assert "under the pool's own keys" in msg, msg
+            assert_landed(decode, dblocks, logical)  # nothing else landed
+        else:
+            assert ok, f"shm refused a read under the pool's key (update SERVING.md): {msg}"
+    finally:
+        decode.close()
+
+
 def test_pull_read_before_the_offer_is_made(provider, prefill_proc, rng):
     """vLLM's decode may read, and send DONE, before prefill's worker offered the blocks (a
     step after prefill answered). The early DONE is kept and frees the blocks when the offer
     comes, not at the end of prefill's lease (before: held the whole lease, then a timeout)."""
     import os
 
-    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0,
+                                            pull_keys="pool")
     try:
         port = prefill_proc.call("serve_handshake", SECRET)
         info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)

@@ -138,7 +138,9 @@ class Bench {
             } else {
                 rank->mem = std::move(init);
                 FERRY_ASSIGN_OR_RETURN(
-                    rank->mr, rank->engine->register_memory(rank->mem.data(), rank->mem.size()));
+                    rank->mr, rank->engine->register_memory(
+                                  rank->mem.data(), rank->mem.size(), MemoryKind::kHost, -1,
+                                  pool_remote_access(c_.pull_keys, MemoryKind::kHost)));
             }
             rank->blocks = std::make_unique<BlockPool>(l.num_blocks);
             if (c_.random_blocks) {
@@ -170,7 +172,9 @@ class Bench {
                     FERRY_ASSIGN_OR_RETURN(
                         auto mr, c_.gpu ? rank->engine->register_memory(at, l.region_bytes(),
                                                                         MemoryKind::kCuda, dev)
-                                        : rank->engine->register_memory(at, l.region_bytes()));
+                                        : rank->engine->register_memory(
+                                              at, l.region_bytes(), MemoryKind::kHost, -1,
+                                              pool_remote_access(c_.pull_keys, MemoryKind::kHost)));
                     pool.regions.push_back(mr.get());
                     rank->region_mrs.push_back(std::move(mr));
                 }

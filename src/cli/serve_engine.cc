@@ -132,6 +132,8 @@ struct EngineFlags {
     double kv_lease_s = 30;
     double kv_op_timeout_s = 10;
     std::string kv_pull_keys = "offer";
+    int kv_num_rails = 1;
+    std::string kv_rails = "nearest";
     size_t kv_max_connections_per_client =
         serve::FabricKvLinkConfig{}.side_max_connections_per_client;
     double kv_proof_deadline_s =
@@ -227,6 +229,8 @@ Status in_flag_names(const Status& s) {
         {"block_size", "--block-size"},
         {"time_scale", "--time-scale"},
         {"engine_id", "--engine-id"},
+        // The KV link's fabric engine (ferry::EngineConfig).
+        {"EngineConfig::rails", "--kv-rails"},
     };
     auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
     std::string m = s.message();
@@ -361,6 +365,8 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         lc.lease = secs(f.kv_lease_s);
         lc.op_timeout = secs(f.kv_op_timeout_s);
         lc.pull_keys = f.kv_pull_keys == "pool" ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
+        lc.num_rails = f.kv_num_rails;
+        lc.rails = f.kv_rails;
         lc.side_max_connections_per_client = f.kv_max_connections_per_client;
         lc.side_proof_deadline = secs(f.kv_proof_deadline_s);
         auto secret = deployment_secret(f.secret_file);
@@ -368,7 +374,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         lc.secret = *secret;
         deployment = std::move(secret).value();
         auto l = serve::FabricKvLink::create(lc, &(*engine)->pool());
-        if (!l.ok()) return fail(l.status());
+        if (!l.ok()) return fail(in_flag_names(l.status()));
         link = std::move(l).value();
         bool prefill = role == "prefill";
         (*engine)->attach_connector(prefill ? link.get() : nullptr, prefill ? nullptr : link.get());
@@ -578,6 +584,15 @@ void register_serve(CLI::App& app) {
                         "seconds a side holds blocks for a transfer that does not progress")
             ->capture_default_str()
             ->check(positive_number());
+        cmd->add_option("--kv-num-rails", flags->kv_num_rails,
+                        "NICs (libfabric domains) the KV engine opens; large writes stripe "
+                        "across them")
+            ->capture_default_str()
+            ->check(CLI::Range(1, 64));
+        cmd->add_option("--kv-rails", flags->kv_rails,
+                        "which NICs carry each KV region: nearest (its GPU's PCIe switch or NUMA "
+                        "node), all, or NIC domain names separated by commas (ferry topo)")
+            ->capture_default_str();
         cmd->add_option("--kv-op-timeout", flags->kv_op_timeout_s,
                         "seconds before a KV write or read to a dead peer fails")
             ->capture_default_str()

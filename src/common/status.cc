@@ -1,38 +1,30 @@
 #include "ferry/common/status.h"
 
+#include "common/enum_names.h"
+
 namespace ferry {
 
-std::string_view status_code_name(StatusCode code) {
-    switch (code) {
-        case StatusCode::kOk:
-            return "ok";
-        case StatusCode::kInvalidArgument:
-            return "invalid argument";
-        case StatusCode::kOutOfRange:
-            return "out of range";
-        case StatusCode::kNotFound:
-            return "not found";
-        case StatusCode::kTimeout:
-            return "timeout";
-        case StatusCode::kUnavailable:
-            return "unavailable";
-        case StatusCode::kCancelled:
-            return "cancelled";
-        case StatusCode::kResourceExhausted:
-            return "resource exhausted";
-        case StatusCode::kProtocol:
-            return "protocol error";
-        case StatusCode::kProvider:
-            return "provider error";
-        case StatusCode::kInternal:
-            return "internal error";
-        case StatusCode::kPermissionDenied:
-            return "permission denied";
-        case StatusCode::kAlreadyExists:
-            return "already exists";
-    }
-    return "unknown";
-}
+namespace {
+
+constexpr EnumName<StatusCode> kCodeNames[] = {
+    {StatusCode::kOk, "ok"},
+    {StatusCode::kInvalidArgument, "invalid argument"},
+    {StatusCode::kOutOfRange, "out of range"},
+    {StatusCode::kNotFound, "not found"},
+    {StatusCode::kTimeout, "timeout"},
+    {StatusCode::kUnavailable, "unavailable"},
+    {StatusCode::kCancelled, "cancelled"},
+    {StatusCode::kResourceExhausted, "resource exhausted"},
+    {StatusCode::kProtocol, "protocol error"},
+    {StatusCode::kProvider, "provider error"},
+    {StatusCode::kInternal, "internal error"},
+    {StatusCode::kPermissionDenied, "permission denied"},
+    {StatusCode::kAlreadyExists, "already exists"},
+};
+
+}  // namespace
+
+std::string_view status_code_name(StatusCode code) { return name_of(kCodeNames, code); }
 
 std::string Status::to_string() const {
     if (ok()) return "ok";

@@ -80,8 +80,9 @@ bool TransferEngine::supports_gpu_memory() const { return impl_->fabric_gpu(); }
 const std::string& TransferEngine::gpu_memory_note() const { return impl_->fabric_gpu_note(); }
 
 Result<std::unique_ptr<MemoryRegion>> TransferEngine::register_memory(void* ptr, size_t len,
-                                                                      MemoryKind kind, int device) {
-    return impl_->register_memory(ptr, len, kind, device);
+                                                                      MemoryKind kind, int device,
+                                                                      RemoteAccess access) {
+    return impl_->register_memory(ptr, len, kind, device, access);
 }
 Result<PeerId> TransferEngine::connect(const EngineAddress& peer) { return impl_->connect(peer); }
 std::optional<PeerId> TransferEngine::find_peer(uint64_t engine_id) const {

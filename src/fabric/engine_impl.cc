@@ -293,7 +293,8 @@ void EngineImpl::shutdown() {
 EngineImpl::~EngineImpl() { shutdown(); }
 
 Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, size_t len,
-                                                                  MemoryKind kind, int device) {
+                                                                  MemoryKind kind, int device,
+                                                                  RemoteAccess access) {
     if (stopped_) return cancelled("the transfer engine was shut down");
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
@@ -306,7 +307,8 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
             "cannot register {} bytes at {}: the range wraps past the end of the address space",
             len, ptr));
     }
-    FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg, memory_.add(ptr, len, kind, device));
+    FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg,
+                           memory_.add(ptr, len, kind, device, access));
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();
     region->id_ = reg.id;
@@ -314,7 +316,7 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->len_ = len;
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
-    region->send_rails_ = reg.send_rails;
+    region->access_ = access;
     return region;
 }
 
@@ -386,7 +388,7 @@ Result<PeerId> EngineImpl::connect(const EngineAddress& a) {
                         "a live engine",
                         a.engine_id));
     }
-    return peers_.connect(a, rails);
+    return peers_.connect(a, rails, address.engine_id);
 }
 
 std::optional<PeerId> EngineImpl::find_peer(uint64_t engine_id) const {

@@ -51,8 +51,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void shutdown();
     ~EngineImpl();
 
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len, MemoryKind kind,
-                                                          int device);
+    Result<std::unique_ptr<MemoryRegion>> register_memory(
+        void* ptr, size_t len, MemoryKind kind, int device,
+        RemoteAccess access = RemoteAccess::kReadWrite);
     void deregister(uint32_t id);
     void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                        std::function<void(size_t)> then);
@@ -91,30 +92,34 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
   private:
     const Peer* peer(PeerId id) const { return peers_.peer(id); }
-    FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local,
-                       uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
-                       uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
-                       OpState* state);
-    // One operation per piece of [len], as the rail group splits it, owned by `state`.
+    FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, int peer_rail,
+                       const MemoryRegion& local, uint64_t local_off,
+                       const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                       std::optional<uint32_t> imm, TimePoint deadline, OpState* state);
+    // One operation per piece of [len], as the rail group splits it over route.local, owned
+    // by `state`; each piece goes to the peer rail route pairs its rail with.
     void add_rma(RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local,
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
-                 RailSet use, OpState* state);
-    // The rails a transfer between `local` and p's `remote` uses: the local region's send
-    // rails (nearest its memory) whose peer rail holds `remote`, else (rail_fallback) any local
-    // rail holding both. Empty: no_common_rail says why.
-    RailSet usable_rails(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote) {
-        return rails_towards(p, local, remote, p.rails_holding(remote));
+                 const RailRoute& route, OpState* state);
+    // The NIC pairs a transfer between `local` and p's `remote` uses (route_rails): the local
+    // region's near rails to the peer's rails near `remote`. No common rail index: counted
+    // (rail_fallbacks) and logged once per local region. Empty route.local: no_common_rail.
+    RailRoute route(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote) {
+        return route_towards(p, local, remote, p.near_rails(remote));
     }
-    // The same with `theirs`, the local rails whose peer rail holds `remote`, known already.
-    RailSet rails_towards(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
-                          RailSet theirs) {
-        if (const RailSet near = local.send_rails() & theirs) return near;
-        return rail_fallback(p, local, remote, theirs);
+    // The same with the peer's rails near `remote` known already (a group's rows).
+    RailRoute route_towards(const Peer& p, const MemoryRegion& local,
+                            const MemoryDescriptor& remote, RailSet theirs) {
+        RailRoute r = route_rails(local.send_rails() & rails.all(), theirs);
+        if (!r.common || !local.route_logged_.load(std::memory_order_relaxed)) {
+            note_route(p, local, remote, r);
+        }
+        return r;
     }
-    // Off the near rails: counted, logged once per local region.
-    RailSet rail_fallback(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
-                          RailSet theirs);
+    // Counts a route without a common rail and logs the first route of each kind per region.
+    void note_route(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
+                    const RailRoute& r);
     Status no_common_rail(const Peer& p, const MemoryRegion& local, const MemoryDescriptor& remote,
                           const char* what) const;
     // The pieces of one operation were added to b (b.count - first_piece of them): records

@@ -10,7 +10,7 @@
 namespace ferry::detail {
 
 Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, MemoryKind kind,
-                                                         int device) {
+                                                         int device, RemoteAccess access) {
     Registration reg;
     reg.desc.engine_id = settings_.engine_id;
     reg.desc.base = reinterpret_cast<uint64_t>(ptr);
@@ -45,7 +45,7 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
     }
     const RailPlacement::Placed placed = settings_.placement.place(ptr, len, kind, device);
     Status s = register_on_rails(ptr, len, kind == MemoryKind::kCuda ? device : -1,
-                                 placed.registered, reg);
+                                 placed.registered, access, reg);
     if (!s.ok()) {
         if (kind == MemoryKind::kCuda) {
             return s.with_context(
@@ -54,22 +54,29 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
         }
         return s.with_context(fmt::format("registering {} bytes", len));
     }
-    reg.send_rails = placed.send;
+    reg.desc.near_mask = placed.send;
     // Greppable like NIXL's "mapped to rail"; one rail leaves nothing to choose.
     log(rails_.size() > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
-        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): this engine sends it "
-        "on those; registered on rails {} for peers",
-        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why,
-        rail_set_text(placed.registered));
+        "engine {:x}: region {} ({} bytes of {}) mapped to rails {} ({}): registered there, sent "
+        "from and reached on those",
+        settings_.engine_id, reg.id, len, placed.where, rail_set_text(placed.send), placed.why);
     return reg;
 }
 
 Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on,
-                                         Registration& reg) {
+                                         RemoteAccess remote, Registration& reg) {
     std::vector<fid_mr*> mrs(rails_.size(), nullptr);
     reg.desc.rail_keys.assign(rails_.size(), 0);
     reg.desc.rail_mask = on;
-    uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    // Messages never come from or land in registered regions (the engine sends its own
+    // buffers), so FI_SEND / FI_RECV only matter to rxm, which adds FI_REMOTE_READ to a region
+    // registered for FI_SEND (its rendezvous reads large sends from the sender's memory): a
+    // region peers may not read is registered without them.
+    const auto bits = static_cast<uint8_t>(remote);
+    uint64_t access = FI_READ | FI_WRITE;
+    if (bits & static_cast<uint8_t>(RemoteAccess::kRead))
+        access |= FI_REMOTE_READ | FI_SEND | FI_RECV;
+    if (bits & static_cast<uint8_t>(RemoteAccess::kWrite)) access |= FI_REMOTE_WRITE;
     for (auto& rail : rails_) {
         Rail* rp = rail.get();
         if (!(on >> rp->index() & 1)) continue;

@@ -1,7 +1,7 @@
-// Registered memory: each region's registration on its rails (every rail unless a NIC list
-// says otherwise, RailPlacement), the rails it is sent on, the ids regions are known by,
-// and where GPU memory goes (registered with the provider under FI_HMEM, exported through
-// CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by the engine.
+// Registered memory: each region's registration on its rails (those RailPlacement picks), the ids
+// regions are known by, and where GPU memory goes (registered with the provider under FI_HMEM,
+// exported through CUDA IPC, or both). Fills a region's descriptor; MemoryRegion itself is built by
+// the engine.
 #pragma once
 
 #include <rdma/fabric.h>
@@ -40,7 +40,6 @@ class MemoryRegistry {
         uint32_t id = 0;
         MemoryDescriptor desc;
         std::vector<void*> local_descs;  // per rail, fi_mr_desc (null without registration)
-        RailSet send_rails = 0;          // where this engine sends it first (RailPlacement::Placed)
     };
 
     MemoryRegistry(RailGroup& rails, GpuCopyPath& gpu) : rails_(rails), gpu_(gpu) {}
@@ -51,8 +50,10 @@ class MemoryRegistry {
 
     // Registers [ptr, len): host memory on the rails its placement picks; kCuda memory through
     // CUDA IPC and, where the provider takes it, on the rails its placement picks. On failure
-    // nothing stays registered.
-    Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device);
+    // nothing stays registered. `access`: what peers may do through the rails' registrations
+    // (without kRead the provider refuses their reads); the default is what every caller had.
+    Result<Registration> add(void* ptr, size_t len, MemoryKind kind, int device,
+                             RemoteAccess access = RemoteAccess::kReadWrite);
     // Closes the region's registrations (a no-op once close_all ran), once libfabric has
     // returned every operation on its memory (timed-out ones too), or after op_timeout.
     void remove(uint32_t id);
@@ -68,7 +69,8 @@ class MemoryRegistry {
   private:
     // Registers on the rails of `on` (CUDA memory on cuda_device when >= 0), filling keys, the
     // rail mask and local descriptors; on failure what was registered is closed again.
-    Status register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on, Registration& reg);
+    Status register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on,
+                             RemoteAccess access, Registration& reg);
 
     RailGroup& rails_;
     GpuCopyPath& gpu_;

@@ -38,18 +38,18 @@ Status gpu_in_batch_op(const char* what) {
 // unless told (it has seven callers), hence always_inline; and it kept make_rma out of line
 // too (its call, with the twelve arguments, ~25 instructions per 64 B write, 2026-12-03).
 [[gnu::always_inline]] inline FabricOp* EngineImpl::make_rma(
-    FabricOp::Type type, const Peer& p, int rail, const MemoryRegion& local, uint64_t local_off,
-    const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len, std::optional<uint32_t> imm,
-    TimePoint deadline, OpState* state) {
+    FabricOp::Type type, const Peer& p, int rail, int peer_rail, const MemoryRegion& local,
+    uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+    std::optional<uint32_t> imm, TimePoint deadline, OpState* state) {
     auto* op = new FabricOp();
     op->type = type;
     op->peer = p.id;
-    op->dest = p.fi_addr[rail];
+    op->dest = p.addr(rail, peer_rail);
     op->local = static_cast<uint8_t*>(local.data()) + local_off;
     op->len = len;
     op->desc = local.local_desc(rail);
     op->raddr = remote.wire_address(remote_off);
-    op->rkey = remote.rail_keys[p.remote_rail[rail] % remote.rail_keys.size()];
+    op->rkey = remote.rail_keys[peer_rail];
     op->has_imm = imm.has_value();
     op->imm = imm.value_or(0);
     op->deadline = deadline;
@@ -61,18 +61,18 @@ Status gpu_in_batch_op(const char* what) {
 [[gnu::always_inline]] inline void EngineImpl::add_rma(
     RailBatch& b, FabricOp::Type type, const Peer& p, const MemoryRegion& local, uint64_t local_off,
     const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len, std::optional<uint32_t> imm,
-    TimePoint deadline, bool stripe, RailSet use, OpState* state) {
+    TimePoint deadline, bool stripe, const RailRoute& route, OpState* state) {
     // One piece: made here, without the closure of twelve references that split would call
     // (~40 instructions per 64 B write, callgrind, shm, 2026-12-02).
-    if (rails.one_piece(len, stripe, use)) {
-        int rail = rails.next_rail(use);
-        b.add(rail, make_rma(type, p, rail, local, local_off, remote, remote_off, len, imm,
-                             deadline, state));
+    if (rails.one_piece(len, stripe, route.local)) {
+        int rail = rails.next_rail(route.local);
+        b.add(rail, make_rma(type, p, rail, route.peer_rail(rail), local, local_off, remote,
+                             remote_off, len, imm, deadline, state));
         return;
     }
-    rails.split(len, stripe, use, [&](int rail, uint64_t off, uint64_t n) {
-        b.add(rail, make_rma(type, p, rail, local, local_off + off, remote, remote_off + off, n,
-                             imm, deadline, state));
+    rails.split(len, stripe, route.local, [&](int rail, uint64_t off, uint64_t n) {
+        b.add(rail, make_rma(type, p, rail, route.peer_rail(rail), local, local_off + off, remote,
+                             remote_off + off, n, imm, deadline, state));
     });
 }
 
@@ -140,7 +140,7 @@ bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, Tim
     if (!p) FERRY_FAIL_BUILD(state, no_peer(w.peer, "write"));
     if (w.length == 0 && !w.imm) FERRY_FAIL_BUILD(state, invalid_argument("write of 0 bytes"));
     if (host_fabric_ok(*p, w.src, w.src_offset, w.dst, w.dst_offset, w.length)) {
-        if (const RailSet use = usable_rails(*p, *w.src, *w.dst)) {
+        if (const RailRoute use = route(*p, *w.src, *w.dst); use.local) {
             add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length,
                     w.imm, deadline, true, use, state);
             return true;
@@ -161,8 +161,8 @@ bool EngineImpl::build_write(const WriteOp& w, OpState* state, RailBatch& b, Tim
                GpuWork{std::move(copies), {}, {}}, w.imm);
         return false;
     }
-    const RailSet use = usable_rails(*p, *w.src, *w.dst);
-    if (!use) FERRY_FAIL_BUILD(state, no_common_rail(*p, *w.src, *w.dst, "write"));
+    const RailRoute use = route(*p, *w.src, *w.dst);
+    if (!use.local) FERRY_FAIL_BUILD(state, no_common_rail(*p, *w.src, *w.dst, "write"));
     add_rma(b, FabricOp::kWrite, *p, *w.src, w.src_offset, *w.dst, w.dst_offset, w.length, w.imm,
             deadline, true, use, state);
     return true;
@@ -182,7 +182,7 @@ bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimeP
     if (!p) FERRY_FAIL_BUILD(state, no_peer(r.peer, "read"));
     if (r.length == 0) FERRY_FAIL_BUILD(state, invalid_argument("read of 0 bytes"));
     if (host_fabric_ok(*p, r.dst, r.dst_offset, r.src, r.src_offset, r.length)) {
-        if (const RailSet use = usable_rails(*p, *r.dst, *r.src)) {
+        if (const RailRoute use = route(*p, *r.dst, *r.src); use.local) {
             add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
                     std::nullopt, deadline, true, use, state);
             return true;
@@ -202,8 +202,8 @@ bool EngineImpl::build_read(const ReadOp& r, OpState* state, RailBatch& b, TimeP
                GpuWork{std::move(copies), {}, {}}, std::nullopt);
         return false;
     }
-    const RailSet use = usable_rails(*p, *r.dst, *r.src);
-    if (!use) FERRY_FAIL_BUILD(state, no_common_rail(*p, *r.dst, *r.src, "read"));
+    const RailRoute use = route(*p, *r.dst, *r.src);
+    if (!use.local) FERRY_FAIL_BUILD(state, no_common_rail(*p, *r.dst, *r.src, "read"));
     add_rma(b, FabricOp::kRead, *p, *r.dst, r.dst_offset, *r.src, r.src_offset, r.length,
             std::nullopt, deadline, true, use, state);
     return true;
@@ -237,8 +237,8 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         max_dst = std::max(max_dst, w.dst_pages[i]);
     }
     FERRY_FAIL_OP(state, check_pages(w, *p, max_src, max_dst));
-    const RailSet use = usable_rails(*p, *w.src, *w.dst);
-    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "paged write"));
+    const RailRoute use = route(*p, *w.src, *w.dst);
+    if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "paged write"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
@@ -278,8 +278,8 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
         return gpu_op(std::move(state), w.peer, w.src->descriptor().device,
                       GpuWork{std::move(copies), {}, {}}, w.imm);
     }
-    const RailSet use = usable_rails(*p, *w.src, *w.dst);
-    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "write_runs"));
+    const RailRoute use = route(*p, *w.src, *w.dst);
+    if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "write_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& r : w.runs) {
@@ -315,8 +315,8 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
         return gpu_op(std::move(state), r.peer, r.dst->descriptor().device,
                       GpuWork{std::move(copies), {}, {}}, std::nullopt);
     }
-    const RailSet use = usable_rails(*p, *r.dst, *r.src);
-    if (!use) FERRY_FAIL_OP(state, no_common_rail(*p, *r.dst, *r.src, "read_runs"));
+    const RailRoute use = route(*p, *r.dst, *r.src);
+    if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *r.dst, *r.src, "read_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
     for (const WriteRun& run : r.runs) {
@@ -333,7 +333,7 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     if (sc.slices.empty()) FERRY_FAIL_OP(state, invalid_argument("scatter: no slices"));
     FERRY_FAIL_OP(state, check_local(sc.src, 0, 0, "scatter"));
     const bool src_gpu = sc.src->descriptor().kind == MemoryKind::kCuda;
-    const RailSet src_rails = sc.src->descriptor().rail_mask & rails.all();
+    const RailSet src_rails = sc.src->send_rails() & rails.all();
     // Every slice checked before anything is built, against the group's prepared rows (see
     // Group): from host memory the path of a member is known since the group was created.
     for (const auto& s : sc.slices) {
@@ -359,7 +359,7 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
             FERRY_FAIL_OP(state, check_remote(*peer(m.peer), &g->dsts[s.member], s.dst_offset,
                                               s.length, "scatter"));
         }
-        if (!(src_rails & m.rails)) {
+        if (!src_rails || !m.near) {
             FERRY_FAIL_OP(state,
                           no_common_rail(*peer(m.peer), *sc.src, g->dsts[s.member], "scatter"));
         }
@@ -369,18 +369,18 @@ OpHandle EngineImpl::scatter(const ScatterOp& sc, OpCallback done) {
     auto* src_base = static_cast<uint8_t*>(sc.src->data());
     for (const auto& s : sc.slices) {
         const GroupMember& m = g->members[s.member];
-        RailSet use = sc.src->send_rails() & m.rails;  // the near rails reaching the member
-        if (!use) use = rail_fallback(*peer(m.peer), *sc.src, g->dsts[s.member], m.rails);
-        rails.split(s.length, true, use, [&](int rail, uint64_t off, uint64_t n) {
+        const RailRoute use = route_towards(*m.p, *sc.src, g->dsts[s.member], m.near);
+        rails.split(s.length, true, use.local, [&](int rail, uint64_t off, uint64_t n) {
+            const int peer_rail = use.peer_rail(rail);
             auto* op = new FabricOp();
             op->type = FabricOp::kWrite;
             op->peer = m.peer;
-            op->dest = g->addr[g->at(s.member, rail)];
+            op->dest = m.p->addr(rail, peer_rail);
             op->local = src_base + s.src_offset + off;
             op->len = n;
             op->desc = sc.src->local_desc(rail);
             op->raddr = m.dst_wire_base + s.dst_offset + off;
-            op->rkey = g->dst_key[g->at(s.member, rail)];
+            op->rkey = m.dst_keys[peer_rail];
             op->has_imm = sc.imm.has_value();
             op->imm = sc.imm.value_or(0);
             op->deadline = deadline;
@@ -401,12 +401,11 @@ OpHandle EngineImpl::signal(PeerId id, uint32_t imm_value, OpCallback done) {
     auto* op = new FabricOp();
     op->type = FabricOp::kWrite;
     op->peer = id;
-    op->dest = p->fi_addr[rail];
+    op->dest = p->addr(rail, p->matching_rail(rail));
     op->local = rails[rail].signal_base();
     op->len = 0;
     op->raddr = p->address.signal.wire_address(0);
-    op->rkey =
-        p->address.signal.rail_keys[p->remote_rail[rail] % p->address.signal.rail_keys.size()];
+    op->rkey = p->signal_key(p->matching_rail(rail));
     op->has_imm = true;
     op->imm = imm_value;
     op->deadline = deadline_after(config.op_timeout);
@@ -430,11 +429,12 @@ Status EngineImpl::barrier(GroupId group, uint32_t imm_value, Duration timeout) 
         auto* op = new FabricOp();
         op->type = FabricOp::kWrite;
         op->peer = m.peer;
-        op->dest = g->addr[g->at(i, rail)];
+        const int peer_rail = m.p->matching_rail(rail);
+        op->dest = m.p->addr(rail, peer_rail);
         op->local = rails[rail].signal_base();
         op->len = 0;
         op->raddr = m.signal_wire;
-        op->rkey = g->signal_key[g->at(i, rail)];
+        op->rkey = m.p->signal_key(peer_rail);
         op->has_imm = true;
         op->imm = imm_value;
         op->deadline = op_deadline;
@@ -457,7 +457,7 @@ OpHandle EngineImpl::send_message(PeerId id, std::span<const uint8_t> payload, O
     if (!p) FERRY_FAIL_OP(state, no_peer(id, "send_message"));
     FERRY_FAIL_OP(state, control_.check_size(payload.size()));
     RailBatch b(rails.size());
-    FabricOp* op = control_.make_send(address.engine_id, id, p->fi_addr[0], payload,
+    FabricOp* op = control_.make_send(address.engine_id, id, p->addr(0, 0), payload,
                                       deadline_after(config.op_timeout));
     op->parent = state.get();
     state->rail_mask |= 1;

@@ -72,36 +72,31 @@ Result<EngineImpl::Path> EngineImpl::choose_path(const Peer& p, const MemoryRegi
     return Path::kFabric;
 }
 
-RailSet EngineImpl::rail_fallback(const Peer& p, const MemoryRegion& local,
-                                  const MemoryDescriptor& remote, RailSet theirs) {
-    const RailSet use = local.descriptor().rail_mask & rails.all() & theirs;
-    if (!use) return 0;
-    rail_fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    if (!local.fallback_logged_.load(std::memory_order_relaxed) &&
-        !local.fallback_logged_.exchange(true, std::memory_order_relaxed)) {
-        log(LogLevel::kInfo, "fabric",
-            "engine {:x}: region {} is sent on rails {} (nearest its memory), but the region of "
-            "engine {:x} (peer {}) is on none of the peer's rails those talk to; it goes on "
-            "rails {} instead (this region's later fallbacks are only counted: rail_fallbacks)",
-            address.engine_id, local.id(), rail_set_text(local.send_rails()), remote.engine_id,
-            p.id, rail_set_text(use));
-    }
-    return use;
+void EngineImpl::note_route(const Peer& p, const MemoryRegion& local,
+                            const MemoryDescriptor& remote, const RailRoute& r) {
+    if (!r.local) return;
+    if (!r.common) rail_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    std::atomic<bool>& logged = r.common ? local.route_logged_ : local.fallback_logged_;
+    if (logged.load(std::memory_order_relaxed) || logged.exchange(true, std::memory_order_relaxed))
+        return;
+    // Greppable like the rail and region lines: "pairs 2->0,3->1".
+    log(rails.size() > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
+        "engine {:x}: region {} (near rails {}) to a region of engine {:x} (peer {}, near its "
+        "rails {}): pairs {} ({}{})",
+        address.engine_id, local.id(), rail_set_text(local.send_rails() & rails.all()),
+        remote.engine_id, p.id, rail_set_text(r.remote), r.pairs_text(),
+        r.common ? "matching NICs" : "no common rail: each end on its own near NICs, across rails",
+        r.common ? "" : "; counted in rail_fallbacks, this region's later ones only counted");
 }
 
 Status EngineImpl::no_common_rail(const Peer& p, const MemoryRegion& local,
                                   const MemoryDescriptor& remote, const char* what) const {
-    RailSet theirs = 0;
-    for (size_t r = 0; r < remote.rail_keys.size() && r < 64; ++r) {
-        if (remote.on_rail(r)) theirs |= RailSet{1} << r;
-    }
     return invalid_argument(fmt::format(
-        "{}: no rail holds both regions: the local region is on rails {} of this engine, the "
-        "remote region on rails {} of engine {:x} (rail r here talks to the peer's rail r, "
-        "peer {} has {} rails); register them on matching rails (EngineConfig::rails \"all\" "
-        "or \"nearest\" on both sides registers every region on every rail)",
-        what, rail_set_text(local.descriptor().rail_mask & rails.all()), rail_set_text(theirs),
-        remote.engine_id, p.id, p.address.rail_addrs.size()));
+        "{}: no rail pair reaches both regions: the local region is on rails {} of this engine, "
+        "the remote region on rails {} of engine {:x} (peer {} has {} rails); is the descriptor "
+        "from this peer?",
+        what, rail_set_text(local.descriptor().held_rails() & rails.all()),
+        rail_set_text(remote.held_rails()), remote.engine_id, p.id, p.peer_rails));
 }
 
 // Every run in bounds before anything is posted: a bad run moves nothing. local_is_src: the

@@ -8,31 +8,55 @@ namespace ferry::detail {
 
 PeerTable::PeerTable() : peer_table_(std::make_unique<std::atomic<const Peer*>[]>(kMaxPeers)) {}
 
-Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
+Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails, uint64_t self) {
     std::lock_guard lk(peers_mu_);
     if (auto it = by_engine_.find(a.engine_id); it != by_engine_.end()) return it->second;
     if (peers_owned_.size() >= kMaxPeers) {
         return resource_exhausted(fmt::format("too many peers (limit {})", kMaxPeers));
     }
+    if (a.rail_addrs.empty() || a.rail_addrs.size() > 64) {
+        return invalid_argument(
+            fmt::format("engine {:x} gives {} rail addresses (1 to 64 expected)", a.engine_id,
+                        a.rail_addrs.size()));
+    }
     auto p = std::make_unique<Peer>();
     p->id = static_cast<PeerId>(peers_owned_.size());
     p->engine_id = a.engine_id;
     p->address = a;
+    p->peer_rails = a.rail_addrs.size();
+    p->fi_addr.reserve(rails.size() * p->peer_rails);
     for (auto& rail : rails) {
-        uint32_t rr = static_cast<uint32_t>(rail->index() % a.rail_addrs.size());
         Rail* rp = rail.get();
-        // A task that inserts after connect gave up on it takes the address back itself.
-        Result<fi_addr_t> fa = rp->run_on_worker<fi_addr_t>(
-            [rp, addr = a.rail_addrs[rr]] { return rp->insert_address(addr); }, kRailTaskTimeout,
-            [rp](fi_addr_t& late) { (void)rp->remove_address(late); });
+        // One task inserts every peer rail; one that fails part way takes back what it
+        // inserted, and one that finishes after connect gave up on it takes back all.
+        Result<std::vector<fi_addr_t>> fa = rp->run_on_worker<std::vector<fi_addr_t>>(
+            [rp, addrs = a.rail_addrs]() -> Result<std::vector<fi_addr_t>> {
+                std::vector<fi_addr_t> out;
+                for (const auto& addr : addrs) {
+                    Result<fi_addr_t> one = rp->insert_address(addr);
+                    if (!one.ok()) {
+                        for (fi_addr_t f : out) (void)rp->remove_address(f);
+                        return one.status().with_context(
+                            fmt::format("the peer's rail {}", out.size()));
+                    }
+                    out.push_back(*one);
+                }
+                return out;
+            },
+            kRailTaskTimeout,
+            [rp](std::vector<fi_addr_t>& late) {
+                for (fi_addr_t f : late) (void)rp->remove_address(f);
+            });
         if (!fa.ok()) {
             forget_addresses(*p, rails);
             return fa.status().with_context(fmt::format("connecting to engine {:x}", a.engine_id));
         }
-        p->fi_addr.push_back(*fa);
-        p->remote_rail.push_back(rr);
+        p->fi_addr.insert(p->fi_addr.end(), fa->begin(), fa->end());
     }
-    p->same_rails = a.rail_addrs.size() >= rails.size();
+    // Greppable next to the rail and region lines (docs/ARCHITECTURE.md, "Rails and topology").
+    log(rails.size() > 1 || p->peer_rails > 1 ? LogLevel::kInfo : LogLevel::kDebug, "fabric",
+        "engine {:x}: peer {} (engine {:x}): each of {} local rails reaches its {} rails", self,
+        p->id, a.engine_id, rails.size(), p->peer_rails);
     PeerId id = p->id;
     peer_table_[id].store(p.get(), std::memory_order_release);
     by_engine_[a.engine_id] = id;
@@ -41,13 +65,23 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails) {
 }
 
 void PeerTable::forget_addresses(const Peer& p, RailGroup& rails) {
-    for (size_t r = 0; r < p.fi_addr.size(); ++r) {
+    for (size_t r = 0; r * p.peer_rails < p.fi_addr.size(); ++r) {
         Rail* rp = &rails[r];
-        fi_addr_t fa = p.fi_addr[r];
-        Status s = rp->run_on_worker([rp, fa] { return rp->remove_address(fa); }, kRailTaskTimeout);
+        std::vector<fi_addr_t> fa(p.fi_addr.begin() + r * p.peer_rails,
+                                  p.fi_addr.begin() + (r + 1) * p.peer_rails);
+        Status s = rp->run_on_worker(
+            [rp, fa] {
+                Status first = ok_status();
+                for (fi_addr_t f : fa) {
+                    Status one = rp->remove_address(f);
+                    if (first.ok() && !one.ok()) first = one;
+                }
+                return first;
+            },
+            kRailTaskTimeout);
         if (!s.ok()) {
             log(LogLevel::kWarn, "fabric",
-                "rail {}: taking back the address of engine {:x} after a failed connect: {}", r,
+                "rail {}: taking back the addresses of engine {:x} after a failed connect: {}", r,
                 p.engine_id, s.message());
         }
     }
@@ -80,21 +114,17 @@ Result<GroupId> PeerTable::create_group(std::span<const PeerId> peers,
         const MemoryDescriptor& d = dsts[i];
         GroupMember m;
         m.peer = peers[i];
+        m.p = p;
         m.dst_wire_base = d.wire_address(0);
         m.dst_length = d.length;
         m.signal_wire = p->address.signal.wire_address(0);
         m.host_reachable = !d.rail_keys.empty();
-        m.rails = p->rails_holding(d);
+        m.near = p->near_rails(d);
         g->members.push_back(m);
-        g->rails = p->fi_addr.size();
-        for (size_t r = 0; r < p->fi_addr.size(); ++r) {
-            uint32_t rr = p->remote_rail[r];
-            g->addr.push_back(p->fi_addr[r]);
-            g->dst_key.push_back(d.rail_keys.empty() ? 0 : d.rail_keys[rr % d.rail_keys.size()]);
-            const auto& sk = p->address.signal.rail_keys;
-            g->signal_key.push_back(sk.empty() ? 0 : sk[rr % sk.size()]);
-        }
     }
+    // The descriptors no longer move.
+    for (size_t i = 0; i < g->members.size(); ++i)
+        g->members[i].dst_keys = g->dsts[i].rail_keys.data();
     std::lock_guard lk(groups_mu_);
     if (groups_.size() >= kMaxGroups) return resource_exhausted("too many peer groups");
     groups_.push_back(std::move(g));

@@ -24,46 +24,49 @@ struct Peer {
     PeerId id = 0;
     uint64_t engine_id = 0;
     EngineAddress address;
-    std::vector<fi_addr_t> fi_addr;     // per local rail
-    std::vector<uint32_t> remote_rail;  // per local rail: which of the peer's rails it talks to
-    bool same_rails = false;            // remote_rail[r] == r for every local rail
+    size_t peer_rails = 0;  // how many rails the peer has
+    // [local rail * peer_rails + peer rail]: every local rail holds the address of every peer
+    // rail, so a transfer can go from the NIC near the local memory to the peer's NIC near the
+    // remote memory (RailRoute), as NIXL's LIBFABRIC backend inserts all of a peer's rails.
+    std::vector<fi_addr_t> fi_addr;
 
-    // The local rails whose peer rail holds `d`, a region of this peer.
-    RailSet rails_holding(const MemoryDescriptor& d) const {
-        const size_t n = d.rail_keys.size();
-        const RailSet keyed = n >= 64 ? ~RailSet{0} : (RailSet{1} << n) - 1;
-        if (same_rails) return d.rail_mask & keyed;
-        RailSet s = 0;
-        for (size_t r = 0; r < remote_rail.size(); ++r) {
-            if (d.on_rail(remote_rail[r])) s |= RailSet{1} << r;
-        }
-        return s;
+    fi_addr_t addr(int local_rail, int peer_rail) const {
+        return fi_addr[static_cast<size_t>(local_rail) * peer_rails + peer_rail];
+    }
+    // The peer rail that local rail `l` signals and sends control messages to: same index.
+    int matching_rail(int l) const { return static_cast<int>(l % peer_rails); }
+    uint64_t signal_key(int peer_rail) const {
+        const auto& k = address.signal.rail_keys;
+        return k.empty() ? 0 : k[peer_rail % k.size()];
+    }
+    // The peer's rails nearest `d`, a region of this peer (only rails the peer has).
+    RailSet near_rails(const MemoryDescriptor& d) const {
+        const RailSet have = peer_rails >= 64 ? ~RailSet{0} : (RailSet{1} << peer_rails) - 1;
+        const RailSet held = d.held_rails() & have;
+        return (d.near_rails() & have) ? d.near_rails() & have : held;
     }
 };
 
 // Immutable once created. Besides the members and their descriptors, everything a scatter or
-// barrier puts in a post is laid out here once, at creation: per member the wire address and
-// length of its region and its signal region, per (member, rail) the fabric address and keys.
-// A scatter then validates and builds each slice from one cache-friendly row instead of
-// looking up the peer, its descriptor and the path per slice.
+// barrier puts in a post is laid out here once, at creation: per member its peer, the wire
+// address and length of its region and its signal region, and the peer's rails near the
+// region. A scatter then validates and builds each slice from one row instead of looking up
+// the peer, its descriptor and the path per slice.
 struct GroupMember {
     PeerId peer = 0;
+    const Peer* p = nullptr;     // peers stay once connected
     uint64_t dst_wire_base = 0;  // wire address of byte 0 of the member's region
     uint64_t dst_length = 0;
-    uint64_t signal_wire = 0;     // wire address of the member's signal region
-    bool host_reachable = false;  // host memory here can write it over the fabric
-    RailSet rails = 0;            // local rails whose peer rail holds the member's region
+    uint64_t signal_wire = 0;            // wire address of the member's signal region
+    bool host_reachable = false;         // host memory here can write it over the fabric
+    RailSet near = 0;                    // the peer's rails near the member's region
+    const uint64_t* dst_keys = nullptr;  // per peer rail (the member's descriptor)
 };
 
 struct Group {
     std::vector<PeerId> peers;
     std::vector<MemoryDescriptor> dsts;
-    size_t rails = 0;
     std::vector<GroupMember> members;
-    std::vector<fi_addr_t> addr;       // [member * rails + local rail]
-    std::vector<uint64_t> dst_key;     // [member * rails + local rail]
-    std::vector<uint64_t> signal_key;  // [member * rails + local rail]
-    size_t at(size_t member, size_t rail) const { return member * rails + rail; }
 };
 
 class PeerTable {
@@ -73,9 +76,9 @@ class PeerTable {
 
     PeerTable();
 
-    // Inserts the peer's address on every rail (local rail r talks to the peer's rail
-    // r % its rail count); connecting twice returns the same id.
-    Result<PeerId> connect(const EngineAddress& a, RailGroup& rails);
+    // Inserts every rail's address of the peer on every local rail (one task per local rail);
+    // connecting twice returns the same id. Logs the peer's rails at info, as engine `self`.
+    Result<PeerId> connect(const EngineAddress& a, RailGroup& rails, uint64_t self);
     std::optional<PeerId> find(uint64_t engine_id) const;
     // Lock-free; null when no peer has that id. A peer, once connected, stays. Inline: every
     // write and read looks its peer up (a call was ~7 instructions per 64 B write, 2026-12-02).

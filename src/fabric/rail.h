@@ -488,7 +488,14 @@ class Rail {
     // of the worker's instructions per 64 B write to one peer (shm, 2026-12-02).
     bool pending_mixed_ = false;
     PeerId pending_peer_ = 0;
+    // No operation in pending_ has an earlier deadline (a lower bound: an operation posted
+    // since may have had it). sweep_timeouts walks pending_ only once `now` passes it: a KV
+    // transfer's 131,072 writes of 4 KiB sat in pending_ behind tcp's in-flight limit, and the
+    // walk of all of them every tick (1 ms) took most of the worker's time, more the more
+    // writes were posted at once (docs/BENCHMARKS.md, "ferry beside NIXL and Mooncake").
+    TimePoint pending_min_deadline_ = TimePoint::max();
     void add_pending(FabricOp* op) {
+        pending_min_deadline_ = std::min(pending_min_deadline_, op->deadline);
         if (pending_.empty()) {
             pending_peer_ = op->peer;
             pending_mixed_ = false;

@@ -89,9 +89,13 @@ void Rail::sweep_timeouts(TimePoint now) {
     if (!retired_.empty()) close_idle_retired();
     if (!release_watches_.empty()) check_release_watches(now);
     // Not only the front: operations to a peer that pushes back wait behind those posted
-    // past them.
+    // past them. Only once the earliest deadline among them may have passed (see
+    // pending_min_deadline_), which the walk then sets again.
+    if (now < pending_min_deadline_) return;
+    pending_min_deadline_ = TimePoint::max();
     for (FabricOp* op = pending_.head; op;) {
         if (op->deadline > now) {
+            pending_min_deadline_ = std::min(pending_min_deadline_, op->deadline);
             op = op->in_next;
             continue;
         }
@@ -205,6 +209,8 @@ void Rail::give_up_behind_dead_peer(uint32_t gen) {
             "fresh initiator endpoint; {} other operation(s) given up",
             index_, again.size, given_up);
         // They were posted before anything still pending: they go first, in their order.
+        for (FabricOp* c = again.head; c; c = c->in_next)
+            pending_min_deadline_ = std::min(pending_min_deadline_, c->deadline);
         pending_.splice_front(again);
         pending_mixed_ = true;
     }

@@ -17,6 +17,25 @@ std::string rail_set_text(RailSet rails) {
     return s.empty() ? "none" : s;
 }
 
+std::string RailRoute::pairs_text() const {
+    std::string s;
+    for (RailSet l = local; l; l &= l - 1) {
+        const int r = __builtin_ctzll(l);
+        s += fmt::format("{}{}->{}", s.empty() ? "" : ",", r, peer_rail(r));
+    }
+    return s.empty() ? "none" : s;
+}
+
+RailRoute route_rails(RailSet local_near, RailSet remote_near) {
+    RailRoute route;
+    route.remote = remote_near;
+    if (!local_near || !remote_near) return route;
+    const RailSet both = local_near & remote_near;
+    route.common = both != 0;
+    route.local = both ? both : local_near;
+    return route;
+}
+
 Result<RailPlacement> RailPlacement::open(const EngineConfig& config, std::vector<FabricNic> nics) {
     RailPlacement p;
     auto selection = RailSelection::parse(config.rails);
@@ -85,12 +104,11 @@ RailPlacement::Placed RailPlacement::place(const void* ptr, size_t len, MemoryKi
     auto chosen = topology_.choose(selection_, at);
     RailChoice choice = chosen.ok() ? *chosen : topology_.nearest(at);
     for (int r : choice.nics) out.send |= RailSet{1} << r;
-    // Only a NIC list keeps a region off rails: under "nearest" any peer may reach it on any
-    // rail (its rail r talks to rail r here, whatever memory its own region is in).
-    const size_t n = topology_.nics().size();
-    out.registered = selection_.mode == RailSelection::Mode::kList ? out.send
-                     : n >= 64                                     ? ~RailSet{0}
-                                                                   : (RailSet{1} << n) - 1;
+    // Registered on those rails only, as NIXL does: a peer aims its transfers at the rails
+    // the region's descriptor names near it (near_mask), whichever of its own rails it sends
+    // from (every local rail holds every peer rail's address), so no peer needs another.
+    // On p5en that is 2 registrations of a GPU's KV cache instead of 16.
+    out.registered = out.send;
     out.why = nearest ? std::string(rail_reach_name(choice.reach)) : "set by the rail selection";
     return out;
 }

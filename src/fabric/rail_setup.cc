@@ -174,17 +174,17 @@ Result<fid_mr*> Rail::register_mr(void* ptr, size_t len, uint64_t access, int cu
 Result<fi_addr_t> Rail::insert_address(const std::vector<uint8_t>& addr) {
     // fi_av_insert takes no length: it reads as many bytes as the address format says.
     if (addr.empty())
-        return invalid_argument(fmt::format("the peer's address for rail {} is empty", index_));
+        return invalid_argument(fmt::format("rail {}: the peer's address is empty", index_));
     if (info_->addr_format == FI_ADDR_STR) {
         if (std::memchr(addr.data(), 0, addr.size()) == nullptr) {
-            return invalid_argument(fmt::format(
-                "the peer's address for rail {} ({} bytes) is not a terminated string, as "
-                "addresses of this provider are: corrupted, or another provider's?",
-                index_, addr.size()));
+            return invalid_argument(
+                fmt::format("rail {}: the peer's address ({} bytes) is not a terminated string, as "
+                            "addresses of this provider are: corrupted, or another provider's?",
+                            index_, addr.size()));
         }
     } else if (addr.size() != name_.size()) {
         return invalid_argument(fmt::format(
-            "the peer's address for rail {} is {} bytes, this provider's are {}: corrupted, or "
+            "rail {}: the peer's address is {} bytes, this provider's are {}: corrupted, or "
             "another provider's?",
             index_, addr.size(), name_.size()));
     }

@@ -14,6 +14,7 @@
 #include <memory>
 #include <set>
 
+#include "common/enum_names.h"
 #include "fabric/provider.h"
 #include "ferry/fabric/engine.h"
 
@@ -219,15 +220,12 @@ std::vector<FabricNic> rdma_nics_here() {
 }
 
 std::string_view rail_reach_name(RailReach reach) {
-    switch (reach) {
-        case RailReach::kSwitch:
-            return "same PCIe switch";
-        case RailReach::kNuma:
-            return "same NUMA node";
-        case RailReach::kAll:
-            return "no NIC nearer: all";
-    }
-    return "?";
+    static constexpr EnumName<RailReach> kNames[] = {
+        {RailReach::kSwitch, "same PCIe switch"},
+        {RailReach::kNuma, "same NUMA node"},
+        {RailReach::kAll, "no NIC nearer: all"},
+    };
+    return name_of(kNames, reach, "?");
 }
 
 Result<RailSelection> RailSelection::parse(std::string_view text) {

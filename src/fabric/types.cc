@@ -42,6 +42,7 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
     w.put(static_cast<uint8_t>(virt_addr));
     w.put_vector(rail_keys);
     w.put(rail_mask);
+    w.put(near_mask);
     w.put(static_cast<uint8_t>(has_ipc));
     if (has_ipc) {
         w.put(ipc_handle);
@@ -62,6 +63,7 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&virt, "virt_addr"));
     FERRY_RETURN_IF_ERROR(r.get_vector(&d.rail_keys, "rail_keys", kMaxRails));
     FERRY_RETURN_IF_ERROR(r.get(&d.rail_mask, "rail_mask"));
+    FERRY_RETURN_IF_ERROR(r.get(&d.near_mask, "near_mask"));
     uint8_t ipc = 0;
     FERRY_RETURN_IF_ERROR(r.get(&ipc, "has_ipc"));
     d.has_ipc = ipc != 0;
@@ -76,12 +78,16 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     if (d.rail_keys.empty() && !d.has_ipc) {
         return protocol_error("memory descriptor has neither rail keys nor a CUDA IPC handle");
     }
-    const uint64_t held =
-        d.rail_keys.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << d.rail_keys.size()) - 1;
-    if (!d.rail_keys.empty() && (d.rail_mask & held) == 0) {
+    if (!d.rail_keys.empty() && d.held_rails() == 0) {
         return protocol_error(fmt::format(
             "memory descriptor has {} rail keys but its rail mask {:#x} names none of them",
             d.rail_keys.size(), d.rail_mask));
+    }
+    if (!d.rail_keys.empty() && (d.near_mask & d.held_rails()) == 0) {
+        return protocol_error(fmt::format(
+            "memory descriptor's near mask {:#x} names none of the rails holding the region "
+            "(rail mask {:#x}, {} rail keys)",
+            d.near_mask, d.rail_mask, d.rail_keys.size()));
     }
     d.kind = static_cast<MemoryKind>(kind);
     d.virt_addr = virt != 0;

@@ -298,6 +298,11 @@ class KvConnector::Impl {
     std::thread thread_;
 };
 
+RemoteAccess pool_remote_access(PullKeys keys, MemoryKind kind) {
+    return keys == PullKeys::kPerOffer && kind == MemoryKind::kHost ? RemoteAccess::kWrite
+                                                                    : RemoteAccess::kReadWrite;
+}
+
 Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
                                                          const MemoryRegion* pool,
                                                          const ConnectorConfig& config,
@@ -332,6 +337,17 @@ Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,
                         config.imm_span, kMaxImmSpan));
     }
     if (config.lease <= Duration::zero()) return invalid_argument("the lease must be positive");
+    for (size_t i = 0; i < pool.regions.size(); ++i) {
+        const MemoryRegion* r = pool.regions[i];
+        if (r->remote_access() == RemoteAccess::kReadWrite &&
+            pool_remote_access(config.pull_keys, r->descriptor().kind) != r->remote_access()) {
+            log(LogLevel::kWarn, "kv",
+                "pool region {} is registered for peers' reads although the connector hands out "
+                "per-offer keys (PullKeys::kPerOffer): anyone holding the handshake can read "
+                "the whole region; register it with pool_remote_access()",
+                i);
+        }
+    }
     auto impl = std::make_unique<Impl>(engine, std::move(pool), config, std::move(callbacks));
     impl->start();
     return std::unique_ptr<KvConnector>(new KvConnector(std::move(impl)));

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "common/enum_names.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/kv/handshake.h"
@@ -326,19 +327,11 @@ class HandshakeServer::Impl {
     }
 
     static const char* frame_name(uint8_t type) {
-        switch (Frame(type)) {
-            case Frame::kHello:
-                return "HELLO";
-            case Frame::kChallenge:
-                return "CHALLENGE";
-            case Frame::kAuth:
-                return "AUTH";
-            case Frame::kAnswer:
-                return "ANSWER";
-            case Frame::kRefused:
-                return "REFUSED";
-        }
-        return "no frame of this protocol";
+        static constexpr EnumName<Frame> kNames[] = {
+            {Frame::kHello, "HELLO"},   {Frame::kChallenge, "CHALLENGE"}, {Frame::kAuth, "AUTH"},
+            {Frame::kAnswer, "ANSWER"}, {Frame::kRefused, "REFUSED"},
+        };
+        return name_of(kNames, Frame(type), "no frame of this protocol").data();
     }
 
     static std::pair<std::string, uint16_t> peer_address(const sockaddr_storage& ss) {

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/fd.h"
 #include "ferry/common/auth.h"
 #include "ferry/common/bytes.h"
 #include "ferry/common/clock.h"
@@ -40,28 +41,6 @@ Digest proof(const Secret& secret, std::string_view label, const Nonce& client, 
 inline constexpr std::string_view kServerLabel = "ferry-handshake-v2 server";
 inline constexpr std::string_view kClientLabel = "ferry-handshake-v2 client";
 inline constexpr std::string_view kAnswerLabel = "ferry-handshake-v2 answer";
-
-// Owns a socket descriptor.
-class Fd {
-  public:
-    Fd() = default;
-    explicit Fd(int fd) : fd_(fd) {}
-    Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-    Fd& operator=(Fd&& o) noexcept {
-        reset();
-        fd_ = std::exchange(o.fd_, -1);
-        return *this;
-    }
-    ~Fd() { reset(); }
-    int get() const { return fd_; }
-    void reset() {
-        if (fd_ >= 0) ::close(fd_);
-        fd_ = -1;
-    }
-
-  private:
-    int fd_ = -1;
-};
 
 int ms_left(TimePoint deadline);
 

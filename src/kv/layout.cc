@@ -4,6 +4,7 @@
 
 #include <initializer_list>
 
+#include "common/enum_names.h"
 #include "ferry/common/bytes.h"
 
 namespace ferry::kv {
@@ -23,38 +24,30 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 
 }  // namespace
 
-const char* placement_name(KvPlacement p) {
-    switch (p) {
-        case KvPlacement::kSeparate:
-            return "separate";
-        case KvPlacement::kJoint:
-            return "joint";
-        case KvPlacement::kBlockMajor:
-            return "block-major";
-        case KvPlacement::kHeadJoint:
-            return "head-joint";
-    }
-    return "unknown";
-}
+namespace {
 
-const char* region_split_name(RegionSplit s) {
-    switch (s) {
-        case RegionSplit::kOne:
-            return "one";
-        case RegionSplit::kPerLayer:
-            return "per-layer";
-        case RegionSplit::kPerLayerKv:
-            return "per-layer-kv";
-    }
-    return "unknown";
-}
+constexpr EnumName<KvPlacement> kPlacementNames[] = {
+    {KvPlacement::kSeparate, "separate"},
+    {KvPlacement::kJoint, "joint"},
+    {KvPlacement::kBlockMajor, "block-major"},
+    {KvPlacement::kHeadJoint, "head-joint"},
+};
+constexpr EnumName<RegionSplit> kSplitNames[] = {
+    {RegionSplit::kOne, "one"},
+    {RegionSplit::kPerLayer, "per-layer"},
+    {RegionSplit::kPerLayerKv, "per-layer-kv"},
+};
+
+}  // namespace
+
+const char* placement_name(KvPlacement p) { return name_of(kPlacementNames, p).data(); }
+
+const char* region_split_name(RegionSplit s) { return name_of(kSplitNames, s).data(); }
 
 Result<RegionSplit> parse_region_split(const std::string& name) {
-    for (RegionSplit s : {RegionSplit::kOne, RegionSplit::kPerLayer, RegionSplit::kPerLayerKv}) {
-        if (name == region_split_name(s)) return s;
-    }
+    if (auto s = parse_name(kSplitNames, name)) return *s;
     return invalid_argument(
-        fmt::format("unknown region split '{}': one, per-layer or per-layer-kv", name));
+        fmt::format("unknown region split '{}': {}", name, name_list(kSplitNames)));
 }
 
 uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) const {

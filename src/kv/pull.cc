@@ -179,8 +179,8 @@ void Puller::start(const std::shared_ptr<Job>& job) {
     kv_trace("pull planned", job->id);
     uint32_t lease_ms = UINT32_MAX;
     for (const PullParamsMsg& p : job->params) lease_ms = std::min(lease_ms, p.lease_ms);
-    job->repost_until =
-        Clock::now() + std::chrono::milliseconds(lease_ms) - ctx_.engine->config().op_timeout;
+    job->offers_end = Clock::now() + std::chrono::milliseconds(lease_ms);
+    job->repost_until = job->offers_end - ctx_.engine->config().op_timeout;
     auto flight = ctx_.new_flight([this, job](const Status& s) { finish(job, s); });
     for (size_t i = 0; i < plans.size(); ++i) {
         const auto& [idx, plan] = plans[i];
@@ -201,7 +201,11 @@ void Puller::start(const std::shared_ptr<Job>& job) {
             op.runs = std::span<const ByteRun>(plan.runs.runs).subspan(g.first, g.count);
             if (windowed[i].empty()) {
                 flight->add();
-                post_read(job, op, flight, 0, nullptr);
+                post_read(job, op, flight, 0,
+                          "reading prefill's pool under the pool's own keys (an offer under "
+                          "PullKeys::kPool, or parameters built from its handshake): a prefill "
+                          "under PullKeys::kPerOffer registers its pool without peer reads, so "
+                          "such a read fails");
                 continue;
             }
             for (const WindowRuns& w : windowed[i][gi]) {
@@ -304,8 +308,12 @@ void Puller::finish(const std::shared_ptr<Job>& job, const Status& s) {
         return !j || j == job;
     });
     for (const Job::Source& src : job->sources) {
-        ctx_.send(src.peer, DoneMsg{job->id, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size, s.ok(),
-                                    job->params[src.param].capability});
+        // Posted again while the offers may still hold the blocks (see send()): a DONE the
+        // provider never took left prefill holding them for its whole lease (issue 32).
+        ctx_.send(src.peer,
+                  DoneMsg{job->id, ctx_.cfg.self.tp_rank, ctx_.cfg.self.tp_size, s.ok(),
+                          job->params[src.param].capability},
+                  [until = job->offers_end] { return Clock::now() < until; });
     }
     (s.ok() ? ctx_.counters.transfers_received : ctx_.counters.transfers_failed).fetch_add(1);
     ctx_.counters.active_recv.fetch_sub(1);

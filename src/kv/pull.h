@@ -81,6 +81,9 @@ class Puller {
         // bytes twice changes nothing while the offer holds them, and a read still ends before
         // the shortest of the offers' leases.
         TimePoint repost_until{};
+        // When the shortest of the offers' leases ends (prefill frees the blocks itself): DONE
+        // is posted again until then when the provider never took it.
+        TimePoint offers_end{};
         // A read posted again after its first post timed out: the first may still land, so the
         // result waits, as a failure's does, until the engine holds no read into the blocks.
         bool late_reads = false;

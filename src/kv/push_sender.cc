@@ -65,7 +65,9 @@ void PushSender::on_register(RegisterMsg m) {
     job.sent = KvFrontier{m.first_token};
     m.blocks = blocks_from_token0(m.blocks, m.first_token, m.layout.block_size);
     job.reg = std::move(m);
-    if (p.scheduled) p.renew_at = std::min(p.renew_at, Clock::now() + renewal_period(p));
+    // Renewed from now on, also before prefill schedules the request (see renew()).
+    const TimePoint next = Clock::now() + renewal_period(p);
+    p.renew_at = p.renew_at == TimePoint{} ? next : std::min(p.renew_at, next);
     advance_job(it->first, p, key, job);  // what is final already goes out now
     maybe_finish(it);                     // a job refused while planning is already served
 }
@@ -95,7 +97,8 @@ void PushSender::on_intent(IntentMsg m) {
 void PushSender::mark_scheduled(uint64_t id, Producer& p) {
     if (p.scheduled) return;
     p.scheduled = true;
-    p.renew_at = Clock::now() + renewal_period(p);
+    const TimePoint next = Clock::now() + renewal_period(p);
+    p.renew_at = p.renew_at == TimePoint{} ? next : std::min(p.renew_at, next);
     for (const auto& [key, intent] : p.intents) {
         ctx_.send(intent.peer, ScheduledMsg{id, key.first, ctx_.cfg.self.tp_rank});
     }
@@ -532,9 +535,14 @@ Duration PushSender::renewal_period(const Producer& p) const {
 // with SCHEDULED (PROTOCOL.md, "Renewals"). Inside vLLM one prefill step of 1500 tokens took
 // 27 s on a loaded 2-core host, and a lease counted from the registration alone failed it at
 // 30 s on both sides. Renewals stop with the process, so a dead prefill still ends in a lease.
+// Before prefill schedules the request (queued behind a long step, or its engine starved: 3 s
+// and more between decode's REGISTER and vLLM's scheduling of the prompt on a loaded host),
+// the registered decode ranks are renewed too, but not this rank's own lease, which counts from
+// the first message: a request that is never scheduled ends by prefill's lease (FAIL to the
+// decode ranks), decode's lease only then bounding the wait of a decode rank whose prefill died.
 void PushSender::renew(uint64_t id, Producer& p, TimePoint now) {
     kv_trace("renewal (SCHEDULED) out", id);
-    p.deadline = now + ctx_.cfg.lease;
+    if (p.scheduled) p.deadline = now + ctx_.cfg.lease;
     p.renew_at = now + renewal_period(p);
     for (const auto& [key, job] : p.jobs) {
         if (key.first != p.attempt || job.resolved || job.cancelled) continue;
@@ -546,7 +554,8 @@ void PushSender::expire(TimePoint now) {
     for (auto it = producers_.begin(); it != producers_.end();) {
         auto next = std::next(it);
         Producer& p = it->second;
-        if (p.scheduled && !p.have_prefill && p.failure.ok() && !p.tombstone && now >= p.renew_at)
+        if ((p.scheduled || !p.jobs.empty()) && !p.have_prefill && p.failure.ok() && !p.tombstone &&
+            now >= p.renew_at)
             renew(it->first, p, now);
         if (now > p.deadline) expire_producer(it);
         it = next;

@@ -73,7 +73,7 @@ class PushSender {
         uint32_t decode_tp = 0;
         std::map<JobKey, SendJob> jobs;
         TimePoint deadline;
-        // Scheduled and computing: when the registered decode ranks hear SCHEDULED again.
+        // Registered, not done: when the registered decode ranks hear SCHEDULED again.
         TimePoint renew_at;
         Status failure;  // prefill_failed: later registrations get FAIL
         // Already reported; kept until the lease only to answer late messages at once: a

@@ -2,26 +2,26 @@
 
 #include <fmt/format.h>
 
+#include "common/enum_names.h"
+
 namespace ferry::kv {
 
-std::string_view to_string(TransferMode mode) {
-    switch (mode) {
-        case TransferMode::kPush:
-            return "push";
-        case TransferMode::kPull:
-            return "pull";
-        case TransferMode::kPullInline:
-            return "pull-inline";
-    }
-    return "unknown";
-}
+namespace {
+
+constexpr EnumName<TransferMode> kModeNames[] = {
+    {TransferMode::kPush, "push"},
+    {TransferMode::kPull, "pull"},
+    {TransferMode::kPullInline, "pull-inline"},
+};
+
+}  // namespace
+
+std::string_view to_string(TransferMode mode) { return name_of(kModeNames, mode); }
 
 Result<TransferMode> parse_transfer_mode(std::string_view name) {
-    for (TransferMode m : {TransferMode::kPush, TransferMode::kPull, TransferMode::kPullInline}) {
-        if (name == to_string(m)) return m;
-    }
+    if (auto m = parse_name(kModeNames, name)) return *m;
     return invalid_argument(
-        fmt::format("unknown KV transfer mode '{}': use push, pull or pull-inline", name));
+        fmt::format("unknown KV transfer mode '{}': use {}", name, name_list(kModeNames)));
 }
 
 }  // namespace ferry::kv

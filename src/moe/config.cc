@@ -4,51 +4,41 @@
 
 #include <string>
 
+#include "common/enum_names.h"
+
 namespace ferry::moe {
 
-std::string_view combine_mode_name(CombineMode mode) {
-    switch (mode) {
-        case CombineMode::kPerHit:
-            return "per-hit";
-        case CombineMode::kPerRank:
-            return "per-rank";
-    }
-    return "unknown";
+namespace {
+
+constexpr EnumName<CombineMode> kCombineModeNames[] = {
+    {CombineMode::kPerHit, "per-hit"},
+    {CombineMode::kPerRank, "per-rank"},
+};
+// "fp8" is an alias of "fp8_e4m3", the name dtype_name gives.
+constexpr EnumName<DType> kDTypeNames[] = {
+    {DType::kBf16, "bf16"},
+    {DType::kFp8E4M3, "fp8_e4m3"},
+    {DType::kFp8E4M3, "fp8"},
+};
+
+template <typename E, size_t N>
+bool parse_into(const EnumName<E> (&table)[N], std::string_view name, E* out) {
+    const std::optional<E> v = parse_name(table, name);
+    if (v) *out = *v;
+    return v.has_value();
 }
+
+}  // namespace
+
+std::string_view combine_mode_name(CombineMode mode) { return name_of(kCombineModeNames, mode); }
 
 bool parse_combine_mode(std::string_view name, CombineMode* out) {
-    if (name == "per-hit") {
-        *out = CombineMode::kPerHit;
-        return true;
-    }
-    if (name == "per-rank") {
-        *out = CombineMode::kPerRank;
-        return true;
-    }
-    return false;
+    return parse_into(kCombineModeNames, name, out);
 }
 
-std::string_view dtype_name(DType dtype) {
-    switch (dtype) {
-        case DType::kBf16:
-            return "bf16";
-        case DType::kFp8E4M3:
-            return "fp8_e4m3";
-    }
-    return "unknown";
-}
+std::string_view dtype_name(DType dtype) { return name_of(kDTypeNames, dtype); }
 
-bool parse_dtype(std::string_view name, DType* out) {
-    if (name == "bf16") {
-        *out = DType::kBf16;
-        return true;
-    }
-    if (name == "fp8" || name == "fp8_e4m3") {
-        *out = DType::kFp8E4M3;
-        return true;
-    }
-    return false;
-}
+bool parse_dtype(std::string_view name, DType* out) { return parse_into(kDTypeNames, name, out); }
 
 Status AllToAllConfig::validate() const {
     auto bad = [](std::string what) { return invalid_argument("AllToAllConfig: " + what); };

@@ -1,6 +1,8 @@
-// What the CUDA all-to-all's kernels and its host proxy agree on, in plain C++17 (the .cu files
-// include it through kernels.h; the proxy, device_proxy.h, is CUDA-free): the layout of each
-// rank's peer-written region, and the records that carry a put to a remote rank.
+// What the CUDA all-to-all's kernels and their host side agree on, in plain C++17 (the .cu
+// files include it through kernels.h; the proxy, device_proxy.h, and the workspace plan,
+// cuda_workspace.h, are CUDA-free): the layout of each rank's peer-written region, the limits,
+// state, tickets and trace points the kernels size their buffers by, and the records that
+// carry a put to a remote rank.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,68 @@ struct SharedLayout {
     uint64_t combine = 0;       // [max_tokens * top-k] bf16 rows, then as many for remote peers
     uint64_t total = 0;
 };
+
+namespace cuda {
+
+// One bit per destination rank in a token's mask (and in remote_mask).
+inline constexpr uint32_t kMaxCudaWorld = 64;
+// combine_recv keeps one row vector per top-k slot in registers.
+inline constexpr uint32_t kMaxCudaTopk = 16;
+
+// Device-local state of one rank: the call number and token count of the current call.
+struct DeviceState {
+    uint64_t seq;
+    uint32_t num_tokens;
+    uint32_t out_rows;       // rows of the last dispatch_recv, padding included
+    uint32_t out_capacity;   // its CudaExpertBatch::capacity (0: grouped back to back)
+    uint32_t error_claimed;  // set once by the first failure (see record_error)
+};
+
+// Where the kernels stamp the trace: each kernel's first and last block, and the moments its
+// waits for peers ended. The plan kernel clears the stamps of the previous call.
+enum TracePoint : uint32_t {
+    kTrPlanBegin,
+    kTrPlanRouted,  // the first tile's routing is in shared memory
+    kTrPlanRanked,  // the first tile's prefix over warps is done
+    kTrPlanTiles,   // every tile is done
+    kTrPlanCounts,  // counts messages stored, before the fence and the signal
+    kTrPlanEnd,
+    kTrSendBegin,
+    kTrSendCountsIn,  // every peer's counts are here
+    kTrSendEnd,
+    kTrRecvBegin,
+    kTrRecvRowsIn,  // every peer's rows are here
+    kTrRecvEnd,
+    kTrCombineSendBegin,
+    kTrCombineSendEnd,
+    kTrCombineRecvBegin,
+    kTrCombineRecvRowsIn,
+    kTrCombineRecvEnd,
+    kTracePoints
+};
+
+// Tickets: the last block of a call to finish a phase publishes that phase's remote puts.
+enum Ticket : uint32_t {
+    kTicketPrivate = 0,
+    kTicketDispatch = 1,
+    kTicketCombine = 2,
+    kTicketRecv = 3,  // the last dispatch_recv block checks every announced hit was placed
+    // The fused dispatch send (KernelArgs::fused_plan): the call number whose plan block 0
+    // finished, and how many of the other blocks entered so far (their call number).
+    kTicketPlan = 4,
+    kTicketSendEntry = 5,
+    // wait_remote_counters: a ticket electing the block that polls the inbox, and the call
+    // number it publishes once the remote counters are there, per wait.
+    kTicketCountsPoll = 6,
+    kTicketCountsRelay = 7,
+    kTicketDispatchPoll = 8,
+    kTicketDispatchRelay = 9,
+    kTicketCombinePoll = 10,
+    kTicketCombineRelay = 11,
+    kTickets = 12
+};
+
+}  // namespace cuda
 
 namespace proxy {
 

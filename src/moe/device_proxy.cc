@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "common/enum_names.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/moe/config.h"
@@ -16,18 +17,13 @@ namespace ferry::moe {
 namespace {
 
 const char* part_name(uint32_t part) {
-    switch (part) {
-        case proxy::kCounts:
-            return "counts";
-        case proxy::kPrivate:
-            return "dispatch (private slots)";
-        case proxy::kOverflow:
-            return "dispatch (overflow)";
-        case proxy::kCombine:
-            return "combine";
-        default:
-            return "an unknown part";
-    }
+    static constexpr EnumName<uint32_t> kNames[] = {
+        {proxy::kCounts, "counts"},
+        {proxy::kPrivate, "dispatch (private slots)"},
+        {proxy::kOverflow, "dispatch (overflow)"},
+        {proxy::kCombine, "combine"},
+    };
+    return name_of(kNames, part, "an unknown part").data();
 }
 
 uint64_t records_base(const SharedLayout& layout) { return (layout.total + 63) / 64 * 64; }

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "common/enum_names.h"
 #include "ferry/common/log.h"
 
 namespace ferry::moe {
@@ -14,15 +15,12 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
 const char* region_name(Region r) {
-    switch (r) {
-        case Region::kCounts:
-            return "counts";
-        case Region::kDispatch:
-            return "dispatch";
-        case Region::kCombine:
-            return "combine";
-    }
-    return "unknown";
+    static constexpr EnumName<Region> kNames[] = {
+        {Region::kCounts, "counts"},
+        {Region::kDispatch, "dispatch"},
+        {Region::kCombine, "combine"},
+    };
+    return name_of(kNames, r).data();
 }
 
 RankMemoryLayout RankMemoryLayout::of(const AllToAllConfig& cfg) {

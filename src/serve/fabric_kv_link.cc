@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/worker_queue.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/fabric/engine.h"
@@ -74,11 +75,10 @@ class FabricKvLink::Impl {
     // Orders connector calls of one transfer: a cancel never overtakes its registration.
     std::mutex issue_mu;
 
+    // The link's thread: connector calls that may block (a handshake) run there, in order.
+    std::unique_ptr<WorkerQueue> jobs;
     std::mutex q_mu;
-    std::condition_variable q_cv;
-    std::deque<std::function<void()>> jobs;
     bool stopping = false;
-    std::thread worker;
     std::thread watcher;  // peer_check_interval; waits on watch_cv for `stopping`
     std::condition_variable watch_cv;
 
@@ -370,29 +370,7 @@ class FabricKvLink::Impl {
     }
 
     // Queues a job on the link's thread; false when the link is stopping.
-    bool enqueue(std::function<void()> job) {
-        {
-            std::lock_guard lk(q_mu);
-            if (stopping) return false;
-            jobs.push_back(std::move(job));
-        }
-        q_cv.notify_one();
-        return true;
-    }
-
-    void run() {
-        while (true) {
-            std::function<void()> job;
-            {
-                std::unique_lock lk(q_mu);
-                q_cv.wait(lk, [&] { return stopping || !jobs.empty(); });
-                if (jobs.empty()) return;
-                job = std::move(jobs.front());
-                jobs.pop_front();
-            }
-            job();
-        }
-    }
+    bool enqueue(std::function<void()> job) { return jobs && jobs->post(std::move(job)); }
 };
 
 Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkConfig& config,
@@ -411,8 +389,14 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
     ec.node = config.host;
     ec.peers_on_same_host = config.provider == "shm";
     ec.op_timeout = config.op_timeout;
+    ec.num_rails = config.num_rails;
+    ec.rails = config.rails;
     FERRY_ASSIGN_OR_RETURN(p->engine, TransferEngine::create(ec));
-    FERRY_ASSIGN_OR_RETURN(p->mr, p->engine->register_memory(pool->base(), pool->size_bytes()));
+    // Under per-offer keys peers read only the offers' own registrations: the pool key the
+    // handshake carries reads nothing.
+    FERRY_ASSIGN_OR_RETURN(p->mr, p->engine->register_memory(
+                                      pool->base(), pool->size_bytes(), MemoryKind::kHost, -1,
+                                      kv::pool_remote_access(config.pull_keys, MemoryKind::kHost)));
     kv::ConnectorConfig cc;
     cc.self = {p->layout, 0, 1};
     // The lease must outlast the engine's op timeout (see ConnectorConfig::lease).
@@ -449,10 +433,7 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
                         config.side_port));
     p->side = std::move(side).value();
     p->peers = std::make_unique<kv::HandshakeCache>(p->layout, config.secret);
-    p->worker = std::thread([p] {
-        set_thread_name("ferry-kvlink");
-        p->run();
-    });
+    p->jobs = std::make_unique<WorkerQueue>(WorkerQueue::Options{.thread_name = "ferry-kvlink"});
     if (config.peer_check_interval > Duration::zero()) {
         p->watcher = std::thread([p] {
             set_thread_name("ferry-kvwatch");
@@ -483,6 +464,37 @@ Status FabricKvLink::ready() const {
 int FabricKvLink::side_port() const { return impl_->side ? impl_->side->port() : 0; }
 const std::string& FabricKvLink::provider() const { return impl_->cfg.provider; }
 
+namespace {
+// Prometheus lines of the engine's per-rail counters: which NICs carried the KV
+// (docs/ARCHITECTURE.md, "Rails and topology").
+std::string rail_metrics(const TransferEngine& engine) {
+    std::string out =
+        "# HELP ferry_kv_rail_bytes_posted_total bytes this engine posted on each rail\n"
+        "# TYPE ferry_kv_rail_bytes_posted_total counter\n";
+    const std::vector<EngineStats> rails = engine.rail_stats();
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_bytes_posted_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].bytes_posted);
+    out += "# TYPE ferry_kv_rail_ops_posted_total counter\n";
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_ops_posted_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].ops_posted);
+    out +=
+        "# HELP ferry_kv_rail_imm_arrivals_total peers' writes with immediate data landed on "
+        "each rail\n"
+        "# TYPE ferry_kv_rail_imm_arrivals_total counter\n";
+    for (size_t r = 0; r < rails.size(); ++r)
+        out += fmt::format("ferry_kv_rail_imm_arrivals_total{{rail=\"{}\"}} {}\n", r,
+                           rails[r].imm_arrivals);
+    out += fmt::format(
+        "# HELP ferry_kv_rail_fallbacks_total transfers with no rail near both memories\n"
+        "# TYPE ferry_kv_rail_fallbacks_total counter\n"
+        "ferry_kv_rail_fallbacks_total {}\n",
+        engine.stats().rail_fallbacks);
+    return out;
+}
+}  // namespace
+
 FabricKvLinkStats FabricKvLink::stats() const {
     FabricKvLinkStats s;
     s.transfers_ok = impl_->ok.load();
@@ -498,30 +510,29 @@ FabricKvLinkStats FabricKvLink::stats() const {
 std::string FabricKvLink::prometheus_text() const {
     FabricKvLinkStats s = stats();
     return fmt::format(
-        "# HELP ferry_kv_link_transfers_total KV transfers over the fabric link, by result\n"
-        "# TYPE ferry_kv_link_transfers_total counter\n"
-        "ferry_kv_link_transfers_total{{result=\"ok\"}} {}\n"
-        "ferry_kv_link_transfers_total{{result=\"failed\"}} {}\n"
-        "# TYPE ferry_kv_link_bytes_total counter\n"
-        "ferry_kv_link_bytes_total {}\n"
-        "# TYPE ferry_kv_link_active gauge\n"
-        "ferry_kv_link_active {}\n",
-        s.transfers_ok, s.transfers_failed, s.bytes, s.active);
+               "# HELP ferry_kv_link_transfers_total KV transfers over the fabric link, by result\n"
+               "# TYPE ferry_kv_link_transfers_total counter\n"
+               "ferry_kv_link_transfers_total{{result=\"ok\"}} {}\n"
+               "ferry_kv_link_transfers_total{{result=\"failed\"}} {}\n"
+               "# TYPE ferry_kv_link_bytes_total counter\n"
+               "ferry_kv_link_bytes_total {}\n"
+               "# TYPE ferry_kv_link_active gauge\n"
+               "ferry_kv_link_active {}\n",
+               s.transfers_ok, s.transfers_failed, s.bytes, s.active) +
+           rail_metrics(*impl_->engine);
 }
 
 void FabricKvLink::stop() {
     Impl* p = impl_.get();
     {
         std::lock_guard lk(p->q_mu);
-        if (p->stopping && !p->worker.joinable() && !p->watcher.joinable()) return;
+        if (p->stopping && !p->watcher.joinable()) return;
         p->stopping = true;
     }
-    p->q_cv.notify_all();
     p->watch_cv.notify_all();
-    if (p->worker.joinable()) p->worker.join();
+    // Jobs queued before now still run; later ones are refused (their callers fail them).
+    if (p->jobs) p->jobs->stop();
     if (p->watcher.joinable()) p->watcher.join();
-    // Queued jobs never ran: their transfers are failed below.
-    p->jobs.clear();
     p->conn.reset();  // reports every open transfer through the callbacks, joins its thread
     p->side.reset();
     std::map<uint64_t, Impl::Send> sends;

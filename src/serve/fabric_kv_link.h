@@ -58,6 +58,10 @@ struct FabricKvLinkConfig {
     Duration handshake_timeout = seconds(5);
     // A write or read not completed by then fails: how a dead peer becomes an error.
     Duration op_timeout = seconds(10);
+    // The fabric engine's rails (ferry::EngineConfig::num_rails and ::rails): how many NICs
+    // (domains) it opens, and which carry each region ("nearest", "all" or NIC names).
+    int num_rails = 1;
+    std::string rails = "nearest";
     // How often the peers this link talks to are checked for having gone or restarted (a
     // handshake each); zero: never. 500 ms is the router's own health-check period, so a
     // restarted prefill is noticed here about when the router sends it traffic again.

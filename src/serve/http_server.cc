@@ -33,37 +33,13 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/fd.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "serve/http.h"
 
 namespace ferry::serve {
 namespace {
-
-class Fd {
-  public:
-    Fd() = default;
-    explicit Fd(int fd) : fd_(fd) {}
-    Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-    Fd& operator=(Fd&& o) noexcept {
-        if (this != &o) {
-            reset();
-            fd_ = std::exchange(o.fd_, -1);
-        }
-        return *this;
-    }
-    Fd(const Fd&) = delete;
-    Fd& operator=(const Fd&) = delete;
-    ~Fd() { reset(); }
-    int get() const { return fd_; }
-    void reset() {
-        if (fd_ >= 0) ::close(fd_);
-        fd_ = -1;
-    }
-
-  private:
-    int fd_ = -1;
-};
 
 const char* reason_phrase(int status) {
     switch (status) {

@@ -244,10 +244,10 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
         set_thread_name("ferry-probe");
         p->prober();
     });
-    r->abort_thread_ = std::thread([p] {
-        set_thread_name("ferry-abort");
-        p->abort_sender();
-    });
+    r->aborts_ = std::make_unique<WorkerQueue>(
+        WorkerQueue::Options{.thread_name = "ferry-abort",
+                             .capacity = r->config_.abort_queue,
+                             .at_stop = WorkerQueue::AtStop::kDropQueued});
     // On failure the destructor stops and joins the threads.
     FERRY_ASSIGN_OR_RETURN(r->http_, HttpServer::start(r->config_.http, std::move(routes)));
     return r;
@@ -265,7 +265,7 @@ void Router::stop() {
     }
     bg_cv_.notify_all();
     if (prober_thread_.joinable()) prober_thread_.join();
-    if (abort_thread_.joinable()) abort_thread_.join();
+    if (aborts_) aborts_->stop();
 }
 
 Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
@@ -510,41 +510,27 @@ void Router::abort_leg(const EngineAddress& engine, const std::string& transfer_
         aborts_dropped_++;
         return;
     }
-    {
-        std::lock_guard lock(bg_mu_);
-        if (!bg_stop_ && aborts_.size() < config_.abort_queue) {
-            aborts_.push_back({engine, transfer_id, reason});
-        } else {
-            aborts_dropped_++;
-            return;
-        }
-    }
-    bg_cv_.notify_all();
+    const bool queued = aborts_ && aborts_->post([this, engine, transfer_id, reason] {
+        send_abort(engine, transfer_id, reason);
+    });
+    if (!queued) aborts_dropped_++;
 }
 
-void Router::abort_sender() {
-    std::unique_lock lock(bg_mu_);
-    while (true) {
-        bg_cv_.wait(lock, [&] { return bg_stop_ || !aborts_.empty(); });
-        if (bg_stop_) return;
-        Abort a = std::move(aborts_.front());
-        aborts_.pop_front();
-        lock.unlock();
-        // Engines take abort bodies of at most kMaxAbortBodyBytes.
-        json body = {{"transfer_id", a.transfer_id},
-                     {"reason", a.reason.substr(0, kMaxAbortReasonBytes)},
-                     {"ferry_auth", abort_tag(config_.secret, a.transfer_id)}};
-        auto r = http_post_json(a.engine.host, a.engine.port, "/ferry/abort", body.dump(),
-                                config_.abort_timeout);
-        if (r.ok() && r->status == 200) {
-            aborts_sent_++;
-        } else {
-            aborts_dropped_++;
-            log(LogLevel::kInfo, "router", "abort of transfer {} on {} not delivered: {}",
-                a.transfer_id, a.engine.to_string(),
-                r.ok() ? fmt::format("HTTP {}", r->status) : r.status().to_string());
-        }
-        lock.lock();
+void Router::send_abort(const EngineAddress& engine, const std::string& transfer_id,
+                        const std::string& reason) {
+    // Engines take abort bodies of at most kMaxAbortBodyBytes.
+    json body = {{"transfer_id", transfer_id},
+                 {"reason", reason.substr(0, kMaxAbortReasonBytes)},
+                 {"ferry_auth", abort_tag(config_.secret, transfer_id)}};
+    auto r = http_post_json(engine.host, engine.port, "/ferry/abort", body.dump(),
+                            config_.abort_timeout);
+    if (r.ok() && r->status == 200) {
+        aborts_sent_++;
+    } else {
+        aborts_dropped_++;
+        log(LogLevel::kInfo, "router", "abort of transfer {} on {} not delivered: {}", transfer_id,
+            engine.to_string(),
+            r.ok() ? fmt::format("HTTP {}", r->status) : r.status().to_string());
     }
 }
 

@@ -19,7 +19,6 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/worker_queue.h"
 #include "ferry/common/auth.h"
 #include "serve/http.h"
 #include "serve/kv_params_auth.h"
@@ -136,7 +136,8 @@ class Router {
     // Queues POST /ferry/abort for `transfer_id` to `engine`; never blocks the caller.
     void abort_leg(const EngineAddress& engine, const std::string& transfer_id,
                    const std::string& reason);
-    void abort_sender();
+    void send_abort(const EngineAddress& engine, const std::string& transfer_id,
+                    const std::string& reason);
 
     RouterConfig config_;
     std::unique_ptr<HttpServer> http_;
@@ -145,15 +146,13 @@ class Router {
     mutable std::mutex state_mu_;
     std::vector<EngineState> prefill_state_, decode_state_;  // as config_.prefill / decode
 
-    struct Abort {
-        EngineAddress engine;
-        std::string transfer_id, reason;
-    };
     std::mutex bg_mu_;
     std::condition_variable bg_cv_;
     bool bg_stop_ = false;
-    std::deque<Abort> aborts_;
-    std::thread prober_thread_, abort_thread_;
+    std::thread prober_thread_;
+    // Aborts to engines, sent one at a time; at most config_.abort_queue wait, and those still
+    // waiting at stop() are dropped: the engines' leases free what they would have.
+    std::unique_ptr<WorkerQueue> aborts_;
     std::atomic<uint64_t> requests_{0}, failures_{0}, prefill_failures_{0}, decode_failures_{0};
     std::atomic<uint64_t> aborts_sent_{0}, aborts_dropped_{0}, rejected_early_{0};
     Histogram overhead_{{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1}};

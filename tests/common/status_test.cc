@@ -93,7 +93,22 @@ TEST(Types, DescriptorCarriesWhichRailsHoldTheRegion) {
     EXPECT_TRUE(back->on_rail(2));
     EXPECT_FALSE(back->on_rail(4));  // no such rail, whatever the mask says
 
+    EXPECT_EQ(back->near_rails(), 0b1100u);  // no near rail named: every rail holding it
+    d.near_mask = 0b1000;
+    back = MemoryDescriptor::deserialize(d.serialize());
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(back->near_mask, 0b1000u);  // the owner's rails near the memory travel too
+    EXPECT_EQ(back->near_rails(), 0b1000u);
+
+    // Near rails none of which holds the region: a peer would aim at rails without a key.
+    d.near_mask = 0b0011;
+    auto off = MemoryDescriptor::deserialize(d.serialize());
+    ASSERT_FALSE(off.ok());
+    EXPECT_NE(off.status().message().find("near mask"), std::string::npos)
+        << off.status().message();
+
     // Keys but no rail holding them: nothing could ever reach the region.
+    d.near_mask = ~uint64_t{0};
     d.rail_mask = 0b10000;
     auto bad = MemoryDescriptor::deserialize(d.serialize());
     ASSERT_FALSE(bad.ok());

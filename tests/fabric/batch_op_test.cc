@@ -6,6 +6,7 @@
 #include <random>
 
 #include "ferry/fabric/engine.h"
+#include "support/byte_pattern.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
 
@@ -15,6 +16,7 @@ namespace {
 using testing::Exchange;
 using testing::make_mesh_node;
 using testing::MeshNode;
+using testing::pattern;
 using testing::run_processes;
 using testing::test_engine_config;
 
@@ -26,12 +28,6 @@ constexpr int kTargets = 2;         // ranks 1 and 2
 constexpr int kPerTarget = 6;
 constexpr uint32_t kImmBase = 40;
 const auto kWait = std::chrono::seconds(20);
-
-uint8_t pattern(uint64_t seed, uint64_t i) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31;
-    return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ull >> 56);
-}
 
 enum class Kind { kWrite, kWriteImm, kRead };
 struct Entry {

@@ -17,47 +17,25 @@
 #include <thread>
 
 #include "ferry/common/bytes.h"
+#include "support/byte_pattern.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
 
 namespace ferry {
 namespace {
 
+using testing::compare_bytes;
 using testing::Exchange;
+using testing::fill_pattern;
 using testing::make_mesh_node;
 using testing::MeshNode;
+using testing::pattern;
 using testing::run_processes;
 using testing::test_engine_config;
 
 constexpr uint8_t kPoison = 0xCD;
 const auto kRunTimeout = std::chrono::seconds(120);
 const auto kWait = std::chrono::seconds(20);
-
-// Byte i of the source pattern for a given seed: cheap, and different for every offset.
-uint8_t pattern(uint64_t seed, uint64_t i) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 29;
-    return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ull >> 56);
-}
-
-void fill_pattern(std::vector<uint8_t>& b, uint64_t seed) {
-    for (size_t i = 0; i < b.size(); ++i) b[i] = pattern(seed, i);
-}
-
-// Returns "" when every byte matches, else the first few mismatches.
-std::string compare(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
-    if (got.size() != want.size()) return "size differs";
-    size_t bad = 0;
-    std::string out;
-    for (size_t i = 0; i < got.size(); ++i) {
-        if (got[i] != want[i]) {
-            if (bad < 5) out += fmt::format("byte {}: got {:#x} want {:#x}; ", i, got[i], want[i]);
-            ++bad;
-        }
-    }
-    if (bad) out += fmt::format("{} bytes wrong", bad);
-    return out;
-}
 
 class EngineTest : public ::testing::TestWithParam<std::string> {
   protected:
@@ -122,7 +100,7 @@ TEST_P(EngineTest, RandomWritesArriveIntactAndNothingElseIsTouched) {
                 for (const auto& p : plan) {
                     std::memcpy(want.data() + p.dst_off, src.data() + p.src_off, p.len);
                 }
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
                 CHILD_CHECK(n.engine->imm_available(kImm) == 0);
             }
@@ -165,7 +143,7 @@ TEST_P(EngineTest, LargeWritesSplitAcrossRailsCountEveryPiece) {
                 std::vector<uint8_t> src(kBuf), want(kBuf, kPoison);
                 fill_pattern(src, seed);
                 std::memcpy(want.data() + 12345, src.data(), len);
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             }
             return "";
@@ -247,7 +225,7 @@ TEST_P(EngineTest, PagedWritesWithRandomPageListsCoalesceAndArriveIntact) {
                     std::memcpy(want.data() + 2 * kPage * kPages + d2[i] * kPage,
                                 srcb.data() + s2[i] * kPage, kPage);
                 }
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             }
             return "";
@@ -325,7 +303,7 @@ TEST_P(EngineTest, WriteRunsDeliversEveryRunAsOneOperation) {
                 CHILD_CHECK_MSG(n.engine->imm_available(5) == 0,
                                 "{} immediates more than the writes posted",
                                 n.engine->imm_available(5));
-                std::string diff = compare(n.buf, after_runs(n.buf.size(), seed, runs));
+                std::string diff = compare_bytes(n.buf, after_runs(n.buf.size(), seed, runs));
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             }
             return "";
@@ -362,11 +340,12 @@ TEST_P(EngineTest, ReadRunsFetchesEveryRunAsOneOperation) {
             Status refused = n.engine->read_runs(op).wait(kWait);
             CHILD_CHECK_MSG(!refused.ok() && refused.message().find("run 11") != std::string::npos,
                             "out-of-range run: {}", refused.to_string());
-            std::string untouched = compare(n.buf, std::vector<uint8_t>(n.buf.size(), kPoison));
+            std::string untouched =
+                compare_bytes(n.buf, std::vector<uint8_t>(n.buf.size(), kPoison));
             CHILD_CHECK_MSG(untouched.empty(), "a refused read_runs wrote: {}", untouched);
             op.runs = runs;
             CHILD_CHECK_OK(n.engine->read_runs(op).wait(kWait));
-            std::string diff = compare(n.buf, after_runs(n.buf.size(), seed, runs));
+            std::string diff = compare_bytes(n.buf, after_runs(n.buf.size(), seed, runs));
             CHILD_CHECK(ex.barrier().ok());
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             return "";
@@ -411,7 +390,7 @@ TEST_P(EngineTest, ScatterToFourPeersDeliversEachItsSlice) {
                                     s.length);
                     }
                 }
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             }
             return "";
@@ -623,7 +602,7 @@ TEST_P(EngineTest, ReadsFetchRemoteBytes) {
                 for (const auto& p : plan) {
                     std::memcpy(want.data() + p.dst_off, src.data() + p.src_off, p.len);
                 }
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             }
             CHILD_CHECK(ex.barrier().ok());
@@ -714,7 +693,7 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
                 CHILD_CHECK_OK(e->wait_imm(3, 1, std::chrono::seconds(60)));
                 std::vector<uint8_t> want(kBuf, kPoison);
                 for (size_t i = 0; i < kLen; ++i) want[4096 + i] = pattern(seed, i);
-                std::string diff = compare(buf, want);
+                std::string diff = compare_bytes(buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "restarted peer: {}", diff);
                 CHILD_CHECK(ex.barrier().ok());
                 return "";
@@ -798,7 +777,7 @@ TEST_P(EngineTest, TargetKilledMidStreamGivesErrorsNotAHang) {
                 CHILD_CHECK_OK(n.engine->wait_imm(2, 1, std::chrono::seconds(60)));
                 std::vector<uint8_t> want(kBuf, 0);
                 for (size_t i = 0; i < kLen; ++i) want[4096 + i] = pattern(seed, i);
-                std::string diff = compare(n.buf, want);
+                std::string diff = compare_bytes(n.buf, want);
                 CHILD_CHECK_MSG(diff.empty(), "live peer: {}", diff);
                 CHILD_CHECK(ex.barrier().ok());
             }

@@ -2,6 +2,7 @@
 // one of them killed mid-batch, FI_INJECT size boundaries, a scatter to 64 peers, and a read
 // behind one to a killed shm peer.
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -14,48 +15,25 @@
 
 #include "ferry/common/bytes.h"
 #include "ferry/fabric/engine.h"
+#include "support/byte_pattern.h"
 #include "support/engine_fixture.h"
 #include "support/multiproc.h"
 
 namespace ferry {
 namespace {
 
+using testing::check_fill;
+using testing::check_pattern;
 using testing::Exchange;
 using testing::make_mesh_node;
 using testing::MeshNode;
+using testing::pattern;
 using testing::run_processes;
 using testing::test_engine_config;
 
 constexpr uint8_t kPoison = 0xCD;
 const auto kRunTimeout = std::chrono::seconds(150);
 const auto kWait = std::chrono::seconds(20);
-
-uint8_t pattern(uint64_t seed, uint64_t i) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 29;
-    return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ull >> 56);
-}
-
-// "" when b[off, off + len) holds pattern(seed, from + k) at every k, else the first miss.
-std::string check_pattern(const std::vector<uint8_t>& b, size_t off, size_t len, uint64_t seed,
-                          uint64_t from) {
-    for (size_t k = 0; k < len; ++k) {
-        if (b[off + k] != pattern(seed, from + k)) {
-            return fmt::format("byte {} of {}: got {:#x} want {:#x}", k, len, b[off + k],
-                               pattern(seed, from + k));
-        }
-    }
-    return "";
-}
-
-std::string check_fill(const std::vector<uint8_t>& b, size_t off, size_t len, uint8_t v) {
-    for (size_t k = 0; k < len; ++k) {
-        if (b[off + k] != v)
-            return fmt::format("byte {} of {}: got {:#x} want {:#x}", off + k, b.size(), b[off + k],
-                               v);
-    }
-    return "";
-}
 
 // The four processes of a kill test: the victim died of SIGKILL, the others finished cleanly.
 void expect_only_victim_killed(const std::vector<testing::ChildResult>& results, int victim) {
@@ -438,6 +416,102 @@ TEST_P(HotPathTest, WritesAtAndJustPastTheInjectSizeArriveIntact) {
                 CHILD_CHECK_MSG(d.empty(), "after the inject_size + 1 write: {}", d);
                 CHILD_CHECK(ex.barrier().ok());
             }
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// Pages [pages] of rank 0's buffer to the same pages of rank 1's.
+PagedWriteOp paged_to_rank1(const MeshNode& n, uint32_t page, std::span<const uint32_t> pages) {
+    return PagedWriteOp{.peer = n.peer[1],
+                        .src = n.mr.get(),
+                        .dst = &n.desc[1],
+                        .page_size = page,
+                        .src_pages = pages,
+                        .dst_pages = pages,
+                        .imm = std::nullopt};
+}
+
+// A KV transfer's writes posted at once on tcp (131,072 of 4 KiB in ferry.bench_peers) wait in
+// the worker's pending list behind the provider's in-flight limit. The deadline sweep walked
+// all of them every tick (1 ms), so the more were posted at once, the more each one cost: the
+// per-write time of one paged write of 131,072 pages was several times that of 4,096 pages.
+// Now the walk happens only once the earliest pending deadline may have passed.
+TEST(HotPathTcpTest, ManyWritesPostedAtOnceCostNoMoreEachThanFew) {
+    constexpr uint32_t kPage = 512, kSmall = 4096, kLarge = 131072;
+    constexpr size_t kBytes = size_t{2} * kLarge * kPage;  // every other page: no coalescing
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, test_engine_config("tcp"), kBytes, 1));
+            if (ex.rank() == 1) {
+                CHILD_CHECK(ex.barrier().ok());  // rank 0 measured
+                return "";
+            }
+            std::vector<uint32_t> pages(kLarge);
+            for (uint32_t i = 0; i < kLarge; ++i) pages[i] = 2 * i;
+            std::string failed;  // the last failed write's status
+            auto per_write_us = [&](uint32_t count) {
+                PagedWriteOp w =
+                    paged_to_rank1(n, kPage, std::span<const uint32_t>(pages.data(), count));
+                auto t0 = std::chrono::steady_clock::now();
+                Status s = n.engine->paged_write(w).wait(std::chrono::seconds(120));
+                double us =
+                    std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                        .count();
+                if (!s.ok()) failed = fmt::format("{} pages: {}", count, s.to_string());
+                return s.ok() ? us / count : -1.0;
+            };
+            per_write_us(kSmall);  // warm-up: connection, first touch
+            std::vector<double> small, large;
+            for (int i = 0; i < 3; ++i) {  // alternating, the medians compared (a loaded host)
+                double a = per_write_us(kSmall), b = per_write_us(kLarge);
+                // Before the fix, the 131,072 writes outlived the op timeout.
+                CHILD_CHECK_MSG(a > 0 && b > 0, "a paged write failed: {}", failed);
+                small.push_back(a);
+                large.push_back(b);
+                std::printf("per write: %u at once %.3f us, %u at once %.3f us\n", kSmall, a,
+                            kLarge, b);
+            }
+            std::sort(small.begin(), small.end());
+            std::sort(large.begin(), large.end());
+            CHILD_CHECK(ex.barrier().ok());
+            CHILD_CHECK_MSG(large[1] < 4.0 * small[1],
+                            "{} writes at once cost {:.3f} us each, {} at once {:.3f} us (medians)",
+                            kLarge, large[1], kSmall, small[1]);
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// The second paged write of a KV transfer's size takes its 131,072 operations from the pool
+// the first one filled: before, all but 1024 of them went back to malloc at completion and were
+// allocated again, 32 MiB per transfer on the caller's thread (the bulk of paged_write's cost).
+TEST(HotPathTcpTest, ASecondLargePagedWriteAllocatesNoNewOperations) {
+    constexpr uint32_t kPage = 512, kPages = 131072;
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, test_engine_config("tcp"),
+                                                       size_t{2} * kPages * kPage, 1));
+            if (ex.rank() == 1) {
+                CHILD_CHECK(ex.barrier().ok());
+                return "";
+            }
+            std::vector<uint32_t> pages(kPages);
+            for (uint32_t i = 0; i < kPages; ++i) pages[i] = 2 * i;  // no coalescing
+            PagedWriteOp w = paged_to_rank1(n, kPage, pages);
+            CHILD_CHECK_OK(n.engine->paged_write(w).wait(std::chrono::seconds(120)));
+            const size_t before = mallinfo2().uordblks;
+            OpHandle h = n.engine->paged_write(w);
+            const size_t after = mallinfo2().uordblks;  // before its operations come back
+            CHILD_CHECK_OK(h.wait(std::chrono::seconds(120)));
+            CHILD_CHECK(ex.barrier().ok());
+            CHILD_CHECK_MSG(after < before + (4u << 20),
+                            "the second paged write of {} pages allocated {} KiB more", kPages,
+                            (after > before ? after - before : 0) >> 10);
             return "";
         },
         kRunTimeout);

@@ -82,13 +82,15 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
   protected:
     // Rank r opens its engine with configs[r] and registers a poisoned buffer; registered[r]
     // and send[r] give the rails its region must be registered on (descriptor rail_mask) and
-    // sent on (send_rails). Rank 0 writes one large and kSmallWrites small pieces into rank 1's
-    // buffer, then reads the large part back into its own poisoned copy. Its operations take
-    // `used` (its send rails reaching rank 1's region, else every rail holding both: counted
-    // in rail_fallbacks) and no other rail, and every byte arrives.
+    // is near (send_rails, descriptor near_mask). Rank 0 writes one large and kSmallWrites
+    // small pieces into rank 1's buffer, scatters the large part to it once more, then reads
+    // it back into its own poisoned copy. The rails near both regions carry them, NIC to matching
+    // NIC, when there are any: on both sides those rails and no other. Else (expect_cross) rank 0's
+    // near rails carry them to rank 1's near rails, counted in rail_fallbacks: rank 0 posts only on
+    // its near rails and rank 1's immediates arrive only on its near rails. Every byte arrives.
     void expect_transfers_on(const std::vector<EngineConfig>& configs,
                              const std::vector<Want>& registered, const std::vector<Want>& send,
-                             bool expect_fallback) {
+                             bool expect_cross) {
         const size_t buf_size = kBig + kSmall * kSmallWrites;
         auto results = testing::run_processes(
             2,
@@ -102,6 +104,11 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
                                 n.mr->descriptor().rail_mask);
                 CHILD_CHECK_MSG(n.mr->send_rails() == near, "region sent on {:#b}",
                                 n.mr->send_rails());
+                CHILD_CHECK_MSG(n.mr->descriptor().near_mask == near, "descriptor near {:#b}",
+                                n.mr->descriptor().near_mask);
+                // Rank 0's near rails and rank 1's: the pairs NIC to matching NIC if any.
+                const uint64_t near0 = n.desc[0].near_rails(), near1 = n.desc[1].near_rails();
+                const uint64_t both = near0 & near1;
                 std::vector<uint8_t> want_bytes(buf_size);
                 for (size_t i = 0; i < buf_size; ++i) want_bytes[i] = byte_at(i);
                 if (me == 1) {
@@ -112,14 +119,26 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
                     CHILD_CHECK_OK(n.engine->wait_imm(kImm, expect, kWait));
                     std::string diff = bytes_wrong(n.buf, want_bytes);
                     CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+                    // Receiver-side locality: the writes landed on this side's near rails.
+                    const uint64_t landed = both ? both : near1;
+                    auto per_rail = n.engine->rail_stats();
+                    uint64_t arrivals = 0;
+                    for (size_t r = 0; r < per_rail.size(); ++r) {
+                        CHILD_CHECK_MSG((landed >> r & 1) ? per_rail[r].imm_arrivals > 0
+                                                          : per_rail[r].imm_arrivals == 0,
+                                        "rail {} (writes landing on {:#b}) had {} arrivals", r,
+                                        landed, per_rail[r].imm_arrivals);
+                        arrivals += per_rail[r].imm_arrivals;
+                    }
+                    CHILD_CHECK_MSG(arrivals == expect, "{} arrivals, {} written", arrivals,
+                                    expect);
                     CHILD_CHECK(ex.barrier().ok());  // rank 0 reads it back
                     CHILD_CHECK(ex.barrier().ok());
                     return "";
                 }
-                const uint64_t theirs = n.desc[1].rail_mask & kEveryRail;
-                const uint64_t used = (near & theirs) ? near & theirs : reg & theirs;
-                CHILD_CHECK_MSG(((near & theirs) == 0) == expect_fallback,
-                                "sent on {:#b}, peer region on {:#b}", near, theirs);
+                const uint64_t used = both ? both : near0;
+                CHILD_CHECK_MSG((both == 0) == expect_cross, "near rails {:#b}, peer's {:#b}",
+                                near0, near1);
                 std::memcpy(n.buf.data(), want_bytes.data(), buf_size);
                 std::vector<OpHandle> ops;
                 ops.push_back(
@@ -129,6 +148,12 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
                     ops.push_back(n.engine->write(
                         {n.peer[1], n.mr.get(), off, &n.desc[1], off, kSmall, kImm}));
                 }
+                // A scatter (what the MoE dispatch posts) takes the same route.
+                CHILD_ASSIGN_OK(
+                    GroupId group,
+                    n.engine->create_group(std::vector<PeerId>{n.peer[1]}, std::vector{n.desc[1]}));
+                const std::vector<ScatterSlice> slices = {{0, 0, 0, kBig}};
+                ops.push_back(n.engine->scatter({group, n.mr.get(), slices, kImm}));
                 uint32_t pieces = 0;
                 for (auto& h : ops) {
                     CHILD_CHECK_OK(h.wait(kWait));
@@ -156,11 +181,11 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
                                     used, per_rail[r].bytes_posted, per_rail[r].ops_posted);
                     total += per_rail[r].bytes_posted;
                 }
-                CHILD_CHECK_MSG(total == buf_size + kBig, "{} bytes posted, {} moved", total,
-                                buf_size + kBig);
+                CHILD_CHECK_MSG(total == buf_size + 2 * kBig, "{} bytes posted, {} moved", total,
+                                buf_size + 2 * kBig);
                 const uint64_t fallbacks = n.engine->stats().rail_fallbacks;
-                CHILD_CHECK_MSG(fallbacks == (expect_fallback ? kSmallWrites + 2u : 0u),
-                                "{} operations fell back", fallbacks);
+                CHILD_CHECK_MSG(fallbacks == (expect_cross ? kSmallWrites + 3u : 0u),
+                                "{} operations crossed rails", fallbacks);
                 return "";
             },
             kRunTimeout);
@@ -174,9 +199,9 @@ class RailPlacementTest : public ::testing::TestWithParam<std::string> {
 
 TEST_P(RailPlacementTest, HostMemorySentOnlyOnItsNumaNodesRails) {
     if (!numa_known()) GTEST_SKIP() << "move_pages(2) does not say where pages are here";
-    // Registered on every rail (any peer reaches it anywhere), sent on the near two.
-    expect_transfers_on(rails_config(GetParam(), kNuma1First), exactly(kEveryRail),
-                        [](const std::vector<uint8_t>& b) { return near_rails(b, true); });
+    // Registered on the near two only (peers aim at them), sent on them.
+    auto near = [](const std::vector<uint8_t>& b) { return near_rails(b, true); };
+    expect_transfers_on(rails_config(GetParam(), kNuma1First), near, near);
 }
 
 TEST_P(RailPlacementTest, NoNicOnTheNumaNodeFallsBackToEveryRail) {
@@ -196,23 +221,24 @@ TEST_P(RailPlacementTest, ExplicitListPicksThoseNics) {
                         exactly(0b0110), exactly(0b0110));
 }
 
-TEST_P(RailPlacementTest, PeerRegionNearOtherRailsStillTransfers) {
+TEST_P(RailPlacementTest, PeerRegionNearOtherRailsGoesNicToItsNearNics) {
     if (!numa_known()) GTEST_SKIP() << "move_pages(2) does not say where pages are here";
     // A prefill on GPU0 writing into a decode region on GPU3: rank 0's memory is near rails
-    // 0,1 (or 2,3), rank 1's near the other two. Rank 0 still sends on its own near rails
-    // only (rank 1's region is on every rail), and every byte arrives.
+    // 0,1 (or 2,3), rank 1's near the other two. Rank 0 sends on its own near rails only, and
+    // they write to rank 1's near rails (its descriptor says which): each end next to its
+    // memory, across rails, counted; every byte arrives.
     auto near0 = [](const std::vector<uint8_t>& b) { return near_rails(b, true); };
     auto near1 = [](const std::vector<uint8_t>& b) { return near_rails(b, false); };
     expect_transfers_on(
         {rails_config(GetParam(), kNuma1First), rails_config(GetParam(), kNuma0First)},
-        {exactly(kEveryRail), exactly(kEveryRail)}, {near0, near1}, false);
+        {near0, near1}, {near0, near1}, true);
 }
 
-TEST_P(RailPlacementTest, PeerRegionOffTheNearRailsFallsBackToRailsHoldingBoth) {
+TEST_P(RailPlacementTest, PeerRegionOnlyOnFarRailsIsReachedFromTheNearOnes) {
     if (!numa_known()) GTEST_SKIP() << "move_pages(2) does not say where pages are here";
     // Rank 1 lists the NICs away from rank 0's memory (rails 2,3 when its memory is on node 1,
-    // else 0,1 — with kNuma1First, rdmap116s0/117s0 are rails 0,1): rank 0's near rails reach
-    // nothing, so its operations take rank 1's rails, counted once each, bytes intact.
+    // else 0,1 — with kNuma1First, rdmap116s0/117s0 are rails 0,1): rank 0's near rails write
+    // to those, counted once each, bytes intact.
     auto near0 = [](const std::vector<uint8_t>& b) { return near_rails(b, true); };
     std::vector<uint8_t> probe_buf(1 << 16, 1);
     auto probe = near_rails(probe_buf, true);
@@ -221,56 +247,55 @@ TEST_P(RailPlacementTest, PeerRegionOffTheNearRailsFallsBackToRailsHoldingBoth) 
     const std::string far_list = far_is_23 ? "rdmap20s0,rdmap21s0" : "rdmap116s0,rdmap117s0";
     expect_transfers_on(
         {rails_config(GetParam(), kNuma1First), rails_config(GetParam(), kNuma1First, far_list)},
-        {exactly(kEveryRail), exactly(far_is_23 ? 0b1100 : 0b0011)},
+        {near0, exactly(far_is_23 ? 0b1100 : 0b0011)},
         {near0, exactly(far_is_23 ? 0b1100 : 0b0011)}, true);
 }
 
-TEST_P(RailPlacementTest, ListsWithNoRailInCommonFailNamingBothSets) {
-    // Rank 0 lists the NICs of rails 0,1, rank 1 those of rails 2,3: rail r here talks to the
-    // peer's rail r, so no rail holds both. Every operation fails at once, naming both sets,
-    // and nothing is posted.
-    auto results = testing::run_processes(
-        2,
-        [&](testing::Exchange& ex) -> std::string {
-            const std::string list =
-                ex.rank() == 0 ? "rdmap116s0,rdmap117s0" : "rdmap20s0,rdmap21s0";
-            EngineConfig c = rails_config(GetParam(), kNuma1First, list);
-            CHILD_ASSIGN_OK(testing::MeshNode n, testing::make_mesh_node(ex, c, kBig, kPoison));
-            CHILD_CHECK(n.mr->descriptor().rail_mask == (ex.rank() == 0 ? 0b0011u : 0b1100u));
-            if (ex.rank() == 0) {
-                std::vector<OpHandle> ops;
-                ops.push_back(n.engine->write({n.peer[1], n.mr.get(), 0, &n.desc[1], 0, 64, kImm}));
-                ops.push_back(
-                    n.engine->write({n.peer[1], n.mr.get(), 0, &n.desc[1], 0, kBig, std::nullopt}));
-                ops.push_back(n.engine->read({n.peer[1], n.mr.get(), 0, &n.desc[1], 0, 4096}));
-                std::vector<WriteRun> runs = {{0, 0, 4096}, {8192, 8192, 4096}};
-                ops.push_back(
-                    n.engine->write_runs({n.peer[1], n.mr.get(), &n.desc[1], runs, kImm}));
-                for (auto& h : ops) {
-                    Status s = h.wait(kWait);
-                    CHILD_CHECK_MSG(s.code() == StatusCode::kInvalidArgument, "{}", s.to_string());
-                    const std::string& m = s.message();
-                    CHILD_CHECK_MSG(m.find("no rail holds both regions") != std::string::npos &&
-                                        m.find("rails 0,1") != std::string::npos &&
-                                        m.find("rails 2,3") != std::string::npos,
-                                    "{}", m);
-                }
-                for (const auto& r : n.engine->rail_stats()) CHILD_CHECK(r.ops_posted == 0);
-            }
-            CHILD_CHECK(ex.barrier().ok());
-            if (ex.rank() == 1) {
-                CHILD_CHECK(std::all_of(n.buf.begin(), n.buf.end(),
-                                        [](uint8_t b) { return b == kPoison; }));
-            }
-            return "";
-        },
-        kRunTimeout);
-    EXPECT_EQ(testing::describe_failures(results), "");
+TEST_P(RailPlacementTest, ListsWithNoRailInCommonPairTheListedNics) {
+    // Rank 0 lists the NICs of rails 0,1, rank 1 those of rails 2,3: no rail holds both
+    // regions, yet rank 0's rail 0 writes to rank 1's rail 2 and rail 1 to rail 3.
+    expect_transfers_on({rails_config(GetParam(), kNuma1First, "rdmap116s0,rdmap117s0"),
+                         rails_config(GetParam(), kNuma1First, "rdmap20s0,rdmap21s0")},
+                        {exactly(0b0011), exactly(0b1100)}, {exactly(0b0011), exactly(0b1100)},
+                        true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, RailPlacementTest,
                          ::testing::ValuesIn(testing::test_providers()),
                          [](const auto& info) { return info.param; });
+
+// A descriptor naming only rails its peer does not have (another engine's, or corrupted) has
+// no rail pair at all: the write fails at once naming both sets, and nothing is posted.
+TEST(RailPlacement, ADescriptorOnRailsThePeerLacksFailsNamingBothSets) {
+    auto results = testing::run_processes(
+        1,
+        [&](testing::Exchange&) -> std::string {
+            EngineConfig c = testing::test_engine_config("tcp");
+            c.num_rails = 2;
+            CHILD_ASSIGN_OK(auto a, TransferEngine::create(c));
+            CHILD_ASSIGN_OK(auto b, TransferEngine::create(c));
+            std::vector<uint8_t> src(4096, 1), dst(4096, kPoison);
+            CHILD_ASSIGN_OK(auto smr, a->register_memory(src.data(), src.size()));
+            CHILD_ASSIGN_OK(auto dmr, b->register_memory(dst.data(), dst.size()));
+            CHILD_ASSIGN_OK(PeerId peer, a->connect(b->address()));
+            MemoryDescriptor d = dmr->descriptor();
+            d.rail_keys = {0, 0, d.rail_keys[0], d.rail_keys[1]};  // as if on rails 2,3
+            d.rail_mask = d.near_mask = 0b1100;
+            Status s = a->write({peer, smr.get(), 0, &d, 0, 4096, kImm}).wait(kWait);
+            CHILD_CHECK_MSG(
+                s.code() == StatusCode::kInvalidArgument &&
+                    s.message().find("no rail pair reaches both regions") != std::string::npos &&
+                    s.message().find("rails 0,1 of this engine") != std::string::npos &&
+                    s.message().find("remote region on rails 2,3") != std::string::npos,
+                "{}", s.to_string());
+            for (const auto& r : a->rail_stats()) CHILD_CHECK(r.ops_posted == 0);
+            CHILD_CHECK(
+                std::all_of(dst.begin(), dst.end(), [](uint8_t x) { return x == kPoison; }));
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
 
 // Settings that cannot work fail at create(), naming the setting.
 TEST(RailPlacement, BadSettingsNameTheSetting) {

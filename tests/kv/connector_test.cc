@@ -215,6 +215,15 @@ void chunked_push_body(const Topology& t, const std::string& provider, bool laye
                     CHILD_CHECK_OK(n.conn->register_push(
                         {reqs[i].id, 1, prefill_addrs(t, n), blocks[i], reqs[i].tokens}));
                 }
+                // The first chunk is reported in place before prefill sends the others: on a
+                // loaded machine decode may otherwise take every chunk in at once and report
+                // each transfer once, and the count of reports below would prove nothing.
+                for (const Request& r : reqs) {
+                    if (r.tokens <= kChunk) continue;
+                    CHILD_CHECK_OK(testing::wait_progress(n, r.id, 1, kWait));
+                    break;
+                }
+                CHILD_CHECK_OK(ex.barrier());
             } else {
                 CHILD_CHECK_OK(testing::wait_messages(n, reqs.size() * readers.size(), kWait));
                 for (const Request& r : reqs) CHILD_CHECK_OK(n.conn->prefill_scheduled(r.id));
@@ -244,6 +253,7 @@ void chunked_push_body(const Topology& t, const std::string& provider, bool laye
                             CHILD_CHECK_OK(n.conn->prefill_done(reqs[i].id, blocks[i], upto));
                         }
                     }
+                    if (end == kChunk) CHILD_CHECK_OK(ex.barrier());  // decode saw chunk one
                     if (!more) break;
                 }
             }

@@ -94,6 +94,9 @@ struct NodeOptions {
     Duration op_timeout = std::chrono::seconds(3);
     Duration lease = std::chrono::seconds(10);
     PullMode pull_mode = PullMode::kBackground;
+    // The pool is registered as pool_remote_access(pull_keys) says (no peer reads under
+    // kPerOffer).
+    PullKeys pull_keys = PullKeys::kPerOffer;
     uint32_t imm_count = ConnectorConfig{}.imm_count;  // decode's immediates
     uint32_t imm_span = ConnectorConfig{}.imm_span;
 };
@@ -181,7 +184,9 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     ec.op_timeout = opt.op_timeout;
     FERRY_ASSIGN_OR_RETURN(n->engine, TransferEngine::create(ec));
     n->mem.assign(self.layout.pool_bytes(), fill);
-    FERRY_ASSIGN_OR_RETURN(n->mr, n->engine->register_memory(n->mem.data(), n->mem.size()));
+    const RemoteAccess access = pool_remote_access(opt.pull_keys, MemoryKind::kHost);
+    FERRY_ASSIGN_OR_RETURN(n->mr, n->engine->register_memory(n->mem.data(), n->mem.size(),
+                                                             MemoryKind::kHost, -1, access));
     n->blocks = std::make_unique<BlockPool>(self.layout.num_blocks);
     {
         // Scramble the free list so that requests get scattered, non-monotonic block ids.
@@ -195,6 +200,7 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
     cc.self = self;
     cc.lease = opt.lease;
     cc.pull_mode = opt.pull_mode;
+    cc.pull_keys = opt.pull_keys;
     cc.imm_count = opt.imm_count;
     cc.imm_span = opt.imm_span;
     KvNode* raw = n.get();
@@ -217,7 +223,9 @@ inline Result<std::unique_ptr<KvNode>> make_kv_node(::ferry::testing::Exchange& 
         KvPoolRegions pool;
         const uint64_t rb = self.layout.region_bytes();
         for (uint32_t i = 0; i < self.layout.region_count(); ++i) {
-            FERRY_ASSIGN_OR_RETURN(auto r, n->engine->register_memory(n->mem.data() + i * rb, rb));
+            FERRY_ASSIGN_OR_RETURN(
+                auto r, n->engine->register_memory(n->mem.data() + i * rb, rb, MemoryKind::kHost,
+                                                   -1, access));
             pool.regions.push_back(r.get());
             n->region_mrs.push_back(std::move(r));
         }

@@ -5,9 +5,15 @@
 // with process_vm_readv from the reader's side and checks no key (docs/PROTOCOL.md, "Offer
 // keys"), so there a late read still returns the blocks' new contents.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 
+#include "ferry/common/auth.h"
 #include "kv/kv_fixture.h"
 #include "kv/pull_windows.h"
 
@@ -35,6 +41,72 @@ Result<PullParamsMsg> params_of(const std::vector<uint8_t>& blob) {
     return std::get<PullParamsMsg>(std::move(msg));
 }
 
+// Four layers, blocks of 16 tokens, 32 blocks: one TP rank.
+KvRank small_rank() {
+    return {testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kJoint, 32), 0, 1};
+}
+
+// Decode pulls `params` into `blocks` of a pool that was all poison: "" when every byte of
+// request `id` landed and nothing else changed.
+std::string pull_intact(testing::KvNode& n, const KvRank& self, uint64_t id,
+                        const PullParamsMsg& params, const std::vector<uint32_t>& blocks,
+                        uint32_t tokens) {
+    CHILD_CHECK_OK(n.conn->pull(id, {params}, blocks, tokens));
+    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+    CHILD_CHECK_MSG(r.status.ok(), "the offer's pull: {}", r.status.to_string());
+    std::vector<uint8_t> image(n.mem.size(), kPoison);
+    testing::expect_request(self, image, id, blocks, tokens);
+    std::string diff = testing::compare_pool(n.mem, image);
+    CHILD_CHECK_MSG(diff.empty(), "the offer's pull: {}", diff);
+    return "";
+}
+
+// After a refused read: the next offer of `blocks` (holding request `content`'s KV) is read in
+// full. tcp drops the connection the refused read came on, so operations between the two fail
+// until it is made again (about 0.5 s: retried here every 50 ms for up to 100 rounds; the time
+// it took is printed). "" when served.
+std::string pull_after_refusal(Exchange& ex, testing::KvNode& n, const KvRank& self,
+                               const std::vector<uint32_t>& blocks, uint32_t tokens,
+                               uint64_t content, const char* name) {
+    const bool prefill = ex.rank() == 0;
+    const TimePoint start = Clock::now();
+    bool served = false;
+    for (uint64_t round = 0; round < 100 && !served; ++round) {
+        if (round > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        const uint64_t id = 0x0f00 + round;
+        ByteWriter w2;
+        if (prefill) {
+            CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(id, blocks, tokens));
+            w2.put_bytes(encode_message(offer));
+        }
+        CHILD_ASSIGN_OK(auto all2, ex.allgather(w2.bytes()));
+        ByteWriter ok;
+        if (!prefill) {
+            CHILD_ASSIGN_OK(PullParamsMsg after, params_of(all2[0]));
+            CHILD_CHECK_OK(n.conn->pull(id, {after}, blocks, tokens));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            std::printf("next pull after a refused read (%s), round %d, %.0f ms on: %s\n", name,
+                        int(round), to_ms(Clock::now() - start), r.status.to_string().c_str());
+            ok.put<uint8_t>(r.status.ok());
+            if (r.status.ok()) {
+                std::vector<uint8_t> want = n.mem;
+                testing::expect_request(self, want, content, blocks, tokens);
+                std::string diff = testing::compare_pool(n.mem, want);
+                CHILD_CHECK_MSG(diff.empty(), "the next pull: {}", diff);
+            }
+        }
+        CHILD_ASSIGN_OK(auto oks, ex.allgather(ok.bytes()));
+        served = oks[1].size() == 1 && oks[1][0] == 1;
+        if (prefill) {
+            if (!served) (void)n.conn->abort_send(id, cancelled("decode's read failed"));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+            CHILD_CHECK_MSG(r.status.ok() == served, "the next offer: {}", r.status.to_string());
+        }
+    }
+    CHILD_CHECK_MSG(served, "no pull succeeded after the refused read");
+    return "";
+}
+
 TEST_P(PullOfferKeysTest, ALateReadOfAnEndedOfferFailsAndGetsNoneOfTheNextRequestsBytes) {
     const Case c = GetParam();
     constexpr uint64_t kId = 0x0ffe;    // the offer whose parameters the reader keeps
@@ -47,8 +119,7 @@ TEST_P(PullOfferKeysTest, ALateReadOfAnEndedOfferFailsAndGetsNoneOfTheNextReques
             testing::NodeOptions opt;
             opt.provider = c.provider;
             if (c.ending == Ending::kLease) opt.lease = std::chrono::seconds(1);
-            KvRank self{testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kJoint, 32), 0,
-                        1};
+            const KvRank self = small_rank();
             CHILD_ASSIGN_OK(auto node,
                             testing::make_kv_node(ex, self, opt, 11, prefill ? 0 : kPoison));
             auto& n = *node;
@@ -67,13 +138,8 @@ TEST_P(PullOfferKeysTest, ALateReadOfAnEndedOfferFailsAndGetsNoneOfTheNextReques
             CHILD_ASSIGN_OK(PullParamsMsg params, params_of(all[0]));
             if (!prefill && c.ending == Ending::kDone) {
                 // The real read: it works, and its DONE ends the offer.
-                CHILD_CHECK_OK(n.conn->pull(kId, {params}, blocks, kTokens));
-                CHILD_ASSIGN_OK(auto r, n.results.wait(false, kId, kWait));
-                CHILD_CHECK_MSG(r.status.ok(), "the real pull: {}", r.status.to_string());
-                std::vector<uint8_t> image(n.mem.size(), kPoison);
-                testing::expect_request(self, image, kId, blocks, kTokens);
-                std::string diff = testing::compare_pool(n.mem, image);
-                CHILD_CHECK_MSG(diff.empty(), "the real pull: {}", diff);
+                std::string real = pull_intact(n, self, kId, params, blocks, kTokens);
+                if (!real.empty()) return real;
             }
             if (prefill) {
                 if (c.ending == Ending::kWithdrawn)
@@ -107,45 +173,9 @@ TEST_P(PullOfferKeysTest, ALateReadOfAnEndedOfferFailsAndGetsNoneOfTheNextReques
                 CHILD_CHECK_OK(n.blocks->free(late));
             }
             CHILD_CHECK_OK(ex.barrier());
-            // The refused read leaves the two engines able to transfer: the next request's
-            // offer is read in full. tcp drops the connection the refused read came on, so
-            // operations between the two fail until it is made again (about 0.5 s: retried
-            // here for up to 10 rounds).
-            bool served = false;
-            for (uint64_t round = 0; round < 10 && !served; ++round) {
-                if (round > 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-                const uint64_t id = 0x0f00 + round;
-                ByteWriter w2;
-                if (prefill) {
-                    CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(id, blocks, kTokens));
-                    w2.put_bytes(encode_message(offer));
-                }
-                CHILD_ASSIGN_OK(auto all2, ex.allgather(w2.bytes()));
-                ByteWriter ok;
-                if (!prefill) {
-                    CHILD_ASSIGN_OK(PullParamsMsg after, params_of(all2[0]));
-                    CHILD_CHECK_OK(n.conn->pull(id, {after}, blocks, kTokens));
-                    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
-                    std::printf("next pull after a refused read (%s), round %d: %s\n", c.name,
-                                int(round), r.status.to_string().c_str());
-                    ok.put<uint8_t>(r.status.ok());
-                    if (r.status.ok()) {
-                        std::vector<uint8_t> want = n.mem;
-                        testing::expect_request(self, want, kNext, blocks, kTokens);
-                        std::string diff = testing::compare_pool(n.mem, want);
-                        CHILD_CHECK_MSG(diff.empty(), "the next pull: {}", diff);
-                    }
-                }
-                CHILD_ASSIGN_OK(auto oks, ex.allgather(ok.bytes()));
-                served = oks[1].size() == 1 && oks[1][0] == 1;
-                if (prefill) {
-                    if (!served) (void)n.conn->abort_send(id, cancelled("decode's read failed"));
-                    CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
-                    CHILD_CHECK_MSG(r.status.ok() == served, "the next offer: {}",
-                                    r.status.to_string());
-                }
-            }
-            CHILD_CHECK_MSG(served, "no pull succeeded after the refused read");
+            // The refused read leaves the two engines able to transfer.
+            std::string next = pull_after_refusal(ex, n, self, blocks, kTokens, kNext, c.name);
+            if (!next.empty()) return next;
             CHILD_CHECK_OK(ex.barrier());
             CHILD_CHECK_OK(n.blocks->free(blocks));
             std::string leak = testing::check_no_leak(n);
@@ -164,6 +194,141 @@ INSTANTIATE_TEST_SUITE_P(ProvidersAndEndings, PullOfferKeysTest,
                          ::testing::Values(Case{"tcp", Ending::kDone, "tcp_done"},
                                            Case{"tcp", Ending::kWithdrawn, "tcp_withdrawn"},
                                            Case{"tcp", Ending::kLease, "tcp_lease"}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// The pool's own keys are in the handshake, which every decode holds. Under per-offer keys
+// prefill registers its pool without peer reads: parameters built from the handshake (the pool's
+// descriptor, no window) read nothing, while the offer's own deliver every byte. On shm with
+// cross-memory attach the reader copies with process_vm_readv and no key is checked
+// (docs/SERVING.md, "Known limits"): there the read under the pool's key still succeeds, as
+// documented. Without it (FI_SHM_DISABLE_CMA=1) prefill's side checks the key.
+struct PoolKeyCase {
+    const char* provider;
+    bool no_cma;   // FI_SHM_DISABLE_CMA=1
+    bool refused;  // the provider checks the key
+    const char* name;
+};
+class PullPoolKeyTest : public ::testing::TestWithParam<PoolKeyCase> {};
+
+// libfabric reads FI_SHM_DISABLE_CMA once, when it loads its providers, which an earlier test
+// of this process may have done: such a case runs alone in a fresh process of this binary.
+std::string run_alone_with(const char* var, const char* value, Duration timeout) {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    const std::string filter =
+        fmt::format("--gtest_filter={}.{}", info->test_suite_name(), info->name());
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) return "fork failed";
+    if (pid == 0) {
+        ::setenv(var, value, 1);
+        ::execl("/proc/self/exe", "kv_tests", filter.c_str(), static_cast<char*>(nullptr));
+        ::_exit(127);
+    }
+    const TimePoint deadline = deadline_after(timeout);
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+        if (Clock::now() > deadline) {
+            ::kill(pid, SIGKILL);
+            ::waitpid(pid, &status, 0);
+            return fmt::format("{} still running after {:.0f} s: killed", filter,
+                               to_ms(timeout) / 1e3);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0
+               ? ""
+               : fmt::format("{} with {}={} failed (status {:#x})", filter, var, value, status);
+}
+
+TEST_P(PullPoolKeyTest, AReadUnderThePoolsKeyIsRefusedAndTheOffersOwnKeysDeliverEveryByte) {
+    const PoolKeyCase c = GetParam();
+    const char* cma = std::getenv("FI_SHM_DISABLE_CMA");
+    const bool cma_off = cma && std::string(cma) == "1";
+    if (std::string(c.provider) == "shm" && cma_off != c.no_cma) {
+        EXPECT_EQ(
+            run_alone_with("FI_SHM_DISABLE_CMA", c.no_cma ? "1" : "0", std::chrono::seconds(120)),
+            "");
+        return;
+    }
+    constexpr uint64_t kId = 0x0e01;
+    constexpr uint64_t kForged = 0x0e02;  // decode's read under the pool's key
+    constexpr uint32_t kTokens = 40;
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            bool prefill = ex.rank() == 0;
+            testing::NodeOptions opt;
+            opt.provider = c.provider;
+            const KvRank self = small_rank();
+            CHILD_ASSIGN_OK(auto node,
+                            testing::make_kv_node(ex, self, opt, 12, prefill ? 0 : kPoison));
+            auto& n = *node;
+            // Peers only write into a host pool under per-offer keys (pool_remote_access).
+            CHILD_CHECK_MSG(n.mr->remote_access() == RemoteAccess::kWrite,
+                            "the pool is registered for peers' reads");
+            CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+            // Decode gets the pool's descriptor (what prefill's handshake carries), then the
+            // offer of request kId.
+            CHILD_ASSIGN_OK(auto pools, ex.allgather(prefill ? n.mr->descriptor().serialize()
+                                                             : std::vector<uint8_t>{}));
+            if (prefill) testing::fill_request(n, kId, blocks, kTokens);
+            ByteWriter offered;
+            if (prefill) {
+                CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kId, blocks, kTokens));
+                offered.put_bytes(encode_message(offer));
+            }
+            CHILD_ASSIGN_OK(auto offers, ex.allgather(offered.bytes()));
+            if (!prefill) {
+                CHILD_ASSIGN_OK(PullParamsMsg params, params_of(offers[0]));
+                CHILD_ASSIGN_OK(MemoryDescriptor pool_desc,
+                                MemoryDescriptor::deserialize(pools[0]));
+                // The offer's own keys: every byte lands, in a destination that starts poisoned.
+                std::string real = pull_intact(n, self, kId, params, blocks, kTokens);
+                if (!real.empty()) return real;
+                // Parameters built from the handshake: the pool's descriptor, no window.
+                PullParamsMsg forged = params;
+                forged.transfer_id = kForged;
+                forged.windows.clear();
+                forged.pool = {pool_desc};
+                CHILD_CHECK_OK(random_bytes(forged.capability));
+                CHILD_ASSIGN_OK(auto other, n.blocks->allocate(3));
+                const std::vector<uint8_t> before = n.mem;
+                CHILD_CHECK_OK(n.conn->pull(kForged, {forged}, other, kTokens));
+                CHILD_ASSIGN_OK(auto f, n.results.wait(false, kForged, kWait));
+                std::printf("read under the pool's key (%s): %s\n", c.name,
+                            f.status.to_string().c_str());
+                if (c.refused) {
+                    CHILD_CHECK_MSG(!f.status.ok(), "a read under the pool's key succeeded");
+                    CHILD_CHECK_MSG(
+                        f.status.message().find("under the pool's own keys") != std::string::npos,
+                        "the error does not say why: {}", f.status.to_string());
+                    CHILD_CHECK_MSG(n.mem == before, "the refused read wrote into decode's pool");
+                } else {
+                    CHILD_CHECK_MSG(f.status.ok(),
+                                    "shm refused a read under the pool's key "
+                                    "(update docs/SERVING.md): {}",
+                                    f.status.to_string());
+                }
+                CHILD_CHECK_OK(n.blocks->free(other));
+            } else {
+                CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, kWait));
+                CHILD_CHECK_MSG(r.status.ok(), "the offer: {}", r.status.to_string());
+            }
+            CHILD_CHECK_OK(ex.barrier());
+            std::string next = pull_after_refusal(ex, n, self, blocks, kTokens, kId, c.name);
+            if (!next.empty()) return next;
+            CHILD_CHECK_OK(ex.barrier());
+            CHILD_CHECK_OK(n.blocks->free(blocks));
+            return testing::check_no_leak(n);
+        },
+        std::chrono::seconds(90));
+    EXPECT_EQ(::ferry::testing::describe_failures(results), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, PullPoolKeyTest,
+                         ::testing::Values(PoolKeyCase{"tcp", false, true, "tcp"},
+                                           PoolKeyCase{"shm", false, false, "shm"},
+                                           PoolKeyCase{"shm", true, true, "shm_no_cma"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // What an offer registers: every layer's K and V of its blocks, one region per contiguous

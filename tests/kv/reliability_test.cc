@@ -132,6 +132,73 @@ TEST_P(KvReliabilityTest, PrefillComputingLongerThanTheLeaseStillDelivers) {
     }
 }
 
+// Issue 32, the loaded vllm_pd failure: decode registered, and prefill's vLLM scheduled the
+// request only later (its engine starved, or the request queued behind a long step): renewals
+// started with prefill_scheduled, so nothing renewed decode's lease in between, and decode
+// gave up ("prefill ranks 0 did not complete transfer ... within the lease") a moment before
+// prefill computed the request (traced: REGISTER in at prefill, decode's 3 s lease out 2.9 s
+// later, prefill_done 0.3 s after that). A live prefill holding the registration renews it
+// while the request is queued, within prefill's own lease: first round, queued for three of
+// decode's leases, then computed: delivered. Second round, never scheduled: decode's load
+// fails by prefill's lease (FAIL), not later.
+TEST_P(KvReliabilityTest, PrefillQueuedLongerThanTheLeaseStillDelivers) {
+    // Decode's lease long enough for renewals (a third of it apart) to get through on a loaded
+    // 2-core host, where 600 ms did not always.
+    const auto lease = std::chrono::seconds(2);
+    for (bool scheduled : {true, false}) {
+        SCOPED_TRACE(scheduled ? "queued, then computed" : "never scheduled");
+        const Duration prefill_lease =
+            scheduled ? Duration(std::chrono::seconds(20)) : Duration(std::chrono::seconds(5));
+        auto results = run_1p1d(
+            lease,
+            [&](Exchange& ex, KvNode& n) -> std::string {
+                const uint64_t id = 0x7f2;
+                CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+                if (ex.rank() == kDecode) {
+                    TimePoint t0 = Clock::now();
+                    CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+                    CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+                    Duration took = Clock::now() - t0;
+                    if (scheduled) {
+                        CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                        std::vector<uint8_t> image(n.mem.size(), kPoison);
+                        testing::expect_request(n.self, image, id, blocks, 40);
+                        std::string diff = testing::compare_pool(n.mem, image);
+                        CHILD_CHECK_MSG(diff.empty(), "{}", diff);
+                    } else {
+                        CHILD_CHECK_MSG(
+                            r.status.code() == StatusCode::kTimeout &&
+                                r.status.message().find("prefill rank 0") != std::string::npos,
+                            "{}", r.status.to_string());
+                        CHILD_CHECK_MSG(took >= prefill_lease - lease &&
+                                            took < prefill_lease + std::chrono::seconds(5),
+                                        "failed after {:.0f} ms", to_ms(took));
+                    }
+                } else {
+                    CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));  // the REGISTER
+                    if (scheduled) {
+                        // Queued: three of decode's leases before vLLM schedules the request.
+                        std::this_thread::sleep_for(3 * lease);
+                        CHILD_CHECK_OK(n.conn->prefill_scheduled(id));
+                        testing::fill_request(n, id, blocks, 40);
+                        CHILD_CHECK_OK(n.conn->prefill_done(id, blocks, 40));
+                        CHILD_ASSIGN_OK(auto r, n.results.wait(true, id, kWait));
+                        CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
+                        CHILD_CHECK(n.conn->stats().leases_expired == 0);
+                    } else {
+                        std::this_thread::sleep_for(prefill_lease + std::chrono::seconds(1));
+                    }
+                }
+                CHILD_CHECK_OK(n.blocks->free(blocks));
+                CHILD_CHECK_OK(ex.barrier());
+                return "";
+            },
+            testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64),
+            prefill_lease);
+        EXPECT_ALL_OK(results);
+    }
+}
+
 TEST_P(KvReliabilityTest, FailedPrefillReachesDecodeAsFail) {
     auto results = run_1p1d(std::chrono::seconds(10), [&](Exchange& ex, KvNode& n) -> std::string {
         const uint64_t id = 0x78;
@@ -587,6 +654,57 @@ TEST_P(KvReliabilityTest, PullFromAPeerThatAnswersLateStillReads) {
             }
         }
         for (const auto& b : blocks) CHILD_CHECK_OK(n.blocks->free(b));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    });
+    EXPECT_ALL_OK(results);
+}
+
+// Issue 32: decode's DONE ends prefill's offer and frees its blocks, also when decode gives the
+// pull up. Sent while prefill did not answer (stopped for two op_timeouts, as a loaded host),
+// the first message to it (tcp;ofi_rxm: no connection yet; shm: not mapped yet) was never taken
+// by the provider and dropped with a warning: prefill held the blocks until its lease (20 s
+// here). DONE is now posted again while the offer may still hold them, so prefill's offer ends
+// soon after prefill answers again. Decode gives up (peer_gone) while prefill is stopped.
+TEST_P(KvReliabilityTest, DoneToAPeerThatAnswersLateStillArrives) {
+    constexpr uint64_t kId = 0x62;
+    constexpr uint32_t kTokens = 48;
+    const auto lease = std::chrono::seconds(20);
+    auto results = run_1p1d(lease, [&](Exchange& ex, KvNode& n) -> std::string {
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(kTokens / 16));
+        ByteWriter w;
+        if (ex.rank() == kPrefill) {
+            put_pid(w);
+            testing::fill_request(n, kId, blocks, kTokens);
+            CHILD_ASSIGN_OK(auto offer, n.conn->offer_pull(kId, blocks, kTokens));
+            w.put_bytes(encode_message(offer));
+        }
+        CHILD_ASSIGN_OK(auto all, ex.allgather(w.bytes()));
+        TimePoint t0 = Clock::now();
+        if (ex.rank() == kDecode) {
+            ByteReader rd(all[kPrefill]);
+            CHILD_ASSIGN_OK(long pid, prefill_pid(rd));
+            std::vector<uint8_t> offer;
+            CHILD_CHECK_OK(rd.get_bytes(&offer, "offer", 1 << 20));
+            CHILD_ASSIGN_OK(auto msg, decode_message(offer));
+            CHILD_CHECK(std::holds_alternative<PullParamsMsg>(msg));
+            StoppedForAWhile stop(pid);
+            CHILD_CHECK(stop.stopped());
+            CHILD_CHECK_OK(n.conn->pull(kId, {std::get<PullParamsMsg>(msg)}, blocks, kTokens));
+            std::this_thread::sleep_for(std::chrono::seconds(1));  // the reads wait
+            CHILD_CHECK_OK(n.conn->peer_gone(n.addrs[kPrefill], unavailable("given up")));
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, kId, std::chrono::seconds(40)));
+            CHILD_CHECK_MSG(!r.status.ok(), "the pull given up ended ok");
+        } else {
+            CHILD_ASSIGN_OK(auto r, n.results.wait(true, kId, std::chrono::seconds(40)));
+            Duration took = Clock::now() - t0;
+            // Ended by decode's DONE ("gave up reading"), well before the lease.
+            CHILD_CHECK_MSG(
+                r.status.code() == StatusCode::kCancelled && took < lease - std::chrono::seconds(5),
+                "prefill's offer ended after {:.0f} ms (lease {:.0f} ms): {}", to_ms(took),
+                to_ms(lease), r.status.to_string());
+        }
+        CHILD_CHECK_OK(n.blocks->free(blocks));
         CHILD_CHECK_OK(ex.barrier());
         return "";
     });

@@ -91,6 +91,36 @@ TEST(DisaggE2E, StreamedRequestReturnsVerifiedTokensInPushPullAndPullInline) {
     }
 }
 
+// --kv-num-rails and --kv-rails reach the KV engine, and /metrics says which rails carried the
+// KV: two shm rails (no NIC is nearer than another), both used by prefill's writes.
+TEST(DisaggE2E, KvRailsFlagsReachTheEngineAndMetricsShowEachRail) {
+    Stack s("push", 1, 1, {"--kv-num-rails", "2", "--kv-rails", "all"});
+    ASSERT_TRUE(s.up);
+    for (int i = 0; i < 2; ++i) {
+        auto prompt = prompt_of(300 + 11 * i, i);
+        Streamed r = stream(kHost, s.router_port,
+                            {{"prompt", prompt}, {"max_tokens", 3}, {"stream", true}}, seconds(20));
+        ASSERT_EQ(r.status, 200) << r.raw << s.logs();
+        EXPECT_EQ(r.tokens, tiny_expected(prompt, 3));
+    }
+    const int prefill = s.prefill_ports[0], decode = s.decode_ports[0];
+    for (const char* rail : {"0", "1"}) {
+        SCOPED_TRACE(rail);
+        EXPECT_GT(metric(kHost, prefill,
+                         fmt::format("ferry_kv_rail_bytes_posted_total{{rail=\"{}\"}}", rail)),
+                  0)
+            << s.logs();
+        EXPECT_GT(metric(kHost, prefill,
+                         fmt::format("ferry_kv_rail_ops_posted_total{{rail=\"{}\"}}", rail)),
+                  0);
+    }
+    EXPECT_EQ(metric(kHost, prefill, "ferry_kv_rail_bytes_posted_total{rail=\"2\"}"), -1);
+    EXPECT_GT(metric(kHost, decode, "ferry_kv_rail_imm_arrivals_total{rail=\"0\"}") +
+                  metric(kHost, decode, "ferry_kv_rail_imm_arrivals_total{rail=\"1\"}"),
+              0);
+    EXPECT_EQ(metric(kHost, prefill, "ferry_kv_rail_fallbacks_total"), 0);
+}
+
 // A client that hangs up through the router, mid-stream or before its first token, leaves no
 // block held on either engine, and the stack serves the next request.
 TEST(DisaggE2E, ClientThatHangsUpLeavesNoBlockHeld) {

@@ -51,13 +51,15 @@ struct EngineConfig {
     std::string node = "127.0.0.1";
     // Number of domains (NICs) to open. Large writes are striped across them.
     int num_rails = 1;
-    // Which NICs carry this engine's transfers of each local region: "nearest" (a GPU's memory
-    // on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every rail when
-    // no NIC is nearer; the region is still registered on every rail, so any peer reaches it on
-    // any rail), "all", or NIC domain names separated by commas ("rdmap79s0,rdmap80s0"): every
-    // region registered on those rails only, so peers reach it only there. Where none of the
-    // near rails reaches the peer's region, the other rails holding both carry it
-    // (EngineStats::rail_fallbacks). docs/ARCHITECTURE.md, "Rails and topology".
+    // Which NICs carry each local region, which is registered on those only: "nearest" (a GPU's
+    // memory on the NICs under its own PCIe switch, host memory on its NUMA node's NICs, every
+    // rail when no NIC is nearer; on a p5en 2 of its 16 EFA devices per GPU), "all", or NIC
+    // domain names separated by commas ("rdmap79s0,rdmap80s0"), the same for every region.
+    // A region's descriptor names its rails (near_mask), so transfers go from a rail near the
+    // local memory to one near the remote memory: the same rail index where both sides have
+    // one (NIC to matching NIC), else the k-th local rail to the k-th remote one, across rails
+    // (EngineStats::rail_fallbacks counts those). `ferry topo` prints the choice per GPU and
+    // NUMA node. docs/ARCHITECTURE.md, "Rails and topology".
     std::string rails = "nearest";
     // The machine's topology as an hwloc XML file (lstopo --of xml) instead of this machine's.
     std::string topology_xml;
@@ -171,10 +173,13 @@ class MemoryRegion {
     // Provider descriptor for rail r (fi_mr_desc), null when the provider needs none.
     void* local_desc(int rail) const { return local_descs_[rail]; }
     uint32_t id() const { return id_; }
-    // The rails this engine's own operations on the region use (bit r: rail r), those nearest
-    // its memory under EngineConfig::rails "nearest"; descriptor().rail_mask is where peers
-    // reach it.
-    uint64_t send_rails() const { return send_rails_; }
+    // The rails nearest its memory (bit r: rail r) under EngineConfig::rails "nearest", else
+    // every rail holding it: this engine's own operations on the region leave from these, and
+    // peers aim theirs at them (descriptor().near_mask). descriptor().rail_mask is where
+    // peers can reach it.
+    uint64_t send_rails() const { return desc_.near_mask & desc_.rail_mask; }
+    // What peers may do to it through the fabric (register_memory's `access`).
+    RemoteAccess remote_access() const { return access_; }
 
   private:
     friend class detail::EngineImpl;
@@ -186,8 +191,11 @@ class MemoryRegion {
     size_t len_ = 0;
     MemoryDescriptor desc_;
     std::vector<void*> local_descs_;
-    uint64_t send_rails_ = 0;
-    mutable std::atomic<bool> fallback_logged_{false};  // a transfer left send_rails_ (logged once)
+    RemoteAccess access_ = RemoteAccess::kReadWrite;
+    // The first transfer of the region NIC to matching NIC, and the first across rails, are
+    // logged; later ones are not (EngineStats::rail_fallbacks counts the second kind).
+    mutable std::atomic<bool> route_logged_{false};
+    mutable std::atomic<bool> fallback_logged_{false};
 };
 
 struct WriteOp {
@@ -333,8 +341,9 @@ struct EngineStats {
     uint64_t messages_received = 0;
     uint64_t messages_dropped = 0;
     uint64_t regions_registered = 0;  // memory regions registered now (none leak: tests count)
-    // Operations that no rail near the local region could carry (the peer's region is not on
-    // any of them) and went over the other rails holding both (EngineConfig::rails).
+    // Transfers with no common rail: no rail index is near both the local and the remote
+    // memory (GPU k to the peer's GPU j), so each went from a NIC near the local memory to a
+    // peer NIC near the remote memory of another index (EngineConfig::rails).
     uint64_t rail_fallbacks = 0;
 };
 
@@ -357,17 +366,19 @@ class TransferEngine {
     int num_rails() const;
     const EngineConfig& config() const;
 
-    // Memory. kHost is registered with every rail (only those listed when EngineConfig::rails
-    // lists NICs; MemoryDescriptor::rail_mask says which); this engine sends it on its NUMA
-    // node's NICs under "nearest" (MemoryRegion::send_rails). kCuda (cudaMalloc'd
+    // Memory. kHost is registered with its NUMA node's NICs under EngineConfig::rails
+    // "nearest" (every rail when none is nearer; MemoryDescriptor::rail_mask says which), and
+    // sent from and reached on those (MemoryRegion::send_rails). kCuda (cudaMalloc'd
     // memory on `device`) is exported through CUDA IPC: writes, paged writes and reads between GPU
     // regions of peers on the same host become copies over NVLink, completed like fabric writes
     // (immediates included). Where supports_gpu_memory(), it is also registered with the provider
     // (FI_HMEM_CUDA), so any peer reaches it over the fabric. GPU memory is refused with a
-    // clear error when neither way is available.
-    Result<std::unique_ptr<MemoryRegion>> register_memory(void* ptr, size_t len,
-                                                          MemoryKind kind = MemoryKind::kHost,
-                                                          int device = -1);
+    // clear error when neither way is available. `access` limits what peers may do through the
+    // fabric registration (RemoteAccess: a region peers only write into, or only this engine
+    // reads and writes); a CUDA IPC export is not limited by it.
+    Result<std::unique_ptr<MemoryRegion>> register_memory(
+        void* ptr, size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1,
+        RemoteAccess access = RemoteAccess::kReadWrite);
     // True when the provider registers CUDA memory (FI_HMEM with CUDA), so GPU regions reach
     // peers on other hosts; false when GPU memory only goes to same-host GPU peers.
     bool supports_gpu_memory() const;
@@ -383,11 +394,11 @@ class TransferEngine {
     void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                        std::function<void(size_t still_held)> then);
 
-    // Peers. connect() inserts the peer on every rail; connecting twice returns the same id.
-    // Transfers between a local region and a peer's use the local region's send_rails() whose
-    // peer rail (rail r talks to the peer's rail r) holds the remote one; where there is none,
-    // any local rail holding both; none such (only NIC lists can cause it) fails the operation
-    // with an error naming both rail sets.
+    // Peers. connect() inserts every rail of the peer on every local rail; connecting twice
+    // returns the same id. Transfers between a local region and a peer's go from the local
+    // region's send_rails() to the peer's rails near the remote region (its descriptor's
+    // near_mask): rail r to the peer's rail r for each r near both, else the k-th local near
+    // rail to the k-th remote near rail (counted in EngineStats::rail_fallbacks).
     Result<PeerId> connect(const EngineAddress& peer);
     // The peer id of an engine connected before, if any.
     std::optional<PeerId> find_peer(uint64_t engine_id) const;

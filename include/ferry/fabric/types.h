@@ -23,11 +23,17 @@ struct WriteRun {
 
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
+// What peers may do to a registered region through the fabric (TransferEngine::register_memory):
+// the provider refuses a peer's read of a region registered without kRead (tcp, verbs, efa
+// check keys; shm's direct copy path checks none, docs/SERVING.md "Known limits"). This
+// engine's own operations on the region are not limited.
+enum class RemoteAccess : uint8_t { kNone = 0, kRead = 1, kWrite = 2, kReadWrite = 3 };
+
 // Which remote memory an operation targets: base address, length, one key per rail of the
 // owning engine and which of those rails hold the region. Versioned so that an engine refuses a
 // blob from an incompatible build with a clear error instead of writing to the wrong place.
 struct MemoryDescriptor {
-    static constexpr uint16_t kVersion = 2;
+    static constexpr uint16_t kVersion = 3;
 
     uint64_t engine_id = 0;  // the engine that registered the memory
     uint64_t base = 0;       // address of byte 0 in the owner's address space
@@ -37,9 +43,14 @@ struct MemoryDescriptor {
     bool virt_addr = true;  // provider addresses remote memory by virtual address, else offset
     std::vector<uint64_t> rail_keys;  // empty for GPU memory reachable only through CUDA IPC
     // Bit r: the owner's rail r holds the region (its key is rail_keys[r]; keys of other rails
-    // are 0). Every rail unless the owner's EngineConfig::rails lists NICs; transfers use only
-    // rails both sides hold.
+    // are 0): those its owner's EngineConfig::rails picks (the NICs nearest its memory under
+    // "nearest"); transfers reach it only there.
     uint64_t rail_mask = ~uint64_t{0};
+    // Bit r: the owner's rail r is one of the NICs nearest the region's memory (its PCIe
+    // switch, its NUMA node; every held rail when none is nearer or the owner lists NICs), a
+    // subset of rail_mask. A peer writing or reading the region aims at these rails, so the
+    // bytes land next to the memory (docs/ARCHITECTURE.md, "Rails and topology").
+    uint64_t near_mask = ~uint64_t{0};
     // Same-host GPU peers: the CUDA IPC handle of the allocation holding the region, and the
     // region's offset inside that allocation.
     bool has_ipc = false;
@@ -50,6 +61,17 @@ struct MemoryDescriptor {
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }
     bool on_rail(size_t r) const { return r < rail_keys.size() && (rail_mask >> r & 1); }
+    // The rails holding the region (rail_mask, limited to the rails with a key).
+    uint64_t held_rails() const {
+        const uint64_t keyed =
+            rail_keys.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << rail_keys.size()) - 1;
+        return rail_mask & keyed;
+    }
+    // The held rails nearest its memory (near_mask; all held rails if it names none of them).
+    uint64_t near_rails() const {
+        const uint64_t held = held_rails();
+        return (near_mask & held) ? near_mask & held : held;
+    }
 
     std::vector<uint8_t> serialize() const;
     static Result<MemoryDescriptor> deserialize(std::span<const uint8_t> blob);

@@ -52,6 +52,12 @@ enum class PullKeys : uint8_t {
     kPool = 1,
 };
 
+// How to register a pool region of `kind` for a connector under `keys`
+// (TransferEngine::register_memory's `access`). kPerOffer, host memory: peers only write into it
+// (push); its reads go through each offer's own registrations, so the pool's keys, which any
+// handshake holder has, read nothing. GPU regions, and kPool, are read under the pool's keys.
+RemoteAccess pool_remote_access(PullKeys keys, MemoryKind kind);
+
 struct ConnectorConfig {
     KvRank self;  // this rank's pool layout and TP position
     // How long a side holds blocks for a transfer that does not progress: prefill waiting for
@@ -158,8 +164,10 @@ struct ConnectorStats {
 
 class KvConnector {
   public:
-    // `pool` is this rank's KV pool, registered with `engine`, at least layout.pool_bytes()
-    // long. Both must outlive the connector.
+    // `pool` is this rank's KV pool, registered with `engine` (access:
+    // pool_remote_access(config.pull_keys, kind); a host region peers may read under
+    // PullKeys::kPerOffer is logged as a warning), at least layout.pool_bytes() long. Both
+    // must outlive the connector.
     static Result<std::unique_ptr<KvConnector>> create(TransferEngine* engine,
                                                        const MemoryRegion* pool,
                                                        const ConnectorConfig& config,

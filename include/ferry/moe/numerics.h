@@ -8,13 +8,11 @@
 #include <span>
 
 #include "ferry/common/status.h"
+#include "ferry/moe/wire_format.h"
 
 namespace ferry::moe {
 
-inline constexpr float kFp8E4M3Max = 448.0f;
-// Floor on a block's amax, as in the common per-token cast: keeps the scale away from zero
-// so an all-zero block quantizes to zeros instead of dividing by zero.
-inline constexpr float kFp8AmaxFloor = 1e-4f;
+// kFp8E4M3Max and kFp8AmaxFloor are in wire_format.h, which the CUDA kernels share.
 
 inline float bf16_to_float(uint16_t h) {
     uint32_t bits = uint32_t{h} << 16;

@@ -22,6 +22,7 @@
 
 #include "ferry/common/status.h"
 #include "ferry/moe/config.h"
+#include "ferry/moe/wire_format.h"
 
 namespace ferry::moe {
 
@@ -33,11 +34,7 @@ namespace ferry::moe {
 // CombineMode::kPerRank weights the partial sums with them). With them a receiver puts every
 // row straight into its place in the grouped batch, and knows where the row's results go in
 // the sender's compact combine run, without looking at any other row (the CUDA kernels copy
-// rows in parallel that way).
-struct RowHeader {
-    uint32_t token;  // index of the token at its sender
-    uint32_t seq;    // call number, to catch a row left over from another call
-};
+// rows in parallel that way). RowHeader itself is in wire_format.h, which the kernels share.
 
 // Byte layout of one dispatched row; every part starts 16-byte aligned.
 struct RowFormat {
@@ -51,14 +48,10 @@ struct RowFormat {
     static RowFormat of(const AllToAllConfig& cfg);
 };
 
-// Counts message, as uint32 words.
-struct CountsFormat {
-    static constexpr uint32_t kSeq = 0;
-    static constexpr uint32_t kConfigHash = 1;   // low 32 bits of AllToAllConfig::hash()
-    static constexpr uint32_t kCombineBase = 2;  // first combine row at the sender for d
-    static constexpr uint32_t kHits = 3;         // (token, expert) pairs sent to d
-    static constexpr uint32_t kRowsTo = 4;       // [world] rows the sender sends to each rank
-    uint32_t hits_per_expert = 0;                // [local experts] hits per local expert of d
+// Counts message, as uint32 words: the word indices (CountsWords, wire_format.h), then
+// hits_per_expert.
+struct CountsFormat : CountsWords {
+    uint32_t hits_per_expert = 0;  // [local experts] hits per local expert of d
     uint32_t words = 0;
     size_t bytes = 0;  // padded to a cache line
     static CountsFormat of(const AllToAllConfig& cfg);
@@ -117,14 +110,6 @@ class RecvLayout {
     uint64_t overflow_base_;
     std::vector<uint32_t> rows_from_;
     std::vector<uint64_t> overflow_begin_;
-};
-
-// Where one dispatched row of the grouped output came from.
-struct RowSource {
-    static constexpr uint32_t kPadding = 0xffffffffu;
-    uint32_t rank = kPadding;  // sender, kPadding for alignment padding
-    uint32_t token = 0;        // token index at the sender
-    uint32_t k = 0;            // top-k position that chose this expert
 };
 
 // Receiver side: grouped output layout per local expert.

@@ -49,6 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -98,6 +102,10 @@ class FerryOptions:
     port: int = 7710  # this engine's side channel: port + tp_rank per worker
     lease: float = 30.0  # seconds a transfer may stall before it fails (ferry.kv.KvConfig)
     op_timeout: float = 10.0  # seconds one transfer operation may take
+    rails: int = 1  # NICs (rails) the engine opens (ferry.TransferEngine rails)
+    # Which rails carry a region's bytes: "nearest" (by topology), "all", or a comma-separated
+    # NIC list (ferry.TransferEngine rail_selection, docs/ARCHITECTURE.md "Rails")
+    rail_selection: str = "nearest"
     secret: bytes = _LOCAL_SECRET
 
     @classmethod
@@ -120,10 +128,14 @@ class FerryOptions:
             o.port = int(extra.get("port", o.port))
             o.lease = float(extra.get("lease", o.lease))
             o.op_timeout = float(extra.get("op_timeout", o.op_timeout))
+            o.rails = int(extra.get("rails", o.rails))
         except (TypeError, ValueError) as e:
             raise FerryConfigError(f"FerryConnector: kv_connector_extra_config: {e}") from None
         if not 0 < o.port < 65536:
             raise FerryConfigError(f"FerryConnector: port {o.port} is not a TCP port")
+        if o.rails < 1:
+            raise FerryConfigError(f"FerryConnector: rails must be at least 1, got {o.rails}")
+        o.rail_selection = str(extra.get("rail_selection", o.rail_selection))
         secret = extra.get("secret", os.environ.get("FERRY_KV_SECRET"))
         if secret is not None:
             o.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -171,6 +183,9 @@ class RecvSpec:
     remote_host: str
     remote_port: int
     remote_tp: int
+    # Decode's own prefix-cache hit: tokens [0, first_token) are in decode's blocks already
+    # and do not move; block_ids start at first_token's block (whole blocks: vLLM's hits are).
+    first_token: int = 0
     # Pull: prefill's blocks (same block size), capability and when its offer ends; None: push.
     remote_blocks: Optional[List[int]] = None
     capability: bytes = b""
@@ -213,6 +228,55 @@ class FerryConnectorMetadata(KVConnectorMetadata):
     # (req_id, transfer_id): decode requests finished (aborted) while their KV was on the way.
     cancel_recv: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
     started: bool = False  # the worker's: this step's transfers were started
+
+
+# ---------------------------------------------------------------------------------------------
+# ferry's byte counters in vLLM's metrics: the worker reports what moved since its last report
+# (get_kv_connector_stats), vLLM carries it to its API server, which adds it to Prometheus
+# counters (/metrics: vllm:ferry_bytes_received_total, vllm:ferry_bytes_posted_total).
+
+STAT_NAMES = {
+    "bytes_received": "KV bytes that arrived in this engine's blocks (decode: push writes "
+                      "counted, pull reads)",
+    "bytes_posted": "KV bytes this engine posted (prefill: push writes; decode: pull reads)",
+}
+
+
+@dataclasses.dataclass
+class FerryStats(KVConnectorStats):
+    """Counter increments since the last report, by STAT_NAMES key."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "FerryStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, Any]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class FerryPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            k: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:ferry_{k}", documentation=doc,
+                                  labelnames=labelnames), per_engine_labelvalues)
+            for k, doc in STAT_NAMES.items()}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
+        for k, v in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(k)
+            if per_engine is not None and engine_idx in per_engine and v > 0:
+                per_engine[engine_idx].inc(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +419,20 @@ class FerryConnector(KVConnectorBase_V1):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KVConnectorStats]:
+        return FerryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[type, type],
+                           labelnames: List[str], per_engine_labelvalues: Dict[int, List[object]]
+                           ) -> Optional[KVConnectorPromMetrics]:
+        return FerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
         # Failed loads are reported per request (failed_recving), which vLLM handles for every
         # KV cache group layout; block ids would only repeat them.
@@ -440,10 +518,11 @@ class _Scheduler:
                 request.request_id in self._load_failed:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
+        # Decode's own prefix-cache hits (num_computed_tokens, whole blocks: vLLM presents the
+        # block-aligned part of its local hit) stay; only the tokens after them move
+        # (update_state_after_alloc registers from there on).
         count = prompt - num_computed_tokens
-        # Prefix-cache hits on decode: the whole prompt still moves (token ranges: not yet), so
-        # only a request without local hits is loaded; one with hits computes the rest itself.
-        if num_computed_tokens > 0 or count <= 0:
+        if count <= 0:
             return 0, False
         return count, True
 
@@ -471,13 +550,18 @@ class _Scheduler:
         block_ids = list(blocks.get_block_ids()[0])
         need = -(-prompt // self._block_size)
         key = transfer_key(tid, request.prompt_token_ids)
+        # The request's blocks start with decode's own prefix-cache hit (whole blocks, the
+        # prompt's tokens less what get_num_new_matched_tokens said would arrive): those stay,
+        # and the transfer writes (or reads) the blocks after them only.
+        hit = max(0, prompt - num_external_tokens) // self._block_size
         try:
             spec = RecvSpec(req_id=request.request_id, transfer_id=key,
-                            attempt=int(params.get(ATTEMPT, 1)), block_ids=block_ids[:need],
+                            attempt=int(params.get(ATTEMPT, 1)), block_ids=block_ids[hit:need],
                             num_tokens=need * self._block_size,
                             remote_host=str(params["remote_host"]),
                             remote_port=int(params["remote_port"]),
-                            remote_tp=int(params.get(REMOTE_TP, 1)))
+                            remote_tp=int(params.get(REMOTE_TP, 1)),
+                            first_token=hit * self._block_size)
             if not 0 < spec.remote_tp <= _MAX_REMOTE_TP or not 0 < spec.remote_port < 65536:
                 raise ValueError(f"remote_port {spec.remote_port} / {REMOTE_TP} "
                                  f"{spec.remote_tp} out of range")
@@ -582,7 +666,8 @@ class _Worker:
             self._tp_size = get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - no TP group (a unit test): one rank
             self._tp_rank, self._tp_size = 0, 1
-        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout)
+        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout,
+                                            rails=opts.rails, rail_selection=opts.rail_selection)
         self._conn = None
         self._server = None
         self._lock = threading.Lock()
@@ -595,6 +680,8 @@ class _Worker:
         # fetched once; dropped when a transfer from it fails (a restarted prefill has others).
         self._peers: Dict[Tuple[str, int], Any] = {}
         self._cancelled: Set[int] = set()  # transfer ids of aborted decode requests
+        self._bytes_received = 0  # since the last take_stats
+        self._bytes_posted = 0  # ferry's bytes_posted at the last take_stats
 
     def register(self, kv_caches: Dict[str, torch.Tensor]):
         import ferry.kv as fkv
@@ -674,11 +761,12 @@ class _Worker:
                 else:
                     ranks = [info.address for info in self._ranks(spec)]
                     conn.register_push(spec.transfer_id, spec.attempt, ranks, spec.block_ids,
-                                       spec.num_tokens)
+                                       spec.num_tokens, first_token=spec.first_token)
                 if os.environ.get("FERRY_VLLM_DEBUG"):
-                    logger.info("FerryConnector: %s %d blocks %s tokens %d (request %s)",
+                    logger.info("FerryConnector: %s %d blocks %s tokens %d from %d (request %s)",
                                 "pull" if spec.remote_blocks is not None else "register",
-                                spec.transfer_id, spec.block_ids, spec.num_tokens, spec.req_id)
+                                spec.transfer_id, spec.block_ids, spec.num_tokens,
+                                spec.first_token, spec.req_id)
                 self._recv[spec.transfer_id] = spec
             except ferry.Error as e:
                 self._fail_recv(spec, str(e))
@@ -725,7 +813,8 @@ class _Worker:
                                     "prefill's lease)")
         params = [fkv.pull_params(info, spec.transfer_id, spec.remote_blocks, spec.num_tokens,
                                   spec.capability, left) for info in self._ranks(spec)]
-        self._conn.pull(spec.transfer_id, params, spec.block_ids, spec.num_tokens)
+        self._conn.pull(spec.transfer_id, params, spec.block_ids, spec.num_tokens,
+                        first_token=spec.first_token)
 
     def results(self) -> KVConnectorTransferResults:
         if self._conn is not None:
@@ -737,7 +826,10 @@ class _Worker:
                     if os.environ.get("FERRY_VLLM_DEBUG"):
                         logger.info("FerryConnector: recv %d ok %s blocks %s tokens %d%s",
                                     ev.transfer_id, ev.ok, spec.block_ids, spec.num_tokens,
-                                    self._digest(spec.block_ids, spec.num_tokens))
+                                    self._digest(spec.block_ids,
+                                                 spec.num_tokens - spec.first_token))
+                    if ev.ok:
+                        self._bytes_received += ev.bytes
                     if ev.ok or ev.transfer_id in self._cancelled:
                         # A cancelled request is over: vLLM frees its blocks now.
                         self._cancelled.discard(ev.transfer_id)
@@ -761,6 +853,16 @@ class _Worker:
 
     def stats(self) -> Dict[str, int]:
         return dict(self._conn.stats()) if self._conn is not None else {}
+
+    def take_stats(self) -> Optional[FerryStats]:
+        """What moved since the last call (vLLM's get_kv_connector_stats, once a step)."""
+        if self._conn is None:
+            return None
+        posted = int(self.stats().get("bytes_posted", 0))
+        data = {"bytes_received": self._bytes_received,
+                "bytes_posted": posted - self._bytes_posted}
+        self._bytes_received, self._bytes_posted = 0, posted
+        return FerryStats(data=data) if any(data.values()) else None
 
     def close(self):
         for obj in (self._server, self._conn, self._engine):

@@ -89,6 +89,10 @@ def test_extra_config_defaults_and_mistakes():
     with pytest.raises(FerryConfigError, match='neither "push" nor "pull"'):
         FerryOptions.from_extra({"mode": "teleport"})
     assert FerryOptions.from_extra({"mode": "pull", "lease": 12}).lease == 12.0
+    with pytest.raises(FerryConfigError, match="rails must be at least 1, got 0"):
+        FerryOptions.from_extra({"rails": 0})
+    o = FerryOptions.from_extra({"rails": 2, "rail_selection": "all"})
+    assert (o.rails, o.rail_selection) == (2, "all")
 
 
 def test_pull_params_a_decode_request_carries_are_checked():

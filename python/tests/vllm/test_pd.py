@@ -47,7 +47,9 @@ MAX_TOKENS = 24
 # 8 s (decode) and 20 s (prefill) failed twice in a CI rehearsal on 2026-12-07 of a tree that
 # also held the rail pairing (issue 34, since taken out again): the 1500-token push request ran
 # out decode's lease while prefill computed it, and under a busy loop a pull offer ended before
-# decode read it. Raised for margin until that is understood (issue 32).
+# decode read it. Raised for margin until that was understood (issue 32): the push request had
+# waited at prefill (its engine starved) before vLLM scheduled it, and renewals started only
+# then; prefill now renews a registration from when it came (PROTOCOL.md, "Renewals").
 LEASE = 20.0
 PREFILL_LEASE = 45.0
 OP_TIMEOUT = 3.0  # below decode's lease: a live prefill's writes end before decode gives up
@@ -86,7 +88,8 @@ def free_port() -> int:
 class Engine:
     """One vLLM OpenAI server (its API server, engine core and worker), log in a file."""
 
-    def __init__(self, name, model, workdir, *, kv_config=None, bind="nobind"):
+    def __init__(self, name, model, workdir, *, kv_config=None, bind="nobind",
+                 prefix_caching=False):
         self.name = name
         self.port = free_port()
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -96,7 +99,8 @@ class Engine:
                "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", DTYPE, "--block-size", str(BLOCK), "--max-model-len", "4096",
                "--max-num-seqs", "8", "--enforce-eager", "--seed", "0",
-               "--no-enable-prefix-caching", "--served-model-name", "tiny"]
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+               "--served-model-name", "tiny"]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -193,13 +197,17 @@ def engines(tmp_path_factory):
              "op_timeout": OP_TIMEOUT}
     t0 = time.monotonic()
     base = Engine("baseline", model, work)
+    # Prefill's kv_load_failure_policy is "recompute" (it serves as a decode engine in
+    # test_recompute_policy...), decode's vLLM's default, "fail". Decode caches prefixes (its
+    # own hits do not move: test_decode_prefix_hits...), prefill does not (it computes every
+    # prompt whole, so that what it sends is the same every time).
     prefill = Engine("prefill", model, work, kv_config={
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
-        "kv_role": "kv_both",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(extra, port=side_port, lease=PREFILL_LEASE)})
-    decode = Engine("decode", model, work, kv_config={
+    decode = Engine("decode", model, work, prefix_caching=True, kv_config={
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
-        "kv_role": "kv_both",
+        "kv_role": "kv_both", "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": dict(extra, port=free_port(), lease=LEASE)})
     all_engines = [base, prefill, decode]
     try:
@@ -337,6 +345,67 @@ def test_pull_gives_the_baseline_tokens(engines):
                          sum(map(len, cases.values())) + sum(map(len, together)))
 
 
+def ferry_bytes(engine):
+    """KV bytes ferry counted into the engine's blocks (FerryConnector's stats in vLLM's
+    /metrics). Read until it stops changing: the worker reports a step's bytes with the step."""
+    last = None
+    for _ in range(20):
+        now = engine.metric("vllm:ferry_bytes_received_total")
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.5)
+    return last
+
+
+def test_decode_prefix_hits_move_only_the_blocks_decode_lacks(engines):
+    # Decode caches prefixes; a request whose prompt starts with blocks decode holds (a prompt
+    # it served before) has prefill's KV written into the other blocks only. Hits of none,
+    # some (3 of 7 blocks), and all but the last block (the same prompt again: vLLM recomputes
+    # at least the last token, so its block moves); the tokens are the baseline's each time,
+    # and ferry's byte counter on decode shows the blocks that moved, block for block.
+    base, prefill, decode, side_port = engines
+    rng = random.Random(20261208)
+    first = [rng.randrange(3, 2000) for _ in range(6 * BLOCK + 5)]  # 7 blocks, the last partial
+    shared = first[:3 * BLOCK] + [rng.randrange(3, 2000) for _ in range(3 * BLOCK + 5)]
+    cases = (("no hit", first, 7), ("3 blocks hit", shared, 4),
+             ("all but the last block hit", first, 1))
+    moved = []
+    for name, ids, blocks in cases:
+        want = complete(base, ids, MAX_TOKENS)[0]
+        before, hits = ferry_bytes(decode), decode.metric(
+            "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+        got = disaggregated(prefill, decode, side_port, ids, MAX_TOKENS,
+                            rng.randrange(1, 1 << 63))[0]
+        assert got == want, f"{name}: {got} != baseline {want}"
+        moved.append(ferry_bytes(decode) - before)
+        hit = decode.metric("vllm:prompt_tokens_by_source_total", source="local_cache_hit") - hits
+        assert hit == (7 - blocks) * BLOCK, f"{name}: decode's vLLM counted {hit:.0f} " \
+                                            f"prompt tokens from its cache"
+    per_block = moved[0] / 7
+    assert moved[0] > 0 and per_block == int(per_block), f"bytes moved: {moved}"
+    assert moved == [7 * per_block, 4 * per_block, 1 * per_block], \
+        f"bytes moved {moved}: not {[7, 4, 1]} blocks of {per_block:.0f} bytes"
+
+
+def test_recompute_policy_serves_the_baseline_after_a_failed_transfer(engines):
+    # kv_load_failure_policy "recompute" (the prefill engine's, serving as a decode here): a
+    # transfer that fails (kv_transfer_params naming a side channel nobody serves) is computed
+    # locally, and the answer is the baseline's; with decode's "fail", the same request is an
+    # error (test_a_transfer_from_an_unknown_engine...).
+    base, prefill, decode, side_port = engines
+    ids = list(range(700, 700 + 3 * BLOCK + 1))
+    want = complete(base, ids, MAX_TOKENS)[0]
+    params = {"do_remote_prefill": True, "ferry_transfer_id": 424242,
+              "remote_host": "127.0.0.1", "remote_port": free_port()}
+    local_before = prefill.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+    got, _, out = complete(prefill, ids, MAX_TOKENS, params)
+    assert got == want, f"recompute after a failed transfer gave {got}, baseline {want}"
+    local = prefill.metric("vllm:prompt_tokens_by_source_total",
+                           source="local_compute") - local_before
+    assert local >= len(ids) - 1, f"only {local:.0f} prompt tokens were computed locally"
+
+
 def test_a_request_without_transfer_params_is_served_locally(engines):
     base, prefill, decode, _ = engines
     ids = [5, 6, 7, 8, 9, 10, 11]
@@ -351,16 +420,18 @@ def test_a_transfer_from_an_unknown_engine_fails_the_request_not_silently(engine
     ids = list(range(40, 140))
     t0 = time.monotonic()
     try:
-        got, _, out = complete(decode, ids, 8, {"do_remote_prefill": True,
-                                                "ferry_transfer_id": 12345,
-                                                "remote_host": "127.0.0.1",
-                                                "remote_port": free_port()})
+        got, text, out = complete(decode, ids, 8, {"do_remote_prefill": True,
+                                                   "ferry_transfer_id": 12345,
+                                                   "remote_host": "127.0.0.1",
+                                                   "remote_port": free_port()})
     except AssertionError as e:  # an HTTP error status: what we want
         assert "HTTP" in str(e)
+        print(f"kv_load_failure_policy fail: {e}")
     else:
         reason = out["choices"][0].get("finish_reason")
-        assert reason not in ("length", "stop") or not got, (
-            f"decode answered {got} (finish_reason {reason}) although no KV arrived")
+        assert reason not in ("length", "stop") and not got and not text, (
+            f"decode answered {got} {text!r} (finish_reason {reason}) although no KV arrived")
+        print(f"kv_load_failure_policy fail: HTTP 200, finish_reason {reason}, no text")
     assert time.monotonic() - t0 < 60, "the failed transfer took longer than a minute to end"
     # The engine still serves: the same prompt without transfer params gives the baseline.
     assert complete(decode, ids, 8)[0] == complete(base, ids, 8)[0]

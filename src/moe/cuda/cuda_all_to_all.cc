@@ -1,7 +1,8 @@
-// Host side of the CUDA all-to-all: allocation, IPC mapping and (for ranks on other nodes) the
-// host proxy's outboxes, inbox and engine peers at setup, argument checks and kernel launches
-// per call, and the translation of the device-side error record into a Status. See
-// include/ferry/moe/cuda_all_to_all.h.
+// Host side of the CUDA all-to-all: create() in steps (the workspace plan and the grids,
+// pure functions in moe/cuda_workspace.h; the kernels loaded; the memory allocated; the peer
+// exchange and mapping; the argument block; the host proxy for ranks on other nodes), argument
+// checks and kernel launches per call, and the translation of the device-side error record
+// into a Status. See include/ferry/moe/cuda_all_to_all.h.
 #include "ferry/moe/cuda_all_to_all.h"
 
 #include <cuda_runtime.h>
@@ -17,22 +18,14 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "common/enum_names.h"
 #include "ferry/common/bytes.h"
 #include "ferry/moe/numerics.h"
 #include "moe/cuda/kernels.h"
+#include "moe/cuda_workspace.h"
 #include "moe/device_proxy.h"
 
 namespace ferry::moe {
-
-static_assert(sizeof(RowSource) == sizeof(cuda::RowSource) &&
-              RowSource::kPadding == cuda::RowSource::kPadding);
-static_assert(sizeof(RowHeader) == cuda::kRowHeaderBytes);
-static_assert(CountsFormat::kSeq == cuda::CountsWords::kSeq &&
-              CountsFormat::kConfigHash == cuda::CountsWords::kConfigHash &&
-              CountsFormat::kCombineBase == cuda::CountsWords::kCombineBase &&
-              CountsFormat::kHits == cuda::CountsWords::kHits &&
-              CountsFormat::kRowsTo == cuda::CountsWords::kRowsTo);
-static_assert(kFp8E4M3Max == cuda::kFp8Max && kFp8AmaxFloor == cuda::kFp8Floor);
 
 namespace {
 
@@ -65,26 +58,16 @@ uint64_t host_id() {
     return h;
 }
 
-uint64_t align256(uint64_t v) { return (v + 255) / 256 * 256; }
-uint64_t align4k(uint64_t v) { return (v + 4095) / 4096 * 4096; }
-
 const char* phase_name(uint32_t phase) {
-    switch (phase) {
-        case cuda::DeviceError::kPlan:
-            return "dispatch_send (routing)";
-        case cuda::DeviceError::kSendWaitCounts:
-            return "dispatch_send (waiting for counts)";
-        case cuda::DeviceError::kRecvWaitRows:
-            return "dispatch_recv (waiting for rows)";
-        case cuda::DeviceError::kRecvRows:
-            return "dispatch_recv (reading rows)";
-        case cuda::DeviceError::kCombineSend:
-            return "combine_send";
-        case cuda::DeviceError::kCombineRecvWait:
-            return "combine_recv (waiting for results)";
-        default:
-            return "an unknown phase";
-    }
+    static constexpr EnumName<uint32_t> kNames[] = {
+        {cuda::DeviceError::kPlan, "dispatch_send (routing)"},
+        {cuda::DeviceError::kSendWaitCounts, "dispatch_send (waiting for counts)"},
+        {cuda::DeviceError::kRecvWaitRows, "dispatch_recv (waiting for rows)"},
+        {cuda::DeviceError::kRecvRows, "dispatch_recv (reading rows)"},
+        {cuda::DeviceError::kCombineSend, "combine_send"},
+        {cuda::DeviceError::kCombineRecvWait, "combine_recv (waiting for results)"},
+    };
+    return name_of(kNames, phase, "an unknown phase").data();
 }
 
 // The GPU global timer's lead over the host's system clock, so the proxy's stamps and the
@@ -139,18 +122,13 @@ Status gpu_clock_offset(int64_t* offset) {
 enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent, kBroken };
 
 const char* last_call(Phase p) {
-    switch (p) {
-        case Phase::kIdle:
-            return "combine_recv (or nothing yet)";
-        case Phase::kDispatchSent:
-            return "dispatch_send";
-        case Phase::kDispatchReceived:
-            return "dispatch_recv";
-        case Phase::kCombineSent:
-            return "combine_send";
-        default:
-            return "a failed call";
-    }
+    static constexpr EnumName<Phase> kNames[] = {
+        {Phase::kIdle, "combine_recv (or nothing yet)"},
+        {Phase::kDispatchSent, "dispatch_send"},
+        {Phase::kDispatchReceived, "dispatch_recv"},
+        {Phase::kCombineSent, "combine_send"},
+    };
+    return name_of(kNames, p, "a failed call").data();
 }
 
 }  // namespace
@@ -163,6 +141,15 @@ struct CudaAllToAll::Impl {
     void* shared = nullptr;  // peers write here (IPC-exported)
     void* local = nullptr;   // state, peer table and per-call scratch
     cuda::DeviceError* err_host = nullptr;
+    // Device views of the mapped host memory (err_host and the remote peers' buffers below).
+    struct {
+        cuda::DeviceError* err = nullptr;
+        proxy::Publish* publish = nullptr;
+        uint32_t* stream_ready = nullptr;
+        uint8_t* outbox = nullptr;
+        uint8_t* inbox = nullptr;
+    } dev;
+    uint64_t remote_mask = 0;   // bit r: rank r is on another node
     std::vector<void*> opened;  // peers' allocations opened through IPC
     Phase phase = Phase::kIdle;
     Status broken;
@@ -192,6 +179,15 @@ struct CudaAllToAll::Impl {
         if (outbox) cudaFreeHost(outbox);
         if (inbox) cudaFreeHost(inbox);
     }
+
+    // The steps of create(), in order.
+    Status allocate(const CudaWorkspace& ws, std::vector<uint8_t>* remote_blob);
+    Status map_peers(const std::vector<PeerBlob>& peers,
+                     const std::vector<std::vector<uint8_t>>& blobs, const PeerBlob& mine,
+                     const CudaWorkspace& ws, DeviceProxySetup* ps);
+    void fill_args(const CudaWorkspace& ws, const CudaGrids& grids, uint32_t plan_smem,
+                   uint32_t recv_smem);
+    void start_proxy(const CudaWorkspace& ws, int64_t clock_offset, DeviceProxySetup ps);
 
     Status fail(Status s) {
         if (phase != Phase::kBroken) {
@@ -294,261 +290,153 @@ CudaAllToAll::~CudaAllToAll() = default;
 const AllToAllConfig& CudaAllToAll::config() const { return impl_->cfg; }
 int CudaAllToAll::device() const { return impl_->device; }
 
-Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig& cfg,
-                                                           const AllGatherFn& allgather,
-                                                           const CudaAllToAllOptions& options) {
-    FERRY_RETURN_IF_ERROR(cfg.validate());
-    const uint32_t w = cfg.world_size, t = cfg.max_tokens_per_rank, k = cfg.experts_per_token;
-    // Some rank is on another node exactly when the world spans several nodes.
-    const bool has_remote = w > cfg.ranks_per_node;
-    if (has_remote && !options.engine)
-        return invalid_argument(fmt::format(
-            "cuda all-to-all: world {} with {} ranks per node has ranks on other nodes, reached "
-            "through the host proxy: set CudaAllToAllOptions::engine to a TransferEngine",
-            w, cfg.ranks_per_node));
-    if (w > cuda::kMaxCudaWorld)
-        return invalid_argument(
-            fmt::format("cuda all-to-all: world {} exceeds {}", w, cuda::kMaxCudaWorld));
-    if (k > cuda::kMaxCudaTopk)
-        return invalid_argument(fmt::format(
-            "cuda all-to-all: experts_per_token {} exceeds the {} the combine kernel supports", k,
-            cuda::kMaxCudaTopk));
-    const auto& dc = options.dispatch;
-    const auto& cc = options.combine;
-    auto bad_threads = [](uint32_t n, uint32_t need) {
-        return n < need || n > 1024 || n % 32 != 0;
-    };
-    if (dc.send_blocks == 0 || cc.send_blocks == 0 || cc.recv_blocks == 0 ||
-        bad_threads(dc.send_threads, std::max(w, k)) || bad_threads(cc.send_threads, w) ||
-        bad_threads(cc.recv_threads, 32))
-        return invalid_argument(fmt::format(
-            "cuda all-to-all: kernel shapes need at least one block and a multiple of 32 "
-            "threads up to 1024, at least max(world, top-k) = {} for the send kernels",
-            std::max(w, k)));
+namespace {
 
-    int count = 0;
-    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
-        return unavailable(fmt::format("cuda all-to-all: no usable GPU ({})",
-                                       e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
-    auto impl = std::make_unique<Impl>();
-    impl->cfg = cfg;
-    impl->opt = options;
-    if (options.device >= 0) {
-        impl->device = options.device;
-    } else {
-        FERRY_CUDA_TRY(cudaGetDevice(&impl->device));
-    }
-    FERRY_CUDA_TRY(cudaSetDevice(impl->device));
+// Every kernel family loaded into the device's context before any rank launches (see
+// preload_dispatch_kernels), and the dispatch kernels' shared memory opted in.
+Status load_kernels(const AllToAllConfig& cfg, int device, uint32_t* plan_smem,
+                    uint32_t* recv_smem) {
     FERRY_CUDA_TRY(cuda::preload_dispatch_kernels());
     FERRY_CUDA_TRY(cuda::preload_combine_kernels());
     FERRY_CUDA_TRY(cuda::preload_quantize_kernels());
     FERRY_CUDA_TRY(cuda::preload_host_gate());
-    int64_t clock_offset = 0;
-    if (options.trace && has_remote) FERRY_RETURN_IF_ERROR(gpu_clock_offset(&clock_offset));
+    const uint32_t w = cfg.world_size;
     // The plan kernel keeps a lane mask per (warp, expert) in shared memory.
-    const uint32_t plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, k);
-    const uint32_t recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
+    *plan_smem = cuda::dispatch_plan_smem(cfg.num_experts, w, cfg.experts_per_token);
+    *recv_smem = cuda::dispatch_recv_smem(cfg.num_experts, w);
     int smem_optin = 0;
     FERRY_CUDA_TRY(
-        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device));
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     // Static shared memory of the plan kernel (its scan and per-rank words) stays below 8 KiB.
-    if (uint64_t{plan_smem} + 8192 > static_cast<uint64_t>(smem_optin) ||
-        uint64_t{recv_smem} + 8192 > static_cast<uint64_t>(smem_optin))
+    if (uint64_t{*plan_smem} + 8192 > static_cast<uint64_t>(smem_optin) ||
+        uint64_t{*recv_smem} + 8192 > static_cast<uint64_t>(smem_optin))
         return invalid_argument(fmt::format(
             "cuda all-to-all: {} experts over {} ranks need {} KiB of shared memory in the "
             "dispatch plan kernel; GPU {} allows {} KiB per block",
-            cfg.num_experts, w, (plan_smem + 8192) / 1024, impl->device, smem_optin / 1024));
-    FERRY_CUDA_TRY(cuda::set_dispatch_smem(plan_smem, recv_smem));
+            cfg.num_experts, w, (*plan_smem + 8192) / 1024, device, smem_optin / 1024));
+    FERRY_CUDA_TRY(cuda::set_dispatch_smem(*plan_smem, *recv_smem));
+    return ok_status();
+}
 
-    const RowFormat row = RowFormat::of(cfg);
-    const CountsFormat cf = CountsFormat::of(cfg);
-    SharedLayout lay;
-    lay.ctr_counts = 0;
-    lay.ctr_dispatch = 8ull * w;
-    lay.ctr_combine = 16ull * w;
-    lay.counts = align256(24ull * w);
-    lay.dispatch = lay.counts + align256(uint64_t{w} * cf.bytes);
-    lay.combine = lay.dispatch + align256(uint64_t{w} * t * row.row_bytes);
-    // With remote ranks, their results land in a compact area after the slots.
-    const uint64_t combine_rows = uint64_t{t} * k * (has_remote ? 2 : 1);
-    lay.total = lay.combine + align256(combine_rows * cfg.hidden * sizeof(uint16_t));
+// Mapped pinned host memory, zeroed, and its device view.
+template <typename T>
+Status alloc_mapped(size_t bytes, void** host, T** dev) {
+    FERRY_CUDA_TRY(cudaHostAlloc(host, bytes, cudaHostAllocMapped));
+    std::memset(*host, 0, bytes);
+    FERRY_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(dev), *host, 0));
+    return ok_status();
+}
 
-    const uint64_t max_rows = max_expert_rows(cfg);
-    // Local scratch, one allocation carved in 256-byte aligned pieces.
-    uint64_t at = 0;
-    auto take = [&at](uint64_t bytes) {
-        uint64_t o = at;
-        at += align256(bytes);
-        return o;
-    };
-    const uint64_t o_state = take(sizeof(cuda::DeviceState));
-    const uint64_t o_peers = take(sizeof(uint8_t*) * w);
-    const uint64_t o_mask = take(sizeof(uint64_t) * t);
-    const uint64_t o_pos = take(sizeof(uint32_t) * uint64_t{t} * w);
-    const uint64_t o_ecount = take(sizeof(uint32_t) * cfg.num_experts);
-    const uint64_t o_rows = take(sizeof(uint32_t) * w);
-    const uint64_t o_idx = take(sizeof(int32_t) * uint64_t{t} * k);
-    const uint64_t o_wt = take(sizeof(float) * uint64_t{t} * k);
-    const uint64_t o_src = take(sizeof(cuda::RowSource) * max_rows);
-    const uint64_t o_out_row = take(sizeof(uint32_t) * max_rows);
-    const uint64_t o_tickets = take(sizeof(unsigned long long) * cuda::kTickets);
-    const uint64_t o_cslot = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * k : 0);
-    const uint64_t o_cpos = take(has_remote ? sizeof(uint32_t) * max_rows : 0);
-    const uint64_t o_place = take(sizeof(uint32_t) * uint64_t{t} * k);
-    const uint64_t o_hit_base = take(has_remote ? sizeof(uint32_t) * uint64_t{t} * w : 0);
-    const uint64_t o_recv_hits = take(sizeof(uint32_t) * w);
-    const uint64_t o_counts_mirror = take(has_remote ? uint64_t{w} * cf.bytes : 0);
-    const bool per_rank = cfg.combine == CombineMode::kPerRank;
-    const uint64_t recv_rows = uint64_t{w} * t;  // every sender may send every token here
-    const uint64_t o_recv_o = take(per_rank ? sizeof(uint32_t) * recv_rows * k : 0);
-    const uint64_t o_recv_w = take(per_rank ? sizeof(float) * recv_rows * k : 0);
-    const uint64_t o_recv_token = take(per_rank ? sizeof(uint32_t) * recv_rows : 0);
-    const uint64_t o_recv_start = take(per_rank ? sizeof(uint32_t) * (w + 1) : 0);
-    // Streamed combine (KernelArgs::piece_rows): pieces of whole rows within a proxy write.
-    const uint64_t combine_row = uint64_t{cfg.hidden} * sizeof(uint16_t);
-    const uint32_t piece_rows = has_remote && !per_rank && options.stream_combine &&
-                                        options.proxy_chunk_bytes >= combine_row
-                                    ? static_cast<uint32_t>(std::min<uint64_t>(
-                                          options.proxy_chunk_bytes / combine_row, uint64_t{t} * k))
-                                    : 0;
-    const uint32_t max_pieces = piece_rows ? (t * k + piece_rows - 1) / piece_rows : 0;
-    // The proxy's immediates (DeviceProxy::data_imm, record_imm, piece_imm) must not wrap
-    // around to values other users of the engine hold.
-    const uint64_t imm_end = uint64_t{options.imm_base} +
-                             uint64_t{2} * proxy::kParts * kMaxWorldSize + uint64_t{max_pieces} * w;
-    if (has_remote && imm_end > (uint64_t{1} << 32))
-        return invalid_argument(fmt::format(
-            "cuda all-to-all: CudaAllToAllOptions::imm_base {:#x} leaves no room for the {} "
-            "immediates the host proxy uses here; choose a base at or below {:#x}",
-            options.imm_base, imm_end - options.imm_base,
-            (uint64_t{1} << 32) - (imm_end - options.imm_base)));
-    const uint64_t stream_words = uint64_t{w} * max_pieces;
-    const uint64_t o_piece_done = take(sizeof(uint32_t) * stream_words);
-    const uint64_t o_cinv = take(piece_rows ? sizeof(uint32_t) * max_rows : 0);
-    const uint64_t o_piece_seen = take(piece_rows ? sizeof(unsigned long long) * w : 0);
-    const uint64_t o_combine_base = take(piece_rows ? sizeof(uint32_t) * w : 0);
-    const uint64_t o_trace =
-        take(options.trace ? sizeof(unsigned long long) * 2 * cuda::kTracePoints : 0);
+// Every rank's setup blob, checked: its header, its rank, the same config on every rank.
+// blobs[r] keeps the bytes after the header (what remote ranks need to reach rank r).
+struct PeerExchange {
+    std::vector<PeerBlob> peers;
+    std::vector<std::vector<uint8_t>> blobs;
+};
 
-    FERRY_CUDA_TRY(cudaMalloc(&impl->shared, lay.total));
-    FERRY_CUDA_TRY(cudaMemset(impl->shared, 0, lay.total));
-    FERRY_CUDA_TRY(cudaMalloc(&impl->local, at));
-    FERRY_CUDA_TRY(cudaMemset(impl->local, 0, at));
-    FERRY_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&impl->err_host),
-                                 sizeof(cuda::DeviceError), cudaHostAllocMapped));
-    std::memset(impl->err_host, 0, sizeof(cuda::DeviceError));
-    cuda::DeviceError* err_dev = nullptr;
-    FERRY_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev), impl->err_host, 0));
-
-    // Remote peers: one outbox slab per remote rank, laid out like its inbox (the region, then
-    // the record slots), so kernels address remote and mapped peers alike.
-    std::vector<uint32_t> remotes;
-    uint64_t remote_mask = 0;
-    for (uint32_t r = 0; r < w; ++r) {
-        if (cfg.same_node(r, cfg.rank)) continue;
-        remotes.push_back(r);
-        remote_mask |= 1ull << r;
-    }
-    const uint64_t slab = align4k(proxy_inbox_bytes(lay, w));
-    proxy::Publish* publish_dev = nullptr;
-    uint32_t* stream_ready_dev = nullptr;
-    uint8_t* outbox_dev = nullptr;
-    uint8_t* inbox_dev = nullptr;
-    std::vector<uint8_t> remote_blob;
-    if (has_remote) {
-        TransferEngine* engine = options.engine;
-        const size_t publish_bytes = sizeof(proxy::Publish) * w * proxy::kParts;
-        FERRY_CUDA_TRY(cudaHostAlloc(&impl->publish, publish_bytes, cudaHostAllocMapped));
-        std::memset(impl->publish, 0, publish_bytes);
-        FERRY_CUDA_TRY(
-            cudaHostGetDevicePointer(reinterpret_cast<void**>(&publish_dev), impl->publish, 0));
-        if (stream_words) {
-            const size_t bytes = sizeof(uint32_t) * stream_words;
-            FERRY_CUDA_TRY(cudaHostAlloc(&impl->stream_ready, bytes, cudaHostAllocMapped));
-            std::memset(impl->stream_ready, 0, bytes);
-            FERRY_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&stream_ready_dev),
-                                                    impl->stream_ready, 0));
-        }
-        const uint64_t outbox_bytes = slab * remotes.size();
-        FERRY_CUDA_TRY(cudaHostAlloc(&impl->outbox, outbox_bytes, cudaHostAllocMapped));
-        std::memset(impl->outbox, 0, outbox_bytes);
-        FERRY_CUDA_TRY(
-            cudaHostGetDevicePointer(reinterpret_cast<void**>(&outbox_dev), impl->outbox, 0));
-        // Kernels read remote peers' bytes and counters straight from the inbox: the proxy
-        // needs no CUDA stream (see device_proxy.h).
-        FERRY_CUDA_TRY(cudaHostAlloc(&impl->inbox, slab, cudaHostAllocMapped));
-        std::memset(impl->inbox, 0, slab);
-        FERRY_CUDA_TRY(
-            cudaHostGetDevicePointer(reinterpret_cast<void**>(&inbox_dev), impl->inbox, 0));
-        FERRY_ASSIGN_OR_RETURN(impl->outbox_mr,
-                               engine->register_memory(impl->outbox, outbox_bytes));
-        FERRY_ASSIGN_OR_RETURN(impl->inbox_mr, engine->register_memory(impl->inbox, slab));
-        ByteWriter bw;
-        engine->address().encode(bw);
-        impl->inbox_mr->descriptor().encode(bw);
-        remote_blob = bw.take();
-    }
-    // Zeroed counters must be in place before any peer learns where they are.
-    FERRY_CUDA_TRY(cudaDeviceSynchronize());
-
-    PeerBlob mine;
-    mine.rank = cfg.rank;
-    mine.config_hash = cfg.hash();
-    mine.host_id = host_id();
-    mine.pid = static_cast<int32_t>(getpid());
-    mine.device = impl->device;
-    mine.dispatch_blocks = dc.send_blocks;
-    mine.combine_blocks = cc.send_blocks;
-    mine.piece_rows = piece_rows;
-    int sms = 0;
-    FERRY_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
-    mine.sm_count = static_cast<uint32_t>(sms);
-    mine.base = reinterpret_cast<uint64_t>(impl->shared);
-    FERRY_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
-    mine.remote_bytes = static_cast<uint32_t>(remote_blob.size());
+Result<PeerExchange> exchange_peers(const AllToAllConfig& cfg, const AllGatherFn& allgather,
+                                    const PeerBlob& mine, std::span<const uint8_t> remote_blob) {
+    const uint32_t w = cfg.world_size;
     std::vector<uint8_t> blob(sizeof(PeerBlob));
     std::memcpy(blob.data(), &mine, sizeof(mine));
     blob.insert(blob.end(), remote_blob.begin(), remote_blob.end());
-    FERRY_ASSIGN_OR_RETURN(auto blobs, allgather(blob));
-    if (blobs.size() != w)
+    PeerExchange x;
+    FERRY_ASSIGN_OR_RETURN(x.blobs, allgather(blob));
+    if (x.blobs.size() != w)
         return invalid_argument(fmt::format(
-            "cuda all-to-all: the allgather returned {} blobs for world {}", blobs.size(), w));
-    std::vector<PeerBlob> peers(w);
+            "cuda all-to-all: the allgather returned {} blobs for world {}", x.blobs.size(), w));
+    x.peers.resize(w);
     std::vector<uint64_t> hashes(w);
     for (uint32_t r = 0; r < w; ++r) {
-        if (blobs[r].size() < sizeof(PeerBlob) ||
-            blobs[r].size() !=
-                sizeof(PeerBlob) + reinterpret_cast<const PeerBlob*>(blobs[r].data())->remote_bytes)
+        const std::vector<uint8_t>& b = x.blobs[r];
+        if (b.size() < sizeof(PeerBlob) ||
+            b.size() !=
+                sizeof(PeerBlob) + reinterpret_cast<const PeerBlob*>(b.data())->remote_bytes)
             return protocol_error(fmt::format(
                 "cuda all-to-all: rank {} sent a {}-byte setup blob that does not match its "
                 "header (another ferry version?)",
-                r, blobs[r].size()));
-        std::memcpy(&peers[r], blobs[r].data(), sizeof(PeerBlob));
-        if (peers[r].magic != kBlobMagic || peers[r].rank != r)
+                r, b.size()));
+        std::memcpy(&x.peers[r], b.data(), sizeof(PeerBlob));
+        if (x.peers[r].magic != kBlobMagic || x.peers[r].rank != r)
             return protocol_error(fmt::format(
                 "cuda all-to-all: setup blob {} is not a cuda all-to-all blob of rank {}", r, r));
-        hashes[r] = peers[r].config_hash;
+        hashes[r] = x.peers[r].config_hash;
     }
     FERRY_RETURN_IF_ERROR(check_same_config(cfg, hashes));
+    return x;
+}
+
+// Shapes every rank must share: arrival counts depend on the send grids, and a rank reads a
+// peer's streamed combine by the peer's pieces.
+Status check_same_shapes(const PeerBlob& p, uint32_t r, const PeerBlob& mine) {
+    if (p.dispatch_blocks != mine.dispatch_blocks || p.combine_blocks != mine.combine_blocks)
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: rank {} launches {}/{} dispatch/combine send blocks, this rank "
+            "{}/{}; arrival counts depend on them, so every rank must use the same",
+            r, p.dispatch_blocks, p.combine_blocks, mine.dispatch_blocks, mine.combine_blocks));
+    if (p.piece_rows != mine.piece_rows)
+        return invalid_argument(fmt::format(
+            "cuda all-to-all: rank {} streams the combine in pieces of {} rows, this rank in "
+            "pieces of {} (0: not streamed); a rank reads a peer's rows by the peer's pieces, "
+            "so every rank must pass the same stream_combine and proxy_chunk_bytes",
+            r, p.piece_rows, mine.piece_rows));
+    return ok_status();
+}
+
+}  // namespace
+
+// Device memory (the shared region, the scratch), the mapped error record and, with remote
+// ranks, the proxy's pinned memory, registered with the engine; zeroed before any peer learns
+// where it is. remote_blob gets what ranks on other nodes need to reach this one.
+Status CudaAllToAll::Impl::allocate(const CudaWorkspace& ws, std::vector<uint8_t>* remote_blob) {
+    FERRY_CUDA_TRY(cudaMalloc(&shared, ws.shared.total));
+    FERRY_CUDA_TRY(cudaMemset(shared, 0, ws.shared.total));
+    FERRY_CUDA_TRY(cudaMalloc(&local, ws.scratch.total));
+    FERRY_CUDA_TRY(cudaMemset(local, 0, ws.scratch.total));
+    void* err = nullptr;
+    FERRY_RETURN_IF_ERROR(alloc_mapped(sizeof(cuda::DeviceError), &err, &dev.err));
+    err_host = static_cast<cuda::DeviceError*>(err);
+    if (ws.remote) {
+        FERRY_RETURN_IF_ERROR(alloc_mapped(ws.publish_bytes, &publish, &dev.publish));
+        if (ws.stream_ready_bytes)
+            FERRY_RETURN_IF_ERROR(
+                alloc_mapped(ws.stream_ready_bytes, &stream_ready, &dev.stream_ready));
+        FERRY_RETURN_IF_ERROR(alloc_mapped(ws.outbox_bytes, &outbox, &dev.outbox));
+        // Kernels read remote peers' bytes and counters straight from the inbox: the proxy
+        // needs no CUDA stream (see device_proxy.h).
+        FERRY_RETURN_IF_ERROR(alloc_mapped(ws.proxy_slab, &inbox, &dev.inbox));
+        TransferEngine* engine = opt.engine;
+        FERRY_ASSIGN_OR_RETURN(outbox_mr, engine->register_memory(outbox, ws.outbox_bytes));
+        FERRY_ASSIGN_OR_RETURN(inbox_mr, engine->register_memory(inbox, ws.proxy_slab));
+        ByteWriter bw;
+        engine->address().encode(bw);
+        inbox_mr->descriptor().encode(bw);
+        *remote_blob = bw.take();
+    }
+    // Zeroed counters must be in place before any peer learns where they are.
+    FERRY_CUDA_TRY(cudaDeviceSynchronize());
+    return ok_status();
+}
+
+// This rank's view of every peer's region: its own allocation, a same-process peer's pointer
+// (peer access enabled), an IPC-opened allocation, or for a rank on another node its outbox
+// slab (and the proxy's engine peer and the rank's inbox), written into the scratch's peer
+// table.
+Status CudaAllToAll::Impl::map_peers(const std::vector<PeerBlob>& peers,
+                                     const std::vector<std::vector<uint8_t>>& blobs,
+                                     const PeerBlob& mine, const CudaWorkspace& ws,
+                                     DeviceProxySetup* ps) {
+    const uint32_t w = cfg.world_size;
     std::vector<uint8_t*> bases(w);
-    DeviceProxySetup ps;
-    ps.peer.resize(w);
-    ps.inbox.resize(w);
-    ps.outbox_offset.resize(w);
+    ps->peer.resize(w);
+    ps->inbox.resize(w);
+    ps->outbox_offset.resize(w);
+    ps->remote.resize(w);
+    uint64_t remote_index = 0;  // outbox slabs in rank order of the remote ranks
     for (uint32_t r = 0; r < w; ++r) {
         const PeerBlob& p = peers[r];
-        if (p.dispatch_blocks != dc.send_blocks || p.combine_blocks != cc.send_blocks)
-            return invalid_argument(fmt::format(
-                "cuda all-to-all: rank {} launches {}/{} dispatch/combine send blocks, this rank "
-                "{}/{}; arrival counts depend on them, so every rank must use the same",
-                r, p.dispatch_blocks, p.combine_blocks, dc.send_blocks, cc.send_blocks));
-        if (p.piece_rows != piece_rows)
-            return invalid_argument(fmt::format(
-                "cuda all-to-all: rank {} streams the combine in pieces of {} rows, this rank in "
-                "pieces of {} (0: not streamed); a rank reads a peer's rows by the peer's pieces, "
-                "so every rank must pass the same stream_combine and proxy_chunk_bytes",
-                r, p.piece_rows, piece_rows));
-        if ((remote_mask >> r) & 1) {
+        FERRY_RETURN_IF_ERROR(check_same_shapes(p, r, mine));
+        if (!cfg.same_node(r, cfg.rank)) {
             // Its kernels' stores for this peer go to its outbox; the proxy does the rest.
             if (p.remote_bytes == 0)
                 return invalid_argument(fmt::format(
@@ -559,11 +447,13 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             auto address = EngineAddress::decode(rd);
             if (!address.ok())
                 return address.status().with_context(fmt::format("cuda all-to-all rank {}", r));
-            FERRY_ASSIGN_OR_RETURN(ps.inbox[r], MemoryDescriptor::decode(rd));
-            FERRY_ASSIGN_OR_RETURN(ps.peer[r], options.engine->connect(*address));
-            const size_t i = std::find(remotes.begin(), remotes.end(), r) - remotes.begin();
-            ps.outbox_offset[r] = slab * i;
-            bases[r] = outbox_dev + slab * i;
+            FERRY_ASSIGN_OR_RETURN(ps->inbox[r], MemoryDescriptor::decode(rd));
+            FERRY_ASSIGN_OR_RETURN(ps->peer[r], opt.engine->connect(*address));
+            ps->remote[r] = true;
+            ps->outbox_offset[r] = ws.proxy_slab * remote_index;
+            bases[r] = dev.outbox + ws.proxy_slab * remote_index;
+            remote_mask |= 1ull << r;
+            ++remote_index;
             continue;
         }
         if (p.host_id != mine.host_id)
@@ -572,17 +462,17 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
                 "run on different hosts; set ranks_per_node to the ranks per host",
                 cfg.ranks_per_node, cfg.rank, r));
         if (r == cfg.rank) {
-            bases[r] = static_cast<uint8_t*>(impl->shared);
+            bases[r] = static_cast<uint8_t*>(shared);
         } else if (p.pid == mine.pid) {
             // Same process: the pointer is valid here; peer access makes it reachable.
             bases[r] = reinterpret_cast<uint8_t*>(p.base);
-            if (p.device != impl->device) {
+            if (p.device != device) {
                 int can = 0;
-                FERRY_CUDA_TRY(cudaDeviceCanAccessPeer(&can, impl->device, p.device));
+                FERRY_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, p.device));
                 if (!can)
                     return unavailable(
                         fmt::format("cuda all-to-all: GPU {} cannot access GPU {} (no peer access)",
-                                    impl->device, p.device));
+                                    device, p.device));
                 cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
                 if (e == cudaErrorPeerAccessAlreadyEnabled) {
                     cudaGetLastError();  // clears the sticky-free "already enabled"
@@ -596,37 +486,31 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
             if (e != cudaSuccess)
                 return FERRY_CUDA_ERROR(
                     e, fmt::format("cudaIpcOpenMemHandle of rank {} (GPU {})", r, p.device));
-            impl->opened.push_back(ptr);
+            opened.push_back(ptr);
             bases[r] = static_cast<uint8_t*>(ptr);
         }
     }
-    // Kernels wait inside for peers' kernels, so every rank's kernel must be resident at once.
-    // With one rank per GPU that holds by itself; ranks sharing a GPU split its SMs: no grid
-    // is larger than SMs / (most ranks on one GPU) - 1, so the blocks of all of them fit even
-    // at one block per SM, with an SM left per rank for the one-block plan kernel (512
-    // threads, which may not share an SM with a send block). Every rank derives the same
-    // shapes from the same blobs.
-    uint32_t share = 1, min_sms = UINT32_MAX;
-    for (uint32_t r = 0; r < w; ++r) {
-        uint32_t on_device = 0;
-        for (uint32_t q = 0; q < w; ++q)
-            on_device += peers[q].host_id == peers[r].host_id && peers[q].device == peers[r].device;
-        share = std::max(share, on_device);
-        min_sms = std::min(min_sms, peers[r].sm_count);
-    }
-    auto fit = [&](uint32_t blocks) {
-        const uint32_t per_rank = min_sms / share;
-        return share == 1 ? blocks : std::min(blocks, per_rank > 1 ? per_rank - 1 : 1u);
-    };
-    impl->dispatch_send_blocks = fit(dc.send_blocks);
-    impl->combine_send_blocks = fit(cc.send_blocks);
-    impl->combine_recv_blocks = fit(cc.recv_blocks);
+    FERRY_CUDA_TRY(cudaMemcpy(static_cast<uint8_t*>(local) + ws.scratch.peers, bases.data(),
+                              sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
+    return ok_status();
+}
 
-    auto* local = static_cast<uint8_t*>(impl->local);
-    FERRY_CUDA_TRY(
-        cudaMemcpy(local + o_peers, bases.data(), sizeof(uint8_t*) * w, cudaMemcpyHostToDevice));
+// The argument block every kernel gets: the config's shapes and formats, the grids, and
+// where each buffer of the workspace plan landed.
+void CudaAllToAll::Impl::fill_args(const CudaWorkspace& ws, const CudaGrids& grids,
+                                   uint32_t plan_smem, uint32_t recv_smem) {
+    const uint32_t w = cfg.world_size, t = cfg.max_tokens_per_rank, k = cfg.experts_per_token;
+    const RowFormat row = RowFormat::of(cfg);
+    const CountsFormat cf = CountsFormat::of(cfg);
+    const ScratchLayout& o = ws.scratch;
+    const bool remote = ws.remote, per_rank = ws.per_rank, streamed = ws.piece_rows != 0;
+    auto* l = static_cast<uint8_t*>(local);
+    auto at = [l](bool used, uint64_t offset) { return used ? l + offset : nullptr; };
+    dispatch_send_blocks = grids.dispatch_send;
+    combine_send_blocks = grids.combine_send;
+    combine_recv_blocks = grids.combine_recv;
 
-    cuda::KernelArgs& a = impl->args;
+    cuda::KernelArgs& a = args;
     a.rank = cfg.rank;
     a.world = w;
     a.hidden = cfg.hidden;
@@ -650,84 +534,135 @@ Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig&
     a.recv_smem = recv_smem;
     a.counts_bytes = static_cast<uint32_t>(cf.bytes);
     a.counts_hits_word = cf.hits_per_expert;
-    a.max_rows = static_cast<uint32_t>(max_rows);
-    a.dispatch_send_blocks = impl->dispatch_send_blocks;
-    a.combine_send_blocks = impl->combine_send_blocks;
-    // A warp per received row; two blocks per SM when the GPU is this rank's alone.
-    a.dispatch_recv_blocks = fit(2 * min_sms);
+    a.max_rows = static_cast<uint32_t>(ws.max_rows);
+    a.dispatch_send_blocks = grids.dispatch_send;
+    a.combine_send_blocks = grids.combine_send;
+    a.dispatch_recv_blocks = grids.dispatch_recv;
     a.timeout_ns = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(options.timeout).count());
-    a.lay = lay;
-    a.peers = reinterpret_cast<uint8_t* const*>(local + o_peers);
-    a.self = static_cast<uint8_t*>(impl->shared);
-    a.state = reinterpret_cast<cuda::DeviceState*>(local + o_state);
-    a.err = err_dev;
-    a.dest_mask = reinterpret_cast<uint64_t*>(local + o_mask);
-    a.row_pos = reinterpret_cast<uint32_t*>(local + o_pos);
-    a.place = reinterpret_cast<uint32_t*>(local + o_place);
-    a.hit_base = has_remote ? reinterpret_cast<uint32_t*>(local + o_hit_base) : nullptr;
-    a.recv_hits = reinterpret_cast<uint32_t*>(local + o_recv_hits);
-    a.counts_mirror = has_remote ? local + o_counts_mirror : nullptr;
-    a.expert_counts = reinterpret_cast<uint32_t*>(local + o_ecount);
-    a.rows_to = reinterpret_cast<uint32_t*>(local + o_rows);
-    a.indices = reinterpret_cast<int32_t*>(local + o_idx);
-    a.weights = reinterpret_cast<float*>(local + o_wt);
-    a.row_src = reinterpret_cast<cuda::RowSource*>(local + o_src);
-    a.out_row = reinterpret_cast<uint32_t*>(local + o_out_row);
+        std::chrono::duration_cast<std::chrono::nanoseconds>(opt.timeout).count());
+    a.lay = ws.shared;
+    a.peers = reinterpret_cast<uint8_t* const*>(l + o.peers);
+    a.self = static_cast<uint8_t*>(shared);
+    a.state = reinterpret_cast<cuda::DeviceState*>(l + o.state);
+    a.err = dev.err;
+    a.dest_mask = reinterpret_cast<uint64_t*>(l + o.dest_mask);
+    a.row_pos = reinterpret_cast<uint32_t*>(l + o.row_pos);
+    a.place = reinterpret_cast<uint32_t*>(l + o.place);
+    a.hit_base = reinterpret_cast<uint32_t*>(at(remote, o.hit_base));
+    a.recv_hits = reinterpret_cast<uint32_t*>(l + o.recv_hits);
+    a.counts_mirror = at(remote, o.counts_mirror);
+    a.expert_counts = reinterpret_cast<uint32_t*>(l + o.expert_counts);
+    a.rows_to = reinterpret_cast<uint32_t*>(l + o.rows_to);
+    a.indices = reinterpret_cast<int32_t*>(l + o.indices);
+    a.weights = reinterpret_cast<float*>(l + o.weights);
+    a.row_src = reinterpret_cast<RowSource*>(l + o.row_src);
+    a.out_row = reinterpret_cast<uint32_t*>(l + o.out_row);
     a.remote_mask = remote_mask;
-    a.publish = publish_dev;
-    a.inbox = inbox_dev;
-    a.proxy_abort = has_remote
-                        ? reinterpret_cast<const uint32_t*>(inbox_dev + proxy_abort_offset(lay, w))
-                        : nullptr;
-    a.tickets = reinterpret_cast<unsigned long long*>(local + o_tickets);
-    a.combine_slot = has_remote ? reinterpret_cast<uint32_t*>(local + o_cslot) : nullptr;
-    a.combine_pos = has_remote ? reinterpret_cast<uint32_t*>(local + o_cpos) : nullptr;
+    a.publish = dev.publish;
+    a.inbox = dev.inbox;
+    a.proxy_abort =
+        remote ? reinterpret_cast<const uint32_t*>(dev.inbox + proxy_abort_offset(ws.shared, w))
+               : nullptr;
+    a.tickets = reinterpret_cast<unsigned long long*>(l + o.tickets);
+    a.combine_slot = reinterpret_cast<uint32_t*>(at(remote, o.combine_slot));
+    a.combine_pos = reinterpret_cast<uint32_t*>(at(remote, o.combine_pos));
     a.remote_combine = t * k;
-    a.piece_rows = piece_rows;
-    a.max_pieces = max_pieces;
-    a.piece_done = piece_rows ? reinterpret_cast<uint32_t*>(local + o_piece_done) : nullptr;
-    a.stream_ready = stream_ready_dev;
-    a.combine_inv = piece_rows ? reinterpret_cast<uint32_t*>(local + o_cinv) : nullptr;
-    a.piece_seen =
-        piece_rows ? reinterpret_cast<unsigned long long*>(local + o_piece_seen) : nullptr;
-    a.combine_base = piece_rows ? reinterpret_cast<uint32_t*>(local + o_combine_base) : nullptr;
-    a.piece_words = proxy_piece_word_offset(lay, w, 0);
-    a.recv_o = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_o) : nullptr;
-    a.recv_w = per_rank ? reinterpret_cast<float*>(local + o_recv_w) : nullptr;
-    a.recv_token = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_token) : nullptr;
-    a.recv_start = per_rank ? reinterpret_cast<uint32_t*>(local + o_recv_start) : nullptr;
-    a.early_launch = options.early_launch && share == 1 ? 1u : 0u;
-    a.fused_plan =
-        options.fuse_plan && share <= 2 && cuda::dispatch_send_fuses_plan(dc.send_threads) ? 1u
-                                                                                           : 0u;
-    a.trace = options.trace ? reinterpret_cast<unsigned long long*>(local + o_trace) : nullptr;
+    a.piece_rows = ws.piece_rows;
+    a.max_pieces = ws.max_pieces;
+    a.piece_done = reinterpret_cast<uint32_t*>(at(streamed, o.piece_done));
+    a.stream_ready = dev.stream_ready;
+    a.combine_inv = reinterpret_cast<uint32_t*>(at(streamed, o.combine_inv));
+    a.piece_seen = reinterpret_cast<unsigned long long*>(at(streamed, o.piece_seen));
+    a.combine_base = reinterpret_cast<uint32_t*>(at(streamed, o.combine_base));
+    a.piece_words = proxy_piece_word_offset(ws.shared, w, 0);
+    a.recv_o = reinterpret_cast<uint32_t*>(at(per_rank, o.recv_o));
+    a.recv_w = reinterpret_cast<float*>(at(per_rank, o.recv_w));
+    a.recv_token = reinterpret_cast<uint32_t*>(at(per_rank, o.recv_token));
+    a.recv_start = reinterpret_cast<uint32_t*>(at(per_rank, o.recv_start));
+    a.early_launch = opt.early_launch && grids.share == 1 ? 1u : 0u;
+    a.fused_plan = opt.fuse_plan && grids.share <= 2 &&
+                           cuda::dispatch_send_fuses_plan(opt.dispatch.send_threads)
+                       ? 1u
+                       : 0u;
+    a.trace = reinterpret_cast<unsigned long long*>(at(opt.trace, o.trace));
+}
 
-    if (has_remote) {
-        ps.engine = options.engine;
-        ps.rank = cfg.rank;
-        ps.world = w;
-        ps.imm_base = options.imm_base;
-        ps.layout = lay;
-        ps.counts_bytes = cf.bytes;
-        ps.dispatch_blocks = impl->dispatch_send_blocks;
-        ps.combine_blocks = impl->combine_send_blocks;
-        ps.timeout = options.timeout;
-        ps.idle_spin = options.proxy_idle_spin;
-        ps.chunk_bytes = options.proxy_chunk_bytes;
-        ps.trace = options.trace;
-        ps.clock_offset_ns = clock_offset;
-        ps.remote.resize(w);
-        for (uint32_t r = 0; r < w; ++r) ps.remote[r] = (remote_mask >> r) & 1;
-        ps.publish = static_cast<const proxy::Publish*>(impl->publish);
-        ps.stream_ready = static_cast<const uint32_t*>(impl->stream_ready);
-        ps.stream_piece_bytes = uint64_t{piece_rows} * combine_row;
-        ps.stream_max_pieces = max_pieces;
-        ps.outbox = impl->outbox_mr.get();
-        ps.inbox_data = static_cast<uint8_t*>(impl->inbox);
-        impl->proxy = std::make_unique<DeviceProxy>(std::move(ps));
-        impl->proxy->start();
+// The host proxy of the ranks on other nodes: it follows what the kernels publish.
+void CudaAllToAll::Impl::start_proxy(const CudaWorkspace& ws, int64_t clock_offset,
+                                     DeviceProxySetup ps) {
+    ps.engine = opt.engine;
+    ps.rank = cfg.rank;
+    ps.world = cfg.world_size;
+    ps.imm_base = opt.imm_base;
+    ps.layout = ws.shared;
+    ps.counts_bytes = CountsFormat::of(cfg).bytes;
+    ps.dispatch_blocks = dispatch_send_blocks;
+    ps.combine_blocks = combine_send_blocks;
+    ps.timeout = opt.timeout;
+    ps.idle_spin = opt.proxy_idle_spin;
+    ps.chunk_bytes = opt.proxy_chunk_bytes;
+    ps.trace = opt.trace;
+    ps.clock_offset_ns = clock_offset;
+    ps.publish = static_cast<const proxy::Publish*>(publish);
+    ps.stream_ready = static_cast<const uint32_t*>(stream_ready);
+    ps.stream_piece_bytes = uint64_t{ws.piece_rows} * ws.combine_row_bytes;
+    ps.stream_max_pieces = ws.max_pieces;
+    ps.outbox = outbox_mr.get();
+    ps.inbox_data = static_cast<uint8_t*>(inbox);
+    proxy = std::make_unique<DeviceProxy>(std::move(ps));
+    proxy->start();
+}
+
+// The workspace plan (checks that need no GPU, every buffer's size), the kernels loaded, the
+// memory allocated, the peer exchange and mapping, the grids, the argument block, the proxy.
+Result<std::unique_ptr<CudaAllToAll>> CudaAllToAll::create(const AllToAllConfig& cfg,
+                                                           const AllGatherFn& allgather,
+                                                           const CudaAllToAllOptions& options) {
+    FERRY_ASSIGN_OR_RETURN(const CudaWorkspace ws, plan_cuda_workspace(cfg, options));
+    int count = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
+        return unavailable(fmt::format("cuda all-to-all: no usable GPU ({})",
+                                       e == cudaSuccess ? "none visible" : cudaGetErrorString(e)));
+    auto impl = std::make_unique<Impl>();
+    impl->cfg = cfg;
+    impl->opt = options;
+    if (options.device >= 0) {
+        impl->device = options.device;
+    } else {
+        FERRY_CUDA_TRY(cudaGetDevice(&impl->device));
     }
+    FERRY_CUDA_TRY(cudaSetDevice(impl->device));
+    uint32_t plan_smem = 0, recv_smem = 0;
+    FERRY_RETURN_IF_ERROR(load_kernels(cfg, impl->device, &plan_smem, &recv_smem));
+    int64_t clock_offset = 0;
+    if (options.trace && ws.remote) FERRY_RETURN_IF_ERROR(gpu_clock_offset(&clock_offset));
+    std::vector<uint8_t> remote_blob;
+    FERRY_RETURN_IF_ERROR(impl->allocate(ws, &remote_blob));
+
+    PeerBlob mine;
+    mine.rank = cfg.rank;
+    mine.config_hash = cfg.hash();
+    mine.host_id = host_id();
+    mine.pid = static_cast<int32_t>(getpid());
+    mine.device = impl->device;
+    mine.dispatch_blocks = options.dispatch.send_blocks;
+    mine.combine_blocks = options.combine.send_blocks;
+    mine.piece_rows = ws.piece_rows;
+    int sms = 0;
+    FERRY_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
+    mine.sm_count = static_cast<uint32_t>(sms);
+    mine.base = reinterpret_cast<uint64_t>(impl->shared);
+    FERRY_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, impl->shared));
+    mine.remote_bytes = static_cast<uint32_t>(remote_blob.size());
+    FERRY_ASSIGN_OR_RETURN(PeerExchange x, exchange_peers(cfg, allgather, mine, remote_blob));
+    DeviceProxySetup ps;
+    FERRY_RETURN_IF_ERROR(impl->map_peers(x.peers, x.blobs, mine, ws, &ps));
+
+    std::vector<GpuSeat> seats;
+    for (const PeerBlob& p : x.peers) seats.push_back({p.host_id, p.device, p.sm_count});
+    const CudaGrids grids = choose_cuda_grids(seats, options.dispatch, options.combine);
+    impl->fill_args(ws, grids, plan_smem, recv_smem);
+    if (ws.remote) impl->start_proxy(ws, clock_offset, std::move(ps));
     return std::unique_ptr<CudaAllToAll>(new CudaAllToAll(std::move(impl)));
 }
 
@@ -760,9 +695,9 @@ Status CudaAllToAll::dispatch_recv(const CudaExpertBatch& out, void* stream) {
         return invalid_argument(
             fmt::format("dispatch_recv: {} local experts x capacity {} rows exceed 2^32 rows",
                         m.cfg.num_local_experts(), out.capacity));
-    cudaError_t e = cuda::launch_dispatch_recv(m.args, out.x, out.x_scale, out.counts, out.offsets,
-                                               reinterpret_cast<cuda::RowSource*>(out.sources),
-                                               out.capacity, static_cast<cudaStream_t>(stream));
+    cudaError_t e =
+        cuda::launch_dispatch_recv(m.args, out.x, out.x_scale, out.counts, out.offsets, out.sources,
+                                   out.capacity, static_cast<cudaStream_t>(stream));
     return m.launched(e, "dispatch_recv launch", Phase::kDispatchReceived);
 }
 

@@ -1,36 +1,17 @@
 // Shared between the MoE kernels (.cu, CUDA C++17) and their host side: the argument block
 // every kernel gets, the device-side error record, and the launchers of each kernel family.
-// The .cu files are C++17 and cannot include plan.h (std::span), so the few wire constants
-// they need are mirrored here; the host side static_asserts that they match.
+// The wire format both read is in ferry/moe/wire_format.h; the CUDA-free parts of what they
+// agree on (the region layout, the state, tickets and trace points) in moe/device_layout.h.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "ferry/moe/wire_format.h"
 #include "moe/device_layout.h"
 
 namespace ferry::moe::cuda {
-
-// Mirror of moe::RowSource (same layout; rank kPadding marks padding rows).
-struct RowSource {
-    static constexpr uint32_t kPadding = 0xffffffffu;
-    uint32_t rank = kPadding;
-    uint32_t token = 0;
-    uint32_t k = 0;
-};
-// Mirror of the CountsFormat word indices and of sizeof(RowHeader) (token, call number).
-struct CountsWords {
-    static constexpr uint32_t kSeq = 0, kConfigHash = 1, kCombineBase = 2, kHits = 3, kRowsTo = 4;
-};
-inline constexpr uint32_t kRowHeaderBytes = 8;
-// One bit per destination rank in a token's mask (and in remote_mask).
-inline constexpr uint32_t kMaxCudaWorld = 64;
-// combine_recv keeps one row vector per top-k slot in registers.
-inline constexpr uint32_t kMaxCudaTopk = 16;
-// Mirrors of numerics.h.
-inline constexpr float kFp8Max = 448.0f;
-inline constexpr float kFp8Floor = 1e-4f;
 
 // Written once per failure (first writer wins) into mapped pinned host memory, so the host can
 // read it even while a kernel is stuck.
@@ -57,15 +38,6 @@ struct DeviceError {
     uint32_t seq;
     uint64_t value;  // what was seen (counter, seq in a row header, token count ...)
     uint64_t want;   // what was expected
-};
-
-// Device-local state of one rank: the call number and token count of the current call.
-struct DeviceState {
-    uint64_t seq;
-    uint32_t num_tokens;
-    uint32_t out_rows;       // rows of the last dispatch_recv, padding included
-    uint32_t out_capacity;   // its CudaExpertBatch::capacity (0: grouped back to back)
-    uint32_t error_claimed;  // set once by the first failure (see record_error)
 };
 
 struct KernelArgs {
@@ -156,50 +128,6 @@ struct KernelArgs {
     // Block 0 of dispatch_send plans the call (no plan kernel before it): set by create()
     // when dispatch_send_fuses_plan(send threads) and at most two ranks share a GPU.
     uint32_t fused_plan;
-};
-
-// Where the kernels stamp the trace: each kernel's first and last block, and the moments its
-// waits for peers ended. The plan kernel clears the stamps of the previous call.
-enum TracePoint : uint32_t {
-    kTrPlanBegin,
-    kTrPlanRouted,  // the first tile's routing is in shared memory
-    kTrPlanRanked,  // the first tile's prefix over warps is done
-    kTrPlanTiles,   // every tile is done
-    kTrPlanCounts,  // counts messages stored, before the fence and the signal
-    kTrPlanEnd,
-    kTrSendBegin,
-    kTrSendCountsIn,  // every peer's counts are here
-    kTrSendEnd,
-    kTrRecvBegin,
-    kTrRecvRowsIn,  // every peer's rows are here
-    kTrRecvEnd,
-    kTrCombineSendBegin,
-    kTrCombineSendEnd,
-    kTrCombineRecvBegin,
-    kTrCombineRecvRowsIn,
-    kTrCombineRecvEnd,
-    kTracePoints
-};
-
-// Tickets: the last block of a call to finish a phase publishes that phase's remote puts.
-enum Ticket : uint32_t {
-    kTicketPrivate = 0,
-    kTicketDispatch = 1,
-    kTicketCombine = 2,
-    kTicketRecv = 3,  // the last dispatch_recv block checks every announced hit was placed
-    // The fused dispatch send (KernelArgs::fused_plan): the call number whose plan block 0
-    // finished, and how many of the other blocks entered so far (their call number).
-    kTicketPlan = 4,
-    kTicketSendEntry = 5,
-    // wait_remote_counters: a ticket electing the block that polls the inbox, and the call
-    // number it publishes once the remote counters are there, per wait.
-    kTicketCountsPoll = 6,
-    kTicketCountsRelay = 7,
-    kTicketDispatchPoll = 8,
-    kTicketDispatchRelay = 9,
-    kTicketCombinePoll = 10,
-    kTicketCombineRelay = 11,
-    kTickets = 12
 };
 
 // Every kernel of a family loaded into the current device's context. CUDA loads modules

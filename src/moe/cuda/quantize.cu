@@ -26,12 +26,12 @@ __global__ void quantize_kernel(const uint16_t* x, uint64_t blocks, uint8_t* q, 
     }
     for (int off = 16; off > 0; off /= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    amax = fmaxf(amax, kFp8Floor);
-    const float inv = __fdiv_rn(kFp8Max, amax);
+    amax = fmaxf(amax, kFp8AmaxFloor);
+    const float inv = __fdiv_rn(kFp8E4M3Max, amax);
     for (int i = 0; i < 4; ++i)
         q[b * 128 + lane * 4 + i] = static_cast<uint8_t>(
             __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3));
-    if (lane == 0) scales[b] = __fdiv_rn(amax, kFp8Max);
+    if (lane == 0) scales[b] = __fdiv_rn(amax, kFp8E4M3Max);
 }
 
 __device__ __forceinline__ uint16_t dequantize_one(uint8_t q, float scale) {
