@@ -335,6 +335,15 @@ inline std::string compare_pool(const std::vector<uint8_t>& got, const std::vect
     return out;
 }
 
+// What is wrong in decode's pool (poisoned before the transfer) if it does not hold exactly one
+// request's KV in its blocks and the poison everywhere else; empty when it does.
+inline std::string pool_holds_only(KvNode& n, uint64_t id, const std::vector<uint32_t>& blocks,
+                                   uint32_t tokens) {
+    std::vector<uint8_t> image(n.mem.size(), kPoison);
+    expect_request(n.self, image, id, blocks, tokens);
+    return compare_pool(n.mem, image);
+}
+
 inline KvLayout test_layout(uint32_t heads_per_rank, uint32_t block_size, BlockOrder order,
                             KvPlacement placement, uint32_t num_blocks) {
     KvLayout l;

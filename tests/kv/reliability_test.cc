@@ -105,9 +105,7 @@ TEST_P(KvReliabilityTest, PrefillComputingLongerThanTheLeaseStillDelivers) {
                     CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
                     CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
                     CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-                    std::vector<uint8_t> image(n.mem.size(), kPoison);
-                    testing::expect_request(n.self, image, id, blocks, 40);
-                    std::string diff = testing::compare_pool(n.mem, image);
+                    std::string diff = testing::pool_holds_only(n, id, blocks, 40);
                     CHILD_CHECK_MSG(diff.empty(), "{}", diff);
                     CHILD_CHECK(n.conn->stats().leases_expired == 0);
                 } else {
@@ -161,9 +159,7 @@ TEST_P(KvReliabilityTest, PrefillQueuedLongerThanTheLeaseStillDelivers) {
                     Duration took = Clock::now() - t0;
                     if (scheduled) {
                         CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-                        std::vector<uint8_t> image(n.mem.size(), kPoison);
-                        testing::expect_request(n.self, image, id, blocks, 40);
-                        std::string diff = testing::compare_pool(n.mem, image);
+                        std::string diff = testing::pool_holds_only(n, id, blocks, 40);
                         CHILD_CHECK_MSG(diff.empty(), "{}", diff);
                     } else {
                         CHILD_CHECK_MSG(
@@ -729,9 +725,7 @@ TEST_P(KvReliabilityTest, NewerAttemptSupersedesAndOldWritesNeverCount) {
             CHILD_CHECK_OK(ex.barrier());
             CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait, 2));
             CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-            std::vector<uint8_t> image(n.mem.size(), kPoison);
-            testing::expect_request(n.self, image, id, second, kTokens);
-            std::string diff = testing::compare_pool(n.mem, image);
+            std::string diff = testing::pool_holds_only(n, id, second, kTokens);
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
             CHILD_CHECK_OK(n.blocks->free(second));
         } else {
@@ -811,9 +805,7 @@ TEST_P(KvReliabilityTest, ANewerAttemptAfterPrefillServedTheOldOneIsRefusedAtOnc
                 r2.status.to_string());
             CHILD_CHECK_MSG(took < lease / 2, "refused after {:.0f} ms", to_ms(took));
             // Nothing landed in the second attempt's blocks.
-            std::vector<uint8_t> image(n.mem.size(), kPoison);
-            testing::expect_request(n.self, image, id, first, kTokens);
-            std::string diff = testing::compare_pool(n.mem, image);
+            std::string diff = testing::pool_holds_only(n, id, first, kTokens);
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         } else {
             testing::fill_request(n, id, first, kTokens);
@@ -1138,9 +1130,7 @@ TEST_P(KvReliabilityTest, MalformedAndUnknownMessagesAreCountedAndDropped) {
             CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 20}));
             CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
             CHILD_CHECK_MSG(r.status.ok(), "{}", r.status.to_string());
-            std::vector<uint8_t> image(n.mem.size(), kPoison);
-            testing::expect_request(n.self, image, id, blocks, 20);
-            std::string diff = testing::compare_pool(n.mem, image);
+            std::string diff = testing::pool_holds_only(n, id, blocks, 20);
             CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         } else {
             CHILD_CHECK_OK(testing::wait_messages(n, 1, kWait));
