@@ -346,6 +346,11 @@ class Bench {
                 if (!offer.ok()) return offer.status();
                 params.push_back(std::move(*offer));
             }
+            if (c_.offer_wait_ms > 0) {
+                const TimePoint offered = Clock::now();
+                std::this_thread::sleep_for(std::chrono::milliseconds(c_.offer_wait_ms));
+                t0 += Clock::now() - offered;
+            }
             for (size_t d = 0; d < decode_.size(); ++d) {
                 FERRY_RETURN_IF_ERROR(timed(prefill_.size() + d, [&] {
                     return decode_[d]->conn->pull(id, params, dblocks[d], tokens);
@@ -524,6 +529,7 @@ nlohmann::json kv_report_json(const KvBenchConfig& c, const KvBenchReport& r) {
             {"random_blocks", c.random_blocks},
             {"iters", c.iters},
             {"settle_us", c.settle_us},
+            {"offer_wait_ms", c.offer_wait_ms},
             {"rows", rows}};
 }
 

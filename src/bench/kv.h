@@ -55,6 +55,9 @@ struct KvBenchConfig {
     // Push: how long after prefill's connectors counted the REGISTERs prefill_done is called
     // (prefill's compute in serving; at 0 the call meets the REGISTER's own handling).
     uint32_t settle_us = 1000;
+    // Pull: how long decode waits after prefill's offers before it pulls (the router's round
+    // trip and decode's scheduling in serving); not in the time measured.
+    uint32_t offer_wait_ms = 0;
     std::function<void(const std::string&)> progress;
 };
 

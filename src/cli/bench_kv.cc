@@ -75,6 +75,11 @@ void register_bench_kv(CLI::App& bench) {
                     "compute (0: the call meets the REGISTER's handling)")
         ->check(CLI::Range(0u, 1000000u))
         ->capture_default_str();
+    cmd->add_option("--offer-wait-ms", c->offer_wait_ms,
+                    "pull: milliseconds from prefill's offers to decode's pull (the router's "
+                    "round trip and decode's scheduling), not counted in the time")
+        ->check(CLI::Range(0u, 60000u))
+        ->capture_default_str();
     cmd->add_option("--json", *json_path, "write the results as JSON to this file")
         ->check(output_file());
     cmd->callback([c, json_path] {

@@ -147,7 +147,7 @@ bool TransferEngine::try_take_imm(uint32_t imm, uint64_t count) {
     return impl_->imm.try_take(imm, count);
 }
 uint64_t TransferEngine::imm_available(uint32_t imm) const { return impl_->imm.available(imm); }
-void TransferEngine::expect_arrivals(bool on) { impl_->expect_arrivals(on); }
+void TransferEngine::expect_arrivals(bool on, Expected what) { impl_->expect_arrivals(on, what); }
 OpHandle TransferEngine::send_message(PeerId peer, std::span<const uint8_t> payload,
                                       OpCallback done) {
     return impl_->send_message(peer, payload, std::move(done));

@@ -155,6 +155,10 @@ Status EngineImpl::init(const EngineConfig& cfg) {
             return imm.has_waiters() || gpu_.busy() ||
                    expecting_.load(std::memory_order_relaxed) > 0;
         };
+        hooks.expecting_since = [this]() -> std::optional<TimePoint> {
+            if (expecting_signalled_.load(std::memory_order_relaxed) <= 0) return std::nullopt;
+            return TimePoint(Duration(signalled_since_.load(std::memory_order_relaxed)));
+        };
         if (r == 0) {
             hooks.on_message = [this](std::span<const uint8_t> m) { control_.deliver(m); };
         }
@@ -400,12 +404,15 @@ Result<GroupId> EngineImpl::create_group(std::span<const PeerId> peers,
     return peers_.create_group(peers, dsts);
 }
 
-void EngineImpl::expect_arrivals(bool on) {
+void EngineImpl::expect_arrivals(bool on, Expected what) {
+    std::atomic<int32_t>& open = what == Expected::kAny ? expecting_ : expecting_signalled_;
     if (!on) {
-        expecting_.fetch_sub(1, std::memory_order_relaxed);
+        open.fetch_sub(1, std::memory_order_relaxed);
         return;
     }
-    if (expecting_.fetch_add(1, std::memory_order_relaxed) == 0) rails.wake_all();
+    if (what == Expected::kSignalled)
+        signalled_since_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    if (open.fetch_add(1, std::memory_order_relaxed) == 0) rails.wake_all();
 }
 
 void EngineImpl::set_message_handler(MessageHandler handler) {

@@ -77,7 +77,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Status barrier(GroupId group, uint32_t imm, Duration timeout);
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done);
     void set_message_handler(MessageHandler handler);
-    void expect_arrivals(bool on);
+    void expect_arrivals(bool on, Expected what);
     EngineStats stats() const;
     std::vector<EngineStats> rail_stats() const;
 
@@ -180,8 +180,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     GpuCopyPath gpu_{config};
     MemoryRegistry memory_{rails, gpu_};
     ControlChannel control_{config};
-    std::atomic<int32_t> expecting_{0};        // open expect_arrivals(true) calls
-    std::atomic<uint64_t> rail_fallbacks_{0};  // EngineStats::rail_fallbacks
+    std::atomic<int32_t> expecting_{0};              // open expect_arrivals(true, kAny) calls
+    std::atomic<int32_t> expecting_signalled_{0};    // open expect_arrivals(true, kSignalled)
+    std::atomic<Duration::rep> signalled_since_{0};  // the newest kSignalled's start
+    std::atomic<uint64_t> rail_fallbacks_{0};        // EngineStats::rail_fallbacks
 };
 
 }  // namespace ferry::detail

@@ -456,6 +456,12 @@ bool Rail::post_pending() {
     return any;
 }
 
+bool Rail::expecting_within_spin(TimePoint now, TimePoint last_active) const {
+    if (!hooks_.expecting_since) return false;
+    const std::optional<TimePoint> since = hooks_.expecting_since();
+    return since && now - std::max(*since, last_active) < config_.expect_spin;
+}
+
 void Rail::run() {
     TimePoint last_active = Clock::now();
     TimePoint next_tick = last_active + kTickPeriod;
@@ -478,9 +484,15 @@ void Rail::run() {
             continue;
         }
         // In flight or expected: both sides of a shm or tcp transfer must poll for it to
-        // progress, and a nap on either side stretches every step of it.
+        // progress, and a nap on either side stretches every step of it. Reads, and writes
+        // without an immediate, complete nothing at their target: an expectation of kAny keeps
+        // it polling throughout. One of kSignalled (arrivals the worker sees come) only for
+        // expect_spin after the last activity: a decode engine expects a push for the whole of
+        // prefill's compute, seconds, and polling all that time took a core from the prefill
+        // engine it waited for on a shared host (issue 32's lease expiries).
         if (config_.busy_poll || now - last_active < config_.idle_spin || !pending_.empty() ||
-            !inflight_.empty() || (hooks_.stay_awake && hooks_.stay_awake())) {
+            !inflight_.empty() || (hooks_.stay_awake && hooks_.stay_awake()) ||
+            expecting_within_spin(now, last_active)) {
             idle_();
             continue;
         }

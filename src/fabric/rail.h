@@ -229,8 +229,13 @@ struct RailHooks {
     std::function<void(uint32_t imm)> on_imm;
     std::function<void(std::span<const uint8_t>)> on_message;
     // True while the engine expects arrivals soon (immediate waiters pending, GPU copies in
-    // flight, a caller's expect_arrivals): the worker then keeps polling instead of napping.
+    // flight, a caller's expect_arrivals of kAny): the worker then keeps polling instead of
+    // napping.
     std::function<bool()> stay_awake;
+    // When the newest of a caller's open expect_arrivals of kSignalled began; nullopt when none
+    // is open. The worker keeps polling for EngineConfig::expect_spin after the later of that
+    // and its last activity, then naps as when idle.
+    std::function<std::optional<TimePoint>()> expecting_since;
 };
 
 // What one Rail::run_on_worker call shares between its caller and the worker: the task, its
@@ -359,6 +364,9 @@ class Rail {
     Status run_task(std::shared_ptr<WorkerTask> task, Duration timeout);
     Status init(int index, const fi_info* info, const EngineConfig& config);
     void run();
+    // A caller expects arrivals and the later of its expectation's start and last_active is
+    // within expect_spin of now.
+    bool expecting_within_spin(TimePoint now, TimePoint last_active) const;
     bool drain_submissions();
     // Posts a popped operation at once when it can, or adds it to pending_. False when the
     // rail turned out wedged. `direct` counts the operations posted here.

@@ -143,7 +143,7 @@ void PushReceiver::register_push(PushRegistration reg) {
     c.deadline = Clock::now() + ctx_.cfg.lease;
     for (Slot& s : c.slots) s.deadline = c.deadline;
     c.progress = KvFrontier{reg.first_token};
-    c.awake = ArrivalsExpected(ctx_.engine);
+    c.awake = ArrivalsExpected(ctx_.engine, Expected::kSignalled);
     for (const Slot& s : c.slots) {
         RegisterMsg m;
         m.transfer_id = reg.transfer_id;

@@ -64,8 +64,11 @@ class PushReceiver {
         Status error;
         uint64_t bytes = 0;
         uint32_t writes = 0;
-        KvFrontier progress;     // last reported through on_recv_progress
-        ArrivalsExpected awake;  // prefill's writes need this side's polling to progress
+        KvFrontier progress;  // last reported through on_recv_progress
+        // prefill's writes need this side's polling to progress; each carries an immediate and
+        // SEGMENT comes first, so the workers see them come (Expected::kSignalled) and nap
+        // while prefill computes.
+        ArrivalsExpected awake;
     };
     // Before registration: the prefill ranks asked to say SCHEDULED.
     struct Announce {

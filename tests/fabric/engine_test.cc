@@ -1004,6 +1004,47 @@ TEST(EngineConfigTest, AQuietEngineNapsLonger) {
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
+// An expectation of signalled arrivals keeps the workers polling for expect_spin only, then
+// they nap as when idle: a decode engine expects a push for all of prefill's compute, and its
+// polling worker took a core from the prefill engine on the same host (issue 32). One of any
+// arrivals (reads, which a target never sees) keeps them polling. Same process, the same 1.5 s
+// of an open expectation measured three times, from 400 ms after it began: signalled with an
+// expect_spin longer than the run (the polling of before), signalled with 100 ms, any with
+// 100 ms.
+TEST(EngineConfigTest, ASignalledExpectationPollsForExpectSpinThenNaps) {
+    auto results = testing::run_processes(
+        1,
+        [](testing::Exchange&) -> std::string {
+            struct Case {
+                Expected what;
+                Duration spin;
+                long used = 0;
+            } cases[] = {{Expected::kSignalled, std::chrono::hours(1)},
+                         {Expected::kSignalled, std::chrono::milliseconds(100)},
+                         {Expected::kAny, std::chrono::milliseconds(100)}};
+            for (Case& c : cases) {
+                EngineConfig config = testing::test_engine_config("tcp");
+                config.expect_spin = c.spin;
+                CHILD_ASSIGN_OK(auto e, TransferEngine::create(config));
+                ArrivalsExpected expecting(e.get(), c.what);
+                std::this_thread::sleep_for(std::chrono::milliseconds(400));
+                const long before = rail_worker_ticks();
+                std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+                c.used = rail_worker_ticks() - before;
+                CHILD_CHECK_MSG(before >= 0, "cannot read /proc/self/task");
+            }
+            CHILD_CHECK_MSG(cases[0].used >= 15 && cases[1].used * 3 <= cases[0].used &&
+                                cases[2].used * 3 > cases[0].used,
+                            "a rail worker expecting arrivals used {} ticks in 1.5 s polling "
+                            "throughout, {} with expect_spin 100 ms, {} expecting any arrivals "
+                            "(want at least 15, at most a third of that, more than a third)",
+                            cases[0].used, cases[1].used, cases[2].used);
+            return "";
+        },
+        std::chrono::seconds(60));
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
 // With no immediate waiter the watchdog ticks every 20 ms; a first waiter pokes it back to a
 // sweep every millisecond, so a short wait on a quiet engine still times out on time (without
 // the poke a 5 ms wait ended ~5 ms late in the median, up to 15 ms). The median of 11 waits of

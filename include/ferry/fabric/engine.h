@@ -81,8 +81,9 @@ struct EngineConfig {
     // new submissions; arrivals wait for the end of the nap, at most max_nap, or quiet_nap
     // after quiet_after without any activity, below). The worker
     // does not nap while its operations are in flight, immediate waiters are pending, GPU
-    // copies run or a caller said it expects arrivals (expect_arrivals); it yields the core
-    // between polls then, so threads with work get it.
+    // copies run or a caller expects arrivals (expect_arrivals; of Expected::kSignalled only
+    // for expect_spin after it began or after the last activity); it yields the core between
+    // polls then, so threads with work get it.
     // busy_poll never naps: lowest latency, one core per rail.
     bool busy_poll = false;
     // Writes no longer than the provider's inject_size (tx_attr) are posted with FI_INJECT:
@@ -120,9 +121,18 @@ struct EngineConfig {
     // quiet_nap <= max_nap keeps every nap within max_nap.
     Duration quiet_nap = std::chrono::milliseconds(1);
     Duration quiet_after = std::chrono::seconds(1);
+    // How long an expectation of Expected::kSignalled keeps the worker polling after it began
+    // or after the worker's last activity (each message or immediate that arrives is one). A
+    // decode engine waiting seconds for prefill's compute naps after it: one decode worker in
+    // vLLM polled 60-100% of a core for all of prefill's step before, on the 2-core host that
+    // ran the prefill engine too, whose step then outlasted decode's lease (2026-12-07).
+    Duration expect_spin = std::chrono::milliseconds(50);
 };
 
 using PeerId = uint32_t;
+
+// What a caller expects to arrive (TransferEngine::expect_arrivals).
+enum class Expected { kAny, kSignalled };
 using GroupId = uint32_t;
 using OpCallback = std::function<void(const Status&)>;
 
@@ -459,8 +469,13 @@ class TransferEngine {
     // the workers keep polling instead of napping: on providers whose transfers need both
     // sides' progress (shm copies at the target, tcp reads there), a napping target slowed a
     // 2 MiB write to 5 ms on a busy 2-core host (2026-12-01). Calls nest; each
-    // expect_arrivals(true) needs one expect_arrivals(false).
-    void expect_arrivals(bool on);
+    // expect_arrivals(true) needs one expect_arrivals(false) of the same kind.
+    // Expected::kAny: reads, or writes without an immediate, which complete nothing at this
+    // target: the workers poll for as long as the expectation lasts. Expected::kSignalled:
+    // messages and writes with an immediate, which the workers see arrive: they poll for
+    // EngineConfig::expect_spin after the expectation began or after their last activity,
+    // then nap as when idle (a decode engine expecting a push for all of prefill's compute).
+    void expect_arrivals(bool on, Expected what = Expected::kAny);
 
     // Small two-sided control messages over rail 0, with receive buffers kept posted.
     OpHandle send_message(PeerId peer, std::span<const uint8_t> payload, OpCallback done = {});
@@ -484,30 +499,34 @@ class TransferEngine {
     std::shared_ptr<detail::EngineImpl> impl_;
 };
 
-// expect_arrivals(true) for as long as it lives (movable; the engine must outlive it).
+// expect_arrivals(true, what) for as long as it lives (movable; the engine must outlive it).
 class ArrivalsExpected {
   public:
     ArrivalsExpected() = default;
-    explicit ArrivalsExpected(TransferEngine* engine) : engine_(engine) {
-        engine_->expect_arrivals(true);
+    explicit ArrivalsExpected(TransferEngine* engine, Expected what = Expected::kAny)
+        : engine_(engine), what_(what) {
+        engine_->expect_arrivals(true, what_);
     }
-    ArrivalsExpected(ArrivalsExpected&& o) noexcept : engine_(std::exchange(o.engine_, nullptr)) {}
+    ArrivalsExpected(ArrivalsExpected&& o) noexcept
+        : engine_(std::exchange(o.engine_, nullptr)), what_(o.what_) {}
     ArrivalsExpected& operator=(ArrivalsExpected&& o) noexcept {
         if (this != &o) {
             reset();
             engine_ = std::exchange(o.engine_, nullptr);
+            what_ = o.what_;
         }
         return *this;
     }
     ~ArrivalsExpected() { reset(); }
     bool active() const { return engine_ != nullptr; }
     void reset() {
-        if (engine_) engine_->expect_arrivals(false);
+        if (engine_) engine_->expect_arrivals(false, what_);
         engine_ = nullptr;
     }
 
   private:
     TransferEngine* engine_ = nullptr;
+    Expected what_ = Expected::kAny;
 };
 
 // Resolves a provider name from the config ("tcp" -> "tcp;ofi_rxm", "auto" -> first available
