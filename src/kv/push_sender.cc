@@ -46,8 +46,9 @@ constexpr bool legal(PrefillState from, PrefillState to) {
     return false;
 }
 
-// A job with writes in flight is in kSending or an -ing state; kServed, kFailed and kCancelled
-// have none. Only a served job may still change: CANCEL after it makes it cancelled.
+// A job with writes in flight is kSending, kClosed or an -ing state; kServed, kFailed and
+// kCancelled have none, and of them only a served job may still change: CANCEL after it makes
+// it cancelled.
 constexpr bool legal(SendJobState from, SendJobState to) {
     switch (from) {
         case J::kSending:

@@ -19,7 +19,7 @@ namespace ferry::kv::detail {
 
 // Where prefill is with a transfer's prompt, from the engine's calls.
 enum class PrefillState : uint8_t {
-    kQueued,     // known from a decode message only: not scheduled yet (renewals for REGISTERs)
+    kQueued,     // not scheduled yet (known from INTENT or REGISTER); registered ranks renewed
     kComputing,  // prefill_scheduled or prefill_progress: SCHEDULED went out; renewals run
     kDone,       // prefill_done: the prompt's blocks are held until every job is served
     kFailed,     // prefill_failed before prefill_done: jobs answer FAIL as their writes end
