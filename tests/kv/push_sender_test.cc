@@ -72,14 +72,15 @@ struct Rig {
         return sender->job_state(kId, attempt, 0);
     }
 
-    // Messages of type T for `attempt` decode got; for SEGMENT, those with `last` as asked.
+    // Messages of type T for attempt `attempt` of kId decode got; for SEGMENT, those with
+    // `last` as asked.
     template <typename T>
     size_t count(uint32_t attempt, int last = -1) {
         std::lock_guard lk(mu);
         size_t n = 0;
         for (const KvMessage& m : got) {
             const T* t = std::get_if<T>(&m);
-            if (!t || t->attempt != attempt) continue;
+            if (!t || t->transfer_id != kId || t->attempt != attempt) continue;
             if constexpr (std::is_same_v<T, SegmentMsg>) {
                 if (last >= 0 && t->last.has_value() != (last == 1)) continue;
             }
@@ -301,6 +302,36 @@ TEST_P(PushSenderStateTest, PrefillFailingWithWritesInFlightFailsTheJobOnceTheyE
         CHILD_CHECK_OK(r.flush(1));
         CHILD_CHECK(r.count<FailMsg>(1) == 1 && r.count<FailMsg>(2) == 1);
         CHILD_CHECK(r.count<SegmentMsg>(1) == 1 && r.count<FinalMsg>(1) == 0);
+        return "";
+    });
+}
+
+// A rank that announced, was scheduled and cancelled before it registered: its job is created
+// CANCELLED, so the REGISTER that comes late (posted again after the provider pushed it back)
+// writes nothing into blocks decode reused after the CANCEL_ACK.
+TEST_P(PushSenderStateTest, ARegisterAfterTheCancelOfAnAnnouncedRankWritesNothing) {
+    run_case([](Rig& r) -> std::string {
+        r.sender->on_intent(IntentMsg{kId, 1, 0, 1, r.decode_engine->address()});
+        CHILD_CHECK_STATE(r.sender->prefill_state(kId), PrefillState::kQueued);
+        r.sender->prefill_scheduled(kId);
+        CHILD_CHECK_STATE(r.sender->prefill_state(kId), PrefillState::kComputing);
+        r.sender->on_cancel(r.decode_engine->engine_id(), r.cancel(1));
+        CHILD_CHECK_STATE(r.job(1), SendJobState::kCancelled);
+        r.sender->on_register(r.reg(1));
+        CHILD_CHECK_STATE(r.job(1), SendJobState::kCancelled);
+        r.sender->prefill_progress(kId, r.prefill_blocks, KvFrontier{16});
+        r.sender->prefill_done(kId, r.prefill_blocks, kTokens);
+        CHILD_CHECK(r.results() == 1);
+        CHILD_CHECK_MSG(r.done[0].status.code() == StatusCode::kCancelled, "{}",
+                        r.done[0].status.to_string());
+        CHILD_CHECK_OK(r.flush(1));
+        CHILD_CHECK(r.count<ScheduledMsg>(1) == 1 && r.count<CancelAckMsg>(1) == 1);
+        CHILD_CHECK_MSG(r.count<SegmentMsg>(1) == 0 && r.count<FinalMsg>(1) == 0,
+                        "decode got {} SEGMENTs, {} FINALs", r.count<SegmentMsg>(1),
+                        r.count<FinalMsg>(1));
+        const std::vector<uint8_t> untouched(r.decode_mem.size(), kPoison);
+        std::string diff = compare_pool(r.decode_mem, untouched);
+        CHILD_CHECK_MSG(diff.empty(), "{}", diff);
         return "";
     });
 }
