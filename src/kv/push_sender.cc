@@ -5,10 +5,130 @@
 
 #include <algorithm>
 
+#include "common/enum_names.h"
 #include "ferry/common/log.h"
 #include "segment_writes.h"
 
 namespace ferry::kv::detail {
+namespace {
+
+using P = PrefillState;
+using J = SendJobState;
+
+constexpr EnumName<PrefillState> kPrefillNames[] = {
+    {P::kQueued, "QUEUED"}, {P::kComputing, "COMPUTING"}, {P::kDone, "DONE"},
+    {P::kFailed, "FAILED"}, {P::kAborted, "ABORTED"},     {P::kFinished, "FINISHED"},
+};
+constexpr EnumName<SendJobState> kJobNames[] = {
+    {J::kSending, "SENDING"},       {J::kClosed, "CLOSED"},       {J::kFailing, "FAILING"},
+    {J::kDropping, "DROPPING"},     {J::kServed, "SERVED"},       {J::kFailed, "FAILED"},
+    {J::kCancelling, "CANCELLING"}, {J::kCancelled, "CANCELLED"},
+};
+
+// The arrows of PROTOCOL.md's "Prefill rank" diagram. A transfer leaves kQueued, kComputing or
+// kDone also by being erased (lease, a failed result); kFailed may fail again (the later reason
+// is reported).
+constexpr bool legal(PrefillState from, PrefillState to) {
+    switch (from) {
+        case P::kQueued:
+            return to == P::kComputing || to == P::kDone || to == P::kFailed;
+        case P::kComputing:
+            return to == P::kDone || to == P::kFailed;
+        case P::kDone:
+            return to == P::kAborted || to == P::kFinished;
+        case P::kFailed:
+            return to == P::kFailed || to == P::kFinished;
+        case P::kAborted:
+            return to == P::kFinished;
+        case P::kFinished:
+            return false;
+    }
+    return false;
+}
+
+// A job with writes in flight is kSending, kClosed or an -ing state; kServed, kFailed and
+// kCancelled have none, and of them only a served job may still change: CANCEL after it makes
+// it cancelled.
+constexpr bool legal(SendJobState from, SendJobState to) {
+    switch (from) {
+        case J::kSending:
+            return to != J::kSending && to != J::kFailed;  // FAIL goes out from kFailing
+        case J::kClosed:
+            return to == J::kServed || to == J::kFailing || to == J::kDropping ||
+                   to == J::kCancelling;
+        case J::kFailing:
+            return to == J::kFailed || to == J::kDropping || to == J::kCancelling;
+        case J::kDropping:
+            return to == J::kCancelling || to == J::kCancelled;
+        case J::kCancelling:
+            return to == J::kCancelled;
+        case J::kServed:
+            return to == J::kCancelled;
+        case J::kFailed:
+        case J::kCancelled:
+            return false;
+    }
+    return false;
+}
+
+// Decode asked for the job or a newer attempt replaced it: no more segments, no FINAL.
+constexpr bool cancelled_state(SendJobState s) {
+    return s == J::kDropping || s == J::kCancelling || s == J::kCancelled;
+}
+
+}  // namespace
+
+std::string_view to_string(PrefillState s) { return name_of(kPrefillNames, s); }
+std::string_view to_string(SendJobState s) { return name_of(kJobNames, s); }
+
+void PushSender::set_state(uint64_t id, Producer& p, PrefillState to) {
+    if (p.state == to && to != P::kFailed) return;
+    if (!legal(p.state, to)) {
+        log(LogLevel::kError, kLog,
+            "transfer {:#x}: prefill state {} -> {} is not a transition "
+            "of the push protocol; kept {}",
+            id, to_string(p.state), to_string(to), to_string(p.state));
+        return;
+    }
+    if (kv_trace_on()) {
+        kv_trace(fmt::format("prefill {} -> {}", to_string(p.state), to_string(to)).c_str(), id);
+    }
+    p.state = to;
+}
+
+void PushSender::set_state(uint64_t id, JobKey key, SendJob& job, SendJobState to) {
+    if (job.state == to) return;
+    if (!legal(job.state, to)) {
+        log(LogLevel::kError, kLog,
+            "transfer {:#x} attempt {} decode rank {}: send job state {} -> {} is not a "
+            "transition of the push protocol; kept {}",
+            id, key.first, key.second, to_string(job.state), to_string(to), to_string(job.state));
+        return;
+    }
+    if (kv_trace_on()) {
+        kv_trace(fmt::format("job (attempt {}, decode rank {}) {} -> {}", key.first, key.second,
+                             to_string(job.state), to_string(to))
+                     .c_str(),
+                 id);
+    }
+    job.state = to;
+}
+
+std::optional<PrefillState> PushSender::prefill_state(uint64_t id) const {
+    auto it = producers_.find(id);
+    if (it == producers_.end()) return std::nullopt;
+    return it->second.state;
+}
+
+std::optional<SendJobState> PushSender::job_state(uint64_t id, uint32_t attempt,
+                                                  uint32_t decode_rank) const {
+    auto it = producers_.find(id);
+    if (it == producers_.end()) return std::nullopt;
+    auto jt = it->second.jobs.find({attempt, decode_rank});
+    if (jt == it->second.jobs.end()) return std::nullopt;
+    return jt->second.state;
+}
+
 void PushSender::on_register(RegisterMsg m) {
     kv_trace("REGISTER in", m.transfer_id);
     auto peer = ctx_.engine->connect(m.decode_address);
@@ -39,7 +159,7 @@ void PushSender::on_register(RegisterMsg m) {
     Producer& p = it->second;
     if (fresh) p.deadline = Clock::now() + ctx_.cfg.lease;
     if (!p.failure.ok()) return refuse(p.failure);
-    if (p.tombstone) return refuse(finished_status(p));
+    if (p.state == P::kFinished) return refuse(finished_status(p));
     if (p.have_attempt && m.attempt < p.attempt) {
         // The decode side moved on; acknowledging lets its old attempt finish at once.
         ctx_.send(*peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
@@ -47,7 +167,7 @@ void PushSender::on_register(RegisterMsg m) {
     }
     if (p.have_attempt && m.attempt > p.attempt) {
         for (auto& [key, job] : p.jobs) {
-            if (key.first < m.attempt) job.cancelled = true;
+            if (key.first < m.attempt) drop_job(it->first, key, job);
         }
         std::erase_if(p.jobs, [&](const auto& kv) {
             return kv.first.first < m.attempt && kv.second.in_flight == 0;
@@ -82,21 +202,23 @@ void PushSender::on_intent(IntentMsg m) {
     auto [it, fresh] = producers_.try_emplace(m.transfer_id);
     Producer& p = it->second;
     if (fresh) p.deadline = Clock::now() + ctx_.cfg.lease;
-    Status refused = !p.failure.ok() ? p.failure : p.tombstone ? finished_status(p) : ok_status();
+    Status refused = !p.failure.ok()           ? p.failure
+                     : p.state == P::kFinished ? finished_status(p)
+                                               : ok_status();
     if (!refused.ok()) {
         ctx_.send(*peer, FailMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank, refused.code(),
                                  refused.message().substr(0, kMaxReasonLength)});
         return;
     }
     p.intents[{m.attempt, m.decode_rank}] = Intent{*peer, m.decode_tp};
-    if (p.scheduled)
+    if (p.state == P::kComputing || p.state == P::kDone)
         ctx_.send(*peer, ScheduledMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
 }
 
 // Decode ranks that announced the transfer may now reserve their blocks.
 void PushSender::mark_scheduled(uint64_t id, Producer& p) {
-    if (p.scheduled) return;
-    p.scheduled = true;
+    if (p.state != P::kQueued) return;
+    set_state(id, p, P::kComputing);
     const TimePoint next = Clock::now() + renewal_period(p);
     p.renew_at = p.renew_at == TimePoint{} ? next : std::min(p.renew_at, next);
     for (const auto& [key, intent] : p.intents) {
@@ -107,7 +229,7 @@ void PushSender::mark_scheduled(uint64_t id, Producer& p) {
 void PushSender::prefill_scheduled(uint64_t id) {
     auto [it, fresh] = producers_.try_emplace(id);
     Producer& p = it->second;
-    if (p.tombstone || !p.failure.ok()) return;
+    if (p.state == P::kFinished || !p.failure.ok()) return;
     // Prefill is making progress: the lease counts from here.
     p.deadline = Clock::now() + ctx_.cfg.lease;
     mark_scheduled(id, p);
@@ -116,7 +238,7 @@ void PushSender::prefill_scheduled(uint64_t id) {
 void PushSender::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvFrontier ready) {
     auto [it, fresh] = producers_.try_emplace(id);
     Producer& p = it->second;
-    if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+    if (p.state != P::kQueued && p.state != P::kComputing) {
         log(LogLevel::kWarn, kLog,
             "transfer {:#x}: prefill_progress after prefill_done or a failure; ignored", id);
         return;
@@ -135,21 +257,22 @@ void PushSender::prefill_progress(uint64_t id, std::vector<uint32_t> blocks, KvF
 void PushSender::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens) {
     auto [it, fresh] = producers_.try_emplace(id);
     Producer& p = it->second;
-    if (p.have_prefill || p.tombstone || !p.failure.ok()) {
+    if (p.state != P::kQueued && p.state != P::kComputing) {
         log(LogLevel::kWarn, kLog,
             "transfer {:#x}: prefill_done called twice or after a "
             "failure; ignored",
             id);
         return;
     }
-    p.have_prefill = true;
+    // SCHEDULED to the announced ranks first: they hear it before any segment.
+    mark_scheduled(id, p);
+    set_state(id, p, P::kDone);
     p.blocks = std::move(blocks);
     p.tokens = tokens;
     p.ready = KvFrontier{tokens};
     // The lease counts from when the blocks are held.
     p.deadline = Clock::now() + ctx_.cfg.lease;
     ctx_.counters.active_send.fetch_add(1);
-    mark_scheduled(id, p);
     for (auto& [key, job] : p.jobs) {
         if (key.first == p.attempt) advance_job(id, p, key, job);
     }
@@ -159,29 +282,17 @@ void PushSender::prefill_done(uint64_t id, std::vector<uint32_t> blocks, uint32_
 void PushSender::prefill_failed(uint64_t id, const Status& reason) {
     auto [it, fresh] = producers_.try_emplace(id);
     Producer& p = it->second;
-    if (p.have_prefill || p.tombstone) {
+    if (prompt_done(p) || p.state == P::kFinished) {
         log(LogLevel::kWarn, kLog,
             "transfer {:#x}: prefill_failed after prefill_done; "
             "ignored",
             id);
         return;
     }
+    set_state(id, p, P::kFailed);
     p.failure = reason;
     p.deadline = Clock::now() + ctx_.cfg.lease;
-    for (const auto& [key, intent] : p.intents) {
-        ctx_.send(intent.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, reason.code(),
-                                       reason.message().substr(0, kMaxReasonLength)});
-    }
-    p.intents.clear();
-    // Jobs with writes in flight send FAIL once they drained: decode must not reuse its
-    // blocks before.
-    for (auto it2 = p.jobs.begin(); it2 != p.jobs.end();) {
-        auto next = std::next(it2);
-        SendJob& job = it2->second;
-        if (!job.resolved && job.error.ok()) job.error = reason;
-        if (job.in_flight == 0) settle_job(id, p, it2->first, job);
-        it2 = next;
-    }
+    fail_all(id, p, reason);
     maybe_finish(it);
 }
 
@@ -190,43 +301,44 @@ void PushSender::prefill_failed(uint64_t id, const Status& reason) {
 // a dead decode kept prefill's whole pool (issue 19). Unknown or finished: nothing to do.
 void PushSender::abort(uint64_t id, const Status& reason) {
     auto it = producers_.find(id);
-    if (it == producers_.end() || it->second.tombstone) return;
+    if (it == producers_.end() || it->second.state == P::kFinished) return;
     Producer& p = it->second;
-    if (!p.have_prefill) return prefill_failed(id, reason);
-    if (!p.failure.ok()) return;
+    if (!prompt_done(p)) return prefill_failed(id, reason);
+    if (p.state == P::kAborted) return;
+    // The blocks are only the source of the writes still in flight: reusing them changes
+    // what lands in decode blocks that FAIL (sent once the writes ended) gives up anyway.
+    // Waiting for those writes kept a dead decode's transfers' blocks for the whole op
+    // timeout (10 s) after the router had aborted them.
+    set_state(id, p, P::kAborted);
     p.failure = reason;
+    ctx_.counters.active_send.fetch_sub(1);
+    ctx_.send_done({id, p.attempt, reason, 0, 0});
+    fail_all(id, p, reason);
+    maybe_finish(it);
+}
+
+// prefill_failed or abort: the announced ranks get FAIL now, every open job once its writes
+// ended (decode must not reuse its blocks before).
+void PushSender::fail_all(uint64_t id, Producer& p, const Status& reason) {
     for (const auto& [key, intent] : p.intents) {
         ctx_.send(intent.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, reason.code(),
                                        reason.message().substr(0, kMaxReasonLength)});
     }
     p.intents.clear();
-    // The blocks are only the source of the writes still in flight: reusing them changes
-    // what lands in decode blocks that FAIL (sent once the writes ended) gives up anyway.
-    // Waiting for those writes kept a dead decode's transfers' blocks for the whole op
-    // timeout (10 s) after the router had aborted them.
-    p.released = true;
-    ctx_.counters.active_send.fetch_sub(1);
-    ctx_.send_done({id, p.attempt, reason, 0, 0});
     for (auto jt = p.jobs.begin(); jt != p.jobs.end();) {
-        auto next = std::next(jt);
-        SendJob& job = jt->second;
-        if (!job.resolved && job.error.ok()) job.error = reason;
-        if (job.in_flight == 0) settle_job(id, p, jt->first, job);
+        auto next = std::next(jt);  // settling may erase an older attempt's job
+        fail_job(id, p, jt->first, jt->second, reason);
         jt = next;
     }
-    maybe_finish(it);
 }
 
 // Posts what became final since the job's last segment, and sends FINAL once the prompt is
 // complete with nothing left to post (its segments went out before prefill_done). A closed job
-// is resolved once its last write completed.
+// is served once its last write completed.
 void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
-    if (job.cancelled || job.resolved || !job.error.ok()) return;
-    if (job.closed) {
-        if (job.in_flight == 0) job.resolved = true;
-        return;
-    }
-    if (p.have_prefill && p.tokens != job.reg.num_tokens) {
+    if (job.state == J::kClosed && job.in_flight == 0) set_state(id, key, job, J::kServed);
+    if (job.state != J::kSending) return;
+    if (prompt_done(p) && p.tokens != job.reg.num_tokens) {
         // Checked here too, not only when a segment is planned: a registration whose tokens
         // were all held already (first_token) plans no segment.
         return fail_job(id, p, key, job,
@@ -240,16 +352,15 @@ void PushSender::advance_job(uint64_t id, Producer& p, JobKey key, SendJob& job)
         // Immediates prefill_done may still need are kept for it: one for the tokens left,
         // and one more for the rest of a chunk sent layer by layer.
         uint32_t keep = 1 + (add_piece(job.sent, piece, layers).has_partial() ? 1 : 0);
-        if (job.segments + 1 + keep > job.reg.imm_span && !p.have_prefill) break;
+        if (job.segments + 1 + keep > job.reg.imm_span && !prompt_done(p)) break;
         Status posted = post_segment(id, p, key, job, piece);
         if (!posted.ok()) return fail_job(id, p, key, job, posted);
     }
-    if (!job.closed && all_posted(p, job)) {
+    if (job.state == J::kSending && all_posted(p, job)) {
         // Decode counts the segments' immediates: the totals need not wait for the writes.
         ctx_.send(job.peer, FinalMsg{id, key.first, ctx_.cfg.self.tp_rank, job.writes, job.bytes,
                                      job.segments});
-        job.closed = true;
-        if (job.in_flight == 0) job.resolved = true;
+        set_state(id, key, job, job.in_flight == 0 ? J::kServed : J::kClosed);
     }
 }
 
@@ -257,11 +368,11 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
                                 const KvPiece& piece) {
     const RegisterMsg& reg = job.reg;
     const uint32_t layers = ctx_.cfg.self.layout.num_layers;
-    uint32_t total = p.have_prefill ? p.tokens : reg.num_tokens;
+    uint32_t total = prompt_done(p) ? p.tokens : reg.num_tokens;
     uint32_t computed = std::max(p.ready.tokens, p.ready.partial_end);
     if (computed > reg.num_tokens || total != reg.num_tokens) {
         return invalid_argument(fmt::format("decode registered {} tokens, prefill computed {}",
-                                            reg.num_tokens, p.have_prefill ? p.tokens : computed));
+                                            reg.num_tokens, prompt_done(p) ? p.tokens : computed));
     }
     auto plan = plan_segment(
         {ctx_.cfg.self, p.blocks, KvRank{reg.layout, reg.decode_rank, reg.decode_tp}, reg.blocks,
@@ -311,7 +422,7 @@ Status PushSender::post_segment(uint64_t id, Producer& p, JobKey key, SendJob& j
     // A write that fails later is answered with FAIL once the segment's writes all ended.
     if (all_posted(p, job)) {
         seg.last = JobTotals{job.writes, job.bytes, job.segments};
-        job.closed = true;
+        set_state(id, key, job, J::kClosed);  // this segment's writes are in flight
     }
     ctx_.send(job.peer, seg);
     flight->done(ok_status());
@@ -326,40 +437,62 @@ void PushSender::on_segment_drained(uint64_t id, JobKey key, uint32_t index, con
     if (jt == it->second.jobs.end()) return;
     SendJob& job = jt->second;
     job.in_flight--;
-    if (!s.ok() && job.error.ok()) {
-        job.error = s;
-        log(LogLevel::kWarn, kLog,
-            "transfer {:#x} attempt {}: writing segment {} to decode rank {} failed: {}", id,
-            key.first, index, key.second, s.to_string());
-    }
     kv_trace("segment drained", id);
-    if (job.in_flight == 0) settle_job(id, it->second, key, job);
+    if (!s.ok()) {
+        if (job.error.ok()) {
+            log(LogLevel::kWarn, kLog,
+                "transfer {:#x} attempt {}: writing segment {} to decode rank {} failed: {}", id,
+                key.first, index, key.second, s.to_string());
+        }
+        fail_job(id, it->second, key, job, s);
+    } else if (job.in_flight == 0) {
+        settle_job(id, it->second, key, job);
+    }
     maybe_finish(it);
 }
 
+// An error for the job (a write, a plan, prefill failed or aborted, the lease): an open job
+// answers FAIL once no write of it is in flight; a cancelled one keeps the error for the
+// transfer's result but answers as cancelled.
 void PushSender::fail_job(uint64_t id, Producer& p, JobKey key, SendJob& job, const Status& s) {
+    if (resolved(job.state)) return;
     if (job.error.ok()) job.error = s;
+    if (job.state == J::kSending || job.state == J::kClosed) set_state(id, key, job, J::kFailing);
     if (job.in_flight == 0) settle_job(id, p, key, job);
+}
+
+// A newer attempt or shutdown stops the job: no more segments, no FINAL, no FAIL; a CANCEL
+// already asked for is still acknowledged.
+void PushSender::drop_job(uint64_t id, JobKey key, SendJob& job) {
+    if (resolved(job.state) || job.state == J::kCancelling) return;
+    set_state(id, key, job, job.in_flight > 0 ? J::kDropping : J::kCancelled);
 }
 
 // A job with no write in flight: answer a cancel, report an error (also after the closing
 // SEGMENT: decode may still be counting), or go on. May erase the job (an older attempt's,
 // once answered).
 void PushSender::settle_job(uint64_t id, Producer& p, JobKey key, SendJob& job) {
-    if (job.resolved) return;
-    if (job.cancelled) {
-        if (job.ack_wanted) ctx_.send(job.peer, CancelAckMsg{id, key.first, ctx_.cfg.self.tp_rank});
-        job.resolved = true;
-        if (key.first < p.attempt) p.jobs.erase(key);
-        return;
+    switch (job.state) {
+        case J::kServed:
+        case J::kFailed:
+        case J::kCancelled:
+            return;
+        case J::kCancelling:
+            ctx_.send(job.peer, CancelAckMsg{id, key.first, ctx_.cfg.self.tp_rank});
+            [[fallthrough]];
+        case J::kDropping:
+            set_state(id, key, job, J::kCancelled);
+            if (key.first < p.attempt) p.jobs.erase(key);
+            return;
+        case J::kFailing:
+            ctx_.send(job.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, job.error.code(),
+                                        job.error.message().substr(0, kMaxReasonLength)});
+            set_state(id, key, job, J::kFailed);
+            return;
+        case J::kSending:
+        case J::kClosed:
+            return advance_job(id, p, key, job);
     }
-    if (!job.error.ok()) {
-        ctx_.send(job.peer, FailMsg{id, key.first, ctx_.cfg.self.tp_rank, job.error.code(),
-                                    job.error.message().substr(0, kMaxReasonLength)});
-        job.resolved = true;
-        return;
-    }
-    advance_job(id, p, key, job);
 }
 
 void PushSender::on_cancel(uint64_t sender, const CancelMsg& m) {
@@ -368,11 +501,11 @@ void PushSender::on_cancel(uint64_t sender, const CancelMsg& m) {
         if (peer) ctx_.send(*peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
     };
     auto it = producers_.find(m.transfer_id);
-    if (it == producers_.end() || it->second.tombstone) return ack_to_sender();
+    if (it == producers_.end() || it->second.state == P::kFinished) return ack_to_sender();
     Producer& p = it->second;
     // Decode gave the request up before the prompt was computed: nobody wants it any more
     // (without this, prefill computed on until its own prefill_done, 0.2-4.1 s under load).
-    if (m.given_up && !p.have_prefill && p.failure.ok() && !p.cancel_reported &&
+    if (m.given_up && (p.state == P::kQueued || p.state == P::kComputing) && !p.cancel_reported &&
         (!p.have_attempt || m.attempt >= p.attempt)) {
         p.cancel_reported = true;
         ctx_.send_cancelled(
@@ -397,19 +530,17 @@ void PushSender::on_cancel(uint64_t sender, const CancelMsg& m) {
             // Cancelled before this rank registered: remember it, so the transfer can
             // finish without waiting for a registration that will not come.
             SendJob& j = p.jobs[key];
-            j.cancelled = j.resolved = true;
+            set_state(m.transfer_id, key, j, J::kCancelled);
         }
         return maybe_finish(it);
     }
     SendJob& job = jt->second;
     if (job.in_flight > 0) {
-        job.cancelled = true;
-        job.ack_wanted = true;  // acknowledged when the last write completed
-        return;
+        // Acknowledged when the last write completed; no further segment.
+        return set_state(m.transfer_id, key, job, J::kCancelling);
     }
     ctx_.send(job.peer, CancelAckMsg{m.transfer_id, m.attempt, ctx_.cfg.self.tp_rank});
-    if (!job.resolved || job.error.ok()) job.cancelled = true;
-    job.resolved = true;
+    if (job.state != J::kFailed) set_state(m.transfer_id, key, job, J::kCancelled);
     if (m.attempt < p.attempt) p.jobs.erase(jt);
     maybe_finish(it);
 }
@@ -419,25 +550,25 @@ void PushSender::on_cancel(uint64_t sender, const CancelMsg& m) {
 // prefill_failed, once no write is in flight.
 void PushSender::maybe_finish(ProducerIt it) {
     Producer& p = it->second;
-    if (p.tombstone) return;
+    if (p.state == P::kFinished) return;
     for (const auto& [key, job] : p.jobs) {
         if (job.in_flight > 0) return;
     }
-    if (!p.failure.ok()) {
+    if (p.state == P::kFailed || p.state == P::kAborted) {
+        const bool reported = p.state == P::kAborted;  // abort reported it
         p.jobs.clear();
-        p.tombstone = true;  // kept until the lease, to answer late messages with FAIL
+        set_state(it->first, p, P::kFinished);  // kept until the lease, to answer with FAIL
         ctx_.counters.transfers_failed.fetch_add(1);
-        if (p.released) return;  // abort_send reported it
-        ctx_.send_done({it->first, p.attempt, p.failure, 0, 0});
+        if (!reported) ctx_.send_done({it->first, p.attempt, p.failure, 0, 0});
         return;
     }
-    if (!p.have_prefill || !p.have_attempt) return;
+    if (p.state != P::kDone || !p.have_attempt) return;
     auto consumers = consumers_for_producer(ctx_.cfg.self.total_heads(), ctx_.cfg.self.tp_size,
                                             p.decode_tp, ctx_.cfg.self.tp_rank);
     size_t expected = consumers.ok() ? consumers->size() : 0;
     size_t served = 0;
     for (const auto& [key, job] : p.jobs) {
-        if (key.first == p.attempt && job.resolved) ++served;
+        if (key.first == p.attempt && resolved(job.state)) ++served;
     }
     if (served < expected) return;
     TransferResult r{it->first, p.attempt, ok_status(), 0, 0};
@@ -446,23 +577,26 @@ void PushSender::maybe_finish(ProducerIt it) {
         r.bytes += job.bytes;
         r.writes += job.writes;
         if (r.status.ok() && !job.error.ok()) r.status = job.error;
-        if (r.status.ok() && job.cancelled) {
+        if (r.status.ok() && cancelled_state(job.state)) {
             r.status = cancelled(fmt::format("decode rank {} cancelled", key.second));
         }
     }
     complete_send(it, r);
 }
 
+// Reports a transfer that holds the prompt's blocks (kDone, or kAborted, which reported
+// already): served, it stays as a kFinished tombstone until the lease; otherwise it goes.
 void PushSender::complete_send(ProducerIt it, const TransferResult& r) {
     (r.status.ok() ? ctx_.counters.transfers_sent : ctx_.counters.transfers_failed).fetch_add(1);
-    bool reported = it->second.released;  // abort_send released the blocks already
-    if (it->second.have_prefill && !reported) ctx_.counters.active_send.fetch_sub(1);
+    const bool reported = it->second.state == P::kAborted;  // abort released the blocks already
+    if (!reported) ctx_.counters.active_send.fetch_sub(1);
     // Served: a newer attempt registered from now on is refused at once (the blocks go back
     // to the engine below), until the lease, when nothing late can come any more.
     if (r.status.ok()) {
         Producer& p = it->second;
+        set_state(it->first, p, P::kFinished);
         Producer tomb;
-        tomb.tombstone = tomb.served = true;
+        tomb.state = P::kFinished;
         tomb.have_attempt = true;
         tomb.attempt = p.attempt;
         tomb.deadline = Clock::now() + ctx_.cfg.lease;
@@ -473,8 +607,8 @@ void PushSender::complete_send(ProducerIt it, const TransferResult& r) {
     if (!reported) ctx_.send_done(r);
 }
 
+// What a late REGISTER or INTENT of a finished transfer gets (one that failed gets its failure).
 Status PushSender::finished_status(const Producer& p) const {
-    if (!p.served) return cancelled("the transfer already finished on prefill");
     return unavailable(
         fmt::format("prefill already served attempt {} of this transfer and released its "
                     "blocks: a newer attempt cannot be served, retry the request",
@@ -483,7 +617,7 @@ Status PushSender::finished_status(const Producer& p) const {
 
 void PushSender::expire_producer(ProducerIt it) {
     Producer& p = it->second;
-    if (p.tombstone) {
+    if (p.state == P::kFinished) {
         producers_.erase(it);
         return;
     }
@@ -492,7 +626,7 @@ void PushSender::expire_producer(ProducerIt it) {
         if (job.in_flight > 0) return;
     }
     ctx_.counters.leases_expired.fetch_add(1);
-    Status why = p.have_prefill
+    Status why = prompt_done(p)
                      ? timeout_error(fmt::format(
                            "no registration from every decode rank within the {:.0f} ms "
                            "lease; blocks released",
@@ -501,17 +635,12 @@ void PushSender::expire_producer(ProducerIt it) {
                                                  "ms lease",
                                                  to_ms(ctx_.cfg.lease)));
     log(LogLevel::kWarn, kLog, "transfer {:#x}: {}", it->first, why.message());
-    for (auto& [key, job] : p.jobs) {
-        if (job.resolved) continue;
-        ctx_.send(job.peer,
-                  FailMsg{it->first, key.first, ctx_.cfg.self.tp_rank, why.code(), why.message()});
-        job.resolved = true;
-    }
+    for (auto& [key, job] : p.jobs) fail_job(it->first, p, key, job, why);
     for (const auto& [key, intent] : p.intents) {
         ctx_.send(intent.peer,
                   FailMsg{it->first, key.first, ctx_.cfg.self.tp_rank, why.code(), why.message()});
     }
-    if (!p.have_prefill) {
+    if (!prompt_done(p)) {
         producers_.erase(it);  // no blocks of the engine's are held
         return;
     }
@@ -530,22 +659,23 @@ Duration PushSender::renewal_period(const Producer& p) const {
     return lease / 3;
 }
 
-// A prefill that computes (scheduled, not done, not failed) is alive however long the prompt
-// takes: its lease and its registered decode ranks' leases are renewed, three times a lease,
-// with SCHEDULED (PROTOCOL.md, "Renewals"). Inside vLLM one prefill step of 1500 tokens took
-// 27 s on a loaded 2-core host, and a lease counted from the registration alone failed it at
-// 30 s on both sides. Renewals stop with the process, so a dead prefill still ends in a lease.
-// Before prefill schedules the request (queued behind a long step, or its engine starved: 3 s
-// and more between decode's REGISTER and vLLM's scheduling of the prompt on a loaded host),
-// the registered decode ranks are renewed too, but not this rank's own lease, which counts from
-// the first message: a request that is never scheduled ends by prefill's lease (FAIL to the
-// decode ranks), decode's lease only then bounding the wait of a decode rank whose prefill died.
+// A prefill that computes (kComputing) is alive however long the prompt takes: its lease and
+// its registered decode ranks' leases are renewed, three times a lease, with SCHEDULED
+// (PROTOCOL.md, "Renewals"). Inside vLLM one prefill step of 1500 tokens took 27 s on a loaded
+// 2-core host, and a lease counted from the registration alone failed it at 30 s on both sides.
+// Renewals stop with the process, so a dead prefill still ends in a lease.
+// Before prefill schedules the request (kQueued: queued behind a long step, or its engine
+// starved: 3 s and more between decode's REGISTER and vLLM's scheduling of the prompt on a
+// loaded host), the registered decode ranks are renewed too, but not this rank's own lease,
+// which counts from the first message: a request that is never scheduled ends by prefill's
+// lease (FAIL to the decode ranks), decode's lease only then bounding the wait of a decode rank
+// whose prefill died.
 void PushSender::renew(uint64_t id, Producer& p, TimePoint now) {
     kv_trace("renewal (SCHEDULED) out", id);
-    if (p.scheduled) p.deadline = now + ctx_.cfg.lease;
+    if (p.state == P::kComputing) p.deadline = now + ctx_.cfg.lease;
     p.renew_at = now + renewal_period(p);
     for (const auto& [key, job] : p.jobs) {
-        if (key.first != p.attempt || job.resolved || job.cancelled) continue;
+        if (key.first != p.attempt || resolved(job.state) || cancelled_state(job.state)) continue;
         ctx_.send(job.peer, ScheduledMsg{id, key.first, ctx_.cfg.self.tp_rank});
     }
 }
@@ -554,9 +684,9 @@ void PushSender::expire(TimePoint now) {
     for (auto it = producers_.begin(); it != producers_.end();) {
         auto next = std::next(it);
         Producer& p = it->second;
-        if ((p.scheduled || !p.jobs.empty()) && !p.have_prefill && p.failure.ok() && !p.tombstone &&
-            now >= p.renew_at)
-            renew(it->first, p, now);
+        const bool computing =
+            p.state == P::kComputing || (p.state == P::kQueued && !p.jobs.empty());
+        if (computing && now >= p.renew_at) renew(it->first, p, now);
         if (now > p.deadline) expire_producer(it);
         it = next;
     }
@@ -564,14 +694,14 @@ void PushSender::expire(TimePoint now) {
 
 void PushSender::begin_shutdown() {
     for (auto& [id, p] : producers_) {
-        for (auto& [key, job] : p.jobs) job.cancelled = true;
+        for (auto& [key, job] : p.jobs) drop_job(id, key, job);
     }
 }
 
 void PushSender::report_shut_down(const Status& why) {
     while (!producers_.empty()) {
         auto it = producers_.begin();
-        if (!it->second.have_prefill || it->second.tombstone) {
+        if (!prompt_done(it->second)) {  // holds no blocks (kFinished: handed back already)
             producers_.erase(it);
             continue;
         }
