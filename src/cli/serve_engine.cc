@@ -216,8 +216,9 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
     add_http_limit_flags(cmd, f.http_limits);
 }
 
-// serve::Engine's errors name EngineConfig's fields; a user of `ferry serve` knows the flags
-// that set them, so each field name (a whole word) is put in its flag's name.
+// The serving library's errors name its own settings (EngineConfig's fields, the cost model's
+// tp and efficiencies, the KV link's engine's rails); a user of `ferry serve` knows the flags
+// that set them, so each setting's name (a whole word) is put in its flag's name.
 Status in_flag_names(const Status& s) {
     static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
         {"max_num_seqs", "--max-num-seqs"},
@@ -229,6 +230,11 @@ Status in_flag_names(const Status& s) {
         {"block_size", "--block-size"},
         {"time_scale", "--time-scale"},
         {"engine_id", "--engine-id"},
+        {"kv_wait_timeout", "--kv-wait-timeout"},
+        // serve::CostModel's.
+        {"tp", "--tp"},
+        {"compute_efficiency", "--compute-efficiency"},
+        {"bandwidth_efficiency", "--bandwidth-efficiency"},
         // The KV link's fabric engine (ferry::EngineConfig).
         {"EngineConfig::rails", "--kv-rails"},
     };
@@ -252,11 +258,12 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
                                                    int port) {
     FERRY_ASSIGN_OR_RETURN(auto model, serve::model_by_name(f.model));
     FERRY_ASSIGN_OR_RETURN(auto gpu, serve::gpu_by_name(f.gpu));
-    FERRY_ASSIGN_OR_RETURN(auto cost, serve::CostModel::create(model, gpu, f.tp, f.cost));
+    auto cost = serve::CostModel::create(model, gpu, f.tp, f.cost);
+    if (!cost.ok()) return in_flag_names(cost.status());
     f.engine.engine_id = f.engine_id.empty() ? fmt::format("{}-{}", role, port) : f.engine_id;
     f.engine.kv_wait_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.kv_wait_timeout_s));
-    auto engine = serve::Engine::create(f.engine, cost);
+    auto engine = serve::Engine::create(f.engine, *cost);
     if (!engine.ok()) return in_flag_names(engine.status());
     return engine;
 }

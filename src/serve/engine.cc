@@ -153,7 +153,8 @@ struct Engine::Inbox {
     }
 };
 
-// Errors name EngineConfig's fields (the CLI puts its flags in their place: serve_engine.cc).
+// Errors name EngineConfig's fields, and KvPool's name num_blocks (the CLI puts its flags in
+// their place: serve_engine.cc).
 Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
     if (config.max_num_seqs == 0 || config.max_num_seqs > kMaxNumSeqs)
         return invalid_argument(fmt::format("max_num_seqs must be in [1, {}], got {}", kMaxNumSeqs,
@@ -174,6 +175,10 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
             "most one group per layer, {} for {}), got {}",
             cost.model().layers, cost.model().name, config.push_layer_groups));
     if (config.time_scale < 0) return invalid_argument("time_scale must not be negative");
+    // 0 or less failed every decode leg as it arrived.
+    if (config.kv_wait_timeout <= Duration::zero())
+        return invalid_argument(fmt::format("kv_wait_timeout must be positive, got {} ms",
+                                            to_ms(config.kv_wait_timeout)));
     if (config.engine_id.empty()) return invalid_argument("engine_id must not be empty");
     if (config.block_size < 1) return invalid_argument("block_size must be at least 1");
     // A chunk below a block computed a fraction of a block per step: push then sent a write per

@@ -9,9 +9,11 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include "ferry/fabric/engine.h"
+#include "serve/engine.h"
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {
@@ -289,6 +291,60 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
         EXPECT_EQ(out.find("KV side channel"), std::string::npos) << out;
         EXPECT_EQ(out.find("relay p50"), std::string::npos) << out;  // no run before the error
+    }
+}
+
+// The serving library speaks of its own settings (an embedder of serve::Engine has no flags);
+// `ferry serve` puts the flag that sets each one in its place. Before, KvPool's and the cost
+// model's messages named the command's flags to a library user, and a command user read
+// "tp"/"compute_efficiency", not the flags he passed.
+TEST_F(CliFlags, TheEngineNamesItsSettingsAndTheCommandItsFlags) {
+    struct Case {
+        std::function<Status()> library;
+        std::vector<std::string> command;
+        std::string library_says, command_says;
+    };
+    auto engine = [](EngineConfig config, ModelShape model, int tp) {
+        return [=] {
+            auto cost = CostModel::create(model, h200(), tp);
+            if (!cost.ok()) return cost.status();
+            return Engine::create(config, *cost).status();
+        };
+    };
+    auto cost = [](CostModelConfig config) {
+        return [=] { return CostModel::create(tiny_test_model(), h200(), 1, config).status(); };
+    };
+    // 4*10^9 blocks of Qwen3-32B at TP 8 are 2 PB: more than any address space.
+    const std::vector<Case> cases = {
+        {engine({.engine_id = "e", .num_blocks = 4000000000}, qwen3_32b(), 8),
+         {"serve", "prefill", "--port", "0", "--num-blocks", "4000000000"},
+         "lower num_blocks",
+         "lower --num-blocks"},
+        {engine({.engine_id = "e"}, tiny_test_model(), 3),
+         {"serve", "decode", "--port", "0", "--model", "tiny", "--tp", "3"},
+         "tp 3 does not divide the 4 query heads and 2 KV heads of 'tiny': pick a tp that "
+         "divides both (tp 2 works)",
+         "--tp 3 does not divide the 4 query heads and 2 KV heads of 'tiny': pick a --tp that "
+         "divides both (--tp 2 works)"},
+        {cost({.compute_efficiency = 2}),
+         {"serve", "prefill", "--port", "0", "--model", "tiny", "--tp", "1", "--compute-efficiency",
+          "2"},
+         "compute_efficiency and bandwidth_efficiency must lie in (0, 1], got 2 and 0.8",
+         "--compute-efficiency and --bandwidth-efficiency must lie in (0, 1], got 2 and 0.8"},
+        {engine({.engine_id = "e", .max_num_seqs = 0}, tiny_test_model(), 1),
+         {"serve", "prefill", "--port", "0", "--model", "tiny", "--tp", "1", "--max-num-seqs", "0"},
+         "max_num_seqs must be in [1, 65536], got 0",
+         "--max-num-seqs must be in [1, 65536], got 0"},
+    };
+    for (const Case& c : cases) {
+        SCOPED_TRACE(joined(c.command));
+        Status lib = c.library();
+        EXPECT_NE(lib.message().find(c.library_says), std::string::npos) << lib.to_string();
+        EXPECT_EQ(lib.message().find("--"), std::string::npos) << lib.to_string();
+        auto [code, out] = run(c.command);
+        EXPECT_GT(code, 0) << out;
+        EXPECT_LT(code, 128) << out;
+        EXPECT_NE(out.find(c.command_says), std::string::npos) << out;
     }
 }
 

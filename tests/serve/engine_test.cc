@@ -129,6 +129,9 @@ TEST(Engine, ConfigErrorsNameTheSettingsNotTheCommandsFlags) {
          "prefill_chunk_tokens 8 is below block_size 16"},
         {{.engine_id = "e", .num_blocks = 0}, "num_blocks 0 is outside [1, 2^32)"},
         {{.engine_id = ""}, "engine_id must not be empty"},
+        // 0 failed every decode leg as it arrived.
+        {{.engine_id = "e", .kv_wait_timeout = Duration::zero()},
+         "kv_wait_timeout must be positive, got 0 ms"},
     };
     for (const auto& c : cases) {
         auto e = Engine::create(c.config, tiny_cost());
