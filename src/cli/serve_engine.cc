@@ -128,8 +128,8 @@ struct EngineFlags {
     // The KV connector (prefill and decode only).
     std::string kv_mode = "push";
     std::string provider = "shm";
-    int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
-    double kv_lease_s = 30;
+    int kv_port = -1;       // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
+    double kv_lease_s = 0;  // 0: serve::kv_lease (the --kv-wait-timeout)
     double kv_op_timeout_s = 10;
     std::string kv_pull_keys = "offer";
     int kv_num_rails = 1;
@@ -369,7 +369,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         auto secs = [](double s) {
             return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
         };
-        lc.lease = secs(f.kv_lease_s);
+        lc.lease = f.kv_lease_s > 0 ? secs(f.kv_lease_s) : serve::kv_lease((*engine)->config());
         lc.op_timeout = secs(f.kv_op_timeout_s);
         lc.pull_keys = f.kv_pull_keys == "pool" ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
         lc.num_rails = f.kv_num_rails;
@@ -457,7 +457,7 @@ struct LocalFlags {
     RouterFlags router;
     int prefill_port = 8100;
     int decode_port = 8200;
-    double lease_s = 30;
+    double lease_s = 0;  // 0: serve::kv_lease (the --kv-wait-timeout)
 };
 
 // One process: prefill and decode engines joined by the in-process KV link (a memcpy between
@@ -474,8 +474,13 @@ int run_local(const LocalFlags& f) {
     if (!mode.ok()) return fail(mode.status());
     auto link_mode = kv_link_mode(f.router.mode);
     if (!link_mode.ok()) return fail(link_mode.status());
-    serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
-                                                 std::chrono::duration<double>(f.lease_s))});
+    auto secs = [](double s) {
+        return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+    };
+    serve::InProcessKvLink link(
+        {*link_mode, f.lease_s > 0
+                         ? secs(f.lease_s)
+                         : serve::kv_lease({.kv_wait_timeout = secs(f.engine.kv_wait_timeout_s)})});
     // One --engine-id names both engines: "<id>-prefill" and "<id>-decode" (the same id for
     // both was refused, "engine id used twice", whatever the id).
     EngineFlags pf = f.engine, df = f.engine;
@@ -588,8 +593,8 @@ void register_serve(CLI::App& app) {
         cmd->add_option("--kv-port", flags->kv_port,
                         "KV side-channel port (default: HTTP port + 1000)");
         cmd->add_option("--kv-lease", flags->kv_lease_s,
-                        "seconds a side holds blocks for a transfer that does not progress")
-            ->capture_default_str()
+                        "seconds a side holds blocks for a transfer that does not progress "
+                        "(default: --kv-wait-timeout)")
             ->check(positive_number());
         cmd->add_option("--kv-num-rails", flags->kv_num_rails,
                         "NICs (libfabric domains) the KV engine opens; large writes stripe "
@@ -651,8 +656,9 @@ void register_serve(CLI::App& app) {
         ->capture_default_str();
     local->add_option("--decode-port", lf->decode_port, "the decode engine's HTTP port")
         ->capture_default_str();
-    local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
-        ->capture_default_str()
+    local
+        ->add_option("--lease", lf->lease_s,
+                     "seconds a side waits for the other (default: --kv-wait-timeout)")
         ->check(positive_number());
     local->callback([lf] { set_exit_code(run_local(*lf)); });
 }

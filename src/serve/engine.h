@@ -74,9 +74,20 @@ struct EngineConfig {
     int block_size = 16;
     int head_offset = 0;      // global index of this rank's first KV head
     double time_scale = 1.0;  // multiplies modelled step times; tests run faster than real
-    // A decode leg whose KV has not arrived by then is cancelled and fails.
+    // The KV wait, one setting for the deployment: how long a decode leg waits for the prefill
+    // engine to schedule its transfer (push), then, once its blocks are allocated, for its KV.
+    // A leg that waited this long is cancelled and fails. A KV connector's lease (how long a
+    // side holds blocks for a transfer that does not progress) derives from it: kv_lease().
     Duration kv_wait_timeout = seconds(30);
 };
+
+// The lease to give a KV connector (FabricKvLinkConfig::lease, InProcessKvLinkConfig::lease)
+// of engines whose decode legs wait `config.kv_wait_timeout` for their KV: no decode leg
+// waits longer for the blocks a prefill holds for it, and a decode leg's own wait ends at
+// the engine's deadline (its message names kv_wait_timeout) before the lease runs out, as
+// the lease starts no later and is renewed while prefill computes. The two used to be set
+// apart, both 30 s, so which one ended a wait depended on which flag was lower.
+inline Duration kv_lease(const EngineConfig& config) { return config.kv_wait_timeout; }
 
 // First layer of layer group g (0-based) of a push step, `groups` over `layers`; g = groups
 // gives `layers`, so group g is [layer_group_end(g), layer_group_end(g + 1)). Groups shrink

@@ -702,6 +702,36 @@ TEST_F(CliFlags, ServeLocalEngineIdNamesBothEngines) {
     EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
 }
 
+// serve local's KV lease is the KV wait (--kv-wait-timeout) unless --lease is given: a prefill
+// leg nobody collects holds its blocks that long. Before, the lease was 30 s whatever
+// --kv-wait-timeout said: a decode leg gave up after 1 s while prefill held blocks for it 29 s
+// more.
+TEST_F(CliFlags, ServeLocalHoldsALegsBlocksForTheKvWait) {
+    const int port = free_port(), prefill = free_port(), decode = free_port();
+    Proc p = start({"serve", "local", "--model", "tiny", "--tp", "1", "--port",
+                    std::to_string(port), "--prefill-port", std::to_string(prefill),
+                    "--decode-port", std::to_string(decode), "--kv-wait-timeout", "1"});
+    ASSERT_TRUE(wait_healthy("127.0.0.1", port)) << p.log_text();
+    const json leg = {
+        {"prompt", prompt_of(40, 1)},
+        {"max_tokens", 1},
+        {"kv_transfer_params", {{"do_remote_decode", true}, {"transfer_id", "orphan"}}}};
+    auto r = http_post_json("127.0.0.1", prefill, "/v1/completions", leg.dump(), seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_EQ(r->status, 200) << r->body;
+    // The lease ends the hand-over as failed and gives the blocks back; 15 s is well past 1 s
+    // on a loaded machine and well before 30.
+    EXPECT_TRUE(eventually(
+        [&] {
+            return metric("127.0.0.1", prefill, "ferry_kv_transfer_failures_total") == 1 &&
+                   metric("127.0.0.1", prefill, "ferry_kv_blocks_used") == 0;
+        },
+        seconds(15)))
+        << "blocks used " << metric("127.0.0.1", prefill, "ferry_kv_blocks_used");
+    p.interrupt();
+    EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
+}
+
 // /dev/shm entries of processes that no longer exist, by the pid in their name: libfabric's
 // default "<pid>:<n>:<m>" or ferry's "ferry_<pid>_...".
 std::set<std::string> shm_files_of_dead_processes() {
