@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -137,6 +138,7 @@ class RequestHandle {
         : id_(std::move(id)), prompt_tokens_(prompt_tokens), on_cancel_(std::move(on_cancel)) {}
     void push(int32_t token, TimePoint at);
     void finish(Status status, KvTransferParams kv_out, TimePoint at);
+    bool finished() const;
 
     const RequestId id_;
     const size_t prompt_tokens_;
@@ -189,14 +191,29 @@ class Engine {
 
   private:
     struct Seq;
+    enum class Stage;
     struct Inbox;
     enum class InboxKind;
     struct InboxEvent;
     Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool);
 
+    static std::string_view stage_name(Stage stage);
     void loop();
     void drain_inbox();
     void handle(InboxEvent& e);
+    // A submitted request enters its first stage.
+    void accept(std::unique_ptr<Seq> seq);
+    Seq* find(const RequestId& id);
+    void enter(Seq& seq, Stage stage);
+    // The requests in `stage`, oldest in it first.
+    std::vector<Seq*> in_stage(Stage stage) const;
+    // Gives the request's blocks back and forgets it; `seq` and its id are gone after.
+    void retire(RequestId id);
+    // A decode leg answered while the connector or a digest job may still use its blocks.
+    void drain(Seq& seq, const Status& why);
+    // A prefill leg whose blocks the connector reads until it releases them.
+    void hold(Seq& seq);
+    void cancel_transfer(const std::string& transfer_id, const Status& reason);
     struct StepChunk {
         Seq* seq;
         size_t tokens;
@@ -234,20 +251,9 @@ class Engine {
     std::atomic<bool> running_{false};
     std::atomic<uint64_t> next_id_{1};
 
-    // Owned by the loop thread.
-    std::deque<std::unique_ptr<Seq>> waiting_;
-    // Push decode legs until the prefill engine scheduled their transfer (no blocks held).
-    std::map<RequestId, std::unique_ptr<Seq>> awaiting_prefill_;
-    std::map<RequestId, std::unique_ptr<Seq>> waiting_kv_;
-    std::vector<std::unique_ptr<Seq>> running_seqs_;
-    struct Held {
-        std::vector<BlockId> blocks;
-        TimePoint since;
-        uint64_t bytes;
-        KvTransferParams kv;      // the leg's, for abort_transfer
-        bool abort_sent = false;  // the connector was told to give the transfer up
-    };
-    std::map<RequestId, Held> held_;            // prefill blocks the connector still reads
+    // Owned by the loop thread: every request of this engine, each in its stage (engine.cc).
+    std::map<RequestId, std::unique_ptr<Seq>> requests_;
+    uint64_t next_order_ = 0;                   // Seq::order of the next stage entry
     std::map<std::string, TimePoint> aborted_;  // transfer ids aborted recently, until when
 
     // Read by stats() from any thread.
