@@ -199,6 +199,28 @@ TEST(Engine, CancelledRequestReturnsItsBlocks) {
     EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
 }
 
+// A request the client cancels while it waits for blocks leaves at once, and once every request
+// ended the engine holds no block and counts no request in any stage.
+TEST(Engine, RequestCancelledWhileWaitingForBlocksLeavesNothingBehind) {
+    // Steps of ~0.3 s: the first request is still decoding when the test cancels it.
+    auto e = make_engine({.engine_id = "e", .num_blocks = 4, .time_scale = 1000});
+    ASSERT_TRUE(e->start().ok());
+    // 20 + 40 - 1 tokens: the whole pool of 4 blocks of 16.
+    auto running = e->submit({.prompt = prompt_of(20, 1), .max_tokens = 40}).value();
+    ASSERT_TRUE(running->next(Clock::now() + seconds(5)).ok());
+    auto queued = e->submit({.prompt = prompt_of(20, 2), .max_tokens = 2}).value();
+    ASSERT_TRUE(eventually([&] { return e->stats().waiting == 1; }));
+    queued->cancel();
+    EXPECT_EQ(collect(*queued, seconds(5)).status.code(), StatusCode::kCancelled);
+    running->cancel();
+    EXPECT_EQ(collect(*running, seconds(5)).status.code(), StatusCode::kCancelled);
+    EXPECT_TRUE(eventually([&] {
+        EngineStats st = e->stats();
+        return st.blocks_free == 4 && st.waiting == 0 && st.running == 0 &&
+               st.waiting_for_kv == 0 && st.waiting_for_prefill == 0 && st.held_for_transfer == 0;
+    }));
+}
+
 TEST(Engine, StopFailsRequestsInFlight) {
     auto e = make_engine({.engine_id = "e", .num_blocks = 64});
     ASSERT_TRUE(e->start().ok());
