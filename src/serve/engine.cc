@@ -778,7 +778,8 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
     // the next step's budget is not spoken for, so it is scheduled (and, in push, decode
     // reserves blocks for it) about when its compute starts.
     size_t pending = 0;
-    // Requests holding a place in the batch: running, or decode legs with blocks for KV.
+    // Requests holding a place in the batch (max_num_seqs): running (this round's admissions
+    // included), or decode legs with blocks for KV.
     size_t placed = 0;
     for (const auto& [id, r] : requests_) {
         if (r->stage == Stage::kRunning && !r->prefilled())
@@ -789,7 +790,7 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
     }
     for (Seq* waiting : in_stage(Stage::kWaiting)) {
         Seq& s = *waiting;
-        if (placed + prefill_batch.size() >= config_.max_num_seqs) return;
+        if (placed >= config_.max_num_seqs) return;
         bool remote_prefill = s.req.kv.do_remote_prefill;
         if (!remote_prefill && chunked && pending >= config_.prefill_chunk_tokens) return;
         if (!remote_prefill && !chunked && !prefill_batch.empty() &&

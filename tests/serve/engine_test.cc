@@ -159,6 +159,32 @@ TEST(Engine, ContinuousBatchingRunsUpToMaxNumSeqsTogether) {
     EXPECT_FALSE(run(1));
 }
 
+// Requests that arrive together are admitted together, up to max_num_seqs, and share one
+// prefill step. Before, a round counted the prompts it admitted twice against max_num_seqs:
+// with one request decoding and room for four, two of three arrivals were admitted and the
+// third waited a whole prefill step.
+TEST(Engine, ArrivalsFillTheBatchUpToMaxNumSeqsInOneRound) {
+    // Steps of ~0.3 s, so the three arrive while one decode step of the first runs.
+    auto e =
+        make_engine({.engine_id = "e", .max_num_seqs = 4, .num_blocks = 64, .time_scale = 1000});
+    ASSERT_TRUE(e->start().ok());
+    auto first = e->submit({.prompt = prompt_of(16, 9), .max_tokens = 30}).value();
+    ASSERT_TRUE(first->next(Clock::now() + seconds(10)).ok());
+    // Four arrive; the batch has room for three of them.
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (int i = 0; i < 4; ++i)
+        hs.push_back(e->submit({.prompt = prompt_of(16, i), .max_tokens = 1}).value());
+    for (auto& h : hs) EXPECT_TRUE(collect(*h).status.ok());
+    const TimePoint together = hs[0]->timing().prefill_start;
+    for (size_t i = 0; i < 3; ++i)
+        EXPECT_EQ(hs[i]->timing().prefill_start, together)
+            << "prefill of " << hs[i]->id() << " started "
+            << to_ms(hs[i]->timing().prefill_start - together) << " ms after the first arrival's";
+    EXPECT_GT(hs[3]->timing().prefill_start, together);  // max_num_seqs still holds
+    first->cancel();
+    EXPECT_EQ(collect(*first).status.code(), StatusCode::kCancelled);
+}
+
 TEST(Engine, SchedulerWaitsForFreeBlocksAndFinishesEveryone) {
     // 4 blocks of 16 tokens: one request of 40 + 10 tokens needs all of them.
     auto e = make_engine({.engine_id = "e", .num_blocks = 4});
