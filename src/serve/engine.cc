@@ -41,11 +41,6 @@ KvTransferParams RequestHandle::kv_out() const {
     return kv_out_;
 }
 
-bool RequestHandle::finished() const {
-    std::lock_guard lock(mu_);
-    return finished_;
-}
-
 RequestTiming RequestHandle::timing() const {
     std::lock_guard lock(mu_);
     return timing_;

@@ -138,7 +138,10 @@ class RequestHandle {
         : id_(std::move(id)), prompt_tokens_(prompt_tokens), on_cancel_(std::move(on_cancel)) {}
     void push(int32_t token, TimePoint at);
     void finish(Status status, KvTransferParams kv_out, TimePoint at);
-    bool finished() const;
+    bool finished() const {
+        std::lock_guard lock(mu_);
+        return finished_;
+    }
 
     const RequestId id_;
     const size_t prompt_tokens_;
