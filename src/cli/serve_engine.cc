@@ -128,8 +128,8 @@ struct EngineFlags {
     // The KV connector (prefill and decode only).
     std::string kv_mode = "push";
     std::string provider = "shm";
-    int kv_port = -1;  // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
-    double kv_lease_s = 30;
+    int kv_port = -1;       // -1: HTTP port + 1000 (0 when the HTTP port is 0: a free one)
+    double kv_lease_s = 0;  // 0: serve::kv_lease (the --kv-wait-timeout)
     double kv_op_timeout_s = 10;
     std::string kv_pull_keys = "offer";
     int kv_num_rails = 1;
@@ -216,8 +216,9 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
     add_http_limit_flags(cmd, f.http_limits);
 }
 
-// serve::Engine's errors name EngineConfig's fields; a user of `ferry serve` knows the flags
-// that set them, so each field name (a whole word) is put in its flag's name.
+// The serving library's errors name its own settings (EngineConfig's fields, the cost model's
+// tp and efficiencies, the KV link's engine's rails); a user of `ferry serve` knows the flags
+// that set them, so each setting's name (a whole word) is put in its flag's name.
 Status in_flag_names(const Status& s) {
     static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
         {"max_num_seqs", "--max-num-seqs"},
@@ -229,6 +230,11 @@ Status in_flag_names(const Status& s) {
         {"block_size", "--block-size"},
         {"time_scale", "--time-scale"},
         {"engine_id", "--engine-id"},
+        {"kv_wait_timeout", "--kv-wait-timeout"},
+        // serve::CostModel's.
+        {"tp", "--tp"},
+        {"compute_efficiency", "--compute-efficiency"},
+        {"bandwidth_efficiency", "--bandwidth-efficiency"},
         // The KV link's fabric engine (ferry::EngineConfig).
         {"EngineConfig::rails", "--kv-rails"},
     };
@@ -252,11 +258,12 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
                                                    int port) {
     FERRY_ASSIGN_OR_RETURN(auto model, serve::model_by_name(f.model));
     FERRY_ASSIGN_OR_RETURN(auto gpu, serve::gpu_by_name(f.gpu));
-    FERRY_ASSIGN_OR_RETURN(auto cost, serve::CostModel::create(model, gpu, f.tp, f.cost));
+    auto cost = serve::CostModel::create(model, gpu, f.tp, f.cost);
+    if (!cost.ok()) return in_flag_names(cost.status());
     f.engine.engine_id = f.engine_id.empty() ? fmt::format("{}-{}", role, port) : f.engine_id;
     f.engine.kv_wait_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.kv_wait_timeout_s));
-    auto engine = serve::Engine::create(f.engine, cost);
+    auto engine = serve::Engine::create(f.engine, *cost);
     if (!engine.ok()) return in_flag_names(engine.status());
     return engine;
 }
@@ -362,7 +369,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         auto secs = [](double s) {
             return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
         };
-        lc.lease = secs(f.kv_lease_s);
+        lc.lease = f.kv_lease_s > 0 ? secs(f.kv_lease_s) : serve::kv_lease((*engine)->config());
         lc.op_timeout = secs(f.kv_op_timeout_s);
         lc.pull_keys = f.kv_pull_keys == "pool" ? kv::PullKeys::kPool : kv::PullKeys::kPerOffer;
         lc.num_rails = f.kv_num_rails;
@@ -450,7 +457,7 @@ struct LocalFlags {
     RouterFlags router;
     int prefill_port = 8100;
     int decode_port = 8200;
-    double lease_s = 30;
+    double lease_s = 0;  // 0: serve::kv_lease (the --kv-wait-timeout)
 };
 
 // One process: prefill and decode engines joined by the in-process KV link (a memcpy between
@@ -467,8 +474,13 @@ int run_local(const LocalFlags& f) {
     if (!mode.ok()) return fail(mode.status());
     auto link_mode = kv_link_mode(f.router.mode);
     if (!link_mode.ok()) return fail(link_mode.status());
-    serve::InProcessKvLink link({*link_mode, std::chrono::duration_cast<Duration>(
-                                                 std::chrono::duration<double>(f.lease_s))});
+    auto secs = [](double s) {
+        return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+    };
+    serve::InProcessKvLink link(
+        {*link_mode, f.lease_s > 0
+                         ? secs(f.lease_s)
+                         : serve::kv_lease({.kv_wait_timeout = secs(f.engine.kv_wait_timeout_s)})});
     // One --engine-id names both engines: "<id>-prefill" and "<id>-decode" (the same id for
     // both was refused, "engine id used twice", whatever the id).
     EngineFlags pf = f.engine, df = f.engine;
@@ -581,8 +593,8 @@ void register_serve(CLI::App& app) {
         cmd->add_option("--kv-port", flags->kv_port,
                         "KV side-channel port (default: HTTP port + 1000)");
         cmd->add_option("--kv-lease", flags->kv_lease_s,
-                        "seconds a side holds blocks for a transfer that does not progress")
-            ->capture_default_str()
+                        "seconds a side holds blocks for a transfer that does not progress "
+                        "(default: --kv-wait-timeout)")
             ->check(positive_number());
         cmd->add_option("--kv-num-rails", flags->kv_num_rails,
                         "NICs (libfabric domains) the KV engine opens; large writes stripe "
@@ -644,8 +656,9 @@ void register_serve(CLI::App& app) {
         ->capture_default_str();
     local->add_option("--decode-port", lf->decode_port, "the decode engine's HTTP port")
         ->capture_default_str();
-    local->add_option("--lease", lf->lease_s, "seconds a side waits for the other")
-        ->capture_default_str()
+    local
+        ->add_option("--lease", lf->lease_s,
+                     "seconds a side waits for the other (default: --kv-wait-timeout)")
         ->check(positive_number());
     local->callback([lf] { set_exit_code(run_local(*lf)); });
 }

@@ -64,13 +64,13 @@ Result<GpuSpec> gpu_by_name(std::string_view name) {
 }
 
 Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostModelConfig config) {
-    if (tp < 1) return invalid_argument(fmt::format("TP degree must be >= 1, got {}", tp));
+    if (tp < 1) return invalid_argument(fmt::format("tp must be at least 1, got {}", tp));
     if (model.layers < 1 || model.hidden < 1 || model.head_dim < 1 || model.vocab < 1)
         return invalid_argument(fmt::format("model shape '{}' has an empty dimension", model.name));
     if (model.q_heads % tp != 0 || model.kv_heads % tp != 0)
         return invalid_argument(
-            fmt::format("TP {} does not divide the {} query heads and {} KV heads of '{}': "
-                        "pick a TP degree that divides both (--tp {} works)",
+            fmt::format("tp {} does not divide the {} query heads and {} KV heads of '{}': "
+                        "pick a tp that divides both (tp {} works)",
                         tp, model.q_heads, model.kv_heads, model.name,
                         std::gcd(model.q_heads, model.kv_heads)));
     if (gpu.peak_tflops <= 0 || gpu.hbm_tbps <= 0)
@@ -78,7 +78,10 @@ Result<CostModel> CostModel::create(ModelShape model, GpuSpec gpu, int tp, CostM
             fmt::format("GPU '{}' needs positive peak and bandwidth", gpu.name));
     if (config.compute_efficiency <= 0 || config.compute_efficiency > 1 ||
         config.bandwidth_efficiency <= 0 || config.bandwidth_efficiency > 1)
-        return invalid_argument("efficiencies must lie in (0, 1]");
+        return invalid_argument(
+            fmt::format("compute_efficiency and bandwidth_efficiency must lie in (0, 1], got {} "
+                        "and {}",
+                        config.compute_efficiency, config.bandwidth_efficiency));
     return CostModel(std::move(model), std::move(gpu), tp, config);
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/enum_names.h"
 #include "ferry/common/log.h"
 #include "ferry/common/thread_name.h"
 #include "ferry/kv/block_mapping.h"
@@ -69,33 +70,81 @@ void RequestHandle::finish(Status status, KvTransferParams kv_out, TimePoint at)
 
 // ---- Engine internals --------------------------------------------------------------------------
 
+// Where a request is in this engine: each is in requests_, in exactly one stage, until
+// retire() gives its blocks back and forgets it (docs/ARCHITECTURE.md draws the same).
+//
+//   push decode leg: kAwaitingPrefill --(prefill scheduled it)--.
+//                                                                v
+//   other requests: ------------------------------------> kWaiting
+//                                                  (blocks) /      \ (blocks, decode leg)
+//                                                          v        v
+//                    kHeldByConnector <--(prefill leg)-- kRunning <--(KV in)-- kAwaitingKv
+//                                                                                  |
+//                                                    kDraining <--(answered: cancel, timeout)
+//
+// Any stage retires once nothing uses its blocks: kHeldByConnector when the connector releases
+// them, kDraining when the connector confirmed and no digest job reads them, the others when
+// the client is answered.
+enum class Engine::Stage {
+    // Queued, FIFO, for blocks and a place in the batch.
+    kWaiting,
+    // A push decode leg until prefill scheduled its transfer; holds no blocks.
+    kAwaitingPrefill,
+    // A decode leg with blocks: the connector fills them, digested as they land.
+    kAwaitingKv,
+    // Prefilling (chunk by chunk) or decoding.
+    kRunning,
+    // A prefill leg answered (or aborted): the connector still reads its blocks.
+    kHeldByConnector,
+    // A decode leg answered early: the connector or a digest job still uses its blocks.
+    kDraining,
+};
+
+std::string_view Engine::stage_name(Stage stage) {
+    static constexpr EnumName<Stage> kNames[] = {
+        {Stage::kWaiting, "waiting"},
+        {Stage::kAwaitingPrefill, "awaiting prefill"},
+        {Stage::kAwaitingKv, "awaiting KV"},
+        {Stage::kRunning, "running"},
+        {Stage::kHeldByConnector, "held by the connector"},
+        {Stage::kDraining, "draining"},
+    };
+    return name_of(kNames, stage);
+}
+
 struct Engine::Seq {
     RequestId id;
     GenerateRequest req;
     std::shared_ptr<RequestHandle> handle;
+    Stage stage = Stage::kWaiting;
+    uint64_t order = 0;  // when it entered its stage: FIFO within the stage
+    // kAwaitingPrefill, kAwaitingKv: when the KV wait (kv_wait_timeout) of the stage ends.
+    TimePoint deadline{};
+    // The block table BlockPool gave at admission; retire() gives the blocks back.
     std::vector<BlockId> blocks;
     std::optional<DecodeStream> stream;
     size_t generated = 0;
-    TimePoint kv_start{}, kv_deadline{};
-    bool done = false;         // the client has its answer; blocks may still be in the connector
-    bool cancel_sent = false;  // connector asked to stop; blocks free at its callback
+    // A transfer's start: a decode leg's blocks allocated, a prefill leg's handed over.
+    TimePoint kv_start{};
     // Prompt tokens whose KV this engine holds: computed here (prefill) or received and
     // digested (decode leg); and their digest terms.
     size_t computed = 0;
     uint64_t kv_terms = 0;
-    bool remote_told = false;  // prefill leg: the producer heard on_prefill_scheduled
-    size_t handovers = 0;      // prefill leg: on_prefill_progress calls so far
+    size_t handovers = 0;  // prefill leg: on_prefill_progress calls so far
     // Decode leg.
-    TimePoint wait_deadline{};  // for the prefill engine to schedule the transfer (push)
-    kv::KvFrontier kv_landed;   // what the connector reported in place
+    kv::KvFrontier kv_landed;  // what the connector reported in place
     // Of the chunk [computed, digested_end) after `computed`: layers [0, digested_layers) are
     // digested (a chunk pushed layer by layer).
     uint32_t digested_end = 0;
     uint32_t digested_layers = 0;
     bool kv_closed = false;       // the connector gave the blocks back (`arrived` came)
     bool digest_running = false;  // a digest job reads the blocks
+    // kHeldByConnector: the connector was told to give the transfer up.
+    bool abort_sent = false;
 
     bool prefilled() const { return computed >= req.prompt.size(); }
+    // The client has its answer (finish() was called).
+    bool answered() const { return handle->finished(); }
 
     void mark(TimePoint RequestTiming::*field, TimePoint t) {
         std::lock_guard lock(handle->mu_);
@@ -153,7 +202,8 @@ struct Engine::Inbox {
     }
 };
 
-// Errors name EngineConfig's fields (the CLI puts its flags in their place: serve_engine.cc).
+// Errors name EngineConfig's fields, and KvPool's name num_blocks (the CLI puts its flags in
+// their place: serve_engine.cc).
 Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel cost) {
     if (config.max_num_seqs == 0 || config.max_num_seqs > kMaxNumSeqs)
         return invalid_argument(fmt::format("max_num_seqs must be in [1, {}], got {}", kMaxNumSeqs,
@@ -174,6 +224,10 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, CostModel co
             "most one group per layer, {} for {}), got {}",
             cost.model().layers, cost.model().name, config.push_layer_groups));
     if (config.time_scale < 0) return invalid_argument("time_scale must not be negative");
+    // 0 or less failed every decode leg as it arrived.
+    if (config.kv_wait_timeout <= Duration::zero())
+        return invalid_argument(fmt::format("kv_wait_timeout must be positive, got {} ms",
+                                            to_ms(config.kv_wait_timeout)));
     if (config.engine_id.empty()) return invalid_argument("engine_id must not be empty");
     if (config.block_size < 1) return invalid_argument("block_size must be at least 1");
     // A chunk below a block computed a fraction of a block per step: push then sent a write per
@@ -308,15 +362,53 @@ Result<std::shared_ptr<RequestHandle>> Engine::submit(GenerateRequest r) {
 }
 
 void Engine::finish(Seq& seq, Status status, KvTransferParams kv_out) {
-    if (seq.done) return;
-    seq.done = true;
+    if (seq.answered()) return;
     if (!status.ok()) {
         std::lock_guard lock(stats_mu_);
         counters_.requests_failed++;
-        log(LogLevel::kInfo, "engine", "{}: request {} failed: {}", config_.engine_id, seq.id,
-            status.to_string());
+        log(LogLevel::kInfo, "engine", "{}: request {} failed ({}): {}", config_.engine_id, seq.id,
+            stage_name(seq.stage), status.to_string());
     }
     seq.handle->finish(std::move(status), std::move(kv_out), Clock::now());
+}
+
+Engine::Seq* Engine::find(const RequestId& id) {
+    auto it = requests_.find(id);
+    return it == requests_.end() ? nullptr : it->second.get();
+}
+
+void Engine::enter(Seq& seq, Stage stage) {
+    seq.stage = stage;
+    seq.order = next_order_++;
+}
+
+std::vector<Engine::Seq*> Engine::in_stage(Stage stage) const {
+    std::vector<Seq*> out;
+    for (const auto& [id, s] : requests_)
+        if (s->stage == stage) out.push_back(s.get());
+    std::sort(out.begin(), out.end(), [](Seq* a, Seq* b) { return a->order < b->order; });
+    return out;
+}
+
+// The one place a request's blocks go back to the pool, and the request leaves the engine:
+// called once neither the client's request, the connector nor a digest job uses them.
+void Engine::retire(RequestId id) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return;
+    if (!it->second->blocks.empty()) (void)blocks_.free_owner(id);
+    requests_.erase(it);
+}
+
+void Engine::drain(Seq& seq, const Status& why) {
+    finish(seq, why);
+    enter(seq, Stage::kDraining);
+    // The client heard; the blocks stay until the connector confirms it stopped.
+    if (!seq.kv_closed) consumer_->cancel(seq.id);
+}
+
+void Engine::hold(Seq& seq) {
+    seq.kv_start = Clock::now();
+    enter(seq, Stage::kHeldByConnector);
 }
 
 bool Engine::sleep_until(TimePoint t) {
@@ -360,14 +452,16 @@ void Engine::loop() {
         std::vector<StepChunk> step = plan_prefill_step();
         if (!step.empty()) {
             run_prefill(step);
-        } else if (std::any_of(running_seqs_.begin(), running_seqs_.end(),
-                               [](const auto& s) { return s->prefilled(); })) {
+        } else if (std::any_of(requests_.begin(), requests_.end(), [](const auto& r) {
+                       return r.second->stage == Stage::kRunning && r.second->prefilled();
+                   })) {
             run_decode();
         } else {
             TimePoint wake = Clock::now() + milliseconds(100);
-            for (auto& [id, s] : waiting_kv_)
-                if (!s->cancel_sent && !s->done) wake = std::min(wake, s->kv_deadline);
-            for (auto& [id, s] : awaiting_prefill_) wake = std::min(wake, s->wait_deadline);
+            for (const auto& [id, s] : requests_)
+                if (s->stage == Stage::kAwaitingPrefill ||
+                    (s->stage == Stage::kAwaitingKv && !s->kv_closed))
+                    wake = std::min(wake, s->deadline);
             std::unique_lock lock(inbox_->mu);
             inbox_->cv.wait_until(lock, wake, [&] { return !inbox_->events.empty() || !running_; });
         }
@@ -392,176 +486,158 @@ void Engine::drain_inbox() {
 }
 
 void Engine::handle(InboxEvent& e) {
-    {
-        switch (e.kind) {
-            case Inbox::Kind::kNew: {
-                // An abort may overtake its request (they travel on different connections).
-                auto a = e.seq->req.kv.transfer_id.empty()
-                             ? aborted_.end()
-                             : aborted_.find(e.seq->req.kv.transfer_id);
-                if (a != aborted_.end()) {
-                    finish(*e.seq, cancelled(fmt::format("transfer {} was aborted", a->first)));
-                    break;
-                }
-                Seq* s = e.seq.get();
-                if (!s->req.kv.do_remote_prefill || !s->req.kv.remote_block_ids.empty()) {
-                    waiting_.push_back(std::move(e.seq));
-                    break;
-                }
-                // A push decode leg reserves blocks only once prefill scheduled the transfer:
-                // until then they would sit idle while the request queues at prefill.
-                s->wait_deadline = Clock::now() + config_.kv_wait_timeout;
-                RequestId id = s->id;
-                awaiting_prefill_[id] = std::move(e.seq);
-                std::weak_ptr<Inbox> weak = inbox_;
-                Status st =
-                    consumer_->await_prefill_scheduled(id, s->req.kv, [weak, id](Status scheduled) {
-                        if (auto in = weak.lock())
-                            in->post(Inbox::Event{.kind = Inbox::Kind::kScheduled,
-                                                  .id = id,
-                                                  .status = std::move(scheduled)});
-                    });
-                if (!st.ok()) {
-                    auto it = awaiting_prefill_.find(id);
-                    if (it == awaiting_prefill_.end()) break;
-                    finish(*it->second, st.with_context("KV connector refused the request"));
-                    awaiting_prefill_.erase(it);
-                }
+    switch (e.kind) {
+        case Inbox::Kind::kNew:
+            accept(std::move(e.seq));
+            break;
+        case Inbox::Kind::kScheduled: {
+            Seq* s = find(e.id);
+            if (s == nullptr || s->stage != Stage::kAwaitingPrefill) break;  // ended meanwhile
+            if (!e.status.ok()) {
+                finish(*s, e.status.with_context(
+                               fmt::format("waiting for the prefill engine to schedule transfer {}",
+                                           s->req.kv.transfer_id)));
+                retire(e.id);
                 break;
             }
-            case Inbox::Kind::kScheduled: {
-                auto it = awaiting_prefill_.find(e.id);
-                if (it == awaiting_prefill_.end()) break;  // cancelled or expired meanwhile
-                std::unique_ptr<Seq> s = std::move(it->second);
-                awaiting_prefill_.erase(it);
-                if (!e.status.ok()) {
-                    finish(*s, e.status.with_context(fmt::format(
-                                   "waiting for the prefill engine to schedule transfer {}",
-                                   s->req.kv.transfer_id)));
-                    break;
+            s->mark(&RequestTiming::remote_scheduled, Clock::now());
+            enter(*s, Stage::kWaiting);
+            break;
+        }
+        case Inbox::Kind::kKvProgress: {
+            Seq* s = find(e.id);
+            if (s == nullptr) break;
+            kv::KvPiece ahead;
+            if (s->stage == Stage::kAwaitingKv && !s->kv_closed &&
+                kv::next_piece(s->kv_landed, e.ready, slice_.layout.num_layers, &ahead))
+                s->kv_landed = e.ready;
+            advance_kv(e.id);
+            break;
+        }
+        case Inbox::Kind::kCancel:
+            cancel_seq(e.id, cancelled(fmt::format("request {} cancelled by the client", e.id)));
+            break;
+        case Inbox::Kind::kCancelTransfer:
+            cancel_transfer(e.id, e.status);
+            break;
+        case Inbox::Kind::kKvArrived:
+            on_kv_arrived(e.id, e.status);
+            break;
+        case Inbox::Kind::kDigested: {
+            Seq* s = find(e.id);
+            if (s == nullptr || !s->digest_running) break;
+            s->digest_running = false;
+            if (s->stage == Stage::kAwaitingKv) {
+                s->kv_terms += e.terms;
+                s->computed = e.ready.tokens;
+                s->digested_end = e.ready.partial_end;
+                s->digested_layers = e.ready.partial_layers;
+            }
+            advance_kv(e.id);
+            break;
+        }
+        case Inbox::Kind::kReleased: {
+            Seq* s = find(e.id);
+            if (s == nullptr || s->stage != Stage::kHeldByConnector) break;
+            {
+                std::lock_guard lock(stats_mu_);
+                if (e.status.ok()) {
+                    // An aborted prefill leg moved nothing.
+                    counters_.kv_transfers++;
+                    if (s->prefilled())
+                        counters_.kv_transfer_bytes +=
+                            uint64_t(kv::blocks_for_tokens(uint32_t(s->req.prompt.size()),
+                                                           slice_.layout.block_size)) *
+                            pool_->block_bytes();
+                    transfer_latency_.observe(to_ms(Clock::now() - s->kv_start) / 1000.0);
+                } else {
+                    counters_.kv_transfer_failures++;
+                    log(LogLevel::kWarn, "engine", "{}: KV hand-over of {} failed: {}",
+                        config_.engine_id, e.id, e.status.to_string());
                 }
-                s->mark(&RequestTiming::remote_scheduled, Clock::now());
-                waiting_.push_back(std::move(s));
-                break;
             }
-            case Inbox::Kind::kKvProgress: {
-                auto k = waiting_kv_.find(e.id);
-                if (k == waiting_kv_.end()) break;
-                Seq& s = *k->second;
-                kv::KvPiece ahead;
-                if (!s.done && !s.kv_closed &&
-                    kv::next_piece(s.kv_landed, e.ready, slice_.layout.num_layers, &ahead))
-                    s.kv_landed = e.ready;
-                advance_kv(e.id);
-                break;
-            }
-            case Inbox::Kind::kCancel:
-                cancel_seq(e.id,
-                           cancelled(fmt::format("request {} cancelled by the client", e.id)));
-                break;
-            case Inbox::Kind::kCancelTransfer: {
-                TimePoint now = Clock::now();
-                std::erase_if(aborted_, [&](auto& kv) { return kv.second < now; });
-                aborted_[e.id] = now + seconds(60);
-                // Decode legs of this transfer, wherever they are; normally exactly one.
-                std::vector<RequestId> ids;
-                for (auto& s : waiting_)
-                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
-                for (auto& [id, s] : awaiting_prefill_)
-                    if (s->req.kv.transfer_id == e.id) ids.push_back(id);
-                for (auto& [id, s] : waiting_kv_)
-                    if (s->req.kv.transfer_id == e.id) ids.push_back(id);
-                for (auto& s : running_seqs_)
-                    if (s->req.kv.transfer_id == e.id) ids.push_back(s->id);
-                Status why =
-                    cancelled(fmt::format("transfer {} aborted: {}", e.id, e.status.message()));
-                for (auto& id : ids) cancel_seq(id, why);
-                // Prefill legs already handed over: the connector holds their blocks for
-                // decode (push: writes; pull: the offer's lease) and must let them go now.
-                for (auto& [id, h] : held_) {
-                    if (h.abort_sent || h.kv.transfer_id != e.id) continue;
-                    h.abort_sent = true;
-                    producer_->on_transfer_aborted(id, h.kv, why);
-                }
-                break;
-            }
-            case Inbox::Kind::kKvArrived:
-                on_kv_arrived(e.id, e.status);
-                break;
-            case Inbox::Kind::kDigested: {
-                auto k = waiting_kv_.find(e.id);
-                if (k == waiting_kv_.end()) break;
-                Seq& s = *k->second;
-                s.digest_running = false;
-                if (!s.done) {
-                    s.kv_terms += e.terms;
-                    s.computed = e.ready.tokens;
-                    s.digested_end = e.ready.partial_end;
-                    s.digested_layers = e.ready.partial_layers;
-                }
-                advance_kv(e.id);
-                break;
-            }
-            case Inbox::Kind::kReleased: {
-                auto h = held_.find(e.id);
-                if (h == held_.end()) break;
-                {
-                    std::lock_guard lock(stats_mu_);
-                    if (e.status.ok()) {
-                        counters_.kv_transfers++;
-                        counters_.kv_transfer_bytes += h->second.bytes;
-                        transfer_latency_.observe(to_ms(Clock::now() - h->second.since) / 1000.0);
-                    } else {
-                        counters_.kv_transfer_failures++;
-                        log(LogLevel::kWarn, "engine", "{}: KV hand-over of {} failed: {}",
-                            config_.engine_id, e.id, e.status.to_string());
-                    }
-                }
-                (void)blocks_.free_owner(e.id);
-                held_.erase(h);
-                break;
-            }
+            retire(e.id);
+            break;
         }
     }
 }
 
+void Engine::accept(std::unique_ptr<Seq> owned) {
+    Seq& s = *owned;
+    // An abort may overtake its request (they travel on different connections).
+    auto a = s.req.kv.transfer_id.empty() ? aborted_.end() : aborted_.find(s.req.kv.transfer_id);
+    if (a != aborted_.end()) {
+        finish(s, cancelled(fmt::format("transfer {} was aborted", a->first)));
+        return;
+    }
+    const RequestId id = s.id;
+    requests_[id] = std::move(owned);
+    if (!s.req.kv.do_remote_prefill || !s.req.kv.remote_block_ids.empty()) {
+        enter(s, Stage::kWaiting);
+        return;
+    }
+    // A push decode leg reserves blocks only once prefill scheduled the transfer: until then
+    // they would sit idle while the request queues at prefill.
+    enter(s, Stage::kAwaitingPrefill);
+    s.deadline = Clock::now() + config_.kv_wait_timeout;
+    std::weak_ptr<Inbox> weak = inbox_;
+    Status st = consumer_->await_prefill_scheduled(id, s.req.kv, [weak, id](Status scheduled) {
+        if (auto in = weak.lock())
+            in->post(Inbox::Event{
+                .kind = Inbox::Kind::kScheduled, .id = id, .status = std::move(scheduled)});
+    });
+    if (!st.ok()) {
+        finish(s, st.with_context("KV connector refused the request"));
+        retire(id);
+    }
+}
+
+void Engine::cancel_transfer(const std::string& transfer_id, const Status& reason) {
+    TimePoint now = Clock::now();
+    std::erase_if(aborted_, [&](auto& kv) { return kv.second < now; });
+    aborted_[transfer_id] = now + seconds(60);
+    Status why = cancelled(fmt::format("transfer {} aborted: {}", transfer_id, reason.message()));
+    // Legs of this transfer not answered yet, wherever they are; normally exactly one.
+    std::vector<RequestId> ids;
+    for (const auto& [id, s] : requests_)
+        if (s->req.kv.transfer_id == transfer_id && s->stage != Stage::kHeldByConnector &&
+            s->stage != Stage::kDraining)
+            ids.push_back(id);
+    for (const auto& id : ids) cancel_seq(id, why);
+    // Prefill legs already handed over: the connector holds their blocks for decode (push:
+    // writes; pull: the offer's lease) and must let them go now.
+    for (auto& [id, s] : requests_) {
+        if (s->stage != Stage::kHeldByConnector || s->abort_sent ||
+            s->req.kv.transfer_id != transfer_id)
+            continue;
+        s->abort_sent = true;
+        producer_->on_transfer_aborted(id, s->req.kv, why);
+    }
+}
+
 void Engine::cancel_seq(const RequestId& id, const Status& why) {
-    auto a = awaiting_prefill_.find(id);
-    if (a != awaiting_prefill_.end()) {
-        finish(*a->second, why);
-        consumer_->cancel(id);  // no blocks held: the connector only stops waiting
-        awaiting_prefill_.erase(a);
-        return;
-    }
-    auto w = std::find_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return s->id == id; });
-    if (w != waiting_.end()) {
-        finish(**w, why);
-        waiting_.erase(w);
-        return;
-    }
-    auto r = std::find_if(running_seqs_.begin(), running_seqs_.end(),
-                          [&](auto& s) { return s->id == id; });
-    if (r != running_seqs_.end()) {
-        Seq& s = **r;
-        if (s.remote_told && !s.prefilled()) {
-            abort_prefill(s, why);  // earlier chunks may still be on the wire
-        } else {
-            finish(s, why);
-            (void)blocks_.free_owner(s.id);
-        }
-        running_seqs_.erase(r);
-        return;
-    }
-    auto k = waiting_kv_.find(id);
-    if (k != waiting_kv_.end()) {
-        // The client hears now; the blocks stay until the connector confirms it stopped.
-        Seq& s = *k->second;
-        finish(s, why);
-        if (!s.kv_closed && !s.cancel_sent) {
-            s.cancel_sent = true;
-            consumer_->cancel(s.id);
-        }
-        advance_kv(id);
+    Seq* s = find(id);
+    if (s == nullptr) return;
+    switch (s->stage) {
+        case Stage::kAwaitingPrefill:
+        case Stage::kWaiting:
+        case Stage::kRunning:
+            if (s->stage == Stage::kRunning && s->req.kv.do_remote_decode && !s->prefilled()) {
+                abort_prefill(*s, why);  // earlier chunks may still be on the wire
+                return;
+            }
+            finish(*s, why);
+            // A push decode leg holds no blocks yet: the connector only stops waiting.
+            if (s->stage == Stage::kAwaitingPrefill) consumer_->cancel(id);
+            retire(id);
+            return;
+        case Stage::kAwaitingKv:
+            drain(*s, why);
+            advance_kv(id);
+            return;
+        case Stage::kHeldByConnector:
+        case Stage::kDraining:
+            return;  // answered already
     }
 }
 
@@ -569,8 +645,8 @@ void Engine::abort_prefill(Seq& s, const Status& why) {
     finish(s, why);
     // The connector may still read the blocks for writes of earlier chunks: they are held
     // until it releases them.
-    held_[s.id] = Held{s.blocks, Clock::now(), 0, s.req.kv, true};
-    s.blocks.clear();
+    hold(s);
+    s.abort_sent = true;
     std::weak_ptr<Inbox> weak = inbox_;
     RequestId id = s.id;
     producer_->on_prefill_aborted(id, s.req.kv, why, [weak, id](Status released) {
@@ -581,9 +657,11 @@ void Engine::abort_prefill(Seq& s, const Status& why) {
 }
 
 void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
-    auto k = waiting_kv_.find(id);
-    if (k == waiting_kv_.end() || k->second->kv_closed) return;  // stale callback
-    Seq& s = *k->second;
+    Seq* found = find(id);
+    if (found == nullptr || found->kv_closed ||
+        (found->stage != Stage::kAwaitingKv && found->stage != Stage::kDraining))
+        return;  // stale callback
+    Seq& s = *found;
     TimePoint now = Clock::now();
     {
         std::lock_guard lock(stats_mu_);
@@ -598,11 +676,9 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
         }
     }
     s.kv_closed = true;
-    if (s.done || s.cancel_sent || !status.ok()) {
-        finish(s, status.ok()
-                      ? cancelled("request cancelled")
-                      : status.with_context(fmt::format("KV transfer for request {}", s.id)));
-    } else {
+    if (s.stage == Stage::kAwaitingKv && !status.ok()) {
+        drain(s, status.with_context(fmt::format("KV transfer for request {}", s.id)));
+    } else if (s.stage == Stage::kAwaitingKv) {
         s.mark(&RequestTiming::kv_ready, now);
         s.kv_landed = kv::KvFrontier{uint32_t(s.req.prompt.size())};
     }
@@ -610,20 +686,17 @@ void Engine::on_kv_arrived(const RequestId& id, const Status& status) {
 }
 
 // A decode leg's KV: digests what landed (one job at a time), and once all of it arrived and
-// is digested, the request decodes. A finished leg's blocks are freed once neither the
-// connector nor a digest job uses them.
+// is digested, the request decodes. A drained leg retires once neither the connector nor a
+// digest job uses its blocks.
 void Engine::advance_kv(const RequestId& id) {
-    auto k = waiting_kv_.find(id);
-    if (k == waiting_kv_.end()) return;
-    Seq& s = *k->second;
-    if (s.digest_running) return;
-    if (s.done) {
-        if (s.kv_closed) {
-            (void)blocks_.free_owner(s.id);
-            waiting_kv_.erase(k);
-        }
+    Seq* found = find(id);
+    if (found == nullptr || found->digest_running) return;
+    Seq& s = *found;
+    if (s.stage == Stage::kDraining) {
+        if (s.kv_closed) retire(id);
         return;
     }
+    if (s.stage != Stage::kAwaitingKv) return;
     // What landed beyond what is digested: whole chunks, and layers of a chunk pushed layer
     // by layer.
     kv::KvFrontier digested{uint32_t(s.computed), s.digested_end, s.digested_layers};
@@ -644,7 +717,7 @@ void Engine::advance_kv(const RequestId& id) {
         auto tok = s.stream->next(*pool_, s.blocks);
         if (!tok.ok()) {
             finish(s, tok.status());
-            advance_kv(id);  // frees the blocks: the connector is done with them
+            retire(id);  // the connector is done with the blocks
             return;
         }
         s.generated = 1;
@@ -655,12 +728,11 @@ void Engine::advance_kv(const RequestId& id) {
         }
         if (s.generated >= s.req.max_tokens) {
             finish(s, ok_status());
-            advance_kv(id);
+            retire(id);
             return;
         }
     }
-    running_seqs_.push_back(std::move(k->second));
-    waiting_kv_.erase(k);
+    enter(s, Stage::kRunning);
 }
 
 Status Engine::abort_transfer(const std::string& transfer_id, const std::string& reason) {
@@ -672,27 +744,25 @@ Status Engine::abort_transfer(const std::string& transfer_id, const std::string&
 
 void Engine::expire_kv_waits() {
     TimePoint now = Clock::now();
-    for (auto it = awaiting_prefill_.begin(); it != awaiting_prefill_.end();) {
-        Seq& s = *it->second;
-        if (now < s.wait_deadline) {
-            ++it;
-            continue;
+    std::vector<RequestId> unscheduled;
+    for (auto& [id, s] : requests_) {
+        if (now < s->deadline) continue;
+        if (s->stage == Stage::kAwaitingPrefill) {
+            unscheduled.push_back(id);
+        } else if (s->stage == Stage::kAwaitingKv && !s->kv_closed) {
+            drain(*s, timeout_error(fmt::format(
+                          "KV for request {} (transfer {}) did not arrive within {:.0f} ms", s->id,
+                          s->req.kv.transfer_id, to_ms(config_.kv_wait_timeout))));
         }
+    }
+    for (const RequestId& id : unscheduled) {
+        Seq& s = *find(id);
         finish(s, timeout_error(fmt::format(
                       "the prefill engine did not schedule transfer {} of request {} within "
                       "{:.0f} ms",
                       s.req.kv.transfer_id, s.id, to_ms(config_.kv_wait_timeout))));
-        consumer_->cancel(s.id);
-        it = awaiting_prefill_.erase(it);
-    }
-    for (auto& [id, s] : waiting_kv_) {
-        if (s->done || s->cancel_sent || s->kv_closed || now < s->kv_deadline) continue;
-        // The client hears now; the blocks stay ours until the connector confirms it stopped.
-        finish(*s, timeout_error(fmt::format(
-                       "KV for request {} (transfer {}) did not arrive within {:.0f} ms", s->id,
-                       s->req.kv.transfer_id, to_ms(config_.kv_wait_timeout))));
-        s->cancel_sent = true;
-        consumer_->cancel(s->id);
+        consumer_->cancel(id);
+        retire(id);
     }
 }
 
@@ -703,13 +773,19 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
     // the next step's budget is not spoken for, so it is scheduled (and, in push, decode
     // reserves blocks for it) about when its compute starts.
     size_t pending = 0;
-    for (auto& r : running_seqs_)
-        if (!r->prefilled()) pending += r->req.prompt.size() - r->computed;
-    while (!waiting_.empty()) {
-        Seq& s = *waiting_.front();
-        if (running_seqs_.size() + waiting_kv_.size() + prefill_batch.size() >=
-            config_.max_num_seqs)
-            return;
+    // Requests holding a place in the batch (max_num_seqs): running (this round's admissions
+    // included), or decode legs with blocks for KV.
+    size_t placed = 0;
+    for (const auto& [id, r] : requests_) {
+        if (r->stage == Stage::kRunning && !r->prefilled())
+            pending += r->req.prompt.size() - r->computed;
+        if (r->stage == Stage::kRunning || r->stage == Stage::kAwaitingKv ||
+            r->stage == Stage::kDraining)
+            placed++;
+    }
+    for (Seq* waiting : in_stage(Stage::kWaiting)) {
+        Seq& s = *waiting;
+        if (placed >= config_.max_num_seqs) return;
         bool remote_prefill = s.req.kv.do_remote_prefill;
         if (!remote_prefill && chunked && pending >= config_.prefill_chunk_tokens) return;
         if (!remote_prefill && !chunked && !prefill_batch.empty() &&
@@ -722,17 +798,15 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
         if (!got.ok()) return;
         s.blocks = std::move(got).value();
         s.mark(&RequestTiming::scheduled, Clock::now());
-        std::unique_ptr<Seq> owned = std::move(waiting_.front());
-        waiting_.pop_front();
+        placed++;
         if (remote_prefill) {
-            Seq* p = owned.get();
-            p->kv_start = Clock::now();
-            p->kv_deadline = p->kv_start + config_.kv_wait_timeout;
-            waiting_kv_[p->id] = std::move(owned);
+            s.kv_start = Clock::now();
+            s.deadline = s.kv_start + config_.kv_wait_timeout;
+            enter(s, Stage::kAwaitingKv);
             std::weak_ptr<Inbox> weak = inbox_;
-            RequestId id = p->id;
+            RequestId id = s.id;
             Status st = consumer_->on_blocks_allocated(
-                id, p->req.kv, p->blocks, p->req.prompt.size(),
+                id, s.req.kv, s.blocks, s.req.prompt.size(),
                 [weak, id](Status arrived) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{.kind = Inbox::Kind::kKvArrived,
@@ -745,23 +819,18 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
                             .kind = Inbox::Kind::kKvProgress, .id = id, .ready = landed});
                 });
             if (!st.ok()) {
-                auto it = waiting_kv_.find(id);
-                if (it == waiting_kv_.end()) continue;  // cannot happen: the loop owns the map
-                finish(*it->second, st.with_context("KV connector refused the request"));
-                (void)blocks_.free_owner(id);
-                waiting_kv_.erase(it);
+                finish(s, st.with_context("KV connector refused the request"));
+                retire(id);
+                placed--;
                 std::lock_guard lock(stats_mu_);
                 counters_.kv_transfer_failures++;
             }
         } else {
-            batch_tokens += owned->req.prompt.size();
-            pending += owned->req.prompt.size();
-            if (owned->req.kv.do_remote_decode) {
-                producer_->on_prefill_scheduled(owned->id, owned->req.kv);
-                owned->remote_told = true;
-            }
-            prefill_batch.push_back(owned.get());
-            running_seqs_.push_back(std::move(owned));
+            batch_tokens += s.req.prompt.size();
+            pending += s.req.prompt.size();
+            if (s.req.kv.do_remote_decode) producer_->on_prefill_scheduled(s.id, s.req.kv);
+            prefill_batch.push_back(&s);
+            enter(s, Stage::kRunning);
         }
     }
 }
@@ -771,9 +840,9 @@ std::vector<Engine::StepChunk> Engine::plan_prefill_step() const {
     size_t budget =
         config_.prefill_chunk_tokens > 0 ? config_.prefill_chunk_tokens : SIZE_MAX;  // whole
     std::vector<StepChunk> step;
-    for (const auto& r : running_seqs_) {
+    for (Seq* r : in_stage(Stage::kRunning)) {
         Seq& s = *r;
-        if (s.prefilled() || s.done) continue;
+        if (s.prefilled()) continue;
         if (budget == 0) break;
         size_t left = s.req.prompt.size() - s.computed;
         size_t take = std::min(left, budget);
@@ -879,10 +948,12 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
     for (size_t i = 0; i < step.size(); ++i) {
         Seq& s = *step[i].seq;
         if (!errors[i].ok()) {
-            if (s.remote_told)
+            if (s.req.kv.do_remote_decode) {
                 abort_prefill(s, errors[i]);
-            else
+            } else {
                 finish(s, errors[i]);
+                retire(s.id);
+            }
             continue;
         }
         s.computed += step[i].tokens;
@@ -901,6 +972,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
         auto tok = s.stream->next(*pool_, s.blocks);
         if (!tok.ok()) {
             finish(s, tok.status());
+            retire(s.id);
             continue;
         }
         s.generated = 1;
@@ -921,35 +993,26 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
                 });
             if (!out.ok()) {
                 finish(s, out.status().with_context("KV connector refused the hand-over"));
+                retire(s.id);
                 std::lock_guard lock(stats_mu_);
                 counters_.kv_transfer_failures++;
                 continue;
             }
-            // The blocks now belong to the connector until it releases them.
-            held_[s.id] = Held{s.blocks, now,
-                               uint64_t(kv::blocks_for_tokens(uint32_t(s.req.prompt.size()),
-                                                              slice_.layout.block_size)) *
-                                   pool_->block_bytes(),
-                               s.req.kv};
-            s.blocks.clear();
+            // The connector reads the blocks until it releases them.
+            hold(s);
             finish(s, ok_status(), std::move(out).value());
         } else if (s.generated >= s.req.max_tokens) {
             finish(s, ok_status());
+            retire(s.id);
         }
     }
-    // Done requests leave; their blocks go back unless the connector holds them.
-    std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
-        if (!s->done) return false;
-        if (!held_.count(s->id)) (void)blocks_.free_owner(s->id);
-        return true;
-    });
 }
 
 void Engine::run_decode() {
     TimePoint start = Clock::now();
     std::vector<Seq*> batch;  // prompts still in chunked prefill wait for their last chunk
-    for (auto& s : running_seqs_)
-        if (s->prefilled()) batch.push_back(s.get());
+    for (Seq* s : in_stage(Stage::kRunning))
+        if (s->prefilled()) batch.push_back(s);
     std::vector<int> ctx;
     std::vector<Result<int32_t>> toks;
     ctx.reserve(batch.size());
@@ -968,23 +1031,22 @@ void Engine::run_decode() {
         Seq& s = *batch[i];
         if (!toks[i].ok()) {
             finish(s, toks[i].status());
+            retire(s.id);
             continue;
         }
         s.handle->push(*toks[i], now);
         s.generated++;
         produced++;
-        if (s.generated >= s.req.max_tokens) finish(s, ok_status());
+        if (s.generated >= s.req.max_tokens) {
+            finish(s, ok_status());
+            retire(s.id);
+        }
     }
     {
         std::lock_guard lock(stats_mu_);
         counters_.decode_steps++;
         counters_.generated_tokens += produced;
     }
-    std::erase_if(running_seqs_, [&](const std::unique_ptr<Seq>& s) {
-        if (!s->done) return false;
-        (void)blocks_.free_owner(s->id);
-        return true;
-    });
 }
 
 void Engine::digest_worker() {
@@ -1009,23 +1071,24 @@ void Engine::digest_worker() {
 }
 
 void Engine::publish_gauges() {
+    size_t by_stage[6] = {};
+    for (const auto& [id, s] : requests_) by_stage[size_t(s->stage)]++;
     std::lock_guard lock(stats_mu_);
-    counters_.waiting = waiting_.size();
-    counters_.running = running_seqs_.size();
-    counters_.waiting_for_kv = waiting_kv_.size();
-    counters_.held_for_transfer = held_.size();
-    counters_.waiting_for_prefill = awaiting_prefill_.size();
+    counters_.waiting = by_stage[size_t(Stage::kWaiting)];
+    counters_.running = by_stage[size_t(Stage::kRunning)];
+    counters_.waiting_for_kv =
+        by_stage[size_t(Stage::kAwaitingKv)] + by_stage[size_t(Stage::kDraining)];
+    counters_.held_for_transfer = by_stage[size_t(Stage::kHeldByConnector)];
+    counters_.waiting_for_prefill = by_stage[size_t(Stage::kAwaitingPrefill)];
 }
 
 void Engine::fail_all(const Status& status) {
-    for (auto& s : waiting_) finish(*s, status);
-    for (auto& s : running_seqs_) finish(*s, status);
-    for (auto& [id, s] : waiting_kv_) finish(*s, status);
-    for (auto& [id, s] : awaiting_prefill_) finish(*s, status);
-    awaiting_prefill_.clear();
-    waiting_.clear();
-    running_seqs_.clear();
-    waiting_kv_.clear();
+    // Legs held by the connector stay until it releases them. The others leave without
+    // retire(): the connector may still write into a draining leg's blocks, and nothing is
+    // allocated any more.
+    for (auto& [id, s] : requests_) finish(*s, status);
+    std::erase_if(requests_,
+                  [](const auto& r) { return r.second->stage != Stage::kHeldByConnector; });
 }
 
 EngineStats Engine::stats() const {

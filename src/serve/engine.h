@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -74,9 +75,20 @@ struct EngineConfig {
     int block_size = 16;
     int head_offset = 0;      // global index of this rank's first KV head
     double time_scale = 1.0;  // multiplies modelled step times; tests run faster than real
-    // A decode leg whose KV has not arrived by then is cancelled and fails.
+    // The KV wait, one setting for the deployment: how long a decode leg waits for the prefill
+    // engine to schedule its transfer (push), then, once its blocks are allocated, for its KV.
+    // A leg that waited this long is cancelled and fails. A KV connector's lease (how long a
+    // side holds blocks for a transfer that does not progress) derives from it: kv_lease().
     Duration kv_wait_timeout = seconds(30);
 };
+
+// The lease to give a KV connector (FabricKvLinkConfig::lease, InProcessKvLinkConfig::lease)
+// of engines whose decode legs wait `config.kv_wait_timeout` for their KV: no decode leg
+// waits longer for the blocks a prefill holds for it, and a decode leg's own wait ends at
+// the engine's deadline (its message names kv_wait_timeout) before the lease runs out, as
+// the lease starts no later and is renewed while prefill computes. The two used to be set
+// apart, both 30 s, so which one ended a wait depended on which flag was lower.
+inline Duration kv_lease(const EngineConfig& config) { return config.kv_wait_timeout; }
 
 // First layer of layer group g (0-based) of a push step, `groups` over `layers`; g = groups
 // gives `layers`, so group g is [layer_group_end(g), layer_group_end(g + 1)). Groups shrink
@@ -126,6 +138,10 @@ class RequestHandle {
         : id_(std::move(id)), prompt_tokens_(prompt_tokens), on_cancel_(std::move(on_cancel)) {}
     void push(int32_t token, TimePoint at);
     void finish(Status status, KvTransferParams kv_out, TimePoint at);
+    bool finished() const {
+        std::lock_guard lock(mu_);
+        return finished_;
+    }
 
     const RequestId id_;
     const size_t prompt_tokens_;
@@ -178,14 +194,29 @@ class Engine {
 
   private:
     struct Seq;
+    enum class Stage;
     struct Inbox;
     enum class InboxKind;
     struct InboxEvent;
     Engine(EngineConfig config, CostModel cost, std::unique_ptr<KvPool> pool);
 
+    static std::string_view stage_name(Stage stage);
     void loop();
     void drain_inbox();
     void handle(InboxEvent& e);
+    // A submitted request enters its first stage.
+    void accept(std::unique_ptr<Seq> seq);
+    Seq* find(const RequestId& id);
+    void enter(Seq& seq, Stage stage);
+    // The requests in `stage`, oldest in it first.
+    std::vector<Seq*> in_stage(Stage stage) const;
+    // Gives the request's blocks back and forgets it; `seq` and its id are gone after.
+    void retire(RequestId id);
+    // A decode leg answered while the connector or a digest job may still use its blocks.
+    void drain(Seq& seq, const Status& why);
+    // A prefill leg whose blocks the connector reads until it releases them.
+    void hold(Seq& seq);
+    void cancel_transfer(const std::string& transfer_id, const Status& reason);
     struct StepChunk {
         Seq* seq;
         size_t tokens;
@@ -223,20 +254,9 @@ class Engine {
     std::atomic<bool> running_{false};
     std::atomic<uint64_t> next_id_{1};
 
-    // Owned by the loop thread.
-    std::deque<std::unique_ptr<Seq>> waiting_;
-    // Push decode legs until the prefill engine scheduled their transfer (no blocks held).
-    std::map<RequestId, std::unique_ptr<Seq>> awaiting_prefill_;
-    std::map<RequestId, std::unique_ptr<Seq>> waiting_kv_;
-    std::vector<std::unique_ptr<Seq>> running_seqs_;
-    struct Held {
-        std::vector<BlockId> blocks;
-        TimePoint since;
-        uint64_t bytes;
-        KvTransferParams kv;      // the leg's, for abort_transfer
-        bool abort_sent = false;  // the connector was told to give the transfer up
-    };
-    std::map<RequestId, Held> held_;            // prefill blocks the connector still reads
+    // Owned by the loop thread: every request of this engine, each in its stage (engine.cc).
+    std::map<RequestId, std::unique_ptr<Seq>> requests_;
+    uint64_t next_order_ = 0;                   // Seq::order of the next stage entry
     std::map<std::string, TimePoint> aborted_;  // transfer ids aborted recently, until when
 
     // Read by stats() from any thread.

@@ -50,7 +50,8 @@ struct FabricKvLinkConfig {
     // Address the side channel listens on and the tcp provider binds to.
     std::string host = "127.0.0.1";
     int side_port = 0;  // 0 picks a free one (see side_port())
-    // How long one side holds blocks for a transfer that does not progress.
+    // How long one side holds blocks for a transfer that does not progress: the engines' KV
+    // wait, serve::kv_lease(EngineConfig), as the ferry command sets it.
     Duration lease = seconds(30);
     // Pull offers: registered on their own and closed when they end (a late read fails), or
     // read under the pool's keys (kPool: no registration per offer). docs/PROTOCOL.md.

@@ -25,7 +25,8 @@ struct InProcessKvLinkConfig {
     // kPull: decode reads after prefill finished, on the link's thread; kPullInline: decode
     // reads in the engine loop that calls on_blocks_allocated (the baseline).
     kv::TransferMode mode = kv::TransferMode::kPush;
-    // How long one side waits for the other before giving up and releasing its blocks.
+    // How long one side waits for the other before giving up and releasing its blocks: the
+    // engines' KV wait, serve::kv_lease(EngineConfig), as `ferry serve local` sets it.
     Duration lease = seconds(30);
 };
 

@@ -23,7 +23,7 @@ Result<std::unique_ptr<KvPool>> KvPool::create(const kv::KvLayout& layout) {
     auto* mem = static_cast<uint8_t*>(std::aligned_alloc(page, rounded));
     if (mem == nullptr)
         return resource_exhausted(
-            fmt::format("cannot allocate a KV pool of {} blocks ({} MiB): lower --num-blocks",
+            fmt::format("cannot allocate a KV pool of {} blocks ({} MiB): lower num_blocks",
                         layout.num_blocks, bytes >> 20));
     std::memset(mem, 0, rounded);
     return std::unique_ptr<KvPool>(new KvPool(layout, mem));

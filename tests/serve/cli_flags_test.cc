@@ -9,9 +9,11 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include "ferry/fabric/engine.h"
+#include "serve/engine.h"
 #include "serve_procs.h"
 
 namespace ferry::serve::testing {
@@ -289,6 +291,60 @@ TEST_F(CliFlags, BadValuesEndTheProcessWithAnErrorNamingTheFlag) {
         EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
         EXPECT_EQ(out.find("KV side channel"), std::string::npos) << out;
         EXPECT_EQ(out.find("relay p50"), std::string::npos) << out;  // no run before the error
+    }
+}
+
+// The serving library speaks of its own settings (an embedder of serve::Engine has no flags);
+// `ferry serve` puts the flag that sets each one in its place. Before, KvPool's and the cost
+// model's messages named the command's flags to a library user, and a command user read
+// "tp"/"compute_efficiency", not the flags he passed.
+TEST_F(CliFlags, TheEngineNamesItsSettingsAndTheCommandItsFlags) {
+    struct Case {
+        std::function<Status()> library;
+        std::vector<std::string> command;
+        std::string library_says, command_says;
+    };
+    auto engine = [](EngineConfig config, ModelShape model, int tp) {
+        return [=] {
+            auto cost = CostModel::create(model, h200(), tp);
+            if (!cost.ok()) return cost.status();
+            return Engine::create(config, *cost).status();
+        };
+    };
+    auto cost = [](CostModelConfig config) {
+        return [=] { return CostModel::create(tiny_test_model(), h200(), 1, config).status(); };
+    };
+    // 4*10^9 blocks of Qwen3-32B at TP 8 are 2 PB: more than any address space.
+    const std::vector<Case> cases = {
+        {engine({.engine_id = "e", .num_blocks = 4000000000}, qwen3_32b(), 8),
+         {"serve", "prefill", "--port", "0", "--num-blocks", "4000000000"},
+         "lower num_blocks",
+         "lower --num-blocks"},
+        {engine({.engine_id = "e"}, tiny_test_model(), 3),
+         {"serve", "decode", "--port", "0", "--model", "tiny", "--tp", "3"},
+         "tp 3 does not divide the 4 query heads and 2 KV heads of 'tiny': pick a tp that "
+         "divides both (tp 2 works)",
+         "--tp 3 does not divide the 4 query heads and 2 KV heads of 'tiny': pick a --tp that "
+         "divides both (--tp 2 works)"},
+        {cost({.compute_efficiency = 2}),
+         {"serve", "prefill", "--port", "0", "--model", "tiny", "--tp", "1", "--compute-efficiency",
+          "2"},
+         "compute_efficiency and bandwidth_efficiency must lie in (0, 1], got 2 and 0.8",
+         "--compute-efficiency and --bandwidth-efficiency must lie in (0, 1], got 2 and 0.8"},
+        {engine({.engine_id = "e", .max_num_seqs = 0}, tiny_test_model(), 1),
+         {"serve", "prefill", "--port", "0", "--model", "tiny", "--tp", "1", "--max-num-seqs", "0"},
+         "max_num_seqs must be in [1, 65536], got 0",
+         "--max-num-seqs must be in [1, 65536], got 0"},
+    };
+    for (const Case& c : cases) {
+        SCOPED_TRACE(joined(c.command));
+        Status lib = c.library();
+        EXPECT_NE(lib.message().find(c.library_says), std::string::npos) << lib.to_string();
+        EXPECT_EQ(lib.message().find("--"), std::string::npos) << lib.to_string();
+        auto [code, out] = run(c.command);
+        EXPECT_GT(code, 0) << out;
+        EXPECT_LT(code, 128) << out;
+        EXPECT_NE(out.find(c.command_says), std::string::npos) << out;
     }
 }
 
@@ -642,6 +698,36 @@ TEST_F(CliFlags, ServeLocalEngineIdNamesBothEngines) {
         ASSERT_TRUE(r.ok()) << r.status().to_string();
         EXPECT_EQ(nlohmann::json::parse(r->body)["engine_id"], id) << r->body;
     }
+    p.interrupt();
+    EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
+}
+
+// serve local's KV lease is the KV wait (--kv-wait-timeout) unless --lease is given: a prefill
+// leg nobody collects holds its blocks that long. Before, the lease was 30 s whatever
+// --kv-wait-timeout said: a decode leg gave up after 1 s while prefill held blocks for it 29 s
+// more.
+TEST_F(CliFlags, ServeLocalHoldsALegsBlocksForTheKvWait) {
+    const int port = free_port(), prefill = free_port(), decode = free_port();
+    Proc p = start({"serve", "local", "--model", "tiny", "--tp", "1", "--port",
+                    std::to_string(port), "--prefill-port", std::to_string(prefill),
+                    "--decode-port", std::to_string(decode), "--kv-wait-timeout", "1"});
+    ASSERT_TRUE(wait_healthy("127.0.0.1", port)) << p.log_text();
+    const json leg = {
+        {"prompt", prompt_of(40, 1)},
+        {"max_tokens", 1},
+        {"kv_transfer_params", {{"do_remote_decode", true}, {"transfer_id", "orphan"}}}};
+    auto r = http_post_json("127.0.0.1", prefill, "/v1/completions", leg.dump(), seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_EQ(r->status, 200) << r->body;
+    // The lease ends the hand-over as failed and gives the blocks back; 15 s is well past 1 s
+    // on a loaded machine and well before 30.
+    EXPECT_TRUE(eventually(
+        [&] {
+            return metric("127.0.0.1", prefill, "ferry_kv_transfer_failures_total") == 1 &&
+                   metric("127.0.0.1", prefill, "ferry_kv_blocks_used") == 0;
+        },
+        seconds(15)))
+        << "blocks used " << metric("127.0.0.1", prefill, "ferry_kv_blocks_used");
     p.interrupt();
     EXPECT_EQ(p.wait_exit(seconds(10)), 0) << p.log_text();
 }

@@ -129,6 +129,9 @@ TEST(Engine, ConfigErrorsNameTheSettingsNotTheCommandsFlags) {
          "prefill_chunk_tokens 8 is below block_size 16"},
         {{.engine_id = "e", .num_blocks = 0}, "num_blocks 0 is outside [1, 2^32)"},
         {{.engine_id = ""}, "engine_id must not be empty"},
+        // 0 failed every decode leg as it arrived.
+        {{.engine_id = "e", .kv_wait_timeout = Duration::zero()},
+         "kv_wait_timeout must be positive, got 0 ms"},
     };
     for (const auto& c : cases) {
         auto e = Engine::create(c.config, tiny_cost());
@@ -154,6 +157,32 @@ TEST(Engine, ContinuousBatchingRunsUpToMaxNumSeqsTogether) {
     };
     EXPECT_TRUE(run(4));
     EXPECT_FALSE(run(1));
+}
+
+// Requests that arrive together are admitted together, up to max_num_seqs, and share one
+// prefill step. Before, a round counted the prompts it admitted twice against max_num_seqs:
+// with one request decoding and room for four, two of three arrivals were admitted and the
+// third waited a whole prefill step.
+TEST(Engine, ArrivalsFillTheBatchUpToMaxNumSeqsInOneRound) {
+    // Steps of ~0.3 s, so the three arrive while one decode step of the first runs.
+    auto e =
+        make_engine({.engine_id = "e", .max_num_seqs = 4, .num_blocks = 64, .time_scale = 1000});
+    ASSERT_TRUE(e->start().ok());
+    auto first = e->submit({.prompt = prompt_of(16, 9), .max_tokens = 30}).value();
+    ASSERT_TRUE(first->next(Clock::now() + seconds(10)).ok());
+    // Four arrive; the batch has room for three of them.
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (int i = 0; i < 4; ++i)
+        hs.push_back(e->submit({.prompt = prompt_of(16, i), .max_tokens = 1}).value());
+    for (auto& h : hs) EXPECT_TRUE(collect(*h).status.ok());
+    const TimePoint together = hs[0]->timing().prefill_start;
+    for (size_t i = 0; i < 3; ++i)
+        EXPECT_EQ(hs[i]->timing().prefill_start, together)
+            << "prefill of " << hs[i]->id() << " started "
+            << to_ms(hs[i]->timing().prefill_start - together) << " ms after the first arrival's";
+    EXPECT_GT(hs[3]->timing().prefill_start, together);  // max_num_seqs still holds
+    first->cancel();
+    EXPECT_EQ(collect(*first).status.code(), StatusCode::kCancelled);
 }
 
 TEST(Engine, SchedulerWaitsForFreeBlocksAndFinishesEveryone) {
@@ -194,6 +223,28 @@ TEST(Engine, CancelledRequestReturnsItsBlocks) {
     Collected c = collect(*h);
     EXPECT_EQ(c.status.code(), StatusCode::kCancelled);
     EXPECT_TRUE(eventually([&] { return e->stats().blocks_free == 64; }));
+}
+
+// A request the client cancels while it waits for blocks leaves at once, and once every request
+// ended the engine holds no block and counts no request in any stage.
+TEST(Engine, RequestCancelledWhileWaitingForBlocksLeavesNothingBehind) {
+    // Steps of ~0.3 s: the first request is still decoding when the test cancels it.
+    auto e = make_engine({.engine_id = "e", .num_blocks = 4, .time_scale = 1000});
+    ASSERT_TRUE(e->start().ok());
+    // 20 + 40 - 1 tokens: the whole pool of 4 blocks of 16.
+    auto running = e->submit({.prompt = prompt_of(20, 1), .max_tokens = 40}).value();
+    ASSERT_TRUE(running->next(Clock::now() + seconds(5)).ok());
+    auto queued = e->submit({.prompt = prompt_of(20, 2), .max_tokens = 2}).value();
+    ASSERT_TRUE(eventually([&] { return e->stats().waiting == 1; }));
+    queued->cancel();
+    EXPECT_EQ(collect(*queued, seconds(5)).status.code(), StatusCode::kCancelled);
+    running->cancel();
+    EXPECT_EQ(collect(*running, seconds(5)).status.code(), StatusCode::kCancelled);
+    EXPECT_TRUE(eventually([&] {
+        EngineStats st = e->stats();
+        return st.blocks_free == 4 && st.waiting == 0 && st.running == 0 &&
+               st.waiting_for_kv == 0 && st.waiting_for_prefill == 0 && st.held_for_transfer == 0;
+    }));
 }
 
 TEST(Engine, StopFailsRequestsInFlight) {
