@@ -347,6 +347,23 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
     return decode_windows(r, m->layout, m->pool.size(), &m->windows);
 }
 
+void encode_body(ByteWriter& w, const PullAskMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.decode_rank);
+    w.put(m.wait_ms);
+    w.put(m.capability);
+    m.decode_address.encode(w);
+}
+
+Status decode_body(ByteReader& r, PullAskMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->wait_ms, "wait_ms"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->capability, "capability"));
+    FERRY_ASSIGN_OR_RETURN(m->decode_address, EngineAddress::decode(r));
+    return ok_status();
+}
+
 void encode_body(ByteWriter& w, const DoneMsg& m) {
     w.put(m.transfer_id);
     w.put(m.decode_rank);
@@ -439,6 +456,9 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
         case MsgType::kSegment:
             out = decode_as<SegmentMsg>(r);
             break;
+        case MsgType::kPullAsk:
+            out = decode_as<PullAskMsg>(r);
+            break;
         default:
             return protocol_error(fmt::format("field 'type' = {} is unknown", type));
     }
@@ -449,9 +469,9 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
 }
 
 const char* message_name(const KvMessage& msg) {
-    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL", "CANCEL",
-                                             "CANCEL_ACK", "PULL_PARAMS", "DONE", "INTENT",
-                                             "SCHEDULED",  "SEGMENT"};
+    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL",    "CANCEL",
+                                             "CANCEL_ACK", "PULL_PARAMS", "DONE",    "INTENT",
+                                             "SCHEDULED",  "SEGMENT",     "PULL_ASK"};
     return kNames[msg.index()];
 }
 
