@@ -57,6 +57,8 @@ std::vector<KvMessage> all_messages() {
     RegisterMsg partial = reg;  // decode's prefix cache holds tokens [0, 20)
     partial.first_token = 20;
     partial.blocks = {9, 99};
+    // A decode asking for the live offer (protocol 11).
+    PullAskMsg ask{99, 1, 2500, {1, 2, 3}, test_address()};
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
@@ -69,7 +71,8 @@ std::vector<KvMessage> all_messages() {
             SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16, std::nullopt},
             closing_segment(),
             CancelMsg{1234, 4, 1, true},
-            partial};
+            partial,
+            ask};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
