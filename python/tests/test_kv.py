@@ -323,6 +323,34 @@ def test_a_pull_asking_for_an_offer_that_ended_is_refused_and_lands_nothing(
         decode.close()
 
 
+def test_a_pull_whose_asked_offer_differs_ends_that_offer_at_once(provider, prefill_proc, rng):
+    """A request naming other blocks than the live offer holds (altered kv_transfer_params):
+    decode refuses to read, naming it, and tells prefill (DONE not ok), so prefill's blocks are
+    free at once instead of at the end of its lease (20 s here)."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        altered = list(reversed(pblocks))
+        params = fkv.pull_params(info, tid, altered, TOKENS, cap, 20.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        t0 = time.monotonic()
+        decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=5.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert not ok and "not the one the request named" in msg, f"{code}: {msg}"
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert not ok, "prefill's offer ended as read"
+        assert time.monotonic() - t0 < 10, "the offer was held to its lease"
+        assert prefill_proc.call("stats")["active_send"] == 0
+        assert decode.all_poison(), "a pull that refused to read wrote into its blocks"
+    finally:
+        decode.close()
+
+
 def test_a_pull_asking_before_the_offer_is_made_reads_under_the_offers_keys(
         provider, prefill_proc, rng):
     """vLLM's decode may ask before prefill's worker offered (a step after prefill answered):

@@ -356,10 +356,11 @@ void Puller::on_params(uint64_t sender, const PullParamsMsg& m) {
     if (!constant_time_equal(mine.capability, m.capability) || mine.blocks != m.blocks ||
         mine.num_tokens != m.num_tokens || mine.producer_tp != m.producer_tp) {
         asking_.erase(it);
-        return finish(job, invalid_argument(fmt::format(
-                               "prefill rank {}'s live offer is not the one the request named "
-                               "(other blocks, tokens, TP size or capability)",
-                               m.producer_rank)));
+        job->asked[i].answered = true;  // its offer runs: DONE{ok=0} ends it
+        return give_up(job, invalid_argument(fmt::format(
+                                "prefill rank {}'s live offer is not the one the request named "
+                                "(other blocks, tokens, TP size or capability)",
+                                m.producer_rank)));
     }
     job->params[i] = m;  // the offer's own keys, and the lease it has left
     job->asked[i].answered = true;
@@ -379,9 +380,9 @@ bool Puller::on_refused(uint64_t sender, const FailMsg& m) {
                             [&](const Job::Asked& a) { return a.peer == from && !a.answered; });
     if (!ours) return false;
     asking_.erase(it);
-    finish(job, Status(m.code, m.reason)
-                    .with_context(fmt::format("prefill rank {} refused to give its pull offer",
-                                              m.sender_rank)));
+    give_up(job, Status(m.code, m.reason)
+                     .with_context(fmt::format("prefill rank {} refused to give its pull offer",
+                                               m.sender_rank)));
     return true;
 }
 
@@ -396,15 +397,24 @@ void Puller::expire(TimePoint now) {
         }
     }
     for (const auto& job : late) {
-        finish(job, timeout_error("no answer from prefill to the ask for its pull offer (is "
-                                  "prefill up, and did it offer this transfer?)"));
+        give_up(job, timeout_error("no answer from prefill to the ask for its pull offer (is "
+                                   "prefill up, and did it offer this transfer?)"));
     }
 }
 
 void Puller::report_shut_down(const Status& why) {
     auto jobs = std::move(asking_);
     asking_.clear();
-    for (auto& [id, job] : jobs) finish(job, why);
+    for (auto& [id, job] : jobs) give_up(job, why);
+}
+
+void Puller::give_up(const std::shared_ptr<Job>& job, const Status& why) {
+    // The ranks that answered hold a live offer for this pull: DONE{ok=0} ends it now rather
+    // than at its lease (finish sends it to the sources).
+    for (size_t i = 0; i < job->asked.size(); ++i) {
+        if (job->asked[i].answered) job->sources.push_back({job->asked[i].peer, i});
+    }
+    finish(job, why);
 }
 
 void Puller::post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
@@ -430,17 +440,19 @@ void Puller::post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
 }
 
 void Puller::peer_gone(PeerId peer, const Status& why) {
-    std::vector<std::shared_ptr<Job>> theirs;
+    std::vector<std::shared_ptr<Job>> asked_them;
     for (auto it = asking_.begin(); it != asking_.end();) {
         const auto& asked = it->second->asked;
         if (std::any_of(asked.begin(), asked.end(),
                         [&](const Job::Asked& a) { return a.peer == peer; })) {
-            theirs.push_back(it->second);
+            asked_them.push_back(it->second);
             it = asking_.erase(it);
         } else {
             ++it;
         }
     }
+    for (const auto& job : asked_them) give_up(job, why);
+    std::vector<std::shared_ptr<Job>> theirs;
     for (auto it = running_.begin(); it != running_.end();) {
         auto job = it->lock();
         if (!job || job->reported) {

@@ -145,6 +145,8 @@ class Puller {
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
+    // A pull that asked (ask()) and will not read: fails it, ending the offers that answered.
+    void give_up(const std::shared_ptr<Job>& job, const Status& why);
     // Posts one read of the job into `flight`, again after a timeout (see Job::repost_until).
     // `context` (may be null) is added to a failed read's status.
     void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
