@@ -273,6 +273,19 @@ def test_a_read_under_the_pools_key_from_the_handshake_is_refused(provider, pref
         decode.close()
 
 
+def offer_live(prefill_proc, decode, rng, pblocks, tokens, lease=20.0):
+    """Prefill offers `pblocks` under a fresh capability; decode builds the parameters from the
+    handshake, as vLLM's does: (handshake info, transfer id, capability, parameters)."""
+    import os
+
+    port = prefill_proc.call("serve_handshake", SECRET)
+    info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+    tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+    params = fkv.pull_params(info, tid, pblocks, tokens, cap, lease)
+    prefill_proc.call("offer_pull_under", tid, pblocks, tokens, cap)
+    return info, tid, cap, params
+
+
 def test_a_pull_asking_for_an_offer_that_ended_is_refused_and_lands_nothing(
         provider, prefill_proc, rng):
     """vLLM's decode builds its parameters from the handshake and what the request carried
@@ -285,11 +298,7 @@ def test_a_pull_asking_for_an_offer_that_ended_is_refused_and_lands_nothing(
 
     decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
     try:
-        port = prefill_proc.call("serve_handshake", SECRET)
-        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
-        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
-        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
-        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        info, tid, cap, params = offer_live(prefill_proc, decode, rng, pblocks, TOKENS)
         dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
         decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=5.0)
         ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
@@ -381,6 +390,38 @@ def test_a_pull_asking_before_the_offer_is_made_reads_under_the_offers_keys(
         assert not ok and "no offer" in msg, f"{code}: {msg}"
         assert_landed(decode, dblocks, logical)
         assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
+def test_a_pull_asking_for_an_offer_of_many_windows_gets_its_answer_in_parts(
+        provider, prefill_proc, rng):
+    """A scattered request in vLLM's per-layer pool: the offer has one window per run of its
+    blocks per region (here 32 layers x K/V x 40 runs), whose parameters do not fit one
+    control message (64 KiB). Prefill answers the ask in parts, decode collects them all and
+    reads every byte (before: refused, "do not fit a message")."""
+    layers, tokens = 32, 640
+    pkw = dict(PREFILL, num_layers=layers, num_blocks=96)
+    dkw = dict(DECODE, num_layers=layers, num_blocks=100)
+    prefill_proc.call("open", provider, pkw, "per-layer", {"lease": 20.0, "pull_keys": "offer"})
+    prefill_proc.call("fill_random", rng.randrange(1 << 31))
+    decode = KvSide(provider, dkw, "per-layer-kv", lease=20.0)
+    try:
+        # Even block ids only: no two of the request's blocks are adjacent, each is a run.
+        pblocks = rng.sample(range(0, pkw["num_blocks"], 2), -(-tokens // pkw["block_size"]))
+        logical = torch.from_numpy(prefill_proc.call("gather", pblocks, tokens))
+        _, tid, _, params = offer_live(prefill_proc, decode, rng, pblocks, tokens)
+        dblocks = blocks_for(rng, dkw["num_blocks"], dkw["block_size"], tokens)
+        assert decode.all_poison()
+        decode.call("pull", tid, [params], dblocks, tokens, live_offer_wait=5.0)
+        ok, code, msg, nbytes, _ = decode.next_event("recv", tid, 60)
+        assert ok, f"{code}: {msg}"
+        assert nbytes == layers * 2 * tokens * HEADS * HEAD_DIM * 2
+        problem = decode.check_pool(decode.expected_after(logical, dblocks, tokens))
+        assert problem == "", problem
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert decode.call("stats")["active_recv"] == 0
     finally:
         decode.close()
 

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "ferry/common/auth.h"
+#include "ferry/common/bytes.h"
 #include "ferry/common/log.h"
 #include "pull_windows.h"
 #include "segment_writes.h"
@@ -78,16 +79,50 @@ void PullServer::answer(PeerId from, const PullAskMsg& m, const Offer& o) {
     PullParamsMsg p = o.params;
     auto left = std::chrono::ceil<std::chrono::milliseconds>(o.deadline - Clock::now());
     p.lease_ms = static_cast<uint32_t>(std::max<int64_t>(left.count(), 0));
-    auto bytes = encode_message(p);
-    if (bytes.size() > ctx_.engine->config().max_message_size) {
+    // The windows go in as many parts as they need, each a message of at most
+    // max_message_size repeating what decode checks (PROTOCOL.md, "Pull offer keys").
+    const size_t limit = ctx_.engine->config().max_message_size;
+    std::vector<PullWindow> windows = std::move(p.windows);
+    p.windows.clear();
+    const size_t head = encode_message(p).size();
+    std::vector<size_t> sizes;
+    for (const PullWindow& win : windows) {
+        ByteWriter w;
+        w.put(win.region);
+        w.put(win.offset);
+        win.desc.encode(w);
+        sizes.push_back(w.bytes().size());
+    }
+    const size_t widest = sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
+    if (head + widest > limit) {
         return refuse(from, m,
                       resource_exhausted(fmt::format(
-                          "the offer's parameters ({} bytes, {} windows) do not fit a message "
-                          "of {} bytes (EngineConfig::max_message_size): raise it on both "
-                          "sides, or offer under PullKeys::kPool",
-                          bytes.size(), p.windows.size(), ctx_.engine->config().max_message_size)));
+                          "the offer's parameters ({} bytes with its widest window) do not fit a "
+                          "message of {} bytes (EngineConfig::max_message_size): raise it on "
+                          "both sides",
+                          head + widest, limit)));
     }
-    ctx_.send(from, p);
+    std::vector<std::pair<size_t, size_t>> parts;  // [first, end) of `windows`
+    size_t bytes = limit;
+    for (size_t i = 0; i < windows.size(); ++i) {
+        if (bytes + sizes[i] > limit) {
+            parts.push_back({i, i});
+            bytes = head;
+        }
+        parts.back().second = i + 1;
+        bytes += sizes[i];
+    }
+    if (parts.size() <= 1) {
+        p.windows = std::move(windows);
+        return ctx_.send(from, p);
+    }
+    p.windows_total = static_cast<uint32_t>(windows.size());
+    for (auto [first, end] : parts) {
+        p.windows_first = static_cast<uint32_t>(first);
+        p.windows.assign(windows.begin() + static_cast<std::ptrdiff_t>(first),
+                         windows.begin() + static_cast<std::ptrdiff_t>(end));
+        ctx_.send(from, p);
+    }
 }
 
 void PullServer::refuse(PeerId from, const PullAskMsg& m, const Status& why) {
@@ -327,7 +362,7 @@ void Puller::ask(const std::shared_ptr<Job>& job, Duration wait) {
             return finish(job, peer.status().with_context(
                                    fmt::format("connecting to prefill rank {}", p.producer_rank)));
         }
-        job->asked.push_back({*peer, false});
+        job->asked.push_back(Job::Asked{.peer = *peer});
     }
     job->ask_deadline = Clock::now() + wait + ctx_.engine->config().op_timeout;
     asking_[job->id] = job;
@@ -347,28 +382,72 @@ void Puller::on_params(uint64_t sender, const PullParamsMsg& m) {
     const std::optional<PeerId> from = ctx_.engine->find_peer(sender);
     std::shared_ptr<Job> job = it->second;
     size_t i = 0;
-    while (i < job->params.size() && (job->asked[i].peer != from || job->asked[i].answered ||
+    while (i < job->params.size() && (job->asked[i].peer != from || job->asked[i].complete ||
                                       job->params[i].producer_rank != m.producer_rank)) {
         ++i;
     }
     if (i == job->params.size()) return ctx_.stale("PULL_PARAMS from a rank that was not asked");
     const PullParamsMsg& mine = job->params[i];
+    Job::Asked& a = job->asked[i];
+    const bool first_part = !a.answered;
+    a.answered = true;  // its offer runs: DONE{ok=0} ends it
     if (!constant_time_equal(mine.capability, m.capability) || mine.blocks != m.blocks ||
         mine.num_tokens != m.num_tokens || mine.producer_tp != m.producer_tp) {
         asking_.erase(it);
-        job->asked[i].answered = true;  // its offer runs: DONE{ok=0} ends it
         return give_up(job, invalid_argument(fmt::format(
                                 "prefill rank {}'s live offer is not the one the request named "
                                 "(other blocks, tokens, TP size or capability)",
                                 m.producer_rank)));
     }
-    job->params[i] = m;  // the offer's own keys, and the lease it has left
-    job->asked[i].answered = true;
+    if (auto bad = collect(a, m, first_part); !bad.ok()) {
+        asking_.erase(it);
+        return give_up(
+            job, bad.with_context(fmt::format(
+                     "prefill rank {}'s answer to the ask for its pull offer", m.producer_rank)));
+    }
+    if (!a.complete) return;  // more parts to come (bounded by ask_deadline)
+    job->params[i] = m;       // the offer's own keys, and the lease it has left
+    job->params[i].windows = std::move(a.windows);
+    job->params[i].windows_first = job->params[i].windows_total = 0;
+    a.have.clear();
     if (std::all_of(job->asked.begin(), job->asked.end(),
-                    [](const Job::Asked& a) { return a.answered; })) {
+                    [](const Job::Asked& x) { return x.complete; })) {
         asking_.erase(it);
         start(job);
     }
+}
+
+Status Puller::collect(Job::Asked& a, const PullParamsMsg& m, bool first_part) {
+    const uint32_t total =
+        m.windows_total != 0 ? m.windows_total : static_cast<uint32_t>(m.windows.size());
+    if (first_part) {
+        a.windows.resize(total);
+        a.have.assign(total, false);
+    } else if (a.windows.size() != total) {
+        return protocol_error(
+            fmt::format("a part of {} windows after a part of {}", total, a.windows.size()));
+    }
+    // decode_body checked that [windows_first, + windows.size()) lies within the total.
+    for (size_t k = 0; k < m.windows.size(); ++k) {
+        const size_t at = m.windows_first + k;
+        if (at >= a.have.size() || a.have[at]) {
+            return protocol_error(
+                fmt::format("window {} of {} came twice (or out of range)", at, total));
+        }
+        a.have[at] = true;
+        a.windows[at] = m.windows[k];
+    }
+    a.got += static_cast<uint32_t>(m.windows.size());
+    if (a.got < total) return ok_status();
+    for (size_t k = 1; k < a.windows.size(); ++k) {
+        if (std::pair{a.windows[k - 1].region, a.windows[k - 1].offset} >=
+            std::pair{a.windows[k].region, a.windows[k].offset}) {
+            return protocol_error(fmt::format(
+                "window {} is not after window {} in (region, offset) order", k, k - 1));
+        }
+    }
+    a.complete = true;
+    return ok_status();
 }
 
 bool Puller::on_refused(uint64_t sender, const FailMsg& m) {
@@ -377,7 +456,7 @@ bool Puller::on_refused(uint64_t sender, const FailMsg& m) {
     const std::optional<PeerId> from = ctx_.engine->find_peer(sender);
     std::shared_ptr<Job> job = it->second;
     bool ours = std::any_of(job->asked.begin(), job->asked.end(),
-                            [&](const Job::Asked& a) { return a.peer == from && !a.answered; });
+                            [&](const Job::Asked& a) { return a.peer == from && !a.complete; });
     if (!ours) return false;
     asking_.erase(it);
     give_up(job, Status(m.code, m.reason)

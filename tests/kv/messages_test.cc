@@ -124,6 +124,31 @@ TEST(KvMessages, PartialRegisterKeepsItsFirstToken) {
     EXPECT_EQ(std::get<RegisterMsg>(*back).blocks, (std::vector<uint32_t>{3, 4}));
 }
 
+// The answer to a PULL_ASK in parts (protocol 11): a part keeps which windows it carries; a
+// whole list decodes as such; a part outside its total is rejected, naming it.
+TEST(KvMessages, PullParamsPartKeepsItsPlaceAndOneOutsideItsTotalIsRejected) {
+    PullParamsMsg part = std::get<PullParamsMsg>(all_messages()[5]);
+    part.windows_first = 2;
+    part.windows_total = 5;
+    auto back = decode_message(encode_message(part));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_first, 2u);
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_total, 5u);
+    part.windows_first = 0;
+    part.windows_total = 1;  // window 0 of 1: the whole list
+    back = decode_message(encode_message(part));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_total, 0u);
+    for (auto [first, total] : {std::pair{5u, 5u}, {4u, 2u}, {0u, kMaxPullWindows + 1}}) {
+        part.windows_first = first;
+        part.windows_total = total;
+        auto bad = decode_message(encode_message(part));
+        ASSERT_FALSE(bad.ok()) << first << " of " << total;
+        EXPECT_NE(bad.status().message().find("windows_"), std::string::npos)
+            << bad.status().to_string();
+    }
+}
+
 TEST(KvMessages, EveryTypeRoundTrips) {
     for (const KvMessage& m : all_messages()) {
         auto bytes = encode_message(m);

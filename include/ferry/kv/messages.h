@@ -180,6 +180,11 @@ struct PullParamsMsg {
     // through these, and `pool`'s keys are zero. Empty: read `pool` under its keys (an offer
     // under PullKeys::kPool, or parameters decode built from the handshake).
     std::vector<PullWindow> windows;
+    // The answer to a PULL_ASK whose windows do not fit one message comes in parts: each
+    // repeats the fields above and carries windows [windows_first, windows_first +
+    // windows.size()) of windows_total. windows_total 0: `windows` is the whole list.
+    uint32_t windows_first = 0;
+    uint32_t windows_total = 0;
 };
 
 // Decode rank → prefill rank (pull): finished reading (ok) or gave up; free the blocks.
