@@ -362,7 +362,7 @@ void Puller::ask(const std::shared_ptr<Job>& job, Duration wait) {
             return finish(job, peer.status().with_context(
                                    fmt::format("connecting to prefill rank {}", p.producer_rank)));
         }
-        job->asked.push_back(Job::Asked{.peer = *peer});
+        job->asked.emplace_back().peer = *peer;
     }
     job->ask_deadline = Clock::now() + wait + ctx_.engine->config().op_timeout;
     asking_[job->id] = job;
@@ -382,7 +382,7 @@ void Puller::on_params(uint64_t sender, const PullParamsMsg& m) {
     const std::optional<PeerId> from = ctx_.engine->find_peer(sender);
     std::shared_ptr<Job> job = it->second;
     size_t i = 0;
-    while (i < job->params.size() && (job->asked[i].peer != from || job->asked[i].complete ||
+    while (i < job->params.size() && (job->asked[i].peer != from || job->asked[i].parts.complete ||
                                       job->params[i].producer_rank != m.producer_rank)) {
         ++i;
     }
@@ -399,55 +399,22 @@ void Puller::on_params(uint64_t sender, const PullParamsMsg& m) {
                                 "(other blocks, tokens, TP size or capability)",
                                 m.producer_rank)));
     }
-    if (auto bad = collect(a, m, first_part); !bad.ok()) {
+    if (auto bad = collect_part(a.parts, m, first_part); !bad.ok()) {
         asking_.erase(it);
         return give_up(
             job, bad.with_context(fmt::format(
                      "prefill rank {}'s answer to the ask for its pull offer", m.producer_rank)));
     }
-    if (!a.complete) return;  // more parts to come (bounded by ask_deadline)
-    job->params[i] = m;       // the offer's own keys, and the lease it has left
-    job->params[i].windows = std::move(a.windows);
+    if (!a.parts.complete) return;  // more parts to come (bounded by ask_deadline)
+    job->params[i] = m;             // the offer's own keys, and the lease it has left
+    job->params[i].windows = std::move(a.parts.windows);
     job->params[i].windows_first = job->params[i].windows_total = 0;
-    a.have.clear();
+    a.parts.have.clear();
     if (std::all_of(job->asked.begin(), job->asked.end(),
-                    [](const Job::Asked& x) { return x.complete; })) {
+                    [](const Job::Asked& x) { return x.parts.complete; })) {
         asking_.erase(it);
         start(job);
     }
-}
-
-Status Puller::collect(Job::Asked& a, const PullParamsMsg& m, bool first_part) {
-    const uint32_t total =
-        m.windows_total != 0 ? m.windows_total : static_cast<uint32_t>(m.windows.size());
-    if (first_part) {
-        a.windows.resize(total);
-        a.have.assign(total, false);
-    } else if (a.windows.size() != total) {
-        return protocol_error(
-            fmt::format("a part of {} windows after a part of {}", total, a.windows.size()));
-    }
-    // decode_body checked that [windows_first, + windows.size()) lies within the total.
-    for (size_t k = 0; k < m.windows.size(); ++k) {
-        const size_t at = m.windows_first + k;
-        if (at >= a.have.size() || a.have[at]) {
-            return protocol_error(
-                fmt::format("window {} of {} came twice (or out of range)", at, total));
-        }
-        a.have[at] = true;
-        a.windows[at] = m.windows[k];
-    }
-    a.got += static_cast<uint32_t>(m.windows.size());
-    if (a.got < total) return ok_status();
-    for (size_t k = 1; k < a.windows.size(); ++k) {
-        if (std::pair{a.windows[k - 1].region, a.windows[k - 1].offset} >=
-            std::pair{a.windows[k].region, a.windows[k].offset}) {
-            return protocol_error(fmt::format(
-                "window {} is not after window {} in (region, offset) order", k, k - 1));
-        }
-    }
-    a.complete = true;
-    return ok_status();
 }
 
 bool Puller::on_refused(uint64_t sender, const FailMsg& m) {
@@ -455,8 +422,9 @@ bool Puller::on_refused(uint64_t sender, const FailMsg& m) {
     if (it == asking_.end()) return false;
     const std::optional<PeerId> from = ctx_.engine->find_peer(sender);
     std::shared_ptr<Job> job = it->second;
-    bool ours = std::any_of(job->asked.begin(), job->asked.end(),
-                            [&](const Job::Asked& a) { return a.peer == from && !a.complete; });
+    bool ours = std::any_of(job->asked.begin(), job->asked.end(), [&](const Job::Asked& a) {
+        return a.peer == from && !a.parts.complete;
+    });
     if (!ours) return false;
     asking_.erase(it);
     give_up(job, Status(m.code, m.reason)

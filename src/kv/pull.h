@@ -117,10 +117,7 @@ class Puller {
         struct Asked {
             PeerId peer = 0;
             bool answered = false;  // a part came: its offer runs (give_up ends it)
-            bool complete = false;  // every part came (see PullParamsMsg::windows_total)
-            uint32_t got = 0;       // windows collected into `windows`
-            std::vector<PullWindow> windows;
-            std::vector<bool> have;
+            WindowParts parts;      // complete once every part came
         };
         std::vector<Asked> asked;
         TimePoint ask_deadline{};
@@ -151,9 +148,6 @@ class Puller {
     void finish(const std::shared_ptr<Job>& job, const Status& s);
     // A pull that asked (ask()) and will not read: fails it, ending the offers that answered.
     void give_up(const std::shared_ptr<Job>& job, const Status& why);
-    // Adds one part of an answer to `a` (complete once every window came); a part that
-    // repeats windows, or disagrees on the count, is malformed.
-    static Status collect(Job::Asked& a, const PullParamsMsg& m, bool first_part);
     // Posts one read of the job into `flight`, again after a timeout (see Job::repost_until).
     // `context` (may be null) is added to a failed read's status.
     void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
