@@ -413,15 +413,23 @@ class KvConnector(_Closing):
                                      capability)
 
     def pull(self, transfer_id: TransferId, params: Union[bytes, Sequence[bytes]], blocks: Blocks,
-             num_tokens: int, *, first_token: int = 0) -> None:
+             num_tokens: int, *, first_token: int = 0,
+             live_offer_wait: Optional[float] = None) -> None:
         """Decode: read the KV from every prefill rank's offer_pull() bytes into `blocks`; a
         "recv" event ends it. first_token: only tokens [first_token, num_tokens) are read, and
-        `blocks` start at that token's block (as for register_push)."""
+        `blocks` start at that token's block (as for register_push).
+        live_offer_wait: for parameters built with pull_params() (from the handshake): each
+        prefill rank is first asked for its live offer's own parameters (the offer's keys,
+        pull_keys="offer", and the lease it has left), waiting up to this many seconds for an
+        offer not made yet. An offer that ended (its blocks may hold another request's KV
+        now), a wrong capability or no offer in time fails the pull ("recv" event not ok) and
+        nothing is read."""
         self._conn.pull(_tid(transfer_id),
                         _blobs("params", params, "what offer_pull returned"),
                         _index_array("blocks", blocks, "block ids"),
                         _uint("num_tokens", num_tokens, _U32_MAX),
-                        _uint("first_token", first_token, _U32_MAX))
+                        _uint("first_token", first_token, _U32_MAX),
+                        live_offer_wait)
 
     # Results ------------------------------------------------------------------------------
     def poll(self) -> List[KvEvent]:

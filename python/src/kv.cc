@@ -394,7 +394,9 @@ class Connector {
     }
 
     void pull(py::handle name, const std::vector<py::bytes>& params, const Blocks& blocks,
-              uint32_t num_tokens, uint32_t first_token) {
+              uint32_t num_tokens, uint32_t first_token, py::handle live_offer_wait) {
+        std::optional<Duration> wait;
+        if (!live_offer_wait.is_none()) wait = seconds_arg(live_offer_wait, "live_offer_wait");
         std::vector<kv::PullParamsMsg> ps;
         for (size_t i = 0; i < params.size(); ++i) {
             auto span = bytes_span(params[i]);
@@ -412,7 +414,9 @@ class Connector {
         }
         auto b = to_blocks(blocks);
         named_call(name, TransferNames::kRecv, false, [&](kv::KvConnector& c, uint64_t id) {
-            return c.pull(id, std::move(ps), std::move(b), num_tokens, first_token);
+            return wait ? c.pull_live_offer(id, std::move(ps), std::move(b), num_tokens,
+                                            first_token, *wait)
+                        : c.pull(id, std::move(ps), std::move(b), num_tokens, first_token);
         });
     }
 
@@ -786,7 +790,8 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def("abort_send", &Connector::abort_send)
         .def("offer_pull", &Connector::offer_pull, py::arg("transfer_id"), py::arg("blocks"),
              py::arg("num_tokens"), py::arg("capability") = py::none())
-        .def("pull", &Connector::pull)
+        .def("pull", &Connector::pull, py::arg("transfer_id"), py::arg("params"), py::arg("blocks"),
+             py::arg("num_tokens"), py::arg("first_token"), py::arg("live_offer_wait") = py::none())
         .def("poll", &Connector::poll)
         .def("wait", &Connector::wait)
         .def("handshake_info", &Connector::handshake_info)

@@ -273,6 +273,159 @@ def test_a_read_under_the_pools_key_from_the_handshake_is_refused(provider, pref
         decode.close()
 
 
+def offer_live(prefill_proc, decode, rng, pblocks, tokens, lease=20.0):
+    """Prefill offers `pblocks` under a fresh capability; decode builds the parameters from the
+    handshake, as vLLM's does: (handshake info, transfer id, capability, parameters)."""
+    import os
+
+    port = prefill_proc.call("serve_handshake", SECRET)
+    info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+    tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+    params = fkv.pull_params(info, tid, pblocks, tokens, cap, lease)
+    prefill_proc.call("offer_pull_under", tid, pblocks, tokens, cap)
+    return info, tid, cap, params
+
+
+def test_a_pull_asking_for_an_offer_that_ended_is_refused_and_lands_nothing(
+        provider, prefill_proc, rng):
+    """vLLM's decode builds its parameters from the handshake and what the request carried
+    (kv_transfer_params), so a captured request can be replayed after its offer ended, when
+    prefill's blocks hold another request's KV (issue 30). Asking prefill for the live offer
+    (live_offer_wait) reads under the offer's own keys; once the offer ended the ask is refused
+    at once, naming why, on every provider (shm's cross-memory attach included: nothing is
+    read), and nothing lands. A wrong capability is refused too."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        info, tid, cap, params = offer_live(prefill_proc, decode, rng, pblocks, TOKENS)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=5.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        assert prefill_proc.call("next_event", "send", tid, 30)[0]
+
+        # The same parameters replayed: the offer ended, its blocks are prefill's again.
+        others = [b for b in range(DECODE["num_blocks"]) if b not in dblocks]
+        again = others[:len(dblocks)]
+        t0 = time.monotonic()
+        decode.call("pull", tid, [params], again, TOKENS, live_offer_wait=5.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert not ok, "a replayed pull read an offer that had ended"
+        assert "has ended" in msg, f"{code}: {msg}"
+        assert time.monotonic() - t0 < 4.0, "refused only at the ask's wait, not at once"
+        assert_landed(decode, dblocks, logical)  # the replay's blocks are still poisoned
+
+        # A live offer asked with another capability: refused, nothing read.
+        tid2, cap2 = tid ^ 1, os.urandom(16)
+        prefill_proc.call("offer_pull_under", tid2, pblocks, TOKENS, cap2)
+        forged = fkv.pull_params(info, tid2, pblocks, TOKENS, os.urandom(16), 20.0)
+        decode.call("pull", tid2, [forged], again, TOKENS, live_offer_wait=5.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid2, 30)
+        assert not ok and "capability" in msg, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        prefill_proc.call("call", "abort_send", tid2, "test over")
+        assert not prefill_proc.call("next_event", "send", tid2, 30)[0]
+        assert decode.call("stats")["active_recv"] == 0
+    finally:
+        decode.close()
+
+
+def test_a_pull_whose_asked_offer_differs_ends_that_offer_at_once(provider, prefill_proc, rng):
+    """A request naming other blocks than the live offer holds (altered kv_transfer_params):
+    decode refuses to read, naming it, and tells prefill (DONE not ok), so prefill's blocks are
+    free at once instead of at the end of its lease (20 s here)."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        altered = list(reversed(pblocks))
+        params = fkv.pull_params(info, tid, altered, TOKENS, cap, 20.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        t0 = time.monotonic()
+        decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=5.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert not ok and "not the one the request named" in msg, f"{code}: {msg}"
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert not ok, "prefill's offer ended as read"
+        assert time.monotonic() - t0 < 10, "the offer was held to its lease"
+        assert prefill_proc.call("stats")["active_send"] == 0
+        assert decode.all_poison(), "a pull that refused to read wrote into its blocks"
+    finally:
+        decode.close()
+
+
+def test_a_pull_asking_before_the_offer_is_made_reads_under_the_offers_keys(
+        provider, prefill_proc, rng):
+    """vLLM's decode may ask before prefill's worker offered (a step after prefill answered):
+    the ask waits (bounded) for the offer, then reads under its own keys; with no offer at all
+    the pull fails at the ask's wait, naming it, and nothing lands."""
+    import os
+
+    decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
+    try:
+        port = prefill_proc.call("serve_handshake", SECRET)
+        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
+        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
+        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
+        dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
+        decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=10.0)
+        time.sleep(0.5)  # the ask reached prefill, which has no offer yet
+        prefill_proc.call("offer_pull_under", tid, pblocks, TOKENS, cap)
+        ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert ok, f"{code}: {msg}"
+
+        never = fkv.pull_params(info, tid ^ 1, pblocks, TOKENS, os.urandom(16), 20.0)
+        others = [b for b in range(DECODE["num_blocks"]) if b not in dblocks][:len(dblocks)]
+        decode.call("pull", tid ^ 1, [never], others, TOKENS, live_offer_wait=1.0)
+        ok, code, msg, _, _ = decode.next_event("recv", tid ^ 1, 30)
+        assert not ok and "no offer" in msg, f"{code}: {msg}"
+        assert_landed(decode, dblocks, logical)
+        assert prefill_proc.call("stats")["active_send"] == 0
+    finally:
+        decode.close()
+
+
+def test_a_pull_asking_for_an_offer_of_many_windows_gets_its_answer_in_parts(
+        provider, prefill_proc, rng):
+    """A scattered request in vLLM's per-layer pool: the offer has one window per run of its
+    blocks per region (here 32 layers x K/V x 40 runs), whose parameters do not fit one
+    control message (64 KiB). Prefill answers the ask in parts, decode collects them all and
+    reads every byte (before: refused, "do not fit a message")."""
+    layers, tokens = 32, 640
+    pkw = dict(PREFILL, num_layers=layers, num_blocks=96)
+    dkw = dict(DECODE, num_layers=layers, num_blocks=100)
+    prefill_proc.call("open", provider, pkw, "per-layer", {"lease": 20.0, "pull_keys": "offer"})
+    prefill_proc.call("fill_random", rng.randrange(1 << 31))
+    decode = KvSide(provider, dkw, "per-layer-kv", lease=20.0)
+    try:
+        # Even block ids only: no two of the request's blocks are adjacent, each is a run.
+        pblocks = rng.sample(range(0, pkw["num_blocks"], 2), -(-tokens // pkw["block_size"]))
+        logical = torch.from_numpy(prefill_proc.call("gather", pblocks, tokens))
+        _, tid, _, params = offer_live(prefill_proc, decode, rng, pblocks, tokens)
+        dblocks = blocks_for(rng, dkw["num_blocks"], dkw["block_size"], tokens)
+        assert decode.all_poison()
+        decode.call("pull", tid, [params], dblocks, tokens, live_offer_wait=5.0)
+        ok, code, msg, nbytes, _ = decode.next_event("recv", tid, 60)
+        assert ok, f"{code}: {msg}"
+        assert nbytes == layers * 2 * tokens * HEADS * HEAD_DIM * 2
+        problem = decode.check_pool(decode.expected_after(logical, dblocks, tokens))
+        assert problem == "", problem
+        ok, code, msg, _, _ = prefill_proc.call("next_event", "send", tid, 30)
+        assert ok, f"{code}: {msg}"
+        assert decode.call("stats")["active_recv"] == 0
+    finally:
+        decode.close()
+
+
 def test_pull_read_before_the_offer_is_made(provider, prefill_proc, rng):
     """vLLM's decode may read, and send DONE, before prefill's worker offered the blocks (a
     step after prefill answered). The early DONE is kept and frees the blocks when the offer

@@ -37,7 +37,7 @@ class KvConnector::Impl {
           receiver_(ctx_),
           server_(ctx_),
           puller_(ctx_),
-          leases_(ctx_, sender_, receiver_, server_) {}
+          leases_(ctx_, sender_, receiver_, server_, puller_) {}
 
     void start() {
         std::weak_ptr<Inbox> inbox = ctx_.inbox;
@@ -188,15 +188,17 @@ class KvConnector::Impl {
         m.blocks = std::move(blocks);
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kOffered));
         // The blocks stay the engine's; the connector only needs the lease and the DONEs.
-        FERRY_RETURN_IF_ERROR(claimed(id, 0, TransferIds::Kind::kOffered,
-                                      post([this, id, cap = m.capability, windows] {
-                                          server_.offer(id, cap, std::move(windows->regions));
+        FERRY_RETURN_IF_ERROR(claimed(id, 0, TransferIds::Kind::kOffered, post([this, m, windows] {
+                                          server_.offer(m, std::move(windows->regions));
                                       })));
         return m;
     }
 
     Status pull(uint64_t id, std::vector<PullParamsMsg> params, std::vector<uint32_t> blocks,
-                uint32_t tokens, uint32_t first_token) {
+                uint32_t tokens, uint32_t first_token, std::optional<Duration> ask_wait) {
+        if (ask_wait && *ask_wait <= Duration::zero()) {
+            return invalid_argument("pull: the wait for prefill's offer must be positive");
+        }
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens, first_token));
         if (params.empty()) return invalid_argument("pull: no transfer parameters given");
         FERRY_RETURN_IF_ERROR(ctx_.ids.claim(id, 0, TransferIds::Kind::kPulling));
@@ -207,6 +209,13 @@ class KvConnector::Impl {
         job->blocks = blocks_from_token0(blocks, first_token, ctx_.cfg.self.layout.block_size);
         job->tokens = tokens;
         job->first_token = first_token;
+        if (ask_wait) {
+            // The reads start on the connector thread once every prefill rank answered.
+            return claimed(id, 0, TransferIds::Kind::kPulling, post([this, job, wait = *ask_wait] {
+                               ctx_.counters.active_recv.fetch_add(1);
+                               puller_.ask(job, wait);
+                           }));
+        }
         if (ctx_.cfg.pull_mode == PullMode::kInline) {
             ctx_.counters.active_recv.fetch_add(1);
             puller_.start(job);
@@ -277,14 +286,16 @@ class KvConnector::Impl {
                     receiver_.on_segment(m);
                 else if constexpr (std::is_same_v<M, FinalMsg>)
                     receiver_.on_final(m);
-                else if constexpr (std::is_same_v<M, FailMsg>)
-                    receiver_.on_fail(m);
-                else if constexpr (std::is_same_v<M, CancelAckMsg>)
+                else if constexpr (std::is_same_v<M, FailMsg>) {
+                    if (!puller_.on_refused(sender, m)) receiver_.on_fail(m);
+                } else if constexpr (std::is_same_v<M, CancelAckMsg>)
                     receiver_.on_cancel_ack(m);
                 else if constexpr (std::is_same_v<M, DoneMsg>)
                     server_.on_done(m);
+                else if constexpr (std::is_same_v<M, PullAskMsg>)
+                    server_.on_ask(m);
                 else
-                    ctx_.stale("PULL_PARAMS travels through the router, not between engines");
+                    puller_.on_params(sender, m);  // the answer to a PULL_ASK
             },
             *msg);
     }
@@ -388,7 +399,12 @@ Result<PullParamsMsg> KvConnector::offer_pull(uint64_t id, std::vector<uint32_t>
 }
 Status KvConnector::pull(uint64_t id, std::vector<PullParamsMsg> params,
                          std::vector<uint32_t> blocks, uint32_t tokens, uint32_t first_token) {
-    return impl_->pull(id, std::move(params), std::move(blocks), tokens, first_token);
+    return impl_->pull(id, std::move(params), std::move(blocks), tokens, first_token, std::nullopt);
+}
+Status KvConnector::pull_live_offer(uint64_t id, std::vector<PullParamsMsg> params,
+                                    std::vector<uint32_t> blocks, uint32_t tokens,
+                                    uint32_t first_token, Duration wait) {
+    return impl_->pull(id, std::move(params), std::move(blocks), tokens, first_token, wait);
 }
 ConnectorStats KvConnector::stats() const { return impl_->stats(); }
 const ConnectorConfig& KvConnector::config() const { return impl_->config(); }

@@ -6,6 +6,7 @@ void Leases::sweep(TimePoint now) {
     sender_.expire(now);
     receiver_.expire(now);
     server_.expire(now);
+    puller_.expire(now);
 }
 
 void Leases::begin_shutdown() {
@@ -24,6 +25,7 @@ void Leases::report_all_as_shut_down() {
     sender_.report_shut_down(s);
     receiver_.report_shut_down(s);
     server_.report_shut_down(s);
+    puller_.report_shut_down(s);
 }
 
 }  // namespace ferry::kv::detail

@@ -15,8 +15,9 @@ class Leases {
     // How often leases are checked when nothing else happens.
     static constexpr Duration kTick = std::chrono::milliseconds(5);
 
-    Leases(ConnectorContext& ctx, PushSender& sender, PushReceiver& receiver, PullServer& server)
-        : ctx_(ctx), sender_(sender), receiver_(receiver), server_(server) {}
+    Leases(ConnectorContext& ctx, PushSender& sender, PushReceiver& receiver, PullServer& server,
+           Puller& puller)
+        : ctx_(ctx), sender_(sender), receiver_(receiver), server_(server), puller_(puller) {}
 
     // Connector thread, after every batch of tasks and at least every kTick.
     void sweep(TimePoint now);
@@ -32,6 +33,7 @@ class Leases {
     PushSender& sender_;
     PushReceiver& receiver_;
     PullServer& server_;
+    Puller& puller_;
     bool stopping_ = false;
     TimePoint shutdown_deadline_;
 };

@@ -330,6 +330,8 @@ void encode_body(ByteWriter& w, const PullParamsMsg& m) {
     w.put(m.lease_ms);
     encode_location(w, m.prefill_address, m.pool, m.layout, m.blocks);
     w.put(m.capability);
+    w.put(m.windows_first);
+    w.put(m.windows_total != 0 ? m.windows_total : static_cast<uint32_t>(m.windows.size()));
     encode_windows(w, m.windows);
 }
 
@@ -344,7 +346,38 @@ Status decode_body(ByteReader& r, PullParamsMsg* m) {
     FERRY_RETURN_IF_ERROR(decode_location(r, 0, m->num_tokens, &m->prefill_address, &m->pool,
                                           &m->layout, &m->blocks));
     FERRY_RETURN_IF_ERROR(r.get(&m->capability, "capability"));
-    return decode_windows(r, m->layout, m->pool.size(), &m->windows);
+    FERRY_RETURN_IF_ERROR(r.get(&m->windows_first, "windows_first"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->windows_total, "windows_total"));
+    if (m->windows_total > kMaxPullWindows) {
+        return protocol_error(fmt::format("field 'windows_total' = {} is above {}",
+                                          m->windows_total, kMaxPullWindows));
+    }
+    FERRY_RETURN_IF_ERROR(decode_windows(r, m->layout, m->pool.size(), &m->windows));
+    const uint64_t end = uint64_t{m->windows_first} + m->windows.size();
+    if (end > m->windows_total || (m->windows.empty() && m->windows_total != 0)) {
+        return protocol_error(fmt::format(
+            "field 'windows_first' = {} with {} windows is not a part of windows_total = {}",
+            m->windows_first, m->windows.size(), m->windows_total));
+    }
+    if (m->windows_first == 0 && end == m->windows_total) m->windows_total = 0;  // whole
+    return ok_status();
+}
+
+void encode_body(ByteWriter& w, const PullAskMsg& m) {
+    w.put(m.transfer_id);
+    w.put(m.decode_rank);
+    w.put(m.wait_ms);
+    w.put(m.capability);
+    m.decode_address.encode(w);
+}
+
+Status decode_body(ByteReader& r, PullAskMsg* m) {
+    FERRY_RETURN_IF_ERROR(r.get(&m->transfer_id, "transfer_id"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->decode_rank, "decode_rank"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->wait_ms, "wait_ms"));
+    FERRY_RETURN_IF_ERROR(r.get(&m->capability, "capability"));
+    FERRY_ASSIGN_OR_RETURN(m->decode_address, EngineAddress::decode(r));
+    return ok_status();
 }
 
 void encode_body(ByteWriter& w, const DoneMsg& m) {
@@ -439,6 +472,9 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
         case MsgType::kSegment:
             out = decode_as<SegmentMsg>(r);
             break;
+        case MsgType::kPullAsk:
+            out = decode_as<PullAskMsg>(r);
+            break;
         default:
             return protocol_error(fmt::format("field 'type' = {} is unknown", type));
     }
@@ -449,9 +485,9 @@ Result<KvMessage> decode_message(std::span<const uint8_t> bytes) {
 }
 
 const char* message_name(const KvMessage& msg) {
-    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL", "CANCEL",
-                                             "CANCEL_ACK", "PULL_PARAMS", "DONE", "INTENT",
-                                             "SCHEDULED",  "SEGMENT"};
+    static constexpr const char* kNames[] = {"REGISTER",   "FINAL",       "FAIL",    "CANCEL",
+                                             "CANCEL_ACK", "PULL_PARAMS", "DONE",    "INTENT",
+                                             "SCHEDULED",  "SEGMENT",     "PULL_ASK"};
     return kNames[msg.index()];
 }
 

@@ -18,9 +18,13 @@ class PullServer {
     explicit PullServer(ConnectorContext& ctx) : ctx_(ctx) {}
 
     // `windows`: the offer's own registrations (PullKeys::kPerOffer), closed when it ends.
-    void offer(uint64_t id, const PullCapability& capability,
-               std::vector<std::unique_ptr<MemoryRegion>> windows);
+    // `params`: what offer_pull returned, the answer to a PULL_ASK while the offer runs.
+    void offer(const PullParamsMsg& params, std::vector<std::unique_ptr<MemoryRegion>> windows);
     void on_done(const DoneMsg& m);
+    // A decode that built its parameters from the handshake asks for the live offer's (its
+    // own keys): answered with PULL_PARAMS while the offer runs, after the offer when it is
+    // not made yet (within the ask's wait, capped at the lease), else with a FAIL naming why.
+    void on_ask(const PullAskMsg& m);
     // abort_send of an offered transfer: the offer is withdrawn at once. False: not offered.
     bool withdraw(uint64_t id, const Status& reason);
 
@@ -36,6 +40,7 @@ class PullServer {
         ArrivalsExpected awake;  // decode's reads need this side's polling to progress
         // Closed with the offer (erasing it): a read under their keys fails from then on.
         std::vector<std::unique_ptr<MemoryRegion>> windows;
+        PullParamsMsg params;  // what offer_pull returned (the answer to a PULL_ASK)
     };
 
     // A DONE for an offer not made yet: an engine that answers before it offers (vLLM's
@@ -47,9 +52,26 @@ class PullServer {
     };
     static constexpr size_t kMaxEarlyDones = 4096;
 
+    // A PULL_ASK for an offer not made yet (vLLM: the worker offers a step after the answer).
+    struct EarlyAsk {
+        PeerId from = 0;
+        PullAskMsg ask;
+        TimePoint deadline;
+    };
+    static constexpr size_t kMaxEarlyAsks = 4096;
+    // Offers that ended, remembered for a lease so that an ask for one is refused at once
+    // (beyond kMaxEnded the ask waits for its deadline instead).
+    static constexpr size_t kMaxEnded = 4096;
+
+    void answer(PeerId from, const PullAskMsg& m, const Offer& o);
+    void refuse(PeerId from, const PullAskMsg& m, const Status& why);
+    void ended(uint64_t id);
+
     ConnectorContext& ctx_;
     std::map<uint64_t, Offer> offers_;
     std::multimap<uint64_t, EarlyDone> early_;
+    std::multimap<uint64_t, EarlyAsk> asks_;
+    std::map<uint64_t, TimePoint> ended_;  // id -> when it is forgotten
 };
 
 // Decode side. A pull's state is its job, held by the job's flight, so the reads can be
@@ -90,12 +112,32 @@ class Puller {
         // The reads' runs split by the offer's windows (PullKeys::kPerOffer), per plan and
         // group: a read posted again points into them.
         std::vector<std::vector<std::vector<WindowRuns>>> windowed;
+        // Parameters built from the handshake (ask()): the prefill ranks asked for their live
+        // offer's parameters, per entry of `params`, and when decode stops waiting.
+        struct Asked {
+            PeerId peer = 0;
+            bool answered = false;  // a part came: its offer runs (give_up ends it)
+            WindowParts parts;      // complete once every part came
+        };
+        std::vector<Asked> asked;
+        TimePoint ask_deadline{};
     };
 
     explicit Puller(ConnectorContext& ctx) : ctx_(ctx) {}
 
     // Touches no connector state, only the job, the engine and atomics.
     void start(const std::shared_ptr<Job>& job);
+    // Connector thread. The job's parameters were built from the handshake: each prefill rank
+    // is asked for its live offer's (PULL_ASK, waiting up to `wait` for an offer not made yet);
+    // the reads start once every rank answered, under the offer's own keys. A refusal, or no
+    // answer within `wait` plus the op timeout, fails the pull; nothing is read.
+    void ask(const std::shared_ptr<Job>& job, Duration wait);
+    // `sender`: the engine id the message came from (TransferEngine::find_peer).
+    void on_params(uint64_t sender, const PullParamsMsg& m);
+    // A FAIL from prefill: true when it refused one of our asks (the pull failed).
+    bool on_refused(uint64_t sender, const FailMsg& m);
+    void expire(TimePoint now);
+    void report_shut_down(const Status& why);
     // Connector thread. The process at `peer` is gone (KvConnector::peer_gone): the pulls
     // reading from it fail now with `why`, and their blocks are handed back at once, as a gone
     // process can serve no read into them; the reads themselves end at the engine's
@@ -104,6 +146,8 @@ class Puller {
 
   private:
     void finish(const std::shared_ptr<Job>& job, const Status& s);
+    // A pull that asked (ask()) and will not read: fails it, ending the offers that answered.
+    void give_up(const std::shared_ptr<Job>& job, const Status& why);
     // Posts one read of the job into `flight`, again after a timeout (see Job::repost_until).
     // `context` (may be null) is added to a failed read's status.
     void post_read(const std::shared_ptr<Job>& job, const ReadRunsOp& op,
@@ -112,6 +156,8 @@ class Puller {
     ConnectorContext& ctx_;
     // Connector thread's: the pulls posted and not reported, for peer_gone.
     std::vector<std::weak_ptr<Job>> running_;
+    // Connector thread's: the pulls waiting for their PULL_ASK answers.
+    std::map<uint64_t, std::shared_ptr<Job>> asking_;
 };
 
 }  // namespace ferry::kv::detail

@@ -107,4 +107,37 @@ Result<std::vector<WindowRuns>> runs_by_window(std::span<const PullWindow> windo
     return out;
 }
 
+Status collect_part(WindowParts& a, const PullParamsMsg& m, bool first) {
+    const uint32_t total =
+        m.windows_total != 0 ? m.windows_total : static_cast<uint32_t>(m.windows.size());
+    if (first) {
+        a.windows.resize(total);
+        a.have.assign(total, false);
+    } else if (a.windows.size() != total) {
+        return protocol_error(
+            fmt::format("a part of {} windows after a part of {}", total, a.windows.size()));
+    }
+    // decode_body checked that [windows_first, + windows.size()) lies within the total.
+    for (size_t k = 0; k < m.windows.size(); ++k) {
+        const size_t at = m.windows_first + k;
+        if (at >= a.have.size() || a.have[at]) {
+            return protocol_error(
+                fmt::format("window {} of {} came twice (or out of range)", at, total));
+        }
+        a.have[at] = true;
+        a.windows[at] = m.windows[k];
+    }
+    a.got += static_cast<uint32_t>(m.windows.size());
+    if (a.got < total) return ok_status();
+    for (size_t k = 1; k < a.windows.size(); ++k) {
+        if (std::pair{a.windows[k - 1].region, a.windows[k - 1].offset} >=
+            std::pair{a.windows[k].region, a.windows[k].offset}) {
+            return protocol_error(fmt::format(
+                "window {} is not after window {} in (region, offset) order", k, k - 1));
+        }
+    }
+    a.complete = true;
+    return ok_status();
+}
+
 }  // namespace ferry::kv::detail

@@ -51,4 +51,15 @@ struct WindowRuns {
 Result<std::vector<WindowRuns>> runs_by_window(std::span<const PullWindow> windows, uint32_t region,
                                                std::span<const ByteRun> runs);
 
+// Decode: the answer to a PULL_ASK, collected part by part (PullParamsMsg::windows_total).
+struct WindowParts {
+    std::vector<PullWindow> windows;
+    std::vector<bool> have;
+    uint32_t got = 0;
+    bool complete = false;  // every window came, in (region, offset) order
+};
+// Adds the windows of `m` (`first`: the first part from its rank). A part that repeats
+// windows, or disagrees on the count, or a whole list out of order, is an error naming it.
+Status collect_part(WindowParts& parts, const PullParamsMsg& m, bool first);
+
 }  // namespace ferry::kv::detail

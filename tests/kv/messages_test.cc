@@ -57,6 +57,8 @@ std::vector<KvMessage> all_messages() {
     RegisterMsg partial = reg;  // decode's prefix cache holds tokens [0, 20)
     partial.first_token = 20;
     partial.blocks = {9, 99};
+    // A decode asking for the live offer (protocol 11).
+    PullAskMsg ask{99, 1, 2500, {1, 2, 3}, test_address()};
     return {reg,
             FinalMsg{1234, 3, 1, 88, 1 << 20, 3},
             FailMsg{1234, 3, 0, StatusCode::kTimeout, "lease expired"},
@@ -69,7 +71,8 @@ std::vector<KvMessage> all_messages() {
             SegmentMsg{1234, 3, 0, 2, 32, 48, 5, 4096, 8, 16, std::nullopt},
             closing_segment(),
             CancelMsg{1234, 4, 1, true},
-            partial};
+            partial,
+            ask};
 }
 
 TEST(KvMessages, ChunkedPushFieldsOutOfRangeAreRejected) {
@@ -119,6 +122,31 @@ TEST(KvMessages, PartialRegisterKeepsItsFirstToken) {
     ASSERT_TRUE(back.ok()) << back.status().to_string();
     EXPECT_EQ(std::get<RegisterMsg>(*back).first_token, 20u);
     EXPECT_EQ(std::get<RegisterMsg>(*back).blocks, (std::vector<uint32_t>{3, 4}));
+}
+
+// The answer to a PULL_ASK in parts (protocol 11): a part keeps which windows it carries; a
+// whole list decodes as such; a part outside its total is rejected, naming it.
+TEST(KvMessages, PullParamsPartKeepsItsPlaceAndOneOutsideItsTotalIsRejected) {
+    PullParamsMsg part = std::get<PullParamsMsg>(all_messages()[5]);
+    part.windows_first = 2;
+    part.windows_total = 5;
+    auto back = decode_message(encode_message(part));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_first, 2u);
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_total, 5u);
+    part.windows_first = 0;
+    part.windows_total = 1;  // window 0 of 1: the whole list
+    back = decode_message(encode_message(part));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(std::get<PullParamsMsg>(*back).windows_total, 0u);
+    for (auto [first, total] : {std::pair{5u, 5u}, {4u, 2u}, {0u, kMaxPullWindows + 1}}) {
+        part.windows_first = first;
+        part.windows_total = total;
+        auto bad = decode_message(encode_message(part));
+        ASSERT_FALSE(bad.ok()) << first << " of " << total;
+        EXPECT_NE(bad.status().message().find("windows_"), std::string::npos)
+            << bad.status().to_string();
+    }
 }
 
 TEST(KvMessages, EveryTypeRoundTrips) {

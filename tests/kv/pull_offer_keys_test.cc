@@ -391,5 +391,48 @@ TEST(PullOfferWindows, ARunOutsideEveryWindowIsRefusedNamingIt) {
         << bad.status().to_string();
 }
 
+// The answer to a PULL_ASK in parts (PROTOCOL.md, "Pull offer keys"): the parts in any order
+// give the whole list; a repeated part, another count or an out-of-order list is an error.
+TEST(PullOfferWindows, AnAnswerInPartsIsCollectedAndARepeatedPartIsRefused) {
+    std::vector<PullWindow> all(5);
+    for (uint32_t i = 0; i < all.size(); ++i) {
+        all[i] = {i / 2, (i % 2) * 4096u, {}};
+        all[i].desc.length = 64;
+    }
+    auto part = [&](uint32_t first, uint32_t end, uint32_t total = 5) {
+        PullParamsMsg m;
+        m.windows_first = first;
+        m.windows_total = total;
+        m.windows.assign(all.begin() + first, all.begin() + end);
+        return m;
+    };
+    detail::WindowParts parts;
+    ASSERT_TRUE(detail::collect_part(parts, part(3, 5), true).ok());
+    ASSERT_TRUE(detail::collect_part(parts, part(0, 3), false).ok());
+    ASSERT_TRUE(parts.complete);
+    ASSERT_EQ(parts.windows.size(), 5u);
+    EXPECT_EQ(parts.windows[3].region, 1u);
+    EXPECT_EQ(parts.windows[3].offset, 4096u);
+
+    detail::WindowParts twice;
+    ASSERT_TRUE(detail::collect_part(twice, part(0, 3), true).ok());
+    Status s = detail::collect_part(twice, part(2, 4), false);
+    EXPECT_NE(s.message().find("window 2 of 5 came twice"), std::string::npos) << s.to_string();
+    EXPECT_FALSE(twice.complete);
+
+    detail::WindowParts other;
+    ASSERT_TRUE(detail::collect_part(other, part(0, 3), true).ok());
+    s = detail::collect_part(other, part(3, 4, 4), false);
+    EXPECT_NE(s.message().find("a part of 4 windows after a part of 5"), std::string::npos)
+        << s.to_string();
+
+    detail::WindowParts unordered;
+    std::swap(all[1], all[4]);
+    ASSERT_TRUE(detail::collect_part(unordered, part(0, 3), true).ok());
+    s = detail::collect_part(unordered, part(3, 5), false);
+    EXPECT_NE(s.message().find("is not after window"), std::string::npos) << s.to_string();
+    EXPECT_FALSE(unordered.complete);
+}
+
 }  // namespace
 }  // namespace ferry::kv

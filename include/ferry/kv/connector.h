@@ -245,6 +245,14 @@ class KvConnector {
     // read, into `blocks`, which start at first_token's block (as PushRegistration's).
     Status pull(uint64_t transfer_id, std::vector<PullParamsMsg> params,
                 std::vector<uint32_t> blocks, uint32_t num_tokens, uint32_t first_token = 0);
+    // The same with parameters built from the handshake (pull_params: vLLM): each prefill rank
+    // is first asked for its live offer's parameters (PULL_ASK), which carry the offer's own
+    // keys (PullKeys::kPerOffer) and the lease it has left, waiting up to `wait` for an offer
+    // not made yet. An offer that ended (its blocks may hold another request's KV), a wrong
+    // capability, or no offer within `wait` fails the pull (recv_done) and nothing is read.
+    Status pull_live_offer(uint64_t transfer_id, std::vector<PullParamsMsg> params,
+                           std::vector<uint32_t> blocks, uint32_t num_tokens, uint32_t first_token,
+                           Duration wait);
 
     ConnectorStats stats() const;
     const ConnectorConfig& config() const;

@@ -28,7 +28,7 @@ inline constexpr uint32_t kKvMagic = 0x46524b56;  // "FRKV"
 // 9: REGISTER's first_token: decode's prefix cache holds the tokens before it, only the rest
 //    moves.
 // 10: PULL_PARAMS carries the offer's own registrations (windows), closed when the offer ends.
-inline constexpr uint16_t kKvProtocolVersion = 10;
+inline constexpr uint16_t kKvProtocolVersion = 11;
 // Most regions a pool may have: one per (layer, K/V) of 1024 layers.
 inline constexpr uint32_t kMaxPoolRegions = 2048;
 // Largest block list a message may carry: 2^20 blocks is 16M tokens at block size 16.
@@ -56,6 +56,7 @@ enum class MsgType : uint8_t {
     kIntent = 8,
     kScheduled = 9,
     kSegment = 10,
+    kPullAsk = 11,
 };
 
 // Decode → every prefill rank that writes into this decode rank (push): "here are my blocks
@@ -179,6 +180,11 @@ struct PullParamsMsg {
     // through these, and `pool`'s keys are zero. Empty: read `pool` under its keys (an offer
     // under PullKeys::kPool, or parameters decode built from the handshake).
     std::vector<PullWindow> windows;
+    // The answer to a PULL_ASK whose windows do not fit one message comes in parts: each
+    // repeats the fields above and carries windows [windows_first, windows_first +
+    // windows.size()) of windows_total. windows_total 0: `windows` is the whole list.
+    uint32_t windows_first = 0;
+    uint32_t windows_total = 0;
 };
 
 // Decode rank → prefill rank (pull): finished reading (ok) or gave up; free the blocks.
@@ -189,6 +195,19 @@ struct DoneMsg {
     bool ok = true;
     PullCapability capability{};  // the offer's; a DONE with another is ignored
     bool operator==(const DoneMsg&) const = default;
+};
+
+// Decode → prefill rank (pull, parameters built from the handshake: vLLM): "send me the live
+// offer of this transfer". Answered with the offer's PULL_PARAMS (its own keys, the lease left)
+// while the offer runs, waiting up to wait_ms (capped at prefill's lease) for an offer not
+// made yet; else with a FAIL naming why. Only an ask carrying the offer's capability is
+// answered with its parameters.
+struct PullAskMsg {
+    uint64_t transfer_id = 0;
+    uint32_t decode_rank = 0;
+    uint32_t wait_ms = 0;
+    PullCapability capability{};
+    EngineAddress decode_address;  // where the answer goes
 };
 
 // Decode → each prefill rank that will write into it (push), before decode holds any block:
@@ -219,8 +238,9 @@ Result<std::vector<PullWindow>> decode_pull_windows(std::span<const uint8_t> byt
                                                     const KvLayout& layout, size_t regions);
 
 // Alternatives in MsgType order (the wire type is index + 1).
-using KvMessage = std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg,
-                               PullParamsMsg, DoneMsg, IntentMsg, ScheduledMsg, SegmentMsg>;
+using KvMessage =
+    std::variant<RegisterMsg, FinalMsg, FailMsg, CancelMsg, CancelAckMsg, PullParamsMsg, DoneMsg,
+                 IntentMsg, ScheduledMsg, SegmentMsg, PullAskMsg>;
 
 std::vector<uint8_t> encode_message(const KvMessage& msg);
 Result<KvMessage> decode_message(std::span<const uint8_t> bytes);

@@ -26,8 +26,11 @@ sends the prefill leg first; prefill's request_finished keeps the blocks and ans
 kv_transfer_params for decode (its side channel, remote_block_ids, remote_num_tokens, a fresh
 16-byte ferry_capability, ferry_expires), and its worker offers the blocks under that
 capability (KvConnector.offer_pull) in the next step. The proxy passes the answer's params to
-decode unchanged; decode's worker builds the read parameters from prefill's handshake
-(ferry.kv.pull_params) and reads the blocks on ferry's threads (KvConnector.pull).
+decode unchanged; decode's worker builds the request's parameters from prefill's handshake
+(ferry.kv.pull_params), asks prefill's connector for the live offer's own parameters (its
+keys, pull_keys="offer", waiting a bounded time for a worker that has not offered yet) and
+reads the blocks on ferry's threads (KvConnector.pull, live_offer_wait): a replayed request,
+or one whose offer ended, is refused and reads nothing.
 
 Each step's transfers start in bind_connector_metadata, before the forward: vLLM 0.32 calls
 start_load_kv only after the forward when all loads are asynchronous.
@@ -692,11 +695,12 @@ class _Worker:
         num_blocks = self._kv_cache_config.num_blocks
         layout, pool = layout_of(tensors, num_blocks=num_blocks, block_size=spec.block_size,
                                  num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size)
-        # Decode builds its pull parameters from the handshake (pull_params: the scheduler
-        # answers before this worker offers), so it reads under the pool's keys: an offer's own
-        # registrations would cost prefill without being read.
+        # Per-offer keys: each offer registers its blocks under keys of its own, closed when
+        # it ends, and the host pool takes no peer reads. Decode, which builds its parameters
+        # from the handshake (the scheduler answers before this worker offers), asks for the
+        # live offer's keys when it pulls (KvConnector.pull, live_offer_wait).
         cfg = fkv.KvConfig(tp_rank=self._tp_rank, tp_size=self._tp_size, lease=self._opts.lease,
-                           pull_keys="pool")
+                           pull_keys="offer")
         self._conn = fkv.KvConnector(self._engine, layout, pool, cfg)
         self._tensors = tensors
         port = self._opts.port + self._tp_rank
@@ -801,8 +805,10 @@ class _Worker:
 
     def _pull(self, spec: RecvSpec):
         """Decode, pull: read prefill's offered blocks (on ferry's thread), if its offer still
-        runs long enough for the reads to end within it: a read after the offer ended could
-        find the blocks holding another request's KV (PROTOCOL.md, "Open questions")."""
+        runs long enough for the reads to end within it. Prefill is asked for the live offer's
+        own keys first (waiting until the offer's end for a worker that has not offered yet):
+        an offer that ended, whose blocks may hold another request's KV, is refused
+        (PROTOCOL.md, "Pull offer keys")."""
         import ferry
         import ferry.kv as fkv
 
@@ -814,7 +820,7 @@ class _Worker:
         params = [fkv.pull_params(info, spec.transfer_id, spec.remote_blocks, spec.num_tokens,
                                   spec.capability, left) for info in self._ranks(spec)]
         self._conn.pull(spec.transfer_id, params, spec.block_ids, spec.num_tokens,
-                        first_token=spec.first_token)
+                        first_token=spec.first_token, live_offer_wait=left)
 
     def results(self) -> KVConnectorTransferResults:
         if self._conn is not None:

@@ -345,6 +345,25 @@ def test_pull_gives_the_baseline_tokens(engines):
                          sum(map(len, cases.values())) + sum(map(len, together)))
 
 
+def test_a_replayed_pull_leg_reads_nothing(engines):
+    # Issue 30: a decode leg replayed after its offer ended (kv_transfer_params captured between
+    # the proxy and decode, same prompt) is refused by prefill at once and decode's load fails;
+    # before, decode read prefill's blocks under the pool's keys from the handshake, blocks that
+    # by then may hold another request's KV. Decode caches the prompt's whole blocks, so the
+    # replay loads only the last, partial one: that read is what must be refused.
+    base, prefill, decode, _ = engines
+    rng = random.Random(30)
+    ids = [rng.randrange(3, 2000) for _ in range(3 * BLOCK + 3)]
+    want = complete(base, ids, MAX_TOKENS)[0]
+    _, _, out = complete(prefill, ids, 1, {"do_remote_decode": True, "ferry_mode": "pull",
+                                           "ferry_transfer_id": rng.randrange(1, 1 << 63)})
+    params = out.get("kv_transfer_params")
+    assert params and params.get("remote_block_ids"), f"prefill answered {params!r}"
+    assert complete(decode, ids, MAX_TOKENS, params)[0] == want
+    took = _refused(decode, ids, params)
+    assert took < 30, f"the replayed leg took {took:.0f} s to be refused"
+
+
 def ferry_bytes(engine):
     """KV bytes ferry counted into the engine's blocks (FerryConnector's stats in vLLM's
     /metrics). Read until it stops changing: the worker reports a step's bytes with the step."""
