@@ -79,10 +79,28 @@ def _request_failures():
     yield
 
 
+_PORTS_GIVEN = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768-60999 by default): the engines bind
+    theirs many seconds later (the side channel once the worker registers its KV cache), and a
+    port the kernel handed out as ephemeral was meanwhile taken by one of the engines' own
+    sockets once ("handshake server: cannot listen on 127.0.0.1:46735: Address already in use",
+    a CI rehearsal of 2026-12-07). Never the same port twice in one run."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999 after 1000 tries")
 
 
 class Engine:
