@@ -273,15 +273,20 @@ def test_a_read_under_the_pools_key_from_the_handshake_is_refused(provider, pref
         decode.close()
 
 
-def offer_live(prefill_proc, decode, rng, pblocks, tokens, lease=20.0):
-    """Prefill offers `pblocks` under a fresh capability; decode builds the parameters from the
-    handshake, as vLLM's does: (handshake info, transfer id, capability, parameters)."""
+def handshake_params(prefill_proc, decode, rng, pblocks, tokens, lease=20.0):
+    """Decode builds a pull's parameters from prefill's handshake under a fresh transfer id and
+    capability, as vLLM's does: (handshake info, transfer id, capability, parameters)."""
     import os
 
     port = prefill_proc.call("serve_handshake", SECRET)
     info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
     tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
-    params = fkv.pull_params(info, tid, pblocks, tokens, cap, lease)
+    return info, tid, cap, fkv.pull_params(info, tid, pblocks, tokens, cap, lease)
+
+
+def offer_live(prefill_proc, decode, rng, pblocks, tokens, lease=20.0):
+    """handshake_params, and prefill offers `pblocks` under that capability."""
+    info, tid, cap, params = handshake_params(prefill_proc, decode, rng, pblocks, tokens, lease)
     prefill_proc.call("offer_pull_under", tid, pblocks, tokens, cap)
     return info, tid, cap, params
 
@@ -369,10 +374,7 @@ def test_a_pull_asking_before_the_offer_is_made_reads_under_the_offers_keys(
 
     decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0)
     try:
-        port = prefill_proc.call("serve_handshake", SECRET)
-        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
-        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
-        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
+        info, tid, cap, params = handshake_params(prefill_proc, decode, rng, pblocks, TOKENS)
         dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
         decode.call("pull", tid, [params], dblocks, TOKENS, live_offer_wait=10.0)
         time.sleep(0.5)  # the ask reached prefill, which has no offer yet
@@ -430,15 +432,10 @@ def test_pull_read_before_the_offer_is_made(provider, prefill_proc, rng):
     """vLLM's decode may read, and send DONE, before prefill's worker offered the blocks (a
     step after prefill answered). The early DONE is kept and frees the blocks when the offer
     comes, not at the end of prefill's lease (before: held the whole lease, then a timeout)."""
-    import os
-
     decode, _, pblocks, logical = open_pair(provider, prefill_proc, SPLITS[0], rng, lease=20.0,
                                             pull_keys="pool")
     try:
-        port = prefill_proc.call("serve_handshake", SECRET)
-        info = fkv.fetch_handshake("127.0.0.1", port, decode.layout, SECRET)
-        tid, cap = rng.randrange(1, 1 << 63), os.urandom(16)
-        params = fkv.pull_params(info, tid, pblocks, TOKENS, cap, 20.0)
+        _, tid, cap, params = handshake_params(prefill_proc, decode, rng, pblocks, TOKENS)
         dblocks = blocks_for(rng, DECODE["num_blocks"], DECODE["block_size"], TOKENS)
         decode.call("pull", tid, [params], dblocks, TOKENS)
         ok, code, msg, _, _ = decode.next_event("recv", tid, 30)
