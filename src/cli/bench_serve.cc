@@ -10,6 +10,7 @@
 
 #include "bench/serve.h"
 #include "cli/commands.h"
+#include "cli/setting_flags.h"
 #include "cli/stop_signal.h"
 #include "cli/util.h"
 #include "serve/cost_model.h"
@@ -50,7 +51,7 @@ int run(BenchFlags f) {
         // The client needs the decode rank's slice of the model to recompute its tokens.
         auto cost = serve::CostModel::create(*model, serve::h200(), f.tp);
         if (!cost.ok()) {
-            fmt::print(stderr, "error: {}\n", cost.status().to_string());
+            fmt::print(stderr, "error: {}\n", in_flag_names(cost.status()).to_string());
             return 2;
         }
         c.verify_slice = {

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "cli/commands.h"
+#include "cli/setting_flags.h"
 #include "cli/stop_signal.h"
 #include "ferry/common/spin.h"
 #include "serve/engine_server.h"
@@ -72,8 +73,9 @@ CLI::Validator http_threads_limit() {
     return at_most(double(serve::kMaxHttpThreads), "each is a thread");
 }
 
+// `names`: what the server's answers call its settings (the flags of this command).
 serve::HttpServerOptions http_options(const std::string& host, int port, size_t threads,
-                                      const HttpLimitFlags& f) {
+                                      const HttpLimitFlags& f, serve::SettingNames names) {
     auto secs = [](double s) {
         return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
     };
@@ -85,6 +87,7 @@ serve::HttpServerOptions http_options(const std::string& host, int port, size_t 
     o.body_timeout = secs(f.body_timeout_s);
     o.idle_timeout = secs(f.idle_timeout_s);
     o.queue_timeout = secs(f.queue_timeout_s);
+    o.setting_names = std::move(names);
     return o;
 }
 
@@ -216,44 +219,6 @@ void add_engine_flags(CLI::App* cmd, EngineFlags& f, bool with_address = true) {
     add_http_limit_flags(cmd, f.http_limits);
 }
 
-// The serving library's errors name its own settings (EngineConfig's fields, the cost model's
-// tp and efficiencies, the KV link's engine's rails); a user of `ferry serve` knows the flags
-// that set them, so each setting's name (a whole word) is put in its flag's name.
-Status in_flag_names(const Status& s) {
-    static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
-        {"max_num_seqs", "--max-num-seqs"},
-        {"max_model_len", "--max-model-len"},
-        {"max_num_batched_tokens", "--max-num-batched-tokens"},
-        {"prefill_chunk_tokens", "--prefill-chunk"},
-        {"push_layer_groups", "--push-layer-groups"},
-        {"num_blocks", "--num-blocks"},
-        {"block_size", "--block-size"},
-        {"time_scale", "--time-scale"},
-        {"engine_id", "--engine-id"},
-        {"kv_wait_timeout", "--kv-wait-timeout"},
-        // serve::CostModel's.
-        {"tp", "--tp"},
-        {"compute_efficiency", "--compute-efficiency"},
-        {"bandwidth_efficiency", "--bandwidth-efficiency"},
-        // The KV link's fabric engine (ferry::EngineConfig).
-        {"EngineConfig::rails", "--kv-rails"},
-    };
-    auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
-    std::string m = s.message();
-    for (auto [field, flag] : kFlags) {
-        for (size_t at = m.find(field); at != std::string::npos; at = m.find(field, at)) {
-            size_t end = at + field.size();
-            if ((at > 0 && word_char(m[at - 1])) || (end < m.size() && word_char(m[end]))) {
-                at = end;
-                continue;
-            }
-            m.replace(at, field.size(), flag);
-            at += flag.size();
-        }
-    }
-    return Status(s.code(), std::move(m));
-}
-
 Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, EngineFlags f,
                                                    int port) {
     FERRY_ASSIGN_OR_RETURN(auto model, serve::model_by_name(f.model));
@@ -269,15 +234,16 @@ Result<std::unique_ptr<serve::Engine>> make_engine(const std::string& role, Engi
 }
 
 // `kv_mode`: the KV link's mode as the flag gave it; with `role`, stated in /health for the
-// router to check against its own --mode.
+// router to check against its own --mode. `port_flag`: the flag that gave `port`.
 Result<std::unique_ptr<serve::EngineServer>> serve_engine(serve::Engine& e, const EngineFlags& f,
-                                                          int port, const std::string& role,
+                                                          int port, std::string_view port_flag,
+                                                          const std::string& role,
                                                           const std::string& kv_mode,
                                                           serve::FabricKvLink* link = nullptr,
                                                           const Secret& secret = Secret()) {
     FERRY_RETURN_IF_ERROR(e.start());
-    serve::EngineServerOptions so{.http =
-                                      http_options(f.host, port, f.http_threads, f.http_limits)};
+    serve::EngineServerOptions so{.http = http_options(f.host, port, f.http_threads, f.http_limits,
+                                                       flag_names(port_flag, "--http-threads"))};
     so.role = role;
     so.kv_mode = kv_mode;
     if (link != nullptr) {
@@ -376,6 +342,7 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         lc.rails = f.kv_rails;
         lc.side_max_connections_per_client = f.kv_max_connections_per_client;
         lc.side_proof_deadline = secs(f.kv_proof_deadline_s);
+        lc.setting_names = flag_names();
         auto secret = deployment_secret(f.secret_file);
         if (!secret.ok()) return fail(secret.status());
         lc.secret = *secret;
@@ -386,7 +353,8 @@ int run_engine(const std::string& role, const EngineFlags& f) {
         bool prefill = role == "prefill";
         (*engine)->attach_connector(prefill ? link.get() : nullptr, prefill ? nullptr : link.get());
     }
-    auto server = serve_engine(**engine, f, f.port, role, f.kv_mode, link.get(), deployment);
+    auto server =
+        serve_engine(**engine, f, f.port, "--port", role, f.kv_mode, link.get(), deployment);
     if (!server.ok()) return fail(server.status());
     if (link)
         fmt::print(stderr, "  KV connector: {} over {}, side channel {}:{}\n", f.kv_mode,
@@ -434,7 +402,8 @@ int run_router(const RouterFlags& f) {
     if (!d.ok()) return fail(d.status().with_context("--decode"));
     rc.prefill = *p;
     rc.decode = *d;
-    rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits);
+    rc.http = http_options(f.host, f.port, f.http_threads, f.http_limits,
+                           flag_names("--port", "--router-threads"));
     rc.request_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.timeout_s));
     rc.leg_ttl = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_ttl_s));
@@ -498,16 +467,17 @@ int run_local(const LocalFlags& f) {
     (*pe)->attach_connector(link.producer(pid), nullptr);
     (*de)->attach_connector(nullptr, link.consumer(did));
     if (Status st = link.start(); !st.ok()) return fail(st);
-    auto ps = serve_engine(**pe, f.engine, f.prefill_port, "prefill", f.router.mode);
+    auto ps =
+        serve_engine(**pe, f.engine, f.prefill_port, "--prefill-port", "prefill", f.router.mode);
     if (!ps.ok()) return fail(ps.status());
-    auto ds = serve_engine(**de, f.engine, f.decode_port, "decode", f.router.mode);
+    auto ds = serve_engine(**de, f.engine, f.decode_port, "--decode-port", "decode", f.router.mode);
     if (!ds.ok()) return fail(ds.status());
     serve::RouterConfig rc;
     rc.mode = *mode;
     rc.prefill = {{f.engine.host, (*ps)->port()}};
     rc.decode = {{f.engine.host, (*ds)->port()}};
-    rc.http =
-        http_options(f.router.host, f.router.port, f.router.http_threads, f.engine.http_limits);
+    rc.http = http_options(f.router.host, f.router.port, f.router.http_threads,
+                           f.engine.http_limits, flag_names("--port", "--router-threads"));
     // The engines here take the router's legs over the in-process link and connect nowhere:
     // a secret of this process alone is enough.
     auto secret = Secret::generate();

@@ -301,9 +301,9 @@ class FabricKvLink::Impl {
                                      : std::string();
             if (theirs != cfg.provider)
                 return invalid_argument(fmt::format(
-                    "engine {} moves KV over provider '{}', this one over '{}': start both with "
-                    "the same --provider",
-                    key, theirs, cfg.provider));
+                    "engine {} moves KV over provider '{}', this one over '{}': give both the "
+                    "same {}",
+                    key, theirs, cfg.provider, setting_name(cfg.setting_names, "provider")));
             port = j["kv_side_channel_port"].get<int>();
             std::lock_guard lk(mu);
             side_ports[key] = port;
@@ -429,8 +429,8 @@ Result<std::unique_ptr<FabricKvLink>> FabricKvLink::create(const FabricKvLinkCon
         kv::HandshakeServer::start(config.host, uint16_t(config.side_port), info, std::move(so));
     if (!side.ok())
         return side.status().with_context(
-            fmt::format("KV side channel on {}:{} (pick another with --kv-port)", config.host,
-                        config.side_port));
+            fmt::format("KV side channel on {}:{} (pick another {})", config.host, config.side_port,
+                        setting_name(config.setting_names, "side_port")));
     p->side = std::move(side).value();
     p->peers = std::make_unique<kv::HandshakeCache>(p->layout, config.secret);
     p->jobs = std::make_unique<WorkerQueue>(WorkerQueue::Options{.thread_name = "ferry-kvlink"});

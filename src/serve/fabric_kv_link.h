@@ -39,6 +39,7 @@
 #include "ferry/kv/transfer_mode.h"
 #include "serve/kv_connector.h"
 #include "serve/kv_pool.h"
+#include "serve/setting_names.h"
 
 namespace ferry::serve {
 
@@ -80,6 +81,8 @@ struct FabricKvLinkConfig {
     // The connector's 64-bit key of a string transfer id; empty: kv::transfer_key. Tests set
     // it to force collisions (kv::TransferKeys refuses the second id on a key in use).
     std::function<uint64_t(std::string_view)> transfer_hash;
+    // What errors call these settings (setting_names.h); empty: their field names.
+    SettingNames setting_names{};
 };
 
 struct FabricKvLinkStats {

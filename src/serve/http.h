@@ -17,6 +17,7 @@
 
 #include "ferry/common/clock.h"
 #include "ferry/common/status.h"
+#include "serve/setting_names.h"
 
 namespace ferry::serve {
 
@@ -64,6 +65,8 @@ struct HttpServerOptions {
     // all from one address.
     size_t max_connections = 4096;
     size_t max_connections_per_client = 1024;
+    // What answers call these settings (setting_names.h); empty: their field names.
+    SettingNames setting_names{};
 };
 
 struct HttpRequest {

@@ -208,6 +208,10 @@ struct Lane {
 
 struct HttpServer::Impl {
     HttpServerOptions options;
+    // What the operator calls a setting, for answers that name the limit a request ran into.
+    std::string named(std::string_view setting) const {
+        return setting_name(options.setting_names, setting);
+    }
     std::vector<HttpRoute> routes;
     Fd listener, epoll, wake;
     int port = 0;
@@ -333,24 +337,23 @@ void HttpServer::Impl::sweep(TimePoint now) {
         if (c->phase == Phase::kHandling && c->gone->load())
             close_conn(c);
         else if (c->phase == Phase::kHandling)
-            refuse(c, 503,
-                   fmt::format("no worker became free within {}: all {} are busy (queue_timeout, "
-                               "--queue-timeout; threads, --http-threads/--router-threads); retry "
-                               "later",
-                               ms_text(options.queue_timeout),
-                               c->quick ? options.quick_threads : options.threads));
+            refuse(
+                c, 503,
+                fmt::format("no worker became free within {}: all {} are busy ({}; {}); "
+                            "retry later",
+                            ms_text(options.queue_timeout),
+                            c->quick ? options.quick_threads : options.threads,
+                            named("queue_timeout"), named(c->quick ? "quick_threads" : "threads")));
         else if (c->phase == Phase::kDraining || (c->phase == Phase::kHeaders && c->idle))
             close_conn(c);
         else if (c->phase == Phase::kHeaders)
             refuse(c, 408,
-                   fmt::format("request headers not complete within {} (header_timeout, "
-                               "--header-timeout)",
-                               ms_text(options.header_timeout)));
+                   fmt::format("request headers not complete within {} ({})",
+                               ms_text(options.header_timeout), named("header_timeout")));
         else
             refuse(c, 408,
-                   fmt::format("request body not complete within {} (body_timeout, "
-                               "--body-timeout)",
-                               ms_text(options.body_timeout)));
+                   fmt::format("request body not complete within {} ({})",
+                               ms_text(options.body_timeout), named("body_timeout")));
     }
     if (listen_paused_until != TimePoint{}) {
         if (now >= listen_paused_until) {
@@ -412,15 +415,15 @@ void HttpServer::Impl::accept_all() {
         size_t& mine = per_client[c->peer];
         if (counted >= options.max_connections) {
             refuse(c, 503,
-                   fmt::format("the server has its limit of {} open connections "
-                               "(max_connections, --max-connections); retry later",
-                               options.max_connections));
+                   fmt::format("the server has its limit of {} open connections ({}); retry "
+                               "later",
+                               options.max_connections, named("max_connections")));
         } else if (mine >= options.max_connections_per_client) {
             refuse(c, 429,
-                   fmt::format("{} has its limit of {} open connections to this server "
-                               "(max_connections_per_client, --max-connections-per-client); "
+                   fmt::format("{} has its limit of {} open connections to this server ({}); "
                                "close some or reuse them (keep-alive)",
-                               c->peer, options.max_connections_per_client));
+                               c->peer, options.max_connections_per_client,
+                               named("max_connections_per_client")));
         } else {
             c->counted = true;
             ++mine;
@@ -598,9 +601,8 @@ void HttpServer::Impl::parse_chunks(const ConnPtr& c) {
     size_t pos = 0;
     auto too_large = [&] {
         refuse(c, 413,
-               fmt::format("chunked request body grew past the limit of {} bytes (max_body_bytes, "
-                           "--max-body-bytes)",
-                           options.max_body_bytes));
+               fmt::format("chunked request body grew past the limit of {} bytes ({})",
+                           options.max_body_bytes, named("max_body_bytes")));
     };
     while (true) {
         if (c->chunk_state == ChunkState::kData) {
@@ -764,9 +766,10 @@ std::optional<Refusal> HttpServer::Impl::parse_head(Conn& c, std::string_view he
     c.chunked = has_te;
     c.content_length = length.value_or(0);
     if (c.content_length > options.max_body_bytes)
-        return Refusal{413, fmt::format("request body of {} bytes is larger than the limit of {} "
-                                        "bytes (max_body_bytes, --max-body-bytes)",
-                                        c.content_length, options.max_body_bytes)};
+        return Refusal{
+            413, fmt::format("request body of {} bytes is larger than the limit of {} "
+                             "bytes ({})",
+                             c.content_length, options.max_body_bytes, named("max_body_bytes"))};
     if (expect_continue && !c.http10 && (c.chunked || c.content_length > 0)) {
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
         [[maybe_unused]] ssize_t n =
@@ -1057,8 +1060,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
     if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
         lim.rlim_cur > 128 && options.max_connections > lim.rlim_cur - 128) {
         log_line(LogLevel::kWarn, "http",
-                 fmt::format("max_connections {} lowered to {}: the process may open {} files "
-                             "(ulimit -n)",
+                 fmt::format("{} {} lowered to {}: the process may open {} files (ulimit -n)",
+                             setting_name(options.setting_names, "max_connections"),
                              options.max_connections, lim.rlim_cur - 128, lim.rlim_cur));
         options.max_connections = lim.rlim_cur - 128;
     }
@@ -1077,8 +1080,9 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(HttpServerOptions options,
     int one = 1;
     ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (::bind(fd.get(), res->ai_addr, res->ai_addrlen) != 0)
-        return unavailable(fmt::format("cannot bind {}:{}: {} (in use? pick another --port)",
-                                       options.host, options.port, strerror(errno)));
+        return unavailable(fmt::format("cannot bind {}:{}: {} (in use? pick another {})",
+                                       options.host, options.port, strerror(errno),
+                                       setting_name(options.setting_names, "port")));
     // A full backlog loses SYNs and the client retries only after a second.
     if (::listen(fd.get(), SOMAXCONN) != 0)
         return unavailable(

@@ -348,6 +348,40 @@ TEST_F(CliFlags, TheEngineNamesItsSettingsAndTheCommandItsFlags) {
     }
 }
 
+// What an HTTP client is told when it runs into a server's limit names the flag an operator
+// raises, on an engine and on a router alike; bench serve --verify's model errors likewise.
+// Before, the serving library put the flags' names in its own messages.
+TEST_F(CliFlags, AnswersAtALimitNameTheFlagThatSetsIt) {
+    const int eport = free_port(), rport = free_port();
+    Proc engine =
+        start({"serve", "decode", "--model", "tiny", "--tp", "1", "--num-blocks", "64", "--kv-mode",
+               "none", "--port", std::to_string(eport), "--max-body-bytes", "200"});
+    Proc router = start({"serve", "router", "--port", std::to_string(rport), "--prefill",
+                         fmt::format("127.0.0.1:{}", eport), "--decode",
+                         fmt::format("127.0.0.1:{}", eport), "--max-body-bytes", "300"});
+    ASSERT_TRUE(wait_healthy("127.0.0.1", eport)) << engine.log_text();
+    ASSERT_TRUE(eventually([&] { return http_get("127.0.0.1", rport, "/health", seconds(1)).ok(); },
+                           seconds(15)))
+        << router.log_text();
+    const std::string body =
+        fmt::format(R"({{"prompt": "{}", "max_tokens": 1}})", std::string(1000, 'a'));
+    for (int port : {eport, rport}) {
+        auto r = http_post_json("127.0.0.1", port, "/v1/completions", body, seconds(5));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        EXPECT_EQ(r->status, 413) << r->body;
+        EXPECT_NE(r->body.find("(--max-body-bytes)"), std::string::npos) << r->body;
+    }
+    auto [code, out] = run({"bench", "serve", "--port", std::to_string(eport), "--model", "tiny",
+                            "--tp", "3", "--verify", "--num-prompts", "1"});
+    EXPECT_GT(code, 0) << out;
+    EXPECT_LT(code, 128) << out;
+    EXPECT_NE(out.find("--tp 3 does not divide"), std::string::npos) << out;
+    engine.interrupt();
+    router.interrupt();
+    EXPECT_EQ(engine.wait_exit(seconds(10)), 0) << engine.log_text();
+    EXPECT_EQ(router.wait_exit(seconds(10)), 0) << router.log_text();
+}
+
 // A result file appears whole under its name, written beside it and renamed (nothing else is
 // left in the folder); a second run replaces it.
 TEST_F(CliFlags, JsonResultsAreWrittenWholeUnderTheirName) {
@@ -638,6 +672,22 @@ TEST_F(CliFlags, APortInUseIsNamedAndHelpExitsZero) {
     EXPECT_GT(code, 0) << out;
     EXPECT_LT(code, 128) << out;
     EXPECT_NE(out.find("cannot bind 127.0.0.1:" + port), std::string::npos) << out;
+    EXPECT_NE(out.find("pick another --port"), std::string::npos) << out;
+    // The same port given to serve local's prefill engine, and to an engine's side channel:
+    // each message names the flag that gave it.
+    const std::string free1 = std::to_string(free_port()), free2 = std::to_string(free_port());
+    for (const auto& [args, flag] :
+         {std::pair<std::vector<std::string>, std::string>{
+              {"serve", "local", "--model", "tiny", "--tp", "1", "--port", free1, "--prefill-port",
+               port, "--decode-port", free2},
+              "pick another --prefill-port"},
+          {{"serve", "decode", "--model", "tiny", "--tp", "1", "--port", free1, "--kv-port", port},
+           "pick another --kv-port"}}) {
+        auto [c, o] = run(args);
+        EXPECT_GT(c, 0) << joined(args) << o;
+        EXPECT_LT(c, 128) << joined(args) << o;
+        EXPECT_NE(o.find(flag), std::string::npos) << joined(args) << o;
+    }
     ::close(fd);
 
     for (std::vector<std::string> args : {std::vector<std::string>{"--help"},

@@ -721,8 +721,9 @@ TEST(HttpLimits, ARequestQueuedBehindBusyWorkersGets503AtTheQueueTimeout) {
     Raw::Response r = queued.read(seconds(3));
     double ms = to_ms(Clock::now() - t0);
     EXPECT_EQ(r.status, 503) << r.body;
+    // The library names its own setting; `ferry serve` gives its flag's name (CliFlags).
     EXPECT_NE(r.body.find("queue_timeout"), std::string::npos) << r.body;
-    EXPECT_NE(r.body.find("--queue-timeout"), std::string::npos) << r.body;
+    EXPECT_EQ(r.body.find("--"), std::string::npos) << r.body;
     EXPECT_GT(ms, 250.0);
     EXPECT_LT(ms, 1500.0);
     EXPECT_FALSE(f.saw_gone.load());  // the busy one is still being handled
