@@ -309,9 +309,8 @@ class KvConnector::Impl {
     std::thread thread_;
 };
 
-RemoteAccess pool_remote_access(PullKeys keys, MemoryKind kind) {
-    return keys == PullKeys::kPerOffer && kind == MemoryKind::kHost ? RemoteAccess::kWrite
-                                                                    : RemoteAccess::kReadWrite;
+RemoteAccess pool_remote_access(PullKeys keys, MemoryKind /*kind*/) {
+    return keys == PullKeys::kPerOffer ? RemoteAccess::kWrite : RemoteAccess::kReadWrite;
 }
 
 Result<std::unique_ptr<KvConnector>> KvConnector::create(TransferEngine* engine,

@@ -52,8 +52,10 @@ Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPool
                                             const KvLayout& layout,
                                             std::span<const uint32_t> blocks) {
     OfferWindows out;
+    // A GPU region that the provider does not register (no FI_HMEM with CUDA) has no keys to
+    // replace: peers reach it only through CUDA IPC, which checks none (as shm's CMA does).
     for (const MemoryRegion* r : pool.regions) {
-        if (r->descriptor().kind != MemoryKind::kHost) return out;
+        if (r->descriptor().kind != MemoryKind::kHost && !engine.supports_gpu_memory()) return out;
     }
     const std::vector<PoolExtent> extents = block_extents(layout, blocks);
     if (extents.size() > kMaxPullWindows) {
@@ -65,8 +67,10 @@ Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPool
             blocks.size(), extents.size(), kMaxPullWindows, layout.num_layers));
     }
     for (const PoolExtent& e : extents) {
-        auto* base = static_cast<uint8_t*>(pool.regions[e.region]->data());
-        auto mr = engine.register_memory(base + e.offset, e.length);
+        const MemoryRegion& region = *pool.regions[e.region];
+        auto* base = static_cast<uint8_t*>(region.data());
+        auto mr = engine.register_memory(base + e.offset, e.length, region.descriptor().kind,
+                                         region.descriptor().device);
         if (!mr.ok()) {
             return mr.status().with_context(
                 fmt::format("registering a pull offer's {} bytes at offset {} of pool region {} "

@@ -34,9 +34,11 @@ struct OfferWindows {
     std::vector<std::unique_ptr<MemoryRegion>> regions;
 };
 
-// Registers each extent of the offer's blocks as a region of its own. Host regions only: GPU
-// pool regions are left to the pool's keys (an empty result when every region is on a GPU).
-// On failure nothing stays registered.
+// Registers each extent of the offer's blocks as a region of its own, of the pool region's
+// memory kind (GPU memory through FI_HMEM). Where the provider does not register GPU memory, a
+// pool with a GPU region gets no windows (an empty result): its GPU regions have no fabric keys,
+// and same-host GPU peers copy through CUDA IPC, which checks none. On failure nothing stays
+// registered.
 Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPoolRegions& pool,
                                             const KvLayout& layout,
                                             std::span<const uint32_t> blocks);

@@ -53,9 +53,11 @@ enum class PullKeys : uint8_t {
 };
 
 // How to register a pool region of `kind` for a connector under `keys`
-// (TransferEngine::register_memory's `access`). kPerOffer, host memory: peers only write into it
-// (push); its reads go through each offer's own registrations, so the pool's keys, which any
-// handshake holder has, read nothing. GPU regions, and kPool, are read under the pool's keys.
+// (TransferEngine::register_memory's `access`). kPerOffer: peers only write into it (push); its
+// reads go through each offer's own registrations, so the pool's keys, which any handshake
+// holder has, read nothing. Host and GPU memory alike (a GPU region has fabric keys only where
+// the provider registers GPU memory; CUDA IPC exports are not limited by access). kPool: read
+// under the pool's keys.
 RemoteAccess pool_remote_access(PullKeys keys, MemoryKind kind);
 
 struct ConnectorConfig {
