@@ -84,6 +84,10 @@ Result<std::unique_ptr<MemoryRegion>> TransferEngine::register_memory(void* ptr,
                                                                       RemoteAccess access) {
     return impl_->register_memory(ptr, len, kind, device, access);
 }
+Result<std::vector<std::unique_ptr<MemoryRegion>>> TransferEngine::register_memory(
+    std::span<const std::span<uint8_t>> ranges, MemoryKind kind, int device, RemoteAccess access) {
+    return impl_->register_memory(ranges, kind, device, access);
+}
 Result<PeerId> TransferEngine::connect(const EngineAddress& peer) { return impl_->connect(peer); }
 std::optional<PeerId> TransferEngine::find_peer(uint64_t engine_id) const {
     return impl_->find_peer(engine_id);

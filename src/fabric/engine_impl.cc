@@ -296,23 +296,27 @@ void EngineImpl::shutdown() {
 
 EngineImpl::~EngineImpl() { shutdown(); }
 
-Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, size_t len,
-                                                                  MemoryKind kind, int device,
-                                                                  RemoteAccess access) {
-    if (stopped_) return cancelled("the transfer engine was shut down");
+namespace {
+
+// A range register_memory takes: not empty, not wrapping past the end of the address space (a
+// raw (ptr, nbytes) from Python with nbytes 2^64 - 1 was taken, and every offset passed the
+// range checks of the peers' writes and reads).
+Status check_range(const void* ptr, size_t len) {
     if (!ptr || len == 0) {
         return invalid_argument(fmt::format("cannot register {} bytes at {}", len, ptr));
     }
-    // A length that runs past the end of the address space is no memory at all (a raw
-    // (ptr, nbytes) from Python with nbytes 2^64 - 1 was taken, and every offset passed the
-    // range checks of the peers' writes and reads).
     if (len > UINTPTR_MAX - reinterpret_cast<uintptr_t>(ptr)) {
         return invalid_argument(fmt::format(
             "cannot register {} bytes at {}: the range wraps past the end of the address space",
             len, ptr));
     }
-    FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg,
-                           memory_.add(ptr, len, kind, device, access));
+    return ok_status();
+}
+
+}  // namespace
+
+std::unique_ptr<MemoryRegion> EngineImpl::region_of(MemoryRegistry::Registration reg, void* ptr,
+                                                    size_t len, RemoteAccess access) {
     std::unique_ptr<MemoryRegion> region(new MemoryRegion());
     region->engine_ = shared_from_this();
     region->id_ = reg.id;
@@ -322,6 +326,32 @@ Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, siz
     region->local_descs_ = std::move(reg.local_descs);
     region->access_ = access;
     return region;
+}
+
+Result<std::unique_ptr<MemoryRegion>> EngineImpl::register_memory(void* ptr, size_t len,
+                                                                  MemoryKind kind, int device,
+                                                                  RemoteAccess access) {
+    if (stopped_) return cancelled("the transfer engine was shut down");
+    FERRY_RETURN_IF_ERROR(check_range(ptr, len));
+    FERRY_ASSIGN_OR_RETURN(MemoryRegistry::Registration reg,
+                           memory_.add(ptr, len, kind, device, access));
+    return region_of(std::move(reg), ptr, len, access);
+}
+
+Result<std::vector<std::unique_ptr<MemoryRegion>>> EngineImpl::register_memory(
+    std::span<const std::span<uint8_t>> ranges, MemoryKind kind, int device, RemoteAccess access) {
+    if (stopped_) return cancelled("the transfer engine was shut down");
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        Status s = check_range(ranges[i].data(), ranges[i].size());
+        if (!s.ok()) return s.with_context(fmt::format("range {} of {}", i, ranges.size()));
+    }
+    FERRY_ASSIGN_OR_RETURN(std::vector<MemoryRegistry::Registration> regs,
+                           memory_.add(ranges, kind, device, access));
+    std::vector<std::unique_ptr<MemoryRegion>> out;
+    out.reserve(regs.size());
+    for (size_t i = 0; i < regs.size(); ++i)
+        out.push_back(region_of(std::move(regs[i]), ranges[i].data(), ranges[i].size(), access));
+    return out;
 }
 
 void EngineImpl::deregister(uint32_t id) { memory_.remove(id); }

@@ -54,6 +54,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Result<std::unique_ptr<MemoryRegion>> register_memory(
         void* ptr, size_t len, MemoryKind kind, int device,
         RemoteAccess access = RemoteAccess::kReadWrite);
+    Result<std::vector<std::unique_ptr<MemoryRegion>>> register_memory(
+        std::span<const std::span<uint8_t>> ranges, MemoryKind kind, int device,
+        RemoteAccess access);
     void deregister(uint32_t id);
     void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                        std::function<void(size_t)> then);
@@ -91,6 +94,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     ImmTable imm;
 
   private:
+    // The MemoryRegion of a registration made by memory_.
+    std::unique_ptr<MemoryRegion> region_of(MemoryRegistry::Registration reg, void* ptr, size_t len,
+                                            RemoteAccess access);
     const Peer* peer(PeerId id) const { return peers_.peer(id); }
     FabricOp* make_rma(FabricOp::Type type, const Peer& p, int rail, int peer_rail,
                        const MemoryRegion& local, uint64_t local_off,

@@ -8,6 +8,23 @@
 #include "ferry/common/log.h"
 
 namespace ferry::detail {
+namespace {
+
+// The libfabric access of a registration peers may use as `remote` says. Messages never come
+// from or land in registered regions (the engine sends its own buffers), so FI_SEND / FI_RECV
+// only matter to rxm, which adds FI_REMOTE_READ to a region registered for FI_SEND (its
+// rendezvous reads large sends from the sender's memory): a region peers may not read is
+// registered without them.
+uint64_t fabric_access(RemoteAccess remote) {
+    const auto bits = static_cast<uint8_t>(remote);
+    uint64_t access = FI_READ | FI_WRITE;
+    if (bits & static_cast<uint8_t>(RemoteAccess::kRead))
+        access |= FI_REMOTE_READ | FI_SEND | FI_RECV;
+    if (bits & static_cast<uint8_t>(RemoteAccess::kWrite)) access |= FI_REMOTE_WRITE;
+    return access;
+}
+
+}  // namespace
 
 Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, MemoryKind kind,
                                                          int device, RemoteAccess access) {
@@ -63,20 +80,117 @@ Result<MemoryRegistry::Registration> MemoryRegistry::add(void* ptr, size_t len, 
     return reg;
 }
 
+Result<std::vector<MemoryRegistry::Registration>> MemoryRegistry::add(
+    std::span<const std::span<uint8_t>> ranges, MemoryKind kind, int device, RemoteAccess access) {
+    std::vector<Registration> regs;
+    auto undo = [&] {
+        for (const Registration& r : regs) remove(r.id);
+    };
+    if (kind != MemoryKind::kHost) {
+        // GPU memory: an IPC export each, which the rails' batching would not spare.
+        for (std::span<uint8_t> r : ranges) {
+            Result<Registration> reg = add(r.data(), r.size(), kind, device, access);
+            if (!reg.ok()) {
+                undo();
+                return reg.status();
+            }
+            regs.push_back(std::move(*reg));
+        }
+        return regs;
+    }
+    std::vector<RailSet> on(ranges.size());
+    regs.resize(ranges.size());
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        const RailPlacement::Placed placed =
+            settings_.placement.place(ranges[i].data(), ranges[i].size(), kind, device);
+        Registration& reg = regs[i];
+        reg.desc.engine_id = settings_.engine_id;
+        reg.desc.base = reinterpret_cast<uint64_t>(ranges[i].data());
+        reg.desc.length = ranges[i].size();
+        reg.desc.kind = kind;
+        reg.desc.device = device;
+        reg.desc.virt_addr = rails_[0].virt_addr();
+        reg.desc.rail_keys.assign(rails_.size(), 0);
+        reg.desc.rail_mask = placed.registered;
+        reg.desc.near_mask = placed.send;
+        reg.local_descs.assign(rails_.size(), nullptr);
+        on[i] = placed.registered;
+    }
+    // mrs[i][rail]: what range i got on each rail; closed again if any registration fails.
+    std::vector<std::vector<fid_mr*>> mrs(ranges.size(), std::vector<fid_mr*>(rails_.size()));
+    auto close_made = [&] {
+        for (size_t r = 0; r < rails_.size(); ++r) {
+            std::vector<fid_mr*> made;
+            for (auto& m : mrs)
+                if (m[r]) made.push_back(m[r]);
+            if (made.empty()) continue;
+            (void)rails_[r].run_on_worker(
+                [made] {
+                    for (fid_mr* m : made) fi_close(&m->fid);
+                    return ok_status();
+                },
+                kRailTaskTimeout);
+        }
+    };
+    const uint64_t fi_access = fabric_access(access);
+    for (auto& rail : rails_) {
+        Rail* rp = rail.get();
+        std::vector<std::span<uint8_t>> mine;
+        std::vector<size_t> which;
+        for (size_t i = 0; i < ranges.size(); ++i) {
+            if (on[i] >> rp->index() & 1) {
+                mine.push_back(ranges[i]);
+                which.push_back(i);
+            }
+        }
+        if (mine.empty()) continue;
+        // Registrations that finish after this gave up on them are closed by the worker.
+        Result<std::vector<fid_mr*>> made = rp->run_on_worker<std::vector<fid_mr*>>(
+            [rp, mine, fi_access]() -> Result<std::vector<fid_mr*>> {
+                std::vector<fid_mr*> out;
+                for (std::span<uint8_t> r : mine) {
+                    Result<fid_mr*> mr = rp->register_mr(r.data(), r.size(), fi_access);
+                    if (!mr.ok()) {
+                        for (fid_mr* m : out) fi_close(&m->fid);
+                        return mr.status().with_context(
+                            fmt::format("registering {} bytes", r.size()));
+                    }
+                    out.push_back(*mr);
+                }
+                return out;
+            },
+            kRailTaskTimeout,
+            [](std::vector<fid_mr*>& late) {
+                for (fid_mr* m : late) fi_close(&m->fid);
+            });
+        if (!made.ok()) {
+            close_made();
+            return made.status().with_context(
+                fmt::format("rail {}, registering {} regions at once", rp->index(), mine.size()));
+        }
+        for (size_t j = 0; j < which.size(); ++j) {
+            Registration& reg = regs[which[j]];
+            reg.desc.rail_keys[rp->index()] = fi_mr_key((*made)[j]);
+            reg.local_descs[rp->index()] = fi_mr_desc((*made)[j]);
+            mrs[which[j]][rp->index()] = (*made)[j];
+        }
+    }
+    std::lock_guard lk(mu_);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        regs[i].id = next_id_++;
+        mrs_[regs[i].id] = {ranges[i].data(), ranges[i].size(), std::move(mrs[i])};
+    }
+    log(LogLevel::kDebug, "fabric", "engine {:x}: {} regions registered at once",
+        settings_.engine_id, ranges.size());
+    return regs;
+}
+
 Status MemoryRegistry::register_on_rails(void* ptr, size_t len, int cuda_device, RailSet on,
                                          RemoteAccess remote, Registration& reg) {
     std::vector<fid_mr*> mrs(rails_.size(), nullptr);
     reg.desc.rail_keys.assign(rails_.size(), 0);
     reg.desc.rail_mask = on;
-    // Messages never come from or land in registered regions (the engine sends its own
-    // buffers), so FI_SEND / FI_RECV only matter to rxm, which adds FI_REMOTE_READ to a region
-    // registered for FI_SEND (its rendezvous reads large sends from the sender's memory): a
-    // region peers may not read is registered without them.
-    const auto bits = static_cast<uint8_t>(remote);
-    uint64_t access = FI_READ | FI_WRITE;
-    if (bits & static_cast<uint8_t>(RemoteAccess::kRead))
-        access |= FI_REMOTE_READ | FI_SEND | FI_RECV;
-    if (bits & static_cast<uint8_t>(RemoteAccess::kWrite)) access |= FI_REMOTE_WRITE;
+    const uint64_t access = fabric_access(remote);
     for (auto& rail : rails_) {
         Rail* rp = rail.get();
         if (!(on >> rp->index() & 1)) continue;

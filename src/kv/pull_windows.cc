@@ -66,19 +66,35 @@ Result<OfferWindows> register_offer_windows(TransferEngine& engine, const KvPool
             "PullKeys::kPool)",
             blocks.size(), extents.size(), kMaxPullWindows, layout.num_layers));
     }
-    for (const PoolExtent& e : extents) {
-        const MemoryRegion& region = *pool.regions[e.region];
-        auto* base = static_cast<uint8_t*>(region.data());
-        auto mr = engine.register_memory(base + e.offset, e.length, region.descriptor().kind,
-                                         region.descriptor().device);
-        if (!mr.ok()) {
-            return mr.status().with_context(
-                fmt::format("registering a pull offer's {} bytes at offset {} of pool region {} "
-                            "(its own key, PullKeys::kPerOffer)",
-                            e.length, e.offset, e.region));
+    // One registration call per memory kind and device (one round trip to each rail's worker
+    // for the whole offer; a pool's regions are usually of one kind).
+    std::map<std::pair<MemoryKind, int>, std::vector<size_t>> by_kind;
+    for (size_t i = 0; i < extents.size(); ++i) {
+        const MemoryDescriptor& d = pool.regions[extents[i].region]->descriptor();
+        by_kind[{d.kind, d.device}].push_back(i);
+    }
+    out.windows.resize(extents.size());
+    out.regions.resize(extents.size());
+    for (const auto& [kind, which] : by_kind) {
+        std::vector<std::span<uint8_t>> ranges;
+        ranges.reserve(which.size());
+        for (size_t i : which) {
+            auto* base = static_cast<uint8_t*>(pool.regions[extents[i].region]->data());
+            ranges.emplace_back(base + extents[i].offset, extents[i].length);
         }
-        out.windows.push_back({e.region, e.offset, (*mr)->descriptor()});
-        out.regions.push_back(std::move(*mr));
+        auto mrs = engine.register_memory(ranges, kind.first, kind.second);
+        if (!mrs.ok()) {
+            const PoolExtent& e = extents[which[0]];
+            return mrs.status().with_context(fmt::format(
+                "registering a pull offer's {} runs ({} bytes at offset {} of pool region {} "
+                "first) under keys of their own (PullKeys::kPerOffer)",
+                which.size(), e.length, e.offset, e.region));
+        }
+        for (size_t j = 0; j < which.size(); ++j) {
+            const PoolExtent& e = extents[which[j]];
+            out.windows[which[j]] = {e.region, e.offset, (*mrs)[j]->descriptor()};
+            out.regions[which[j]] = std::move((*mrs)[j]);
+        }
     }
     return out;
 }

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -870,6 +871,49 @@ TEST(EngineConfigTest, ShutdownEndsWaitsAndRegistrationsAreCounted) {
             CHILD_CHECK(e->register_memory(b.data(), 64).status().code() == StatusCode::kCancelled);
             r1.reset();  // after shutdown: nothing to deregister, no crash
             e.reset();
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// Several ranges registered in one call: a region each, in order, with keys of their own (a
+// KV pull offer's windows); a bad range anywhere registers none of them.
+TEST(EngineConfigTest, RangesRegisteredAtOnceAreRegionsOfTheirOwnAllOrNothing) {
+    auto results = run_processes(
+        1,
+        [](Exchange&) -> std::string {
+            for (const char* provider : {"tcp", "shm"}) {
+                CHILD_ASSIGN_OK(auto e,
+                                TransferEngine::create(testing::test_engine_config(provider)));
+                std::vector<uint8_t> b(1 << 20);
+                std::vector<std::span<uint8_t>> ranges;
+                for (size_t i = 0; i < 128; ++i) ranges.emplace_back(b.data() + i * 8192, 4096);
+                CHILD_ASSIGN_OK(auto regions, e->register_memory(ranges, MemoryKind::kHost, -1,
+                                                                 RemoteAccess::kRead));
+                CHILD_CHECK(regions.size() == ranges.size());
+                CHILD_CHECK(e->stats().regions_registered == ranges.size());
+                std::set<uint32_t> ids;
+                for (size_t i = 0; i < regions.size(); ++i) {
+                    CHILD_CHECK(regions[i]->data() == ranges[i].data());
+                    CHILD_CHECK(regions[i]->size() == 4096);
+                    CHILD_CHECK(regions[i]->descriptor().base ==
+                                reinterpret_cast<uint64_t>(ranges[i].data()));
+                    CHILD_CHECK(regions[i]->remote_access() == RemoteAccess::kRead);
+                    ids.insert(regions[i]->id());
+                }
+                CHILD_CHECK(ids.size() == regions.size());
+                regions.clear();
+                CHILD_CHECK(e->stats().regions_registered == 0);
+                ranges[77] = {b.data(), size_t{0}};
+                auto bad = e->register_memory(ranges);
+                CHILD_CHECK(bad.status().code() == StatusCode::kInvalidArgument);
+                CHILD_CHECK_MSG(bad.status().message().find("range 77 of 128") != std::string::npos,
+                                "{}", bad.status().to_string());
+                CHILD_CHECK(e->stats().regions_registered == 0);
+                CHILD_ASSIGN_OK(auto none, e->register_memory(std::span<std::span<uint8_t>>()));
+                CHILD_CHECK(none.empty());
+            }
             return "";
         },
         kRunTimeout);

@@ -389,6 +389,13 @@ class TransferEngine {
     Result<std::unique_ptr<MemoryRegion>> register_memory(
         void* ptr, size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1,
         RemoteAccess access = RemoteAccess::kReadWrite);
+    // Several ranges of one kind at once, each its own region as above (in the order given),
+    // with one round trip to each rail's worker for all of them where they are host memory: a
+    // KV pull offer registers one region per run of its blocks, and 128 one by one took 2.2 ms
+    // of its caller's time. All or nothing: on failure none stays registered.
+    Result<std::vector<std::unique_ptr<MemoryRegion>>> register_memory(
+        std::span<const std::span<uint8_t>> ranges, MemoryKind kind = MemoryKind::kHost,
+        int device = -1, RemoteAccess access = RemoteAccess::kReadWrite);
     // True when the provider registers CUDA memory (FI_HMEM with CUDA), so GPU regions reach
     // peers on other hosts; false when GPU memory only goes to same-host GPU peers.
     bool supports_gpu_memory() const;
