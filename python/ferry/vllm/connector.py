@@ -315,16 +315,13 @@ def mismatch(peer, peer_rank: int, peer_tp: int, own, own_tp: int, want_rank: in
              want_tp: int) -> str:
     """Why a prefill rank's KV layout (its handshake: `peer`, its TP position) cannot move into
     this engine's (`own`, TP `own_tp`), naming both sides' values; "" when ferry maps it.
-    (head_dim, layer count and element size are checked by fetch_handshake already.) ferry maps
+    (head_dim, layer count and element size are checked by fetch_handshake already, the KV
+    heads in all by register_push and pull, each naming both sides' values.) ferry maps
     block sizes, TP degrees and the placements it knows; it cannot map opaque CPU pages
     ("head-joint": vLLM's CPU kernels other than "vec") into another block size or layout."""
     if (peer_rank, peer_tp) != (want_rank, want_tp):
         return (f"its side channel serves TP rank {peer_rank} of {peer_tp}, the request's "
                 f"remote_tp_size names rank {want_rank} of {want_tp}")
-    if peer.num_kv_heads * peer_tp != own.num_kv_heads * own_tp:
-        return (f"prefill holds {peer.num_kv_heads * peer_tp} KV heads ({peer.num_kv_heads} x TP "
-                f"{peer_tp}), this engine {own.num_kv_heads * own_tp} ({own.num_kv_heads} x TP "
-                f"{own_tp}): another model")
     opaque = "head-joint" in (peer.placement, own.placement)
     if opaque and (peer.placement, peer.block_size) != (own.placement, own.block_size):
         return (f"prefill's pages are {peer.placement} of block size {peer.block_size}, this "

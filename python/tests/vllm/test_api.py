@@ -193,7 +193,6 @@ def test_layouts_ferry_cannot_map_are_named_with_both_sides():
     assert mismatch(lay(placement="head-joint"), 0, 1, lay(placement="head-joint"), 1, 0,
                     1) == ""
     for peer, rank, tp, what in (
-            (lay(num_kv_heads=4), 0, 1, "prefill holds 4 KV heads (4 x TP 1), this engine 2"),
             (lay(num_kv_heads=1), 0, 2, "serves TP rank 0 of 2, the request's remote_tp_size "
                                         "names rank 0 of 1"),
             (lay(placement="head-joint", block_size=64), 0, 1,

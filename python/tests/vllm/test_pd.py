@@ -641,8 +641,8 @@ def test_layouts_ferry_cannot_map_are_refused_at_once(engines):
     # into another block size) is refused when decode first asks its side channel, with an
     # error naming both sides' values, and vLLM's kv_load_failure_policy applies: decode's
     # "fail" answers no tokens, prefill's "recompute" (serving as a decode here) the baseline's.
-    # Before, the KV heads and packed-pages cases waited out decode's lease (20 s) for KV that
-    # never came, or would have moved it scrambled.
+    # Before (2026-12-07), the packed-pages case registered, and waited out decode's lease
+    # (20 s) for KV that would have come scrambled; the other two were refused as now.
     base, prefill, decode, _ = engines
     rng = random.Random(3232)
     cases = (
@@ -650,7 +650,7 @@ def test_layouts_ferry_cannot_map_are_refused_at_once(engines):
          ("num_layers differs (3 at the peer, 2 here)",
           "head_dim differs (128 at the peer, 64 here)")),
         ("other KV heads", dict(num_kv_heads=4),
-         ("prefill holds 4 KV heads (4 x TP 1), this engine 2 (2 x TP 1)",)),
+         ("producer holds 4 KV heads in total (4 per rank x TP 1), consumer 2 (2 x TP 1)",)),
         ("packed pages of another block size", dict(placement="head-joint", block_size=64),
          (f"prefill's pages are head-joint of block size 64, this engine's head-joint-kt of "
           f"block size {BLOCK}",)),
