@@ -127,7 +127,7 @@ def _check_shape(name: str, obj: Any, layout: KvLayout) -> None:
     if len(shape) < 3:
         return
     h, bs, d = layout.num_kv_heads, layout.block_size, layout.head_dim
-    if layout.placement == "head-joint":
+    if layout.placement in ("head-joint", "head-joint-kt"):
         _check_head_joint_shape(name, shape, h, bs, d)
         return
     nhd = layout.order == "NHD"

@@ -69,10 +69,12 @@ KvPlacement parse_placement(const std::string& s) {
     if (s == "joint") return KvPlacement::kJoint;
     if (s == "block-major") return KvPlacement::kBlockMajor;
     if (s == "head-joint") return KvPlacement::kHeadJoint;
+    if (s == "head-joint-kt") return KvPlacement::kHeadJointKt;
     throw StatusError(invalid_argument(
         "unknown KV placement '" + s +
         "': separate (vLLM's [2, blocks, ...] per layer), joint ([blocks, 2, ...]), block-major "
-        "or head-joint ([blocks, heads, 2, block_size, head_dim], vLLM's CPU backend)"));
+        "head-joint ([blocks, heads, 2, block_size, head_dim]) or head-joint-kt (the same with "
+        "each head's K page [head_dim, block_size]: vLLM's CPU attention)"));
 }
 
 BlockOrder parse_order(const std::string& s) {
@@ -583,8 +585,9 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         "placement: \"separate\" (per layer, K of all blocks then V: vLLM's [2, blocks, ...]\n"
         "    per layer), \"joint\" ([blocks, 2, ...] per layer), \"block-major\" (each block\n"
         "    holds every layer) or \"head-joint\" ([blocks, heads, 2, block_size, head_dim] per\n"
-        "    layer: each head's K rows then its V rows, vLLM 0.32's CPU backend; order \"HND\"\n"
-        "    only).\n"
+        "    layer: each head's K rows then its V rows; order \"HND\" only) or \"head-joint-kt\"\n"
+        "    (head-joint with each head's K page transposed, [head_dim, block_size]: what vLLM\n"
+        "    0.32's CPU attention writes with its vector kernels; order \"HND\" only).\n"
         "order: \"NHD\" ([block_size, heads, head_dim] per block slab) or \"HND\".\n"
         "regions: \"one\", \"per-layer\" or \"per-layer-kv\": how the pool is split into tensors.\n"
         "Sizes are this rank's: num_kv_heads is the heads this TP rank holds. Raises\n"
@@ -612,7 +615,9 @@ void register_kv(py::module_& m, EngineShare engine_share) {
         .def_readonly("num_blocks", &KvLayout::num_blocks, "Blocks in the pool.")
         .def_property_readonly(
             "placement", [](const KvLayout& l) { return placement_name(l.placement); },
-            "\"separate\", \"joint\", \"block-major\" or \"head-joint\" (see the class).")
+            "\"separate\", \"joint\", \"block-major\", \"head-joint\" or \"head-joint-kt\" (see "
+            "the "
+            "class).")
         .def_property_readonly(
             "order", [](const KvLayout& l) { return l.order == BlockOrder::kNHD ? "NHD" : "HND"; },
             "\"NHD\" or \"HND\" (see the class).")

@@ -1,5 +1,7 @@
 // plan_block_copy: a KV transfer as both layouts' strides and the block lists, for copies whose
 // addresses the GPU computes (TransferEngine::copy_blocks).
+#include <fmt/format.h>
+
 #include "ferry/kv/block_mapping.h"
 
 namespace ferry::kv {
@@ -38,6 +40,13 @@ Result<BlockCopyPlan> plan_block_copy(const TransferSpec& spec) {
     FERRY_ASSIGN_OR_RETURN(const SharedHeads shared, check_transfer(spec));
     const KvLayout& sl = spec.src.layout;
     const KvLayout& dl = spec.dst.layout;
+    if (sl.k_transposed() || dl.k_transposed()) {
+        // The GPU copy moves (token, head) rows by strides; a transposed K has no such rows.
+        return invalid_argument(fmt::format(
+            "a block copy moves (token, head) rows, which a head-joint-kt pool's K does not "
+            "have (vLLM's CPU pages): producer {}, consumer {}",
+            sl.to_string(), dl.to_string()));
+    }
     const uint32_t end_layer = spec.end_layer == 0 ? sl.num_layers : spec.end_layer;
     BlockCopyPlan plan;
     if (spec.first_token == spec.end_token || shared.count == 0) return plan;

@@ -228,6 +228,33 @@ Result<TransferPlan> plan_pool_offsets(const TransferSpec& spec) {
         auto dof = [&](uint32_t slot, uint32_t h) {
             return dl.offset(layer, part, s.dst_block, slot, h);
         };
+        if (part == KvPart::kK && (sl.k_transposed() || dl.k_transposed())) {
+            // A transposed K (head-joint-kt) keeps a head's tokens of one dim together: runs of
+            // the span's tokens per (head, dim) when both sides are transposed (one run per
+            // head when whole blocks of one size move), else one element at a time.
+            const uint32_t es = sl.elem_size;
+            auto se = [&](uint32_t slot, uint32_t h, uint32_t d) {
+                return sl.elem_offset(layer, part, s.src_block, slot, h, d);
+            };
+            auto de = [&](uint32_t slot, uint32_t h, uint32_t d) {
+                return dl.elem_offset(layer, part, s.dst_block, slot, h, d);
+            };
+            const bool both = sl.k_transposed() && dl.k_transposed();
+            for (uint32_t h = 0; h < heads; ++h) {
+                for (uint32_t d = 0; d < sl.head_dim; ++d) {
+                    if (both) {
+                        out.add(se(s.src_slot, src_h0 + h, d), de(s.dst_slot, dst_h0 + h, d),
+                                uint64_t{s.tokens} * es);
+                        continue;
+                    }
+                    for (uint32_t i = 0; i < s.tokens; ++i) {
+                        out.add(se(s.src_slot + i, src_h0 + h, d),
+                                de(s.dst_slot + i, dst_h0 + h, d), es);
+                    }
+                }
+            }
+            return;
+        }
         if (sl.order == BlockOrder::kNHD && dl.order == BlockOrder::kNHD) {
             if (all_heads) {
                 out.add(so(s.src_slot, 0), dof(s.dst_slot, 0), s.tokens * sl.token_bytes());

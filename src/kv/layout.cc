@@ -27,10 +27,9 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 namespace {
 
 constexpr EnumName<KvPlacement> kPlacementNames[] = {
-    {KvPlacement::kSeparate, "separate"},
-    {KvPlacement::kJoint, "joint"},
-    {KvPlacement::kBlockMajor, "block-major"},
-    {KvPlacement::kHeadJoint, "head-joint"},
+    {KvPlacement::kSeparate, "separate"},         {KvPlacement::kJoint, "joint"},
+    {KvPlacement::kBlockMajor, "block-major"},    {KvPlacement::kHeadJoint, "head-joint"},
+    {KvPlacement::kHeadJointKt, "head-joint-kt"},
 };
 constexpr EnumName<RegionSplit> kSplitNames[] = {
     {RegionSplit::kOne, "one"},
@@ -58,7 +57,7 @@ uint64_t KvLayout::slab_offset(uint32_t layer, KvPart part, uint32_t block) cons
     if (placement == KvPlacement::kBlockMajor) {
         return ((uint64_t{block} * num_layers + layer) * 2 + p) * slab_bytes();
     }
-    if (placement == KvPlacement::kHeadJoint) {
+    if (head_joint()) {
         return (uint64_t{layer} * num_blocks + block) * 2 * slab_bytes() +
                p * uint64_t{block_size} * head_bytes();
     }
@@ -69,12 +68,24 @@ uint64_t KvLayout::offset(uint32_t layer, KvPart part, uint32_t block, uint32_t 
                           uint32_t head) const {
     // Head-joint: a head's K and V rows are adjacent, so heads are 2 * block_size rows apart
     // and V's slab (slab_offset) starts block_size rows after K's, inside head 0.
-    uint64_t head_rows =
-        placement == KvPlacement::kHeadJoint ? 2 * uint64_t{block_size} : uint64_t{block_size};
+    uint64_t head_rows = head_joint() ? 2 * uint64_t{block_size} : uint64_t{block_size};
+    if (k_transposed() && part == KvPart::kK) {
+        // Head-joint-kt K: [head_dim][block_size] per head, so token `slot`'s dim 0 is the
+        // page's element `slot`.
+        return slab_offset(layer, part, block) + uint64_t{head} * head_rows * head_bytes() +
+               uint64_t{slot} * elem_size;
+    }
     uint64_t inner = order == BlockOrder::kNHD
                          ? (uint64_t{slot} * num_kv_heads + head) * head_bytes()
                          : (uint64_t{head} * head_rows + slot) * head_bytes();
     return slab_offset(layer, part, block) + inner;
+}
+
+uint64_t KvLayout::elem_offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot,
+                               uint32_t head, uint32_t dim) const {
+    const uint64_t dim_stride =
+        k_transposed() && part == KvPart::kK ? uint64_t{block_size} * elem_size : elem_size;
+    return offset(layer, part, block, slot, head) + dim * dim_stride;
 }
 
 Status KvLayout::validate() const {
@@ -90,11 +101,11 @@ Status KvLayout::validate() const {
             "4 or 8 bytes",
             elem_size));
     }
-    if (static_cast<uint8_t>(placement) > 3 || static_cast<uint8_t>(order) > 1 ||
+    if (static_cast<uint8_t>(placement) > 4 || static_cast<uint8_t>(order) > 1 ||
         static_cast<uint8_t>(regions) > 2) {
         return invalid_argument("KV layout has an unknown placement, block order or region split");
     }
-    if (placement == KvPlacement::kHeadJoint && order != BlockOrder::kHND) {
+    if (head_joint() && order != BlockOrder::kHND) {
         return invalid_argument(fmt::format(
             "a head-joint pool keeps each head's K and V rows together, so its blocks are "
             "head-major (order HND): {}",
@@ -195,7 +206,7 @@ Result<KvLayout> KvLayout::decode(ByteReader& r) {
     FERRY_RETURN_IF_ERROR(r.get(&placement, "layout.placement"));
     FERRY_RETURN_IF_ERROR(r.get(&order, "layout.order"));
     FERRY_RETURN_IF_ERROR(r.get(&regions, "layout.regions"));
-    if (placement > 3) {
+    if (placement > 4) {
         return protocol_error(
             fmt::format("field 'layout.placement' has unknown value {}", placement));
     }

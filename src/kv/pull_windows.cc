@@ -21,7 +21,7 @@ std::vector<PoolExtent> block_extents(const KvLayout& layout, std::span<const ui
             continue;
         }
         for (uint32_t l = 0; l < layout.num_layers; ++l) {
-            if (layout.placement == KvPlacement::kHeadJoint) {
+            if (layout.head_joint()) {
                 // Each head's K rows then its V rows: the block's K and V of a layer are one
                 // piece starting at K's slab.
                 add(layout.slab_offset(l, KvPart::kK, b), 2 * slab);

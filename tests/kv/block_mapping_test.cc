@@ -40,10 +40,10 @@ void for_each_token_byte(const Side& s, uint32_t tokens, F&& f) {
             for (uint32_t t = 0; t < tokens; ++t) {
                 uint32_t block = s.blocks[t / l.block_size];
                 for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
-                    uint64_t off = l.offset(layer, part, block, t % l.block_size, h);
                     for (uint32_t d = 0; d < l.head_dim; ++d) {
+                        uint64_t off = l.elem_offset(layer, part, block, t % l.block_size, h, d);
                         for (uint32_t b = 0; b < l.elem_size; ++b) {
-                            f(off + d * l.elem_size + b,
+                            f(off + b,
                               expected_byte(layer, part, t, s.rank.first_head() + h, d, b));
                         }
                     }
@@ -70,10 +70,11 @@ struct Combo {
 std::string combo_name(const Combo& c) {
     auto o = [](BlockOrder x) { return x == BlockOrder::kNHD ? "NHD" : "HND"; };
     auto p = [](KvPlacement x) {
-        return x == KvPlacement::kSeparate    ? "sep"
-               : x == KvPlacement::kJoint     ? "joint"
-               : x == KvPlacement::kHeadJoint ? "hjoint"
-                                              : "bmaj";
+        return x == KvPlacement::kSeparate      ? "sep"
+               : x == KvPlacement::kJoint       ? "joint"
+               : x == KvPlacement::kHeadJoint   ? "hjoint"
+               : x == KvPlacement::kHeadJointKt ? "hjoint-kt"
+                                                : "bmaj";
     };
     return fmt::format("block {}->{} tp {}->{} {}/{}->{}/{}", c.src_block, c.dst_block, c.src_tp,
                        c.dst_tp, o(c.src_order), p(c.src_place), o(c.dst_order), p(c.dst_place));
@@ -248,28 +249,64 @@ TEST(BlockMapping, HeadJointOffsetsAreVllmCpuPages) {
     EXPECT_NE(s.message().find("order HND"), std::string::npos) << s.message();
 }
 
-// Head-joint pools to and from every other placement and order, across block sizes and TP.
-TEST(BlockMapping, HeadJointMapsToAndFromEveryPlacement) {
-    std::mt19937_64 rng(testing::test_seed("BlockMapping.HeadJoint"));
+// vLLM's CPU attention with its vector kernels (ISA "vec", vLLM 0.32) writes a head's K page
+// dimension-major: element (token t, dim d) at d * block_size + t, then the V rows
+// [block_size][head_dim] (read off vLLM's cpu_attn_reshape_and_cache, 2026-12-07): the
+// head-joint-kt placement. Its offsets, written out here from that page, not from KvLayout.
+TEST(BlockMapping, HeadJointKtOffsetsAreVllmCpuVecPages) {
+    KvLayout l = simple_layout(5, KvPlacement::kHeadJointKt, BlockOrder::kHND);
+    ASSERT_TRUE(l.validate().ok()) << l.validate().to_string();
+    const uint64_t e = l.elem_size, row = l.head_dim * e;
+    const uint64_t page = 2 * l.block_size * row;  // one head's K and V
+    const uint64_t layer_bytes = l.num_blocks * l.num_kv_heads * page;
+    for (uint32_t layer = 0; layer < l.num_layers; ++layer) {
+        for (uint32_t b = 0; b < l.num_blocks; ++b) {
+            for (uint32_t h = 0; h < l.num_kv_heads; ++h) {
+                const uint64_t at = layer * layer_bytes + (b * l.num_kv_heads + h) * page;
+                for (uint32_t t = 0; t < l.block_size; ++t) {
+                    for (uint32_t d = 0; d < l.head_dim; ++d) {
+                        ASSERT_EQ(l.elem_offset(layer, KvPart::kK, b, t, h, d),
+                                  at + (uint64_t{d} * l.block_size + t) * e)
+                            << "K layer " << layer << " block " << b << " head " << h << " token "
+                            << t << " dim " << d;
+                        ASSERT_EQ(l.elem_offset(layer, KvPart::kV, b, t, h, d),
+                                  at + l.block_size * row + t * row + d * e)
+                            << "V layer " << layer << " block " << b << " head " << h << " token "
+                            << t << " dim " << d;
+                    }
+                }
+            }
+        }
+    }
+    KvLayout nhd = l;
+    nhd.order = BlockOrder::kNHD;
+    EXPECT_FALSE(nhd.validate().ok());
+    // The GPU block copy moves (token, head) rows, which a transposed K lacks: refused.
+    std::vector<uint32_t> ids = {0, 1};
+    auto copy = plan_block_copy({{l, 0, 1}, ids, {l, 0, 1}, ids, 0, 8});
+    ASSERT_FALSE(copy.ok());
+    EXPECT_NE(copy.status().message().find("head-joint-kt"), std::string::npos)
+        << copy.status().message();
+}
+
+// Head-joint (and head-joint-kt) pools to and from every other placement and order, across
+// block sizes and TP.
+void check_head_joint_both_ways(KvPlacement hj, const char* seed) {
+    std::mt19937_64 rng(testing::test_seed(seed));
     const std::pair<uint32_t, uint32_t> block_sizes[] = {{32, 16}, {16, 32}, {32, 32}, {8, 24}};
     const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}};
     const KvPlacement others[] = {KvPlacement::kSeparate, KvPlacement::kJoint,
-                                  KvPlacement::kBlockMajor, KvPlacement::kHeadJoint};
+                                  KvPlacement::kBlockMajor, hj};
     int cases = 0;
     for (auto [sb, db] : block_sizes) {
         for (auto [stp, dtp] : tps) {
             for (KvPlacement other : others) {
                 for (int o = 0; o < 2; ++o) {
-                    BlockOrder oo = other == KvPlacement::kHeadJoint ? BlockOrder::kHND
-                                                                     : static_cast<BlockOrder>(o);
+                    BlockOrder oo = other == hj ? BlockOrder::kHND : static_cast<BlockOrder>(o);
                     for (bool from_head_joint : {true, false}) {
-                        Combo c{sb,   db, stp, dtp, BlockOrder::kHND, oo, KvPlacement::kHeadJoint,
-                                other};
+                        Combo c{sb, db, stp, dtp, BlockOrder::kHND, oo, hj, other};
                         if (!from_head_joint) {
-                            c = Combo{sb,    db,
-                                      stp,   dtp,
-                                      oo,    BlockOrder::kHND,
-                                      other, KvPlacement::kHeadJoint};
+                            c = Combo{sb, db, stp, dtp, oo, BlockOrder::kHND, other, hj};
                         }
                         uint32_t tokens = 1 + static_cast<uint32_t>(rng() % 150);
                         check_combo(c, tokens, rng);
@@ -281,6 +318,16 @@ TEST(BlockMapping, HeadJointMapsToAndFromEveryPlacement) {
         }
     }
     EXPECT_EQ(cases, 4 * 3 * 4 * 2 * 2);
+}
+
+TEST(BlockMapping, HeadJointMapsToAndFromEveryPlacement) {
+    check_head_joint_both_ways(KvPlacement::kHeadJoint, "BlockMapping.HeadJoint");
+}
+
+// vLLM CPU pages of one block size into another (prefill 32, decode 64 and back), and into
+// every other placement: every byte checked.
+TEST(BlockMapping, HeadJointKtMapsToAndFromEveryPlacement) {
+    check_head_joint_both_ways(KvPlacement::kHeadJointKt, "BlockMapping.HeadJointKt");
 }
 
 TEST(BlockMapping, ContiguousBlocksCoalesceIntoOneRunPerSlabRegion) {

@@ -30,9 +30,14 @@ enum class KvPlacement : uint8_t {
     // head_dim] per layer: vLLM's CPU backend, which stores a head's page as its K rows then its
     // V rows). Head-major inside the block, so only with BlockOrder::kHND.
     kHeadJoint = 3,
+    // Head-joint with each head's K page transposed: [head_dim][block_size] (a token's K
+    // elements block_size elements apart), then its V rows [block_size][head_dim]. What vLLM's
+    // CPU attention writes with its vector kernels (ISA "vec", vLLM 0.32): K is stored
+    // dimension-major for them. Only with BlockOrder::kHND.
+    kHeadJointKt = 4,
 };
 
-// "separate", "joint", "block-major", "head-joint".
+// "separate", "joint", "block-major", "head-joint", "head-joint-kt".
 const char* placement_name(KvPlacement p);
 
 // Order of elements inside one block's K (or V) slab.
@@ -106,6 +111,16 @@ struct KvLayout {
     // Byte offset of element (token slot in block, local head, dim 0) of a slab.
     uint64_t offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot,
                     uint32_t head) const;
+    // Byte offset of element (slot, head, dim): offset() + dim elements, except in a
+    // head-joint-kt pool's K, where dims are block_size elements apart.
+    uint64_t elem_offset(uint32_t layer, KvPart part, uint32_t block, uint32_t slot, uint32_t head,
+                         uint32_t dim) const;
+    // K rows are not contiguous per (token, head): a head-joint-kt pool's K is transposed.
+    bool k_transposed() const { return placement == KvPlacement::kHeadJointKt; }
+    // Each head's K and V pages side by side in a block (head-joint and head-joint-kt).
+    bool head_joint() const {
+        return placement == KvPlacement::kHeadJoint || placement == KvPlacement::kHeadJointKt;
+    }
 
     // Rejects zero sizes, unknown enums, pools whose size overflows 64 bits and region splits
     // the placement does not keep contiguous.

@@ -286,19 +286,21 @@ class FerryPromMetrics(KVConnectorPromMetrics):
 # Layout: what vLLM's KV tensors look like, read from their shapes and strides.
 
 
-def _pull_fields(params: Dict[str, Any], need: int, num_tokens: int):
+def _pull_fields(params: Dict[str, Any], num_tokens: int):
     """(prefill's block ids, capability, expiry) of a pull request's kv_transfer_params, or
-    ValueError naming what is wrong. Whole blocks of one block size on both sides: prefill's
-    remote_num_tokens must be decode's need * block_size."""
+    ValueError naming what is wrong. Prefill's blocks are of its own block size, which may
+    differ from decode's: ferry checks their number against prefill's layout when it plans the
+    reads. prefill's remote_num_tokens must be this engine's token count for the prompt."""
     blocks = params[REMOTE_BLOCKS]
-    if not isinstance(blocks, list) or len(blocks) != need or not all(
+    if not isinstance(blocks, list) or not 0 < len(blocks) <= max(num_tokens, 1) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 32
             for b in blocks):
-        raise ValueError(f"{REMOTE_BLOCKS} must be {need} block ids for this prompt")
+        raise ValueError(f"{REMOTE_BLOCKS} must be 1 to {num_tokens} block ids for this prompt")
     tokens = params.get(REMOTE_TOKENS)
     if tokens != num_tokens:
-        raise ValueError(f"{REMOTE_TOKENS} {tokens!r} is not this engine's {num_tokens} (both "
-                         "engines need the same block size)")
+        raise ValueError(f"{REMOTE_TOKENS} {tokens!r} is not this engine's {num_tokens} for "
+                         "this prompt (an engine whose KV pages move whole, head-joint, needs "
+                         "the same block size on both sides)")
     try:
         cap = bytes.fromhex(str(params[CAPABILITY]))
     except ValueError:
@@ -309,20 +311,75 @@ def _pull_fields(params: Dict[str, Any], need: int, num_tokens: int):
     return list(blocks), cap, expires
 
 
+def mismatch(peer, peer_rank: int, peer_tp: int, own, own_tp: int, want_rank: int,
+             want_tp: int) -> str:
+    """Why a prefill rank's KV layout (its handshake: `peer`, its TP position) cannot move into
+    this engine's (`own`, TP `own_tp`), naming both sides' values; "" when ferry maps it.
+    (head_dim, layer count and element size are checked by fetch_handshake already, the KV
+    heads in all by register_push and pull, each naming both sides' values.) ferry maps
+    block sizes, TP degrees and the placements it knows; it cannot map opaque CPU pages
+    ("head-joint": vLLM's CPU kernels other than "vec") into another block size or layout."""
+    if (peer_rank, peer_tp) != (want_rank, want_tp):
+        return (f"its side channel serves TP rank {peer_rank} of {peer_tp}, the request's "
+                f"remote_tp_size names rank {want_rank} of {want_tp}")
+    opaque = "head-joint" in (peer.placement, own.placement)
+    if opaque and (peer.placement, peer.block_size) != (own.placement, own.block_size):
+        return (f"prefill's pages are {peer.placement} of block size {peer.block_size}, this "
+                f"engine's {own.placement} of block size {own.block_size}: vLLM's CPU pages "
+                "packed for kernels other than \"vec\" (head-joint) move only whole, into the "
+                "same layout and block size")
+    return ""
+
+
 def _layer_index(name: str) -> int:
     m = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
     return int(m.group(1)) if m else 0
 
 
+def cpu_page_placement(dtype: torch.dtype, block_size: int, head_dim: int,
+                       kv_cache_dtype: Optional[str] = None) -> str:
+    """The ferry placement of vLLM's CPU KV pages ([blocks, heads, block_size, 2 * head_dim]
+    per layer) for the attention kernel vLLM picks for them: "head-joint-kt" for its vector
+    kernel (ISA "vec": each head's K page stored dimension-major, [head_dim][block_size], then
+    its V rows), whose tokens ferry maps one by one (other block sizes, partial blocks);
+    "head-joint" for the others (AMX, NEON, vec16, ...: packed in ways ferry does not map),
+    whose pages move whole between engines of the same block size only."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype)
+    except Exception:  # noqa: BLE001 - no CPU backend here (or another vLLM): pages opaque
+        isa = None
+    return "head-joint-kt" if isa == "vec" else "head-joint"
+
+
+def moves_exact_tokens(vllm_config: "VllmConfig") -> bool:
+    """Whether this engine's KV pages map token by token (every layout but opaque CPU pages),
+    so a transfer moves exactly the prompt's tokens, whatever the peer's block size; else
+    whole blocks move, and both engines need the same block size. The scheduler's answer
+    must be the worker's (layout_of): both follow cpu_page_placement."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return True
+        mc = vllm_config.model_config
+        return cpu_page_placement(mc.dtype, vllm_config.cache_config.block_size,
+                                  mc.get_head_size(),
+                                  vllm_config.cache_config.cache_dtype) == "head-joint-kt"
+    except Exception:  # noqa: BLE001 - a config without a model (a unit test): whole blocks
+        return False
+
+
 def layout_of(tensors: List[torch.Tensor], *, num_blocks: int, block_size: int, num_kv_heads: int,
-              head_dim: int):
+              head_dim: int, page_placement: str = "head-joint"):
     """(ferry.kv.KvLayout, pool) for vLLM's per-layer KV tensors, or FerryConfigError naming
     the shape, strides and what was expected.
 
     Recognised, per layer (vLLM's logical shape; the tensor must be contiguous in it):
       [num_blocks, heads, block_size, 2 * head_dim]  vLLM 0.32's KV cache view ([B, H, N, C]
-          with C = K and V of one head); the CPU backend reads a (block, head) page as its
-          block_size K rows then its block_size V rows: placement "head-joint", order HND.
+          with C = K and V of one head); the CPU backend keeps a (block, head) page's K, then
+          its block_size V rows: placement `page_placement` (cpu_page_placement), order HND.
       [2, num_blocks, block_size, heads, head_dim]   separate, NHD (older flash-attention)
       [2, num_blocks, heads, block_size, head_dim]   separate, HND
       [num_blocks, 2, block_size, heads, head_dim]   joint, NHD (FlashInfer)
@@ -334,7 +391,7 @@ def layout_of(tensors: List[torch.Tensor], *, num_blocks: int, block_size: int, 
     shape, elem = tuple(t0.shape), t0.element_size()
     B, N, H, D = num_blocks, block_size, num_kv_heads, head_dim
     patterns = {
-        (B, H, N, 2 * D): ("head-joint", "HND"),
+        (B, H, N, 2 * D): (page_placement, "HND"),
         (2, B, N, H, D): ("separate", "NHD"),
         (2, B, H, N, D): ("separate", "HND"),
         (B, 2, N, H, D): ("joint", "NHD"),
@@ -379,7 +436,8 @@ class FerryConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _Scheduler(self._opts, self._block_size,
-                                     vllm_config.parallel_config.tensor_parallel_size)
+                                     vllm_config.parallel_config.tensor_parallel_size,
+                                     exact_tokens=moves_exact_tokens(vllm_config))
             self._worker = None
         else:
             self._sched = None
@@ -489,10 +547,14 @@ class FerryConnector(KVConnectorBase_V1):
 class _Scheduler:
     """The scheduler half: which requests send or receive, handed to the workers per step."""
 
-    def __init__(self, opts: FerryOptions, block_size: int, tp_size: int = 1):
+    def __init__(self, opts: FerryOptions, block_size: int, tp_size: int = 1,
+                 exact_tokens: bool = False):
         self._opts = opts
         self._block_size = block_size
         self._tp_size = tp_size
+        # True: transfers move exactly the prompt's tokens (both engines count them alike,
+        # whatever their block sizes); False: whole blocks (opaque CPU pages, moves_exact_tokens).
+        self._exact = exact_tokens
         self._meta = FerryConnectorMetadata()
         self._recv: Dict[str, int] = {}  # decode: req_id -> transfer id, until its KV is there
         self._sending: Set[str] = set()  # prefill: req_ids whose blocks ferry still reads
@@ -560,7 +622,7 @@ class _Scheduler:
         try:
             spec = RecvSpec(req_id=request.request_id, transfer_id=key,
                             attempt=int(params.get(ATTEMPT, 1)), block_ids=block_ids[hit:need],
-                            num_tokens=need * self._block_size,
+                            num_tokens=self._tokens(prompt),
                             remote_host=str(params["remote_host"]),
                             remote_port=int(params["remote_port"]),
                             remote_tp=int(params.get(REMOTE_TP, 1)),
@@ -570,16 +632,21 @@ class _Scheduler:
                                  f"{spec.remote_tp} out of range")
             if REMOTE_BLOCKS in params:  # prefill offered its blocks: decode reads them
                 spec.remote_blocks, spec.capability, spec.expires = _pull_fields(
-                    params, need, spec.num_tokens)
+                    params, spec.num_tokens)
         except (KeyError, TypeError, ValueError) as e:
             spec = RecvSpec(req_id=request.request_id, transfer_id=key, attempt=1,
-                            block_ids=block_ids[:need], num_tokens=need * self._block_size,
+                            block_ids=block_ids[:need], num_tokens=self._tokens(prompt),
                             remote_host="",
                             remote_port=0, remote_tp=0)
             logger.warning("FerryConnector: request %s: kv_transfer_params lack %s", request
                            .request_id, e)
         self._recv[request.request_id] = key
         self._meta.recv.append(spec)
+
+    def _tokens(self, prompt: int) -> int:
+        """Tokens a transfer of a `prompt`-token request moves: the prompt's, or its whole
+        blocks' where pages move whole."""
+        return prompt if self._exact else -(-prompt // self._block_size) * self._block_size
 
     def take_meta(self) -> FerryConnectorMetadata:
         meta, self._meta = self._meta, FerryConnectorMetadata()
@@ -623,12 +690,11 @@ class _Scheduler:
                 (req_id, transfer_key(tid, request.prompt_token_ids), f"prefill request ended as {request.status.name} before its KV "
                  f"was complete"))
             return False, None
-        # Whole blocks: vLLM's CPU attention packs a block's K (and V) rows for its vector
-        # kernels, so the bytes of the first n tokens are not the first n rows; a whole page is
-        # the unit both sides agree on (same block size on both sides; the slots past the prompt
-        # are masked by decode's sequence length until it writes them).
+        # The prompt's tokens, which decode counts alike whatever its block size; whole blocks
+        # where vLLM's CPU attention packs pages in a way ferry does not map (its kernels other
+        # than "vec": cpu_page_placement), which then needs one block size on both sides.
         key = transfer_key(tid, request.prompt_token_ids)
-        blocks, tokens = list(block_ids[:need]), need * self._block_size
+        blocks, tokens = list(block_ids[:need]), self._tokens(prompt)
         self._sending.add(req_id)
         if params.get(MODE, self._opts.mode) != "pull":
             self._meta.send.append(SendSpec(req_id, key, blocks, tokens))
@@ -693,8 +759,11 @@ class _Worker:
         tensors = [kv_caches[n] for n in names]
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         num_blocks = self._kv_cache_config.num_blocks
+        page = cpu_page_placement(tensors[0].dtype, spec.block_size, spec.head_size,
+                                  self._vllm_config.cache_config.cache_dtype)
         layout, pool = layout_of(tensors, num_blocks=num_blocks, block_size=spec.block_size,
-                                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size)
+                                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                                 page_placement=page)
         # Per-offer keys: each offer registers its blocks under keys of its own, closed when
         # it ends, and the host pool takes no peer reads. Decode, which builds its parameters
         # from the handshake (the scheduler answers before this worker offers), asks for the
@@ -730,7 +799,17 @@ class _Worker:
         return self._peers[key]
 
     def _ranks(self, spec: RecvSpec):
-        return [self._peer(spec.remote_host, spec.remote_port + r) for r in range(spec.remote_tp)]
+        ranks = [self._peer(spec.remote_host, spec.remote_port + r) for r in range(spec.remote_tp)]
+        for r, info in enumerate(ranks):
+            why = mismatch(info.layout, info.tp_rank, info.tp_size, self._conn.layout,
+                           self._tp_size, r, spec.remote_tp)
+            if why:
+                import ferry
+
+                raise ferry.InvalidArgument(
+                    f"prefill {spec.remote_host}:{spec.remote_port + r} cannot send its KV "
+                    f"here: {why}")
+        return ranks
 
     def _fail_recv(self, spec: RecvSpec, why: str):
         logger.warning("FerryConnector: request %s (transfer %d): KV load failed: %s",

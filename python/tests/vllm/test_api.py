@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
+import ferry.kv as fkv  # noqa: E402
 import ferry.vllm  # noqa: E402
 from ferry.vllm import FerryConnector  # noqa: E402
 from ferry.vllm.connector import FerryConfigError, FerryOptions, layout_of  # noqa: E402
@@ -102,16 +103,20 @@ def test_pull_params_a_decode_request_carries_are_checked():
 
     good = {"remote_block_ids": [3, 4], "remote_num_tokens": 64, "ferry_capability": "ab" * 16,
             "ferry_expires": 5.0}
-    blocks, cap, expires = _pull_fields(good, 2, 64)
+    blocks, cap, expires = _pull_fields(good, 64)
     assert (blocks, cap, expires) == ([3, 4], bytes([0xab]) * 16, 5.0)
-    for bad, what in (({"remote_block_ids": [3]}, "2 block ids"),
-                      ({"remote_block_ids": [3, -1]}, "2 block ids"),
-                      ({"remote_block_ids": "3,4"}, "2 block ids"),
-                      ({"remote_num_tokens": 48}, "same block size"),
+    # Prefill's block size may differ from decode's: any count of its blocks up to one a token
+    # (ferry checks the count against prefill's layout when it plans the reads).
+    assert _pull_fields(dict(good, remote_block_ids=[7]), 64)[0] == [7]
+    for bad, what in (({"remote_block_ids": []}, "1 to 64 block ids"),
+                      ({"remote_block_ids": list(range(65))}, "1 to 64 block ids"),
+                      ({"remote_block_ids": [3, -1]}, "1 to 64 block ids"),
+                      ({"remote_block_ids": "3,4"}, "1 to 64 block ids"),
+                      ({"remote_num_tokens": 48}, "not this engine's 64"),
                       ({"ferry_capability": "ab" * 15}, "32 hex digits"),
                       ({"ferry_capability": "zz" * 16}, "32 hex digits")):
         with pytest.raises(ValueError, match=what):
-            _pull_fields(dict(good, **bad), 2, 64)
+            _pull_fields(dict(good, **bad), 64)
 
 
 def test_transfer_ids_are_explicit_integers():
@@ -139,6 +144,62 @@ def test_layouts_read_off_vllm_tensors():
     strided = [torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3)]
     with pytest.raises(FerryConfigError, match="not contiguous"):
         layout_of(strided, num_blocks=B, block_size=N, num_kv_heads=H, head_dim=D)
+
+
+def test_cpu_pages_are_what_vllms_kernel_writes():
+    """The placement the connector gives vLLM's CPU pages is how vLLM's CPU attention writes
+    them (vLLM 0.32, float16 on an x86 machine without AMX-FP16: ISA "vec"): each head's K page
+    dimension-major, [head_dim][block_size], then its V rows [block_size][head_dim]. A vLLM that
+    packs the pages otherwise fails here, not with wrong tokens after a transfer."""
+    from ferry.vllm.connector import cpu_page_placement
+
+    ops = pytest.importorskip("vllm._custom_ops")
+    H, D = 2, 64
+    for bs in (32, 64):
+        placement = cpu_page_placement(torch.float16, bs, D)
+        if placement != "head-joint-kt":
+            pytest.skip(f"vLLM's CPU attention here is not its vec kernel ({placement})")
+        page = torch.zeros(3, H, bs, 2 * D, dtype=torch.float16)
+        k_cache, v_cache = page.view(3, H, 2 * bs, D).chunk(2, dim=2)
+        n = 2 * bs + 5
+        key = torch.randn(n, H, D).half()
+        value = torch.randn(n, H, D).half()
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache,
+                                       torch.arange(n, dtype=torch.int64), "vec")
+        flat = page.view(3, H, 2 * bs * D)
+        for t in (0, 1, bs - 1, bs, n - 1):
+            b, slot = divmod(t, bs)
+            for h in range(H):
+                k = flat[b, h, slot:bs * D:bs]  # dims block_size elements apart
+                v = flat[b, h, bs * D + slot * D:bs * D + (slot + 1) * D]
+                assert torch.equal(k, key[t, h]), f"block size {bs}: K of token {t}, head {h}"
+                assert torch.equal(v, value[t, h]), f"block size {bs}: V of token {t}, head {h}"
+
+
+def test_layouts_ferry_cannot_map_are_named_with_both_sides():
+    from ferry.vllm.connector import mismatch
+
+    def lay(**kw):
+        d = dict(num_layers=2, num_kv_heads=2, head_dim=64, elem_size=2, block_size=32,
+                 num_blocks=8, placement="head-joint-kt", order="HND", regions="per-layer")
+        d.update(kw)
+        return fkv.KvLayout(**d)
+
+    own = lay()
+    # Mapped: other block sizes, TP 2 into TP 1 (one head each), other placements.
+    assert mismatch(lay(block_size=64), 0, 1, own, 1, 0, 1) == ""
+    assert mismatch(lay(num_kv_heads=1), 1, 2, own, 1, 1, 2) == ""
+    assert mismatch(lay(placement="separate", order="NHD"), 0, 1, own, 1, 0, 1) == ""
+    assert mismatch(lay(placement="head-joint"), 0, 1, lay(placement="head-joint"), 1, 0,
+                    1) == ""
+    for peer, rank, tp, what in (
+            (lay(num_kv_heads=1), 0, 2, "serves TP rank 0 of 2, the request's remote_tp_size "
+                                        "names rank 0 of 1"),
+            (lay(placement="head-joint", block_size=64), 0, 1,
+             "head-joint of block size 64, this engine's head-joint-kt of block size 32")):
+        assert what in mismatch(peer, rank, tp, own, 1, 0, 1)
+    assert "head-joint-kt of block size 64, this engine's head-joint of block size 32" in \
+        mismatch(lay(block_size=64), 0, 1, lay(placement="head-joint"), 1, 0, 1)
 
 
 def test_transfer_keys_bind_the_prompt():

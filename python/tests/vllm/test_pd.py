@@ -33,6 +33,14 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/vllm_ven
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+# KV bytes of one token in the tiny model's cache: K and V, 2 layers, 2 KV heads of head_dim 64,
+# 2-byte elements (float16).
+TOKEN_BYTES = 2 * 2 * 2 * 64 * 2
+WIDE_BLOCK = 64  # the "wide" engine's: another block size than the others' (issue 32)
+# KV cache of each worker: 256 MiB holds 256k tokens of the tiny model. Each worker touches all
+# of it at start; with 1 GiB each (VLLM_CPU_KVCACHE_SPACE=1, before 2026-12-07) six workers and
+# the others' engines on the 23 GB dev VM drew the OOM killer onto a worker (exit code -9).
+KV_CACHE_BYTES = 256 << 20
 START_DEADLINE = float(os.environ.get("FERRY_VLLM_START_DEADLINE", "900"))
 REQUEST_DEADLINE = 300.0
 MAX_TOKENS = 24
@@ -62,6 +70,11 @@ DTYPE = os.environ.get("FERRY_VLLM_DTYPE", "float16")
 # must show to tell why decode answered HTTP 500 (the connector's "KV load failed: ..." line).
 TAIL_LINES = 60
 ENGINES = []  # the running engines, for engine_log_tails()
+# The engine of another block size (WIDE_BLOCK) and the one of TP 2, FerryConnector loaded,
+# and their side channels' ports: the engines fixture starts them beside the others
+# (test_other_block_sizes..., test_other_tp_degrees...).
+WIDE = {}
+TP2 = {}
 # The engines' log tails when a request of the running test failed (the first two failures):
 # later requests push the cause out of the last lines.
 FAILED_REQUESTS = []
@@ -107,7 +120,7 @@ class Engine:
     """One vLLM OpenAI server (its API server, engine core and worker), log in a file."""
 
     def __init__(self, name, model, workdir, *, kv_config=None, bind="nobind",
-                 prefix_caching=False):
+                 prefix_caching=False, block_size=BLOCK, tp=1):
         self.name = name
         self.port = free_port()
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -115,16 +128,18 @@ class Engine:
         # version of a distribution named "vllm" and exits with PackageNotFoundError.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", DTYPE, "--block-size", str(BLOCK), "--max-model-len", "4096",
+               "--dtype", DTYPE, "--block-size", str(block_size), "--max-model-len", "4096",
                "--max-num-seqs", "8", "--enforce-eager", "--seed", "0",
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-               "--served-model-name", "tiny"]
+               "--served-model-name", "tiny", "--tensor-parallel-size", str(tp),
+               "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
+                   VLLM_CPU_OMP_THREADS_BIND=bind,
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", FERRY_VLLM_DEBUG=os.environ.get("FERRY_VLLM_DEBUG", ""))
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -227,7 +242,23 @@ def engines(tmp_path_factory):
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": dict(extra, port=free_port(), lease=LEASE)})
-    all_engines = [base, prefill, decode]
+    # Blocks of 64 tokens (the others' 32): decode of prefill's KV and prefill for decode's.
+    wide_port = free_port()
+    wide = Engine("wide", model, work, block_size=WIDE_BLOCK, kv_config={
+        "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": dict(extra, port=wide_port, lease=LEASE)})
+    WIDE.update(engine=wide, side_port=wide_port)
+    # TP 2 (two worker processes, one KV head each; side channels on port and port + 1):
+    # prefill into decode's TP 1 and decode of prefill's.
+    tp2_port = free_port()
+    _PORTS_GIVEN.add(tp2_port + 1)
+    tp2 = Engine("tp2", model, work, tp=2, kv_config={
+        "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": dict(extra, port=tp2_port, lease=PREFILL_LEASE)})
+    TP2.update(engine=tp2, side_port=tp2_port)
+    all_engines = [base, prefill, decode, wide, tp2]
     try:
         deadline = time.monotonic() + START_DEADLINE
         for e in all_engines:
@@ -243,7 +274,7 @@ def engines(tmp_path_factory):
         # was lost (issue 32). ferry now posts it again while its transfer waits; this keeps the
         # test failing should that come back. (The warm-up this replaced named its transfer
         # "warm-up", which the connector refuses: it never moved anything.)
-        print(f"three vLLM engines ready and warm in {time.monotonic() - t0:.0f} s")
+        print(f"{len(all_engines)} vLLM engines ready and warm in {time.monotonic() - t0:.0f} s")
         yield base, prefill, decode, side_port
     finally:
         for e in all_engines:
@@ -254,14 +285,16 @@ def engines(tmp_path_factory):
             shutil.rmtree(os.path.join(work, "tiny-model"), ignore_errors=True)
 
 
-def disaggregated(prefill, decode, side_port, prompt_ids, max_tokens, tid):
-    """The proxy: both legs at once, named by one explicit transfer id."""
+def disaggregated(prefill, decode, side_port, prompt_ids, max_tokens, tid, remote_tp=1):
+    """The proxy: both legs at once, named by one explicit transfer id (and prefill's TP size
+    where it is not 1)."""
+    tp = {"remote_tp_size": remote_tp} if remote_tp != 1 else {}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         p = pool.submit(complete, prefill, prompt_ids, 1,
                         {"do_remote_decode": True, "ferry_transfer_id": tid})
         d = pool.submit(complete, decode, prompt_ids, max_tokens,
                         {"do_remote_prefill": True, "ferry_transfer_id": tid,
-                         "remote_host": "127.0.0.1", "remote_port": side_port})
+                         "remote_host": "127.0.0.1", "remote_port": side_port, **tp})
         first = p.result()[0]
         got = d.result()
         return got[0], got[1], got[2], first
@@ -400,7 +433,8 @@ def test_decode_prefix_hits_move_only_the_blocks_decode_lacks(engines):
     # it served before) has prefill's KV written into the other blocks only. Hits of none,
     # some (3 of 7 blocks), and all but the last block (the same prompt again: vLLM recomputes
     # at least the last token, so its block moves); the tokens are the baseline's each time,
-    # and ferry's byte counter on decode shows the blocks that moved, block for block.
+    # and ferry's byte counter on decode shows the tokens that moved: the prompt's after the
+    # hit, to the token (before 2026-12-07 whole blocks moved, the last one's empty slots too).
     base, prefill, decode, side_port = engines
     rng = random.Random(20261208)
     first = [rng.randrange(3, 2000) for _ in range(6 * BLOCK + 5)]  # 7 blocks, the last partial
@@ -419,10 +453,9 @@ def test_decode_prefix_hits_move_only_the_blocks_decode_lacks(engines):
         hit = decode.metric("vllm:prompt_tokens_by_source_total", source="local_cache_hit") - hits
         assert hit == (7 - blocks) * BLOCK, f"{name}: decode's vLLM counted {hit:.0f} " \
                                             f"prompt tokens from its cache"
-    per_block = moved[0] / 7
-    assert moved[0] > 0 and per_block == int(per_block), f"bytes moved: {moved}"
-    assert moved == [7 * per_block, 4 * per_block, 1 * per_block], \
-        f"bytes moved {moved}: not {[7, 4, 1]} blocks of {per_block:.0f} bytes"
+    want = [(len(ids) - (7 - blocks) * BLOCK) * TOKEN_BYTES for _, ids, blocks in cases]
+    assert moved == want, f"bytes moved {moved}: not {want}, the prompts' tokens after each hit " \
+                          f"({TOKEN_BYTES} bytes a token)"
 
 
 def test_recompute_policy_serves_the_baseline_after_a_failed_transfer(engines):
@@ -520,6 +553,124 @@ def test_forged_and_replayed_transfer_ids_are_refused(engines):
                                              else 1, **bad))
         assert took < 60, f"{bad}: took {took:.0f} s"
     assert complete(decode, forger, 8)[0] == complete(base, forger, 8)[0]
+
+
+def test_other_block_sizes_move_the_prompt_token_for_token(engines):
+    # Issue 32: prefill and decode with different --block-size (32 and 64, both ways), push and
+    # pull. vLLM's CPU attention keeps each head's K page dimension-major ([head_dim][block_size],
+    # its "vec" kernel), which ferry maps token by token ("head-joint-kt"), so each request moves
+    # exactly its prompt's KV (ferry's byte counter on decode: prompt tokens x TOKEN_BYTES) and
+    # decode answers with the baseline's tokens. Before: decode and prefill counted the prompt
+    # in whole blocks of their own sizes, and every such transfer failed (HTTP 500).
+    base, prefill, decode, side_port = engines
+    wide, wide_port = WIDE["engine"], WIDE["side_port"]
+    check_pairs(base, random.Random(32),
+                ((f"prefill {BLOCK} -> decode {WIDE_BLOCK}", prefill, side_port, 1, wide),
+                 (f"prefill {WIDE_BLOCK} -> decode {BLOCK}", wide, wide_port, 1, decode)))
+
+
+def check_pairs(base, rng, pairs):
+    """For each (label, prefill, its side port, its TP size, decode): three prompts in push
+    mode and three in pull give the baseline's tokens (`base`'s: an engine of decode's TP),
+    and ferry's byte counter on decode grows by exactly their tokens' KV."""
+    for label, src, src_port, src_tp, dst in pairs:
+        for mode in ("push", "pull"):
+            # shorter than a block, not a multiple of either block size, several blocks
+            cases = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 2 * BLOCK + 9, 300)]
+            want = [complete(base, ids, MAX_TOKENS)[0] for ids in cases]
+            before, tokens_before = ferry_bytes(dst), prompt_tokens(dst)
+            for ids, want_ids in zip(cases, want):
+                tid = rng.randrange(1, 1 << 63)
+                got = (disaggregated(src, dst, src_port, ids, MAX_TOKENS, tid, src_tp)[0]
+                       if mode == "push" else disaggregated_pull(src, dst, ids, MAX_TOKENS, tid))
+                assert got == want_ids, \
+                    f"{label}, {mode}, {len(ids)} tokens: {got} != baseline {want_ids}"
+            moved = ferry_bytes(dst) - before
+            total = sum(map(len, cases))
+            assert moved == total * TOKEN_BYTES, \
+                f"{label}, {mode}: ferry moved {moved:.0f} bytes into decode's blocks for " \
+                f"{total} prompt tokens, not {total * TOKEN_BYTES}"
+            assert_prompts_moved(dst, tokens_before, len(cases), total)
+
+
+def test_prefill_tp2_into_decode_tp1_moves_the_prompt_token_for_token(engines):
+    # Issue 32: prefill of TP 2 (two workers, one KV head each, side channels on port and
+    # port + 1) into decode of TP 1, whose worker takes each head from the prefill rank that
+    # holds it; push (the proxy names remote_tp_size) and pull (prefill's answer does).
+    # (TP 1 into decode's TP 2 does not work yet: docs/VLLM.md, "Block sizes and TP".)
+    base, prefill, decode, side_port = engines
+    tp2, tp2_port = TP2["engine"], TP2["side_port"]
+    check_pairs(base, random.Random(3322),
+                (("prefill TP 2 -> decode TP 1", tp2, tp2_port, 2, decode),))
+
+
+class FakePrefill:
+    """A ferry.kv peer in this process with a KV layout of its own, serving its handshake on the
+    side channel as a prefill engine's worker does: what a decode engine meets when the proxy
+    pairs it with an engine of another model or layout."""
+
+    def __init__(self, **layout):
+        import ferry
+        import ferry.kv as fkv
+        import torch
+        from ferry.vllm.connector import _LOCAL_SECRET
+
+        kw = dict(num_layers=2, num_kv_heads=2, head_dim=64, elem_size=2, block_size=BLOCK,
+                  num_blocks=4, placement="head-joint-kt", order="HND", regions="per-layer")
+        kw.update(layout)
+        self.layout = fkv.KvLayout(**kw)
+        self.tensors = [torch.zeros(kw["num_blocks"], kw["num_kv_heads"], kw["block_size"],
+                                    2 * kw["head_dim"], dtype=torch.float16)
+                        for _ in range(kw["num_layers"])]
+        self.engine = ferry.TransferEngine("tcp")
+        self.conn = fkv.KvConnector(self.engine, self.layout, self.tensors, fkv.KvConfig())
+        self.port = free_port()
+        self.server = fkv.HandshakeServer(self.conn, _LOCAL_SECRET, "127.0.0.1", self.port)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for obj in (self.server, self.conn, self.engine):
+            obj.close()
+
+
+def test_layouts_ferry_cannot_map_are_refused_at_once(engines):
+    # Issue 32: a prefill whose KV cannot go into decode's blocks (another model: other layer
+    # count, head_dim, KV heads; vLLM CPU pages packed for another kernel, which move only whole,
+    # into another block size) is refused when decode first asks its side channel, with an
+    # error naming both sides' values, and vLLM's kv_load_failure_policy applies: decode's
+    # "fail" answers no tokens, prefill's "recompute" (serving as a decode here) the baseline's.
+    # Before (2026-12-07), the packed-pages case registered, and waited out decode's lease
+    # (20 s) for KV that would have come scrambled; the other two were refused as now.
+    base, prefill, decode, _ = engines
+    rng = random.Random(3232)
+    cases = (
+        ("another model", dict(num_layers=3, head_dim=128),
+         ("num_layers differs (3 at the peer, 2 here)",
+          "head_dim differs (128 at the peer, 64 here)")),
+        ("other KV heads", dict(num_kv_heads=4),
+         ("producer holds 4 KV heads in total (4 per rank x TP 1), consumer 2 (2 x TP 1)",)),
+        ("packed pages of another block size", dict(placement="head-joint", block_size=64),
+         (f"prefill's pages are head-joint of block size 64, this engine's head-joint-kt of "
+          f"block size {BLOCK}",)),
+    )
+    for name, layout, named in cases:
+        ids = [rng.randrange(3, 2000) for _ in range(2 * BLOCK + 3)]
+        with FakePrefill(**layout) as peer:
+            params = {"do_remote_prefill": True, "ferry_transfer_id": rng.randrange(1, 1 << 63),
+                      "remote_host": "127.0.0.1", "remote_port": peer.port}
+            with open(decode.log_path) as f:
+                f.seek(0, os.SEEK_END)
+                took = _refused(decode, ids, params)
+                time.sleep(0.5)
+                log = f.read()
+            assert took < LEASE / 2, f"{name}: decode's request took {took:.0f} s to end"
+            for text in named:
+                assert text in log, f"{name}: decode's log does not say {text!r}:\n{log[-3000:]}"
+            got = complete(prefill, ids, MAX_TOKENS, params)[0]
+            assert got == complete(base, ids, MAX_TOKENS)[0], \
+                f"{name}: prefill's recompute policy gave {got}, not the baseline's tokens"
 
 
 def test_prefill_killed_mid_transfer_fails_the_request_in_time(engines):
