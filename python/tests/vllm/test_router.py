@@ -15,8 +15,8 @@ checks that this equals an engine without a connector). Both engines' kv_load_fa
 "fail": a transfer that fails is an error, never a right answer computed locally.
 
 Runs where vLLM is installed (build/vllm-venv: scripts/vllm_venv.sh; ctest's vllm_router) and
-the ferry binary is built; about 2 minutes on the 2-core dev machine when it is quiet, most of
-it the two engines starting."""
+the ferry binary is built; 6 min 20 s on the 2-core dev machine at a load average of 22 (eight
+other vLLM engines running), most of it the two engines starting."""
 
 from __future__ import annotations
 
