@@ -374,6 +374,7 @@ struct RouterFlags {
     std::string prefill = "127.0.0.1:8100";
     std::string decode = "127.0.0.1:8200";
     std::string mode = "push";
+    std::string engines = "ferry";
     size_t http_threads = 256;
     double timeout_s = 600;
     double leg_ttl_s = to_ms(serve::kDefaultLegTtl) / 1000;
@@ -396,6 +397,18 @@ int run_router(const RouterFlags& f) {
     auto mode = router_mode(f.mode);
     if (!mode.ok()) return fail(mode.status());
     rc.mode = *mode;
+    if (f.engines == "vllm") {
+        rc.engines = serve::EngineKind::kVllm;
+        if (f.mode == "pull-inline")
+            return fail(invalid_argument(
+                "--mode pull-inline is for ferry's engines; with --engines vllm use push or pull"));
+        // A vLLM API server on a busy host answers /health and /metrics in seconds, not
+        // milliseconds: shorter, and the prober declared its engines down mid-request.
+        rc.probe_period = std::chrono::seconds(1);
+        rc.probe_timeout = std::chrono::seconds(5);
+    } else if (f.engines != "ferry") {
+        return fail(invalid_argument("--engines must be ferry or vllm, not " + f.engines));
+    }
     auto p = serve::parse_engine_addresses(f.prefill);
     if (!p.ok()) return fail(p.status().with_context("--prefill"));
     auto d = serve::parse_engine_addresses(f.decode);
@@ -409,13 +422,16 @@ int run_router(const RouterFlags& f) {
     rc.leg_ttl = std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_ttl_s));
     rc.leg_answer_timeout =
         std::chrono::duration_cast<Duration>(std::chrono::duration<double>(f.leg_answer_timeout_s));
-    auto secret = deployment_secret(f.secret_file);
-    if (!secret.ok()) return fail(secret.status());
-    rc.secret = std::move(secret).value();
+    // vLLM's connector checks no signature: no secret (nor its default file) for it.
+    if (rc.engines == serve::EngineKind::kFerry) {
+        auto secret = deployment_secret(f.secret_file);
+        if (!secret.ok()) return fail(secret.status());
+        rc.secret = std::move(secret).value();
+    }
     auto router = serve::Router::start(rc);
     if (!router.ok()) return fail(router.status());
-    fmt::print(stderr, "router on http://{}:{} ({}): prefill {} decode {}\n", f.host,
-               (*router)->port(), f.mode, f.prefill, f.decode);
+    fmt::print(stderr, "router on http://{}:{} ({}, {} engines): prefill {} decode {}\n", f.host,
+               (*router)->port(), f.mode, f.engines, f.prefill, f.decode);
     wait_for_stop();
     (*router)->stop();
     return 0;
@@ -516,6 +532,10 @@ void add_router_flags(CLI::App* cmd, RouterFlags& f, bool with_engines) {
         cmd->add_option("--prefill", f.prefill, "prefill engines HOST:PORT[,HOST:PORT...]")
             ->capture_default_str();
         cmd->add_option("--decode", f.decode, "decode engines HOST:PORT[,HOST:PORT...]")
+            ->capture_default_str();
+        cmd->add_option("--engines", f.engines,
+                        "ferry (engines of `ferry serve prefill|decode`) | vllm (vLLM OpenAI "
+                        "servers loading ferry.vllm.FerryConnector, docs/VLLM.md)")
             ->capture_default_str();
         cmd->add_option("--leg-ttl", f.leg_ttl_s,
                         "seconds an engine takes a signed leg after the router sent it (each is "

@@ -45,6 +45,64 @@ Result<std::vector<EngineAddress>> parse_engine_addresses(std::string_view list)
 
 namespace {
 
+// What an engine needs in its vLLM command line to be fronted: the two lines of docs/VLLM.md.
+constexpr const char* kVllmConnectorFlag =
+    "--kv-transfer-config '{\"kv_connector\":\"FerryConnector\",\"kv_connector_module_path\":"
+    "\"ferry.vllm\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"mode\":...}}'";
+
+}  // namespace
+
+Result<VllmConnectorInfo> parse_vllm_connector_info(std::string_view metrics) {
+    constexpr std::string_view kName = "vllm:ferry_connector_info{";
+    size_t at = 0;
+    while ((at = metrics.find(kName, at)) != std::string_view::npos && at > 0 &&
+           metrics[at - 1] != '\n')
+        at += kName.size();
+    if (at == std::string_view::npos)
+        return not_found(fmt::format(
+            "its /metrics has no vllm:ferry_connector_info: it runs no FerryConnector (or a ferry "
+            "older than this router); start it with {}",
+            kVllmConnectorFlag));
+    std::string_view labels = metrics.substr(at + kName.size());
+    labels = labels.substr(0, std::min(labels.find('}'), labels.find('\n')));
+    VllmConnectorInfo info;
+    bool has_port = false;
+    // name="value",...: the values come from the connector's config, checked there (no quotes).
+    while (!labels.empty()) {
+        size_t eq = labels.find("=\"");
+        size_t close = eq == std::string_view::npos ? eq : labels.find('"', eq + 2);
+        if (close == std::string_view::npos)
+            return invalid_argument(
+                fmt::format("vllm:ferry_connector_info: malformed labels '{}'", labels));
+        std::string_view name = labels.substr(0, eq);
+        std::string_view value = labels.substr(eq + 2, close - eq - 2);
+        labels = labels.substr(close + 1);
+        if (!labels.empty() && labels[0] == ',') labels.remove_prefix(1);
+        auto number = [&](int& out) {
+            return std::from_chars(value.data(), value.data() + value.size(), out).ec ==
+                   std::errc();
+        };
+        if (name == "mode") {
+            info.mode = value;
+        } else if (name == "host") {
+            info.host = value;
+        } else if (name == "port") {
+            has_port = number(info.port);
+        } else if (name == "tp_size" && !number(info.tp_size)) {
+            info.tp_size = 0;
+        }
+    }
+    if (info.mode != "push" && info.mode != "pull")
+        return invalid_argument(fmt::format(
+            "vllm:ferry_connector_info: mode '{}' is neither push nor pull", info.mode));
+    if (info.host.empty() || !has_port || info.port <= 0 || info.port > 65535 || info.tp_size < 1)
+        return invalid_argument(
+            "vllm:ferry_connector_info: no usable side channel (host, port, tp_size)");
+    return info;
+}
+
+namespace {
+
 // What the router relays of an upstream's words (a reason from its /health, a leg's error) is
 // cut to this: two routers given each other as engines nested each other's reasons into /health
 // bodies of 59 MB within 30 s.
@@ -214,12 +272,40 @@ Status check_limits(const RequestShape& r, const Router::EngineState& e, bool pr
     return ok_status();
 }
 
+// A request for vLLM engines, checked for what the router itself reads (stream) and for the
+// member its legs cannot go without (prompt, messages); everything else is vLLM's to check, and
+// its 400 reaches the client. The client's kv_transfer_params are replaced by the router's.
+Result<CompletionRelayBody> scan_vllm_request(std::string_view body, bool chat) {
+    auto object = scan_json_object(body);
+    if (!object.ok()) return object.status();
+    CompletionRelayBody out{std::move(object).value()};
+    if (const JsonMember* m = out.object.find("stream")) {
+        json v = parse_json_value(m->value);
+        if (!v.is_boolean() && !v.is_null())
+            return invalid_argument(fmt::format("stream: must be true or false, not {}",
+                                                bounded(std::string(m->value))));
+        out.stream = v.is_boolean() && v.get<bool>();
+    }
+    const char* need = chat ? "messages" : "prompt";
+    const JsonMember* m = out.object.find(need);
+    const char first = m == nullptr || m->value.empty() ? '\0' : m->value[0];
+    if (m == nullptr)
+        return invalid_argument(fmt::format("{}: missing; {} takes {}", need,
+                                            chat ? "/v1/chat/completions" : "/v1/completions",
+                                            chat ? "a list of messages" : "a prompt"));
+    if (chat ? first != '[' : first != '"' && first != '[')
+        return invalid_argument(chat ? "messages: must be a list of messages"
+                                     : "prompt: must be a string, a list of strings or a list "
+                                       "of token ids");
+    return out;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     if (config.prefill.empty() || config.decode.empty())
         return invalid_argument("the router needs at least one prefill and one decode engine");
-    if (config.secret.empty())
+    if (config.secret.empty() && config.engines == EngineKind::kFerry)
         return invalid_argument("the router needs the deployment secret to sign legs with");
     std::unique_ptr<Router> r(new Router());
     r->config_ = std::move(config);
@@ -229,8 +315,13 @@ Result<std::unique_ptr<Router>> Router::start(RouterConfig config) {
     Router* p = r.get();
     std::vector<HttpRoute> routes;
     routes.push_back({"POST", "/v1/completions", [p](const HttpRequest& req, HttpReply& reply) {
-                          p->completions(req, reply);
+                          p->completions(req, reply, "/v1/completions");
                       }});
+    if (r->config_.engines == EngineKind::kVllm)
+        routes.push_back(
+            {"POST", "/v1/chat/completions", [p](const HttpRequest& req, HttpReply& reply) {
+                 p->completions(req, reply, "/v1/chat/completions");
+             }});
     // Both read the prober's state and counters: quick, answered while streams hold every worker.
     routes.push_back(
         {"GET", "/health", [p](const HttpRequest&, HttpReply& reply) { p->health(reply); }, true});
@@ -268,6 +359,56 @@ void Router::stop() {
     if (aborts_) aborts_->stop();
 }
 
+Router::EngineState Router::probe_vllm(EngineState st, int health_status, const json& j,
+                                       bool prefill) const {
+    const EngineAddress& a = st.address;
+    // ferry's own engines and routers answer /health with a JSON object naming their role.
+    if (!j.is_discarded() && j.is_object() && j.contains("role") && j["role"].is_string()) {
+        const std::string role = bounded(j["role"].get<std::string>());
+        st.why = role == "router" ? fmt::format(
+                                        "this is a ferry router, not a vLLM engine: --{} takes the "
+                                        "engines' addresses",
+                                        prefill ? "prefill" : "decode")
+                                  : fmt::format(
+                                        "this is ferry's own {} engine (ferry serve), not a vLLM "
+                                        "engine: start the router with --engines ferry",
+                                        role);
+        return st;
+    }
+    if (health_status != 200) {
+        st.why = fmt::format("/health answered HTTP {}", health_status);
+        return st;
+    }
+    auto m = http_get(a.host, a.port, "/metrics", config_.probe_timeout);
+    if (!m.ok()) {
+        st.why = bounded(m.status().with_context("/metrics").to_string());
+        st.unanswered = 1;
+        return st;
+    }
+    auto info = parse_vllm_connector_info(m->body);
+    if (m->status != 200 || !info.ok()) {
+        st.why = m->status != 200 ? fmt::format("/metrics answered HTTP {}", m->status)
+                                  : info.status().message();
+        return st;
+    }
+    // Only a prefill engine's mode matters: it is what its prefill requests do; a decode engine
+    // follows each request's kv_transfer_params.
+    if (prefill && info->mode != mode_name(config_.mode)) {
+        st.why = fmt::format(
+            "transfer modes differ: the engine's FerryConnector runs \"mode\":\"{}\" (its "
+            "--kv-transfer-config kv_connector_extra_config), this router --mode {}; give the "
+            "prefill engines and the router one mode",
+            info->mode, mode_name(config_.mode));
+        return st;
+    }
+    // A side channel listening on every address is reached at the engine's own.
+    if (info->host == "0.0.0.0" || info->host == "::") info->host = a.host;
+    st.vllm = std::move(info).value();
+    st.engine_id = a.to_string();
+    st.ready = true;
+    return st;
+}
+
 Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     EngineState st{.address = a, .probed = true};
     auto h = http_get(a.host, a.port, "/health", config_.probe_timeout);
@@ -277,8 +418,14 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
         return st;
     }
     json j = json::parse(h->body, nullptr, false);
+    if (config_.engines == EngineKind::kVllm)
+        return probe_vllm(std::move(st), h->status, j, prefill);
     if (j.is_discarded() || !j.is_object()) {
-        st.why = fmt::format("/health answered HTTP {} without a JSON object", h->status);
+        // vLLM's /health answers 200 with an empty body.
+        st.why = fmt::format(
+            "/health answered HTTP {} without a JSON object: not a ferry engine (a vLLM engine? "
+            "start the router with --engines vllm)",
+            h->status);
         return st;
     }
     auto text = [&](const char* key) {
@@ -466,7 +613,10 @@ Router::EngineState Router::pick(bool prefill) {
 void Router::health(HttpReply& reply) const {
     std::lock_guard lock(state_mu_);
     // role and router_id: a router given a router as an engine (itself included) says so.
-    json out = {{"role", "router"}, {"router_id", nonce_}, {"mode", mode_name(config_.mode)}};
+    json out = {{"role", "router"},
+                {"router_id", nonce_},
+                {"mode", mode_name(config_.mode)},
+                {"engines", config_.engines == EngineKind::kVllm ? "vllm" : "ferry"}};
     std::string reason;
     auto role = [&](const char* name, const std::vector<EngineState>& states) {
         json list = json::array();
@@ -475,6 +625,11 @@ void Router::health(HttpReply& reply) const {
         for (const EngineState& e : states) {
             json one = {{"engine", e.address.to_string()}, {"ready", e.ready}};
             if (!e.incarnation.empty()) one["incarnation"] = e.incarnation;
+            if (!e.vllm.mode.empty())
+                one["connector"] = {
+                    {"mode", e.vllm.mode},
+                    {"side_channel", fmt::format("{}:{}", e.vllm.host, e.vllm.port)},
+                    {"tp_size", e.vllm.tp_size}};
             std::string why = e.probed ? e.why : "not probed yet";
             if (!e.ready) {
                 one["reason"] = why;
@@ -503,6 +658,9 @@ void Router::health(HttpReply& reply) const {
 
 void Router::abort_leg(const EngineAddress& engine, const std::string& transfer_id,
                        const std::string& reason) {
+    // vLLM has no /ferry/abort: its request ends when the leg's connection closes (the callers
+    // cancel it), and a pull offer nobody reads when prefill's lease ends.
+    if (config_.engines == EngineKind::kVllm) return;
     // A down engine would hold the one sender for abort_timeout per abort, delaying those to
     // the engines that answer (prefill's blocks for the requests failed with it); what the
     // down engine holds, its lease (or its client connection closing) frees.
@@ -557,7 +715,7 @@ std::string Router::prometheus_text() const {
     return out;
 }
 
-void Router::completions(const HttpRequest& req, HttpReply& reply) {
+void Router::completions(const HttpRequest& req, HttpReply& reply, const char* path) {
     TimePoint t0 = Clock::now();
     requests_++;
     auto fail = [&](int status, const std::string& message) {
@@ -565,7 +723,9 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
         send_error(reply, status, message);
     };
     auto client_gone = [&req] { return req.client_gone && req.client_gone(); };
-    auto scanned = scan_completion_request(req.body);
+    const bool vllm = config_.engines == EngineKind::kVllm;
+    auto scanned = vllm ? scan_vllm_request(req.body, std::string_view(path) != "/v1/completions")
+                        : scan_completion_request(req.body);
     if (!scanned.ok()) return fail(400, scanned.status().to_string());
     const JsonObjectText& body = scanned->object;
     bool stream = scanned->stream;
@@ -583,13 +743,20 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     const std::string* pid = &P_state.engine_id;
     // What decode would refuse is refused here, before prefill computes and pins blocks for a
     // leg nobody will read (issue 19).
+    // (vLLM's engines state no limits; they check their requests themselves.)
     RequestShape shape = shape_of(body);
     for (Status st : {check_limits(shape, P_state, true), check_limits(shape, D_state, false)}) {
         if (st.ok()) continue;
         rejected_early_++;
         return fail(400, st.to_string());
     }
-    std::string tid = fmt::format("{}-{}", nonce_, next_transfer_++);
+    const uint64_t transfer_number = next_transfer_++;
+    // vLLM's connector takes integer ids in [1, 2^63): this router's nonce above a counter.
+    const uint64_t vllm_tid =
+        std::max<uint64_t>(1, ((std::stoull(nonce_, nullptr, 16) & 0x7fffffffULL) << 32) |
+                                  (transfer_number & 0xffffffffULL));
+    std::string tid =
+        vllm ? std::to_string(vllm_tid) : fmt::format("{}-{}", nonce_, transfer_number);
     TimePoint deadline = t0 + config_.request_timeout;
     // The engines hold a leg's blocks until its KV moved or the lease ends; a leg whose other
     // half failed, or whose client left, is aborted so they come back at once.
@@ -611,18 +778,36 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
                        {"transfer_id", tid},
                        {"remote_host", D.host},
                        {"remote_port", D.port}};
-    if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
-                                        leg_content_digest({prompt, 1, P_state.engine_id}),
-                                        leg_tag_expiry(), P_state.incarnation);
-        !st.ok())
-        return fail(500, st.to_string());
-    std::string prefill_body =
-        body.with({{"max_tokens", 1}, {"stream", false}, {"kv_transfer_params", prefill_kv}});
     json decode_kv = {{"do_remote_prefill", true},
                       {"transfer_id", tid},
                       {"remote_engine_id", *pid},
                       {"remote_host", P.host},
                       {"remote_port", P.port}};
+    json prefill_fields = {{"max_tokens", 1}, {"stream", false}};
+    if (vllm) {
+        // FerryConnector's names (docs/VLLM.md): prefill's mode said, so that it never depends
+        // on the engine's default; in push, decode registers with prefill's side channel.
+        prefill_kv = {{"do_remote_decode", true},
+                      {"ferry_transfer_id", vllm_tid},
+                      {"ferry_mode", mode_name(config_.mode)}};
+        decode_kv = {{"do_remote_prefill", true},
+                     {"ferry_transfer_id", vllm_tid},
+                     {"remote_host", P_state.vllm.host},
+                     {"remote_port", P_state.vllm.port},
+                     {"remote_tp_size", P_state.vllm.tp_size}};
+        // What vLLM refuses beside max_tokens 1 and no stream: stream_options without a stream,
+        // min_tokens above max_tokens; max_completion_tokens wins over max_tokens (chat).
+        if (body.find("stream_options")) prefill_fields["stream_options"] = nullptr;
+        if (body.find("min_tokens")) prefill_fields["min_tokens"] = 0;
+        if (body.find("max_completion_tokens")) prefill_fields["max_completion_tokens"] = 1;
+    } else if (Status st = sign_kv_params_json(config_.secret, &prefill_kv,
+                                               leg_content_digest({prompt, 1, P_state.engine_id}),
+                                               leg_tag_expiry(), P_state.incarnation);
+               !st.ok()) {
+        return fail(500, st.to_string());
+    }
+    prefill_fields["kv_transfer_params"] = prefill_kv;
+    std::string prefill_body = body.with(prefill_fields);
 
     auto prefill_call = std::make_shared<std::unique_ptr<HttpStream>>();
     auto prefill = std::make_shared<Collected>();
@@ -630,13 +815,13 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
     double overhead_ms = 0;
     TimePoint prefill_answered = prefill_sent;
     if (config_.mode == RouterMode::kPush) {
-        *prefill_call = HttpStream::post(P.host, P.port, "/v1/completions", std::move(prefill_body),
+        *prefill_call = HttpStream::post(P.host, P.port, path, std::move(prefill_body),
                                          config_.request_timeout);
     } else {
         overhead_ms += to_ms(prefill_sent - t0);
         // In slices, watching the client and the engine: a prefill declared down (frozen)
         // held the client until request_timeout.
-        auto call = HttpStream::post(P.host, P.port, "/v1/completions", std::move(prefill_body),
+        auto call = HttpStream::post(P.host, P.port, path, std::move(prefill_body),
                                      config_.request_timeout);
         std::string down;
         bool overdue = false;
@@ -685,23 +870,27 @@ void Router::completions(const HttpRequest& req, HttpReply& reply) {
             abort_prefill("the client went away");  // the offered blocks, held under the lease
             return fail(499, "the client went away");
         }
+        // vLLM's connector answers the decode leg's parameters whole: passed unchanged.
         decode_kv = pj["kv_transfer_params"];
-        decode_kv["do_remote_prefill"] = true;
-        decode_kv["do_remote_decode"] = false;
-        decode_kv["transfer_id"] = tid;
+        if (!vllm) {
+            decode_kv["do_remote_prefill"] = true;
+            decode_kv["do_remote_decode"] = false;
+            decode_kv["transfer_id"] = tid;
+        }
     }
-    if (Status st = sign_kv_params_json(
-            config_.secret, &decode_kv,
-            leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}), leg_tag_expiry(),
-            D_state.incarnation);
+    if (Status st = vllm ? ok_status()
+                         : sign_kv_params_json(
+                               config_.secret, &decode_kv,
+                               leg_content_digest({prompt, scanned->max_tokens, D_state.engine_id}),
+                               leg_tag_expiry(), D_state.incarnation);
         !st.ok()) {
         abort_prefill("the decode leg could not be signed");
         return fail(502, st.with_context("kv_transfer_params for the decode leg").to_string());
     }
     TimePoint decode_sent = Clock::now();
     auto decode_call = std::shared_ptr<HttpStream>(
-        HttpStream::post(D.host, D.port, "/v1/completions",
-                         body.with({{"kv_transfer_params", decode_kv}}), config_.request_timeout));
+        HttpStream::post(D.host, D.port, path, body.with({{"kv_transfer_params", decode_kv}}),
+                         config_.request_timeout));
     // Router time before the legs left: all of it in push; in pull, before the prefill leg and
     // between its answer and the decode leg.
     overhead_ms += config_.mode == RouterMode::kPush ? ms_since(t0) : ms_since(prefill_answered);

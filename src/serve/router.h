@@ -15,12 +15,20 @@
 // another role or KV mode than the router gives it, or that is a router (itself included), is
 // never ready: requests get 503 naming the mismatch instead of a hang or a 400. What the router
 // relays of an engine's words (reasons, leg errors) is bounded.
+// vLLM engines (RouterConfig::engines, `--engines vllm`): OpenAI servers that load ferry's
+// connector (ferry.vllm.FerryConnector, docs/VLLM.md). The legs carry the connector's
+// kv_transfer_params (an integer ferry_transfer_id; in push, prefill's side channel for decode),
+// /v1/chat/completions is routed too, and the prober reads each engine's /metrics for the
+// connector's vllm:ferry_connector_info (its mode and side channel): a prefill engine of another
+// mode, or an engine without the connector, is never ready. vLLM has no /ferry/abort: a leg is
+// aborted by closing its connection (vLLM aborts a request whose client left).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -36,6 +44,21 @@ namespace ferry::serve {
 
 enum class RouterMode { kPush, kPull };
 
+// What the router fronts: ferry's own engines (`ferry serve prefill|decode`) or vLLM OpenAI
+// servers loading ferry.vllm.FerryConnector.
+enum class EngineKind { kFerry, kVllm };
+
+// A vLLM engine's FerryConnector, as its /metrics states it (vllm:ferry_connector_info).
+struct VllmConnectorInfo {
+    std::string mode{};  // "push" or "pull": what its prefill requests do
+    std::string host{};  // its side channel
+    int port = 0;
+    int tp_size = 1;
+};
+// Reads vllm:ferry_connector_info{mode=..,host=..,port=..,tp_size=..} 1 from a vLLM /metrics
+// text; an error naming what is missing or malformed.
+Result<VllmConnectorInfo> parse_vllm_connector_info(std::string_view metrics);
+
 struct EngineAddress {
     std::string host;
     int port = 0;
@@ -50,6 +73,7 @@ struct RouterConfig {
     std::vector<EngineAddress> prefill{};
     std::vector<EngineAddress> decode{};
     RouterMode mode = RouterMode::kPush;
+    EngineKind engines = EngineKind::kFerry;
     Duration request_timeout = seconds(600);
     // Every engine's /health is fetched this often, each with probe_timeout: a dead engine is
     // known within about a period, a stopped one within period + timeout.
@@ -75,7 +99,8 @@ struct RouterConfig {
     // the engines' leases still free what an abort would have).
     Duration abort_timeout = seconds(1);
     size_t abort_queue = 4096;
-    // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required.
+    // The deployment's: signs each leg's kv_transfer_params (kv_params_auth.h). Required for
+    // ferry's engines (vLLM's connector checks no signature).
     Secret secret{};
     // How long an engine takes a signed leg after the router signed it (kDefaultLegTtl says
     // why 30 s); engines' clocks must agree with the router's within it.
@@ -107,11 +132,14 @@ class Router {
         TimePoint legs_down_until{};
         // Limits (0: not known yet).
         size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
+        // vLLM engines: their connector's mode and side channel (host: where decode reaches it).
+        VllmConnectorInfo vllm{};
     };
 
   private:
     Router() = default;
-    void completions(const HttpRequest& req, HttpReply& reply);
+    // `path`: /v1/completions, or /v1/chat/completions (vLLM engines); the legs go to the same.
+    void completions(const HttpRequest& req, HttpReply& reply, const char* path);
     void health(HttpReply& reply) const;
     std::string prometheus_text() const;
     // Round robin over the engines of one role, skipping those known not ready while another
@@ -120,6 +148,10 @@ class Router {
     // Not ready also when the engine's /health says it is a router, or of the other role, or
     // of a KV mode other than config_.mode.
     EngineState probe(const EngineAddress& a, bool prefill) const;
+    // probe() of a vLLM engine, from its /health's status and body (`j`, discarded when not
+    // JSON): then /metrics, for its connector's info.
+    EngineState probe_vllm(EngineState st, int health_status, const nlohmann::json& j,
+                           bool prefill) const;
     void store(bool prefill, size_t index, EngineState st);
     // A leg to `engine` answered (its first byte came) or not within leg_answer_timeout.
     void note_leg_answer(bool prefill, const EngineAddress& engine, bool answered);

@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "serve/engine_server.h"
@@ -768,6 +770,220 @@ TEST(Router, ParsesEngineAddressLists) {
     EXPECT_EQ(bad.status().message(), "'999.1.1.1:8101': 999.1.1.1 is not an IPv4 address");
     EXPECT_FALSE(parse_engine_addresses("10.0.0:8100").ok());
     EXPECT_TRUE(parse_engine_addresses("10.0.0.7:8100,engine-3.cluster.local:8100").ok());
+}
+
+}  // namespace
+}  // namespace ferry::serve
+
+namespace ferry::serve {
+namespace {
+
+// A fake vLLM OpenAI server with FerryConnector: /health 200 with an empty body, the
+// connector's info gauge on /metrics, and completions that record their bodies.
+struct FakeVllm {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::pair<std::string, json>> legs;  // (path, body)
+    std::unique_ptr<HttpServer> server;
+
+    // `info`: the /metrics line's labels (empty: no connector). `answer(body)`: the reply.
+    FakeVllm(const std::string& info, std::function<std::string(FakeVllm&, const json&)> answer) {
+        std::vector<HttpRoute> routes;
+        routes.push_back({"GET", "/health", [](const HttpRequest&, HttpReply& r) {
+                              r.content_type = "text/plain";
+                              r.body = "";
+                          }});
+        routes.push_back({"GET", "/metrics", [info](const HttpRequest&, HttpReply& r) {
+                              r.content_type = "text/plain";
+                              r.body =
+                                  "# HELP vllm:num_requests_running x\n"
+                                  "vllm:num_requests_running{engine=\"0\"} 0.0\n";
+                              if (!info.empty())
+                                  r.body +=
+                                      "vllm:ferry_connector_info{model_name=\"tiny\","
+                                      "engine=\"0\"," +
+                                      info + "} 1.0\n";
+                          }});
+        for (const char* path : {"/v1/completions", "/v1/chat/completions"})
+            routes.push_back(
+                {"POST", path, [this, answer, path](const HttpRequest& req, HttpReply& r) {
+                     json body = json::parse(req.body);
+                     {
+                         std::lock_guard lock(mu);
+                         legs.emplace_back(path, body);
+                     }
+                     cv.notify_all();
+                     r.body = answer(*this, body);
+                 }});
+        server = HttpServer::start({.host = kHost}, std::move(routes)).value();
+    }
+    // Waits (bounded) until `n` legs arrived.
+    bool wait_legs(size_t n, Duration budget = seconds(5)) {
+        std::unique_lock lock(mu);
+        return cv.wait_for(lock, budget, [&] { return legs.size() >= n; });
+    }
+};
+
+RouterConfig vllm_router(RouterMode mode, const FakeVllm& p, const FakeVllm& d) {
+    RouterConfig rc;
+    rc.engines = EngineKind::kVllm;
+    rc.mode = mode;
+    rc.request_timeout = seconds(10);
+    rc.probe_period = milliseconds(50);
+    rc.prefill = {{kHost, p.server->port()}};
+    rc.decode = {{kHost, d.server->port()}};
+    return rc;
+}
+
+// Push: both legs leave at once, with FerryConnector's kv_transfer_params: the fake prefill
+// answers only once the decode leg has arrived (within 5 s), as vLLM's example proxies, which
+// send the decode leg after prefill's answer, never would. The decode leg names prefill's side
+// channel as its /metrics states it; the chat route takes the same legs.
+TEST(RouterVllm, PushSendsBothLegsAtOnceWithTheConnectorsParameters) {
+    FakeVllm decode("mode=\"pull\",host=\"127.0.0.1\",port=\"7001\",tp_size=\"1\"",
+                    [](FakeVllm&, const json&) {
+                        return json({{"choices", {{{"text", "decoded"}}}}}).dump();
+                    });
+    std::atomic<int> apart{0};  // prefill legs answered without their decode leg
+    FakeVllm prefill("mode=\"push\",host=\"0.0.0.0\",port=\"7777\",tp_size=\"2\"",
+                     [&decode, &apart](FakeVllm& self, const json&) {
+                         size_t n;
+                         {
+                             std::lock_guard lock(self.mu);
+                             n = self.legs.size();
+                         }
+                         if (!decode.wait_legs(n)) apart++;
+                         return json({{"choices", {{{"text", "p"}}}}}).dump();
+                     });
+    auto router = Router::start(vllm_router(RouterMode::kPush, prefill, decode)).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+        SCOPED_TRACE(path);
+        json req = {{"model", "tiny"}, {"max_tokens", 5}};
+        if (std::string(path) == "/v1/completions") {
+            req["prompt"] = "hello";
+        } else {
+            req["messages"] = {{{"role", "user"}, {"content", "hello"}}};
+            req["max_completion_tokens"] = 5;
+        }
+        req["kv_transfer_params"] = {{"do_remote_decode", true}};  // the client's: replaced
+        auto r = http_post_json(kHost, router->port(), path, req.dump(), seconds(10));
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        EXPECT_EQ(r->status, 200) << r->body;
+        EXPECT_NE(r->body.find("decoded"), std::string::npos) << r->body;
+        std::lock_guard lp(prefill.mu), ld(decode.mu);
+        ASSERT_FALSE(prefill.legs.empty());
+        ASSERT_FALSE(decode.legs.empty());
+        const auto& [ppath, p] = prefill.legs.back();
+        const auto& [dpath, d] = decode.legs.back();
+        EXPECT_EQ(ppath, path);
+        EXPECT_EQ(dpath, path);
+        EXPECT_EQ(p["max_tokens"], 1);
+        EXPECT_EQ(p["stream"], false);
+        if (p.contains("max_completion_tokens")) {
+            EXPECT_EQ(p["max_completion_tokens"], 1);
+        }
+        EXPECT_EQ(d["max_tokens"], 5);
+        const json& pk = p["kv_transfer_params"];
+        const json& dk = d["kv_transfer_params"];
+        ASSERT_TRUE(pk["ferry_transfer_id"].is_number_unsigned()) << pk;
+        uint64_t tid = pk["ferry_transfer_id"].get<uint64_t>();
+        EXPECT_TRUE(tid >= 1 && tid < (uint64_t(1) << 63)) << tid;
+        EXPECT_EQ(
+            pk,
+            json({{"do_remote_decode", true}, {"ferry_transfer_id", tid}, {"ferry_mode", "push"}}));
+        // 0.0.0.0: the side channel listens everywhere; reached at the engine's address.
+        EXPECT_EQ(dk, json({{"do_remote_prefill", true},
+                            {"ferry_transfer_id", tid},
+                            {"remote_host", "127.0.0.1"},
+                            {"remote_port", 7777},
+                            {"remote_tp_size", 2}}));
+    }
+    EXPECT_EQ(apart.load(), 0) << "a prefill leg's decode leg came only after its answer";
+    auto h = http_get(kHost, router->port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok());
+    EXPECT_NE(h->body.find("\"side_channel\":\"127.0.0.1:7777\""), std::string::npos) << h->body;
+    router->stop();
+}
+
+// Pull: prefill first; decode gets prefill's kv_transfer_params unchanged.
+TEST(RouterVllm, PullPassesPrefillsParametersToDecodeUnchanged) {
+    const json offered = {{"do_remote_prefill", true},  {"do_remote_decode", false},
+                          {"ferry_transfer_id", 9},     {"ferry_mode", "pull"},
+                          {"remote_host", "127.0.0.1"}, {"remote_port", 7001},
+                          {"remote_block_ids", {3, 4}}, {"ferry_capability", "ab"}};
+    FakeVllm prefill(
+        "mode=\"pull\",host=\"127.0.0.1\",port=\"7001\",tp_size=\"1\"",
+        [&offered](FakeVllm&, const json&) {
+            return json({{"choices", {{{"text", "x"}}}}, {"kv_transfer_params", offered}}).dump();
+        });
+    FakeVllm decode("mode=\"push\",host=\"127.0.0.1\",port=\"7002\",tp_size=\"1\"",
+                    [](FakeVllm&, const json&) {
+                        return json({{"choices", {{{"text", "decoded"}}}}}).dump();
+                    });
+    auto router = Router::start(vllm_router(RouterMode::kPull, prefill, decode)).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                            R"({"model":"tiny","prompt":"hi","max_tokens":3})", seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->status, 200) << r->body;
+    std::lock_guard lp(prefill.mu), ld(decode.mu);
+    ASSERT_EQ(prefill.legs.size(), 1u);
+    ASSERT_EQ(decode.legs.size(), 1u);
+    EXPECT_EQ(prefill.legs[0].second["kv_transfer_params"]["ferry_mode"], "pull");
+    EXPECT_EQ(decode.legs[0].second["kv_transfer_params"], offered);
+    router->stop();
+}
+
+// Readiness: a prefill engine of another mode, an engine without FerryConnector, and ferry's own
+// engine leave a vLLM router not ready, its /health naming the flag to change.
+TEST(RouterVllm, AnEngineOfAnotherModeOrWithoutTheConnectorIsNotReadyAndNamesTheFlag) {
+    auto no_legs = [](FakeVllm&, const json&) { return std::string("{}"); };
+    FakeVllm pull("mode=\"pull\",host=\"127.0.0.1\",port=\"7001\",tp_size=\"1\"", no_legs);
+    FakeVllm none("", no_legs);
+    struct Case {
+        RouterMode mode;
+        FakeVllm* prefill;
+        std::vector<std::string> words;
+    } cases[] = {
+        {RouterMode::kPush, &pull, {"--mode push", "\\\"mode\\\":\\\"pull\\\""}},
+        {RouterMode::kPull, &none, {"vllm:ferry_connector_info", "--kv-transfer-config"}},
+    };
+    for (const Case& c : cases) {
+        SCOPED_TRACE(c.words[0]);
+        auto router = Router::start(vllm_router(c.mode, *c.prefill, pull)).value();
+        std::string body;
+        EXPECT_TRUE(eventually([&] {
+            auto h = http_get(kHost, router->port(), "/health", seconds(2));
+            body = h.ok() ? h->body : "";
+            return h.ok() && h->status == 503 && body.find(c.words[0]) != std::string::npos;
+        })) << body;
+        for (const auto& w : c.words) EXPECT_NE(body.find(w), std::string::npos) << w << body;
+        auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                                R"({"model":"tiny","prompt":"hi"})", seconds(5));
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->status, 503) << r->body;
+        router->stop();
+    }
+}
+
+TEST(RouterVllm, ParsesTheConnectorInfoGauge) {
+    auto i = parse_vllm_connector_info(
+        "# TYPE vllm:ferry_connector_info gauge\n"
+        "vllm:ferry_connector_info{model_name=\"m\",engine=\"0\",mode=\"pull\",host=\"10.0.0.2\","
+        "port=\"7710\",tp_size=\"4\"} 1.0\n");
+    ASSERT_TRUE(i.ok()) << i.status().to_string();
+    EXPECT_EQ(i->mode, "pull");
+    EXPECT_EQ(i->host, "10.0.0.2");
+    EXPECT_EQ(i->port, 7710);
+    EXPECT_EQ(i->tp_size, 4);
+    EXPECT_FALSE(parse_vllm_connector_info("vllm:other 1\n").ok());
+    EXPECT_FALSE(parse_vllm_connector_info(
+                     "vllm:ferry_connector_info{mode=\"both\",host=\"h\",port=\"1\"} 1\n")
+                     .ok());
+    EXPECT_FALSE(parse_vllm_connector_info(
+                     "vllm:ferry_connector_info{mode=\"push\",host=\"h\",port=\"x\"} 1\n")
+                     .ok());
 }
 
 }  // namespace

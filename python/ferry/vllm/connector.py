@@ -237,6 +237,9 @@ class FerryConnectorMetadata(KVConnectorMetadata):
 # ferry's byte counters in vLLM's metrics: the worker reports what moved since its last report
 # (get_kv_connector_stats), vLLM carries it to its API server, which adds it to Prometheus
 # counters (/metrics: vllm:ferry_bytes_received_total, vllm:ferry_bytes_posted_total).
+# The API server also states the connector's config there, as an info gauge that `ferry serve
+# router --engines vllm` reads at readiness: vllm:ferry_connector_info{mode, host, port, tp_size}
+# 1 (the mode of its prefill requests and the side channel decode engines reach it at).
 
 STAT_NAMES = {
     "bytes_received": "KV bytes that arrived in this engine's blocks (decode: push writes "
@@ -274,6 +277,18 @@ class FerryPromMetrics(KVConnectorPromMetrics):
                 self._counter_cls(name=f"vllm:ferry_{k}", documentation=doc,
                                   labelnames=labelnames), per_engine_labelvalues)
             for k, doc in STAT_NAMES.items()}
+        # Built in the API server's process (vLLM's PrometheusStatLogger), from the same config
+        # the engine core's connector reads.
+        o = FerryOptions.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        info = self._gauge_cls(
+            name="vllm:ferry_connector_info",
+            documentation="FerryConnector's config: the mode of its prefill requests and its "
+                          "side channel (host, port of TP rank 0, tp_size); always 1",
+            labelnames=labelnames + ["mode", "host", "port", "tp_size"],
+            multiprocess_mode="mostrecent")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        for values in per_engine_labelvalues.values():
+            info.labels(*values, o.mode, o.host, str(o.port), str(tp)).set(1)
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
         for k, v in (transfer_stats_data or {}).items():
