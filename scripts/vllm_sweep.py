@@ -695,8 +695,11 @@ async def sweep(args, workdir):
     runs, running = [], {}
     t_start = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A connection per request: an engine stopped between its modes' runs (SIGSTOP) closes its
+    # idle keep-alive connections when it runs again, and a request reusing one failed with
+    # "Server disconnected" (a --quick run, 2026-12-07).
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         try:
             for phase_i, modes in enumerate(args.phases):
                 phase = chr(ord("A") + phase_i)
