@@ -251,7 +251,7 @@ def summarize(runs: list) -> list:
     for run in runs:
         row = {k: run[k] for k in ("phase", "mode", "input", "qps")}
         row.update(summarize_samples(run["samples"]))
-        for k in ("decode_local_tokens", "decode_transferred_tokens", "wall_s"):
+        for k in ("decode_local_tokens", "decode_transferred_tokens", "wall_s", "loadavg_1m"):
             row[k] = run.get(k)
         rows.append(row)
     return rows
@@ -326,7 +326,8 @@ COLOURS = {"ferry-push": "#1f77b4", "ferry-pull": "#ff7f0e", "nixl-push": "#2ca0
 
 def svg(rows: list, title: str = "") -> str:
     """TTFT (top) and TPOT (bottom) p50 against QPS, one column per input length, one line per
-    mode and phase (phases after the first dashed). No plotting library needed."""
+    mode and phase (phases after the first dashed); both axes logarithmic (the modes differ by
+    orders of magnitude here). No plotting library needed."""
     inputs = sorted({r["input"] for r in rows})
     phases = sorted({r["phase"] for r in rows})
     series = sorted({(r["phase"], r["mode"]) for r in rows},
@@ -345,18 +346,22 @@ def svg(rows: list, title: str = "") -> str:
                                              ("tpot_p50_ms", "TPOT p50 (ms)"))):
         for col, inp in enumerate(inputs):
             x0, y0 = ml + col * (pw + ml), mt + row_i * (ph + 60)
-            vals = [r[metric] for r in rows if r["input"] == inp and r[metric] is not None]
-            top = max(vals) * 1.1 if vals else 1.0
+            vals = [r[metric] for r in rows if r["input"] == inp and r[metric]]
+            lo = math.floor(math.log10(min(vals))) if vals else 0
+            hi = max(lo + 1, math.ceil(math.log10(max(vals)))) if vals else 1
+
+            def ypos(v, y0=y0, lo=lo, hi=hi):
+                return y0 + ph - ph * (math.log10(v) - lo) / (hi - lo)
             el.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" '
                       f'stroke="#888"/>')
             el.append(f'<text x="{x0 + pw / 2}" y="{y0 - 6}" text-anchor="middle">{label}, '
                       f'input {inp}</text>')
-            for k in range(5):
-                v = top * k / 4
-                y = y0 + ph - ph * k / 4
+            for k in range(lo, hi + 1):
+                y = ypos(10.0 ** k)
                 el.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + pw}" y2="{y:.1f}" '
                           f'stroke="#eee"/>')
-                el.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+                el.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** k:g}'
+                          f'</text>')
             for q in qps_all:
                 x = x0 + pw * (math.log2(q) - xlo) / (xhi - xlo)
                 el.append(f'<text x="{x:.1f}" y="{y0 + ph + 14}" text-anchor="middle">{q:g}'
@@ -365,12 +370,12 @@ def svg(rows: list, title: str = "") -> str:
                       f'</text>')
             for phase, mode in series:
                 pts = sorted((r["qps"], r[metric]) for r in rows if r["input"] == inp and
-                             r["phase"] == phase and r["mode"] == mode and r[metric] is not None)
+                             r["phase"] == phase and r["mode"] == mode and r[metric])
                 if not pts:
                     continue
                 coords = " ".join(
                     f"{x0 + pw * (math.log2(q) - xlo) / (xhi - xlo):.1f},"
-                    f"{y0 + ph - ph * v / top:.1f}" for q, v in pts)
+                    f"{ypos(v):.1f}" for q, v in pts)
                 dash = ' stroke-dasharray="5,3"' if phase != phases[0] else ""
                 el.append(f'<polyline points="{coords}" fill="none" stroke="{COLOURS[mode]}" '
                           f'stroke-width="2"{dash}/>')
@@ -748,12 +753,13 @@ async def sweep(args, workdir):
                             await one_request(mode, session, engines, warm[0], 2, rng)
                         except Exception as e:  # noqa: BLE001
                             print(f"  re-warm of {mode} failed: {e}", flush=True)
+                        load = os.getloadavg()[0]
                         before = await prompt_counters(session, engines["decode"])
                         samples, wall = await run_point(mode, session, engines, prompts,
                                                         offsets, args.output, rng)
                         after = await prompt_counters(session, engines["decode"])
                         run = {"phase": phase, "mode": mode, "input": inp, "qps": qps,
-                               "samples": samples, "wall_s": wall}
+                               "samples": samples, "wall_s": wall, "loadavg_1m": load}
                         if mode != "baseline":
                             run["decode_local_tokens"] = after[0] - before[0]
                             run["decode_transferred_tokens"] = after[1] - before[1]
@@ -762,7 +768,8 @@ async def sweep(args, workdir):
                         print(f"[{time.monotonic() - t_start:6.0f}s] {phase} in={inp} "
                               f"qps={qps:g} {mode:10s} n={n} failed={s['failed']} "
                               f"TTFT p50 {fmt(s['ttft_p50_ms'])} p99 {fmt(s['ttft_p99_ms'])} ms, "
-                              f"TPOT p50 {fmt(s['tpot_p50_ms'], 1)} ms ({wall:.1f} s)",
+                              f"TPOT p50 {fmt(s['tpot_p50_ms'], 1)} ms ({wall:.1f} s, "
+                              f"load {load:.1f})",
                               flush=True)
                         errors = [x["error"] for x in samples if x.get("error")]
                         if errors:
