@@ -131,7 +131,11 @@ def parse_args(argv=None):
     ap.add_argument("--ferry-provider", default="shm",
                     help="ferry's transport between the engines (shm, tcp; default shm: "
                          "NIXL's UCX takes shared memory on one host too)")
-    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
+    ap.add_argument("--keep-nixl-affinity", action="store_true",
+                    help="leave NIXL's workers pinned to the last core of each NUMA node, as "
+                         "vLLM's CPU path sets them (default: every engine thread may run on "
+                         "every CPU, as ferry's do)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20,
                     help="each engine's KV cache (--kv-cache-memory-bytes)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--dtype", default=os.environ.get("FERRY_VLLM_DTYPE", "float16"))
@@ -474,6 +478,31 @@ class Engine:
             except ProcessLookupError:
                 pass
 
+    def unpin(self) -> int:
+        """Lets every thread of this engine's processes run on every CPU this script may use;
+        returns how many were held to fewer. vLLM's NIXL worker on CPU pins its thread, and
+        with it the forward and every thread it starts later, to the last core of each NUMA
+        node (base_worker.py: "reserve different cores for start_load_kv()"), meant for a
+        machine whose other cores run the model. On 2 cores with two engines that puts prefill's
+        forward and decode's busy wait on one core (prefill steps of 1024 tokens took 37 s)."""
+        cpus = os.sched_getaffinity(0)
+        changed = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
+                if pgrp != self.proc.pid:
+                    continue
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    if os.sched_getaffinity(int(tid)) != cpus:
+                        os.sched_setaffinity(int(tid), cpus)
+                        changed += 1
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+        return changed
+
     def stop(self):
         if self.proc.poll() is None:
             try:
@@ -659,6 +688,17 @@ async def wait_ready(session, engines, deadline):
             await asyncio.sleep(1.0)
 
 
+def unpin(args, running):
+    if args.keep_nixl_affinity:
+        return
+    for engines in running.values():
+        for e in engines.values():
+            n = e.unpin()
+            if n:
+                print(f"  {e.name}: {n} threads were pinned to fewer CPUs; now on all",
+                      flush=True)
+
+
 async def prompt_counters(session, engine):
     """(computed locally, transferred) prompt tokens of vLLM's counters on `engine`."""
     async with session.get(engine.url("/metrics")) as r:
@@ -723,6 +763,7 @@ async def sweep(args, workdir):
                     e.signal(signal.SIGCONT)  # the engines kept from the last phase
                 await wait_ready(session, [e for k in new for e in running[k].values()],
                                  time.monotonic() + args.start_deadline)
+                unpin(args, running)
                 rng = random.Random(args.seed + phase_i)
                 # Warm-up, not measured: each engine's first request, each mode's first
                 # transfer (connections, handshakes).
@@ -737,6 +778,7 @@ async def sweep(args, workdir):
                 print(f"[{time.monotonic() - t_start:6.0f}s] phase {phase}: engines ready",
                       flush=True)
                 all_engines = [e for k in running for e in running[k].values()]
+                unpin(args, running)
                 for k, (inp, qps, n, seed) in enumerate(plan):
                     prng = random.Random(seed)
                     prompts = [[prng.randrange(3, VOCAB) for _ in range(inp)] for _ in range(n)]
