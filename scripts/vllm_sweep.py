@@ -732,12 +732,14 @@ def memory_available_gib():
     return None
 
 
-async def sweep(args, workdir):
+async def sweep(args, workdir, runs):
+    """Runs the phases, appending each mode's run at each point to `runs` as it ends (the
+    caller keeps what ran if the sweep is interrupted)."""
     import aiohttp
 
     model = make_model(args, workdir)
     plan = point_plan(args)
-    runs, running = [], {}
+    running = {}
     t_start = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
     # A connection per request: an engine stopped between its modes' runs (SIGSTOP) closes its
@@ -785,11 +787,18 @@ async def sweep(args, workdir):
                     offsets = arrivals(qps, n, prng)
                     for mode in rotated(modes, k):
                         engines = running[ENGINE_SET[mode]]
-                        # Only the measured mode's engines run; the others are stopped
-                        # (SIGSTOP), so that no idle engine's threads (NIXL's spin) take CPU
-                        # from it; one unmeasured request then finds connections alive.
+                        # Only the measured mode's engines run; NIXL's and the baseline's are
+                        # stopped (SIGSTOP) otherwise, so that no idle engine's threads (NIXL's
+                        # spin) take CPU from it; one unmeasured request then finds connections
+                        # alive. ferry's are never stopped (they nap when idle): over shm, a
+                        # process stopped inside the provider holds a lock its peer spins on,
+                        # and ferry's watchdog took that for a dead peer and wedged decode's
+                        # rail (a full run, 2026-12-07: every later ferry request failed).
                         for e in all_engines:
-                            e.signal(signal.SIGCONT if e in engines.values() else signal.SIGSTOP)
+                            if e in engines.values():
+                                e.signal(signal.SIGCONT)
+                            elif not e.name.startswith("ferry-"):
+                                e.signal(signal.SIGSTOP)
                         await asyncio.sleep(0.3)
                         try:
                             await one_request(mode, session, engines, warm[0], 2, rng)
@@ -821,7 +830,7 @@ async def sweep(args, workdir):
             for engines in running.values():
                 for e in engines.values():
                     e.stop()
-    return runs, time.monotonic() - t_start
+    return time.monotonic() - t_start
 
 
 def versions():
@@ -855,19 +864,29 @@ def main(argv=None):
     print(f"vllm_sweep: {len(plan)} points x phases {args.phases}, {total} requests per mode; "
           f"logs in {workdir}", flush=True)
     ok = False
+    runs, t0, partial = [], time.monotonic(), True
     try:
-        runs, wall = asyncio.run(sweep(args, workdir))
+        try:
+            asyncio.run(sweep(args, workdir, runs))
+            partial = False
+        except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - keep what ran
+            print(f"vllm_sweep: interrupted ({type(e).__name__}: {e}); writing the {len(runs)} "
+                  f"runs that ended", flush=True)
+            if not runs:
+                raise
+        wall = time.monotonic() - t0
         problems = check_outputs(runs)
         failed = sum(1 for r in runs for s in r["samples"] if s.get("error"))
         result = {"title": f"vLLM {versions().get('vllm')}, tiny model, output {args.output}",
                   "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                  "wall_s": wall, "args": {k: v for k, v in vars(args).items()},
+                  "wall_s": wall, "partial": partial,
+                  "args": {k: v for k, v in vars(args).items()},
                   "versions": versions(), "mismatches": problems, "failed": failed,
                   "summary": summarize(runs), "runs": runs}
         write_outputs(args, result)
         print(f"vllm_sweep: {wall / 60:.1f} min, {failed} failed requests, "
               f"{len(problems)} output mismatches", flush=True)
-        ok = not problems and not failed
+        ok = not problems and not failed and not partial
         return 0 if ok else 1
     finally:
         if ok and not args.keep_logs and not args.workdir:
