@@ -62,10 +62,11 @@ ENGINE_SET = {"ferry-push": "ferry", "ferry-pull": "ferry", "nixl-push": "nixl-p
 LABELS = {"ferry-push": "ferry push", "ferry-pull": "ferry pull",
           "nixl-push": "NixlPushConnector", "nixl-pull": "NixlConnector",
           "baseline": "vLLM, no disaggregation"}
-DEFAULT_PHASES = "ferry-push,ferry-pull,nixl-push,baseline;ferry-push,ferry-pull,nixl-pull"
+DEFAULT_PHASES = "ferry-push,ferry-pull,nixl-push;ferry-push,ferry-pull,nixl-pull;baseline"
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 VOCAB = 2000  # prompt token ids are drawn from [3, VOCAB) (the tiny model's vocabulary: 2048)
 MAX_POSITIONS = 16384  # the tiny model's
+ENGINE_GIB = 3.0  # one vLLM server of the tiny model here (API server, engine core, worker)
 REQUEST_TIMEOUT = 240.0  # one request, both legs; a request slower than this counts as failed
 
 
@@ -759,6 +760,16 @@ async def sweep(args, workdir, runs):
                 print(f"[{time.monotonic() - t_start:6.0f}s] phase {phase}: {', '.join(modes)}; "
                       f"starting {', '.join(new) or 'nothing'}"
                       + (f" ({mem:.1f} GiB available)" if mem is not None else ""), flush=True)
+                # A shared machine: wait (up to 15 minutes) until the new engines fit, rather
+                # than have the kernel kill someone's process.
+                need = ENGINE_GIB * sum(1 if k == "baseline" else 2 for k in new) + 1.0
+                waited = time.monotonic()
+                while (memory_available_gib() or need) < need and \
+                        time.monotonic() - waited < 900:
+                    if int(time.monotonic() - waited) % 60 < 5:
+                        print(f"  waiting for {need:.1f} GiB of memory "
+                              f"({memory_available_gib():.1f} GiB available)", flush=True)
+                    await asyncio.sleep(5)
                 for kind in new:
                     running[kind] = start_engine_set(kind, args, model, workdir)
                 for e in [e for k in running for e in running[k].values()]:
