@@ -297,7 +297,9 @@ def markdown(rows: list, problems: list) -> str:
                       if m in by else "-" for m in modes]
             cells += [f"{fmt(by[m]['tpot_p50_ms'], 1)} / {fmt(by[m]['tpot_p99_ms'], 1)}"
                       if m in by else "-" for m in modes]
-            if "ferry-push" in by:
+            if "ferry-push" in modes and "ferry-push" not in by:
+                cells += ["-"] * len(nixl)
+            elif "ferry-push" in by:
                 f = by["ferry-push"]
                 for m in nixl:
                     if m not in by:
