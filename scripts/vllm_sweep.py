@@ -3,7 +3,7 @@
 ferry's connector beside vLLM's own NIXL connectors (issue 32, docs/BENCHMARKS.md).
 
     build/vllm-venv/bin/python scripts/vllm_sweep.py --json sweep.json --markdown sweep.md \\
-        --svg docs/img/vllm_sweep.svg          # the full sweep (about 25 minutes on 2 cores)
+        --svg docs/img/vllm_sweep.svg          # the full sweep (over 30 minutes on 2 loaded cores)
     build/vllm-venv/bin/python scripts/vllm_sweep.py --quick     # a couple of minutes
     build/vllm-venv/bin/python scripts/vllm_sweep.py --from-json sweep.json --markdown -
     make vllm-sweep                                              # the full sweep, as above
