@@ -39,7 +39,7 @@ demo: build
 
 # The seed's sweep with real vLLM engines: ferry's connector (push, pull) beside vLLM's
 # NixlPushConnector and NixlConnector and vLLM without disaggregation (docs/BENCHMARKS.md,
-# "ferry inside vLLM beside NIXL's connectors"; about 25 minutes on 2 cores). SWEEP_ARGS=--quick
+# "ferry inside vLLM beside NIXL's connectors"; over 30 minutes on the loaded 2-core VM). SWEEP_ARGS=--quick
 # for a couple of minutes.
 SWEEP_OUT ?= $(BUILD)/vllm-sweep
 vllm-sweep: build vllm-venv
