@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 PYTHON ?= python3
 VENV = $(abspath $(BUILD))/venv
 
-.PHONY: setup venv vllm-venv configure build test demo clean
+.PHONY: setup venv vllm-venv configure build test demo vllm-sweep clean
 
 setup:
 	bash scripts/setup.sh
@@ -36,6 +36,16 @@ test: build vllm-venv
 
 demo: build
 	bash scripts/demo.sh $(BUILD)
+
+# The seed's sweep with real vLLM engines: ferry's connector (push, pull) beside vLLM's
+# NixlPushConnector and NixlConnector and vLLM without disaggregation (docs/BENCHMARKS.md,
+# "ferry inside vLLM beside NIXL's connectors"; over 30 minutes on the loaded 2-core VM). SWEEP_ARGS=--quick
+# for a couple of minutes.
+SWEEP_OUT ?= $(BUILD)/vllm-sweep
+vllm-sweep: build vllm-venv
+	mkdir -p $(SWEEP_OUT)
+	PYTHONPATH=$(abspath $(BUILD))/python $(BUILD)/vllm-venv/bin/python3 scripts/vllm_sweep.py \
+	  --json $(SWEEP_OUT)/sweep.json --markdown $(SWEEP_OUT)/sweep.md --svg $(SWEEP_OUT)/sweep.svg $(SWEEP_ARGS)
 
 clean:
 	rm -rf $(BUILD)
