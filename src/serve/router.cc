@@ -381,8 +381,10 @@ Router::EngineState Router::probe_vllm(EngineState st, int health_status, const 
     }
     auto m = http_get(a.host, a.port, "/metrics", config_.probe_timeout);
     if (!m.ok()) {
+        // The engine answered /health: alive, not down (vLLM renders /metrics in the API
+        // server's Python, which a loaded 2-core CI host left unanswered for over 5 s).
         st.why = bounded(m.status().with_context("/metrics").to_string());
-        st.unanswered = 1;
+        st.metrics_late = true;
         return st;
     }
     auto info = parse_vllm_connector_info(m->body);
@@ -485,6 +487,16 @@ void Router::store(bool prefill, size_t index, EngineState st) {
     std::lock_guard lock(state_mu_);
     auto& states = prefill ? prefill_state_ : decode_state_;
     if (st.unanswered > 0) st.unanswered += states[index].unanswered;
+    // A vLLM engine whose /metrics came late keeps what its last answer said (its connector's
+    // mode and side channel do not change while the process lives; a restart is another
+    // process, whose /metrics is read once it answers).
+    const EngineState& last = states[index];
+    if (st.metrics_late && last.ready && !last.vllm.mode.empty()) {
+        st.vllm = last.vllm;
+        st.engine_id = last.engine_id;
+        st.ready = true;
+        st.why.clear();
+    }
     // What the legs saw outlives the probe: an engine that answers /health may still leave its
     // legs unanswered.
     st.leg_timeouts = states[index].leg_timeouts;

@@ -134,6 +134,9 @@ class Router {
         size_t max_model_len = 0, vocab = 0, block_size = 0, blocks_total = 0;
         // vLLM engines: their connector's mode and side channel (host: where decode reaches it).
         VllmConnectorInfo vllm{};
+        // vLLM engines: /health answered, /metrics (rendered by the API server, slow when it is
+        // starved) did not within the probe's timeout; store() keeps what the last answer said.
+        bool metrics_late = false;
     };
 
   private:

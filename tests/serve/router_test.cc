@@ -784,6 +784,8 @@ struct FakeVllm {
     std::mutex mu;
     std::condition_variable cv;
     std::vector<std::pair<std::string, json>> legs;  // (path, body)
+    // /metrics answers only after this (a starved API server renders it late).
+    std::atomic<int> metrics_delay_ms{0};
     std::unique_ptr<HttpServer> server;
 
     // `info`: the /metrics line's labels (empty: no connector). `answer(body)`: the reply.
@@ -793,7 +795,8 @@ struct FakeVllm {
                               r.content_type = "text/plain";
                               r.body = "";
                           }});
-        routes.push_back({"GET", "/metrics", [info](const HttpRequest&, HttpReply& r) {
+        routes.push_back({"GET", "/metrics", [this, info](const HttpRequest&, HttpReply& r) {
+                              std::this_thread::sleep_for(milliseconds(metrics_delay_ms.load()));
                               r.content_type = "text/plain";
                               r.body =
                                   "# HELP vllm:num_requests_running x\n"
@@ -932,6 +935,38 @@ TEST(RouterVllm, PullPassesPrefillsParametersToDecodeUnchanged) {
     ASSERT_EQ(decode.legs.size(), 1u);
     EXPECT_EQ(prefill.legs[0].second["kv_transfer_params"]["ferry_mode"], "pull");
     EXPECT_EQ(decode.legs[0].second["kv_transfer_params"], offered);
+    router->stop();
+}
+
+// A vLLM engine that answers /health but renders /metrics late (its API server starved: 2 of
+// 4 real-engine requests of a loaded CI run were failed as "decode engine ... is down") stays
+// ready with what its last /metrics said, and its requests are served.
+TEST(RouterVllm, AnEngineWhoseMetricsComeLateStaysReady) {
+    FakeVllm decode("mode=\"push\",host=\"127.0.0.1\",port=\"7002\",tp_size=\"1\"",
+                    [](FakeVllm&, const json&) {
+                        return json({{"choices", {{{"text", "decoded"}}}}}).dump();
+                    });
+    FakeVllm prefill("mode=\"push\",host=\"127.0.0.1\",port=\"7001\",tp_size=\"1\"",
+                     [](FakeVllm&, const json&) {
+                         return json({{"choices", {{{"text", "p"}}}}}).dump();
+                     });
+    RouterConfig rc = vllm_router(RouterMode::kPush, prefill, decode);
+    rc.probe_timeout = milliseconds(150);
+    auto router = Router::start(rc).value();
+    ASSERT_TRUE(testing::wait_healthy(kHost, router->port()));
+    prefill.metrics_delay_ms = 400;
+    decode.metrics_delay_ms = 400;
+    std::this_thread::sleep_for(milliseconds(1500));  // many probes, every /metrics late
+    auto h = http_get(kHost, router->port(), "/health", seconds(2));
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    EXPECT_EQ(h->status, 200) << h->body;
+    auto r = http_post_json(kHost, router->port(), "/v1/completions",
+                            R"({"model":"tiny","prompt":"hi","max_tokens":3})", seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_NE(r->body.find("decoded"), std::string::npos) << r->body;
+    prefill.metrics_delay_ms = 0;
+    decode.metrics_delay_ms = 0;
     router->stop();
 }
 
