@@ -72,6 +72,25 @@ def test_bytes_arrive_intact_and_nothing_else_changes(pair, block_bytes, n, leng
     assert all(not np.all(source[s:s + length] == POISON) for s in src.tolist())
 
 
+def _wait_stopped(pid: int, budget: float = 10.0) -> None:
+    """Waits until every thread of `pid` is stopped (state T in /proc), at most `budget` s."""
+    import os
+
+    deadline = time.monotonic() + budget
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {budget} s")
+
+
 @pytest.mark.parametrize("config", ["ferry-tcp", "ferry-shm"])
 def test_ferry_transfer_ends_at_the_target_answer(config):
     """ferry's clock stops where Mooncake's does: at the target's confirmation, not at the
@@ -88,6 +107,9 @@ def test_ferry_transfer_ends_at_the_target_answer(config):
         at = np.array([4096], dtype=np.uint64)
         os.kill(p.procs[1].pid, signal.SIGSTOP)
         try:
+            # kill() returns before every thread of the target stopped: a rail worker still
+            # running answered the write within the 1.5 s once (a CI run, shm).
+            _wait_stopped(p.procs[1].pid)
             with pytest.raises(bp.PairError, match="TimeoutError"):
                 p.call(0, "write_runs", np.zeros(1, dtype=np.uint64), at, one, 0, 1.5)
         finally:
