@@ -346,6 +346,7 @@ bool Rail::post_pending() {
     };
     uint64_t posted = 0, bytes = 0, injected = 0, with_more = 0;
     size_t unpolled_bytes = 0;  // posted with a completion since the last CQ read
+    TimePoint posted_at{};      // read once per pass, when a read or write is first posted
     // Operations done at their post are finished after the pass's counters are published, so
     // that a caller woken by one finds it in stats() (HotPathTest's inject-size test failed 4
     // of 8 runs on shm, 2026-12-02, when they were finished first). Counters once per pass.
@@ -429,6 +430,12 @@ bool Rail::post_pending() {
             done_at_post_ops.push_back(op);
         } else {
             op->tx_gen = tx_gen_;
+            if (op->type != FabricOp::kSend) {
+                // A read or write that waited in pending_ gets op_timeout from its post to
+                // complete (see peer_answered_); a message keeps the deadline it was given.
+                if (posted_at == TimePoint{}) posted_at = Clock::now();
+                op->deadline = std::max(op->deadline, posted_at + config_.op_timeout);
+            }
             link_inflight(op);
             unpolled_bytes += op->len;
         }

@@ -502,6 +502,20 @@ class Rail {
     // walk of all of them every tick (1 ms) took most of the worker's time, more the more
     // writes were posted at once (docs/BENCHMARKS.md, "ferry beside NIXL and Mooncake").
     TimePoint pending_min_deadline_ = TimePoint::max();
+    // When each peer (by PeerId) last completed an operation of this rail, recorded while
+    // operations wait in pending_: a read or write that waits behind its peer's earlier ones
+    // (tx_depth_, or the provider pushing back) times out only once that peer has answered
+    // nothing for op_timeout, not op_timeout after it was submitted. A pull of a few thousand
+    // 64 B runs (vLLM's transposed K pages between block sizes) failed "could not be posted"
+    // under load while its peer answered throughout, and each try posted every run again.
+    std::vector<TimePoint> peer_answered_;
+    void note_answered(PeerId peer) {
+        if (peer >= peer_answered_.size()) peer_answered_.resize(peer + 1);
+        peer_answered_[peer] = Clock::now();
+    }
+    // A pending read or write whose deadline passed while its peer answered within op_timeout:
+    // its new deadline, or TimePoint{} when it has timed out.
+    TimePoint pending_deadline_after_progress(const FabricOp* op, TimePoint now) const;
     void add_pending(FabricOp* op) {
         pending_min_deadline_ = std::min(pending_min_deadline_, op->deadline);
         if (pending_.empty()) {

@@ -33,7 +33,11 @@ void Rail::finish_op(FabricOp* op, const Status& s) {
     }
     unlink_inflight(op);
     if (op->slot >= 0) free_send_slots_.push_back(op->slot);
-    if (!s.ok()) stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+    if (!s.ok()) {
+        stats_.op_errors.fetch_add(1, std::memory_order_relaxed);
+    } else if (!pending_.empty()) {
+        note_answered(op->peer);
+    }
     piece_done(op, s);
     delete op;
 }

@@ -75,6 +75,14 @@ OpState* Rail::detach(FabricOp* op) {
 
 void Rail::abandon(FabricOp* op, const Status& why) { detach(op)->piece_done(why); }
 
+TimePoint Rail::pending_deadline_after_progress(const FabricOp* op, TimePoint now) const {
+    // Messages keep their own deadlines (a control message's may be shorter than op_timeout).
+    if (op->type != FabricOp::kRead && op->type != FabricOp::kWrite) return TimePoint{};
+    if (op->peer >= peer_answered_.size()) return TimePoint{};
+    const TimePoint until = peer_answered_[op->peer] + config_.op_timeout;
+    return until > now ? until : TimePoint{};
+}
+
 void Rail::sweep_timeouts(TimePoint now) {
     while (inflight_.head && inflight_.head->deadline <= now) {
         FabricOp* op = inflight_.head;
@@ -94,6 +102,10 @@ void Rail::sweep_timeouts(TimePoint now) {
     if (now < pending_min_deadline_) return;
     pending_min_deadline_ = TimePoint::max();
     for (FabricOp* op = pending_.head; op;) {
+        if (op->deadline <= now && !peer_dead(op->dest)) {
+            const TimePoint later = pending_deadline_after_progress(op, now);
+            if (later != TimePoint{}) op->deadline = later;
+        }
         if (op->deadline > now) {
             pending_min_deadline_ = std::min(pending_min_deadline_, op->deadline);
             op = op->in_next;
@@ -110,7 +122,8 @@ void Rail::sweep_timeouts(TimePoint now) {
         }
         stats_.op_timeouts.fetch_add(1, std::memory_order_relaxed);
         op->parent->piece_done(timeout_error(
-            fmt::format("{} {} {} ms: the provider kept pushing back (peer dead or overloaded?)",
+            fmt::format("{} {} {} ms: the provider kept pushing back and the peer answered "
+                        "nothing meanwhile (peer dead or overloaded?)",
                         describe(op), kNeverPostedText, to_ms(config_.op_timeout))));
         delete op;
         op = next;

@@ -96,6 +96,17 @@ Status Exchange::barrier() {
     return r.ok() ? ok_status() : r.status();
 }
 
+Result<std::vector<long>> Exchange::pids() {
+    const long me = static_cast<long>(::getpid());
+    auto all = allgather({reinterpret_cast<const uint8_t*>(&me), sizeof(me)});
+    if (!all.ok()) return all.status();
+    std::vector<long> out(all->size(), 0);
+    for (size_t i = 0; i < out.size(); ++i) {
+        if ((*all)[i].size() == sizeof(long)) std::memcpy(&out[i], (*all)[i].data(), sizeof(long));
+    }
+    return out;
+}
+
 std::vector<ChildResult> run_processes(int n, const ChildFn& fn, Duration timeout) {
     std::fflush(stdout);
     std::fflush(stderr);

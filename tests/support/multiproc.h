@@ -26,6 +26,8 @@ class Exchange {
     // Every rank's blob, indexed by rank. Fails if the parent is gone.
     Result<std::vector<std::vector<uint8_t>>> allgather(std::span<const uint8_t> mine);
     Status barrier();
+    // Every rank's process id, indexed by rank (tests that stop or kill a peer).
+    Result<std::vector<long>> pids();
 
   private:
     int rank_;
