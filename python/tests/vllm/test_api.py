@@ -94,6 +94,11 @@ def test_extra_config_defaults_and_mistakes():
         FerryOptions.from_extra({"rails": 0})
     o = FerryOptions.from_extra({"rails": 2, "rail_selection": "all"})
     assert (o.rails, o.rail_selection) == (2, "all")
+    assert o.layerwise is True
+    assert FerryOptions.from_extra({"layerwise": False}).layerwise is False
+    assert FerryOptions.from_extra({"layerwise": "false"}).layerwise is False
+    with pytest.raises(FerryConfigError, match="layerwise must be true or false, got 'yes'"):
+        FerryOptions.from_extra({"layerwise": "yes"})
 
 
 def test_pull_params_a_decode_request_carries_are_checked():

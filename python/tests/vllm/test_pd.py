@@ -346,6 +346,7 @@ def test_push_gives_the_baseline_tokens(engines):
     assert all(want.values()), "the baseline returned no token ids (return_token_ids)"
 
     before = prompt_tokens(decode)
+    layers_before = prefill.metric("vllm:ferry_layer_writes_total")
     # Every request must give the baseline's tokens: a lost transfer (issue 32: decode's lease
     # ran out while prefill still computed a long prompt on the loaded machine) fails the test
     # as an HTTP error, wrong tokens as a mismatch.
@@ -368,6 +369,11 @@ def test_push_gives_the_baseline_tokens(engines):
             f.result()
 
     assert_prompts_moved(decode, before, requests, total)
+    # Prefill wrote layers as its forward computed them (layerwise, the default), not only
+    # whole requests at their end: at least one layer of one request (a prompt computed in
+    # chunks, or a step whose layers all went before decode registered, is written whole).
+    written = _await_metric(prefill, "vllm:ferry_layer_writes_total", layers_before)
+    assert written > 0, "prefill wrote no layer before its requests finished"
 
 
 def test_pull_gives_the_baseline_tokens(engines):
@@ -413,6 +419,17 @@ def test_a_replayed_pull_leg_reads_nothing(engines):
     assert complete(decode, ids, MAX_TOKENS, params)[0] == want
     took = _refused(decode, ids, params)
     assert took < 30, f"the replayed leg took {took:.0f} s to be refused"
+
+
+def _await_metric(engine, name, before, within=10.0):
+    """How much counter `name` grew past `before`, waiting up to `within` s for it to grow
+    (vLLM's API server hears of a step's stats a little after the step)."""
+    end = time.monotonic() + within
+    while True:
+        grown = engine.metric(name) - before
+        if grown > 0 or time.monotonic() > end:
+            return grown
+        time.sleep(0.2)
 
 
 def ferry_bytes(engine):
