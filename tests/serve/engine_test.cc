@@ -516,12 +516,12 @@ struct RecordingProducer : KvProducer {
     std::mutex mu;
     std::vector<std::pair<kv::KvFrontier, TimePoint>> progress;
     TimePoint done_at{};
-    void on_prefill_progress(const RequestId&, const KvTransferParams&, const std::vector<BlockId>&,
-                             const kv::KvFrontier& ready) override {
+    void on_prefill_progress(const std::string&, const KvTransferParams&,
+                             const std::vector<BlockId>&, const kv::KvFrontier& ready) override {
         std::lock_guard lock(mu);
         progress.emplace_back(ready, Clock::now());
     }
-    Result<KvTransferParams> on_prefill_done(const RequestId&, const KvTransferParams&,
+    Result<KvTransferParams> on_prefill_done(const std::string&, const KvTransferParams&,
                                              std::vector<BlockId>, size_t,
                                              KvDoneCallback release) override {
         {
@@ -626,7 +626,7 @@ struct LayeredConsumer : KvConsumer {
     ~LayeredConsumer() override {
         if (writer.joinable()) writer.join();
     }
-    Status on_blocks_allocated(const RequestId&, const KvTransferParams&,
+    Status on_blocks_allocated(const std::string&, const KvTransferParams&,
                                std::vector<BlockId> blocks, size_t, KvDoneCallback arrived,
                                KvProgressCallback progress) override {
         writer = std::thread([this, blocks, arrived, progress] {
@@ -648,7 +648,7 @@ struct LayeredConsumer : KvConsumer {
         });
         return ok_status();
     }
-    void cancel(const RequestId&) override {}
+    void cancel(const std::string&) override {}
 };
 
 // A decode engine fed by a LayeredConsumer.
