@@ -35,6 +35,13 @@ constexpr SettingFlag kFlags[] = {
     {"provider", "--provider", true},
     {"side_port", "--kv-port"},
     {"EngineConfig::rails", "--kv-rails"},
+    // serve::RouterConfig's, and the engines' KV mode that a router compares with its own.
+    {"RouterConfig::mode", "--mode"},
+    {"RouterConfig::engines", "--engines"},
+    {"RouterConfig::prefill", "--prefill"},
+    {"RouterConfig::decode", "--decode"},
+    {"leg_answer_timeout", "--leg-answer-timeout"},
+    {"kv_mode", "--kv-mode"},
     // serve::HttpServerOptions'.
     {"max_body_bytes", "--max-body-bytes"},
     {"header_timeout", "--header-timeout"},

@@ -143,6 +143,12 @@ struct Engine::Seq {
     bool abort_sent = false;
 
     bool prefilled() const { return computed >= req.prompt.size(); }
+    // The id the connector knows this leg by (kv_connector.h): its transfer_id, or, for a
+    // prefill leg that came without one (pull), the request id, which on_prefill_done's answer
+    // then carries to the decode leg as its transfer_id.
+    const std::string& transfer() const {
+        return req.kv.transfer_id.empty() && req.kv.do_remote_decode ? id : req.kv.transfer_id;
+    }
     // The client has its answer (finish() was called).
     bool answered() const { return handle->finished(); }
 
@@ -166,6 +172,7 @@ enum class Engine::InboxKind {
 struct Engine::InboxEvent {
     InboxKind kind = InboxKind::kNew;
     RequestId id{};
+    std::string transfer{};  // kCancelTransfer: the legs' id, as the connector knows them
     Status status{};
     std::unique_ptr<Seq> seq{};
     kv::KvFrontier ready{};  // kKvProgress: in place; kDigested: digested up to
@@ -271,7 +278,7 @@ void Engine::attach_connector(KvProducer* producer, KvConsumer* consumer) {
     producer_->on_consumer_gave_up([weak](const std::string& transfer_id, const Status& why) {
         if (auto inbox = weak.lock())
             inbox->post(Inbox::Event{.kind = Inbox::Kind::kCancelTransfer,
-                                     .id = transfer_id,
+                                     .transfer = transfer_id,
                                      .status = cancelled(why.message())});
     });
 }
@@ -403,7 +410,7 @@ void Engine::drain(Seq& seq, const Status& why) {
     finish(seq, why);
     enter(seq, Stage::kDraining);
     // The client heard; the blocks stay until the connector confirms it stopped.
-    if (!seq.kv_closed) consumer_->cancel(seq.id);
+    if (!seq.kv_closed) consumer_->cancel(seq.transfer());
 }
 
 void Engine::hold(Seq& seq) {
@@ -518,7 +525,7 @@ void Engine::handle(InboxEvent& e) {
             cancel_seq(e.id, cancelled(fmt::format("request {} cancelled by the client", e.id)));
             break;
         case Inbox::Kind::kCancelTransfer:
-            cancel_transfer(e.id, e.status);
+            cancel_transfer(e.transfer, e.status);
             break;
         case Inbox::Kind::kKvArrived:
             on_kv_arrived(e.id, e.status);
@@ -581,11 +588,12 @@ void Engine::accept(std::unique_ptr<Seq> owned) {
     enter(s, Stage::kAwaitingPrefill);
     s.deadline = Clock::now() + config_.kv_wait_timeout;
     std::weak_ptr<Inbox> weak = inbox_;
-    Status st = consumer_->await_prefill_scheduled(id, s.req.kv, [weak, id](Status scheduled) {
-        if (auto in = weak.lock())
-            in->post(Inbox::Event{
-                .kind = Inbox::Kind::kScheduled, .id = id, .status = std::move(scheduled)});
-    });
+    Status st =
+        consumer_->await_prefill_scheduled(s.transfer(), s.req.kv, [weak, id](Status scheduled) {
+            if (auto in = weak.lock())
+                in->post(Inbox::Event{
+                    .kind = Inbox::Kind::kScheduled, .id = id, .status = std::move(scheduled)});
+        });
     if (!st.ok()) {
         finish(s, st.with_context("KV connector refused the request"));
         retire(id);
@@ -600,18 +608,17 @@ void Engine::cancel_transfer(const std::string& transfer_id, const Status& reaso
     // Legs of this transfer not answered yet, wherever they are; normally exactly one.
     std::vector<RequestId> ids;
     for (const auto& [id, s] : requests_)
-        if (s->req.kv.transfer_id == transfer_id && s->stage != Stage::kHeldByConnector &&
+        if (s->transfer() == transfer_id && s->stage != Stage::kHeldByConnector &&
             s->stage != Stage::kDraining)
             ids.push_back(id);
     for (const auto& id : ids) cancel_seq(id, why);
     // Prefill legs already handed over: the connector holds their blocks for decode (push:
     // writes; pull: the offer's lease) and must let them go now.
     for (auto& [id, s] : requests_) {
-        if (s->stage != Stage::kHeldByConnector || s->abort_sent ||
-            s->req.kv.transfer_id != transfer_id)
+        if (s->stage != Stage::kHeldByConnector || s->abort_sent || s->transfer() != transfer_id)
             continue;
         s->abort_sent = true;
-        producer_->on_transfer_aborted(id, s->req.kv, why);
+        producer_->on_transfer_aborted(s->transfer(), s->req.kv, why);
     }
 }
 
@@ -628,7 +635,7 @@ void Engine::cancel_seq(const RequestId& id, const Status& why) {
             }
             finish(*s, why);
             // A push decode leg holds no blocks yet: the connector only stops waiting.
-            if (s->stage == Stage::kAwaitingPrefill) consumer_->cancel(id);
+            if (s->stage == Stage::kAwaitingPrefill) consumer_->cancel(s->transfer());
             retire(id);
             return;
         case Stage::kAwaitingKv:
@@ -649,7 +656,7 @@ void Engine::abort_prefill(Seq& s, const Status& why) {
     s.abort_sent = true;
     std::weak_ptr<Inbox> weak = inbox_;
     RequestId id = s.id;
-    producer_->on_prefill_aborted(id, s.req.kv, why, [weak, id](Status released) {
+    producer_->on_prefill_aborted(s.transfer(), s.req.kv, why, [weak, id](Status released) {
         if (auto in = weak.lock())
             in->post(Inbox::Event{
                 .kind = Inbox::Kind::kReleased, .id = id, .status = std::move(released)});
@@ -737,8 +744,9 @@ void Engine::advance_kv(const RequestId& id) {
 
 Status Engine::abort_transfer(const std::string& transfer_id, const std::string& reason) {
     if (transfer_id.empty()) return invalid_argument("abort needs a transfer_id");
-    inbox_->post(Inbox::Event{
-        .kind = Inbox::Kind::kCancelTransfer, .id = transfer_id, .status = cancelled(reason)});
+    inbox_->post(Inbox::Event{.kind = Inbox::Kind::kCancelTransfer,
+                              .transfer = transfer_id,
+                              .status = cancelled(reason)});
     return ok_status();
 }
 
@@ -761,7 +769,7 @@ void Engine::expire_kv_waits() {
                       "the prefill engine did not schedule transfer {} of request {} within "
                       "{:.0f} ms",
                       s.req.kv.transfer_id, s.id, to_ms(config_.kv_wait_timeout))));
-        consumer_->cancel(id);
+        consumer_->cancel(s.transfer());
         retire(id);
     }
 }
@@ -806,7 +814,7 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
             std::weak_ptr<Inbox> weak = inbox_;
             RequestId id = s.id;
             Status st = consumer_->on_blocks_allocated(
-                id, s.req.kv, s.blocks, s.req.prompt.size(),
+                s.transfer(), s.req.kv, s.blocks, s.req.prompt.size(),
                 [weak, id](Status arrived) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{.kind = Inbox::Kind::kKvArrived,
@@ -828,7 +836,7 @@ void Engine::admit(std::vector<Seq*>& prefill_batch) {
         } else {
             batch_tokens += s.req.prompt.size();
             pending += s.req.prompt.size();
-            if (s.req.kv.do_remote_decode) producer_->on_prefill_scheduled(s.id, s.req.kv);
+            if (s.req.kv.do_remote_decode) producer_->on_prefill_scheduled(s.transfer(), s.req.kv);
             prefill_batch.push_back(&s);
             enter(s, Stage::kRunning);
         }
@@ -935,7 +943,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
                 continue;
             s.handovers++;
             producer_->on_prefill_progress(
-                s.id, s.req.kv, s.blocks,
+                s.transfer(), s.req.kv, s.blocks,
                 kv::KvFrontier{uint32_t(s.computed), uint32_t(s.computed + step[i].tokens),
                                uint32_t(group.end)});
         }
@@ -962,7 +970,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             // Push writes this chunk's KV while the next chunks compute.
             if (s.req.kv.do_remote_decode) {
                 s.handovers++;
-                producer_->on_prefill_progress(s.id, s.req.kv, s.blocks,
+                producer_->on_prefill_progress(s.transfer(), s.req.kv, s.blocks,
                                                kv::KvFrontier{uint32_t(s.computed)});
             }
             continue;
@@ -985,7 +993,7 @@ void Engine::run_prefill(const std::vector<StepChunk>& step) {
             std::weak_ptr<Inbox> weak = inbox_;
             RequestId id = s.id;
             auto out = producer_->on_prefill_done(
-                id, s.req.kv, s.blocks, s.req.prompt.size(), [weak, id](Status released) {
+                s.transfer(), s.req.kv, s.blocks, s.req.prompt.size(), [weak, id](Status released) {
                     if (auto in = weak.lock())
                         in->post(Inbox::Event{.kind = Inbox::Kind::kReleased,
                                               .id = id,

@@ -40,8 +40,8 @@ class FabricKvLink::Impl {
     int http_port = 0;
 
     // The link keeps of a transfer only the engine's side of it: the string id and the
-    // callback to answer, and on decode the request, the peer and whether the connector has it
-    // yet. The transfer's own state (attempts, segments, writes, leases) is the connector's.
+    // callback to answer, and on decode the peer and whether the connector has it yet. The
+    // transfer's own state (attempts, segments, writes, leases) is the connector's.
     struct Send {
         std::string transfer_id;
         KvDoneCallback release;
@@ -52,7 +52,6 @@ class FabricKvLink::Impl {
         enum class Phase { kAwait, kRecv };
         Phase phase = Phase::kRecv;
         std::string transfer_id;
-        RequestId request;
         KvDoneCallback done;  // `scheduled` (kAwait) or `arrived` (kRecv)
         std::string peer;     // host:http_port, forgotten when the transfer fails
         bool issued = false;  // handed to the connector
@@ -61,10 +60,9 @@ class FabricKvLink::Impl {
     };
     using Phase = Recv::Phase;
     mutable std::mutex mu;
-    std::map<uint64_t, Send> sends;                 // by the connector's key
-    std::map<uint64_t, Recv> recvs;                 // by the connector's key
-    std::map<RequestId, uint64_t> recv_of_request;  // for cancel(request)
-    std::map<std::string, int> side_ports;          // peer host:http_port -> side-channel port
+    std::map<uint64_t, Send> sends;         // by the connector's key
+    std::map<uint64_t, Recv> recvs;         // by the connector's key
+    std::map<std::string, int> side_ports;  // peer host:http_port -> side-channel port
     // Prefill, push: legs scheduled and not handed over yet, by key, so that a decode that
     // gives one up names it to the engine (gave_up) while its prompt still computes.
     std::map<uint64_t, std::string> computing;
@@ -108,8 +106,6 @@ class FabricKvLink::Impl {
     }
 
     void erase_recv_locked(std::map<uint64_t, Recv>::iterator it) {
-        auto r = recv_of_request.find(it->second.request);
-        if (r != recv_of_request.end() && r->second == it->first) recv_of_request.erase(r);
         keys->release(it->second.transfer_id);
         recvs.erase(it);
     }
@@ -549,22 +545,22 @@ void FabricKvLink::stop() {
             p->keys->release(leg.mapped().transfer_id);
             recvs.insert(std::move(leg));
         }
-        p->recv_of_request.clear();
     }
     Status why = cancelled("KV link stopped");
     for (auto& [id, s] : sends) s.release(why);
     for (auto& [id, r] : recvs) r.done(why);
 }
 
-void FabricKvLink::on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {
+void FabricKvLink::on_prefill_scheduled(const std::string& transfer,
+                                        const KvTransferParams& params) {
     Impl* p = impl_.get();
     if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
-    auto tid = p->keys->key_of(params.transfer_id);
+    auto tid = p->keys->key_of(transfer);
     // on_prefill_done refuses the leg with this error.
     if (!tid.ok()) return log(LogLevel::kWarn, kLog, "{}", tid.status().message());
     {
         std::lock_guard lk(p->mu);
-        p->computing[*tid] = params.transfer_id;
+        p->computing[*tid] = transfer;
     }
     (void)p->conn->prefill_scheduled(*tid);
 }
@@ -576,33 +572,33 @@ void FabricKvLink::on_consumer_gave_up(GaveUpHandler stop) {
 
 size_t FabricKvLink::max_progress_handovers() const { return impl_->max_handovers; }
 
-void FabricKvLink::on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+void FabricKvLink::on_prefill_progress(const std::string& transfer, const KvTransferParams& params,
                                        const std::vector<BlockId>& blocks,
                                        const kv::KvFrontier& ready) {
     Impl* p = impl_.get();
     if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return;
-    auto tid = p->keys->key_of(params.transfer_id);
+    auto tid = p->keys->key_of(transfer);
     Status st = tid.ok() ? p->conn->prefill_progress(*tid, blocks, ready) : tid.status();
     // Not fatal: what progress did not send, prefill_done sends.
     if (!st.ok())
-        log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", params.transfer_id,
+        log(LogLevel::kWarn, kLog, "transfer {}: progress not handed over: {}", transfer,
             st.to_string());
 }
 
-void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+void FabricKvLink::on_prefill_aborted(const std::string& transfer, const KvTransferParams& params,
                                       const Status& why, KvDoneCallback release) {
     Impl* p = impl_.get();
     if (p->cfg.mode != kv::TransferMode::kPush || params.transfer_id.empty()) return release(why);
-    p->stop_computing(params.transfer_id);
+    p->stop_computing(transfer);
     uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
-        auto key = p->conn ? p->keys->acquire(params.transfer_id)
+        auto key = p->conn ? p->keys->acquire(transfer)
                            : Result<uint64_t>(unavailable("KV link is stopped"));
         if (!key.ok()) return release(why);  // stopped, or the key is another transfer's
         tid = *key;
-        if (!p->sends.emplace(tid, Impl::Send{params.transfer_id, release}).second) {
-            p->keys->release(params.transfer_id);
+        if (!p->sends.emplace(tid, Impl::Send{transfer, release}).second) {
+            p->keys->release(transfer);
             release(why);  // the transfer already has a prefill side
             return;
         }
@@ -618,27 +614,27 @@ void FabricKvLink::on_prefill_aborted(const RequestId& request, const KvTransfer
     }
 }
 
-void FabricKvLink::on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+void FabricKvLink::on_transfer_aborted(const std::string& transfer, const KvTransferParams& params,
                                        const Status& why) {
     Impl* p = impl_.get();
-    // The id on_prefill_done registered.
-    const std::string& id = params.transfer_id.empty() ? request : params.transfer_id;
     uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
-        auto key = p->keys->key_of(id);
+        auto key = p->keys->key_of(transfer);
         if (!key.ok()) return;  // the key is another transfer's: this one is not here
         tid = *key;
         auto it = p->sends.find(tid);
-        if (!p->conn || it == p->sends.end() || it->second.transfer_id != id) return;  // released
+        if (!p->conn || it == p->sends.end() || it->second.transfer_id != transfer)
+            return;  // released
     }
     // on_send_done(why) releases once no write reads the blocks.
     Status st = p->conn->abort_send(tid, why.ok() ? cancelled("transfer aborted") : why);
     if (!st.ok())
-        log(LogLevel::kWarn, kLog, "transfer {}: abort not handed over: {}", id, st.to_string());
+        log(LogLevel::kWarn, kLog, "transfer {}: abort not handed over: {}", transfer,
+            st.to_string());
 }
 
-Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
+Result<KvTransferParams> FabricKvLink::on_prefill_done(const std::string& transfer,
                                                        const KvTransferParams& params,
                                                        std::vector<BlockId> blocks,
                                                        size_t num_tokens, KvDoneCallback release) {
@@ -646,24 +642,24 @@ Result<KvTransferParams> FabricKvLink::on_prefill_done(const RequestId& request,
     bool push = p->cfg.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
-    if (push) p->stop_computing(params.transfer_id);
+    if (push) p->stop_computing(transfer);
     FERRY_RETURN_IF_ERROR(verify_kv_params(p->cfg.secret, params));
-    std::string id = params.transfer_id.empty() ? request : params.transfer_id;
     uint64_t tid = 0;
     KvTransferParams out;
     {
         std::lock_guard lk(p->mu);
         if (!p->conn) return unavailable("KV link is stopped");
-        FERRY_ASSIGN_OR_RETURN(tid, p->keys->acquire(id));
-        if (!p->sends.emplace(tid, Impl::Send{id, std::move(release)}).second) {
-            p->keys->release(id);
-            return invalid_argument(fmt::format("transfer {} already has a prefill side", id));
+        FERRY_ASSIGN_OR_RETURN(tid, p->keys->acquire(transfer));
+        if (!p->sends.emplace(tid, Impl::Send{transfer, std::move(release)}).second) {
+            p->keys->release(transfer);
+            return invalid_argument(
+                fmt::format("transfer {} already has a prefill side", transfer));
         }
         out.remote_host = p->http_host;
         out.remote_port = p->http_port;
     }
     out.do_remote_prefill = true;
-    out.transfer_id = id;
+    out.transfer_id = transfer;
     out.remote_engine_id = p->cfg.engine_id;
     out.remote_block_ids = blocks;
     Status st;
@@ -724,7 +720,6 @@ static Result<uint64_t> add_decode_leg(FabricKvLink::Impl& p, FabricKvLink::Impl
         return invalid_argument(
             fmt::format("transfer {} already has a decode side", leg.transfer_id));
     }
-    p.recv_of_request[leg.request] = tid;
     p.recvs.emplace(tid, std::move(leg));
     return tid;
 }
@@ -736,7 +731,7 @@ static Status drop_decode_leg(FabricKvLink::Impl& p, uint64_t tid) {
     return unavailable("KV link is stopping");
 }
 
-Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
+Status FabricKvLink::await_prefill_scheduled(const std::string& transfer,
                                              const KvTransferParams& params,
                                              KvDoneCallback scheduled) {
     Impl* p = impl_.get();
@@ -746,8 +741,7 @@ Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
     }
     FERRY_RETURN_IF_ERROR(check_decode_leg(p->cfg, params));
     Impl::Recv leg{.phase = Impl::Phase::kAwait,
-                   .transfer_id = params.transfer_id,
-                   .request = request,
+                   .transfer_id = transfer,
                    .done = std::move(scheduled),
                    .peer = fmt::format("{}:{}", params.remote_host, params.remote_port)};
     FERRY_ASSIGN_OR_RETURN(uint64_t tid, add_decode_leg(*p, std::move(leg)));
@@ -755,14 +749,14 @@ Status FabricKvLink::await_prefill_scheduled(const RequestId& request,
     return drop_decode_leg(*p, tid);
 }
 
-Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+Status FabricKvLink::on_blocks_allocated(const std::string& transfer,
+                                         const KvTransferParams& params,
                                          std::vector<BlockId> blocks, size_t num_tokens,
                                          KvDoneCallback arrived, KvProgressCallback progress) {
     Impl* p = impl_.get();
     FERRY_RETURN_IF_ERROR(check_decode_leg(p->cfg, params));
     Impl::Recv leg{.phase = Impl::Phase::kRecv,
-                   .transfer_id = params.transfer_id,
-                   .request = request,
+                   .transfer_id = transfer,
                    .done = std::move(arrived),
                    .peer = fmt::format("{}:{}", params.remote_host, params.remote_port),
                    .progress = std::move(progress)};
@@ -779,17 +773,17 @@ Status FabricKvLink::on_blocks_allocated(const RequestId& request, const KvTrans
     return drop_decode_leg(*p, tid);
 }
 
-void FabricKvLink::cancel(const RequestId& request) {
+void FabricKvLink::cancel(const std::string& transfer) {
     Impl* p = impl_.get();
     std::lock_guard ilk(p->issue_mu);
     uint64_t tid = 0;
     {
         std::lock_guard lk(p->mu);
-        auto it = p->recv_of_request.find(request);
-        if (it == p->recv_of_request.end()) return;
-        tid = it->second;
+        auto key = p->keys->key_of(transfer);
+        if (!key.ok()) return;  // the key is another transfer's: this one is not here
+        tid = *key;
         auto leg = p->recvs.find(tid);
-        if (leg == p->recvs.end()) return;
+        if (leg == p->recvs.end() || leg->second.transfer_id != transfer) return;
         Impl::Recv& r = leg->second;
         r.cancelled = true;
         // Not handed to the connector yet: announce() / issue() answer when they get to it.

@@ -2,9 +2,10 @@
 // engine's pool registered, a kv::KvConnector, and a HandshakeServer on a side-channel port.
 // One FabricKvLink per engine process; prefill uses it as producer, decode as consumer.
 //
-// The link keeps only what maps the engine's view onto the connector's: which request and
-// callback belong to which transfer key (kv::TransferKeys, so that two transfer ids never
-// share a key silently), and which peer a decode leg came from. The per-transfer state itself
+// The link keeps only what maps the engine's view onto the connector's: which callback belongs
+// to which transfer key (the 64-bit id the kv layer's messages carry, from the leg's string
+// transfer id through kv::TransferKeys, so that two transfer ids never share a key silently),
+// and which peer a decode leg came from. The per-transfer state itself
 // (attempts, segments, writes, leases) is the connector's; what a request waits for is the
 // engine's.
 //
@@ -118,26 +119,26 @@ class FabricKvLink : public KvProducer, public KvConsumer {
     // Fails what is pending with kCancelled (every callback runs once), joins the threads.
     void stop();
 
-    void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) override;
-    void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+    void on_prefill_scheduled(const std::string& transfer, const KvTransferParams& params) override;
+    void on_prefill_progress(const std::string& transfer, const KvTransferParams& params,
                              const std::vector<BlockId>& blocks,
                              const kv::KvFrontier& ready) override;
     size_t max_progress_handovers() const override;
-    Result<KvTransferParams> on_prefill_done(const RequestId& request,
+    Result<KvTransferParams> on_prefill_done(const std::string& transfer,
                                              const KvTransferParams& params,
                                              std::vector<BlockId> blocks, size_t num_tokens,
                                              KvDoneCallback release) override;
-    void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+    void on_prefill_aborted(const std::string& transfer, const KvTransferParams& params,
                             const Status& why, KvDoneCallback release) override;
-    void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+    void on_transfer_aborted(const std::string& transfer, const KvTransferParams& params,
                              const Status& why) override;
     void on_consumer_gave_up(GaveUpHandler stop) override;
-    Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
+    Status await_prefill_scheduled(const std::string& transfer, const KvTransferParams& params,
                                    KvDoneCallback scheduled) override;
-    Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+    Status on_blocks_allocated(const std::string& transfer, const KvTransferParams& params,
                                std::vector<BlockId> blocks, size_t num_tokens,
                                KvDoneCallback arrived, KvProgressCallback progress) override;
-    void cancel(const RequestId& request) override;
+    void cancel(const std::string& transfer) override;
     // Both roles: kv_transfer_params must carry the router's tag for this request and engine,
     // signed for this link's incarnation, unexpired and not used before (kv_params_auth.h,
     // LegTagLedger).

@@ -20,16 +20,16 @@ struct InProcessKvLink::Endpoint {
 class InProcessKvLink::Producer : public KvProducer {
   public:
     Producer(InProcessKvLink* link, Endpoint* ep) : link_(link), ep_(ep) {}
-    Result<KvTransferParams> on_prefill_done(const RequestId& request,
+    Result<KvTransferParams> on_prefill_done(const std::string& transfer,
                                              const KvTransferParams& params,
                                              std::vector<BlockId> blocks, size_t num_tokens,
                                              KvDoneCallback release) override {
-        return link_->prefill_done(ep_, request, params, std::move(blocks), num_tokens,
+        return link_->prefill_done(ep_, transfer, params, std::move(blocks), num_tokens,
                                    std::move(release));
     }
-    void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+    void on_transfer_aborted(const std::string& transfer, const KvTransferParams& params,
                              const Status& why) override {
-        link_->abort_prefill(ep_, request, params, why);
+        link_->abort_prefill(ep_, transfer, why);
     }
 
   private:
@@ -40,13 +40,13 @@ class InProcessKvLink::Producer : public KvProducer {
 class InProcessKvLink::Consumer : public KvConsumer {
   public:
     Consumer(InProcessKvLink* link, Endpoint* ep) : link_(link), ep_(ep) {}
-    Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+    Status on_blocks_allocated(const std::string& transfer, const KvTransferParams& params,
                                std::vector<BlockId> blocks, size_t num_tokens,
                                KvDoneCallback arrived, KvProgressCallback) override {
-        return link_->blocks_allocated(ep_, request, params, std::move(blocks), num_tokens,
+        return link_->blocks_allocated(ep_, transfer, params, std::move(blocks), num_tokens,
                                        std::move(arrived));
     }
-    void cancel(const RequestId& request) override { link_->cancel(ep_, request); }
+    void cancel(const std::string& transfer) override { link_->cancel(ep_, transfer); }
 
   private:
     InProcessKvLink* link_;
@@ -123,29 +123,27 @@ uint64_t InProcessKvLink::bytes_copied() const {
     return bytes_copied_;
 }
 
-void InProcessKvLink::abort_prefill(Endpoint* ep, const RequestId& request,
-                                    const KvTransferParams& params, const Status& why) {
-    std::string key = params.transfer_id.empty() ? request : params.transfer_id;
+void InProcessKvLink::abort_prefill(Endpoint* ep, const std::string& transfer, const Status& why) {
     KvDoneCallback release;
     {
         std::lock_guard lock(mu_);
-        auto it = prefills_.find(key);
+        auto it = prefills_.find(transfer);
         // A copy already queued or running finishes on its own, and releases then.
-        if (it == prefills_.end() || it->second.ep != ep || it->second.request != request) return;
+        if (it == prefills_.end() || it->second.ep != ep) return;
         release = std::move(it->second.release);
         prefills_.erase(it);
     }
     release(why.ok() ? cancelled("transfer aborted") : why);
 }
 
-Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const RequestId& request,
+Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const std::string& transfer,
                                                        const KvTransferParams& params,
                                                        std::vector<BlockId> blocks, size_t tokens,
                                                        KvDoneCallback release) {
     bool push = config_.mode == kv::TransferMode::kPush;
     if (push && params.transfer_id.empty())
         return invalid_argument("push mode needs a transfer_id in kv_transfer_params");
-    std::string key = params.transfer_id.empty() ? request : params.transfer_id;
+    const std::string& key = transfer;
     KvTransferParams out;
     out.do_remote_prefill = true;
     out.transfer_id = key;
@@ -156,16 +154,12 @@ Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const Reque
         if (!running_) return unavailable("KV link is not running");
         if (prefills_.count(key))
             return invalid_argument(fmt::format("transfer {} already has a prefill side", key));
-        PrefillSide side{ep,
-                         request,
-                         std::move(blocks),
-                         tokens,
-                         std::move(release),
+        PrefillSide side{ep, std::move(blocks), tokens, std::move(release),
                          Clock::now() + config_.lease};
         auto d = push ? decodes_.find(key) : decodes_.end();
         if (d != decodes_.end()) {
             jobs_.push_back(Job{key, std::move(side), std::move(d->second)});
-            in_flight_[jobs_.back().dst.request] = key;
+            in_flight_.insert(key);
             decodes_.erase(d);
         } else {
             prefills_.emplace(key, std::move(side));
@@ -175,7 +169,7 @@ Result<KvTransferParams> InProcessKvLink::prefill_done(Endpoint* ep, const Reque
     return out;
 }
 
-Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
+Status InProcessKvLink::blocks_allocated(Endpoint* ep, const std::string& transfer,
                                          const KvTransferParams& params,
                                          std::vector<BlockId> blocks, size_t tokens,
                                          KvDoneCallback arrived) {
@@ -184,11 +178,11 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
         return invalid_argument("remote_block_ids given, but the link runs in push mode");
     if (!pull && config_.mode != kv::TransferMode::kPush)
         return invalid_argument("pull mode needs remote_block_ids from the prefill response");
-    DecodeSide side{
-        ep, request, std::move(blocks), tokens, std::move(arrived), Clock::now() + config_.lease};
+    DecodeSide side{ep, std::move(blocks), tokens, std::move(arrived),
+                    Clock::now() + config_.lease};
     std::unique_lock lock(mu_);
     if (!running_) return unavailable("KV link is not running");
-    const std::string& key = params.transfer_id;
+    const std::string& key = transfer;
     if (!pull) {
         if (decodes_.count(key))
             return invalid_argument(fmt::format("transfer {} already has a decode side", key));
@@ -198,7 +192,7 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
             return ok_status();
         }
         jobs_.push_back(Job{key, std::move(p->second), std::move(side)});
-        in_flight_[request] = key;
+        in_flight_.insert(key);
         prefills_.erase(p);
         lock.unlock();
         cv_.notify_all();
@@ -216,7 +210,7 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
     Job job{key, std::move(p->second), std::move(side)};
     prefills_.erase(p);
     if (config_.mode == kv::TransferMode::kPull) {
-        in_flight_[request] = key;
+        in_flight_.insert(key);
         jobs_.push_back(std::move(job));
         lock.unlock();
         cv_.notify_all();
@@ -230,24 +224,21 @@ Status InProcessKvLink::blocks_allocated(Endpoint* ep, const RequestId& request,
     return ok_status();
 }
 
-void InProcessKvLink::cancel(Endpoint* ep, const RequestId& request) {
+void InProcessKvLink::cancel(Endpoint* ep, const std::string& transfer) {
     KvDoneCallback arrived;
     KvDoneCallback release;
     {
         std::lock_guard lock(mu_);
-        if (auto f = in_flight_.find(request); f != in_flight_.end()) {
-            cancel_in_flight_[f->second] = true;  // the copy thread answers once it stopped
+        if (in_flight_.count(transfer)) {
+            cancel_in_flight_[transfer] = true;  // the copy thread answers once it stopped
             return;
         }
-        for (auto it = decodes_.begin(); it != decodes_.end(); ++it) {
-            if (it->second.ep == ep && it->second.request == request) {
-                arrived = std::move(it->second.arrived);
-                decodes_.erase(it);
-                break;
-            }
+        if (auto it = decodes_.find(transfer); it != decodes_.end() && it->second.ep == ep) {
+            arrived = std::move(it->second.arrived);
+            decodes_.erase(it);
         }
     }
-    if (arrived) arrived(cancelled(fmt::format("transfer for {} cancelled by decode", request)));
+    if (arrived) arrived(cancelled(fmt::format("transfer {} cancelled by decode", transfer)));
 }
 
 Status InProcessKvLink::copy(const PrefillSide& src, const DecodeSide& dst) {
@@ -284,7 +275,7 @@ void InProcessKvLink::run() {
             Status st = copy(job.src, job.dst);
             lock.lock();
             bool was_cancelled = cancel_in_flight_.erase(job.key) > 0;
-            in_flight_.erase(job.dst.request);
+            in_flight_.erase(job.key);
             lock.unlock();
             job.src.release(st);
             job.dst.arrived(was_cancelled ? cancelled("transfer cancelled by decode") : st);

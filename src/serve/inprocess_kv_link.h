@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -54,7 +55,6 @@ class InProcessKvLink {
     struct Endpoint;
     struct PrefillSide {
         Endpoint* ep;
-        RequestId request;
         std::vector<BlockId> blocks;
         size_t tokens;
         KvDoneCallback release;
@@ -62,7 +62,6 @@ class InProcessKvLink {
     };
     struct DecodeSide {
         Endpoint* ep;
-        RequestId request;
         std::vector<BlockId> blocks;
         size_t tokens;
         KvDoneCallback arrived;
@@ -75,16 +74,16 @@ class InProcessKvLink {
         DecodeSide dst;
     };
 
-    Result<KvTransferParams> prefill_done(Endpoint* ep, const RequestId& request,
+    Result<KvTransferParams> prefill_done(Endpoint* ep, const std::string& transfer,
                                           const KvTransferParams& params,
                                           std::vector<BlockId> blocks, size_t tokens,
                                           KvDoneCallback release);
-    Status blocks_allocated(Endpoint* ep, const RequestId& request, const KvTransferParams& params,
-                            std::vector<BlockId> blocks, size_t tokens, KvDoneCallback arrived);
-    void cancel(Endpoint* ep, const RequestId& request);
+    Status blocks_allocated(Endpoint* ep, const std::string& transfer,
+                            const KvTransferParams& params, std::vector<BlockId> blocks,
+                            size_t tokens, KvDoneCallback arrived);
+    void cancel(Endpoint* ep, const std::string& transfer);
     // The prefill side of a transfer given up (KvProducer::on_transfer_aborted).
-    void abort_prefill(Endpoint* ep, const RequestId& request, const KvTransferParams& params,
-                       const Status& why);
+    void abort_prefill(Endpoint* ep, const std::string& transfer, const Status& why);
     // Copies the prompt's blocks; returns what the decode side should hear.
     Status copy(const PrefillSide& src, const DecodeSide& dst);
     void run();
@@ -97,7 +96,7 @@ class InProcessKvLink {
     bool running_ = false;
     std::map<std::string, PrefillSide> prefills_;   // by transfer id
     std::map<std::string, DecodeSide> decodes_;     // by transfer id
-    std::map<std::string, std::string> in_flight_;  // decode request -> transfer id being copied
+    std::set<std::string> in_flight_;               // transfer ids being copied
     std::map<std::string, bool> cancel_in_flight_;  // transfer id -> cancelled while copying
     std::deque<Job> jobs_;
     uint64_t bytes_copied_ = 0;

@@ -1,7 +1,12 @@
 // The seam between an engine's step loop and the KV connector that moves KV between engines.
 //
 // Its types are kv's (kv::KvFrontier for what is final or in place, kv::BlockPool's block ids);
-// what it adds is the request-level view: a request id and its kv_transfer_params. The engine
+// what it adds is the request-level view: a leg's transfer id and its kv_transfer_params.
+// A connector knows a leg by its transfer id alone, the `transfer` of every call below: the
+// kv_transfer_params' transfer_id, the same on both legs of a request (the router makes it, one
+// per request); for a prefill leg that came without one, the engine's request id, which the
+// prefill answer then carries to the decode leg as its transfer_id (Engine picks it, once: its
+// Seq::transfer()). The engine's own request ids stay inside the engine. The engine
 // owns its KV pool and its kv::BlockPool; the connector only ever touches the blocks it
 // is handed, and hands them back through exactly one callback. Callbacks may run on any thread;
 // the engine queues them into its loop. Every method here must return at once: a connector does
@@ -72,28 +77,29 @@ class KvProducer {
     // that never leaves the process may accept everything.
     virtual Status authorize(const KvTransferParams& params) const { return ok_status(); }
 
-    // Prefill admitted `request` (blocks allocated, compute starts). Push: decode engines that
+    // Prefill admitted the leg (blocks allocated, compute starts). Push: decode engines that
     // wait for this transfer may now reserve their blocks.
-    virtual void on_prefill_scheduled(const RequestId& request, const KvTransferParams& params) {}
+    virtual void on_prefill_scheduled(const std::string& transfer, const KvTransferParams& params) {
+    }
 
     // Chunked prefill: `ready` says what KV is final in `blocks` (a chunk computed, or the
     // first layers of the last chunk). Push sends it now, while the rest computes. The engine
     // keeps the blocks until the release of on_prefill_done or on_prefill_aborted.
-    virtual void on_prefill_progress(const RequestId& request, const KvTransferParams& params,
+    virtual void on_prefill_progress(const std::string& transfer, const KvTransferParams& params,
                                      const std::vector<BlockId>& blocks,
                                      const kv::KvFrontier& ready) {}
     // How many on_prefill_progress calls per prompt are sent as pieces of their own; later
     // ones wait for on_prefill_done. The engine spreads its hand-overs within this.
     virtual size_t max_progress_handovers() const { return SIZE_MAX; }
 
-    // The prompt KV of `request` (tokens [0, num_tokens)) is complete in `blocks`. The connector
-    // sends it (push: to the blocks decode registered under params.transfer_id; pull: holds it
+    // The prompt KV of the leg (tokens [0, num_tokens)) is complete in `blocks`. The connector
+    // sends it (push: to the blocks decode registered under `transfer`; pull: holds it
     // for decode to read) and calls `release` once prefill may free and reuse the blocks: after
     // the writes completed, after decode read them, or on failure or lease expiry (error status).
     // Returns the kv_transfer_params the prefill response carries back to the router (for pull:
     // this engine's id and block ids), or an error if the hand-over was refused — then `release`
     // is not called and the engine frees the blocks itself.
-    virtual Result<KvTransferParams> on_prefill_done(const RequestId& request,
+    virtual Result<KvTransferParams> on_prefill_done(const std::string& transfer,
                                                      const KvTransferParams& params,
                                                      std::vector<BlockId> blocks, size_t num_tokens,
                                                      KvDoneCallback release) = 0;
@@ -102,12 +108,12 @@ class KvProducer {
     // decode leg failed or the client left). The connector stops what it still sends and calls
     // on_prefill_done's `release` (an error) once nothing reads the blocks, instead of holding
     // them until decode reads or the lease ends. Unknown or released transfers: nothing.
-    virtual void on_transfer_aborted(const RequestId& request, const KvTransferParams& params,
+    virtual void on_transfer_aborted(const std::string& transfer, const KvTransferParams& params,
                                      const Status& why) {}
 
     // The engine gave up on a request after on_prefill_scheduled (client gone, error): decode
     // is told, and `release` comes once no write of earlier progress reads the blocks any more.
-    virtual void on_prefill_aborted(const RequestId& request, const KvTransferParams& params,
+    virtual void on_prefill_aborted(const std::string& transfer, const KvTransferParams& params,
                                     const Status& why, KvDoneCallback release) {
         release(why);
     }
@@ -132,25 +138,26 @@ class KvConsumer {
     // once, ok when the prefill engine scheduled the transfer (its KV is being computed), an
     // error when it will not be. So decode holds blocks only from then on, not for the whole
     // time the request queues at prefill. A connector without the notion answers at once.
-    virtual Status await_prefill_scheduled(const RequestId& request, const KvTransferParams& params,
+    virtual Status await_prefill_scheduled(const std::string& transfer,
+                                           const KvTransferParams& params,
                                            KvDoneCallback scheduled) {
         scheduled(ok_status());
         return ok_status();
     }
 
-    // Blocks for the remote-prefill request `request` are allocated; the first num_tokens token
+    // Blocks for the remote-prefill leg `transfer` are allocated; the first num_tokens token
     // slots must receive the prompt KV. The connector calls `arrived` once: ok when every byte
     // is there, an error when the transfer failed. Until then it may write into the blocks.
     // `progress` (optional for the connector) reports the prefix that landed so far.
-    virtual Status on_blocks_allocated(const RequestId& request, const KvTransferParams& params,
+    virtual Status on_blocks_allocated(const std::string& transfer, const KvTransferParams& params,
                                        std::vector<BlockId> blocks, size_t num_tokens,
                                        KvDoneCallback arrived, KvProgressCallback progress) = 0;
 
-    // The engine gave up on `request` (client gone, deadline). The connector stops writes and
-    // then calls `arrived` with an error; the engine frees the blocks only at that call, so a late
-    // write can never land in reused blocks. A wait of await_prefill_scheduled ends with
+    // The engine gave up on the leg `transfer` (client gone, deadline). The connector stops writes
+    // and then calls `arrived` with an error; the engine frees the blocks only at that call, so a
+    // late write can never land in reused blocks. A wait of await_prefill_scheduled ends with
     // `scheduled(kCancelled)`.
-    virtual void cancel(const RequestId& request) = 0;
+    virtual void cancel(const std::string& transfer) = 0;
 };
 
 }  // namespace ferry::serve

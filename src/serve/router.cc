@@ -127,7 +127,7 @@ std::string bounded(std::string text) {
 
 const char* mode_name(RouterMode m) { return m == RouterMode::kPush ? "push" : "pull"; }
 
-// The engines' --kv-mode values a router in `m` can use (pull-inline differs from pull only
+// The engines' kv_mode values a router in `m` can use (pull-inline differs from pull only
 // inside decode's connector).
 bool kv_mode_serves(const std::string& kv_mode, RouterMode m) {
     return m == RouterMode::kPush ? kv_mode == "push"
@@ -177,12 +177,19 @@ void poll(HttpStream& s, Collected& c, TimePoint deadline) {
 
 double ms_since(TimePoint t) { return to_ms(Clock::now() - t); }
 
+// The setting that lists the engines of a role (what `ferry serve router` calls --prefill and
+// --decode).
+const char* engines_setting(bool prefill) {
+    return prefill ? "RouterConfig::prefill" : "RouterConfig::decode";
+}
+
 // A leg given up for want of its first byte (RouterConfig::leg_answer_timeout).
-std::string unanswered_leg(const char* leg, const EngineAddress& a, Duration timeout) {
+std::string unanswered_leg(const char* leg, const EngineAddress& a, Duration timeout,
+                           const SettingNames& names) {
     return fmt::format(
-        "{} engine {} did not answer its leg within {} s (--leg-answer-timeout): it answers "
-        "/health but not its legs (wedged, or queued beyond the limit)",
-        leg, a.to_string(), to_ms(timeout) / 1000);
+        "{} engine {} did not answer its leg within {} s ({}): it answers /health but not its "
+        "legs (wedged, or queued beyond the limit)",
+        leg, a.to_string(), to_ms(timeout) / 1000, setting_name(names, "leg_answer_timeout"));
 }
 
 // A number of an engine's ferry_timing, 0 when absent or not a number (value() throws then).
@@ -365,14 +372,15 @@ Router::EngineState Router::probe_vllm(EngineState st, int health_status, const 
     // ferry's own engines and routers answer /health with a JSON object naming their role.
     if (!j.is_discarded() && j.is_object() && j.contains("role") && j["role"].is_string()) {
         const std::string role = bounded(j["role"].get<std::string>());
-        st.why = role == "router" ? fmt::format(
-                                        "this is a ferry router, not a vLLM engine: --{} takes the "
-                                        "engines' addresses",
-                                        prefill ? "prefill" : "decode")
-                                  : fmt::format(
-                                        "this is ferry's own {} engine (ferry serve), not a vLLM "
-                                        "engine: start the router with --engines ferry",
-                                        role);
+        st.why = role == "router"
+                     ? fmt::format(
+                           "this is a ferry router, not a vLLM engine: {} takes the engines' "
+                           "addresses",
+                           setting(engines_setting(prefill)))
+                     : fmt::format(
+                           "this is ferry's own {} engine (ferry serve), not a vLLM engine: start "
+                           "the router with {} ferry",
+                           role, setting("RouterConfig::engines"));
         return st;
     }
     if (health_status != 200) {
@@ -398,9 +406,9 @@ Router::EngineState Router::probe_vllm(EngineState st, int health_status, const 
     if (prefill && info->mode != mode_name(config_.mode)) {
         st.why = fmt::format(
             "transfer modes differ: the engine's FerryConnector runs \"mode\":\"{}\" (its "
-            "--kv-transfer-config kv_connector_extra_config), this router --mode {}; give the "
+            "--kv-transfer-config kv_connector_extra_config), this router {} {}; give the "
             "prefill engines and the router one mode",
-            info->mode, mode_name(config_.mode));
+            info->mode, setting("RouterConfig::mode"), mode_name(config_.mode));
         return st;
     }
     // A side channel listening on every address is reached at the engine's own.
@@ -426,8 +434,8 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
         // vLLM's /health answers 200 with an empty body.
         st.why = fmt::format(
             "/health answered HTTP {} without a JSON object: not a ferry engine (a vLLM engine? "
-            "start the router with --engines vllm)",
-            h->status);
+            "start the router with {} vllm)",
+            h->status, setting("RouterConfig::engines"));
         return st;
     }
     auto text = [&](const char* key) {
@@ -441,24 +449,24 @@ Router::EngineState Router::probe(const EngineAddress& a, bool prefill) const {
     const std::string their_role = text("role"), kv_mode = text("kv_mode");
     if (their_role == "router") {
         st.why = fmt::format(
-            "{}, not a {} engine: --{} takes the engines' addresses (a router sending legs to a "
+            "{}, not a {} engine: {} takes the engines' addresses (a router sending legs to a "
             "router would loop)",
             text("router_id") == nonce_ ? "this is the router itself" : "this is another router",
-            role, role);
+            role, setting(engines_setting(prefill)));
         return st;
     }
     if (!their_role.empty() && their_role != role) {
         st.why = their_role == "prefill" || their_role == "decode"
-                     ? fmt::format("a {} engine given as a {} engine: move it to --{}", their_role,
-                                   role, their_role)
+                     ? fmt::format("a {} engine given as a {} engine: move it to {}", their_role,
+                                   role, setting(engines_setting(their_role == "prefill")))
                      : fmt::format("its /health says role '{}', not {}", their_role, role);
         return st;
     }
     if (!kv_mode.empty() && !kv_mode_serves(kv_mode, config_.mode)) {
         st.why = fmt::format(
-            "transfer modes differ: the engine runs --kv-mode {}, this router --mode {}; start "
-            "every engine and the router with one mode",
-            kv_mode, mode_name(config_.mode));
+            "transfer modes differ: the engine runs {} {}, this router {} {}; start every engine "
+            "and the router with one mode",
+            setting("kv_mode"), kv_mode, setting("RouterConfig::mode"), mode_name(config_.mode));
         return st;
     }
     auto size = [&](const char* key) {
@@ -570,11 +578,12 @@ std::string Router::down_reason(const EngineAddress& engine) const {
             if (e.address.host != engine.host || e.address.port != engine.port) continue;
             if (now < e.legs_down_until)
                 return fmt::format(
-                    "{} engine {} is down: {} legs in a row got no answer within {} s "
-                    "(--leg-answer-timeout) although it answers /health; the request is failed "
-                    "rather than held until it answers",
+                    "{} engine {} is down: {} legs in a row got no answer within {} s ({}) "
+                    "although it answers /health; the request is failed rather than held until "
+                    "it answers",
                     states == &prefill_state_ ? "prefill" : "decode", engine.to_string(),
-                    e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000);
+                    e.leg_timeouts, to_ms(config_.leg_answer_timeout) / 1000,
+                    setting("leg_answer_timeout"));
             if (e.unanswered < config_.down_after_unanswered) continue;
             return fmt::format(
                 "{} engine {} is down: {} health checks in a row unanswered (last: {}); the "
@@ -847,7 +856,8 @@ void Router::completions(const HttpRequest& req, HttpReply& reply, const char* p
             prefill_failures_++;
             note_leg_answer(true, P, false);
             abort_prefill("the prefill leg did not answer in time");
-            return fail(504, unanswered_leg("prefill", P, config_.leg_answer_timeout));
+            return fail(504, unanswered_leg("prefill", P, config_.leg_answer_timeout,
+                                            config_.http.setting_names));
         }
         if (prefill->ended && prefill->status.ok()) note_leg_answer(true, P, true);
         if (!prefill->ended || !prefill->status.ok()) {
@@ -942,8 +952,10 @@ void Router::completions(const HttpRequest& req, HttpReply& reply, const char* p
             abort_both(prefill_overdue ? "the prefill leg did not answer in time"
                                        : "the decode leg did not answer in time");
             return fail(504, prefill_overdue
-                                 ? unanswered_leg("prefill", P, config_.leg_answer_timeout)
-                                 : unanswered_leg("decode", D, config_.leg_answer_timeout));
+                                 ? unanswered_leg("prefill", P, config_.leg_answer_timeout,
+                                                  config_.http.setting_names)
+                                 : unanswered_leg("decode", D, config_.leg_answer_timeout,
+                                                  config_.http.setting_names));
         }
         // An engine declared down (a frozen process accepts connections and answers nothing)
         // would hold the client until request_timeout.

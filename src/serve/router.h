@@ -69,6 +69,10 @@ struct EngineAddress {
 Result<std::vector<EngineAddress>> parse_engine_addresses(std::string_view list);
 
 struct RouterConfig {
+    // http.setting_names also names the router's own settings in its answers and /health
+    // reasons: leg_answer_timeout, those whose field name is an ordinary word qualified
+    // (RouterConfig::mode, ::engines, ::prefill, ::decode), and the engines' kv_mode (their
+    // /health's). Empty: those names as written here.
     HttpServerOptions http{};
     std::vector<EngineAddress> prefill{};
     std::vector<EngineAddress> decode{};
@@ -168,6 +172,10 @@ class Router {
     // Empty while `engine` is not declared down (down_after_unanswered); else why, naming it.
     std::string down_reason(const EngineAddress& engine) const;
     void prober();
+    // What answers call `name`, one of the settings RouterConfig::http names.
+    std::string setting(std::string_view name) const {
+        return setting_name(config_.http.setting_names, name);
+    }
     // Queues POST /ferry/abort for `transfer_id` to `engine`; never blocks the caller.
     void abort_leg(const EngineAddress& engine, const std::string& transfer_id,
                    const std::string& reason);

@@ -371,6 +371,14 @@ TEST_F(CliFlags, AnswersAtALimitNameTheFlagThatSetsIt) {
         EXPECT_EQ(r->status, 413) << r->body;
         EXPECT_NE(r->body.find("(--max-body-bytes)"), std::string::npos) << r->body;
     }
+    // The router's own reasons: the decode engine it was given as prefill too.
+    std::string health;
+    EXPECT_TRUE(eventually([&] {
+        auto h = http_get("127.0.0.1", rport, "/health", seconds(1));
+        health = h.ok() ? h->body : "";
+        return health.find("a decode engine given as a prefill engine: move it to --decode") !=
+               std::string::npos;
+    })) << health;
     auto [code, out] = run({"bench", "serve", "--port", std::to_string(eport), "--model", "tiny",
                             "--tp", "3", "--verify", "--num-prompts", "1"});
     EXPECT_GT(code, 0) << out;

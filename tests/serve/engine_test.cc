@@ -461,6 +461,22 @@ TEST(DisaggregatedEngines, AbortFreesAHandedOverPrefillLegAtOnceInPushAndPull) {
     }
 }
 
+// A pull prefill leg sent without a transfer id is known by the id its answer gives out (the
+// request id, which the decode leg then carries): an abort naming that id frees its blocks at
+// once. Before, the connector knew the leg by the request id but the engine matched aborts by
+// the empty transfer_id, and the blocks stayed for the whole lease.
+TEST(DisaggregatedEngines, APullLegSentWithoutATransferIdIsAbortedByTheIdItsAnswerGave) {
+    PD pd(kv::TransferMode::kPull, seconds(10));
+    auto hp = pd.prefill->submit(pd.prefill_leg(prompt_of(40, 1), "")).value();
+    ASSERT_TRUE(collect(*hp).status.ok());
+    const std::string id = hp->kv_out().transfer_id;
+    ASSERT_FALSE(id.empty());
+    ASSERT_TRUE(eventually([&] { return pd.prefill->stats().held_for_transfer == 1; }));
+    ASSERT_TRUE(pd.prefill->abort_transfer(id, "decode leg failed").ok());
+    EXPECT_TRUE(eventually([&] { return pd.pools_full(); }, milliseconds(500)));
+    EXPECT_TRUE(eventually([&] { return pd.prefill->stats().held_for_transfer == 0; }));
+}
+
 // A decode leg aborted while it decodes frees its blocks (waiting for KV: see
 // AbortedTransferEndsItsDecodeLegEvenWhenTheAbortComesFirst).
 TEST(DisaggregatedEngines, AbortEndsADecodingLegAndFreesItsBlocks) {
@@ -516,12 +532,12 @@ struct RecordingProducer : KvProducer {
     std::mutex mu;
     std::vector<std::pair<kv::KvFrontier, TimePoint>> progress;
     TimePoint done_at{};
-    void on_prefill_progress(const RequestId&, const KvTransferParams&, const std::vector<BlockId>&,
-                             const kv::KvFrontier& ready) override {
+    void on_prefill_progress(const std::string&, const KvTransferParams&,
+                             const std::vector<BlockId>&, const kv::KvFrontier& ready) override {
         std::lock_guard lock(mu);
         progress.emplace_back(ready, Clock::now());
     }
-    Result<KvTransferParams> on_prefill_done(const RequestId&, const KvTransferParams&,
+    Result<KvTransferParams> on_prefill_done(const std::string&, const KvTransferParams&,
                                              std::vector<BlockId>, size_t,
                                              KvDoneCallback release) override {
         {
@@ -626,7 +642,7 @@ struct LayeredConsumer : KvConsumer {
     ~LayeredConsumer() override {
         if (writer.joinable()) writer.join();
     }
-    Status on_blocks_allocated(const RequestId&, const KvTransferParams&,
+    Status on_blocks_allocated(const std::string&, const KvTransferParams&,
                                std::vector<BlockId> blocks, size_t, KvDoneCallback arrived,
                                KvProgressCallback progress) override {
         writer = std::thread([this, blocks, arrived, progress] {
@@ -648,7 +664,7 @@ struct LayeredConsumer : KvConsumer {
         });
         return ok_status();
     }
-    void cancel(const RequestId&) override {}
+    void cancel(const std::string&) override {}
 };
 
 // A decode engine fed by a LayeredConsumer.

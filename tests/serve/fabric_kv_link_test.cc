@@ -66,12 +66,12 @@ TEST(FabricKvLink, ASecondTransferIdOnAKeyInUseIsRefusedNotMixedIn) {
     ASSERT_TRUE(f.link);
     Calls first, second, decode;
     auto out =
-        f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0, 1}, 20, first.callback());
+        f.link->on_prefill_done("nonce-1", f.prefill_leg("nonce-1"), {0, 1}, 20, first.callback());
     ASSERT_TRUE(out.ok()) << out.status().to_string();
     EXPECT_EQ(f.link->stats().active, 1u);
 
     auto refused =
-        f.link->on_prefill_done("req-b", f.prefill_leg("nonce-2"), {2, 3}, 20, second.callback());
+        f.link->on_prefill_done("nonce-2", f.prefill_leg("nonce-2"), {2, 3}, 20, second.callback());
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find("nonce-2"), std::string::npos);
@@ -80,12 +80,12 @@ TEST(FabricKvLink, ASecondTransferIdOnAKeyInUseIsRefusedNotMixedIn) {
 
     // A decode leg of yet another id on the same key: refused before anything is queued.
     Status st =
-        f.link->await_prefill_scheduled("req-c", f.decode_leg("nonce-3"), decode.callback());
+        f.link->await_prefill_scheduled("nonce-3", f.decode_leg("nonce-3"), decode.callback());
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("nonce-1"), std::string::npos);
 
     // An abort naming the refused id must not touch the transfer that holds the key.
-    f.link->on_transfer_aborted("req-b", f.prefill_leg("nonce-2"), cancelled("client left"));
+    f.link->on_transfer_aborted("nonce-2", f.prefill_leg("nonce-2"), cancelled("client left"));
     EXPECT_EQ(f.link->stats().active, 1u);
     EXPECT_EQ(first.n.load(), 0);
 
@@ -102,15 +102,16 @@ TEST(FabricKvLink, AKeyIsFreeAgainOnceItsTransferReleasedTheBlocks) {
     ASSERT_TRUE(f.link);
     Calls first, second;
     ASSERT_TRUE(
-        f.link->on_prefill_done("req-a", f.prefill_leg("nonce-1"), {0}, 10, first.callback()).ok());
+        f.link->on_prefill_done("nonce-1", f.prefill_leg("nonce-1"), {0}, 10, first.callback())
+            .ok());
     // The router gives the transfer up: the connector lets the blocks go, and the key with them.
-    f.link->on_transfer_aborted("req-a", f.prefill_leg("nonce-1"), cancelled("decode failed"));
+    f.link->on_transfer_aborted("nonce-1", f.prefill_leg("nonce-1"), cancelled("decode failed"));
     for (int i = 0; i < 200 && first.n.load() == 0; ++i)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
     ASSERT_EQ(first.n.load(), 1);
     EXPECT_EQ(first.last_code.load(), int(StatusCode::kCancelled));
     auto out =
-        f.link->on_prefill_done("req-b", f.prefill_leg("nonce-2"), {1}, 10, second.callback());
+        f.link->on_prefill_done("nonce-2", f.prefill_leg("nonce-2"), {1}, 10, second.callback());
     EXPECT_TRUE(out.ok()) << out.status().to_string();
     f.link->stop();
     EXPECT_EQ(second.n.load(), 1);
@@ -121,9 +122,9 @@ TEST(FabricKvLink, DistinctTransferIdsGetDistinctKeys) {
     ASSERT_TRUE(f.link);
     Calls calls[8];
     for (int i = 0; i < 8; ++i) {
-        auto out = f.link->on_prefill_done("req-" + std::to_string(i),
-                                           f.prefill_leg("nonce-" + std::to_string(i)),
-                                           {BlockId(i)}, 10, calls[i].callback());
+        const std::string id = "nonce-" + std::to_string(i);
+        auto out =
+            f.link->on_prefill_done(id, f.prefill_leg(id), {BlockId(i)}, 10, calls[i].callback());
         EXPECT_TRUE(out.ok()) << out.status().to_string();
     }
     EXPECT_EQ(f.link->stats().active, 8u);

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "cli/setting_flags.h"
 #include "serve/engine_server.h"
 #include "serve/inprocess_kv_link.h"
 #include "serve/openai_api.h"
@@ -28,6 +29,10 @@ struct Node {
 
 double metric(int port, const std::string& name) { return testing::metric(kHost, port, name); }
 using testing::eventually;
+
+// The names `ferry serve router` gives the router's settings (src/cli/setting_flags.cc): what
+// an operator of the command reads in its answers is the flag to change.
+SettingNames router_flags() { return cli::flag_names("--port", "--router-threads"); }
 
 struct Cluster {
     std::vector<Node> prefill, decode;
@@ -288,6 +293,7 @@ TEST(Router, EnginesOfAnotherTransferModeLeaveItNotReadyAndRequestsFailAtOnce) {
         SCOPED_TRACE(push_router ? "pull engines, push router" : "push engines, pull router");
         Cluster c(1, 1, engines);
         RouterConfig rc;
+        rc.http.setting_names = router_flags();
         rc.mode = router_mode;
         rc.secret = Secret::generate().value();
         rc.request_timeout = seconds(10);
@@ -324,6 +330,7 @@ TEST(Router, EnginesOfAnotherTransferModeLeaveItNotReadyAndRequestsFailAtOnce) {
 TEST(Router, AnEngineGivenForTheOtherRoleIsNotReadyAndSaysWhereItBelongs) {
     Cluster c(1, 1, kv::TransferMode::kPush);
     RouterConfig rc;
+    rc.http.setting_names = router_flags();
     rc.secret = Secret::generate().value();
     rc.prefill = {{kHost, c.decode[0].server->port()}};
     rc.decode = {{kHost, c.prefill[0].server->port()}};
@@ -337,6 +344,39 @@ TEST(Router, AnEngineGivenForTheOtherRoleIsNotReadyAndSaysWhereItBelongs) {
                    std::string::npos;
     })) << body;
     router->stop();
+}
+
+// The library's router, given no names for its settings, names them as RouterConfig's fields
+// (the engines' KV mode by their /health's kv_mode): no flag of a command it does not know.
+TEST(Router, WithoutSettingNamesItsReasonsNameItsOwnSettings) {
+    Cluster c(1, 1, kv::TransferMode::kPull);
+    RouterConfig swapped;
+    swapped.secret = Secret::generate().value();
+    swapped.mode = RouterMode::kPull;
+    swapped.prefill = {{kHost, c.decode[0].server->port()}};
+    swapped.decode = {{kHost, c.prefill[0].server->port()}};
+    RouterConfig push = swapped;
+    push.mode = RouterMode::kPush;
+    push.prefill = swapped.decode;
+    push.decode = swapped.prefill;
+    for (auto& [rc, words] :
+         {std::pair{swapped, std::vector<std::string>{"move it to RouterConfig::decode",
+                                                      "move it to RouterConfig::prefill"}},
+          std::pair{push,
+                    std::vector<std::string>{
+                        "the engine runs kv_mode pull, this router RouterConfig::mode push"}}}) {
+        SCOPED_TRACE(words[0]);
+        auto router = Router::start(rc).value();
+        std::string body;
+        EXPECT_TRUE(eventually([&] {
+            if (health_status(router->port(), &body) != 503) return false;
+            for (const std::string& w : words)
+                if (body.find(w) == std::string::npos) return false;
+            return true;
+        })) << body;
+        EXPECT_EQ(body.find("--"), std::string::npos) << body;
+        router->stop();
+    }
 }
 
 // Routers in a loop (issue 30: a router given itself, or two routers given each other, nested
@@ -709,6 +749,7 @@ TEST(Router, AnEngineThatAnswersHealthButNotItsLegsIsGivenUpAndDeclaredDown) {
         HttpResponse r = send(&ms[i]);
         EXPECT_EQ(r.status, 504) << r.body;
         EXPECT_NE(r.body.find("did not answer its leg within"), std::string::npos) << r.body;
+        EXPECT_NE(r.body.find("(leg_answer_timeout)"), std::string::npos) << r.body;
         EXPECT_NE(r.body.find(name), std::string::npos) << r.body;
         EXPECT_LT(ms[i], 5000) << "held past the leg answer timeout";
     }
@@ -829,6 +870,7 @@ struct FakeVllm {
 
 RouterConfig vllm_router(RouterMode mode, const FakeVllm& p, const FakeVllm& d) {
     RouterConfig rc;
+    rc.http.setting_names = router_flags();
     rc.engines = EngineKind::kVllm;
     rc.mode = mode;
     rc.request_timeout = seconds(10);
