@@ -610,11 +610,20 @@ def check_pairs(base, rng, pairs):
             assert_prompts_moved(dst, tokens_before, len(cases), total)
 
 
+def test_prefill_tp1_into_decode_tp2_moves_the_prompt_token_for_token(engines):
+    # Issue 32: prefill of TP 1 (every KV head in one worker) into decode of TP 2, whose two
+    # workers each take their own head from the one prefill rank; the baseline is the TP 2
+    # engine serving the prompts itself.
+    base, prefill, decode, side_port = engines
+    tp2 = TP2["engine"]
+    check_pairs(tp2, random.Random(1122),
+                (("prefill TP 1 -> decode TP 2", prefill, side_port, 1, tp2),))
+
+
 def test_prefill_tp2_into_decode_tp1_moves_the_prompt_token_for_token(engines):
     # Issue 32: prefill of TP 2 (two workers, one KV head each, side channels on port and
     # port + 1) into decode of TP 1, whose worker takes each head from the prefill rank that
     # holds it; push (the proxy names remote_tp_size) and pull (prefill's answer does).
-    # (TP 1 into decode's TP 2 does not work yet: docs/VLLM.md, "Block sizes and TP".)
     base, prefill, decode, side_port = engines
     tp2, tp2_port = TP2["engine"], TP2["side_port"]
     check_pairs(base, random.Random(3322),
