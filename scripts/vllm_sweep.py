@@ -46,13 +46,15 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_ports import free_port  # noqa: E402  (scripts/local_ports.py, shared with the tests)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODES = ("ferry-push", "ferry-pull", "nixl-push", "nixl-pull", "baseline")
@@ -415,27 +417,6 @@ def write_outputs(args, result: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Engines
-
-_PORTS = set()
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (as python/tests/vllm/test_pd.py picks them:
-    the engines bind their side channels many seconds later)."""
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, 32000)
-        if port in _PORTS:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _PORTS.add(port)
-        return port
-    raise RuntimeError("no free port in 20000-31999")
-
 
 class Engine:
     """One vLLM OpenAI server (API server, engine core, worker), its log in a file."""

@@ -20,7 +20,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/vllm_venv.sh)")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from local_ports import free_port, reserve  # noqa: E402  (the scripts/ folder, above)
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 # KV bytes of one token in the tiny model's cache: K and V, 2 layers, 2 KV heads of head_dim 64,
 # 2-byte elements (float16).
@@ -90,30 +91,6 @@ def engine_log_tails(n: int = TAIL_LINES) -> str:
 def _request_failures():
     FAILED_REQUESTS.clear()
     yield
-
-
-_PORTS_GIVEN = set()
-
-
-def free_port() -> int:
-    """A port free now, below Linux's ephemeral range (32768-60999 by default): the engines bind
-    theirs many seconds later (the side channel once the worker registers its KV cache), and a
-    port the kernel handed out as ephemeral was meanwhile taken by one of the engines' own
-    sockets once ("handshake server: cannot listen on 127.0.0.1:46735: Address already in use",
-    a CI rehearsal of 2026-12-07). Never the same port twice in one run."""
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, 32000)
-        if port in _PORTS_GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _PORTS_GIVEN.add(port)
-        return port
-    raise RuntimeError("no free port in 20000-31999 after 1000 tries")
 
 
 class Engine:
@@ -252,7 +229,7 @@ def engines(tmp_path_factory):
     # TP 2 (two worker processes, one KV head each; side channels on port and port + 1):
     # prefill into decode's TP 1 and decode of prefill's.
     tp2_port = free_port()
-    _PORTS_GIVEN.add(tp2_port + 1)
+    reserve(tp2_port + 1)
     tp2 = Engine("tp2", model, work, tp=2, kv_config={
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "fail",
