@@ -134,6 +134,9 @@ def parse_args(argv=None):
     ap.add_argument("--ferry-provider", default="shm",
                     help="ferry's transport between the engines (shm, tcp; default shm: "
                          "NIXL's UCX takes shared memory on one host too)")
+    ap.add_argument("--ferry-config", default="{}", type=json.loads,
+                    help="more of ferry's kv_connector_extra_config, as JSON (e.g. "
+                         "'{\"layerwise\": false}'), over the script's own")
     ap.add_argument("--keep-nixl-affinity", action="store_true",
                     help="leave NIXL's workers pinned to the last core of each NUMA node, as "
                          "vLLM's CPU path sets them (default: every engine thread may run on "
@@ -515,7 +518,8 @@ def start_engine_set(kind, args, model, workdir):
                   "kv_role": "kv_both",
                   # Leases above the queueing an overloaded point builds up (docs/VLLM.md).
                   "kv_connector_extra_config": {"mode": "push", "provider": args.ferry_provider,
-                                                "port": side, "lease": 120.0}}
+                                                "port": side, "lease": 120.0,
+                                                **args.ferry_config}}
             env = {}
         else:
             kv = {"kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
