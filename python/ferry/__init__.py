@@ -371,15 +371,15 @@ class TransferEngine:
         gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
         fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
         gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
-        cma_writes: on shm, write and write_runs into a same-host peer's host region copy
-            the bytes with one process_vm_writev on the calling thread (the call returns once
-            they are in place), then signal the immediate through shm, instead of handing the
-            write to the peer's worker. Both sides must turn it on (a region offers it when
-            registered for peer writes by an engine with it on); off while
-            FI_SHM_DISABLE_CMA=1. Such a write checks the bounds of the peer's descriptor but
-            no key: one sent after the peer closed the region lands in whatever memory is
-            there. A peer that refuses it (EPERM: ptrace scope, another user) gets shm's path,
-            decided once and logged (EngineConfig::cma_writes).
+        cma_writes: on shm, write (above inject_size) and write_runs into a same-host
+            peer's host region copy the bytes with one process_vm_writev on the calling
+            thread (the call returns once they are in place), then signal the immediate
+            through shm, instead of handing the write to the peer's worker. Both sides must
+            turn it on (a region offers it when registered for peer writes by an engine with
+            it on); off while FI_SHM_DISABLE_CMA=1. Such a write checks the bounds of the
+            peer's descriptor but no key: one sent after the peer closed the region lands in
+            whatever memory is there. A peer that refuses it (EPERM: ptrace scope, another
+            user) gets shm's path, decided once and logged (EngineConfig::cma_writes).
         idle_spin_us: how long workers spin after activity before napping.
         wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
             before they sleep until the worker wakes them: a wait that ends within it skips
@@ -425,6 +425,13 @@ class TransferEngine:
     def num_rails(self) -> int:
         """NICs (libfabric domains) the engine opened."""
         return self._engine.num_rails
+
+    @property
+    def inject_size(self) -> int:
+        """Largest write the provider copies while posting it (shm 4096, tcp 64 in libfabric
+        1.17; 0 with inject off). With cma_writes, single writes up to it stay the
+        provider's."""
+        return self._engine.inject_size
 
     @property
     def supports_gpu_memory(self) -> bool:

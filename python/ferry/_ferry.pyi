@@ -92,6 +92,7 @@ class Engine:
     engine_id: int
     provider: str
     num_rails: int
+    inject_size: int
     supports_gpu_memory: bool
     gpu_memory_note: str
     def connect(self, address: bytes) -> int: ...

@@ -172,9 +172,11 @@ class FerryAdapter(Adapter):
         cma = transport.startswith("shm-cma")
         self.engine = ferry.TransferEngine("shm" if cma else transport, same_host=True,
                                            op_timeout=TIMEOUT, cma_writes=cma)
-        # shm-cma-wait: once the first transfer showed its bytes copied by process_vm_writev
-        # (stats' cma_bytes grew in the call, so they were in the target's memory when it
-        # returned), later transfers end at Op.wait, without the target's answer.
+        # shm-cma-wait: once the first transfer copied by CMA showed its bytes copied by
+        # process_vm_writev (stats' cma_bytes grew in the call, so they were in the target's
+        # memory when it returned), later such transfers end at Op.wait, without the target's
+        # answer. Copied by CMA: write_runs, and single writes above inject_size (smaller ones
+        # stay shm's, whose completion says nothing of arrival: they keep the answer).
         self.landed_at_wait: Optional[bool] = None if transport == "shm-cma-wait" else False
         self.region = self.expecting = None
         self.answering = False
@@ -234,15 +236,17 @@ class FerryAdapter(Adapter):
             _, s, d, n = prepared  # a ping-pong write: the target itself waits for it
             return (self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM),
                     False)
-        paged = isinstance(prepared, tuple) and prepared[0] == "pages"  # never copied by CMA
-        if self.landed_at_wait is None and not paged:
+        # paged_write is never copied by CMA; a single write only above inject_size
+        copied = not (isinstance(prepared, tuple) and (
+            prepared[0] == "pages" or prepared[2] <= self.engine.inject_size))
+        if self.landed_at_wait is None and copied:
             before = self.engine.stats()["cma_bytes"]
             op = self._post_data(prepared)
             self.landed_at_wait = self.engine.stats()["cma_bytes"] > before
         else:
             op = self._post_data(prepared)
         self.sent += op.imm_writes  # counted by the target all the same
-        if self.landed_at_wait and not paged:
+        if self.landed_at_wait and copied:
             return (op, False)
         # The count goes right behind the data (imm_writes is known once posted): the target
         # answers when the last write lands, one trip after the data, not after two.

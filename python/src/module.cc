@@ -914,6 +914,7 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
         .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
         .def_property_readonly("num_rails", [](const Engine& e) { return e.get().num_rails(); })
+        .def_property_readonly("inject_size", [](const Engine& e) { return e.get().inject_size(); })
         .def_property_readonly("supports_gpu_memory",
                                [](const Engine& e) { return e.get().supports_gpu_memory(); })
         .def_property_readonly("gpu_memory_note",
