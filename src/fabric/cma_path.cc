@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <vector>
 
 #include "fabric/peer_table.h"
 #include "fabric/provider.h"
@@ -131,7 +132,8 @@ bool CmaPath::usable(const Peer& p, const MemoryDescriptor& remote) const {
 Status CmaPath::copy(const Peer& p, const MemoryDescriptor& remote,
                      std::span<const CmaPiece> pieces, bool* refused) const {
     *refused = false;
-    iovec local[kMaxIov], far[kMaxIov];
+    // On the heap: 32 KiB of iovecs would be a lot of a caller thread's stack.
+    std::vector<iovec> local(std::min(pieces.size(), kMaxIov)), far(local.size());
     size_t i = 0;       // the first piece not fully written
     uint64_t done = 0;  // bytes of pieces[i] written
     while (i < pieces.size()) {
@@ -149,7 +151,7 @@ Status CmaPath::copy(const Peer& p, const MemoryDescriptor& remote,
             ++k;
         }
         if (k == 0) break;
-        const ssize_t n = ::process_vm_writev(remote.cma_pid, local, k, far, k, 0);
+        const ssize_t n = ::process_vm_writev(remote.cma_pid, local.data(), k, far.data(), k, 0);
         if (n < 0) {
             const int err = errno;
             if (err == EINTR) continue;

@@ -96,9 +96,10 @@ std::string guards_intact(const Side& s) {
     return b.empty() ? "" : "guard after the region: " + b;
 }
 
-// Single writes of 1 B to 1 MiB and one write_runs of 96 runs, each with the immediate, into
-// a poisoned region: every byte arrives, nothing else is touched, the immediates count one
-// per operation and come after their bytes, and none of the bytes went through the provider.
+// Single writes of 1 B to 64 KiB and one write_runs of 2500 runs (more than one system call
+// takes), each with the immediate, into a poisoned region: every byte arrives, nothing else is
+// touched, the immediates count one per operation and come after their bytes, and only the
+// single writes of at most inject_size went through the provider.
 TEST(CmaWrites, BytesArriveIntactAndTheImmediateComesAfterThem) {
     const uint64_t seed = testing::test_seed("CmaWrites");
     auto results = run_processes(
@@ -119,9 +120,10 @@ TEST(CmaWrites, BytesArriveIntactAndTheImmediateComesAfterThem) {
                 singles.push_back({rng() % (kRegion - len), i * slot, len});
             }
             std::vector<WriteRun> runs;
-            for (uint64_t i = 0; i < 96; ++i) {
-                const uint64_t len = 1 + rng() % 8000;
-                runs.push_back({rng() % (kRegion - len), half + i * (half / 96), len});
+            const uint64_t kRuns = 2500;
+            for (uint64_t i = 0; i < kRuns; ++i) {
+                const uint64_t len = 1 + rng() % (half / kRuns);
+                runs.push_back({rng() % (kRegion - len), half + i * (half / kRuns), len});
             }
             if (ex.rank() == 0) {
                 fill_pattern(s.region(), seed);
