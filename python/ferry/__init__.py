@@ -348,7 +348,7 @@ class TransferEngine:
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None,
                  rail_selection: str = "nearest", topology_xml: Optional[str] = None,
-                 rail_nics: Optional[str] = None) -> None:
+                 rail_nics: Optional[str] = None, cma_writes: bool = False) -> None:
         """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
 
         provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
@@ -371,6 +371,15 @@ class TransferEngine:
         gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
         fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
         gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
+        cma_writes: on shm, write (above inject_size) and write_runs into a same-host
+            peer's host region copy the bytes with one process_vm_writev on the calling
+            thread (the call returns once they are in place), then signal the immediate
+            through shm, instead of handing the write to the peer's worker. Both sides must
+            turn it on (a region offers it when registered for peer writes by an engine with
+            it on); off while FI_SHM_DISABLE_CMA=1. Such a write checks the bounds of the
+            peer's descriptor but no key: one sent after the peer closed the region lands in
+            whatever memory is there. A peer that refuses it (EPERM: ptrace scope, another
+            user) gets shm's path, decided once and logged (EngineConfig::cma_writes).
         idle_spin_us: how long workers spin after activity before napping.
         wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
             before they sleep until the worker wakes them: a wait that ends within it skips
@@ -393,7 +402,8 @@ class TransferEngine:
             idle_spin_us, _wait_spin_us(wait_spin_us),
             _str("rail_selection", rail_selection),
             "" if topology_xml is None else _str("topology_xml", topology_xml),
-            "" if rail_nics is None else _str("rail_nics", rail_nics))
+            "" if rail_nics is None else _str("rail_nics", rail_nics),
+            _bool("cma_writes", cma_writes))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -415,6 +425,13 @@ class TransferEngine:
     def num_rails(self) -> int:
         """NICs (libfabric domains) the engine opened."""
         return self._engine.num_rails
+
+    @property
+    def inject_size(self) -> int:
+        """Largest write the provider copies while posting it (shm 4096, tcp 64 in libfabric
+        1.17; 0 with inject off). With cma_writes, single writes up to it stay the
+        provider's."""
+        return self._engine.inject_size
 
     @property
     def supports_gpu_memory(self) -> bool:
@@ -581,7 +598,8 @@ class TransferEngine:
         messages_received, messages_dropped, and regions_registered (regions live now: one
         per Region not closed, plus those of KV connectors and all-to-alls on the engine), and
         rail_fallbacks (transfers with no rail near both memories, sent from this side's near
-        NICs to the peer's near NICs of other indices)."""
+        NICs to the peer's near NICs of other indices), cma_bytes (bytes copied into same-host
+        peers by process_vm_writev, cma_writes)."""
         return self._engine.stats()
 
     def rail_stats(self) -> List[dict]:

@@ -1,7 +1,7 @@
 """ferry beside NIXL and Mooncake's TransferEngine: the same transfers, same host, same run.
 
     python3 -m ferry.bench_peers [--quick] [--json FILE] [--peers nixl,mooncake,uccl]
-                                 [--transports shm,tcp] [--rounds 5] [--list]
+                                 [--transports shm,tcp,shm-cma] [--rounds 5] [--list]
 
 Every library sits behind one small adapter with the same calls: register a host buffer (and
 hand the peer what it needs to write into it), prepare a transfer from descriptor lists
@@ -28,8 +28,11 @@ the report gives each library's median and, per pairing, the median of the per-r
 with its quartiles, oriented so that above 1 means ferry is better. Pairings: ferry shm with
 NIXL over UCX's shared-memory transports (UCX_TLS=sm: posix/sysv mappings and CMA, where
 libfabric's shm provider uses its own mappings and CMA), ferry tcp with NIXL over UCX tcp and
-with Mooncake's tcp transport. A peer that is not installed or cannot run here is skipped with
-a line saying why and how to install it (scripts/peers_venv.sh).
+with Mooncake's tcp transport; `--transports shm-cma`: ferry on shm with cma_writes (a write
+copied by process_vm_writev on the caller's thread, as UCX's cma puts are) beside NIXL's sm,
+and with "shm" in the same run, beside ferry's plain shm. A peer that is not installed or
+cannot run here is skipped with a line saying why and how to install it
+(scripts/peers_venv.sh).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ INSTALL = ("bash scripts/peers_venv.sh (makes build/peers-venv with the peers of
 # What each configuration is: (library, transport) -> how the adapter is made.
 CONFIGS = {
     "ferry-shm": ("ferry", "shm"),
+    "ferry-shm-cma": ("ferry", "shm-cma"),
+    "ferry-shm-cma-wait": ("ferry", "shm-cma-wait"),
     "ferry-tcp": ("ferry", "tcp"),
     "nixl-ucx-sm": ("nixl", "sm"),
     "nixl-ucx-tcp": ("nixl", "tcp"),
@@ -62,8 +67,16 @@ CONFIGS = {
     "uccl-p2p": ("uccl", "p2p"),
 }
 # ferry's configuration on a transport, and the peers' configurations it is compared with.
+# "shm-cma": ferry on shm with cma_writes (its writes copied by process_vm_writev, as UCX's cma
+# puts are), beside NIXL's sm and, in a run with "shm" too, beside ferry's plain shm.
+# "shm-cma-wait": the same, its clock stopping at Op.wait, when the bytes are in the target's
+# memory (process_vm_writev returned), where NIXL's clock stops, instead of at the target's
+# answer (FerryAdapter).
 PAIRINGS = {"shm": ("ferry-shm", ["nixl-ucx-sm", "nixl-libfabric"]),
-            "tcp": ("ferry-tcp", ["nixl-ucx-tcp", "mooncake-tcp", "uccl-p2p"])}
+            "tcp": ("ferry-tcp", ["nixl-ucx-tcp", "mooncake-tcp", "uccl-p2p"]),
+            "shm-cma": ("ferry-shm-cma", ["nixl-ucx-sm", "nixl-libfabric"]),
+            "shm-cma-wait": ("ferry-shm-cma-wait", ["nixl-ucx-sm", "nixl-libfabric"])}
+DEFAULT_TRANSPORTS = ["shm", "tcp"]
 PEERS = {"nixl": ("nixl", "pip install nixl-cu12==1.5.1 nixl-cu13==1.5.1 nixl==1.5.1 --no-deps"),
          "mooncake": ("mooncake.engine",
                       "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 --no-deps"),
@@ -156,7 +169,15 @@ class FerryAdapter(Adapter):
         import ferry
 
         self._ferry = ferry
-        self.engine = ferry.TransferEngine(transport, same_host=True, op_timeout=TIMEOUT)
+        cma = transport.startswith("shm-cma")
+        self.engine = ferry.TransferEngine("shm" if cma else transport, same_host=True,
+                                           op_timeout=TIMEOUT, cma_writes=cma)
+        # shm-cma-wait: once the first transfer copied by CMA showed its bytes copied by
+        # process_vm_writev (stats' cma_bytes grew in the call, so they were in the target's
+        # memory when it returned), later such transfers end at Op.wait, without the target's
+        # answer. Copied by CMA: write_runs, and single writes above inject_size (smaller ones
+        # stay shm's, whose completion says nothing of arrival: they keep the answer).
+        self.landed_at_wait: Optional[bool] = None if transport == "shm-cma-wait" else False
         self.region = self.expecting = None
         self.answering = False
         self.sent = 0  # DATA_IMM writes posted, counted by the transfers' imm_writes
@@ -215,18 +236,20 @@ class FerryAdapter(Adapter):
             _, s, d, n = prepared  # a ping-pong write: the target itself waits for it
             return (self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM),
                     False)
-        if isinstance(prepared, tuple) and prepared[0] == "pages":
-            _, s, d, bb = prepared  # one paged write: page i at i * bb on both sides
-            op = self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb,
-                                         DATA_IMM)
-        elif isinstance(prepared, tuple):
-            s, d, n = prepared
-            op = self.engine.write(self.peer, self.region, s, self.dst, d, n, DATA_IMM)
+        # paged_write is never copied by CMA; a single write only above inject_size
+        copied = not (isinstance(prepared, tuple) and (
+            prepared[0] == "pages" or prepared[2] <= self.engine.inject_size))
+        if self.landed_at_wait is None and copied:
+            before = self.engine.stats()["cma_bytes"]
+            op = self._post_data(prepared)
+            self.landed_at_wait = self.engine.stats()["cma_bytes"] > before
         else:
-            op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, DATA_IMM)
+            op = self._post_data(prepared)
+        self.sent += op.imm_writes  # counted by the target all the same
+        if self.landed_at_wait and copied:
+            return (op, False)
         # The count goes right behind the data (imm_writes is known once posted): the target
         # answers when the last write lands, one trip after the data, not after two.
-        self.sent += op.imm_writes
         slot = self.posted_counts % self.BOX  # reused BOX count writes later, by a larger total
         self.posted_counts += 1
         self.box[self.BOX + slot] = self.sent
@@ -237,6 +260,18 @@ class FerryAdapter(Adapter):
                 c.wait(TIMEOUT)
             del self.counts[:self.BOX // 4]
         return (op, True)
+
+    def _post_data(self, prepared: Any) -> Any:
+        if isinstance(prepared, tuple) and prepared[0] == "pages":
+            _, s, d, bb = prepared  # one paged write: page i at i * bb on both sides
+            op = self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb,
+                                         DATA_IMM)
+        elif isinstance(prepared, tuple):
+            s, d, n = prepared
+            op = self.engine.write(self.peer, self.region, s, self.dst, d, n, DATA_IMM)
+        else:
+            op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, DATA_IMM)
+        return op
 
     def wait(self, token: Any, timeout: float = TIMEOUT) -> None:
         op, acked = token
@@ -820,7 +855,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None]) -> dict:
         configs.append(ferry_cfg)
         for cfg in peers:
             lib = CONFIGS[cfg][0]
-            if lib not in opts.peers:
+            if lib not in opts.peers or cfg in configs or cfg in skipped:
                 continue
             why = peer_status(lib)
             if why:
@@ -982,7 +1017,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--peers", type=_choice_list(list(PEERS), "peer"),
                     default=list(PEERS), help="the peers to compare with (default: all)")
     ap.add_argument("--transports", type=_choice_list(list(PAIRINGS), "transport"),
-                    default=list(PAIRINGS), help="ferry's transports (default: shm,tcp)")
+                    default=DEFAULT_TRANSPORTS,
+                    help="ferry's transports (default: shm,tcp; shm-cma: shm with cma_writes)")
     ap.add_argument("--patterns", type=_choice_list(["bw", "lat", "rate", "kv"], "pattern"),
                     default=["bw", "lat", "rate", "kv"])
     ap.add_argument("--rounds", type=count(1, 1000), default=None,

@@ -552,6 +552,7 @@ class Engine {
         d["messages_dropped"] = s.messages_dropped;
         d["regions_registered"] = s.regions_registered;
         d["rail_fallbacks"] = s.rail_fallbacks;
+        d["cma_bytes"] = s.cma_bytes;
         return d;
     }
 
@@ -715,7 +716,8 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
                          uint64_t stripe_threshold, uint64_t max_write_size,
                          const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
                          py::handle idle_spin_us, const std::string& rail_selection,
-                         const std::string& topology_xml, const std::string& rail_nics) {
+                         const std::string& topology_xml, const std::string& rail_nics,
+                         bool cma_writes) {
     EngineConfig c;
     c.provider = provider;
     c.peers_on_same_host = same_host;
@@ -737,6 +739,7 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
     c.rails = rail_selection;
     c.topology_xml = topology_xml;
     c.rail_nics = rail_nics;
+    c.cma_writes = cma_writes;
     return c;
 }
 
@@ -886,29 +889,32 @@ PYBIND11_MODULE(_ferry, m) {
         "The C++ TransferEngine behind ferry.TransferEngine, which converts and checks the "
         "arguments.");
     engine_class
-        .def(
-            py::init([](const std::string& provider, bool same_host, const std::string& node,
-                        int rails, py::handle op_timeout, bool busy_poll, uint64_t stripe_threshold,
-                        uint64_t max_write_size, const std::string& gpu_copy,
-                        bool fabric_gpu_memory, bool gpu_ipc, py::handle idle_spin_us,
-                        py::handle wait_spin_us, const std::string& rail_selection,
-                        const std::string& topology_xml, const std::string& rail_nics) {
-                return std::make_unique<Engine>(
-                    make_config(provider, same_host, node, rails, op_timeout, busy_poll,
-                                stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
-                                gpu_ipc, idle_spin_us, rail_selection, topology_xml, rail_nics),
-                    micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
-            }),
-            py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
-            py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
-            py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
-            py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"),
-            py::arg("rail_selection"), py::arg("topology_xml"), py::arg("rail_nics"))
+        .def(py::init([](const std::string& provider, bool same_host, const std::string& node,
+                         int rails, py::handle op_timeout, bool busy_poll,
+                         uint64_t stripe_threshold, uint64_t max_write_size,
+                         const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
+                         py::handle idle_spin_us, py::handle wait_spin_us,
+                         const std::string& rail_selection, const std::string& topology_xml,
+                         const std::string& rail_nics, bool cma_writes) {
+                 return std::make_unique<Engine>(
+                     make_config(provider, same_host, node, rails, op_timeout, busy_poll,
+                                 stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
+                                 gpu_ipc, idle_spin_us, rail_selection, topology_xml, rail_nics,
+                                 cma_writes),
+                     micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
+             }),
+             py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
+             py::arg("op_timeout"), py::arg("busy_poll"), py::arg("stripe_threshold"),
+             py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
+             py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"),
+             py::arg("rail_selection"), py::arg("topology_xml"), py::arg("rail_nics"),
+             py::arg("cma_writes"))
         .def_property_readonly("wait_spin_us", &Engine::wait_spin_us)
         .def_property_readonly("address", &Engine::address)
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
         .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
         .def_property_readonly("num_rails", [](const Engine& e) { return e.get().num_rails(); })
+        .def_property_readonly("inject_size", [](const Engine& e) { return e.get().inject_size(); })
         .def_property_readonly("supports_gpu_memory",
                                [](const Engine& e) { return e.get().supports_gpu_memory(); })
         .def_property_readonly("gpu_memory_note",

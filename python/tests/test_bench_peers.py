@@ -25,8 +25,9 @@ def _config_or_skip(config: str) -> str:
     return config
 
 
-@pytest.fixture(scope="module", params=["ferry-tcp", "ferry-shm", "nixl-ucx-sm",
-                                        "nixl-ucx-tcp", "mooncake-tcp"])
+@pytest.fixture(scope="module", params=["ferry-tcp", "ferry-shm", "ferry-shm-cma",
+                                        "ferry-shm-cma-wait", "nixl-ucx-sm", "nixl-ucx-tcp",
+                                        "mooncake-tcp"])
 def pair(request):
     p = bp.Pair(_config_or_skip(request.param))
     yield p

@@ -265,3 +265,35 @@ def test_wait_with_timeout_zero_costs_a_poll():
     print(f"KvConnector.wait(0) {kv_wait:.2f} us, ImmExpectation.wait(0) {imm:.2f} us")
     assert kv_wait < 30, f"KvConnector.wait(0) took {kv_wait:.1f} us a call"
     assert imm < 50, f"ImmExpectation.wait(0) took {imm:.1f} us a call"
+
+
+def test_cma_writes_copy_same_host_writes_and_count_them():
+    # Two shm engines of this process with cma_writes: write and write_runs into the other's
+    # poisoned region go by process_vm_writev (stats' cma_bytes, nothing through shm), the
+    # bytes are there when the immediate is counted; without cma_writes on the target's side
+    # its regions offer nothing and the bytes go through shm.
+    rng = np.random.default_rng(37)
+    size = 1 << 20
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    for target_cma in (True, False):
+        with ferry.TransferEngine("shm", same_host=True, cma_writes=True) as a, \
+                ferry.TransferEngine("shm", same_host=True, cma_writes=target_cma) as b:
+            dst = np.full(size, POISON, dtype=np.uint8)
+            rs, rd = a.register(src), b.register(dst)
+            peer = a.connect(b.address)
+            desc = ferry.RemoteRegion.from_bytes(rd.descriptor)
+            runs = [(0, 100, 64), (4096, 8192, 4096), (70000, 200000, 65536)]
+            a.write(peer, rs, 1000, desc, 500000, 300000, imm=7).wait(10.0)
+            op = a.write_runs(peer, rs, desc, runs, imm=7)
+            op.wait(10.0)
+            b.wait_imm(7, 1 + op.imm_writes, 10.0)
+            writes = [(500000, src[1000:301000].tobytes())]
+            writes += [(d, src[s:s + n].tobytes()) for s, d, n in runs]
+            check_bytes(dst, expected_after(size, writes))
+            copied = 300000 + sum(n for _, _, n in runs)
+            st = a.stats()
+            if target_cma:
+                assert st["cma_bytes"] == copied and st["bytes_posted"] == 0
+                assert op.imm_writes == 1
+            else:
+                assert st["cma_bytes"] == 0 and st["bytes_posted"] == copied

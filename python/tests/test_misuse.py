@@ -253,7 +253,8 @@ def test_python_object_buffers_and_sparse_tensors_refused():
     engine.close()
 
 
-@pytest.mark.parametrize("name", ["same_host", "busy_poll", "fabric_gpu_memory", "gpu_ipc"])
+@pytest.mark.parametrize("name", ["same_host", "busy_poll", "fabric_gpu_memory", "gpu_ipc",
+                                  "cma_writes"])
 def test_engine_flags_refuse_truthy_strings(name):
     # bool("false") is True: same_host="false" turned same-host mode on.
     for bad in ("false", None, 2, 0.0):

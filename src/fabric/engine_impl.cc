@@ -136,6 +136,7 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     address.provider = provider;
     address.host_id = read_host_id();
     address.signal.engine_id = address.engine_id;
+    cma_.configure(config.cma_writes, provider, address.engine_id, address.host_id);
     address.signal.length = 64;
     // Rail r opens candidates[r % n] (RailGroup::open): the NIC it stands for.
     std::vector<FabricNic> rail_nics;
@@ -325,6 +326,7 @@ std::unique_ptr<MemoryRegion> EngineImpl::region_of(MemoryRegistry::Registration
     region->desc_ = std::move(reg.desc);
     region->local_descs_ = std::move(reg.local_descs);
     region->access_ = access;
+    cma_.offer(&region->desc_, access);
     return region;
 }
 
@@ -456,6 +458,7 @@ EngineStats EngineImpl::stats() const {
     s.messages_dropped += control_.dropped();
     s.regions_registered = memory_.count();
     s.rail_fallbacks = rail_fallbacks_.load(std::memory_order_relaxed);
+    s.cma_bytes = cma_.bytes();
     return s;
 }
 

@@ -4,6 +4,7 @@
 //   PeerTable       connected peers (address per rail) and peer groups
 //   MemoryRegistry  registrations on each region's rails, region ids, the GPU memory policy
 //   GpuCopyPath     the same-host GPU transport and its copies in flight
+//   CmaPath         same-host host memory written by process_vm_writev, decided per peer
 //   ControlChannel  control-message framing, the handler, held messages
 //   ImmTable        arrival counters per immediate and their waiters
 // Files: engine_impl.cc (construction, watchdog, shutdown, entry points), op_checks.cc
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "fabric/cma_path.h"
 #include "fabric/control.h"
 #include "fabric/gpu_copy_path.h"
 #include "fabric/gpu_transport.h"
@@ -171,6 +173,15 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     OpHandle gpu_op(OpRef state, PeerId peer, int device, GpuWork work,
                     std::optional<uint32_t> imm);
 
+    // A write into a same-host peer's host region by process_vm_writev on this thread
+    // (CmaPath), then its immediate as a signal through the provider: one operation, done
+    // once the bytes are in place (and the signal is sent). Empty when CMA does not apply to
+    // this peer or region, or the peer refused its first copy (nothing written): the caller
+    // then goes the provider's way. Callers checked bounds and memory kinds.
+    std::optional<OpHandle> cma_write(OpRef& state, const Peer& p, const MemoryDescriptor& dst,
+                                      std::span<const CmaPiece> pieces, std::optional<uint32_t> imm,
+                                      const char* what);
+
     // Watchdog: expires immediate waiters and detects rails wedged inside the provider.
     void watchdog();
     void fail_ops_on_rail(int rail, const Status& why);
@@ -184,6 +195,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
 
     PeerTable peers_;
     GpuCopyPath gpu_{config};
+    CmaPath cma_;
     MemoryRegistry memory_{rails, gpu_};
     ControlChannel control_{config};
     std::atomic<int32_t> expecting_{0};              // open expect_arrivals(true, kAny) calls

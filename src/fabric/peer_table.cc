@@ -24,6 +24,7 @@ Result<PeerId> PeerTable::connect(const EngineAddress& a, RailGroup& rails, uint
     p->engine_id = a.engine_id;
     p->address = a;
     p->peer_rails = a.rail_addrs.size();
+    p->shm_pid = shm_name_pid(a.rail_addrs[0]);
     p->fi_addr.reserve(rails.size() * p->peer_rails);
     for (auto& rail : rails) {
         Rail* rp = rail.get();

@@ -29,6 +29,12 @@ struct Peer {
     // rail, so a transfer can go from the NIC near the local memory to the peer's NIC near the
     // remote memory (RailRoute), as NIXL's LIBFABRIC backend inserts all of a peer's rails.
     std::vector<fi_addr_t> fi_addr;
+    // shm: the pid in the peer's endpoint name, the process the provider delivers to.
+    long shm_pid = 0;
+    // Whether this engine's writes into the peer's host memory go by process_vm_writev, and
+    // the start time of the peer's process checked then (CmaPath::usable decides once).
+    mutable std::atomic<uint8_t> cma{0};
+    mutable std::atomic<uint64_t> cma_start{0};
 
     fi_addr_t addr(int local_rail, int peer_rail) const {
         return fi_addr[static_cast<size_t>(local_rail) * peer_rails + peer_rail];

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace ferry::detail {
@@ -150,6 +152,27 @@ Result<std::string> resolve_provider_name(const EngineConfig& config) {
 
 std::string shm_endpoint_name(std::string_view tag) {
     return fmt::format("{}{}_{}", kShmNamePrefix, ::getpid(), tag);
+}
+
+long shm_name_pid(const std::vector<uint8_t>& addr) {
+    std::string_view name(reinterpret_cast<const char*>(addr.data()), addr.size());
+    size_t at = name.find(kShmNamePrefix);
+    if (at == std::string_view::npos) return 0;
+    std::string digits;
+    for (size_t i = at + std::strlen(kShmNamePrefix);
+         i < name.size() && name[i] >= '0' && name[i] <= '9' && digits.size() < 10; ++i) {
+        digits += name[i];
+    }
+    return digits.empty() ? 0 : std::strtol(digits.c_str(), nullptr, 10);
+}
+
+bool shm_cma_disabled() {
+    // libfabric's own reading: fi_param_get_bool takes "1", "on", "yes", "true" (any case).
+    const char* v = std::getenv("FI_SHM_DISABLE_CMA");
+    if (!v) return false;
+    std::string s(v);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s == "1" || s == "on" || s == "yes" || s == "true" || s == "y";
 }
 
 void set_src_name(fi_info* info, const std::string& name) {

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
@@ -45,5 +46,11 @@ inline constexpr const char* kShmNamePrefix = "ferry_";
 // process is gone. `set_src_name` gives an fi_info such a name before fi_endpoint.
 std::string shm_endpoint_name(std::string_view tag);
 void set_src_name(fi_info* info, const std::string& name);
+// The process id in a ferry shm region name (kShmNamePrefix, pid, '_'), 0 if it is none.
+long shm_name_pid(const std::vector<uint8_t>& addr);
+
+// Whether libfabric's shm was told not to use cross-memory attach (FI_SHM_DISABLE_CMA, read as
+// libfabric reads it): ferry's own CMA writes (EngineConfig::cma_writes) obey it too.
+bool shm_cma_disabled();
 
 }  // namespace ferry::detail

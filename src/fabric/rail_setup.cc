@@ -26,19 +26,6 @@ void close_fid(T*& obj) {
     }
 }
 
-// The process id in a ferry shm region name (kShmNamePrefix, pid, '_'), 0 if it is none.
-long shm_name_pid(const std::vector<uint8_t>& addr) {
-    std::string_view name(reinterpret_cast<const char*>(addr.data()), addr.size());
-    size_t at = name.find(kShmNamePrefix);
-    if (at == std::string_view::npos) return 0;
-    std::string digits;
-    for (size_t i = at + std::strlen(kShmNamePrefix);
-         i < name.size() && name[i] >= '0' && name[i] <= '9' && digits.size() < 10; ++i) {
-        digits += name[i];
-    }
-    return digits.empty() ? 0 : std::strtol(digits.c_str(), nullptr, 10);
-}
-
 std::string shm_region_name(uint64_t salt, int rail, uint32_t gen) {
     std::string tag = fmt::format("{:x}_{}", salt, rail);
     if (gen) tag += fmt::format("_t{}", gen);

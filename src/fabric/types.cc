@@ -49,6 +49,11 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
         w.put(ipc_offset);
         w.put(ipc_pid);
     }
+    w.put(cma_pid);
+    if (cma_pid) {
+        w.put(cma_pid_ns);
+        w.put(cma_start);
+    }
 }
 
 Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
@@ -71,6 +76,15 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
         FERRY_RETURN_IF_ERROR(r.get(&d.ipc_handle, "ipc_handle"));
         FERRY_RETURN_IF_ERROR(r.get(&d.ipc_offset, "ipc_offset"));
         FERRY_RETURN_IF_ERROR(r.get(&d.ipc_pid, "ipc_pid"));
+    }
+    FERRY_RETURN_IF_ERROR(r.get(&d.cma_pid, "cma_pid"));
+    if (d.cma_pid < 0) {
+        return protocol_error(
+            fmt::format("memory descriptor has a negative cma_pid {}", d.cma_pid));
+    }
+    if (d.cma_pid) {
+        FERRY_RETURN_IF_ERROR(r.get(&d.cma_pid_ns, "cma_pid_ns"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.cma_start, "cma_start"));
     }
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
         return protocol_error(fmt::format("memory descriptor has unknown memory kind {}", kind));

@@ -109,6 +109,19 @@ struct EngineConfig {
     // Same-host GPU pairs copy over CUDA IPC (NVLink). false: no IPC export, GPU memory goes
     // through the provider like any other (needs fabric GPU memory on both sides).
     bool gpu_ipc = true;
+    // Same-host host memory copied by the initiator itself (cross-memory attach): on shm, a
+    // write above inject_size or a write_runs into a peer's host region whose descriptor
+    // offers it is one process_vm_writev on the calling thread, then its immediate as a
+    // signal through the provider, instead of a command the peer's worker carries out and
+    // answers. A region offers it when its owner's engine has cma_writes on and registered it
+    // for peer writes: both sides opt in. Off by default, and off whatever is asked while
+    // FI_SHM_DISABLE_CMA=1 (libfabric's own switch, read at create). Such a write checks no
+    // key at the target, only the bounds its descriptor gave, so a write sent after the
+    // owner closed the region lands in whatever memory is there (docs/PROTOCOL.md, "Same-host
+    // writes by process_vm_writev"). A peer whose process_vm_writev is refused (EPERM: Yama's
+    // ptrace scope, another user) or whose pid is not the process that registered the region
+    // (another pid namespace) gets the provider's path: decided once per peer, logged.
+    bool cma_writes = false;
     // Set by the engine (random per engine): makes shm region names unique.
     uint64_t shm_name_salt = 0;
     Duration idle_spin = std::chrono::microseconds(200);
@@ -355,6 +368,9 @@ struct EngineStats {
     // memory (GPU k to the peer's GPU j), so each went from a NIC near the local memory to a
     // peer NIC near the remote memory of another index (EngineConfig::rails).
     uint64_t rail_fallbacks = 0;
+    // Bytes this engine copied into same-host peers with process_vm_writev
+    // (EngineConfig::cma_writes) instead of handing them to the provider.
+    uint64_t cma_bytes = 0;
 };
 
 class TransferEngine {

@@ -33,7 +33,7 @@ enum class RemoteAccess : uint8_t { kNone = 0, kRead = 1, kWrite = 2, kReadWrite
 // owning engine and which of those rails hold the region. Versioned so that an engine refuses a
 // blob from an incompatible build with a clear error instead of writing to the wrong place.
 struct MemoryDescriptor {
-    static constexpr uint16_t kVersion = 3;
+    static constexpr uint16_t kVersion = 4;
 
     uint64_t engine_id = 0;  // the engine that registered the memory
     uint64_t base = 0;       // address of byte 0 in the owner's address space
@@ -57,6 +57,14 @@ struct MemoryDescriptor {
     std::array<uint8_t, 64> ipc_handle{};
     uint64_t ipc_offset = 0;
     int32_t ipc_pid = 0;  // exporting process: a peer in the same process uses base directly
+    // Same-host host memory its owner lets peers write with process_vm_writev
+    // (EngineConfig::cma_writes; 0: not offered), and what tells a peer that this pid is the
+    // registering process itself and not one of another pid namespace or a later process
+    // given the same pid: the namespace's inode and the process's start time (clock ticks
+    // after boot, /proc/<pid>/stat).
+    int32_t cma_pid = 0;
+    uint64_t cma_pid_ns = 0;
+    uint64_t cma_start = 0;
 
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }
