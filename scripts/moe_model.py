@@ -383,11 +383,15 @@ def model_cpu(s, world, per_node, p):
     comb_b = sch.part("combine").bytes * rem
     # combine_send stages every hit (half of rank 1's time) and copies the same-node share.
     csend = p.csend1_us * (1 + per_node / n) / 2
-    dispatch = (n * (send + p.recv1_us + writes_d * p.write_us) / par
-                + n * disp_b / (p.net_gbps * 1e3) + (2 * p.latency_us if rem else 0))
+    # The provider's copies are CPU work as well, done by each rank's own engine worker
+    # (src/bench/moe.cc gives every rank a TransferEngine and a HostProxy thread), so they
+    # share the cores with the rest rather than queueing behind one another's.
+    net = p.net_gbps * 1e3
+    dispatch = (n * (send + p.recv1_us + writes_d * p.write_us + disp_b / net) / par
+                + (2 * p.latency_us if rem else 0))
     experts = n * p.expert1_us / par
-    combine = (n * (csend + p.reduce1_us + rem * p.write_us) / par
-               + n * comb_b / (p.net_gbps * 1e3) + (p.latency_us if rem else 0))
+    combine = (n * (csend + p.reduce1_us + rem * p.write_us + comb_b / net) / par
+               + (p.latency_us if rem else 0))
     return {"schedule": sch, "dispatch": dispatch, "combine": combine,
             "layer": dispatch + experts + combine}
 

@@ -82,15 +82,19 @@ class Timing(unittest.TestCase):
         r = m.model_cpu(s, 2, 1, p)
         # 10/3 rows per rank; rank 1 alone packs and copies 4 rows in 100 us, so packing
         # 20/3 rows and copying 10/3 takes 125. Two ranks on two cores: per rank 125 + 50 +
-        # 3 writes; the fabric moves both ranks' 10/3 rows of 544 B and a 64 B counts message
-        # at 1000 B/us; two latencies (counts, rows).
-        dispatch = (125 + 50 + 3) + 2 * (10 / 3 * 544 + 64) / 1000 + 20
+        # 3 writes + its copy of 10/3 rows of 544 B and a 64 B counts message at 1000 B/us
+        # (each rank's engine copies on a core of its own); two latencies (counts, rows).
+        dispatch = (125 + 50 + 3 + (10 / 3 * 544 + 64) / 1000) + 20
         # combine_send stages every hit (40 of 80) and copies the same-node half (20): 60; the
-        # sum 60; one write; both ranks' 4 hits of 512 B over the fabric; one latency.
-        combine = (60 + 60 + 1) + 2 * 2048 / 1000 + 10
+        # sum 60; one write; its 4 hits of 512 B over the fabric; one latency.
+        combine = (60 + 60 + 1 + 2048 / 1000) + 10
         self.assertAlmostEqual(r["dispatch"], dispatch, places=6)
         self.assertAlmostEqual(r["combine"], combine, places=6)
         self.assertAlmostEqual(r["layer"], dispatch + 30 + combine, places=6)
+        # On one core the two ranks' work, their copies included, runs one after the other.
+        one = m.model_cpu(s, 2, 1, m.dataclasses.replace(p, cores=1))
+        self.assertAlmostEqual(one["dispatch"], 2 * (dispatch - 20) + 20, places=6)
+        self.assertAlmostEqual(one["combine"], 2 * (combine - 10) + 10, places=6)
 
     def test_validation_stays_within_twenty_percent(self):
         worst = m.validate_proxied(io.StringIO())
