@@ -405,8 +405,13 @@ def model_cpu(s, world, per_node, p):
 #    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html ; and Licker
 #    et al., "RDMA Point-to-Point Communication for LLM Systems", arXiv:2510.27656 (400 Gbps
 #    per GPU reached on EFA with 2 x 200 Gbps NICs).
-#  - latency and message rate: no published per-write figure for EFA found; 10 us one-way
-#    and no rate limit are assumptions (see --sensitivity).
+#  - latency and message rate: AWS publishes no per-write figure for EFA; the defaults are
+#    perftest's over SRD between two m6i.metal instances (an earlier EFA than p5en's), in
+#    zhang1980s/ec2-efa-lab, efa-performance-testing-guide.md (GitHub): ib_send_lat one-way
+#    typical 15.7-16.5 us for 2 B-1 KiB (so 16 us), ib_write_bw on one queue pair 2.1-2.2 M
+#    writes/s from 4 B to 4 KiB (so 2.1 M/s per NIC: a rank posts to each rail through one
+#    endpoint). Third-party measurements on older hardware: the sensitivity table halves and
+#    doubles both.
 #  - proxy, signalling, PCIe, kernels: ferry's own measurements (docs/BENCHMARKS.md): the
 #    engine's ~1.8 us per 64 B write on the 16-core GPU host's CPUs (564k/s, 2026-12-02)
 #    bounds the proxy's post cost from above; publish-to-seen 0.9 us and arrival-to-kernel
@@ -416,7 +421,7 @@ def model_cpu(s, world, per_node, p):
 #    dependent loads) and combine_recv 7 MiB in 100-170 us (H200 2026-12-02: taken as the
 #    PCIe Gen5 x16 link's ~50 GB/s, since it overlaps the arrivals); the mapped EP2 layer on
 #    one H100 (dispatch 34.9, combine 42.5, layer 94.0 us) for the kernels.
-P5EN = ProxiedParams(nic_gbps=25.0, nics=2, latency_us=10.0, msg_rate_mps=0.0, write_us=1.0,
+P5EN = ProxiedParams(nic_gbps=25.0, nics=2, latency_us=16.0, msg_rate_mps=2.1, write_us=1.0,
                      publish_us=2.0, notice_us=5.0, pcie_store_gbps=50.0, pcie_read_gbps=20.0,
                      pcie_sum_gbps=50.0, ranks_per_gpu=1, plan_us=6.0, dispatch_us=34.9, expert_us=16.6,
                      combine_us=42.5)
@@ -694,8 +699,9 @@ def project(out, p=P5EN, s=Shape(), per_node=8):
 
 
 # Parameters the sensitivity table halves and doubles, and whether "better" is larger.
-SENSITIVE = ["nic_gbps", "latency_us", "write_us", "publish_us", "notice_us", "pcie_store_gbps",
-             "pcie_read_gbps", "pcie_sum_gbps", "dispatch_us", "combine_us", "expert_us"]
+SENSITIVE = ["nic_gbps", "latency_us", "msg_rate_mps", "write_us", "publish_us", "notice_us",
+             "pcie_store_gbps", "pcie_read_gbps", "pcie_sum_gbps", "dispatch_us", "combine_us",
+             "expert_us"]
 
 
 def sensitivity(out, p=P5EN, s=Shape(), per_node=8, eps=(16, 64)):
@@ -707,23 +713,19 @@ def sensitivity(out, p=P5EN, s=Shape(), per_node=8, eps=(16, 64)):
               "the rest at the p5en defaults\n")
     out.write(f"{'parameter':<16} {'default':>8} | " + " | ".join(
         f"EP{n} x0.5 / x2 (base {base[n]:.0f})" for n in eps) + "\n")
-    def swing_row(name, v, lo_v, hi_v, label=None):
+    def swing_row(name, v, lo_v, hi_v):
         cells, swing = [], 0.0
         for n in eps:
             lo = total(dataclasses.replace(p, **{name: lo_v}), n)
             hi = total(dataclasses.replace(p, **{name: hi_v}), n)
             cells.append(f"{lo:7.0f} / {hi:7.0f} ({abs(hi - lo) / base[n] * 100:3.0f}%)")
             swing = max(swing, abs(hi - lo) / base[n])
-        return swing, label or name, v, cells
+        return swing, name, v, cells
 
     rows = [swing_row(name, getattr(p, name), getattr(p, name) * 0.5, getattr(p, name) * 2)
             for name in SENSITIVE]
-    # No published EFA message rate: the default sets none; this row tries 1 and 4 M/s.
-    rows.append(swing_row("msg_rate_mps", p.msg_rate_mps, 1.0, 4.0, "msg_rate_mps*"))
     for swing, name, v, cells in sorted(rows, key=lambda r: -r[0]):
         out.write(f"{name:<16} {v:>8g} | " + " | ".join(f"{c:>30}" for c in cells) + "\n")
-    out.write("* msg_rate_mps: not in the default (no published EFA rate found); the row sets "
-              "it to 1 / 4 M writes/s per NIC.\n")
 
 
 # What ferry's schedule would need to change: each change alone on top of today's path, then
