@@ -638,7 +638,7 @@ def load_measured(paths, cores=None):
         elif j.get("backend") in ("cpu", "cuda"):
             n, r, t = j["ranks"], j["ranks_per_node"], j["tokens"]
             if (j["hidden"], j["topk"], j["experts"], j["dtype"], j["combine"]) != \
-                    (7168, 8, 256, "fp8", "per-hit"):
+                    (7168, 8, 256, "fp8_e4m3", "per-hit"):
                 raise SystemExit(f"{f}: the model's validation takes the article's shape (hidden "
                                  "7168, top-8 of 256, fp8, per-hit combine)")
             fab = fabric_of(j["provider"])

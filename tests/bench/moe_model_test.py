@@ -103,7 +103,8 @@ class Timing(unittest.TestCase):
     def test_measured_files_feed_the_same_comparison(self):
         # What scripts/moe_validate_device.sh writes: `bench xfer` and `bench moe` JSON and a
         # host.json; the model must read the inputs from them and set it beside the runs.
-        shape = {"hidden": 7168, "topk": 8, "experts": 256, "dtype": "fp8", "combine": "per-hit"}
+        shape = {"hidden": 7168, "topk": 8, "experts": 256, "dtype": "fp8_e4m3",
+                 "combine": "per-hit"}
 
         def moe(backend, provider, n, r, tokens, phases, **extra):
             return dict(shape, backend=backend, provider=provider, ranks=n, ranks_per_node=r,
@@ -153,7 +154,7 @@ class Timing(unittest.TestCase):
             with open(os.path.join(d, "x.json"), "w") as f:
                 json.dump({"backend": "cuda", "provider": "tcp", "ranks": 2, "ranks_per_node": 1,
                            "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
-                           "dtype": "fp8", "combine": "per-hit", "phases": {}}, f)
+                           "dtype": "fp8_e4m3", "combine": "per-hit", "phases": {}}, f)
             with self.assertRaisesRegex(SystemExit, "needs --floor"):
                 m.load_measured([d])
 
