@@ -69,7 +69,8 @@ cmake --build $build -j "$(nproc)" "${targets[@]}" > "$out/build.log" 2>&1 || { 
 status=0
 # Issue 36 (FERRY_GPU_MOE_VALIDATE=1): the CPU backend and the proxied CUDA path over shm and
 # tcp at EP2/4/8, then scripts/moe_model.py beside them (about 6 minutes, first, on a quiet
-# machine; with FERRY_GPU_QUICK=1 only this and FERRY_GPU_EXTRA run). Files under $out/moe_validate.
+# machine; with FERRY_GPU_QUICK=1 only this and FERRY_GPU_EXTRA run). Files under
+# $out/moe_validate.
 if [ -n "${FERRY_GPU_MOE_VALIDATE:-}" ]; then
   log "moe model validation (scripts/moe_validate_device.sh)"
   OUT=$out bash scripts/moe_validate_device.sh $build/ferry || status=1
@@ -77,7 +78,8 @@ fi
 if [ -n "${FERRY_GPU_QUICK:-}" ]; then
   log "extra: ${FERRY_GPU_EXTRA:-}"
   bash -c "${FERRY_GPU_EXTRA:-true}" 2>&1 | tee "$out/extra.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || status=$rc
   log "done (status $status)"
   exit "$status"
 fi
