@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -382,11 +383,15 @@ def model_cpu(s, world, per_node, p):
     comb_b = sch.part("combine").bytes * rem
     # combine_send stages every hit (half of rank 1's time) and copies the same-node share.
     csend = p.csend1_us * (1 + per_node / n) / 2
-    dispatch = (n * (send + p.recv1_us + writes_d * p.write_us) / par
-                + n * disp_b / (p.net_gbps * 1e3) + (2 * p.latency_us if rem else 0))
+    # The provider's copies are CPU work as well, done by each rank's own engine worker
+    # (src/bench/moe.cc gives every rank a TransferEngine and a HostProxy thread), so they
+    # share the cores with the rest rather than queueing behind one another's.
+    net = p.net_gbps * 1e3
+    dispatch = (n * (send + p.recv1_us + writes_d * p.write_us + disp_b / net) / par
+                + (2 * p.latency_us if rem else 0))
     experts = n * p.expert1_us / par
-    combine = (n * (csend + p.reduce1_us + rem * p.write_us) / par
-               + n * comb_b / (p.net_gbps * 1e3) + (p.latency_us if rem else 0))
+    combine = (n * (csend + p.reduce1_us + rem * p.write_us + comb_b / net) / par
+               + (p.latency_us if rem else 0))
     return {"schedule": sch, "dispatch": dispatch, "combine": combine,
             "layer": dispatch + experts + combine}
 
@@ -400,8 +405,13 @@ def model_cpu(s, world, per_node, p):
 #    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html ; and Licker
 #    et al., "RDMA Point-to-Point Communication for LLM Systems", arXiv:2510.27656 (400 Gbps
 #    per GPU reached on EFA with 2 x 200 Gbps NICs).
-#  - latency and message rate: no published per-write figure for EFA found; 10 us one-way
-#    and no rate limit are assumptions (see --sensitivity).
+#  - latency and message rate: AWS publishes no per-write figure for EFA; the defaults are
+#    perftest's over SRD between two m6i.metal instances (an earlier EFA than p5en's), in
+#    zhang1980s/ec2-efa-lab, efa-performance-testing-guide.md (GitHub): ib_send_lat one-way
+#    typical 15.7-16.5 us for 2 B-1 KiB (so 16 us), ib_write_bw on one queue pair 2.1-2.2 M
+#    writes/s from 4 B to 4 KiB (so 2.1 M/s per NIC: a rank posts to each rail through one
+#    endpoint). Third-party measurements on older hardware: the sensitivity table halves and
+#    doubles both.
 #  - proxy, signalling, PCIe, kernels: ferry's own measurements (docs/BENCHMARKS.md): the
 #    engine's ~1.8 us per 64 B write on the 16-core GPU host's CPUs (564k/s, 2026-12-02)
 #    bounds the proxy's post cost from above; publish-to-seen 0.9 us and arrival-to-kernel
@@ -411,7 +421,7 @@ def model_cpu(s, world, per_node, p):
 #    dependent loads) and combine_recv 7 MiB in 100-170 us (H200 2026-12-02: taken as the
 #    PCIe Gen5 x16 link's ~50 GB/s, since it overlaps the arrivals); the mapped EP2 layer on
 #    one H100 (dispatch 34.9, combine 42.5, layer 94.0 us) for the kernels.
-P5EN = ProxiedParams(nic_gbps=25.0, nics=2, latency_us=10.0, msg_rate_mps=0.0, write_us=1.0,
+P5EN = ProxiedParams(nic_gbps=25.0, nics=2, latency_us=16.0, msg_rate_mps=2.1, write_us=1.0,
                      publish_us=2.0, notice_us=5.0, pcie_store_gbps=50.0, pcie_read_gbps=20.0,
                      pcie_sum_gbps=50.0, ranks_per_gpu=1, plan_us=6.0, dispatch_us=34.9, expert_us=16.6,
                      combine_us=42.5)
@@ -461,7 +471,7 @@ MAPPED_SHARES = {128: (34.9 / 94.0, 16.6 / 94.0, 42.5 / 94.0),
 def one_host_params(world, mapped_layer, tokens=128, latency_us=2.0, write_us=1.0):
     """A run of every rank on one GPU and one host: kernels share the GPU and its PCIe link,
     copies share the host's memory (fitted to the run's own write loop by the caller)."""
-    d, e, c = MAPPED_SHARES[tokens]
+    d, e, c = MAPPED_SHARES[min(MAPPED_SHARES, key=lambda t: abs(math.log(t / tokens)))]
     return ProxiedParams(nic_gbps=1e6, nics=1, latency_us=latency_us, write_us=write_us,
                          publish_us=2.0, notice_us=5.0, pcie_store_gbps=50.0,
                          pcie_read_gbps=20.0, ranks_per_gpu=world, host_ranks=world,
@@ -518,10 +528,10 @@ CPU_NET = {  # write_us, net_gbps, latency_us
 }
 
 
-def cpu_params(provider, tokens):
-    ds, dr, d, cs, cr, c, layer = CPU_ONE_RANK[tokens]
-    w, bw, lat = CPU_NET[provider]
-    return CpuParams(cores=2.0, send1_us=ds, recv1_us=dr, expert1_us=layer - d - c,
+def cpu_params(provider, tokens, one_rank=None, net=None, cores=2.0):
+    ds, dr, d, cs, cr, c, layer = (one_rank or CPU_ONE_RANK)[tokens]
+    w, bw, lat = (net or CPU_NET)[provider]
+    return CpuParams(cores=cores, send1_us=ds, recv1_us=dr, expert1_us=layer - d - c,
                      csend1_us=cs, reduce1_us=cr, write_us=w, net_gbps=bw, latency_us=lat)
 
 
@@ -539,14 +549,136 @@ CPU_MEASURED = [  # (provider, N, R, tokens, dispatch, combine, layer), p50 us
 ]
 
 
-def validate_cpu(out):
-    out.write("CPU backend (`ferry bench moe --backend cpu`) on the 2-core dev VM at load 16-19, "
-              "p50 us (misses: see docs/MOE.md)\n")
-    return _compare(out, "provider",
-                    [(f"{n:>3} {r:>2} {tokens:>6} {prov:>9}",
-                      model_cpu(Shape(tokens=tokens), n, r, cpu_params(prov, tokens)),
-                      disp, comb, layer)
-                     for prov, n, r, tokens, disp, comb, layer in CPU_MEASURED])
+def validate_cpu(out, m=None):
+    """The CPU backend's model beside its runs: the dev VM's (above) or a measured folder's."""
+    if m is None:
+        out.write("CPU backend (`ferry bench moe --backend cpu`) on the 2-core dev VM at load "
+                  "16-19, p50 us (misses: see docs/MOE.md)\n")
+        runs, one, net, cores = CPU_MEASURED, CPU_ONE_RANK, CPU_NET, 2.0
+    else:
+        runs, one, net, cores = m.cpu, m.cpu_one_rank, m.cpu_net, m.cores
+        out.write(f"CPU backend (`ferry bench moe --backend cpu`) measured in {m.where} "
+                  f"({cores:g} cores), p50 us. Inputs: one rank alone at each shape, "
+                  "`ferry bench xfer` per provider.\n")
+    rows = []
+    for prov, n, r, tokens, disp, comb, layer in runs:
+        if tokens not in one or prov not in net:
+            out.write(f"  EP{n} {prov} {tokens} tokens: no one-rank run at {tokens} tokens or no "
+                      f"`bench xfer` on {prov} among the measured files; not modelled\n")
+            continue
+        q = cpu_params(prov, tokens, one, net, cores)
+        rows.append((f"{n:>3} {r:>2} {tokens:>6} {prov:>9}",
+                     model_cpu(Shape(tokens=tokens), n, r, q), disp, comb, layer))
+    return _compare(out, "provider", rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Measured files: `--validate --measured DIR` sets the model against runs written by
+# scripts/moe_validate_device.sh (or any `ferry bench moe --json` / `ferry bench xfer --json`
+# files) instead of the figures above.
+
+
+@dataclass
+class Measured:
+    where: str
+    cores: float
+    proxied: dict = field(default_factory=dict)  # fabric -> [(N, R, tokens, layer, d, c, floor, mapped)]
+    cpu: list = field(default_factory=list)  # [(fabric, N, R, tokens, dispatch, combine, layer)]
+    cpu_one_rank: dict = field(default_factory=dict)  # tokens -> CPU_ONE_RANK's tuple
+    cpu_net: dict = field(default_factory=dict)  # fabric -> CPU_NET's tuple
+
+
+def fabric_of(provider):
+    """The libfabric provider's core name: "tcp;ofi_rxm" -> "tcp"."""
+    for name in ("shm", "tcp", "efa", "verbs"):
+        if name in provider.split(";"):
+            return name
+    return provider.split(";")[0]
+
+
+def _p50(j, phase, path):
+    try:
+        return float(j["phases"][phase]["p50_us"])
+    except KeyError:
+        raise SystemExit(f"{path}: no p50 of phase {phase!r}; is it `ferry bench moe --json`?")
+
+
+def load_measured(paths, cores=None):
+    """Reads `ferry bench moe --json` and `ferry bench xfer --json` files (the *.json of a
+    folder, or the files named). A `host.json` holding {"cores": N} says how many cores the
+    runs had; else `cores`, else this machine's count."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+        else:
+            files.append(path)
+    if not files:
+        raise SystemExit(f"--measured {' '.join(paths)}: no .json files")
+    m = Measured(where=", ".join(paths), cores=0.0)
+    for f in files:
+        try:
+            with open(f) as fh:
+                j = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--measured: cannot read {f}: {e}")
+        if os.path.basename(f) == "host.json":
+            m.cores = m.cores or float(j.get("cores", 0))
+        elif j.get("benchmark") == "xfer":
+            rows = {(r["kind"], r["size_bytes"]): r for r in j.get("rows", [])}
+            small, big = rows.get(("small write", 64)), max(
+                (r for (kind, _), r in rows.items() if kind == "write"),
+                key=lambda r: r["size_bytes"], default=None)
+            if not small or not big or not j.get("latency_us", {}).get("p50"):
+                raise SystemExit(f"{f}: `bench xfer` needs its 64 B small-write row, a write row "
+                                 "(4 MiB) and the latency point")
+            m.cpu_net[fabric_of(j["provider"])] = (
+                small["engine_cpu_us_per_op"],
+                big["size_bytes"] / big["engine_cpu_us_per_op"] / 1e3, j["latency_us"]["p50"])
+        elif j.get("backend") in ("cpu", "cuda"):
+            n, r, t = j["ranks"], j["ranks_per_node"], j["tokens"]
+            if (j["hidden"], j["topk"], j["experts"], j["dtype"], j["combine"]) != \
+                    (7168, 8, 256, "fp8_e4m3", "per-hit"):
+                raise SystemExit(f"{f}: the model's validation takes the article's shape (hidden "
+                                 "7168, top-8 of 256, fp8, per-hit combine)")
+            fab = fabric_of(j["provider"])
+            if j["backend"] == "cuda":
+                if "floor_write_us" not in j:
+                    raise SystemExit(f"{f}: a proxied run needs --floor (its write loop and "
+                                     "mapped layer are the model's inputs)")
+                m.proxied.setdefault(fab, []).append(
+                    (n, r, t, _p50(j, "layer", f), _p50(j, "dispatch", f),
+                     _p50(j, "combine", f), j["floor_write_us"], j["mapped_layer_us"]))
+            elif n == 1:
+                m.cpu_one_rank[t] = tuple(_p50(j, ph, f) for ph in (
+                    "dispatch_send", "dispatch_recv", "dispatch", "combine_send",
+                    "combine_recv", "combine", "layer"))
+            else:
+                m.cpu.append((fab, n, r, t, _p50(j, "dispatch", f), _p50(j, "combine", f),
+                              _p50(j, "layer", f)))
+        else:
+            raise SystemExit(f"{f}: neither `ferry bench moe --json` nor `ferry bench xfer --json`")
+    m.cores = m.cores or float(cores or os.cpu_count() or 1)
+    for runs in m.proxied.values():
+        runs.sort(key=lambda x: (x[2], x[0]))
+    m.cpu.sort(key=lambda x: (x[3], x[0], x[1]))
+    return m
+
+
+def validate_measured(out, m):
+    """--validate --measured: every kind of run found, predicted beside measured; returns the
+    largest relative error of a layer."""
+    worst = 0.0
+    for fab, runs in sorted(m.proxied.items()):
+        worst = max(worst, validate_proxied(out, runs, fab))
+        out.write("\n")
+    if m.cpu:
+        worst = max(worst, validate_cpu(out, m))
+        out.write("\n")
+    if not m.proxied and not m.cpu:
+        raise SystemExit(f"--measured {m.where}: no run of more than one rank to set the model "
+                         "against")
+    return worst
 
 
 PROJECT_EP = (16, 32, 64, 128)
@@ -567,8 +699,9 @@ def project(out, p=P5EN, s=Shape(), per_node=8):
 
 
 # Parameters the sensitivity table halves and doubles, and whether "better" is larger.
-SENSITIVE = ["nic_gbps", "latency_us", "write_us", "publish_us", "notice_us", "pcie_store_gbps",
-             "pcie_read_gbps", "pcie_sum_gbps", "dispatch_us", "combine_us", "expert_us"]
+SENSITIVE = ["nic_gbps", "latency_us", "msg_rate_mps", "write_us", "publish_us", "notice_us",
+             "pcie_store_gbps", "pcie_read_gbps", "pcie_sum_gbps", "dispatch_us", "combine_us",
+             "expert_us"]
 
 
 def sensitivity(out, p=P5EN, s=Shape(), per_node=8, eps=(16, 64)):
@@ -580,23 +713,19 @@ def sensitivity(out, p=P5EN, s=Shape(), per_node=8, eps=(16, 64)):
               "the rest at the p5en defaults\n")
     out.write(f"{'parameter':<16} {'default':>8} | " + " | ".join(
         f"EP{n} x0.5 / x2 (base {base[n]:.0f})" for n in eps) + "\n")
-    def swing_row(name, v, lo_v, hi_v, label=None):
+    def swing_row(name, v, lo_v, hi_v):
         cells, swing = [], 0.0
         for n in eps:
             lo = total(dataclasses.replace(p, **{name: lo_v}), n)
             hi = total(dataclasses.replace(p, **{name: hi_v}), n)
             cells.append(f"{lo:7.0f} / {hi:7.0f} ({abs(hi - lo) / base[n] * 100:3.0f}%)")
             swing = max(swing, abs(hi - lo) / base[n])
-        return swing, label or name, v, cells
+        return swing, name, v, cells
 
     rows = [swing_row(name, getattr(p, name), getattr(p, name) * 0.5, getattr(p, name) * 2)
             for name in SENSITIVE]
-    # No published EFA message rate: the default sets none; this row tries 1 and 4 M/s.
-    rows.append(swing_row("msg_rate_mps", p.msg_rate_mps, 1.0, 4.0, "msg_rate_mps*"))
     for swing, name, v, cells in sorted(rows, key=lambda r: -r[0]):
         out.write(f"{name:<16} {v:>8g} | " + " | ".join(f"{c:>30}" for c in cells) + "\n")
-    out.write("* msg_rate_mps: not in the default (no published EFA rate found); the row sets "
-              "it to 1 / 4 M writes/s per NIC.\n")
 
 
 # What ferry's schedule would need to change: each change alone on top of today's path, then
@@ -667,6 +796,13 @@ def main(argv=None):
     ap.add_argument("--validate", action="store_true",
                     help="predicted beside measured: the proxied path on one GPU over shm, and "
                     "the CPU backend on the 2-core dev VM")
+    ap.add_argument("--measured", nargs="+", metavar="PATH",
+                    help="with --validate: set the model against these `ferry bench moe --json` "
+                    "and `ferry bench xfer --json` files (or folders of them, e.g. what "
+                    "scripts/moe_validate_device.sh writes) instead of the figures in the script")
+    ap.add_argument("--cores", type=float,
+                    help="with --measured: cores of the machine the CPU runs had (default: the "
+                    "folder's host.json, else this machine's)")
     ap.add_argument("--project", action="store_true",
                     help="EP16..128 on p5en-like nodes beside the published figures, the "
                     "sensitivity table and the schedule changes")
@@ -702,7 +838,12 @@ def main(argv=None):
                           f"per layer, parts in this order (peers in turn within a part); "
                           f"writes below 1 MiB rotate over the rank's {p.nics} rail(s): "
                           f"{m['egress_gbps']:.0f} GB/s out\n")
-    if a.validate:
+    if a.measured and not a.validate:
+        raise SystemExit("--measured is for --validate")
+    if a.validate and a.measured:
+        worst = validate_measured(out, load_measured(a.measured, a.cores))
+        out.write(f"largest error of a layer: {worst * 100:.0f}%\n")
+    elif a.validate:
         validate_proxied(out)
         out.write("\n")
         validate_proxied(out, H100_TCP, "tcp")

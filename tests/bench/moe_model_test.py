@@ -3,9 +3,11 @@ against a case worked by hand, and the validation within its 20%. Run by ctest (
 or directly: python3 tests/bench/moe_model_test.py."""
 
 import io
+import json
 import math
 import os
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -80,19 +82,81 @@ class Timing(unittest.TestCase):
         r = m.model_cpu(s, 2, 1, p)
         # 10/3 rows per rank; rank 1 alone packs and copies 4 rows in 100 us, so packing
         # 20/3 rows and copying 10/3 takes 125. Two ranks on two cores: per rank 125 + 50 +
-        # 3 writes; the fabric moves both ranks' 10/3 rows of 544 B and a 64 B counts message
-        # at 1000 B/us; two latencies (counts, rows).
-        dispatch = (125 + 50 + 3) + 2 * (10 / 3 * 544 + 64) / 1000 + 20
+        # 3 writes + its copy of 10/3 rows of 544 B and a 64 B counts message at 1000 B/us
+        # (each rank's engine copies on a core of its own); two latencies (counts, rows).
+        dispatch = (125 + 50 + 3 + (10 / 3 * 544 + 64) / 1000) + 20
         # combine_send stages every hit (40 of 80) and copies the same-node half (20): 60; the
-        # sum 60; one write; both ranks' 4 hits of 512 B over the fabric; one latency.
-        combine = (60 + 60 + 1) + 2 * 2048 / 1000 + 10
+        # sum 60; one write; its 4 hits of 512 B over the fabric; one latency.
+        combine = (60 + 60 + 1 + 2048 / 1000) + 10
         self.assertAlmostEqual(r["dispatch"], dispatch, places=6)
         self.assertAlmostEqual(r["combine"], combine, places=6)
         self.assertAlmostEqual(r["layer"], dispatch + 30 + combine, places=6)
+        # On one core the two ranks' work, their copies included, runs one after the other.
+        one = m.model_cpu(s, 2, 1, m.dataclasses.replace(p, cores=1))
+        self.assertAlmostEqual(one["dispatch"], 2 * (dispatch - 20) + 20, places=6)
+        self.assertAlmostEqual(one["combine"], 2 * (combine - 10) + 10, places=6)
 
     def test_validation_stays_within_twenty_percent(self):
         worst = m.validate_proxied(io.StringIO())
         self.assertLess(worst, 0.2)
+
+    def test_measured_files_feed_the_same_comparison(self):
+        # What scripts/moe_validate_device.sh writes: `bench xfer` and `bench moe` JSON and a
+        # host.json; the model must read the inputs from them and set it beside the runs.
+        shape = {"hidden": 7168, "topk": 8, "experts": 256, "dtype": "fp8_e4m3",
+                 "combine": "per-hit"}
+
+        def moe(backend, provider, n, r, tokens, phases, **extra):
+            return dict(shape, backend=backend, provider=provider, ranks=n, ranks_per_node=r,
+                        tokens=tokens, phases={k: {"p50_us": v} for k, v in phases.items()},
+                        **extra)
+
+        one = dict(zip(("dispatch_send", "dispatch_recv", "dispatch", "combine_send",
+                        "combine_recv", "combine", "layer"), m.CPU_ONE_RANK[128]))
+        files = {
+            "host.json": {"cores": 2, "gpus": 1},
+            "xfer_tcp.json": {"benchmark": "xfer", "provider": "tcp;ofi_rxm",
+                              "latency_us": {"p50": 7.9},
+                              "rows": [{"kind": "write", "size_bytes": 4194304,
+                                        "engine_cpu_us_per_op": 873.23},
+                                       {"kind": "small write", "size_bytes": 64,
+                                        "engine_cpu_us_per_op": 1.92}]},
+            "cpu_one_t128.json": moe("cpu", "tcp;ofi_rxm", 1, 1, 128, one),
+            "cpu_tcp_ep4_t128.json": moe("cpu", "tcp;ofi_rxm", 4, 2, 128, {
+                "dispatch": 14285.9, "combine": 62800.4, "layer": 131933.8}),
+            "cuda_tcp_ep8_t128.json": moe("cuda", "tcp;ofi_rxm", 8, 2, 128, {
+                "dispatch": 2390.7, "combine": 4825.8, "layer": 7362.2},
+                floor_write_us=6008.2, mapped_layer_us=335.2),
+        }
+        with tempfile.TemporaryDirectory() as d:
+            for name, j in files.items():
+                with open(os.path.join(d, name), "w") as f:
+                    json.dump(j, f)
+            got = m.load_measured([d])
+            out = io.StringIO()
+            worst = m.validate_measured(out, got)
+        self.assertEqual(got.cores, 2)
+        self.assertEqual(got.proxied, {"tcp": [m.H100_TCP[2]]})
+        self.assertEqual(got.cpu, [("tcp", 4, 2, 128, 14285.9, 62800.4, 131933.8)])
+        self.assertEqual(got.cpu_one_rank, {128: m.CPU_ONE_RANK[128]})
+        for a, b in zip(got.cpu_net["tcp"], m.CPU_NET["tcp"]):
+            self.assertAlmostEqual(a, b)
+        # The same predictions as the script's own tables give for these runs.
+        want = max(abs(m.validate_proxied(io.StringIO(), [m.H100_TCP[2]])),
+                   abs(m.model_cpu(m.Shape(), 4, 2, m.cpu_params("tcp", 128))["layer"]
+                       / 131933.8 - 1))
+        self.assertAlmostEqual(worst, want)
+        self.assertIn("over tcp", out.getvalue())
+        self.assertIn("(2 cores)", out.getvalue())
+
+    def test_measured_refuses_a_run_it_cannot_model(self):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "x.json"), "w") as f:
+                json.dump({"backend": "cuda", "provider": "tcp", "ranks": 2, "ranks_per_node": 1,
+                           "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
+                           "dtype": "fp8_e4m3", "combine": "per-hit", "phases": {}}, f)
+            with self.assertRaisesRegex(SystemExit, "needs --floor"):
+                m.load_measured([d])
 
     def test_cli_prints_a_projection(self):
         out = io.StringIO()
