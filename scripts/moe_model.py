@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -589,11 +590,10 @@ class Measured:
 
 
 def fabric_of(provider):
-    """The libfabric provider's core name: "tcp;ofi_rxm" -> "tcp"."""
-    for name in ("shm", "tcp", "efa", "verbs"):
-        if name in provider.split(";"):
-            return name
-    return provider.split(";")[0]
+    """The fabric between nodes, from the provider a run reports: "tcp;ofi_rxm" -> "tcp",
+    "cuda (rank 0 on GPU 0 of 1), other nodes over shm" -> "shm"."""
+    names = re.findall(r"\b(shm|tcp|efa|verbs)\b", provider)
+    return names[-1] if names else provider
 
 
 def _p50(j, phase, path):
@@ -663,6 +663,12 @@ def load_measured(paths, cores=None):
         runs.sort(key=lambda x: (x[2], x[0]))
     m.cpu.sort(key=lambda x: (x[3], x[0], x[1]))
     return m
+
+
+# One quiet machine, every run of scripts/moe_validate_device.sh: one H200 and 16 cores,
+# 2026-12-07 13:24-13:28 UTC (docs/BENCHMARKS.md, "The model against one quiet GPU machine").
+H200_RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "bench",
+                         "data", "moe_validate_h200_2026-12-07")
 
 
 def validate_measured(out, m):
@@ -850,6 +856,8 @@ def main(argv=None):
         out.write("\n")
         validate_cpu(out)
         out.write("\n")
+        if os.path.isdir(H200_RUNS):
+            validate_measured(out, load_measured([H200_RUNS]))
     if a.project or not (a.ranks or a.validate):
         project(out, p)
         out.write("\n")

@@ -35,7 +35,9 @@ fi
 py=$(command -v python3 || true)
 gpus=0
 command -v nvidia-smi > /dev/null 2>&1 && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-echo "{\"cores\": $(nproc), \"gpus\": $gpus}" > "$out/host.json"
+# Physical cores too: the CPU model's open question is how ranks share them (docs/MOE.md).
+phys=$(lscpu -p=core,socket 2>/dev/null | grep -v '^#' | sort -u | wc -l)
+echo "{\"cores\": $(nproc), \"physical_cores\": ${phys:-0}, \"gpus\": $gpus}" > "$out/host.json"
 log "ferry $ferry; $(nproc) cores, $gpus GPU(s); budget ${budget}s, iterations x$scale"
 
 iters() { awk -v n="$1" -v s="$scale" 'BEGIN { v = int(n * s + 0.5); print (v < 1 ? 1 : v) }'; }

@@ -100,6 +100,17 @@ class Timing(unittest.TestCase):
         worst = m.validate_proxied(io.StringIO())
         self.assertLess(worst, 0.2)
 
+    def test_h200_run_proxied_within_twenty_percent(self):
+        # The committed run of scripts/moe_validate_device.sh (one H200, 16 cores): the proxied
+        # path over shm and tcp at EP2/4/8, decode and prefill, 12 layers.
+        got = m.load_measured([m.H200_RUNS])
+        self.assertEqual(got.cores, 16)
+        self.assertEqual(sorted(got.proxied), ["shm", "tcp"])
+        for fab, runs in got.proxied.items():
+            self.assertEqual(len(runs), 6, fab)
+            self.assertLess(m.validate_proxied(io.StringIO(), runs, fab), 0.2, fab)
+        self.assertEqual(len(got.cpu), 12)  # printed beside the model; it misses (docs/MOE.md)
+
     def test_measured_files_feed_the_same_comparison(self):
         # What scripts/moe_validate_device.sh writes: `bench xfer` and `bench moe` JSON and a
         # host.json; the model must read the inputs from them and set it beside the runs.
