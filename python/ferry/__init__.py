@@ -371,7 +371,7 @@ class TransferEngine:
         gpu_copy: same-host GPU copies by "kernel", "copy-engine" or "auto".
         fabric_gpu_memory: register CUDA memory with the provider where it can (FI_HMEM).
         gpu_ipc: same-host GPU pairs copy over CUDA IPC (NVLink).
-        cma_writes: on shm, write (above inject_size) and write_runs into a same-host
+        cma_writes: on shm, write (above inject_size), write_runs and paged_write into a same-host
             peer's host region copy the bytes with one process_vm_writev on the calling
             thread (the call returns once they are in place), then signal the immediate
             through shm, instead of handing the write to the peer's worker. Both sides must

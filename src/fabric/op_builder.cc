@@ -277,26 +277,44 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
         max_dst = std::max(max_dst, w.dst_pages[i]);
     }
     FERRY_FAIL_OP(state, check_pages(w, *p, max_src, max_dst));
+    bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
+    // Pages as runs of adjacent pages: one write each on the fabric, one iovec each here.
+    auto for_each_run = [&](auto&& run) {
+        for (size_t i = 0; i < w.src_pages.size();) {
+            size_t j = i + 1;
+            if (src_dense && dst_dense) {
+                while (j < w.src_pages.size() && w.src_pages[j] == w.src_pages[j - 1] + 1 &&
+                       w.dst_pages[j] == w.dst_pages[j - 1] + 1) {
+                    ++j;
+                }
+            }
+            run(w.src_offset + uint64_t{w.src_pages[i]} * ss,
+                w.dst_offset + uint64_t{w.dst_pages[i]} * ds, (j - i) * w.page_size);
+            i = j;
+        }
+    };
+    // A KV segment's pages into a same-host peer's host memory: copied by this thread
+    // (process_vm_writev, cma_path.h) where both engines allow it, so the target's worker
+    // does not copy them (shm's writes are copied at their target).
+    if (w.dst->cma_pid && w.src->descriptor().kind == MemoryKind::kHost &&
+        w.dst->kind == MemoryKind::kHost && cma_.usable(*p, *w.dst)) {
+        const auto* src = static_cast<const uint8_t*>(w.src->data());
+        std::vector<CmaPiece> pieces;
+        pieces.reserve(w.src_pages.size());
+        for_each_run([&](uint64_t so, uint64_t dof, uint64_t len) {
+            pieces.push_back({src + so, w.dst->base + dof, len});
+        });
+        if (auto h = cma_write(state, *p, *w.dst, pieces, w.imm, "paged write"))
+            return std::move(*h);
+    }
     const RailRoute use = route(*p, *w.src, *w.dst);
     if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "paged write"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
-    bool src_dense = ss == w.page_size, dst_dense = ds == w.page_size;
-    size_t i = 0;
-    while (i < w.src_pages.size()) {
-        size_t j = i + 1;
-        if (src_dense && dst_dense) {
-            while (j < w.src_pages.size() && w.src_pages[j] == w.src_pages[j - 1] + 1 &&
-                   w.dst_pages[j] == w.dst_pages[j - 1] + 1) {
-                ++j;
-            }
-        }
-        uint64_t so = w.src_offset + uint64_t{w.src_pages[i]} * ss;
-        uint64_t dof = w.dst_offset + uint64_t{w.dst_pages[i]} * ds;
-        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, (j - i) * w.page_size, w.imm,
-                deadline, false, use, state.get());
-        i = j;
-    }
+    for_each_run([&](uint64_t so, uint64_t dof, uint64_t len) {
+        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, len, w.imm, deadline, false, use,
+                state.get());
+    });
     return submit(b, std::move(state), w.imm.has_value());
 }
 

@@ -110,8 +110,8 @@ struct EngineConfig {
     // through the provider like any other (needs fabric GPU memory on both sides).
     bool gpu_ipc = true;
     // Same-host host memory copied by the initiator itself (cross-memory attach): on shm, a
-    // write above inject_size or a write_runs into a peer's host region whose descriptor
-    // offers it is one process_vm_writev on the calling thread, then its immediate as a
+    // write above inject_size, a write_runs or a paged_write into a peer's host region whose
+    // descriptor offers it is one process_vm_writev on the calling thread, then its immediate as a
     // signal through the provider, instead of a command the peer's worker carries out and
     // answers. A region offers it when its owner's engine has cma_writes on and registered it
     // for peer writes: both sides opt in. Off by default, and off whatever is asked while

@@ -120,6 +120,11 @@ class FerryOptions:
     # than the whole request when it finishes; CPU KV caches only (see FerryConnector.
     # save_kv_layer). false: whole requests.
     layerwise: bool = True
+    # provider "shm": a push write's bytes are copied by prefill's thread into decode's memory
+    # (process_vm_writev; ferry.TransferEngine cma_writes) rather than by decode's worker, as
+    # libfabric's shm does; both engines must set it. Off by default: the copy checks no key at
+    # decode (docs/PROTOCOL.md, "Same-host writes by process_vm_writev").
+    cma_writes: bool = False
     secret: bytes = _LOCAL_SECRET
 
     @classmethod
@@ -150,17 +155,22 @@ class FerryOptions:
         if o.rails < 1:
             raise FerryConfigError(f"FerryConnector: rails must be at least 1, got {o.rails}")
         o.rail_selection = str(extra.get("rail_selection", o.rail_selection))
-        layerwise = extra.get("layerwise", o.layerwise)
-        if isinstance(layerwise, str) and layerwise.lower() in ("true", "false", "1", "0"):
-            layerwise = layerwise.lower() in ("true", "1")
-        if not isinstance(layerwise, bool):
-            raise FerryConfigError(
-                f"FerryConnector: layerwise must be true or false, got {layerwise!r}")
-        o.layerwise = layerwise
+        o.layerwise = _flag(extra, "layerwise", o.layerwise)
+        o.cma_writes = _flag(extra, "cma_writes", o.cma_writes)
         secret = extra.get("secret", os.environ.get("FERRY_KV_SECRET"))
         if secret is not None:
             o.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
         return o
+
+
+def _flag(extra: Dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false key of kv_connector_extra_config (JSON booleans; "true"/"false"/"1"/"0")."""
+    value = extra.get(key, default)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        value = value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise FerryConfigError(f"FerryConnector: {key} must be true or false, got {value!r}")
+    return value
 
 
 def transfer_id_of(params: Optional[Dict[str, Any]]) -> Optional[int]:
@@ -819,7 +829,8 @@ class _Worker:
         except Exception:  # noqa: BLE001 - no TP group (a unit test): one rank
             self._tp_rank, self._tp_size = 0, 1
         self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout,
-                                            rails=opts.rails, rail_selection=opts.rail_selection)
+                                            rails=opts.rails, rail_selection=opts.rail_selection,
+                                            cma_writes=opts.cma_writes)
         self._conn = None
         self._server = None
         self._lock = threading.Lock()

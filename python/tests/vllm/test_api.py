@@ -99,6 +99,10 @@ def test_extra_config_defaults_and_mistakes():
     assert FerryOptions.from_extra({"layerwise": "false"}).layerwise is False
     with pytest.raises(FerryConfigError, match="layerwise must be true or false, got 'yes'"):
         FerryOptions.from_extra({"layerwise": "yes"})
+    assert o.cma_writes is False
+    assert FerryOptions.from_extra({"cma_writes": True}).cma_writes is True
+    with pytest.raises(FerryConfigError, match="cma_writes must be true or false, got 2"):
+        FerryOptions.from_extra({"cma_writes": 2})
 
 
 def test_pull_params_a_decode_request_carries_are_checked():
