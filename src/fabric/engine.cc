@@ -160,6 +160,11 @@ void TransferEngine::set_message_handler(MessageHandler handler) {
     impl_->set_message_handler(std::move(handler));
 }
 EngineStats TransferEngine::stats() const { return impl_->stats(); }
+Status TransferEngine::health() const { return impl_->health(); }
+
+Status detail::wedge_rail_for_test(TransferEngine& engine, int rail, Duration limit) {
+    return engine.impl_->wedge_rail_for_test(rail, limit);
+}
 std::vector<EngineStats> TransferEngine::rail_stats() const { return impl_->rail_stats(); }
 
 bool never_posted(const Status& s) {

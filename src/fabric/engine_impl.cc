@@ -262,9 +262,43 @@ void EngineImpl::watchdog() {
                 "operations are failed and it takes no new work: create a new engine",
                 r->index(), provider, to_ms(limit), spent));
             log(LogLevel::kError, "fabric", "{}", why.message());
+            if (!wedged_.load(std::memory_order_acquire)) {
+                std::lock_guard lk(health_mu_);
+                health_ = why;
+                wedged_.store(true, std::memory_order_release);
+            }
             fail_ops_on_rail(r->index(), why);
         }
     }
+}
+
+Status EngineImpl::health() const {
+    if (!wedged_.load(std::memory_order_acquire)) return ok_status();
+    std::lock_guard lk(health_mu_);
+    return health_;
+}
+
+Status EngineImpl::wedge_rail_for_test(int rail, Duration limit) {
+    if (rail < 0 || rail >= static_cast<int>(rails.size()))
+        return invalid_argument(fmt::format("no rail {}", rail));
+    Rail* r = &rails[rail];
+    const TimePoint until = Clock::now() + limit;
+    // The worker exits once its task returns on a wedged rail, without answering: the caller
+    // watches the rail, not the task, and returns as soon as the watchdog declared it.
+    auto ended = std::make_shared<std::atomic<bool>>(false);
+    OpRef task = r->post_task(
+        [r, until] {
+            CallGuard g(r->call_monitor());
+            while (!r->wedged() && Clock::now() < until) {
+            }
+            return ok_status();
+        },
+        [ended](const Status&) { ended->store(true); });
+    while (!r->wedged() && Clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (r->wedged()) return ok_status();  // the worker never touches the task again
+    while (!ended->load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return timeout_error("the watchdog never saw the wedge");
 }
 
 void EngineImpl::fail_ops_on_rail(int rail, const Status& why) {

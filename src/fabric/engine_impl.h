@@ -85,6 +85,12 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void expect_arrivals(bool on, Expected what);
     EngineStats stats() const;
     std::vector<EngineStats> rail_stats() const;
+    // OK until the watchdog finds a rail wedged; then the first wedge's error, for good.
+    Status health() const;
+    // Tests: runs a task on `rail`'s worker that stays inside one "provider call" (spinning,
+    // as shm does on a lock no one will release) until the watchdog declares the rail wedged,
+    // or `limit` passes. The real watchdog, the real failure of the rail's operations.
+    Status wedge_rail_for_test(int rail, Duration limit);
 
     bool fabric_gpu() const { return memory_.fabric_gpu(); }
     const std::string& fabric_gpu_note() const { return memory_.fabric_gpu_note(); }
@@ -187,6 +193,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     void fail_ops_on_rail(int rail, const Status& why);
 
     std::atomic<bool> stopped_{false};
+    std::atomic<bool> wedged_{false};  // health_ holds the first wedge's error
+    mutable std::mutex health_mu_;
+    Status health_;
     std::shared_ptr<OpRegistry> registry_ = std::make_shared<OpRegistry>();
     std::thread watchdog_;
     std::mutex watchdog_mu_;

@@ -299,6 +299,8 @@ class Rail {
     // provider is wedged (seen with shm when a peer is killed while holding a lock in shared
     // memory). Called by the engine's watchdog thread only.
     bool stuck_for(Duration limit, TimePoint now) { return calls_.inside_for(now) > limit; }
+    // Worker thread: what a provider call marks with a CallGuard (EngineImpl's test wedge too).
+    CallMonitor& call_monitor() { return calls_; }
     // CPU time the worker thread has used so far (none before start()): tells a worker spinning
     // inside the provider from one the scheduler left off the CPU on an overloaded host.
     std::optional<Duration> worker_cpu_time() const;

@@ -67,6 +67,7 @@ class KvConnector::Impl {
     // ---- public entry points (caller's thread) ----
 
     Status register_push(PushRegistration reg) {
+        FERRY_RETURN_IF_ERROR(engine_usable());
         FERRY_RETURN_IF_ERROR(
             check_blocks(ctx_.cfg.self.layout, reg.blocks, reg.num_tokens, reg.first_token));
         if (reg.prefill_ranks.empty()) {
@@ -86,6 +87,7 @@ class KvConnector::Impl {
     }
 
     Status announce(uint64_t id, uint32_t attempt, std::vector<EngineAddress> ranks) {
+        FERRY_RETURN_IF_ERROR(engine_usable());
         if (ranks.empty()) return invalid_argument("announce: no prefill rank addresses given");
         auto producers =
             producers_for_consumer(ctx_.cfg.self.total_heads(), static_cast<uint32_t>(ranks.size()),
@@ -150,6 +152,7 @@ class KvConnector::Impl {
 
     Result<PullParamsMsg> offer_pull(uint64_t id, std::vector<uint32_t> blocks, uint32_t tokens,
                                      const PullCapability* capability) {
+        FERRY_RETURN_IF_ERROR(engine_usable());
         FERRY_RETURN_IF_ERROR(check_blocks(ctx_.cfg.self.layout, blocks, tokens));
         if (capability && *capability == PullCapability{}) {
             return invalid_argument(
@@ -196,6 +199,7 @@ class KvConnector::Impl {
 
     Status pull(uint64_t id, std::vector<PullParamsMsg> params, std::vector<uint32_t> blocks,
                 uint32_t tokens, uint32_t first_token, std::optional<Duration> ask_wait) {
+        FERRY_RETURN_IF_ERROR(engine_usable());
         if (ask_wait && *ask_wait <= Duration::zero()) {
             return invalid_argument("pull: the wait for prefill's offer must be positive");
         }
@@ -250,6 +254,17 @@ class KvConnector::Impl {
             for (auto& task : tasks) task();
             TimePoint now = Clock::now();
             if (!tasks.empty()) last_task = now;
+            if (!engine_failed_) {
+                Status health = ctx_.engine->health();
+                if (!health.ok()) {
+                    engine_failed_ = true;
+                    log(LogLevel::kError, kLog,
+                        "the transfer engine lost a rail ({}): transfers waiting for arrivals "
+                        "end, and new ones are refused; create a new engine and connector",
+                        health.message());
+                    leases_.engine_failed(health, now);
+                }
+            }
             leases_.sweep(now);
             if (leases_.shut_down(now)) break;
         }
@@ -300,7 +315,17 @@ class KvConnector::Impl {
             *msg);
     }
 
+    // A new transfer on an engine that lost a rail for good (TransferEngine::health) would
+    // wait for its lease: refused at once instead.
+    Status engine_usable() const {
+        Status h = ctx_.engine->health();
+        if (h.ok()) return h;
+        return unavailable(fmt::format(
+            "this connector's transfer engine can take no new transfer: {}", h.message()));
+    }
+
     ConnectorContext ctx_;
+    bool engine_failed_ = false;  // connector thread: the engine's loss was handled
     PushSender sender_;
     PushReceiver receiver_;
     PullServer server_;

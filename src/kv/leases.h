@@ -21,6 +21,9 @@ class Leases {
 
     // Connector thread, after every batch of tasks and at least every kTick.
     void sweep(TimePoint now);
+    // The engine lost a rail for good (TransferEngine::health): what waits for arrivals ends
+    // with `why` instead of at its lease; what this side posts fails with the rail already.
+    void engine_failed(const Status& why, TimePoint now);
     // Cancels every transfer; flights drain until the engine's op_timeout (plus a second).
     void begin_shutdown();
     // True once shutdown began and no flight is open, or the drain deadline passed.

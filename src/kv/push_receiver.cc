@@ -462,7 +462,27 @@ void PushReceiver::renew(Consumer& c, Slot& s) {
     c.deadline = std::max(c.deadline, s.deadline);
 }
 
+void PushReceiver::engine_failed(const Status& why, TimePoint at) {
+    engine_error_ = why;
+    engine_fail_at_ = at;
+}
+
 void PushReceiver::expire(TimePoint now) {
+    if (!engine_error_.ok() && now >= engine_fail_at_) {
+        while (!announces_.empty()) end_announce(announces_.begin(), engine_error_, false);
+        // No CANCEL_ACK can come through the lost rail: the consumers end now (their CANCELs
+        // are tried all the same, for a prefill rank reached on another rail).
+        while (!consumers_.empty()) {
+            auto it = consumers_.begin();
+            for (const Slot& s : it->second.slots) {
+                if (!resolved(s.state))
+                    ctx_.send(s.peer, CancelMsg{it->first.first, it->first.second,
+                                                ctx_.cfg.self.tp_rank, true});
+            }
+            complete_recv(it, {it->first.first, it->first.second, engine_error_, it->second.bytes,
+                               it->second.writes});
+        }
+    }
     for (auto it = consumers_.begin(); it != consumers_.end();) {
         auto next = std::next(it);
         const auto& slots = it->second.slots;

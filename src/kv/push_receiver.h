@@ -32,6 +32,10 @@ class PushReceiver {
     void on_cancel_ack(const CancelAckMsg& m);
 
     void expire(TimePoint now);
+    // The engine lost its rail for good (TransferEngine::health): from `at` on, every
+    // announcement and registration still open ends with `why`. `at` leaves prefill's writes
+    // already under way the time to fail at their end first (Leases::engine_failed).
+    void engine_failed(const Status& why, TimePoint at);
     void begin_shutdown();
     void report_shut_down(const Status& why);
 
@@ -76,6 +80,8 @@ class PushReceiver {
         std::vector<uint32_t> scheduled;
         TimePoint deadline;
     };
+    Status engine_error_;                               // set by engine_failed
+    TimePoint engine_fail_at_{};                        // when what is open ends with engine_error_
     using ConsumerKey = std::pair<uint64_t, uint32_t>;  // (transfer id, attempt)
     using ConsumerIt = std::map<ConsumerKey, Consumer>::iterator;
     using AnnounceIt = std::map<ConsumerKey, Announce>::iterator;

@@ -1215,6 +1215,59 @@ TEST_P(KvReliabilityTest, OneFailingProducerOfTwoStopsTheOtherBeforeDecodeReuses
     EXPECT_ALL_OK(results);
 }
 
+// Decode's engine loses its rail for good (the watchdog finds its worker spinning inside one
+// provider call: libfabric 1.17's shm did so in a vLLM sweep, 2026-12-07, and decode then waited
+// its whole 120 s lease for five transfers whose FAIL could not reach it). The registration
+// waiting for prefill ends with the engine's error op_timeout and a second later, not at its
+// lease, and new transfers are refused at once, naming what to do. Nothing lands; nothing leaks.
+TEST_P(KvReliabilityTest, DecodeEngineThatLostItsRailEndsWaitingTransfersSoon) {
+    const auto lease = std::chrono::seconds(30);
+    // Prefill's registration (never computed here) ends by its own lease, before the test does.
+    const auto prefill_lease = std::chrono::seconds(8);
+    auto body = [&](Exchange& ex, KvNode& n) -> std::string {
+        const uint64_t id = 0x5e;
+        CHILD_ASSIGN_OK(auto blocks, n.blocks->allocate(3));
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.conn->register_push({id, 1, {n.addrs[kPrefill]}, blocks, 40}));
+        } else {
+            CHILD_CHECK_OK(wait_messages(n, 1, kWait));  // the REGISTER came: prefill computes
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        if (ex.rank() == kDecode) {
+            CHILD_CHECK_OK(n.engine->health());
+            CHILD_CHECK_OK(detail::wedge_rail_for_test(*n.engine, 0, std::chrono::seconds(30)));
+            const TimePoint wedged = Clock::now();
+            CHILD_CHECK(!n.engine->health().ok());
+            CHILD_ASSIGN_OK(auto r, n.results.wait(false, id, kWait));
+            const Duration took = Clock::now() - wedged;
+            CHILD_CHECK_MSG(r.status.code() == StatusCode::kUnavailable, "{}",
+                            r.status.to_string());
+            CHILD_CHECK_MSG(
+                r.status.message().find("stuck inside one provider call") != std::string::npos,
+                "{}", r.status.message());
+            // op_timeout (3 s) and a second, with room for a loaded host; the lease (30 s from
+            // the registration, ~6 s before the wedge) would end it ~24 s after.
+            CHILD_CHECK_MSG(took < std::chrono::seconds(14), "ended {:.0f} ms after the wedge",
+                            to_ms(took));
+            Status again = n.conn->register_push({id + 1, 1, {n.addrs[kPrefill]}, blocks, 40});
+            CHILD_CHECK_MSG(
+                again.code() == StatusCode::kUnavailable &&
+                    again.message().find("can take no new transfer") != std::string::npos,
+                "{}", again.to_string());
+            CHILD_CHECK(
+                std::all_of(n.mem.begin(), n.mem.end(), [](uint8_t b) { return b == kPoison; }));
+        }
+        CHILD_CHECK_OK(ex.barrier());
+        CHILD_CHECK_OK(n.blocks->free(blocks));
+        CHILD_CHECK_OK(ex.barrier());
+        return "";
+    };
+    auto results = run_1p1d(
+        lease, body, testing::test_layout(4, 16, BlockOrder::kNHD, KvPlacement::kSeparate, 64),
+        prefill_lease);
+    EXPECT_ALL_OK(results);
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, KvReliabilityTest, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
 

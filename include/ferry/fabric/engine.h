@@ -36,10 +36,14 @@
 
 namespace ferry {
 
+class TransferEngine;
 namespace detail {
 class EngineImpl;
 struct OpState;
 class OpRef;
+// Tests (src/fabric/engine_impl.h): holds rail `rail`'s worker inside one call until the
+// watchdog declares the rail wedged.
+Status wedge_rail_for_test(TransferEngine& engine, int rail, Duration limit);
 }  // namespace detail
 
 struct EngineConfig {
@@ -516,8 +520,14 @@ class TransferEngine {
     // Longest write posted with FI_INJECT (the provider copies the payload while posting):
     // the provider's inject_size, 0 when EngineConfig::inject is off.
     size_t inject_size() const;
+    // OK while every rail works. Once the watchdog found a rail wedged inside the provider (a
+    // worker spinning in one call: libfabric's shm on a lock in shared memory that is never
+    // released), that error, for good: the rail's operations fail and it takes no new work.
+    // Whoever sees it creates a new engine (the KV connector fails its waiting transfers).
+    Status health() const;
 
   private:
+    friend Status detail::wedge_rail_for_test(TransferEngine&, int, Duration);
     explicit TransferEngine(std::shared_ptr<detail::EngineImpl> impl);
     std::shared_ptr<detail::EngineImpl> impl_;
 };
