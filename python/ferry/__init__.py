@@ -427,6 +427,15 @@ class TransferEngine:
         return self._engine.num_rails
 
     @property
+    def health(self) -> Optional[str]:
+        """None while every rail works. Once the engine's watchdog found a rail wedged inside
+        libfabric (its worker spinning in one call, e.g. shm on a lock in shared memory that is
+        never released), that error, for good: the rail's operations fail and it takes no new
+        work, so make a new engine (a KvConnector on it fails its waiting transfers soon)."""
+        why = self._engine.health
+        return why or None
+
+    @property
     def inject_size(self) -> int:
         """Largest write the provider copies while posting it (shm 4096, tcp 64 in libfabric
         1.17; 0 with inject off). With cma_writes, single writes up to it stay the

@@ -915,6 +915,27 @@ PYBIND11_MODULE(_ferry, m) {
         .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
         .def_property_readonly("num_rails", [](const Engine& e) { return e.get().num_rails(); })
         .def_property_readonly("inject_size", [](const Engine& e) { return e.get().inject_size(); })
+        .def_property_readonly("health",
+                               [](const Engine& e) {
+                                   Status h = e.get().health();
+                                   return h.ok() ? std::string() : h.message();
+                               })
+        // Tests: rail `rail`'s worker stays inside one call until the watchdog declares the rail
+        // wedged (the engine's real response to a provider that never returns).
+        .def(
+            "_wedge_rail_for_test",
+            [](const Engine& e, int rail, double limit_s) {
+                TransferEngine& te = e.get();
+                Status s;
+                {
+                    py::gil_scoped_release nogil;
+                    s = detail::wedge_rail_for_test(te, rail,
+                                                    std::chrono::duration_cast<Duration>(
+                                                        std::chrono::duration<double>(limit_s)));
+                }
+                if (!s.ok()) throw StatusError(s);
+            },
+            py::arg("rail"), py::arg("limit_s"))
         .def_property_readonly("supports_gpu_memory",
                                [](const Engine& e) { return e.get().supports_gpu_memory(); })
         .def_property_readonly("gpu_memory_note",

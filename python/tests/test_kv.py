@@ -820,3 +820,22 @@ def test_partial_range_mistakes(engine):
                            match=r"tokens \[20, 40\) need 2 blocks of 16 .*token 16\), 1 given"):
             conn.register_push("r", 1, [addr], [0], 40, first_token=20)
         assert conn.open_names == 0
+
+
+def test_an_engine_that_lost_its_rail_says_so_and_its_connector_takes_no_new_transfer():
+    """TransferEngine.health names a wedged rail (here held inside one call by the test hook
+    until the real watchdog declares it, at least 5 s); a KvConnector on that engine refuses
+    a new transfer at once, naming why, instead of letting it wait for its lease."""
+    engine = ferry.TransferEngine("tcp", op_timeout=1.0)
+    try:
+        conn = fkv.KvConnector(engine, layout(), per_layer_pool())
+        assert engine.health is None
+        t0 = time.monotonic()
+        engine._engine._wedge_rail_for_test(0, 30.0)
+        assert "stuck inside one provider call" in (engine.health or ""), engine.health
+        assert time.monotonic() - t0 < 25
+        with pytest.raises(ferry.Unavailable, match="can take no new transfer.*stuck inside"):
+            conn.register_push(7, 1, [engine.address], [0, 1], 20)
+        conn.close()
+    finally:
+        engine.close()
