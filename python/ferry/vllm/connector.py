@@ -828,11 +828,13 @@ class _Worker:
             self._tp_size = get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - no TP group (a unit test): one rank
             self._tp_rank, self._tp_size = 0, 1
-        self._engine = ferry.TransferEngine(opts.provider, op_timeout=opts.op_timeout,
-                                            rails=opts.rails, rail_selection=opts.rail_selection,
-                                            cma_writes=opts.cma_writes)
+        self._engine = self._new_engine()
         self._conn = None
         self._server = None
+        # Engines that lost a rail, with their connectors: polled until their transfers ended.
+        self._retired: List[Tuple[Any, Any]] = []
+        self._layout = None
+        self._pool: List[torch.Tensor] = []
         self._lock = threading.Lock()
         self._recv: Dict[int, RecvSpec] = {}  # transfer id -> decode request
         self._send: Dict[int, str] = {}  # transfer id -> prefill req_id
@@ -847,6 +849,12 @@ class _Worker:
         self._layer_pos: Dict[str, int] = {}  # layer name -> its index in the registered layout
         self._layer_writes = 0  # since the last take_stats
         self._bytes_posted = 0  # ferry's bytes_posted at the last take_stats
+        self._renewals = 0  # engines replaced after a lost rail (_renew_if_lost)
+        self._reopen = False  # a lost engine was retired; its replacement did not open yet
+        # Fault injection for tests (python/tests/vllm/test_pd.py): while this file exists, the
+        # next step deletes it and holds the engine's rail inside one call until the watchdog
+        # declares it wedged, as libfabric's shm did on a lock nobody released. Unset: no check.
+        self._wedge_file = os.environ.get("FERRY_VLLM_TEST_WEDGE_FILE") or None
 
     def register(self, kv_caches: Dict[str, torch.Tensor]):
         import ferry.kv as fkv
@@ -864,18 +872,96 @@ class _Worker:
         layout, pool = layout_of(tensors, num_blocks=num_blocks, block_size=spec.block_size,
                                  num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                                  page_placement=page)
+        self._layout, self._pool = layout, pool
+        self._tensors = tensors
+        self._open()
+        logger.info("FerryConnector: %d layers registered as %s; side channel %s:%d (%s)",
+                    len(tensors), layout, self._opts.host, self._opts.port + self._tp_rank,
+                    self._opts.provider)
+
+    def _new_engine(self):
+        import ferry
+
+        o = self._opts
+        return ferry.TransferEngine(o.provider, op_timeout=o.op_timeout, rails=o.rails,
+                                    rail_selection=o.rail_selection, cma_writes=o.cma_writes)
+
+    def _open(self):
+        """The connector over the KV tensors on self._engine, and the side channel that hands
+        its address out."""
+        import ferry.kv as fkv
+
         # Per-offer keys: each offer registers its blocks under keys of its own, closed when
         # it ends, and the host pool takes no peer reads. Decode, which builds its parameters
         # from the handshake (the scheduler answers before this worker offers), asks for the
         # live offer's keys when it pulls (KvConnector.pull, live_offer_wait).
         cfg = fkv.KvConfig(tp_rank=self._tp_rank, tp_size=self._tp_size, lease=self._opts.lease,
                            pull_keys="offer")
-        self._conn = fkv.KvConnector(self._engine, layout, pool, cfg)
-        self._tensors = tensors
+        self._conn = fkv.KvConnector(self._engine, self._layout, self._pool, cfg)
         port = self._opts.port + self._tp_rank
         self._server = fkv.HandshakeServer(self._conn, self._opts.secret, self._opts.host, port)
-        logger.info("FerryConnector: %d layers registered as %s; side channel %s:%d (%s)",
-                    len(tensors), layout, self._opts.host, port, self._opts.provider)
+
+    def _renew_if_lost(self):
+        """An engine whose rail wedged inside libfabric (TransferEngine.health) moves nothing
+        more, for good: without a new one every later transfer of this worker would fail. The
+        old connector ends its waiting transfers by itself (soon after the wedge, or at their
+        leases where prefill may still write directly) and is polled until they all ended."""
+        if self._conn is None:
+            return
+        if not self._reopen:
+            why = self._engine.health
+            if why is None:
+                return
+            logger.error("FerryConnector: ferry's transfer engine lost its rail (%s); opening a "
+                         "new engine, connector and side channel", why)
+            try:
+                self._server.close()  # the side channel must hand out the new engine's address
+            except Exception as e:  # noqa: BLE001 - the new one is what matters
+                logger.warning("FerryConnector: closing the old side channel: %s", e)
+            self._retired.append((self._engine, self._conn))
+            self._reopen = True
+        # Until a new one opens, self._conn is the retired connector: it refuses new transfers,
+        # which vLLM then sees as failed loads.
+        engine = None
+        try:
+            engine = self._new_engine()
+            self._engine = engine
+            self._open()
+        except Exception as e:  # noqa: BLE001 - tried again next step
+            logger.error("FerryConnector: opening a new engine failed (%s); trying again at the "
+                         "next step", e)
+            if engine is not None:
+                engine.close()
+            return
+        self._reopen = False
+        self._renewals += 1
+        self._bytes_posted = 0  # the new connector counts from zero
+
+    def _maybe_wedge(self):
+        try:
+            os.unlink(self._wedge_file)
+        except OSError:
+            return
+        logger.warning("FerryConnector: FERRY_VLLM_TEST_WEDGE_FILE: wedging rail 0 of engine "
+                       "%x for a test", self._engine.engine_id)
+        engine = self._engine._engine
+        threading.Thread(target=engine._wedge_rail_for_test, args=(0, 60.0), daemon=True,
+                         name="ferry-test-wedge").start()
+
+    def _drop_retired(self):
+        """Closes retired connectors with no transfer left (their last events were polled)."""
+        keep = []
+        for engine, conn in self._retired:
+            st = conn.stats()
+            if st.get("active_send", 0) or st.get("active_recv", 0):
+                keep.append((engine, conn))
+                continue
+            for obj in (conn, engine):
+                try:
+                    obj.close()
+                except Exception as e:  # noqa: BLE001 - shutdown goes on
+                    logger.warning("FerryConnector: closing a retired engine: %s", e)
+        self._retired = keep
 
     def _digest(self, block_ids: List[int], num_tokens: int) -> str:
         """FERRY_VLLM_DEBUG=1: a sum per layer of the request's K and V, logged on both sides."""
@@ -925,6 +1011,9 @@ class _Worker:
         if meta.started:  # bound twice (a draft model's forward): once is enough
             return
         meta.started = True
+        self._renew_if_lost()
+        if self._wedge_file is not None:
+            self._maybe_wedge()
         conn = self._conn
         # Prefill requests this step computes: ferry renews their leases meanwhile.
         for req_id, tid in meta.scheduled:
@@ -991,10 +1080,18 @@ class _Worker:
         pos = self._layer_pos.get(layer_name)
         if pos is None or self._conn is None:
             return
+        # After the last layer the prompt's KV is whole: its tokens are ready in every layer
+        # (a partial frontier must stay below the layer count), and prefill_done adds only
+        # the end of the transfer.
+        last = pos + 1 == len(self._layer_pos)
         for spec in specs:
             try:
-                self._conn.prefill_progress(spec.transfer_id, spec.block_ids, 0,
-                                            partial_end=spec.num_tokens, partial_layers=pos + 1)
+                if last:
+                    self._conn.prefill_progress(spec.transfer_id, spec.block_ids, spec.num_tokens)
+                else:
+                    self._conn.prefill_progress(spec.transfer_id, spec.block_ids, 0,
+                                                partial_end=spec.num_tokens,
+                                                partial_layers=pos + 1)
                 self._layer_writes += 1
             except ferry.Error as e:
                 # The whole request is still written at request_finished.
@@ -1026,9 +1123,11 @@ class _Worker:
         if self._conn is not None:
             events = self._conn.poll()
             if (wait > 0 and not events and (self._recv or self._send) and
-                    not (self._done_send or self._done_recv)):
+                    not (self._done_send or self._done_recv) and not self._retired):
                 if self._conn.wait(wait):
                     events = self._conn.poll()
+            for _, old in self._retired:
+                events.extend(old.poll())
             for ev in events:
                 if ev.kind == "recv":
                     spec = self._recv.pop(ev.transfer_id, None)
@@ -1056,6 +1155,8 @@ class _Worker:
                         self._done_send.add(req_id)
                 elif ev.kind == "overflow":
                     logger.error("FerryConnector: %d ferry events were dropped", ev.dropped)
+        if self._retired:
+            self._drop_retired()
         r = KVConnectorTransferResults(finished_sending=self._done_send,
                                        finished_recving=self._done_recv,
                                        failed_recving=self._failed_recv)
@@ -1076,7 +1177,9 @@ class _Worker:
         return FerryStats(data=data) if any(data.values()) else None
 
     def close(self):
-        for obj in (self._server, self._conn, self._engine):
+        retired = [obj for pair in self._retired for obj in reversed(pair)]
+        self._retired = []
+        for obj in [self._server, self._conn, self._engine] + retired:
             try:
                 if obj is not None:
                     obj.close()

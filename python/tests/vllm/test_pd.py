@@ -79,6 +79,7 @@ TP2 = {}
 # The engines' log tails when a request of the running test failed (the first two failures):
 # later requests push the cause out of the last lines.
 FAILED_REQUESTS = []
+WEDGE_FILE = [""]  # decode's FERRY_VLLM_TEST_WEDGE_FILE
 
 
 def engine_log_tails(n: int = TAIL_LINES) -> str:
@@ -97,7 +98,7 @@ class Engine:
     """One vLLM OpenAI server (its API server, engine core and worker), log in a file."""
 
     def __init__(self, name, model, workdir, *, kv_config=None, bind="nobind",
-                 prefix_caching=False, block_size=BLOCK, tp=1):
+                 prefix_caching=False, block_size=BLOCK, tp=1, env_extra=None):
         self.name = name
         self.port = free_port()
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -116,6 +117,7 @@ class Engine:
                    VLLM_CPU_OMP_THREADS_BIND=bind,
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", FERRY_VLLM_DEBUG=os.environ.get("FERRY_VLLM_DEBUG", ""))
+        env.update(env_extra or {})
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -215,7 +217,10 @@ def engines(tmp_path_factory):
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(extra, port=side_port, lease=PREFILL_LEASE)})
-    decode = Engine("decode", model, work, prefix_caching=True, kv_config={
+    # Decode wedges its engine's rail when the test creates this file (test_a_lost_rail...).
+    WEDGE_FILE[0] = os.path.join(work, "wedge-decode")
+    decode = Engine("decode", model, work, prefix_caching=True,
+                    env_extra={"FERRY_VLLM_TEST_WEDGE_FILE": WEDGE_FILE[0]}, kv_config={
         "kv_connector": "FerryConnector", "kv_connector_module_path": "ferry.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": dict(extra, port=free_port(), lease=LEASE)})
@@ -674,6 +679,38 @@ def test_layouts_ferry_cannot_map_are_refused_at_once(engines):
             got = complete(prefill, ids, MAX_TOKENS, params)[0]
             assert got == complete(base, ids, MAX_TOKENS)[0], \
                 f"{name}: prefill's recompute policy gave {got}, not the baseline's tokens"
+
+
+def test_a_lost_rail_fails_its_transfer_soon_and_decode_serves_on(engines):
+    # Decode's engine loses its rail for good: the watchdog finds its worker inside one
+    # provider call, spinning (libfabric 1.17's shm did so on a lock nobody released in an 8k
+    # sweep, 2026-12-07; decode then waited its whole lease, and would have failed every later
+    # transfer). Here the connector's test hook holds the rail so (FERRY_VLLM_TEST_WEDGE_FILE).
+    # The request whose registration went that way must end (policy "fail": an error, no
+    # tokens) soon after the wedge is declared, before its lease; decode then opens a new
+    # engine, and the next requests get the baseline's tokens through ferry.
+    base, prefill, decode, side_port = engines
+    ids = list(range(900, 900 + 2 * BLOCK + 3))
+    later = [list(range(1200, 1200 + 3 * BLOCK + 9)), list(range(1400, 1400 + BLOCK + 1))]
+    want = [complete(base, x, MAX_TOKENS)[0] for x in later]
+    open(WEDGE_FILE[0], "w").close()
+    took = _refused(decode, ids, {"do_remote_prefill": True, "ferry_transfer_id": 77001,
+                                  "remote_host": "127.0.0.1", "remote_port": side_port})
+    assert not os.path.exists(WEDGE_FILE[0]), "decode's worker never took the wedge file"
+    with open(decode.log_path) as f:
+        log = f.read()
+    for text in ("stuck inside one provider call", "lost its rail",
+                 "opening a new engine, connector and side channel"):
+        assert text in log, f"decode's log does not say {text!r}:\n{log[-3000:]}"
+    # The wedge takes 5 s to be declared (the watchdog's least), then op_timeout and a second:
+    # ~9 s, against the lease's 20.
+    assert took < LEASE - 3, f"the request on the lost rail took {took:.0f} s to end"
+    before = prompt_tokens(decode)
+    for i, (x, w) in enumerate(zip(later, want)):
+        got = disaggregated(prefill, decode, side_port, x, MAX_TOKENS, 77100 + i)[0]
+        assert got == w, f"request {i} after the new engine: {got}, baseline {w}"
+    assert_prompts_moved(decode, before, len(later), sum(len(x) for x in later))
+    print(f"the request on the lost rail ended after {took:.1f} s")
 
 
 def test_prefill_killed_mid_transfer_fails_the_request_in_time(engines):
