@@ -20,8 +20,11 @@ progress thread takes no CPU from the measured pair. The patterns:
         tokens (16,384 of 32 KiB), block ids random on both sides. Preparation: from the block
         ids to the post call's return (descriptor lists, handles); transfer: from the post
         call to the library's completion.
+  --transports cuda: the buffers are CUDA memory on cuda:0 (both processes of a pair on the
+  one GPU), ferry's CUDA IPC path beside NIXL's UCX cuda_ipc; bw and kv only.
   Every clock stops at the target's confirmation: Mooncake's at its target's ack, ferry's at
-  its target's answer once it counted the writes' immediates (FerryAdapter).
+  its target's answer once it counted the writes' immediates (FerryAdapter); on cuda, where a
+  completed copy is in the target's GPU memory, ferry's at Op.wait and NIXL's at DONE.
 
 Per point, ferry and the peers alternate (their order flips every round) for --rounds rounds;
 the report gives each library's median and, per pairing, the median of the per-round ratios
@@ -65,7 +68,14 @@ CONFIGS = {
     "nixl-libfabric": ("nixl", "libfabric"),
     "mooncake-tcp": ("mooncake", "tcp"),
     "uccl-p2p": ("uccl", "p2p"),
+    "ferry-cuda": ("ferry", "cuda"),
+    "nixl-ucx-cuda": ("nixl", "cuda"),
 }
+# Configurations whose buffers are CUDA memory (torch tensors on cuda:0): both processes of a
+# pair on the one GPU, writes GPU to GPU through CUDA IPC (ferry's same-host GPU path, UCX's
+# cuda_ipc). Only "bw" and "kv" there: "lat" and "rate" poll or fill host bytes.
+CUDA_CONFIGS = {"ferry-cuda", "nixl-ucx-cuda"}
+CUDA_PATTERNS = ("bw", "kv")
 # ferry's configuration on a transport, and the peers' configurations it is compared with.
 # "shm-cma": ferry on shm with cma_writes (its writes copied by process_vm_writev, as UCX's cma
 # puts are), beside NIXL's sm and, in a run with "shm" too, beside ferry's plain shm.
@@ -75,7 +85,8 @@ CONFIGS = {
 PAIRINGS = {"shm": ("ferry-shm", ["nixl-ucx-sm", "nixl-libfabric"]),
             "tcp": ("ferry-tcp", ["nixl-ucx-tcp", "mooncake-tcp", "uccl-p2p"]),
             "shm-cma": ("ferry-shm-cma", ["nixl-ucx-sm", "nixl-libfabric"]),
-            "shm-cma-wait": ("ferry-shm-cma-wait", ["nixl-ucx-sm", "nixl-libfabric"])}
+            "shm-cma-wait": ("ferry-shm-cma-wait", ["nixl-ucx-sm", "nixl-libfabric"]),
+            "cuda": ("ferry-cuda", ["nixl-ucx-cuda"])}
 DEFAULT_TRANSPORTS = ["shm", "tcp"]
 PEERS = {"nixl": ("nixl", "pip install nixl-cu12==1.5.1 nixl-cu13==1.5.1 nixl==1.5.1 --no-deps"),
          "mooncake": ("mooncake.engine",
@@ -170,14 +181,21 @@ class FerryAdapter(Adapter):
 
         self._ferry = ferry
         cma = transport.startswith("shm-cma")
-        self.engine = ferry.TransferEngine("shm" if cma else transport, same_host=True,
-                                           op_timeout=TIMEOUT, cma_writes=cma)
+        # cuda: GPU regions of two processes of this host are written through CUDA IPC
+        # whatever the provider; shm carries the immediates and the answer.
+        provider = "shm" if cma or transport == "cuda" else transport
+        self.engine = ferry.TransferEngine(provider, same_host=True, op_timeout=TIMEOUT,
+                                           cma_writes=cma)
         # shm-cma-wait: once the first transfer copied by CMA showed its bytes copied by
         # process_vm_writev (stats' cma_bytes grew in the call, so they were in the target's
         # memory when it returned), later such transfers end at Op.wait, without the target's
         # answer. Copied by CMA: write_runs, and single writes above inject_size (smaller ones
         # stay shm's, whose completion says nothing of arrival: they keep the answer).
         self.landed_at_wait: Optional[bool] = None if transport == "shm-cma-wait" else False
+        # cuda: GPU to GPU through CUDA IPC, a write's Op completes once its copy finished on
+        # the GPU, the bytes then in the target's memory: the clock stops at Op.wait, as NIXL's
+        # stops at DONE of its cuda_ipc copies; the writes carry no immediate.
+        self.gpu = transport == "cuda"
         self.region = self.expecting = None
         self.answering = False
         self.sent = 0  # DATA_IMM writes posted, counted by the transfers' imm_writes
@@ -236,6 +254,8 @@ class FerryAdapter(Adapter):
             _, s, d, n = prepared  # a ping-pong write: the target itself waits for it
             return (self.engine.write(self.peer, self.region, s, self.dst, d, n, NOTIFY_IMM),
                     False)
+        if self.gpu:
+            return (self._post_data(prepared, None), False)
         # paged_write is never copied by CMA; a single write only above inject_size
         copied = not (isinstance(prepared, tuple) and (
             prepared[0] == "pages" or prepared[2] <= self.engine.inject_size))
@@ -261,16 +281,15 @@ class FerryAdapter(Adapter):
             del self.counts[:self.BOX // 4]
         return (op, True)
 
-    def _post_data(self, prepared: Any) -> Any:
+    def _post_data(self, prepared: Any, imm: Optional[int] = DATA_IMM) -> Any:
         if isinstance(prepared, tuple) and prepared[0] == "pages":
             _, s, d, bb = prepared  # one paged write: page i at i * bb on both sides
-            op = self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb,
-                                         DATA_IMM)
+            op = self.engine.paged_write(self.peer, self.region, s, bb, self.dst, d, bb, bb, imm)
         elif isinstance(prepared, tuple):
             s, d, n = prepared
-            op = self.engine.write(self.peer, self.region, s, self.dst, d, n, DATA_IMM)
+            op = self.engine.write(self.peer, self.region, s, self.dst, d, n, imm)
         else:
-            op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, DATA_IMM)
+            op = self.engine.write_runs(self.peer, self.region, self.dst, prepared, imm)
         return op
 
     def wait(self, token: Any, timeout: float = TIMEOUT) -> None:
@@ -288,6 +307,13 @@ class FerryAdapter(Adapter):
         self.engine.close()
 
 
+def _address(buf: Any) -> Tuple[int, int]:
+    """(address, bytes) of a numpy array or a torch tensor (CUDA_CONFIGS)."""
+    if hasattr(buf, "data_ptr"):
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    return int(buf.ctypes.data), int(buf.nbytes)
+
+
 class NixlAdapter(Adapter):
     """NIXL's nixl_agent: register_memory, agent metadata through add_remote_agent; a list of
     descriptors becomes a handle with initialize_xfer, or, where the buffers were registered
@@ -303,6 +329,9 @@ class NixlAdapter(Adapter):
         # (UCX_PROTO_INFO=y).
         if transport in ("sm", "tcp"):
             os.environ["UCX_TLS"] = "sm,tcp,self" if transport == "sm" else "tcp,self"
+        elif transport == "cuda":  # GPU to GPU through cuda_ipc; tcp for the active messages
+            os.environ["UCX_TLS"] = "cuda_ipc,cuda_copy,tcp,self"
+        self.mem, self.dev = ("VRAM", 0) if transport == "cuda" else ("DRAM", 0)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -321,11 +350,12 @@ class NixlAdapter(Adapter):
 
     def register(self, buf: Any, block_bytes: int = 0) -> Any:
         self.buf, self.block_bytes = buf, block_bytes
-        self.reg = self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+        self.base, nbytes = _address(buf)
+        self.reg = self.agent.register_memory([(self.base, nbytes, self.dev, "")], self.mem)
         if block_bytes:
             self.local_blocks = self.agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", self._blocks(buf.ctypes.data, buf.nbytes), "DRAM")
-        return (self.agent.get_agent_metadata(), buf.ctypes.data, buf.nbytes)
+                "NIXL_INIT_AGENT", self._blocks(self.base, nbytes), self.mem)
+        return (self.agent.get_agent_metadata(), self.base, nbytes)
 
     def _blocks(self, base: int, nbytes: int) -> Any:
         import numpy as np
@@ -334,6 +364,7 @@ class NixlAdapter(Adapter):
         d = np.zeros((n, 3), dtype=np.uint64)
         d[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(self.block_bytes)
         d[:, 1] = self.block_bytes
+        d[:, 2] = self.dev
         return d
 
     def connect(self, peer_meta: Any) -> None:
@@ -343,7 +374,7 @@ class NixlAdapter(Adapter):
             self.peer = self.peer.decode()
         if self.block_bytes:
             self.remote_blocks = self.agent.prep_xfer_dlist(
-                self.peer, self._blocks(self.peer_base, peer_bytes), "DRAM")
+                self.peer, self._blocks(self.peer_base, peer_bytes), self.mem)
 
     def prepare_blocks(self, src_blocks: Any, dst_blocks: Any, block_bytes: int) -> Any:
         import numpy as np
@@ -360,11 +391,11 @@ class NixlAdapter(Adapter):
         n = len(src)
         ld = np.empty((n, 3), dtype=np.uint64)
         rd = np.empty((n, 3), dtype=np.uint64)
-        ld[:, 0], rd[:, 0] = src + np.uint64(self.buf.ctypes.data), dst + np.uint64(self.peer_base)
+        ld[:, 0], rd[:, 0] = src + np.uint64(self.base), dst + np.uint64(self.peer_base)
         ld[:, 1] = rd[:, 1] = lengths
-        ld[:, 2] = rd[:, 2] = 0
-        return self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(ld, "DRAM"),
-                                          self.agent.get_xfer_descs(rd, "DRAM"), self.peer)
+        ld[:, 2] = rd[:, 2] = self.dev
+        return self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(ld, self.mem),
+                                          self.agent.get_xfer_descs(rd, self.mem), self.peer)
 
     def post(self, prepared: Any) -> Any:
         if self.agent.transfer(prepared) == "ERR":
@@ -486,6 +517,12 @@ class Side:
     """What a worker process does on the coordinator's commands."""
 
     def __init__(self, config: str, role: str) -> None:
+        self.cuda = config in CUDA_CONFIGS
+        if self.cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device here (torch.cuda.is_available() is False)")
         self.adapter = make_adapter(config, f"{config}-{role}-{os.getpid()}")
         self.buf = None
 
@@ -504,6 +541,11 @@ class Side:
                 n = min(done, nbytes - done)
                 buf[done:done + n] = buf[:n] + 1
                 done += n
+        if self.cuda:  # the same bytes on the GPU
+            import torch
+
+            buf = torch.from_numpy(buf).to("cuda:0")
+            torch.cuda.synchronize()
         self.buf = buf
         return self.adapter.register(buf, block_bytes)
 
@@ -511,6 +553,8 @@ class Side:
         self.adapter.connect(peer_meta)
 
     def read(self, offset: int, nbytes: int) -> bytes:
+        if self.cuda:
+            return self.buf[offset:offset + nbytes].cpu().numpy().tobytes()
         return bytes(self.buf[offset:offset + nbytes])
 
     def write_runs(self, src: Any, dst: Any, lengths: Any, block_bytes: int = 0,
@@ -1018,7 +1062,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     default=list(PEERS), help="the peers to compare with (default: all)")
     ap.add_argument("--transports", type=_choice_list(list(PAIRINGS), "transport"),
                     default=DEFAULT_TRANSPORTS,
-                    help="ferry's transports (default: shm,tcp; shm-cma: shm with cma_writes)")
+                    help="ferry's transports (default: shm,tcp; shm-cma: shm with cma_writes; "
+                    "cuda: GPU memory on cuda:0, both processes on it, bw and kv only)")
     ap.add_argument("--patterns", type=_choice_list(["bw", "lat", "rate", "kv"], "pattern"),
                     default=["bw", "lat", "rate", "kv"])
     ap.add_argument("--rounds", type=count(1, 1000), default=None,
@@ -1051,6 +1096,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     opts.kv_tokens = opts.kv_tokens or (2048 if q else 16384)
     opts.kv_blocks = [int(b) for b in opts.kv_blocks]
     opts.bw_bytes = (64 if q else 1024) * MiB  # bytes moved per bw round
+    if "cuda" in opts.transports:
+        other = sorted(set(opts.patterns) - set(CUDA_PATTERNS))
+        if other and opts.transports != ["cuda"]:
+            ap.error(f"--transports cuda runs only the patterns {','.join(CUDA_PATTERNS)} (its "
+                     f"buffers are GPU memory); run it alone or with --patterns bw,kv, not "
+                     f"{','.join(other)}")
+        opts.patterns = [p for p in opts.patterns if p in CUDA_PATTERNS]
     if opts.from_json and not os.path.isfile(opts.from_json):
         ap.error(f"--from-json: no file {opts.from_json!r}")
     if opts.json and not os.path.isdir(os.path.dirname(os.path.abspath(opts.json))):
