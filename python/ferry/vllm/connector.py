@@ -292,6 +292,8 @@ STAT_NAMES = {
     "bytes_posted": "KV bytes this engine posted (prefill: push writes; decode: pull reads)",
     "layer_writes": "prefill, push: layers of requests written as the forward computed them "
                     "(layerwise), before the request finished",
+    "engine_renewals": "new ferry engines opened because the last one lost its rail (a worker "
+                       "spinning inside libfabric: TransferEngine.health)",
 }
 
 
@@ -849,7 +851,7 @@ class _Worker:
         self._layer_pos: Dict[str, int] = {}  # layer name -> its index in the registered layout
         self._layer_writes = 0  # since the last take_stats
         self._bytes_posted = 0  # ferry's bytes_posted at the last take_stats
-        self._renewals = 0  # engines replaced after a lost rail (_renew_if_lost)
+        self._renewals = 0  # engines replaced after a lost rail since the last take_stats
         self._reopen = False  # a lost engine was retired; its replacement did not open yet
         # Fault injection for tests (python/tests/vllm/test_pd.py): while this file exists, the
         # next step deletes it and holds the engine's rail inside one call until the watchdog
@@ -1172,8 +1174,10 @@ class _Worker:
             return None
         posted = int(self.stats().get("bytes_posted", 0))
         data = {"bytes_received": self._bytes_received,
-                "bytes_posted": posted - self._bytes_posted, "layer_writes": self._layer_writes}
+                "bytes_posted": posted - self._bytes_posted, "layer_writes": self._layer_writes,
+                "engine_renewals": self._renewals}
         self._bytes_received, self._bytes_posted, self._layer_writes = 0, posted, 0
+        self._renewals = 0
         return FerryStats(data=data) if any(data.values()) else None
 
     def close(self):

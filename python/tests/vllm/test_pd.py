@@ -693,6 +693,7 @@ def test_a_lost_rail_fails_its_transfer_soon_and_decode_serves_on(engines):
     ids = list(range(900, 900 + 2 * BLOCK + 3))
     later = [list(range(1200, 1200 + 3 * BLOCK + 9)), list(range(1400, 1400 + BLOCK + 1))]
     want = [complete(base, x, MAX_TOKENS)[0] for x in later]
+    renewals = decode.metric("vllm:ferry_engine_renewals_total")
     open(WEDGE_FILE[0], "w").close()
     took = _refused(decode, ids, {"do_remote_prefill": True, "ferry_transfer_id": 77001,
                                   "remote_host": "127.0.0.1", "remote_port": side_port})
@@ -710,6 +711,8 @@ def test_a_lost_rail_fails_its_transfer_soon_and_decode_serves_on(engines):
         got = disaggregated(prefill, decode, side_port, x, MAX_TOKENS, 77100 + i)[0]
         assert got == w, f"request {i} after the new engine: {got}, baseline {w}"
     assert_prompts_moved(decode, before, len(later), sum(len(x) for x in later))
+    grown = _await_metric(decode, "vllm:ferry_engine_renewals_total", renewals)
+    assert grown == 1, f"vllm:ferry_engine_renewals_total grew by {grown}, not 1"
     print(f"the request on the lost rail ended after {took:.1f} s")
 
 
