@@ -128,7 +128,8 @@ std::string EngineServer::health(int* http_status) const {
     Status ready = options_.ready ? options_.ready() : ok_status();
     *http_status = ready.ok() ? 200 : 503;
     if (!ready.ok()) {
-        j["status"] = "starting";
+        // kUnavailable: not reachable yet; anything else will not get better by waiting.
+        j["status"] = ready.code() == StatusCode::kUnavailable ? "starting" : "failed";
         j["reason"] = ready.message();
     }
     return j.dump();

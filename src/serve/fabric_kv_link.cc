@@ -454,8 +454,15 @@ Status FabricKvLink::ready() const {
     if (!impl_->conn || !impl_->side) return unavailable("the KV link is stopped");
     if (impl_->http_port <= 0)
         return unavailable("the KV link does not know this engine's HTTP address yet");
+    Status health = impl_->engine->health();
+    if (!health.ok())
+        return provider_error(fmt::format(
+            "the KV link's transfer engine lost a rail for good ({}): restart this engine",
+            health.message()));
     return ok_status();
 }
+
+TransferEngine& FabricKvLink::transfer_engine() const { return *impl_->engine; }
 
 int FabricKvLink::side_port() const { return impl_->side ? impl_->side->port() : 0; }
 const std::string& FabricKvLink::provider() const { return impl_->cfg.provider; }

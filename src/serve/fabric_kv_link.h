@@ -109,8 +109,12 @@ class FabricKvLink : public KvProducer, public KvConsumer {
     void set_http_address(const std::string& host, int port);
     int side_port() const;
     // Ok once peers can reach this link: its side channel listens and it knows the HTTP
-    // address it names in pull offers (set_http_address); the reason otherwise.
+    // address it names in pull offers (set_http_address); the reason otherwise, kUnavailable
+    // while it starts, kProvider for good once its transfer engine lost a rail
+    // (TransferEngine::health: a worker spinning inside libfabric; only a restart helps).
     Status ready() const;
+    // The link's transfer engine (its counters, its health).
+    TransferEngine& transfer_engine() const;
     const std::string& provider() const;
     FabricKvLinkStats stats() const;
     // Prometheus lines for the engine's /metrics.

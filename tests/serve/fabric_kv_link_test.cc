@@ -60,6 +60,22 @@ struct Calls {
     }
 };
 
+// A link whose engine lost its rail (the watchdog found the worker spinning inside one
+// provider call; here held there by the test hook) is not ready, for good, and says to restart:
+// the engine's /health turns 503 "failed" and the router stops sending it legs.
+TEST(FabricKvLink, ALinkWhoseEngineLostItsRailIsNotReadyAndSaysRestart) {
+    LinkFixture f(nullptr);
+    ASSERT_TRUE(f.link);
+    ASSERT_TRUE(f.link->ready().ok()) << f.link->ready().to_string();
+    ASSERT_TRUE(
+        detail::wedge_rail_for_test(f.link->transfer_engine(), 0, std::chrono::seconds(30)).ok());
+    Status r = f.link->ready();
+    EXPECT_EQ(r.code(), StatusCode::kProvider) << r.to_string();
+    EXPECT_NE(r.message().find("lost a rail"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find("restart this engine"), std::string::npos) << r.message();
+    f.link->stop();
+}
+
 TEST(FabricKvLink, ASecondTransferIdOnAKeyInUseIsRefusedNotMixedIn) {
     // Every id hashes to the same key: the worst case of the 64-bit hash, forced.
     LinkFixture f([](std::string_view) { return uint64_t{7}; });
