@@ -236,13 +236,17 @@ class OfferSpec:
 
 @dataclasses.dataclass
 class LayerSpec:
-    """Prefill, push: this step computes the whole rest of the request's prompt; each layer's
-    KV is written as soon as the forward has computed it (tokens [0, num_tokens))."""
+    """Prefill, push: this step computes the request's prompt up to `num_tokens`, tokens
+    [0, first_token) having been final (and written) before it. The step that completes the
+    prompt (`final`) has each layer written as soon as the forward computed it; an earlier
+    chunk is written once its last layer is computed, while the next chunk computes."""
 
     req_id: str
     transfer_id: int
     block_ids: List[int]
     num_tokens: int
+    first_token: int = 0
+    final: bool = True
 
 
 @dataclasses.dataclass
@@ -265,10 +269,17 @@ class FerryConnectorMetadata(KVConnectorMetadata):
     # (req_id, transfer_id): prefill requests vLLM scheduled (allocated): ferry renews decode's
     # lease while they compute, however long that takes.
     scheduled: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
-    # Push prefill requests whose prompt this step completes: written layer by layer.
+    # Push prefill requests this step computes a chunk of, or the rest of: written as the
+    # forward computes them (LayerSpec).
     layers: List[LayerSpec] = dataclasses.field(default_factory=list)
-    # (req_id, transfer_id, reason): prefill requests aborted before their KV was computed.
-    fail_send: List[Tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    # (req_id, transfer_id, reason, hold): prefill requests aborted before their KV was
+    # computed. hold: some of their KV was written already (a chunk, or layers), writes may
+    # still read their blocks, and vLLM keeps the blocks until the worker reports the send over.
+    fail_send: List[Tuple[str, int, str, bool]] = dataclasses.field(default_factory=list)
+    # (req_id, transfer_id): prefill requests vLLM preempted (their blocks freed) after some of
+    # their KV was written: the transfer fails, and the worker waits for its writes to end
+    # before this step's forward may write into those blocks.
+    preempted: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
     # (req_id, transfer_id): decode requests finished (aborted) while their KV was on the way.
     cancel_recv: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
     started: bool = False  # the worker's: this step's transfers were started
@@ -292,6 +303,8 @@ STAT_NAMES = {
     "bytes_posted": "KV bytes this engine posted (prefill: push writes; decode: pull reads)",
     "layer_writes": "prefill, push: layers of requests written as the forward computed them "
                     "(layerwise), before the request finished",
+    "chunk_writes": "prefill, push: chunks of prompts computed in several steps (chunked "
+                    "prefill) written while the next chunk computed",
     "engine_renewals": "new ferry engines opened because the last one lost its rail (a worker "
                        "spinning inside libfabric: TransferEngine.health)",
 }
@@ -435,6 +448,17 @@ def moves_exact_tokens(vllm_config: "VllmConfig") -> bool:
         return False
 
 
+def _kv_cache_on_cpu(vllm_config: "VllmConfig") -> bool:
+    """Whether this engine's KV caches are in host memory (vLLM's CPU platform), where a layer's
+    KV is written when save_kv_layer is called; a GPU forward is still queued on its stream."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - no platform (a unit test): as the worker finds it
+        return True
+
+
 def layout_of(tensors: List[torch.Tensor], *, num_blocks: int, block_size: int, num_kv_heads: int,
               head_dim: int, page_placement: str = "head-joint"):
     """(ferry.kv.KvLayout, pool) for vLLM's per-layer KV tensors, or FerryConfigError naming
@@ -501,7 +525,8 @@ class FerryConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _Scheduler(self._opts, self._block_size,
                                      vllm_config.parallel_config.tensor_parallel_size,
-                                     exact_tokens=moves_exact_tokens(vllm_config))
+                                     exact_tokens=moves_exact_tokens(vllm_config),
+                                     layerwise=_kv_cache_on_cpu(vllm_config))
             self._worker = None
         else:
             self._sched = None
@@ -622,8 +647,11 @@ class _Scheduler:
     """The scheduler half: which requests send or receive, handed to the workers per step."""
 
     def __init__(self, opts: FerryOptions, block_size: int, tp_size: int = 1,
-                 exact_tokens: bool = False):
+                 exact_tokens: bool = False, layerwise: bool = True):
         self._opts = opts
+        # Writes as the forward computes (FerryOptions.layerwise), where the worker can: CPU KV
+        # caches (a GPU forward is still queued on its stream when save_kv_layer runs).
+        self._layerwise = opts.layerwise and layerwise
         self._block_size = block_size
         self._tp_size = tp_size
         # True: transfers move exactly the prompt's tokens (both engines count them alike,
@@ -638,6 +666,15 @@ class _Scheduler:
         self._load_failed: Set[str] = set()
         # prefill, push: req_id -> transfer key of requests reported scheduled
         self._computing: Dict[str, int] = {}
+        # prefill, push: requests computed in chunks, not complete yet: req_id -> (prompt
+        # tokens, the block ids vLLM gave it so far)
+        self._chunked: Dict[str, Tuple[int, List[int]]] = {}
+        # prefill, push: requests some of whose KV went out before they finished (a chunk, or
+        # layers of the step completing the prompt): their blocks may be read by ferry's writes
+        self._written: Set[str] = set()
+        # prefill, push: requests preempted after some of their KV went out: their transfer
+        # failed (decode's load fails by its policy); they compute again and send nothing
+        self._abandoned: Set[str] = set()
 
     def _params(self, request: "Request") -> Optional[Dict[str, Any]]:
         return request.kv_transfer_params
@@ -670,7 +707,8 @@ class _Scheduler:
         params = self._params(request)
         if params and params.get("do_remote_decode") and \
                 params.get(MODE, self._opts.mode) == "push" and \
-                request.request_id not in self._computing:
+                request.request_id not in self._computing and \
+                request.request_id not in self._abandoned:
             # Prefill: the request computes from now on (its lease renewed meanwhile).
             try:
                 tid = transfer_id_of(params)
@@ -724,24 +762,75 @@ class _Scheduler:
         return prompt if self._exact else -(-prompt // self._block_size) * self._block_size
 
     def note_step(self, out: "SchedulerOutput"):
-        """Push prefill requests whose prompt this step computes to its end, in one piece (not
-        chunked further): the worker writes them layer by layer (FerryOptions.layerwise). A
-        chunked prompt is written whole at request_finished."""
-        if not self._opts.layerwise or not self._computing:
+        """Push prefill requests this step computes prompt tokens of: the worker writes them as
+        the forward computes them (FerryOptions.layerwise). A step that completes the prompt
+        has each layer written once computed; a chunk of a prompt computed in several steps
+        (vLLM's chunked prefill) is written once its last layer is, while the next chunk
+        computes. A request preempted after some of its KV went out gives its transfer up."""
+        if not self._layerwise:
+            return
+        for req_id in getattr(out, "preempted_req_ids", None) or ():
+            self._chunked.pop(req_id, None)
+            if req_id in self._written and req_id in self._computing:
+                # vLLM freed its blocks, and may give them to another request in this very
+                # step: the worker fails the transfer and waits for its writes before the
+                # forward. Recomputed later, the request may well give the same KV, but
+                # decode holds tokens of the first computation: no mixing.
+                self._written.discard(req_id)
+                self._abandoned.add(req_id)
+                self._meta.preempted.append((req_id, self._computing.pop(req_id)))
+        if not self._computing:
             return
         counts = getattr(out, "num_scheduled_tokens", None) or {}
         for new in getattr(out, "scheduled_new_reqs", None) or ():
             key = self._computing.get(new.req_id)
             if key is None:
                 continue
-            prompt = len(new.prompt_token_ids or ())
-            if prompt == 0 or new.num_computed_tokens + counts.get(new.req_id, 0) < prompt:
+            blocks = list(new.block_ids[0]) if new.block_ids else []
+            self._chunk(new.req_id, key, len(new.prompt_token_ids or ()), blocks,
+                        new.num_computed_tokens, counts.get(new.req_id, 0))
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        for i, req_id in enumerate(getattr(cached, "req_ids", None) or ()):
+            chunked = self._chunked.get(req_id)
+            key = self._computing.get(req_id)
+            if chunked is None or key is None:
                 continue
-            need = -(-prompt // self._block_size)
-            blocks = list(new.block_ids[0][:need]) if new.block_ids else []
-            if len(blocks) < need:
-                continue
-            self._meta.layers.append(LayerSpec(new.req_id, key, blocks, self._tokens(prompt)))
+            prompt, blocks = chunked
+            added = cached.new_block_ids[i]
+            if added is not None:
+                if req_id in cached.resumed_req_ids:
+                    blocks = list(added[0])
+                else:
+                    blocks = blocks + list(added[0])
+            self._chunk(req_id, key, prompt, blocks, cached.num_computed_tokens[i],
+                        counts.get(req_id, 0))
+
+    def _ready(self, tokens: int, prompt: int) -> int:
+        """What a transfer can move once `tokens` of a `prompt`-token request are computed:
+        those tokens, or its whole blocks among them where pages move whole."""
+        if tokens >= prompt:
+            return self._tokens(prompt)
+        return tokens if self._exact else tokens // self._block_size * self._block_size
+
+    def _chunk(self, req_id: str, key: int, prompt: int, blocks: List[int], computed: int,
+               scheduled: int):
+        """This step computes tokens [computed, computed + scheduled) of the request."""
+        if prompt == 0 or scheduled <= 0 or computed >= prompt:
+            return  # nothing of the prompt (a decode step)
+        end = min(computed + scheduled, prompt)
+        need = -(-end // self._block_size)
+        if len(blocks) < need:
+            return  # not vLLM's way; the whole prompt still goes at request_finished
+        final = end == prompt
+        if final:
+            self._chunked.pop(req_id, None)
+        else:
+            self._chunked[req_id] = (prompt, blocks)
+        first, last = self._ready(computed, prompt), self._ready(end, prompt)
+        if last <= first:
+            return  # no whole block yet (pages that move whole)
+        self._written.add(req_id)
+        self._meta.layers.append(LayerSpec(req_id, key, list(blocks[:need]), last, first, final))
 
     def take_meta(self) -> FerryConnectorMetadata:
         meta, self._meta = self._meta, FerryConnectorMetadata()
@@ -761,6 +850,14 @@ class _Scheduler:
         self._refused.discard(req_id)
         self._load_failed.discard(req_id)
         self._computing.pop(req_id, None)
+        self._chunked.pop(req_id, None)
+        written = req_id in self._written
+        self._written.discard(req_id)
+        if req_id in self._abandoned:
+            # Preempted after some of its KV went out: the transfer failed then (decode's load
+            # fails by its policy); this computation's KV goes nowhere.
+            self._abandoned.discard(req_id)
+            return False, None
         if req_id in self._recv:
             # Decode, aborted while its KV was on the way: vLLM keeps the blocks until the
             # receive is reported over, which the worker does once ferry cancelled it.
@@ -781,10 +878,13 @@ class _Scheduler:
         need = -(-prompt // self._block_size)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED) or len(block_ids) < need:
+            # Some of its KV went out already: ferry's writes may still read its blocks, which
+            # vLLM keeps until the worker reports the send over (the writes ended).
             self._meta.fail_send.append(
-                (req_id, transfer_key(tid, request.prompt_token_ids), f"prefill request ended as {request.status.name} before its KV "
-                 f"was complete"))
-            return False, None
+                (req_id, transfer_key(tid, request.prompt_token_ids),
+                 f"prefill request ended as {request.status.name} before its KV was complete",
+                 written))
+            return written, None
         # The prompt's tokens, which decode counts alike whatever its block size; whole blocks
         # where vLLM's CPU attention packs pages in a way ferry does not map (its kernels other
         # than "vec": cpu_page_placement), which then needs one block size on both sides.
@@ -810,7 +910,7 @@ class _Scheduler:
     def pending(self) -> bool:
         m = self._meta
         return bool(self._sending or m.send or m.offer or m.recv or m.fail_send or
-                    m.cancel_recv or m.scheduled)
+                    m.cancel_recv or m.scheduled or m.preempted)
 
 
 class _Worker:
@@ -843,6 +943,9 @@ class _Worker:
         self._done_recv: Set[str] = set()
         self._failed_recv: Set[str] = set()
         self._done_send: Set[str] = set()
+        # Events drawn from ferry while waiting for a preempted request's send to end, for the
+        # next results().
+        self._events: List[Any] = []
         # Side channel (host, port) -> the prefill rank's HandshakeInfo (address, pool, layout),
         # fetched once; dropped when a transfer from it fails (a restarted prefill has others).
         self._peers: Dict[Tuple[str, int], Any] = {}
@@ -850,6 +953,7 @@ class _Worker:
         self._bytes_received = 0  # since the last take_stats
         self._layer_pos: Dict[str, int] = {}  # layer name -> its index in the registered layout
         self._layer_writes = 0  # since the last take_stats
+        self._chunk_writes = 0  # since the last take_stats
         self._bytes_posted = 0  # ferry's bytes_posted at the last take_stats
         self._renewals = 0  # engines replaced after a lost rail since the last take_stats
         self._reopen = False  # a lost engine was retired; its replacement did not open yet
@@ -1063,15 +1167,52 @@ class _Worker:
                 logger.warning("FerryConnector: request %s: prefill_done refused: %s", s.req_id,
                                e)
                 self._done_send.add(s.req_id)
-        for req_id, tid, reason in meta.fail_send:
+        for req_id, tid, reason, hold in meta.fail_send:
             try:
                 conn.prefill_failed(tid, reason)
+                if hold:  # vLLM keeps its blocks until the send event: the writes ended
+                    self._send[tid] = req_id
             except ferry.Error as e:
                 logger.warning("FerryConnector: request %s: prefill_failed: %s", req_id, e)
+                if hold:
+                    self._done_send.add(req_id)
+        for req_id, tid in meta.preempted:
+            self._give_up_preempted(req_id, tid)
         for req_id, tid in meta.cancel_recv:
             if tid in self._recv:
                 self._cancelled.add(tid)
                 conn.cancel(tid)
+
+    def _give_up_preempted(self, req_id: str, tid: int):
+        """vLLM preempted a prefill request some of whose KV went out, and freed its blocks,
+        which this step's forward may write for another request: fail the transfer (decode's
+        load fails, by its kv_load_failure_policy) and wait, before the forward, until no
+        write of it reads those blocks (its "send" event)."""
+        import ferry
+
+        logger.warning("FerryConnector: request %s: preempted while its KV was being sent; "
+                       "its transfer fails (decode recomputes or fails by its "
+                       "kv_load_failure_policy)", req_id)
+        try:
+            self._conn.prefill_failed(tid, "prefill preempted the request while sending its "
+                                           "KV (its blocks were freed)")
+        except ferry.Error as e:
+            logger.warning("FerryConnector: request %s: prefill_failed: %s", req_id, e)
+            return
+        # Every write ends within op_timeout (completed, or failed by ferry's deadline).
+        deadline = time.monotonic() + self._opts.op_timeout + 2.0
+        while True:
+            events = self._conn.poll()
+            ended = any(ev.kind == "send" and ev.transfer_id == tid for ev in events)
+            self._events.extend(ev for ev in events
+                                if not (ev.kind == "send" and ev.transfer_id == tid))
+            left = deadline - time.monotonic()
+            if ended or left <= 0:
+                break
+            self._conn.wait(min(left, 0.05))
+        if not ended:
+            logger.error("FerryConnector: request %s: its writes did not end within %.0f s of "
+                         "its preemption", req_id, self._opts.op_timeout + 2.0)
 
     def layer_computed(self, layer_name: str, specs: List[LayerSpec]):
         """The forward wrote `layer_name`'s KV: layers up to it go to the requests' decode
@@ -1087,14 +1228,19 @@ class _Worker:
         # the end of the transfer.
         last = pos + 1 == len(self._layer_pos)
         for spec in specs:
+            if not (last or spec.final):
+                continue  # a chunk goes once its last layer is computed
             try:
                 if last:
                     self._conn.prefill_progress(spec.transfer_id, spec.block_ids, spec.num_tokens)
                 else:
-                    self._conn.prefill_progress(spec.transfer_id, spec.block_ids, 0,
-                                                partial_end=spec.num_tokens,
+                    self._conn.prefill_progress(spec.transfer_id, spec.block_ids,
+                                                spec.first_token, partial_end=spec.num_tokens,
                                                 partial_layers=pos + 1)
-                self._layer_writes += 1
+                if spec.final:
+                    self._layer_writes += 1
+                else:
+                    self._chunk_writes += 1
             except ferry.Error as e:
                 # The whole request is still written at request_finished.
                 logger.warning("FerryConnector: request %s: layer %s not written early: %s",
@@ -1123,7 +1269,7 @@ class _Worker:
         """What ended since the last call. `wait` > 0: with transfers open and nothing ended,
         wait that long for ferry's next event first (a step that computes nothing)."""
         if self._conn is not None:
-            events = self._conn.poll()
+            events, self._events = self._events + self._conn.poll(), []
             if (wait > 0 and not events and (self._recv or self._send) and
                     not (self._done_send or self._done_recv) and not self._retired):
                 if self._conn.wait(wait):
@@ -1175,9 +1321,9 @@ class _Worker:
         posted = int(self.stats().get("bytes_posted", 0))
         data = {"bytes_received": self._bytes_received,
                 "bytes_posted": posted - self._bytes_posted, "layer_writes": self._layer_writes,
-                "engine_renewals": self._renewals}
+                "chunk_writes": self._chunk_writes, "engine_renewals": self._renewals}
         self._bytes_received, self._bytes_posted, self._layer_writes = 0, posted, 0
-        self._renewals = 0
+        self._chunk_writes = self._renewals = 0
         return FerryStats(data=data) if any(data.values()) else None
 
     def close(self):

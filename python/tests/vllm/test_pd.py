@@ -358,6 +358,32 @@ def test_push_gives_the_baseline_tokens(engines):
     assert written > 0, "prefill wrote no layer before its requests finished"
 
 
+def test_a_prompt_computed_in_chunks_is_written_chunk_by_chunk(engines):
+    # Issue 32: vLLM computes a prompt longer than a step's token budget in chunks, one a step
+    # (max_num_batched_tokens: 2048 for vLLM's OpenAI server on CPU, so 3000 tokens take two
+    # steps, on the baseline too). Push writes a chunk once its step computed it, while the
+    # next chunk computes, and the step completing the prompt layer by layer from where the
+    # chunks left off; before, such a prompt was written whole once finished. Decode must give
+    # the baseline's tokens, ferry must move exactly the prompt's KV into decode (nothing twice,
+    # nothing left out), and prefill must count the chunk written early.
+    base, prefill, decode, side_port = engines
+    rng = random.Random(2048)
+    ids = [rng.randrange(3, 2000) for _ in range(3000)]
+    want = complete(base, ids, MAX_TOKENS)[0]
+    chunks_before = prefill.metric("vllm:ferry_chunk_writes_total")
+    bytes_before, tokens_before = ferry_bytes(decode), prompt_tokens(decode)
+    got, _, _, first = disaggregated(prefill, decode, side_port, ids, MAX_TOKENS,
+                                     rng.randrange(1, 1 << 63))
+    assert got == want, f"{len(ids)} tokens: {got} != baseline {want} (prefill's first: {first})"
+    moved = ferry_bytes(decode) - bytes_before
+    assert moved == len(ids) * TOKEN_BYTES, \
+        f"ferry moved {moved:.0f} bytes into decode for {len(ids)} prompt tokens, not " \
+        f"{len(ids) * TOKEN_BYTES}"
+    assert_prompts_moved(decode, tokens_before, 1, len(ids))
+    chunks = _await_metric(prefill, "vllm:ferry_chunk_writes_total", chunks_before)
+    assert chunks >= 1, "prefill wrote no chunk of the prompt before it was complete"
+
+
 def test_pull_gives_the_baseline_tokens(engines):
     # Pull, on the same engines (a request's kv_transfer_params choose its mode): prefill
     # answers with its blocks offered, decode reads them on ferry's threads. Prompts shorter
