@@ -75,20 +75,29 @@ if [ -n "${FERRY_GPU_MOE_VALIDATE:-}" ]; then
   log "moe model validation (scripts/moe_validate_device.sh)"
   OUT=$out bash scripts/moe_validate_device.sh $build/ferry || status=1
 fi
-# Issue 37 (FERRY_GPU_PEERS=1): ferry beside NIXL GPU to GPU, `python3 -m ferry.bench_peers
-# --transports cuda` (build target ferry_python; with FERRY_GPU_QUICK=1 set FERRY_GPU_TARGETS
-# to include it). The machines reach no package index: NIXL's wheels for their Python come in
-# .whl (pip download --no-deps --python-version 3.12 ... nixl==1.5.1 nixl-cu13==1.5.1, carried
-# alone: the CUDA wheel is 59 MB) and go to /tmp/ferry-peers; without them ferry runs alone.
+# Issue 37 (FERRY_GPU_PEERS=1): ferry beside its peers on this host, `python3 -m
+# ferry.bench_peers --transports $FERRY_GPU_PEERS_TRANSPORTS` (default cuda: GPU to GPU; add
+# shm,tcp,shm-cma-wait for the host transports on a host of 16 cores; build target
+# ferry_python, so with FERRY_GPU_QUICK=1 set FERRY_GPU_TARGETS to include it). The machines
+# reach no package index: the peers' wheels for their Python come in .whl* folders (pip download
+# --no-deps --python-version 3.12 ...: nixl==1.5.1 nixl-cu13==1.5.1, 59 MB, and
+# mooncake-transfer-engine-non-cuda==0.3.13.post1, 46 MB, each carried alone) and are installed
+# into $build/peers, which stays between calls on a warm machine: a first call may install one
+# (FERRY_GPU_PEERS=install: install only), the next the other and run. Peers not installed are
+# skipped.
 if [ -n "${FERRY_GPU_PEERS:-}" ]; then
-  if ls .whl/nixl*.whl > /dev/null 2>&1; then
+  if ls .whl*/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/ferry-peers .whl/nixl*.whl > "$out/peers_pip.txt" 2>&1 || status=1
+      --target $build/peers .whl*/*.whl >> "$out/peers_pip.txt" 2>&1 || status=1
   fi
-  log "bench_peers --transports cuda"
-  PYTHONPATH=$build/python:/tmp/ferry-peers timeout 400 python3 -m ferry.bench_peers \
-    --transports cuda --peers nixl --rounds "${FERRY_GPU_PEERS_ROUNDS:-10}" \
-    --json "$out/peers_cuda.json" 2>&1 | tail -14 | tee "$out/peers_cuda.txt" || status=1
+  if [ "$FERRY_GPU_PEERS" != install ]; then
+    transports=${FERRY_GPU_PEERS_TRANSPORTS:-cuda}
+    log "bench_peers --transports $transports"
+    PYTHONPATH=$build/python:$build/peers timeout "${FERRY_GPU_PEERS_TIMEOUT:-400}" python3 -m \
+      ferry.bench_peers --transports "$transports" --rounds "${FERRY_GPU_PEERS_ROUNDS:-10}" \
+      --json "$out/peers.json" > "$out/peers.txt" 2>&1 || status=1
+    grep -v " of .* so far" "$out/peers.txt" | tail -80
+  fi
 fi
 if [ -n "${FERRY_GPU_QUICK:-}" ]; then
   log "extra: ${FERRY_GPU_EXTRA:-}"
