@@ -328,7 +328,13 @@ class NixlAdapter(Adapter):
         # keeps tcp for UCX's active messages; its puts go over cma, zero-copy at every size
         # (UCX_PROTO_INFO=y).
         if transport in ("sm", "tcp"):
-            os.environ["UCX_TLS"] = "sm,tcp,self" if transport == "sm" else "tcp,self"
+            tls = "sm,tcp,self" if transport == "sm" else "tcp,self"
+            # On a host with NVIDIA GPUs NIXL refuses a UCX_TLS without a CUDA transport
+            # ("Invalid UCX_TLS=sm,tcp,self ... Add cuda_copy"); cuda_copy moves only CUDA
+            # memory, so host buffers still go over sm or tcp.
+            if os.path.exists("/dev/nvidiactl"):
+                tls += ",cuda_copy"
+            os.environ["UCX_TLS"] = tls
         elif transport == "cuda":  # GPU to GPU through cuda_ipc; tcp for the active messages
             os.environ["UCX_TLS"] = "cuda_ipc,cuda_copy,tcp,self"
         self.mem, self.dev = ("VRAM", 0) if transport == "cuda" else ("DRAM", 0)
