@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# ctest's vllm_api and vllm_pd: ferry's vLLM connector tests (python/tests/vllm/) in the vLLM
-# virtual environment, when there is one:
+# ctest's vllm_api, vllm_scheduler, vllm_pd and vllm_router: ferry's vLLM connector tests
+# (python/tests/vllm/) in the vLLM virtual environment, when there is one:
 #   run_vllm_tests.sh SOURCE_DIR BUILD_PYTHON_DIR VENV TEST_FILE
 # VENV (build/vllm-venv, made by scripts/vllm_venv.sh) holds the pinned vLLM and torch. ferry
 # comes from the build tree (BUILD_PYTHON_DIR, this build's extension) when that imports in the
