@@ -105,6 +105,9 @@ OpHandle TransferEngine::paged_write(const PagedWriteOp& op, OpCallback done) {
 size_t TransferEngine::inject_size() const {
     return impl_->rails.empty() ? 0 : impl_->rails[0].inject_size();
 }
+size_t TransferEngine::rma_iovs() const {
+    return impl_->rails.empty() ? 1 : impl_->rails[0].max_iovs();
+}
 void TransferEngine::when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                                    std::function<void(size_t)> then) {
     impl_->when_released(std::move(spans), timeout, std::move(then));

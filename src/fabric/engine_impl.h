@@ -116,6 +116,19 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                  uint64_t local_off, const MemoryDescriptor& remote, uint64_t remote_off,
                  uint64_t len, std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
                  const RailRoute& route, OpState* state);
+    // The runs of one operation (paged_write, write_runs, read_runs) as few fabric operations as
+    // the provider allows: add_run joins a run to the operation the previous run started while
+    // that has iovecs left (Rail::max_iovs) and stays within max_write_size, else starts one on
+    // the next rail; a run that add_rma would split (or stripe) is split as add_rma splits it.
+    struct RunGroup {
+        FabricOp* open = nullptr;  // the operation later runs may join
+        uint64_t bytes = 0;        // its bytes so far
+        size_t max_iovs = 1;       // its rail's
+    };
+    void add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const Peer& p,
+                 const MemoryRegion& local, uint64_t local_off, const MemoryDescriptor& remote,
+                 uint64_t remote_off, uint64_t len, std::optional<uint32_t> imm, TimePoint deadline,
+                 bool stripe, const RailRoute& route, OpState* state);
     // The NIC pairs a transfer between `local` and p's `remote` uses (route_rails): the local
     // region's near rails to the peer's rails near `remote`. No common rail index: counted
     // (rail_fallbacks) and logged once per local region. Empty route.local: no_common_rail.

@@ -76,6 +76,36 @@ Status gpu_in_batch_op(const char* what) {
     });
 }
 
+void EngineImpl::add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const Peer& p,
+                         const MemoryRegion& local, uint64_t local_off,
+                         const MemoryDescriptor& remote, uint64_t remote_off, uint64_t len,
+                         std::optional<uint32_t> imm, TimePoint deadline, bool stripe,
+                         const RailRoute& route, OpState* state) {
+    if (!rails.one_piece(len, stripe, route.local)) {
+        g.open = nullptr;
+        add_rma(b, type, p, local, local_off, remote, remote_off, len, imm, deadline, stripe, route,
+                state);
+        return;
+    }
+    FabricOp* op = g.open;
+    if (op && size_t{op->more_iovs} + 1 < g.max_iovs && len <= UINT32_MAX &&
+        g.bytes + len <= rails.max_write_size()) {
+        const uint8_t i = op->more_iovs++;
+        op->more.local[i] = static_cast<uint8_t*>(local.data()) + local_off;
+        op->more.raddr[i] = remote.wire_address(remote_off);
+        op->more.len[i] = static_cast<uint32_t>(len);
+        g.bytes += len;
+        return;
+    }
+    const int rail = rails.next_rail(route.local);
+    op = make_rma(type, p, rail, route.peer_rail(rail), local, local_off, remote, remote_off, len,
+                  imm, deadline, state);
+    b.add(rail, op);
+    g.open = op;
+    g.bytes = len;
+    g.max_iovs = rails[rail].max_iovs();
+}
+
 void EngineImpl::arm(OpState* state, uint32_t pieces, bool counts_imm) {
     if (counts_imm) state->imm_writes = pieces;
     state->set_pieces(pieces);
@@ -311,9 +341,10 @@ OpHandle EngineImpl::paged_write(const PagedWriteOp& w, OpCallback done) {
     if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "paged write"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
+    RunGroup g;
     for_each_run([&](uint64_t so, uint64_t dof, uint64_t len) {
-        add_rma(b, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, len, w.imm, deadline, false, use,
-                state.get());
+        add_run(b, g, FabricOp::kWrite, *p, *w.src, so, *w.dst, dof, len, w.imm, deadline, false,
+                use, state.get());
     });
     return submit(b, std::move(state), w.imm.has_value());
 }
@@ -350,8 +381,9 @@ OpHandle EngineImpl::write_runs(const WriteRunsOp& w, OpCallback done) {
     if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *w.src, *w.dst, "write_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
+    RunGroup g;
     for (const WriteRun& r : w.runs) {
-        add_rma(b, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
+        add_run(b, g, FabricOp::kWrite, *p, *w.src, r.src_offset, *w.dst, r.dst_offset, r.length,
                 w.imm, deadline, true, use, state.get());
     }
     return submit(b, std::move(state), w.imm.has_value());
@@ -387,9 +419,10 @@ OpHandle EngineImpl::read_runs(const ReadRunsOp& r, OpCallback done) {
     if (!use.local) FERRY_FAIL_OP(state, no_common_rail(*p, *r.dst, *r.src, "read_runs"));
     RailBatch b(rails.size());
     auto deadline = deadline_after(config.op_timeout);
+    RunGroup g;
     for (const WriteRun& run : r.runs) {
-        add_rma(b, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset, run.length,
-                std::nullopt, deadline, true, use, state.get());
+        add_run(b, g, FabricOp::kRead, *p, *r.dst, run.dst_offset, *r.src, run.src_offset,
+                run.length, std::nullopt, deadline, true, use, state.get());
     }
     return submit(b, std::move(state), false);
 }

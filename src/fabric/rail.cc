@@ -195,11 +195,11 @@ std::string Rail::describe(const FabricOp* op) const {
             return op->has_imm ? fmt::format(
                                      "write of {} bytes with immediate {:#x} to peer {} "
                                      "on rail {}",
-                                     op->len, op->imm, op->peer, index_)
-                               : fmt::format("write of {} bytes to peer {} on rail {}", op->len,
+                                     op->bytes(), op->imm, op->peer, index_)
+                               : fmt::format("write of {} bytes to peer {} on rail {}", op->bytes(),
                                              op->peer, index_);
         case FabricOp::kRead:
-            return fmt::format("read of {} bytes from peer {} on rail {}", op->len, op->peer,
+            return fmt::format("read of {} bytes from peer {} on rail {}", op->bytes(), op->peer,
                                index_);
         case FabricOp::kSend:
             return fmt::format("message of {} bytes to peer {}", op->extra->payload.size(),
@@ -299,16 +299,25 @@ int Rail::post_one(FabricOp* op, bool more, bool unsignaled) {
     if (unsignaled) return post_unsignaled(op);
     op->ctx.kind = FabricCtx::kOp;
     op->ctx.op = op;
-    iovec iov{op->local, op->len};
-    void* desc = op->desc;
-    fi_rma_iov rma{op->raddr, op->len, op->rkey};
+    iovec iov[kMaxOpIovs];
+    void* desc[kMaxOpIovs];
+    fi_rma_iov rma[kMaxOpIovs];
+    size_t n = 0;
+    uint64_t total = 0;
+    op->for_each_iov([&](void* local, uint64_t raddr, uint64_t len) {
+        iov[n] = {local, len};
+        desc[n] = op->desc;
+        rma[n] = {raddr, len, op->rkey};
+        total += len;
+        ++n;
+    });
     fi_msg_rma msg{};
-    msg.msg_iov = &iov;
-    msg.desc = &desc;
-    msg.iov_count = 1;
+    msg.msg_iov = iov;
+    msg.desc = desc;
+    msg.iov_count = n;
     msg.addr = op->dest;
-    msg.rma_iov = &rma;
-    msg.rma_iov_count = 1;
+    msg.rma_iov = rma;
+    msg.rma_iov_count = n;
     msg.context = &op->ctx.fi;
     const uint64_t more_flag = more ? FI_MORE : 0;
     switch (op->type) {
@@ -317,7 +326,7 @@ int Rail::post_one(FabricOp* op, bool more, bool unsignaled) {
             uint64_t flags = FI_COMPLETION | more_flag | (op->has_imm ? FI_REMOTE_CQ_DATA : 0);
             // FI_INJECT, not fi_inject_write: the payload is copied at post time, but the
             // completion (and with it a dead peer's error) still comes back.
-            if (op->len <= inject_size_) flags |= FI_INJECT;
+            if (total <= inject_size_) flags |= FI_INJECT;
             return static_cast<int>(fi_writemsg(tx_ep_, &msg, flags));
         }
         case FabricOp::kRead:
@@ -423,8 +432,9 @@ bool Rail::post_pending() {
             continue;
         }
         ++posted;
-        bytes += op->len;
-        injected += op->type == FabricOp::kWrite && op->len <= inject_size_;
+        const uint64_t op_bytes = op->bytes();
+        bytes += op_bytes;
+        injected += op->type == FabricOp::kWrite && op_bytes <= inject_size_;
         with_more += more;
         if (done_at_post) {
             done_at_post_ops.push_back(op);
@@ -437,7 +447,7 @@ bool Rail::post_pending() {
                 op->deadline = std::max(op->deadline, posted_at + config_.op_timeout);
             }
             link_inflight(op);
-            unpolled_bytes += op->len;
+            unpolled_bytes += op_bytes;
         }
         op = next;
         // Completions between large posts, not only after the pass. shm copies a large write

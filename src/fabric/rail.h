@@ -63,6 +63,19 @@ struct FabricOpExtra {
 // wrote all four lines of every operation and the worker fetched all four (see
 // docs/BENCHMARKS.md, issue 18, third round). 64-byte aligned, recycled through OpPool.
 inline constexpr size_t kFabricOpSharedBytes = 128;  // the lines both threads touch
+// Local and remote iovecs one read or write may carry at most (one fi_writemsg or fi_readmsg):
+// a paged write's runs of pages go up to this many to an operation where the provider takes
+// them (tx_attr rma_iov_limit and iov_limit: 4 for shm and tcp;ofi_rxm in libfabric 1.17, 1
+// for efa), so the provider handles a quarter of the commands.
+inline constexpr size_t kMaxOpIovs = 4;
+// The iovecs after the first, on the operation's last line: written by the submitter only for
+// an operation that has them (FabricOp::more_iovs > 0), read by the worker only then. Lengths
+// of 32 bits: a run joins an operation only if it is shorter than 4 GiB.
+struct MoreIovs {
+    void* local[kMaxOpIovs - 1];
+    uint64_t raddr[kMaxOpIovs - 1];
+    uint32_t len[kMaxOpIovs - 1];
+};
 struct alignas(64) FabricOp : MpscNode {
     enum Type : uint8_t { kWrite, kRead, kSend, kTask };
     // User-provided, so that `new FabricOp()` does not zero the whole block first (it would
@@ -89,6 +102,7 @@ struct alignas(64) FabricOp : MpscNode {
     Type type = kWrite;
     bool has_imm = false;
     bool abandoned = false;
+    uint8_t more_iovs = 0;  // iovecs beyond the first (in `more`); same desc and rkey
     PeerId peer = 0;
     TimePoint deadline{};
     int slot = -1;                // kSend: registered send slot in use
@@ -98,6 +112,22 @@ struct alignas(64) FabricOp : MpscNode {
     std::unique_ptr<FabricOpExtra> extra;  // kSend and kTask only
     // Lines 2 and 3: the worker's alone.
     alignas(64) FabricCtx ctx;
+    // Line 4: an operation of several iovecs only (left uninitialised otherwise).
+    alignas(64) MoreIovs more;
+
+    // Bytes the operation moves, all its iovecs together (`len` is the first one's).
+    uint64_t bytes() const {
+        uint64_t n = len;
+        for (uint8_t i = 0; i < more_iovs; ++i) n += more.len[i];
+        return n;
+    }
+    // Calls fn(local, raddr, len) for each iovec, the first one first.
+    template <typename Fn>
+    void for_each_iov(Fn&& fn) const {
+        fn(local, raddr, static_cast<uint64_t>(len));
+        for (uint8_t i = 0; i < more_iovs; ++i)
+            fn(more.local[i], more.raddr[i], uint64_t{more.len[i]});
+    }
 };
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Winvalid-offsetof"
@@ -105,6 +135,8 @@ static_assert(offsetof(FabricOp, extra) + sizeof(FabricOp::extra) <= kFabricOpSh
               "what a write needs must fit the first two lines");
 static_assert(offsetof(FabricOp, ctx) == kFabricOpSharedBytes,
               "the context starts on a line of its own");
+static_assert(offsetof(FabricOp, more) == kFabricOpSharedBytes + 128 && sizeof(MoreIovs) <= 64,
+              "the extra iovecs fill one line of their own, after the context");
 #pragma GCC diagnostic pop
 
 // The worker's lists of operations (popped and not yet posted; in flight, in post order),
@@ -287,6 +319,9 @@ class Rail {
     const std::vector<uint8_t>& name() const { return name_; }
     uint64_t mr_mode() const { return mr_mode_; }
     bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
+    // Iovecs one read or write on this rail may carry (1 to kMaxOpIovs): the provider's
+    // rma_iov_limit and iov_limit, capped by EngineConfig::rma_iovs.
+    size_t max_iovs() const { return max_iovs_; }
     bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
     fid_domain* domain() const { return domain_; }
     const RailStats& stats() const { return stats_; }
@@ -391,7 +426,7 @@ class Rail {
     // finishes as soon as the post returns (see inject_done_at_post_).
     bool completes_at_post(const FabricOp* op) const {
         return inject_done_at_post_ && op->type == FabricOp::kWrite && op->has_imm &&
-               op->len <= inject_size_;
+               op->len <= inject_size_ && op->more_iovs == 0;
     }
     bool poll_cq();
     void handle_completion(FabricCtx* ctx, uint64_t flags, size_t len, uint64_t data);
@@ -459,6 +494,7 @@ class Rail {
     std::vector<uint8_t> name_;
     size_t tx_depth_ = 0;
     size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
+    size_t max_iovs_ = 1;        // see max_iovs()
     bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
     // shm writes the completion of a write with immediate of at most inject_size while
     // posting it (the inline and inject protocols of smr_generic_rma, libfabric 1.17): it

@@ -55,6 +55,8 @@ FabricOp* repost_copy(const FabricOp* op) {
     c->desc = op->desc;
     c->raddr = op->raddr;
     c->rkey = op->rkey;
+    c->more_iovs = op->more_iovs;
+    if (op->more_iovs) c->more = op->more;
     c->imm = op->imm;
     c->type = op->type;
     c->has_imm = op->has_imm;
@@ -250,15 +252,20 @@ void Rail::on_inflight_timeout(const FabricOp* op) {
 
 size_t Rail::held_in(std::span<const std::span<const uint8_t>> spans) const {
     auto touches = [&](const FabricOp* op) {
-        if (op->len == 0 || spans.empty()) return false;
-        const auto* lo = static_cast<const uint8_t*>(op->local);
-        const uint8_t* hi = lo + op->len;
-        // The first span ending after lo is the only candidate that can start before hi.
-        auto it = std::upper_bound(spans.begin(), spans.end(), lo,
-                                   [](const uint8_t* p, const std::span<const uint8_t>& s) {
-                                       return p < s.data() + s.size();
-                                   });
-        return it != spans.end() && it->data() < hi;
+        if (spans.empty()) return false;
+        bool hit = false;
+        op->for_each_iov([&](const void* local, uint64_t, uint64_t len) {
+            if (hit || len == 0) return;
+            const auto* lo = static_cast<const uint8_t*>(local);
+            const uint8_t* hi = lo + len;
+            // The first span ending after lo is the only candidate that can start before hi.
+            auto it = std::upper_bound(spans.begin(), spans.end(), lo,
+                                       [](const uint8_t* p, const std::span<const uint8_t>& s) {
+                                           return p < s.data() + s.size();
+                                       });
+            hit = it != spans.end() && it->data() < hi;
+        });
+        return hit;
     };
     // An abandoned operation of an initiator endpoint already closed is out of libfabric's
     // hands; one of the current endpoint or of a retired one still open is not.

@@ -125,6 +125,7 @@ class RailGroup {
     // threshold has not been measured on multi-NIC hardware; see EngineConfig.
     // Whether split makes one piece of `len` bytes (every small transfer): callers may then
     // build it on next_rail(use) themselves.
+    uint64_t max_write_size() const { return max_write_size_; }
     bool one_piece(uint64_t len, bool stripe, RailSet use) const {
         return len <= max_write_size_ &&
                (!stripe || len <= stripe_threshold_ || (use & (use - 1)) == 0);

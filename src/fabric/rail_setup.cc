@@ -106,6 +106,10 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     tx_depth_ = std::clamp<size_t>(info_->tx_attr->size, 16, 1024);
     // Writes up to inject_size go with FI_INJECT (shm 4096, tcp;ofi_rxm 64 in libfabric 1.17).
     inject_size_ = config.inject ? info_->tx_attr->inject_size : 0;
+    max_iovs_ =
+        std::clamp<size_t>(std::min({info_->tx_attr->rma_iov_limit, info_->tx_attr->iov_limit,
+                                     config.rma_iovs, kMaxOpIovs}),
+                           1, kMaxOpIovs);
     // Recorded for describe/docs only: neither shm nor tcp;ofi_rxm orders completions
     // (tx comp_order FI_ORDER_NONE), so the engine never leans on selective completions.
     comp_ordered_ = (info_->tx_attr->comp_order & FI_ORDER_STRICT) != 0;

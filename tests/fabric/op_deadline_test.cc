@@ -42,6 +42,7 @@ TEST_P(OpDeadlineTest, ReadOfManyRunsOutlastsOpTimeoutWhileThePeerAnswers) {
         [&](Exchange& ex) -> std::string {
             EngineConfig cfg = testing::test_engine_config(GetParam());
             cfg.op_timeout = kOpTimeout;
+            cfg.rma_iovs = 1;  // one read per run: 40,000 reads queue behind the in-flight limit
             CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, cfg, kLen, 0));
             if (ex.rank() == 1) {
                 std::mt19937 rng(seed);

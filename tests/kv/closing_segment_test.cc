@@ -347,8 +347,11 @@ struct HandProducer {
 Result<std::unique_ptr<HandProducer>> make_hand_producer(Exchange& ex,
                                                          const std::string& provider) {
     auto h = std::make_unique<HandProducer>();
-    FERRY_ASSIGN_OR_RETURN(h->engine,
-                           TransferEngine::create(::ferry::testing::test_engine_config(provider)));
+    // One fabric operation per run (EngineConfig::rma_iovs), so that the closing SEGMENT,
+    // which this producer may send before the writes, can count them in advance.
+    EngineConfig config = ::ferry::testing::test_engine_config(provider);
+    config.rma_iovs = 1;
+    FERRY_ASSIGN_OR_RETURN(h->engine, TransferEngine::create(config));
     h->mem.assign(h->self.layout.pool_bytes(), 0);
     FERRY_ASSIGN_OR_RETURN(h->mr, h->engine->register_memory(h->mem.data(), h->mem.size()));
     HandProducer* raw = h.get();

@@ -102,6 +102,11 @@ struct EngineConfig {
     // Operations the worker posts back to back carry FI_MORE on all but the last of a pass,
     // so a provider that honours it can ring one doorbell for the lot.
     bool post_more = true;
+    // A paged write's runs of pages (and a write_runs' or read_runs' runs) go up to this many
+    // to one fabric operation, one fi_writemsg or fi_readmsg with as many local and remote
+    // iovecs, where the provider takes them (its rma_iov_limit and iov_limit; at most 4): the
+    // provider then handles one command per group. 1: one operation per run, as before.
+    size_t rma_iovs = 4;
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
     std::string gpu_copy = "auto";
@@ -520,6 +525,10 @@ class TransferEngine {
     // Longest write posted with FI_INJECT (the provider copies the payload while posting):
     // the provider's inject_size, 0 when EngineConfig::inject is off.
     size_t inject_size() const;
+    // Runs of pages (paged_write) or runs (write_runs, read_runs) one fabric operation carries
+    // at most, each one iovec: EngineConfig::rma_iovs capped by the provider's limits. Each
+    // such operation with an immediate delivers one (OpHandle::imm_writes counts them).
+    size_t rma_iovs() const;
     // OK while every rail works. Once the watchdog found a rail wedged inside the provider (a
     // worker spinning in one call: libfabric's shm on a lock in shared memory that is never
     // released), that error, for good: the rail's operations fail and it takes no new work.
