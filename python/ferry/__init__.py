@@ -348,7 +348,8 @@ class TransferEngine:
                  fabric_gpu_memory: bool = True, gpu_ipc: bool = True,
                  idle_spin_us: float = 200.0, wait_spin_us: Optional[float] = None,
                  rail_selection: str = "nearest", topology_xml: Optional[str] = None,
-                 rail_nics: Optional[str] = None, cma_writes: bool = False) -> None:
+                 rail_nics: Optional[str] = None, cma_writes: bool = False,
+                 rma_iovs: int = 4) -> None:
         """Creates an engine (EngineConfig in include/ferry/fabric/engine.h).
 
         provider: "auto" (efa > verbs > shm when same_host > tcp), "efa", "verbs", "tcp",
@@ -380,6 +381,12 @@ class TransferEngine:
             peer's descriptor but no key: one sent after the peer closed the region lands in
             whatever memory is there. A peer that refuses it (EPERM: ptrace scope, another
             user) gets shm's path, decided once and logged (EngineConfig::cma_writes).
+        rma_iovs: runs of pages (paged_write) or runs (write_runs, read_runs) one fabric
+            operation carries at most, one iovec each, where the provider takes that many (shm
+            and tcp 4, efa 1); each such operation delivers one immediate (Op.imm_writes counts
+            operations). On shm only writes with an immediate are joined (shm copies a read or
+            a write without one from the initiator when it is one run). 1: one operation per
+            run.
         idle_spin_us: how long workers spin after activity before napping.
         wait_spin_us: how long Op.wait, wait_imm and ImmExpectation.wait poll (GIL released)
             before they sleep until the worker wakes them: a wait that ends within it skips
@@ -403,7 +410,7 @@ class TransferEngine:
             _str("rail_selection", rail_selection),
             "" if topology_xml is None else _str("topology_xml", topology_xml),
             "" if rail_nics is None else _str("rail_nics", rail_nics),
-            _bool("cma_writes", cma_writes))
+            _bool("cma_writes", cma_writes), _int("rma_iovs", rma_iovs, 1, 1 << 16))
 
     # Identity -----------------------------------------------------------------------------
     @property
@@ -441,6 +448,12 @@ class TransferEngine:
         1.17; 0 with inject off). With cma_writes, single writes up to it stay the
         provider's."""
         return self._engine.inject_size
+
+    @property
+    def rma_iovs(self) -> int:
+        """Runs one fabric operation carries at most: the rma_iovs asked for, capped by the
+        provider's limits (shm and tcp 4, efa 1)."""
+        return self._engine.rma_iovs
 
     @property
     def supports_gpu_memory(self) -> bool:

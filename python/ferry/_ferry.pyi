@@ -86,13 +86,15 @@ class Engine:
                  op_timeout: float, busy_poll: bool, stripe_threshold: int,
                  max_write_size: int, gpu_copy: str, fabric_gpu_memory: bool, gpu_ipc: bool,
                  idle_spin_us: float, wait_spin_us: float, rail_selection: str,
-                 topology_xml: str, rail_nics: str, cma_writes: bool) -> None: ...
+                 topology_xml: str, rail_nics: str, cma_writes: bool,
+                 rma_iovs: int) -> None: ...
     address: bytes
     wait_spin_us: float
     engine_id: int
     provider: str
     num_rails: int
     inject_size: int
+    rma_iovs: int
     health: str
     supports_gpu_memory: bool
     gpu_memory_note: str

@@ -63,6 +63,8 @@ CONFIGS = {
     "ferry-shm-cma": ("ferry", "shm-cma"),
     "ferry-shm-cma-wait": ("ferry", "shm-cma-wait"),
     "ferry-tcp": ("ferry", "tcp"),
+    "ferry-shm-iov1": ("ferry", "shm-iov1"),
+    "ferry-tcp-iov1": ("ferry", "tcp-iov1"),
     "nixl-ucx-sm": ("nixl", "sm"),
     "nixl-ucx-tcp": ("nixl", "tcp"),
     "nixl-libfabric": ("nixl", "libfabric"),
@@ -82,11 +84,15 @@ CUDA_PATTERNS = ("bw", "kv")
 # "shm-cma-wait": the same, its clock stopping at Op.wait, when the bytes are in the target's
 # memory (process_vm_writev returned), where NIXL's clock stops, instead of at the target's
 # answer (FerryAdapter).
+# "shm-iov1", "tcp-iov1": ferry with rma_iovs=1, one fabric operation per run of pages (as
+# before 2026-12-07), to measure what joining up to 4 runs per operation does, in one run.
 PAIRINGS = {"shm": ("ferry-shm", ["nixl-ucx-sm", "nixl-libfabric"]),
             "tcp": ("ferry-tcp", ["nixl-ucx-tcp", "mooncake-tcp", "uccl-p2p"]),
             "shm-cma": ("ferry-shm-cma", ["nixl-ucx-sm", "nixl-libfabric"]),
             "shm-cma-wait": ("ferry-shm-cma-wait", ["nixl-ucx-sm", "nixl-libfabric"]),
-            "cuda": ("ferry-cuda", ["nixl-ucx-cuda"])}
+            "cuda": ("ferry-cuda", ["nixl-ucx-cuda"]),
+            "shm-iov1": ("ferry-shm-iov1", ["nixl-ucx-sm"]),
+            "tcp-iov1": ("ferry-tcp-iov1", ["nixl-ucx-tcp"])}
 DEFAULT_TRANSPORTS = ["shm", "tcp"]
 PEERS = {"nixl": ("nixl", "pip install nixl-cu12==1.5.1 nixl-cu13==1.5.1 nixl==1.5.1 --no-deps"),
          "mooncake": ("mooncake.engine",
@@ -181,11 +187,13 @@ class FerryAdapter(Adapter):
 
         self._ferry = ferry
         cma = transport.startswith("shm-cma")
+        rma_iovs = 1 if transport.endswith("-iov1") else 4
+        transport = transport.removesuffix("-iov1")
         # cuda: GPU regions of two processes of this host are written through CUDA IPC
         # whatever the provider; shm carries the immediates and the answer.
         provider = "shm" if cma or transport == "cuda" else transport
         self.engine = ferry.TransferEngine(provider, same_host=True, op_timeout=TIMEOUT,
-                                           cma_writes=cma)
+                                           cma_writes=cma, rma_iovs=rma_iovs)
         # shm-cma-wait: once the first transfer copied by CMA showed its bytes copied by
         # process_vm_writev (stats' cma_bytes grew in the call, so they were in the target's
         # memory when it returned), later such transfers end at Op.wait, without the target's
@@ -1069,6 +1077,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--transports", type=_choice_list(list(PAIRINGS), "transport"),
                     default=DEFAULT_TRANSPORTS,
                     help="ferry's transports (default: shm,tcp; shm-cma: shm with cma_writes; "
+                    "shm-iov1, tcp-iov1: one fabric operation per run (rma_iovs=1); "
                     "cuda: GPU memory on cuda:0, both processes on it, bw and kv only)")
     ap.add_argument("--patterns", type=_choice_list(["bw", "lat", "rate", "kv"], "pattern"),
                     default=["bw", "lat", "rate", "kv"])

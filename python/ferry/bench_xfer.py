@@ -68,7 +68,7 @@ def _target(conn: Any, provider: str, busy_poll: bool, wait_spin_us: Optional[fl
             woke[i] = clock()
             e.write(peer, region, 0, peer_desc, 0, LATENCY_BYTES, imm=PONG)
         conn.send(woke)
-        while True:  # each rate loop's writes, counted before it is kept
+        while True:  # each rate loop's immediates, counted before it is kept
             n = conn.recv()
             if n is None:
                 break
@@ -81,7 +81,7 @@ def _rate_loop(e: Any, seconds: float, window: int, post: Callable[[int], Any], 
     """Writes per second of `post(offset)` calls (each `per_op` writes with the immediate RATE),
     `window` calls in flight, once the target counted them all."""
     ops: collections.deque = collections.deque()
-    n, slots = 0, SLOTS
+    n, slots, imms = 0, SLOTS, 0
     t0 = time.perf_counter()
     end = t0 + seconds
     while True:
@@ -89,13 +89,15 @@ def _rate_loop(e: Any, seconds: float, window: int, post: Callable[[int], Any], 
             ops.popleft().wait(10.0)
             if time.perf_counter() >= end:
                 break
-        ops.append(post((n % slots) * RATE_BYTES))
+        op = post((n % slots) * RATE_BYTES)
+        imms += op.imm_writes  # write_runs joins up to rma_iovs runs per immediate
+        ops.append(op)
         n += 1
     writes = n * per_op
     for op in ops:
         op.wait(10.0)
     elapsed = time.perf_counter() - t0
-    conn.send(writes)
+    conn.send(imms)
     if not conn.poll(60) or conn.recv() != "rate done":
         raise RuntimeError("the target did not count every write")
     return writes / elapsed

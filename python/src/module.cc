@@ -717,7 +717,7 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
                          const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
                          py::handle idle_spin_us, const std::string& rail_selection,
                          const std::string& topology_xml, const std::string& rail_nics,
-                         bool cma_writes) {
+                         bool cma_writes, uint64_t rma_iovs) {
     EngineConfig c;
     c.provider = provider;
     c.peers_on_same_host = same_host;
@@ -740,6 +740,7 @@ EngineConfig make_config(const std::string& provider, bool same_host, const std:
     c.topology_xml = topology_xml;
     c.rail_nics = rail_nics;
     c.cma_writes = cma_writes;
+    c.rma_iovs = rma_iovs;
     return c;
 }
 
@@ -895,12 +896,12 @@ PYBIND11_MODULE(_ferry, m) {
                          const std::string& gpu_copy, bool fabric_gpu_memory, bool gpu_ipc,
                          py::handle idle_spin_us, py::handle wait_spin_us,
                          const std::string& rail_selection, const std::string& topology_xml,
-                         const std::string& rail_nics, bool cma_writes) {
+                         const std::string& rail_nics, bool cma_writes, uint64_t rma_iovs) {
                  return std::make_unique<Engine>(
                      make_config(provider, same_host, node, rails, op_timeout, busy_poll,
                                  stripe_threshold, max_write_size, gpu_copy, fabric_gpu_memory,
                                  gpu_ipc, idle_spin_us, rail_selection, topology_xml, rail_nics,
-                                 cma_writes),
+                                 cma_writes, rma_iovs),
                      micros_arg(wait_spin_us, "wait_spin_us", kMaxWaitSpinUs, " or None (auto)"));
              }),
              py::arg("provider"), py::arg("same_host"), py::arg("node"), py::arg("rails"),
@@ -908,13 +909,14 @@ PYBIND11_MODULE(_ferry, m) {
              py::arg("max_write_size"), py::arg("gpu_copy"), py::arg("fabric_gpu_memory"),
              py::arg("gpu_ipc"), py::arg("idle_spin_us"), py::arg("wait_spin_us"),
              py::arg("rail_selection"), py::arg("topology_xml"), py::arg("rail_nics"),
-             py::arg("cma_writes"))
+             py::arg("cma_writes"), py::arg("rma_iovs"))
         .def_property_readonly("wait_spin_us", &Engine::wait_spin_us)
         .def_property_readonly("address", &Engine::address)
         .def_property_readonly("engine_id", [](const Engine& e) { return e.get().engine_id(); })
         .def_property_readonly("provider", [](const Engine& e) { return e.get().provider(); })
         .def_property_readonly("num_rails", [](const Engine& e) { return e.get().num_rails(); })
         .def_property_readonly("inject_size", [](const Engine& e) { return e.get().inject_size(); })
+        .def_property_readonly("rma_iovs", [](const Engine& e) { return e.get().rma_iovs(); })
         .def_property_readonly("health",
                                [](const Engine& e) {
                                    Status h = e.get().health();

@@ -153,7 +153,8 @@ def test_write_runs(pair, rng, kind):
     imm = 11
     op = engine.write_runs(peer, region, desc, runs, imm=imm)
     op.wait(10.0)
-    assert op.imm_writes >= len(runs)
+    # up to rma_iovs runs (none long enough to be split) to each operation and immediate
+    assert op.imm_writes == -(-len(runs) // engine.rma_iovs), (op.imm_writes, len(runs))
     child.call("wait_imm", imm, op.imm_writes, 10.0)
     writes = [(d, src_bytes[s:s + n].tobytes()) for s, d, n in runs]
     check_bytes(child.call("get", f"runs-{kind}"), expected_after(size, writes))
@@ -297,3 +298,43 @@ def test_cma_writes_copy_same_host_writes_and_count_them():
                 assert op.imm_writes == 1
             else:
                 assert st["cma_bytes"] == 0 and st["bytes_posted"] == copied
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_rma_iovs_joins_runs_into_fewer_operations(provider):
+    # The same random page lists with rma_iovs 1, 2 and 4 (the default): every page lands in
+    # the poisoned destination where its id says; single pages with a strided destination
+    # (no two adjacent) make ceil(pages / rma_iovs) operations, each one immediate, and a
+    # read_runs of 64 B runs reads every run (joined on tcp, one read a run on shm).
+    rng = np.random.default_rng(4242)
+    page, pages = 4096, 96
+    src = rng.integers(0, 256, page * pages, dtype=np.uint8)
+    sp = rng.permutation(pages)[:61].astype(np.uint32)
+    dp = rng.permutation(pages)[:61].astype(np.uint32)
+    for iovs in (1, 2, 4):
+        with ferry.TransferEngine(provider, same_host=True, rma_iovs=iovs) as a, \
+                ferry.TransferEngine(provider, same_host=True) as b:
+            assert a.rma_iovs == iovs and b.rma_iovs == 4
+            dst = np.full(2 * page * pages, POISON, dtype=np.uint8)
+            rs, rd = a.register(src), b.register(dst)
+            peer = a.connect(b.address)
+            desc = ferry.RemoteRegion.from_bytes(rd.descriptor)
+            op = a.paged_write(peer, rs, sp, page, desc, dp, 2 * page, page, imm=9)
+            op.wait(10.0)
+            assert op.imm_writes == (len(sp) + iovs - 1) // iovs, (iovs, op.imm_writes)
+            b.wait_imm(9, op.imm_writes, 10.0)
+            writes = [(int(d) * 2 * page, src[int(s) * page:(int(s) + 1) * page].tobytes())
+                      for s, d in zip(sp, dp)]
+            check_bytes(dst, expected_after(dst.size, writes))
+            back = np.full(64 * len(sp), POISON, dtype=np.uint8)
+            rb = a.register(back)
+            runs = [(64 * i, int(d) * 2 * page + 64, 64) for i, d in enumerate(dp)]
+            before = a.stats()["ops_posted"]
+            a.read_runs(peer, rb, desc, runs).wait(10.0)
+            # shm copies a one-run read from the initiator (its fast RMA): reads are not joined
+            reads = len(runs) if provider == "shm" else (len(runs) + iovs - 1) // iovs
+            assert a.stats()["ops_posted"] - before == reads, (iovs, reads)
+            want = b"".join(src[int(s) * page + 64:int(s) * page + 128].tobytes() for s in sp)
+            check_bytes(back, np.frombuffer(want, dtype=np.uint8))
+    with pytest.raises(ferry.InvalidArgument, match=r"rma_iovs must be in \[1, 65536\], got 0"):
+        ferry.TransferEngine("tcp", rma_iovs=0)

@@ -97,6 +97,9 @@ Status EngineImpl::init(const EngineConfig& cfg) {
     // 0 split every write into pieces of 0 bytes for ever (a hang at the first write); an
     // op_timeout of 0 failed every operation before it could be posted.
     if (config.max_write_size == 0) return invalid_argument("max_write_size must be > 0 bytes");
+    if (config.rma_iovs == 0) {
+        return invalid_argument("rma_iovs must be >= 1 (runs per fabric operation), got 0");
+    }
     if (config.op_timeout <= Duration::zero()) {
         return invalid_argument(
             fmt::format("op_timeout must be > 0, got {:.0f} ms", to_ms(config.op_timeout)));

@@ -103,7 +103,7 @@ void EngineImpl::add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const P
     b.add(rail, op);
     g.open = op;
     g.bytes = len;
-    g.max_iovs = rails[rail].max_iovs();
+    g.max_iovs = rails[rail].max_iovs(type, imm.has_value());
 }
 
 void EngineImpl::arm(OpState* state, uint32_t pieces, bool counts_imm) {

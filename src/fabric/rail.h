@@ -322,6 +322,17 @@ class Rail {
     // Iovecs one read or write on this rail may carry (1 to kMaxOpIovs): the provider's
     // rma_iov_limit and iov_limit, capped by EngineConfig::rma_iovs.
     size_t max_iovs() const { return max_iovs_; }
+    // The same for one operation of `type`: 1 on shm for reads and for writes without an
+    // immediate. shm copies those itself from the initiator (process_vm_readv/writev, its
+    // "fast RMA") when they carry one remote iovec and no immediate; with several it sends
+    // them to the target's worker as commands. Such a read under a key the target does not
+    // honour blocked the target inside shm (libfabric 1.17; the pool-key test), and it would
+    // put the target's worker on a pull's path. Writes with an immediate are commands anyway.
+    size_t max_iovs(FabricOp::Type type, bool has_imm) const {
+        return (initiator_copies_single_rma_ && (type == FabricOp::kRead || !has_imm))
+                   ? 1
+                   : max_iovs_;
+    }
     bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
     fid_domain* domain() const { return domain_; }
     const RailStats& stats() const { return stats_; }
@@ -495,6 +506,7 @@ class Rail {
     size_t tx_depth_ = 0;
     size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
     size_t max_iovs_ = 1;        // see max_iovs()
+    bool initiator_copies_single_rma_ = false;  // shm: see max_iovs(type, has_imm)
     bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
     // shm writes the completion of a write with immediate of at most inject_size while
     // posting it (the inline and inject protocols of smr_generic_rma, libfabric 1.17): it

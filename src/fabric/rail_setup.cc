@@ -115,6 +115,7 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     comp_ordered_ = (info_->tx_attr->comp_order & FI_ORDER_STRICT) != 0;
     inject_done_at_post_ = inject_size_ > 0 && !config.inject_completions &&
                            std::string_view(info_->fabric_attr->prov_name) == "shm";
+    initiator_copies_single_rma_ = std::string_view(info_->fabric_attr->prov_name) == "shm";
 
     signal_buf_ = std::make_unique<uint8_t[]>(64);
     FERRY_ASSIGN_OR_RETURN(signal_mr_,

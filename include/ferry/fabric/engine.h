@@ -105,7 +105,8 @@ struct EngineConfig {
     // A paged write's runs of pages (and a write_runs' or read_runs' runs) go up to this many
     // to one fabric operation, one fi_writemsg or fi_readmsg with as many local and remote
     // iovecs, where the provider takes them (its rma_iov_limit and iov_limit; at most 4): the
-    // provider then handles one command per group. 1: one operation per run, as before.
+    // provider then handles one command per group. 1: one operation per run, as before. On
+    // shm only writes with an immediate are joined (TransferEngine::rma_iovs).
     size_t rma_iovs = 4;
     // Same-host GPU copies: "kernel" (one batched copy kernel per operation), "copy-engine"
     // (cudaMemcpyAsync per piece) or "auto" (the kernel, except one large contiguous copy).
@@ -527,7 +528,9 @@ class TransferEngine {
     size_t inject_size() const;
     // Runs of pages (paged_write) or runs (write_runs, read_runs) one fabric operation carries
     // at most, each one iovec: EngineConfig::rma_iovs capped by the provider's limits. Each
-    // such operation with an immediate delivers one (OpHandle::imm_writes counts them).
+    // such operation with an immediate delivers one (OpHandle::imm_writes counts them). On shm
+    // only writes with an immediate are joined: reads and writes without one stay one run per
+    // operation, which shm copies from the initiator without the target's worker.
     size_t rma_iovs() const;
     // OK while every rail works. Once the watchdog found a rail wedged inside the provider (a
     // worker spinning in one call: libfabric's shm on a lock in shared memory that is never
