@@ -329,9 +329,8 @@ class Rail {
     // honour blocked the target inside shm (libfabric 1.17; the pool-key test), and it would
     // put the target's worker on a pull's path. Writes with an immediate are commands anyway.
     size_t max_iovs(FabricOp::Type type, bool has_imm) const {
-        return (initiator_copies_single_rma_ && (type == FabricOp::kRead || !has_imm))
-                   ? 1
-                   : max_iovs_;
+        return (initiator_copies_single_rma_ && (type == FabricOp::kRead || !has_imm)) ? 1
+                                                                                       : max_iovs_;
     }
     bool needs_local_desc() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
     fid_domain* domain() const { return domain_; }
@@ -504,10 +503,10 @@ class Rail {
     std::atomic<uint64_t> next_key_{1};
     std::vector<uint8_t> name_;
     size_t tx_depth_ = 0;
-    size_t inject_size_ = 0;     // writes of at most this many bytes carry FI_INJECT
-    size_t max_iovs_ = 1;        // see max_iovs()
+    size_t inject_size_ = 0;                    // writes of at most this many bytes carry FI_INJECT
+    size_t max_iovs_ = 1;                       // see max_iovs()
     bool initiator_copies_single_rma_ = false;  // shm: see max_iovs(type, has_imm)
-    bool comp_ordered_ = false;  // provider orders completions (FI_ORDER_STRICT)
+    bool comp_ordered_ = false;                 // provider orders completions (FI_ORDER_STRICT)
     // shm writes the completion of a write with immediate of at most inject_size while
     // posting it (the inline and inject protocols of smr_generic_rma, libfabric 1.17): it
     // carries nothing the post's return code did not (a dead peer's write "completes" just
