@@ -118,12 +118,14 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
                  const RailRoute& route, OpState* state);
     // The runs of one operation (paged_write, write_runs, read_runs) as few fabric operations as
     // the provider allows: add_run joins a run to the operation the previous run started while
-    // that has iovecs left (Rail::max_iovs) and stays within max_write_size, else starts one on
+    // that has iovecs left (Rail::max_iovs) and stays within Rail::join_bytes and
+    // max_write_size, else starts one on
     // the next rail; a run that add_rma would split (or stripe) is split as add_rma splits it.
     struct RunGroup {
         FabricOp* open = nullptr;  // the operation later runs may join
         uint64_t bytes = 0;        // its bytes so far
         size_t max_iovs = 1;       // its rail's
+        uint64_t join_bytes = 0;   // its rail's bound on its bytes (Rail::join_bytes)
     };
     void add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const Peer& p,
                  const MemoryRegion& local, uint64_t local_off, const MemoryDescriptor& remote,

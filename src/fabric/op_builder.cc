@@ -89,7 +89,7 @@ void EngineImpl::add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const P
     }
     FabricOp* op = g.open;
     if (op && size_t{op->more_iovs} + 1 < g.max_iovs && len <= UINT32_MAX &&
-        g.bytes + len <= rails.max_write_size()) {
+        g.bytes + len <= g.join_bytes) {
         const uint8_t i = op->more_iovs++;
         op->more.local[i] = static_cast<uint8_t*>(local.data()) + local_off;
         op->more.raddr[i] = remote.wire_address(remote_off);
@@ -104,6 +104,7 @@ void EngineImpl::add_run(RailBatch& b, RunGroup& g, FabricOp::Type type, const P
     g.open = op;
     g.bytes = len;
     g.max_iovs = rails[rail].max_iovs(type, imm.has_value());
+    g.join_bytes = std::min(rails.max_write_size(), rails[rail].join_bytes());
 }
 
 void EngineImpl::arm(OpState* state, uint32_t pieces, bool counts_imm) {

@@ -116,6 +116,7 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     inject_done_at_post_ = inject_size_ > 0 && !config.inject_completions &&
                            std::string_view(info_->fabric_attr->prov_name) == "shm";
     initiator_copies_single_rma_ = std::string_view(info_->fabric_attr->prov_name) == "shm";
+    join_bytes_ = initiator_copies_single_rma_ ? UINT64_MAX : uint64_t{16} << 10;
 
     signal_buf_ = std::make_unique<uint8_t[]>(64);
     FERRY_ASSIGN_OR_RETURN(signal_mr_,

@@ -223,7 +223,12 @@ TEST_P(EngineTest, PagedWritesWithRandomPageListsCoalesceAndArriveIntact) {
                     size_t runs = 1;
                     for (size_t i = 1; i < s2.size(); ++i)
                         runs += !(s2[i] == s2[i - 1] + 1 && d2[i] == d2[i - 1] + 1);
-                    CHILD_CHECK_MSG(runs < s2.size() && h2.imm_writes() == (runs + k - 1) / k,
+                    // Exactly ceil(runs / k) where runs join without a bound on their bytes
+                    // (shm); tcp joins them only up to 16 KiB (Rail::join_bytes).
+                    const bool exact = GetParam() == "shm";
+                    CHILD_CHECK_MSG(runs < s2.size() && h2.imm_writes() >= (runs + k - 1) / k &&
+                                        h2.imm_writes() <= runs &&
+                                        (!exact || h2.imm_writes() == (runs + k - 1) / k),
                                     "{} writes for {} runs of {} pages", h2.imm_writes(), runs,
                                     s2.size());
                     ByteWriter bw;
