@@ -338,5 +338,23 @@ def test_rma_iovs_joins_runs_into_fewer_operations(provider):
             assert a.stats()["ops_posted"] - before == reads, (iovs, reads)
             want = b"".join(src[int(s) * page + 64:int(s) * page + 128].tobytes() for s in sp)
             check_bytes(back, np.frombuffer(want, dtype=np.uint8))
+    # tcp joins runs only while the operation stays within 16 KiB: 8 KiB pages two at a time;
+    # shm joins writes with an immediate whatever their size.
+    with ferry.TransferEngine(provider, same_host=True) as a, \
+            ferry.TransferEngine(provider, same_host=True) as b:
+        big = 2 * page
+        src8 = rng.integers(0, 256, big * 16, dtype=np.uint8)
+        dst8 = np.full(2 * big * 16, POISON, dtype=np.uint8)
+        rs, rd = a.register(src8), b.register(dst8)
+        peer = a.connect(b.address)
+        desc = ferry.RemoteRegion.from_bytes(rd.descriptor)
+        pages8 = list(range(0, 16, 2)) + list(range(1, 16, 2))  # no two adjacent in a row
+        op = a.paged_write(peer, rs, pages8, big, desc, pages8, 2 * big, big, imm=5)
+        op.wait(10.0)
+        per_op = 2 if provider == "tcp" else 4
+        assert op.imm_writes == -(-len(pages8) // per_op), op.imm_writes
+        b.wait_imm(5, op.imm_writes, 10.0)
+        writes = [(p * 2 * big, src8[p * big:(p + 1) * big].tobytes()) for p in pages8]
+        check_bytes(dst8, expected_after(dst8.size, writes))
     with pytest.raises(ferry.InvalidArgument, match=r"rma_iovs must be in \[1, 65536\], got 0"):
         ferry.TransferEngine("tcp", rma_iovs=0)
