@@ -377,10 +377,11 @@ class TransferEngine:
             thread (the call returns once they are in place), then signal the immediate
             through shm, instead of handing the write to the peer's worker. Both sides must
             turn it on (a region offers it when registered for peer writes by an engine with
-            it on); off while FI_SHM_DISABLE_CMA=1. Such a write checks the bounds of the
-            peer's descriptor but no key: one sent after the peer closed the region lands in
-            whatever memory is there. A peer that refuses it (EPERM: ptrace scope, another
-            user) gets shm's path, decided once and logged (EngineConfig::cma_writes).
+            it on); off while FI_SHM_DISABLE_CMA=1. In place of shm's key check, each copy
+            passes the peer's fence: a region the peer deregistered is refused (ferry.NotFound),
+            bytes outside what it registered too, and its deregistration waits for copies
+            already inside. A peer that refuses it (EPERM: ptrace scope, another user) gets
+            shm's path, decided once and logged (EngineConfig::cma_writes).
         rma_iovs: runs of pages (paged_write) or runs (write_runs, read_runs) one fabric
             operation carries at most, one iovec each, where the provider takes that many (shm
             and tcp 4, efa 1); each such operation delivers one immediate (Op.imm_writes counts

@@ -302,6 +302,38 @@ def test_cma_writes_copy_same_host_writes_and_count_them():
                 assert st["cma_bytes"] == 0 and st["bytes_posted"] == copied
 
 
+def test_cma_writes_stop_at_the_targets_fence():
+    # The target's fence stands in for shm's key check: a descriptor with a larger length than
+    # the target registered writes nothing past the region (OutOfRange, named), and once the
+    # target closed its region the old descriptor writes nothing at all (NotFound), the memory
+    # keeping what it held.
+    size = 1 << 20
+    src = np.full(size + 65536, 0x11, dtype=np.uint8)
+    with ferry.TransferEngine("shm", same_host=True, cma_writes=True) as a, \
+            ferry.TransferEngine("shm", same_host=True, cma_writes=True) as b:
+        dst = np.full(size + 65536, POISON, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst[:size])
+        peer = a.connect(b.address)
+        desc = ferry.RemoteRegion.from_bytes(rd.descriptor)
+        a.write(peer, rs, 0, desc, 0, 65536).wait(10.0)
+        assert a.stats()["cma_bytes"] == 65536
+        assert (dst[:65536] == 0x11).all()
+        dst[:65536] = POISON
+        # The descriptor's length field (after magic u32, version u16, engine_id and base u64).
+        raw = bytearray(rd.descriptor)
+        assert int.from_bytes(raw[22:30], "little") == size
+        raw[22:30] = (size + 65536).to_bytes(8, "little")
+        longer = ferry.RemoteRegion.from_bytes(bytes(raw))
+        assert longer.length == size + 65536
+        with pytest.raises(ferry.OutOfRange, match="outside the region"):
+            a.write(peer, rs, 0, longer, size - 8192, 16384).wait(10.0)
+        rd.close()
+        with pytest.raises(ferry.NotFound, match="deregistered the region"):
+            a.write(peer, rs, 0, desc, 0, 65536).wait(10.0)
+        assert a.stats()["cma_bytes"] == 65536
+        check_bytes(dst, np.full(size + 65536, POISON, dtype=np.uint8))
+
+
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
 def test_rma_iovs_joins_runs_into_fewer_operations(provider):
     # The same random page lists with rma_iovs 1, 2 and 4 (the default): every page lands in

@@ -64,6 +64,8 @@ void CmaPath::configure(bool asked, const std::string& provider, uint64_t engine
         why = "FI_SHM_DISABLE_CMA is set";
     } else if (ProcessIdentity me = this_process(); me.pid == 0) {
         why = "/proc does not tell this process's pid namespace and start time";
+    } else if (Status f = fence_.open(engine_id); !f.ok()) {
+        why = fmt::format("its fence cannot be made: {}", f.message());
     } else {
         self_ = me;
         log(LogLevel::kInfo, "fabric",
@@ -77,15 +79,39 @@ void CmaPath::configure(bool asked, const std::string& provider, uint64_t engine
         why);
 }
 
-void CmaPath::offer(MemoryDescriptor* d, RemoteAccess access) const {
+void CmaPath::offer(MemoryDescriptor* d, RemoteAccess access) {
     if (!on() || d->kind != MemoryKind::kHost ||
         !(static_cast<uint8_t>(access) & static_cast<uint8_t>(RemoteAccess::kWrite))) {
+        return;
+    }
+    std::optional<CmaFenceTicket> t = fence_.publish(d->base, d->length);
+    if (!t) {
+        log(LogLevel::kWarn, "fabric",
+            "engine {:x}: {} regions are offered for process_vm_writev already; peers write the "
+            "region of {} bytes at {:#x} through shm",
+            engine_id_, CmaFence::kSlots - 1, d->length, d->base);
         return;
     }
     d->cma_pid = self_.pid;
     d->cma_pid_ns = self_.pid_ns;
     d->cma_start = self_.start;
+    d->cma_fence_fd = fence_.fd();
+    d->cma_fence_slot = t->slot;
+    d->cma_fence_gen = t->generation;
 }
+
+void CmaPath::withdraw(const MemoryDescriptor& d, Duration timeout) {
+    if (d.cma_pid == 0 || d.cma_pid != self_.pid) return;
+    if (!fence_.close({d.cma_fence_slot, d.cma_fence_gen}, timeout)) {
+        log(LogLevel::kWarn, "fabric",
+            "engine {:x}: a peer's process_vm_writev into the region of {} bytes at {:#x} began "
+            "over {:.0f} ms ago and has not ended (its process stopped or died mid-write); the "
+            "region is deregistered, its fence slot {} is not reused",
+            engine_id_, d.length, d.base, to_ms(timeout), d.cma_fence_slot);
+    }
+}
+
+void CmaPath::withdraw_all(Duration timeout) { fence_.close_all(timeout); }
 
 void CmaPath::give_up(const Peer& p, const std::string& why) const {
     // Logged by the thread that made the decision, once per peer.
@@ -115,23 +141,52 @@ bool CmaPath::usable(const Peer& p, const MemoryDescriptor& remote) const {
                 "at another time, or gone)",
                 remote.cma_pid);
         }
+        std::lock_guard lk(decide_mu_);
+        if (p.cma.load(std::memory_order_acquire) == kUndecided && why.empty()) {
+            auto fence = CmaFenceView::map(remote.cma_pid, remote.cma_fence_fd, p.engine_id);
+            if (fence.ok()) {
+                p.cma_fence = *std::move(fence);
+            } else {
+                why = fence.status().message();
+            }
+        }
         if (!why.empty()) {
             give_up(p, why);
             return false;
         }
-        p.cma_start = remote.cma_start;
-        uint8_t expected = kUndecided;
-        p.cma.compare_exchange_strong(expected, kCopies, std::memory_order_acq_rel);
+        if (p.cma.load(std::memory_order_acquire) == kUndecided) {
+            p.cma_start = remote.cma_start;
+            p.cma.store(kCopies, std::memory_order_release);
+        }
         d = p.cma.load(std::memory_order_acquire);
     }
-    // Every descriptor of this peer must name the process checked above.
+    // Every descriptor of this peer must name the process and the fence checked above.
     return d == kCopies && remote.cma_pid_ns == self_.pid_ns && remote.cma_start == p.cma_start &&
-           remote.cma_pid == p.shm_pid;
+           remote.cma_pid == p.shm_pid && remote.cma_fence_fd == p.cma_fence->fd();
 }
 
 Status CmaPath::copy(const Peer& p, const MemoryDescriptor& remote,
                      std::span<const CmaPiece> pieces, bool* refused) const {
     *refused = false;
+    // The target's fence: the region still registered, every byte inside what it registered;
+    // held until the last byte is copied, so that its deregistration waits for this copy.
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (const CmaPiece& piece : pieces) {
+        if (piece.len == 0) continue;
+        lo = std::min(lo, piece.remote);
+        hi = std::max(hi, piece.remote + piece.len);
+    }
+    if (hi == 0) return ok_status();
+    const CmaFenceTicket ticket{remote.cma_fence_slot, remote.cma_fence_gen};
+    FERRY_RETURN_IF_ERROR(
+        p.cma_fence->pin(ticket, lo, hi)
+            .with_context(
+                fmt::format("writing into peer engine {:x} by process_vm_writev", p.engine_id)));
+    struct Unpin {
+        const CmaFenceView& f;
+        CmaFenceTicket t;
+        ~Unpin() { f.unpin(t); }
+    } unpin{*p.cma_fence, ticket};
     // On the heap: 32 KiB of iovecs would be a lot of a caller thread's stack.
     std::vector<iovec> local(std::min(pieces.size(), kMaxIov)), far(local.size());
     size_t i = 0;       // the first piece not fully written

@@ -53,7 +53,7 @@ Status OpHandle::wait(Duration timeout, Duration spin) const {
 uint32_t OpHandle::imm_writes() const { return state_ ? state_->imm_writes : 0; }
 
 MemoryRegion::~MemoryRegion() {
-    if (engine_) engine_->deregister(id_);
+    if (engine_) engine_->deregister(id_, desc_);
 }
 
 Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const EngineConfig& config) {

@@ -328,6 +328,7 @@ void EngineImpl::shutdown() {
     if (watchdog_.joinable()) watchdog_.join();
     rails.stop(why);
     imm.cancel_all(why);
+    cma_.withdraw_all(config.op_timeout);
     memory_.close_all();
     rails.release();
 }
@@ -393,7 +394,10 @@ Result<std::vector<std::unique_ptr<MemoryRegion>>> EngineImpl::register_memory(
     return out;
 }
 
-void EngineImpl::deregister(uint32_t id) { memory_.remove(id); }
+void EngineImpl::deregister(uint32_t id, const MemoryDescriptor& desc) {
+    cma_.withdraw(desc, config.op_timeout);
+    memory_.remove(id);
+}
 
 void EngineImpl::when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                                std::function<void(size_t)> then) {

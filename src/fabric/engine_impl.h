@@ -59,7 +59,8 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
     Result<std::vector<std::unique_ptr<MemoryRegion>>> register_memory(
         std::span<const std::span<uint8_t>> ranges, MemoryKind kind, int device,
         RemoteAccess access);
-    void deregister(uint32_t id);
+    // Peers' process_vm_writev into it end first (CmaPath::withdraw), then the provider's keys.
+    void deregister(uint32_t id, const MemoryDescriptor& desc);
     void when_released(std::vector<std::span<const uint8_t>> spans, Duration timeout,
                        std::function<void(size_t)> then);
     Result<PeerId> connect(const EngineAddress& peer);

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fabric/cma_fence.h"
 #include "fabric/rail_group.h"
 #include "ferry/common/status.h"
 #include "ferry/fabric/engine.h"
@@ -35,6 +36,8 @@ struct Peer {
     // the start time of the peer's process checked then (CmaPath::usable decides once).
     mutable std::atomic<uint8_t> cma{0};
     mutable std::atomic<uint64_t> cma_start{0};
+    // The peer's fence mapped here (set before `cma` says kCopies, never changed after).
+    mutable std::shared_ptr<const CmaFenceView> cma_fence;
 
     fi_addr_t addr(int local_rail, int peer_rail) const {
         return fi_addr[static_cast<size_t>(local_rail) * peer_rails + peer_rail];

@@ -53,6 +53,9 @@ void MemoryDescriptor::encode(ByteWriter& w) const {
     if (cma_pid) {
         w.put(cma_pid_ns);
         w.put(cma_start);
+        w.put(cma_fence_fd);
+        w.put(cma_fence_slot);
+        w.put(cma_fence_gen);
     }
 }
 
@@ -85,6 +88,15 @@ Result<MemoryDescriptor> MemoryDescriptor::decode(ByteReader& r) {
     if (d.cma_pid) {
         FERRY_RETURN_IF_ERROR(r.get(&d.cma_pid_ns, "cma_pid_ns"));
         FERRY_RETURN_IF_ERROR(r.get(&d.cma_start, "cma_start"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.cma_fence_fd, "cma_fence_fd"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.cma_fence_slot, "cma_fence_slot"));
+        FERRY_RETURN_IF_ERROR(r.get(&d.cma_fence_gen, "cma_fence_gen"));
+        if (d.cma_fence_fd < 0 || d.cma_fence_slot == 0 || (d.cma_fence_gen & 1) == 0) {
+            return protocol_error(fmt::format(
+                "memory descriptor offers process_vm_writev without a fence (fd {}, slot {}, "
+                "generation {})",
+                d.cma_fence_fd, d.cma_fence_slot, d.cma_fence_gen));
+        }
     }
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
         return protocol_error(fmt::format("memory descriptor has unknown memory kind {}", kind));

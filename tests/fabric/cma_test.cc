@@ -2,6 +2,7 @@
 // cma_writes) between real processes over shm: bytes intact, nothing outside the region
 // touched, the immediate after the bytes, shm's path for a peer that refuses it, and the
 // switches that turn it off.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/common/bytes.h"
@@ -298,6 +300,128 @@ TEST(CmaWrites, AWritePastTheRegionIsRefusedAndMovesNothing) {
     EXPECT_EQ(testing::describe_failures(results), "");
 }
 
+// After the initiator's refused writes: it copied nothing, and (after a barrier) the target's
+// whole buffer, region and guards, still holds the poison. "" when so.
+std::string nothing_landed(Exchange& ex, const Side& s) {
+    const uint64_t copied = ex.rank() == 0 ? s.engine->stats().cma_bytes : 0;
+    Status met = ex.allgather({}).status();
+    if (!met.ok()) return met.to_string();
+    if (copied != 0) return fmt::format("{} bytes copied by CMA", copied);
+    return ex.rank() == 1 ? check_fill(s.buf, 0, s.buf.size(), kPoison) : "";
+}
+
+// A region its owner deregistered takes no more writes: a write or a run under the old
+// descriptor is refused before any byte moves, naming the deregistration, and the memory (still
+// the owner's, no longer registered) keeps what it held, as shm's key check would keep it.
+TEST(CmaWrites, ADeregisteredRegionTakesNoMoreWrites) {
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(Side s, make_side(ex, cma_config()));
+            if (ex.rank() == 1) s.mr.reset();  // deregistered; the bytes stay allocated
+            CHILD_CHECK_OK(ex.allgather({}).status());
+            if (ex.rank() == 0) {
+                std::memset(s.region().data(), 0x11, kRegion);
+                Status one = s.engine->write({s.peer, s.mr.get(), 0, &s.theirs, 0, 64 << 10, kImm})
+                                 .wait(kWait);
+                CHILD_CHECK_MSG(one.code() == StatusCode::kNotFound &&
+                                    one.message().find("deregistered") != std::string::npos,
+                                "{}", one.to_string());
+                std::vector<WriteRun> runs = {{0, 0, 8192}, {8192, 1 << 20, 8192}};
+                Status many =
+                    s.engine->write_runs({s.peer, s.mr.get(), &s.theirs, runs, kImm}).wait(kWait);
+                CHILD_CHECK_MSG(many.code() == StatusCode::kNotFound, "{}", many.to_string());
+            }
+            std::string landed = nothing_landed(ex, s);
+            CHILD_CHECK_MSG(landed.empty(), "{}", landed);
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
+// Deregistration waits out the copies already inside the region: the initiator writes the
+// whole region again and again while the owner deregisters it at a random moment and at once
+// fills it with a new pattern, its end first; no write may land after that (each one either
+// ended before the deregistration returned or is refused), so the new pattern stays whole.
+TEST(CmaWrites, DeregistrationWaitsOutWritesInFlight) {
+    constexpr size_t kTail = 64 << 10;
+    const uint64_t seed = testing::test_seed("CmaFenceRace");
+    for (int round = 0; round < 3; ++round) {
+        auto results = run_processes(
+            2,
+            [&](Exchange& ex) -> std::string {
+                CHILD_ASSIGN_OK(Side s, make_side(ex, cma_config()));
+                if (ex.rank() == 0) {
+                    fill_pattern(s.region(), seed + round);
+                    const TimePoint until = deadline_after(std::chrono::seconds(20));
+                    uint64_t landed = 0;
+                    Status last;
+                    while (Clock::now() < until) {
+                        last = s.engine
+                                   ->write(
+                                       {s.peer, s.mr.get(), 0, &s.theirs, 0, kRegion, std::nullopt})
+                                   .wait(kWait);
+                        if (!last.ok()) break;
+                        ++landed;
+                    }
+                    CHILD_CHECK_MSG(last.code() == StatusCode::kNotFound, "after {} writes: {}",
+                                    landed, last.to_string());
+                    CHILD_CHECK_MSG(landed > 0, "no write landed before the deregistration");
+                } else {
+                    std::mt19937_64 rng(seed + round);
+                    std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 80));
+                    s.mr.reset();
+                    // The region's end first: a copy still running (they go front to back)
+                    // reaches it after this and shows.
+                    std::memset(s.region().data() + kRegion - kTail, 0x5A, kTail);
+                    std::memset(s.region().data(), 0x5A, kRegion - kTail);
+                }
+                CHILD_CHECK_OK(ex.allgather({}).status());
+                if (ex.rank() == 1) {
+                    std::string after = check_fill(s.region(), 0, kRegion, 0x5A);
+                    CHILD_CHECK_MSG(after.empty(), "a write landed after deregistration: {}",
+                                    after);
+                }
+                return "";
+            },
+            kRunTimeout);
+        ASSERT_EQ(testing::describe_failures(results), "") << "round " << round;
+    }
+}
+
+// A descriptor whose bounds were altered (a larger length, an earlier base) passes the
+// initiator's own check against it, but the owner's fence holds the bounds it registered: the
+// write is refused, naming them, and nothing around the region is touched.
+TEST(CmaWrites, AnAlteredDescriptorWritesNothingOutsideTheRegion) {
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            CHILD_ASSIGN_OK(Side s, make_side(ex, cma_config()));
+            if (ex.rank() == 0) {
+                std::memset(s.region().data(), 0x11, kRegion);
+                MemoryDescriptor longer = s.theirs;
+                longer.length += kGuard;
+                Status past =
+                    s.engine->write({s.peer, s.mr.get(), 0, &longer, kRegion - 4096, 16384, kImm})
+                        .wait(kWait);
+                CHILD_CHECK_MSG(past.code() == StatusCode::kOutOfRange &&
+                                    past.message().find("outside the region") != std::string::npos,
+                                "{}", past.to_string());
+                MemoryDescriptor earlier = s.theirs;
+                earlier.base -= 8192;
+                Status before =
+                    s.engine->write({s.peer, s.mr.get(), 0, &earlier, 0, 16384, kImm}).wait(kWait);
+                CHILD_CHECK_MSG(before.code() == StatusCode::kOutOfRange, "{}", before.to_string());
+            }
+            std::string landed = nothing_landed(ex, s);
+            CHILD_CHECK_MSG(landed.empty(), "{}", landed);
+            return "";
+        },
+        kRunTimeout);
+    EXPECT_EQ(testing::describe_failures(results), "");
+}
+
 // Lowers this process's effective capabilities by CAP_SYS_PTRACE, so that the kernel judges
 // its process_vm_writev like an ordinary user's (as root, the capability overrides the
 // target's refusal).
@@ -388,6 +512,19 @@ TEST(CmaWrites, RegionsOfferItOnlyWhereAllowed) {
     EXPECT_EQ(back->cma_pid, on->cma_pid);
     EXPECT_EQ(back->cma_pid_ns, on->cma_pid_ns);
     EXPECT_EQ(back->cma_start, on->cma_start);
+    EXPECT_EQ(back->cma_fence_fd, on->cma_fence_fd);
+    EXPECT_EQ(back->cma_fence_slot, on->cma_fence_slot);
+    EXPECT_EQ(back->cma_fence_gen, on->cma_fence_gen);
+    EXPECT_GE(on->cma_fence_fd, 0);
+    EXPECT_NE(on->cma_fence_slot, 0u);
+    EXPECT_EQ(on->cma_fence_gen & 1, 1u);
+    // An offer without its fence is not a descriptor any build makes: refused, named.
+    MemoryDescriptor unfenced = *on;
+    unfenced.cma_fence_gen = 2;
+    auto refused = MemoryDescriptor::deserialize(unfenced.serialize());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("without a fence"), std::string::npos)
+        << refused.status().to_string();
 
     auto read_only = offered(cma_config(), RemoteAccess::kRead);
     ASSERT_TRUE(read_only.ok()) << read_only.status().to_string();

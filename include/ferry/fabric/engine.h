@@ -125,12 +125,14 @@ struct EngineConfig {
     // signal through the provider, instead of a command the peer's worker carries out and
     // answers. A region offers it when its owner's engine has cma_writes on and registered it
     // for peer writes: both sides opt in. Off by default, and off whatever is asked while
-    // FI_SHM_DISABLE_CMA=1 (libfabric's own switch, read at create). Such a write checks no
-    // key at the target, only the bounds its descriptor gave, so a write sent after the
-    // owner closed the region lands in whatever memory is there (docs/PROTOCOL.md, "Same-host
-    // writes by process_vm_writev"). A peer whose process_vm_writev is refused (EPERM: Yama's
-    // ptrace scope, another user) or whose pid is not the process that registered the region
-    // (another pid namespace) gets the provider's path: decided once per peer, logged.
+    // FI_SHM_DISABLE_CMA=1 (libfabric's own switch, read at create). In place of shm's key
+    // check at the target, each copy passes the owner's fence (shared memory the owner keeps,
+    // one slot per region): a region deregistered is refused (kNotFound), bytes outside what
+    // the owner registered too (kOutOfRange), and deregistration waits for copies already
+    // inside (docs/PROTOCOL.md, "Same-host writes by process_vm_writev"). A peer whose
+    // process_vm_writev or fence is refused (EPERM: Yama's ptrace scope, another user) or whose
+    // pid is not the process that registered the region (another pid namespace) gets the
+    // provider's path: decided once per peer, logged.
     bool cma_writes = false;
     // Set by the engine (random per engine): makes shm region names unique.
     uint64_t shm_name_salt = 0;

@@ -33,7 +33,7 @@ enum class RemoteAccess : uint8_t { kNone = 0, kRead = 1, kWrite = 2, kReadWrite
 // owning engine and which of those rails hold the region. Versioned so that an engine refuses a
 // blob from an incompatible build with a clear error instead of writing to the wrong place.
 struct MemoryDescriptor {
-    static constexpr uint16_t kVersion = 4;
+    static constexpr uint16_t kVersion = 5;
 
     uint64_t engine_id = 0;  // the engine that registered the memory
     uint64_t base = 0;       // address of byte 0 in the owner's address space
@@ -65,6 +65,12 @@ struct MemoryDescriptor {
     int32_t cma_pid = 0;
     uint64_t cma_pid_ns = 0;
     uint64_t cma_start = 0;
+    // Where such a writer checks that the region is still registered and the bytes inside it
+    // (src/fabric/cma_fence.h): the owner's fence (a memfd, this fd of cma_pid) and the
+    // region's slot there with the generation it had at registration.
+    int32_t cma_fence_fd = -1;
+    uint32_t cma_fence_slot = 0;
+    uint64_t cma_fence_gen = 0;
 
     // Remote address to put on the wire for byte `offset` of this region.
     uint64_t wire_address(uint64_t offset) const { return (virt_addr ? base : 0) + offset; }
