@@ -173,9 +173,8 @@ Status EngineImpl::init(const EngineConfig& cfg) {
         address.rail_addrs.push_back(rail->name());
         address.signal.rail_keys.push_back(rail->signal_key());
     }
-    // Immediate-only writes carry no bytes; the signal region is addressed by offset 0. Every
-    // rail has its own 64-byte signal buffer; zero-length writes never touch it, so the
-    // address of rail 0's is as good as any.
+    // Immediate-only writes carry no bytes; the signal region is addressed by offset 0 of the
+    // one 64-byte buffer every rail registered (RailGroup::open), under each rail's key.
     address.signal.virt_addr = rails[0].virt_addr();
     address.signal.base = reinterpret_cast<uint64_t>(rails[0].signal_base());
     rails.start();

@@ -305,8 +305,11 @@ class WorkerTaskOf final : public WorkerTask {
 
 class Rail {
   public:
+    // `signal_buf`: the engine's 64-byte signal buffer, one for all its rails (each registers
+    // it), so that the one address its EngineAddress gives is inside every rail's key.
     static Result<std::unique_ptr<Rail>> open(int index, const fi_info* info,
-                                              const EngineConfig& config, RailHooks hooks);
+                                              const EngineConfig& config, RailHooks hooks,
+                                              std::shared_ptr<uint8_t[]> signal_buf);
     ~Rail();
 
     void start();
@@ -530,7 +533,7 @@ class Rail {
     bool inject_done_at_post_ = false;
 
     // Signal region: target of immediate-only writes.
-    std::unique_ptr<uint8_t[]> signal_buf_;
+    std::shared_ptr<uint8_t[]> signal_buf_;  // shared by the engine's rails
     fid_mr* signal_mr_ = nullptr;
     uint64_t signal_key_ = 0;
 

@@ -8,9 +8,14 @@ Status RailGroup::open(std::span<const fi_info* const> candidates, const EngineC
                        const std::function<RailHooks(int rail)>& hooks_for) {
     stripe_threshold_ = config.stripe_threshold;
     max_write_size_ = config.max_write_size;
+    // One signal buffer for every rail: a peer signals any rail at the one address the
+    // engine's address gives, under that rail's key. With a buffer per rail, a provider that
+    // addresses by virtual address (shm, verbs) refused signals to every rail but the first,
+    // and their immediates never arrived.
+    auto signal_buf = std::make_shared<uint8_t[]>(64);
     for (int r = 0; r < config.num_rails; ++r) {
-        FERRY_ASSIGN_OR_RETURN(
-            auto rail, Rail::open(r, candidates[r % candidates.size()], config, hooks_for(r)));
+        FERRY_ASSIGN_OR_RETURN(auto rail, Rail::open(r, candidates[r % candidates.size()], config,
+                                                     hooks_for(r), signal_buf));
         rails_.push_back(std::move(rail));
         all_ |= RailSet{1} << r;
     }

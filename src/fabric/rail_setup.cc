@@ -37,9 +37,10 @@ std::string shm_region_name(uint64_t salt, int rail, uint32_t gen) {
 void Rail::FidEpCloser::operator()(fid_ep* ep) const { close_fid(ep); }
 
 Result<std::unique_ptr<Rail>> Rail::open(int index, const fi_info* info, const EngineConfig& config,
-                                         RailHooks hooks) {
+                                         RailHooks hooks, std::shared_ptr<uint8_t[]> signal_buf) {
     std::unique_ptr<Rail> rail(new Rail());
     rail->hooks_ = std::move(hooks);
+    rail->signal_buf_ = std::move(signal_buf);
     Status s = rail->init(index, info, config);
     if (!s.ok()) {
         rail->stop(s);
@@ -118,7 +119,7 @@ Status Rail::init(int index, const fi_info* info, const EngineConfig& config) {
     initiator_copies_single_rma_ = std::string_view(info_->fabric_attr->prov_name) == "shm";
     join_bytes_ = initiator_copies_single_rma_ ? UINT64_MAX : uint64_t{16} << 10;
 
-    signal_buf_ = std::make_unique<uint8_t[]>(64);
+    if (!signal_buf_) signal_buf_ = std::make_shared<uint8_t[]>(64);
     FERRY_ASSIGN_OR_RETURN(signal_mr_,
                            register_mr(signal_buf_.get(), 64, FI_REMOTE_WRITE | FI_WRITE));
     signal_key_ = fi_mr_key(signal_mr_);

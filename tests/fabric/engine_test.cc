@@ -153,6 +153,39 @@ TEST_P(EngineTest, LargeWritesSplitAcrossRailsCountEveryPiece) {
     expect_all_ok(results);
 }
 
+// Signals (immediates without bytes) rotate over the rails, and each rail's arrive: the
+// peer's address gives one signal buffer that every rail registered. (With a buffer per rail,
+// shm refused every signal but rail 0's and the target never counted them.)
+TEST_P(EngineTest, SignalsArriveOnEveryRail) {
+    constexpr int kRails = 3;
+    constexpr uint32_t kSignals = 3 * kRails;
+    constexpr uint32_t kImm = 0x5167;
+    auto results = run_processes(
+        2,
+        [&](Exchange& ex) -> std::string {
+            EngineConfig c = config();
+            c.num_rails = kRails;
+            CHILD_ASSIGN_OK(MeshNode n, make_mesh_node(ex, c, 4096, kPoison));
+            if (ex.rank() == 1) {
+                for (uint32_t i = 0; i < kSignals; ++i)
+                    CHILD_CHECK_OK(n.engine->signal(n.peer[0], kImm).wait(kWait));
+            } else {
+                CHILD_CHECK_OK(n.engine->wait_imm(kImm, kSignals, kWait));
+                const std::vector<EngineStats> per_rail = n.engine->rail_stats();
+                CHILD_CHECK(per_rail.size() == kRails);
+                for (int r = 0; r < kRails; ++r) {
+                    CHILD_CHECK_MSG(per_rail[r].imm_arrivals == kSignals / kRails,
+                                    "rail {}: {} signals arrived of {}", r,
+                                    per_rail[r].imm_arrivals, kSignals / kRails);
+                }
+            }
+            CHILD_CHECK_OK(ex.allgather({}).status());
+            return "";
+        },
+        kRunTimeout);
+    expect_all_ok(results);
+}
+
 // Paged writes, adjacent pages coalesced into runs and up to rma_iovs runs joined into one
 // fabric operation (one iovec each): every page lands where its id says, nothing else is
 // touched, and the immediates the target counts are the operations the initiator reported.
