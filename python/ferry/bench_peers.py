@@ -65,6 +65,8 @@ CONFIGS = {
     "ferry-tcp": ("ferry", "tcp"),
     "ferry-shm-iov1": ("ferry", "shm-iov1"),
     "ferry-tcp-iov1": ("ferry", "tcp-iov1"),
+    "ferry-shm-rails4": ("ferry", "shm-rails4"),
+    "ferry-tcp-rails4": ("ferry", "tcp-rails4"),
     "nixl-ucx-sm": ("nixl", "sm"),
     "nixl-ucx-tcp": ("nixl", "tcp"),
     "nixl-libfabric": ("nixl", "libfabric"),
@@ -86,13 +88,19 @@ CUDA_PATTERNS = ("bw", "kv")
 # answer (FerryAdapter).
 # "shm-iov1", "tcp-iov1": ferry with rma_iovs=1, one fabric operation per run of pages (as
 # before 2026-12-07), to measure what joining up to 4 runs per operation does, in one run.
+# "shm-rails4", "tcp-rails4": ferry with 4 rails (4 endpoints, each with its worker thread; on
+# tcp 4 connections to the peer): writes above stripe_threshold (1 MiB) are split over them, as
+# UCX's tcp spreads a large put over its lanes, and a paged write's operations rotate over them,
+# so that on a host with cores to spare 4 workers on each side copy at once.
 PAIRINGS = {"shm": ("ferry-shm", ["nixl-ucx-sm", "nixl-libfabric"]),
             "tcp": ("ferry-tcp", ["nixl-ucx-tcp", "mooncake-tcp", "uccl-p2p"]),
             "shm-cma": ("ferry-shm-cma", ["nixl-ucx-sm", "nixl-libfabric"]),
             "shm-cma-wait": ("ferry-shm-cma-wait", ["nixl-ucx-sm", "nixl-libfabric"]),
             "cuda": ("ferry-cuda", ["nixl-ucx-cuda"]),
             "shm-iov1": ("ferry-shm-iov1", ["nixl-ucx-sm"]),
-            "tcp-iov1": ("ferry-tcp-iov1", ["nixl-ucx-tcp"])}
+            "tcp-iov1": ("ferry-tcp-iov1", ["nixl-ucx-tcp"]),
+            "shm-rails4": ("ferry-shm-rails4", ["nixl-ucx-sm"]),
+            "tcp-rails4": ("ferry-tcp-rails4", ["nixl-ucx-tcp", "mooncake-tcp"])}
 DEFAULT_TRANSPORTS = ["shm", "tcp"]
 PEERS = {"nixl": ("nixl", "pip install nixl-cu12==1.5.1 nixl-cu13==1.5.1 nixl==1.5.1 --no-deps"),
          "mooncake": ("mooncake.engine",
@@ -188,12 +196,13 @@ class FerryAdapter(Adapter):
         self._ferry = ferry
         cma = transport.startswith("shm-cma")
         rma_iovs = 1 if transport.endswith("-iov1") else 4
-        transport = transport.removesuffix("-iov1")
+        rails = 4 if transport.endswith("-rails4") else 1
+        transport = transport.removesuffix("-iov1").removesuffix("-rails4")
         # cuda: GPU regions of two processes of this host are written through CUDA IPC
         # whatever the provider; shm carries the immediates and the answer.
         provider = "shm" if cma or transport == "cuda" else transport
         self.engine = ferry.TransferEngine(provider, same_host=True, op_timeout=TIMEOUT,
-                                           cma_writes=cma, rma_iovs=rma_iovs)
+                                           cma_writes=cma, rma_iovs=rma_iovs, rails=rails)
         # shm-cma-wait: once the first transfer copied by CMA showed its bytes copied by
         # process_vm_writev (stats' cma_bytes grew in the call, so they were in the target's
         # memory when it returned), later such transfers end at Op.wait, without the target's
@@ -1078,6 +1087,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     default=DEFAULT_TRANSPORTS,
                     help="ferry's transports (default: shm,tcp; shm-cma: shm with cma_writes; "
                     "shm-iov1, tcp-iov1: one fabric operation per run (rma_iovs=1); "
+                    "shm-rails4, tcp-rails4: 4 rails, large writes striped and pages rotated "
+                    "over them; "
                     "cuda: GPU memory on cuda:0, both processes on it, bw and kv only)")
     ap.add_argument("--patterns", type=_choice_list(["bw", "lat", "rate", "kv"], "pattern"),
                     default=["bw", "lat", "rate", "kv"])

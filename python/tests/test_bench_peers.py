@@ -30,7 +30,8 @@ def _config_or_skip(config: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["ferry-tcp", "ferry-shm", "ferry-shm-cma",
-                                        "ferry-shm-cma-wait", "nixl-ucx-sm", "nixl-ucx-tcp",
+                                        "ferry-shm-cma-wait", "ferry-shm-rails4",
+                                        "ferry-tcp-rails4", "nixl-ucx-sm", "nixl-ucx-tcp",
                                         "mooncake-tcp", "ferry-cuda", "nixl-ucx-cuda"])
 def pair(request):
     p = bp.Pair(_config_or_skip(request.param))
